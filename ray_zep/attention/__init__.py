@@ -1,0 +1,1 @@
+"""Varlen attention kernels and packed-sequence metadata."""

@@ -1,0 +1,165 @@
+"""Variable-length attention kernels returning the output and the log-sum-exp.
+
+Shapes (T tokens of a packed batch, H query heads, K key/value heads, E head dim):
+    q_THE, k_TKE, v_TKE -> out_THE, lse_HT (float32)
+
+Both kernels follow flash-attn's varlen conventions so callers never care which
+one ran: queries and keys of a sequence may differ in length (ring attention
+feeds a query block against a key block), and `causal` aligns the mask to the
+bottom-right corner (query i of a block of Sq sees key j iff j <= i + Sk - Sq).
+A query row that sees no key gets out = 0 and lse = -inf.
+
+- `flash`: flash-attn's varlen kernel, for CUDA tensors in fp16/bf16.
+- `torch`: a reference in plain torch ops that accumulates in fp32; runs
+  anywhere and is differentiable through autograd.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+
+from ray_zep.attention.varlen import PackedSeqs
+from ray_zep.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("auto", "torch", "flash")
+
+AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@functools.cache
+def flash_attn_available() -> bool:
+    """Whether flash-attn's varlen kernel can be imported."""
+    try:
+        from flash_attn import flash_attn_varlen_func  # noqa: F401
+    except Exception:  # ImportError, or a CUDA/ABI mismatch raised at import
+        return False
+    return True
+
+
+def torch_varlen_attention(
+    q_THE: torch.Tensor,
+    k_TKE: torch.Tensor,
+    v_TKE: torch.Tensor,
+    seqs_q: PackedSeqs,
+    seqs_k: PackedSeqs | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference varlen attention in torch, fp32 accumulation.
+
+    Args:
+        q_THE: queries of all sequences, packed.
+        k_TKE, v_TKE: keys and values with their own head count K (H % K == 0).
+        seqs_q: boundaries of the query sequences.
+        seqs_k: boundaries of the key sequences (defaults to seqs_q).
+        causal: bottom-right aligned causal mask.
+        softmax_scale: defaults to 1/sqrt(E).
+
+    Returns:
+        out_THE in q's dtype and lse_HT in float32.
+    """
+    seqs_k = seqs_k or seqs_q
+    if seqs_q.num_seqs != seqs_k.num_seqs:
+        raise ValueError(f"{seqs_q.num_seqs} query sequences but {seqs_k.num_seqs} key sequences")
+    heads, kv_heads = q_THE.shape[1], k_TKE.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THE.shape[-1])
+    outs, lses = [], []
+    for qo, sq, ko, sk in zip(
+        seqs_q.offsets, seqs_q.lengths, seqs_k.offsets, seqs_k.lengths, strict=True
+    ):
+        q_HSE = q_THE[qo : qo + sq].transpose(0, 1).float()
+        k_HSE = k_TKE[ko : ko + sk].transpose(0, 1).float().repeat_interleave(heads // kv_heads, 0)
+        v_HSE = v_TKE[ko : ko + sk].transpose(0, 1).float().repeat_interleave(heads // kv_heads, 0)
+        scores = torch.matmul(q_HSE, k_HSE.transpose(1, 2)) * scale
+        if causal:
+            out, lse = _masked_softmax_matmul(scores, v_HSE, sq, sk)
+        else:
+            lse = torch.logsumexp(scores, dim=-1)
+            out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v_HSE)
+        outs.append(out.transpose(0, 1).to(q_THE.dtype))
+        lses.append(lse)
+    if not outs:
+        return q_THE.new_zeros(q_THE.shape), q_THE.new_zeros((heads, 0), dtype=torch.float32)
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def _masked_softmax_matmul(
+    scores: torch.Tensor, v_HSE: torch.Tensor, sq: int, sk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = torch.arange(sq, device=scores.device).unsqueeze(1)
+    cols = torch.arange(sk, device=scores.device).unsqueeze(0)
+    visible = cols <= rows + (sk - sq)
+    has_key = visible.any(dim=1)
+    # Rows with no visible key would give exp(-inf - -inf) = nan in forward and
+    # in backward; compute them on zeros and mask the results instead.
+    safe = scores.masked_fill(~visible, float("-inf")).masked_fill(~has_key.unsqueeze(1), 0.0)
+    lse = torch.logsumexp(safe, dim=-1)
+    probs = torch.exp(safe - lse.unsqueeze(-1)) * visible
+    out = torch.matmul(probs, v_HSE)
+    lse = lse.masked_fill(~has_key, float("-inf"))
+    return out, lse
+
+
+def flash_varlen_attention(
+    q_THE: torch.Tensor,
+    k_TKE: torch.Tensor,
+    v_TKE: torch.Tensor,
+    seqs_q: PackedSeqs,
+    seqs_k: PackedSeqs | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash-attn's varlen kernel behind the same interface as the reference."""
+    from flash_attn import flash_attn_varlen_func
+
+    seqs_k = seqs_k or seqs_q
+    out, lse, _ = flash_attn_varlen_func(
+        q_THE,
+        k_TKE,
+        v_TKE,
+        seqs_q.cu_seqlens,
+        seqs_k.cu_seqlens,
+        seqs_q.max_seqlen,
+        seqs_k.max_seqlen,
+        dropout_p=0.0,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        return_attn_probs=True,
+    )
+    return out, lse
+
+
+def select_kernel(name: str, device: torch.device, dtype: torch.dtype) -> AttentionFn:
+    """The kernel to use for `model.attention_kernel` on this device and dtype.
+
+    `auto` takes flash-attn when it is importable, the device is CUDA and the
+    compute dtype is fp16/bf16, else the torch reference; the choice is logged.
+
+    Raises:
+        ConfigError: unknown name, or `flash` where flash-attn cannot run.
+    """
+    if name not in KERNELS:
+        raise ConfigError(
+            f"config key model.attention_kernel={name!r}: expected auto | torch | flash"
+        )
+    flash_ok = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    if name == "flash" and not (flash_ok and flash_attn_available()):
+        raise ConfigError(
+            "config key model.attention_kernel='flash': flash-attn needs a CUDA device, "
+            "fp16/bf16 compute and the flash-attn package (pip install 'ray-zep[gpu]')"
+        )
+    use_flash = name == "flash" or (name == "auto" and flash_ok and flash_attn_available())
+    log.info(
+        "attention kernel: %s (device %s, %s)",
+        "flash" if use_flash else "torch",
+        device.type,
+        dtype,
+    )
+    return flash_varlen_attention if use_flash else torch_varlen_attention

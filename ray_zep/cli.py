@@ -1,0 +1,141 @@
+"""The `ray-zep` command line.
+
+    ray-zep train CONFIG [key=value ...]     train (starts a local Ray unless one is given)
+    ray-zep config CONFIG [key=value ...]    print the resolved config
+    ray-zep topology [CONFIG] [key=value ...] [--probe]
+                                             print the topology (or probe this GPU node)
+    ray-zep data build INPUT ... --out FILE  tokenize text/JSONL into a Parquet dataset
+    ray-zep data stats SOURCE                documents, tokens and length percentiles
+
+Errors on bad input are one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from ray_zep.config import config_to_yaml, load_config
+from ray_zep.errors import ZepError
+from ray_zep.logs import setup_logging
+
+EXIT_BAD_INPUT = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    setup_logging(None)
+    try:
+        return args.handler(args)
+    except ZepError as exc:
+        print(f"ray-zep: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ray-zep", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="train a model")
+    _config_args(train)
+    train.set_defaults(handler=_train)
+
+    config = commands.add_parser("config", help="print the resolved config")
+    _config_args(config)
+    config.set_defaults(handler=_config)
+
+    topology = commands.add_parser("topology", help="print the topology of a config")
+    topology.add_argument("config", nargs="?", help="YAML config (defaults if omitted)")
+    topology.add_argument("overrides", nargs="*", help="key=value overrides")
+    topology.add_argument(
+        "--probe", action="store_true", help="probe this GPU node with nvidia-smi and sysfs instead"
+    )
+    topology.set_defaults(handler=_topology)
+
+    data = commands.add_parser("data", help="build or inspect datasets")
+    data_commands = data.add_subparsers(dest="data_command", required=True)
+    build = data_commands.add_parser("build", help="tokenize text/JSONL into Parquet")
+    build.add_argument("inputs", nargs="+", help="text or JSONL files, or folders of them")
+    build.add_argument("--out", required=True, help="output Parquet file")
+    build.add_argument("--tokenizer", help="tokenizer.json (default: UTF-8 bytes, vocab 256)")
+    build.add_argument("--text-key", default="text", help="JSONL field holding the text")
+    build.set_defaults(handler=_data_build)
+    stats = data_commands.add_parser("stats", help="summarise a dataset")
+    stats.add_argument("source", help="Parquet file/folder or 'stdlib'")
+    stats.set_defaults(handler=_data_stats)
+    return parser
+
+
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config, e.g. conf/demo.yaml")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=5")
+
+
+def _train(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    from workers.driver import train  # the only command that needs Ray
+
+    summary = train(config)
+    if summary.final_loss is not None:
+        print(
+            f"trained steps {summary.first_step + 1}..{summary.last_step}: loss "
+            f"{summary.first_loss:.4f} -> {summary.final_loss:.4f}, "
+            f"{summary.tokens_per_second / 1e3:.1f}k tokens/s; run dir {summary.run_dir}"
+        )
+    else:
+        print(f"nothing to train: {summary.run_dir} is already at step {summary.last_step}")
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    print(config_to_yaml(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def _topology(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    if args.probe:
+        from ray_zep.topology_probe import probe_local_node
+
+        print(probe_local_node(config.topology.nodes).describe())
+    else:
+        from ray_zep.topology import build_topology
+
+        print(build_topology(config.topology).describe())
+    return 0
+
+
+def _data_build(args: argparse.Namespace) -> int:
+    from ray_zep.data.builder import build_dataset
+    from ray_zep.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    stats = build_dataset(args.inputs, args.out, tokenizer, text_key=args.text_key)
+    print(
+        f"wrote {stats.documents} documents, {stats.tokens} tokens (longest {stats.max_length},"
+        f" vocab {tokenizer.vocab_size}) to {stats.path}"
+    )
+    return 0
+
+
+def _data_stats(args: argparse.Namespace) -> int:
+    from ray_zep.data.builder import stdlib_dataset
+    from ray_zep.data.catalog import STDLIB
+    from ray_zep.data.source import ParquetSource
+
+    source = ParquetSource(stdlib_dataset() if args.source == STDLIB else args.source)
+    lengths = source.lengths
+    pct = np.percentile(lengths, [10, 50, 90, 99]).astype(int)
+    print(
+        f"{source.name}: {len(lengths)} documents, {int(lengths.sum())} tokens; length "
+        f"p10 {pct[0]} p50 {pct[1]} p90 {pct[2]} p99 {pct[3]} max {int(lengths.max())}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

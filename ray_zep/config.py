@@ -1,0 +1,408 @@
+"""Run configuration: typed dataclasses are the schema.
+
+Values come from a YAML file and CLI dotlist overrides (`train.steps=5`), merged
+over the dataclass defaults with omegaconf in struct mode, so an unknown key or a
+value of the wrong type is an error that names the key. Each dataclass checks its
+own ranges in `__post_init__`; `Config.__post_init__` checks rules that span
+sections.
+
+Public contract (other tools and users rely on these keys): `train.steps`,
+`train.seed`, `train.out_dir`, `train.tokens_per_rank`, `parallel.strategy`,
+`topology.preset`, `topology.nodes`, `topology.gpus_per_node`, `model.preset`,
+`data.source`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from ray_zep import constants
+from ray_zep.errors import ConfigError
+
+
+class Strategy(Enum):
+    """How a global batch is spread over the ranks."""
+
+    SINGLE = "single"
+    """One process trains on the whole global batch: the reference."""
+    DP = "dp"
+    """Whole sequences per rank, gradients all-reduced."""
+
+
+class Packing(Enum):
+    """How documents are admitted into a global batch."""
+
+    BUDGET = "budget"
+    """Add documents while the batch holds at most nodes x GPUs x L tokens."""
+    RANK = "rank"
+    """First-fit into one bin of L tokens per rank; a document never spans ranks."""
+
+
+class Overlong(Enum):
+    """What to do with a document longer than the longest sequence a batch takes."""
+
+    SPLIT = "split"
+    DROP = "drop"
+    ERROR = "error"
+
+
+class ResumeMode(Enum):
+    AUTO = "auto"
+    """Resume from the newest complete checkpoint in `train.out_dir` if there is one."""
+    NEVER = "never"
+    """Start from scratch; refuse to run if `train.out_dir` holds checkpoints."""
+
+
+class Device(Enum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class Precision(Enum):
+    AUTO = "auto"
+    """fp32 on CPU, bf16 autocast on GPU."""
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+def _require(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key {key}={value!r}: {rule}")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    """Number of optimizer steps of the whole run (a resumed run continues up to it)."""
+    seed: int = 0
+    """Seeds model initialisation and data order."""
+    out_dir: str = "runs/demo"
+    """Run directory: resolved config, metrics.jsonl, checkpoints. Shared by all nodes."""
+    tokens_per_rank: int = 1024
+    """L, the token capacity of one GPU per step; a global batch holds nodes x GPUs x L."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr x min_lr_ratio on the last step."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every k steps; 0 saves only at the end of the run."""
+    resume: ResumeMode = ResumeMode.AUTO
+    device: Device = Device.AUTO
+    precision: Precision = Precision.AUTO
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
+        _require(
+            self.tokens_per_rank >= 2, "train.tokens_per_rank", self.tokens_per_rank, "must be >= 2"
+        )
+        _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
+        _require(
+            0 <= self.min_lr_ratio <= 1,
+            "train.min_lr_ratio",
+            self.min_lr_ratio,
+            "must be in [0, 1]",
+        )
+        _require(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "must be >= 0")
+        _require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
+        for key in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, key)
+            _require(0 <= value < 1, f"train.{key}", value, "must be in [0, 1)")
+        _require(self.adam_eps > 0, "train.adam_eps", self.adam_eps, "must be > 0")
+        _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0")
+        _require(
+            self.checkpoint_every >= 0,
+            "train.checkpoint_every",
+            self.checkpoint_every,
+            "must be >= 0",
+        )
+        _require(bool(self.out_dir), "train.out_dir", self.out_dir, "must not be empty")
+
+
+@dataclass
+class ParallelConfig:
+    strategy: Strategy = Strategy.DP
+    """single | dp."""
+
+
+@dataclass
+class TopologyConfig:
+    preset: str = "virtual"
+    """virtual (sizes below) or a named cluster: cluster_a, cluster_b, cluster_c."""
+    nodes: int = 1
+    """Number of nodes."""
+    gpus_per_node: int | None = None
+    """GPUs per node; presets fix it (8), virtual defaults to 1."""
+    nics_per_node: int | None = None
+    """Inter-node NICs per node; defaults to the preset's, or one per GPU."""
+    intra_node_gbytes_per_s: float | None = None
+    """Per-GPU intra-node bandwidth, GB/s each way."""
+    nic_gbits_per_s: float | None = None
+    """Per-NIC inter-node bandwidth, Gb/s each way."""
+    intra_node_latency_us: float | None = None
+    inter_node_latency_us: float | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.nodes >= 1, "topology.nodes", self.nodes, "must be >= 1")
+        for key in ("gpus_per_node", "nics_per_node"):
+            value = getattr(self, key)
+            _require(value is None or value >= 1, f"topology.{key}", value, "must be >= 1")
+        for key in ("intra_node_gbytes_per_s", "nic_gbits_per_s"):
+            value = getattr(self, key)
+            _require(value is None or value > 0, f"topology.{key}", value, "must be > 0")
+        for key in ("intra_node_latency_us", "inter_node_latency_us"):
+            value = getattr(self, key)
+            _require(value is None or value >= 0, f"topology.{key}", value, "must be >= 0")
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    """tiny (CPU demo) or a paper shape: 3b, 7b, 13b, 30b."""
+    vocab_size: int | None = None
+    """Override the preset's vocabulary size (likewise the fields below)."""
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    rope_theta: float | None = None
+    attention_kernel: str = "auto"
+    """auto (flash-attn on GPU when installed, else torch) | torch | flash."""
+
+    def overrides(self) -> dict[str, Any]:
+        """The shape fields set explicitly, by name."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("preset", "attention_kernel") and getattr(self, f.name) is not None
+        }
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    """stdlib (built-in text), synthetic:arxiv|github|prolong64k, or a Parquet file/folder."""
+    packing: Packing = Packing.RANK
+    """rank | budget (parallel.strategy=dp needs rank)."""
+    overlong: Overlong = Overlong.SPLIT
+    """split | drop | error, for documents longer than data.max_doc_tokens."""
+    max_doc_tokens: int | None = None
+    """Longest sequence in a batch; defaults to L under rank packing, nodes x GPUs x L otherwise."""
+    shuffle: bool = True
+    """Visit documents in a seeded random order, new each epoch."""
+    length_scale: float = 1.0
+    """Multiply synthetic lengths by this (e.g. 1/64 to run paper distributions on a CPU)."""
+    prefetch: int = 2
+    """Steps of shards the data actor prepares ahead."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.source), "data.source", self.source, "must not be empty")
+        _require(
+            self.max_doc_tokens is None or self.max_doc_tokens >= 1,
+            "data.max_doc_tokens",
+            self.max_doc_tokens,
+            "must be >= 1",
+        )
+        _require(self.length_scale > 0, "data.length_scale", self.length_scale, "must be > 0")
+        _require(self.prefetch >= 1, "data.prefetch", self.prefetch, "must be >= 1")
+
+
+@dataclass
+class CommConfig:
+    init_timeout_s: float = constants.DEFAULT_INIT_TIMEOUT_S
+    """Rendezvous and worker-group start."""
+    timeout_s: float = constants.DEFAULT_COLLECTIVE_TIMEOUT_S
+    """Every collective and every shard fetch in steady state."""
+
+    def __post_init__(self) -> None:
+        for key in ("init_timeout_s", "timeout_s"):
+            value = getattr(self, key)
+            _require(value > 0, f"comm.{key}", value, "must be > 0")
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None
+    """Cluster to join; unset means RAY_ADDRESS, or a new local Ray."""
+    num_cpus: int | None = None
+    """CPUs of a new local Ray; defaults to enough for every worker and actor."""
+    object_store_mb: int = 512
+    """Object store of a new local Ray, MiB."""
+    num_workers: int | None = None
+    """Training workers; defaults to topology nodes x GPUs (1 for strategy single)."""
+    max_failures: int = 0
+    """Times Ray Train restarts a failed worker group (from the last checkpoint)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.num_cpus is None or self.num_cpus >= 1,
+            "ray.num_cpus",
+            self.num_cpus,
+            "must be >= 1",
+        )
+        _require(
+            self.object_store_mb >= 64, "ray.object_store_mb", self.object_store_mb, "must be >= 64"
+        )
+        _require(
+            self.num_workers is None or self.num_workers >= 1,
+            "ray.num_workers",
+            self.num_workers,
+            "must be >= 1",
+        )
+        _require(
+            self.max_failures >= -1,
+            "ray.max_failures",
+            self.max_failures,
+            "must be >= 0, or -1 for unlimited",
+        )
+
+
+@dataclass
+class MetricsConfig:
+    port: int = constants.DEFAULT_METRICS_PORT
+    """Prometheus endpoint of the driver; 0 picks a free port, -1 turns it off."""
+    progress: bool = True
+    """Show a progress bar with tokens/s and loss."""
+
+    def __post_init__(self) -> None:
+        _require(-1 <= self.port <= 65535, "metrics.port", self.port, "must be -1, 0 or a port")
+
+
+@dataclass
+class Config:
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        if self.parallel.strategy is Strategy.DP and self.data.packing is not Packing.RANK:
+            raise ConfigError(
+                "config key data.packing='budget': parallel.strategy=dp keeps each sequence "
+                "on one rank and needs data.packing=rank"
+            )
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Merge the defaults, a YAML file and `key=value` overrides into a Config.
+
+    Args:
+        path: YAML file, or None for the defaults alone.
+        overrides: CLI dotlist items such as `train.steps=5`.
+
+    Returns:
+        The validated Config.
+
+    Raises:
+        ConfigError: the file is missing or not YAML, an override is malformed,
+            a key is unknown, a value has the wrong type or is out of range.
+    """
+    layers = [OmegaConf.structured(Config)]
+    if path is not None:
+        layers.append(_load_yaml(Path(path)))
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. train.steps=5")
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except ConfigKeyError as exc:
+        raise ConfigError(f"unknown config key '{exc.full_key}'{_suggestion(exc)}") from None
+    except OmegaConfBaseException as exc:
+        key = str(getattr(exc, "full_key", "?"))
+        detail = str(getattr(exc, "msg", exc)).splitlines()[0]
+        field_type = _schema_type(key.split("."))
+        if isinstance(field_type, type) and issubclass(field_type, Enum):
+            allowed = " | ".join(member.value for member in field_type)
+            detail = f"{detail.split(',')[0]}, expected {allowed}"
+        raise ConfigError(f"config key {key}: {detail}") from None
+
+
+def _load_yaml(path: Path) -> Any:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        content = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0]
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {first}") from None
+    if content is None:
+        content = {}
+    if not isinstance(content, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    return OmegaConf.create(content)
+
+
+def _schema_type(parts: list[str]) -> Any:
+    """The declared type at a dotted key path of the schema, or None if unknown."""
+    schema: Any = Config
+    for part in parts:
+        if not dataclasses.is_dataclass(schema):
+            return None
+        hints = typing.get_type_hints(schema)
+        if part not in hints:
+            return None
+        schema = hints[part]
+    return schema
+
+
+def _suggestion(exc: ConfigKeyError) -> str:
+    parts = str(exc.full_key).split(".")
+    section = _schema_type(parts[:-1])
+    if not dataclasses.is_dataclass(section):
+        return ""
+    known = ", ".join(f.name for f in dataclasses.fields(section))
+    return f"; {'.'.join(parts[:-1]) or 'the top level'} takes: {known}"
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    """The config as plain data (enums by value), to write out or ship to workers."""
+
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return value.value if isinstance(value, Enum) else value
+
+    return plain(config)
+
+
+def config_to_yaml(config: Config) -> str:
+    """The config as YAML, loadable by `load_config`."""
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False)
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Inverse of `config_to_dict`."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), data))  # type: ignore
+
+
+def write_resolved_config(config: Config, run_dir: Path) -> Path:
+    """Write the resolved config into the run directory and return its path."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / constants.RESOLVED_CONFIG_FILE_NAME
+    out.write_text(config_to_yaml(config))
+    return out

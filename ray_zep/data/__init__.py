@@ -1,0 +1,1 @@
+"""Token datasets, batching and per-rank shards."""

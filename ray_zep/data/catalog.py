@@ -1,0 +1,30 @@
+"""Resolve `data.source` to a validated token source."""
+
+from __future__ import annotations
+
+from ray_zep.data.builder import stdlib_dataset
+from ray_zep.data.source import ParquetSource, TokenSource
+from ray_zep.data.synthetic import SyntheticSource
+
+STDLIB = "stdlib"
+SYNTHETIC_PREFIX = "synthetic:"
+
+
+def open_source(spec: str, vocab_size: int, seed: int, length_scale: float = 1.0) -> TokenSource:
+    """Open the source that `data.source` names and check it against the vocabulary.
+
+    Args:
+        spec: `stdlib`, `synthetic:<arxiv|github|prolong64k>`, or a Parquet path.
+        vocab_size: the model's vocabulary size; every token id must be below it.
+        seed: seed of synthetic documents.
+        length_scale: multiplier of synthetic lengths.
+
+    Raises:
+        DataError subclasses naming the path or key to fix; ConfigError for an
+        unknown synthetic distribution.
+    """
+    if spec.startswith(SYNTHETIC_PREFIX):
+        return SyntheticSource(spec[len(SYNTHETIC_PREFIX) :], vocab_size, seed, length_scale)
+    source = ParquetSource(stdlib_dataset() if spec == STDLIB else spec)
+    source.check_vocab(vocab_size)
+    return source

@@ -1,0 +1,95 @@
+"""The process group a rank trains in, passed explicitly to everything that communicates.
+
+`Comm` ties a torch.distributed group to the Topology it emulates or runs on
+and checks that the two agree: strategy `single` runs one process (the topology
+then only sizes the global batch), every other strategy one process per GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ray_zep.config import Strategy
+from ray_zep.errors import TopologyError
+from ray_zep.topology import Topology
+
+
+@dataclass(frozen=True)
+class Comm:
+    """A rank's view of the job.
+
+    Attributes:
+        topology: the cluster layout (virtual or real).
+        rank: this process's rank in `group`.
+        world_size: processes in `group`.
+        group: the process group, or None when the job is a single process.
+        timeout_s: steady-state timeout of every collective.
+    """
+
+    topology: Topology
+    rank: int
+    world_size: int
+    group: dist.ProcessGroup | None
+    timeout_s: float
+
+    @classmethod
+    def create(
+        cls,
+        topology: Topology,
+        strategy: Strategy,
+        timeout_s: float,
+        group: dist.ProcessGroup | None = None,
+    ) -> Comm:
+        """Bind the default (or given) process group to the topology.
+
+        Raises:
+            TopologyError: the number of processes does not match what the
+                strategy needs on this topology.
+        """
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        world = dist.get_world_size(group) if group is not None else 1
+        rank = dist.get_rank(group) if group is not None else 0
+        expected = 1 if strategy is Strategy.SINGLE else topology.world_size
+        if world != expected:
+            raise TopologyError(
+                f"parallel.strategy={strategy.value} needs {expected} process(es) "
+                f"(topology.nodes={topology.nodes} x topology.gpus_per_node="
+                f"{topology.gpus_per_node} = {topology.world_size} GPUs), but {world} are "
+                "running; fix the topology or ray.num_workers"
+            )
+        return cls(topology, rank, world, group if world > 1 else None, timeout_s)
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.timeout_s)
+
+
+def init_process_group(
+    backend: str,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    init_timeout_s: float,
+    timeout_s: float,
+) -> None:
+    """Create the default process group outside Ray (tests, torchrun-style launches).
+
+    Rendezvous waits at most `init_timeout_s`; afterwards every collective of the
+    group times out after `timeout_s`.
+    """
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=max(init_timeout_s, timeout_s)),
+    )

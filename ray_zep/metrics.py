@@ -1,0 +1,97 @@
+"""Every metric ray_zep exports, named in one place.
+
+Prometheus conventions: `ray_zep_` prefix, base units (seconds, bytes),
+counters end in `_total`, labels have few values. The driver serves these with
+prometheus-client (`workers/metrics_export.py`); dashboards may only query
+names listed here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Kind(Enum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    """Exposed name (counters include `_total`)."""
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+TOKENS = MetricSpec("ray_zep_tokens_total", Kind.COUNTER, "Tokens trained on, all ranks.")
+STEPS = MetricSpec("ray_zep_steps_total", Kind.COUNTER, "Optimizer steps finished by this driver.")
+STEP = MetricSpec("ray_zep_step", Kind.GAUGE, "Number of the last finished step.")
+TOKENS_PER_SECOND = MetricSpec(
+    "ray_zep_tokens_per_second", Kind.GAUGE, "Tokens per second of the last step, all ranks."
+)
+STEP_SECONDS = MetricSpec("ray_zep_step_seconds", Kind.GAUGE, "Wall time of the last step.")
+STEP_DURATION = MetricSpec(
+    "ray_zep_step_duration_seconds", Kind.HISTOGRAM, "Distribution of step wall times."
+)
+DATA_WAIT_SECONDS = MetricSpec(
+    "ray_zep_data_wait_seconds", Kind.GAUGE, "Time rank 0 waited for its shard in the last step."
+)
+LOSS = MetricSpec("ray_zep_loss", Kind.GAUGE, "Mean token cross-entropy of the last step.")
+LEARNING_RATE = MetricSpec("ray_zep_learning_rate", Kind.GAUGE, "Learning rate of the last step.")
+GRAD_NORM = MetricSpec("ray_zep_grad_norm", Kind.GAUGE, "Global gradient norm before clipping.")
+COMM_BYTES = MetricSpec(
+    "ray_zep_communication_bytes_total",
+    Kind.COUNTER,
+    "Bytes moved between ranks, by link kind.",
+    ("link",),
+)
+RANK_TOKEN_IMBALANCE = MetricSpec(
+    "ray_zep_rank_token_imbalance",
+    Kind.GAUGE,
+    "Max over mean of per-rank tokens in the last step (1 = even).",
+)
+CHECKPOINTS = MetricSpec("ray_zep_checkpoints_total", Kind.COUNTER, "Checkpoints written.")
+CHECKPOINT_STEP = MetricSpec(
+    "ray_zep_checkpoint_step", Kind.GAUGE, "Step of the newest checkpoint."
+)
+
+ALL_METRICS: tuple[MetricSpec, ...] = (
+    TOKENS,
+    STEPS,
+    STEP,
+    TOKENS_PER_SECOND,
+    STEP_SECONDS,
+    STEP_DURATION,
+    DATA_WAIT_SECONDS,
+    LOSS,
+    LEARNING_RATE,
+    GRAD_NORM,
+    COMM_BYTES,
+    RANK_TOKEN_IMBALANCE,
+    CHECKPOINTS,
+    CHECKPOINT_STEP,
+)
+
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+
+
+def create_metrics(registry: CollectorRegistry) -> dict[str, Counter | Gauge | Histogram]:
+    """Instantiate every metric on `registry`, keyed by exposed name."""
+    made: dict[str, Counter | Gauge | Histogram] = {}
+    for spec in ALL_METRICS:
+        if spec.kind is Kind.COUNTER:
+            base = spec.name.removesuffix("_total")
+            made[spec.name] = Counter(base, spec.help, spec.labels, registry=registry)
+        elif spec.kind is Kind.GAUGE:
+            made[spec.name] = Gauge(spec.name, spec.help, spec.labels, registry=registry)
+        else:
+            made[spec.name] = Histogram(
+                spec.name, spec.help, spec.labels, registry=registry, buckets=STEP_BUCKETS
+            )
+    return made

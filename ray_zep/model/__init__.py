@@ -1,0 +1,1 @@
+"""LLaMA-style decoder and model shapes."""

@@ -1,0 +1,166 @@
+"""LLaMA-style decoder over packed variable-length batches.
+
+RMSNorm, rotary position embeddings computed from per-token position ids (which
+restart at every document), grouped-query attention and SwiGLU. Documents never
+attend to each other: attention runs per sequence through a varlen kernel.
+
+The model is plain PyTorch and runs in one process as is; parallelising it is
+done outside, by the strategy.
+
+Shape legend: T tokens of the packed batch, D model dim, H query heads,
+K key/value heads, E head dim, F feed-forward dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ray_zep.attention.kernels import AttentionFn, torch_varlen_attention
+from ray_zep.attention.varlen import PackedSeqs
+from ray_zep.model.shapes import ModelShape
+
+INIT_STD = 0.02
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        x = x_TD.float()
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x_TD) * self.weight
+
+
+def rope_tables(
+    positions_T: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (T, E/2) for the given positions, in float32."""
+    inv_freq = 1.0 / (
+        theta
+        ** (torch.arange(0, head_dim, 2, device=positions_T.device, dtype=torch.float32) / head_dim)
+    )
+    angles = positions_T.float().unsqueeze(1) * inv_freq.unsqueeze(0)
+    return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rope(x_THE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs (x[2i], x[2i+1]) by the position's angle."""
+    x = x_THE.float().unflatten(-1, (-1, 2))
+    x0, x1 = x[..., 0], x[..., 1]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotated = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+    return rotated.flatten(-2).type_as(x_THE)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = shape.n_heads, shape.n_kv_heads
+        self.head_dim = shape.head_dim
+        self.wq = nn.Linear(shape.dim, shape.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(shape.dim, shape.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(shape.dim, shape.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(shape.n_heads * self.head_dim, shape.dim, bias=False)
+
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        seqs: PackedSeqs,
+        attention: AttentionFn,
+    ) -> torch.Tensor:
+        tokens = x_TD.shape[0]
+        q_THE = apply_rope(self.wq(x_TD).view(tokens, self.n_heads, self.head_dim), *rope)
+        k_TKE = apply_rope(self.wk(x_TD).view(tokens, self.n_kv_heads, self.head_dim), *rope)
+        v_TKE = self.wv(x_TD).view(tokens, self.n_kv_heads, self.head_dim)
+        out_THE, _ = attention(q_THE, k_TKE, v_TKE, seqs, causal=True)
+        return self.wo(out_THE.reshape(tokens, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(shape.dim, shape.ffn_dim, bias=False)
+        self.w3 = nn.Linear(shape.dim, shape.ffn_dim, bias=False)
+        self.w2 = nn.Linear(shape.ffn_dim, shape.dim, bias=False)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_TD)) * self.w3(x_TD))
+
+
+class Block(nn.Module):
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(shape.dim, shape.norm_eps)
+        self.attention = Attention(shape)
+        self.ffn_norm = RMSNorm(shape.dim, shape.norm_eps)
+        self.feed_forward = FeedForward(shape)
+
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        seqs: PackedSeqs,
+        attention: AttentionFn,
+    ) -> torch.Tensor:
+        h_TD = x_TD + self.attention(self.attention_norm(x_TD), rope, seqs, attention)
+        return h_TD + self.feed_forward(self.ffn_norm(h_TD))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LLaMA-style language model.
+
+    Args:
+        shape: model dimensions.
+        attention: varlen attention kernel (defaults to the torch reference).
+    """
+
+    def __init__(self, shape: ModelShape, attention: AttentionFn = torch_varlen_attention) -> None:
+        super().__init__()
+        self.shape = shape
+        self.attention_fn = attention
+        self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
+        self.layers = nn.ModuleList(Block(shape) for _ in range(shape.n_layers))
+        self.norm = RMSNorm(shape.dim, shape.norm_eps)
+        self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
+
+    def init_weights(self, generator: torch.Generator) -> None:
+        """Normal(0, 0.02) weights, output projections scaled by 1/sqrt(2 x layers).
+
+        Drawn from `generator` in parameter order, so every layer differs and
+        every rank that uses the same seed builds the same model.
+        """
+        residual_std = INIT_STD / math.sqrt(2 * self.shape.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(param)
+            else:
+                std = residual_std if name.endswith(("wo.weight", "w2.weight")) else INIT_STD
+                with torch.no_grad():
+                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+    def forward(
+        self, tokens_T: torch.Tensor, positions_T: torch.Tensor, seqs: PackedSeqs
+    ) -> torch.Tensor:
+        """Logits of the next token at every position.
+
+        Args:
+            tokens_T: int64 token ids of the packed batch.
+            positions_T: position of each token inside its own sequence.
+            seqs: sequence boundaries (sum of lengths == T).
+
+        Returns:
+            logits_TV.
+        """
+        rope = rope_tables(positions_T, self.shape.head_dim, self.shape.rope_theta)
+        h_TD = self.tok_embeddings(tokens_T)
+        for layer in self.layers:
+            h_TD = layer(h_TD, rope, seqs, self.attention_fn)
+        return self.output(self.norm(h_TD))

@@ -1,0 +1,1 @@
+"""Per-rank training step, optimizer, checkpoints and loop."""

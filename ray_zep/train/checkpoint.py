@@ -1,0 +1,177 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP).
+
+A checkpoint of step k (k steps done) lives in
+`<train.out_dir>/checkpoints/step_<k>/` and holds, through DCP: the model, the
+optimizer state, every rank's RNG state, the step and the data cursor. After
+every rank has written its part, rank 0 writes a `COMPLETE` marker; a folder
+without it is an interrupted save and is ignored. The newest complete
+checkpoint is what a restarted run resumes from.
+
+Replicated tensors (data parallelism) are written once by DCP's planner; the
+data cursor can be read without a process group (`read_progress`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ray_zep import constants
+from ray_zep.errors import CheckpointError
+from ray_zep.mesh import Comm
+
+log = logging.getLogger(__name__)
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where training stands: steps done and the data cursor after them."""
+
+    step: int
+    cursor: dict[str, int]
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / constants.CHECKPOINT_DIR_NAME
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return checkpoint_root(run_dir) / f"step_{step:08d}"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint under `run_dir`, or None."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return None
+    steps = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := STEP_DIR.match(p.name)) and (p / constants.CHECKPOINT_COMPLETE_MARKER).is_file()
+    ]
+    return max(steps)[1] if steps else None
+
+
+def save_checkpoint(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    progress: Progress,
+    comm: Comm,
+) -> None:
+    """Write a checkpoint collectively (every rank calls it)."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {
+        "model": model_state,
+        "optim": optim_state,
+        "progress": _progress_state(progress),
+        "rng": {f"rank{comm.rank}": _rng_state()},
+    }
+    with _quiet_single_process():
+        dcp.save(
+            state, checkpoint_id=str(path), process_group=comm.group, no_dist=not comm.distributed
+        )
+    if comm.distributed:
+        dist.barrier(group=comm.group)
+    if comm.rank == 0:
+        marker = {"step": progress.step, "world_size": comm.world_size}
+        (path / constants.CHECKPOINT_COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
+        log.info("saved checkpoint of step %d to %s", progress.step, path)
+
+
+def load_checkpoint(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Comm
+) -> Progress:
+    """Load a checkpoint into the model and optimizer collectively; return its progress.
+
+    Raises:
+        CheckpointError: the checkpoint is incomplete or was saved by a
+            different number of ranks.
+    """
+    marker = _read_marker(path)
+    if marker.get("world_size") != comm.world_size:
+        raise CheckpointError(
+            f"checkpoint {path} was saved by {marker.get('world_size')} rank(s) but this run has "
+            f"{comm.world_size}; resume with the same topology or start a new train.out_dir"
+        )
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {
+        "model": model_state,
+        "optim": optim_state,
+        "progress": _progress_state(Progress(0, {})),
+        "rng": {f"rank{comm.rank}": _rng_state()},
+    }
+    with _quiet_single_process():
+        dcp.load(
+            state, checkpoint_id=str(path), process_group=comm.group, no_dist=not comm.distributed
+        )
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    _set_rng_state(state["rng"][f"rank{comm.rank}"])
+    return _progress_from_state(state["progress"])
+
+
+def read_progress(path: Path) -> Progress:
+    """Step and data cursor of a checkpoint, read without a process group."""
+    _read_marker(path)
+    state = {"progress": _progress_state(Progress(0, {}))}
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return _progress_from_state(state["progress"])
+
+
+def _progress_state(progress: Progress) -> dict[str, Any]:
+    # The cursor travels as one JSON string so the state's structure is the
+    # same whatever keys the cursor has (DCP matches saved and loaded keys).
+    return {"step": progress.step, "cursor": json.dumps(progress.cursor, sort_keys=True)}
+
+
+def _progress_from_state(state: dict[str, Any]) -> Progress:
+    return Progress(int(state["step"]), json.loads(state["cursor"]))
+
+
+def _read_marker(path: Path) -> dict[str, Any]:
+    marker = path / constants.CHECKPOINT_COMPLETE_MARKER
+    if not marker.is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete (no {marker.name} marker)")
+    try:
+        return json.loads(marker.read_text())
+    except json.JSONDecodeError:
+        raise CheckpointError(f"checkpoint marker {marker} is not valid JSON") from None
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # DCP warns that it "assumes" a single process even when no_dist says so.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _rng_state() -> torch.Tensor:
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return torch.cat(states)
+
+
+def _set_rng_state(state: torch.Tensor) -> None:
+    cpu_size = torch.get_rng_state().numel()
+    torch.set_rng_state(state[:cpu_size].clone())
+    if state.numel() > cpu_size:
+        torch.cuda.set_rng_state(state[cpu_size:].clone())

@@ -1,0 +1,104 @@
+"""The per-rank training loop, independent of how processes were launched.
+
+Ray workers and plain torch.distributed tests both run `run_rank`: it picks
+the checkpoint to resume from on rank 0 and broadcasts the choice (every rank
+loads the same one), asks the data side to start right after it, then trains,
+checkpoints and reports.
+
+Events passed to `report` (rank 0 only), all plain dicts:
+    {"event": "start", "step": k}          training resumes after step k (0: fresh)
+    {"event": "step", **StepStats}          one finished step
+    {"event": "checkpoint", "step": k, "path": ...}
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ray_zep.config import Config, ResumeMode
+from ray_zep.data.shards import RankShard
+from ray_zep.errors import CheckpointError
+from ray_zep.mesh import Comm
+from ray_zep.train import checkpoint
+from ray_zep.train.trainer import RankTrainer
+
+log = logging.getLogger(__name__)
+
+FetchShard = Callable[[int], RankShard]
+"""Returns this rank's shard of the given step (0-based)."""
+StartData = Callable[[checkpoint.Progress], None]
+"""Positions this rank's data source right after the given progress (every rank calls it
+before the first step; a source shared by all ranks acts on rank 0's call)."""
+Report = Callable[[dict], None]
+
+
+def run_rank(
+    config: Config,
+    comm: Comm,
+    device: torch.device,
+    run_dir: Path,
+    fetch_shard: FetchShard,
+    start_data: StartData | None = None,
+    report: Report | None = None,
+) -> RankTrainer:
+    """Train this rank up to `train.steps`, resuming if a checkpoint exists.
+
+    Returns:
+        The trainer after the last step (tests inspect its parameters).
+    """
+    trainer = RankTrainer(config, comm, device)
+    resume_from = _agree_on_checkpoint(run_dir, config.train.resume, comm)
+    progress = trainer.load(resume_from) if resume_from else checkpoint.Progress(0, {})
+    if start_data is not None:
+        start_data(progress)
+    if report and comm.rank == 0:
+        report({"event": "start", "step": progress.step})
+    if comm.distributed:
+        dist.barrier(group=comm.group)
+    every = config.train.checkpoint_every
+    for step in range(progress.step, config.train.steps):
+        started = time.perf_counter()
+        shard = fetch_shard(step)
+        fetched = time.perf_counter()
+        stats = trainer.train_step(shard)
+        stats.step_seconds = time.perf_counter() - started
+        if report and comm.rank == 0:
+            report({"event": "step", "data_seconds": fetched - started, **stats.to_dict()})
+        last = trainer.steps_done == config.train.steps
+        if last or (every and trainer.steps_done % every == 0):
+            path = trainer.save(run_dir, shard.cursor_after)
+            if report and comm.rank == 0:
+                report({"event": "checkpoint", "step": trainer.steps_done, "path": str(path)})
+    return trainer
+
+
+def _agree_on_checkpoint(run_dir: Path, resume: ResumeMode, comm: Comm) -> Path | None:
+    """Rank 0 picks the checkpoint (or the error) and every rank gets the same answer."""
+    choice: list[dict[str, str | None]] = [{}]
+    if comm.rank == 0:
+        found = checkpoint.latest_checkpoint(run_dir)
+        if found is not None and resume is ResumeMode.NEVER:
+            choice = [
+                {
+                    "error": (
+                        f"train.out_dir={str(run_dir)!r} already holds checkpoints and "
+                        "train.resume=never; choose a new train.out_dir or train.resume=auto"
+                    )
+                }
+            ]
+        else:
+            choice = [{"path": str(found) if found else None}]
+    if comm.distributed:
+        dist.broadcast_object_list(choice, src=0, group=comm.group)
+    if choice[0].get("error"):
+        raise CheckpointError(str(choice[0]["error"]))
+    path = choice[0].get("path")
+    if path:
+        log.info("resuming from %s", path)
+    return Path(path) if path else None

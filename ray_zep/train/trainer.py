@@ -1,0 +1,170 @@
+"""One rank's training state and step.
+
+The loss of a step is the sum of token cross-entropies on this rank divided by
+the number of label tokens of the *global* batch, so summing gradients over
+ranks gives exactly the gradient of the global mean loss that `single`
+computes in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ray_zep.attention.kernels import select_kernel
+from ray_zep.attention.varlen import PackedSeqs
+from ray_zep.config import Config, Device, Precision
+from ray_zep.constants import IGNORE_INDEX
+from ray_zep.data.shards import RankShard
+from ray_zep.errors import ConfigError
+from ray_zep.mesh import Comm
+from ray_zep.model.llama import Transformer
+from ray_zep.model.shapes import build_shape
+from ray_zep.topology import LinkKind
+from ray_zep.train import checkpoint
+from ray_zep.train.comms import all_reduce_gradients_, all_reduce_sum_, ring_all_reduce_link_bytes
+from ray_zep.train.optim import build_optimizer, lr_at, set_lr
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """What one step did, as the rank-0 worker reports it (whole-job totals)."""
+
+    step: int
+    """1-based number of the step just finished."""
+    loss: float
+    tokens: int
+    label_tokens: int
+    grad_norm: float
+    lr: float
+    step_seconds: float
+    rank_tokens: list[int]
+    comm_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes moved per link kind (`intra_node`, `inter_node`) by the whole job."""
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def resolve_device(device: Device) -> torch.device:
+    """`train.device` on this process: auto picks CUDA when it is available."""
+    if device is Device.CPU or (device is Device.AUTO and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("config key train.device=cuda: no CUDA device is visible to this process")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def resolve_dtype(precision: Precision, device: torch.device) -> torch.dtype:
+    """Compute dtype: fp32 on CPU, bf16 autocast on GPU unless `train.precision` says otherwise."""
+    if precision is Precision.FP32 or (precision is Precision.AUTO and device.type == "cpu"):
+        return torch.float32
+    if device.type == "cpu":
+        raise ConfigError(
+            "config key train.precision=bf16: bf16 autocast is for GPU runs; use fp32"
+        )
+    return torch.bfloat16
+
+
+class RankTrainer:
+    """Model, optimizer and step of one rank.
+
+    Args:
+        config: the run's config.
+        comm: this rank's process group and topology.
+        device: compute device of this rank.
+    """
+
+    def __init__(self, config: Config, comm: Comm, device: torch.device) -> None:
+        self.config = config
+        self.comm = comm
+        self.device = device
+        self.dtype = resolve_dtype(config.train.precision, device)
+        shape = build_shape(config.model)
+        kernel = select_kernel(config.model.attention_kernel, device, self.dtype)
+        self.model = Transformer(shape, kernel)
+        self.model.init_weights(torch.Generator().manual_seed(config.train.seed))
+        self.model.to(device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, config.train)
+        self.steps_done = 0
+
+    def train_step(self, shard: RankShard) -> StepStats:
+        """Forward, backward, gradient sync, clip and update on this rank's shard."""
+        started = time.perf_counter()
+        lr = lr_at(self.steps_done, self.config.train)
+        set_lr(self.optimizer, lr)
+        loss_sum, grad_bytes = self.compute_gradients(shard)
+        grad_norm = self._clip()
+        self.optimizer.step()
+        self.steps_done += 1
+        totals = torch.tensor([loss_sum], dtype=torch.float64)
+        all_reduce_sum_(totals, self.comm, "the step loss")
+        links = ring_all_reduce_link_bytes(grad_bytes, self.comm.topology, self.comm.world_size)
+        return StepStats(
+            step=self.steps_done,
+            loss=float(totals[0]) / max(1, shard.global_label_tokens),
+            tokens=shard.global_tokens,
+            label_tokens=shard.global_label_tokens,
+            grad_norm=grad_norm,
+            lr=lr,
+            step_seconds=time.perf_counter() - started,
+            rank_tokens=list(shard.rank_tokens),
+            comm_bytes={kind.value: links[kind] for kind in LinkKind},
+        )
+
+    def compute_gradients(self, shard: RankShard) -> tuple[float, int]:
+        """Gradients of the global mean loss, summed over ranks, in `.grad`.
+
+        Returns:
+            This rank's sum of token losses, and the bytes all-reduced.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = self._forward_backward(shard)
+        return loss_sum, all_reduce_gradients_(self.params, self.comm)
+
+    def _forward_backward(self, shard: RankShard) -> float:
+        # Shards arrive read-only from the object store; astype copies them.
+        tokens = torch.from_numpy(shard.tokens.astype(np.int64)).to(self.device)
+        positions = torch.from_numpy(shard.positions()).to(self.device)
+        labels = torch.from_numpy(shard.labels()).to(self.device)
+        seqs = PackedSeqs.from_lengths(shard.lengths, self.device)
+        with torch.autocast(
+            self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32
+        ):
+            logits_TV = self.model(tokens, positions, seqs)
+        token_losses = F.cross_entropy(
+            logits_TV.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        (token_losses / max(1, shard.global_label_tokens)).backward()
+        return float(token_losses.detach())
+
+    def _clip(self) -> float:
+        max_norm = self.config.train.grad_clip or float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+
+    def save(self, run_dir: Path, cursor: dict[str, int]) -> Path:
+        """Checkpoint the state after `steps_done` steps (collective)."""
+        path = checkpoint.checkpoint_path(run_dir, self.steps_done)
+        checkpoint.save_checkpoint(
+            path,
+            self.model,
+            self.optimizer,
+            checkpoint.Progress(self.steps_done, cursor),
+            self.comm,
+        )
+        return path
+
+    def load(self, path: Path) -> checkpoint.Progress:
+        """Restore a checkpoint (collective); training continues after its step."""
+        progress = checkpoint.load_checkpoint(path, self.model, self.optimizer, self.comm)
+        self.steps_done = progress.step
+        return progress

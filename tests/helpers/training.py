@@ -1,0 +1,105 @@
+"""Train one rank of a job with plain torch.distributed (no Ray), for the dist tests.
+
+Every rank builds the same batch stream from the config (the role the data
+actor plays under Ray), positioned by the checkpoint it resumed from, and
+trains through the library's `run_rank`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ray_zep.config import Config, Strategy, load_config
+from ray_zep.data.batching import BatchStream, Cursor, GlobalBatch
+from ray_zep.data.catalog import open_source
+from ray_zep.data.shards import shard_batch
+from ray_zep.mesh import Comm
+from ray_zep.model.shapes import build_shape
+from ray_zep.topology import Topology, build_topology
+from ray_zep.train.checkpoint import Progress
+from ray_zep.train.loop import run_rank
+
+TIMEOUT_S = 60.0
+
+SMALL_RUN = [
+    "model.preset=tiny",
+    "model.n_layers=2",
+    "train.tokens_per_rank=192",
+    "data.source=synthetic:arxiv",
+    "data.length_scale=0.02",
+    "metrics.progress=false",
+]
+"""A run small enough for several processes on two cores, with varied lengths."""
+
+
+def make_stream(config: Config, topology: Topology, progress: Progress) -> BatchStream:
+    shape = build_shape(config.model)
+    data = config.data
+    source = open_source(data.source, shape.vocab_size, config.train.seed, data.length_scale)
+    return BatchStream(
+        source,
+        world=topology.world_size,
+        tokens_per_rank=config.train.tokens_per_rank,
+        packing=data.packing,
+        max_doc_tokens=data.max_doc_tokens,
+        overlong=data.overlong,
+        seed=config.train.seed,
+        shuffle=data.shuffle,
+        cursor=Cursor.from_dict(progress.cursor) if progress.cursor else None,
+        start_index=progress.step,
+    )
+
+
+def train_rank(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
+    """Train this rank; return losses, final parameters and the samples of each step."""
+    config = load_config(None, overrides)
+    topology = build_topology(config.topology)
+    comm = Comm.create(topology, config.parallel.strategy, TIMEOUT_S)
+    ranks = 1 if config.parallel.strategy is Strategy.SINGLE else topology.world_size
+    state: dict[str, Any] = {"batches": {}}
+
+    def start_data(progress: Progress) -> None:
+        state["stream"] = make_stream(config, topology, progress)
+
+    def fetch(step: int):
+        batch = _batch(state, step)
+        return shard_batch(batch, config.parallel.strategy, ranks)[rank]
+
+    events: list[dict] = []
+    trainer = run_rank(
+        config,
+        comm,
+        torch.device("cpu"),
+        Path(config.train.out_dir),
+        fetch,
+        start_data,
+        events.append,
+    )
+    return {
+        "losses": {e["step"]: e["loss"] for e in events if e["event"] == "step"},
+        "params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+        "samples": {
+            s: [(p.doc, p.start, p.length) for p in b.pieces] for s, b in state["batches"].items()
+        },
+        "events": events,
+    }
+
+
+def _batch(state: dict[str, Any], step: int) -> GlobalBatch:
+    stream: BatchStream = state["stream"]
+    while stream.next_index <= step:
+        batch = stream.next_batch()
+        state["batches"][batch.index] = batch
+    return state["batches"][step]
+
+
+def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """Largest ||a - b|| / ||b|| over tensors, and the tensor's name."""
+    worst = (0.0, "")
+    for name, ref in b.items():
+        err = float((a[name] - ref).norm() / ref.norm().clamp_min(1e-30))
+        worst = max(worst, (err, name))
+    return worst

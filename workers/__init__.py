@@ -1,0 +1,1 @@
+"""The Ray layer of ray_zep: driver, data actor, training workers, metrics export."""

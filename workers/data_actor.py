@@ -1,0 +1,139 @@
+"""The data actor: builds every step's per-rank shards ahead of time.
+
+One actor per job reads the dataset, fills global batches to the token budget,
+places them on the ranks (the strategy's planner) and `ray.put`s each rank's
+shard into the object store `data.prefetch` steps ahead. Workers receive object
+references and read their shard straight from the store, so the actor never
+serialises a shard twice and the plan is made once, in one place.
+
+It is a threaded actor (`max_concurrency` > 1): a producer thread fills the
+buffer while worker calls wait on it. `start` rewinds it to a checkpoint's
+cursor; rank 0 calls it whenever training (re)starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import ray
+
+from ray_zep.config import Config, Strategy, config_from_dict
+from ray_zep.data.batching import BatchStream, Cursor
+from ray_zep.data.catalog import open_source
+from ray_zep.data.shards import shard_batch
+from ray_zep.errors import CommError
+from ray_zep.logs import setup_logging
+from ray_zep.model.shapes import build_shape
+from ray_zep.topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+class DataActor:
+    """Produces shards for steps [start, train.steps).
+
+    Args:
+        config: the run's config as plain data (`config_to_dict`).
+        topology: the run's topology as plain data (`Topology.to_dict`).
+    """
+
+    def __init__(self, config: dict[str, Any], topology: dict[str, Any]) -> None:
+        setup_logging(role="data")
+        self.config: Config = config_from_dict(config)
+        self.topology = Topology.from_dict(topology)
+        shape = build_shape(self.config.model)
+        data = self.config.data
+        self.source = open_source(
+            data.source, shape.vocab_size, self.config.train.seed, data.length_scale
+        )
+        self.num_ranks = (
+            1 if self.config.parallel.strategy is Strategy.SINGLE else self.topology.world_size
+        )
+        self._cond = threading.Condition()
+        self._ready: dict[int, list[ray.ObjectRef]] = {}
+        self._fetched: dict[int, set[int]] = {}
+        self._error: BaseException | None = None
+        self._generation = 0
+
+    def ready(self) -> bool:
+        return True
+
+    def start(self, step: int, cursor: dict[str, int] | None) -> None:
+        """Produce from batch `step` on, with the data cursor of the checkpoint before it."""
+        train, data = self.config.train, self.config.data
+        stream = BatchStream(
+            self.source,
+            world=self.topology.world_size,
+            tokens_per_rank=train.tokens_per_rank,
+            packing=data.packing,
+            max_doc_tokens=data.max_doc_tokens,
+            overlong=data.overlong,
+            seed=train.seed,
+            shuffle=data.shuffle,
+            cursor=Cursor.from_dict(cursor) if cursor else None,
+            start_index=step,
+        )
+        with self._cond:
+            self._generation += 1
+            self._ready.clear()
+            self._fetched.clear()
+            self._error = None
+            generation = self._generation
+            self._cond.notify_all()
+        threading.Thread(
+            target=self._produce,
+            args=(stream, generation),
+            daemon=True,
+            name=f"data-producer-{generation}",
+        ).start()
+        log.info("data stream starts at step %d (cursor %s)", step, cursor or "start")
+
+    def get_shard(self, step: int, rank: int, timeout_s: float) -> list[ray.ObjectRef]:
+        """Reference to rank `rank`'s shard of step `step` (in a list, so Ray passes the
+        reference itself rather than resolving it)."""
+        with self._cond:
+            arrived = self._cond.wait_for(
+                lambda: step in self._ready or self._error is not None, timeout=timeout_s
+            )
+            if self._error is not None:
+                raise self._error
+            if not arrived:
+                raise CommError(
+                    f"the data actor had no shard for step {step} after comm.timeout_s="
+                    f"{timeout_s:g}; the dataset may be too slow to read"
+                )
+            ref = self._ready[step][rank]
+            taken = self._fetched.setdefault(step, set())
+            taken.add(rank)
+            if len(taken) == self.num_ranks:
+                del self._ready[step]
+                del self._fetched[step]
+                self._cond.notify_all()
+            return [ref]
+
+    def _produce(self, stream: BatchStream, generation: int) -> None:
+        prefetch = self.config.data.prefetch
+        while stream.next_index < self.config.train.steps:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: len(self._ready) < prefetch or self._generation != generation
+                )
+                if self._generation != generation:
+                    return
+            try:
+                batch = stream.next_batch()
+                shards = shard_batch(batch, self.config.parallel.strategy, self.num_ranks)
+                refs = [ray.put(shard) for shard in shards]
+            except BaseException as exc:  # surfaced to the workers by get_shard
+                with self._cond:
+                    if self._generation == generation:
+                        self._error = exc
+                        self._cond.notify_all()
+                return
+            with self._cond:
+                if self._generation != generation:
+                    return
+                self._ready[batch.index] = refs
+                self._cond.notify_all()

@@ -1,0 +1,218 @@
+"""The driver of `ray-zep train`.
+
+It validates the run (before touching a cluster), joins the Ray cluster named
+by `ray.address` / RAY_ADDRESS (as under `ray job submit`) or starts a local
+one, starts the data actor, and runs the training workers through Ray Train's
+TorchTrainer, which places them, builds the process group (gloo on CPU, NCCL on
+GPU) and restarts them from the last checkpoint on failure
+(`ray.max_failures`). While training runs, rank 0's per-step events arrive on
+a Ray queue and feed the progress bar, the Prometheus endpoint and
+metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+from ray.util.queue import Empty, Queue
+
+from ray_zep.config import Config, Device, config_to_dict
+from ray_zep.errors import TopologyError, find_zep_error
+from ray_zep.train.setup import RunPlan, prepare_run
+from workers.data_actor import DataActor
+from workers.metrics_export import MetricsExporter
+from workers.progress import ProgressBar
+from workers.train_fn import train_loop
+
+log = logging.getLogger(__name__)
+
+WORKER_GROUP_START_TIMEOUT_ENV_VAR = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+EVENT_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What a finished run did."""
+
+    run_dir: Path
+    first_step: int
+    last_step: int
+    first_loss: float | None
+    final_loss: float | None
+    tokens: int
+    tokens_per_second: float
+    metrics_port: int | None
+
+
+def train(config: Config) -> RunSummary:
+    """Run training as `config` says and return its summary.
+
+    Raises:
+        ZepError subclasses (unwrapped from Ray's wrappers) for bad input,
+        lost peers and timeouts.
+    """
+    plan = prepare_run(config)
+    started_ray = _connect(plan.config, plan.num_workers)
+    try:
+        use_gpu = _use_gpu(plan.config, plan.num_workers)
+        exporter = MetricsExporter(plan.run_dir, plan.config.metrics.port)
+        try:
+            return _run(plan, use_gpu, exporter)
+        finally:
+            exporter.close()
+    except Exception as exc:
+        found = find_zep_error(exc)
+        if found is not None and found is not exc:
+            raise found from None
+        raise
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _run(plan: RunPlan, use_gpu: bool, exporter: MetricsExporter) -> RunSummary:
+    config = plan.config
+    config_data = config_to_dict(config)
+    data_actor = (
+        ray.remote(DataActor)
+        .options(
+            num_cpus=0,  # I/O-light; must never take a CPU slot a training worker needs
+            max_concurrency=plan.num_workers + 4,
+        )
+        .remote(config_data, plan.topology.to_dict())
+    )
+    ray.get(data_actor.ready.remote(), timeout=config.comm.init_timeout_s)
+    events = Queue(actor_options={"num_cpus": 0})
+    os.environ.setdefault(WORKER_GROUP_START_TIMEOUT_ENV_VAR, str(config.comm.init_timeout_s))
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={
+            "config": config_data,
+            "topology": plan.topology.to_dict(),
+            "data_actor": data_actor,
+            "events": events,
+            "use_gpu": use_gpu,
+        },
+        scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=use_gpu),
+        torch_config=TorchConfig(
+            backend="nccl" if use_gpu else "gloo",
+            timeout_s=int(max(config.comm.init_timeout_s, config.comm.timeout_s)),
+        ),
+        run_config=RunConfig(
+            name="ray_zep",
+            storage_path=str(plan.run_dir / "ray_train"),
+            failure_config=FailureConfig(max_failures=config.ray.max_failures),
+        ),
+    )
+    progress = ProgressBar(config.train.steps, enabled=config.metrics.progress)
+    watcher = _Watcher(exporter, progress)
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # re-raised in the driver's thread below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fit, name="ray-zep-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        watcher.drain(events, block=True)
+    watcher.drain(events, block=False)
+    ray.kill(data_actor)
+    if "error" in outcome:
+        raise outcome["error"]
+    return watcher.summary(plan.run_dir, exporter.port)
+
+
+class _Watcher:
+    """Turns rank 0's events into progress, metrics and a run summary."""
+
+    def __init__(self, exporter: MetricsExporter, progress: ProgressBar) -> None:
+        self.exporter = exporter
+        self.progress = progress
+        self.first_step = 0
+        self.last_step = 0
+        self.first_loss: float | None = None
+        self.final_loss: float | None = None
+
+    def drain(self, events: Queue, block: bool) -> None:
+        while True:
+            try:
+                event = events.get(block=block, timeout=EVENT_POLL_S if block else None)
+            except Empty:
+                return
+            self.handle(event)
+            block = False
+
+    def handle(self, event: dict[str, Any]) -> None:
+        kind = event["event"]
+        if kind == "start":
+            self.first_step = self.last_step = event["step"]
+            self.exporter.on_start(event["step"])
+            self.progress.start(event["step"])
+        elif kind == "step":
+            row = self.exporter.on_step(event)
+            self.progress.update(row)
+            self.last_step = row["step"]
+            self.final_loss = row["loss"]
+            if self.first_loss is None:
+                self.first_loss = row["loss"]
+        elif kind == "checkpoint":
+            self.exporter.on_checkpoint(event["step"])
+
+    def summary(self, run_dir: Path, port: int | None) -> RunSummary:
+        return RunSummary(
+            run_dir,
+            self.first_step,
+            self.last_step,
+            self.first_loss,
+            self.final_loss,
+            self.progress.tokens,
+            self.progress.average_tokens_per_second(),
+            port,
+        )
+
+
+def _connect(config: Config, num_workers: int) -> bool:
+    """Join or start Ray; True when this call started a local Ray."""
+    if ray.is_initialized():
+        return False
+    address = config.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return True
+    cpus = config.ray.num_cpus or max(num_workers + 2, os.cpu_count() or 1)
+    ray.init(
+        num_cpus=cpus,
+        object_store_memory=config.ray.object_store_mb * 1024 * 1024,
+        log_to_driver=True,
+    )
+    return True
+
+
+def _use_gpu(config: Config, num_workers: int) -> bool:
+    """Whether workers take a GPU each, checked against the cluster's resources."""
+    resources = ray.cluster_resources()
+    gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
+    device = config.train.device
+    use_gpu = device is Device.CUDA or (device is Device.AUTO and gpus > 0)
+    if use_gpu and gpus < num_workers:
+        raise TopologyError(
+            f"{num_workers} worker(s) need one GPU each but the Ray cluster has {gpus}; "
+            "shrink topology.nodes / topology.gpus_per_node or set train.device=cpu"
+        )
+    if not use_gpu and cpus < num_workers:
+        raise TopologyError(
+            f"{num_workers} worker(s) need one CPU each but the Ray cluster has {cpus}; "
+            "shrink the topology or raise ray.num_cpus"
+        )
+    return use_gpu

@@ -1,0 +1,106 @@
+"""The driver's metrics: a Prometheus endpoint and `<train.out_dir>/metrics.jsonl`.
+
+Both are fed from the events rank 0 sends after every step. metrics.jsonl gets
+one JSON object per step with at least `step`, `loss`, `tokens`,
+`step_seconds`; when a run resumes from step k, lines after step k (steps that
+will be trained again) are removed first, so the file always tells one history.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from ray_zep import metrics as m
+from ray_zep.constants import METRICS_FILE_NAME
+from ray_zep.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class MetricsExporter:
+    """Serves metrics on `port` (0: any free port, -1: off) and appends metrics.jsonl."""
+
+    def __init__(self, run_dir: Path, port: int) -> None:
+        self.registry = CollectorRegistry()
+        self.metrics = m.create_metrics(self.registry)
+        self.jsonl_path = run_dir / METRICS_FILE_NAME
+        self.port: int | None = None
+        self._server = None
+        if port >= 0:
+            try:
+                self._server, _ = start_http_server(port, addr="0.0.0.0", registry=self.registry)
+            except OSError as exc:
+                raise ConfigError(
+                    f"config key metrics.port={port}: cannot serve metrics ({exc.strerror}); "
+                    "choose a free port, 0 for any, or -1 to turn the endpoint off"
+                ) from None
+            self.port = self._server.server_port
+            log.info("Prometheus metrics on http://0.0.0.0:%d/metrics", self.port)
+
+    def on_start(self, step: int) -> None:
+        """Training (re)starts after `step`: drop jsonl lines of later steps."""
+        if not self.jsonl_path.exists():
+            return
+        kept = [
+            line
+            for line in self.jsonl_path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
+        self.jsonl_path.write_text("".join(line + "\n" for line in kept))
+
+    def on_step(self, event: dict[str, Any]) -> dict[str, Any]:
+        """Record one step; returns the row written to metrics.jsonl."""
+        seconds = max(event["step_seconds"], 1e-9)
+        rank_tokens = event["rank_tokens"]
+        mean = sum(rank_tokens) / max(1, len(rank_tokens))
+        row = {
+            "step": event["step"],
+            "loss": event["loss"],
+            "tokens": event["tokens"],
+            "label_tokens": event["label_tokens"],
+            "step_seconds": seconds,
+            "tokens_per_second": event["tokens"] / seconds,
+            "data_seconds": event["data_seconds"],
+            "lr": event["lr"],
+            "grad_norm": event["grad_norm"],
+            "rank_tokens": rank_tokens,
+            "rank_token_imbalance": max(rank_tokens) / mean if mean else 1.0,
+            "comm_bytes": event["comm_bytes"],
+            "time": time.time(),
+        }
+        self._update_prometheus(row)
+        with self.jsonl_path.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        return row
+
+    def on_checkpoint(self, step: int) -> None:
+        self.metrics[m.CHECKPOINTS.name].inc()
+        self.metrics[m.CHECKPOINT_STEP.name].set(step)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def _update_prometheus(self, row: dict[str, Any]) -> None:
+        get = self.metrics.__getitem__
+        get(m.TOKENS.name).inc(row["tokens"])
+        get(m.STEPS.name).inc()
+        get(m.STEP.name).set(row["step"])
+        get(m.TOKENS_PER_SECOND.name).set(row["tokens_per_second"])
+        get(m.STEP_SECONDS.name).set(row["step_seconds"])
+        get(m.STEP_DURATION.name).observe(row["step_seconds"])
+        get(m.DATA_WAIT_SECONDS.name).set(row["data_seconds"])
+        get(m.LOSS.name).set(row["loss"])
+        get(m.LEARNING_RATE.name).set(row["lr"])
+        get(m.GRAD_NORM.name).set(row["grad_norm"])
+        get(m.RANK_TOKEN_IMBALANCE.name).set(row["rank_token_imbalance"])
+        for link, nbytes in row["comm_bytes"].items():
+            get(m.COMM_BYTES.name).labels(link=link).inc(nbytes)

@@ -1,0 +1,70 @@
+"""The function every Ray Train worker runs.
+
+Ray Train (TorchTrainer) places the workers, creates the process group (gloo
+on CPU, NCCL on GPU) with the configured timeout and restarts the group on
+failure; this function binds that group to the topology and runs the library's
+rank loop, fetching shards from the data actor and sending events to the driver.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.train
+import ray.train.torch
+import torch
+
+from ray_zep.config import config_from_dict
+from ray_zep.data.shards import RankShard
+from ray_zep.errors import CommError
+from ray_zep.logs import setup_logging
+from ray_zep.mesh import Comm
+from ray_zep.topology import Topology
+from ray_zep.train.checkpoint import Progress
+from ray_zep.train.loop import run_rank
+
+EVENT_PUT_TIMEOUT_S = 30.0
+
+
+def train_loop(loop_config: dict[str, Any]) -> None:
+    """Entry point of a Ray Train worker.
+
+    Args:
+        loop_config: `config` and `topology` as plain data, the `data_actor`
+            handle, the driver's `events` queue and `use_gpu`.
+    """
+    config = config_from_dict(loop_config["config"])
+    topology = Topology.from_dict(loop_config["topology"])
+    rank = ray.train.get_context().get_world_rank()
+    setup_logging(rank)
+    comm = Comm.create(topology, config.parallel.strategy, config.comm.timeout_s)
+    device = ray.train.torch.get_device() if loop_config["use_gpu"] else torch.device("cpu")
+    data_actor = loop_config["data_actor"]
+    events = loop_config["events"]
+    timeout_s = config.comm.timeout_s
+
+    def fetch(step: int) -> RankShard:
+        return fetch_shard(data_actor, step, rank, timeout_s)
+
+    def start_data(progress: Progress) -> None:
+        if rank != 0:  # one data actor serves every rank
+            return
+        ray.get(data_actor.start.remote(progress.step, progress.cursor or None), timeout=timeout_s)
+
+    def report(event: dict) -> None:
+        events.put(event, timeout=EVENT_PUT_TIMEOUT_S)
+
+    run_rank(config, comm, device, Path(config.train.out_dir), fetch, start_data, report)
+
+
+def fetch_shard(data_actor: Any, step: int, rank: int, timeout_s: float) -> RankShard:
+    """This rank's shard of `step`, read from the object store."""
+    try:
+        (ref,) = ray.get(data_actor.get_shard.remote(step, rank, timeout_s), timeout=timeout_s + 10)
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise CommError(
+            f"rank {rank} got no shard for step {step} within comm.timeout_s={timeout_s:g}"
+        ) from None
