@@ -57,6 +57,7 @@ RANK_TOKEN_IMBALANCE = MetricSpec(
     "Max over mean of per-rank tokens in the last step (1 = even).",
 )
 CHECKPOINTS = MetricSpec("ray_zep_checkpoints_total", Kind.COUNTER, "Checkpoints written.")
+RANKS = MetricSpec("ray_zep_ranks", Kind.GAUGE, "Training processes (GPUs) of the job.")
 CHECKPOINT_STEP = MetricSpec(
     "ray_zep_checkpoint_step", Kind.GAUGE, "Step of the newest checkpoint."
 )
@@ -76,6 +77,7 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     RANK_TOKEN_IMBALANCE,
     CHECKPOINTS,
     CHECKPOINT_STEP,
+    RANKS,
 )
 
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)

@@ -64,6 +64,7 @@ def train(config: Config) -> RunSummary:
     try:
         use_gpu = _use_gpu(plan.config, plan.num_workers)
         exporter = MetricsExporter(plan.run_dir, plan.config.metrics.port)
+        exporter.set_ranks(plan.num_workers)
         try:
             return _run(plan, use_gpu, exporter)
         finally:

@@ -43,6 +43,9 @@ class MetricsExporter:
             self.port = self._server.server_port
             log.info("Prometheus metrics on http://0.0.0.0:%d/metrics", self.port)
 
+    def set_ranks(self, ranks: int) -> None:
+        self.metrics[m.RANKS.name].set(ranks)
+
     def on_start(self, step: int) -> None:
         """Training (re)starts after `step`: drop jsonl lines of later steps."""
         if not self.jsonl_path.exists():

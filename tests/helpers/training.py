@@ -103,3 +103,22 @@ def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
         err = float((a[name] - ref).norm() / ref.norm().clamp_min(1e-30))
         worst = max(worst, (err, name))
     return worst
+
+
+def checkpoint_params(path: Path, overrides: list[str]) -> dict[str, torch.Tensor]:
+    """Model parameters stored in a DCP checkpoint, read without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    from ray_zep.model.llama import Transformer
+
+    model = Transformer(build_shape(load_config(None, overrides).model))
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state["model"]
+
+
+def jsonl_losses(run_dir: Path) -> dict[int, float]:
+    import json
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {row["step"]: row["loss"] for row in map(json.loads, lines)}

@@ -1,0 +1,88 @@
+"""DCP checkpoints in one process: round trip, completeness, progress without a process group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ray_zep.attention.varlen import PackedSeqs
+from ray_zep.config import load_config
+from ray_zep.errors import CheckpointError
+from ray_zep.mesh import Comm
+from ray_zep.topology import build_topology
+from ray_zep.train import checkpoint
+from ray_zep.train.trainer import RankTrainer
+
+pytestmark = pytest.mark.unit
+
+
+def _trainer(seed: int) -> RankTrainer:
+    config = load_config(
+        None, ["parallel.strategy=single", "model.n_layers=1", f"train.seed={seed}"]
+    )
+    comm = Comm.create(build_topology(config.topology), config.parallel.strategy, 10.0)
+    return RankTrainer(config, comm, torch.device("cpu"))
+
+
+def _take_a_step(trainer: RankTrainer) -> None:
+    tokens = torch.arange(8)
+    logits = trainer.model(tokens, tokens, PackedSeqs.from_lengths([8]))
+    logits.square().mean().backward()
+    trainer.optimizer.step()
+    trainer.steps_done += 1
+
+
+def test_round_trip_restores_model_optimizer_rng_and_progress(tmp_path: Path) -> None:
+    saved = _trainer(seed=0)
+    _take_a_step(saved)
+    torch.manual_seed(123)
+    cursor = {"epoch": 1, "index": 7, "offset": 3}
+    path = saved.save(tmp_path, cursor)
+    rng_after_save = torch.rand(3)
+    assert path == checkpoint.checkpoint_path(tmp_path, 1)
+
+    restored = _trainer(seed=1)
+    assert not torch.equal(restored.model.output.weight, saved.model.output.weight)
+    progress = restored.load(path)
+    assert progress == checkpoint.Progress(1, cursor)
+    assert restored.steps_done == 1
+    for (name, a), b in zip(
+        saved.model.state_dict().items(), restored.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    state_a, state_b = saved.optimizer.state_dict(), restored.optimizer.state_dict()
+    for key in state_a["state"]:
+        for field in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state_a["state"][key][field], state_b["state"][key][field])
+    assert torch.equal(torch.rand(3), rng_after_save), "RNG state is part of the checkpoint"
+    assert checkpoint.read_progress(path) == progress
+
+
+def test_only_complete_checkpoints_count(tmp_path: Path) -> None:
+    trainer = _trainer(seed=0)
+    trainer.steps_done = 2
+    complete = trainer.save(tmp_path, {"epoch": 0, "index": 1, "offset": 0})
+    torn = checkpoint.checkpoint_path(tmp_path, 5)
+    torn.mkdir(parents=True)
+    assert checkpoint.latest_checkpoint(tmp_path) == complete
+    with pytest.raises(CheckpointError, match="is incomplete"):
+        checkpoint.read_progress(torn)
+    assert checkpoint.latest_checkpoint(tmp_path / "elsewhere") is None
+
+
+def test_world_size_mismatch_is_refused(tmp_path: Path) -> None:
+    trainer = _trainer(seed=0)
+    path = trainer.save(tmp_path, {})
+    (path / "COMPLETE").write_text('{"step": 0, "world_size": 4}\n')
+    with pytest.raises(CheckpointError, match=r"saved by 4 rank\(s\) but this run has 1"):
+        trainer.load(path)
+
+
+def test_topology_of_single_is_only_the_batch_size() -> None:
+    config = load_config(
+        None, ["parallel.strategy=single", "topology.nodes=2", "topology.gpus_per_node=4"]
+    )
+    comm = Comm.create(build_topology(config.topology), config.parallel.strategy, 10.0)
+    assert (comm.world_size, comm.distributed) == (1, False)

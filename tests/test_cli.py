@@ -1,0 +1,130 @@
+"""The command line: bad input is one typed line and exit status 2, before any cluster starts."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ray_zep.cli import main
+from ray_zep.data.builder import write_token_parquet
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = str(REPO / "conf" / "demo.yaml")
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _datasets(tmp: Path) -> dict[str, Path]:
+    paths = {
+        "ok": write_token_parquet([np.arange(50, dtype=np.int32)] * 4, tmp / "ok.parquet").path,
+        "long": write_token_parquet(
+            [np.arange(n, dtype=np.int32) % 256 for n in (10, 5000)], tmp / "long.parquet"
+        ).path,
+        "vocab": write_token_parquet(
+            [np.array([1, 2, 999], dtype=np.int32)], tmp / "vocab.parquet"
+        ).path,
+    }
+    paths["corrupt"] = tmp / "corrupt.parquet"
+    paths["corrupt"].write_bytes(b"definitely not parquet")
+    paths["empty"] = tmp / "empty.parquet"
+    pq.write_table(pa.table({"tokens": pa.array([[]], type=pa.list_(pa.int32()))}), paths["empty"])
+    return paths
+
+
+BAD_INPUT = [
+    (["train.stesp=3"], "unknown config key 'train.stesp'"),
+    (["train.steps=many"], "config key train.steps: Value 'many'"),
+    (["ray.num_workers=3"], "ray.num_workers=3: parallel.strategy=dp on topology.nodes=2"),
+    (["data.source={tmp}/nope.parquet"], "nope.parquet' does not exist"),
+    (["data.source={corrupt}"], "is not a readable Parquet file"),
+    (["data.source={empty}"], "holds no tokens"),
+    (["data.source={long}", "data.overlong=error"], "document 1 of .* has 5000 tokens"),
+    (["data.source={vocab}"], r"token id 999 in document 0 .* outside the model's vocabulary"),
+    (["topology.preset=cluster_a", "topology.gpus_per_node=2"], "contradicts"),
+    (["data.source=synthetic:books"], "synthetic:arxiv"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD_INPUT)
+def test_bad_input_is_one_line(tmp_path: Path, capsys, overrides: list[str], message: str) -> None:
+    paths = {k: str(v) for k, v in _datasets(tmp_path).items()}
+    filled = [o.format(tmp=tmp_path, **paths) for o in overrides]
+    code, _, err = _run(capsys, "train", DEMO, f"train.out_dir={tmp_path / 'run'}", *filled)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ray-zep: error: "), err
+    assert re.search(message, lines[0]), lines[0]
+
+
+def test_console_script_reports_without_traceback(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ray_zep.cli",
+            "train",
+            DEMO,
+            "data.source=/nowhere/x.parquet",
+            f"train.out_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().endswith(
+        "'/nowhere/x.parquet' does not exist; give a Parquet "
+        "file or folder, 'stdlib' or "
+        "'synthetic:<arxiv|github|prolong64k>'"
+    )
+
+
+def test_resume_refusals(tmp_path: Path, capsys) -> None:
+    ok = str(_datasets(tmp_path)["ok"])
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text(json.dumps({"step": 2, "world_size": 1}))
+    code, _, err = _run(
+        capsys, "train", DEMO, f"train.out_dir={run}", f"data.source={ok}", "train.resume=never"
+    )
+    assert code == 2 and "train.resume=never" in err
+    code, _, err = _run(capsys, "train", DEMO, f"train.out_dir={run}", f"data.source={ok}")
+    assert code == 2 and "saved by 1 rank(s) but this run has 4" in err
+
+
+def test_data_build_and_stats(tmp_path: Path, capsys) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("some text to learn from")
+    out = tmp_path / "notes.parquet"
+    code, stdout, _ = _run(capsys, "data", "build", str(text), "--out", str(out))
+    assert code == 0 and "wrote 1 documents, 23 tokens" in stdout
+    code, stdout, _ = _run(capsys, "data", "stats", str(out))
+    assert code == 0 and "1 documents, 23 tokens" in stdout
+    code, _, err = _run(capsys, "data", "build", str(tmp_path / "missing.txt"), "--out", str(out))
+    assert code == 2 and "does not exist" in err
+
+
+def test_config_and_topology_commands(capsys) -> None:
+    code, stdout, _ = _run(capsys, "config", DEMO, "train.steps=7")
+    assert code == 0 and "steps: 7" in stdout
+    code, stdout, _ = _run(
+        capsys, "topology", DEMO, "topology.preset=cluster_a", "topology.gpus_per_node=8"
+    )
+    assert code == 0 and "2 node(s) x 8 A800-80G = 16 ranks" in stdout
+    assert "NIC0<-GPU0,1" in stdout

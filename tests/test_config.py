@@ -1,0 +1,111 @@
+"""Config schema, merging, errors and the public key contract."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ray_zep.config import (
+    Config,
+    Packing,
+    Strategy,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+    write_resolved_config,
+)
+from ray_zep.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[1]
+PUBLIC_KEYS = [
+    "train.steps",
+    "train.seed",
+    "train.out_dir",
+    "train.tokens_per_rank",
+    "parallel.strategy",
+    "topology.preset",
+    "topology.nodes",
+    "topology.gpus_per_node",
+    "model.preset",
+    "data.source",
+]
+
+
+def test_defaults_are_valid_and_consistent() -> None:
+    config = load_config()
+    assert config == Config()
+    assert config.parallel.strategy is Strategy.DP
+    assert config.data.packing is Packing.RANK
+
+
+def test_yaml_then_overrides_merge_in_order(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  steps: 7\n  seed: 3\nparallel:\n  strategy: single\n")
+    config = load_config(path, ["train.steps=9", "topology.nodes=2"])
+    assert (config.train.steps, config.train.seed) == (9, 3)
+    assert config.parallel.strategy is Strategy.SINGLE
+    assert config.topology.nodes == 2
+
+
+@pytest.mark.parametrize("key", PUBLIC_KEYS)
+def test_public_contract_keys_exist(key: str) -> None:
+    section, name = key.split(".")
+    assert hasattr(getattr(Config(), section), name)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.stesp=3"], r"unknown config key 'train.stesp'; train takes: steps, seed"),
+        (["trian.steps=3"], r"unknown config key 'trian'; the top level takes: train"),
+        (["train.steps=three"], r"config key train.steps: Value 'three'.*Integer"),
+        (["train.steps=1.5"], r"config key train.steps: .*Integer"),
+        (["parallel.strategy=ring"], r"config key parallel.strategy: .*expected single \| dp"),
+        (["data.overlong=trim"], r"data.overlong: .*expected split \| drop \| error"),
+        (["train.steps=0"], r"train.steps=0: must be >= 1"),
+        (["train.tokens_per_rank=1"], r"train.tokens_per_rank=1: must be >= 2"),
+        (["topology.nodes=0"], r"topology.nodes=0: must be >= 1"),
+        (["data.packing=budget"], r"parallel.strategy=dp .* needs data.packing=rank"),
+        (["metrics.port=70000"], r"metrics.port=70000"),
+        (["train.steps"], r"override 'train.steps' must look like key=value"),
+    ],
+)
+def test_bad_config_is_a_one_line_error_naming_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(None, overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(broken)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(scalar)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("model:\n  layers: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'model\.layers'"):
+        load_config(unknown)
+
+
+def test_resolved_config_round_trips(tmp_path: Path) -> None:
+    config = load_config(REPO / "conf" / "demo.yaml", ["train.steps=5", "parallel.strategy=single"])
+    written = write_resolved_config(config, tmp_path / "run")
+    assert load_config(written) == config
+    assert config_from_dict(config_to_dict(config)) == config
+    assert "strategy: single" in written.read_text()
+
+
+def test_demo_config_is_the_documented_cpu_demo() -> None:
+    config = load_config(REPO / "conf" / "demo.yaml")
+    assert config.model.preset == "tiny"
+    assert config.topology.nodes * (config.topology.gpus_per_node or 1) == 4
+    assert config.data.source == "stdlib"

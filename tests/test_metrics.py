@@ -1,0 +1,117 @@
+"""Metric names, the Prometheus endpoint and metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ray_zep import metrics
+from ray_zep.config import TopologyConfig
+from ray_zep.errors import ConfigError
+from ray_zep.topology import LinkKind, build_topology
+from ray_zep.train.comms import ring_all_reduce_link_bytes
+from workers.metrics_export import MetricsExporter
+
+pytestmark = pytest.mark.unit
+
+UNITS = (
+    "_total",
+    "_seconds",
+    "_bytes_total",
+    "_per_second",
+    "_step",
+    "_loss",
+    "_rate",
+    "_norm",
+    "_imbalance",
+    "_ranks",
+)
+
+
+def _event(step: int, loss: float = 2.0) -> dict:
+    return {
+        "event": "step",
+        "step": step,
+        "loss": loss,
+        "tokens": 4000,
+        "label_tokens": 3990,
+        "step_seconds": 0.5,
+        "data_seconds": 0.01,
+        "lr": 1e-3,
+        "grad_norm": 0.7,
+        "rank_tokens": [1000, 900, 1100, 1000],
+        "comm_bytes": {"intra_node": 300, "inter_node": 100},
+    }
+
+
+@pytest.mark.parametrize("spec", metrics.ALL_METRICS, ids=lambda s: s.name)
+def test_metric_names_follow_prometheus_conventions(spec: metrics.MetricSpec) -> None:
+    assert re.fullmatch(r"ray_zep_[a-z_]+", spec.name)
+    assert spec.name.endswith(UNITS)
+    assert (spec.kind is metrics.Kind.COUNTER) == spec.name.endswith("_total")
+    assert spec.help.endswith(".")
+
+
+def test_exporter_serves_metrics_and_writes_jsonl(tmp_path: Path) -> None:
+    exporter = MetricsExporter(tmp_path, port=0)
+    try:
+        exporter.on_start(0)
+        row = exporter.on_step(_event(1))
+        exporter.on_step(_event(2, loss=1.5))
+        exporter.on_checkpoint(2)
+        body = (
+            urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
+    finally:
+        exporter.close()
+    assert row["tokens_per_second"] == pytest.approx(8000)
+    assert row["rank_token_imbalance"] == pytest.approx(1.1)
+    for spec in metrics.ALL_METRICS:
+        assert spec.name in body, f"{spec.name} is not exported"
+    assert "ray_zep_tokens_total 8000.0" in body
+    assert 'ray_zep_communication_bytes_total{link="inter_node"} 200.0' in body
+    assert "ray_zep_loss 1.5" in body
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    assert {"step", "loss", "tokens", "step_seconds"} <= set(lines[0])
+
+
+def test_resume_drops_jsonl_lines_after_the_checkpoint(tmp_path: Path) -> None:
+    exporter = MetricsExporter(tmp_path, port=-1)
+    for step in range(1, 6):
+        exporter.on_step(_event(step))
+    exporter.on_start(3)
+    exporter.on_step(_event(4, loss=9.0))
+    steps = [
+        json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == [1, 2, 3, 4]
+    assert exporter.port is None
+
+
+def test_busy_port_is_a_config_error(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        with pytest.raises(ConfigError, match=r"metrics\.port=\d+: cannot serve metrics"):
+            MetricsExporter(tmp_path, port=busy.getsockname()[1])
+
+
+def test_ring_all_reduce_volume_by_link_kind() -> None:
+    two_by_two = build_topology(TopologyConfig(nodes=2, gpus_per_node=2))
+    links = ring_all_reduce_link_bytes(1000, two_by_two, world=4)
+    # every rank sends 2 (N-1)/N x 1000 = 1500 bytes; 2 of the 4 ring links cross nodes
+    assert links == {LinkKind.INTRA_NODE: 3000, LinkKind.INTER_NODE: 3000}
+    one_node = build_topology(TopologyConfig(nodes=1, gpus_per_node=4))
+    assert ring_all_reduce_link_bytes(1000, one_node, 4)[LinkKind.INTER_NODE] == 0
+    assert ring_all_reduce_link_bytes(1000, one_node, 1) == {
+        LinkKind.INTRA_NODE: 0,
+        LinkKind.INTER_NODE: 0,
+    }
