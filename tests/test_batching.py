@@ -89,7 +89,9 @@ def test_rank_packing_first_fits_whole_sequences_into_bins() -> None:
 def test_overlong_policies() -> None:
     split = _stream([25, 3], max_doc=10, shuffle=False)
     assert _pieces([split.next_batch()]) == [(0, 0, 10), (0, 10, 10)]
-    assert _pieces([split.next_batch()]) == [(0, 20, 5), (1, 0, 3), (0, 0, 10)]
+    # the next epoch's first piece of doc 0 is cut to the 2 tokens left in the budget
+    assert _pieces([split.next_batch()]) == [(0, 20, 5), (1, 0, 3), (0, 0, 10), (0, 10, 2)]
+    assert _pieces([split.next_batch()])[0] == (0, 12, 10)
     drop = _stream([25, 3, 4], max_doc=10, overlong=Overlong.DROP, shuffle=False)
     batch = drop.next_batch()
     # 7 tokens survive per epoch, so a 20-token batch spans three epochs and drops doc 0 thrice
@@ -205,3 +207,15 @@ def test_parquet_stream_with_empty_rows(tmp_path: Path) -> None:
     pieces = _pieces(stream.next_batch() for _ in range(6))
     assert_each_token_once_per_epoch(pieces, dict(enumerate(source.lengths.tolist())))
     assert all(doc not in (1, 3) for doc, _, _ in pieces)
+
+
+@pytest.mark.parametrize("packing", [Packing.RANK, Packing.BUDGET])
+def test_split_documents_fill_batches_completely(packing: Packing) -> None:
+    stream = _stream([25, 3, 37, 1, 52], packing=packing, world=2, capacity=10, max_doc=10,
+                     shuffle=False)
+    for _ in range(8):
+        batch = stream.next_batch()
+        if packing is Packing.RANK:
+            assert [sum(batch.pieces[i].length for i in b) for b in batch.bins] == [10, 10]
+        else:
+            assert batch.total_tokens == 20

@@ -9,8 +9,11 @@ when longer. Pieces are admitted into the current batch in order:
 - `packing=rank`: first-fit into one bin of L tokens per rank; a piece that fits
   no bin closes the batch.
 
-The piece that closes a batch opens the next one, so nothing is skipped or
-repeated. The `Cursor` (epoch, position in the epoch's order, tokens of the
+A whole document (at most `max_doc_tokens`) that fits nowhere closes the
+batch and opens the next one. A document that is being split anyway
+(`overlong=split`) is cut where the batch runs out instead: its next piece takes
+the largest free space, so long documents never leave batches part empty.
+Either way nothing is skipped or repeated. The `Cursor` (epoch, position in the epoch's order, tokens of the
 current document already used) is all the state there is: a stream rebuilt
 from a saved cursor yields exactly the batches that would have followed.
 """
@@ -156,7 +159,10 @@ class BatchStream:
             piece = self._current_piece()
             slot = self._fit(loads, piece.length)
             if slot is None:
-                break
+                slot, room = self._roomiest(loads)
+                if room == 0 or self.source.length(piece.doc) <= self.max_doc:
+                    break  # a whole document waits for the next batch
+                piece = Piece(piece.doc, piece.start, room)
             loads[slot] += piece.length
             bins[slot].append(len(pieces))
             pieces.append(piece)
@@ -173,9 +179,17 @@ class BatchStream:
         self.next_index += 1
         return batch
 
+    @property
+    def _limit(self) -> int:
+        return self.capacity if self.packing is Packing.RANK else self.budget
+
     def _fit(self, loads: list[int], length: int) -> int | None:
-        limit = self.capacity if self.packing is Packing.RANK else self.budget
-        return next((i for i, load in enumerate(loads) if load + length <= limit), None)
+        return next((i for i, load in enumerate(loads) if load + length <= self._limit), None)
+
+    def _roomiest(self, loads: list[int]) -> tuple[int, int]:
+        """The slot with the most free tokens, and how many."""
+        slot = min(range(len(loads)), key=loads.__getitem__)
+        return slot, self._limit - loads[slot]
 
     def _current_piece(self) -> Piece:
         """The piece at the cursor, moving the cursor past empty and dropped documents."""
