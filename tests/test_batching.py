@@ -211,8 +211,9 @@ def test_parquet_stream_with_empty_rows(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("packing", [Packing.RANK, Packing.BUDGET])
 def test_split_documents_fill_batches_completely(packing: Packing) -> None:
-    stream = _stream([25, 3, 37, 1, 52], packing=packing, world=2, capacity=10, max_doc=10,
-                     shuffle=False)
+    stream = _stream(
+        [25, 3, 37, 1, 52], packing=packing, world=2, capacity=10, max_doc=10, shuffle=False
+    )
     for _ in range(8):
         batch = stream.next_batch()
         if packing is Packing.RANK:

@@ -6,16 +6,17 @@ order with `data.shuffle=false`). Each document is cut into pieces of at most
 when longer. Pieces are admitted into the current batch in order:
 
 - `packing=budget`: while the batch holds at most nodes x GPUs x L tokens;
-- `packing=rank`: first-fit into one bin of L tokens per rank; a piece that fits
-  no bin closes the batch.
+- `packing=rank`: first-fit into one bin of L tokens per rank.
 
 A whole document (at most `max_doc_tokens`) that fits nowhere closes the
 batch and opens the next one. A document that is being split anyway
 (`overlong=split`) is cut where the batch runs out instead: its next piece takes
 the largest free space, so long documents never leave batches part empty.
-Either way nothing is skipped or repeated. The `Cursor` (epoch, position in the epoch's order, tokens of the
-current document already used) is all the state there is: a stream rebuilt
-from a saved cursor yields exactly the batches that would have followed.
+Either way nothing is skipped or repeated.
+
+The `Cursor` (epoch, position in the epoch's order, tokens of the current
+document already used) is all the state there is: a stream rebuilt from a
+saved cursor yields exactly the batches that would have followed.
 """
 
 from __future__ import annotations
