@@ -17,6 +17,11 @@ from ray_zep.errors import TopologyError
 from ray_zep.topology import Topology
 
 
+def num_ranks(strategy: Strategy, topology: Topology) -> int:
+    """Processes a strategy runs on a topology: one for `single`, else one per GPU."""
+    return 1 if strategy is Strategy.SINGLE else topology.world_size
+
+
 @dataclass(frozen=True)
 class Comm:
     """A rank's view of the job.
@@ -53,7 +58,7 @@ class Comm:
             group = dist.group.WORLD
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
-        expected = 1 if strategy is Strategy.SINGLE else topology.world_size
+        expected = num_ranks(strategy, topology)
         if world != expected:
             raise TopologyError(
                 f"parallel.strategy={strategy.value} needs {expected} process(es) "

@@ -19,13 +19,13 @@ from typing import Any
 
 import ray
 
-from ray_zep.config import Config, Strategy, config_from_dict
+from ray_zep.config import Config, config_from_dict
 from ray_zep.data.batching import BatchStream, Cursor
-from ray_zep.data.catalog import open_source
+from ray_zep.data.catalog import open_configured_source
 from ray_zep.data.shards import shard_batch
 from ray_zep.errors import CommError
 from ray_zep.logs import setup_logging
-from ray_zep.model.shapes import build_shape
+from ray_zep.mesh import num_ranks
 from ray_zep.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -43,14 +43,8 @@ class DataActor:
         setup_logging(role="data")
         self.config: Config = config_from_dict(config)
         self.topology = Topology.from_dict(topology)
-        shape = build_shape(self.config.model)
-        data = self.config.data
-        self.source = open_source(
-            data.source, shape.vocab_size, self.config.train.seed, data.length_scale
-        )
-        self.num_ranks = (
-            1 if self.config.parallel.strategy is Strategy.SINGLE else self.topology.world_size
-        )
+        self.source = open_configured_source(self.config)
+        self.num_ranks = num_ranks(self.config.parallel.strategy, self.topology)
         self._cond = threading.Condition()
         self._ready: dict[int, list[ray.ObjectRef]] = {}
         self._fetched: dict[int, set[int]] = {}
@@ -62,16 +56,10 @@ class DataActor:
 
     def start(self, step: int, cursor: dict[str, int] | None) -> None:
         """Produce from batch `step` on, with the data cursor of the checkpoint before it."""
-        train, data = self.config.train, self.config.data
-        stream = BatchStream(
+        stream = BatchStream.from_config(
             self.source,
-            world=self.topology.world_size,
-            tokens_per_rank=train.tokens_per_rank,
-            packing=data.packing,
-            max_doc_tokens=data.max_doc_tokens,
-            overlong=data.overlong,
-            seed=train.seed,
-            shuffle=data.shuffle,
+            self.config,
+            self.topology.world_size,
             cursor=Cursor.from_dict(cursor) if cursor else None,
             start_index=step,
         )

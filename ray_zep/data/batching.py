@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ray_zep.config import Overlong, Packing
+from ray_zep.config import Config, Overlong, Packing
 from ray_zep.data.source import TokenSource
 from ray_zep.errors import ConfigError, EmptyDatasetError, OverlongDocumentError
 
@@ -148,6 +148,30 @@ class BatchStream:
         self._dropped = 0
         if overlong is Overlong.ERROR:
             self._check_no_overlong()
+
+    @classmethod
+    def from_config(
+        cls,
+        source: TokenSource,
+        config: Config,
+        world: int,
+        cursor: Cursor | None = None,
+        start_index: int = 0,
+    ) -> BatchStream:
+        """The stream the `train` and `data` sections describe, for `world` ranks."""
+        train, data = config.train, config.data
+        return cls(
+            source,
+            world=world,
+            tokens_per_rank=train.tokens_per_rank,
+            packing=data.packing,
+            max_doc_tokens=data.max_doc_tokens,
+            overlong=data.overlong,
+            seed=train.seed,
+            shuffle=data.shuffle,
+            cursor=cursor,
+            start_index=start_index,
+        )
 
     def next_batch(self) -> GlobalBatch:
         """The next global batch; advances the cursor past it."""

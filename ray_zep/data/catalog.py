@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from ray_zep.config import Config
 from ray_zep.data.builder import stdlib_dataset
 from ray_zep.data.source import ParquetSource, TokenSource
 from ray_zep.data.synthetic import SyntheticSource
+from ray_zep.model.shapes import build_shape
 
 STDLIB = "stdlib"
 SYNTHETIC_PREFIX = "synthetic:"
@@ -28,3 +30,10 @@ def open_source(spec: str, vocab_size: int, seed: int, length_scale: float = 1.0
     source = ParquetSource(stdlib_dataset() if spec == STDLIB else spec)
     source.check_vocab(vocab_size)
     return source
+
+
+def open_configured_source(config: Config) -> TokenSource:
+    """The source `data.source` names, checked against the model's vocabulary."""
+    data = config.data
+    vocab_size = build_shape(config.model).vocab_size
+    return open_source(data.source, vocab_size, config.train.seed, data.length_scale)

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ray_zep import constants
+from ray_zep.config import ResumeMode
 from ray_zep.errors import CheckpointError
 from ray_zep.mesh import Comm
 
@@ -64,6 +65,35 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         if (m := STEP_DIR.match(p.name)) and (p / constants.CHECKPOINT_COMPLETE_MARKER).is_file()
     ]
     return max(steps)[1] if steps else None
+
+
+def resume_checkpoint(run_dir: Path, resume: ResumeMode, world_size: int) -> Path | None:
+    """The checkpoint a run in `run_dir` continues from, or None to start fresh.
+
+    Raises:
+        CheckpointError: `run_dir` holds checkpoints and `train.resume=never`, or
+            the newest was saved by a different number of ranks.
+    """
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        return None
+    if resume is ResumeMode.NEVER:
+        raise CheckpointError(
+            f"train.out_dir={str(run_dir)!r} already holds checkpoints and train.resume=never; "
+            "choose a new train.out_dir or train.resume=auto"
+        )
+    check_world_size(found, world_size)
+    return found
+
+
+def check_world_size(path: Path, world_size: int) -> None:
+    """Raise CheckpointError unless `path` is complete and was saved by `world_size` ranks."""
+    saved = _read_marker(path).get("world_size")
+    if saved != world_size:
+        raise CheckpointError(
+            f"checkpoint {path} was saved by {saved} rank(s) but this run has {world_size}; "
+            "resume with the same topology and strategy, or use a new train.out_dir"
+        )
 
 
 def save_checkpoint(
@@ -102,12 +132,7 @@ def load_checkpoint(
         CheckpointError: the checkpoint is incomplete or was saved by a
             different number of ranks.
     """
-    marker = _read_marker(path)
-    if marker.get("world_size") != comm.world_size:
-        raise CheckpointError(
-            f"checkpoint {path} was saved by {marker.get('world_size')} rank(s) but this run has "
-            f"{comm.world_size}; resume with the same topology or start a new train.out_dir"
-        )
+    check_world_size(path, comm.world_size)
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {
         "model": model_state,

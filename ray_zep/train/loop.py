@@ -82,18 +82,11 @@ def _agree_on_checkpoint(run_dir: Path, resume: ResumeMode, comm: Comm) -> Path 
     """Rank 0 picks the checkpoint (or the error) and every rank gets the same answer."""
     choice: list[dict[str, str | None]] = [{}]
     if comm.rank == 0:
-        found = checkpoint.latest_checkpoint(run_dir)
-        if found is not None and resume is ResumeMode.NEVER:
-            choice = [
-                {
-                    "error": (
-                        f"train.out_dir={str(run_dir)!r} already holds checkpoints and "
-                        "train.resume=never; choose a new train.out_dir or train.resume=auto"
-                    )
-                }
-            ]
-        else:
+        try:
+            found = checkpoint.resume_checkpoint(run_dir, resume, comm.world_size)
             choice = [{"path": str(found) if found else None}]
+        except CheckpointError as exc:
+            choice = [{"error": str(exc)}]
     if comm.distributed:
         dist.broadcast_object_list(choice, src=0, group=comm.group)
     if choice[0].get("error"):

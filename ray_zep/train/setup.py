@@ -1,7 +1,8 @@
 """Everything checked and decided before any process starts.
 
 `prepare_run` turns a Config into a RunPlan: the topology, the number of
-workers, the absolute run directory, the checkpoint to resume from. It opens
+workers and the absolute run directory. It checks the checkpoint a restart
+would resume from, opens
 the dataset and builds the first batch stream, so a missing or corrupt
 dataset, an out-of-vocabulary token, an overlong document under
 `data.overlong=error` or a mismatched checkpoint fails here, in one line,
@@ -11,18 +12,16 @@ before a cluster is touched.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ray_zep import constants
-from ray_zep.config import Config, ResumeMode, Strategy, write_resolved_config
+from ray_zep.config import Config, write_resolved_config
 from ray_zep.data.batching import BatchStream
-from ray_zep.data.catalog import open_source
-from ray_zep.errors import CheckpointError, TopologyError
-from ray_zep.model.shapes import ModelShape, build_shape
+from ray_zep.data.catalog import open_configured_source
+from ray_zep.errors import TopologyError
+from ray_zep.mesh import num_ranks
 from ray_zep.topology import Topology, build_topology
-from ray_zep.train.checkpoint import latest_checkpoint
+from ray_zep.train.checkpoint import resume_checkpoint
 
 
 @dataclass(frozen=True)
@@ -32,18 +31,14 @@ class RunPlan:
     Attributes:
         config: the config with `train.out_dir` made absolute.
         topology: the topology the job runs on (or emulates).
-        shape: the model's shape.
         num_workers: training processes (1 for `single`).
         run_dir: absolute run directory.
-        resume_from: the checkpoint a restart would load, if any.
     """
 
     config: Config
     topology: Topology
-    shape: ModelShape
     num_workers: int
     run_dir: Path
-    resume_from: Path | None
 
 
 def prepare_run(config: Config, write_config: bool = True) -> RunPlan:
@@ -53,8 +48,7 @@ def prepare_run(config: Config, write_config: bool = True) -> RunPlan:
         ZepError subclasses naming the key, path or value to fix.
     """
     topology = build_topology(config.topology)
-    shape = build_shape(config.model)
-    expected = 1 if config.parallel.strategy is Strategy.SINGLE else topology.world_size
+    expected = num_ranks(config.parallel.strategy, topology)
     wanted = config.ray.num_workers
     if wanted is not None and wanted != expected:
         raise TopologyError(
@@ -66,42 +60,12 @@ def prepare_run(config: Config, write_config: bool = True) -> RunPlan:
     config = dataclasses.replace(
         config, train=dataclasses.replace(config.train, out_dir=str(run_dir))
     )
-    _check_data(config, topology, shape)
-    resume_from = _check_resume(run_dir, config.train.resume, expected)
+    _check_data(config, topology)
+    resume_checkpoint(run_dir, config.train.resume, expected)
     if write_config:
         write_resolved_config(config, run_dir)
-    return RunPlan(config, topology, shape, expected, run_dir, resume_from)
+    return RunPlan(config, topology, expected, run_dir)
 
 
-def _check_data(config: Config, topology: Topology, shape: ModelShape) -> None:
-    data = config.data
-    source = open_source(data.source, shape.vocab_size, config.train.seed, data.length_scale)
-    BatchStream(
-        source,
-        world=topology.world_size,
-        tokens_per_rank=config.train.tokens_per_rank,
-        packing=data.packing,
-        max_doc_tokens=data.max_doc_tokens,
-        overlong=data.overlong,
-        seed=config.train.seed,
-        shuffle=data.shuffle,
-    )
-
-
-def _check_resume(run_dir: Path, resume: ResumeMode, workers: int) -> Path | None:
-    found = latest_checkpoint(run_dir)
-    if found is None:
-        return None
-    if resume is ResumeMode.NEVER:
-        raise CheckpointError(
-            f"train.out_dir={str(run_dir)!r} already holds checkpoints and train.resume=never; "
-            "choose a new train.out_dir or train.resume=auto"
-        )
-    saved = json.loads((found / constants.CHECKPOINT_COMPLETE_MARKER).read_text())
-    if saved.get("world_size") != workers:
-        raise CheckpointError(
-            f"checkpoint {found} was saved by {saved.get('world_size')} rank(s) but this run "
-            f"has {workers}; resume with the same topology and strategy or use a new "
-            "train.out_dir"
-        )
-    return found
+def _check_data(config: Config, topology: Topology) -> None:
+    BatchStream.from_config(open_configured_source(config), config, topology.world_size)

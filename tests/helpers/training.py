@@ -14,7 +14,7 @@ import torch
 
 from ray_zep.config import Config, Strategy, load_config
 from ray_zep.data.batching import BatchStream, Cursor, GlobalBatch
-from ray_zep.data.catalog import open_source
+from ray_zep.data.catalog import open_configured_source
 from ray_zep.data.shards import shard_batch
 from ray_zep.mesh import Comm
 from ray_zep.model.shapes import build_shape
@@ -36,18 +36,10 @@ SMALL_RUN = [
 
 
 def make_stream(config: Config, topology: Topology, progress: Progress) -> BatchStream:
-    shape = build_shape(config.model)
-    data = config.data
-    source = open_source(data.source, shape.vocab_size, config.train.seed, data.length_scale)
-    return BatchStream(
-        source,
-        world=topology.world_size,
-        tokens_per_rank=config.train.tokens_per_rank,
-        packing=data.packing,
-        max_doc_tokens=data.max_doc_tokens,
-        overlong=data.overlong,
-        seed=config.train.seed,
-        shuffle=data.shuffle,
+    return BatchStream.from_config(
+        open_configured_source(config),
+        config,
+        topology.world_size,
         cursor=Cursor.from_dict(progress.cursor) if progress.cursor else None,
         start_index=progress.step,
     )
