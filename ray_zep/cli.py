@@ -123,11 +123,10 @@ def _data_build(args: argparse.Namespace) -> int:
 
 
 def _data_stats(args: argparse.Namespace) -> int:
-    from ray_zep.data.builder import stdlib_dataset
-    from ray_zep.data.catalog import STDLIB
+    from ray_zep.data.catalog import parquet_path
     from ray_zep.data.source import ParquetSource
 
-    source = ParquetSource(stdlib_dataset() if args.source == STDLIB else args.source)
+    source = ParquetSource(parquet_path(args.source))
     lengths = source.lengths
     pct = np.percentile(lengths, [10, 50, 90, 99]).astype(int)
     print(

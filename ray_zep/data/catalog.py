@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ray_zep.config import Config
 from ray_zep.data.builder import stdlib_dataset
 from ray_zep.data.source import ParquetSource, TokenSource
@@ -27,9 +29,14 @@ def open_source(spec: str, vocab_size: int, seed: int, length_scale: float = 1.0
     """
     if spec.startswith(SYNTHETIC_PREFIX):
         return SyntheticSource(spec[len(SYNTHETIC_PREFIX) :], vocab_size, seed, length_scale)
-    source = ParquetSource(stdlib_dataset() if spec == STDLIB else spec)
+    source = ParquetSource(parquet_path(spec))
     source.check_vocab(vocab_size)
     return source
+
+
+def parquet_path(spec: str) -> Path:
+    """The Parquet file or folder a non-synthetic `data.source` names."""
+    return stdlib_dataset() if spec == STDLIB else Path(spec)
 
 
 def open_configured_source(config: Config) -> TokenSource:

@@ -7,6 +7,7 @@ trains through the library's `run_rank`.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,9 @@ def checkpoint_params(path: Path, overrides: list[str]) -> dict[str, torch.Tenso
 
     model = Transformer(build_shape(load_config(None, overrides).model))
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return state["model"]
 
 
