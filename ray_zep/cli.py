@@ -23,6 +23,7 @@ from ray_zep.errors import ZepError
 from ray_zep.logs import setup_logging
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,6 +35,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ZepError as exc:
         print(f"ray-zep: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(
+            "ray-zep: interrupted; rerun the same command to resume from the last checkpoint",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -128,3 +128,15 @@ def test_config_and_topology_commands(capsys) -> None:
     )
     assert code == 0 and "2 node(s) x 8 A800-80G = 16 ranks" in stdout
     assert "NIC0<-GPU0,1" in stdout
+
+
+def test_interrupt_is_one_line(capsys, monkeypatch) -> None:
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("ray_zep.cli._config", interrupted)
+    code, _, err = _run(capsys, "config", DEMO)
+    assert code == 130
+    assert err.strip() == (
+        "ray-zep: interrupted; rerun the same command to resume from the last checkpoint"
+    )
