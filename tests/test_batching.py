@@ -41,7 +41,7 @@ class ListSource:
 
 
 def _stream(
-    lengths: list[int],
+    docs: list[int] | object,
     packing=Packing.BUDGET,
     world=2,
     capacity=10,
@@ -51,8 +51,10 @@ def _stream(
     shuffle=True,
     cursor=None,
 ):
+    """A stream over `docs`: a list of document lengths, or any token source."""
+    source = ListSource(docs) if isinstance(docs, list) else docs
     return BatchStream(
-        ListSource(lengths),
+        source,
         world=world,
         tokens_per_rank=capacity,
         packing=packing,
@@ -104,15 +106,7 @@ def test_overlong_policies() -> None:
 
 
 def test_overlong_error_on_an_endless_source_is_raised_when_met() -> None:
-    stream = BatchStream(
-        SyntheticSource("github", 64, seed=0),
-        world=2,
-        tokens_per_rank=512,
-        packing=Packing.BUDGET,
-        max_doc_tokens=None,
-        overlong=Overlong.ERROR,
-        seed=0,
-    )
+    stream = _stream(SyntheticSource("github", 64, seed=0), capacity=512, overlong=Overlong.ERROR)
     with pytest.raises(OverlongDocumentError, match=r"more than data\.max_doc_tokens=1024"):
         for _ in range(50):
             stream.next_batch()
@@ -195,15 +189,7 @@ def test_parquet_stream_with_empty_rows(tmp_path: Path) -> None:
         [np.arange(n, dtype=np.int32) for n in (5, 0, 7, 0, 2)], tmp_path / "d.parquet"
     ).path
     source = ParquetSource(path)
-    stream = BatchStream(
-        source,
-        world=1,
-        tokens_per_rank=6,
-        packing=Packing.RANK,
-        max_doc_tokens=None,
-        overlong=Overlong.SPLIT,
-        seed=0,
-    )
+    stream = _stream(source, packing=Packing.RANK, world=1, capacity=6)
     pieces = _pieces(stream.next_batch() for _ in range(6))
     assert_each_token_once_per_epoch(pieces, dict(enumerate(source.lengths.tolist())))
     assert all(doc not in (1, 3) for doc, _, _ in pieces)
