@@ -58,6 +58,9 @@ def test_round_trip_restores_model_optimizer_rng_and_progress(tmp_path: Path) ->
             assert torch.equal(state_a["state"][key][field], state_b["state"][key][field])
     assert torch.equal(torch.rand(3), rng_after_save), "RNG state is part of the checkpoint"
     assert checkpoint.read_progress(path) == progress
+    stored = checkpoint.read_model_state(path, _trainer(seed=2).model)
+    for name, value in saved.model.state_dict().items():
+        assert torch.equal(stored[name], value), name
 
 
 def test_only_complete_checkpoints_count(tmp_path: Path) -> None:

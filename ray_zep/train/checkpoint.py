@@ -160,6 +160,21 @@ def read_progress(path: Path) -> Progress:
     return _progress_from_state(state["progress"])
 
 
+def read_model_state(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model weights of a checkpoint, read without a process group.
+
+    Args:
+        path: a complete checkpoint.
+        model: a model of the checkpoint's shape; its state dict gives the keys
+            and shapes to fill (the model itself is not changed).
+    """
+    _read_marker(path)
+    state = {"model": model.state_dict()}
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state["model"]
+
+
 def _progress_state(progress: Progress) -> dict[str, Any]:
     # The cursor travels as one JSON string so the state's structure is the
     # same whatever keys the cursor has (DCP matches saved and loaded keys).

@@ -2,11 +2,10 @@
 
 `prepare_run` turns a Config into a RunPlan: the topology, the number of
 workers and the absolute run directory. It checks the checkpoint a restart
-would resume from, opens
-the dataset and builds the first batch stream, so a missing or corrupt
-dataset, an out-of-vocabulary token, an overlong document under
-`data.overlong=error` or a mismatched checkpoint fails here, in one line,
-before a cluster is touched.
+would resume from, opens the dataset and builds the first batch stream, so a
+missing or corrupt dataset, an out-of-vocabulary token, an overlong document
+under `data.overlong=error` or a mismatched checkpoint fails here, in one
+line, before a cluster is touched.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ trains through the library's `run_rank`.
 
 from __future__ import annotations
 
-import warnings
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +18,10 @@ from ray_zep.data.batching import BatchStream, Cursor, GlobalBatch
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.data.shards import shard_batch
 from ray_zep.mesh import Comm
+from ray_zep.model.llama import Transformer
 from ray_zep.model.shapes import build_shape
 from ray_zep.topology import Topology, build_topology
-from ray_zep.train.checkpoint import Progress
+from ray_zep.train.checkpoint import Progress, read_model_state
 from ray_zep.train.loop import run_rank
 
 TIMEOUT_S = 60.0
@@ -100,20 +101,10 @@ def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 def checkpoint_params(path: Path, overrides: list[str]) -> dict[str, torch.Tensor]:
     """Model parameters stored in a DCP checkpoint, read without a process group."""
-    import torch.distributed.checkpoint as dcp
-
-    from ray_zep.model.llama import Transformer
-
     model = Transformer(build_shape(load_config(None, overrides).model))
-    state = {"model": model.state_dict()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return state["model"]
+    return read_model_state(path, model)
 
 
 def jsonl_losses(run_dir: Path) -> dict[int, float]:
-    import json
-
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return {row["step"]: row["loss"] for row in map(json.loads, lines)}
