@@ -37,6 +37,27 @@ class Strategy(Enum):
     """One process trains on the whole global batch: the reference."""
     DP = "dp"
     """Whole sequences per rank, gradients all-reduced."""
+    ZEPPELIN = "zeppelin"
+    """Hierarchical partitioner: local, intra-node and inter-node rings."""
+    TE_CP = "te_cp"
+    """Every sequence zigzag-split over one global ring (Transformer Engine CP)."""
+    LLAMA_CP = "llama_cp"
+    """Every sequence zigzag-split, K and V all-gathered before attention (LLaMA-3)."""
+    HYBRID_DP = "hybrid_dp"
+    """Short sequences whole on FLOP-balanced ranks, long ones on ring groups."""
+    ULYSSES = "ulysses"
+    """Every sequence split over all ranks, heads exchanged by all-to-all."""
+    USP = "usp"
+    """Ulysses inside groups of parallel.ulysses_degree ranks, rings across them."""
+
+
+class ZonePolicy(Enum):
+    """How the Zeppelin partitioner chooses zone thresholds and split degrees."""
+
+    COST = "cost"
+    """From the cost model: split only where the transfer hides behind compute."""
+    CAPACITY = "capacity"
+    """As the paper's Algorithms 1 and 2: from token capacities alone."""
 
 
 class Packing(Enum):
@@ -140,7 +161,20 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     strategy: Strategy = Strategy.DP
-    """single | dp."""
+    """single | dp | zeppelin | te_cp | llama_cp | hybrid_dp | ulysses | usp."""
+    zone_policy: ZonePolicy = ZonePolicy.COST
+    """cost | capacity: how zeppelin picks zone thresholds (see ray_zep.partition.zeppelin)."""
+    ulysses_degree: int = 0
+    """Ulysses members per ring position under usp; 0 picks GPUs per node (or the
+    largest divisor of it that the head counts allow)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.ulysses_degree >= 0,
+            "parallel.ulysses_degree",
+            self.ulysses_degree,
+            "must be >= 0 (0 = automatic)",
+        )
 
 
 @dataclass

@@ -73,3 +73,19 @@ class SyntheticSource:
 
     def max_length(self) -> int | None:
         return None
+
+
+def batch_lengths(distribution: str, total_tokens: int, seed: int) -> np.ndarray:
+    """Sequence lengths of one global batch of exactly `total_tokens` tokens.
+
+    Lengths are drawn from the Table 2 distribution until the batch is full; the
+    last sequence is cut to the space left, as budget packing cuts a document.
+    """
+    source = SyntheticSource(distribution, vocab_size=2, seed=seed)
+    lengths, used, doc = [], 0, 0
+    while used < total_tokens:
+        n = min(source.length(doc), total_tokens - used)
+        lengths.append(n)
+        used += n
+        doc += 1
+    return np.asarray(lengths, dtype=np.int64)

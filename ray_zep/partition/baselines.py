@@ -1,0 +1,194 @@
+"""The baseline planners, producing the same plan type as Zeppelin.
+
+- `te_cp` (Transformer Engine CP): every sequence zigzag-split over one ring
+  of all ranks, K and V rotated.
+- `llama_cp` (LLaMA-3 CP): the same split, K and V all-gathered first.
+- `hybrid_dp` (the Zeppelin paper's Hybrid DP baseline, after ByteScale):
+  sequences longer than L on ring groups of ceil(s / L) ranks, shorter ones
+  whole on the rank with the least attention FLOPs that has room; a short one
+  that fits nowhere is split over the ranks with most room (where the baseline
+  would open another micro-batch).
+- `ulysses`: every sequence split over all ranks, heads exchanged by
+  all-to-all; needs H % world == 0, and world % K == 0 when world > K.
+- `usp`: Ulysses inside groups of U consecutive ranks (a node by default),
+  zigzag ring across the world / U groups.
+
+Splits water-fill the ranks' free space, so the one-token remainders of many
+short sequences spread over the ranks instead of piling up on one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from ray_zep.errors import ConfigError
+from ray_zep.model.shapes import ModelShape
+from ray_zep.partition.fill import check_total, water_fill
+from ray_zep.partition.plan import (
+    AttentionPlan,
+    Exchange,
+    SeqPlacement,
+    bounds_for_counts,
+    local_placement,
+)
+from ray_zep.topology import Topology
+
+
+def plan_global_ring(
+    lengths: np.ndarray,
+    topology: Topology,
+    tokens_per_rank: int,
+    exchange: Exchange = Exchange.RING,
+) -> AttentionPlan:
+    """te_cp (ring exchange) or llama_cp (all-gather exchange)."""
+    started = time.perf_counter()
+    name = "te_cp" if exchange is Exchange.RING else "llama_cp"
+    lengths = np.asarray(lengths, dtype=np.int64)
+    world = topology.world_size
+    check_total(lengths, world, tokens_per_rank, name)
+    free = np.full(world, tokens_per_rank, dtype=np.int64)
+    ranks = tuple(range(world))
+    placements = []
+    for seq, n in enumerate(lengths.tolist()):
+        counts = water_fill(n, free)
+        free -= counts
+        placements.append(
+            SeqPlacement(seq, n, ranks, bounds_for_counts(counts.tolist()), exchange=exchange)
+        )
+    return _finish(name, topology, tokens_per_rank, placements, started)
+
+
+def plan_hybrid_dp(lengths: np.ndarray, topology: Topology, tokens_per_rank: int) -> AttentionPlan:
+    """Hybrid DP: long sequences on CP rings, short ones balanced by attention FLOPs."""
+    started = time.perf_counter()
+    lengths = np.asarray(lengths, dtype=np.int64)
+    world = topology.world_size
+    check_total(lengths, world, tokens_per_rank, "hybrid_dp")
+    free = np.full(world, tokens_per_rank, dtype=np.int64)
+    flops = np.zeros(world, dtype=np.float64)
+    placements: list[SeqPlacement | None] = [None] * len(lengths)
+    for seq in np.argsort(-lengths, kind="stable").tolist():
+        n = int(lengths[seq])
+        fits = free >= n
+        if n <= tokens_per_rank and fits.any():
+            rank = int(np.argmin(np.where(fits, flops, np.inf)))
+            placements[seq] = local_placement(seq, n, rank)
+            free[rank] -= n
+            flops[rank] += float(n) * n
+            continue
+        size = max(2, math.ceil(n / tokens_per_rank))
+        chosen = _most_free(size, n, free)
+        counts = water_fill(n, free[chosen])
+        keep = counts > 0
+        chosen, counts = chosen[keep], counts[keep]
+        free[chosen] -= counts
+        flops[chosen] += counts.astype(np.float64) * n
+        ranks = tuple(int(r) for r in chosen)
+        placements[seq] = SeqPlacement(seq, n, ranks, bounds_for_counts(counts.tolist()))
+    return _finish("hybrid_dp", topology, tokens_per_rank, placements, started)
+
+
+def _most_free(count: int, tokens: int, free: np.ndarray) -> np.ndarray:
+    order = np.argsort(-free, kind="stable")
+    take = count
+    while take < len(free) and int(free[order[:take]].sum()) < tokens:
+        take += 1
+    return np.sort(order[:take])
+
+
+def check_ulysses_degree(degree: int, shape: ModelShape, key: str) -> None:
+    """The CP seed's head rules for `degree` Ulysses members.
+
+    Raises:
+        ConfigError: H % U != 0, or U > K with U % K != 0.
+    """
+    heads, kv = shape.n_heads, shape.n_kv_heads
+    if heads % degree:
+        raise ConfigError(
+            f"config key {key}: Ulysses over {degree} ranks needs model.n_heads={heads} "
+            f"divisible by {degree}"
+        )
+    if degree > kv and degree % kv:
+        raise ConfigError(
+            f"config key {key}: Ulysses over {degree} ranks with model.n_kv_heads={kv} "
+            f"needs {degree} divisible by {kv}"
+        )
+    if degree <= kv and kv % degree:
+        raise ConfigError(
+            f"config key {key}: Ulysses over {degree} ranks needs model.n_kv_heads={kv} "
+            f"divisible by {degree}"
+        )
+
+
+def usp_degree(requested: int, topology: Topology, shape: ModelShape) -> int:
+    """U for usp: `parallel.ulysses_degree`, or GPUs per node (the largest divisor of it
+    that the head rules accept, below the world size so a ring remains)."""
+    world = topology.world_size
+    if requested:
+        if world % requested:
+            raise ConfigError(
+                f"config key parallel.ulysses_degree={requested}: must divide the "
+                f"{world} ranks of the topology"
+            )
+        check_ulysses_degree(requested, shape, "parallel.ulysses_degree")
+        return requested
+    for degree in range(topology.gpus_per_node, 0, -1):
+        if topology.gpus_per_node % degree or (degree == world and world > 1):
+            continue
+        try:
+            check_ulysses_degree(degree, shape, "parallel.ulysses_degree")
+        except ConfigError:
+            continue
+        return degree
+    return 1
+
+
+def plan_ulysses_ring(
+    lengths: np.ndarray,
+    topology: Topology,
+    tokens_per_rank: int,
+    degree: int,
+) -> AttentionPlan:
+    """ulysses (degree = world) or usp (ring over world / degree groups of `degree` ranks)."""
+    started = time.perf_counter()
+    name = "ulysses" if degree == topology.world_size else "usp"
+    lengths = np.asarray(lengths, dtype=np.int64)
+    world = topology.world_size
+    check_total(lengths, world, tokens_per_rank, name)
+    ring = world // degree
+    free = np.full(world, tokens_per_rank, dtype=np.int64)
+    ranks = tuple(range(world))
+    placements = []
+    for seq, n in enumerate(lengths.tolist()):
+        by_position = free.reshape(ring, degree)
+        position_counts = water_fill(n, by_position.sum(axis=1))
+        parts = np.concatenate(
+            [water_fill(int(c), by_position[r]) for r, c in enumerate(position_counts)]
+        )
+        free -= parts
+        placements.append(
+            SeqPlacement(
+                seq,
+                n,
+                ranks,
+                bounds_for_counts(position_counts.tolist()),
+                ulysses=degree,
+                parts=tuple(int(x) for x in parts),
+            )
+        )
+    return _finish(name, topology, tokens_per_rank, placements, started)
+
+
+def _finish(
+    name: str,
+    topology: Topology,
+    tokens_per_rank: int,
+    placements: list,
+    started: float,
+) -> AttentionPlan:
+    plan = AttentionPlan(name, topology, tokens_per_rank, tuple(placements))
+    plan.planner_seconds = time.perf_counter() - started
+    return plan

@@ -1,0 +1,311 @@
+"""The attention plan: where every token of a global batch lives and how attention runs.
+
+Every planner (Zeppelin and the baselines) produces an `AttentionPlan`; the
+attention engine executes it and the simulator costs it, so the two never
+disagree about a strategy.
+
+A sequence is placed on a group of ranks laid out as R ring positions x U
+Ulysses members, `ranks[r * U + u]`:
+
+- its tokens are cut into 2R zigzag chunks at `bounds` (2R + 1 offsets); ring
+  position r holds chunks r and 2R-1-r, which balances causal work;
+- the tokens of ring position r (chunk r, then chunk 2R-1-r) are cut into U
+  contiguous parts, member u holding part u. Before attention the Ulysses
+  members exchange heads for tokens, so each computes H/U heads over all of the
+  position's tokens; R = 1 then means plain Ulysses and U = 1 plain ring.
+
+Chunks may differ in length (planners balance them to within a token, or fill
+the free space of their ranks) and may be empty, so no sequence is padded and
+no zero-length segment reaches a kernel: empty pieces are simply absent. A
+group of one rank is the local zone: the sequence is attended on that rank
+with no communication.
+
+Sequences with the same group form one queue item; the engine runs items in
+the order inter-node -> intra-node -> local, then by group, and every rank
+derives the same order from the plan alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from ray_zep.errors import PlacementError
+from ray_zep.topology import LinkKind, Topology
+
+
+class Zone(Enum):
+    """The link a sequence's attention communicates over."""
+
+    INTER_NODE = "inter_node"
+    INTRA_NODE = "intra_node"
+    LOCAL = "local"
+
+
+ZONE_ORDER = (Zone.INTER_NODE, Zone.INTRA_NODE, Zone.LOCAL)
+"""Execution order of the engine's queues."""
+
+
+class Exchange(Enum):
+    """How the K and V of a ring position reach the other positions."""
+
+    RING = "ring"
+    """Rotated rank to rank, overlapped with the compute of the current step."""
+    ALL_GATHER = "all_gather"
+    """Gathered from every position before attention (LLaMA-3 style)."""
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """Tokens [start, end) of sequence `seq` held by one rank."""
+
+    seq: int
+    start: int
+    end: int
+    zone: Zone
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SeqPlacement:
+    """Where one sequence lives.
+
+    Attributes:
+        seq: index of the sequence in the batch.
+        length: its tokens (>= 1).
+        ranks: its group, ring-position major (R x U ranks, all distinct).
+        bounds: 2R + 1 non-decreasing zigzag chunk offsets from 0 to `length`.
+        ulysses: U, Ulysses members per ring position.
+        exchange: how K and V move between ring positions.
+        parts: tokens of each member (R x U entries) when U > 1; None splits each
+            ring position's tokens evenly over its members.
+    """
+
+    seq: int
+    length: int
+    ranks: tuple[int, ...]
+    bounds: tuple[int, ...]
+    ulysses: int = 1
+    exchange: Exchange = Exchange.RING
+    parts: tuple[int, ...] | None = None
+
+    @property
+    def ring_size(self) -> int:
+        return len(self.ranks) // self.ulysses
+
+    def position_ranges(self, position: int) -> list[tuple[int, int]]:
+        """Non-empty token ranges of ring position `position`: chunk r, then chunk 2R-1-r."""
+        last = 2 * self.ring_size - 1 - position
+        ranges = [
+            (self.bounds[position], self.bounds[position + 1]),
+            (self.bounds[last], self.bounds[last + 1]),
+        ]
+        return _merge([(a, b) for a, b in ranges if b > a])
+
+    def position_tokens(self, position: int) -> int:
+        return sum(b - a for a, b in self.position_ranges(position))
+
+    def member_ranges(self, member: int) -> list[tuple[int, int]]:
+        """Non-empty token ranges held by `ranks[member]`, in its layout order."""
+        position, part = divmod(member, self.ulysses)
+        ranges = self.position_ranges(position)
+        if self.parts is None:
+            total = sum(b - a for a, b in ranges)
+            lo = total * part // self.ulysses
+            hi = total * (part + 1) // self.ulysses
+        else:
+            lo = sum(self.parts[position * self.ulysses : member])
+            hi = lo + self.parts[member]
+        return _slice_ranges(ranges, lo, hi)
+
+    def member_tokens(self, member: int) -> int:
+        return sum(b - a for a, b in self.member_ranges(member))
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _slice_ranges(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """Tokens lo..hi of the concatenation of `ranges`, as ranges."""
+    out, seen = [], 0
+    for a, b in ranges:
+        start, end = max(a, a + lo - seen), min(b, a + hi - seen)
+        if end > start:
+            out.append((start, end))
+        seen += b - a
+    return out
+
+
+def zone_of(ranks: tuple[int, ...], topology: Topology) -> Zone:
+    if len(ranks) == 1:
+        return Zone.LOCAL
+    nodes = {topology.node_of(r) for r in ranks}
+    return Zone.INTRA_NODE if len(nodes) == 1 else Zone.INTER_NODE
+
+
+def link_kind(src: int, dst: int, topology: Topology) -> LinkKind:
+    same = topology.node_of(src) == topology.node_of(dst)
+    return LinkKind.INTRA_NODE if same else LinkKind.INTER_NODE
+
+
+@dataclass(frozen=True)
+class QueueItem:
+    """Sequences that share a group: one ring (or all-gather) for all of them."""
+
+    zone: Zone
+    ranks: tuple[int, ...]
+    ulysses: int
+    exchange: Exchange
+    seqs: tuple[int, ...]
+
+    @property
+    def ring_size(self) -> int:
+        return len(self.ranks) // self.ulysses
+
+    def order_key(self) -> tuple:
+        return (ZONE_ORDER.index(self.zone), self.ranks, self.ulysses, self.exchange.value)
+
+
+@dataclass
+class AttentionPlan:
+    """Placement of one global batch.
+
+    Attributes:
+        strategy: the planner that made it.
+        topology: the cluster it is for.
+        tokens_per_rank: L, the hard token capacity of a rank.
+        placements: one per sequence, `placements[i].seq == i`.
+        planner_seconds: wall time of the planner.
+    """
+
+    strategy: str
+    topology: Topology
+    tokens_per_rank: int
+    placements: tuple[SeqPlacement, ...]
+    planner_seconds: float = 0.0
+    _items: list[QueueItem] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def world(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.asarray([p.length for p in self.placements], dtype=np.int64)
+
+    def zone(self, seq: int) -> Zone:
+        return zone_of(self.placements[seq].ranks, self.topology)
+
+    def items(self) -> list[QueueItem]:
+        """Every queue item of the batch, in execution order."""
+        if self._items is None:
+            groups: dict[tuple, list[int]] = {}
+            for p in self.placements:
+                groups.setdefault((p.ranks, p.ulysses, p.exchange), []).append(p.seq)
+            items = [
+                QueueItem(zone_of(ranks, self.topology), ranks, ulysses, exchange, tuple(seqs))
+                for (ranks, ulysses, exchange), seqs in groups.items()
+            ]
+            self._items = sorted(items, key=QueueItem.order_key)
+        return self._items
+
+    def rank_items(self, rank: int) -> list[QueueItem]:
+        return [item for item in self.items() if rank in item.ranks]
+
+    def layout(self, rank: int) -> list[Fragment]:
+        """The rank's tokens in the order it holds them (item by item, sequence by sequence)."""
+        fragments = []
+        for item in self.rank_items(rank):
+            member = item.ranks.index(rank)
+            for seq in item.seqs:
+                for a, b in self.placements[seq].member_ranges(member):
+                    fragments.append(Fragment(seq, a, b, item.zone))
+        return fragments
+
+    def rank_tokens(self) -> np.ndarray:
+        """Tokens held by every rank."""
+        counts = np.zeros(self.world, dtype=np.int64)
+        for p in self.placements:
+            for member, rank in enumerate(p.ranks):
+                counts[rank] += p.member_tokens(member)
+        return counts
+
+    def validate(self) -> None:
+        """Check the plan's invariants.
+
+        Raises:
+            PlacementError: a sequence whose chunks do not tile it, a group that
+                repeats or names an unknown rank, an all-gather that does not
+                span the world, or a rank over its capacity L.
+        """
+        for i, p in enumerate(self.placements):
+            _check_placement(i, p, self.world)
+        over = np.flatnonzero(self.rank_tokens() > self.tokens_per_rank)
+        if over.size:
+            rank = int(over[0])
+            raise PlacementError(
+                f"{self.strategy} placed {int(self.rank_tokens()[rank])} tokens on rank {rank}, "
+                f"over train.tokens_per_rank={self.tokens_per_rank}"
+            )
+
+
+def _check_placement(index: int, p: SeqPlacement, world: int) -> None:
+    where = f"sequence {index} (length {p.length})"
+    if p.seq != index or p.length < 1:
+        raise PlacementError(f"{where}: placement is for sequence {p.seq} of length {p.length}")
+    if len(set(p.ranks)) != len(p.ranks) or not all(0 <= r < world for r in p.ranks):
+        raise PlacementError(f"{where}: group {p.ranks} repeats or leaves ranks 0..{world - 1}")
+    if p.ulysses < 1 or len(p.ranks) % p.ulysses:
+        raise PlacementError(f"{where}: {len(p.ranks)} ranks are not a multiple of U={p.ulysses}")
+    bounds = np.asarray(p.bounds)
+    if (
+        len(bounds) != 2 * p.ring_size + 1
+        or bounds[0] != 0
+        or bounds[-1] != p.length
+        or np.any(np.diff(bounds) < 0)
+    ):
+        raise PlacementError(f"{where}: chunk bounds {p.bounds} do not tile it in 2R chunks")
+    if p.parts is not None:
+        sums = [sum(p.parts[r * p.ulysses : (r + 1) * p.ulysses]) for r in range(p.ring_size)]
+        expected = [p.position_tokens(r) for r in range(p.ring_size)]
+        if len(p.parts) != len(p.ranks) or min(p.parts) < 0 or sums != expected:
+            raise PlacementError(f"{where}: member parts {p.parts} do not split its positions")
+    if p.exchange is Exchange.ALL_GATHER and sorted(p.ranks) != list(range(world)):
+        raise PlacementError(f"{where}: an all-gather group must span all {world} ranks")
+
+
+def even_bounds(length: int, ring_size: int) -> tuple[int, ...]:
+    """2R + 1 offsets cutting `length` tokens into 2R zigzag chunks within one token."""
+    chunks = 2 * ring_size
+    return tuple(length * c // chunks for c in range(chunks + 1))
+
+
+def bounds_for_counts(counts: list[int]) -> tuple[int, ...]:
+    """Zigzag offsets giving ring position r exactly `counts[r]` tokens (any counts >= 0).
+
+    Position r takes floor(counts[r] / 2) tokens in its early chunk and the rest
+    in its late chunk.
+    """
+    ring = len(counts)
+    sizes = [0] * (2 * ring)
+    for r, n in enumerate(counts):
+        sizes[r] = n // 2
+        sizes[2 * ring - 1 - r] = n - n // 2
+    return tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)]))
+
+
+def local_placement(seq: int, length: int, rank: int) -> SeqPlacement:
+    """A whole sequence on one rank."""
+    return SeqPlacement(seq, length, (rank,), even_bounds(length, 1))
