@@ -163,3 +163,107 @@ def select_kernel(name: str, device: torch.device, dtype: torch.dtype) -> Attent
         dtype,
     )
     return flash_varlen_attention if use_flash else torch_varlen_attention
+
+
+def torch_varlen_attention_backward(
+    dout_THE: torch.Tensor,
+    q_THE: torch.Tensor,
+    k_TKE: torch.Tensor,
+    v_TKE: torch.Tensor,
+    out_THE: torch.Tensor,
+    lse_HT: torch.Tensor,
+    seqs_q: PackedSeqs,
+    seqs_k: PackedSeqs,
+    causal: bool,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one attention block given the *final* output and LSE of its queries.
+
+    Ring attention splits a query's keys over several blocks; with the merged
+    `out_THE` and `lse_HT` each block's probabilities are exp(S - lse), so the
+    per-block gradients sum to the gradient of the whole attention.
+
+    Returns:
+        dq_THE, dk_TKE, dv_TKE in float32.
+    """
+    heads, kv_heads = q_THE.shape[1], k_TKE.shape[1]
+    group = heads // kv_heads
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THE.shape[-1])
+    dq = torch.zeros(q_THE.shape, dtype=torch.float32, device=q_THE.device)
+    dk = torch.zeros(k_TKE.shape, dtype=torch.float32, device=k_TKE.device)
+    dv = torch.zeros(v_TKE.shape, dtype=torch.float32, device=v_TKE.device)
+    for qo, sq, ko, sk in zip(
+        seqs_q.offsets, seqs_q.lengths, seqs_k.offsets, seqs_k.lengths, strict=True
+    ):
+        q_HSE = q_THE[qo : qo + sq].transpose(0, 1).float()
+        k_HSE = k_TKE[ko : ko + sk].transpose(0, 1).float().repeat_interleave(group, 0)
+        v_HSE = v_TKE[ko : ko + sk].transpose(0, 1).float().repeat_interleave(group, 0)
+        do_HSE = dout_THE[qo : qo + sq].transpose(0, 1).float()
+        o_HSE = out_THE[qo : qo + sq].transpose(0, 1).float()
+        lse = lse_HT[:, qo : qo + sq]
+        scores = torch.matmul(q_HSE, k_HSE.transpose(1, 2)) * scale
+        keep = torch.isfinite(lse).unsqueeze(-1).expand_as(scores)
+        if causal:
+            rows = torch.arange(sq, device=scores.device).unsqueeze(1)
+            cols = torch.arange(sk, device=scores.device).unsqueeze(0)
+            keep = keep & (cols <= rows + (sk - sq))
+        safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        probs = torch.where(keep, torch.exp(scores - safe_lse.unsqueeze(-1)), 0.0)
+        delta = (do_HSE * o_HSE).sum(-1, keepdim=True)
+        dscores = probs * (torch.matmul(do_HSE, v_HSE.transpose(1, 2)) - delta)
+        dq[qo : qo + sq] = (torch.matmul(dscores, k_HSE) * scale).transpose(0, 1)
+        dk_HSE = torch.matmul(dscores.transpose(1, 2), q_HSE) * scale
+        dv_HSE = torch.matmul(probs.transpose(1, 2), do_HSE)
+        dk[ko : ko + sk] += dk_HSE.unflatten(0, (kv_heads, group)).sum(1).transpose(0, 1)
+        dv[ko : ko + sk] += dv_HSE.unflatten(0, (kv_heads, group)).sum(1).transpose(0, 1)
+    return dq, dk, dv
+
+
+def flash_varlen_attention_backward(
+    dout_THE: torch.Tensor,
+    q_THE: torch.Tensor,
+    k_TKE: torch.Tensor,
+    v_TKE: torch.Tensor,
+    out_THE: torch.Tensor,
+    lse_HT: torch.Tensor,
+    seqs_q: PackedSeqs,
+    seqs_k: PackedSeqs,
+    causal: bool,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flash-attn's varlen backward behind the reference's interface (GPU only)."""
+    from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
+
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THE.shape[-1])
+    dq, dk, dv = torch.empty_like(q_THE), torch.empty_like(k_TKE), torch.empty_like(v_TKE)
+    _flash_attn_varlen_backward(
+        dout_THE.to(q_THE.dtype).contiguous(),
+        q_THE,
+        k_TKE,
+        v_TKE,
+        out_THE.to(q_THE.dtype),
+        lse_HT.contiguous(),
+        dq,
+        dk,
+        dv,
+        seqs_q.cu_seqlens,
+        seqs_k.cu_seqlens,
+        seqs_q.max_seqlen,
+        seqs_k.max_seqlen,
+        0.0,
+        scale,
+        causal,
+        -1,
+        -1,
+        0.0,
+        None,
+        False,
+    )
+    return dq.float(), dk.float(), dv.float()
+
+
+def select_backward(forward: AttentionFn) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """The backward that pairs with a forward kernel from `select_kernel`."""
+    if forward is flash_varlen_attention:
+        return flash_varlen_attention_backward
+    return torch_varlen_attention_backward

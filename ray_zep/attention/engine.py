@@ -1,0 +1,333 @@
+"""The attention engine: runs a rank's queue items for one layer, forward and backward.
+
+One autograd Function covers all items of the layer, so every rank issues its
+communication in the same global order in backward too (autograd does not
+order independent branches). Items run inter-node -> intra-node -> local; groups
+that share no rank run at the same time because each rank only waits on its own
+peers. Per item:
+
+1. Ulysses (U > 1): members swap token rows for head slices (Q, and K/V with
+   their own head count: a member gets the K/V heads its query heads use);
+2. ring positions exchange K and V: rotated step by step with the next step's
+   transfer posted before the current step's compute (ring), or all-gathered;
+   outputs and LSEs merge in fp32; backward rotates K/V again and passes the
+   dK/dV accumulators around the ring back to their owners (ring), or
+   reduce-scatters them (all-gather);
+3. Ulysses: outputs (and in backward the gradients) go back to the token owners.
+
+A local item (one rank) is a single causal varlen call with no communication.
+Input rows past `schedule.tokens` are padding: their outputs and gradients are zero.
+
+Shapes: T rows of this rank, H query heads, K key/value heads, E head dim;
+P rows of a position layout, H' and K' heads held after the Ulysses exchange.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ray_zep.attention import ring
+from ray_zep.attention.comms import all_gather_rows, exchange, reduce_scatter_rows
+from ray_zep.attention.schedule import ItemSchedule, RankSchedule
+from ray_zep.mesh import Comm
+from ray_zep.partition.plan import Exchange
+
+
+class _Heads:
+    """Head slices a Ulysses member owns: its query heads and the K/V heads they use."""
+
+    def __init__(self, heads: int, kv_heads: int, members: int) -> None:
+        self.q_per = heads // members
+        if members <= kv_heads:
+            per = kv_heads // members
+            self.kv = [list(range(m * per, (m + 1) * per)) for m in range(members)]
+        else:
+            self.kv = [[m * kv_heads // members] for m in range(members)]
+
+    def q(self, m: int) -> slice:
+        return slice(m * self.q_per, (m + 1) * self.q_per)
+
+
+@dataclass
+class _Saved:
+    q_PHE: torch.Tensor
+    kv_P2KE: torch.Tensor
+    out_PHE: torch.Tensor
+    lse_HP: torch.Tensor
+    gathered: torch.Tensor | None
+    heads: _Heads
+    kv_heads: int
+
+
+class AttentionEngine(torch.autograd.Function):
+    """out_THE = attention of this rank's rows under the plan (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q_THE, k_TKE, v_TKE, schedule: RankSchedule, comm: Comm, kernels):
+        out = torch.zeros_like(q_THE)
+        saved = []
+        for item in schedule.items:
+            start, stop = item.rows
+            item_out, state = _item_forward(
+                q_THE[start:stop],
+                k_TKE[start:stop],
+                v_TKE[start:stop],
+                item,
+                schedule,
+                comm,
+                kernels[0],
+            )
+            out[start:stop] = item_out
+            saved.append(state)
+        ctx.schedule, ctx.comm, ctx.kernels, ctx.saved = schedule, comm, kernels, saved
+        ctx.shapes = (q_THE.shape, k_TKE.shape, q_THE.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout_THE):
+        q_shape, k_shape, dtype = ctx.shapes
+        dq = torch.zeros(q_shape, dtype=dtype, device=dout_THE.device)
+        dk = torch.zeros(k_shape, dtype=dtype, device=dout_THE.device)
+        dv = torch.zeros(k_shape, dtype=dtype, device=dout_THE.device)
+        for item, state in zip(ctx.schedule.items, ctx.saved, strict=True):
+            start, stop = item.rows
+            grads = _item_backward(
+                dout_THE[start:stop], item, state, ctx.schedule, ctx.comm, ctx.kernels[1]
+            )
+            dq[start:stop], dk[start:stop], dv[start:stop] = grads
+        ctx.saved = []
+        return dq, dk, dv, None, None, None
+
+
+def run_attention(q_THE, k_TKE, v_TKE, schedule: RankSchedule, comm: Comm, kernels):
+    """Differentiable attention of a rank's rows; `kernels` = (forward, backward)."""
+    return AttentionEngine.apply(q_THE, k_TKE, v_TKE, schedule, comm, kernels)
+
+
+def _item_forward(q, k, v, item: ItemSchedule, schedule: RankSchedule, comm: Comm, kernel):
+    u_size = item.item.ulysses
+    heads = _Heads(q.shape[1], k.shape[1], u_size)
+    if u_size > 1:
+        q_pos, kv_pos = _scatter_heads(q, k, v, item, heads, schedule, comm)
+    else:
+        q_pos, kv_pos = q, torch.stack((k, v), dim=1)
+    out_pos = torch.zeros(q_pos.shape, dtype=torch.float32, device=q.device)
+    lse_pos = torch.full(
+        (q_pos.shape[1], q_pos.shape[0]), float("-inf"), dtype=torch.float32, device=q.device
+    )
+    gathered = None
+    if item.item.exchange is Exchange.ALL_GATHER and item.item.ring_size > 1:
+        gathered = all_gather_rows(kv_pos, max(item.position_tokens), comm, schedule.ops)
+        for step in item.steps:
+            source = gathered[item.item.ranks[step.source * u_size + item.part]]
+            ring.step_forward(q_pos, source, step, out_pos, lse_pos, kernel)
+    else:
+        _ring_forward(q_pos, kv_pos, item, schedule, comm, out_pos, lse_pos, kernel)
+    state = _Saved(q_pos, kv_pos, out_pos, lse_pos, gathered, heads, k.shape[1])
+    if u_size > 1:
+        return _gather_out(out_pos.to(q.dtype), item, heads, schedule, comm), state
+    return out_pos.to(q.dtype), state
+
+
+def _ring_forward(q_pos, kv_pos, item, schedule, comm, out_pos, lse_pos, kernel) -> None:
+    current = kv_pos
+    for s, step in enumerate(item.steps):
+        pending = None
+        if s + 1 < len(item.steps):
+            nxt = item.steps[s + 1].source
+            buf = kv_pos.new_empty((item.position_tokens[nxt], *kv_pos.shape[1:]))
+            pending = exchange(
+                [(current, item.ring_next)],
+                [(buf, item.ring_prev)],
+                comm,
+                schedule.ops,
+                "ring K/V exchange",
+            )
+        ring.step_forward(q_pos, current, step, out_pos, lse_pos, kernel)
+        if pending is not None:
+            pending.wait()
+            current = buf
+
+
+def _item_backward(dout, item: ItemSchedule, state: _Saved, schedule, comm, backward):
+    u_size = item.item.ulysses
+    if u_size > 1:
+        dout_pos = _scatter_q(dout, item, state.heads, schedule, comm)
+    else:
+        dout_pos = dout
+    dq_pos = torch.zeros(state.q_PHE.shape, dtype=torch.float32, device=dout.device)
+    if state.gathered is not None:
+        dkv_pos = _all_gather_backward(dout_pos, state, item, schedule, comm, dq_pos, backward)
+    else:
+        dkv_pos = _ring_backward(dout_pos, state, item, schedule, comm, dq_pos, backward)
+    if u_size > 1:
+        return _return_grads(dq_pos, dkv_pos, item, state, schedule, comm)
+    return dq_pos, dkv_pos[:, 0], dkv_pos[:, 1]
+
+
+def _ring_backward(dout_pos, state, item, schedule, comm, dq_pos, backward):
+    kv_pos = state.kv_P2KE
+    current = kv_pos
+    incoming = None  # dK/dV accumulator of the next step's source, from the previous rank
+    kv_pending = dkv_pending = kv_buf = None
+    sends_alive = []  # keep sent accumulators alive until their transfers complete
+    for s, step in enumerate(item.steps):
+        last = s + 1 == len(item.steps)
+        if kv_pending is not None:
+            kv_pending.wait()
+            current = kv_buf
+        if not last:
+            nxt = item.steps[s + 1].source
+            kv_buf = kv_pos.new_empty((item.position_tokens[nxt], *kv_pos.shape[1:]))
+            kv_pending = exchange(
+                [(current, item.ring_next)],
+                [(kv_buf, item.ring_prev)],
+                comm,
+                schedule.ops,
+                "ring K/V exchange (backward)",
+            )
+        dkv = torch.zeros(current.shape, dtype=torch.float32, device=current.device)
+        ring.step_backward(
+            dout_pos,
+            state.q_PHE,
+            current,
+            state.out_PHE,
+            state.lse_HP,
+            step,
+            dq_pos,
+            dkv,
+            backward,
+        )
+        if len(item.steps) == 1:  # a local item: nothing travels
+            return dkv
+        if dkv_pending is not None:
+            dkv_pending.wait()
+            dkv += incoming
+        # After the last step the accumulator goes home, and ours arrives.
+        size = item.position_tokens[item.position if last else item.steps[s + 1].source]
+        incoming = dkv.new_empty((size, *dkv.shape[1:]))
+        dkv_pending = exchange(
+            [(dkv, item.ring_next)],
+            [(incoming, item.ring_prev)],
+            comm,
+            schedule.ops,
+            "ring dK/dV exchange",
+        )
+        sends_alive.append(dkv)
+    dkv_pending.wait()
+    return incoming
+
+
+def _all_gather_backward(dout_pos, state, item, schedule, comm, dq_pos, backward):
+    gathered = state.gathered
+    u_size = item.item.ulysses
+    dkv_all = torch.zeros(gathered.shape, dtype=torch.float32, device=gathered.device)
+    for step in item.steps:
+        owner = item.item.ranks[step.source * u_size + item.part]
+        ring.step_backward(
+            dout_pos,
+            state.q_PHE,
+            gathered[owner],
+            state.out_PHE,
+            state.lse_HP,
+            step,
+            dq_pos,
+            dkv_all[owner],
+            backward,
+        )
+    mine = reduce_scatter_rows(dkv_all, comm, schedule.ops)
+    return mine[: state.kv_P2KE.shape[0]]
+
+
+def _scatter_heads(q, k, v, item, heads: _Heads, schedule, comm):
+    """Ulysses forward exchange: rows of all members, heads of this member."""
+    me, dim = item.part, q.shape[2]
+    kv = torch.stack((k, v), dim=1)
+    payload = [
+        torch.cat((q[:, heads.q(m)].reshape(-1), kv[:, :, heads.kv[m]].reshape(-1)))
+        for m in range(item.item.ulysses)
+    ]
+    kv_per = len(heads.kv[me])
+    width = (heads.q_per + 2 * kv_per) * dim
+    received = _swap(payload, item.member_tokens, width, item, schedule, comm, "Q/K/V")
+    q_parts, kv_parts = [], []
+    for m, flat in enumerate(received):
+        rows = item.member_tokens[m]
+        q_len = rows * heads.q_per * dim
+        q_parts.append(flat[:q_len].view(rows, heads.q_per, dim))
+        kv_parts.append(flat[q_len:].view(rows, 2, kv_per, dim))
+    return _to_position(torch.cat(q_parts), item), _to_position(torch.cat(kv_parts), item)
+
+
+def _scatter_q(x_THE, item, heads: _Heads, schedule, comm):
+    """Backward twin of the Q part of `_scatter_heads` (for output gradients)."""
+    dim = x_THE.shape[2]
+    payload = [x_THE[:, heads.q(m)].reshape(-1) for m in range(item.item.ulysses)]
+    received = _swap(
+        payload, item.member_tokens, heads.q_per * dim, item, schedule, comm, "output gradient"
+    )
+    parts = [flat.view(-1, heads.q_per, dim) for flat in received]
+    return _to_position(torch.cat(parts), item)
+
+
+def _gather_out(out_PHE, item, heads: _Heads, schedule, comm):
+    """Ulysses return exchange: this member's rows, all heads."""
+    rows = out_PHE[item.gather_order].split(list(item.member_tokens))
+    payload = [r.reshape(-1) for r in rows]
+    mine = item.member_tokens[item.part]
+    dim = out_PHE.shape[2]
+    received = _swap(
+        payload, [mine] * len(payload), heads.q_per * dim, item, schedule, comm, "attention output"
+    )
+    out = out_PHE.new_empty((mine, heads.q_per * len(payload), dim))
+    for m, flat in enumerate(received):
+        out[:, heads.q(m)] = flat.view(mine, heads.q_per, dim)
+    return out
+
+
+def _return_grads(dq_PHE, dkv_P2KE, item, state: _Saved, schedule, comm):
+    """Ulysses backward return: dQ, dK, dV of this member's rows, all heads (fp32)."""
+    heads, kv_per, dim = state.heads, dkv_P2KE.shape[2], dq_PHE.shape[2]
+    order = item.gather_order
+    sizes = list(item.member_tokens)
+    payload = [
+        torch.cat((dq.reshape(-1), dkv.reshape(-1)))
+        for dq, dkv in zip(dq_PHE[order].split(sizes), dkv_P2KE[order].split(sizes), strict=True)
+    ]
+    mine = item.member_tokens[item.part]
+    width = (heads.q_per + 2 * kv_per) * dim
+    received = _swap(payload, [mine] * len(payload), width, item, schedule, comm, "Q/K/V gradient")
+    members = len(payload)
+    dq = dq_PHE.new_zeros((mine, heads.q_per * members, dim))
+    dkv = dq_PHE.new_zeros((mine, 2, state.kv_heads, dim))
+    for m, flat in enumerate(received):
+        q_len = mine * heads.q_per * dim
+        dq[:, heads.q(m)] = flat[:q_len].view(mine, heads.q_per, dim)
+        dkv[:, :, heads.kv[m]] += flat[q_len:].view(mine, 2, kv_per, dim)
+    return dq, dkv[:, 0], dkv[:, 1]
+
+
+def _to_position(rows_by_member: torch.Tensor, item: ItemSchedule) -> torch.Tensor:
+    out = torch.empty_like(rows_by_member)
+    out[item.gather_order] = rows_by_member
+    return out
+
+
+def _swap(payload, recv_rows, row_numel, item, schedule, comm, what):
+    """Send payload[m] to member m; receive recv_rows[m] rows of row_numel elements from m."""
+    me, peers = item.part, item.ulysses_peers
+    received = [
+        payload[me] if m == me else payload[me].new_empty(recv_rows[m] * row_numel)
+        for m in range(len(payload))
+    ]
+    others = [m for m in range(len(payload)) if m != me]
+    exchange(
+        [(payload[m], peers[m]) for m in others],
+        [(received[m], peers[m]) for m in others],
+        comm,
+        schedule.ops,
+        f"Ulysses {what} exchange",
+    ).wait()
+    return received

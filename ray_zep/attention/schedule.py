@@ -1,0 +1,232 @@
+"""A rank's execution metadata for one batch, built once on the host from the plan.
+
+Every layer reuses it: the engine never loops over documents to find boundaries
+and never reads sizes back from the device.
+
+Terms (see `ray_zep.partition.plan`): a queue item's ring position r holds, per
+sequence, chunk r then chunk 2R-1-r (the *position layout*); Ulysses member u
+holds a contiguous part of it (the *member layout*, which is this rank's rows).
+At ring step s position r computes its queries against the K and V of position
+(r - s) mod R, in one of three sections:
+
+- diagonal (s = 0): each sequence's own chunks, causal over their concatenation;
+- lower (source before r): all queries against the source's early chunk, no mask;
+- upper (source after r): the late chunk's queries against all of the source, no mask.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ray_zep.attention.varlen import PackedSeqs
+from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem
+
+
+@dataclass(frozen=True)
+class StepMeta:
+    """One ring step: which query and key rows meet, as packed varlen segments."""
+
+    source: int
+    """Ring position whose K and V this step uses."""
+    q_rows: torch.Tensor
+    """int64 rows of the position layout, segment after segment."""
+    k_rows: torch.Tensor
+    """int64 rows of the source's position layout."""
+    seqs_q: PackedSeqs
+    seqs_k: PackedSeqs
+    causal: bool
+
+
+@dataclass(frozen=True)
+class ItemSchedule:
+    """What this rank does for one queue item.
+
+    Attributes:
+        item: the queue item.
+        rows: this rank's rows of the item, [start, stop) in its layout.
+        position: this rank's ring position r.
+        part: this rank's Ulysses member index u.
+        position_tokens: tokens of every ring position (buffer sizes).
+        member_tokens: tokens of every member of this rank's position.
+        gather_order: position-layout row of each row received in the Ulysses
+            exchange (member after member); identity when U = 1.
+        ring_next, ring_prev: ranks this position sends to and receives from.
+        steps: the R ring steps.
+    """
+
+    item: QueueItem
+    rows: tuple[int, int]
+    position: int
+    part: int
+    position_tokens: tuple[int, ...]
+    member_tokens: tuple[int, ...]
+    gather_order: torch.Tensor
+    ring_next: int
+    ring_prev: int
+    steps: tuple[StepMeta, ...]
+
+    @property
+    def ulysses_peers(self) -> tuple[int, ...]:
+        u = self.item.ulysses
+        return self.item.ranks[self.position * u : (self.position + 1) * u]
+
+
+@dataclass
+class RankSchedule:
+    """All queue items of one rank for one batch, in execution order.
+
+    Attributes:
+        rank: the rank.
+        tokens: rows of the rank's layout (inputs may carry padding rows after them).
+        items: per-item schedules.
+        ops: tally of communication calls issued (`p2p`, `all_gather`,
+            `reduce_scatter`), for tests and metrics.
+    """
+
+    rank: int
+    tokens: int
+    items: list[ItemSchedule]
+    ops: Counter = field(default_factory=Counter)
+
+    @classmethod
+    def build(
+        cls, plan: AttentionPlan, rank: int, device: torch.device | str = "cpu"
+    ) -> RankSchedule:
+        items, start = [], 0
+        for item in plan.rank_items(rank):
+            schedule = _item_schedule(plan, item, rank, start, device)
+            items.append(schedule)
+            start = schedule.rows[1]
+        return cls(rank, start, items)
+
+
+def _position_layout(plan: AttentionPlan, item: QueueItem, position: int):
+    """Per sequence of the item: (early, late) token counts at `position`."""
+    out = []
+    for seq in item.seqs:
+        p = plan.placements[seq]
+        last = 2 * p.ring_size - 1 - position
+        early = p.bounds[position + 1] - p.bounds[position]
+        late = p.bounds[last + 1] - p.bounds[last]
+        out.append((early, late))
+    return out
+
+
+def _item_schedule(
+    plan: AttentionPlan, item: QueueItem, rank: int, start: int, device
+) -> ItemSchedule:
+    member = item.ranks.index(rank)
+    u_size, ring = item.ulysses, item.ring_size
+    position, part = divmod(member, u_size)
+    layouts = [_position_layout(plan, item, r) for r in range(ring)]
+    position_tokens = tuple(sum(early + late for early, late in lay) for lay in layouts)
+    placements = [plan.placements[s] for s in item.seqs]
+    members = range(position * u_size, (position + 1) * u_size)
+    member_tokens = tuple(sum(p.member_tokens(m) for p in placements) for m in members)
+    gather = _gather_order(placements, position, members)
+    steps = tuple(
+        _step_meta(
+            layouts[position],
+            layouts[(position - s) % ring],
+            s,
+            (position - s) % ring,
+            position,
+            device,
+        )
+        for s in range(ring)
+    )
+    return ItemSchedule(
+        item=item,
+        rows=(start, start + member_tokens[part]),
+        position=position,
+        part=part,
+        position_tokens=position_tokens,
+        member_tokens=member_tokens,
+        gather_order=torch.as_tensor(gather, dtype=torch.int64, device=device),
+        ring_next=item.ranks[((position + 1) % ring) * u_size + part],
+        ring_prev=item.ranks[((position - 1) % ring) * u_size + part],
+        steps=steps,
+    )
+
+
+def _gather_order(placements, position: int, members: range) -> np.ndarray:
+    """Position-layout row of each row of the member layouts, members concatenated."""
+    seq_start = np.cumsum([0] + [p.position_tokens(position) for p in placements])
+    order = []
+    for m in members:
+        for i, p in enumerate(placements):
+            ranges = p.position_ranges(position)
+            for a, b in p.member_ranges(m):
+                order.append(_rows_in_position(ranges, a, b) + seq_start[i])
+    return np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
+
+
+def _rows_in_position(ranges: list[tuple[int, int]], a: int, b: int) -> np.ndarray:
+    """Offsets within the position's concatenated ranges of sequence tokens [a, b)."""
+    seen = 0
+    for lo, hi in ranges:
+        if lo <= a < hi:
+            return np.arange(a - lo, b - lo, dtype=np.int64) + seen
+        seen += hi - lo
+    raise ValueError(f"tokens [{a}, {b}) are not at this position")
+
+
+def _step_meta(mine, theirs, step: int, source: int, position: int, device) -> StepMeta:
+    q_rows, k_rows, q_lens, k_lens = [], [], [], []
+    q_off = k_off = 0
+    for (early, late), (src_early, src_late) in zip(mine, theirs, strict=True):
+        if step == 0:
+            q = (q_off, early + late)
+            k = (k_off, src_early + src_late)
+        elif source < position:
+            q = (q_off, early + late)
+            k = (k_off, src_early)
+        else:
+            q = (q_off + early, late)
+            k = (k_off, src_early + src_late)
+        if q[1] > 0 and k[1] > 0:
+            q_rows.append(np.arange(q[0], q[0] + q[1]))
+            k_rows.append(np.arange(k[0], k[0] + k[1]))
+            q_lens.append(q[1])
+            k_lens.append(k[1])
+        q_off += early + late
+        k_off += src_early + src_late
+
+    def rows(parts):
+        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return torch.as_tensor(flat, dtype=torch.int64, device=device)
+
+    return StepMeta(
+        source=source,
+        q_rows=rows(q_rows),
+        k_rows=rows(k_rows),
+        seqs_q=PackedSeqs.from_lengths(q_lens, device),
+        seqs_k=PackedSeqs.from_lengths(k_lens, device),
+        causal=step == 0,
+    )
+
+
+def expected_ops(plan: AttentionPlan, rank: int) -> Counter:
+    """Communication calls one forward and backward of a layer issue on `rank`.
+
+    Ring items: R - 1 K/V sends and receives forward; backward rotates K/V again
+    (R - 1 each way) and the dK/dV accumulators (R each way). All-gather items:
+    one all-gather forward, one reduce-scatter backward. Ulysses: four exchanges
+    (Q/K/V and output forward, their gradients backward) of U - 1 sends and
+    receives each.
+    """
+    ops: Counter = Counter()
+    for item in plan.rank_items(rank):
+        ring, u_size = item.ring_size, item.ulysses
+        if ring > 1 and item.exchange is Exchange.RING:
+            ops["p2p"] += 2 * (ring - 1) * 2 + 2 * ring
+        elif ring > 1:
+            ops["all_gather"] += 1
+            ops["reduce_scatter"] += 1
+        if u_size > 1:
+            ops["p2p"] += 4 * 2 * (u_size - 1)
+    return ops

@@ -1,0 +1,75 @@
+"""Ring attention against the single-device reference, on one rank of a gloo group."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ray_zep.attention.engine import run_attention
+from ray_zep.attention.kernels import torch_varlen_attention, torch_varlen_attention_backward
+from ray_zep.attention.schedule import RankSchedule, expected_ops
+from ray_zep.attention.varlen import PackedSeqs
+from ray_zep.config import Strategy, load_config
+from ray_zep.mesh import Comm
+from ray_zep.model.shapes import build_shape
+from ray_zep.partition import make_plan
+from ray_zep.topology import build_topology
+
+KERNELS = (torch_varlen_attention, torch_varlen_attention_backward)
+PAD_ROWS = 3
+
+
+def reference(lengths, heads, kv_heads, dim, seed):
+    """Global q, k, v (sequence-major), output and gradients from one process."""
+    g = torch.Generator().manual_seed(seed)
+    total = int(sum(lengths))
+    q = torch.randn(total, heads, dim, generator=g, requires_grad=True)
+    k = torch.randn(total, kv_heads, dim, generator=g, requires_grad=True)
+    v = torch.randn(total, kv_heads, dim, generator=g, requires_grad=True)
+    dout = torch.randn(total, heads, dim, generator=g)
+    out, _ = torch_varlen_attention(q, k, v, PackedSeqs.from_lengths(lengths), causal=True)
+    (out * dout).sum().backward()
+    return q, k, v, dout, out.detach()
+
+
+def ring_rank(rank: int, world: int, case: dict) -> dict:
+    """Run the engine on this rank's rows of the plan; return rows, outputs, grads, op counts."""
+    overrides = [
+        f"topology.nodes={case['nodes']}",
+        f"topology.gpus_per_node={case['gpus']}",
+        f"model.n_heads={case['heads']}",
+        f"model.n_kv_heads={case['kv_heads']}",
+        f"model.dim={case['heads'] * case['dim']}",
+    ]
+    config = load_config(None, overrides)
+    topology = build_topology(config.topology)
+    comm = Comm.create(topology, Strategy(case["strategy"]), 60.0)
+    lengths = case["lengths"]
+    plan = make_plan(
+        Strategy(case["strategy"]), lengths, topology, case["capacity"], build_shape(config.model)
+    )
+    q, k, v, dout, _ = reference(lengths, case["heads"], case["kv_heads"], case["dim"], 0)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    rows = np.concatenate(
+        [np.arange(f.start, f.end) + starts[f.seq] for f in plan.layout(rank)] or [[]]
+    ).astype(np.int64)
+    index = torch.as_tensor(rows)
+
+    def mine(x):  # this rank's rows plus padding rows of garbage
+        pad = torch.full((PAD_ROWS, *x.shape[1:]), 7.0)
+        return torch.cat((x.detach()[index], pad)).requires_grad_(True)
+
+    lq, lk, lv = mine(q), mine(k), mine(v)
+    schedule = RankSchedule.build(plan, rank)
+    out = run_attention(lq, lk, lv, schedule, comm, KERNELS)
+    upstream = torch.cat((dout[index], torch.full((PAD_ROWS, *dout.shape[1:]), 5.0)))
+    (out * upstream).sum().backward()
+    return {
+        "rows": rows,
+        "out": out.detach(),
+        "dq": lq.grad,
+        "dk": lk.grad,
+        "dv": lv.grad,
+        "ops": dict(schedule.ops),
+        "expected_ops": dict(expected_ops(plan, rank)),
+    }
