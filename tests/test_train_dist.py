@@ -22,7 +22,7 @@ import torch
 
 from ray_zep.config import load_config
 from ray_zep.data.builder import write_token_parquet
-from ray_zep.data.shards import shard_batch
+from ray_zep.data.shards import shard_for
 from ray_zep.errors import CommError, TopologyError
 from ray_zep.mesh import Comm
 from ray_zep.topology import build_topology
@@ -64,7 +64,7 @@ def _gradients(rank: int, world: int, overrides: list[str]) -> dict[str, torch.T
     topology = build_topology(config.topology)
     comm = Comm.create(topology, config.parallel.strategy, 60.0)
     batch = make_stream(config, topology, Progress(0, {})).next_batch()
-    shard = shard_batch(batch, config.parallel.strategy, comm.world_size)[rank]
+    shard = shard_for(batch, config, topology)[rank]
     trainer = RankTrainer(config, comm, torch.device("cpu"))
     trainer.compute_gradients(shard)
     return {name: p.grad.clone() for name, p in trainer.model.named_parameters()}

@@ -22,7 +22,7 @@ import ray
 from ray_zep.config import Config, config_from_dict
 from ray_zep.data.batching import BatchStream, Cursor
 from ray_zep.data.catalog import open_configured_source
-from ray_zep.data.shards import shard_batch
+from ray_zep.data.shards import shard_for
 from ray_zep.errors import CommError
 from ray_zep.logs import setup_logging
 from ray_zep.mesh import num_ranks
@@ -112,7 +112,7 @@ class DataActor:
                     return
             try:
                 batch = stream.next_batch()
-                shards = shard_batch(batch, self.config.parallel.strategy, self.num_ranks)
+                shards = shard_for(batch, self.config, self.topology)
                 refs = [ray.put(shard) for shard in shards]
             except BaseException as exc:  # surfaced to the workers by get_shard
                 with self._cond:

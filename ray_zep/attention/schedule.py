@@ -108,7 +108,7 @@ def _position_layout(plan: AttentionPlan, item: QueueItem, position: int):
     """Per sequence of the item: (early, late) token counts at `position`."""
     out = []
     for seq in item.seqs:
-        p = plan.placements[seq]
+        p = plan.placement(seq)
         last = 2 * p.ring_size - 1 - position
         early = p.bounds[position + 1] - p.bounds[position]
         late = p.bounds[last + 1] - p.bounds[last]
@@ -124,7 +124,7 @@ def _item_schedule(
     position, part = divmod(member, u_size)
     layouts = [_position_layout(plan, item, r) for r in range(ring)]
     position_tokens = tuple(sum(early + late for early, late in lay) for lay in layouts)
-    placements = [plan.placements[s] for s in item.seqs]
+    placements = [plan.placement(s) for s in item.seqs]
     members = range(position * u_size, (position + 1) * u_size)
     member_tokens = tuple(sum(p.member_tokens(m) for p in placements) for m in members)
     gather = _gather_order(placements, position, members)

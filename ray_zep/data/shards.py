@@ -8,6 +8,11 @@ vectorised numpy, never per document.
 Placement by strategy:
 - `single`: one shard holding the whole batch (the reference).
 - `dp`: rank r holds bin r of a rank-packed batch: whole sequences, at most L tokens.
+- every other strategy: its planner places the batch (`ray_zep.partition`) and
+  rank r holds the fragments of its plan layout, with explicit positions and
+  next-token labels taken from the whole sequences (a fragment's last label is
+  the first token of the next fragment, wherever that lives), and its slice of
+  the plan.
 """
 
 from __future__ import annotations
@@ -17,10 +22,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ray_zep.attention.varlen import positions_from_lengths
-from ray_zep.config import Strategy
+from ray_zep.config import Config, Strategy
 from ray_zep.constants import IGNORE_INDEX
 from ray_zep.data.batching import GlobalBatch
 from ray_zep.errors import PlacementError
+from ray_zep.model.shapes import build_shape
+from ray_zep.partition import make_plan
+from ray_zep.partition.plan import AttentionPlan, Fragment
+from ray_zep.topology import Topology
 
 
 @dataclass
@@ -51,6 +60,10 @@ class RankShard:
     global_label_tokens: int
     rank_tokens: tuple[int, ...]
     cursor_after: dict[str, int]
+    plan: AttentionPlan | None = None
+    """This rank's slice of the batch's plan (None: whole sequences, local attention)."""
+    position_ids: np.ndarray | None = None
+    label_ids: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -58,10 +71,14 @@ class RankShard:
 
     def positions(self) -> np.ndarray:
         """int64 position of every token inside its sequence."""
+        if self.position_ids is not None:
+            return self.position_ids
         return positions_from_lengths(self.lengths)
 
     def labels(self) -> np.ndarray:
         """int64 next-token labels; IGNORE_INDEX at the last token of each sequence."""
+        if self.label_ids is not None:
+            return self.label_ids
         labels = np.empty(self.num_tokens, dtype=np.int64)
         if self.num_tokens:
             labels[:-1] = self.tokens[1:]
@@ -106,3 +123,62 @@ def _shard(
         rank_tokens=rank_tokens,
         cursor_after=batch.cursor_after.to_dict(),
     )
+
+
+def shard_for(batch: GlobalBatch, config: Config, topology: Topology) -> list[RankShard]:
+    """Every rank's shard of `batch` under `config.parallel.strategy`.
+
+    Raises:
+        PlacementError: the batch does not fit the strategy's placement.
+        ConfigError: the strategy's rules (e.g. Ulysses head counts) fail.
+    """
+    strategy = config.parallel.strategy
+    if strategy in (Strategy.SINGLE, Strategy.DP):
+        world = 1 if strategy is Strategy.SINGLE else topology.world_size
+        return shard_batch(batch, strategy, world)
+    plan = make_plan(
+        strategy,
+        batch.lengths,
+        topology,
+        config.train.tokens_per_rank,
+        build_shape(config.model),
+        config.parallel,
+    )
+    rank_tokens = tuple(int(n) for n in plan.rank_tokens())
+    return [_planned_shard(batch, plan, rank, rank_tokens) for rank in range(topology.world_size)]
+
+
+def _planned_shard(
+    batch: GlobalBatch, plan: AttentionPlan, rank: int, rank_tokens: tuple[int, ...]
+) -> RankShard:
+    fragments = plan.layout(rank)
+    tokens, labels = [], []
+    for f in fragments:
+        seq_tokens = batch.tokens[f.seq]
+        tokens.append(seq_tokens[f.start : f.end])
+        labels.append(_fragment_labels(seq_tokens, f))
+    empty = np.zeros(0, dtype=np.int64)
+    return RankShard(
+        step=batch.index,
+        rank=rank,
+        tokens=np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int32),
+        lengths=np.asarray([f.length for f in fragments], dtype=np.int64),
+        docs=np.asarray([batch.pieces[f.seq].doc for f in fragments], dtype=np.int64),
+        starts=np.asarray([batch.pieces[f.seq].start + f.start for f in fragments], dtype=np.int64),
+        global_tokens=batch.total_tokens,
+        global_label_tokens=batch.label_tokens,
+        rank_tokens=rank_tokens,
+        cursor_after=batch.cursor_after.to_dict(),
+        plan=plan.slice_for(rank),
+        position_ids=np.concatenate([np.arange(f.start, f.end) for f in fragments])
+        if fragments
+        else empty,
+        label_ids=np.concatenate(labels) if labels else empty,
+    )
+
+
+def _fragment_labels(seq_tokens: np.ndarray, fragment: Fragment) -> np.ndarray:
+    labels = np.full(fragment.length, IGNORE_INDEX, dtype=np.int64)
+    last = min(fragment.end, len(seq_tokens) - 1)
+    labels[: last - fragment.start] = seq_tokens[fragment.start + 1 : last + 1]
+    return labels

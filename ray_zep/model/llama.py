@@ -147,20 +147,28 @@ class Transformer(nn.Module):
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
 
     def forward(
-        self, tokens_T: torch.Tensor, positions_T: torch.Tensor, seqs: PackedSeqs
+        self,
+        tokens_T: torch.Tensor,
+        positions_T: torch.Tensor,
+        seqs: PackedSeqs | None,
+        attention: AttentionFn | None = None,
     ) -> torch.Tensor:
         """Logits of the next token at every position.
 
         Args:
             tokens_T: int64 token ids of the packed batch.
             positions_T: position of each token inside its own sequence.
-            seqs: sequence boundaries (sum of lengths == T).
+            seqs: sequence boundaries (sum of lengths == T); None when `attention`
+                knows the layout itself (the distributed engine).
+            attention: overrides the model's kernel for this call, e.g. the
+                attention engine of a parallel strategy.
 
         Returns:
             logits_TV.
         """
         rope = rope_tables(positions_T, self.shape.head_dim, self.shape.rope_theta)
         h_TD = self.tok_embeddings(tokens_T)
+        attention = attention or self.attention_fn
         for layer in self.layers:
-            h_TD = layer(h_TD, rope, seqs, self.attention_fn)
+            h_TD = layer(h_TD, rope, seqs, attention)
         return self.output(self.norm(h_TD))

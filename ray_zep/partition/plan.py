@@ -186,7 +186,7 @@ class AttentionPlan:
         strategy: the planner that made it.
         topology: the cluster it is for.
         tokens_per_rank: L, the hard token capacity of a rank.
-        placements: one per sequence, `placements[i].seq == i`.
+        placements: one per sequence, `placements[i].seq == i` (unless sliced).
         planner_seconds: wall time of the planner.
     """
 
@@ -195,7 +195,10 @@ class AttentionPlan:
     tokens_per_rank: int
     placements: tuple[SeqPlacement, ...]
     planner_seconds: float = 0.0
+    sliced: bool = False
+    """True for `slice_for`'s result, which holds only one rank's placements."""
     _items: list[QueueItem] | None = field(default=None, repr=False, compare=False)
+    _by_seq: dict[int, SeqPlacement] | None = field(default=None, repr=False, compare=False)
 
     @property
     def world(self) -> int:
@@ -205,8 +208,26 @@ class AttentionPlan:
     def lengths(self) -> np.ndarray:
         return np.asarray([p.length for p in self.placements], dtype=np.int64)
 
+    def placement(self, seq: int) -> SeqPlacement:
+        """Placement of sequence `seq` (also in a slice, which keeps only some)."""
+        if self._by_seq is None:
+            self._by_seq = {p.seq: p for p in self.placements}
+        return self._by_seq[seq]
+
+    def slice_for(self, rank: int) -> AttentionPlan:
+        """The part of the plan `rank` needs to execute: the placements of its groups."""
+        mine = tuple(p for p in self.placements if rank in p.ranks)
+        return AttentionPlan(
+            self.strategy,
+            self.topology,
+            self.tokens_per_rank,
+            mine,
+            self.planner_seconds,
+            sliced=True,
+        )
+
     def zone(self, seq: int) -> Zone:
-        return zone_of(self.placements[seq].ranks, self.topology)
+        return zone_of(self.placement(seq).ranks, self.topology)
 
     def items(self) -> list[QueueItem]:
         """Every queue item of the batch, in execution order."""
@@ -230,7 +251,7 @@ class AttentionPlan:
         for item in self.rank_items(rank):
             member = item.ranks.index(rank)
             for seq in item.seqs:
-                for a, b in self.placements[seq].member_ranges(member):
+                for a, b in self.placement(seq).member_ranges(member):
                     fragments.append(Fragment(seq, a, b, item.zone))
         return fragments
 
@@ -251,7 +272,7 @@ class AttentionPlan:
                 span the world, or a rank over its capacity L.
         """
         for i, p in enumerate(self.placements):
-            _check_placement(i, p, self.world)
+            _check_placement(p.seq if self.sliced else i, p, self.world)
         over = np.flatnonzero(self.rank_tokens() > self.tokens_per_rank)
         if over.size:
             rank = int(over[0])

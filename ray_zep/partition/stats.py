@@ -62,7 +62,7 @@ def plan_stats(plan: AttentionPlan, shape: ModelShape) -> PlanStats:
     zones: list[dict[str, int]] = [{} for _ in range(world)]
     pair_flops = 4.0 * shape.n_heads * shape.head_dim
     for item in plan.items():
-        placements = [plan.placements[s] for s in item.seqs]
+        placements = [plan.placement(s) for s in item.seqs]
         for member, rank in enumerate(item.ranks):
             held = sum(p.member_tokens(member) for p in placements)
             zones[rank][item.zone.value] = zones[rank].get(item.zone.value, 0) + held
@@ -79,7 +79,7 @@ def _add_item_bytes(
     plan: AttentionPlan, item: QueueItem, shape: ModelShape, sent: dict[LinkKind, np.ndarray]
 ) -> None:
     topo = plan.topology
-    placements = [plan.placements[s] for s in item.seqs]
+    placements = [plan.placement(s) for s in item.seqs]
     u_size, ring = item.ulysses, item.ring_size
     position_tokens = [sum(p.position_tokens(r) for p in placements) for r in range(ring)]
     kv_token = (

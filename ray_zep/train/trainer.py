@@ -17,7 +17,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ray_zep.attention.kernels import select_kernel
+from ray_zep.attention.engine import run_attention
+from ray_zep.attention.kernels import AttentionFn, select_backward, select_kernel
+from ray_zep.attention.schedule import RankSchedule
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.config import Config, Device, Precision
 from ray_zep.constants import IGNORE_INDEX
@@ -89,8 +91,8 @@ class RankTrainer:
         self.device = device
         self.dtype = resolve_dtype(config.train.precision, device)
         shape = build_shape(config.model)
-        kernel = select_kernel(config.model.attention_kernel, device, self.dtype)
-        self.model = Transformer(shape, kernel)
+        self.kernel = select_kernel(config.model.attention_kernel, device, self.dtype)
+        self.model = Transformer(shape, self.kernel)
         self.model.init_weights(torch.Generator().manual_seed(config.train.seed))
         self.model.to(device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -136,16 +138,31 @@ class RankTrainer:
         tokens = torch.from_numpy(shard.tokens.astype(np.int64)).to(self.device)
         positions = torch.from_numpy(shard.positions()).to(self.device)
         labels = torch.from_numpy(shard.labels()).to(self.device)
-        seqs = PackedSeqs.from_lengths(shard.lengths, self.device)
+        seqs, attention = None, None
+        if shard.plan is None:
+            seqs = PackedSeqs.from_lengths(shard.lengths, self.device)
+        else:
+            attention = self._engine(shard)
         with torch.autocast(
             self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32
         ):
-            logits_TV = self.model(tokens, positions, seqs)
+            logits_TV = self.model(tokens, positions, seqs, attention)
         token_losses = F.cross_entropy(
             logits_TV.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"
         )
         (token_losses / max(1, shard.global_label_tokens)).backward()
         return float(token_losses.detach())
+
+    def _engine(self, shard: RankShard) -> AttentionFn:
+        """Attention through the engine for this shard's plan (metadata built once per step)."""
+        schedule = RankSchedule.build(shard.plan, self.comm.rank, self.device)
+        kernels = (self.kernel, select_backward(self.kernel))
+        comm = self.comm
+
+        def attention(q_THE, k_TKE, v_TKE, seqs, causal=True):
+            return run_attention(q_THE, k_TKE, v_TKE, schedule, comm, kernels), None
+
+        return attention
 
     def _clip(self) -> float:
         max_norm = self.config.train.grad_clip or float("inf")

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from ray_zep.config import Config, Strategy, load_config
+from ray_zep.config import Config, load_config
 from ray_zep.data.batching import BatchStream, Cursor, GlobalBatch
 from ray_zep.data.catalog import open_configured_source
-from ray_zep.data.shards import shard_batch
+from ray_zep.data.shards import shard_for
 from ray_zep.mesh import Comm
 from ray_zep.model.llama import Transformer
 from ray_zep.model.shapes import build_shape
@@ -52,7 +52,6 @@ def train_rank(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
     config = load_config(None, overrides)
     topology = build_topology(config.topology)
     comm = Comm.create(topology, config.parallel.strategy, TIMEOUT_S)
-    ranks = 1 if config.parallel.strategy is Strategy.SINGLE else topology.world_size
     state: dict[str, Any] = {"batches": {}}
 
     def start_data(progress: Progress) -> None:
@@ -60,7 +59,7 @@ def train_rank(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
 
     def fetch(step: int):
         batch = _batch(state, step)
-        return shard_batch(batch, config.parallel.strategy, ranks)[rank]
+        return shard_for(batch, config, topology)[rank]
 
     events: list[dict] = []
     trainer = run_rank(
