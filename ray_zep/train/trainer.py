@@ -136,8 +136,8 @@ class RankTrainer:
     def _forward_backward(self, shard: RankShard) -> float:
         # Shards arrive read-only from the object store; astype copies them.
         tokens = torch.from_numpy(shard.tokens.astype(np.int64)).to(self.device)
-        positions = torch.from_numpy(shard.positions()).to(self.device)
-        labels = torch.from_numpy(shard.labels()).to(self.device)
+        positions = torch.from_numpy(shard.positions().copy()).to(self.device)
+        labels = torch.from_numpy(shard.labels().copy()).to(self.device)
         seqs, attention = None, None
         if shard.plan is None:
             seqs = PackedSeqs.from_lengths(shard.lengths, self.device)
