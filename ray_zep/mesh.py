@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ray_zep.config import Strategy
-from ray_zep.errors import TopologyError
+from ray_zep.errors import CommError, TopologyError
 from ray_zep.topology import Topology
 
 
@@ -75,6 +75,23 @@ class Comm:
     @property
     def timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.timeout_s)
+
+    def wait(self, works: list, what: str) -> None:
+        """Wait on every work handle within the timeout.
+
+        Raises:
+            CommError: a handle failed (a lost peer) or timed out; names `what`
+                and the config key that sets the limit.
+        """
+        try:
+            for work in works:
+                work.wait(timeout=self.timeout)
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CommError(
+                f"{what} on rank {self.rank} failed or exceeded "
+                f"comm.timeout_s={self.timeout_s:g}: {first}"
+            ) from None
 
 
 def init_process_group(

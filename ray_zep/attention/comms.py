@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ray_zep.errors import CommError
 from ray_zep.mesh import Comm
 
 
@@ -26,15 +25,7 @@ class Pending:
         self._works, self._comm, self._what = works, comm, what
 
     def wait(self) -> None:
-        try:
-            for work in self._works:
-                work.wait(timeout=self._comm.timeout)
-        except RuntimeError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CommError(
-                f"{self._what} on rank {self._comm.rank} failed or exceeded "
-                f"comm.timeout_s={self._comm.timeout_s:g}: {first}"
-            ) from None
+        self._comm.wait(self._works, self._what)
         self._works = []
 
 

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ray_zep.errors import CommError
 from ray_zep.mesh import Comm
 from ray_zep.topology import LinkKind, Topology
 
@@ -20,15 +19,8 @@ def all_reduce_sum_(tensor: torch.Tensor, comm: Comm, what: str) -> torch.Tensor
     """Sum `tensor` over the group in place (no-op for a single process)."""
     if not comm.distributed:
         return tensor
-    try:
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=comm.group, async_op=True)
-        work.wait(timeout=comm.timeout)
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CommError(
-            f"all-reduce of {what} on rank {comm.rank} failed or exceeded "
-            f"comm.timeout_s={comm.timeout_s:g}: {first}"
-        ) from None
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=comm.group, async_op=True)
+    comm.wait([work], f"all-reduce of {what}")
     return tensor
 
 
