@@ -131,20 +131,23 @@ def _item_forward(q, k, v, item: ItemSchedule, schedule: RankSchedule, comm: Com
     return out_pos.to(q.dtype), state
 
 
+def _rotate(current, item: ItemSchedule, step: int, schedule, comm, what: str):
+    """Post the send of `current` to the next position and the receive of the K/V that
+    step `step + 1` uses; (None, None) after the last step."""
+    if step + 1 >= len(item.steps):
+        return None, None
+    source = item.steps[step + 1].source
+    buf = current.new_empty((item.position_tokens[source], *current.shape[1:]))
+    pending = exchange(
+        [(current, item.ring_next)], [(buf, item.ring_prev)], comm, schedule.ops, what
+    )
+    return buf, pending
+
+
 def _ring_forward(q_pos, kv_pos, item, schedule, comm, out_pos, lse_pos, kernel) -> None:
     current = kv_pos
     for s, step in enumerate(item.steps):
-        pending = None
-        if s + 1 < len(item.steps):
-            nxt = item.steps[s + 1].source
-            buf = kv_pos.new_empty((item.position_tokens[nxt], *kv_pos.shape[1:]))
-            pending = exchange(
-                [(current, item.ring_next)],
-                [(buf, item.ring_prev)],
-                comm,
-                schedule.ops,
-                "ring K/V exchange",
-            )
+        buf, pending = _rotate(current, item, s, schedule, comm, "ring K/V exchange")
         ring.step_forward(q_pos, current, step, out_pos, lse_pos, kernel)
         if pending is not None:
             pending.wait()
@@ -168,31 +171,12 @@ def _item_backward(dout, item: ItemSchedule, state: _Saved, schedule, comm, back
 
 
 def _ring_backward(dout_pos, state, item, schedule, comm, dq_pos, backward):
-    kv_pos = state.kv_P2KE
-    current = kv_pos
-    incoming = None  # dK/dV accumulator of the next step's source, from the previous rank
-    kv_pending = dkv_pending = kv_buf = None
-    sends_alive = []  # keep sent accumulators alive until their transfers complete
-    for s, step in enumerate(item.steps):
-        last = s + 1 == len(item.steps)
-        if kv_pending is not None:
-            kv_pending.wait()
-            current = kv_buf
-        if not last:
-            nxt = item.steps[s + 1].source
-            kv_buf = kv_pos.new_empty((item.position_tokens[nxt], *kv_pos.shape[1:]))
-            kv_pending = exchange(
-                [(current, item.ring_next)],
-                [(kv_buf, item.ring_prev)],
-                comm,
-                schedule.ops,
-                "ring K/V exchange (backward)",
-            )
-        dkv = torch.zeros(current.shape, dtype=torch.float32, device=current.device)
+    def contribute(kv_P2KE, step):
+        dkv = torch.zeros(kv_P2KE.shape, dtype=torch.float32, device=kv_P2KE.device)
         ring.step_backward(
             dout_pos,
             state.q_PHE,
-            current,
+            kv_P2KE,
             state.out_PHE,
             state.lse_HP,
             step,
@@ -200,12 +184,24 @@ def _ring_backward(dout_pos, state, item, schedule, comm, dq_pos, backward):
             dkv,
             backward,
         )
-        if len(item.steps) == 1:  # a local item: nothing travels
-            return dkv
+        return dkv
+
+    if len(item.steps) == 1:  # a local item: nothing travels
+        return contribute(state.kv_P2KE, item.steps[0])
+    current = state.kv_P2KE
+    incoming = None  # dK/dV accumulator of this step's source, from the previous rank
+    dkv_pending = None
+    sends_alive = []  # keep sent accumulators alive until their transfers complete
+    for s, step in enumerate(item.steps):
+        kv_buf, kv_pending = _rotate(
+            current, item, s, schedule, comm, "ring K/V exchange (backward)"
+        )
+        dkv = contribute(current, step)
         if dkv_pending is not None:
             dkv_pending.wait()
             dkv += incoming
         # After the last step the accumulator goes home, and ours arrives.
+        last = s + 1 == len(item.steps)
         size = item.position_tokens[item.position if last else item.steps[s + 1].source]
         incoming = dkv.new_empty((size, *dkv.shape[1:]))
         dkv_pending = exchange(
@@ -216,6 +212,9 @@ def _ring_backward(dout_pos, state, item, schedule, comm, dq_pos, backward):
             "ring dK/dV exchange",
         )
         sends_alive.append(dkv)
+        if kv_pending is not None:
+            kv_pending.wait()
+            current = kv_buf
     dkv_pending.wait()
     return incoming
 
