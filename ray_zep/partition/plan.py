@@ -27,8 +27,10 @@ derives the same order from the plan alone.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -71,9 +73,8 @@ class Fragment:
         return self.end - self.start
 
 
-@dataclass(frozen=True)
-class SeqPlacement:
-    """Where one sequence lives.
+class SeqPlacement(NamedTuple):
+    """Where one sequence lives (a named tuple: planners build thousands per batch).
 
     Attributes:
         seq: index of the sequence in the batch.
@@ -257,11 +258,16 @@ class AttentionPlan:
 
     def rank_tokens(self) -> np.ndarray:
         """Tokens held by every rank."""
-        counts = np.zeros(self.world, dtype=np.int64)
+        counts = [0] * self.world
         for p in self.placements:
+            if p.ulysses == 1:  # ring position r holds chunks r and 2R-1-r
+                b, last = p.bounds, 2 * len(p.ranks) - 1
+                for r, rank in enumerate(p.ranks):
+                    counts[rank] += b[r + 1] - b[r] + b[last - r + 1] - b[last - r]
+                continue
             for member, rank in enumerate(p.ranks):
                 counts[rank] += p.member_tokens(member)
-        return counts
+        return np.asarray(counts, dtype=np.int64)
 
     def validate(self) -> None:
         """Check the plan's invariants.
@@ -271,15 +277,35 @@ class AttentionPlan:
                 repeats or names an unknown rank, an all-gather that does not
                 span the world, or a rank over its capacity L.
         """
+        world = self.world
         for i, p in enumerate(self.placements):
-            _check_placement(p.seq if self.sliced else i, p, self.world)
-        over = np.flatnonzero(self.rank_tokens() > self.tokens_per_rank)
+            index = p.seq if self.sliced else i
+            if not _is_plain_local(index, p, world):
+                _check_placement(index, p, world)
+        tokens = self.rank_tokens()
+        over = np.flatnonzero(tokens > self.tokens_per_rank)
         if over.size:
             rank = int(over[0])
             raise PlacementError(
-                f"{self.strategy} placed {int(self.rank_tokens()[rank])} tokens on rank {rank}, "
+                f"{self.strategy} placed {int(tokens[rank])} tokens on rank {rank}, "
                 f"over train.tokens_per_rank={self.tokens_per_rank}"
             )
+
+
+def _is_plain_local(index: int, p: SeqPlacement, world: int) -> bool:
+    """Fast check of the common case: a valid whole sequence on one rank, no Ulysses."""
+    if len(p.ranks) != 1 or p.ulysses != 1 or p.parts is not None or p.seq != index:
+        return False
+    bounds = p.bounds
+    return (
+        0 <= p.ranks[0] < world
+        and p.length >= 1
+        and len(bounds) == 3
+        and bounds[0] == 0
+        and 0 <= bounds[1] <= p.length
+        and bounds[2] == p.length
+        and (p.exchange is Exchange.RING or world == 1)
+    )
 
 
 def _check_placement(index: int, p: SeqPlacement, world: int) -> None:
@@ -290,12 +316,12 @@ def _check_placement(index: int, p: SeqPlacement, world: int) -> None:
         raise PlacementError(f"{where}: group {p.ranks} repeats or leaves ranks 0..{world - 1}")
     if p.ulysses < 1 or len(p.ranks) % p.ulysses:
         raise PlacementError(f"{where}: {len(p.ranks)} ranks are not a multiple of U={p.ulysses}")
-    bounds = np.asarray(p.bounds)
+    bounds = p.bounds
     if (
         len(bounds) != 2 * p.ring_size + 1
         or bounds[0] != 0
         or bounds[-1] != p.length
-        or np.any(np.diff(bounds) < 0)
+        or any(b < a for a, b in itertools.pairwise(bounds))
     ):
         raise PlacementError(f"{where}: chunk bounds {p.bounds} do not tile it in 2R chunks")
     if p.parts is not None:
@@ -324,7 +350,7 @@ def bounds_for_counts(counts: list[int]) -> tuple[int, ...]:
     for r, n in enumerate(counts):
         sizes[r] = n // 2
         sizes[2 * ring - 1 - r] = n - n // 2
-    return tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)]))
+    return (0, *itertools.accumulate(sizes))
 
 
 def local_placement(seq: int, length: int, rank: int) -> SeqPlacement:

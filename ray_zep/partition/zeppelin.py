@@ -44,7 +44,7 @@ Zone policies (`parallel.zone_policy`):
 
 from __future__ import annotations
 
-import math
+import heapq
 import time
 from dataclasses import dataclass
 
@@ -71,27 +71,29 @@ class _Rules:
     """Shortest chunk per rank worth an inter-node ring (cost policy)."""
     intra_chunk: int
 
-    def node_count(self, length: int, node_work: float) -> int:
-        """Nodes a sequence wants to span (1 = whole on one node)."""
+    def node_counts(self, lengths: np.ndarray, node_work: float) -> np.ndarray:
+        """Nodes each sequence wants to span (1 = whole on one node)."""
         if self.policy is ZonePolicy.CAPACITY:
             s_avg = max(1.0, float(self.lengths.sum()) / self.nodes)
-            return min(self.nodes, math.ceil(length / s_avg))
-        return self._degree(length, node_work, self.gpus * self.inter_chunk, self.nodes)
+            return np.minimum(self.nodes, np.ceil(lengths / s_avg)).astype(np.int64)
+        return _degrees(lengths, node_work, self.gpus * self.inter_chunk, self.nodes)
 
-    def gpu_count(self, length: int, gpu_work: float, node_squares: float) -> int:
-        """GPUs of one node an intra-node sequence wants (1 = local)."""
+    def gpu_counts(self, lengths: np.ndarray, gpu_work: float, node_squares: float) -> np.ndarray:
+        """GPUs of one node each intra-node sequence wants (1 = local)."""
         if self.policy is ZonePolicy.CAPACITY:
             c_avg = max(1.0, node_squares / self.gpus)
-            return min(self.gpus, math.ceil(length * length / c_avg))
-        return self._degree(length, gpu_work, self.intra_chunk, self.gpus)
+            squares = lengths.astype(np.float64) ** 2
+            return np.minimum(self.gpus, np.ceil(squares / c_avg)).astype(np.int64)
+        return _degrees(lengths, gpu_work, self.intra_chunk, self.gpus)
 
-    @staticmethod
-    def _degree(length: int, budget: float, min_chunk: int, limit: int) -> int:
-        work = float(length) * length
-        if budget <= 0 or work <= budget:
-            return 1
-        wanted = math.ceil(work / budget)
-        return max(1, min(wanted, length // max(1, min_chunk), limit))
+
+def _degrees(lengths: np.ndarray, budget: float, min_chunk: int, limit: int) -> np.ndarray:
+    """Parts that bring each sequence's work under `budget`, in chunks >= `min_chunk`."""
+    work = lengths.astype(np.float64) ** 2
+    if budget <= 0:
+        return np.ones(len(lengths), dtype=np.int64)
+    wanted = np.minimum(np.ceil(work / budget), np.minimum(lengths // max(1, min_chunk), limit))
+    return np.where(work <= budget, 1, np.maximum(1, wanted)).astype(np.int64)
 
 
 def plan_zeppelin(
@@ -130,19 +132,26 @@ def plan_zeppelin(
     )
     order = np.argsort(-lengths, kind="stable")
     whole, spread = _split_over_nodes(lengths, order, rules)
+    local_rank: dict[int, int] = {}
     members: dict[int, list[tuple[int, int]]] = {}
     for node in range(topology.nodes):
         portions = [
             (seq, share) for seq, shares in spread.items() for n, share in shares if n == node
         ]
-        placed = _split_over_gpus(lengths, whole[node], portions, rules)
+        local, split = _split_over_gpus(lengths, whole[node], portions, rules)
         first = node * topology.gpus_per_node
-        for seq, counts in placed.items():
+        for seq, gpu in local.items():
+            local_rank[seq] = first + gpu
+        for seq, counts in split.items():
             members.setdefault(seq, []).extend((first + gpu, c) for gpu, c in counts)
     placements = []
     for seq, length in enumerate(lengths.tolist()):
+        rank = local_rank.get(seq)
+        if rank is not None:
+            placements.append(SeqPlacement(seq, length, (rank,), (0, length // 2, length)))
+            continue
         ranked = sorted(members[seq])
-        ranks = tuple(rank for rank, _ in ranked)
+        ranks = tuple(r for r, _ in ranked)
         placements.append(
             SeqPlacement(seq, length, ranks, bounds_for_counts([c for _, c in ranked]))
         )
@@ -161,7 +170,8 @@ def _search(run_round, initial: int, lengths: np.ndarray):
     monotone in the threshold, in O(log S) rounds instead of up to S. The last
     threshold splits everything, which always fits.
     """
-    candidates = [initial, *sorted({int(n) for n in lengths if n < initial}, reverse=True)]
+    below = np.unique(lengths[lengths < initial])[::-1]
+    candidates = [initial, *below.tolist()]
     if len(candidates) > 1:
         candidates[-1] = 1
     low, high, step = -1, 0, 1
@@ -180,41 +190,67 @@ def _search(run_round, initial: int, lengths: np.ndarray):
     return best
 
 
+def _place_whole(
+    sizes: list[int], free: list[int], load: list[float], by_work: bool
+) -> list[int] | None:
+    """Bin of each whole sequence (given longest first), or None when one fits nowhere.
+
+    Each goes to the bin with the least work (`by_work`) or the most free tokens,
+    lowest index on ties, among those with room; `free` and `load` are updated.
+    A heap keeps this O(log bins) per sequence: batches hold thousands.
+    """
+    heap = [(load[b] if by_work else -free[b], b) for b in range(len(free))]
+    heapq.heapify(heap)
+    bins = []
+    for n in sizes:
+        skipped = []
+        while heap and free[heap[0][1]] < n:
+            skipped.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        b = heap[0][1]
+        free[b] -= n
+        load[b] += float(n) * n
+        heapq.heapreplace(heap, (load[b] if by_work else -free[b], b))
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        bins.append(b)
+    return bins
+
+
 def _split_over_nodes(
     lengths: np.ndarray, order: np.ndarray, rules: _Rules
 ) -> tuple[list[list[int]], dict[int, list[tuple[int, int]]]]:
     """Stage 1: each node's whole sequences, and each spread sequence's (node, tokens)."""
     nodes, node_capacity = rules.nodes, rules.gpus * rules.capacity
     node_work = float(np.square(lengths.astype(np.float64)).sum()) / nodes
-    wanted = {seq: rules.node_count(int(lengths[seq]), node_work) for seq in order.tolist()}
+    sizes = lengths[order]
+    wanted = rules.node_counts(sizes, node_work)
+    by_work = rules.policy is ZonePolicy.COST
 
     def run_round(threshold: int):
-        free = np.full(nodes, node_capacity, dtype=np.int64)
-        load = np.zeros(nodes, dtype=np.float64)
-        whole: list[list[int]] = [[] for _ in range(nodes)]
-        split = [s for s in order.tolist() if lengths[s] >= threshold or wanted[s] > 1]
+        spreads = (sizes >= threshold) | (wanted > 1)
         if nodes == 1:
-            split = []
-        chosen_set = set(split)
-        for seq in order.tolist():
-            if seq in chosen_set:
-                continue
-            n = int(lengths[seq])
-            key = free if rules.policy is ZonePolicy.CAPACITY else -load
-            node = int(np.argmax(np.where(free >= n, key, -np.inf)))
-            if free[node] < n:
-                return None
+            spreads[:] = False
+        kept = np.flatnonzero(~spreads)
+        free, load = [node_capacity] * nodes, [0.0] * nodes
+        bins = _place_whole(sizes[kept].tolist(), free, load, by_work)
+        if bins is None:
+            return None
+        whole: list[list[int]] = [[] for _ in range(nodes)]
+        for seq, node in zip(order[kept].tolist(), bins, strict=True):
             whole[node].append(seq)
-            free[node] -= n
-            load[node] += float(n) * n
+        free_left, load_now = np.asarray(free, dtype=np.int64), np.asarray(load)
         spread: dict[int, list[tuple[int, int]]] = {}
-        for seq in split:
-            n = int(lengths[seq])
-            chosen = _pick_nodes(max(2, wanted[seq]), n, free, load)
-            shares = water_fill(n, free[chosen])
-            spread[seq] = [(int(c), int(x)) for c, x in zip(chosen, shares, strict=True) if x]
-            free[chosen] -= shares
-            load[chosen] += shares.astype(np.float64) * n
+        for i in np.flatnonzero(spreads).tolist():
+            n = int(sizes[i])
+            chosen = _pick_nodes(max(2, int(wanted[i])), n, free_left, load_now)
+            shares = water_fill(n, free_left[chosen])
+            spread[int(order[i])] = [
+                (int(c), int(x)) for c, x in zip(chosen, shares, strict=True) if x
+            ]
+            free_left[chosen] -= shares
+            load_now[chosen] += shares.astype(np.float64) * n
         return whole, spread
 
     initial = node_capacity if rules.policy is ZonePolicy.CAPACITY else node_capacity + 1
@@ -235,47 +271,48 @@ def _split_over_gpus(
     whole: list[int],
     portions: list[tuple[int, int]],
     rules: _Rules,
-) -> dict[int, list[tuple[int, int]]]:
-    """Stage 2 on one node: (gpu, tokens) of every sequence the node holds."""
+) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]]]:
+    """Stage 2 on one node: the GPU of each local sequence, (gpu, tokens) of the others."""
     gpus = rules.gpus
-    whole_squares = float(sum(int(lengths[s]) ** 2 for s in whole))
+    seqs = np.asarray(whole, dtype=np.int64)
+    sizes = lengths[seqs]
+    whole_squares = float(np.square(sizes.astype(np.float64)).sum())
     squares = whole_squares + float(sum(share * share for _, share in portions))
     portion_work = float(sum(share * int(lengths[seq]) for seq, share in portions))
     gpu_work = (whole_squares + portion_work) / gpus
-    wanted = {seq: rules.gpu_count(int(lengths[seq]), gpu_work, squares) for seq in whole}
+    wanted = rules.gpu_counts(sizes, gpu_work, squares)
+    by_work = rules.policy is ZonePolicy.COST
 
     def run_round(threshold: int):
-        free = np.full(gpus, rules.capacity, dtype=np.int64)
-        load = np.zeros(gpus, dtype=np.float64)
-        placed: dict[int, list[tuple[int, int]]] = {}
-        ring = [s for s in whole if gpus > 1 and (lengths[s] >= threshold or wanted[s] > 1)]
-        ring_set = set(ring)
-        for seq in whole:  # longest first
-            if seq in ring_set:
-                continue
-            n = int(lengths[seq])
-            gpu = _pick_local_gpu(n, free, load, rules.policy)
-            if gpu < 0:
-                return None
-            placed[seq] = [(gpu, n)]
-            free[gpu] -= n
-            load[gpu] += float(n) * n
-        for seq in ring:
-            n = int(lengths[seq])
-            chosen = _pick_gpus(max(2, wanted[seq]), n, free, load)
-            counts = water_fill(n, free[chosen])
-            placed[seq] = [(int(g), int(c)) for g, c in zip(chosen, counts, strict=True) if c]
-            free[chosen] -= counts
-            load[chosen] += counts.astype(np.float64) * n
+        rings = (sizes >= threshold) | (wanted > 1)
+        if gpus == 1:
+            rings[:] = False
+        kept = np.flatnonzero(~rings)
+        free, load = [rules.capacity] * gpus, [0.0] * gpus
+        bins = _place_whole(sizes[kept].tolist(), free, load, by_work)
+        if bins is None:
+            return None
+        local = dict(zip(seqs[kept].tolist(), bins, strict=True))
+        free_left, load_now = np.asarray(free, dtype=np.int64), np.asarray(load)
+        split: dict[int, list[tuple[int, int]]] = {}
+        for i in np.flatnonzero(rings).tolist():
+            n = int(sizes[i])
+            chosen = _pick_gpus(max(2, int(wanted[i])), n, free_left, load_now)
+            counts = water_fill(n, free_left[chosen])
+            split[int(seqs[i])] = [
+                (int(g), int(c)) for g, c in zip(chosen, counts, strict=True) if c
+            ]
+            free_left[chosen] -= counts
+            load_now[chosen] += counts.astype(np.float64) * n
         for seq, share in portions:
-            counts = water_fill(share, free)
-            placed[seq] = [(g, int(c)) for g, c in enumerate(counts) if c]
-            free -= counts
-            load += counts.astype(np.float64) * float(lengths[seq])
-        return placed
+            counts = water_fill(share, free_left)
+            split[seq] = [(g, int(c)) for g, c in enumerate(counts) if c]
+            free_left -= counts
+            load_now += counts.astype(np.float64) * float(lengths[seq])
+        return local, split
 
     initial = rules.capacity if rules.policy is ZonePolicy.CAPACITY else rules.capacity + 1
-    return _search(run_round, initial, lengths[whole])
+    return _search(run_round, initial, sizes)
 
 
 def _pick_gpus(count: int, tokens: int, free: np.ndarray, load: np.ndarray) -> np.ndarray:
@@ -287,12 +324,3 @@ def _pick_gpus(count: int, tokens: int, free: np.ndarray, load: np.ndarray) -> n
         while int(free[chosen].sum()) < tokens:
             chosen.append(rest.pop(0))
     return np.asarray(sorted(chosen), dtype=np.int64)
-
-
-def _pick_local_gpu(tokens: int, free: np.ndarray, load: np.ndarray, policy: ZonePolicy) -> int:
-    """GPU for a whole sequence: fewest tokens (capacity) or least work (cost); -1 if none fits."""
-    fits = free >= tokens
-    if not fits.any():
-        return -1
-    key = -free if policy is ZonePolicy.CAPACITY else load
-    return int(np.argmin(np.where(fits, key, np.inf)))
