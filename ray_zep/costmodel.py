@@ -89,11 +89,18 @@ class CostModel:
         rate = peak_flops(topology.gpu_model) * ATTENTION_EFFICIENCY
         return cls(shape, topology, rate)
 
-    def link_bandwidth(self, kind: LinkKind) -> float:
-        """Bytes/s one GPU gets on a link kind; a NIC is shared by the GPUs mapped to it."""
+    def link_bandwidth(self, kind: LinkKind, one_sender_per_nic: bool = False) -> float:
+        """Bytes/s one GPU gets on a link kind.
+
+        Across nodes a NIC is shared by the GPUs mapped to it when they all send
+        at once (all-gather, all-to-all); a ring crosses a node boundary from one
+        GPU per node, which then has its NIC alone (`one_sender_per_nic`).
+        """
         topo = self.topology
         if kind is LinkKind.INTRA_NODE:
             return topo.intra_node_bandwidth
+        if one_sender_per_nic:
+            return topo.nic_bandwidth
         sharing = max(1, topo.gpus_per_node // topo.nics_per_node)
         return topo.nic_bandwidth / sharing
 
@@ -101,10 +108,13 @@ class CostModel:
         topo = self.topology
         return topo.intra_node_latency if kind is LinkKind.INTRA_NODE else topo.inter_node_latency
 
-    def transfer_seconds(self, nbytes: float, kind: LinkKind) -> float:
+    def transfer_seconds(
+        self, nbytes: float, kind: LinkKind, one_sender_per_nic: bool = False
+    ) -> float:
         if nbytes <= 0:
             return 0.0
-        return self.link_latency(kind) + nbytes / self.link_bandwidth(kind)
+        bandwidth = self.link_bandwidth(kind, one_sender_per_nic)
+        return self.link_latency(kind) + nbytes / bandwidth
 
     def attention_seconds(self, flops: float) -> float:
         return flops / self.attention_flops_per_s
@@ -116,9 +126,10 @@ class CostModel:
     def crossover_tokens(self, kind: LinkKind) -> int:
         """Chunk length per rank above which a ring step's compute hides its KV transfer.
 
-        Solves 4 m^2 H E / rate = m x kv_bytes / bandwidth for m (latency ignored).
+        Solves 4 m^2 H E / rate = m x kv_bytes / bandwidth for m (latency ignored),
+        with the bandwidth of a ring hop (one sender per NIC across nodes).
         """
-        per_token_s = kv_bytes_per_token(self.shape) / self.link_bandwidth(kind)
+        per_token_s = kv_bytes_per_token(self.shape) / self.link_bandwidth(kind, True)
         per_token2_s = 4.0 * self.shape.n_heads * self.shape.head_dim / self.attention_flops_per_s
         return max(1, math.ceil(per_token_s / per_token2_s))
 
@@ -131,5 +142,5 @@ class CostModel:
         # Own chunks: causal over their concatenation. Other steps: all q x half the kv.
         diagonal = self.causal_seconds(chunk_tokens)
         step = self.attention_seconds(block_attention_flops(chunk_tokens, half, self.shape))
-        send = self.transfer_seconds(chunk_tokens * kv_bytes_per_token(self.shape), kind)
+        send = self.transfer_seconds(chunk_tokens * kv_bytes_per_token(self.shape), kind, True)
         return diagonal + (ring_size - 1) * max(step, send)

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_zep.config import ParallelConfig, Strategy, ZonePolicy, load_config
+from ray_zep.costmodel import CostModel, kv_bytes_per_token
 from ray_zep.errors import ConfigError, PlacementError
 from ray_zep.model.shapes import build_shape
 from ray_zep.partition import PLANNED_STRATEGIES, make_plan, plan_from_bins
@@ -161,3 +162,16 @@ def test_stats_count_causal_pairs_exactly() -> None:
     flops = plan_stats(ring, SHAPE).attention_flops
     assert flops.sum() == visible_pairs(0, 8) * per_pair
     assert flops[0] == flops[1], "zigzag balances causal work"
+
+
+def test_modelled_time_overlaps_ring_transfer_with_compute() -> None:
+    topology = _topology(2, 1)
+    cost = CostModel.create(SHAPE, topology)
+    local = plan_stats(plan_from_bins([64], [[0], []], topology, 64, "dp"), SHAPE)
+    assert local.seconds[0] == pytest.approx(cost.attention_seconds(local.attention_flops[0]))
+    assert local.seconds[1] == 0.0
+    ring = plan_stats(make_plan(Strategy.TE_CP, [64], topology, 64, SHAPE), SHAPE)
+    share = cost.attention_seconds(ring.attention_flops.max()) / 2
+    step = cost.transfer_seconds(32 * kv_bytes_per_token(SHAPE), LinkKind.INTER_NODE, True)
+    assert ring.layer_seconds == pytest.approx(share + max(share, step))
+    assert ring.layer_seconds > local.layer_seconds / 2, "one ring step cannot be free"

@@ -9,6 +9,15 @@ Bytes are what each rank sends: ring exchange sends the K and V buffer it holds
 at each of the R - 1 steps; all-gather moves R - 1 padded buffers per rank (ring
 algorithm); Ulysses sends Q, K, V to the other members before attention and the
 output back after it.
+
+`seconds` is a first-order model of one layer's forward attention time per
+rank: the ranks of a queue item wait for its slowest member; a ring member
+computes its diagonal step, then R - 1 steps each lasting the longer of its
+share of the compute and the transfer of the largest position's K and V over
+the ring's slowest link (compute and transfer overlap, as in the engine; a
+ring crosses each node boundary from one GPU, which has its NIC alone); an
+all-gather or Ulysses exchange is not overlapped. A rank runs its items one
+after another, so a layer takes the maximum over ranks.
 """
 
 from __future__ import annotations
@@ -17,7 +26,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ray_zep.costmodel import BYTES_PER_ELEMENT, kv_bytes_per_token, q_bytes_per_token
+from ray_zep.costmodel import (
+    BYTES_PER_ELEMENT,
+    CostModel,
+    kv_bytes_per_token,
+    q_bytes_per_token,
+)
 from ray_zep.model.shapes import ModelShape
 from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem, link_kind
 from ray_zep.topology import LinkKind
@@ -32,12 +46,14 @@ class PlanStats:
         attention_flops: forward attention FLOPs per rank, one layer.
         sent_bytes: bytes each rank sends per link kind, forward, one layer.
         zones: for each rank, its tokens per zone value.
+        seconds: modelled forward attention time per rank, one layer.
     """
 
     tokens: np.ndarray
     attention_flops: np.ndarray
     sent_bytes: dict[LinkKind, np.ndarray]
     zones: list[dict[str, int]]
+    seconds: np.ndarray
 
     def imbalance(self) -> float:
         """Max over mean of attention FLOPs (1.0 is perfect balance)."""
@@ -47,6 +63,11 @@ class PlanStats:
     def total_bytes(self, kind: LinkKind) -> int:
         return int(self.sent_bytes[kind].sum())
 
+    @property
+    def layer_seconds(self) -> float:
+        """Modelled forward attention time of one layer: the slowest rank."""
+        return float(self.seconds.max()) if self.seconds.size else 0.0
+
 
 def visible_pairs(start: int, end: int) -> int:
     """Causal (query, key) pairs of query positions [start, end) of one sequence."""
@@ -54,15 +75,18 @@ def visible_pairs(start: int, end: int) -> int:
 
 
 def plan_stats(plan: AttentionPlan, shape: ModelShape) -> PlanStats:
-    """Tokens, FLOPs and bytes of every rank under `plan` for a model of `shape`."""
+    """Tokens, FLOPs, bytes and modelled time of every rank under `plan` for `shape`."""
     world = plan.world
+    cost = CostModel.create(shape, plan.topology)
     tokens = plan.rank_tokens()
     flops = np.zeros(world, dtype=np.float64)
+    seconds = np.zeros(world, dtype=np.float64)
     sent = {kind: np.zeros(world, dtype=np.int64) for kind in LinkKind}
     zones: list[dict[str, int]] = [{} for _ in range(world)]
     pair_flops = 4.0 * shape.n_heads * shape.head_dim
     for item in plan.items():
         placements = [plan.placement(s) for s in item.seqs]
+        member_flops = []
         for member, rank in enumerate(item.ranks):
             held = sum(p.member_tokens(member) for p in placements)
             zones[rank][item.zone.value] = zones[rank].get(item.zone.value, 0) + held
@@ -70,14 +94,48 @@ def plan_stats(plan: AttentionPlan, shape: ModelShape) -> PlanStats:
             pairs = sum(
                 visible_pairs(a, b) for p in placements for a, b in p.position_ranges(position)
             )
-            flops[rank] += pair_flops * pairs / item.ulysses
-        _add_item_bytes(plan, item, shape, sent)
-    return PlanStats(tokens, flops, sent, zones)
+            member_flops.append(pair_flops * pairs / item.ulysses)
+        flops[list(item.ranks)] += member_flops
+        exchange_bytes = _add_item_bytes(plan, item, shape, sent)
+        seconds[list(item.ranks)] += _item_seconds(item, cost, max(member_flops), exchange_bytes)
+    return PlanStats(tokens, flops, sent, zones, seconds)
+
+
+def _item_seconds(item: QueueItem, cost: CostModel, flops: float, exchange: _Exchanged) -> float:
+    """Modelled time of one queue item, set by its busiest member (see the module doc)."""
+    compute = cost.attention_seconds(flops)
+    kind = _slowest_link(item, cost)
+    heads = cost.transfer_seconds(exchange.all_to_all_bytes, kind)
+    steps = item.ring_size - 1
+    if steps == 0:
+        return compute + heads
+    ring = item.exchange is Exchange.RING
+    step = cost.transfer_seconds(exchange.step_bytes, kind, one_sender_per_nic=ring)
+    if ring:
+        share = compute / item.ring_size
+        return share + steps * max(share, step) + heads
+    return compute + steps * step + heads
+
+
+def _slowest_link(item: QueueItem, cost: CostModel) -> LinkKind:
+    topo = cost.topology
+    nodes = {topo.node_of(r) for r in item.ranks}
+    return LinkKind.INTER_NODE if len(nodes) > 1 else LinkKind.INTRA_NODE
+
+
+@dataclass(frozen=True)
+class _Exchanged:
+    """Largest per-rank message sizes of one queue item."""
+
+    step_bytes: int
+    """K and V of the largest ring position (one ring step or all-gather block)."""
+    all_to_all_bytes: int
+    """Ulysses bytes sent by the busiest member."""
 
 
 def _add_item_bytes(
     plan: AttentionPlan, item: QueueItem, shape: ModelShape, sent: dict[LinkKind, np.ndarray]
-) -> None:
+) -> _Exchanged:
     topo = plan.topology
     placements = [plan.placement(s) for s in item.seqs]
     u_size, ring = item.ulysses, item.ring_size
@@ -87,6 +145,7 @@ def _add_item_bytes(
         if u_size <= shape.n_kv_heads
         else (2 * shape.head_dim * BYTES_PER_ELEMENT)
     )
+    busiest = 0
     for member, rank in enumerate(item.ranks):
         position, part = divmod(member, u_size)
         if ring > 1:
@@ -99,7 +158,9 @@ def _add_item_bytes(
         if u_size > 1:
             held = sum(p.member_tokens(member) for p in placements)
             per_peer = held * (2 * q_bytes_per_token(shape) + u_size * kv_token) // u_size
+            busiest = max(busiest, per_peer * (u_size - 1))
             for other in range(u_size):
                 if other != part:
                     peer = item.ranks[position * u_size + other]
                     sent[link_kind(rank, peer, topo)][rank] += per_peer
+    return _Exchanged(max(position_tokens) * kv_token, busiest)

@@ -35,11 +35,14 @@ Zone policies (`parallel.zone_policy`):
   ceil(s / s_avg) nodes; s0 = L, an intra-node sequence takes ceil(s^2 / c_avg)
   GPUs; local sequences go to the GPU with the fewest tokens.
 - `cost` — thresholds and degrees from the cost model: a sequence is split
-  over more nodes (GPUs) only when its attention time exceeds the mean per node
-  (GPU), into just enough parts to bring it under the mean, and never into
-  chunks shorter than the link's crossover length (below it the ring transfer
-  is exposed, Fig. 5 of the paper); capacity still forces splits. Local
-  sequences go to the GPU with the least attention work.
+  over more nodes (GPUs) only when its attention work is at least 1.5x the mean
+  per node (GPU), into the number of parts whose work is nearest the mean, and
+  never into chunks shorter than the link's crossover length (below it the
+  ring transfer is exposed, Fig. 5 of the paper); capacity still forces
+  splits. A node's part of a spread sequence goes to as few of its GPUs as
+  crossover-length chunks need (the ones with most room), since every ring
+  step waits for the largest chunk. Local sequences go to the GPU with the
+  least attention work.
 """
 
 from __future__ import annotations
@@ -88,12 +91,16 @@ class _Rules:
 
 
 def _degrees(lengths: np.ndarray, budget: float, min_chunk: int, limit: int) -> np.ndarray:
-    """Parts that bring each sequence's work under `budget`, in chunks >= `min_chunk`."""
+    """Parts whose work is nearest `budget` for each sequence, in chunks >= `min_chunk`.
+
+    Rounded, not ceiled: a sequence 10% over the mean is not worth a ring.
+    """
     work = lengths.astype(np.float64) ** 2
     if budget <= 0:
         return np.ones(len(lengths), dtype=np.int64)
-    wanted = np.minimum(np.ceil(work / budget), np.minimum(lengths // max(1, min_chunk), limit))
-    return np.where(work <= budget, 1, np.maximum(1, wanted)).astype(np.int64)
+    parts = np.floor(work / budget + 0.5)
+    wanted = np.minimum(parts, np.minimum(lengths // max(1, min_chunk), limit))
+    return np.maximum(1, wanted).astype(np.int64)
 
 
 def plan_zeppelin(
@@ -305,7 +312,9 @@ def _split_over_gpus(
             free_left[chosen] -= counts
             load_now[chosen] += counts.astype(np.float64) * n
         for seq, share in portions:
-            counts = water_fill(share, free_left)
+            chosen = _portion_gpus(share, free_left, rules)
+            counts = np.zeros(gpus, dtype=np.int64)
+            counts[chosen] = water_fill(share, free_left[chosen])
             split[seq] = [(g, int(c)) for g, c in enumerate(counts) if c]
             free_left -= counts
             load_now += counts.astype(np.float64) * float(lengths[seq])
@@ -324,3 +333,21 @@ def _pick_gpus(count: int, tokens: int, free: np.ndarray, load: np.ndarray) -> n
         while int(free[chosen].sum()) < tokens:
             chosen.append(rest.pop(0))
     return np.asarray(sorted(chosen), dtype=np.int64)
+
+
+def _portion_gpus(share: int, free: np.ndarray, rules: _Rules) -> np.ndarray:
+    """GPUs for a node's part of a spread sequence.
+
+    capacity: all of them (the paper spreads it over the node). cost: the GPUs
+    with most room, as many as chunks of the inter-node crossover length need
+    (more ranks only add ring steps once a chunk's compute no longer hides its
+    transfer), and more while they lack room; uneven chunks would make every
+    ring step wait for the largest.
+    """
+    if rules.policy is ZonePolicy.CAPACITY:
+        return np.arange(len(free))
+    order = np.argsort(-free, kind="stable")
+    count = min(len(free), max(1, -(-share // max(1, rules.inter_chunk))))
+    while count < len(free) and int(free[order[:count]].sum()) < share:
+        count += 1
+    return np.sort(order[:count])
