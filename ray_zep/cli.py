@@ -6,6 +6,8 @@
                                              print the topology (or probe this GPU node)
     ray-zep data build INPUT ... --out FILE  tokenize text/JSONL into a Parquet dataset
     ray-zep data stats SOURCE                documents, tokens and length percentiles
+    ray-zep plan [CONFIG] [key=value ...] [--lengths 9000,300 | --distribution arxiv]
+                                             place one batch, print a per-rank table
 
 Errors on bad input are one line on stderr and exit status 2.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -28,7 +31,11 @@ EXIT_INTERRUPTED = 130
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # key=value overrides may also follow the options
+        if not hasattr(args, "overrides") or any("=" not in e or e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     setup_logging(None)
     try:
         return args.handler(args)
@@ -62,6 +69,22 @@ def _parser() -> argparse.ArgumentParser:
         "--probe", action="store_true", help="probe this GPU node with nvidia-smi and sysfs instead"
     )
     topology.set_defaults(handler=_topology)
+
+    plan = commands.add_parser("plan", help="place one batch and show every rank's share")
+    plan.add_argument("config", nargs="?", help="YAML config (defaults if omitted)")
+    plan.add_argument("overrides", nargs="*", help="key=value overrides")
+    plan.add_argument("--lengths", help="sequence lengths, e.g. 9000,300,64k (k = 1024)")
+    plan.add_argument(
+        "--distribution", help="draw lengths from a Table 2 distribution: arxiv|github|prolong64k"
+    )
+    plan.add_argument(
+        "--tokens", type=int, help="batch tokens for --distribution (nodes x GPUs x L)"
+    )
+    plan.add_argument("--batch", type=int, default=0, help="else: batch index of the config's data")
+    plan.add_argument("--strategy", help="planner (default parallel.strategy)")
+    plan.add_argument("--png", help="write a picture of the placement here")
+    plan.add_argument("--json", dest="json_path", help="write ranks and fragments as JSON here")
+    plan.set_defaults(handler=_plan)
 
     data = commands.add_parser("data", help="build or inspect datasets")
     data_commands = data.add_subparsers(dest="data_command", required=True)
@@ -103,8 +126,16 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _optional_config(args: argparse.Namespace):
+    """Load CONFIG + overrides where CONFIG may be omitted (then it is the first override)."""
+    path, overrides = args.config, list(args.overrides)
+    if path is not None and "=" in path and not Path(path).exists():
+        path, overrides = None, [path, *overrides]
+    return load_config(path, overrides)
+
+
 def _topology(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.overrides)
+    config = _optional_config(args)
     if args.probe:
         from ray_zep.topology_probe import probe_local_node
 
@@ -113,6 +144,17 @@ def _topology(args: argparse.Namespace) -> int:
         from ray_zep.topology import build_topology
 
         print(build_topology(config.topology).describe())
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from ray_zep.report.plan_command import PlanRequest, run_plan, write_outputs
+
+    request = PlanRequest(args.lengths, args.distribution, args.tokens, args.batch, args.strategy)
+    result = run_plan(_optional_config(args), request)
+    print(result.table)
+    for path in write_outputs(result, args.png, args.json_path):
+        print(f"wrote {path}")
     return 0
 
 

@@ -1,0 +1,1 @@
+"""Reports: PNG images drawn without plotting libraries, tables for the terminal."""

@@ -1,0 +1,141 @@
+"""`ray-zep plan`: place one batch with any planner and show where every token goes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ray_zep.config import Config, Strategy
+from ray_zep.errors import ConfigError
+from ray_zep.model.shapes import build_shape
+from ray_zep.partition import PLANNED_STRATEGIES, make_plan, plan_from_bins
+from ray_zep.partition.plan import AttentionPlan
+from ray_zep.partition.stats import PlanStats, plan_stats
+from ray_zep.report.placement import draw_placement, plan_record, rank_table
+from ray_zep.topology import Topology, build_topology
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """What to place: explicit lengths, a synthetic distribution, or a batch of the data."""
+
+    lengths: str | None = None
+    distribution: str | None = None
+    tokens: int | None = None
+    batch: int = 0
+    strategy: str | None = None
+
+
+@dataclasses.dataclass
+class PlanResult:
+    plan: AttentionPlan
+    stats: PlanStats
+    table: str
+
+
+def run_plan(config: Config, request: PlanRequest) -> PlanResult:
+    """Place the requested batch with the requested (or configured) strategy.
+
+    Raises:
+        ConfigError: bad --lengths / --distribution / --strategy values.
+        PlacementError: the batch does not fit nodes x GPUs x L tokens.
+    """
+    topology = build_topology(config.topology)
+    strategy = _strategy(request.strategy, config)
+    lengths = request_lengths(config, topology, request)
+    shape = build_shape(config.model)
+    capacity = config.train.tokens_per_rank
+    if strategy in PLANNED_STRATEGIES:
+        plan = make_plan(strategy, lengths, topology, capacity, shape, config.parallel)
+    else:
+        plan = _whole_sequence_plan(strategy, lengths, topology, capacity)
+    stats = plan_stats(plan, shape)
+    return PlanResult(plan, stats, rank_table(plan, stats))
+
+
+def write_outputs(result: PlanResult, png: str | None, json_path: str | None) -> list[Path]:
+    written = []
+    if png:
+        written.append(draw_placement(result.plan, result.stats, png))
+    if json_path:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(plan_record(result.plan, result.stats), indent=1) + "\n")
+        written.append(path)
+    return written
+
+
+def parse_lengths(text: str) -> np.ndarray:
+    """'9000,300,64k' -> lengths (k = 1024 tokens)."""
+    values = []
+    for item in text.replace(" ", "").split(","):
+        scale = 1024 if item.lower().endswith("k") else 1
+        digits = item[:-1] if scale > 1 else item
+        if not digits.isdigit() or int(digits) < 1:
+            raise ConfigError(
+                f"--lengths item {item!r} must be a positive integer (optionally with k), "
+                "e.g. --lengths 9000,300,64k"
+            )
+        values.append(int(digits) * scale)
+    return np.asarray(values, dtype=np.int64)
+
+
+def request_lengths(config: Config, topology: Topology, request: PlanRequest) -> np.ndarray:
+    """Sequence lengths of the batch to place."""
+    chosen = [request.lengths is not None, request.distribution is not None]
+    if all(chosen):
+        raise ConfigError("give either --lengths or --distribution, not both")
+    if request.lengths is not None:
+        return parse_lengths(request.lengths)
+    if request.distribution is not None:
+        from ray_zep.data.synthetic import batch_lengths
+
+        total = request.tokens or topology.world_size * config.train.tokens_per_rank
+        if total < 1:
+            raise ConfigError(f"--tokens={total} must be >= 1")
+        return batch_lengths(request.distribution, total, config.train.seed)
+    return _data_batch_lengths(config, topology, request.batch)
+
+
+def _data_batch_lengths(config: Config, topology: Topology, index: int) -> np.ndarray:
+    """Lengths of batch `index` of the configured data, as training would see it."""
+    from ray_zep.data.batching import BatchStream
+    from ray_zep.data.catalog import open_configured_source
+
+    if index < 0:
+        raise ConfigError(f"--batch={index} must be >= 0")
+    stream = BatchStream.from_config(open_configured_source(config), config, topology.world_size)
+    for _ in range(index):
+        stream.next_batch()
+    return stream.next_batch().lengths
+
+
+def _strategy(name: str | None, config: Config) -> Strategy:
+    if name is None:
+        return config.parallel.strategy
+    try:
+        return Strategy(name)
+    except ValueError:
+        choices = " | ".join(s.value for s in Strategy)
+        raise ConfigError(f"--strategy={name!r}: choose {choices}") from None
+
+
+def _whole_sequence_plan(
+    strategy: Strategy, lengths: np.ndarray, topology: Topology, capacity: int
+) -> AttentionPlan:
+    """dp: each sequence whole on the rank with the fewest tokens, longest first."""
+    if strategy is Strategy.SINGLE:
+        raise ConfigError(
+            "--strategy=single trains the whole batch in one process: nothing to place; "
+            "choose another strategy"
+        )
+    bins: list[list[int]] = [[] for _ in range(topology.world_size)]
+    loads = np.zeros(topology.world_size, dtype=np.int64)
+    for seq in np.argsort(-lengths, kind="stable").tolist():
+        rank = int(np.argmin(loads))
+        bins[rank].append(seq)
+        loads[rank] += lengths[seq]
+    return plan_from_bins(lengths, bins, topology, capacity, "dp")

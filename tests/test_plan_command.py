@@ -1,0 +1,90 @@
+"""`ray-zep plan`: table, JSON fragments that tile the batch, PNG, and typed errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ray_zep.cli import main
+from ray_zep.report.placement import ZONE_COLORS
+from ray_zep.report.png import decode_png
+
+pytestmark = pytest.mark.unit
+
+CLUSTER = ["topology.preset=cluster_a", "topology.nodes=2", "train.tokens_per_rank=4096"]
+LENGTHS = [30000, 9000, 300, 300, 12288, 1024, 1, 7]
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("strategy", ["zeppelin", "te_cp", "hybrid_dp", "usp", "dp"])
+def test_plan_json_tiles_every_sequence(tmp_path: Path, capsys, strategy: str) -> None:
+    lengths = LENGTHS if strategy != "dp" else [4000, 300, 7]
+    out = tmp_path / "plan.json"
+    argv = [*CLUSTER, "model.preset=7b", "--lengths", ",".join(map(str, lengths))]
+    code, stdout, err = _run(capsys, "plan", *argv, "--strategy", strategy, "--json", str(out))
+    assert code == 0, err
+    assert len(stdout.splitlines()) == 1 + 16 + 2  # header, ranks, summary, "wrote"
+    record = json.loads(out.read_text())
+    assert record["planner_ms"] >= 0 and len(record["ranks"]) == 16
+    covered = [np.zeros(n, dtype=np.int64) for n in lengths]
+    for rank in record["ranks"]:
+        held = sum(f["end"] - f["start"] for f in rank["fragments"])
+        assert held == rank["tokens"] <= 4096
+        assert rank["attention_flops"] > 0 or held == 0
+        for fragment in rank["fragments"]:
+            assert fragment["zone"] in ("local", "intra_node", "inter_node")
+            covered[fragment["seq"]][fragment["start"] : fragment["end"]] += 1
+    assert all((c == 1).all() for c in covered), "every token exactly once"
+
+
+def test_plan_picture_shows_the_zones(tmp_path: Path, capsys) -> None:
+    png = tmp_path / "plan.png"
+    argv = [*CLUSTER, "--lengths", "30000,9000,12k,300,5", "--png", str(png)]
+    code, _, err = _run(capsys, "plan", *argv, "--strategy", "zeppelin")
+    assert code == 0, err
+    pixels = decode_png(png.read_bytes())
+    assert pixels.shape[1] > 900 and pixels.shape[0] > 16 * 12
+    colours = {tuple(p) for p in pixels.reshape(-1, 3)[::7].tolist()}
+    for zone_shades in ZONE_COLORS.values():
+        assert set(zone_shades) & colours, "each zone appears (legend at least)"
+
+
+def test_plan_from_a_distribution_and_from_the_configured_data(capsys) -> None:
+    argv = [*CLUSTER, "--distribution", "arxiv", "--tokens", "60000"]
+    code, stdout, err = _run(capsys, "plan", *argv, "--strategy", "zeppelin")
+    assert code == 0, err
+    assert "60000 tokens on 16 ranks" in stdout
+    data = ["data.source=synthetic:github", "data.length_scale=0.05", "data.packing=budget"]
+    argv = [*CLUSTER, *data, "parallel.strategy=zeppelin", "--batch", "1"]
+    code, stdout, err = _run(capsys, "plan", *argv)
+    assert code == 0, err
+    assert "zeppelin:" in stdout and "tokens on 16 ranks" in stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lengths", "10,abc"], r"--lengths item 'abc'"),
+        (["--lengths", "10,0"], r"--lengths item '0'"),
+        (["--lengths", "70000,70000"], r"train\.tokens_per_rank=4096"),
+        (["--lengths", "10", "--strategy", "ring"], r"--strategy='ring': choose"),
+        (["--lengths", "10", "--strategy", "single"], r"nothing to place"),
+        (["--lengths", "10", "--distribution", "arxiv"], r"either --lengths or --distribution"),
+        (["--distribution", "wiki"], r"synthetic:arxiv"),
+        (["--lengths", "10", "parallel.zone_policy=fast"], r"parallel\.zone_policy"),
+    ],
+)
+def test_plan_bad_input_is_one_line(capsys, argv: list[str], message: str) -> None:
+    code, _, err = _run(capsys, "plan", *CLUSTER, *argv)
+    assert code == 2
+    assert err.startswith("ray-zep: error:") and len(err.strip().splitlines()) == 1
+    assert re.search(message, err), err
