@@ -8,6 +8,8 @@
     ray-zep data stats SOURCE                documents, tokens and length percentiles
     ray-zep plan [CONFIG] [key=value ...] [--lengths 9000,300 | --distribution arxiv]
                                              place one batch, print a per-rank table
+    ray-zep bench partition [CONFIG] [key=value ...] [--out DIR]
+                                             planner latency and plan quality, all planners
 
 Errors on bad input are one line on stderr and exit status 2.
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ray_zep.config import config_to_yaml, load_config
-from ray_zep.errors import ZepError
+from ray_zep.errors import ConfigError, ZepError
 from ray_zep.logs import setup_logging
 
 EXIT_BAD_INPUT = 2
@@ -85,6 +87,21 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--png", help="write a picture of the placement here")
     plan.add_argument("--json", dest="json_path", help="write ranks and fragments as JSON here")
     plan.set_defaults(handler=_plan)
+
+    bench = commands.add_parser("bench", help="run a benchmark (table, JSON and PNG)")
+    benches = bench.add_subparsers(dest="bench_command", required=True)
+    partition = benches.add_parser("partition", help="planner latency and plan quality")
+    partition.add_argument("config", nargs="?", help="YAML config (defaults if omitted)")
+    partition.add_argument("overrides", nargs="*", help="key=value overrides")
+    partition.add_argument("--nodes", default="2,4,8", help="cluster sizes (default 2,4,8)")
+    partition.add_argument("--tokens", default="64k,128k,256k", help="tokens per batch")
+    partition.add_argument("--distributions", help="default: arxiv,github,prolong64k,short")
+    partition.add_argument("--planners", help="default: every planner")
+    partition.add_argument("--batches", type=int, default=3, help="batches per case")
+    partition.add_argument("--repeats", type=int, default=5, help="timed runs per batch")
+    partition.add_argument("--headroom", type=float, default=1.25, help="L / tokens per rank")
+    partition.add_argument("--out", default="runs/bench/partition", help="JSON and PNG folder")
+    partition.set_defaults(handler=_bench_partition)
 
     data = commands.add_parser("data", help="build or inspect datasets")
     data_commands = data.add_subparsers(dest="data_command", required=True)
@@ -156,6 +173,55 @@ def _plan(args: argparse.Namespace) -> int:
     for path in write_outputs(result, args.png, args.json_path):
         print(f"wrote {path}")
     return 0
+
+
+def _bench_partition(args: argparse.Namespace) -> int:
+    from ray_zep.bench.output import write_json
+    from ray_zep.bench.partition import (
+        DISTRIBUTIONS,
+        PLANNERS,
+        PartitionBenchSpec,
+        draw_partition_chart,
+        format_table,
+        row_dicts,
+        run_partition_bench,
+    )
+    from ray_zep.report.plan_command import parse_lengths
+
+    args.overrides = ["topology.preset=cluster_a", "model.preset=7b", *args.overrides]
+    config = _optional_config(args)
+    spec = PartitionBenchSpec(
+        nodes=tuple(_int_list(args.nodes, "--nodes")),
+        tokens=tuple(int(t) for t in parse_lengths(args.tokens)),
+        distributions=_names(args.distributions, DISTRIBUTIONS),
+        planners=_names(args.planners, PLANNERS),
+        batches=args.batches,
+        repeats=args.repeats,
+        headroom=args.headroom,
+    )
+    rows = run_partition_bench(config, spec)
+    print(format_table(rows))
+    out = Path(args.out)
+    command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ray-zep bench partition"
+    spec_record = {
+        **spec.__dict__,
+        "topology": config.topology.preset,
+        "model": config.model.preset,
+    }
+    print(f"wrote {write_json(out / 'partition.json', command, spec_record, row_dicts(rows))}")
+    print(f"wrote {draw_partition_chart(rows, out / 'partition.png')}")
+    return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{flag}={text!r}: give integers separated by commas") from None
+
+
+def _names(text: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    return default if text is None else tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def _data_build(args: argparse.Namespace) -> int:

@@ -1,0 +1,251 @@
+"""`ray-zep bench partition`: planner latency and plan quality for every planner.
+
+For each distribution, cluster size and batch size, `batches` global batches
+are drawn (seeds 0, 1, ...) and placed by every planner. Reported per planner:
+
+- planner p50 / p99: the planner's own wall time (placement and plan
+  construction, without the validation pass), over all batches x repeats;
+- attention FLOPs max/mean over ranks, max tokens / L, inter- and intra-node
+  bytes sent (one layer, forward) and the modelled attention time of one layer
+  (`ray_zep.partition.stats`), averaged over the batches;
+- inter-node bytes relative to te_cp on the same batches.
+
+L is the batch's tokens per rank times `headroom` (rounded up), so every
+planner has the same slack. Distributions are the Zeppelin paper's Table 2
+(arxiv, github, prolong64k) plus `short`: lengths uniform in 1..256 tokens,
+thousands of sequences per batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ray_zep.config import Config, ParallelConfig, Strategy, ZonePolicy
+from ray_zep.data.synthetic import TABLE_2, batch_lengths
+from ray_zep.errors import ConfigError, ZepError
+from ray_zep.model.shapes import ModelShape, build_shape
+from ray_zep.partition import make_plan
+from ray_zep.partition.stats import plan_stats
+from ray_zep.topology import LinkKind, Topology, build_topology
+
+PLANNERS = ("zeppelin", "zeppelin_capacity", "te_cp", "llama_cp", "hybrid_dp", "ulysses", "usp")
+DISTRIBUTIONS = (*TABLE_2, "short")
+SHORT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class PartitionBenchSpec:
+    nodes: tuple[int, ...] = (2, 4, 8)
+    tokens: tuple[int, ...] = (64 * 1024, 128 * 1024, 256 * 1024)
+    distributions: tuple[str, ...] = DISTRIBUTIONS
+    planners: tuple[str, ...] = PLANNERS
+    batches: int = 3
+    repeats: int = 5
+    headroom: float = 1.25
+    seconds_per_planner: float = 3.0
+    """Stop repeating a slow planner once one case has spent this long on it."""
+
+    def __post_init__(self) -> None:
+        for name in self.distributions:
+            if name not in DISTRIBUTIONS:
+                raise ConfigError(f"--distributions: {name!r} is not one of {DISTRIBUTIONS}")
+        for name in self.planners:
+            if name not in PLANNERS:
+                raise ConfigError(f"--planners: {name!r} is not one of {PLANNERS}")
+        if min(self.nodes, default=0) < 1 or min(self.tokens, default=0) < 1:
+            raise ConfigError("--nodes and --tokens need positive values")
+        if self.batches < 1 or self.repeats < 1:
+            raise ConfigError("--batches and --repeats must be >= 1")
+        if self.headroom < 1.0:
+            raise ConfigError(f"--headroom={self.headroom} must be >= 1 (L >= tokens per rank)")
+
+
+@dataclass
+class PartitionRow:
+    distribution: str
+    nodes: int
+    tokens: int
+    planner: str
+    tokens_per_rank: int
+    sequences: float = 0.0
+    planner_p50_ms: float | None = None
+    planner_p99_ms: float | None = None
+    flops_max_over_mean: float | None = None
+    max_tokens_over_l: float | None = None
+    inter_node_gb: float | None = None
+    intra_node_gb: float | None = None
+    modelled_ms: float | None = None
+    inter_vs_te_cp: float | None = None
+    error: str | None = None
+
+
+def synthetic_lengths(distribution: str, total: int, seed: int) -> np.ndarray:
+    """A batch of exactly `total` tokens from a bench distribution."""
+    if distribution != "short":
+        return batch_lengths(distribution, total, seed)
+    rng = np.random.default_rng([seed, 7])
+    lengths = rng.integers(1, SHORT_MAX_TOKENS + 1, size=4 * total // SHORT_MAX_TOKENS + 8)
+    ends = np.cumsum(lengths)
+    count = int(np.searchsorted(ends, total)) + 1
+    lengths = lengths[:count].copy()
+    lengths[-1] -= int(ends[count - 1]) - total
+    return lengths[lengths > 0]
+
+
+def run_partition_bench(
+    config: Config, spec: PartitionBenchSpec, progress: Callable[[str], None] | None = None
+) -> list[PartitionRow]:
+    """Measure every (distribution, nodes, tokens, planner) case of `spec`."""
+    progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    base = build_topology(config.topology)
+    shape = build_shape(config.model)
+    cases = [(d, n, t) for d in spec.distributions for n in spec.nodes for t in spec.tokens]
+    rows: list[PartitionRow] = []
+    for index, (distribution, nodes, tokens) in enumerate(cases, start=1):
+        topology = base.with_nodes(nodes)
+        capacity = math.ceil(tokens / topology.world_size * spec.headroom)
+        batches = [synthetic_lengths(distribution, tokens, s) for s in range(spec.batches)]
+        case_rows = [
+            _measure(planner, batches, topology, capacity, shape, spec) for planner in spec.planners
+        ]
+        for row in case_rows:
+            row.distribution, row.nodes, row.tokens = distribution, nodes, tokens
+        _relate_to_te_cp(case_rows)
+        rows.extend(case_rows)
+        zeppelin = next((r for r in case_rows if r.planner == "zeppelin"), case_rows[0])
+        progress(
+            f"[{index}/{len(cases)}] {distribution} {nodes}x{topology.gpus_per_node} "
+            f"{tokens // 1024}k tokens: {zeppelin.planner} p50 "
+            f"{_fmt(zeppelin.planner_p50_ms)} ms"
+        )
+    return rows
+
+
+def _measure(
+    planner: str,
+    batches: list[np.ndarray],
+    topology: Topology,
+    capacity: int,
+    shape: ModelShape,
+    spec: PartitionBenchSpec,
+) -> PartitionRow:
+    row = PartitionRow("", 0, 0, planner, capacity)
+    strategy, parallel = _planner_config(planner)
+    samples: list[float] = []
+    quality = []
+    spent = 0.0
+    try:
+        make_plan(strategy, batches[0], topology, capacity, shape, parallel)  # warm-up
+        for lengths in batches:
+            for repeat in range(spec.repeats):
+                plan = make_plan(strategy, lengths, topology, capacity, shape, parallel)
+                samples.append(plan.planner_seconds)
+                spent += plan.planner_seconds
+                if repeat and spent > spec.seconds_per_planner:
+                    break
+            stats = plan_stats(plan, shape)
+            quality.append(
+                (
+                    stats.imbalance(),
+                    float(stats.tokens.max()) / capacity,
+                    stats.total_bytes(LinkKind.INTER_NODE) / 1e9,
+                    stats.total_bytes(LinkKind.INTRA_NODE) / 1e9,
+                    stats.layer_seconds * 1e3,
+                    len(lengths),
+                )
+            )
+    except ZepError as exc:
+        row.error = str(exc)
+        return row
+    means = np.mean(np.asarray(quality), axis=0)
+    row.flops_max_over_mean, row.max_tokens_over_l = float(means[0]), float(means[1])
+    row.inter_node_gb, row.intra_node_gb = float(means[2]), float(means[3])
+    row.modelled_ms, row.sequences = float(means[4]), float(means[5])
+    row.planner_p50_ms = float(np.percentile(samples, 50) * 1e3)
+    row.planner_p99_ms = float(np.percentile(samples, 99) * 1e3)
+    return row
+
+
+def _planner_config(planner: str) -> tuple[Strategy, ParallelConfig]:
+    if planner == "zeppelin_capacity":
+        return Strategy.ZEPPELIN, ParallelConfig(Strategy.ZEPPELIN, ZonePolicy.CAPACITY)
+    strategy = Strategy(planner)
+    return strategy, ParallelConfig(strategy)
+
+
+def _relate_to_te_cp(rows: list[PartitionRow]) -> None:
+    reference = next((r for r in rows if r.planner == "te_cp" and r.inter_node_gb), None)
+    if reference is None:
+        return
+    for row in rows:
+        if row.inter_node_gb is not None:
+            row.inter_vs_te_cp = row.inter_node_gb / reference.inter_node_gb
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def format_table(rows: list[PartitionRow]) -> str:
+    header = (
+        f"{'distribution':<12} {'nodes':>5} {'tokens':>6} {'planner':<17} {'seqs':>6} "
+        f"{'p50 ms':>7} {'p99 ms':>7} {'flops max/mean':>14} {'tokens/L':>8} "
+        f"{'inter GB':>8} {'vs te_cp':>8} {'model ms':>8}"
+    )
+    lines = [header]
+    for r in rows:
+        if r.error:
+            lines.append(
+                f"{r.distribution:<12} {r.nodes:>5} {r.tokens // 1024:>5}k {r.planner:<17} "
+                f"n/a: {r.error}"
+            )
+            continue
+        lines.append(
+            f"{r.distribution:<12} {r.nodes:>5} {r.tokens // 1024:>5}k {r.planner:<17} "
+            f"{r.sequences:>6.0f} {_fmt(r.planner_p50_ms):>7} {_fmt(r.planner_p99_ms):>7} "
+            f"{_fmt(r.flops_max_over_mean):>14} {_fmt(r.max_tokens_over_l):>8} "
+            f"{_fmt(r.inter_node_gb):>8} {_fmt(r.inter_vs_te_cp):>8} {_fmt(r.modelled_ms):>8}"
+        )
+    return "\n".join(lines)
+
+
+def row_dicts(rows: list[PartitionRow]) -> list[dict]:
+    return [dataclasses.asdict(r) for r in rows]
+
+
+def draw_partition_chart(rows: list[PartitionRow], path: str | Path) -> Path:
+    """Four panels at the largest cluster and batch: latency, balance, bytes, modelled time."""
+    from ray_zep.report.charts import bar_panel, legend
+    from ray_zep.report.png import Canvas
+
+    nodes = max(r.nodes for r in rows)
+    tokens = max(r.tokens for r in rows)
+    chosen = [r for r in rows if r.nodes == nodes and r.tokens == tokens]
+    distributions = list(dict.fromkeys(r.distribution for r in chosen))
+    planners = list(dict.fromkeys(r.planner for r in chosen))
+    by_key = {(r.distribution, r.planner): r for r in chosen}
+    metrics = [
+        ("planner_p50_ms", "planner p50 ms"),
+        ("flops_max_over_mean", "attention flops max/mean"),
+        ("inter_node_gb", "inter-node GB per layer"),
+        ("modelled_ms", "modelled attention ms per layer"),
+    ]
+    panel_height, width = 170, 1100
+    canvas = Canvas(width, 50 + panel_height * len(metrics))
+    canvas.text(10, 8, f"partition bench: {nodes} nodes, {tokens // 1024}k tokens per batch")
+    legend(canvas, 10, 26, planners)
+    for index, (field, title) in enumerate(metrics):
+        values = [
+            [getattr(by_key[(d, p)], field) if (d, p) in by_key else None for p in planners]
+            for d in distributions
+        ]
+        box = (10, 50 + index * panel_height, width - 20, panel_height - 12)
+        bar_panel(canvas, box, title, distributions, values)
+    return canvas.save(path)
