@@ -65,16 +65,14 @@ def _parser() -> argparse.ArgumentParser:
     config.set_defaults(handler=_config)
 
     topology = commands.add_parser("topology", help="print the topology of a config")
-    topology.add_argument("config", nargs="?", help="YAML config (defaults if omitted)")
-    topology.add_argument("overrides", nargs="*", help="key=value overrides")
+    _optional_config_args(topology)
     topology.add_argument(
         "--probe", action="store_true", help="probe this GPU node with nvidia-smi and sysfs instead"
     )
     topology.set_defaults(handler=_topology)
 
     plan = commands.add_parser("plan", help="place one batch and show every rank's share")
-    plan.add_argument("config", nargs="?", help="YAML config (defaults if omitted)")
-    plan.add_argument("overrides", nargs="*", help="key=value overrides")
+    _optional_config_args(plan)
     plan.add_argument("--lengths", help="sequence lengths, e.g. 9000,300,64k (k = 1024)")
     plan.add_argument(
         "--distribution", help="draw lengths from a Table 2 distribution: arxiv|github|prolong64k"
@@ -91,8 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run a benchmark (table, JSON and PNG)")
     benches = bench.add_subparsers(dest="bench_command", required=True)
     partition = benches.add_parser("partition", help="planner latency and plan quality")
-    partition.add_argument("config", nargs="?", help="YAML config (defaults if omitted)")
-    partition.add_argument("overrides", nargs="*", help="key=value overrides")
+    _optional_config_args(partition)
     partition.add_argument("--nodes", default="2,4,8", help="cluster sizes (default 2,4,8)")
     partition.add_argument("--tokens", default="64k,128k,256k", help="tokens per batch")
     partition.add_argument("--distributions", help="default: arxiv,github,prolong64k,short")
@@ -115,6 +112,11 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("source", help="Parquet file/folder or 'stdlib'")
     stats.set_defaults(handler=_data_stats)
     return parser
+
+
+def _optional_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="YAML config (defaults if omitted)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:

@@ -252,16 +252,25 @@ def _split_over_nodes(
         for i in np.flatnonzero(spreads).tolist():
             n = int(sizes[i])
             chosen = _pick_nodes(max(2, int(wanted[i])), n, free_left, load_now)
-            shares = water_fill(n, free_left[chosen])
-            spread[int(order[i])] = [
-                (int(c), int(x)) for c, x in zip(chosen, shares, strict=True) if x
-            ]
-            free_left[chosen] -= shares
-            load_now[chosen] += shares.astype(np.float64) * n
+            spread[int(order[i])] = _fill(n, n, chosen, free_left, load_now)
         return whole, spread
 
     initial = node_capacity if rules.policy is ZonePolicy.CAPACITY else node_capacity + 1
     return _search(run_round, initial, lengths)
+
+
+def _fill(
+    tokens: int, length: int, chosen: np.ndarray, free: np.ndarray, load: np.ndarray
+) -> list[tuple[int, int]]:
+    """Water-fill `tokens` of a sequence of `length` into the `chosen` bins.
+
+    Updates the bins' free tokens and attention work in place; returns the
+    (bin, tokens) pairs that received any, in bin order.
+    """
+    counts = water_fill(tokens, free[chosen])
+    free[chosen] -= counts
+    load[chosen] += counts.astype(np.float64) * length
+    return [(int(b), int(c)) for b, c in zip(chosen, counts, strict=True) if c]
 
 
 def _pick_nodes(count: int, tokens: int, free: np.ndarray, load: np.ndarray) -> np.ndarray:
@@ -305,19 +314,10 @@ def _split_over_gpus(
         for i in np.flatnonzero(rings).tolist():
             n = int(sizes[i])
             chosen = _pick_gpus(max(2, int(wanted[i])), n, free_left, load_now)
-            counts = water_fill(n, free_left[chosen])
-            split[int(seqs[i])] = [
-                (int(g), int(c)) for g, c in zip(chosen, counts, strict=True) if c
-            ]
-            free_left[chosen] -= counts
-            load_now[chosen] += counts.astype(np.float64) * n
+            split[int(seqs[i])] = _fill(n, n, chosen, free_left, load_now)
         for seq, share in portions:
             chosen = _portion_gpus(share, free_left, rules)
-            counts = np.zeros(gpus, dtype=np.int64)
-            counts[chosen] = water_fill(share, free_left[chosen])
-            split[seq] = [(g, int(c)) for g, c in enumerate(counts) if c]
-            free_left -= counts
-            load_now += counts.astype(np.float64) * float(lengths[seq])
+            split[seq] = _fill(share, int(lengths[seq]), chosen, free_left, load_now)
         return local, split
 
     initial = rules.capacity if rules.policy is ZonePolicy.CAPACITY else rules.capacity + 1
