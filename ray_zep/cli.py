@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ray_zep.config import config_to_yaml, load_config
-from ray_zep.errors import ConfigError, ZepError
+from ray_zep.errors import ZepError
 from ray_zep.logs import setup_logging
 
 EXIT_BAD_INPUT = 2
@@ -193,8 +193,8 @@ def _bench_partition(args: argparse.Namespace) -> int:
     args.overrides = ["topology.preset=cluster_a", "model.preset=7b", *args.overrides]
     config = _optional_config(args)
     spec = PartitionBenchSpec(
-        nodes=tuple(_int_list(args.nodes, "--nodes")),
-        tokens=tuple(int(t) for t in parse_lengths(args.tokens)),
+        nodes=tuple(int(n) for n in parse_lengths(args.nodes, "--nodes")),
+        tokens=tuple(int(t) for t in parse_lengths(args.tokens, "--tokens")),
         distributions=_names(args.distributions, DISTRIBUTIONS),
         planners=_names(args.planners, PLANNERS),
         batches=args.batches,
@@ -213,13 +213,6 @@ def _bench_partition(args: argparse.Namespace) -> int:
     print(f"wrote {write_json(out / 'partition.json', command, spec_record, row_dicts(rows))}")
     print(f"wrote {draw_partition_chart(rows, out / 'partition.png')}")
     return 0
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"{flag}={text!r}: give integers separated by commas") from None
 
 
 def _names(text: str | None, default: tuple[str, ...]) -> tuple[str, ...]:

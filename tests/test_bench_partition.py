@@ -71,3 +71,10 @@ def test_command_writes_table_json_and_png(tmp_path: Path, capsys) -> None:
     assert {"planner_p50_ms", "flops_max_over_mean", "inter_node_gb"} <= set(record["rows"][0])
     pixels = decode_png((tmp_path / "partition.png").read_bytes())
     assert pixels.shape[1] == 1100 and (pixels != 255).any()
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--tokens", "8k,abc"), ("--nodes", "0")])
+def test_bad_command_lists_name_their_flag(capsys, flag: str, value: str) -> None:
+    assert main(["bench", "partition", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ray-zep: error: {flag} item") and len(err.splitlines()) == 1

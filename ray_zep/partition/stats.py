@@ -33,7 +33,7 @@ from ray_zep.costmodel import (
     q_bytes_per_token,
 )
 from ray_zep.model.shapes import ModelShape
-from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem, link_kind
+from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem, SeqPlacement, link_kind
 from ray_zep.topology import LinkKind
 
 
@@ -96,7 +96,7 @@ def plan_stats(plan: AttentionPlan, shape: ModelShape) -> PlanStats:
             )
             member_flops.append(pair_flops * pairs / item.ulysses)
         flops[list(item.ranks)] += member_flops
-        exchange_bytes = _add_item_bytes(plan, item, shape, sent)
+        exchange_bytes = _add_item_bytes(plan, item, placements, shape, sent)
         seconds[list(item.ranks)] += _item_seconds(item, cost, max(member_flops), exchange_bytes)
     return PlanStats(tokens, flops, sent, zones, seconds)
 
@@ -134,10 +134,13 @@ class _Exchanged:
 
 
 def _add_item_bytes(
-    plan: AttentionPlan, item: QueueItem, shape: ModelShape, sent: dict[LinkKind, np.ndarray]
+    plan: AttentionPlan,
+    item: QueueItem,
+    placements: list[SeqPlacement],
+    shape: ModelShape,
+    sent: dict[LinkKind, np.ndarray],
 ) -> _Exchanged:
     topo = plan.topology
-    placements = [plan.placement(s) for s in item.seqs]
     u_size, ring = item.ulysses, item.ring_size
     position_tokens = [sum(p.position_tokens(r) for p in placements) for r in range(ring)]
     kv_token = (

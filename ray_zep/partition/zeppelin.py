@@ -198,17 +198,20 @@ def _search(run_round, initial: int, lengths: np.ndarray):
 
 
 def _place_whole(
-    sizes: list[int], free: list[int], load: list[float], by_work: bool
-) -> list[int] | None:
+    sizes: list[int], bins: int, capacity: int, by_work: bool
+) -> tuple[list[int], np.ndarray, np.ndarray] | None:
     """Bin of each whole sequence (given longest first), or None when one fits nowhere.
 
     Each goes to the bin with the least work (`by_work`) or the most free tokens,
-    lowest index on ties, among those with room; `free` and `load` are updated.
-    A heap keeps this O(log bins) per sequence: batches hold thousands.
+    lowest index on ties, among those with room. A heap keeps this O(log bins)
+    per sequence: batches hold thousands.
+
+    Returns:
+        The bins, then every bin's free tokens and attention work after them.
     """
-    heap = [(load[b] if by_work else -free[b], b) for b in range(len(free))]
-    heapq.heapify(heap)
-    bins = []
+    free, load = [capacity] * bins, [0.0] * bins
+    heap = [(0.0 if by_work else -capacity, b) for b in range(bins)]
+    placed = []
     for n in sizes:
         skipped = []
         while heap and free[heap[0][1]] < n:
@@ -221,8 +224,8 @@ def _place_whole(
         heapq.heapreplace(heap, (load[b] if by_work else -free[b], b))
         for entry in skipped:
             heapq.heappush(heap, entry)
-        bins.append(b)
-    return bins
+        placed.append(b)
+    return placed, np.asarray(free, dtype=np.int64), np.asarray(load)
 
 
 def _split_over_nodes(
@@ -236,18 +239,14 @@ def _split_over_nodes(
     by_work = rules.policy is ZonePolicy.COST
 
     def run_round(threshold: int):
-        spreads = (sizes >= threshold) | (wanted > 1)
-        if nodes == 1:
-            spreads[:] = False
+        spreads = ((sizes >= threshold) | (wanted > 1)) & (nodes > 1)
         kept = np.flatnonzero(~spreads)
-        free, load = [node_capacity] * nodes, [0.0] * nodes
-        bins = _place_whole(sizes[kept].tolist(), free, load, by_work)
-        if bins is None:
+        if (placed := _place_whole(sizes[kept].tolist(), nodes, node_capacity, by_work)) is None:
             return None
+        bins, free_left, load_now = placed
         whole: list[list[int]] = [[] for _ in range(nodes)]
         for seq, node in zip(order[kept].tolist(), bins, strict=True):
             whole[node].append(seq)
-        free_left, load_now = np.asarray(free, dtype=np.int64), np.asarray(load)
         spread: dict[int, list[tuple[int, int]]] = {}
         for i in np.flatnonzero(spreads).tolist():
             n = int(sizes[i])
@@ -300,16 +299,12 @@ def _split_over_gpus(
     by_work = rules.policy is ZonePolicy.COST
 
     def run_round(threshold: int):
-        rings = (sizes >= threshold) | (wanted > 1)
-        if gpus == 1:
-            rings[:] = False
+        rings = ((sizes >= threshold) | (wanted > 1)) & (gpus > 1)
         kept = np.flatnonzero(~rings)
-        free, load = [rules.capacity] * gpus, [0.0] * gpus
-        bins = _place_whole(sizes[kept].tolist(), free, load, by_work)
-        if bins is None:
+        if (placed := _place_whole(sizes[kept].tolist(), gpus, rules.capacity, by_work)) is None:
             return None
+        bins, free_left, load_now = placed
         local = dict(zip(seqs[kept].tolist(), bins, strict=True))
-        free_left, load_now = np.asarray(free, dtype=np.int64), np.asarray(load)
         split: dict[int, list[tuple[int, int]]] = {}
         for i in np.flatnonzero(rings).tolist():
             n = int(sizes[i])

@@ -68,16 +68,16 @@ def write_outputs(result: PlanResult, png: str | None, json_path: str | None) ->
     return written
 
 
-def parse_lengths(text: str) -> np.ndarray:
-    """'9000,300,64k' -> lengths (k = 1024 tokens)."""
+def parse_lengths(text: str, flag: str = "--lengths") -> np.ndarray:
+    """'9000,300,64k' -> positive token counts (k = 1024); errors name `flag`."""
     values = []
     for item in text.replace(" ", "").split(","):
         scale = 1024 if item.lower().endswith("k") else 1
         digits = item[:-1] if scale > 1 else item
         if not digits.isdigit() or int(digits) < 1:
             raise ConfigError(
-                f"--lengths item {item!r} must be a positive integer (optionally with k), "
-                "e.g. --lengths 9000,300,64k"
+                f"{flag} item {item!r} must be a positive integer (optionally with k), "
+                f"e.g. {flag} 9000,300,64k"
             )
         values.append(int(digits) * scale)
     return np.asarray(values, dtype=np.int64)
