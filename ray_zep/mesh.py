@@ -7,14 +7,19 @@ then only sizes the global batch), every other strategy one process per GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from ray_zep.config import Strategy
 from ray_zep.errors import CommError, TopologyError
 from ray_zep.topology import Topology
+
+if TYPE_CHECKING:
+    from ray_zep.routing.comms import Channels
 
 
 def num_ranks(strategy: Strategy, topology: Topology) -> int:
@@ -32,6 +37,7 @@ class Comm:
         world_size: processes in `group`.
         group: the process group, or None when the job is a single process.
         timeout_s: steady-state timeout of every collective.
+        routing: the routing groups and relay thread (`parallel.routing`), or None.
     """
 
     topology: Topology
@@ -39,6 +45,7 @@ class Comm:
     world_size: int
     group: dist.ProcessGroup | None
     timeout_s: float
+    routing: Channels | None = None
 
     @classmethod
     def create(
@@ -77,21 +84,34 @@ class Comm:
         return datetime.timedelta(seconds=self.timeout_s)
 
     def wait(self, works: list, what: str) -> None:
-        """Wait on every work handle within the timeout.
+        """Wait on every work handle within the timeout (see `wait_all`)."""
+        wait_all(works, what, self.timeout_s, self.rank)
 
-        Raises:
-            CommError: a handle failed (a lost peer) or timed out; names `what`
-                and the config key that sets the limit.
-        """
-        try:
-            for work in works:
-                work.wait(timeout=self.timeout)
-        except RuntimeError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CommError(
-                f"{what} on rank {self.rank} failed or exceeded "
-                f"comm.timeout_s={self.timeout_s:g}: {first}"
-            ) from None
+    def with_routing(self) -> Comm:
+        """This Comm plus the routing groups and relay thread (collective: call on every rank)."""
+        if self.group is None or self.routing is not None:
+            return self
+        from ray_zep.routing.comms import open_channels
+
+        return dataclasses.replace(self, routing=open_channels(self.group, self.timeout_s))
+
+
+def wait_all(works: list, what: str, timeout_s: float, rank: int) -> None:
+    """Wait on every work handle within `timeout_s` seconds each.
+
+    Raises:
+        CommError: a handle failed (a lost peer) or timed out; names `what`
+            and the config key that sets the limit.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        for work in works:
+            work.wait(timeout=timeout)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CommError(
+            f"{what} on rank {rank} failed or exceeded comm.timeout_s={timeout_s:g}: {first}"
+        ) from None
 
 
 def init_process_group(

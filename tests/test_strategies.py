@@ -26,6 +26,8 @@ from tests.helpers.training import SMALL_RUN, max_relative_error, train_rank
 pytestmark = pytest.mark.dist
 
 STRATEGIES = ["zeppelin", "te_cp", "llama_cp", "hybrid_dp", "ulysses", "usp"]
+ROUTED = ["zeppelin", "te_cp", "usp"]
+"""Strategies whose plans have ring transfers between nodes (routing applies)."""
 TOPOLOGIES = [(1, 4), (2, 2), (2, 4)]
 HEADS = ["model.n_heads=8", "model.n_kv_heads=2"]
 ATTENTION_TOL = 1e-5
@@ -40,9 +42,11 @@ def _ring_all(rank: int, world: int, cases: list[dict]) -> list[dict]:
 def test_ring_attention_matches_single_device(nodes: int, gpus: int, kv_heads: int) -> None:
     lengths = [1, 7, 3, 2 * gpus - 1, 2, 5 * gpus * 12 + 1, *[1, 2, 1, 3] * 4, 33]
     capacity = -(-sum(lengths) // (nodes * gpus)) + 4
+    routed = [(s, True) for s in ROUTED] if nodes > 1 else []
     cases = [
         dict(
             strategy=s,
+            routing=routing,
             nodes=nodes,
             gpus=gpus,
             heads=8,
@@ -51,7 +55,7 @@ def test_ring_attention_matches_single_device(nodes: int, gpus: int, kv_heads: i
             lengths=lengths,
             capacity=capacity,
         )
-        for s in STRATEGIES
+        for s, routing in [*((s, False) for s in STRATEGIES), *routed]
     ]
     results = run_ranks(_ring_all, nodes * gpus, cases)
     q, k, v, _, out = reference(lengths, 8, kv_heads, 4, 0)
@@ -67,12 +71,15 @@ def test_ring_attention_matches_single_device(nodes: int, gpus: int, kv_heads: i
                 ("dv", got["dv"], v.grad),
             ]:
                 diff = (value[:n] - ref[rows]).abs()
-                where = f"{case['strategy']} rank {rank} {name}"
+                where = f"{case['strategy']} routing={case['routing']} rank {rank} {name}"
                 assert n == 0 or float(diff.max()) <= ATTENTION_TOL, (
                     f"{where}: max abs {float(diff.max()):.2e}, mean {float(diff.mean()):.2e}"
                 )
                 assert torch.count_nonzero(value[n:]) == 0, f"{where}: padding rows not zero"
-            assert got["ops"] == got["expected_ops"], f"{case['strategy']} rank {rank}"
+            assert got["ops"] == got["expected_ops"], f"{case} rank {rank}"
+        if case["routing"] and case["strategy"] == "te_cp":
+            routed = sum(r[index]["ops"].get("routed", 0) for r in results)
+            assert routed > 0, "te_cp crosses nodes: routing must act"
 
 
 def _mixed_dataset(path: Path) -> Path:

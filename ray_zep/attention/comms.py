@@ -28,6 +28,11 @@ class Pending:
         self._comm.wait(self._works, self._what)
         self._works = []
 
+    def extend(self, works: list) -> Pending:
+        """These handles plus `works` (routed hops of the same exchange)."""
+        self._works.extend(works)
+        return self
+
 
 def exchange(
     sends: Sequence[tuple[torch.Tensor, int]],
@@ -37,6 +42,8 @@ def exchange(
     what: str,
 ) -> Pending:
     """Post sends of (tensor, peer) and receives into (buffer, peer) together."""
+    if not sends and not recvs:
+        return Pending([], comm, what)
     p2p = [dist.P2POp(dist.isend, t.contiguous(), peer, comm.group) for t, peer in sends]
     p2p += [dist.P2POp(dist.irecv, buf, peer, comm.group) for buf, peer in recvs]
     ops["p2p"] += len(p2p)

@@ -16,6 +16,10 @@ peers. Per item:
 3. Ulysses: outputs (and in backward the gradients) go back to the token owners.
 
 A local item (one rank) is a single causal varlen call with no communication.
+With `parallel.routing`, a ring transfer between nodes goes through proxy ranks
+(`ray_zep.routing`): the main thread posts its hops like a direct exchange, and
+this rank's relay thread forwards the pieces it proxies for other ranks during
+the call.
 Input rows past `schedule.tokens` are padding: their outputs and gradients are zero.
 
 Shapes: T rows of this rank, H query heads, K key/value heads, E head dim;
@@ -31,8 +35,11 @@ import torch
 from ray_zep.attention import ring
 from ray_zep.attention.comms import all_gather_rows, exchange, reduce_scatter_rows
 from ray_zep.attention.schedule import ItemSchedule, RankSchedule
+from ray_zep.errors import CommError
 from ray_zep.mesh import Comm
 from ray_zep.partition.plan import Exchange
+from ray_zep.routing.comms import Channels, RowFormat, post_recv, post_send
+from ray_zep.routing.routes import Payload, Phase
 
 
 class _Heads:
@@ -66,6 +73,7 @@ class AttentionEngine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_THE, k_TKE, v_TKE, schedule: RankSchedule, comm: Comm, kernels):
+        relay = _start_relay(schedule, comm, Phase.FORWARD, k_TKE)
         out = torch.zeros_like(q_THE)
         saved = []
         for item in schedule.items:
@@ -81,6 +89,8 @@ class AttentionEngine(torch.autograd.Function):
             )
             out[start:stop] = item_out
             saved.append(state)
+        if relay is not None:
+            relay.finish_relay()
         ctx.schedule, ctx.comm, ctx.kernels, ctx.saved = schedule, comm, kernels, saved
         ctx.shapes = (q_THE.shape, k_TKE.shape, q_THE.dtype)
         return out
@@ -91,12 +101,15 @@ class AttentionEngine(torch.autograd.Function):
         dq = torch.zeros(q_shape, dtype=dtype, device=dout_THE.device)
         dk = torch.zeros(k_shape, dtype=dtype, device=dout_THE.device)
         dv = torch.zeros(k_shape, dtype=dtype, device=dout_THE.device)
+        relay = _start_relay(ctx.schedule, ctx.comm, Phase.BACKWARD, dk)
         for item, state in zip(ctx.schedule.items, ctx.saved, strict=True):
             start, stop = item.rows
             grads = _item_backward(
                 dout_THE[start:stop], item, state, ctx.schedule, ctx.comm, ctx.kernels[1]
             )
             dq[start:stop], dk[start:stop], dv[start:stop] = grads
+        if relay is not None:
+            relay.finish_relay()
         ctx.saved = []
         return dq, dk, dv, None, None, None
 
@@ -104,6 +117,37 @@ class AttentionEngine(torch.autograd.Function):
 def run_attention(q_THE, k_TKE, v_TKE, schedule: RankSchedule, comm: Comm, kernels):
     """Differentiable attention of a rank's rows; `kernels` = (forward, backward)."""
     return AttentionEngine.apply(q_THE, k_TKE, v_TKE, schedule, comm, kernels)
+
+
+def _start_relay(schedule: RankSchedule, comm: Comm, phase: Phase, k_TKE) -> Channels | None:
+    """Start this rank's relay on the pieces it forwards in this call (None: nothing to do)."""
+    if schedule.routing is None or comm.routing is None:
+        return None
+    rows = RowFormat(k_TKE.shape[1], k_TKE.shape[2], k_TKE.dtype, k_TKE.device)
+    comm.routing.start_relay(schedule.routing.relayed(phase), rows)
+    return comm.routing
+
+
+def _ring_exchange(send, recv, item: ItemSchedule, step: int, payload, schedule, comm, what):
+    """Send `send` to the next ring position and receive into `recv` from the previous one,
+    directly or through the routing layer when the plan routes that transfer."""
+    key = (item.item.ranks, item.item.ulysses)
+    out_route = schedule.routes.get((key, step, payload, schedule.rank))
+    in_route = schedule.routes.get((key, step, payload, item.ring_prev))
+    direct = exchange(
+        [] if out_route else [(send, item.ring_next)],
+        [] if in_route else [(recv, item.ring_prev)],
+        comm,
+        schedule.ops,
+        what,
+    )
+    if out_route is None and in_route is None:
+        return direct
+    if comm.routing is None:
+        raise CommError("the plan routes transfers but this Comm has no routing groups")
+    works = post_send(send, out_route, comm.routing, schedule.ops) if out_route else []
+    works += post_recv(recv, in_route, comm.routing, schedule.ops) if in_route else []
+    return direct.extend(works)
 
 
 def _item_forward(q, k, v, item: ItemSchedule, schedule: RankSchedule, comm: Comm, kernel):
@@ -138,10 +182,7 @@ def _rotate(current, item: ItemSchedule, step: int, schedule, comm, what: str):
         return None, None
     source = item.steps[step + 1].source
     buf = current.new_empty((item.position_tokens[source], *current.shape[1:]))
-    pending = exchange(
-        [(current, item.ring_next)], [(buf, item.ring_prev)], comm, schedule.ops, what
-    )
-    return buf, pending
+    return buf, _ring_exchange(current, buf, item, step, Payload.KV, schedule, comm, what)
 
 
 def _ring_forward(q_pos, kv_pos, item, schedule, comm, out_pos, lse_pos, kernel) -> None:
@@ -204,12 +245,8 @@ def _ring_backward(dout_pos, state, item, schedule, comm, dq_pos, backward):
         last = s + 1 == len(item.steps)
         size = item.position_tokens[item.position if last else item.steps[s + 1].source]
         incoming = dkv.new_empty((size, *dkv.shape[1:]))
-        dkv_pending = exchange(
-            [(dkv, item.ring_next)],
-            [(incoming, item.ring_prev)],
-            comm,
-            schedule.ops,
-            "ring dK/dV exchange",
+        dkv_pending = _ring_exchange(
+            dkv, incoming, item, s, Payload.DKV, schedule, comm, "ring dK/dV exchange"
         )
         sends_alive.append(dkv)
         if kv_pending is not None:

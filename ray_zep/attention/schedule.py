@@ -24,6 +24,7 @@ import torch
 
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem
+from ray_zep.routing.routes import RankRouting
 
 
 @dataclass(frozen=True)
@@ -83,25 +84,35 @@ class RankSchedule:
         rank: the rank.
         tokens: rows of the rank's layout (inputs may carry padding rows after them).
         items: per-item schedules.
-        ops: tally of communication calls issued (`p2p`, `all_gather`,
-            `reduce_scatter`), for tests and metrics.
+        ops: tally of communication calls issued (`p2p` direct, `routed` through
+            proxies, `all_gather`, `reduce_scatter`), for tests and metrics.
+        routing: the routed transfers this rank sends, receives or relays (None:
+            every transfer is direct).
     """
 
     rank: int
     tokens: int
     items: list[ItemSchedule]
     ops: Counter = field(default_factory=Counter)
+    routing: RankRouting | None = None
+    routes: dict = field(default_factory=dict)
+    """Route of each routed transfer this rank sends or receives, by `Transfer.lookup_key`."""
 
     @classmethod
     def build(
-        cls, plan: AttentionPlan, rank: int, device: torch.device | str = "cpu"
+        cls,
+        plan: AttentionPlan,
+        rank: int,
+        device: torch.device | str = "cpu",
+        routing: RankRouting | None = None,
     ) -> RankSchedule:
         items, start = [], 0
         for item in plan.rank_items(rank):
             schedule = _item_schedule(plan, item, rank, start, device)
             items.append(schedule)
             start = schedule.rows[1]
-        return cls(rank, start, items)
+        routes = routing.routes() if routing is not None else {}
+        return cls(rank, start, items, routing=routing, routes=routes)
 
 
 def _position_layout(plan: AttentionPlan, item: QueueItem, position: int):
@@ -210,14 +221,15 @@ def _step_meta(mine, theirs, step: int, source: int, position: int, device) -> S
     )
 
 
-def expected_ops(plan: AttentionPlan, rank: int) -> Counter:
-    """Communication calls one forward and backward of a layer issue on `rank`.
+def expected_ops(plan: AttentionPlan, rank: int, routing: RankRouting | None = None) -> Counter:
+    """Communication calls one forward and backward of a layer issue on `rank`'s main thread.
 
     Ring items: R - 1 K/V sends and receives forward; backward rotates K/V again
     (R - 1 each way) and the dK/dV accumulators (R each way). All-gather items:
     one all-gather forward, one reduce-scatter backward. Ulysses: four exchanges
     (Q/K/V and output forward, their gradients backward) of U - 1 sends and
-    receives each.
+    receives each. A routed send or receive replaces one `p2p` by the `routed`
+    messages of its route.
     """
     ops: Counter = Counter()
     for item in plan.rank_items(rank):
@@ -229,4 +241,11 @@ def expected_ops(plan: AttentionPlan, rank: int) -> Counter:
             ops["reduce_scatter"] += 1
         if u_size > 1:
             ops["p2p"] += 4 * 2 * (u_size - 1)
-    return ops
+    for t in (routing.forward + routing.backward) if routing else ():
+        if t.route.src == rank:
+            ops["p2p"] -= 1
+            ops["routed"] += t.route.source_messages()
+        if t.route.dst == rank:
+            ops["p2p"] -= 1
+            ops["routed"] += t.route.destination_messages()
+    return +ops

@@ -13,6 +13,7 @@ from ray_zep.config import Strategy, load_config
 from ray_zep.mesh import Comm
 from ray_zep.model.shapes import build_shape
 from ray_zep.partition import make_plan
+from ray_zep.routing.routes import RoutingPlan
 from ray_zep.topology import build_topology
 
 KERNELS = (torch_varlen_attention, torch_varlen_attention_backward)
@@ -44,6 +45,8 @@ def ring_rank(rank: int, world: int, case: dict) -> dict:
     config = load_config(None, overrides)
     topology = build_topology(config.topology)
     comm = Comm.create(topology, Strategy(case["strategy"]), 60.0)
+    if case.get("routing"):
+        comm = comm.with_routing()
     lengths = case["lengths"]
     plan = make_plan(
         Strategy(case["strategy"]), lengths, topology, case["capacity"], build_shape(config.model)
@@ -60,7 +63,8 @@ def ring_rank(rank: int, world: int, case: dict) -> dict:
         return torch.cat((x.detach()[index], pad)).requires_grad_(True)
 
     lq, lk, lv = mine(q), mine(k), mine(v)
-    schedule = RankSchedule.build(plan, rank)
+    routing = RoutingPlan.build(plan).for_rank(rank) if case.get("routing") else None
+    schedule = RankSchedule.build(plan, rank, routing=routing)
     out = run_attention(lq, lk, lv, schedule, comm, KERNELS)
     upstream = torch.cat((dout[index], torch.full((PAD_ROWS, *dout.shape[1:]), 5.0)))
     (out * upstream).sum().backward()
@@ -70,6 +74,6 @@ def ring_rank(rank: int, world: int, case: dict) -> dict:
         "dq": lq.grad,
         "dk": lk.grad,
         "dv": lv.grad,
-        "ops": dict(schedule.ops),
-        "expected_ops": dict(expected_ops(plan, rank)),
+        "ops": dict(+schedule.ops),
+        "expected_ops": dict(expected_ops(plan, rank, routing)),
     }

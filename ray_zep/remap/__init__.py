@@ -1,0 +1,1 @@
+"""Remapping layer: attention layout <-> token-balanced linear layout (ortools solver)."""

@@ -1,0 +1,250 @@
+"""The remapping layer's transfer matrix (Zeppelin §3.4, eq. 2), solved exactly with ortools.
+
+Given the attention layout's token counts A over d ranks, the linear layout
+holds B: floor(mean) tokens on every rank and one more on the sum(A) mod d
+ranks with the most tokens (ties: lower rank), so every rank ends with
+floor(mean) or ceil(mean) and the fullest ranks send the least. Only surplus
+ranks (A_i > B_i) send, only deficit ranks receive, and the transfer matrix M
+minimises the largest per-rank sending cost max_i sum_j T_ij M_ij with
+integral entries, where T_ij is the seconds per token over an intra-node link
+(same node) or a NIC (different nodes).
+
+Because T takes two values, a sender's cost is c_intra s_i + (c_inter -
+c_intra) x_i, with s_i its surplus and x_i the tokens it sends off its node.
+Whether a bound z on the largest cost is reachable is a max-flow question:
+source -> sender (s_i) -> its node (intra, up to s_i) or its node's exit hub
+(inter, up to the x_i the bound allows) -> any other node -> sink (the node's
+deficit). Integral capacities give an integral flow. The least feasible z is
+one of the values c_intra s_i + (c_inter - c_intra) k; a bisection narrows the
+interval until it holds one such value, which is then the optimum. Tokens go
+to receivers node by node in rank order, so the solution is deterministic.
+
+Token order: a sender keeps its first B_i tokens and sends its tail, piece by
+piece to ascending destinations; a receiver appends what it gets after its own
+tokens, in ascending source order. The inverse moves the same ranges back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.graph.python import max_flow
+
+from ray_zep.errors import PlacementError
+from ray_zep.topology import Topology
+
+UNBOUNDED = 1 << 40
+"""Capacity of arcs that never limit the flow (more than any token count)."""
+
+
+@dataclass(frozen=True)
+class RemapPlan:
+    """The transfer between the attention layout and the balanced linear layout.
+
+    Attributes:
+        counts_before: tokens per rank in the attention layout (A).
+        counts_after: tokens per rank in the linear layout (B).
+        transfers: (src, dst, tokens), sorted by source then destination.
+        max_rank_cost: the largest per-rank sending cost, seconds.
+        solve_seconds: wall time of the solver.
+    """
+
+    counts_before: tuple[int, ...]
+    counts_after: tuple[int, ...]
+    transfers: tuple[tuple[int, int, int], ...]
+    max_rank_cost: float
+    solve_seconds: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "counts_before": list(self.counts_before),
+            "counts_after": list(self.counts_after),
+            "transfers": [list(t) for t in self.transfers],
+            "max_rank_cost": self.max_rank_cost,
+            "solve_ms": self.solve_seconds * 1e3,
+        }
+
+    def moved_tokens(self) -> int:
+        return sum(t[2] for t in self.transfers)
+
+
+def balanced_counts(counts: np.ndarray) -> np.ndarray:
+    """B: floor(mean) everywhere, plus one on the sum mod d fullest ranks (ties: lower rank)."""
+    d = len(counts)
+    base, extra = divmod(int(counts.sum()), d)
+    target = np.full(d, base, dtype=np.int64)
+    fullest = np.lexsort((np.arange(d), -counts))[:extra]
+    target[fullest] += 1
+    return target
+
+
+def token_costs(topology: Topology, token_bytes: int) -> tuple[float, float]:
+    """Seconds per token over an intra-node link and over a NIC shared by its GPUs."""
+    sharing = max(len(topology.gpus_on_nic(n)) for n in range(topology.nics_per_node))
+    intra = token_bytes / topology.intra_node_bandwidth
+    inter = token_bytes * sharing / topology.nic_bandwidth
+    return intra, max(inter, intra)
+
+
+def solve_remap(counts, topology: Topology, token_bytes: int) -> RemapPlan:
+    """The optimal transfer from `counts` (attention layout) to the balanced layout.
+
+    Args:
+        counts: tokens per rank, one entry per rank of `topology`.
+        topology: sets which ranks share a node.
+        token_bytes: bytes one token moves (what crosses the wire per token).
+
+    Raises:
+        PlacementError: `counts` does not have one non-negative entry per rank.
+    """
+    started = time.perf_counter()
+    before = np.asarray(counts, dtype=np.int64)
+    if before.shape != (topology.world_size,) or (before < 0).any():
+        raise PlacementError(
+            f"remap needs {topology.world_size} non-negative token counts, got {before.tolist()}"
+        )
+    after = balanced_counts(before)
+    intra, inter = token_costs(topology, token_bytes)
+    flows = _TransferFlow(before - after, topology, intra, inter)
+    transfers, cost = flows.solve()
+    return RemapPlan(
+        tuple(int(c) for c in before),
+        tuple(int(c) for c in after),
+        transfers,
+        cost,
+        time.perf_counter() - started,
+    )
+
+
+class _TransferFlow:
+    """The max-flow network of the module docstring, for one surplus vector."""
+
+    def __init__(self, surplus: np.ndarray, topology: Topology, intra: float, inter: float) -> None:
+        self.topology = topology
+        self.intra, self.inter = intra, inter
+        self.nodes = np.asarray([topology.node_of(r) for r in range(len(surplus))])
+        self.senders = np.flatnonzero(surplus > 0)
+        self.receivers = np.flatnonzero(surplus < 0)
+        self.supply = surplus[self.senders]
+        self.demand = -surplus[self.receivers]
+        self._build()
+
+    def _build(self) -> None:
+        n_nodes, n_send = self.topology.nodes, len(self.senders)
+        source, sink = 0, 1
+        sender = 2 + np.arange(n_send)
+        hub = 2 + n_send + np.arange(n_nodes)
+        bucket = 2 + n_send + n_nodes + np.arange(n_nodes)
+        node_demand = np.bincount(self.nodes[self.receivers], self.demand, minlength=n_nodes)
+        pairs = [(a, b) for a in range(n_nodes) for b in range(n_nodes) if a != b]
+        tails = [np.full(n_send, source), sender, sender, hub[[a for a, _ in pairs]], bucket]
+        heads = [sender, bucket[self.nodes[self.senders]], hub[self.nodes[self.senders]]]
+        heads += [bucket[[b for _, b in pairs]], np.full(n_nodes, sink)]
+        caps = [self.supply, self.supply, self.supply, np.full(len(pairs), UNBOUNDED)]
+        caps.append(node_demand.astype(np.int64))
+        self.flow = max_flow.SimpleMaxFlow()
+        arcs = self.flow.add_arcs_with_capacity(
+            np.concatenate(tails).astype(np.int32),
+            np.concatenate(heads).astype(np.int32),
+            np.concatenate(caps).astype(np.int64),
+        )
+        self.intra_arcs = arcs[n_send : 2 * n_send]
+        self.inter_arcs = arcs[2 * n_send : 3 * n_send]
+        self.pair_arcs = arcs[3 * n_send : 3 * n_send + len(pairs)]
+        self.pairs = pairs
+
+    def feasible(self, u: float) -> bool:
+        """Can every surplus move with at most floor(u - a_i) tokens off-node per sender?"""
+        caps = np.minimum(self._allowance(u), self.supply)
+        if (caps < 0).any():
+            return False
+        self.flow.set_arcs_capacity(self.inter_arcs, caps.astype(np.int64))
+        status = self.flow.solve(0, 1)
+        if status != self.flow.OPTIMAL:
+            raise PlacementError(f"remap max-flow failed with status {status}")
+        return self.flow.optimal_flow() == int(self.supply.sum())
+
+    def _allowance(self, u: float) -> np.ndarray:
+        return np.floor(u - self.offsets + 1e-9)
+
+    def solve(self) -> tuple[tuple[tuple[int, int, int], ...], float]:
+        if not len(self.senders):
+            return (), 0.0
+        if self.inter - self.intra <= 1e-12 * self.inter:  # one link speed: any flow is optimal
+            self.offsets = np.zeros(len(self.senders))
+            self.feasible(float(self.supply.max()))
+            return self._transfers()
+        self.offsets = self.intra * self.supply / (self.inter - self.intra)
+        lo, hi = float(self.offsets.max()), float((self.offsets + self.supply).max())
+        if not self.feasible(lo):
+            self.feasible(self._least_feasible(lo, hi))
+        return self._transfers()
+
+    def _least_feasible(self, lo: float, hi: float) -> float:
+        """The least bound in (lo, hi] that is feasible (lo is not, hi is)."""
+        while (self._allowance(hi) - self._allowance(lo)).sum() > 4 * len(self.senders):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if self.feasible(mid) else (mid, hi)
+        values = set()
+        for a, first, last in zip(
+            self.offsets, self._allowance(lo) + 1, self._allowance(hi), strict=True
+        ):
+            values.update(float(a + k) for k in range(int(first), int(last) + 1))
+        candidates = sorted(v for v in values if lo < v <= hi + 1e-9) or [hi]
+        left, right = 0, len(candidates) - 1
+        while left < right:
+            mid = (left + right) // 2
+            left, right = (left, mid) if self.feasible(candidates[mid]) else (mid + 1, right)
+        return candidates[left]
+
+    def _transfers(self) -> tuple[tuple[tuple[int, int, int], ...], float]:
+        intra = np.asarray(self.flow.flows(self.intra_arcs))
+        inter = np.asarray(self.flow.flows(self.inter_arcs))
+        unassigned = inter.copy()
+        pair_flow = np.asarray(self.flow.flows(self.pair_arcs))
+        incoming: dict[int, list[tuple[int, int]]] = {}
+        for i, rank in enumerate(self.senders):
+            if intra[i]:
+                incoming.setdefault(int(self.nodes[rank]), []).append((int(rank), int(intra[i])))
+        for (src_node, dst_node), amount in zip(self.pairs, pair_flow, strict=True):
+            if amount:
+                pieces = incoming.setdefault(dst_node, [])
+                pieces += _take_inter(self.senders, self.nodes, unassigned, src_node, amount)
+        out = []
+        for node, pieces in incoming.items():
+            out += _fill_receivers(pieces, self.receivers, self.demand, self.nodes, node)
+        cost = self.intra * self.supply + (self.inter - self.intra) * inter
+        return tuple(sorted(out)), float(cost.max())
+
+
+def _take_inter(senders, nodes, inter, src_node: int, amount: int) -> list[tuple[int, int]]:
+    """(sender, tokens) covering `amount` off-node tokens of src_node's senders, in rank order."""
+    out = []
+    for i, rank in enumerate(senders):
+        if amount == 0:
+            break
+        if nodes[rank] != src_node or inter[i] == 0:
+            continue
+        take = int(min(inter[i], amount))
+        inter[i] -= take
+        amount -= take
+        out.append((int(rank), take))
+    return out
+
+
+def _fill_receivers(pieces, receivers, demand, nodes, node: int) -> list[tuple[int, int, int]]:
+    """Split a node's incoming pieces over its receivers in rank order."""
+    open_ = [[int(r), int(d)] for r, d in zip(receivers, demand, strict=True) if nodes[r] == node]
+    out, k = [], 0
+    for src, amount in sorted(pieces):
+        while amount:
+            dst, need = open_[k]
+            take = min(need, amount)
+            out.append((src, dst, take))
+            amount -= take
+            open_[k][1] -= take
+            if open_[k][1] == 0:
+                k += 1
+    return out

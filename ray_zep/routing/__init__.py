@@ -1,0 +1,1 @@
+"""Routing layer: inter-node ring transfers spread over every NIC through proxy ranks."""

@@ -1,0 +1,309 @@
+"""Routes of inter-node ring transfers through proxy ranks (pure computation).
+
+A ring transfer of n rows from rank a (node A) to its ring successor b (node B)
+is split into three hops:
+
+1. dispatch (intra-node): a scatters the rows to x1 send proxies on A, proxy k
+   taking the k-th of x1 near-equal row ranges (a keeps its own range when it
+   is a proxy itself);
+2. inter-node: send proxy k sends, through its own NIC, the rows its range
+   shares with receive proxy j's range (one of x2 near-equal ranges on B);
+3. combine (intra-node): receive proxy j forwards its range to b (b keeps the
+   part it received itself when it is a proxy).
+
+With x1 == x2 (the planner's rule) the ranges coincide and proxy k pairs with
+proxy j = k; unequal counts are supported, the inter-node pieces then being
+the non-empty intersections of the two splits. Any GPU of a node may proxy,
+also one busy with local or intra-node work: its relay thread forwards while
+it computes (`ray_zep.routing.comms`).
+
+Proxy rule (Zeppelin §3.3): x = min(GPUs of the source node, GPUs of the
+destination node) proxies per side, taken NIC by NIC (the first proxies sit on
+distinct NICs), the source or destination itself always among them.
+
+Rows are token rows of a position's K/V (or dK/dV) buffer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem
+from ray_zep.topology import Topology
+
+
+class Payload(IntEnum):
+    """What a ring transfer carries (the value orders transfers within a step)."""
+
+    KV = 0
+    """K and V in the compute dtype (forward, and again in backward)."""
+    DKV = 1
+    """dK/dV accumulators, float32 (backward only)."""
+
+
+class Phase(IntEnum):
+    FORWARD = 0
+    BACKWARD = 1
+
+
+def split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous near-equal ranges covering [0, rows) (the first get the extra rows)."""
+    base, extra = divmod(rows, parts)
+    bounds = [0, *itertools.accumulate(base + (k < extra) for k in range(parts))]
+    return list(itertools.pairwise(bounds))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [lo, hi) of a transfer, sent over the inter-node link from `sender` to `receiver`."""
+
+    sender: int
+    receiver: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one transfer of `rows` rows travels from `src` to `dst`.
+
+    Attributes:
+        src, dst: global ranks on different nodes.
+        rows: token rows of the transfer.
+        send_proxies: x1 ranks on src's node; proxy k carries `send_ranges[k]`.
+        recv_proxies: x2 ranks on dst's node; proxy j collects `recv_ranges[j]`.
+    """
+
+    src: int
+    dst: int
+    rows: int
+    send_proxies: tuple[int, ...]
+    recv_proxies: tuple[int, ...]
+
+    @property
+    def direct(self) -> bool:
+        return self.send_proxies == (self.src,) and self.recv_proxies == (self.dst,)
+
+    @property
+    def send_ranges(self) -> list[tuple[int, int]]:
+        return split_rows(self.rows, len(self.send_proxies))
+
+    @property
+    def recv_ranges(self) -> list[tuple[int, int]]:
+        return split_rows(self.rows, len(self.recv_proxies))
+
+    def pieces(self) -> list[Piece]:
+        """Non-empty inter-node pieces, sender-major."""
+        out = []
+        for sender, (a, b) in zip(self.send_proxies, self.send_ranges, strict=True):
+            for receiver, (c, d) in zip(self.recv_proxies, self.recv_ranges, strict=True):
+                lo, hi = max(a, c), min(b, d)
+                if hi > lo:
+                    out.append(Piece(sender, receiver, lo, hi))
+        return out
+
+    def source_messages(self) -> int:
+        """Messages the source posts: dispatches to other proxies and its own pieces."""
+        ranges = zip(self.send_proxies, self.send_ranges, strict=True)
+        dispatched = sum(1 for k, (a, b) in ranges if k != self.src and b > a)
+        return dispatched + sum(1 for p in self.pieces() if p.sender == self.src)
+
+    def destination_messages(self) -> int:
+        """Messages the destination receives: its own pieces and other proxies' ranges."""
+        ranges = zip(self.recv_proxies, self.recv_ranges, strict=True)
+        combined = sum(1 for j, (a, b) in ranges if j != self.dst and b > a)
+        return combined + sum(1 for p in self.pieces() if p.receiver == self.dst)
+
+    def dispatched_rows(self) -> int:
+        """Rows the source hands to other send proxies (intra-node hop 1)."""
+        ranges = zip(self.send_proxies, self.send_ranges, strict=True)
+        return sum(b - a for k, (a, b) in ranges if k != self.src)
+
+    def combined_rows(self) -> int:
+        """Rows other receive proxies hand to the destination (intra-node hop 3)."""
+        ranges = zip(self.recv_proxies, self.recv_ranges, strict=True)
+        return sum(b - a for j, (a, b) in ranges if j != self.dst)
+
+
+def nic_ordered_ranks(topology: Topology, node: int) -> list[int]:
+    """The node's ranks, one per NIC in turn (NIC 0's first GPU, NIC 1's first GPU, ...)."""
+    by_nic = [
+        [topology.ranks_of_node(node)[g] for g in topology.gpus_on_nic(nic)]
+        for nic in range(topology.nics_per_node)
+    ]
+    ordered = []
+    for layer in itertools.zip_longest(*by_nic):
+        ordered.extend(r for r in layer if r is not None)
+    return ordered
+
+
+def choose_proxies(topology: Topology, endpoint: int, count: int) -> tuple[int, ...]:
+    """`count` proxies on `endpoint`'s node, spread over NICs, `endpoint` among them."""
+    ordered = nic_ordered_ranks(topology, topology.node_of(endpoint))
+    chosen = ordered[:count]
+    if endpoint not in chosen:
+        same_nic = [r for r in chosen if topology.nic_of(r) == topology.nic_of(endpoint)]
+        chosen[chosen.index(same_nic[0] if same_nic else chosen[-1])] = endpoint
+    return tuple(sorted(chosen, key=ordered.index))
+
+
+def plan_route(topology: Topology, src: int, dst: int, rows: int) -> Route:
+    """The proxy route of a transfer between two nodes (the module's proxy rule)."""
+    src_gpus = len(topology.ranks_of_node(topology.node_of(src)))
+    dst_gpus = len(topology.ranks_of_node(topology.node_of(dst)))
+    count = min(src_gpus, dst_gpus)
+    return Route(
+        src, dst, rows, choose_proxies(topology, src, count), choose_proxies(topology, dst, count)
+    )
+
+
+def _direct(topology: Topology, src: int, dst: int, rows: int) -> Route:
+    return Route(src, dst, rows, (src,), (dst,))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One inter-node ring transfer of one layer call.
+
+    Attributes:
+        order: (item index in the plan's execution order, ring step, payload):
+            every rank and relay handles transfers in this order.
+        item_key: (ranks, ulysses) of the queue item, as its schedule knows it.
+        ulysses: U of the item (sets the K/V heads a row carries).
+        route: how the rows travel.
+    """
+
+    order: tuple[int, int, int]
+    item_key: tuple[tuple[int, ...], int]
+    ulysses: int
+    route: Route
+
+    @property
+    def step(self) -> int:
+        return self.order[1]
+
+    @property
+    def payload(self) -> Payload:
+        return Payload(self.order[2])
+
+    def lookup_key(self) -> tuple:
+        return (self.item_key, self.step, self.payload, self.route.src)
+
+
+def item_transfers(
+    plan: AttentionPlan, index: int, item: QueueItem, phase: Phase, routed: bool
+) -> list[Transfer]:
+    """Inter-node transfers of a ring item in one phase, in handling order."""
+    ring, u_size, topo = item.ring_size, item.ulysses, plan.topology
+    if ring < 2 or item.exchange is not Exchange.RING:
+        return []
+    placements = [plan.placement(s) for s in item.seqs]
+    position_tokens = [sum(p.position_tokens(r) for p in placements) for r in range(ring)]
+    payloads = [Payload.KV] if phase is Phase.FORWARD else [Payload.KV, Payload.DKV]
+    out = []
+    for step in range(ring):
+        for payload in payloads:
+            if payload is Payload.KV and step == ring - 1:
+                continue  # the last step's K/V is never sent on
+            for position in range(ring):
+                for part in range(u_size):
+                    src = item.ranks[position * u_size + part]
+                    dst = item.ranks[((position + 1) % ring) * u_size + part]
+                    if topo.node_of(src) == topo.node_of(dst):
+                        continue
+                    rows = position_tokens[(position - step) % ring]
+                    route = (plan_route if routed else _direct)(topo, src, dst, rows)
+                    key = (item.ranks, u_size)
+                    out.append(Transfer((index, step, int(payload)), key, u_size, route))
+    return out
+
+
+@dataclass(frozen=True)
+class RankRouting:
+    """The routed transfers one rank takes part in, per phase, in handling order."""
+
+    rank: int
+    forward: tuple[Transfer, ...]
+    backward: tuple[Transfer, ...]
+
+    def transfers(self, phase: Phase) -> tuple[Transfer, ...]:
+        return self.forward if phase is Phase.FORWARD else self.backward
+
+    def relayed(self, phase: Phase) -> tuple[Transfer, ...]:
+        """Transfers this rank forwards for others (its relay thread's work) in `phase`."""
+        me = self.rank
+        return tuple(
+            t
+            for t in self.transfers(phase)
+            if (me in t.route.send_proxies and me != t.route.src)
+            or (me in t.route.recv_proxies and me != t.route.dst)
+        )
+
+    def routes(self) -> dict[tuple, Route]:
+        """Route of each transfer this rank sends or receives, by `Transfer.lookup_key`."""
+        out = {}
+        for t in self.forward + self.backward:
+            if self.rank in (t.route.src, t.route.dst):
+                out[t.lookup_key()] = t.route
+        return out
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """Every inter-node ring transfer of one layer's forward and backward."""
+
+    topology: Topology
+    forward: tuple[Transfer, ...]
+    backward: tuple[Transfer, ...]
+
+    @classmethod
+    def build(cls, plan: AttentionPlan, routed: bool = True) -> RoutingPlan:
+        """Routes for `plan`: through proxies (`routed`) or direct (for comparison)."""
+        phases = {}
+        for phase in Phase:
+            phases[phase] = tuple(
+                t
+                for index, item in enumerate(plan.items())
+                for t in item_transfers(plan, index, item, phase, routed)
+            )
+        return cls(plan.topology, phases[Phase.FORWARD], phases[Phase.BACKWARD])
+
+    def for_rank(self, rank: int) -> RankRouting:
+        """The transfers `rank` sends, receives or relays (routed ones only)."""
+
+        def mine(transfers):
+            return tuple(t for t in transfers if not t.route.direct and _involves(t.route, rank))
+
+        return RankRouting(rank, mine(self.forward), mine(self.backward))
+
+    def nic_bytes(self, row_bytes: dict[Payload, int]) -> np.ndarray:
+        """Bytes leaving each NIC, (nodes, NICs per node), one layer forward + backward.
+
+        Args:
+            row_bytes: bytes of one row of each payload (K/V heads x head dim x dtype).
+        """
+        topo = self.topology
+        out = np.zeros((topo.nodes, topo.nics_per_node), dtype=np.int64)
+        for t in self.forward + self.backward:
+            size = row_bytes[t.payload]
+            for piece in t.route.pieces():
+                out[topo.node_of(piece.sender), topo.nic_of(piece.sender)] += (
+                    piece.hi - piece.lo
+                ) * size
+        return out
+
+    def intra_node_bytes(self, row_bytes: dict[Payload, int]) -> int:
+        """Bytes of the dispatch and combine hops, one layer forward + backward."""
+        return sum(
+            (t.route.dispatched_rows() + t.route.combined_rows()) * row_bytes[t.payload]
+            for t in self.forward + self.backward
+        )
+
+
+def _involves(route: Route, rank: int) -> bool:
+    endpoints = (route.src, route.dst)
+    return rank in endpoints or rank in route.send_proxies or rank in route.recv_proxies
