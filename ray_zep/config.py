@@ -167,8 +167,23 @@ class ParallelConfig:
     ulysses_degree: int = 0
     """Ulysses members per ring position under usp; 0 picks GPUs per node (or the
     largest divisor of it that the head counts allow)."""
+    routing: bool = False
+    """Send ring K/V (and dK/dV) between nodes through proxy ranks on every NIC
+    (ray_zep.routing); planned strategies only."""
+    remap: bool = False
+    """Run the linear modules (embedding, projections, norms, MLP, output) on a
+    token-balanced layout and only attention on the plan's layout (ray_zep.remap);
+    planned strategies only."""
 
     def __post_init__(self) -> None:
+        for key in ("routing", "remap"):
+            _require(
+                not getattr(self, key) or self.strategy not in (Strategy.SINGLE, Strategy.DP),
+                f"parallel.{key}",
+                True,
+                f"needs a planned strategy (not {self.strategy.value}): "
+                "zeppelin, te_cp, llama_cp, hybrid_dp, ulysses or usp",
+            )
         _require(
             self.ulysses_degree >= 0,
             "parallel.ulysses_degree",

@@ -18,10 +18,14 @@ import numpy as np
 import pytest
 import torch
 
+from ray_zep.config import load_config
 from ray_zep.data.builder import write_token_parquet
+from ray_zep.data.shards import shard_for
+from ray_zep.topology import build_topology
+from ray_zep.train.checkpoint import Progress
 from tests.helpers.attention import reference, ring_rank
 from tests.helpers.procs import run_ranks
-from tests.helpers.training import SMALL_RUN, max_relative_error, train_rank
+from tests.helpers.training import SMALL_RUN, make_stream, max_relative_error, train_rank
 
 pytestmark = pytest.mark.dist
 
@@ -89,17 +93,16 @@ def _mixed_dataset(path: Path) -> Path:
     return write_token_parquet(docs, path).path
 
 
-def _train_all(rank: int, world: int, base: list[str], out: str) -> dict:
+def _train_all(rank: int, world: int, base: list[str], out: str, runs=None) -> dict:
+    runs = runs or {s: [f"parallel.strategy={s}"] for s in STRATEGIES}
     return {
-        s: train_rank(rank, world, [*base, f"parallel.strategy={s}", f"train.out_dir={out}/{s}"])
-        for s in STRATEGIES
+        name: train_rank(rank, world, [*base, *extra, f"train.out_dir={out}/{name}"])
+        for name, extra in runs.items()
     }
 
 
-@pytest.mark.parametrize("nodes,gpus", TOPOLOGIES, ids=lambda v: str(v))
-def test_every_strategy_trains_like_one_process(nodes: int, gpus: int, tmp_path: Path) -> None:
-    data = _mixed_dataset(tmp_path / "mixed.parquet")
-    base = [
+def _base(nodes: int, gpus: int, data: Path) -> list[str]:
+    return [
         *SMALL_RUN,
         *HEADS,
         f"topology.nodes={nodes}",
@@ -110,15 +113,60 @@ def test_every_strategy_trains_like_one_process(nodes: int, gpus: int, tmp_path:
         "data.packing=budget",
         "data.shuffle=false",
     ]
+
+
+def _assert_trains_like(single: dict, runs: dict) -> None:
+    assert sorted(single["losses"]) == [1, 2]
+    for name, run in runs.items():
+        assert run["samples"] == single["samples"], f"{name} saw other batches"
+        for step, loss in single["losses"].items():
+            assert run["losses"][step] == pytest.approx(loss, rel=1e-5), f"{name} step {step}"
+        err, param = max_relative_error(run["params"], single["params"])
+        assert err <= 1e-5, f"{name}: parameter {param} relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("nodes,gpus", TOPOLOGIES, ids=lambda v: str(v))
+def test_every_strategy_trains_like_one_process(nodes: int, gpus: int, tmp_path: Path) -> None:
+    base = _base(nodes, gpus, _mixed_dataset(tmp_path / "mixed.parquet"))
     single = run_ranks(
         train_rank, 1, [*base, "parallel.strategy=single", f"train.out_dir={tmp_path}/single"]
     )[0]
     runs = run_ranks(_train_all, nodes * gpus, base, str(tmp_path))
-    assert sorted(single["losses"]) == [1, 2]
-    for strategy in STRATEGIES:
-        run = runs[0][strategy]
-        assert run["samples"] == single["samples"], f"{strategy} saw other batches"
-        for step, loss in single["losses"].items():
-            assert run["losses"][step] == pytest.approx(loss, rel=1e-5), f"{strategy} step {step}"
-        err, name = max_relative_error(run["params"], single["params"])
-        assert err <= 1e-5, f"{strategy}: parameter {name} relative error {err:.2e}"
+    _assert_trains_like(single, runs[0])
+
+
+ROUTE, REMAP = "parallel.routing=true", "parallel.remap=true"
+LAYER_RUNS = {
+    "zeppelin+routing+remap": ["parallel.strategy=zeppelin", ROUTE, REMAP],
+    "te_cp+routing": ["parallel.strategy=te_cp", ROUTE],
+    "usp+routing": ["parallel.strategy=usp", ROUTE],
+    "hybrid_dp+remap": ["parallel.strategy=hybrid_dp", REMAP],
+}
+"""Strategies with the routing and remapping layers on (te_cp, llama_cp and usp
+already hold balanced token counts, so remapping would move nothing)."""
+
+
+@pytest.mark.parametrize("nodes,gpus", [(2, 2), (2, 4)], ids=lambda v: str(v))
+def test_routing_and_remap_train_like_one_process(nodes: int, gpus: int, tmp_path: Path) -> None:
+    base = _base(nodes, gpus, _mixed_dataset(tmp_path / "mixed.parquet"))
+    for name, extra in LAYER_RUNS.items():
+        _assert_layers_act(load_config(None, [*base, *extra]), name)
+    single = run_ranks(
+        train_rank, 1, [*base, "parallel.strategy=single", f"train.out_dir={tmp_path}/single"]
+    )[0]
+    runs = run_ranks(_train_all, nodes * gpus, base, str(tmp_path), LAYER_RUNS)
+    _assert_trains_like(single, runs[0])
+
+
+def _assert_layers_act(config, name: str) -> None:
+    """The two batches really route and remap under `config` (else the test proves nothing)."""
+    topology = build_topology(config.topology)
+    stream = make_stream(config, topology, Progress(0, {}))
+    shards = [s for _ in range(2) for s in shard_for(stream.next_batch(), config, topology)]
+    if config.parallel.routing:
+        assert any(s.routing.forward for s in shards), f"{name}: nothing routed"
+    if config.parallel.remap:
+        assert any(s.remap.sends for s in shards), f"{name}: nothing remapped"
+        for step in (0, 1):
+            sizes = [len(s.tokens) for s in shards if s.step == step]
+            assert max(sizes) - min(sizes) <= 1, f"{name}: linear layout not balanced"

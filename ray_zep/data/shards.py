@@ -12,7 +12,11 @@ Placement by strategy:
   rank r holds the fragments of its plan layout, with explicit positions and
   next-token labels taken from the whole sequences (a fragment's last label is
   the first token of the next fragment, wherever that lives), and its slice of
-  the plan.
+  the plan;
+- with `parallel.routing` a shard also carries the routed ring transfers the rank
+  sends, receives or relays; with `parallel.remap` its token ids, positions and
+  labels are in the balanced linear layout (`ray_zep.remap.layout`) while
+  `lengths`, `docs` and `starts` still describe its attention-layout fragments.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from ray_zep.errors import PlacementError
 from ray_zep.model.shapes import build_shape
 from ray_zep.partition import make_plan
 from ray_zep.partition.plan import AttentionPlan, Fragment
+from ray_zep.remap.layout import RankRemap, to_linear_layout
+from ray_zep.remap.solver import RemapPlan, remap_token_bytes, solve_remap
+from ray_zep.routing.routes import RankRouting, RoutingPlan
 from ray_zep.topology import Topology
 
 
@@ -64,6 +71,10 @@ class RankShard:
     """This rank's slice of the batch's plan (None: whole sequences, local attention)."""
     position_ids: np.ndarray | None = None
     label_ids: np.ndarray | None = None
+    routing: RankRouting | None = None
+    """Routed ring transfers this rank takes part in (`parallel.routing`)."""
+    remap: RankRemap | None = None
+    """This rank's part of the linear <-> attention layout transfer (`parallel.remap`)."""
 
     @property
     def num_tokens(self) -> int:
@@ -136,16 +147,29 @@ def shard_for(batch: GlobalBatch, config: Config, topology: Topology) -> list[Ra
     if strategy in (Strategy.SINGLE, Strategy.DP):
         world = 1 if strategy is Strategy.SINGLE else topology.world_size
         return shard_batch(batch, strategy, world)
+    shape = build_shape(config.model)
     plan = make_plan(
-        strategy,
-        batch.lengths,
-        topology,
-        config.train.tokens_per_rank,
-        build_shape(config.model),
-        config.parallel,
+        strategy, batch.lengths, topology, config.train.tokens_per_rank, shape, config.parallel
     )
     rank_tokens = tuple(int(n) for n in plan.rank_tokens())
-    return [_planned_shard(batch, plan, rank, rank_tokens) for rank in range(topology.world_size)]
+    shards = [_planned_shard(batch, plan, rank, rank_tokens) for rank in range(topology.world_size)]
+    if config.parallel.routing:
+        routing = RoutingPlan.build(plan)
+        for shard in shards:
+            shard.routing = routing.for_rank(shard.rank)
+    if config.parallel.remap:
+        _remap_shards(shards, solve_remap(rank_tokens, topology, remap_token_bytes(shape)))
+    return shards
+
+
+def _remap_shards(shards: list[RankShard], plan: RemapPlan) -> None:
+    """Move every shard's token ids, positions and labels into the linear layout."""
+    for field in ("tokens", "position_ids", "label_ids"):
+        arrays = to_linear_layout([getattr(s, field) for s in shards], plan)
+        for shard, array in zip(shards, arrays, strict=True):
+            setattr(shard, field, array)
+    for shard in shards:
+        shard.remap = RankRemap.from_plan(plan, shard.rank)
 
 
 def _planned_shard(

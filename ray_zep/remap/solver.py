@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.graph.python import max_flow
 
+from ray_zep.costmodel import kv_bytes_per_token, q_bytes_per_token
 from ray_zep.errors import PlacementError
+from ray_zep.model.shapes import ModelShape
 from ray_zep.topology import Topology
 
 UNBOUNDED = 1 << 40
@@ -78,6 +80,11 @@ def balanced_counts(counts: np.ndarray) -> np.ndarray:
     fullest = np.lexsort((np.arange(d), -counts))[:extra]
     target[fullest] += 1
     return target
+
+
+def remap_token_bytes(shape: ModelShape) -> int:
+    """Bytes a moved token carries into attention: its q, k and v (see `ray_zep.remap.comms`)."""
+    return q_bytes_per_token(shape) + kv_bytes_per_token(shape)
 
 
 def token_costs(topology: Topology, token_bytes: int) -> tuple[float, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from ray_zep.errors import ConfigError
 from ray_zep.mesh import Comm
 from ray_zep.model.llama import Transformer
 from ray_zep.model.shapes import build_shape
+from ray_zep.remap.comms import to_attention, to_linear
+from ray_zep.remap.layout import RankRemap
 from ray_zep.topology import LinkKind
 from ray_zep.train import checkpoint
 from ray_zep.train.comms import all_reduce_gradients_, all_reduce_sum_, ring_all_reduce_link_bytes
@@ -54,6 +57,16 @@ class StepStats:
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
+
+
+def _remap_qkv(q_THE, k_TKE, v_TKE, remap: RankRemap, comm: Comm, ops: Counter):
+    """q, k and v from the linear to the attention layout, in one transfer."""
+    widths = [q_THE[0].numel(), k_TKE[0].numel(), v_TKE[0].numel()]
+    rows = torch.cat((q_THE.flatten(1), k_TKE.flatten(1), v_TKE.flatten(1)), dim=1)
+    moved = to_attention(rows, remap, comm, ops).split(widths, dim=1)
+    return tuple(
+        part.unflatten(1, x.shape[1:]) for part, x in zip(moved, (q_THE, k_TKE, v_TKE), strict=True)
+    )
 
 
 def resolve_device(device: Device) -> torch.device:
@@ -87,7 +100,7 @@ class RankTrainer:
 
     def __init__(self, config: Config, comm: Comm, device: torch.device) -> None:
         self.config = config
-        self.comm = comm
+        self.comm = comm.with_routing() if config.parallel.routing else comm
         self.device = device
         self.dtype = resolve_dtype(config.train.precision, device)
         shape = build_shape(config.model)
@@ -154,13 +167,24 @@ class RankTrainer:
         return float(token_losses.detach())
 
     def _engine(self, shard: RankShard) -> AttentionFn:
-        """Attention through the engine for this shard's plan (metadata built once per step)."""
-        schedule = RankSchedule.build(shard.plan, self.comm.rank, self.device)
+        """Attention through the engine for this shard's plan (metadata built once per step).
+
+        With a remap, q/k/v arrive on the linear layout, move to the attention
+        layout for the engine, and the output moves back.
+        """
+        schedule = RankSchedule.build(shard.plan, self.comm.rank, self.device, shard.routing)
         kernels = (self.kernel, select_backward(self.kernel))
-        comm = self.comm
+        comm, remap, ops = self.comm, shard.remap, Counter()
 
         def attention(q_THE, k_TKE, v_TKE, seqs, causal=True):
-            return run_attention(q_THE, k_TKE, v_TKE, schedule, comm, kernels), None
+            if remap is not None:
+                q_THE, k_TKE, v_TKE = _remap_qkv(q_THE, k_TKE, v_TKE, remap, comm, ops)
+            out_THE = run_attention(q_THE, k_TKE, v_TKE, schedule, comm, kernels)
+            if remap is not None:
+                out_THE = to_linear(out_THE.flatten(1), remap, comm, ops).unflatten(
+                    1, out_THE.shape[1:]
+                )
+            return out_THE, None
 
         return attention
 
