@@ -10,6 +10,8 @@
                                              place one batch, print a per-rank table
     ray-zep bench partition [CONFIG] [key=value ...] [--out DIR]
                                              planner latency and plan quality, all planners
+    ray-zep bench layers [CONFIG] [key=value ...] [--out DIR]
+                                             routing NIC bytes and remap solver on plans
 
 Errors on bad input are one line on stderr and exit status 2.
 """
@@ -99,6 +101,16 @@ def _parser() -> argparse.ArgumentParser:
     partition.add_argument("--headroom", type=float, default=1.25, help="L / tokens per rank")
     partition.add_argument("--out", default="runs/bench/partition", help="JSON and PNG folder")
     partition.set_defaults(handler=_bench_partition)
+    layers = benches.add_parser("layers", help="routing (NIC bytes) and remap (solver) on plans")
+    _optional_config_args(layers)
+    layers.add_argument("--nodes", default="2,4,8", help="cluster sizes (default 2,4,8)")
+    layers.add_argument("--tokens", default="256k", help="tokens per batch (default 256k)")
+    layers.add_argument("--distributions", help="default: arxiv,github,prolong64k")
+    layers.add_argument("--planners", help="default: te_cp,zeppelin,hybrid_dp,usp")
+    layers.add_argument("--batches", type=int, default=3, help="batches per case")
+    layers.add_argument("--repeats", type=int, default=20, help="timed solves per batch")
+    layers.add_argument("--out", default="runs/bench/layers", help="JSON and PNG folder")
+    layers.set_defaults(handler=_bench_layers)
 
     data = commands.add_parser("data", help="build or inspect datasets")
     data_commands = data.add_subparsers(dest="data_command", required=True)
@@ -212,6 +224,39 @@ def _bench_partition(args: argparse.Namespace) -> int:
     }
     print(f"wrote {write_json(out / 'partition.json', command, spec_record, row_dicts(rows))}")
     print(f"wrote {draw_partition_chart(rows, out / 'partition.png')}")
+    return 0
+
+
+def _bench_layers(args: argparse.Namespace) -> int:
+    from ray_zep.bench.layers import (
+        PLANNERS,
+        LayersBenchSpec,
+        draw_layers_chart,
+        format_table,
+        row_dicts,
+        run_layers_bench,
+    )
+    from ray_zep.bench.output import write_json
+    from ray_zep.data.synthetic import TABLE_2
+    from ray_zep.report.plan_command import parse_lengths
+
+    args.overrides = ["topology.preset=cluster_a", "model.preset=7b", *args.overrides]
+    config = _optional_config(args)
+    spec = LayersBenchSpec(
+        nodes=tuple(int(n) for n in parse_lengths(args.nodes, "--nodes")),
+        tokens=tuple(int(t) for t in parse_lengths(args.tokens, "--tokens")),
+        distributions=_names(args.distributions, tuple(TABLE_2)),
+        planners=_names(args.planners, PLANNERS),
+        batches=args.batches,
+        repeats=args.repeats,
+    )
+    rows = run_layers_bench(config, spec)
+    print(format_table(rows))
+    out = Path(args.out)
+    command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ray-zep bench layers"
+    record = {**spec.__dict__, "topology": config.topology.preset, "model": config.model.preset}
+    print(f"wrote {write_json(out / 'layers.json', command, record, row_dicts(rows))}")
+    print(f"wrote {draw_layers_chart(rows, out / 'layers.png')}")
     return 0
 
 

@@ -48,8 +48,14 @@ GRAD_NORM = MetricSpec("ray_zep_grad_norm", Kind.GAUGE, "Global gradient norm be
 COMM_BYTES = MetricSpec(
     "ray_zep_communication_bytes_total",
     Kind.COUNTER,
-    "Bytes moved between ranks, by link kind.",
+    "Bytes moved between ranks, by link kind (modelled from the plan).",
     ("link",),
+)
+NIC_BYTES = MetricSpec(
+    "ray_zep_nic_bytes_total",
+    Kind.COUNTER,
+    "Bytes sent between nodes, by node and NIC (modelled from the plan).",
+    ("node", "nic"),
 )
 RANK_TOKEN_IMBALANCE = MetricSpec(
     "ray_zep_rank_token_imbalance",
@@ -74,6 +80,7 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     LEARNING_RATE,
     GRAD_NORM,
     COMM_BYTES,
+    NIC_BYTES,
     RANK_TOKEN_IMBALANCE,
     CHECKPOINTS,
     CHECKPOINT_STEP,

@@ -78,3 +78,18 @@ def test_bad_command_lists_name_their_flag(capsys, flag: str, value: str) -> Non
     assert main(["bench", "partition", flag, value]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"ray-zep: error: {flag} item") and len(err.splitlines()) == 1
+
+
+def test_layers_bench_routes_te_cp_over_every_nic(tmp_path: Path, capsys) -> None:
+    argv = ["bench", "layers", *CLUSTER_A_7B, "--nodes", "2", "--tokens", "32k"]
+    code = main([*argv, "--batches", "1", "--repeats", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "busiest" not in out.splitlines()[0]
+    rows = json.loads((tmp_path / "layers.json").read_text())["rows"]
+    assert len(rows) == 3 * 4
+    for row in rows:
+        assert row["error"] is None
+        if row["planner"] == "te_cp":
+            assert row["busiest_ratio"] <= 1 / 3
+        assert 0 <= row["solve_p50_ms"] <= row["solve_p99_ms"]
+    assert decode_png((tmp_path / "layers.png").read_bytes()).shape[:2] == (560, 980)

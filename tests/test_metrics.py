@@ -13,8 +13,8 @@ import pytest
 from ray_zep import metrics
 from ray_zep.config import TopologyConfig
 from ray_zep.errors import ConfigError
-from ray_zep.topology import LinkKind, build_topology
-from ray_zep.train.comms import ring_all_reduce_link_bytes
+from ray_zep.topology import build_topology
+from ray_zep.traffic import gradient_traffic
 from workers.metrics_export import MetricsExporter
 
 pytestmark = pytest.mark.unit
@@ -46,6 +46,7 @@ def _event(step: int, loss: float = 2.0) -> dict:
         "grad_norm": 0.7,
         "rank_tokens": [1000, 900, 1100, 1000],
         "comm_bytes": {"intra_node": 300, "inter_node": 100},
+        "nic_bytes": [[60, 40]],
     }
 
 
@@ -77,6 +78,8 @@ def test_exporter_serves_metrics_and_writes_jsonl(tmp_path: Path) -> None:
         assert spec.name in body, f"{spec.name} is not exported"
     assert "ray_zep_tokens_total 8000.0" in body
     assert 'ray_zep_communication_bytes_total{link="inter_node"} 200.0' in body
+    assert 'ray_zep_nic_bytes_total{nic="1",node="0"} 80.0' in body
+    assert row["nic_bytes"] == [[60, 40]]
     assert "ray_zep_loss 1.5" in body
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]
@@ -106,12 +109,12 @@ def test_busy_port_is_a_config_error(tmp_path: Path) -> None:
 
 def test_ring_all_reduce_volume_by_link_kind() -> None:
     two_by_two = build_topology(TopologyConfig(nodes=2, gpus_per_node=2))
-    links = ring_all_reduce_link_bytes(1000, two_by_two, world=4)
-    # every rank sends 2 (N-1)/N x 1000 = 1500 bytes; 2 of the 4 ring links cross nodes
-    assert links == {LinkKind.INTRA_NODE: 3000, LinkKind.INTER_NODE: 3000}
+    links = gradient_traffic(1000, two_by_two, world=4)
+    # every rank sends 2 (N-1)/N x 1000 = 1500 bytes; 2 of the 4 ring links cross
+    # nodes, from each node's last GPU (rank 1 and rank 3, each on its node's NIC 1)
+    assert links.intra_node == 3000 and links.inter_node == 3000
+    assert links.nic.tolist() == [[0, 1500], [0, 1500]]
     one_node = build_topology(TopologyConfig(nodes=1, gpus_per_node=4))
-    assert ring_all_reduce_link_bytes(1000, one_node, 4)[LinkKind.INTER_NODE] == 0
-    assert ring_all_reduce_link_bytes(1000, one_node, 1) == {
-        LinkKind.INTRA_NODE: 0,
-        LinkKind.INTER_NODE: 0,
-    }
+    assert gradient_traffic(1000, one_node, 4).inter_node == 0
+    single = gradient_traffic(1000, one_node, 1)
+    assert single.intra_node == 0 and single.inter_node == 0

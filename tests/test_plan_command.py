@@ -32,8 +32,20 @@ def test_plan_json_tiles_every_sequence(tmp_path: Path, capsys, strategy: str) -
     argv = [*CLUSTER, "model.preset=7b", "--lengths", ",".join(map(str, lengths))]
     code, stdout, err = _run(capsys, "plan", *argv, "--strategy", strategy, "--json", str(out))
     assert code == 0, err
-    assert len(stdout.splitlines()) == 1 + 16 + 2  # header, ranks, summary, "wrote"
+    # header, ranks, summary; blank, NIC header, 2 nodes x 4 NICs, NIC and remap lines; "wrote"
+    assert len(stdout.splitlines()) == 1 + 16 + 1 + 1 + 1 + 8 + 2 + 1
     record = json.loads(out.read_text())
+    remap = record["remap"]
+    assert remap["counts_before"] == [r["tokens"] for r in record["ranks"]]
+    after = np.asarray(remap["counts_before"])
+    for src, dst, tokens in remap["transfers"]:
+        after[src] -= tokens
+        after[dst] += tokens
+    assert after.tolist() == remap["counts_after"] and after.max() - after.min() <= 1
+    assert remap["solve_ms"] >= 0 and remap["max_rank_cost"] >= 0
+    nic = record["nic_bytes"]
+    assert nic["direct"]["inter_node"] == nic["routed"]["inter_node"]
+    assert np.max(nic["routed"]["nic"]) <= np.max(nic["direct"]["nic"])
     assert record["planner_ms"] >= 0 and len(record["ranks"]) == 16
     covered = [np.zeros(n, dtype=np.int64) for n in lengths]
     for rank in record["ranks"]:

@@ -77,12 +77,28 @@ def test_routing_spreads_te_cp_over_every_nic() -> None:
     topo = _topology("cluster_a", nodes=2)
     shape = build_shape(load_config(None, ["model.preset=7b"]).model)
     plan = make_plan(Strategy.TE_CP, [65536], topo, 4096, shape)
-    row_bytes = {Payload.KV: 1024, Payload.DKV: 2048}
-    direct = RoutingPlan.build(plan, routed=False).nic_bytes(row_bytes)
-    routed = RoutingPlan.build(plan, routed=True).nic_bytes(row_bytes)
+
+    def row_bytes(t):
+        return 1024 if t.payload is Payload.KV else 2048
+
+    direct = RoutingPlan.build(plan, routed=False).link_bytes(row_bytes)[1]
+    routed = RoutingPlan.build(plan, routed=True).link_bytes(row_bytes)[1]
     assert direct.sum() == routed.sum(), "routing moves the same inter-node bytes"
     assert routed.max() * 3 <= direct.max()
     assert (routed > 0).all(), "every NIC carries traffic"
+
+
+def test_concurrent_hops_share_no_proxy_and_full_rings_stay_direct() -> None:
+    topo = _topology("cluster_a", nodes=2)
+    a = plan_route(topo, 1, 9, 64, senders=(1, 6), receivers=(9, 14))
+    b = plan_route(topo, 6, 14, 64, senders=(1, 6), receivers=(9, 14))
+    assert len(a.send_proxies) == len(b.send_proxies) == 4
+    assert not set(a.send_proxies) & set(b.send_proxies)
+    assert not set(a.recv_proxies) & set(b.recv_proxies)
+    assert {topo.nic_of(r) for r in a.send_proxies} == {0, 1, 2, 3}
+    shape = build_shape(load_config(None, ["model.preset=7b"]).model)
+    usp = make_plan(Strategy.USP, [65536], topo, 4096, shape)
+    assert not RoutingPlan.build(usp).for_rank(0).forward, "every GPU already sends"
 
 
 def test_rank_routing_keeps_what_each_rank_does() -> None:

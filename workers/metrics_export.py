@@ -75,6 +75,7 @@ class MetricsExporter:
             "rank_tokens": rank_tokens,
             "rank_token_imbalance": max(rank_tokens) / mean if mean else 1.0,
             "comm_bytes": event["comm_bytes"],
+            "nic_bytes": event.get("nic_bytes", []),
             "time": time.time(),
         }
         self._update_prometheus(row)
@@ -107,3 +108,6 @@ class MetricsExporter:
         get(m.RANK_TOKEN_IMBALANCE.name).set(row["rank_token_imbalance"])
         for link, nbytes in row["comm_bytes"].items():
             get(m.COMM_BYTES.name).labels(link=link).inc(nbytes)
+        for node, nics in enumerate(row["nic_bytes"]):
+            for nic, nbytes in enumerate(nics):
+                get(m.NIC_BYTES.name).labels(node=str(node), nic=str(nic)).inc(nbytes)

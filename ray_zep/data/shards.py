@@ -37,6 +37,7 @@ from ray_zep.remap.layout import RankRemap, to_linear_layout
 from ray_zep.remap.solver import RemapPlan, remap_token_bytes, solve_remap
 from ray_zep.routing.routes import RankRouting, RoutingPlan
 from ray_zep.topology import Topology
+from ray_zep.traffic import Traffic, attention_step_parts
 
 
 @dataclass
@@ -75,6 +76,8 @@ class RankShard:
     """Routed ring transfers this rank takes part in (`parallel.routing`)."""
     remap: RankRemap | None = None
     """This rank's part of the linear <-> attention layout transfer (`parallel.remap`)."""
+    traffic: tuple[Traffic, Traffic] | None = None
+    """Whole-job attention and remap bytes of the step, as `attention_step_parts` gives them."""
 
     @property
     def num_tokens(self) -> int:
@@ -157,8 +160,13 @@ def shard_for(batch: GlobalBatch, config: Config, topology: Topology) -> list[Ra
         routing = RoutingPlan.build(plan)
         for shard in shards:
             shard.routing = routing.for_rank(shard.rank)
+    remap = None
     if config.parallel.remap:
-        _remap_shards(shards, solve_remap(rank_tokens, topology, remap_token_bytes(shape)))
+        remap = solve_remap(rank_tokens, topology, remap_token_bytes(shape))
+        _remap_shards(shards, remap)
+    traffic = attention_step_parts(plan, shape, config.parallel.routing, remap)
+    for shard in shards:
+        shard.traffic = traffic
     return shards
 
 

@@ -47,6 +47,8 @@ class PlanStats:
         sent_bytes: bytes each rank sends per link kind, forward, one layer.
         zones: for each rank, its tokens per zone value.
         seconds: modelled forward attention time per rank, one layer.
+        collective_bytes: the part of `sent_bytes` moved by all-gathers and
+            Ulysses exchanges (not ring point-to-point, which routing may carry).
     """
 
     tokens: np.ndarray
@@ -54,6 +56,7 @@ class PlanStats:
     sent_bytes: dict[LinkKind, np.ndarray]
     zones: list[dict[str, int]]
     seconds: np.ndarray
+    collective_bytes: dict[LinkKind, np.ndarray]
 
     def imbalance(self) -> float:
         """Max over mean of attention FLOPs (1.0 is perfect balance)."""
@@ -82,6 +85,7 @@ def plan_stats(plan: AttentionPlan, shape: ModelShape) -> PlanStats:
     flops = np.zeros(world, dtype=np.float64)
     seconds = np.zeros(world, dtype=np.float64)
     sent = {kind: np.zeros(world, dtype=np.int64) for kind in LinkKind}
+    collective = {kind: np.zeros(world, dtype=np.int64) for kind in LinkKind}
     zones: list[dict[str, int]] = [{} for _ in range(world)]
     pair_flops = 4.0 * shape.n_heads * shape.head_dim
     for item in plan.items():
@@ -96,9 +100,9 @@ def plan_stats(plan: AttentionPlan, shape: ModelShape) -> PlanStats:
             )
             member_flops.append(pair_flops * pairs / item.ulysses)
         flops[list(item.ranks)] += member_flops
-        exchange_bytes = _add_item_bytes(plan, item, placements, shape, sent)
+        exchange_bytes = _add_item_bytes(plan, item, placements, shape, sent, collective)
         seconds[list(item.ranks)] += _item_seconds(item, cost, max(member_flops), exchange_bytes)
-    return PlanStats(tokens, flops, sent, zones, seconds)
+    return PlanStats(tokens, flops, sent, zones, seconds, collective)
 
 
 def _item_seconds(item: QueueItem, cost: CostModel, flops: float, exchange: _Exchanged) -> float:
@@ -139,6 +143,7 @@ def _add_item_bytes(
     placements: list[SeqPlacement],
     shape: ModelShape,
     sent: dict[LinkKind, np.ndarray],
+    collective: dict[LinkKind, np.ndarray],
 ) -> _Exchanged:
     topo = plan.topology
     u_size, ring = item.ulysses, item.ring_size
@@ -153,11 +158,13 @@ def _add_item_bytes(
         position, part = divmod(member, u_size)
         if ring > 1:
             nxt = item.ranks[((position + 1) % ring) * u_size + part]
+            kind = link_kind(rank, nxt, topo)
             if item.exchange is Exchange.RING:
                 carried = sum(position_tokens[(position - s) % ring] for s in range(ring - 1))
             else:
                 carried = (ring - 1) * max(position_tokens)
-            sent[link_kind(rank, nxt, topo)][rank] += carried * kv_token
+                collective[kind][rank] += carried * kv_token
+            sent[kind][rank] += carried * kv_token
         if u_size > 1:
             held = sum(p.member_tokens(member) for p in placements)
             per_peer = held * (2 * q_bytes_per_token(shape) + u_size * kv_token) // u_size
@@ -166,4 +173,5 @@ def _add_item_bytes(
                 if other != part:
                     peer = item.ranks[position * u_size + other]
                     sent[link_kind(rank, peer, topo)][rank] += per_peer
+                    collective[link_kind(rank, peer, topo)][rank] += per_peer
     return _Exchanged(max(position_tokens) * kv_token, busiest)

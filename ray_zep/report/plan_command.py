@@ -14,6 +14,7 @@ from ray_zep.model.shapes import build_shape
 from ray_zep.partition import PLANNED_STRATEGIES, make_plan, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.partition.stats import PlanStats, plan_stats
+from ray_zep.report.layers import LayerReport
 from ray_zep.report.placement import draw_placement, plan_record, rank_table
 from ray_zep.topology import Topology, build_topology
 
@@ -34,6 +35,7 @@ class PlanResult:
     plan: AttentionPlan
     stats: PlanStats
     table: str
+    layers: LayerReport
 
 
 def run_plan(config: Config, request: PlanRequest) -> PlanResult:
@@ -53,7 +55,8 @@ def run_plan(config: Config, request: PlanRequest) -> PlanResult:
     else:
         plan = _whole_sequence_plan(strategy, lengths, topology, capacity)
     stats = plan_stats(plan, shape)
-    return PlanResult(plan, stats, rank_table(plan, stats))
+    layers = LayerReport.build(plan, shape)
+    return PlanResult(plan, stats, rank_table(plan, stats) + "\n\n" + layers.table(), layers)
 
 
 def write_outputs(result: PlanResult, png: str | None, json_path: str | None) -> list[Path]:
@@ -63,7 +66,8 @@ def write_outputs(result: PlanResult, png: str | None, json_path: str | None) ->
     if json_path:
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(plan_record(result.plan, result.stats), indent=1) + "\n")
+        record = plan_record(result.plan, result.stats) | result.layers.record()
+        path.write_text(json.dumps(record, indent=1) + "\n")
         written.append(path)
     return written
 

@@ -19,7 +19,10 @@ it computes (`ray_zep.routing.comms`).
 
 Proxy rule (Zeppelin §3.3): x = min(GPUs of the source node, GPUs of the
 destination node) proxies per side, taken NIC by NIC (the first proxies sit on
-distinct NICs), the source or destination itself always among them.
+distinct NICs), the source or destination itself always among them. When k
+hops of one ring step go between the same two nodes (a Ulysses x ring group
+runs U rings side by side), each gets x / k proxies and no proxy is shared, so
+rings whose GPUs already all send across nodes stay direct.
 
 Rows are token rows of a position's K/V (or dK/dV) buffer.
 """
@@ -27,6 +30,7 @@ Rows are token rows of a position's K/V (or dK/dV) buffer.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -141,9 +145,18 @@ def nic_ordered_ranks(topology: Topology, node: int) -> list[int]:
     return ordered
 
 
-def choose_proxies(topology: Topology, endpoint: int, count: int) -> tuple[int, ...]:
-    """`count` proxies on `endpoint`'s node, spread over NICs, `endpoint` among them."""
+def choose_proxies(
+    topology: Topology, endpoint: int, count: int, busy: tuple[int, ...] = ()
+) -> tuple[int, ...]:
+    """`count` proxies on `endpoint`'s node, spread over NICs, `endpoint` among them.
+
+    `busy` are the endpoints of the other transfers that leave (or reach) the
+    node in the same ring step: each keeps its own GPU, and the node's other GPUs
+    are dealt to the transfers in turn, so concurrent transfers share no proxy.
+    """
     ordered = nic_ordered_ranks(topology, topology.node_of(endpoint))
+    if busy:
+        ordered = _deal(topology, ordered, sorted({endpoint, *busy}, key=ordered.index))[endpoint]
     chosen = ordered[:count]
     if endpoint not in chosen:
         same_nic = [r for r in chosen if topology.nic_of(r) == topology.nic_of(endpoint)]
@@ -151,14 +164,52 @@ def choose_proxies(topology: Topology, endpoint: int, count: int) -> tuple[int, 
     return tuple(sorted(chosen, key=ordered.index))
 
 
-def plan_route(topology: Topology, src: int, dst: int, rows: int) -> Route:
-    """The proxy route of a transfer between two nodes (the module's proxy rule)."""
+def _deal(topology: Topology, ordered: list[int], endpoints: list[int]) -> dict[int, list[int]]:
+    """Each endpoint plus a share of the other GPUs: a GPU goes to the smallest group
+    whose NICs do not include its own yet (else to the smallest group)."""
+    groups = {e: [e] for e in endpoints}
+    for rank in (r for r in ordered if r not in groups):
+        nic = topology.nic_of(rank)
+        fresh = [e for e in endpoints if nic not in {topology.nic_of(r) for r in groups[e]}]
+        target = min(fresh or endpoints, key=lambda e: (len(groups[e]), endpoints.index(e)))
+        groups[target].append(rank)
+    return groups
+
+
+def plan_route(
+    topology: Topology,
+    src: int,
+    dst: int,
+    rows: int,
+    senders: tuple[int, ...] = (),
+    receivers: tuple[int, ...] = (),
+) -> Route:
+    """The proxy route of a transfer between two nodes (the module's proxy rule).
+
+    `senders` / `receivers`: sources of the transfers leaving src's node and
+    destinations of those reaching dst's node in the same step (this one
+    included); the node's GPUs are shared among them.
+    """
+    share = max(1, len(set(senders) | {src}), len(set(receivers) | {dst}))
     src_gpus = len(topology.ranks_of_node(topology.node_of(src)))
     dst_gpus = len(topology.ranks_of_node(topology.node_of(dst)))
-    count = min(src_gpus, dst_gpus)
+    count = max(1, min(src_gpus, dst_gpus) // share)
     return Route(
-        src, dst, rows, choose_proxies(topology, src, count), choose_proxies(topology, dst, count)
+        src,
+        dst,
+        rows,
+        choose_proxies(topology, src, count, tuple(r for r in senders if r != src)),
+        choose_proxies(topology, dst, count, tuple(r for r in receivers if r != dst)),
     )
+
+
+def _shared_route(topology: Topology, src: int, dst: int, rows: int, crossing) -> Route:
+    """`plan_route` with the proxies shared among the ring's hops between the same nodes."""
+    src_node, dst_node = topology.node_of(src), topology.node_of(dst)
+    same = [(a, b) for a, b in crossing if topology.node_of(a) == src_node]
+    same = [(a, b) for a, b in same if topology.node_of(b) == dst_node]
+    senders, receivers = tuple(a for a, _ in same), tuple(b for _, b in same)
+    return plan_route(topology, src, dst, rows, senders, receivers)
 
 
 def _direct(topology: Topology, src: int, dst: int, rows: int) -> Route:
@@ -195,15 +246,27 @@ class Transfer:
 
 
 def item_transfers(
-    plan: AttentionPlan, index: int, item: QueueItem, phase: Phase, routed: bool
+    plan: AttentionPlan,
+    index: int,
+    item: QueueItem,
+    phase: Phase,
+    routed: bool,
+    all_hops: bool = False,
 ) -> list[Transfer]:
-    """Inter-node transfers of a ring item in one phase, in handling order."""
+    """Inter-node transfers of a ring item in one phase, in handling order (with
+    `all_hops`, intra-node hops too, as direct routes: for byte accounting)."""
     ring, u_size, topo = item.ring_size, item.ulysses, plan.topology
     if ring < 2 or item.exchange is not Exchange.RING:
         return []
     placements = [plan.placement(s) for s in item.seqs]
     position_tokens = [sum(p.position_tokens(r) for p in placements) for r in range(ring)]
     payloads = [Payload.KV] if phase is Phase.FORWARD else [Payload.KV, Payload.DKV]
+    hops = [
+        (item.ranks[p * u_size + u], item.ranks[((p + 1) % ring) * u_size + u])
+        for p in range(ring)
+        for u in range(u_size)
+    ]
+    crossing = [(a, b) for a, b in hops if topo.node_of(a) != topo.node_of(b)]
     out = []
     for step in range(ring):
         for payload in payloads:
@@ -213,10 +276,13 @@ def item_transfers(
                 for part in range(u_size):
                     src = item.ranks[position * u_size + part]
                     dst = item.ranks[((position + 1) % ring) * u_size + part]
-                    if topo.node_of(src) == topo.node_of(dst):
+                    crosses = topo.node_of(src) != topo.node_of(dst)
+                    if not crosses and not all_hops:
                         continue
                     rows = position_tokens[(position - step) % ring]
-                    route = (plan_route if routed else _direct)(topo, src, dst, rows)
+                    route = _direct(topo, src, dst, rows)
+                    if routed and crosses:
+                        route = _shared_route(topo, src, dst, rows, crossing)
                     key = (item.ranks, u_size)
                     out.append(Transfer((index, step, int(payload)), key, u_size, route))
     return out
@@ -261,14 +327,15 @@ class RoutingPlan:
     backward: tuple[Transfer, ...]
 
     @classmethod
-    def build(cls, plan: AttentionPlan, routed: bool = True) -> RoutingPlan:
-        """Routes for `plan`: through proxies (`routed`) or direct (for comparison)."""
+    def build(cls, plan: AttentionPlan, routed: bool = True, all_hops: bool = False) -> RoutingPlan:
+        """Routes for `plan`: through proxies (`routed`) or direct (for comparison);
+        `all_hops` adds the intra-node ring hops (direct) for byte accounting."""
         phases = {}
         for phase in Phase:
             phases[phase] = tuple(
                 t
                 for index, item in enumerate(plan.items())
-                for t in item_transfers(plan, index, item, phase, routed)
+                for t in item_transfers(plan, index, item, phase, routed, all_hops)
             )
         return cls(plan.topology, phases[Phase.FORWARD], phases[Phase.BACKWARD])
 
@@ -280,28 +347,26 @@ class RoutingPlan:
 
         return RankRouting(rank, mine(self.forward), mine(self.backward))
 
-    def nic_bytes(self, row_bytes: dict[Payload, int]) -> np.ndarray:
-        """Bytes leaving each NIC, (nodes, NICs per node), one layer forward + backward.
+    def link_bytes(self, row_bytes: Callable[[Transfer], int]) -> tuple[int, np.ndarray]:
+        """Bytes of one layer's forward + backward: over intra-node links (direct
+        intra-node hops, dispatch and combine), and leaving each NIC (nodes x NICs).
 
         Args:
-            row_bytes: bytes of one row of each payload (K/V heads x head dim x dtype).
+            row_bytes: bytes of one row of a transfer (its K/V heads x head dim x dtype).
         """
         topo = self.topology
-        out = np.zeros((topo.nodes, topo.nics_per_node), dtype=np.int64)
+        nic = np.zeros((topo.nodes, topo.nics_per_node), dtype=np.int64)
+        intra = 0
         for t in self.forward + self.backward:
-            size = row_bytes[t.payload]
-            for piece in t.route.pieces():
-                out[topo.node_of(piece.sender), topo.nic_of(piece.sender)] += (
-                    piece.hi - piece.lo
-                ) * size
-        return out
-
-    def intra_node_bytes(self, row_bytes: dict[Payload, int]) -> int:
-        """Bytes of the dispatch and combine hops, one layer forward + backward."""
-        return sum(
-            (t.route.dispatched_rows() + t.route.combined_rows()) * row_bytes[t.payload]
-            for t in self.forward + self.backward
-        )
+            size, route = row_bytes(t), t.route
+            if topo.node_of(route.src) == topo.node_of(route.dst):
+                intra += route.rows * size
+                continue
+            intra += (route.dispatched_rows() + route.combined_rows()) * size
+            for piece in route.pieces():
+                where = topo.node_of(piece.sender), topo.nic_of(piece.sender)
+                nic[where] += (piece.hi - piece.lo) * size
+        return intra, nic
 
 
 def _involves(route: Route, rank: int) -> bool:

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ray_zep.mesh import Comm
-from ray_zep.topology import LinkKind, Topology
 
 
 def all_reduce_sum_(tensor: torch.Tensor, comm: Comm, what: str) -> torch.Tensor:
@@ -44,21 +43,3 @@ def all_reduce_gradients_(params: list[torch.nn.Parameter], comm: Comm) -> int:
     for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
         grad.copy_(synced)
     return flat.numel() * flat.element_size()
-
-
-def ring_all_reduce_link_bytes(nbytes: int, topology: Topology, world: int) -> dict[LinkKind, int]:
-    """Bytes a ring all-reduce of `nbytes` per rank moves over each link kind, whole job.
-
-    A ring all-reduce sends 2 (N-1)/N x nbytes from every rank to its successor;
-    ranks are ordered node-major, so `nodes` of the N ring links cross nodes
-    (none when there is one node). This is the volume of the ring algorithm;
-    NCCL may pick a tree for some sizes, which moves the same order of bytes.
-    """
-    if world <= 1:
-        return {LinkKind.INTRA_NODE: 0, LinkKind.INTER_NODE: 0}
-    per_link = 2 * (world - 1) * nbytes // world
-    crossing = topology.nodes if topology.nodes > 1 else 0
-    return {
-        LinkKind.INTRA_NODE: per_link * (world - crossing),
-        LinkKind.INTER_NODE: per_link * crossing,
-    }

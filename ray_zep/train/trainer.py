@@ -31,9 +31,9 @@ from ray_zep.model.llama import Transformer
 from ray_zep.model.shapes import build_shape
 from ray_zep.remap.comms import to_attention, to_linear
 from ray_zep.remap.layout import RankRemap
-from ray_zep.topology import LinkKind
+from ray_zep.traffic import Traffic, gradient_traffic
 from ray_zep.train import checkpoint
-from ray_zep.train.comms import all_reduce_gradients_, all_reduce_sum_, ring_all_reduce_link_bytes
+from ray_zep.train.comms import all_reduce_gradients_, all_reduce_sum_
 from ray_zep.train.optim import build_optimizer, lr_at, set_lr
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,10 @@ class StepStats:
     step_seconds: float
     rank_tokens: list[int]
     comm_bytes: dict[str, int] = field(default_factory=dict)
-    """Bytes moved per link kind (`intra_node`, `inter_node`) by the whole job."""
+    """Bytes moved per link kind (`intra_node`, `inter_node`) by the whole job
+    (modelled: `ray_zep.traffic`)."""
+    nic_bytes: list[list[int]] = field(default_factory=list)
+    """Bytes that left each NIC, [node][NIC], whole job."""
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -123,7 +126,7 @@ class RankTrainer:
         self.steps_done += 1
         totals = torch.tensor([loss_sum], dtype=torch.float64)
         all_reduce_sum_(totals, self.comm, "the step loss")
-        links = ring_all_reduce_link_bytes(grad_bytes, self.comm.topology, self.comm.world_size)
+        traffic = self._traffic(shard, grad_bytes)
         return StepStats(
             step=self.steps_done,
             loss=float(totals[0]) / max(1, shard.global_label_tokens),
@@ -133,8 +136,18 @@ class RankTrainer:
             lr=lr,
             step_seconds=time.perf_counter() - started,
             rank_tokens=list(shard.rank_tokens),
-            comm_bytes={kind.value: links[kind] for kind in LinkKind},
+            comm_bytes={"intra_node": traffic.intra_node, "inter_node": traffic.inter_node},
+            nic_bytes=traffic.nic.tolist(),
         )
+
+    def _traffic(self, shard: RankShard, grad_bytes: int) -> Traffic:
+        """Bytes of this step: gradients plus the shard's attention and remap traffic."""
+        traffic = gradient_traffic(grad_bytes, self.comm.topology, self.comm.world_size)
+        if shard.traffic is not None:
+            scaled, fixed = shard.traffic
+            element = torch.empty((), dtype=self.dtype).element_size()
+            traffic = traffic + scaled.times(element) + fixed
+        return traffic
 
     def compute_gradients(self, shard: RankShard) -> tuple[float, int]:
         """Gradients of the global mean loss, summed over ranks, in `.grad`.

@@ -1,0 +1,160 @@
+"""Bytes a training step moves, over intra-node links and out of each NIC.
+
+Modelled from the plan (what the code sends, not a measurement): for every
+layer, the ring K/V and dK/dV transfers of forward and backward (exact row
+counts, routed or direct: `ray_zep.routing.routes`), the all-gather and Ulysses
+exchanges (the backward mirrors the forward), and the remapping layer's
+transfers (q/k/v in, output out, and their gradients back); plus the gradient
+all-reduce once per step. Inter-node bytes are charged to the NIC of the rank
+that sends them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ray_zep.costmodel import BYTES_PER_ELEMENT
+from ray_zep.model.shapes import ModelShape
+from ray_zep.partition.plan import AttentionPlan
+from ray_zep.partition.stats import plan_stats
+from ray_zep.remap.solver import RemapPlan
+from ray_zep.routing.routes import Payload, RoutingPlan, Transfer
+from ray_zep.topology import LinkKind, Topology
+
+DKV_BYTES_PER_ELEMENT = 4
+"""dK/dV accumulators travel in float32."""
+
+
+@dataclass
+class Traffic:
+    """Bytes over intra-node links and leaving each NIC (nodes x NICs per node)."""
+
+    intra_node: int
+    nic: np.ndarray
+
+    @classmethod
+    def zero(cls, topology: Topology) -> Traffic:
+        return cls(0, np.zeros((topology.nodes, topology.nics_per_node), dtype=np.int64))
+
+    @property
+    def inter_node(self) -> int:
+        return int(self.nic.sum())
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(self.intra_node + other.intra_node, self.nic + other.nic)
+
+    def times(self, k: int) -> Traffic:
+        return Traffic(self.intra_node * k, self.nic * k)
+
+    def charge(self, topology: Topology, src: int, dst: int, nbytes: int) -> None:
+        """Add a message of `nbytes` from `src` to `dst`."""
+        if topology.node_of(src) == topology.node_of(dst):
+            self.intra_node += nbytes
+        else:
+            self.nic[topology.node_of(src), topology.nic_of(src)] += nbytes
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "intra_node": int(self.intra_node),
+            "inter_node": self.inter_node,
+            "nic": self.nic.tolist(),
+        }
+
+
+def kv_row_bytes(shape: ModelShape, element_bytes: int, payloads=tuple(Payload)):
+    """Bytes of one row of a ring transfer, as a function of the transfer (0 for
+    payloads not in `payloads`)."""
+
+    def row_bytes(t: Transfer) -> int:
+        if t.payload not in payloads:
+            return 0
+        heads = shape.n_kv_heads // t.ulysses if t.ulysses <= shape.n_kv_heads else 1
+        size = element_bytes if t.payload is Payload.KV else DKV_BYTES_PER_ELEMENT
+        return 2 * heads * shape.head_dim * size
+
+    return row_bytes
+
+
+def ring_traffic(
+    plan: AttentionPlan,
+    shape: ModelShape,
+    routed: bool,
+    element_bytes: int = BYTES_PER_ELEMENT,
+    payloads=tuple(Payload),
+) -> Traffic:
+    """Ring K/V and dK/dV bytes of one layer, forward + backward."""
+    routing = RoutingPlan.build(plan, routed=routed, all_hops=True)
+    intra, nic = routing.link_bytes(kv_row_bytes(shape, element_bytes, payloads))
+    return Traffic(intra, nic)
+
+
+def collective_traffic(
+    plan: AttentionPlan, shape: ModelShape, element_bytes: int = BYTES_PER_ELEMENT
+) -> Traffic:
+    """All-gather and Ulysses bytes of one layer, forward + backward."""
+    topo = plan.topology
+    stats = plan_stats(plan, shape)
+    scale = 2 * element_bytes / BYTES_PER_ELEMENT  # forward and backward
+    out = Traffic.zero(topo)
+    out.intra_node = int(stats.collective_bytes[LinkKind.INTRA_NODE].sum() * scale)
+    for rank, nbytes in enumerate(stats.collective_bytes[LinkKind.INTER_NODE]):
+        out.nic[topo.node_of(rank), topo.nic_of(rank)] += int(nbytes * scale)
+    return out
+
+
+def remap_traffic(
+    remap: RemapPlan, topology: Topology, shape: ModelShape, element_bytes: int = BYTES_PER_ELEMENT
+) -> Traffic:
+    """Remapping bytes of one layer, forward + backward.
+
+    A moved token's q/k/v ((H + 2K) E values) go to its attention rank and its
+    output (H E) comes back; backward sends their gradients the other way, so
+    each direction carries (2H + 2K) E values per moved token.
+    """
+    per_token = 2 * (shape.n_heads + shape.n_kv_heads) * shape.head_dim * element_bytes
+    out = Traffic.zero(topology)
+    for src, dst, tokens in remap.transfers:
+        out.charge(topology, src, dst, tokens * per_token)
+        out.charge(topology, dst, src, tokens * per_token)
+    return out
+
+
+def gradient_traffic(nbytes: int, topology: Topology, world: int) -> Traffic:
+    """A ring all-reduce of `nbytes` per rank over `world` ranks (node-major): every
+    rank sends 2 (N - 1) / N x nbytes to the next, each node's last GPU to the next
+    node. This is the ring algorithm's volume; NCCL may pick a tree for some sizes,
+    which moves the same order of bytes."""
+    out = Traffic.zero(topology)
+    if world <= 1:
+        return out
+    per_link = 2 * (world - 1) * nbytes // world
+    for rank in range(world):
+        out.charge(topology, rank, (rank + 1) % world, per_link)
+    return out
+
+
+def attention_step_traffic(
+    plan: AttentionPlan,
+    shape: ModelShape,
+    routed: bool,
+    remap: RemapPlan | None,
+    element_bytes: int = BYTES_PER_ELEMENT,
+) -> Traffic:
+    """Attention and remapping bytes of a whole step (every layer, forward + backward)."""
+    scaled, fixed = attention_step_parts(plan, shape, routed, remap)
+    return scaled.times(element_bytes) + fixed
+
+
+def attention_step_parts(
+    plan: AttentionPlan, shape: ModelShape, routed: bool, remap: RemapPlan | None
+) -> tuple[Traffic, Traffic]:
+    """`attention_step_traffic` as (bytes per byte of compute dtype, float32 dK/dV bytes),
+    for callers that learn the compute dtype later (the trainer)."""
+    layer = ring_traffic(plan, shape, routed, 1, (Payload.KV,))
+    layer = layer + collective_traffic(plan, shape, 1)
+    if remap is not None:
+        layer = layer + remap_traffic(remap, plan.topology, shape, 1)
+    fixed = ring_traffic(plan, shape, routed, 1, (Payload.DKV,))
+    return layer.times(shape.n_layers), fixed.times(shape.n_layers)
