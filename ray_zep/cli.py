@@ -190,74 +190,57 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _bench_partition(args: argparse.Namespace) -> int:
-    from ray_zep.bench.output import write_json
-    from ray_zep.bench.partition import (
-        DISTRIBUTIONS,
-        PLANNERS,
-        PartitionBenchSpec,
-        draw_partition_chart,
-        format_table,
-        row_dicts,
-        run_partition_bench,
-    )
-    from ray_zep.report.plan_command import parse_lengths
+    from ray_zep.bench import partition as bench
 
-    args.overrides = ["topology.preset=cluster_a", "model.preset=7b", *args.overrides]
-    config = _optional_config(args)
-    spec = PartitionBenchSpec(
-        nodes=tuple(int(n) for n in parse_lengths(args.nodes, "--nodes")),
-        tokens=tuple(int(t) for t in parse_lengths(args.tokens, "--tokens")),
-        distributions=_names(args.distributions, DISTRIBUTIONS),
-        planners=_names(args.planners, PLANNERS),
-        batches=args.batches,
-        repeats=args.repeats,
-        headroom=args.headroom,
+    config = _bench_config(args)
+    spec = bench.PartitionBenchSpec(
+        **_bench_sizes(args, bench.DISTRIBUTIONS, bench.PLANNERS), headroom=args.headroom
     )
-    rows = run_partition_bench(config, spec)
-    print(format_table(rows))
-    out = Path(args.out)
-    command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ray-zep bench partition"
-    spec_record = {
-        **spec.__dict__,
-        "topology": config.topology.preset,
-        "model": config.model.preset,
-    }
-    print(f"wrote {write_json(out / 'partition.json', command, spec_record, row_dicts(rows))}")
-    print(f"wrote {draw_partition_chart(rows, out / 'partition.png')}")
+    rows = bench.run_partition_bench(config, spec)
+    print(bench.format_table(rows))
+    _write_bench(args, config, spec, "partition", bench.row_dicts(rows))
+    print(f"wrote {bench.draw_partition_chart(rows, Path(args.out) / 'partition.png')}")
     return 0
 
 
 def _bench_layers(args: argparse.Namespace) -> int:
-    from ray_zep.bench.layers import (
-        PLANNERS,
-        LayersBenchSpec,
-        draw_layers_chart,
-        format_table,
-        row_dicts,
-        run_layers_bench,
-    )
-    from ray_zep.bench.output import write_json
+    from ray_zep.bench import layers as bench
     from ray_zep.data.synthetic import TABLE_2
+
+    config = _bench_config(args)
+    spec = bench.LayersBenchSpec(**_bench_sizes(args, tuple(TABLE_2), bench.PLANNERS))
+    rows = bench.run_layers_bench(config, spec)
+    print(bench.format_table(rows))
+    _write_bench(args, config, spec, "layers", bench.row_dicts(rows))
+    print(f"wrote {bench.draw_layers_chart(rows, Path(args.out) / 'layers.png')}")
+    return 0
+
+
+def _bench_config(args: argparse.Namespace):
+    """Benchmarks default to the paper's cluster A and the 7b model."""
+    args.overrides = ["topology.preset=cluster_a", "model.preset=7b", *args.overrides]
+    return _optional_config(args)
+
+
+def _bench_sizes(args: argparse.Namespace, distributions, planners) -> dict:
     from ray_zep.report.plan_command import parse_lengths
 
-    args.overrides = ["topology.preset=cluster_a", "model.preset=7b", *args.overrides]
-    config = _optional_config(args)
-    spec = LayersBenchSpec(
+    return dict(
         nodes=tuple(int(n) for n in parse_lengths(args.nodes, "--nodes")),
         tokens=tuple(int(t) for t in parse_lengths(args.tokens, "--tokens")),
-        distributions=_names(args.distributions, tuple(TABLE_2)),
-        planners=_names(args.planners, PLANNERS),
+        distributions=_names(args.distributions, distributions),
+        planners=_names(args.planners, planners),
         batches=args.batches,
         repeats=args.repeats,
     )
-    rows = run_layers_bench(config, spec)
-    print(format_table(rows))
-    out = Path(args.out)
-    command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ray-zep bench layers"
+
+
+def _write_bench(args: argparse.Namespace, config, spec, name: str, rows: list[dict]) -> None:
+    from ray_zep.bench.output import write_json
+
+    command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else f"ray-zep bench {name}"
     record = {**spec.__dict__, "topology": config.topology.preset, "model": config.model.preset}
-    print(f"wrote {write_json(out / 'layers.json', command, record, row_dicts(rows))}")
-    print(f"wrote {draw_layers_chart(rows, out / 'layers.png')}")
-    return 0
+    print(f"wrote {write_json(Path(args.out) / f'{name}.json', command, record, rows)}")
 
 
 def _names(text: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
