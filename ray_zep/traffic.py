@@ -86,6 +86,10 @@ def ring_traffic(
 ) -> Traffic:
     """Ring K/V and dK/dV bytes of one layer, forward + backward."""
     routing = RoutingPlan.build(plan, routed=routed, all_hops=True)
+    return _ring_bytes(routing, shape, element_bytes, payloads)
+
+
+def _ring_bytes(routing: RoutingPlan, shape: ModelShape, element_bytes: int, payloads) -> Traffic:
     intra, nic = routing.link_bytes(kv_row_bytes(shape, element_bytes, payloads))
     return Traffic(intra, nic)
 
@@ -152,9 +156,9 @@ def attention_step_parts(
 ) -> tuple[Traffic, Traffic]:
     """`attention_step_traffic` as (bytes per byte of compute dtype, float32 dK/dV bytes),
     for callers that learn the compute dtype later (the trainer)."""
-    layer = ring_traffic(plan, shape, routed, 1, (Payload.KV,))
-    layer = layer + collective_traffic(plan, shape, 1)
+    routing = RoutingPlan.build(plan, routed=routed, all_hops=True)
+    layer = _ring_bytes(routing, shape, 1, (Payload.KV,)) + collective_traffic(plan, shape, 1)
     if remap is not None:
         layer = layer + remap_traffic(remap, plan.topology, shape, 1)
-    fixed = ring_traffic(plan, shape, routed, 1, (Payload.DKV,))
+    fixed = _ring_bytes(routing, shape, 1, (Payload.DKV,))
     return layer.times(shape.n_layers), fixed.times(shape.n_layers)

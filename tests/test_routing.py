@@ -28,6 +28,7 @@ from ray_zep.routing.routes import (
     split_rows,
 )
 from ray_zep.topology import build_topology
+from ray_zep.traffic import attention_step_traffic, collective_traffic, ring_traffic
 from tests.helpers.procs import run_ranks
 
 ROW_SHAPE = (2, 2, 3)  # (K and V, K/V heads, head dim) of a Ulysses-free item
@@ -173,3 +174,16 @@ def test_routed_transfers_deliver_the_exact_bytes(kv_dtype: torch.dtype) -> None
         assert got.dtype == dtype and torch.equal(got.view(torch.uint8), sent.view(torch.uint8)), (
             f"transfer {index} ({route.src}->{route.dst}) differs"
         )
+
+
+def test_step_traffic_counts_what_the_layers_move() -> None:
+    topo = _topology("cluster_a", nodes=2)
+    shape = build_shape(load_config(None, ["model.preset=7b"]).model)
+    plan = make_plan(Strategy.TE_CP, [65536, 3000], topo, 5000, shape)
+    routed = attention_step_traffic(plan, shape, True, None)
+    by_layer = ring_traffic(plan, shape, True) + collective_traffic(plan, shape)
+    assert routed.intra_node == by_layer.intra_node * shape.n_layers
+    assert (routed.nic == by_layer.nic * shape.n_layers).all()
+    direct = attention_step_traffic(plan, shape, False, None)
+    assert direct.inter_node == routed.inter_node > 0
+    assert direct.intra_node < routed.intra_node, "dispatch and combine hops are intra-node"
