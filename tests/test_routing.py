@@ -20,6 +20,8 @@ from ray_zep.partition import make_plan
 from ray_zep.routing.comms import RowFormat, post_recv, post_send
 from ray_zep.routing.routes import (
     Payload,
+    Phase,
+    RankRouting,
     Route,
     RoutingPlan,
     Transfer,
@@ -143,12 +145,7 @@ def _routed_rank(rank: int, world: int, kv_dtype: torch.dtype) -> dict:
     comm = Comm.create(topo, Strategy.TE_CP, 30.0).with_routing()
     transfers = [Transfer((*at, int(payload)), ((0,), 1), 1, r) for at, payload, r in ROUTES]
     rows = RowFormat(ROW_SHAPE[1], ROW_SHAPE[2], kv_dtype, torch.device("cpu"))
-    relayed = [
-        t
-        for t in transfers
-        if (rank in t.route.send_proxies and rank != t.route.src)
-        or (rank in t.route.recv_proxies and rank != t.route.dst)
-    ]
+    relayed = RankRouting(rank, tuple(transfers), ()).relayed(Phase.FORWARD)
     comm.routing.start_relay(relayed, rows)
     received, works, ops = {}, [], Counter()
     for index, t in enumerate(transfers):

@@ -124,7 +124,7 @@ def _start_relay(schedule: RankSchedule, comm: Comm, phase: Phase, k_TKE) -> Cha
     if schedule.routing is None or comm.routing is None:
         return None
     rows = RowFormat(k_TKE.shape[1], k_TKE.shape[2], k_TKE.dtype, k_TKE.device)
-    comm.routing.start_relay(schedule.routing.relayed(phase), rows)
+    comm.routing.start_relay(schedule.relayed[phase], rows)
     return comm.routing
 
 

@@ -24,7 +24,7 @@ import torch
 
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem
-from ray_zep.routing.routes import RankRouting
+from ray_zep.routing.routes import Phase, RankRouting
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,8 @@ class RankSchedule:
     routing: RankRouting | None = None
     routes: dict = field(default_factory=dict)
     """Route of each routed transfer this rank sends or receives, by `Transfer.lookup_key`."""
+    relayed: dict = field(default_factory=dict)
+    """Per phase, the transfers this rank's relay thread forwards (every layer reuses it)."""
 
     @classmethod
     def build(
@@ -111,8 +113,10 @@ class RankSchedule:
             schedule = _item_schedule(plan, item, rank, start, device)
             items.append(schedule)
             start = schedule.rows[1]
-        routes = routing.routes() if routing is not None else {}
-        return cls(rank, start, items, routing=routing, routes=routes)
+        if routing is None:
+            return cls(rank, start, items)
+        relayed = {phase: routing.relayed(phase) for phase in Phase}
+        return cls(rank, start, items, routing=routing, routes=routing.routes(), relayed=relayed)
 
 
 def _position_layout(plan: AttentionPlan, item: QueueItem, position: int):
