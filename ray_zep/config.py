@@ -60,6 +60,16 @@ class ZonePolicy(Enum):
     """As the paper's Algorithms 1 and 2: from token capacities alone."""
 
 
+class RemapPolicy(Enum):
+    """When the remapping layer runs on a batch (with `parallel.remap`)."""
+
+    WHEN_FASTER = "when_faster"
+    """Only when the cost model says balancing the linear modules saves more time
+    than the transfers cost (ray_zep.remap.policy)."""
+    ALWAYS = "always"
+    """On every batch."""
+
+
 class Packing(Enum):
     """How documents are admitted into a global batch."""
 
@@ -174,6 +184,8 @@ class ParallelConfig:
     """Run the linear modules (embedding, projections, norms, MLP, output) on a
     token-balanced layout and only attention on the plan's layout (ray_zep.remap);
     planned strategies only."""
+    remap_policy: RemapPolicy = RemapPolicy.WHEN_FASTER
+    """when_faster | always: remap only the batches where it pays off, or every batch."""
 
     def __post_init__(self) -> None:
         for key in ("routing", "remap"):

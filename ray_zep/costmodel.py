@@ -3,12 +3,19 @@
 Units: FLOPs, bytes, seconds, bytes/s. Times use the alpha-beta link model
 (`latency + bytes / bandwidth`) and an attention throughput per GPU.
 
-Compute rates come from the GPU's dense BF16 peak times an efficiency; the
-peaks are the vendors' specification figures (A800 312 TFLOP/s, H800/H200
-989 TFLOP/s) and the efficiency (0.5) is an assumption about varlen
-flash-attention on long sequences, to be replaced by calibrated figures when
-measurements exist. A virtual topology is modelled as A800 nodes, so that
-plans made on a laptop look like plans made for cluster A.
+Compute rates (`ComputeRates`) come from `ray-zep bench calibrate`, which
+measures the present device, or from the labelled hardware presets
+(`HARDWARE_RATES`): the vendors' dense BF16 peaks (A800/A100 312 TFLOP/s,
+H800/H100/H200 989 TFLOP/s: NVIDIA's A100 and H100/H200 SXM datasheets) times
+efficiencies from published measurements. FlashAttention-2 (Dao, 2023) reaches
+50-73% of the A100 peak in forward and up to 63% in backward at head dim 128
+and long sequences, about 35% of the H100 peak (it predates Hopper kernels,
+and the Zeppelin paper's stack runs FlashAttention 2.4.3); varlen batches of a
+few thousand tokens sit at the low end, so the presets take 50% / 45% (A800)
+and 35% / 30% (Hopper). Dense matmuls take 60% of peak, a little above the 52%
+model-FLOPs utilisation Megatron-LM reports end to end on A100 (Narayanan et
+al., 2021). A virtual topology is modelled as A800 nodes, so that plans made on
+a laptop look like plans made for cluster A.
 
 The crossover chunk length of a link is the Fig. 5 reading of the Zeppelin
 paper: one ring step over a chunk of m tokens per rank computes an m x m block
@@ -18,34 +25,125 @@ proportional to m). Past the crossover the transfer hides behind the compute.
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from ray_zep.model.shapes import ModelShape
 from ray_zep.topology import LinkKind, Topology
 
-PEAK_BF16_FLOPS = {
-    "A800": 312e12,
-    "A100": 312e12,
-    "H800": 989e12,
-    "H100": 989e12,
-    "H200": 989e12,
-}
-"""Dense BF16 tensor-core peak per GPU (vendor specifications)."""
-DEFAULT_PEAK_FLOPS = 312e12
-ATTENTION_EFFICIENCY = 0.5
-"""Assumed fraction of peak that varlen attention reaches."""
 BYTES_PER_ELEMENT = 2
 """Activations travel in BF16."""
+BACKWARD_ATTENTION_FACTOR = 2.5
+"""Backward attention FLOPs over forward: five matmuls (S recomputed, dP, dS->dQ,
+dK, dV) against the forward's two."""
+BACKWARD_LINEAR_FACTOR = 2.0
+"""Backward matmul FLOPs over forward: gradients of the input and of the weight."""
+GRAD_BYTES_PER_ELEMENT = 4
+"""Gradients are all-reduced in float32 (parameters are float32, autocast computes in bf16)."""
 
 
-def peak_flops(gpu_model: str) -> float:
-    """Peak BF16 FLOP/s of a GPU named like `NVIDIA H100 80GB HBM3` or `A800`."""
+@dataclass(frozen=True)
+class ComputeRates:
+    """Sustained compute of one GPU (or one CPU process of a virtual cluster).
+
+    Attributes:
+        attention_forward: FLOP/s of forward attention, counting 4 H E per
+            visible (query, key) pair.
+        attention_backward: FLOP/s of backward attention, counting
+            `BACKWARD_ATTENTION_FACTOR` times the forward FLOPs.
+        matmul: FLOP/s of the linear modules (2 FLOPs per multiply-add).
+        call_overhead_s: fixed seconds per attention kernel call (launch,
+            metadata), paid once per ring step.
+        source: where the numbers come from (preset and its sources, or the
+            calibration run's device).
+    """
+
+    attention_forward: float
+    attention_backward: float
+    matmul: float
+    call_overhead_s: float = 0.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        rates = (self.attention_forward, self.attention_backward, self.matmul)
+        if min(rates) <= 0 or self.call_overhead_s < 0:
+            raise ValueError(f"compute rates must be > 0 (overhead >= 0), got {self}")
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> ComputeRates:
+        """Rates written by `ray-zep bench calibrate` (its `calibration.json`)."""
+        from ray_zep.errors import ConfigError
+
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(**{k: data[k] for k in asdict(_PLACEHOLDER)})
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"--calibration {path}: not a calibration file ({exc})") from exc
+
+
+_PLACEHOLDER = ComputeRates(1.0, 1.0, 1.0)
+
+ATTENTION_CALL_OVERHEAD_S = 10e-6
+"""Launch and metadata cost of one varlen attention call on a GPU (typical CUDA
+launch latencies are 5-10 us; the preset takes the upper end)."""
+
+_DATASHEETS = "NVIDIA datasheet peak x efficiencies from FlashAttention-2 and Megatron-LM"
+HARDWARE_RATES: dict[str, ComputeRates] = {
+    "A800": ComputeRates(
+        312e12 * 0.50,
+        312e12 * 0.45,
+        312e12 * 0.60,
+        ATTENTION_CALL_OVERHEAD_S,
+        f"A800 preset: {_DATASHEETS}",
+    ),
+    "H800": ComputeRates(
+        989e12 * 0.35,
+        989e12 * 0.30,
+        989e12 * 0.60,
+        ATTENTION_CALL_OVERHEAD_S,
+        f"H800 preset: {_DATASHEETS}",
+    ),
+    "H200": ComputeRates(
+        989e12 * 0.35,
+        989e12 * 0.30,
+        989e12 * 0.60,
+        ATTENTION_CALL_OVERHEAD_S,
+        f"H200 preset: {_DATASHEETS}",
+    ),
+}
+"""Labelled presets (see the module docstring for the sources)."""
+HARDWARE_ALIASES = {"A100": "A800", "H100": "H800"}
+
+
+def preset_rates(gpu_model: str) -> ComputeRates:
+    """The preset of a GPU named like `NVIDIA H100 80GB HBM3` or `A800-80G` (A800 otherwise)."""
     name = gpu_model.upper()
-    for key, flops in PEAK_BF16_FLOPS.items():
+    for key in (*HARDWARE_RATES, *HARDWARE_ALIASES):
         if key in name:
-            return flops
-    return DEFAULT_PEAK_FLOPS
+            return HARDWARE_RATES[HARDWARE_ALIASES.get(key, key)]
+    return HARDWARE_RATES["A800"]
+
+
+def linear_flops_per_token(shape: ModelShape) -> tuple[float, float]:
+    """Forward FLOPs of one block's matmuls for one token, one layer: (before
+    attention: Q, K, V projections; after it: output projection and SwiGLU MLP)."""
+    e = shape.head_dim
+    before = 2.0 * shape.dim * (shape.n_heads + 2 * shape.n_kv_heads) * e
+    after = 2.0 * shape.n_heads * e * shape.dim + 2.0 * 3 * shape.dim * shape.ffn_dim
+    return before, after
+
+
+def head_flops_per_token(shape: ModelShape) -> float:
+    """Forward FLOPs of the LM head for one token (the embedding is a lookup)."""
+    return 2.0 * shape.vocab_size * shape.dim
 
 
 def causal_attention_flops(length: float, shape: ModelShape) -> float:
@@ -86,8 +184,7 @@ class CostModel:
 
     @classmethod
     def create(cls, shape: ModelShape, topology: Topology) -> CostModel:
-        rate = peak_flops(topology.gpu_model) * ATTENTION_EFFICIENCY
-        return cls(shape, topology, rate)
+        return cls(shape, topology, preset_rates(topology.gpu_model).attention_forward)
 
     def link_bandwidth(self, kind: LinkKind, one_sender_per_nic: bool = False) -> float:
         """Bytes/s one GPU gets on a link kind.
@@ -144,3 +241,40 @@ class CostModel:
         step = self.attention_seconds(block_attention_flops(chunk_tokens, half, self.shape))
         send = self.transfer_seconds(chunk_tokens * kv_bytes_per_token(self.shape), kind, True)
         return diagonal + (ring_size - 1) * max(step, send)
+
+    def bus_bandwidth(self, ranks) -> float:
+        """Per-rank bandwidth of a ring collective over `ranks` (bytes/s).
+
+        Inside one node: a GPU's intra-node port. Across nodes NCCL runs one ring
+        per NIC, so a node's NICs together carry what its GPUs exchange, capped by
+        the intra-node port (the "bus bandwidth" of nccl-tests).
+        """
+        topo = self.topology
+        if len({topo.node_of(r) for r in ranks}) <= 1:
+            return topo.intra_node_bandwidth
+        return min(topo.intra_node_bandwidth, topo.nics_per_node * topo.nic_bandwidth)
+
+    def _collective_latency(self, ranks) -> float:
+        topo = self.topology
+        nodes = len({topo.node_of(r) for r in ranks})
+        return self.link_latency(LinkKind.INTER_NODE if nodes > 1 else LinkKind.INTRA_NODE)
+
+    def all_gather_seconds(self, block_bytes: float, ranks) -> float:
+        """All-gather (or reduce-scatter) of one `block_bytes` block per rank: W - 1
+        ring steps, each rank receiving W - 1 blocks at the bus bandwidth."""
+        steps = len(ranks) - 1
+        if steps <= 0:
+            return 0.0
+        return steps * self._collective_latency(ranks) + steps * block_bytes / self.bus_bandwidth(
+            ranks
+        )
+
+    def all_reduce_seconds(self, nbytes: float, ranks) -> float:
+        """Ring all-reduce of `nbytes` per rank: 2 (W - 1) steps moving 2 (W - 1) / W of it."""
+        world = len(ranks)
+        if world <= 1:
+            return 0.0
+        volume = 2 * (world - 1) / world * nbytes
+        return 2 * (world - 1) * self._collective_latency(ranks) + volume / self.bus_bandwidth(
+            ranks
+        )

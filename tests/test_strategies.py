@@ -136,12 +136,13 @@ def test_every_strategy_trains_like_one_process(nodes: int, gpus: int, tmp_path:
     _assert_trains_like(single, runs[0])
 
 
-ROUTE, REMAP = "parallel.routing=true", "parallel.remap=true"
+ROUTE = "parallel.routing=true"
+REMAP = ("parallel.remap=true", "parallel.remap_policy=always")
 LAYER_RUNS = {
-    "zeppelin+routing+remap": ["parallel.strategy=zeppelin", ROUTE, REMAP],
+    "zeppelin+routing+remap": ["parallel.strategy=zeppelin", ROUTE, *REMAP],
     "te_cp+routing": ["parallel.strategy=te_cp", ROUTE],
     "zeppelin+routing": ["parallel.strategy=zeppelin", ROUTE],
-    "hybrid_dp+remap": ["parallel.strategy=hybrid_dp", REMAP],
+    "hybrid_dp+remap": ["parallel.strategy=hybrid_dp", *REMAP],
 }
 """Strategies with the routing and remapping layers on (te_cp, llama_cp and usp
 already hold balanced token counts, so remapping would move nothing)."""

@@ -119,7 +119,7 @@ class RankSchedule:
         return cls(rank, start, items, routing=routing, routes=routing.routes(), relayed=relayed)
 
 
-def _position_layout(plan: AttentionPlan, item: QueueItem, position: int):
+def position_layout(plan: AttentionPlan, item: QueueItem, position: int):
     """Per sequence of the item: (early, late) token counts at `position`."""
     out = []
     for seq in item.seqs:
@@ -137,7 +137,7 @@ def _item_schedule(
     member = item.ranks.index(rank)
     u_size, ring = item.ulysses, item.ring_size
     position, part = divmod(member, u_size)
-    layouts = [_position_layout(plan, item, r) for r in range(ring)]
+    layouts = [position_layout(plan, item, r) for r in range(ring)]
     position_tokens = tuple(sum(early + late for early, late in lay) for lay in layouts)
     placements = [plan.placement(s) for s in item.seqs]
     members = range(position * u_size, (position + 1) * u_size)
@@ -190,8 +190,15 @@ def _rows_in_position(ranges: list[tuple[int, int]], a: int, b: int) -> np.ndarr
     raise ValueError(f"tokens [{a}, {b}) are not at this position")
 
 
-def _step_meta(mine, theirs, step: int, source: int, position: int, device) -> StepMeta:
-    q_rows, k_rows, q_lens, k_lens = [], [], [], []
+def step_segments(mine, theirs, step: int, source: int, position: int) -> list:
+    """The (q_offset, q_len, k_offset, k_len) segments ring step `step` computes.
+
+    `mine` and `theirs` are the (early, late) token counts per sequence of this
+    position and of the source position (see the module docstring for the three
+    sections); empty segments are left out. The engine builds its row indices
+    from these and the simulator costs them, so both see the same work.
+    """
+    segments = []
     q_off = k_off = 0
     for (early, late), (src_early, src_late) in zip(mine, theirs, strict=True):
         if step == 0:
@@ -204,23 +211,26 @@ def _step_meta(mine, theirs, step: int, source: int, position: int, device) -> S
             q = (q_off + early, late)
             k = (k_off, src_early + src_late)
         if q[1] > 0 and k[1] > 0:
-            q_rows.append(np.arange(q[0], q[0] + q[1]))
-            k_rows.append(np.arange(k[0], k[0] + k[1]))
-            q_lens.append(q[1])
-            k_lens.append(k[1])
+            segments.append((*q, *k))
         q_off += early + late
         k_off += src_early + src_late
+    return segments
 
-    def rows(parts):
+
+def _step_meta(mine, theirs, step: int, source: int, position: int, device) -> StepMeta:
+    segments = step_segments(mine, theirs, step, source, position)
+
+    def rows(offset: int, length: int):
+        parts = [np.arange(seg[offset], seg[offset] + seg[length]) for seg in segments]
         flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return torch.as_tensor(flat, dtype=torch.int64, device=device)
 
     return StepMeta(
         source=source,
-        q_rows=rows(q_rows),
-        k_rows=rows(k_rows),
-        seqs_q=PackedSeqs.from_lengths(q_lens, device),
-        seqs_k=PackedSeqs.from_lengths(k_lens, device),
+        q_rows=rows(0, 1),
+        k_rows=rows(2, 3),
+        seqs_q=PackedSeqs.from_lengths([seg[1] for seg in segments], device),
+        seqs_k=PackedSeqs.from_lengths([seg[3] for seg in segments], device),
         causal=step == 0,
     )
 

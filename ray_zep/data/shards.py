@@ -28,13 +28,15 @@ import numpy as np
 from ray_zep.attention.varlen import positions_from_lengths
 from ray_zep.config import Config, Strategy
 from ray_zep.constants import IGNORE_INDEX
+from ray_zep.costmodel import preset_rates
 from ray_zep.data.batching import GlobalBatch
 from ray_zep.errors import PlacementError
 from ray_zep.model.shapes import build_shape
 from ray_zep.partition import make_plan
 from ray_zep.partition.plan import AttentionPlan, Fragment
 from ray_zep.remap.layout import RankRemap, to_linear_layout
-from ray_zep.remap.solver import RemapPlan, remap_token_bytes, solve_remap
+from ray_zep.remap.policy import choose_remap
+from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import RankRouting, RoutingPlan
 from ray_zep.topology import Topology
 from ray_zep.traffic import Traffic, attention_step_parts
@@ -162,7 +164,9 @@ def shard_for(batch: GlobalBatch, config: Config, topology: Topology) -> list[Ra
             shard.routing = routing.for_rank(shard.rank)
     remap = None
     if config.parallel.remap:
-        remap = solve_remap(rank_tokens, topology, remap_token_bytes(shape))
+        rates = preset_rates(topology.gpu_model)
+        remap = choose_remap(plan, shape, rates, config.parallel.remap_policy)
+    if remap is not None:
         _remap_shards(shards, remap)
     traffic = attention_step_parts(plan, shape, config.parallel.routing, remap)
     for shard in shards:

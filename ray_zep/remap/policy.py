@@ -1,0 +1,92 @@
+"""Whether remapping a batch pays off (pure computation).
+
+The remapping layer balances the linear modules, but it also ties every rank to
+the slowest attention rank: without it a rank's layer takes its linear work on
+its own tokens plus its attention, with it every rank waits for the slowest
+attention and then does a balanced share of the linear work. Per layer
+(forward + backward) the gain is
+
+    max_r (linear(A_r) + attention_r) - (max_r attention_r + linear(B)),
+
+linear at the matmul rate for the block's FLOPs per token, attention from the
+partitioner's first-order model (`partition.stats`), backward scaled by its
+FLOP factor and rate. It costs four
+all-to-all-v per layer (q/k/v in and the output out, forward; their gradients,
+backward). Each is estimated as its busiest rank's time: a rank's ports send
+and receive at once, so the larger of the two counts, with every token priced
+at the intra-node or the shared-NIC rate (`remap.solver.token_costs`), plus
+one latency per message. The solver's own objective counts only senders
+(Zeppelin eq. 2); the receive side matters here because a rank that holds no
+attention tokens receives its whole linear layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ray_zep.config import RemapPolicy
+from ray_zep.costmodel import (
+    BACKWARD_ATTENTION_FACTOR,
+    BACKWARD_LINEAR_FACTOR,
+    ComputeRates,
+    linear_flops_per_token,
+    q_bytes_per_token,
+)
+from ray_zep.model.shapes import ModelShape
+from ray_zep.partition.plan import AttentionPlan
+from ray_zep.partition.stats import plan_stats
+from ray_zep.remap.solver import RemapPlan, remap_token_bytes, solve_remap, token_costs
+from ray_zep.topology import Topology
+
+
+def remap_gain_seconds(
+    remap: RemapPlan, attention_seconds: np.ndarray, shape: ModelShape, rates: ComputeRates
+) -> float:
+    """Seconds one layer (forward + backward) saves by remapping (module docstring).
+
+    Args:
+        attention_seconds: modelled forward attention seconds per rank.
+    """
+    per_token = sum(linear_flops_per_token(shape)) * (1 + BACKWARD_LINEAR_FACTOR) / rates.matmul
+    backward = BACKWARD_ATTENTION_FACTOR * rates.attention_forward / rates.attention_backward
+    attention = np.asarray(attention_seconds) * (1 + backward)
+    before = np.asarray(remap.counts_before) * per_token + attention
+    after = max(remap.counts_after, default=0) * per_token + attention.max(initial=0.0)
+    return float(before.max(initial=0.0) - after)
+
+
+def remap_cost_seconds(remap: RemapPlan, topology: Topology, shape: ModelShape) -> float:
+    """Estimated transfer seconds of one layer's four remap exchanges."""
+    total = 0.0
+    for token_bytes in (remap_token_bytes(shape), q_bytes_per_token(shape)):
+        total += 2 * _exchange_seconds(remap, topology, token_bytes)
+    return total
+
+
+def _exchange_seconds(remap: RemapPlan, topology: Topology, token_bytes: int) -> float:
+    intra, inter = token_costs(topology, token_bytes)
+    sent = [0.0] * topology.world_size
+    received = [0.0] * topology.world_size
+    for src, dst, tokens in remap.transfers:
+        same = topology.node_of(src) == topology.node_of(dst)
+        latency = topology.intra_node_latency if same else topology.inter_node_latency
+        seconds = latency + tokens * (intra if same else inter)
+        sent[src] += seconds
+        received[dst] += seconds
+    return max((max(s, r) for s, r in zip(sent, received, strict=True)), default=0.0)
+
+
+def choose_remap(
+    plan: AttentionPlan, shape: ModelShape, rates: ComputeRates, policy: RemapPolicy
+) -> RemapPlan | None:
+    """The remap plan of `plan`'s batch, or None when nothing moves or `policy` is
+    when_faster and the estimate says remapping would not save time."""
+    topology = plan.topology
+    remap = solve_remap(plan.rank_tokens(), topology, remap_token_bytes(shape))
+    if not remap.transfers:
+        return None
+    if policy is RemapPolicy.ALWAYS:
+        return remap
+    attention = plan_stats(plan, shape).seconds
+    gain = remap_gain_seconds(remap, attention, shape, rates)
+    return remap if gain > remap_cost_seconds(remap, topology, shape) else None

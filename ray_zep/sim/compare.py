@@ -1,0 +1,143 @@
+"""Strategies side by side on the same sampled batches: what `ray-zep simulate` reports.
+
+Baselines run as the executor runs them without the routing and remapping
+layers. `zeppelin` is the full system: the Zeppelin partitioner and engine,
+routing, and the remapping layer under `parallel.remap_policy`. The ablation
+adds, as in the Zeppelin paper's Fig. 11, `te_cp+routing` (even split, ring
+transfers through proxies) and `te_cp+routing+partition` (the Zeppelin
+partitioner and engine with routing, no remap).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ray_zep.config import Config, RemapPolicy, Strategy
+from ray_zep.costmodel import ComputeRates
+from ray_zep.errors import ConfigError, ZepError
+from ray_zep.model.shapes import build_shape
+from ray_zep.partition import make_plan
+from ray_zep.remap.policy import choose_remap
+from ray_zep.sim.step import StepResult, simulate_step
+from ray_zep.topology import Topology
+
+REFERENCE = "te_cp"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A strategy with the routing and remapping layers on or off."""
+
+    strategy: Strategy
+    routed: bool = False
+    remap: bool = False
+
+
+VARIANTS: dict[str, Variant] = {
+    "zeppelin": Variant(Strategy.ZEPPELIN, routed=True, remap=True),
+    "te_cp": Variant(Strategy.TE_CP),
+    "llama_cp": Variant(Strategy.LLAMA_CP),
+    "hybrid_dp": Variant(Strategy.HYBRID_DP),
+    "ulysses": Variant(Strategy.ULYSSES),
+    "usp": Variant(Strategy.USP),
+    "te_cp+routing": Variant(Strategy.TE_CP, routed=True),
+    "te_cp+routing+partition": Variant(Strategy.ZEPPELIN, routed=True),
+}
+ABLATION = ("te_cp", "te_cp+routing", "te_cp+routing+partition", "zeppelin")
+"""The Fig. 11 ladder, each row adding one part of Zeppelin."""
+DEFAULT_STRATEGIES = ("zeppelin", "te_cp", "llama_cp", "hybrid_dp")
+
+
+@dataclass
+class StrategyResult:
+    """A variant's simulated steps over the sampled batches.
+
+    Attributes:
+        name: the variant.
+        steps: one result per batch (empty when `error` is set).
+        error: why the variant could not place the batches.
+        speedup_vs_te_cp: te_cp's mean step time over this variant's.
+    """
+
+    name: str
+    steps: list[StepResult] = field(default_factory=list)
+    error: str | None = None
+    speedup_vs_te_cp: float | None = None
+
+    @property
+    def step_seconds(self) -> float | None:
+        return float(np.mean([s.step_seconds for s in self.steps])) if self.steps else None
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        if not self.steps:
+            return None
+        return sum(s.tokens for s in self.steps) / sum(s.step_seconds for s in self.steps)
+
+    def to_dict(self, n_layers: int) -> dict[str, object]:
+        out: dict[str, object] = {
+            "step_seconds": self.step_seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "speedup_vs_te_cp": self.speedup_vs_te_cp,
+        }
+        if self.error:
+            out["error"] = self.error
+        if self.steps:
+            parts = [s.breakdown(n_layers) for s in self.steps]
+            out["breakdown_seconds"] = {k: float(np.mean([p[k] for p in parts])) for k in parts[0]}
+            out["remapped_batches"] = sum(s.remap is not None for s in self.steps)
+            out["per_batch_step_seconds"] = [s.step_seconds for s in self.steps]
+        return out
+
+
+def strategy_names(text: str | None, ablation: bool) -> tuple[str, ...]:
+    """Variants to simulate: the listed ones (te_cp always, as the reference), plus the ladder."""
+    names = list(DEFAULT_STRATEGIES if text is None else _split(text))
+    for name in names:
+        if name not in VARIANTS:
+            raise ConfigError(f"--strategies: {name!r} is not one of {', '.join(VARIANTS)}")
+    if ablation:
+        names += [n for n in ABLATION if n not in names]
+    if REFERENCE not in names:
+        names.append(REFERENCE)
+    return tuple(dict.fromkeys(names))
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def simulate_strategies(
+    config: Config,
+    topology: Topology,
+    batches: list[np.ndarray],
+    names: tuple[str, ...],
+    rates: ComputeRates,
+    tokens_per_rank: int,
+) -> dict[str, StrategyResult]:
+    """Simulate every variant of `names` on every batch (lengths arrays)."""
+    shape = build_shape(config.model)
+    results = {}
+    for name in names:
+        variant = VARIANTS[name]
+        result = StrategyResult(name)
+        try:
+            for lengths in batches:
+                plan = make_plan(
+                    variant.strategy, lengths, topology, tokens_per_rank, shape, config.parallel
+                )
+                remap = None
+                if variant.remap:
+                    policy = config.parallel.remap_policy or RemapPolicy.WHEN_FASTER
+                    remap = choose_remap(plan, shape, rates, policy)
+                result.steps.append(simulate_step(plan, shape, rates, variant.routed, remap))
+        except ZepError as exc:
+            result.steps, result.error = [], str(exc)
+        results[name] = result
+    reference = results[REFERENCE].step_seconds
+    for result in results.values():
+        if reference and result.step_seconds:
+            result.speedup_vs_te_cp = reference / result.step_seconds
+    return results

@@ -1,0 +1,362 @@
+"""One transformer layer of a training step as a task graph, from the plan the engine runs.
+
+Every rank follows the engine's program (`ray_zep.attention.engine`) with the
+plan's queue items in the same order, the same ring steps
+(`attention.schedule.step_segments`), the same transfers with the same routes
+(`routing.routes.RoutingPlan`) and the remap plan's all-to-all-v:
+
+forward:  QKV projections (linear layout) -> remap q/k/v to the attention layout
+          -> queue items -> remap the output back -> output projection and MLP
+backward: the same in reverse order of modules; queue items in forward order.
+
+A rank's host thread is a chain of join points. At ring step s a rank posts
+the transfer of step s (K/V for step s + 1), launches step s's compute, then
+waits for both: a transfer starts once its sender and receiver have posted it.
+Backward adds the dK/dV accumulator pass: it leaves after the step's compute and
+after the previous accumulator has arrived. A routed transfer is dispatched to
+the send proxies, crosses nodes piece by piece, each proxy through its own NIC,
+and is combined at the destination; relay threads forward as soon as data
+arrives, without using the compute stream. All-gathers and reduce-scatters
+(llama_cp) hold every member's links for the collective's modelled time
+(`CostModel.all_gather_seconds`). Ulysses exchanges are point-to-point
+transfers between the members of a ring position.
+
+Elementwise work (norms, RoPE, softmax outside the kernel) and kernel launch
+gaps of the linear modules are not modelled.
+
+Shapes of sizes: H query heads, K key/value heads, E head dim.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ray_zep.attention.schedule import position_layout, step_segments
+from ray_zep.costmodel import (
+    BACKWARD_ATTENTION_FACTOR,
+    BACKWARD_LINEAR_FACTOR,
+    ComputeRates,
+    CostModel,
+    linear_flops_per_token,
+)
+from ray_zep.model.shapes import ModelShape
+from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem
+from ray_zep.remap.solver import RemapPlan
+from ray_zep.routing.routes import Payload, Phase, RoutingPlan, Transfer
+from ray_zep.sim.events import Lane, TaskGraph
+from ray_zep.topology import LinkKind
+
+FP32_BYTES = 4
+"""dK/dV accumulators, dQ and the Ulysses gradient returns travel in float32."""
+
+
+@dataclass(frozen=True)
+class LayerSetup:
+    """What one simulated layer needs.
+
+    Attributes:
+        plan: the batch's attention plan.
+        shape: the model.
+        cost: links and latencies of the plan's topology.
+        rates: compute rates of one GPU.
+        routing: every ring transfer of the layer (`RoutingPlan.build(plan,
+            routed, all_hops=True)`).
+        remap: the remap plan, or None when linear modules run on the attention layout.
+        element_bytes: bytes of an activation element (2 for bf16).
+    """
+
+    plan: AttentionPlan
+    shape: ModelShape
+    cost: CostModel
+    rates: ComputeRates
+    routing: RoutingPlan
+    remap: RemapPlan | None = None
+    element_bytes: int = 2
+
+    def linear_tokens(self) -> list[int]:
+        """Tokens each rank's linear modules process."""
+        if self.remap is not None:
+            return list(self.remap.counts_after)
+        return [int(n) for n in self.plan.rank_tokens()]
+
+
+class _Builder:
+    """Adds one rank program after another to a graph, keeping each rank's host point."""
+
+    def __init__(self, setup: LayerSetup, phase: Phase) -> None:
+        self.setup, self.phase = setup, phase
+        self.graph = TaskGraph()
+        self.point: list[int | None] = [None] * setup.plan.world
+        self.topology = setup.plan.topology
+        transfers = setup.routing.forward if phase is Phase.FORWARD else setup.routing.backward
+        self.transfers: dict[tuple, list[Transfer]] = defaultdict(list)
+        for t in transfers:
+            self.transfers[t.order].append(t)
+
+    # primitives
+
+    def compute(self, rank: int, seconds: float, name: str) -> int:
+        return self.graph.add(
+            name, rank, Lane.COMPUTE, seconds, (("compute", rank),), [self.point[rank]]
+        )
+
+    def send(self, src: int, dst: int, nbytes: float, deps, name: str) -> int:
+        """A message on the link between two ranks (FIFO on the sender's and receiver's side)."""
+        topo, cost = self.topology, self.setup.cost
+        kind = topo.link_kind(src, dst)
+        if kind is LinkKind.INTRA_NODE:
+            lane, resources = Lane.INTRA_NODE, (("port_out", src), ("port_in", dst))
+        else:
+            lane = Lane.INTER_NODE
+            resources = (
+                ("nic_out", topo.node_of(src), topo.nic_of(src)),
+                ("nic_in", topo.node_of(dst), topo.nic_of(dst)),
+            )
+        seconds = cost.transfer_seconds(nbytes, kind, one_sender_per_nic=True)
+        return self.graph.add(name, src, lane, seconds, resources, deps)
+
+    def wait(self, rank: int, deps) -> None:
+        self.point[rank] = self.graph.join(rank, [self.point[rank], *deps])
+
+    def collective(self, ranks, seconds: float, name: str) -> int:
+        """A collective over `ranks` holding all their links; every member waits for it."""
+        topo = self.topology
+        resources = [("port_out", r) for r in ranks] + [("port_in", r) for r in ranks]
+        nodes = {topo.node_of(r) for r in ranks}
+        if len(nodes) > 1:
+            for node in nodes:
+                for nic in range(topo.nics_per_node):
+                    resources += [("nic_out", node, nic), ("nic_in", node, nic)]
+        task = self.graph.add(
+            name,
+            ranks[0],
+            Lane.INTER_NODE if len(nodes) > 1 else Lane.INTRA_NODE,
+            seconds,
+            tuple(resources),
+            [self.point[r] for r in ranks],
+        )
+        for r in ranks:
+            self.wait(r, [task])
+        return task
+
+    def ring_transfer(self, t: Transfer, row_bytes: int, src_dep, dst_dep) -> tuple[list, list]:
+        """Tasks of one ring transfer: (the sender's messages, the receiver's messages)."""
+        route = t.route
+        name = "K/V" if t.payload is Payload.KV else "dK/dV"
+        if route.direct:
+            task = self.send(route.src, route.dst, route.rows * row_bytes, [src_dep, dst_dep], name)
+            return [task], [task]
+        src_msgs, dst_msgs = [], []
+        holds = {}
+        for proxy, (a, b) in zip(route.send_proxies, route.send_ranges, strict=True):
+            holds[proxy] = src_dep
+            if proxy != route.src and b > a:
+                holds[proxy] = self.send(
+                    route.src, proxy, (b - a) * row_bytes, [src_dep], f"{name} dispatch"
+                )
+                src_msgs.append(holds[proxy])
+        collected = defaultdict(list)
+        for piece in route.pieces():
+            deps = [holds[piece.sender]] + ([dst_dep] if piece.receiver == route.dst else [])
+            task = self.send(
+                piece.sender,
+                piece.receiver,
+                (piece.hi - piece.lo) * row_bytes,
+                deps,
+                f"{name} piece",
+            )
+            collected[piece.receiver].append(task)
+            if piece.sender == route.src:
+                src_msgs.append(task)
+            if piece.receiver == route.dst:
+                dst_msgs.append(task)
+        for proxy, (a, b) in zip(route.recv_proxies, route.recv_ranges, strict=True):
+            if proxy != route.dst and b > a:
+                deps = [*collected[proxy], dst_dep]
+                dst_msgs.append(
+                    self.send(proxy, route.dst, (b - a) * row_bytes, deps, f"{name} combine")
+                )
+        return src_msgs, dst_msgs
+
+    # the engine's parts
+
+    def step_seconds(self, item: QueueItem, layouts, position: int, step: int) -> float:
+        """Compute of one ring step of one member (forward or backward), 0 when it has no rows."""
+        ring = item.ring_size
+        source = (position - step) % ring
+        segments = step_segments(layouts[position], layouts[source], step, source, position)
+        if not segments:
+            return 0.0
+        if step == 0:
+            pairs = sum(q * (q + 1) // 2 for _, q, _, _ in segments)
+        else:
+            pairs = sum(q * k for _, q, _, k in segments)
+        shape, rates = self.setup.shape, self.setup.rates
+        flops = 4.0 * pairs * (shape.n_heads // item.ulysses) * shape.head_dim
+        if self.phase is Phase.FORWARD:
+            return rates.call_overhead_s + flops / rates.attention_forward
+        return rates.call_overhead_s + BACKWARD_ATTENTION_FACTOR * flops / rates.attention_backward
+
+    def kv_row_bytes(self, item: QueueItem, payload: Payload) -> int:
+        shape = self.setup.shape
+        heads = shape.n_kv_heads // item.ulysses if item.ulysses <= shape.n_kv_heads else 1
+        size = self.setup.element_bytes if payload is Payload.KV else FP32_BYTES
+        return 2 * heads * shape.head_dim * size
+
+    def ring_item(self, index: int, item: QueueItem) -> None:
+        layouts = [position_layout(self.setup.plan, item, r) for r in range(item.ring_size)]
+        if item.exchange is Exchange.ALL_GATHER and item.ring_size > 1:
+            self.gathered_item(item, layouts)
+        elif self.phase is Phase.FORWARD:
+            self.ring_forward(index, item, layouts)
+        else:
+            self.ring_backward(index, item, layouts)
+
+    def _post(self, index: int, item: QueueItem, step: int, payload: Payload, deps: dict) -> dict:
+        """Post the transfers of (step, payload); per rank, the messages it waits on."""
+        done = defaultdict(list)
+        row_bytes = self.kv_row_bytes(item, payload)
+        for t in self.transfers.get((index, step, int(payload)), ()):
+            sent, received = self.ring_transfer(t, row_bytes, deps[t.route.src], deps[t.route.dst])
+            done[t.route.src] += sent
+            done[t.route.dst] += received
+        return done
+
+    def _member_computes(self, item: QueueItem, layouts, step: int) -> dict[int, int]:
+        out = {}
+        for member, rank in enumerate(item.ranks):
+            position = member // item.ulysses
+            seconds = self.step_seconds(item, layouts, position, step)
+            out[rank] = self.compute(rank, seconds, f"attention step {step}")
+        return out
+
+    def ring_forward(self, index: int, item: QueueItem, layouts) -> None:
+        for step in range(item.ring_size):
+            kv = self._post(index, item, step, Payload.KV, {r: self.point[r] for r in item.ranks})
+            computes = self._member_computes(item, layouts, step)
+            for rank in item.ranks:
+                self.wait(rank, [computes[rank], *kv[rank]])
+
+    def ring_backward(self, index: int, item: QueueItem, layouts) -> None:
+        previous: dict = defaultdict(list)  # dK/dV messages of the previous step
+        for step in range(item.ring_size):
+            kv = self._post(index, item, step, Payload.KV, {r: self.point[r] for r in item.ranks})
+            computes = self._member_computes(item, layouts, step)
+            if item.ring_size == 1:
+                for rank in item.ranks:
+                    self.wait(rank, [computes[rank]])
+                return
+            ready = {r: self.graph.join(r, [computes[r], *previous[r]]) for r in item.ranks}
+            previous = self._post(index, item, step, Payload.DKV, ready)
+            for rank in item.ranks:
+                self.point[rank] = self.graph.join(rank, [ready[rank], *kv[rank]])
+        for rank in item.ranks:
+            self.wait(rank, previous[rank])
+
+    def gathered_item(self, item: QueueItem, layouts) -> None:
+        """All-gather K/V, compute every step; backward: compute, reduce-scatter dK/dV."""
+        ring, cost = item.ring_size, self.setup.cost
+        rows = max(sum(e + late for e, late in lay) for lay in layouts)
+        forward = self.phase is Phase.FORWARD
+        block = rows * self.kv_row_bytes(item, Payload.KV if forward else Payload.DKV)
+        seconds = cost.all_gather_seconds(block, item.ranks)
+        if forward:
+            self.collective(list(item.ranks), seconds, "K/V all-gather")
+        for member, rank in enumerate(item.ranks):
+            position = member // item.ulysses
+            total = sum(self.step_seconds(item, layouts, position, s) for s in range(ring))
+            self.wait(rank, [self.compute(rank, total, "attention (gathered)")])
+        if not forward:
+            self.collective(list(item.ranks), seconds, "dK/dV reduce-scatter")
+
+    def ulysses_exchange(self, item: QueueItem, row_bytes, name: str) -> None:
+        """Members of each ring position swap rows for heads; `row_bytes(me, peer)` is the
+        message size from member `me` to member `peer`."""
+        u = item.ulysses
+        posted = {r: self.point[r] for r in item.ranks}
+        done = defaultdict(list)
+        for position in range(item.ring_size):
+            group = item.ranks[position * u : (position + 1) * u]
+            for me, src in enumerate(group):
+                for peer, dst in enumerate(group):
+                    if peer != me:
+                        task = self.send(
+                            src,
+                            dst,
+                            row_bytes(position, me, peer),
+                            [posted[src], posted[dst]],
+                            name,
+                        )
+                        done[src].append(task)
+                        done[dst].append(task)
+        for rank in item.ranks:
+            self.wait(rank, done[rank])
+
+    def ulysses_sizes(self, item: QueueItem, incoming: bool):
+        """Message sizes of the exchange before (`incoming`) or after the ring, this phase."""
+        shape, u = self.setup.shape, item.ulysses
+        placements = [self.setup.plan.placement(s) for s in item.seqs]
+        tokens = [sum(p.member_tokens(m) for p in placements) for m in range(len(item.ranks))]
+        q_per = shape.n_heads // u
+        kv_per = shape.n_kv_heads // u if u <= shape.n_kv_heads else 1
+        e, elem = shape.head_dim, self.setup.element_bytes
+        forward = self.phase is Phase.FORWARD
+        if forward and incoming:  # Q/K/V of my rows, the peer's heads
+            return lambda pos, me, peer: tokens[pos * u + me] * (q_per + 2 * kv_per) * e * elem
+        if forward:  # attention output of the peer's rows, my heads
+            return lambda pos, me, peer: tokens[pos * u + peer] * q_per * e * elem
+        if incoming:  # output gradient of my rows, the peer's heads
+            return lambda pos, me, peer: tokens[pos * u + me] * q_per * e * elem
+        return lambda pos, me, peer: tokens[pos * u + peer] * (q_per + 2 * kv_per) * e * FP32_BYTES
+
+    def attention(self) -> None:
+        for index, item in enumerate(self.setup.plan.items()):
+            if item.ulysses > 1:
+                self.ulysses_exchange(item, self.ulysses_sizes(item, True), "Ulysses in")
+            self.ring_item(index, item)
+            if item.ulysses > 1:
+                self.ulysses_exchange(item, self.ulysses_sizes(item, False), "Ulysses out")
+
+    def remap(self, to_attention: bool, row_bytes: int, name: str) -> None:
+        """The remap all-to-all-v: linear -> attention layout (`to_attention`) or back."""
+        if self.setup.remap is None:
+            return
+        posted = list(self.point)
+        done = defaultdict(list)
+        for src, dst, tokens in self.setup.remap.transfers:
+            a, b = (dst, src) if to_attention else (src, dst)
+            task = self.send(a, b, tokens * row_bytes, [posted[a], posted[b]], name)
+            done[a].append(task)
+            done[b].append(task)
+        for rank, tasks in done.items():
+            self.wait(rank, tasks)
+
+    def linear(self, flops_per_token: float, name: str) -> None:
+        rates = self.setup.rates
+        factor = 1.0 if self.phase is Phase.FORWARD else BACKWARD_LINEAR_FACTOR
+        for rank, tokens in enumerate(self.setup.linear_tokens()):
+            seconds = factor * tokens * flops_per_token / rates.matmul
+            self.wait(rank, [self.compute(rank, seconds, name)])
+
+
+def layer_graph(setup: LayerSetup, phase: Phase) -> TaskGraph:
+    """The task graph of one layer's forward or backward on every rank (module docstring)."""
+    build = _Builder(setup, phase)
+    shape, elem = setup.shape, setup.element_bytes
+    qkv_bytes = (shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim * elem
+    out_bytes = shape.n_heads * shape.head_dim * elem
+    before, after = linear_flops_per_token(shape)
+    if phase is Phase.FORWARD:
+        build.linear(before, "QKV projection")
+        build.remap(True, qkv_bytes, "remap q/k/v")
+        build.attention()
+        build.remap(False, out_bytes, "remap output")
+        build.linear(after, "output projection + MLP")
+    else:
+        build.linear(after, "output projection + MLP")
+        build.remap(True, out_bytes, "remap output gradient")
+        build.attention()
+        build.remap(False, qkv_bytes, "remap q/k/v gradient")
+        build.linear(before, "QKV projection")
+    return build.graph
