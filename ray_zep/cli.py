@@ -8,6 +8,10 @@
     ray-zep data stats SOURCE                documents, tokens and length percentiles
     ray-zep plan [CONFIG] [key=value ...] [--lengths 9000,300 | --distribution arxiv]
                                              place one batch, print a per-rank table
+    ray-zep simulate [CONFIG] [key=value ...] [--strategies zeppelin,te_cp,...] [--ablation]
+                     [--distribution arxiv --tokens 256k] [--calibration FILE] [--json PATH]
+                                             predicted step time and speedup per strategy
+    ray-zep bench calibrate [--out DIR]      measure attention and matmul rates of this device
     ray-zep bench partition [CONFIG] [key=value ...] [--out DIR]
                                              planner latency and plan quality, all planners
     ray-zep bench layers [CONFIG] [key=value ...] [--out DIR]
@@ -87,6 +91,23 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--png", help="write a picture of the placement here")
     plan.add_argument("--json", dest="json_path", help="write ranks and fragments as JSON here")
     plan.set_defaults(handler=_plan)
+
+    simulate = commands.add_parser("simulate", help="predict step time per strategy on a cluster")
+    _optional_config_args(simulate)
+    simulate.add_argument("--strategies", help="default: zeppelin,te_cp,llama_cp,hybrid_dp")
+    simulate.add_argument(
+        "--ablation", action="store_true", help="add te_cp+routing, te_cp+routing+partition"
+    )
+    simulate.add_argument("--batches", type=int, default=3, help="sampled batches (default 3)")
+    simulate.add_argument(
+        "--distribution", help="draw batches from arxiv|github|prolong64k instead of the data"
+    )
+    simulate.add_argument("--tokens", help="batch tokens for --distribution (e.g. 256k)")
+    simulate.add_argument("--headroom", type=float, default=1.25, help="L / tokens per rank")
+    simulate.add_argument("--calibration", help="calibration.json from `ray-zep bench calibrate`")
+    simulate.add_argument("--json", dest="json_path", help="write the results as JSON here")
+    simulate.add_argument("--out", default="runs/simulate", help="folder for the PNGs")
+    simulate.set_defaults(handler=_simulate)
 
     bench = commands.add_parser("bench", help="run a benchmark (table, JSON and PNG)")
     benches = bench.add_subparsers(dest="bench_command", required=True)
@@ -185,6 +206,27 @@ def _plan(args: argparse.Namespace) -> int:
     result = run_plan(_optional_config(args), request)
     print(result.table)
     for path in write_outputs(result, args.png, args.json_path):
+        print(f"wrote {path}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from ray_zep.report.plan_command import parse_lengths
+    from ray_zep.sim.command import SimulateRequest, run_simulate, write_outputs
+
+    tokens = int(parse_lengths(args.tokens, "--tokens")[0]) if args.tokens else None
+    request = SimulateRequest(
+        args.strategies,
+        args.ablation,
+        args.batches,
+        args.distribution,
+        tokens,
+        args.headroom,
+        args.calibration,
+    )
+    result = run_simulate(_optional_config(args), request)
+    print(result.table())
+    for path in write_outputs(result, args.json_path, args.out):
         print(f"wrote {path}")
     return 0
 

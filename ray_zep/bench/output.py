@@ -27,13 +27,17 @@ def machine() -> dict[str, Any]:
 
 
 def write_json(path: Path, command: str, spec: dict, rows: list[dict]) -> Path:
+    return write_record(path, command, {"spec": spec, "rows": rows})
+
+
+def write_record(path: Path, command: str, record: dict[str, Any]) -> Path:
+    """`record` with the command, date and machine added, as indented JSON."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {
+    stamped = {
         "command": command,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine(),
-        "spec": spec,
-        "rows": rows,
+        **record,
     }
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    path.write_text(json.dumps(stamped, indent=1) + "\n")
     return path
