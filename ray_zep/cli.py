@@ -12,6 +12,8 @@
                      [--distribution arxiv --tokens 256k] [--calibration FILE] [--json PATH]
                                              predicted step time and speedup per strategy
     ray-zep bench calibrate [--out DIR]      measure attention and matmul rates of this device
+    ray-zep bench train [CONFIG] [key=value ...] [--strategies ...] [--steps K]
+                                             real CPU runs per strategy beside the simulator
     ray-zep bench partition [CONFIG] [key=value ...] [--out DIR]
                                              planner latency and plan quality, all planners
     ray-zep bench layers [CONFIG] [key=value ...] [--out DIR]
@@ -23,6 +25,7 @@ Errors on bad input are one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -111,6 +114,19 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="run a benchmark (table, JSON and PNG)")
     benches = bench.add_subparsers(dest="bench_command", required=True)
+    calibrate = benches.add_parser("calibrate", help="measure this device's compute rates")
+    _optional_config_args(calibrate)
+    calibrate.add_argument("--repeats", type=int, default=5, help="timed runs per size")
+    calibrate.add_argument("--out", default="runs/bench/calibrate", help="output folder")
+    calibrate.set_defaults(handler=_bench_calibrate)
+    train_bench = benches.add_parser("train", help="real CPU runs next to the simulator")
+    train_bench.add_argument("config", nargs="?", default="conf/zeppelin.yaml", help="YAML config")
+    train_bench.add_argument("overrides", nargs="*", help="key=value overrides")
+    train_bench.add_argument("--strategies", help="default: zeppelin,te_cp,llama_cp,hybrid_dp")
+    train_bench.add_argument("--steps", type=int, default=6, help="steps per strategy")
+    train_bench.add_argument("--calibration", help="calibration.json (default: measure now)")
+    train_bench.add_argument("--out", default="runs/bench/train", help="runs, JSON and PNG")
+    train_bench.set_defaults(handler=_bench_train)
     partition = benches.add_parser("partition", help="planner latency and plan quality")
     _optional_config_args(partition)
     partition.add_argument("--nodes", default="2,4,8", help="cluster sizes (default 2,4,8)")
@@ -228,6 +244,59 @@ def _simulate(args: argparse.Namespace) -> int:
     print(result.table())
     for path in write_outputs(result, args.json_path, args.out):
         print(f"wrote {path}")
+    return 0
+
+
+def _bench_calibrate(args: argparse.Namespace) -> int:
+    from ray_zep.bench.calibrate import calibrate
+    from ray_zep.model.shapes import build_shape
+    from ray_zep.train.trainer import resolve_device
+
+    config = _optional_config(args)
+    device = resolve_device(config.train.device)
+    result = calibrate(build_shape(config.model), device, args.repeats)
+    print(result.table())
+    print(f"wrote {result.save(Path(args.out) / 'calibration.json')}")
+    return 0
+
+
+def _bench_train(args: argparse.Namespace) -> int:
+    from ray_zep.bench.output import write_json
+    from ray_zep.errors import ConfigError
+    from ray_zep.report.timeline import draw_throughput
+    from workers import bench_train as bench  # runs through Ray, like `train`
+
+    names = _names(args.strategies, bench.DEFAULT_STRATEGIES)
+    for name in names:
+        if name not in bench.VARIANTS:
+            raise ConfigError(f"--strategies: {name!r} is not one of {', '.join(bench.VARIANTS)}")
+    if args.steps < 2:
+        raise ConfigError(f"--steps={args.steps} must be >= 2 (the first step is warm-up)")
+    calibration = None
+    if args.calibration:
+        from ray_zep.bench.calibrate import Calibration
+        from ray_zep.costmodel import ComputeRates
+
+        record = json.loads(Path(args.calibration).read_text())
+        rates = ComputeRates.load(args.calibration)
+        calibration = Calibration(
+            rates, record.get("link_latency_s"), record.get("link_bandwidth"), []
+        )
+    out = Path(args.out)
+    rows, calibration = bench.run_train_bench(
+        args.config, args.overrides, names, args.steps, out.resolve(), calibration
+    )
+    print(bench.format_table(rows))
+    spec = {"config": args.config, "overrides": args.overrides, "steps": args.steps}
+    spec["rates"] = calibration.rates.__dict__
+    spec["link"] = {
+        "latency_s": calibration.link_latency_s,
+        "bandwidth": calibration.link_bandwidth,
+    }
+    command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ray-zep bench train"
+    print(f"wrote {write_json(out / 'train.json', command, spec, bench.row_dicts(rows))}")
+    measured = [r.measured_tokens_per_second for r in rows]
+    print(f"wrote {draw_throughput('measured on this CPU', names, measured, out / 'train.png')}")
     return 0
 
 

@@ -1,0 +1,169 @@
+"""`ray-zep bench train`: strategies trained for real on the CPU virtual cluster, side by
+side with the simulator's prediction for the same batches and the same CPU.
+
+Each strategy trains K steps from the same config (so the data actor draws the
+same batches) through the Ray driver, like `ray-zep train`. Measured tokens/s
+are the steady state: the first step (process-group warm-up, first plan) is
+left out. The prediction simulates those K - 1 batches with this machine's
+calibration (`ray_zep.bench.calibrate`): one virtual GPU is one single-threaded
+process, and with more processes than cores they share the cores, so compute
+rates and the gloo link rate are scaled by cores / ranks; every link of the
+virtual topology takes the measured gloo latency and bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from ray_zep.bench.calibrate import Calibration, calibrate, cpu_count
+from ray_zep.config import Config, load_config
+from ray_zep.constants import METRICS_FILE_NAME
+from ray_zep.costmodel import ComputeRates
+from ray_zep.model.shapes import build_shape
+from ray_zep.report.plan_command import PlanRequest, request_lengths
+from ray_zep.sim.compare import VARIANTS, simulate_strategies
+from ray_zep.topology import build_topology
+
+DEFAULT_STRATEGIES = ("zeppelin", "te_cp", "llama_cp", "hybrid_dp")
+
+
+@dataclasses.dataclass
+class TrainBenchRow:
+    strategy: str
+    measured_tokens_per_second: float | None
+    predicted_tokens_per_second: float | None
+    measured_step_seconds: float | None
+    predicted_step_seconds: float | None
+    final_loss: float | None
+
+    @property
+    def predicted_over_measured(self) -> float | None:
+        if not self.measured_tokens_per_second or not self.predicted_tokens_per_second:
+            return None
+        return self.predicted_tokens_per_second / self.measured_tokens_per_second
+
+
+def variant_overrides(name: str) -> list[str]:
+    variant = VARIANTS[name]
+    return [
+        f"parallel.strategy={variant.strategy.value}",
+        f"parallel.routing={str(variant.routed).lower()}",
+        f"parallel.remap={str(variant.remap).lower()}",
+    ]
+
+
+def run_train_bench(
+    config_path: str | None,
+    overrides: list[str],
+    strategies: tuple[str, ...],
+    steps: int,
+    out: Path,
+    calibration: Calibration | None = None,
+) -> tuple[list[TrainBenchRow], Calibration]:
+    """Train each strategy `steps` steps and predict the same steps (module docstring)."""
+    from workers.driver import train
+
+    base = load_config(config_path, overrides)
+    calibration = calibration or calibrate(build_shape(base.model), _cpu())
+    rows = []
+    for name in strategies:
+        extra = [*variant_overrides(name), f"train.steps={steps}", f"train.out_dir={out / name}"]
+        shutil.rmtree(out / name, ignore_errors=True)  # a fresh run, never a resume
+        config = load_config(config_path, [*overrides, *extra])
+        summary = train(config)
+        seconds, tokens = _steady_steps(summary.run_dir / METRICS_FILE_NAME)
+        predicted = _predict(config, name, steps, calibration)
+        rows.append(
+            TrainBenchRow(
+                name,
+                tokens / seconds if seconds else None,
+                predicted[1] if predicted else None,
+                seconds / max(1, steps - 1) if seconds else None,
+                predicted[0] if predicted else None,
+                summary.final_loss,
+            )
+        )
+    return rows, calibration
+
+
+def _cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
+def _steady_steps(path: Path) -> tuple[float, int]:
+    """Seconds and tokens of every step but the first."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "step_seconds" in r][1:]
+    return sum(r["step_seconds"] for r in rows), sum(r["tokens"] for r in rows)
+
+
+def _predict(config: Config, name: str, steps: int, calibration: Calibration):
+    """(mean step seconds, tokens/s) the simulator predicts for batches 1..steps-1."""
+    topology = build_topology(config.topology)
+    share = min(1.0, cpu_count() / topology.world_size)
+    r = calibration.rates
+    rates = ComputeRates(
+        r.attention_forward * share,
+        r.attention_backward * share,
+        r.matmul * share,
+        r.call_overhead_s,
+        f"{r.source}, x{share:.2f} for {topology.world_size} ranks on {cpu_count()} cores",
+    )
+    bandwidth = (calibration.link_bandwidth or 1e9) * share
+    latency_us = (calibration.link_latency_s or 0.0) * 1e6
+    links = dataclasses.replace(
+        config.topology,
+        intra_node_gbytes_per_s=bandwidth / 1e9,
+        nic_gbits_per_s=bandwidth * 8 / 1e9,
+        intra_node_latency_us=latency_us,
+        inter_node_latency_us=latency_us,
+    )
+    config = dataclasses.replace(config, topology=links)
+    topology = build_topology(links)
+    batches = [
+        request_lengths(config, topology, PlanRequest(batch=b)) for b in range(1, max(2, steps))
+    ]
+    result = simulate_strategies(
+        config, topology, batches, (name, "te_cp"), rates, config.train.tokens_per_rank
+    )[name]
+    if not result.steps:
+        return None
+    return result.step_seconds, result.tokens_per_second
+
+
+def format_table(rows: list[TrainBenchRow]) -> str:
+    lines = [
+        f"{'strategy':<26}{'measured k tok/s':>18}{'predicted k tok/s':>19}{'pred/meas':>11}"
+        f"{'meas s/step':>13}{'pred s/step':>13}{'final loss':>12}"
+    ]
+
+    def fmt(value, scale=1.0, digits=2):
+        return "-" if value is None else f"{value / scale:.{digits}f}"
+
+    for r in rows:
+        lines.append(
+            f"{r.strategy:<26}{fmt(r.measured_tokens_per_second, 1e3):>18}"
+            f"{fmt(r.predicted_tokens_per_second, 1e3):>19}{fmt(r.predicted_over_measured):>11}"
+            f"{fmt(r.measured_step_seconds, 1, 3):>13}{fmt(r.predicted_step_seconds, 1, 3):>13}"
+            f"{fmt(r.final_loss, 1, 4):>12}"
+        )
+    return "\n".join(lines)
+
+
+def row_dicts(rows: list[TrainBenchRow]) -> list[dict]:
+    return [
+        {**dataclasses.asdict(r), "predicted_over_measured": r.predicted_over_measured}
+        for r in rows
+    ]
+
+
+def measured_ratio(rows: list[TrainBenchRow]) -> np.ndarray:
+    """Predicted over measured tokens/s of the rows that have both."""
+    return np.asarray([r.predicted_over_measured for r in rows if r.predicted_over_measured])
