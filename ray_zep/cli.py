@@ -25,7 +25,6 @@ Errors on bad input are one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -272,16 +271,9 @@ def _bench_train(args: argparse.Namespace) -> int:
             raise ConfigError(f"--strategies: {name!r} is not one of {', '.join(bench.VARIANTS)}")
     if args.steps < 2:
         raise ConfigError(f"--steps={args.steps} must be >= 2 (the first step is warm-up)")
-    calibration = None
-    if args.calibration:
-        from ray_zep.bench.calibrate import Calibration
-        from ray_zep.costmodel import ComputeRates
+    from ray_zep.bench.calibrate import Calibration
 
-        record = json.loads(Path(args.calibration).read_text())
-        rates = ComputeRates.load(args.calibration)
-        calibration = Calibration(
-            rates, record.get("link_latency_s"), record.get("link_bandwidth"), []
-        )
+    calibration = Calibration.load(args.calibration) if args.calibration else None
     out = Path(args.out)
     rows, calibration = bench.run_train_bench(
         args.config, args.overrides, names, args.steps, out.resolve(), calibration

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from ray_zep.model.shapes import ModelShape
@@ -84,12 +84,10 @@ class ComputeRates:
 
         try:
             data = json.loads(Path(path).read_text())
-            return cls(**{k: data[k] for k in asdict(_PLACEHOLDER)})
+            return cls(**{f.name: data[f.name] for f in fields(cls)})
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"--calibration {path}: not a calibration file ({exc})") from exc
 
-
-_PLACEHOLDER = ComputeRates(1.0, 1.0, 1.0)
 
 ATTENTION_CALL_OVERHEAD_S = 10e-6
 """Launch and metadata cost of one varlen attention call on a GPU (typical CUDA

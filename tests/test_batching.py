@@ -206,3 +206,11 @@ def test_split_documents_fill_batches_completely(packing: Packing) -> None:
             assert [sum(batch.pieces[i].length for i in b) for b in batch.bins] == [10, 10]
         else:
             assert batch.total_tokens == 20
+
+
+def test_empty_documents_across_an_epoch_boundary_are_skipped() -> None:
+    """The only non-empty document may sit behind the empty ones of this epoch and of
+    the next one (found by the property test above)."""
+    stream = _stream([0, 0, 1], world=1, capacity=2, seed=0)
+    batches = [stream.next_batch() for _ in range(6)]
+    assert all(p.doc == 2 and p.length == 1 for b in batches for p in b.pieces)

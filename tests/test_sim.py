@@ -205,3 +205,18 @@ def test_simulate_command_writes_table_json_and_pictures(tmp_path, capsys) -> No
     assert "te_cp+routing+partition" in capsys.readouterr().out
     assert main([*args, "--strategies", "zeppelin,nope"]) == 2
     assert "--strategies: 'nope'" in capsys.readouterr().err
+
+
+def test_calibration_fit_and_file_round_trip(tmp_path) -> None:
+    from ray_zep.bench.calibrate import Calibration, Measurement, fit
+    from ray_zep.errors import ConfigError
+
+    points = [Measurement("x", n, 1e9 * n, 2e-5 + n / 50.0) for n in (1, 2, 4, 8)]
+    overhead, rate = fit(points)
+    assert overhead == pytest.approx(2e-5, rel=1e-6) and rate == pytest.approx(50e9, rel=1e-9)
+    calibration = Calibration(RATES, 5e-5, 3e9, points)
+    loaded = Calibration.load(calibration.save(tmp_path / "calibration.json"))
+    assert loaded.rates == RATES and loaded.link_bandwidth == 3e9
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a calibration file"):
+        ComputeRates.load(tmp_path / "bad.json")

@@ -18,8 +18,6 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
-
 from ray_zep.bench.calibrate import Calibration, calibrate, cpu_count
 from ray_zep.config import Config, load_config
 from ray_zep.constants import METRICS_FILE_NAME
@@ -162,8 +160,3 @@ def row_dicts(rows: list[TrainBenchRow]) -> list[dict]:
         {**dataclasses.asdict(r), "predicted_over_measured": r.predicted_over_measured}
         for r in rows
     ]
-
-
-def measured_ratio(rows: list[TrainBenchRow]) -> np.ndarray:
-    """Predicted over measured tokens/s of the rows that have both."""
-    return np.asarray([r.predicted_over_measured for r in rows if r.predicted_over_measured])

@@ -160,6 +160,13 @@ class Calibration:
         path.write_text(json.dumps(record, indent=1) + "\n")
         return path
 
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        """A `calibration.json` written by `save` (measurements are not read back)."""
+        rates = ComputeRates.load(path)
+        record = json.loads(Path(path).read_text())
+        return cls(rates, record.get("link_latency_s"), record.get("link_bandwidth"), [])
+
     def table(self) -> str:
         lines = [f"{'op':<20}{'size':>9}{'GFLOP or MB':>13}{'ms':>10}{'GFLOP/s or GB/s':>17}"]
         for m in self.measurements:

@@ -230,7 +230,8 @@ class BatchStream:
             if length > 0:
                 self._dropped += 1
             skipped += 1
-            if self.source.num_docs is not None and skipped > self.source.num_docs:
+            # The rest of this epoch plus one whole epoch: past that nothing is usable.
+            if self.source.num_docs is not None and skipped > 2 * self.source.num_docs:
                 raise EmptyDatasetError(
                     f"every document of {self.source.name!r} is longer than "
                     f"data.max_doc_tokens={self.max_doc} and data.overlong=drop drops them all"

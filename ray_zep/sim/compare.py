@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ray_zep.config import Config, RemapPolicy, Strategy
+from ray_zep.config import Config, Strategy
 from ray_zep.costmodel import ComputeRates
 from ray_zep.errors import ConfigError, ZepError
 from ray_zep.model.shapes import build_shape
@@ -130,8 +130,7 @@ def simulate_strategies(
                 )
                 remap = None
                 if variant.remap:
-                    policy = config.parallel.remap_policy or RemapPolicy.WHEN_FASTER
-                    remap = choose_remap(plan, shape, rates, policy)
+                    remap = choose_remap(plan, shape, rates, config.parallel.remap_policy)
                 result.steps.append(simulate_step(plan, shape, rates, variant.routed, remap))
         except ZepError as exc:
             result.steps, result.error = [], str(exc)
