@@ -260,10 +260,10 @@ def _bench_calibrate(args: argparse.Namespace) -> int:
 
 
 def _bench_train(args: argparse.Namespace) -> int:
+    import workers.bench_train as bench  # trains through Ray, like `train`
     from ray_zep.bench.output import write_json
     from ray_zep.errors import ConfigError
     from ray_zep.report.timeline import draw_throughput
-    from workers import bench_train as bench  # runs through Ray, like `train`
 
     names = _names(args.strategies, bench.DEFAULT_STRATEGIES)
     for name in names:

@@ -220,3 +220,12 @@ def test_calibration_fit_and_file_round_trip(tmp_path) -> None:
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError, match="not a calibration file"):
         ComputeRates.load(tmp_path / "bad.json")
+
+
+def test_bench_train_rejects_bad_options_before_starting_anything(capsys) -> None:
+    from ray_zep.cli import main
+
+    assert main(["bench", "train", "conf/zeppelin.yaml", "--steps", "1"]) == 2
+    assert "--steps=1" in capsys.readouterr().err
+    assert main(["bench", "train", "conf/zeppelin.yaml", "--strategies", "ring"]) == 2
+    assert "--strategies: 'ring'" in capsys.readouterr().err

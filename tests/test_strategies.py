@@ -168,7 +168,7 @@ def _assert_layers_act(config, name: str) -> None:
     if config.parallel.routing:
         assert any(s.routing.forward for s in shards), f"{name}: nothing routed"
     if config.parallel.remap:
-        assert any(s.remap.sends for s in shards), f"{name}: nothing remapped"
+        assert any(s.remap and s.remap.sends for s in shards), f"{name}: nothing remapped"
         for step in (0, 1):
             sizes = [len(s.tokens) for s in shards if s.step == step]
             assert max(sizes) - min(sizes) <= 1, f"{name}: linear layout not balanced"
