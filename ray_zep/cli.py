@@ -264,11 +264,9 @@ def _bench_train(args: argparse.Namespace) -> int:
     from ray_zep.bench.output import write_json
     from ray_zep.errors import ConfigError
     from ray_zep.report.timeline import draw_throughput
+    from ray_zep.sim.compare import check_variants
 
-    names = _names(args.strategies, bench.DEFAULT_STRATEGIES)
-    for name in names:
-        if name not in bench.VARIANTS:
-            raise ConfigError(f"--strategies: {name!r} is not one of {', '.join(bench.VARIANTS)}")
+    names = check_variants(_names(args.strategies, bench.DEFAULT_STRATEGIES))
     if args.steps < 2:
         raise ConfigError(f"--steps={args.steps} must be >= 2 (the first step is warm-up)")
     from ray_zep.bench.calibrate import Calibration

@@ -30,6 +30,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from ray_zep.errors import ConfigError
 from ray_zep.model.shapes import ModelShape
 from ray_zep.topology import LinkKind, Topology
 
@@ -80,8 +81,6 @@ class ComputeRates:
     @classmethod
     def load(cls, path: str | Path) -> ComputeRates:
         """Rates written by `ray-zep bench calibrate` (its `calibration.json`)."""
-        from ray_zep.errors import ConfigError
-
         try:
             data = json.loads(Path(path).read_text())
             return cls(**{f.name: data[f.name] for f in fields(cls)})

@@ -18,6 +18,8 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+
 from ray_zep.bench.calibrate import Calibration, calibrate, cpu_count
 from ray_zep.config import Config, load_config
 from ray_zep.constants import METRICS_FILE_NAME
@@ -67,7 +69,7 @@ def run_train_bench(
     from workers.driver import train
 
     base = load_config(config_path, overrides)
-    calibration = calibration or calibrate(build_shape(base.model), _cpu())
+    calibration = calibration or calibrate(build_shape(base.model), torch.device("cpu"))
     rows = []
     for name in strategies:
         extra = [*variant_overrides(name), f"train.steps={steps}", f"train.out_dir={out / name}"]
@@ -87,12 +89,6 @@ def run_train_bench(
             )
         )
     return rows, calibration
-
-
-def _cpu():
-    import torch
-
-    return torch.device("cpu")
 
 
 def _steady_steps(path: Path) -> tuple[float, int]:
@@ -129,7 +125,7 @@ def _predict(config: Config, name: str, steps: int, calibration: Calibration):
         request_lengths(config, topology, PlanRequest(batch=b)) for b in range(1, max(2, steps))
     ]
     result = simulate_strategies(
-        config, topology, batches, (name, "te_cp"), rates, config.train.tokens_per_rank
+        config, topology, batches, (name,), rates, config.train.tokens_per_rank
     )[name]
     if not result.steps:
         return None

@@ -94,15 +94,24 @@ class StrategyResult:
 
 def strategy_names(text: str | None, ablation: bool) -> tuple[str, ...]:
     """Variants to simulate: the listed ones (te_cp always, as the reference), plus the ladder."""
-    names = list(DEFAULT_STRATEGIES if text is None else _split(text))
-    for name in names:
-        if name not in VARIANTS:
-            raise ConfigError(f"--strategies: {name!r} is not one of {', '.join(VARIANTS)}")
+    names = list(check_variants(DEFAULT_STRATEGIES if text is None else _split(text)))
     if ablation:
         names += [n for n in ABLATION if n not in names]
     if REFERENCE not in names:
         names.append(REFERENCE)
     return tuple(dict.fromkeys(names))
+
+
+def check_variants(names) -> tuple[str, ...]:
+    """`names` if every one is a variant.
+
+    Raises:
+        ConfigError: naming the first unknown one and the choices.
+    """
+    for name in names:
+        if name not in VARIANTS:
+            raise ConfigError(f"--strategies: {name!r} is not one of {', '.join(VARIANTS)}")
+    return tuple(names)
 
 
 def _split(text: str) -> list[str]:
@@ -117,7 +126,8 @@ def simulate_strategies(
     rates: ComputeRates,
     tokens_per_rank: int,
 ) -> dict[str, StrategyResult]:
-    """Simulate every variant of `names` on every batch (lengths arrays)."""
+    """Simulate every variant of `names` on every batch (lengths arrays); speedups are
+    filled in when te_cp is among them."""
     shape = build_shape(config.model)
     results = {}
     for name in names:
@@ -135,7 +145,7 @@ def simulate_strategies(
         except ZepError as exc:
             result.steps, result.error = [], str(exc)
         results[name] = result
-    reference = results[REFERENCE].step_seconds
+    reference = results[REFERENCE].step_seconds if REFERENCE in results else None
     for result in results.values():
         if reference and result.step_seconds:
             result.speedup_vs_te_cp = reference / result.step_seconds
