@@ -63,6 +63,10 @@ class CommError(ZepError):
     """A collective failed or did not finish within its timeout."""
 
 
+class CodecError(ZepError, ValueError):
+    """A tensor cannot be compressed, or a compressed buffer is not valid."""
+
+
 class CheckpointError(ZepError):
     """A checkpoint is missing, incomplete or does not match the run."""
 

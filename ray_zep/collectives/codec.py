@@ -1,0 +1,213 @@
+"""Lossless compression of float tensors: `compress`, `decompress` and chunk handling.
+
+A tensor is cut into chunks (one per destination of a collective, or one for
+the whole tensor); each chunk is coded as described in `format.py`. The coded
+exponent table is chosen once per tensor (`table.py`). Two backends produce
+the same bytes: the torch reference (`reference.py`, any device) and the
+native kernels (`native.py`: C on the CPU, CUDA on a GPU), chosen by `backend`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ray_zep.collectives import native, reference
+from ray_zep.collectives.format import HEADER_BYTES, FloatFormat, Header, float_format
+from ray_zep.collectives.table import choose_table
+from ray_zep.errors import CodecError
+
+BACKENDS = ("auto", "torch", "native")
+
+
+@dataclass(frozen=True)
+class Compressed:
+    """A compressed tensor: the static parts of its chunks back to back, then the dynamic parts.
+
+    Attributes:
+        static: uint8, chunk i's static part at `static_offsets[i]`.
+        dynamic: uint8, chunk i's dynamic part at `dynamic_offsets[i]`.
+        static_sizes: bytes of each chunk's static part (known from its length).
+        dynamic_sizes: bytes of each chunk's dynamic part (data dependent).
+        chunk_values: values in each chunk.
+        dtype: dtype of the original tensor.
+        shape: shape of the original tensor.
+    """
+
+    static: torch.Tensor
+    dynamic: torch.Tensor
+    static_sizes: tuple[int, ...]
+    dynamic_sizes: tuple[int, ...]
+    chunk_values: tuple[int, ...]
+    dtype: torch.dtype
+    shape: torch.Size
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes on the wire."""
+        return self.static.numel() + self.dynamic.numel()
+
+    @property
+    def original_bytes(self) -> int:
+        return math.prod(self.shape) * float_format(self.dtype).value_bytes
+
+    @property
+    def ratio(self) -> float:
+        """Original bytes over compressed bytes."""
+        return self.original_bytes / self.nbytes
+
+    @property
+    def static_offsets(self) -> list[int]:
+        return _offsets(self.static_sizes)
+
+    @property
+    def dynamic_offsets(self) -> list[int]:
+        return _offsets(self.dynamic_sizes)
+
+    def chunk(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(static, dynamic) part of chunk i, as views."""
+        s, d = self.static_offsets[i], self.dynamic_offsets[i]
+        return (
+            self.static[s : s + self.static_sizes[i]],
+            self.dynamic[d : d + self.dynamic_sizes[i]],
+        )
+
+    def packed(self) -> torch.Tensor:
+        """Every chunk as static part then dynamic part, chunk after chunk (one buffer)."""
+        parts = [part for i in range(len(self.chunk_values)) for part in self.chunk(i)]
+        return torch.cat(parts) if parts else self.static.new_empty(0)
+
+    def packed_sizes(self) -> list[int]:
+        return [s + d for s, d in zip(self.static_sizes, self.dynamic_sizes, strict=True)]
+
+
+def compress(
+    tensor: torch.Tensor, splits: Sequence[int] | None = None, backend: str = "auto"
+) -> Compressed:
+    """Compress a bfloat16, float16 or float32 tensor losslessly.
+
+    Args:
+        tensor: any shape, contiguous or not, on any device.
+        splits: values per chunk in flattened order (sum = numel); one chunk if None.
+        backend: "auto" (native kernel where one is built for the device, else
+            torch), "torch" (the reference) or "native" (error if unavailable).
+
+    Returns:
+        The compressed tensor; `decompress` gives back the same bits.
+
+    Raises:
+        CodecError: unsupported dtype, bad splits, or an unavailable backend.
+    """
+    fmt = float_format(tensor.dtype)
+    flat = tensor.detach().reshape(-1).contiguous()
+    chunk_values = _check_splits(splits, flat.numel())
+    encode = _encoder(backend, flat.device, fmt)
+    table = choose_table(flat, fmt)
+    statics, dynamics = [], []
+    for piece in flat.split(list(chunk_values)):
+        static, dynamic = encode(piece, fmt, table)
+        statics.append(static)
+        dynamics.append(dynamic)
+    return Compressed(
+        static=_cat(statics, flat.device),
+        dynamic=_cat(dynamics, flat.device),
+        static_sizes=tuple(s.numel() for s in statics),
+        dynamic_sizes=tuple(d.numel() for d in dynamics),
+        chunk_values=chunk_values,
+        dtype=tensor.dtype,
+        shape=tensor.shape,
+    )
+
+
+def decompress(compressed: Compressed, backend: str = "auto") -> torch.Tensor:
+    """The original tensor: same dtype, shape and bits (contiguous)."""
+    parts = [
+        decode_chunk(*compressed.chunk(i), backend=backend)
+        for i in range(len(compressed.chunk_values))
+    ]
+    fmt = float_format(compressed.dtype)
+    flat = torch.cat(parts) if parts else compressed.static.new_empty(0).view(fmt.dtype)
+    return flat.view(compressed.shape)
+
+
+def read_header(static: torch.Tensor) -> Header:
+    """Header of the chunk whose static part starts `static`."""
+    return Header.unpack(static[:HEADER_BYTES].cpu().numpy().tobytes())
+
+
+def decode_chunk(
+    static: torch.Tensor, dynamic: torch.Tensor, backend: str = "auto", header: Header | None = None
+) -> torch.Tensor:
+    """Decompress one chunk (as cut from a `Compressed` or received) into 1-D values.
+
+    Raises:
+        CodecError: the bytes are not a valid chunk.
+    """
+    header = header or read_header(static)
+    if static.numel() < header.layout.static_bytes or dynamic.numel() < header.n_escapes:
+        raise CodecError(
+            f"truncated chunk: {static.numel()} + {dynamic.numel()} bytes for "
+            f"{header.n_values} values and {header.n_escapes} escapes"
+        )
+    decode = _decoder(backend, static.device, header.fmt)
+    return decode(static, dynamic, header)
+
+
+def split_packed(buffer: torch.Tensor, chunks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Cut a `Compressed.packed()` buffer into (static, dynamic) per chunk, by its headers."""
+    out, offset = [], 0
+    for _ in range(chunks):
+        header = read_header(buffer[offset:])
+        static_end = offset + header.layout.static_bytes
+        out.append((buffer[offset:static_end], buffer[static_end:]))
+        offset = static_end + header.dynamic_bytes
+    return out
+
+
+def _encoder(backend: str, device: torch.device, fmt: FloatFormat):
+    if _use_native(backend, device, fmt):
+        return native.encode_chunk
+    return reference.encode_chunk
+
+
+def _decoder(backend: str, device: torch.device, fmt: FloatFormat):
+    if _use_native(backend, device, fmt):
+        return native.decode_chunk
+    return reference.decode_chunk
+
+
+def _use_native(backend: str, device: torch.device, fmt: FloatFormat) -> bool:
+    if backend not in BACKENDS:
+        raise CodecError(f"codec backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend == "torch":
+        return False
+    reason = native.unavailable_reason(device, fmt)
+    if backend == "native" and reason:
+        raise CodecError(f"native codec unavailable: {reason}")
+    return reason is None
+
+
+def _check_splits(splits: Sequence[int] | None, numel: int) -> tuple[int, ...]:
+    if splits is None:
+        return (numel,)
+    values = tuple(int(s) for s in splits)
+    if any(s < 0 for s in values) or sum(values) != numel:
+        raise CodecError(f"splits {list(values)} must be >= 0 and sum to the {numel} values")
+    return values
+
+
+def _cat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _offsets(sizes: tuple[int, ...]) -> list[int]:
+    out, total = [], 0
+    for size in sizes:
+        out.append(total)
+        total += size
+    return out

@@ -1,0 +1,108 @@
+"""The CUDA codec kernel (`cuda/zipccl.cu`), JIT-built with torch's extension loader.
+
+Built on first use when torch sees a GPU and nvcc is found; BF16 only (FP16 and
+FP32 tensors on a GPU use the torch reference, which `unavailable_reason` says).
+Encoding takes two launches: one counts the escapes of each 1024-value tile,
+torch turns the counts into the tile index (an exclusive prefix sum), and the
+second writes the planes and the escapes at their tile's offset, so the bytes
+are deterministic and equal to the reference's.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from ray_zep.collectives.format import (
+    HEADER_BYTES,
+    TILE_VALUES,
+    FloatFormat,
+    Header,
+    Layout,
+    dynamic_bytes,
+)
+from ray_zep.errors import CodecError
+
+SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "zipccl.cu"
+
+
+def unavailable_reason(fmt: FloatFormat) -> str | None:
+    """None when the CUDA kernel can code `fmt` here, else why not."""
+    if fmt.dtype is not torch.bfloat16:
+        return f"the CUDA kernel codes bfloat16 only, not {fmt.dtype}"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
+    if shutil.which("nvcc") is None and not _cuda_home_nvcc():
+        return "nvcc is not on PATH (set CUDA_HOME) to build the CUDA codec kernel"
+    try:
+        _extension()
+    except Exception as exc:  # the loader raises several types; report any
+        return f"building the CUDA codec kernel failed: {exc}"
+    return None
+
+
+def encode_chunk(
+    flat_N: torch.Tensor, fmt: FloatFormat, table: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `reference.encode_chunk`, for a bfloat16 tensor on a GPU."""
+    ext, n = _extension(), flat_N.numel()
+    layout = Layout.of(n, fmt)
+    code_of = torch.zeros(fmt.exp_max + 1, dtype=torch.uint8)
+    code_of[list(table)] = torch.arange(1, 8, dtype=torch.uint8)
+    code_of = code_of.to(flat_N.device)
+    counts_T = ext.count_escapes(flat_N.view(torch.int16), code_of, layout.tiles)
+    index_T = (torch.cumsum(counts_T, 0) - counts_T).to(torch.int32)
+    n_escapes = int(counts_T.sum()) if layout.tiles else 0
+    static = torch.zeros(layout.static_bytes, dtype=torch.uint8, device=flat_N.device)
+    dynamic = torch.zeros(dynamic_bytes(n_escapes), dtype=torch.uint8, device=flat_N.device)
+    header = torch.frombuffer(bytearray(Header(fmt, table, n, n_escapes).pack()), dtype=torch.uint8)
+    static[:HEADER_BYTES] = header.to(flat_N.device)
+    static[layout.tile_index : layout.tile_index + 4 * layout.tiles] = index_T.view(torch.uint8)
+    ext.encode(
+        flat_N.view(torch.int16), code_of, index_T, static, layout.raw, list(layout.codes), dynamic
+    )
+    return static, dynamic
+
+
+def decode_chunk(static: torch.Tensor, dynamic: torch.Tensor, header: Header) -> torch.Tensor:
+    """Same contract as `reference.decode_chunk`, on the GPU that holds `static`."""
+    layout = header.layout
+    table8 = torch.tensor((0, *header.table), dtype=torch.uint8, device=static.device)
+    out = torch.empty(header.n_values, dtype=torch.int16, device=static.device)
+    index = (
+        static[layout.tile_index : layout.tile_index + 4 * layout.tiles].clone().view(torch.int32)
+    )
+    _extension().decode(
+        static.contiguous(),
+        layout.raw,
+        list(layout.codes),
+        index,
+        dynamic.contiguous(),
+        table8,
+        out,
+    )
+    return out.view(torch.bfloat16)
+
+
+def _cuda_home_nvcc() -> bool:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return CUDA_HOME is not None and (Path(CUDA_HOME) / "bin" / "nvcc").is_file()
+
+
+@functools.cache
+def _extension() -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    if not SOURCE.is_file():
+        raise CodecError(f"CUDA kernel source {SOURCE} is missing from this installation")
+    return load(
+        name="ray_zep_zipccl",
+        sources=[str(SOURCE)],
+        extra_cuda_cflags=["-O3", f"-DZC_TILE_VALUES={TILE_VALUES}"],
+        verbose=False,
+    )

@@ -1,0 +1,190 @@
+"""ZipCCL codec: bit-exact round trips, identical bytes from every backend, format checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ray_zep.collectives import compress, decompress, native
+from ray_zep.collectives.codec import decode_chunk, split_packed
+from ray_zep.collectives.format import BF16, FP16, FP32, TILE_VALUES, float_format, static_bytes
+from ray_zep.collectives.table import WINDOW_OFFSET, best_base, choose_table, window_share
+from ray_zep.errors import CodecError
+
+pytestmark = pytest.mark.unit
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+NATIVE_MISSING = native.unavailable_reason(torch.device("cpu"), BF16)
+BACKENDS = ["torch"] + ([] if NATIVE_MISSING else ["native"])
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(float_format(tensor.dtype).int_dtype)
+
+
+def assert_round_trip(tensor: torch.Tensor, splits=None) -> None:
+    """Every backend decodes every backend's bytes to the same bits; the bytes agree."""
+    outputs = {b: compress(tensor, splits, backend=b) for b in BACKENDS}
+    reference = outputs["torch"]
+    for name, out in outputs.items():
+        assert torch.equal(out.static, reference.static), f"{name} static part differs"
+        assert torch.equal(out.dynamic, reference.dynamic), f"{name} dynamic part differs"
+        for decoder in BACKENDS:
+            back = decompress(out, backend=decoder)
+            assert back.dtype == tensor.dtype and back.shape == tensor.shape
+            assert torch.equal(bits(back), bits(tensor)), f"{name} -> {decoder} changed bits"
+
+
+def from_bits(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return raw.to(float_format(dtype).int_dtype).view(dtype)
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=st.lists(st.integers(0, 40), min_size=0, max_size=3),
+    log_sigma=st.floats(-30, 30),
+    seed=st.integers(0, 2**31 - 1),
+    transpose=st.booleans(),
+)
+@settings(max_examples=120, deadline=None)
+def test_round_trip_of_gaussian_tensors_of_any_shape(dtype, shape, log_sigma, seed, transpose):
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=gen, dtype=torch.float64) * 10.0**log_sigma
+    tensor = values.to(dtype)
+    if transpose and tensor.dim() >= 2:
+        tensor = tensor.transpose(0, 1)
+    assert_round_trip(tensor)
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(0, 3000),
+    parts=st.integers(1, 5),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=60, deadline=None)
+def test_round_trip_of_random_bit_patterns_in_chunks(dtype, n, parts, seed):
+    """Any bits at all (NaN payloads, Inf, subnormals), cut into uneven chunks."""
+    gen = torch.Generator().manual_seed(seed)
+    width = 8 * float_format(dtype).value_bytes
+    raw = torch.randint(-(2 ** (width - 1)), 2 ** (width - 1), (n,), generator=gen)
+    cuts = sorted(torch.randint(0, n + 1, (parts - 1,), generator=gen).tolist())
+    splits = [b - a for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
+    assert_round_trip(from_bits(raw, dtype), splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_16_bit_pattern(dtype):
+    """All 65536 patterns: every exponent, NaN payloads, ±Inf, ±0, subnormals."""
+    assert_round_trip(from_bits(torch.arange(-(2**15), 2**15), dtype))
+
+
+def test_every_fp32_exponent_with_random_sign_and_mantissa():
+    gen = torch.Generator().manual_seed(0)
+    exponent = torch.arange(256).repeat_interleave(64)
+    mantissa = torch.randint(0, 2**23, exponent.shape, generator=gen)
+    sign = torch.randint(0, 2, exponent.shape, generator=gen)
+    raw = (sign << 31) | (exponent << 23) | mantissa
+    raw = torch.where(raw >= 2**31, raw - 2**32, raw)
+    assert_round_trip(from_bits(raw, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "values",
+    [
+        [],
+        [1.0],
+        [0.0] * 5000,
+        [-0.0] * 7,
+        [float("nan")] * 9,
+        [float("inf"), -float("inf")] * 600,
+        [3.5] * 4097,
+    ],
+)
+def test_special_and_constant_tensors(dtype, values):
+    assert_round_trip(torch.tensor(values, dtype=torch.float64).to(dtype))
+
+
+def test_non_contiguous_views():
+    base = torch.randn(64, 48).to(torch.bfloat16)
+    for view in (base[:, ::3], base.t(), base[5:40:2, 7], base.expand(2, 64, 48)):
+        assert_round_trip(view)
+
+
+@pytest.mark.parametrize("sigma", [1e-30, 1e-12, 1e-3, 0.02, 1.0, 7.0, 1e4, 1e12, 1e30])
+def test_gaussian_bf16_compresses_at_least_1_4x_at_every_sigma(sigma):
+    tensor = (torch.randn(1 << 16, generator=torch.Generator().manual_seed(1)) * sigma).bfloat16()
+    assert compress(tensor).ratio >= 1.40
+
+
+def test_relu_like_activations_code_their_zeros():
+    gen = torch.Generator().manual_seed(2)
+    tensor = torch.relu(torch.randn(1 << 16, generator=gen)).bfloat16()
+    assert 0 in choose_table(tensor, BF16)
+    assert compress(tensor).ratio >= 1.35
+
+
+def test_window_offset_and_best_base_follow_eq_5():
+    assert abs(WINDOW_OFFSET + 5.35) < 0.02  # the paper rounds -5.36
+    for sigma in (1e-20, 0.5, 1.0, 3.0, 1e20):
+        base = best_base(sigma)
+        assert abs(base - (math.log2(sigma) + WINDOW_OFFSET)) <= 1
+        assert window_share(base, sigma) >= max(window_share(base + d, sigma) for d in (-1, 1))
+        assert window_share(base, sigma) > 0.95
+
+
+def test_table_stays_inside_the_exponent_range():
+    for fmt, huge in ((BF16, 1e30), (FP16, 6e4), (FP32, 1e30)):
+        for sigma in (1e-30, huge):
+            table = choose_table((torch.randn(999) * sigma).to(fmt.dtype), fmt)
+            assert len(set(table)) == 7 and all(0 <= e < fmt.exp_max for e in table)
+
+
+def test_chunks_are_padded_to_128_bytes_and_split_back():
+    tensor = torch.randn(10_000).bfloat16()
+    splits = [0, 1, TILE_VALUES, 10_000 - TILE_VALUES - 1]
+    out = compress(tensor, splits)
+    assert all(size % 128 == 0 for size in (*out.static_sizes, *out.dynamic_sizes))
+    assert out.static_sizes == tuple(static_bytes(n, torch.bfloat16) for n in splits)
+    assert out.nbytes == out.static.numel() + out.dynamic.numel()
+    decoded = [decode_chunk(s, d) for s, d in split_packed(out.packed(), len(splits))]
+    assert torch.equal(bits(torch.cat(decoded)), bits(tensor))
+
+
+def test_bad_input_raises_codec_errors():
+    with pytest.raises(CodecError, match="int64"):
+        compress(torch.arange(4))
+    with pytest.raises(CodecError, match="sum to the 4 values"):
+        compress(torch.zeros(4), splits=[1, 2])
+    with pytest.raises(CodecError, match="backend"):
+        compress(torch.zeros(4), backend="zstd")
+    out = compress(torch.randn(3000).bfloat16())
+    static, dynamic = out.chunk(0)
+    with pytest.raises(CodecError, match="not a ZipCCL"):
+        decode_chunk(torch.zeros_like(static), dynamic)
+    with pytest.raises(CodecError, match="truncated"):
+        decode_chunk(static[:64], dynamic)
+
+
+@pytest.mark.skipif(NATIVE_MISSING is not None, reason=f"C codec kernel: {NATIVE_MISSING}")
+def test_native_decoder_rejects_escape_codes_that_do_not_match_the_header():
+    tensor = torch.randn(5000).bfloat16()
+    tensor[::7] = float("nan")
+    out = compress(tensor, backend="native")
+    static, dynamic = out.chunk(0)
+    tampered = static.clone()
+    tampered[32] += 1  # first tile index entry
+    tampered[36] += 1  # second: the decoder checks it against the escapes it used
+    with pytest.raises(CodecError, match="corrupt"):
+        decode_chunk(tampered, dynamic, backend="native")
+
+
+def test_formats_describe_their_dtypes():
+    for fmt in (BF16, FP16, FP32):
+        assert 1 + fmt.exp_bits + fmt.man_bits == 8 * torch.finfo(fmt.dtype).bits // 8
+        assert fmt.raw_bytes * 8 + fmt.extra_planes == fmt.sm_bits
