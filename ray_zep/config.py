@@ -107,6 +107,17 @@ class Precision(Enum):
     BF16 = "bf16"
 
 
+class Compression(Enum):
+    """When collectives move losslessly compressed bytes (ZipCCL)."""
+
+    OFF = "off"
+    AUTO = "auto"
+    """Per call, whichever of the plain and the zipped path the switcher, profiled
+    at start-up, models faster (ray_zep.collectives.switcher)."""
+    ALWAYS = "always"
+    """Every call that can go zipped does."""
+
+
 def _require(ok: bool, key: str, value: Any, rule: str) -> None:
     if not ok:
         raise ConfigError(f"config key {key}={value!r}: {rule}")
@@ -293,11 +304,23 @@ class CommConfig:
     """Rendezvous and worker-group start."""
     timeout_s: float = constants.DEFAULT_COLLECTIVE_TIMEOUT_S
     """Every collective and every shard fetch in steady state."""
+    compression: Compression = Compression.OFF
+    """Lossless compression of the gradient all-reduce (off, auto, always). Results
+    are bit-identical to plain all-gathers; the gradient sum is taken in float32
+    in rank order, so it may differ from the backend's in the last bits."""
+    compression_refresh_calls: int = 32
+    """With `auto`: every how many calls a stream goes zipped to measure its ratio."""
 
     def __post_init__(self) -> None:
         for key in ("init_timeout_s", "timeout_s"):
             value = getattr(self, key)
             _require(value > 0, f"comm.{key}", value, "must be > 0")
+        _require(
+            self.compression_refresh_calls >= 1,
+            "comm.compression_refresh_calls",
+            self.compression_refresh_calls,
+            "must be >= 1",
+        )
 
 
 @dataclass

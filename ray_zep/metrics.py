@@ -62,6 +62,21 @@ RANK_TOKEN_IMBALANCE = MetricSpec(
     Kind.GAUGE,
     "Max over mean of per-rank tokens in the last step (1 = even).",
 )
+COMPRESSION_RATIO = MetricSpec(
+    "ray_zep_compression_ratio",
+    Kind.GAUGE,
+    "Bytes handed to compressed collectives over bytes they sent, last step (1 = no gain).",
+)
+COMPRESSION_SENT_BYTES = MetricSpec(
+    "ray_zep_compression_sent_bytes_total",
+    Kind.COUNTER,
+    "Bytes the compressible collectives sent, all ranks (measured).",
+)
+COMPRESSION_SAVED_BYTES = MetricSpec(
+    "ray_zep_compression_saved_bytes_total",
+    Kind.COUNTER,
+    "Bytes compression kept off the links, all ranks (measured).",
+)
 CHECKPOINTS = MetricSpec("ray_zep_checkpoints_total", Kind.COUNTER, "Checkpoints written.")
 RANKS = MetricSpec("ray_zep_ranks", Kind.GAUGE, "Training processes (GPUs) of the job.")
 CHECKPOINT_STEP = MetricSpec(
@@ -82,6 +97,9 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     COMM_BYTES,
     NIC_BYTES,
     RANK_TOKEN_IMBALANCE,
+    COMPRESSION_RATIO,
+    COMPRESSION_SENT_BYTES,
+    COMPRESSION_SAVED_BYTES,
     CHECKPOINTS,
     CHECKPOINT_STEP,
     RANKS,

@@ -30,6 +30,7 @@ UNITS = (
     "_norm",
     "_imbalance",
     "_ranks",
+    "_ratio",
 )
 
 
@@ -47,6 +48,7 @@ def _event(step: int, loss: float = 2.0) -> dict:
         "rank_tokens": [1000, 900, 1100, 1000],
         "comm_bytes": {"intra_node": 300, "inter_node": 100},
         "nic_bytes": [[60, 40]],
+        "compression": {"raw_bytes": 1400, "wire_bytes": 1000},
     }
 
 
@@ -81,6 +83,8 @@ def test_exporter_serves_metrics_and_writes_jsonl(tmp_path: Path) -> None:
     assert 'ray_zep_nic_bytes_total{nic="1",node="0"} 80.0' in body
     assert row["nic_bytes"] == [[60, 40]]
     assert "ray_zep_loss 1.5" in body
+    assert "ray_zep_compression_ratio 1.4" in body
+    assert "ray_zep_compression_saved_bytes_total 800.0" in body
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]
     assert {"step", "loss", "tokens", "step_seconds"} <= set(lines[0])

@@ -76,6 +76,7 @@ class MetricsExporter:
             "rank_token_imbalance": max(rank_tokens) / mean if mean else 1.0,
             "comm_bytes": event["comm_bytes"],
             "nic_bytes": event.get("nic_bytes", []),
+            "compression": event.get("compression", {}),
             "time": time.time(),
         }
         self._update_prometheus(row)
@@ -106,6 +107,12 @@ class MetricsExporter:
         get(m.LEARNING_RATE.name).set(row["lr"])
         get(m.GRAD_NORM.name).set(row["grad_norm"])
         get(m.RANK_TOKEN_IMBALANCE.name).set(row["rank_token_imbalance"])
+        compression = row["compression"]
+        if compression.get("wire_bytes"):
+            raw, wire = compression["raw_bytes"], compression["wire_bytes"]
+            get(m.COMPRESSION_RATIO.name).set(raw / wire)
+            get(m.COMPRESSION_SENT_BYTES.name).inc(wire)
+            get(m.COMPRESSION_SAVED_BYTES.name).inc(max(raw - wire, 0))
         for link, nbytes in row["comm_bytes"].items():
             get(m.COMM_BYTES.name).labels(link=link).inc(nbytes)
         for node, nics in enumerate(row["nic_bytes"]):

@@ -57,7 +57,7 @@ def all_gather_rows(local: torch.Tensor, rows: int, comm: Comm, ops: Counter) ->
     padded[: local.shape[0]] = local
     out = local.new_empty((comm.world_size * rows, *local.shape[1:]))
     ops["all_gather"] += 1
-    work = dist.all_gather_into_tensor(out, padded, group=comm.group, async_op=True)
+    work = dist.all_gather_single(out, padded, group=comm.group, async_op=True)
     Pending([work], comm, "all-gather of K/V").wait()
     return out.view(comm.world_size, rows, *local.shape[1:])
 
@@ -67,7 +67,7 @@ def reduce_scatter_rows(stacked: torch.Tensor, comm: Comm, ops: Counter) -> torc
     out = stacked.new_empty(stacked.shape[1:])
     ops["reduce_scatter"] += 1
     flat = stacked.reshape(-1, *stacked.shape[2:]).contiguous()
-    work = dist.reduce_scatter_tensor(
+    work = dist.reduce_scatter_single(
         out, flat, op=dist.ReduceOp.SUM, group=comm.group, async_op=True
     )
     Pending([work], comm, "reduce-scatter of dK/dV").wait()

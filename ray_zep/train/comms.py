@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ray_zep.collectives.adaptive import AdaptiveCollectives
 from ray_zep.mesh import Comm
 
 
@@ -23,11 +24,14 @@ def all_reduce_sum_(tensor: torch.Tensor, comm: Comm, what: str) -> torch.Tensor
     return tensor
 
 
-def all_reduce_gradients_(params: list[torch.nn.Parameter], comm: Comm) -> int:
+def all_reduce_gradients_(
+    params: list[torch.nn.Parameter], comm: Comm, zipped: AdaptiveCollectives | None = None
+) -> int:
     """Sum every parameter's gradient over the group, in one flat buffer.
 
     Parameters without a gradient (untouched by this rank's tokens) count as
-    zeros, so every rank issues the same collective.
+    zeros, so every rank issues the same collective. With `zipped`
+    (`comm.compression` on), the sum may travel compressed.
 
     Returns:
         Bytes of the gradient buffer (0 for a single process).
@@ -39,7 +43,10 @@ def all_reduce_gradients_(params: list[torch.nn.Parameter], comm: Comm) -> int:
         return 0
     grads = [p.grad for p in params]
     flat = _flatten_dense_tensors(grads)
-    all_reduce_sum_(flat, comm, "gradients")
+    if zipped is None:
+        all_reduce_sum_(flat, comm, "gradients")
+    else:
+        zipped.all_reduce_sum_(flat, "gradients")
     for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
         grad.copy_(synced)
     return flat.numel() * flat.element_size()

@@ -22,7 +22,9 @@ from ray_zep.attention.engine import run_attention
 from ray_zep.attention.kernels import AttentionFn, select_backward, select_kernel
 from ray_zep.attention.schedule import RankSchedule
 from ray_zep.attention.varlen import PackedSeqs
-from ray_zep.config import Config, Device, Precision
+from ray_zep.collectives.adaptive import AdaptiveCollectives
+from ray_zep.collectives.comms import Group
+from ray_zep.config import Compression, Config, Device, Precision
 from ray_zep.constants import IGNORE_INDEX
 from ray_zep.data.shards import RankShard
 from ray_zep.errors import ConfigError
@@ -57,6 +59,9 @@ class StepStats:
     (modelled: `ray_zep.traffic`)."""
     nic_bytes: list[list[int]] = field(default_factory=list)
     """Bytes that left each NIC, [node][NIC], whole job."""
+    compression: dict[str, int] = field(default_factory=dict)
+    """With `comm.compression`: bytes handed to the gradient collectives (`raw_bytes`)
+    and bytes they sent (`wire_bytes`), whole job (measured)."""
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -92,6 +97,15 @@ def resolve_dtype(precision: Precision, device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
+def _zipped_collectives(config: Config, comm: Comm) -> AdaptiveCollectives | None:
+    """The gradient collectives' switcher when `comm.compression` is on (collective call)."""
+    mode = config.comm.compression
+    if mode is Compression.OFF or comm.group is None:
+        return None
+    group = Group(comm.group, comm.timeout_s)
+    return AdaptiveCollectives(group, mode, config.comm.compression_refresh_calls)
+
+
 class RankTrainer:
     """Model, optimizer and step of one rank.
 
@@ -114,6 +128,7 @@ class RankTrainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, config.train)
         self.steps_done = 0
+        self.zipped = _zipped_collectives(config, self.comm)
 
     def train_step(self, shard: RankShard) -> StepStats:
         """Forward, backward, gradient sync, clip and update on this rank's shard."""
@@ -138,7 +153,14 @@ class RankTrainer:
             rank_tokens=list(shard.rank_tokens),
             comm_bytes={"intra_node": traffic.intra_node, "inter_node": traffic.inter_node},
             nic_bytes=traffic.nic.tolist(),
+            compression=self._compression_bytes(),
         )
+
+    def _compression_bytes(self) -> dict[str, int]:
+        if self.zipped is None:
+            return {}
+        sizes = self.zipped.take_sizes()
+        return {"raw_bytes": sizes.raw_bytes, "wire_bytes": sizes.wire_bytes}
 
     def _traffic(self, shard: RankShard, grad_bytes: int) -> Traffic:
         """Bytes of this step: gradients plus the shard's attention and remap traffic."""
@@ -157,7 +179,7 @@ class RankTrainer:
         """
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = self._forward_backward(shard)
-        return loss_sum, all_reduce_gradients_(self.params, self.comm)
+        return loss_sum, all_reduce_gradients_(self.params, self.comm, self.zipped)
 
     def _forward_backward(self, shard: RankShard) -> float:
         # Shards arrive read-only from the object store; astype copies them.

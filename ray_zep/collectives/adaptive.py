@@ -1,0 +1,68 @@
+"""Collectives that pick the plain or the zipped path per call (`comm.compression`).
+
+One object per process group: it holds the switcher (profiled at creation
+when the mode is `auto`) and the tally of bytes handed to collectives versus
+bytes sent, which the trainer reports as the compression ratio and the bytes
+saved.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from ray_zep.collectives import comms
+from ray_zep.collectives.comms import Group, Sizes
+from ray_zep.collectives.switcher import Kind, Switcher, profile_group
+from ray_zep.config import Compression
+
+log = logging.getLogger(__name__)
+
+
+class AdaptiveCollectives:
+    """Plain-or-zipped collectives of one group.
+
+    Args:
+        g: the group and its timeout.
+        mode: `comm.compression`.
+        refresh_calls: every how many calls a stream measures its ratio again.
+    """
+
+    def __init__(self, g: Group, mode: Compression, refresh_calls: int = 32) -> None:
+        self.g = g
+        profile = profile_group(g) if mode is Compression.AUTO else None
+        if profile is not None and g.rank == 0:
+            log.info("compression switcher profile: %s", profile.to_dict())
+        self.switcher = Switcher(mode, profile, refresh_calls)
+        self.sizes = Sizes(0, 0)
+        """Global bytes of the zipped calls since the last `take_sizes`: raw and sent."""
+
+    def all_reduce_sum_(self, flat: torch.Tensor, stream: str) -> None:
+        """Sum a 1-D tensor over the group in place, zipped when that is faster."""
+        nbytes = flat.numel() * flat.element_size()
+        if not self.switcher.use_zipped(Kind.ALL_REDUCE, stream, nbytes):
+            work = dist.all_reduce(flat, group=self.g.group, async_op=True)
+            self.g.wait([work], f"all-reduce of {stream}")
+            self._count_plain(nbytes)
+            return
+        total, sizes = comms.zipped_all_reduce(flat, self.g)
+        flat.copy_(total)
+        self._record(stream, sizes)
+
+    def take_sizes(self) -> Sizes:
+        """Bytes counted since the last call (whole group), and reset."""
+        sizes, self.sizes = self.sizes, Sizes(0, 0)
+        return sizes
+
+    def _record(self, stream: str, sizes: Sizes) -> None:
+        self.switcher.observe(stream, sizes)
+        self.sizes = Sizes(
+            self.sizes.raw_bytes + sizes.raw_bytes, self.sizes.wire_bytes + sizes.wire_bytes
+        )
+
+    def _count_plain(self, nbytes: int) -> None:
+        """A plain all-reduce moves each rank's bytes uncompressed: raw = sent."""
+        total = nbytes * self.g.size
+        self.sizes = Sizes(self.sizes.raw_bytes + total, self.sizes.wire_bytes + total)

@@ -1,0 +1,321 @@
+"""Zipped collectives and their plain counterparts, over any torch.distributed group.
+
+Each zipped collective returns exactly what its plain counterpart returns
+(bit for bit), moving compressed bytes instead:
+
+- all-gather: compress, all-gather the compressed sizes, all-gather the bytes
+  (padded to the largest), decompress every rank's block.
+- all-to-all, size first: compress one chunk per destination, all-gather every
+  rank's row of chunk sizes, all-to-all the bytes, decompress.
+- all-to-all, static first: the static parts, whose sizes follow from the row
+  counts, leave at once (so ranks that finish their computation early start
+  moving data); then the rows of dynamic-part sizes are all-gathered and the
+  dynamic parts follow.
+- reduce-scatter: a zipped all-to-all, then a local sum in float32 in rank order.
+
+The size exchanges are all-gathers, so after any zipped call every rank knows
+every chunk's compressed size; the switcher's ratio estimates are updated from
+those, and stay identical on all ranks. Rows split along dim 0; every rank's
+tensor has the same trailing dims and dtype. Every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+
+from ray_zep.collectives.codec import Compressed, compress, decode_chunk, split_packed
+from ray_zep.collectives.format import static_bytes
+from ray_zep.errors import CodecError
+from ray_zep.mesh import wait_all
+
+
+class AllToAllDesign(Enum):
+    SIZE_FIRST = "size_first"
+    STATIC_FIRST = "static_first"
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group and the timeout of every wait on it."""
+
+    group: dist.ProcessGroup
+    timeout_s: float
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def wait(self, works: list, what: str) -> None:
+        wait_all([w for w in works if w is not None], what, self.timeout_s, self.rank)
+
+
+@dataclass
+class Traffic:
+    """Bytes a rank handed to collectives: as tensors (raw) and as sent (wire)."""
+
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def add(self, what: str, raw: int, wire: int) -> None:
+        self.raw_bytes += raw
+        self.wire_bytes += wire
+        self.calls[what] = self.calls.get(what, 0) + 1
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Every rank's compressed sizes from a zipped call's size exchange: raw and wire bytes."""
+
+    raw_bytes: int
+    wire_bytes: int
+
+
+def all_gather_v(tensor: torch.Tensor, g: Group) -> list[torch.Tensor]:
+    """Plain all-gather of tensors whose dim 0 may differ by rank: one tensor per rank."""
+    _check_rows_dim(tensor)
+    rows = _gather_ints([tensor.shape[0]], g, "all-gather sizes")
+    row_shape, longest = tensor.shape[1:], max(r[0] for r in rows)
+    padded = tensor.new_zeros((longest, *row_shape))
+    padded[: tensor.shape[0]] = tensor
+    out = tensor.new_empty((g.size * longest, *row_shape))
+    work = dist.all_gather_single(out, padded.contiguous(), group=g.group, async_op=True)
+    g.wait([work], "all-gather")
+    blocks = out.view(g.size, longest, *row_shape)
+    return [blocks[r, : rows[r][0]] for r in range(g.size)]
+
+
+def zipped_all_gather(
+    tensor: torch.Tensor, g: Group, traffic: Traffic | None = None
+) -> tuple[list[torch.Tensor], Sizes]:
+    """Same result as `all_gather_v`, moving compressed bytes."""
+    _check_rows_dim(tensor)
+    packed = compress(tensor).packed()
+    meta = _gather_ints([tensor.shape[0], packed.numel()], g, "zipped all-gather sizes")
+    longest = max(m[1] for m in meta)
+    padded = packed.new_zeros(longest)
+    padded[: packed.numel()] = packed
+    out = packed.new_empty(g.size * longest)
+    work = dist.all_gather_single(out, padded, group=g.group, async_op=True)
+    g.wait([work], "zipped all-gather")
+    blocks = out.view(g.size, longest)
+    gathered = []
+    for r, (rows, _) in enumerate(meta):
+        ((static, dynamic),) = split_packed(blocks[r], 1)
+        gathered.append(_rows(decode_chunk(static, dynamic), rows, tensor))
+    sizes = Sizes(sum(_nbytes_rows(m[0], tensor) for m in meta), sum(m[1] for m in meta))
+    if traffic is not None:
+        traffic.add("all_gather", _nbytes(tensor), packed.numel())
+    return gathered, sizes
+
+
+def all_to_all_v(
+    tensor: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int], g: Group
+) -> torch.Tensor:
+    """Plain all-to-all: send_rows[r] rows to rank r, receive recv_rows[r] from r, by rank."""
+    row = _row_numel(tensor)
+    out = tensor.new_empty((sum(recv_rows), *tensor.shape[1:]))
+    work = dist.all_to_all_single(
+        out.view(-1),
+        tensor.contiguous().view(-1),
+        [r * row for r in recv_rows],
+        [r * row for r in send_rows],
+        group=g.group,
+        async_op=True,
+    )
+    g.wait([work], "all-to-all")
+    return out
+
+
+def exchange_rows(send_rows: Sequence[int], g: Group) -> list[int]:
+    """Rows each rank will receive from every rank, given what every rank sends."""
+    send = torch.tensor(list(send_rows), dtype=torch.int64)
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=g.group, async_op=True)
+    g.wait([work], "all-to-all row counts")
+    return recv.tolist()
+
+
+def zipped_all_to_all(
+    tensor: torch.Tensor,
+    send_rows: Sequence[int],
+    recv_rows: Sequence[int],
+    g: Group,
+    design: AllToAllDesign = AllToAllDesign.STATIC_FIRST,
+    traffic: Traffic | None = None,
+) -> tuple[torch.Tensor, Sizes]:
+    """Same result as `all_to_all_v`, moving compressed bytes (either of the two designs)."""
+    _check_rows(send_rows, tensor, g)
+    row = _row_numel(tensor)
+    zipped = compress(tensor, [r * row for r in send_rows])
+    raw = _nbytes(tensor)
+    if design is AllToAllDesign.SIZE_FIRST:
+        chunks, matrix = _size_first(zipped, raw, g)
+    else:
+        chunks, matrix = _static_first(zipped, raw, [r * row for r in recv_rows], tensor.dtype, g)
+    parts = [
+        _rows(decode_chunk(static, dynamic), rows, tensor)
+        for (static, dynamic), rows in zip(chunks, recv_rows, strict=True)
+    ]
+    out = torch.cat(parts) if parts else tensor.new_empty((0, *tensor.shape[1:]))
+    if traffic is not None:
+        traffic.add(f"all_to_all_{design.value}", raw, zipped.nbytes)
+    return out, Sizes(sum(r[-1] for r in matrix), sum(sum(r[:-1]) for r in matrix))
+
+
+def _size_first(zipped: Compressed, raw: int, g: Group):
+    """Exchange every rank's row of chunk sizes, then the packed chunks."""
+    sizes = zipped.packed_sizes()
+    matrix = _gather_ints([*sizes, raw], g, "zipped all-to-all sizes")
+    incoming = [matrix[src][g.rank] for src in range(g.size)]
+    out = zipped.static.new_empty(sum(incoming))
+    work = dist.all_to_all_single(
+        out, zipped.packed(), incoming, sizes, group=g.group, async_op=True
+    )
+    g.wait([work], "zipped all-to-all")
+    return [split_packed(piece, 1)[0] for piece in out.split(incoming)], matrix
+
+
+def _static_first(zipped: Compressed, raw: int, recv_values: list[int], dtype, g: Group):
+    """Static parts at once (their sizes follow from the rows), then sizes, then dynamic parts."""
+    in_static = [static_bytes(n, dtype) for n in recv_values]
+    static_out = zipped.static.new_empty(sum(in_static))
+    static_work = dist.all_to_all_single(
+        static_out,
+        zipped.static,
+        in_static,
+        list(zipped.static_sizes),
+        group=g.group,
+        async_op=True,
+    )
+    matrix = _gather_ints([*zipped.packed_sizes(), raw], g, "zipped all-to-all dynamic sizes")
+    in_dynamic = [matrix[src][g.rank] - in_static[src] for src in range(g.size)]
+    dynamic_out = zipped.dynamic.new_empty(sum(in_dynamic))
+    dynamic_work = dist.all_to_all_single(
+        dynamic_out,
+        zipped.dynamic,
+        in_dynamic,
+        list(zipped.dynamic_sizes),
+        group=g.group,
+        async_op=True,
+    )
+    g.wait([static_work, dynamic_work], "zipped all-to-all")
+    chunks = list(zip(static_out.split(in_static), dynamic_out.split(in_dynamic), strict=True))
+    return chunks, matrix
+
+
+def reduce_scatter_local(received: torch.Tensor, g: Group, dtype: torch.dtype) -> torch.Tensor:
+    """Sum the world blocks of `received` (rank order) in float32; cast to `dtype`."""
+    blocks = received.view(g.size, -1, *received.shape[1:])
+    total = blocks[0].to(torch.float32)
+    for block in blocks[1:]:
+        total += block.to(torch.float32)
+    return total.to(dtype)
+
+
+def reduce_scatter_via_all_to_all(tensor: torch.Tensor, g: Group) -> torch.Tensor:
+    """Plain counterpart of `zipped_reduce_scatter`: all-to-all, then the same local sum."""
+    rows = _equal_rows(tensor, g)
+    received = all_to_all_v(tensor, [rows] * g.size, [rows] * g.size, g)
+    return reduce_scatter_local(received, g, tensor.dtype)
+
+
+def zipped_reduce_scatter(
+    tensor: torch.Tensor, g: Group, traffic: Traffic | None = None
+) -> tuple[torch.Tensor, Sizes]:
+    """Rank r gets the sum over ranks of rows [r·m, (r+1)·m) of `tensor` (m = rows / world)."""
+    rows = _equal_rows(tensor, g)
+    received, sizes = zipped_all_to_all(
+        tensor, [rows] * g.size, [rows] * g.size, g, traffic=traffic
+    )
+    return reduce_scatter_local(received, g, tensor.dtype), sizes
+
+
+def native_reduce_scatter(tensor: torch.Tensor, g: Group) -> torch.Tensor:
+    """The backend's own reduce-scatter (its summation order)."""
+    rows = _equal_rows(tensor, g)
+    out = tensor.new_empty((rows, *tensor.shape[1:]))
+    work = dist.reduce_scatter_single(out, tensor.contiguous(), group=g.group, async_op=True)
+    g.wait([work], "reduce-scatter")
+    return out
+
+
+def _gather_ints(values: list[int], g: Group, what: str) -> list[list[int]]:
+    mine = torch.tensor(values, dtype=torch.int64)
+    out = torch.empty(g.size * len(values), dtype=torch.int64)
+    work = dist.all_gather_single(out, mine, group=g.group, async_op=True)
+    g.wait([work], what)
+    return out.view(g.size, len(values)).tolist()
+
+
+def _rows(flat: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Tensor:
+    return flat.view(rows, *like.shape[1:])
+
+
+def _check_rows_dim(tensor: torch.Tensor) -> None:
+    if tensor.dim() == 0:
+        raise CodecError("collectives split tensors along dim 0; got a 0-dim tensor")
+
+
+def _row_numel(tensor: torch.Tensor) -> int:
+    return math.prod(tensor.shape[1:])
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _nbytes_rows(rows: int, like: torch.Tensor) -> int:
+    return rows * _row_numel(like) * like.element_size()
+
+
+def _check_rows(send_rows: Sequence[int], tensor: torch.Tensor, g: Group) -> None:
+    _check_rows_dim(tensor)
+    if len(send_rows) != g.size or sum(send_rows) != tensor.shape[0]:
+        raise CodecError(
+            f"send_rows {list(send_rows)} must have {g.size} entries summing to the "
+            f"tensor's {tensor.shape[0]} rows"
+        )
+
+
+def _equal_rows(tensor: torch.Tensor, g: Group) -> int:
+    if tensor.dim() == 0 or tensor.shape[0] % g.size:
+        raise CodecError(
+            f"reduce-scatter needs dim 0 divisible by the group size {g.size}, "
+            f"got shape {tuple(tensor.shape)}"
+        )
+    return tensor.shape[0] // g.size
+
+
+def zipped_all_reduce(
+    flat: torch.Tensor, g: Group, traffic: Traffic | None = None
+) -> tuple[torch.Tensor, Sizes]:
+    """Sum of a 1-D tensor over ranks, as zipped reduce-scatter then zipped all-gather.
+
+    The sum is taken in float32 in rank order, so it differs from a backend
+    all-reduce only by summation order; every rank gets the same bits.
+    """
+    n = flat.numel()
+    shard = -(-n // g.size)
+    padded = flat.new_zeros(shard * g.size)
+    padded[:n] = flat
+    reduced, rs_sizes = zipped_reduce_scatter(padded.view(g.size * shard, 1), g, traffic)
+    gathered, ag_sizes = zipped_all_gather(reduced, g, traffic)
+    total = torch.cat(gathered).view(-1)[:n]
+    return total, Sizes(
+        rs_sizes.raw_bytes + ag_sizes.raw_bytes, rs_sizes.wire_bytes + ag_sizes.wire_bytes
+    )
