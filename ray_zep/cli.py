@@ -14,6 +14,9 @@
     ray-zep bench calibrate [--out DIR]      measure attention and matmul rates of this device
     ray-zep bench train [CONFIG] [key=value ...] [--strategies ...] [--steps K]
                                              real CPU runs per strategy beside the simulator
+    ray-zep bench codec [CONFIG] [key=value ...] [--values N] [--codecs zipccl,zstd-3,...]
+                                             ZipCCL codec vs zstd, lz4, blosc2 on synthetic
+                                             and the model's real tensors
     ray-zep bench partition [CONFIG] [key=value ...] [--out DIR]
                                              planner latency and plan quality, all planners
     ray-zep bench layers [CONFIG] [key=value ...] [--out DIR]
@@ -126,6 +129,14 @@ def _parser() -> argparse.ArgumentParser:
     train_bench.add_argument("--calibration", help="calibration.json (default: measure now)")
     train_bench.add_argument("--out", default="runs/bench/train", help="runs, JSON and PNG")
     train_bench.set_defaults(handler=_bench_train)
+    codec = benches.add_parser("codec", help="ZipCCL codec vs zstd, lz4, blosc2: ratio, GB/s")
+    _optional_config_args(codec)
+    codec.add_argument("--values", type=int, default=1 << 22, help="values per synthetic tensor")
+    codec.add_argument("--repeats", type=int, default=3, help="timed runs (best is kept)")
+    codec.add_argument("--train-steps", type=int, default=3, help="steps before real tensors")
+    codec.add_argument("--codecs", help="default: zipccl,zipccl-torch,zstd-3,lz4,blosc2")
+    codec.add_argument("--out", default="runs/bench/codec", help="JSON and PNG folder")
+    codec.set_defaults(handler=_bench_codec)
     partition = benches.add_parser("partition", help="planner latency and plan quality")
     _optional_config_args(partition)
     partition.add_argument("--nodes", default="2,4,8", help="cluster sizes (default 2,4,8)")
@@ -287,6 +298,28 @@ def _bench_train(args: argparse.Namespace) -> int:
     print(f"wrote {write_json(out / 'train.json', command, spec, bench.row_dicts(rows))}")
     measured = [r.measured_tokens_per_second for r in rows]
     print(f"wrote {draw_throughput('measured on this CPU', names, measured, out / 'train.png')}")
+    return 0
+
+
+def _bench_codec(args: argparse.Namespace) -> int:
+    from ray_zep.bench import codec as bench
+
+    codecs = _names(args.codecs, bench.CODECS)
+    spec = bench.CodecBenchSpec(args.values, args.repeats, args.train_steps, codecs)
+    config = _optional_config(args)
+    for codec, reason in bench.available_codecs(codecs).items():
+        if reason is not None:
+            print(f"skipping {codec}: {reason}")
+    tensors = {
+        **bench.synthetic_tensors(spec.values),
+        **bench.model_tensors(config, spec.train_steps),
+    }
+    rows = bench.run_codec_bench(tensors, spec)
+    print(bench.format_table(rows))
+    for goal, ok in bench.goals(rows):
+        print(f"goal {'met' if ok else 'MISSED'}: {goal}")
+    _write_bench(args, config, spec, "codec", bench.row_dicts(rows))
+    print(f"wrote {bench.draw_codec_chart(rows, Path(args.out) / 'codec.png')}")
     return 0
 
 

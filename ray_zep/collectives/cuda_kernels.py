@@ -46,10 +46,13 @@ def unavailable_reason(fmt: FloatFormat) -> str | None:
 
 
 def encode_chunk(
-    flat_N: torch.Tensor, fmt: FloatFormat, table: tuple[int, ...]
+    flat_N: torch.Tensor, fmt: FloatFormat, table: tuple[int, ...], kernels=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `reference.encode_chunk`, for a bfloat16 tensor on a GPU."""
-    ext, n = _extension(), flat_N.numel()
+    """Same contract as `reference.encode_chunk`, for a bfloat16 tensor on a GPU.
+
+    `kernels` replaces the built extension (tests run the kernels' logic elsewhere).
+    """
+    ext, n = kernels or _extension(), flat_N.numel()
     layout = Layout.of(n, fmt)
     code_of = torch.zeros(fmt.exp_max + 1, dtype=torch.uint8)
     code_of[list(table)] = torch.arange(1, 8, dtype=torch.uint8)
@@ -68,19 +71,19 @@ def encode_chunk(
     return static, dynamic
 
 
-def decode_chunk(static: torch.Tensor, dynamic: torch.Tensor, header: Header) -> torch.Tensor:
+def decode_chunk(
+    static: torch.Tensor, dynamic: torch.Tensor, header: Header, kernels=None
+) -> torch.Tensor:
     """Same contract as `reference.decode_chunk`, on the GPU that holds `static`."""
     layout = header.layout
     table8 = torch.tensor((0, *header.table), dtype=torch.uint8, device=static.device)
     out = torch.empty(header.n_values, dtype=torch.int16, device=static.device)
-    index = (
-        static[layout.tile_index : layout.tile_index + 4 * layout.tiles].clone().view(torch.int32)
-    )
-    _extension().decode(
+    index_bytes = static[layout.tile_index : layout.tile_index + 4 * layout.tiles]
+    (kernels or _extension()).decode(
         static.contiguous(),
         layout.raw,
         list(layout.codes),
-        index,
+        index_bytes.clone().view(torch.int32),
         dynamic.contiguous(),
         table8,
         out,

@@ -6,10 +6,12 @@ x = log2(σ) + ½·log2(14·ln2 / 16383) ≈ log2(σ) − 5.35 (ZipCCL eq. 5); t
 itself is erf(2^(x+7)/(σ√2)) − erf(2^x/(σ√2)) (eq. 2). Exponents are integers,
 so of the two integers around x we take the one whose window holds more.
 
-σ is the root mean square of the finite values (the spread around zero, which
-is what sets magnitudes; it equals the standard deviation of zero-mean data),
-taken over at most `SAMPLE_VALUES` evenly strided values, on the CPU, so that
-every backend derives the same table from the same tensor.
+σ is estimated as median(|v|) / 0.6745 over the finite non-zero values: for
+N(0, σ²) data that is σ, and unlike the root mean square it is not pulled up
+by a few large values (gradients and weights of a whole model mix tensors of
+very different scales; on the demo model's gradients it raises the ratio from
+1.05 to 1.18). It is taken over at most `SAMPLE_VALUES` evenly strided values,
+on the CPU, so that every backend derives the same table from the same tensor.
 
 Data with many exact zeros (ReLU outputs, padding) would escape every zero;
 when the zeros (exponent field 0) outnumber what the window's lowest exponent
@@ -25,6 +27,8 @@ import torch
 from ray_zep.collectives.format import TABLE_SIZE, FloatFormat
 
 SAMPLE_VALUES = 1 << 16
+HALF_NORMAL_MEDIAN = 0.6744897501960817
+"""Median of |z| for z ~ N(0, 1)."""
 WINDOW_OFFSET = 0.5 * math.log2(14 * math.log(2) / 16383)
 """x_opt − log2(σ) of eq. 5 (≈ −5.35)."""
 
@@ -57,8 +61,8 @@ def choose_table(flat: torch.Tensor, fmt: FloatFormat) -> tuple[int, ...]:
         Seven distinct exponent fields in [0, fmt.exp_max).
     """
     sample = flat[:: max(1, flat.numel() // SAMPLE_VALUES)].detach().to("cpu", torch.float64)
-    finite = sample[torch.isfinite(sample)]
-    sigma = float(finite.square().mean().sqrt()) if finite.numel() else 0.0
+    spread = sample[torch.isfinite(sample) & (sample != 0)].abs()
+    sigma = float(spread.median()) / HALF_NORMAL_MEDIAN if spread.numel() else 0.0
     if not sigma > 0.0:
         return tuple(range(TABLE_SIZE))
     base = best_base(sigma)

@@ -1,0 +1,79 @@
+// Torch binding of the ZipCCL bfloat16 kernels (zipccl_kernels.cuh), JIT-built by
+// ray_zep/collectives/cuda_kernels.py with torch.utils.cpp_extension.load.
+//
+// The host side (Python) allocates the chunk's static and dynamic parts, writes
+// the header and the tile index; these functions launch on the current stream.
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <vector>
+
+#include "zipccl_kernels.cuh"
+
+namespace {
+
+int64_t tiles_of(int64_t n) { return (n + ZC_TILE_VALUES - 1) / ZC_TILE_VALUES; }
+
+void check(const torch::Tensor &t, torch::ScalarType type, const char *name) {
+    TORCH_CHECK(t.is_cuda() && t.is_contiguous(), name, " must be a contiguous CUDA tensor");
+    TORCH_CHECK(t.scalar_type() == type, name, " has the wrong dtype");
+}
+
+}  // namespace
+
+torch::Tensor count_escapes(torch::Tensor values, torch::Tensor code_of, int64_t tiles) {
+    check(values, torch::kInt16, "values");
+    check(code_of, torch::kUInt8, "code_of");
+    const int64_t n = values.numel();
+    TORCH_CHECK(tiles == tiles_of(n), "tile count does not match the values");
+    auto counts = torch::zeros({tiles}, values.options().dtype(torch::kInt64));
+    if (tiles == 0) return counts;
+    zc_count_escapes_kernel<<<tiles, ZC_THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
+        reinterpret_cast<const uint16_t *>(values.data_ptr<int16_t>()), n,
+        code_of.data_ptr<uint8_t>(), counts.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return counts;
+}
+
+void encode(torch::Tensor values, torch::Tensor code_of, torch::Tensor tile_index,
+            torch::Tensor static_part, int64_t raw_offset, std::vector<int64_t> code_offsets,
+            torch::Tensor dynamic_part) {
+    check(values, torch::kInt16, "values");
+    check(tile_index, torch::kInt32, "tile_index");
+    check(static_part, torch::kUInt8, "static_part");
+    check(dynamic_part, torch::kUInt8, "dynamic_part");
+    TORCH_CHECK(code_offsets.size() == 3, "three code planes expected");
+    const int64_t n = values.numel(), tiles = tiles_of(n);
+    if (tiles == 0) return;
+    uint8_t *base = static_part.data_ptr<uint8_t>();
+    zc_encode_kernel<<<tiles, ZC_THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
+        reinterpret_cast<const uint16_t *>(values.data_ptr<int16_t>()), n,
+        code_of.data_ptr<uint8_t>(), tile_index.data_ptr<int32_t>(), base + raw_offset,
+        base + code_offsets[0], base + code_offsets[1], base + code_offsets[2],
+        dynamic_part.data_ptr<uint8_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void decode(torch::Tensor static_part, int64_t raw_offset, std::vector<int64_t> code_offsets,
+            torch::Tensor tile_index, torch::Tensor dynamic_part, torch::Tensor table8,
+            torch::Tensor out) {
+    check(static_part, torch::kUInt8, "static_part");
+    check(tile_index, torch::kInt32, "tile_index");
+    check(dynamic_part, torch::kUInt8, "dynamic_part");
+    check(table8, torch::kUInt8, "table8");
+    check(out, torch::kInt16, "out");
+    TORCH_CHECK(code_offsets.size() == 3, "three code planes expected");
+    const int64_t n = out.numel(), tiles = tiles_of(n);
+    if (tiles == 0) return;
+    const uint8_t *base = static_part.data_ptr<uint8_t>();
+    zc_decode_kernel<<<tiles, ZC_THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
+        base + raw_offset, base + code_offsets[0], base + code_offsets[1], base + code_offsets[2],
+        tile_index.data_ptr<int32_t>(), dynamic_part.data_ptr<uint8_t>(),
+        table8.data_ptr<uint8_t>(), n, reinterpret_cast<uint16_t *>(out.data_ptr<int16_t>()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("count_escapes", &count_escapes, "escapes per 1024-value tile");
+    m.def("encode", &encode, "write the planes and escapes of a bfloat16 chunk");
+    m.def("decode", &decode, "decode a bfloat16 chunk");
+}
