@@ -118,6 +118,9 @@ class Compression(Enum):
     """Every call that can go zipped does."""
 
 
+COMPRESSION_STREAMS = ("gradients", "kv")
+
+
 def _require(ok: bool, key: str, value: Any, rule: str) -> None:
     if not ok:
         raise ConfigError(f"config key {key}={value!r}: {rule}")
@@ -308,6 +311,9 @@ class CommConfig:
     """Lossless compression of the gradient all-reduce (off, auto, always). Results
     are bit-identical to plain all-gathers; the gradient sum is taken in float32
     in rank order, so it may differ from the backend's in the last bits."""
+    compression_streams: list[str] = field(default_factory=lambda: list(COMPRESSION_STREAMS))
+    """What may travel compressed: `gradients` (the DP all-reduce) and `kv` (ring
+    K/V and dK/dV transfers of the attention engine; pure moves, so bit-identical)."""
     compression_refresh_calls: int = 32
     """With `auto`: every how many calls a stream goes zipped to measure its ratio."""
 
@@ -315,6 +321,13 @@ class CommConfig:
         for key in ("init_timeout_s", "timeout_s"):
             value = getattr(self, key)
             _require(value > 0, f"comm.{key}", value, "must be > 0")
+        unknown = sorted(set(self.compression_streams) - set(COMPRESSION_STREAMS))
+        _require(
+            not unknown,
+            "comm.compression_streams",
+            self.compression_streams,
+            f"unknown {unknown}; allowed: {', '.join(COMPRESSION_STREAMS)}",
+        )
         _require(
             self.compression_refresh_calls >= 1,
             "comm.compression_refresh_calls",

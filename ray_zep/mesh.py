@@ -19,6 +19,7 @@ from ray_zep.errors import CommError, TopologyError
 from ray_zep.topology import Topology
 
 if TYPE_CHECKING:
+    from ray_zep.collectives.adaptive import RingZipper
     from ray_zep.routing.comms import Channels
 
 
@@ -46,6 +47,8 @@ class Comm:
     group: dist.ProcessGroup | None
     timeout_s: float
     routing: Channels | None = None
+    ring_zip: RingZipper | None = None
+    """Per-message compression of ring K/V and dK/dV transfers (`comm.compression`)."""
 
     @classmethod
     def create(

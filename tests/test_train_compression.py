@@ -66,3 +66,23 @@ def test_training_with_compression_gives_the_same_losses(tmp_path: Path):
     assert sorted(on["losses"]) == [1, 2, 3]
     for step, loss in off["losses"].items():
         assert on["losses"][step] == pytest.approx(loss, rel=1e-6), f"loss of step {step}"
+
+
+KV_ONLY = ["comm.compression=always", "comm.compression_streams=[kv]"]
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [["parallel.strategy=te_cp"], ["parallel.strategy=usp", "parallel.ulysses_degree=2"]],
+)
+def test_zipped_ring_transfers_train_bit_identically(tmp_path: Path, strategy):
+    """K/V and dK/dV only move, so compressing them changes no bit of the run."""
+    base = [*SMALL_RUN, *TWO_BY_TWO, *strategy, "train.steps=2"]
+    off = run_ranks(train_rank, 4, [*base, f"train.out_dir={tmp_path / 'off'}"])[0]
+    on = run_ranks(train_rank, 4, [*base, *KV_ONLY, f"train.out_dir={tmp_path / 'on'}"])[0]
+    assert on["losses"] == off["losses"]
+    for name, value in off["params"].items():
+        assert torch.equal(on["params"][name], value), f"{name} differs"
+    steps = [e for e in on["events"] if e["event"] == "step"]
+    assert all(e["compression"]["raw_bytes"] > e["compression"]["wire_bytes"] > 0 for e in steps)
+    assert all(not e.get("compression") for e in off["events"] if e["event"] == "step")

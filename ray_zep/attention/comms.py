@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ray_zep.collectives.codec import compress, decode_chunk, read_header
+from ray_zep.collectives.format import static_bytes
 from ray_zep.mesh import Comm
 
 
@@ -40,15 +42,89 @@ def exchange(
     comm: Comm,
     ops: Counter,
     what: str,
+    zip_stream: str | None = None,
 ) -> Pending:
-    """Post sends of (tensor, peer) and receives into (buffer, peer) together."""
+    """Post sends of (tensor, peer) and receives into (buffer, peer) together.
+
+    With `zip_stream` and the Comm's ring zipper (`comm.compression`), each
+    message the zipper picks travels compressed (see `ZippedPending`).
+    """
     if not sends and not recvs:
         return Pending([], comm, what)
+    zipper = comm.ring_zip if zip_stream is not None else None
+    if zipper is not None:
+        return _zipped_exchange(sends, recvs, comm, ops, what, zipper)
     p2p = [dist.P2POp(dist.isend, t.contiguous(), peer, comm.group) for t, peer in sends]
     p2p += [dist.P2POp(dist.irecv, buf, peer, comm.group) for buf, peer in recvs]
     ops["p2p"] += len(p2p)
     works = dist.batch_isend_irecv(p2p) if p2p else []
     return Pending(list(works), comm, what)
+
+
+class ZippedPending(Pending):
+    """A ring exchange whose zipped messages travel in two parts.
+
+    The static parts (sizes known to both ends from the tensor shapes) are
+    posted with the plain messages and overlap computation; at `wait` the
+    receivers read the escape counts from the static headers, and the dynamic
+    parts follow. Both ends post in the same program order, so the parts of
+    concurrent exchanges between the same two ranks pair up.
+    """
+
+    def __init__(self, works, comm, what, ops, zipped_sends, zipped_recvs, zipper) -> None:
+        super().__init__(works, comm, what)
+        self._ops, self._sends, self._recvs, self._zipper = ops, zipped_sends, zipped_recvs, zipper
+
+    def wait(self) -> None:
+        super().wait()
+        headers = [read_header(static) for static, _, _ in self._recvs]
+        dynamic_in = [
+            static.new_empty(h.dynamic_bytes)
+            for h, (static, _, _) in zip(headers, self._recvs, strict=True)
+        ]
+        p2p = [
+            dist.P2POp(dist.isend, z.dynamic, peer, self._comm.group)
+            for z, peer in self._sends
+            if z.dynamic.numel()
+        ]
+        p2p += [
+            dist.P2POp(dist.irecv, buf, peer, self._comm.group)
+            for buf, (_, _, peer) in zip(dynamic_in, self._recvs, strict=True)
+            if buf.numel()
+        ]
+        self._ops["p2p"] += len(p2p)
+        if p2p:
+            self._comm.wait(list(dist.batch_isend_irecv(p2p)), self._what)
+        for header, dynamic, (static, out, peer) in zip(
+            headers, dynamic_in, self._recvs, strict=True
+        ):
+            out.view(-1).copy_(decode_chunk(static, dynamic, header=header).view(out.dtype))
+            self._zipper.received(peer, out, static.numel() + dynamic.numel())
+        self._sends, self._recvs = [], []
+
+
+def _zipped_exchange(sends, recvs, comm, ops, what, zipper) -> Pending:
+    plain_sends, plain_recvs, zipped_sends, zipped_recvs = [], [], [], []
+    for tensor, peer in sends:
+        if zipper.zip_send(peer, tensor):
+            zipped = compress(tensor)
+            zipper.sent(peer, tensor, zipped.nbytes)
+            zipped_sends.append((zipped, peer))
+            plain_sends.append((zipped.static, peer))
+        else:
+            plain_sends.append((tensor.contiguous(), peer))
+    for buf, peer in recvs:
+        if zipper.zip_recv(peer, buf):
+            static = buf.new_empty(static_bytes(buf.numel(), buf.dtype), dtype=torch.uint8)
+            zipped_recvs.append((static, buf, peer))
+            plain_recvs.append((static, peer))
+        else:
+            plain_recvs.append((buf, peer))
+    p2p = [dist.P2POp(dist.isend, t, peer, comm.group) for t, peer in plain_sends]
+    p2p += [dist.P2POp(dist.irecv, buf, peer, comm.group) for buf, peer in plain_recvs]
+    ops["p2p"] += len(p2p)
+    works = list(dist.batch_isend_irecv(p2p)) if p2p else []
+    return ZippedPending(works, comm, what, ops, zipped_sends, zipped_recvs, zipper)
 
 
 def all_gather_rows(local: torch.Tensor, rows: int, comm: Comm, ops: Counter) -> torch.Tensor:

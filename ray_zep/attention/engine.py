@@ -140,6 +140,7 @@ def _ring_exchange(send, recv, item: ItemSchedule, step: int, payload, schedule,
         comm,
         schedule.ops,
         what,
+        zip_stream="kv",
     )
     if out_route is None and in_route is None:
         return direct

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ray_zep.collectives import comms
 from ray_zep.collectives.comms import Group, Sizes
+from ray_zep.collectives.format import FORMATS
 from ray_zep.collectives.switcher import Kind, Switcher, profile_group
 from ray_zep.config import Compression
 
@@ -62,7 +63,60 @@ class AdaptiveCollectives:
             self.sizes.raw_bytes + sizes.raw_bytes, self.sizes.wire_bytes + sizes.wire_bytes
         )
 
+    def ring_zipper(self) -> RingZipper:
+        """Per-message choices for this rank's ring transfers, sharing the profile."""
+        return RingZipper(self.switcher, self.g.rank)
+
     def _count_plain(self, nbytes: int) -> None:
         """A plain all-reduce moves each rank's bytes uncompressed: raw = sent."""
         total = nbytes * self.g.size
         self.sizes = Sizes(self.sizes.raw_bytes + total, self.sizes.wire_bytes + total)
+
+
+class RingZipper:
+    """Chooses, per point-to-point ring message, whether it travels zipped.
+
+    A link's choices depend only on the message sizes and on the ratios of its
+    earlier zipped messages, which both ends know, so sender and receiver
+    always agree. Counts this rank's sent bytes (raw and on the wire).
+    """
+
+    def __init__(self, switcher: Switcher, rank: int) -> None:
+        self.switcher, self.rank = switcher, rank
+        self.raw_bytes = self.wire_bytes = 0
+
+    def zip_send(self, peer: int, tensor: torch.Tensor) -> bool:
+        nbytes = tensor.numel() * tensor.element_size()
+        zipped = self._decide(self._link(self.rank, peer), tensor, nbytes)
+        if not zipped:
+            self.raw_bytes += nbytes
+            self.wire_bytes += nbytes
+        return zipped
+
+    def zip_recv(self, peer: int, buf: torch.Tensor) -> bool:
+        return self._decide(self._link(peer, self.rank), buf, buf.numel() * buf.element_size())
+
+    def sent(self, peer: int, tensor: torch.Tensor, wire_bytes: int) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.raw_bytes += nbytes
+        self.wire_bytes += wire_bytes
+        self.switcher.observe(self._link(self.rank, peer), Sizes(nbytes, wire_bytes))
+
+    def received(self, peer: int, out: torch.Tensor, wire_bytes: int) -> None:
+        nbytes = out.numel() * out.element_size()
+        self.switcher.observe(self._link(peer, self.rank), Sizes(nbytes, wire_bytes))
+
+    def take(self) -> tuple[int, int]:
+        """(raw, wire) bytes this rank sent since the last call; resets."""
+        out = (self.raw_bytes, self.wire_bytes)
+        self.raw_bytes = self.wire_bytes = 0
+        return out
+
+    def _decide(self, link: str, tensor: torch.Tensor, nbytes: int) -> bool:
+        if tensor.dtype not in FORMATS or tensor.numel() == 0:
+            return False
+        return self.switcher.use_zipped(Kind.ALL_TO_ALL, link, nbytes)
+
+    @staticmethod
+    def _link(src: int, dst: int) -> str:
+        return f"kv {src}->{dst}"

@@ -8,6 +8,7 @@ computes in one process.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -100,7 +101,7 @@ def resolve_dtype(precision: Precision, device: torch.device) -> torch.dtype:
 def _zipped_collectives(config: Config, comm: Comm) -> AdaptiveCollectives | None:
     """The gradient collectives' switcher when `comm.compression` is on (collective call)."""
     mode = config.comm.compression
-    if mode is Compression.OFF or comm.group is None:
+    if mode is Compression.OFF or comm.group is None or not config.comm.compression_streams:
         return None
     group = Group(comm.group, comm.timeout_s)
     return AdaptiveCollectives(group, mode, config.comm.compression_refresh_calls)
@@ -129,6 +130,8 @@ class RankTrainer:
         self.optimizer = build_optimizer(self.model, config.train)
         self.steps_done = 0
         self.zipped = _zipped_collectives(config, self.comm)
+        if self.zipped is not None and "kv" in config.comm.compression_streams:
+            self.comm = dataclasses.replace(self.comm, ring_zip=self.zipped.ring_zipper())
 
     def train_step(self, shard: RankShard) -> StepStats:
         """Forward, backward, gradient sync, clip and update on this rank's shard."""
@@ -139,7 +142,8 @@ class RankTrainer:
         grad_norm = self._clip()
         self.optimizer.step()
         self.steps_done += 1
-        totals = torch.tensor([loss_sum], dtype=torch.float64)
+        ring_bytes = self.comm.ring_zip.take() if self.comm.ring_zip else (0, 0)
+        totals = torch.tensor([loss_sum, *ring_bytes], dtype=torch.float64)
         all_reduce_sum_(totals, self.comm, "the step loss")
         traffic = self._traffic(shard, grad_bytes)
         return StepStats(
@@ -153,14 +157,18 @@ class RankTrainer:
             rank_tokens=list(shard.rank_tokens),
             comm_bytes={"intra_node": traffic.intra_node, "inter_node": traffic.inter_node},
             nic_bytes=traffic.nic.tolist(),
-            compression=self._compression_bytes(),
+            compression=self._compression_bytes(int(totals[1]), int(totals[2])),
         )
 
-    def _compression_bytes(self) -> dict[str, int]:
+    def _compression_bytes(self, ring_raw: int, ring_wire: int) -> dict[str, int]:
+        """Whole-job bytes of the compressible transfers of the step (measured)."""
         if self.zipped is None:
             return {}
         sizes = self.zipped.take_sizes()
-        return {"raw_bytes": sizes.raw_bytes, "wire_bytes": sizes.wire_bytes}
+        return {
+            "raw_bytes": sizes.raw_bytes + ring_raw,
+            "wire_bytes": sizes.wire_bytes + ring_wire,
+        }
 
     def _traffic(self, shard: RankShard, grad_bytes: int) -> Traffic:
         """Bytes of this step: gradients plus the shard's attention and remap traffic."""
@@ -179,7 +187,8 @@ class RankTrainer:
         """
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = self._forward_backward(shard)
-        return loss_sum, all_reduce_gradients_(self.params, self.comm, self.zipped)
+        zipped = self.zipped if "gradients" in self.config.comm.compression_streams else None
+        return loss_sum, all_reduce_gradients_(self.params, self.comm, zipped)
 
     def _forward_backward(self, shard: RankShard) -> float:
         # Shards arrive read-only from the object store; astype copies them.
