@@ -9,6 +9,8 @@ native kernels (`native.py`: C on the CPU, CUDA on a GPU), chosen by `backend`.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from ray_zep.collectives.table import choose_table
 from ray_zep.errors import CodecError
 
 BACKENDS = ("auto", "torch", "native")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,14 @@ def _use_native(backend: str, device: torch.device, fmt: FloatFormat) -> bool:
     reason = native.unavailable_reason(device, fmt)
     if backend == "native" and reason:
         raise CodecError(f"native codec unavailable: {reason}")
+    if reason is not None:
+        _note_reference_use(reason)
     return reason is None
+
+
+@functools.cache
+def _note_reference_use(reason: str) -> None:
+    log.info("codec: using the torch reference (slower, same bytes): %s", reason)
 
 
 def _check_splits(splits: Sequence[int] | None, numel: int) -> tuple[int, ...]:

@@ -50,11 +50,16 @@ class _Sections(ctypes.Structure):
 
 
 def unavailable_reason(device: torch.device, fmt: FloatFormat) -> str | None:
-    """None when a native kernel serves this device and dtype, else why not."""
-    if device.type == "cuda":
+    """None when a native kernel serves this device and dtype, else why not (asked once)."""
+    return _unavailable_reason(device.type, fmt)
+
+
+@functools.cache
+def _unavailable_reason(device_type: str, fmt: FloatFormat) -> str | None:
+    if device_type == "cuda":
         return cuda_kernels.unavailable_reason(fmt)
-    if device.type != "cpu":
-        return f"no native kernel for device type {device.type!r}"
+    if device_type != "cpu":
+        return f"no native kernel for device type {device_type!r}"
     try:
         _library()
     except CodecError as exc:

@@ -1,0 +1,51 @@
+"""`ray-zep bench codec`: the table, the JSON record, the PNG and the goals line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ray_zep.bench.codec import CodecBenchSpec, goals, run_codec_bench, synthetic_tensors
+from ray_zep.cli import main
+from ray_zep.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+
+def test_bench_codec_writes_rows_for_every_data_set(tmp_path: Path, capsys) -> None:
+    code = main(
+        ["bench", "codec", "model.n_layers=1", "--values", "20000", "--repeats", "1",
+         "--train-steps", "1", "--codecs", "zipccl,zipccl-torch,zstd-3", "--out", str(tmp_path)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    record = json.loads((tmp_path / "codec.json").read_text())
+    rows = record["rows"]
+    data = {r["data"] for r in rows}
+    assert {"relu activations", "weights", "gradients", "hidden states"} <= data
+    assert all(r["exact"] for r in rows), "a codec changed bits"
+    assert {r["codec"] for r in rows} <= {"zipccl", "zipccl-torch", "zstd-3"}
+    ours = [r for r in rows if r["codec"] == "zipccl-torch" and r["data"].startswith("gaussian")]
+    assert ours and all(r["ratio"] >= 1.40 for r in ours)
+    assert (tmp_path / "codec.png").stat().st_size > 0
+    assert "goal" in out and "ratio >= 1.40" in out
+
+
+def test_goals_compare_against_zstd_on_the_same_data() -> None:
+    tensors = {k: v for k, v in synthetic_tensors(4096).items() if "σ=1" in k}
+    rows = run_codec_bench(
+        tensors, CodecBenchSpec(values=4096, repeats=1, codecs=("zipccl-torch",))
+    )
+    assert [name for name, _ in goals(rows)] == []  # no native row, no zstd row: nothing to judge
+    assert all(r.exact for r in rows)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"codecs": ("zip",)}, "zip"), ({"values": 0}, "--values=0"), ({"repeats": 0}, "--repeats")],
+)
+def test_bad_bench_options_are_config_errors(kwargs, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        CodecBenchSpec(**kwargs)
