@@ -34,7 +34,7 @@ def test_bench_codec_writes_rows_for_every_data_set(tmp_path: Path, capsys) -> N
 
 
 def test_goals_compare_against_zstd_on_the_same_data() -> None:
-    tensors = {k: v for k, v in synthetic_tensors(4096).items() if "σ=1" in k}
+    tensors = {k: v for k, v in synthetic_tensors(4096).items() if "sigma=1" in k}
     rows = run_codec_bench(
         tensors, CodecBenchSpec(values=4096, repeats=1, codecs=("zipccl-torch",))
     )

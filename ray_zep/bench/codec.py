@@ -67,7 +67,7 @@ class CodecBenchSpec:
 def synthetic_tensors(values: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     normal = torch.randn(values, generator=gen)
-    out = {f"gaussian σ={s:g}": (normal * s).bfloat16() for s in SIGMAS}
+    out = {f"gaussian sigma={s:g}": (normal * s).bfloat16() for s in SIGMAS}
     out["relu activations"] = torch.relu(normal).bfloat16()
     return out
 
@@ -226,12 +226,12 @@ def goals(rows: list[CodecRow]) -> list[tuple[str, bool]]:
 
 
 def format_table(rows: list[CodecRow]) -> str:
-    head = f"{'data':<20} {'dtype':<9} {'codec':<13} {'dev':<4} {'MB':>7} {'ratio':>6} "
+    head = f"{'data':<22} {'dtype':<9} {'codec':<13} {'dev':<4} {'MB':>7} {'ratio':>6} "
     head += f"{'comp GB/s':>9} {'dec GB/s':>9} {'c+d GB/s':>9} exact"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.data:<20} {r.dtype:<9} {r.codec:<13} {r.device:<4} {r.mbytes:>7.1f} "
+            f"{r.data:<22} {r.dtype:<9} {r.codec:<13} {r.device:<4} {r.mbytes:>7.1f} "
             f"{r.ratio:>6.3f} {r.compress_gbps:>9.3f} {r.decompress_gbps:>9.3f} "
             f"{r.both_gbps:>9.3f} {'yes' if r.exact else 'NO'}"
         )

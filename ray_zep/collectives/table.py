@@ -26,7 +26,7 @@ import torch
 
 from ray_zep.collectives.format import TABLE_SIZE, FloatFormat
 
-SAMPLE_VALUES = 1 << 16
+SAMPLE_VALUES = 1 << 14
 HALF_NORMAL_MEDIAN = 0.6744897501960817
 """Median of |z| for z ~ N(0, 1)."""
 WINDOW_OFFSET = 0.5 * math.log2(14 * math.log(2) / 16383)
