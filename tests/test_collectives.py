@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ray_zep.collectives import compress
+from ray_zep.collectives.codec import read_header
 from ray_zep.collectives.comms import (
     AllToAllDesign,
     Group,
@@ -27,14 +29,16 @@ WIDTH = 24
 
 
 def inputs(rank: int, world: int) -> dict[str, torch.Tensor]:
-    """Gaussian BF16 and FP32 and all-escape data; rows differ by rank (rank 1 has none)."""
+    """Gaussian BF16 and FP32, random bits (mostly escapes) and NaN/Inf payloads (every
+    value escapes: no table codes the Inf/NaN exponent); rows differ by rank (rank 1 has none)."""
     gen = torch.Generator().manual_seed(100 + rank)
     rows = 0 if rank == 1 else 17 * rank + 5
     noise = torch.randint(-(2**15), 2**15, (rows, WIDTH), generator=gen, dtype=torch.int16)
     return {
         "bf16": torch.randn(rows, WIDTH, generator=gen).bfloat16() * 0.02,
         "fp32": torch.randn(rows, WIDTH, generator=gen) * 3.0,
-        "escapes": noise.view(torch.bfloat16),
+        "random bits": noise.view(torch.bfloat16),
+        "all escapes": (noise | 0x7F80).view(torch.bfloat16),
     }
 
 
@@ -72,6 +76,13 @@ def collectives_rank(rank: int, world: int) -> dict:
         if name == "fp32":
             results["rs-native/fp32"] = (zipped_rs, native_reduce_scatter(stacked, g))
     return results
+
+
+def test_nan_and_inf_payloads_escape_every_value():
+    values = inputs(2, 4)["all escapes"]
+    zipped = compress(values)
+    header = read_header(zipped.chunk(0)[0])
+    assert header.n_escapes == values.numel() > 0
 
 
 def as_bits(tensor: torch.Tensor) -> torch.Tensor:
