@@ -13,14 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_zep.config import load_config
-from ray_zep.data.shards import shard_for
-from ray_zep.mesh import Comm
-from ray_zep.topology import build_topology
-from ray_zep.train.checkpoint import Progress
-from ray_zep.train.trainer import RankTrainer
 from tests.helpers.procs import run_ranks
-from tests.helpers.training import SMALL_RUN, make_stream, train_rank
+from tests.helpers.training import SMALL_RUN, first_gradients, gradients_of, train_rank
 
 pytestmark = pytest.mark.dist
 
@@ -28,16 +22,9 @@ TWO_BY_TWO = ["topology.nodes=2", "topology.gpus_per_node=2", "parallel.strategy
 
 
 def _gradients(rank: int, world: int, overrides: list[str]) -> dict:
-    config = load_config(None, overrides)
-    topology = build_topology(config.topology)
-    comm = Comm.create(topology, config.parallel.strategy, 60.0)
-    batch = make_stream(config, topology, Progress(0, {})).next_batch()
-    shard = shard_for(batch, config, topology)[rank]
-    trainer = RankTrainer(config, comm, torch.device("cpu"))
-    trainer.compute_gradients(shard)
+    trainer = first_gradients(rank, overrides)
     sizes = trainer.zipped.take_sizes() if trainer.zipped else None
-    grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
-    return {"grads": grads, "sizes": sizes}
+    return {"grads": gradients_of(trainer), "sizes": sizes}
 
 
 @pytest.mark.parametrize("mode", ["always", "auto"])

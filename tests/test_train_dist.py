@@ -22,16 +22,19 @@ import torch
 
 from ray_zep.config import load_config
 from ray_zep.data.builder import write_token_parquet
-from ray_zep.data.shards import shard_for
 from ray_zep.errors import CommError, TopologyError
 from ray_zep.mesh import Comm
 from ray_zep.topology import build_topology
-from ray_zep.train.checkpoint import Progress
 from ray_zep.train.comms import all_reduce_sum_
-from ray_zep.train.trainer import RankTrainer
 from tests.helpers.procs import run_ranks
 from tests.helpers.samples import assert_each_token_once_per_epoch
-from tests.helpers.training import SMALL_RUN, make_stream, max_relative_error, train_rank
+from tests.helpers.training import (
+    SMALL_RUN,
+    first_gradients,
+    gradients_of,
+    max_relative_error,
+    train_rank,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -60,14 +63,7 @@ def test_dp_matches_single_on_2x2(tmp_path: Path) -> None:
 
 
 def _gradients(rank: int, world: int, overrides: list[str]) -> dict[str, torch.Tensor]:
-    config = load_config(None, overrides)
-    topology = build_topology(config.topology)
-    comm = Comm.create(topology, config.parallel.strategy, 60.0)
-    batch = make_stream(config, topology, Progress(0, {})).next_batch()
-    shard = shard_for(batch, config, topology)[rank]
-    trainer = RankTrainer(config, comm, torch.device("cpu"))
-    trainer.compute_gradients(shard)
-    return {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+    return gradients_of(first_gradients(rank, overrides))
 
 
 def test_dp_gradients_match_single_for_every_parameter() -> None:

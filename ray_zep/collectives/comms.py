@@ -128,17 +128,12 @@ def all_to_all_v(
 ) -> torch.Tensor:
     """Plain all-to-all: send_rows[r] rows to rank r, receive recv_rows[r] from r, by rank."""
     row = _row_numel(tensor)
-    out = tensor.new_empty((sum(recv_rows), *tensor.shape[1:]))
-    work = dist.all_to_all_single(
-        out.view(-1),
-        tensor.contiguous().view(-1),
-        [r * row for r in recv_rows],
-        [r * row for r in send_rows],
-        group=g.group,
-        async_op=True,
+    flat = tensor.contiguous().view(-1)
+    out, work = _post_all_to_all(
+        flat, [r * row for r in send_rows], [r * row for r in recv_rows], g
     )
     g.wait([work], "all-to-all")
-    return out
+    return out.view(sum(recv_rows), *tensor.shape[1:])
 
 
 def exchange_rows(send_rows: Sequence[int], g: Group) -> list[int]:
@@ -182,10 +177,7 @@ def _size_first(zipped: Compressed, raw: int, g: Group):
     sizes = zipped.packed_sizes()
     matrix = _gather_ints([*sizes, raw], g, "zipped all-to-all sizes")
     incoming = [matrix[src][g.rank] for src in range(g.size)]
-    out = zipped.static.new_empty(sum(incoming))
-    work = dist.all_to_all_single(
-        out, zipped.packed(), incoming, sizes, group=g.group, async_op=True
-    )
+    out, work = _post_all_to_all(zipped.packed(), sizes, incoming, g)
     g.wait([work], "zipped all-to-all")
     return [split_packed(piece, 1)[0] for piece in out.split(incoming)], matrix
 
@@ -193,25 +185,11 @@ def _size_first(zipped: Compressed, raw: int, g: Group):
 def _static_first(zipped: Compressed, raw: int, recv_values: list[int], dtype, g: Group):
     """Static parts at once (their sizes follow from the rows), then sizes, then dynamic parts."""
     in_static = [static_bytes(n, dtype) for n in recv_values]
-    static_out = zipped.static.new_empty(sum(in_static))
-    static_work = dist.all_to_all_single(
-        static_out,
-        zipped.static,
-        in_static,
-        list(zipped.static_sizes),
-        group=g.group,
-        async_op=True,
-    )
+    static_out, static_work = _post_all_to_all(zipped.static, zipped.static_sizes, in_static, g)
     matrix = _gather_ints([*zipped.packed_sizes(), raw], g, "zipped all-to-all dynamic sizes")
     in_dynamic = [matrix[src][g.rank] - in_static[src] for src in range(g.size)]
-    dynamic_out = zipped.dynamic.new_empty(sum(in_dynamic))
-    dynamic_work = dist.all_to_all_single(
-        dynamic_out,
-        zipped.dynamic,
-        in_dynamic,
-        list(zipped.dynamic_sizes),
-        group=g.group,
-        async_op=True,
+    dynamic_out, dynamic_work = _post_all_to_all(
+        zipped.dynamic, zipped.dynamic_sizes, in_dynamic, g
     )
     g.wait([static_work, dynamic_work], "zipped all-to-all")
     chunks = list(zip(static_out.split(in_static), dynamic_out.split(in_dynamic), strict=True))
@@ -252,6 +230,17 @@ def native_reduce_scatter(tensor: torch.Tensor, g: Group) -> torch.Tensor:
     work = dist.reduce_scatter_single(out, tensor.contiguous(), group=g.group, async_op=True)
     g.wait([work], "reduce-scatter")
     return out
+
+
+def _post_all_to_all(
+    send: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int], g: Group
+) -> tuple[torch.Tensor, dist.Work]:
+    """Post an all-to-all of the 1-D `send` cut into `send_sizes`; (output, its work handle)."""
+    out = send.new_empty(sum(recv_sizes))
+    work = dist.all_to_all_single(
+        out, send, list(recv_sizes), list(send_sizes), group=g.group, async_op=True
+    )
+    return out, work
 
 
 def _gather_ints(values: list[int], g: Group, what: str) -> list[list[int]]:

@@ -23,6 +23,7 @@ from ray_zep.model.shapes import build_shape
 from ray_zep.topology import Topology, build_topology
 from ray_zep.train.checkpoint import Progress, read_model_state
 from ray_zep.train.loop import run_rank
+from ray_zep.train.trainer import RankTrainer
 
 TIMEOUT_S = 60.0
 
@@ -79,6 +80,21 @@ def train_rank(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
         },
         "events": events,
     }
+
+
+def first_gradients(rank: int, overrides: list[str]) -> RankTrainer:
+    """A trainer of this rank after computing (and syncing) the first batch's gradients."""
+    config = load_config(None, overrides)
+    topology = build_topology(config.topology)
+    comm = Comm.create(topology, config.parallel.strategy, TIMEOUT_S)
+    batch = make_stream(config, topology, Progress(0, {})).next_batch()
+    trainer = RankTrainer(config, comm, torch.device("cpu"))
+    trainer.compute_gradients(shard_for(batch, config, topology)[rank])
+    return trainer
+
+
+def gradients_of(trainer: RankTrainer) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
 
 
 def _batch(state: dict[str, Any], step: int) -> GlobalBatch:
