@@ -54,11 +54,17 @@ def exchange(
     zipper = comm.ring_zip if zip_stream is not None else None
     if zipper is not None:
         return _zipped_exchange(sends, recvs, comm, ops, what, zipper)
-    p2p = [dist.P2POp(dist.isend, t.contiguous(), peer, comm.group) for t, peer in sends]
+    return Pending(
+        _post([(t.contiguous(), peer) for t, peer in sends], recvs, comm, ops), comm, what
+    )
+
+
+def _post(sends, recvs, comm: Comm, ops: Counter) -> list:
+    """Post sends of (tensor, peer) and receives into (buffer, peer) as one batch."""
+    p2p = [dist.P2POp(dist.isend, t, peer, comm.group) for t, peer in sends]
     p2p += [dist.P2POp(dist.irecv, buf, peer, comm.group) for buf, peer in recvs]
     ops["p2p"] += len(p2p)
-    works = dist.batch_isend_irecv(p2p) if p2p else []
-    return Pending(list(works), comm, what)
+    return list(dist.batch_isend_irecv(p2p)) if p2p else []
 
 
 class ZippedPending(Pending):
@@ -82,23 +88,17 @@ class ZippedPending(Pending):
             static.new_empty(h.dynamic_bytes)
             for h, (static, _, _) in zip(headers, self._recvs, strict=True)
         ]
-        p2p = [
-            dist.P2POp(dist.isend, z.dynamic, peer, self._comm.group)
-            for z, peer in self._sends
-            if z.dynamic.numel()
-        ]
-        p2p += [
-            dist.P2POp(dist.irecv, buf, peer, self._comm.group)
+        sends = [(z.dynamic, peer) for z, peer in self._sends if z.dynamic.numel()]
+        recvs = [
+            (buf, peer)
             for buf, (_, _, peer) in zip(dynamic_in, self._recvs, strict=True)
             if buf.numel()
         ]
-        self._ops["p2p"] += len(p2p)
-        if p2p:
-            self._comm.wait(list(dist.batch_isend_irecv(p2p)), self._what)
+        self._comm.wait(_post(sends, recvs, self._comm, self._ops), self._what)
         for header, dynamic, (static, out, peer) in zip(
             headers, dynamic_in, self._recvs, strict=True
         ):
-            out.view(-1).copy_(decode_chunk(static, dynamic, header=header).view(out.dtype))
+            out.view(-1).copy_(decode_chunk(static, dynamic, header=header))
             self._zipper.received(peer, out, static.numel() + dynamic.numel())
         self._sends, self._recvs = [], []
 
@@ -120,10 +120,7 @@ def _zipped_exchange(sends, recvs, comm, ops, what, zipper) -> Pending:
             plain_recvs.append((static, peer))
         else:
             plain_recvs.append((buf, peer))
-    p2p = [dist.P2POp(dist.isend, t, peer, comm.group) for t, peer in plain_sends]
-    p2p += [dist.P2POp(dist.irecv, buf, peer, comm.group) for buf, peer in plain_recvs]
-    ops["p2p"] += len(p2p)
-    works = list(dist.batch_isend_irecv(p2p)) if p2p else []
+    works = _post(plain_sends, plain_recvs, comm, ops)
     return ZippedPending(works, comm, what, ops, zipped_sends, zipped_recvs, zipper)
 
 
