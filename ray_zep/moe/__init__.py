@@ -1,0 +1,1 @@
+"""Mixture-of-Experts: gating, expert parallelism, and the FoldMoE attention-MoE pipeline."""
