@@ -59,9 +59,7 @@ class AdaptiveCollectives:
 
     def _record(self, stream: str, sizes: Sizes) -> None:
         self.switcher.observe(stream, sizes)
-        self.sizes = Sizes(
-            self.sizes.raw_bytes + sizes.raw_bytes, self.sizes.wire_bytes + sizes.wire_bytes
-        )
+        self.sizes += sizes
 
     def ring_zipper(self) -> RingZipper:
         """Per-message choices for this rank's ring transfers, sharing the profile."""
@@ -70,7 +68,7 @@ class AdaptiveCollectives:
     def _count_plain(self, nbytes: int) -> None:
         """A plain all-reduce moves each rank's bytes uncompressed: raw = sent."""
         total = nbytes * self.g.size
-        self.sizes = Sizes(self.sizes.raw_bytes + total, self.sizes.wire_bytes + total)
+        self.sizes += Sizes(total, total)
 
 
 class RingZipper:

@@ -14,6 +14,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -107,7 +108,7 @@ def compress(
     fmt = float_format(tensor.dtype)
     flat = tensor.detach().reshape(-1).contiguous()
     chunk_values = _check_splits(splits, flat.numel())
-    encode = _encoder(backend, flat.device, fmt)
+    encode = _kernels(backend, flat.device, fmt).encode_chunk
     table = choose_table(flat, fmt)
     statics, dynamics = [], []
     for piece in flat.split(list(chunk_values)):
@@ -155,7 +156,7 @@ def decode_chunk(
             f"truncated chunk: {static.numel()} + {dynamic.numel()} bytes for "
             f"{header.n_values} values and {header.n_escapes} escapes"
         )
-    decode = _decoder(backend, static.device, header.fmt)
+    decode = _kernels(backend, static.device, header.fmt).decode_chunk
     return decode(static, dynamic, header)
 
 
@@ -170,16 +171,9 @@ def split_packed(buffer: torch.Tensor, chunks: int) -> list[tuple[torch.Tensor, 
     return out
 
 
-def _encoder(backend: str, device: torch.device, fmt: FloatFormat):
-    if _use_native(backend, device, fmt):
-        return native.encode_chunk
-    return reference.encode_chunk
-
-
-def _decoder(backend: str, device: torch.device, fmt: FloatFormat):
-    if _use_native(backend, device, fmt):
-        return native.decode_chunk
-    return reference.decode_chunk
+def _kernels(backend: str, device: torch.device, fmt: FloatFormat) -> ModuleType:
+    """The module whose `encode_chunk` / `decode_chunk` serve this call."""
+    return native if _use_native(backend, device, fmt) else reference
 
 
 def _use_native(backend: str, device: torch.device, fmt: FloatFormat) -> bool:

@@ -84,6 +84,9 @@ class Sizes:
     raw_bytes: int
     wire_bytes: int
 
+    def __add__(self, other: Sizes) -> Sizes:
+        return Sizes(self.raw_bytes + other.raw_bytes, self.wire_bytes + other.wire_bytes)
+
 
 def all_gather_v(tensor: torch.Tensor, g: Group) -> list[torch.Tensor]:
     """Plain all-gather of tensors whose dim 0 may differ by rank: one tensor per rank."""
@@ -124,7 +127,11 @@ def zipped_all_gather(
 
 
 def all_to_all_v(
-    tensor: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int], g: Group
+    tensor: torch.Tensor,
+    send_rows: Sequence[int],
+    recv_rows: Sequence[int],
+    g: Group,
+    what: str = "all-to-all",
 ) -> torch.Tensor:
     """Plain all-to-all: send_rows[r] rows to rank r, receive recv_rows[r] from r, by rank."""
     row = _row_numel(tensor)
@@ -132,7 +139,7 @@ def all_to_all_v(
     out, work = _post_all_to_all(
         flat, [r * row for r in send_rows], [r * row for r in recv_rows], g
     )
-    g.wait([work], "all-to-all")
+    g.wait([work], what)
     return out.view(sum(recv_rows), *tensor.shape[1:])
 
 
@@ -305,6 +312,4 @@ def zipped_all_reduce(
     reduced, rs_sizes = zipped_reduce_scatter(padded.view(g.size * shard, 1), g, traffic)
     gathered, ag_sizes = zipped_all_gather(reduced, g, traffic)
     total = torch.cat(gathered).view(-1)[:n]
-    return total, Sizes(
-        rs_sizes.raw_bytes + ag_sizes.raw_bytes, rs_sizes.wire_bytes + ag_sizes.wire_bytes
-    )
+    return total, rs_sizes + ag_sizes

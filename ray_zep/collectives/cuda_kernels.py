@@ -25,6 +25,7 @@ from ray_zep.collectives.format import (
     Layout,
     dynamic_bytes,
 )
+from ray_zep.collectives.reference import code_lookup
 from ray_zep.errors import CodecError
 
 SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "zipccl.cu"
@@ -54,9 +55,7 @@ def encode_chunk(
     """
     ext, n = kernels or _extension(), flat_N.numel()
     layout = Layout.of(n, fmt)
-    code_of = torch.zeros(fmt.exp_max + 1, dtype=torch.uint8)
-    code_of[list(table)] = torch.arange(1, 8, dtype=torch.uint8)
-    code_of = code_of.to(flat_N.device)
+    code_of = code_lookup(table, fmt, flat_N.device).to(torch.uint8)
     counts_T = ext.count_escapes(flat_N.view(torch.int16), code_of, layout.tiles)
     index_T = (torch.cumsum(counts_T, 0) - counts_T).to(torch.int32)
     n_escapes = int(counts_T.sum()) if layout.tiles else 0

@@ -17,9 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from ray_zep.collectives.comms import Group
+from ray_zep.collectives.comms import Group, all_to_all_v, exchange_rows
 
 ExpertFn = Callable[[torch.Tensor, int], torch.Tensor]
 """(rows of one local expert, local expert index) -> that expert's outputs."""
@@ -31,12 +30,12 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, in_rows, out_rows, g: Group, what: str):
         ctx.rows, ctx.g, ctx.what = (in_rows, out_rows), g, what
-        return _all_to_all(x_ND, in_rows, out_rows, g, what)
+        return all_to_all_v(x_ND, in_rows, out_rows, g, what)
 
     @staticmethod
     def backward(ctx, grad_ND):
         in_rows, out_rows = ctx.rows
-        grad = _all_to_all(grad_ND.contiguous(), out_rows, in_rows, ctx.g, ctx.what + " (backward)")
+        grad = all_to_all_v(grad_ND, out_rows, in_rows, ctx.g, ctx.what + " (backward)")
         return grad, None, None, None, None
 
 
@@ -45,21 +44,6 @@ def all_to_all_rows(
 ) -> torch.Tensor:
     """Differentiable all-to-all of rows: in_rows[r] rows to rank r, out_rows[r] from r."""
     return _AllToAll.apply(x_ND, list(in_rows), list(out_rows), g, what)
-
-
-def _all_to_all(x_ND, in_rows, out_rows, g: Group, what: str) -> torch.Tensor:
-    width = x_ND[0].numel() if x_ND.shape[0] else int(torch.tensor(x_ND.shape[1:]).prod())
-    out = x_ND.new_empty((sum(out_rows), *x_ND.shape[1:]))
-    work = dist.all_to_all_single(
-        out.view(-1),
-        x_ND.contiguous().view(-1),
-        [r * width for r in out_rows],
-        [r * width for r in in_rows],
-        group=g.group,
-        async_op=True,
-    )
-    g.wait([work], what)
-    return out
 
 
 def padded_experts(buf_XCD: torch.Tensor, experts: ExpertFn, g: Group) -> torch.Tensor:
@@ -81,11 +65,9 @@ def varlen_experts(
     """Outputs for rows sorted by expert (counts_X rows each), experts spread over `g`."""
     total = counts_X.numel()
     local = total // g.size
-    send_XL = counts_X.view(g.size, local)
-    recv_XL = torch.empty_like(send_XL)
-    work = dist.all_to_all_single(recv_XL, send_XL.contiguous(), group=g.group, async_op=True)
-    g.wait([work], "MoE dispatch counts")
-    send_rows, recv = send_XL.sum(1).tolist(), recv_XL.tolist()
+    send_rows = counts_X.view(g.size, local).sum(1).tolist()
+    received = exchange_rows(counts_X.tolist(), g)  # [source s, local expert j] flattened
+    recv = [received[s * local : (s + 1) * local] for s in range(g.size)]
     got = all_to_all_rows(rows_ND, send_rows, [sum(r) for r in recv], g, "MoE dispatch")
     pieces = list(got.split([n for source in recv for n in source]))
     outputs = [None] * len(pieces)

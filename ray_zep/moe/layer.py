@@ -95,9 +95,7 @@ class MoE(nn.Module):
         return F.linear(F.silu(F.linear(x_ND, w1)) * F.linear(x_ND, w3), w2)
 
     def _padded(self, x_TD: torch.Tensor, routing: Routing, capacity: int) -> torch.Tensor:
-        kept = routing.kept_TK
-        token_T = torch.arange(x_TD.shape[0], device=x_TD.device)
-        token_N = token_T.unsqueeze(1).expand_as(kept)[kept]
+        kept, token_N = routing.kept_TK, _kept_tokens(routing)
         buf_XCD = x_TD.new_zeros((self.experts, capacity, x_TD.shape[1]))
         buf_XCD = buf_XCD.index_put((routing.expert_TK[kept], routing.slot_TK[kept]), x_TD[token_N])
         if self.ep is None:
@@ -108,9 +106,7 @@ class MoE(nn.Module):
         return (picked_TKD * routing.weight_TK.unsqueeze(-1).to(x_TD.dtype)).sum(1)
 
     def _varlen(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
-        kept = routing.kept_TK
-        token_T = torch.arange(x_TD.shape[0], device=x_TD.device)
-        token_N = token_T.unsqueeze(1).expand_as(kept)[kept]
+        kept, token_N = routing.kept_TK, _kept_tokens(routing)
         expert_N, weight_N = routing.expert_TK[kept], routing.weight_TK[kept]
         order = torch.argsort(expert_N, stable=True)
         rows_ND = x_TD[token_N[order]]
@@ -122,6 +118,13 @@ class MoE(nn.Module):
             out_ND = comms.varlen_experts(rows_ND, routing.counts_X, self.expert, self.ep)
         weighted = out_ND * weight_N[order].unsqueeze(-1).to(x_TD.dtype)
         return x_TD.new_zeros(x_TD.shape).index_add(0, token_N[order], weighted)
+
+
+def _kept_tokens(routing: Routing) -> torch.Tensor:
+    """Token index of each kept choice, in (token, choice) order: (N,)."""
+    kept = routing.kept_TK
+    token_T = torch.arange(kept.shape[0], device=kept.device)
+    return token_T.unsqueeze(1).expand_as(kept)[kept]
 
 
 def shard_experts(moe: MoE, ep: Group) -> None:
