@@ -121,6 +121,30 @@ class Compression(Enum):
 COMPRESSION_STREAMS = ("gradients", "kv")
 
 
+class MoEDispatch(Enum):
+    """How tokens reach their experts under expert parallelism."""
+
+    AUTO = "auto"
+    """padded when a capacity factor is set, varlen when dropless."""
+    PADDED = "padded"
+    """Every expert gets exactly `capacity` slots (fixed sizes, no host sync)."""
+    VARLEN = "varlen"
+    """Only kept choices move; counts are exchanged first."""
+
+
+class MoEPipeline(Enum):
+    """How an MoE block overlaps its all-to-alls with computation (FoldMoE)."""
+
+    NONE = "none"
+    """No overlap: attention, dispatch, experts, combine in turn."""
+    MOE_ONLY = "moe_only"
+    """Token micro-batches inside the MoE layer only (Tutel-style)."""
+    AAAM = "aaam"
+    """Attention-MoE pipeline, all attention slices before any expert computation."""
+    ONE_A_ONE_M = "1a1m"
+    """Attention-MoE pipeline interleaving one attention slice and one expert micro-batch."""
+
+
 def _require(ok: bool, key: str, value: Any, rule: str) -> None:
     if not ok:
         raise ConfigError(f"config key {key}={value!r}: {rule}")
@@ -200,8 +224,20 @@ class ParallelConfig:
     planned strategies only."""
     remap_policy: RemapPolicy = RemapPolicy.WHEN_FASTER
     """when_faster | always: remap only the batches where it pays off, or every batch."""
+    ep: int = 1
+    """Expert-parallel degree: experts are split over groups of this many
+    consecutive ranks; must divide the number of ranks and model.moe.num_experts."""
+    moe_pipeline: MoEPipeline = MoEPipeline.NONE
+    """none | moe_only | aaam | 1a1m: all-to-all overlap inside MoE blocks; aaam and
+    1a1m slice attention too, so they need attention local to a rank (single, dp)."""
+    moe_overlap_degree: int = 4
+    """d, micro-batches per MoE block under parallel.moe_pipeline."""
+    moe_uniform_slicing: bool = True
+    """Slice attention so every slice after the first costs the same (FoldMoE Alg. 1);
+    false: d equal token slices. aaam and 1a1m only."""
 
     def __post_init__(self) -> None:
+        self._check_moe()
         for key in ("routing", "remap"):
             _require(
                 not getattr(self, key) or self.strategy not in (Strategy.SINGLE, Strategy.DP),
@@ -216,6 +252,65 @@ class ParallelConfig:
             self.ulysses_degree,
             "must be >= 0 (0 = automatic)",
         )
+
+    def _check_moe(self) -> None:
+        _require(self.ep >= 1, "parallel.ep", self.ep, "must be >= 1")
+        _require(
+            self.moe_overlap_degree >= 1,
+            "parallel.moe_overlap_degree",
+            self.moe_overlap_degree,
+            "must be >= 1",
+        )
+        _require(
+            self.ep == 1 or self.strategy is not Strategy.SINGLE,
+            "parallel.ep",
+            self.ep,
+            "expert parallelism needs several ranks; parallel.strategy=single runs one",
+        )
+        sliced = self.moe_pipeline in (MoEPipeline.AAAM, MoEPipeline.ONE_A_ONE_M)
+        _require(
+            not sliced or self.strategy in (Strategy.SINGLE, Strategy.DP),
+            "parallel.moe_pipeline",
+            self.moe_pipeline.value,
+            f"slices attention, which parallel.strategy={self.strategy.value} spreads over "
+            "ranks; use single or dp, or moe_pipeline=moe_only",
+        )
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int | None = None
+    """Experts per MoE block; 0 = dense. Unset: the model preset's."""
+    top_k: int | None = None
+    """Experts per token, 1 or 2 (preset)."""
+    capacity_factor: float | None = None
+    """Expert slots = ceil(CF · top_k · tokens / experts) per rank; <= 0: dropless (preset)."""
+    hidden_dim: int | None = None
+    """Each expert's SwiGLU inner dimension; 0 = model.ffn_dim (preset)."""
+    every: int | None = None
+    """Every n-th block is an MoE block (preset)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (GShard's, over the whole global batch)."""
+    dispatch: MoEDispatch = MoEDispatch.AUTO
+    """auto | padded | varlen: how tokens reach the experts (see MoEDispatch)."""
+
+    def __post_init__(self) -> None:
+        _require(self.aux_loss_coef >= 0, "model.moe.aux_loss_coef", self.aux_loss_coef, ">= 0")
+
+    def overrides(self) -> dict[str, Any]:
+        """The MoE fields of the model shape that are set explicitly, by shape name."""
+        names = {
+            "num_experts": "moe_experts",
+            "top_k": "moe_top_k",
+            "capacity_factor": "moe_capacity_factor",
+            "hidden_dim": "moe_hidden",
+            "every": "moe_every",
+        }
+        return {
+            shape_name: getattr(self, key)
+            for key, shape_name in names.items()
+            if getattr(self, key) is not None
+        }
 
 
 @dataclass
@@ -251,7 +346,8 @@ class TopologyConfig:
 @dataclass
 class ModelConfig:
     preset: str = "tiny"
-    """tiny (CPU demo) or a paper shape: 3b, 7b, 13b, 30b."""
+    """tiny or tiny_moe (CPU demos) or a paper shape: 3b, 7b, 13b, 30b, 8x550m,
+    gpt_moe_s, gpt_moe_m, gpt_moe_l."""
     vocab_size: int | None = None
     """Override the preset's vocabulary size (likewise the fields below)."""
     dim: int | None = None
@@ -262,13 +358,16 @@ class ModelConfig:
     rope_theta: float | None = None
     attention_kernel: str = "auto"
     """auto (flash-attn on GPU when installed, else torch) | torch | flash."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-Experts blocks (the preset's unless set)."""
 
     def overrides(self) -> dict[str, Any]:
-        """The shape fields set explicitly, by name."""
+        """The dense shape fields set explicitly, by name."""
         return {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name not in ("preset", "attention_kernel") and getattr(self, f.name) is not None
+            if f.name not in ("preset", "attention_kernel", "moe")
+            and getattr(self, f.name) is not None
         }
 
 

@@ -131,10 +131,11 @@ def preset_rates(gpu_model: str) -> ComputeRates:
 
 def linear_flops_per_token(shape: ModelShape) -> tuple[float, float]:
     """Forward FLOPs of one block's matmuls for one token, one layer: (before
-    attention: Q, K, V projections; after it: output projection and SwiGLU MLP)."""
+    attention: Q, K, V projections; after it: output projection and SwiGLU MLP, or
+    an MoE block's gate and top-k experts, averaged over the blocks)."""
     e = shape.head_dim
     before = 2.0 * shape.dim * (shape.n_heads + 2 * shape.n_kv_heads) * e
-    after = 2.0 * shape.n_heads * e * shape.dim + 2.0 * 3 * shape.dim * shape.ffn_dim
+    after = 2.0 * shape.n_heads * e * shape.dim + 2.0 * shape.mean_ffn_params()
     return before, after
 
 

@@ -44,17 +44,33 @@ def objective(y_TD: torch.Tensor, moe: MoE) -> torch.Tensor:
 
 
 @pytest.mark.unit
-def test_first_choices_claim_slots_before_second_choices():
+def test_slots_go_in_token_order_first_choice_first():
     logits = torch.tensor([[5.0, 4.0, 0.0], [5.0, 0.0, 4.0], [0.0, 5.0, 4.0]])
     routing = route(logits, top_k=2, capacity=1)
-    # First choices, in token order: t0 takes expert 0 (t1's first choice drops), t2
-    # takes expert 1 (so t0's second choice drops); then t1's second choice takes
-    # expert 2 before t2's second choice.
-    assert routing.kept_TK.tolist() == [[True, False], [False, True], [True, False]]
+    # t0 takes experts 0 and 1; t1's first choice (0) drops, its second takes 2;
+    # t2 finds both 1 and 2 taken.
+    assert routing.kept_TK.tolist() == [[True, True], [False, True], [False, False]]
     assert routing.counts_X.tolist() == [1, 1, 1]
     assert routing.weight_TK[1, 0].item() == 0.0 and routing.weight_TK[1, 1].item() > 0
     p0, p1 = torch.softmax(logits[0], 0)[:2]
     assert routing.weight_TK[0, 0].item() == pytest.approx((p0 / (p0 + p1)).item())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_routing_in_pieces_drops_what_routing_whole_drops(top_k):
+    logits = torch.randn(40, 4, generator=torch.Generator().manual_seed(3)) * 3
+    whole = route(logits, top_k, capacity=6)
+    claimed, kept, slots, balance = None, [], [], None
+    for piece in logits.split([7, 0, 13, 20]):
+        part = route(piece, top_k, capacity=6, claimed_X=claimed)
+        claimed = part.claimed_X
+        kept.append(part.kept_TK)
+        slots.append(part.slot_TK)
+        balance = part.balance if balance is None else balance + part.balance
+    assert torch.equal(torch.cat(kept), whole.kept_TK)
+    assert torch.equal(torch.cat(slots), whole.slot_TK)
+    assert balance.loss().item() == pytest.approx(whole.aux_loss.item(), rel=1e-6)
 
 
 @pytest.mark.unit

@@ -136,9 +136,7 @@ def all_to_all_v(
     """Plain all-to-all: send_rows[r] rows to rank r, receive recv_rows[r] from r, by rank."""
     row = _row_numel(tensor)
     flat = tensor.contiguous().view(-1)
-    out, work = _post_all_to_all(
-        flat, [r * row for r in send_rows], [r * row for r in recv_rows], g
-    )
+    out, work = post_all_to_all(flat, [r * row for r in send_rows], [r * row for r in recv_rows], g)
     g.wait([work], what)
     return out.view(sum(recv_rows), *tensor.shape[1:])
 
@@ -184,7 +182,7 @@ def _size_first(zipped: Compressed, raw: int, g: Group):
     sizes = zipped.packed_sizes()
     matrix = _gather_ints([*sizes, raw], g, "zipped all-to-all sizes")
     incoming = [matrix[src][g.rank] for src in range(g.size)]
-    out, work = _post_all_to_all(zipped.packed(), sizes, incoming, g)
+    out, work = post_all_to_all(zipped.packed(), sizes, incoming, g)
     g.wait([work], "zipped all-to-all")
     return [split_packed(piece, 1)[0] for piece in out.split(incoming)], matrix
 
@@ -192,12 +190,10 @@ def _size_first(zipped: Compressed, raw: int, g: Group):
 def _static_first(zipped: Compressed, raw: int, recv_values: list[int], dtype, g: Group):
     """Static parts at once (their sizes follow from the rows), then sizes, then dynamic parts."""
     in_static = [static_bytes(n, dtype) for n in recv_values]
-    static_out, static_work = _post_all_to_all(zipped.static, zipped.static_sizes, in_static, g)
+    static_out, static_work = post_all_to_all(zipped.static, zipped.static_sizes, in_static, g)
     matrix = _gather_ints([*zipped.packed_sizes(), raw], g, "zipped all-to-all dynamic sizes")
     in_dynamic = [matrix[src][g.rank] - in_static[src] for src in range(g.size)]
-    dynamic_out, dynamic_work = _post_all_to_all(
-        zipped.dynamic, zipped.dynamic_sizes, in_dynamic, g
-    )
+    dynamic_out, dynamic_work = post_all_to_all(zipped.dynamic, zipped.dynamic_sizes, in_dynamic, g)
     g.wait([static_work, dynamic_work], "zipped all-to-all")
     chunks = list(zip(static_out.split(in_static), dynamic_out.split(in_dynamic), strict=True))
     return chunks, matrix
@@ -239,7 +235,7 @@ def native_reduce_scatter(tensor: torch.Tensor, g: Group) -> torch.Tensor:
     return out
 
 
-def _post_all_to_all(
+def post_all_to_all(
     send: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int], g: Group
 ) -> tuple[torch.Tensor, dist.Work]:
     """Post an all-to-all of the 1-D `send` cut into `send_sizes`; (output, its work handle)."""

@@ -7,6 +7,10 @@ attend to each other: attention runs per sequence through a varlen kernel.
 The model is plain PyTorch and runs in one process as is; parallelising it is
 done outside, by the strategy.
 
+MoE models (`ModelShape.moe_experts` > 0) put a `ray_zep.moe.layer.MoE` in
+place of the feed-forward of every `moe_every`-th block; `ray_zep.moe.parallel`
+spreads its experts over ranks and may give the block a pipelined forward.
+
 Shape legend: T tokens of the packed batch, D model dim, H query heads,
 K key/value heads, E head dim, F feed-forward dim, V vocabulary.
 """
@@ -22,6 +26,8 @@ from torch import nn
 from ray_zep.attention.kernels import AttentionFn, torch_varlen_attention
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.model.shapes import ModelShape
+from ray_zep.moe.gate import Balance
+from ray_zep.moe.layer import MoE
 
 INIT_STD = 0.02
 
@@ -96,12 +102,23 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, shape: ModelShape) -> None:
+    def __init__(self, shape: ModelShape, index: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(shape.dim, shape.norm_eps)
         self.attention = Attention(shape)
         self.ffn_norm = RMSNorm(shape.dim, shape.norm_eps)
-        self.feed_forward = FeedForward(shape)
+        self.feed_forward: nn.Module = FeedForward(shape)
+        if shape.is_moe_block(index):
+            self.feed_forward = MoE(
+                shape.dim,
+                shape.expert_hidden,
+                shape.moe_experts,
+                shape.moe_top_k,
+                shape.moe_capacity_factor,
+            )
+        self.pipeline = None
+        """A forward that overlaps this block's all-to-alls with computation
+        (`ray_zep.moe.pipeline`), or None."""
 
     def forward(
         self,
@@ -110,6 +127,8 @@ class Block(nn.Module):
         seqs: PackedSeqs,
         attention: AttentionFn,
     ) -> torch.Tensor:
+        if self.pipeline is not None:
+            return self.pipeline(self, x_TD, rope, seqs, attention)
         h_TD = x_TD + self.attention(self.attention_norm(x_TD), rope, seqs, attention)
         return h_TD + self.feed_forward(self.ffn_norm(h_TD))
 
@@ -127,7 +146,7 @@ class Transformer(nn.Module):
         self.shape = shape
         self.attention_fn = attention
         self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
-        self.layers = nn.ModuleList(Block(shape) for _ in range(shape.n_layers))
+        self.layers = nn.ModuleList(Block(shape, i) for i in range(shape.n_layers))
         self.norm = RMSNorm(shape.dim, shape.norm_eps)
         self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
 
@@ -142,9 +161,18 @@ class Transformer(nn.Module):
             if name.endswith("norm.weight"):
                 nn.init.ones_(param)
             else:
-                std = residual_std if name.endswith(("wo.weight", "w2.weight")) else INIT_STD
+                residual = name.endswith(("wo.weight", "w2.weight", "feed_forward.w2"))
+                std = residual_std if residual else INIT_STD
                 with torch.no_grad():
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+    def moe_layers(self) -> list[MoE]:
+        """The MoE feed-forwards, block by block."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def balance(self) -> list[Balance]:
+        """Load-balancing statistics of every MoE block's last forward."""
+        return [m.balance for m in self.moe_layers() if m.balance is not None]
 
     def forward(
         self,

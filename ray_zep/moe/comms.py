@@ -9,16 +9,21 @@ experts [r·X_l, (r+1)·X_l). Two ways to move tokens:
   exchanged first (one small all-to-all, read on the host).
 
 Both return exactly what running all experts locally on the same slots
-returns. Legend: X experts, X_l local experts, C capacity, N rows, D model dim.
+returns. The variable-split transfer also comes as a pair of autograd
+functions, `post_rows` / `wait_rows`, that leave the transfer in flight
+between them, in forward and (in reverse) in backward, so a pipelined block
+computes while its tokens travel. Legend: X experts, X_l local experts,
+C capacity, N rows, D model dim.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from ray_zep.collectives.comms import Group, all_to_all_v, exchange_rows
+from ray_zep.collectives.comms import Group, all_to_all_v, exchange_rows, post_all_to_all
 
 ExpertFn = Callable[[torch.Tensor, int], torch.Tensor]
 """(rows of one local expert, local expert index) -> that expert's outputs."""
@@ -46,6 +51,80 @@ def all_to_all_rows(
     return _AllToAll.apply(x_ND, list(in_rows), list(out_rows), g, what)
 
 
+@dataclass
+class Ticket:
+    """One all-to-all of rows in flight: its sizes and its work handles."""
+
+    send_rows: list[int]
+    recv_rows: list[int]
+    g: Group
+    what: str
+    work: object = None
+    backward_work: object = None
+    backward_out: torch.Tensor | None = field(default=None, repr=False)
+
+
+def _post_rows(x_ND: torch.Tensor, send_rows, recv_rows, g: Group):
+    row = x_ND.shape[1:].numel()
+    sizes = ([r * row for r in send_rows], [r * row for r in recv_rows])
+    out, work = post_all_to_all(x_ND.contiguous().view(-1), *sizes, g)
+    return out.view(sum(recv_rows), *x_ND.shape[1:]), work
+
+
+class _Post(torch.autograd.Function):
+    """Posts the transfer; its backward waits for the reverse transfer `_Wait` posted."""
+
+    @staticmethod
+    def forward(ctx, x_ND, ticket: Ticket):
+        out, ticket.work = _post_rows(x_ND, ticket.send_rows, ticket.recv_rows, ticket.g)
+        ctx.ticket = ticket
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        ticket = ctx.ticket
+        ticket.g.wait([ticket.backward_work], ticket.what + " (backward)")
+        return ticket.backward_out, None
+
+
+class _Wait(torch.autograd.Function):
+    """Waits for the transfer; its backward posts the reverse transfer."""
+
+    @staticmethod
+    def forward(ctx, buffer_ND, ticket: Ticket):
+        ticket.g.wait([ticket.work], ticket.what)
+        ctx.ticket = ticket
+        return buffer_ND
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        ticket = ctx.ticket
+        out, ticket.backward_work = _post_rows(
+            grad_ND, ticket.recv_rows, ticket.send_rows, ticket.g
+        )
+        ticket.backward_out = out
+        # _Post's backward returns `backward_out` once the transfer is done; what
+        # flows along the graph here is only a placeholder of the right shape.
+        return grad_ND.new_empty((sum(ticket.send_rows), *grad_ND.shape[1:]))
+
+
+def post_rows(
+    x_ND: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int], g: Group, what: str
+) -> tuple[torch.Tensor, Ticket]:
+    """Start a differentiable all-to-all of rows; pass the result to `wait_rows`.
+
+    The returned tensor is not filled until `wait_rows`; nothing but `wait_rows`
+    may read it. In backward the reverse transfer runs between the two as well.
+    """
+    ticket = Ticket(list(send_rows), list(recv_rows), g, what)
+    return _Post.apply(x_ND, ticket), ticket
+
+
+def wait_rows(buffer_ND: torch.Tensor, ticket: Ticket) -> torch.Tensor:
+    """The rows `post_rows` started to move, once they have arrived."""
+    return _Wait.apply(buffer_ND, ticket)
+
+
 def padded_experts(buf_XCD: torch.Tensor, experts: ExpertFn, g: Group) -> torch.Tensor:
     """Outputs of every expert on its `capacity` slots, experts spread over `g`."""
     total, capacity, dim = buf_XCD.shape
@@ -59,23 +138,50 @@ def padded_experts(buf_XCD: torch.Tensor, experts: ExpertFn, g: Group) -> torch.
     return all_to_all_rows(back, rows, rows, g, "MoE combine").view(total, capacity, dim)
 
 
-def varlen_experts(
-    rows_ND: torch.Tensor, counts_X: torch.Tensor, experts: ExpertFn, g: Group
-) -> torch.Tensor:
-    """Outputs for rows sorted by expert (counts_X rows each), experts spread over `g`."""
-    total = counts_X.numel()
-    local = total // g.size
-    send_rows = counts_X.view(g.size, local).sum(1).tolist()
-    received = exchange_rows(counts_X.tolist(), g)  # [source s, local expert j] flattened
-    recv = [received[s * local : (s + 1) * local] for s in range(g.size)]
-    got = all_to_all_rows(rows_ND, send_rows, [sum(r) for r in recv], g, "MoE dispatch")
-    pieces = list(got.split([n for source in recv for n in source]))
+@dataclass(frozen=True)
+class Splits:
+    """Row counts of one variable-split dispatch.
+
+    Attributes:
+        send_rows: rows this rank sends to each rank.
+        recv: recv[s][j], rows arriving from rank s for local expert j.
+    """
+
+    send_rows: list[int]
+    recv: list[list[int]]
+
+    @classmethod
+    def exchange(cls, counts_X: torch.Tensor, g: Group) -> Splits:
+        """Split sizes for rows sorted by expert, counts_X rows each (collective)."""
+        local = counts_X.numel() // g.size
+        send_rows = counts_X.view(g.size, local).sum(1).tolist()
+        received = exchange_rows(counts_X.tolist(), g)  # [source s, local expert j] flattened
+        return cls(send_rows, [received[s * local : (s + 1) * local] for s in range(g.size)])
+
+    @property
+    def recv_rows(self) -> list[int]:
+        return [sum(r) for r in self.recv]
+
+
+def run_local_experts(got_ND: torch.Tensor, splits: Splits, experts: ExpertFn) -> torch.Tensor:
+    """Outputs of the local experts on the rows a dispatch delivered, in the same order."""
+    local = len(splits.recv[0]) if splits.recv else 0
+    pieces = list(got_ND.split([n for source in splits.recv for n in source]))
     outputs = [None] * len(pieces)
     for j in range(local):
-        index = [s * local + j for s in range(g.size)]
+        index = [s * local + j for s in range(len(splits.recv))]
         sizes = [pieces[i].shape[0] for i in index]
         out = experts(torch.cat([pieces[i] for i in index]), j)
         for i, part in zip(index, out.split(sizes), strict=True):
             outputs[i] = part
-    back = torch.cat(outputs) if outputs else got
-    return all_to_all_rows(back, [sum(r) for r in recv], send_rows, g, "MoE combine")
+    return torch.cat(outputs) if outputs else got_ND
+
+
+def varlen_experts(
+    rows_ND: torch.Tensor, counts_X: torch.Tensor, experts: ExpertFn, g: Group
+) -> torch.Tensor:
+    """Outputs for rows sorted by expert (counts_X rows each), experts spread over `g`."""
+    splits = Splits.exchange(counts_X, g)
+    got = all_to_all_rows(rows_ND, splits.send_rows, splits.recv_rows, g, "MoE dispatch")
+    back = run_local_experts(got, splits, experts)
+    return all_to_all_rows(back, splits.recv_rows, splits.send_rows, g, "MoE combine")

@@ -1,10 +1,12 @@
 """Top-k gating with expert capacity: which expert slot each token choice takes.
 
-Pure computation on one routing group (one rank's tokens of a step). Choices
-claim slots in priority order: every token's first choice, in token order,
-then every token's second choice (GShard), so a token's best expert is the
-last to drop it. A choice past its expert's capacity is dropped: its weight
-is zero and it occupies no slot.
+Pure computation on one routing group (one rank's tokens of a step), which may
+arrive in pieces (the micro-batches of a pipelined block). Slots go in token
+order, a token's first choice before its second, so the slot of a choice
+depends only on the tokens before it: routing a group piece by piece, with the
+counts of the earlier pieces carried over, drops exactly the choices that
+routing it whole drops. A choice past its expert's capacity is dropped: its
+weight is zero and it occupies no slot.
 
 Legend: T tokens, X experts, K choices per token (top-k), D model dim.
 """
@@ -18,6 +20,41 @@ import torch
 
 
 @dataclass(frozen=True)
+class Balance:
+    """Load-balancing statistics of some tokens, additive over pieces and ranks.
+
+    Attributes:
+        first_counts_X: tokens whose first choice is each expert.
+        prob_sum_X: sum of the gate probabilities of each expert (differentiable).
+        tokens: number of tokens.
+    """
+
+    first_counts_X: torch.Tensor
+    prob_sum_X: torch.Tensor
+    tokens: int
+
+    def __add__(self, other: Balance) -> Balance:
+        return Balance(
+            self.first_counts_X + other.first_counts_X,
+            self.prob_sum_X + other.prob_sum_X,
+            self.tokens + other.tokens,
+        )
+
+    def loss(self, first_counts_X: torch.Tensor | None = None, tokens: int | None = None):
+        """GShard balance loss X · Σ_e f_e · P_e (1.0 when perfectly balanced).
+
+        f_e and the normaliser of P_e come from `first_counts_X` / `tokens` when
+        given (the whole job's, after an all-reduce) and from these tokens
+        otherwise. With the job's figures, the sum over ranks of every rank's
+        value is the loss of the whole batch, gradients included.
+        """
+        counts = self.first_counts_X if first_counts_X is None else first_counts_X
+        total = max(self.tokens if tokens is None else tokens, 1)
+        experts = counts.numel()
+        return experts * (counts.float() / total * self.prob_sum_X / total).sum()
+
+
+@dataclass(frozen=True)
 class Routing:
     """Where every (token, choice) goes.
 
@@ -27,9 +64,9 @@ class Routing:
         slot_TK: position in its expert's batch, -1 where dropped.
         kept_TK: whether the choice fits its expert's capacity.
         counts_X: choices kept per expert.
-        aux_loss: GShard load-balancing loss of the group, X · Σ_e f_e · P_e
-            (f_e: share of tokens whose first choice is e; P_e: mean gate
-            probability of e); 1.0 when perfectly balanced.
+        claimed_X: choices made per expert, kept or not, including those of the
+            earlier pieces of the group (pass it to the next piece's `route`).
+        balance: load-balancing statistics of these tokens.
     """
 
     expert_TK: torch.Tensor
@@ -37,7 +74,13 @@ class Routing:
     slot_TK: torch.Tensor
     kept_TK: torch.Tensor
     counts_X: torch.Tensor
-    aux_loss: torch.Tensor
+    claimed_X: torch.Tensor
+    balance: Balance
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """Balance loss of these tokens alone."""
+        return self.balance.loss()
 
 
 def expert_capacity(tokens: int, experts: int, top_k: int, capacity_factor: float) -> int:
@@ -47,31 +90,36 @@ def expert_capacity(tokens: int, experts: int, top_k: int, capacity_factor: floa
     return math.ceil(capacity_factor * top_k * tokens / experts)
 
 
-def route(logits_TX: torch.Tensor, top_k: int, capacity: int) -> Routing:
+def route(
+    logits_TX: torch.Tensor, top_k: int, capacity: int, claimed_X: torch.Tensor | None = None
+) -> Routing:
     """Route each token to its top-k experts, at most `capacity` choices per expert.
 
     Args:
         logits_TX: gate logits (any float dtype; softmax in float32).
         top_k: 1 (weight = the expert's probability) or 2 (the two
             probabilities renormalised to sum to 1).
-        capacity: slots per expert.
+        capacity: slots per expert in the whole routing group.
+        claimed_X: `Routing.claimed_X` of the group's previous piece; None for
+            the first piece.
     """
     tokens, experts = logits_TX.shape
     probs_TX = torch.softmax(logits_TX.float(), dim=-1)
     top_p_TK, expert_TK = torch.topk(probs_TX, top_k, dim=-1)
     weight_TK = top_p_TK if top_k == 1 else top_p_TK / top_p_TK.sum(-1, keepdim=True)
-    order_KT = expert_TK.t()  # priority: all first choices, then all second choices
-    one_hot = torch.nn.functional.one_hot(order_KT.reshape(-1), experts)
-    slot = (torch.cumsum(one_hot, dim=0) - 1).gather(1, order_KT.reshape(-1, 1)).view(top_k, tokens)
-    slot_TK = slot.t()
+    if claimed_X is None:
+        claimed_X = torch.zeros(experts, dtype=torch.int64, device=logits_TX.device)
+    one_hot = torch.nn.functional.one_hot(expert_TK.reshape(-1), experts)  # (token, choice) order
+    claimed_NX = torch.cumsum(one_hot, dim=0) + claimed_X
+    slot_TK = (claimed_NX.gather(1, expert_TK.reshape(-1, 1)) - 1).view(tokens, top_k)
     kept_TK = slot_TK < capacity
-    first_share_X = torch.bincount(expert_TK[:, 0], minlength=experts).float() / max(tokens, 1)
-    aux = experts * (first_share_X * probs_TX.mean(0)).sum() if tokens else probs_TX.sum()
+    balance = Balance(torch.bincount(expert_TK[:, 0], minlength=experts), probs_TX.sum(0), tokens)
     return Routing(
         expert_TK=expert_TK,
         weight_TK=weight_TK * kept_TK,
         slot_TK=torch.where(kept_TK, slot_TK, -1),
         kept_TK=kept_TK,
         counts_X=torch.bincount(expert_TK[kept_TK], minlength=experts),
-        aux_loss=aux,
+        claimed_X=claimed_NX[-1] if tokens else claimed_X,
+        balance=balance,
     )

@@ -12,23 +12,17 @@ experts, K choices per token, C capacity, N kept choices.
 
 from __future__ import annotations
 
-from enum import Enum
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ray_zep.collectives.comms import Group
+from ray_zep.config import MoEDispatch as Dispatch
 from ray_zep.errors import ConfigError, PlacementError
 from ray_zep.moe import comms
-from ray_zep.moe.gate import Routing, expert_capacity, route
-
-
-class Dispatch(Enum):
-    PADDED = "padded"
-    """Every expert gets exactly `capacity` slots (fixed sizes, no host sync)."""
-    VARLEN = "varlen"
-    """Only kept choices move; counts are exchanged first."""
+from ray_zep.moe.gate import Balance, Routing, expert_capacity, route
 
 
 class MoE(nn.Module):
@@ -40,7 +34,8 @@ class MoE(nn.Module):
         experts: X.
         top_k: choices per token (1 or 2).
         capacity_factor: slots per expert = ceil(CF · K · T / X); <= 0: no drops.
-        dispatch: how tokens reach the experts.
+        dispatch: how tokens reach the experts (AUTO: padded with a capacity
+            factor, varlen when dropless).
         capacity_tokens: T of the capacity formula; None: the tokens of each call.
             Capacity-padded dispatch over several ranks needs the same capacity on
             every rank, so it needs this (e.g. `train.tokens_per_rank`).
@@ -58,6 +53,8 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         self.experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
+        if dispatch is Dispatch.AUTO:
+            dispatch = Dispatch.PADDED if capacity_factor > 0 else Dispatch.VARLEN
         self.dispatch, self.capacity_tokens = dispatch, capacity_tokens
         self.gate = nn.Linear(dim, experts, bias=False)
         self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
@@ -65,18 +62,23 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.ep: Group | None = None
         self.first_expert = 0
-        self.aux_loss = torch.zeros(())
-        """Load-balancing loss of the last forward (its routing group)."""
+        self.balance: Balance | None = None
+        """Load-balancing statistics of the last forward (its routing group)."""
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """Balance loss of the last forward's routing group alone."""
+        return self.balance.loss() if self.balance is not None else torch.zeros(())
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        capacity = self._capacity(x_TD.shape[0])
+        capacity = self.capacity(x_TD.shape[0])
         routing = route(self.gate(x_TD), self.top_k, capacity)
-        self.aux_loss = routing.aux_loss
+        self.balance = routing.balance
         if self.dispatch is Dispatch.PADDED:
             return self._padded(x_TD, routing, capacity)
         return self._varlen(x_TD, routing)
 
-    def _capacity(self, tokens: int) -> int:
+    def capacity(self, tokens: int) -> int:
         """Slots per expert for a call on `tokens` tokens."""
         if self.capacity_tokens is None or (
             self.capacity_factor <= 0 and self.dispatch is Dispatch.VARLEN
@@ -88,6 +90,13 @@ class MoE(nn.Module):
                 "dropless capacity-padded MoE was sized for; raise capacity_tokens"
             )
         return expert_capacity(self.capacity_tokens, self.experts, self.top_k, self.capacity_factor)
+
+    def sharded_parameter_names(self) -> dict[str, str]:
+        """Parameters that differ between EP ranks, with a name unique to this shard."""
+        if self.ep is None:
+            return {}
+        last = self.first_expert + self.w1.shape[0] - 1
+        return {name: f"{name}.experts_{self.first_expert}_{last}" for name in ("w1", "w3", "w2")}
 
     def expert(self, x_ND: torch.Tensor, local: int) -> torch.Tensor:
         """SwiGLU of local expert `local` on its rows."""
@@ -106,18 +115,42 @@ class MoE(nn.Module):
         return (picked_TKD * routing.weight_TK.unsqueeze(-1).to(x_TD.dtype)).sum(1)
 
     def _varlen(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
-        kept, token_N = routing.kept_TK, _kept_tokens(routing)
-        expert_N, weight_N = routing.expert_TK[kept], routing.weight_TK[kept]
-        order = torch.argsort(expert_N, stable=True)
-        rows_ND = x_TD[token_N[order]]
+        choices = SortedChoices.of(routing)
+        rows_ND = x_TD[choices.token_N]
         if self.ep is None:
-            sizes = routing.counts_X.tolist()
-            parts = rows_ND.split(sizes)
-            out_ND = torch.cat([self.expert(p, e) for e, p in enumerate(parts)])
+            out_ND = self.all_experts(rows_ND, routing.counts_X)
         else:
             out_ND = comms.varlen_experts(rows_ND, routing.counts_X, self.expert, self.ep)
-        weighted = out_ND * weight_N[order].unsqueeze(-1).to(x_TD.dtype)
-        return x_TD.new_zeros(x_TD.shape).index_add(0, token_N[order], weighted)
+        return choices.combine(out_ND, x_TD)
+
+    def all_experts(self, rows_ND: torch.Tensor, counts_X: torch.Tensor) -> torch.Tensor:
+        """Every expert (all held here) on rows sorted by expert, counts_X rows each."""
+        parts = rows_ND.split(counts_X.tolist())
+        return torch.cat([self.expert(p, e) for e, p in enumerate(parts)])
+
+
+@dataclass(frozen=True)
+class SortedChoices:
+    """The kept choices of a routing, sorted by expert (the variable-split order).
+
+    Attributes:
+        token_N: token of each kept choice.
+        weight_N: its gate weight (float32).
+    """
+
+    token_N: torch.Tensor
+    weight_N: torch.Tensor
+
+    @classmethod
+    def of(cls, routing: Routing) -> SortedChoices:
+        kept = routing.kept_TK
+        order = torch.argsort(routing.expert_TK[kept], stable=True)
+        return cls(_kept_tokens(routing)[order], routing.weight_TK[kept][order])
+
+    def combine(self, out_ND: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        """Σ over a token's kept choices of weight · expert output: (T, D) like x_TD."""
+        weighted = out_ND * self.weight_N.unsqueeze(-1).to(out_ND.dtype)
+        return x_TD.new_zeros(x_TD.shape).index_add(0, self.token_N, weighted.to(x_TD.dtype))
 
 
 def _kept_tokens(routing: Routing) -> torch.Tensor:

@@ -7,8 +7,10 @@ every rank has written its part, rank 0 writes a `COMPLETE` marker; a folder
 without it is an interrupted save and is ignored. The newest complete
 checkpoint is what a restarted run resumes from.
 
-Replicated tensors (data parallelism) are written once by DCP's planner; the
-data cursor can be read without a process group (`read_progress`).
+Replicated tensors (data parallelism) are written once by DCP's planner;
+parameters that differ between ranks (experts split by expert parallelism)
+are stored under names unique to their shard. The data cursor can be read
+without a process group (`read_progress`).
 """
 
 from __future__ import annotations
@@ -105,9 +107,10 @@ def save_checkpoint(
 ) -> None:
     """Write a checkpoint collectively (every rank calls it)."""
     model_state, optim_state = get_state_dict(model, optimizer)
+    names = _shard_names(model)
     state = {
-        "model": model_state,
-        "optim": optim_state,
+        "model": _renamed(model_state, names),
+        "optim": _renamed_optim(optim_state, names),
         "progress": _progress_state(progress),
         "rng": {f"rank{comm.rank}": _rng_state()},
     }
@@ -134,9 +137,10 @@ def load_checkpoint(
     """
     check_world_size(path, comm.world_size)
     model_state, optim_state = get_state_dict(model, optimizer)
+    names = _shard_names(model)
     state: dict[str, Any] = {
-        "model": model_state,
-        "optim": optim_state,
+        "model": _renamed(model_state, names),
+        "optim": _renamed_optim(optim_state, names),
         "progress": _progress_state(Progress(0, {})),
         "rng": {f"rank{comm.rank}": _rng_state()},
     }
@@ -144,8 +148,12 @@ def load_checkpoint(
         dcp.load(
             state, checkpoint_id=str(path), process_group=comm.group, no_dist=not comm.distributed
         )
+    back = {new: old for old, new in names.items()}
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        model,
+        optimizer,
+        model_state_dict=_renamed(state["model"], back),
+        optim_state_dict=_renamed_optim(state["optim"], back),
     )
     _set_rng_state(state["rng"][f"rank{comm.rank}"])
     return _progress_from_state(state["progress"])
@@ -173,6 +181,32 @@ def read_model_state(path: Path, model: torch.nn.Module) -> dict[str, torch.Tens
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return state["model"]
+
+
+def _shard_names(model: torch.nn.Module) -> dict[str, str]:
+    """Checkpoint names of the parameters this rank holds a shard of."""
+    names = {}
+    for prefix, module in model.named_modules():
+        sharded = getattr(module, "sharded_parameter_names", None)
+        for name, unique in (sharded() if sharded else {}).items():
+            names[f"{prefix}.{name}" if prefix else name] = (
+                f"{prefix}.{unique}" if prefix else unique
+            )
+    return names
+
+
+def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    return {names.get(key, key): value for key, value in state.items()}
+
+
+def _renamed_optim(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    if not names:
+        return state
+    groups = [
+        {**group, "params": [names.get(p, p) for p in group["params"]]}
+        for group in state["param_groups"]
+    ]
+    return {"state": _renamed(state["state"], names), "param_groups": groups}
 
 
 def _progress_state(progress: Progress) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from ray_zep.errors import ConfigError
 from ray_zep.mesh import Comm
 from ray_zep.model.llama import Transformer
 from ray_zep.model.shapes import build_shape
+from ray_zep.moe.parallel import balance_loss, parallelize_experts
 from ray_zep.remap.comms import to_attention, to_linear
 from ray_zep.remap.layout import RankRemap
 from ray_zep.traffic import Traffic, gradient_traffic
@@ -63,6 +64,8 @@ class StepStats:
     compression: dict[str, int] = field(default_factory=dict)
     """With `comm.compression`: bytes handed to the gradient collectives (`raw_bytes`)
     and bytes they sent (`wire_bytes`), whole job (measured)."""
+    moe_aux_loss: float = 0.0
+    """Weighted MoE load-balancing loss of the global batch (included in `loss`)."""
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -76,6 +79,10 @@ def _remap_qkv(q_THE, k_TKE, v_TKE, remap: RankRemap, comm: Comm, ops: Counter):
     return tuple(
         part.unflatten(1, x.shape[1:]) for part, x in zip(moved, (q_THE, k_TKE, v_TKE), strict=True)
     )
+
+
+def _square_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    return sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None), torch.zeros(()))
 
 
 def resolve_device(device: Device) -> torch.device:
@@ -126,7 +133,10 @@ class RankTrainer:
         self.model = Transformer(shape, self.kernel)
         self.model.init_weights(torch.Generator().manual_seed(config.train.seed))
         self.model.to(device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.experts = parallelize_experts(self.model, self.comm, config)
+        split = {id(p) for p in self.experts.expert_params}
+        self.params = [p for p in self.model.parameters() if p.requires_grad and id(p) not in split]
+        """Parameters whose gradients are summed over all ranks (all but split experts)."""
         self.optimizer = build_optimizer(self.model, config.train)
         self.steps_done = 0
         self.zipped = _zipped_collectives(config, self.comm)
@@ -138,17 +148,17 @@ class RankTrainer:
         started = time.perf_counter()
         lr = lr_at(self.steps_done, self.config.train)
         set_lr(self.optimizer, lr)
-        loss_sum, grad_bytes = self.compute_gradients(shard)
+        (loss_sum, aux_loss), grad_bytes = self.compute_gradients(shard)
         grad_norm = self._clip()
         self.optimizer.step()
         self.steps_done += 1
         ring_bytes = self.comm.ring_zip.take() if self.comm.ring_zip else (0, 0)
-        totals = torch.tensor([loss_sum, *ring_bytes], dtype=torch.float64)
+        totals = torch.tensor([loss_sum, aux_loss, *ring_bytes], dtype=torch.float64)
         all_reduce_sum_(totals, self.comm, "the step loss")
         traffic = self._traffic(shard, grad_bytes)
         return StepStats(
             step=self.steps_done,
-            loss=float(totals[0]) / max(1, shard.global_label_tokens),
+            loss=float(totals[0]) / max(1, shard.global_label_tokens) + float(totals[1]),
             tokens=shard.global_tokens,
             label_tokens=shard.global_label_tokens,
             grad_norm=grad_norm,
@@ -157,7 +167,8 @@ class RankTrainer:
             rank_tokens=list(shard.rank_tokens),
             comm_bytes={"intra_node": traffic.intra_node, "inter_node": traffic.inter_node},
             nic_bytes=traffic.nic.tolist(),
-            compression=self._compression_bytes(int(totals[1]), int(totals[2])),
+            compression=self._compression_bytes(int(totals[2]), int(totals[3])),
+            moe_aux_loss=float(totals[1]),
         )
 
     def _compression_bytes(self, ring_raw: int, ring_wire: int) -> dict[str, int]:
@@ -179,18 +190,20 @@ class RankTrainer:
             traffic = traffic + scaled.times(element) + fixed
         return traffic
 
-    def compute_gradients(self, shard: RankShard) -> tuple[float, int]:
+    def compute_gradients(self, shard: RankShard) -> tuple[tuple[float, float], int]:
         """Gradients of the global mean loss, summed over ranks, in `.grad`.
 
         Returns:
-            This rank's sum of token losses, and the bytes all-reduced.
+            This rank's sum of token losses and share of the balance loss, and
+            the bytes all-reduced.
         """
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = self._forward_backward(shard)
+        losses = self._forward_backward(shard)
         zipped = self.zipped if "gradients" in self.config.comm.compression_streams else None
-        return loss_sum, all_reduce_gradients_(self.params, self.comm, zipped)
+        synced = all_reduce_gradients_(self.params, self.comm, zipped)
+        return losses, synced + self.experts.sum_expert_gradients_()
 
-    def _forward_backward(self, shard: RankShard) -> float:
+    def _forward_backward(self, shard: RankShard) -> tuple[float, float]:
         # Shards arrive read-only from the object store; astype copies them.
         tokens = torch.from_numpy(shard.tokens.astype(np.int64)).to(self.device)
         positions = torch.from_numpy(shard.positions().copy()).to(self.device)
@@ -207,8 +220,10 @@ class RankTrainer:
         token_losses = F.cross_entropy(
             logits_TV.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"
         )
-        (token_losses / max(1, shard.global_label_tokens)).backward()
-        return float(token_losses.detach())
+        moe = self.config.model.moe
+        aux = balance_loss(self.model.balance(), self.comm, moe.aux_loss_coef).to(self.device)
+        (token_losses / max(1, shard.global_label_tokens) + aux).backward()
+        return float(token_losses.detach()), float(aux.detach())
 
     def _engine(self, shard: RankShard) -> AttentionFn:
         """Attention through the engine for this shard's plan (metadata built once per step).
@@ -233,8 +248,20 @@ class RankTrainer:
         return attention
 
     def _clip(self) -> float:
+        """Clip by the norm of the whole model's gradient (split experts included)."""
         max_norm = self.config.train.grad_clip or float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        experts = self.experts.expert_params
+        if not experts:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        squares = torch.stack([_square_norm(self.params), _square_norm(experts)]).double()
+        ep = self.experts.groups.ep
+        work = torch.distributed.all_reduce(squares[1:], group=ep.group, async_op=True)
+        ep.wait([work], "all-reduce of the expert gradient norm")
+        norm = float(squares.sum().sqrt())
+        scale = min(1.0, max_norm / (norm + 1e-6))
+        if scale < 1.0:
+            torch._foreach_mul_([p.grad for p in [*self.params, *experts]], scale)
+        return norm
 
     def save(self, run_dir: Path, cursor: dict[str, int]) -> Path:
         """Checkpoint the state after `steps_done` steps (collective)."""

@@ -1,0 +1,161 @@
+"""Expert parallelism for a whole model: groups, sharding, gradient sum, balance loss.
+
+Ranks r, r+1, ..., r+ep-1 (r a multiple of `parallel.ep`) form an EP group and
+split every MoE block's experts between them; with ep <= GPUs per node the
+group lies inside a node. Ranks holding the same experts (one per EP group)
+form a replica group, over which those experts' gradients are summed; every
+other parameter is summed over all ranks as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ray_zep.collectives.comms import Group
+from ray_zep.config import Config, MoEDispatch, MoEPipeline
+from ray_zep.errors import ConfigError
+from ray_zep.mesh import Comm
+from ray_zep.moe.gate import Balance
+from ray_zep.moe.layer import MoE, shard_experts
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's EP group and the group of ranks holding the same experts.
+
+    Attributes:
+        ep: the ranks that split the experts between them.
+        replicas: the ranks that hold the same experts (None: just this one).
+    """
+
+    ep: Group
+    replicas: Group | None
+
+    @classmethod
+    def build(cls, comm: Comm, ep: int, experts: int) -> ExpertGroups:
+        """Create every EP and replica group (collective: every rank calls it).
+
+        Raises:
+            ConfigError: ep does not divide the ranks or the experts; the
+                message prints every factor.
+        """
+        world = comm.world_size
+        if world % ep or experts % ep:
+            raise ConfigError(
+                f"config key parallel.ep={ep}: must divide the {world} ranks (topology.nodes="
+                f"{comm.topology.nodes} x topology.gpus_per_node={comm.topology.gpus_per_node}) "
+                f"and model.moe.num_experts={experts}"
+            )
+        mine_ep = mine_replicas = None
+        for first in range(0, world, ep):
+            group = dist.new_group(list(range(first, first + ep)), timeout=comm.timeout)
+            if first <= comm.rank < first + ep:
+                mine_ep = group
+        for offset in range(ep):
+            members = list(range(offset, world, ep))
+            group = dist.new_group(members, timeout=comm.timeout) if len(members) > 1 else None
+            if comm.rank % ep == offset:
+                mine_replicas = group
+        replicas = Group(mine_replicas, comm.timeout_s) if mine_replicas is not None else None
+        return cls(Group(mine_ep, comm.timeout_s), replicas)
+
+
+@dataclass
+class ExpertParallel:
+    """What `parallelize_experts` did to a model.
+
+    Attributes:
+        groups: the process groups (None: experts are not split).
+        expert_params: parameters whose gradients are summed over `groups.replicas`
+            only (empty when experts are not split).
+    """
+
+    groups: ExpertGroups | None
+    expert_params: list[nn.Parameter]
+
+    def sum_expert_gradients_(self) -> int:
+        """Sum the split experts' gradients over their replicas; bytes all-reduced."""
+        if not self.expert_params:
+            return 0
+        grads = []
+        for p in self.expert_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        replicas = self.groups.replicas if self.groups else None
+        if replicas is None:
+            return 0
+        flat = _flatten_dense_tensors(grads)
+        work = dist.all_reduce(flat, group=replicas.group, async_op=True)
+        replicas.wait([work], "all-reduce of expert gradients")
+        for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(synced)
+        return flat.numel() * flat.element_size()
+
+
+def parallelize_experts(
+    model: nn.Module, comm: Comm, config: Config, pipeline=None
+) -> ExpertParallel:
+    """Configure every MoE block of `model` for this run (collective when ep > 1).
+
+    Sets the dispatch and the capacity (`train.tokens_per_rank` tokens per
+    routing group), splits the experts over `parallel.ep` ranks, and gives the
+    MoE blocks `pipeline` as their forward when `parallel.moe_pipeline` is on.
+    """
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    ep = config.parallel.ep
+    if not layers:
+        if ep > 1 or config.parallel.moe_pipeline is not MoEPipeline.NONE:
+            raise ConfigError(
+                f"config keys parallel.ep={ep} / parallel.moe_pipeline="
+                f"{config.parallel.moe_pipeline.value} need an MoE model: set "
+                "model.moe.num_experts or an MoE model.preset (tiny_moe, gpt_moe_m, ...)"
+            )
+        return ExpertParallel(None, [])
+    for moe in layers:
+        moe.dispatch = _dispatch(config, moe)
+        moe.capacity_tokens = config.train.tokens_per_rank
+    if pipeline is not None:
+        for block in model.modules():
+            if isinstance(getattr(block, "feed_forward", None), MoE):
+                block.pipeline = pipeline
+    if ep == 1 or not comm.distributed:
+        return ExpertParallel(None, [])
+    groups = ExpertGroups.build(comm, ep, layers[0].experts)
+    for moe in layers:
+        shard_experts(moe, groups.ep)
+    return ExpertParallel(groups, [p for moe in layers for p in (moe.w1, moe.w3, moe.w2)])
+
+
+def _dispatch(config: Config, moe: MoE) -> MoEDispatch:
+    wanted = config.model.moe.dispatch
+    if wanted is MoEDispatch.AUTO:
+        return MoEDispatch.PADDED if moe.capacity_factor > 0 else MoEDispatch.VARLEN
+    return wanted
+
+
+def balance_loss(balance: list[Balance], comm: Comm, coef: float) -> torch.Tensor:
+    """This rank's share of the whole batch's load-balancing loss, times `coef`.
+
+    Uses the first-choice counts and token counts of the whole job (one small
+    all-reduce for all blocks), so summing the shares over ranks gives the loss
+    and the gradients `single` computes on the global batch.
+    """
+    if not balance or coef == 0:
+        return torch.zeros(())
+    counts = torch.stack([b.first_counts_X.float().cpu() for b in balance])
+    tokens = torch.tensor([float(b.tokens) for b in balance]).unsqueeze(1)
+    totals = torch.cat((counts, tokens), dim=1).double()
+    if comm.distributed:
+        work = dist.all_reduce(totals, group=comm.group, async_op=True)
+        comm.wait([work], "all-reduce of MoE routing counts")
+    loss = sum(
+        b.loss(row[:-1].to(b.prob_sum_X), int(row[-1]))
+        for b, row in zip(balance, totals, strict=True)
+    )
+    return coef * loss

@@ -1,0 +1,112 @@
+"""MoE models under expert parallelism train like one process.
+
+`single` routes the whole global batch in one process; `dp`+EP and
+`zeppelin`+EP route each rank's tokens and send them to experts on other
+ranks. The runs are dropless (`model.moe.capacity_factor=0`): with a capacity,
+which choices drop depends on the routing group (a rank's tokens, as in
+GShard), so only dropless routing can equal one process. The balance loss is
+the whole batch's in every case (its counts are all-reduced).
+
+Tolerance (fp32 on CPU): as in test_train_dist, partial sums in another order
+(~1e-7 on gradients); after AdamW steps parameters agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.procs import run_ranks
+from tests.helpers.training import SMALL_RUN, first_gradients, gradients_of, train_rank
+
+pytestmark = pytest.mark.dist
+
+REL_TOL = 1e-5
+MOE_RUN = [
+    *SMALL_RUN,
+    "model.preset=tiny_moe",
+    "model.n_layers=2",
+    "model.moe.capacity_factor=0",
+    "model.moe.aux_loss_coef=0.1",
+    "topology.nodes=2",
+    "topology.gpus_per_node=2",
+]
+EXPERTS = ("feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
+
+
+def _whole_experts(per_rank: list[dict[str, torch.Tensor]], ep: int) -> dict[str, torch.Tensor]:
+    """Rank 0's tensors with each split expert tensor put back together from its EP group."""
+    whole = dict(per_rank[0])
+    for name in whole:
+        if name.endswith(EXPERTS):
+            whole[name] = torch.cat([per_rank[r][name] for r in range(ep)])
+    return whole
+
+
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert set(got) == set(want)
+    for name, ref in want.items():
+        diff = (got[name] - ref).abs()
+        rel = float(diff.norm() / ref.norm().clamp_min(1e-30))
+        assert rel <= REL_TOL, (
+            f"{what} of {name}: relative error {rel:.2e}, max abs {float(diff.max()):.2e}, "
+            f"mean abs {float(diff.mean()):.2e}"
+        )
+
+
+def _gradients(rank: int, world: int, overrides: list[str]) -> dict[str, torch.Tensor]:
+    trainer = first_gradients(rank, overrides)
+    assert trainer.model.moe_layers(), "the model must have MoE blocks"
+    return gradients_of(trainer)
+
+
+@pytest.mark.parametrize(
+    "strategy, ep",
+    [("dp", 2), ("dp", 4), ("zeppelin", 2)],
+)
+def test_expert_parallel_gradients_match_single(strategy: str, ep: int) -> None:
+    single = run_ranks(_gradients, 1, [*MOE_RUN, "parallel.strategy=single"])[0]
+    split = run_ranks(
+        _gradients, 4, [*MOE_RUN, f"parallel.strategy={strategy}", f"parallel.ep={ep}"]
+    )
+    _assert_close(_whole_experts(split, ep), single, "gradient")
+    local = split[1]["layers.1.feed_forward.w1"].shape[0]
+    assert local == 4 // ep, "each rank must hold only its experts"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["parallel.strategy=dp", "parallel.ep=2"],
+        [
+            "parallel.strategy=zeppelin",
+            "parallel.ep=4",
+            "parallel.remap=true",
+            "parallel.remap_policy=always",
+        ],
+    ],
+    ids=["dp_ep2", "zeppelin_ep4_remap"],
+)
+def test_moe_trains_like_single(extra: list[str], tmp_path: Path) -> None:
+    base = [*MOE_RUN, "train.steps=3"]
+    single = run_ranks(
+        train_rank, 1, [*base, "parallel.strategy=single", f"train.out_dir={tmp_path / 's'}"]
+    )[0]
+    split = run_ranks(train_rank, 4, [*base, *extra, f"train.out_dir={tmp_path / 'x'}"])
+    for step, loss in single["losses"].items():
+        assert split[0]["losses"][step] == pytest.approx(loss, rel=REL_TOL), f"loss of step {step}"
+    ep = int(next(o for o in extra if o.startswith("parallel.ep=")).split("=")[1])
+    _assert_close(_whole_experts([r["params"] for r in split], ep), single["params"], "parameter")
+
+
+def test_expert_parallel_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
+    base = [*MOE_RUN, "parallel.strategy=dp", "parallel.ep=2", "train.checkpoint_every=0"]
+    full = run_ranks(train_rank, 4, [*base, "train.steps=4", f"train.out_dir={tmp_path / 'a'}"])
+    run_ranks(train_rank, 4, [*base, "train.steps=2", f"train.out_dir={tmp_path / 'b'}"])
+    second = run_ranks(train_rank, 4, [*base, "train.steps=4", f"train.out_dir={tmp_path / 'b'}"])
+    assert second[0]["events"][0] == {"event": "start", "step": 2}
+    for rank in range(4):
+        for name, value in full[rank]["params"].items():
+            assert torch.equal(second[rank]["params"][name], value), f"rank {rank}: {name} differs"
