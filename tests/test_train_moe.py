@@ -76,19 +76,24 @@ def test_expert_parallel_gradients_match_single(strategy: str, ep: int) -> None:
     assert local == 4 // ep, "each rank must hold only its experts"
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [
-        ["parallel.strategy=dp", "parallel.ep=2"],
-        [
-            "parallel.strategy=zeppelin",
-            "parallel.ep=4",
-            "parallel.remap=true",
-            "parallel.remap_policy=always",
-        ],
+RUNS = {
+    "dp_ep2": ["parallel.strategy=dp", "parallel.ep=2"],
+    "dp_ep4_1a1m": [
+        "parallel.strategy=dp",
+        "parallel.ep=4",
+        "parallel.moe_pipeline=1a1m",
+        "parallel.moe_overlap_degree=4",
     ],
-    ids=["dp_ep2", "zeppelin_ep4_remap"],
-)
+    "zeppelin_ep4_remap": [
+        "parallel.strategy=zeppelin",
+        "parallel.ep=4",
+        "parallel.remap=true",
+        "parallel.remap_policy=always",
+    ],
+}
+
+
+@pytest.mark.parametrize("extra", list(RUNS.values()), ids=list(RUNS))
 def test_moe_trains_like_single(extra: list[str], tmp_path: Path) -> None:
     base = [*MOE_RUN, "train.steps=3"]
     single = run_ranks(

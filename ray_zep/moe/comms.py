@@ -75,54 +75,77 @@ class _Post(torch.autograd.Function):
     """Posts the transfer; its backward waits for the reverse transfer `_Wait` posted."""
 
     @staticmethod
-    def forward(ctx, x_ND, ticket: Ticket):
+    def forward(ctx, x_ND, order, ticket: Ticket):
         out, ticket.work = _post_rows(x_ND, ticket.send_rows, ticket.recv_rows, ticket.g)
         ctx.ticket = ticket
-        return out
+        return out, order.clone()
 
     @staticmethod
-    def backward(ctx, grad_ND):
+    def backward(ctx, grad_ND, grad_order):
         ticket = ctx.ticket
         ticket.g.wait([ticket.backward_work], ticket.what + " (backward)")
-        return ticket.backward_out, None
+        return ticket.backward_out, grad_order, None
 
 
 class _Wait(torch.autograd.Function):
     """Waits for the transfer; its backward posts the reverse transfer."""
 
     @staticmethod
-    def forward(ctx, buffer_ND, ticket: Ticket):
+    def forward(ctx, buffer_ND, order, ticket: Ticket):
         ticket.g.wait([ticket.work], ticket.what)
         ctx.ticket = ticket
-        return buffer_ND
+        return buffer_ND, order.clone()
 
     @staticmethod
-    def backward(ctx, grad_ND):
+    def backward(ctx, grad_ND, grad_order):
         ticket = ctx.ticket
         out, ticket.backward_work = _post_rows(
             grad_ND, ticket.recv_rows, ticket.send_rows, ticket.g
         )
         ticket.backward_out = out
-        # _Post's backward returns `backward_out` once the transfer is done; what
-        # flows along the graph here is only a placeholder of the right shape.
-        return grad_ND.new_empty((sum(ticket.send_rows), *grad_ND.shape[1:]))
+        # _Post's backward returns `backward_out` once the transfer is done and
+        # ignores what flows along the graph here.
+        return grad_ND, grad_order, None
+
+
+def new_order(like: torch.Tensor) -> torch.Tensor:
+    """Start of an order chain for `post_rows` / `wait_rows` (a zero that needs a gradient)."""
+    return torch.zeros((), dtype=like.dtype, device=like.device, requires_grad=True)
 
 
 def post_rows(
-    x_ND: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int], g: Group, what: str
-) -> tuple[torch.Tensor, Ticket]:
+    x_ND: torch.Tensor,
+    send_rows: Sequence[int],
+    recv_rows: Sequence[int],
+    g: Group,
+    what: str,
+    order: torch.Tensor,
+) -> tuple[torch.Tensor, Ticket, torch.Tensor]:
     """Start a differentiable all-to-all of rows; pass the result to `wait_rows`.
 
     The returned tensor is not filled until `wait_rows`; nothing but `wait_rows`
     may read it. In backward the reverse transfer runs between the two as well.
+
+    `order` (from `new_order`, then from the previous post or wait) chains the
+    transfers: every rank must post and wait for them in the same order, and
+    autograd, left alone, may reach the backward of independent micro-batches
+    in a different order on different ranks. Threaded through every call and
+    added (it is zero) to the result, it makes backward run the transfers in
+    exactly the reverse of the forward order.
+
+    Returns:
+        The receive buffer, the transfer's ticket, and the next `order`.
     """
     ticket = Ticket(list(send_rows), list(recv_rows), g, what)
-    return _Post.apply(x_ND, ticket), ticket
+    out, order = _Post.apply(x_ND, order, ticket)
+    return out, ticket, order
 
 
-def wait_rows(buffer_ND: torch.Tensor, ticket: Ticket) -> torch.Tensor:
-    """The rows `post_rows` started to move, once they have arrived."""
-    return _Wait.apply(buffer_ND, ticket)
+def wait_rows(
+    buffer_ND: torch.Tensor, ticket: Ticket, order: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows `post_rows` started to move, once they have arrived, and the next `order`."""
+    return _Wait.apply(buffer_ND, order, ticket)
 
 
 def padded_experts(buf_XCD: torch.Tensor, experts: ExpertFn, g: Group) -> torch.Tensor:

@@ -22,6 +22,7 @@ from ray_zep.errors import ConfigError
 from ray_zep.mesh import Comm
 from ray_zep.moe.gate import Balance
 from ray_zep.moe.layer import MoE, shard_experts
+from ray_zep.moe.pipeline import FoldedForward
 
 
 @dataclass(frozen=True)
@@ -98,14 +99,12 @@ class ExpertParallel:
         return flat.numel() * flat.element_size()
 
 
-def parallelize_experts(
-    model: nn.Module, comm: Comm, config: Config, pipeline=None
-) -> ExpertParallel:
+def parallelize_experts(model: nn.Module, comm: Comm, config: Config) -> ExpertParallel:
     """Configure every MoE block of `model` for this run (collective when ep > 1).
 
     Sets the dispatch and the capacity (`train.tokens_per_rank` tokens per
     routing group), splits the experts over `parallel.ep` ranks, and gives the
-    MoE blocks `pipeline` as their forward when `parallel.moe_pipeline` is on.
+    MoE blocks the FoldMoE forward when `parallel.moe_pipeline` is on.
     """
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     ep = config.parallel.ep
@@ -120,7 +119,11 @@ def parallelize_experts(
     for moe in layers:
         moe.dispatch = _dispatch(config, moe)
         moe.capacity_tokens = config.train.tokens_per_rank
-    if pipeline is not None:
+    parallel = config.parallel
+    if parallel.moe_pipeline is not MoEPipeline.NONE:
+        pipeline = FoldedForward(
+            parallel.moe_pipeline, parallel.moe_overlap_degree, parallel.moe_uniform_slicing
+        )
         for block in model.modules():
             if isinstance(getattr(block, "feed_forward", None), MoE):
                 block.pipeline = pipeline
