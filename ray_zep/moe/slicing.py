@@ -19,6 +19,7 @@ exactly at L with the same cost as the others.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -139,7 +140,4 @@ def slice_costs(lengths: Sequence[int], slices: Sequence[int], dim: int, heads: 
     """Modelled cost of each slice."""
     cost = SliceCost(tuple(int(n) for n in lengths), dim, heads)
     bounds = np.cumsum([0, *slices])
-    return [
-        float(cost(int(a), int(b))) if b > a else 0.0
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-    ]
+    return [float(cost(int(a), int(b))) if b > a else 0.0 for a, b in itertools.pairwise(bounds)]
