@@ -21,6 +21,8 @@
                                              planner latency and plan quality, all planners
     ray-zep bench layers [CONFIG] [key=value ...] [--out DIR]
                                              routing NIC bytes and remap solver on plans
+    ray-zep bench moe [--models ...] [--seq-lens ...] [--cpu-ranks N] [--out DIR]
+                                             FoldMoE schedules: simulated and measured
 
 Errors on bad input are one line on stderr and exit status 2.
 """
@@ -158,6 +160,17 @@ def _parser() -> argparse.ArgumentParser:
     layers.add_argument("--repeats", type=int, default=20, help="timed solves per batch")
     layers.add_argument("--out", default="runs/bench/layers", help="JSON and PNG folder")
     layers.set_defaults(handler=_bench_layers)
+    moe = benches.add_parser("moe", help="MoE block latency per FoldMoE schedule")
+    moe.add_argument("--models", default="gpt_moe_s,gpt_moe_m,gpt_moe_l", help="MoE presets")
+    moe.add_argument("--seq-lens", default="4k,8k,16k,32k", help="sequence lengths")
+    moe.add_argument("--degrees", default="2,4,8,16", help="overlap degrees to search")
+    moe.add_argument(
+        "--cpu-ranks", type=int, default=4, help="processes of the real runs (0: none)"
+    )
+    moe.add_argument("--cpu-tokens", type=int, default=2048, help="tokens per process")
+    moe.add_argument("--cpu-degree", type=int, default=4, help="overlap degree of the real runs")
+    moe.add_argument("--out", default="runs/bench/moe", help="JSON and PNG folder")
+    moe.set_defaults(handler=_bench_moe)
 
     data = commands.add_parser("data", help="build or inspect datasets")
     data_commands = data.add_subparsers(dest="data_command", required=True)
@@ -320,6 +333,36 @@ def _bench_codec(args: argparse.Namespace) -> int:
         print(f"goal {'met' if ok else 'MISSED'}: {goal}")
     _write_bench(args, config, spec, "codec", bench.row_dicts(rows))
     print(f"wrote {bench.draw_codec_chart(rows, Path(args.out) / 'codec.png')}")
+    return 0
+
+
+def _bench_moe(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from ray_zep.bench import moe as bench
+    from ray_zep.bench.output import write_json
+    from ray_zep.report.plan_command import parse_lengths
+
+    spec = bench.MoEBenchSpec(
+        models=tuple(_names(args.models, ())),
+        seq_lens=tuple(int(n) for n in parse_lengths(args.seq_lens, "--seq-lens")),
+        degrees=tuple(int(d) for d in args.degrees.split(",")),
+        cpu_ranks=args.cpu_ranks,
+        cpu_tokens=args.cpu_tokens,
+        cpu_degree=args.cpu_degree,
+    )
+    rows = bench.simulate_rows(spec)
+    if spec.cpu_ranks > 1:
+        rows += bench.measure_rows(spec)
+    print(bench.format_table(rows))
+    if ("gpt_moe_m", 16384) in {(r.model, r.seq_len) for r in rows}:
+        for goal, ok in bench.goals(rows):
+            print(f"goal {'met' if ok else 'MISSED'}: {goal}")
+    out = Path(args.out)
+    record = write_json(out / "moe.json", "ray-zep " + " ".join(sys.argv[1:]), asdict(spec),
+                        bench.row_dicts(rows))  # fmt: skip
+    print(f"wrote {record}")
+    print(f"wrote {bench.draw_moe_chart(rows, out / 'moe.png')}")
     return 0
 
 

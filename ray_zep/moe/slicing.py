@@ -37,18 +37,26 @@ class SliceCost:
         lengths: the sequences of the stream, in order.
         dim: model dimension D.
         heads: attention heads H.
+        causal: count each query's keys exactly (l·c - l(l-1)/2 pairs per piece)
+            instead of eq. 5's l·c, for timing rather than slicing.
     """
 
     lengths: tuple[int, ...]
     dim: int
     heads: int
+    causal: bool = False
+
+    def _pairs(self, size, context):
+        """Query-key pairs of a piece of `size` tokens whose context (itself included)
+        is `context` tokens."""
+        return size * context - (size * (size - 1) / 2 if self.causal else 0.0)
 
     def __post_init__(self) -> None:
         ends = np.cumsum(np.asarray(self.lengths, dtype=np.int64))
         object.__setattr__(self, "_ends", ends)
         object.__setattr__(self, "_starts", ends - np.asarray(self.lengths, dtype=np.int64))
-        squares = np.concatenate(([0.0], np.cumsum(np.asarray(self.lengths, dtype=float) ** 2)))
-        object.__setattr__(self, "_squares", squares)
+        whole = self._pairs(np.asarray(self.lengths, dtype=float), np.asarray(self.lengths, float))
+        object.__setattr__(self, "_squares", np.concatenate(([0.0], np.cumsum(whole))))
 
     @property
     def total_tokens(self) -> int:
@@ -62,11 +70,12 @@ class SliceCost:
         seq_start = self._starts[first]
         same = last == first
         # One piece: l = end - start, c = end - seq_start.
-        within = (ends - start) * (ends - seq_start).astype(float)
+        within = self._pairs((ends - start).astype(float), (ends - seq_start).astype(float))
         # Several: the first sequence's tail, whole sequences between, the last one's head.
-        tail = (self._ends[first] - start) * float(self._ends[first] - seq_start)
+        tail = self._pairs(float(self._ends[first] - start), float(self._ends[first] - seq_start))
         middle = self._squares[last] - self._squares[first + 1]
-        head = (ends - self._starts[last]).astype(float) ** 2
+        head_len = (ends - self._starts[last]).astype(float)
+        head = self._pairs(head_len, head_len)
         pieces = np.where(same, within, tail + middle + head)
         return (4 * self.dim + 3 * self.heads) * pieces + 8.0 * self.dim**2 * (ends - start)
 
@@ -136,8 +145,10 @@ def time_uniform_slices(lengths: Sequence[int], degree: int, dim: int, heads: in
     return best
 
 
-def slice_costs(lengths: Sequence[int], slices: Sequence[int], dim: int, heads: int) -> list[float]:
-    """Modelled cost of each slice."""
-    cost = SliceCost(tuple(int(n) for n in lengths), dim, heads)
+def slice_costs(
+    lengths: Sequence[int], slices: Sequence[int], dim: int, heads: int, causal: bool = False
+) -> list[float]:
+    """Modelled cost of each slice (eq. 5, or exact causal FLOPs with `causal`)."""
+    cost = SliceCost(tuple(int(n) for n in lengths), dim, heads, causal)
     bounds = np.cumsum([0, *slices])
     return [float(cost(int(a), int(b))) if b > a else 0.0 for a, b in itertools.pairwise(bounds)]

@@ -1,0 +1,216 @@
+"""`ray-zep bench moe`: MoE block latency under each FoldMoE schedule.
+
+Two parts, printed side by side:
+
+- simulated: per-block forward + backward latency of GPT-MoE-S/M/L at 4k-32k
+  on the FoldMoE testbed model (`ray_zep.moe.simulate`), each schedule at its
+  best overlap degree, next to the latencies the paper reports (Table 2:
+  Megatron-MoE, Tutel at its best d, FoldMoE at its best d);
+- measured: the real pipelined block (`ray_zep.moe.pipeline`) on this machine,
+  one gloo process per virtual GPU with the experts spread over all of them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ray_zep.config import MoEPipeline
+from ray_zep.model.shapes import PRESETS, ModelShape
+from ray_zep.moe.simulate import A10G_100GBE, Cluster, block_seconds
+from ray_zep.report.charts import bar_panel, legend
+from ray_zep.report.png import Canvas
+
+SCHEDULES: dict[str, tuple[MoEPipeline, bool]] = {
+    "none": (MoEPipeline.NONE, False),
+    "moe_only": (MoEPipeline.MOE_ONLY, False),
+    "aaam": (MoEPipeline.AAAM, False),
+    "1a1m": (MoEPipeline.ONE_A_ONE_M, False),
+    "1a1m+uniform": (MoEPipeline.ONE_A_ONE_M, True),
+}
+PAPER_BLOCK_MS: dict[tuple[str, int], tuple[float, float, float]] = {
+    ("gpt_moe_s", 4096): (272.36, 289.46, 272.95),
+    ("gpt_moe_s", 8192): (613.19, 458.18, 403.56),
+    ("gpt_moe_s", 16384): (1885.48, 939.75, 788.57),
+    ("gpt_moe_s", 32768): (2499.82, 1930.80, 1759.33),
+    ("gpt_moe_m", 4096): (361.86, 427.28, 322.06),
+    ("gpt_moe_m", 8192): (935.77, 569.65, 572.44),
+    ("gpt_moe_m", 16384): (2749.70, 1774.98, 1189.83),
+    ("gpt_moe_m", 32768): (5787.19, 2483.79, 2130.07),
+    ("gpt_moe_l", 4096): (800.94, 431.37, 400.10),
+    ("gpt_moe_l", 8192): (1688.37, 746.55, 738.90),
+    ("gpt_moe_l", 16384): (2839.86, 1730.58, 1309.26),
+    ("gpt_moe_l", 32768): (4382.43, 3620.50, 2724.75),
+}
+"""FoldMoE Table 2, ms per block: (Megatron-MoE, Tutel best d, FoldMoE best d)."""
+GOAL = ("gpt_moe_m", 16384, 1.3)
+"""Simulated 1a1m+uniform over moe_only on GPT-MoE-M at 16k (the paper: 1.49x)."""
+
+
+@dataclass(frozen=True)
+class MoEBenchSpec:
+    models: tuple[str, ...] = ("gpt_moe_s", "gpt_moe_m", "gpt_moe_l")
+    seq_lens: tuple[int, ...] = (4096, 8192, 16384, 32768)
+    degrees: tuple[int, ...] = (2, 4, 8, 16)
+    cpu_ranks: int = 4
+    cpu_tokens: int = 2048
+    cpu_degree: int = 4
+    repeats: int = 3
+
+
+@dataclass(frozen=True)
+class MoERow:
+    """One schedule on one case: simulated (ms, at its best d) or measured here."""
+
+    source: str
+    model: str
+    seq_len: int
+    schedule: str
+    degree: int
+    forward_ms: float
+    backward_ms: float
+
+    @property
+    def total_ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+
+def simulate_rows(spec: MoEBenchSpec, cluster: Cluster = A10G_100GBE) -> list[MoERow]:
+    rows = []
+    for model in spec.models:
+        for seq_len in spec.seq_lens:
+            for name, (schedule, uniform) in SCHEDULES.items():
+                degrees = (1,) if schedule is MoEPipeline.NONE else spec.degrees
+                timed = [
+                    (block_seconds(PRESETS[model], seq_len, schedule, d, uniform, cluster), d)
+                    for d in degrees
+                ]
+                (fwd, bwd), d = min(timed, key=lambda t: sum(t[0]))
+                rows.append(MoERow("simulated", model, seq_len, name, d, fwd * 1e3, bwd * 1e3))
+    return rows
+
+
+def speedup(rows: list[MoERow], model: str, seq_len: int, over: str = "moe_only") -> float:
+    """Total latency of `over` divided by 1a1m+uniform's, on one case."""
+    pick = {r.schedule: r.total_ms for r in rows if (r.model, r.seq_len) == (model, seq_len)}
+    return pick[over] / pick["1a1m+uniform"]
+
+
+def goals(rows: list[MoERow]) -> list[tuple[str, bool]]:
+    model, seq_len, target = GOAL
+    got = speedup(rows, model, seq_len)
+    return [
+        (f"1a1m+uniform / moe_only on {model} {seq_len}: {got:.2f}x >= {target}x", got >= target)
+    ]
+
+
+def format_table(rows: list[MoERow]) -> str:
+    header = f"{'source':<10} {'model':<10} {'seq':>6} {'schedule':<13} {'d':>3} {'fwd ms':>9} "
+    header += f"{'bwd ms':>9} {'total ms':>9}  paper (Megatron / Tutel / FoldMoE ms, Tutel/FoldMoE)"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        line = f"{r.source:<10} {r.model:<10} {r.seq_len:>6} {r.schedule:<13} {r.degree:>3} "
+        line += f"{r.forward_ms:>9.3f} {r.backward_ms:>9.3f} {r.total_ms:>9.3f}"
+        paper = PAPER_BLOCK_MS.get((r.model, r.seq_len))
+        if paper and r.schedule == "1a1m+uniform" and r.source == "simulated":
+            ours = speedup(rows, r.model, r.seq_len)
+            line += f"  {paper[0]:.0f} / {paper[1]:.0f} / {paper[2]:.0f}, "
+            line += f"{paper[1] / paper[2]:.2f}x (ours {ours:.2f}x)"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def row_dicts(rows: list[MoERow]) -> list[dict]:
+    return [{**asdict(r), "total_ms": r.total_ms} for r in rows]
+
+
+def draw_moe_chart(rows: list[MoERow], path: Path) -> Path:
+    """Total block latency per case, one bar per schedule (simulated)."""
+    cases = list(dict.fromkeys((r.model, r.seq_len) for r in rows if r.source == "simulated"))
+    table = {(r.model, r.seq_len, r.schedule): r.total_ms for r in rows}
+    values = [[table.get((m, s, name)) for name in SCHEDULES] for m, s in cases]
+    groups = [f"{m[-1].upper()}{s // 1024}k" for m, s in cases]
+    canvas = Canvas(1200, 420)
+    bar_panel(canvas, (40, 30, 1120, 340), "simulated ms per MoE block (fwd+bwd)", groups, values)
+    legend(canvas, 40, 395, list(SCHEDULES))
+    return canvas.save(path)
+
+
+def measure_rows(spec: MoEBenchSpec) -> list[MoERow]:
+    """The real block on `cpu_ranks` gloo processes, every schedule (best of `repeats`)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(
+        _measure_rank, (spec, port, queue), nprocs=spec.cpu_ranks, start_method="spawn"
+    )
+    return queue.get()
+
+
+def cpu_shape(ranks: int) -> ModelShape:
+    """A small GPT-MoE-like block with one expert per process."""
+    return ModelShape(
+        vocab_size=256, dim=128, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=512,
+        moe_experts=ranks, moe_top_k=1, moe_capacity_factor=1.0, moe_hidden=256, moe_every=1,
+    )  # fmt: skip
+
+
+def _measure_rank(rank: int, spec: MoEBenchSpec, port: int, queue) -> None:
+    from ray_zep.attention.kernels import torch_varlen_attention
+    from ray_zep.attention.varlen import PackedSeqs
+    from ray_zep.collectives.comms import Group
+    from ray_zep.model.llama import Block, rope_tables
+    from ray_zep.moe.layer import shard_experts
+    from ray_zep.moe.pipeline import FoldedForward
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=spec.cpu_ranks,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    shape = cpu_shape(spec.cpu_ranks)
+    block = Block(shape, 0)
+    torch.manual_seed(0)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    block.feed_forward.capacity_tokens = spec.cpu_tokens
+    shard_experts(block.feed_forward, Group(dist.group.WORLD, 120.0))
+    seqs = PackedSeqs.from_lengths([spec.cpu_tokens])
+    rope = rope_tables(torch.from_numpy(seqs.positions()), shape.head_dim, shape.rope_theta)
+    x = torch.randn(spec.cpu_tokens, shape.dim)
+    rows = []
+    for name, (schedule, uniform) in SCHEDULES.items():
+        degree = 1 if schedule is MoEPipeline.NONE else spec.cpu_degree
+        block.pipeline = (
+            None if schedule is MoEPipeline.NONE else FoldedForward(schedule, degree, uniform)
+        )
+        best = (float("inf"), float("inf"))
+        for _ in range(spec.repeats + 1):  # the first run warms up
+            dist.barrier()
+            start = time.perf_counter()
+            inp = x.clone().requires_grad_(True)
+            out = block(inp, rope, seqs, torch_varlen_attention)
+            mid = time.perf_counter()
+            out.sum().backward()
+            end = time.perf_counter()
+            times = torch.tensor([mid - start, end - mid])
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            best = min(best, (float(times[0]), float(times[1])), key=sum)
+        rows.append(
+            MoERow("cpu", f"cpu x{spec.cpu_ranks}", spec.cpu_tokens, name, degree,
+                   best[0] * 1e3, best[1] * 1e3)
+        )  # fmt: skip
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
