@@ -84,11 +84,13 @@ RUNS = {
         "parallel.moe_pipeline=1a1m",
         "parallel.moe_overlap_degree=4",
     ],
-    "zeppelin_ep4_remap": [
+    "zeppelin_ep4_remap_moe_only": [
         "parallel.strategy=zeppelin",
         "parallel.ep=4",
         "parallel.remap=true",
         "parallel.remap_policy=always",
+        "parallel.moe_pipeline=moe_only",
+        "parallel.moe_overlap_degree=2",
     ],
 }
 

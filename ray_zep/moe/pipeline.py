@@ -86,7 +86,7 @@ class _Run:
     block: object
     x_TD: torch.Tensor
     rope: tuple[torch.Tensor, torch.Tensor]
-    seqs: PackedSeqs
+    seqs: PackedSeqs | None
     kernel: object
     slices: list[int]
     micro: list[int]
@@ -240,30 +240,32 @@ class FoldedForward:
         return token_uniform_slices(tokens, self.degree)
 
     def __call__(self, block, x_TD, rope, seqs: PackedSeqs | None, attention) -> torch.Tensor:
-        if seqs is None:
+        sliced = attention_slices(self.schedule, self.degree) > 1
+        if seqs is None and sliced:
             raise ConfigError(
-                "parallel.moe_pipeline needs attention local to each rank (parallel.strategy "
-                "single or dp)"
+                f"parallel.moe_pipeline={self.schedule.value} slices attention, which needs "
+                "attention local to each rank (parallel.strategy single or dp)"
             )
         moe: MoE = block.feed_forward
         tokens = x_TD.shape[0]
         attn = block.attention
+        lengths = seqs.lengths if sliced else (tokens,)
         run = _Run(
             block=block,
             x_TD=x_TD,
             rope=rope,
             seqs=seqs,
             kernel=attention,
-            slices=self.slices(seqs.lengths, attn.n_heads * attn.head_dim, attn.n_heads),
+            slices=self.slices(lengths, attn.n_heads * attn.head_dim, attn.n_heads),
             micro=micro_batch_sizes(tokens, self.degree),
             capacity=moe.capacity(tokens),
             order=comms.new_order(x_TD),
         )
         self.last_slices = run.slices
-        if len(run.slices) == 1:
+        if not sliced:
             self._whole_attention(run, block, attention)
         for step in self.program:
-            if not (step.kind is Kind.ATTEND and len(run.slices) == 1):
+            if sliced or step.kind is not Kind.ATTEND:
                 run.play(step)
         moe.balance = run.balance
         return torch.cat([run.outputs[j] for j in range(self.degree)]) + run.order
