@@ -22,12 +22,13 @@ tensor has the same trailing dims and dtype. Every wait has a timeout.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ray_zep.collectives.codec import Compressed, compress, decode_chunk, split_packed
 from ray_zep.collectives.format import static_bytes
@@ -139,6 +140,37 @@ def all_to_all_v(
     out, work = post_all_to_all(flat, [r * row for r in send_rows], [r * row for r in recv_rows], g)
     g.wait([work], what)
     return out.view(sum(recv_rows), *tensor.shape[1:])
+
+
+def gradients_or_zeros(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Every parameter's gradient, zeros where it has none (untouched by this rank's
+    tokens), so every rank sums the same tensors."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params]
+
+
+def reduce_in_one_buffer_(
+    tensors: list[torch.Tensor], reduce_: Callable[[torch.Tensor], object]
+) -> int:
+    """Apply the in-place collective `reduce_` to `tensors` packed in one flat buffer.
+
+    Returns:
+        Bytes of the buffer.
+    """
+    flat = _flatten_dense_tensors(tensors)
+    reduce_(flat)
+    for tensor, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
+        tensor.copy_(synced)
+    return flat.numel() * flat.element_size()
+
+
+def all_reduce_sum_(tensor: torch.Tensor, g: Group, what: str) -> torch.Tensor:
+    """Sum `tensor` over `g` in place, within the group's timeout."""
+    work = dist.all_reduce(tensor, group=g.group, async_op=True)
+    g.wait([work], f"all-reduce of {what}")
+    return tensor
 
 
 def exchange_rows(send_rows: Sequence[int], g: Group) -> list[int]:

@@ -14,9 +14,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ray_zep.collectives.comms import Group
+from ray_zep.collectives.comms import (
+    Group,
+    all_reduce_sum_,
+    gradients_or_zeros,
+    reduce_in_one_buffer_,
+)
 from ray_zep.config import Config, MoEDispatch, MoEPipeline
 from ray_zep.errors import ConfigError
 from ray_zep.mesh import Comm
@@ -81,22 +85,13 @@ class ExpertParallel:
 
     def sum_expert_gradients_(self) -> int:
         """Sum the split experts' gradients over their replicas; bytes all-reduced."""
-        if not self.expert_params:
-            return 0
-        grads = []
-        for p in self.expert_params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
+        grads = gradients_or_zeros(self.expert_params)
         replicas = self.groups.replicas if self.groups else None
-        if replicas is None:
+        if not grads or replicas is None:
             return 0
-        flat = _flatten_dense_tensors(grads)
-        work = dist.all_reduce(flat, group=replicas.group, async_op=True)
-        replicas.wait([work], "all-reduce of expert gradients")
-        for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-            grad.copy_(synced)
-        return flat.numel() * flat.element_size()
+        return reduce_in_one_buffer_(
+            grads, lambda flat: all_reduce_sum_(flat, replicas, "expert gradients")
+        )
 
 
 def parallelize_experts(model: nn.Module, comm: Comm, config: Config) -> ExpertParallel:

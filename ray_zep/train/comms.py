@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ray_zep.collectives.adaptive import AdaptiveCollectives
+from ray_zep.collectives.comms import gradients_or_zeros, reduce_in_one_buffer_
 from ray_zep.mesh import Comm
 
 
@@ -36,17 +36,9 @@ def all_reduce_gradients_(
     Returns:
         Bytes of the gradient buffer (0 for a single process).
     """
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    grads = gradients_or_zeros(params)
     if not comm.distributed:
         return 0
-    grads = [p.grad for p in params]
-    flat = _flatten_dense_tensors(grads)
     if zipped is None:
-        all_reduce_sum_(flat, comm, "gradients")
-    else:
-        zipped.all_reduce_sum_(flat, "gradients")
-    for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-        grad.copy_(synced)
-    return flat.numel() * flat.element_size()
+        return reduce_in_one_buffer_(grads, lambda flat: all_reduce_sum_(flat, comm, "gradients"))
+    return reduce_in_one_buffer_(grads, lambda flat: zipped.all_reduce_sum_(flat, "gradients"))

@@ -25,6 +25,7 @@ from ray_zep.attention.schedule import RankSchedule
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.collectives.adaptive import AdaptiveCollectives
 from ray_zep.collectives.comms import Group
+from ray_zep.collectives.comms import all_reduce_sum_ as group_all_reduce_sum_
 from ray_zep.config import Compression, Config, Device, Precision
 from ray_zep.constants import IGNORE_INDEX
 from ray_zep.data.shards import RankShard
@@ -254,9 +255,7 @@ class RankTrainer:
         if not experts:
             return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         squares = torch.stack([_square_norm(self.params), _square_norm(experts)]).double()
-        ep = self.experts.groups.ep
-        work = torch.distributed.all_reduce(squares[1:], group=ep.group, async_op=True)
-        ep.wait([work], "all-reduce of the expert gradient norm")
+        group_all_reduce_sum_(squares[1:], self.experts.groups.ep, "the expert gradient norm")
         norm = float(squares.sum().sqrt())
         scale = min(1.0, max_norm / (norm + 1e-6))
         if scale < 1.0:
