@@ -21,7 +21,8 @@
                                              planner latency and plan quality, all planners
     ray-zep bench layers [CONFIG] [key=value ...] [--out DIR]
                                              routing NIC bytes and remap solver on plans
-    ray-zep bench moe [--models ...] [--seq-lens ...] [--cpu-ranks N] [--out DIR]
+    ray-zep bench moe [--models ...] [--seq-lens ...] [--cpu-ranks N] [--nic-gbps G]
+                      [--intra-gbytes B] [--out DIR]
                                              FoldMoE schedules: simulated and measured
 
 Errors on bad input are one line on stderr and exit status 2.
@@ -169,6 +170,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     moe.add_argument("--cpu-tokens", type=int, default=2048, help="tokens per process")
     moe.add_argument("--cpu-degree", type=int, default=4, help="overlap degree of the real runs")
+    moe.add_argument(
+        "--nic-gbps", type=float, default=40.0, help="achieved Gb/s between nodes (default 40)"
+    )
+    moe.add_argument(
+        "--intra-gbytes", type=float, default=5.0, help="achieved GB/s per GPU in a node (5)"
+    )
     moe.add_argument("--out", default="runs/bench/moe", help="JSON and PNG folder")
     moe.set_defaults(handler=_bench_moe)
 
@@ -341,8 +348,12 @@ def _bench_moe(args: argparse.Namespace) -> int:
 
     from ray_zep.bench import moe as bench
     from ray_zep.bench.output import write_json
+    from ray_zep.errors import ConfigError
     from ray_zep.report.plan_command import parse_lengths
 
+    for flag, value in (("--nic-gbps", args.nic_gbps), ("--intra-gbytes", args.intra_gbytes)):
+        if not value > 0:
+            raise ConfigError(f"{flag}={value} must be a positive bandwidth")
     spec = bench.MoEBenchSpec(
         models=tuple(_names(args.models, ())),
         seq_lens=tuple(int(n) for n in parse_lengths(args.seq_lens, "--seq-lens")),
@@ -350,6 +361,8 @@ def _bench_moe(args: argparse.Namespace) -> int:
         cpu_ranks=args.cpu_ranks,
         cpu_tokens=args.cpu_tokens,
         cpu_degree=args.cpu_degree,
+        nic_gbps=args.nic_gbps,
+        intra_gbytes=args.intra_gbytes,
     )
     rows = bench.simulate_rows(spec)
     if spec.cpu_ranks > 1:

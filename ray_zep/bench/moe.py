@@ -12,6 +12,7 @@ Two parts, printed side by side:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import socket
 import time
@@ -63,6 +64,18 @@ class MoEBenchSpec:
     cpu_tokens: int = 2048
     cpu_degree: int = 4
     repeats: int = 3
+    nic_gbps: float = A10G_100GBE.nic_bytes_per_s * 8 / 1e9
+    """Achieved inter-node bandwidth of one node, Gb/s each way (the model's assumption)."""
+    intra_gbytes: float = A10G_100GBE.intra_bytes_per_s / 1e9
+    """Achieved intra-node bandwidth of one GPU, GB/s each way (the model's assumption)."""
+
+    def cluster(self) -> Cluster:
+        """The testbed model with this spec's bandwidths."""
+        return dataclasses.replace(
+            A10G_100GBE,
+            nic_bytes_per_s=self.nic_gbps * 1e9 / 8,
+            intra_bytes_per_s=self.intra_gbytes * 1e9,
+        )
 
 
 @dataclass(frozen=True)
@@ -82,7 +95,8 @@ class MoERow:
         return self.forward_ms + self.backward_ms
 
 
-def simulate_rows(spec: MoEBenchSpec, cluster: Cluster = A10G_100GBE) -> list[MoERow]:
+def simulate_rows(spec: MoEBenchSpec) -> list[MoERow]:
+    cluster = spec.cluster()
     rows = []
     for model in spec.models:
         for seq_len in spec.seq_lens:

@@ -10,6 +10,13 @@ The setup follows the FoldMoE evaluation: attention under tensor + sequence
 parallelism inside each node (each GPU computes 1/G of every slice and holds
 1/G of its tokens for the MoE layer), experts spread one per GPU over all
 nodes, one sequence per node. Legend: L tokens of a sequence, G GPUs per node.
+
+Tensor + sequence parallelism gathers a slice's tokens before attention and
+reduce-scatters its output after (Megatron's sequence parallelism; in backward
+the other way round). Those collectives block the compute stream as they do
+in Megatron, so they are part of an attention step: its computation scales
+for backward, its collectives do not. They share the GPU's PCIe link with the
+all-to-alls' traffic; that contention is not modelled.
 """
 
 from __future__ import annotations
@@ -86,6 +93,7 @@ class StageTimes:
     """Forward seconds of each step's computation and each transfer."""
 
     attend: list[float]
+    attend_collectives: list[float]
     gate: list[float]
     experts: list[float]
     combine: list[float]
@@ -113,6 +121,7 @@ def stage_times(
     slices = _slices(shape, seq_len, schedule, d, uniform)
     flops = slice_costs([seq_len], slices, shape.dim, shape.n_heads, causal=True)
     attend = [f / c.gpus_per_node / c.attention_flops + c.step_overhead_s for f in flops]
+    gathered = [2 * _ring_seconds(n * shape.dim * c.bytes_per_element, c) for n in slices]
     tokens = [n / c.gpus_per_node for n in micro_batch_sizes(seq_len, d)]
     k, dim = shape.moe_top_k, shape.dim
     gate = [2 * dim * shape.moe_experts * n / c.matmul_flops + c.step_overhead_s for n in tokens]
@@ -121,7 +130,8 @@ def stage_times(
         for n in tokens
     ]
     comm = [_all_to_all_seconds(n * k * dim * c.bytes_per_element, c) for n in tokens]
-    return StageTimes(attend, gate, experts, [c.step_overhead_s] * d, comm, list(comm))
+    overhead = [c.step_overhead_s] * d
+    return StageTimes(attend, gathered, gate, experts, overhead, comm, list(comm))
 
 
 def _slices(shape, seq_len, schedule, d, uniform) -> list[int]:
@@ -130,6 +140,14 @@ def _slices(shape, seq_len, schedule, d, uniform) -> list[int]:
     if uniform:
         return time_uniform_slices([seq_len], d, shape.dim, shape.n_heads)
     return token_uniform_slices(seq_len, d)
+
+
+def _ring_seconds(gathered_bytes: float, c: Cluster) -> float:
+    """A ring all-gather (or reduce-scatter) of `gathered_bytes` over a node's GPUs."""
+    g = c.gpus_per_node
+    if g == 1:
+        return 0.0
+    return c.latency_s + gathered_bytes * (g - 1) / g / c.intra_bytes_per_s
 
 
 def _all_to_all_seconds(send_bytes: float, c: Cluster) -> float:
@@ -175,6 +193,8 @@ def play(program: list[Step], times: StageTimes, backward: bool = False) -> Time
         if step.kind in waits:
             now = max(now, done[(waits[step.kind], j)])
         cost = compute_cost[step.kind][j] * _backward_factor(step.kind, backward)
+        if step.kind is Kind.ATTEND:
+            cost += times.attend_collectives[j]
         line.compute.append((str(step), now, now + cost))
         now += cost
         if step.kind in posts:
