@@ -49,6 +49,25 @@ class Strategy(Enum):
     """Every sequence split over all ranks, heads exchanged by all-to-all."""
     USP = "usp"
     """Ulysses inside groups of parallel.ulysses_degree ranks, rings across them."""
+    TAWPIPE = "tawpipe"
+    """Whole sequences per rank; each rank owns one shard of layers, which travels
+    to the others as they need it: inside a node by broadcast, between nodes
+    point to point (TawPipe)."""
+    WEIPIPE = "weipipe"
+    """As tawpipe, but shards and gradients travel around one ring of all ranks
+    (WeiPipe-style baseline)."""
+    FSDP = "fsdp"
+    """As tawpipe, but shards and gradients move by collectives over all ranks
+    (FSDP-style baseline)."""
+
+
+WHOLE_SEQUENCE_STRATEGIES = (
+    Strategy.DP,
+    Strategy.TAWPIPE,
+    Strategy.WEIPIPE,
+    Strategy.FSDP,
+)
+"""Multi-rank strategies that keep every sequence on one rank (rank-packed batches)."""
 
 
 class ZonePolicy(Enum):
@@ -209,7 +228,8 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     strategy: Strategy = Strategy.DP
-    """single | dp | zeppelin | te_cp | llama_cp | hybrid_dp | ulysses | usp."""
+    """single | dp | zeppelin | te_cp | llama_cp | hybrid_dp | ulysses | usp | tawpipe |
+    weipipe | fsdp."""
     zone_policy: ZonePolicy = ZonePolicy.COST
     """cost | capacity: how zeppelin picks zone thresholds (see ray_zep.partition.zeppelin)."""
     ulysses_degree: int = 0
@@ -240,7 +260,8 @@ class ParallelConfig:
         self._check_moe()
         for key in ("routing", "remap"):
             _require(
-                not getattr(self, key) or self.strategy not in (Strategy.SINGLE, Strategy.DP),
+                not getattr(self, key)
+                or self.strategy not in (Strategy.SINGLE, *WHOLE_SEQUENCE_STRATEGIES),
                 f"parallel.{key}",
                 True,
                 f"needs a planned strategy (not {self.strategy.value}): "
@@ -269,7 +290,7 @@ class ParallelConfig:
         )
         sliced = self.moe_pipeline in (MoEPipeline.AAAM, MoEPipeline.ONE_A_ONE_M)
         _require(
-            not sliced or self.strategy in (Strategy.SINGLE, Strategy.DP),
+            not sliced or self.strategy in (Strategy.SINGLE, *WHOLE_SEQUENCE_STRATEGIES),
             "parallel.moe_pipeline",
             self.moe_pipeline.value,
             f"slices attention, which parallel.strategy={self.strategy.value} spreads over "
@@ -495,10 +516,11 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
-        if self.parallel.strategy is Strategy.DP and self.data.packing is not Packing.RANK:
+        strategy = self.parallel.strategy
+        if strategy in WHOLE_SEQUENCE_STRATEGIES and self.data.packing is not Packing.RANK:
             raise ConfigError(
-                "config key data.packing='budget': parallel.strategy=dp keeps each sequence "
-                "on one rank and needs data.packing=rank"
+                f"config key data.packing='budget': parallel.strategy={strategy.value} keeps "
+                "each sequence on one rank and needs data.packing=rank"
             )
 
 

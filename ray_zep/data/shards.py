@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ray_zep.attention.varlen import positions_from_lengths
-from ray_zep.config import Config, Strategy
+from ray_zep.config import WHOLE_SEQUENCE_STRATEGIES, Config, Strategy
 from ray_zep.constants import IGNORE_INDEX
 from ray_zep.costmodel import preset_rates
 from ray_zep.data.batching import GlobalBatch
@@ -110,10 +110,11 @@ def shard_batch(batch: GlobalBatch, strategy: Strategy, world: int) -> list[Rank
     """
     if strategy is Strategy.SINGLE:
         groups = [list(range(len(batch.pieces)))]
-    elif strategy is Strategy.DP:
+    elif strategy in WHOLE_SEQUENCE_STRATEGIES:
         if batch.bins is None or len(batch.bins) != world:
             raise PlacementError(
-                f"strategy dp needs a batch rank-packed for {world} ranks (data.packing=rank)"
+                f"strategy {strategy.value} needs a batch rank-packed for {world} ranks "
+                "(data.packing=rank)"
             )
         groups = batch.bins
     else:
@@ -149,7 +150,7 @@ def shard_for(batch: GlobalBatch, config: Config, topology: Topology) -> list[Ra
         ConfigError: the strategy's rules (e.g. Ulysses head counts) fail.
     """
     strategy = config.parallel.strategy
-    if strategy in (Strategy.SINGLE, Strategy.DP):
+    if strategy in (Strategy.SINGLE, *WHOLE_SEQUENCE_STRATEGIES):
         world = 1 if strategy is Strategy.SINGLE else topology.world_size
         return shard_batch(batch, strategy, world)
     shape = build_shape(config.model)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ray_zep.config import ParallelConfig, Strategy
+from ray_zep.config import WHOLE_SEQUENCE_STRATEGIES, ParallelConfig, Strategy
 from ray_zep.costmodel import CostModel
 from ray_zep.errors import PlacementError
 from ray_zep.model.shapes import ModelShape
@@ -22,7 +22,9 @@ from ray_zep.partition.plan import AttentionPlan, Exchange, local_placement
 from ray_zep.partition.zeppelin import plan_zeppelin
 from ray_zep.topology import Topology
 
-PLANNED_STRATEGIES = tuple(s for s in Strategy if s not in (Strategy.SINGLE, Strategy.DP))
+PLANNED_STRATEGIES = tuple(
+    s for s in Strategy if s is not Strategy.SINGLE and s not in WHOLE_SEQUENCE_STRATEGIES
+)
 """Strategies whose placement a planner computes from the lengths alone."""
 
 

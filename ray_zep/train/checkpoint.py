@@ -28,7 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from ray_zep import constants
 from ray_zep.config import ResumeMode
@@ -104,9 +108,16 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     progress: Progress,
     comm: Comm,
+    own_shard: bool = False,
 ) -> None:
-    """Write a checkpoint collectively (every rank calls it)."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+    """Write a checkpoint collectively (every rank calls it).
+
+    Args:
+        own_shard: `model` holds only this rank's parameters (weight-passing
+            strategies); the optimizer state is then keyed by parameter name
+            throughout, so every rank's part lands under its own keys.
+    """
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(own_shard))
     names = _shard_names(model)
     state = {
         "model": _renamed(model_state, names),
@@ -127,7 +138,11 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Comm
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    comm: Comm,
+    own_shard: bool = False,
 ) -> Progress:
     """Load a checkpoint into the model and optimizer collectively; return its progress.
 
@@ -136,7 +151,8 @@ def load_checkpoint(
             different number of ranks.
     """
     check_world_size(path, comm.world_size)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    options = _options(own_shard)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     names = _shard_names(model)
     state: dict[str, Any] = {
         "model": _renamed(model_state, names),
@@ -154,6 +170,7 @@ def load_checkpoint(
         optimizer,
         model_state_dict=_renamed(state["model"], back),
         optim_state_dict=_renamed_optim(state["optim"], back),
+        options=options,
     )
     _set_rng_state(state["rng"][f"rank{comm.rank}"])
     return _progress_from_state(state["progress"])
@@ -181,6 +198,10 @@ def read_model_state(path: Path, model: torch.nn.Module) -> dict[str, torch.Tens
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return state["model"]
+
+
+def _options(own_shard: bool) -> StateDictOptions | None:
+    return StateDictOptions(flatten_optimizer_state_dict=True) if own_shard else None
 
 
 def _shard_names(model: torch.nn.Module) -> dict[str, str]:

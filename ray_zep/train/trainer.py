@@ -34,6 +34,8 @@ from ray_zep.mesh import Comm
 from ray_zep.model.llama import Transformer
 from ray_zep.model.shapes import build_shape
 from ray_zep.moe.parallel import balance_loss, parallelize_experts
+from ray_zep.pipeline.layout import WEIGHT_PASSING
+from ray_zep.pipeline.runner import WeightPipeline
 from ray_zep.remap.comms import to_attention, to_linear
 from ray_zep.remap.layout import RankRemap
 from ray_zep.traffic import Traffic, gradient_traffic
@@ -138,7 +140,14 @@ class RankTrainer:
         split = {id(p) for p in self.experts.expert_params}
         self.params = [p for p in self.model.parameters() if p.requires_grad and id(p) not in split]
         """Parameters whose gradients are summed over all ranks (all but split experts)."""
-        self.optimizer = build_optimizer(self.model, config.train)
+        self.pipeline: WeightPipeline | None = None
+        self.state_module: torch.nn.Module = self.model
+        """What this rank checkpoints and optimizes: the model, or its own weight shard."""
+        if config.parallel.strategy in WEIGHT_PASSING:
+            self.pipeline = WeightPipeline(self.model, self.comm, config.parallel.strategy)
+            self.params = self.pipeline.weights.own_parameters()
+            self.state_module = self.pipeline.weights.own_module()
+        self.optimizer = build_optimizer(self.state_module, config.train)
         self.steps_done = 0
         self.zipped = _zipped_collectives(config, self.comm)
         if self.zipped is not None and "kv" in config.comm.compression_streams:
@@ -199,6 +208,8 @@ class RankTrainer:
             the bytes all-reduced.
         """
         self.optimizer.zero_grad(set_to_none=True)
+        if self.pipeline is not None:
+            return (self._pipelined_forward_backward(shard), 0.0), 0
         losses = self._forward_backward(shard)
         zipped = self.zipped if "gradients" in self.config.comm.compression_streams else None
         synced = all_reduce_gradients_(self.params, self.comm, zipped)
@@ -226,6 +237,19 @@ class RankTrainer:
         (token_losses / max(1, shard.global_label_tokens) + aux).backward()
         return float(token_losses.detach()), float(aux.detach())
 
+    def _pipelined_forward_backward(self, shard: RankShard) -> float:
+        """The step under a weight-passing strategy: gradients land at the shard owners."""
+        tokens = torch.from_numpy(shard.tokens.astype(np.int64)).to(self.device)
+        positions = torch.from_numpy(shard.positions().copy()).to(self.device)
+        labels = torch.from_numpy(shard.labels().copy()).to(self.device)
+        seqs = PackedSeqs.from_lengths(shard.lengths, self.device)
+        autocast = torch.autocast(
+            self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32
+        )
+        return self.pipeline.forward_backward(
+            tokens, positions, seqs, labels, shard.global_label_tokens, autocast
+        )
+
     def _engine(self, shard: RankShard) -> AttentionFn:
         """Attention through the engine for this shard's plan (metadata built once per step).
 
@@ -252,6 +276,15 @@ class RankTrainer:
         """Clip by the norm of the whole model's gradient (split experts included)."""
         max_norm = self.config.train.grad_clip or float("inf")
         experts = self.experts.expert_params
+        if self.pipeline is not None:
+            # every parameter has one owner: the whole norm is the sum over owners
+            squares = _square_norm(self.params).double().reshape(1)
+            all_reduce_sum_(squares, self.comm, "the gradient norm")
+            norm = float(squares.sqrt())
+            scale = min(1.0, max_norm / (norm + 1e-6))
+            if scale < 1.0:
+                torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], scale)
+            return norm
         if not experts:
             return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         squares = torch.stack([_square_norm(self.params), _square_norm(experts)]).double()
@@ -267,15 +300,18 @@ class RankTrainer:
         path = checkpoint.checkpoint_path(run_dir, self.steps_done)
         checkpoint.save_checkpoint(
             path,
-            self.model,
+            self.state_module,
             self.optimizer,
             checkpoint.Progress(self.steps_done, cursor),
             self.comm,
+            own_shard=self.pipeline is not None,
         )
         return path
 
     def load(self, path: Path) -> checkpoint.Progress:
         """Restore a checkpoint (collective); training continues after its step."""
-        progress = checkpoint.load_checkpoint(path, self.model, self.optimizer, self.comm)
+        progress = checkpoint.load_checkpoint(
+            path, self.state_module, self.optimizer, self.comm, own_shard=self.pipeline is not None
+        )
         self.steps_done = progress.step
         return progress

@@ -74,11 +74,13 @@ def train_rank(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
     )
     return {
         "losses": {e["step"]: e["loss"] for e in events if e["event"] == "step"},
-        "params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+        # weight-passing strategies hold only their own shard: its names, full-model keys
+        "params": {k: v.detach().clone() for k, v in trainer.state_module.state_dict().items()},
         "samples": {
             s: [(p.doc, p.start, p.length) for p in b.pieces] for s, b in state["batches"].items()
         },
         "events": events,
+        "weight_ledger": trainer.pipeline.weights.ledger if trainer.pipeline else None,
     }
 
 

@@ -1,0 +1,137 @@
+"""One training step under a weight-passing strategy, shard by shard.
+
+Forward runs the shards in order, each on a detached copy of the previous
+shard's output, so backward can run them one at a time in reverse with the
+shard's weights borrowed again. While a shard computes, the next shard's
+weights are on their way (forward: s+1; backward: s-1) and the previous
+shard's gradient is on its way to its owner. The last shard stays resident
+across the turn from forward to backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from ray_zep.attention.varlen import PackedSeqs
+from ray_zep.config import Strategy
+from ray_zep.constants import IGNORE_INDEX
+from ray_zep.errors import ConfigError
+from ray_zep.mesh import Comm
+from ray_zep.model.llama import Transformer, rope_tables
+from ray_zep.pipeline.layout import WeightLayout, model_units
+from ray_zep.pipeline.transport import Pending, Transport
+from ray_zep.pipeline.weights import ShardedWeights
+
+
+class WeightPipeline:
+    """Device-bound weights and the step that borrows them (collective: build everywhere).
+
+    Args:
+        model: the full model, initialised identically on every device; the
+            shards other devices own are released.
+        comm: this device's process group and topology.
+        strategy: tawpipe, weipipe or fsdp.
+    """
+
+    def __init__(self, model: Transformer, comm: Comm, strategy: Strategy) -> None:
+        if model.shape.moe_experts:
+            raise ConfigError(
+                f"config key model.moe.num_experts={model.shape.moe_experts}: "
+                f"parallel.strategy={strategy.value} passes the weights of dense models; "
+                "use parallel.strategy=dp (with parallel.ep) for MoE models"
+            )
+        sizes = [
+            sum(p.numel() for m in modules for p in m.parameters())
+            for _, modules in model_units(model)
+        ]
+        topology = comm.topology
+        nodes, gpus = (topology.nodes, topology.gpus_per_node) if comm.distributed else (1, 1)
+        self.layout = WeightLayout.build(strategy, sizes, nodes, gpus)
+        self.model = model
+        self.weights = ShardedWeights(model, self.layout, comm.rank)
+        self.transport = Transport(self.layout, comm)
+
+    def forward_backward(
+        self,
+        tokens_T: torch.Tensor,
+        positions_T: torch.Tensor,
+        seqs: PackedSeqs,
+        labels_T: torch.Tensor,
+        label_tokens: int,
+        autocast: contextlib.AbstractContextManager | None = None,
+    ) -> float:
+        """Gradients of sum(token losses) / label_tokens in the own shard's `.grad`
+        (summed over every device); returns this device's sum of token losses."""
+        shape = self.model.shape
+        rope = rope_tables(positions_T, shape.head_dim, shape.rope_theta)
+        count = self.layout.shards
+        weights = self.weights
+        pending = self._post_fetch(0)
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        x, loss_sum = tokens_T, torch.zeros(())
+        for shard in range(count):
+            self._arrive(pending)
+            ahead = shard + 1 if shard + 1 < count else count - 2
+            pending = self._post_fetch(ahead) if ahead >= 0 else None
+            inputs = x if shard == 0 else x.detach().requires_grad_(True)
+            with autocast or contextlib.nullcontext():
+                out = self._run(shard, inputs, rope, seqs)
+            if shard == count - 1:
+                loss_sum = F.cross_entropy(
+                    out.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum"
+                )
+                out = loss_sum / max(1, label_tokens)
+            saved.append((inputs, out))
+            weights.sample()
+            if shard < count - 1:
+                weights.release(shard)
+            x = out
+        grad, summing = None, None
+        for shard in reversed(range(count)):
+            if shard < count - 1:
+                self._arrive(pending)
+                pending = self._post_fetch(shard - 1) if shard >= 1 else None
+            weights.sample()
+            inputs, out = saved[shard]
+            torch.autograd.backward(out, grad)
+            grad = inputs.grad if shard > 0 else None
+            flat = weights.pack_gradients(shard)
+            weights.set_gradients(shard, None)
+            weights.release(shard)
+            if summing is not None:
+                self._land(summing)
+            summing = self.transport.post_reduce(shard, flat)
+        self._land(summing)
+        return float(loss_sum.detach())
+
+    def _run(self, shard: int, x: torch.Tensor, rope, seqs: PackedSeqs) -> torch.Tensor:
+        for name, modules in self.weights.units[shard]:
+            if name == "tok_embeddings":
+                x = modules[0](x)
+            elif name == "head":
+                norm, output = modules
+                x = output(norm(x))
+            else:
+                x = modules[0](x, rope, seqs, self.model.attention_fn)
+        return x
+
+    def _post_fetch(self, shard: int) -> Pending | None:
+        if shard == self.weights.mine or self.layout.owners[shard] == self.transport.rank:
+            flat = self.weights.pack(shard, self.weights.staging)
+        else:
+            flat = self.weights.staging[: self.weights.numel[shard]]
+        return self.transport.post_fetch(shard, flat)
+
+    def _arrive(self, pending: Pending | None) -> None:
+        if pending is None:
+            return
+        flat = self.transport.finish_fetch(pending)
+        self.weights.materialize(pending.shard, flat)
+
+    def _land(self, pending: Pending) -> None:
+        summed = self.transport.finish_reduce(pending)
+        if summed is not None:
+            self.weights.set_gradients(pending.shard, summed)
