@@ -119,7 +119,7 @@ class WeightPipeline:
         return x
 
     def _post_fetch(self, shard: int) -> Pending | None:
-        if shard == self.weights.mine or self.layout.owners[shard] == self.transport.rank:
+        if shard == self.weights.mine:
             flat = self.weights.pack(shard, self.weights.staging)
         else:
             flat = self.weights.staging[: self.weights.numel[shard]]

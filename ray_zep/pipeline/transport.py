@@ -73,7 +73,7 @@ class Transport:
 
     def finish_fetch(self, pending: Pending) -> torch.Tensor:
         """Wait until the shard is in the buffer; returns it."""
-        self._wait(pending.works, f"fetching weight shard {pending.shard}")
+        self.comm.wait(pending.works, f"fetching weight shard {pending.shard}")
         pending.works = []
         if self.comm.world_size == 1:
             return pending.buffer
@@ -81,7 +81,7 @@ class Transport:
             root = self.layout.root(pending.shard, self.group_index)
             if len(self.layout.groups[self.group_index]) > 1:
                 work = dist.broadcast(pending.buffer, src=root, group=self.group, async_op=True)
-                self._wait([work], f"broadcasting weight shard {pending.shard} in the node")
+                self.comm.wait([work], f"broadcasting weight shard {pending.shard} in the node")
         elif self.layout.strategy is Strategy.WEIPIPE:
             after = self._ring_next(self.rank)
             if (
@@ -89,7 +89,7 @@ class Transport:
                 and after != self.layout.owners[pending.shard]
             ):
                 work = dist.isend(pending.buffer, after, group=self.world, tag=FETCH_TAG)
-                self._wait([work], f"relaying weight shard {pending.shard}")
+                self.comm.wait([work], f"relaying weight shard {pending.shard}")
         return pending.buffer
 
     def _post_grouped_fetch(self, pending: Pending) -> None:
@@ -146,7 +146,7 @@ class Transport:
     def finish_reduce(self, pending: Pending) -> torch.Tensor | None:
         """Wait for the sum; the owner gets the summed gradient, the others None."""
         what = f"summing the gradient of weight shard {pending.shard}"
-        self._wait(pending.works, what)
+        self.comm.wait(pending.works, what)
         owner = self.layout.owners[pending.shard]
         grad = pending.buffer
         if self.comm.world_size > 1 and self.layout.strategy is Strategy.TAWPIPE:
@@ -157,7 +157,7 @@ class Transport:
             if self.rank != owner:
                 after = self._ring_next(self.rank)
                 work = dist.isend(grad, after, group=self.world, tag=GRADIENT_TAG)
-                self._wait([work], what)
+                self.comm.wait([work], what)
         return grad if self.rank == owner else None
 
     def _finish_grouped_reduce(self, pending: Pending, owner: int, what: str) -> torch.Tensor:
@@ -169,12 +169,12 @@ class Transport:
                 dist.irecv(part, r, group=self.world, tag=GRADIENT_TAG)
                 for part, r in zip(parts, [r for r in roots if r != owner], strict=True)
             ]
-            self._wait(works, what)
+            self.comm.wait(works, what)
             for part in parts:
                 grad.add_(part)
         elif self.rank in roots:
             work = dist.isend(grad, owner, group=self.world, tag=GRADIENT_TAG)
-            self._wait([work], what)
+            self.comm.wait([work], what)
         return grad
 
     # --- helpers ----------------------------------------------------------------
@@ -184,6 +184,3 @@ class Transport:
 
     def _ring_next(self, rank: int, step: int = 1) -> int:
         return (rank + step) % self.comm.world_size
-
-    def _wait(self, works: list, what: str) -> None:
-        self.comm.wait(works, what)

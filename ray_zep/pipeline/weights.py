@@ -10,7 +10,7 @@ next shard fills while the current one computes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,7 +26,6 @@ class WeightLedger:
     staging_bytes: int = 0
     largest_shard_bytes: int = 0
     peak_bytes: int = 0
-    samples: list[int] = field(default_factory=list)
 
 
 class ShardedWeights:
@@ -134,6 +133,4 @@ class ShardedWeights:
         return params + self.staging.untyped_storage().nbytes()
 
     def sample(self) -> None:
-        held = self.held_bytes()
-        self.ledger.samples.append(held)
-        self.ledger.peak_bytes = max(self.ledger.peak_bytes, held)
+        self.ledger.peak_bytes = max(self.ledger.peak_bytes, self.held_bytes())

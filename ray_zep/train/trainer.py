@@ -88,6 +88,14 @@ def _square_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None), torch.zeros(()))
 
 
+def _scale_to_norm(params: list[torch.nn.Parameter], norm: float, max_norm: float) -> float:
+    """Scale the gradients so their whole norm `norm` is at most `max_norm`; returns `norm`."""
+    scale = min(1.0, max_norm / (norm + 1e-6))
+    if scale < 1.0:
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale)
+    return norm
+
+
 def resolve_device(device: Device) -> torch.device:
     """`train.device` on this process: auto picks CUDA when it is available."""
     if device is Device.CPU or (device is Device.AUTO and not torch.cuda.is_available()):
@@ -215,19 +223,27 @@ class RankTrainer:
         synced = all_reduce_gradients_(self.params, self.comm, zipped)
         return losses, synced + self.experts.sum_expert_gradients_()
 
-    def _forward_backward(self, shard: RankShard) -> tuple[float, float]:
+    def _inputs(self, shard: RankShard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens, positions and labels of the shard on this rank's device."""
         # Shards arrive read-only from the object store; astype copies them.
         tokens = torch.from_numpy(shard.tokens.astype(np.int64)).to(self.device)
         positions = torch.from_numpy(shard.positions().copy()).to(self.device)
         labels = torch.from_numpy(shard.labels().copy()).to(self.device)
+        return tokens, positions, labels
+
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(
+            self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32
+        )
+
+    def _forward_backward(self, shard: RankShard) -> tuple[float, float]:
+        tokens, positions, labels = self._inputs(shard)
         seqs, attention = None, None
         if shard.plan is None:
             seqs = PackedSeqs.from_lengths(shard.lengths, self.device)
         else:
             attention = self._engine(shard)
-        with torch.autocast(
-            self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32
-        ):
+        with self._autocast():
             logits_TV = self.model(tokens, positions, seqs, attention)
         token_losses = F.cross_entropy(
             logits_TV.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"
@@ -239,15 +255,10 @@ class RankTrainer:
 
     def _pipelined_forward_backward(self, shard: RankShard) -> float:
         """The step under a weight-passing strategy: gradients land at the shard owners."""
-        tokens = torch.from_numpy(shard.tokens.astype(np.int64)).to(self.device)
-        positions = torch.from_numpy(shard.positions().copy()).to(self.device)
-        labels = torch.from_numpy(shard.labels().copy()).to(self.device)
+        tokens, positions, labels = self._inputs(shard)
         seqs = PackedSeqs.from_lengths(shard.lengths, self.device)
-        autocast = torch.autocast(
-            self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32
-        )
         return self.pipeline.forward_backward(
-            tokens, positions, seqs, labels, shard.global_label_tokens, autocast
+            tokens, positions, seqs, labels, shard.global_label_tokens, self._autocast()
         )
 
     def _engine(self, shard: RankShard) -> AttentionFn:
@@ -280,20 +291,12 @@ class RankTrainer:
             # every parameter has one owner: the whole norm is the sum over owners
             squares = _square_norm(self.params).double().reshape(1)
             all_reduce_sum_(squares, self.comm, "the gradient norm")
-            norm = float(squares.sqrt())
-            scale = min(1.0, max_norm / (norm + 1e-6))
-            if scale < 1.0:
-                torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], scale)
-            return norm
+            return _scale_to_norm(self.params, float(squares.sqrt()), max_norm)
         if not experts:
             return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         squares = torch.stack([_square_norm(self.params), _square_norm(experts)]).double()
         group_all_reduce_sum_(squares[1:], self.experts.groups.ep, "the expert gradient norm")
-        norm = float(squares.sum().sqrt())
-        scale = min(1.0, max_norm / (norm + 1e-6))
-        if scale < 1.0:
-            torch._foreach_mul_([p.grad for p in [*self.params, *experts]], scale)
-        return norm
+        return _scale_to_norm([*self.params, *experts], float(squares.sum().sqrt()), max_norm)
 
     def save(self, run_dir: Path, cursor: dict[str, int]) -> Path:
         """Checkpoint the state after `steps_done` steps (collective)."""
