@@ -21,6 +21,9 @@
                                              planner latency and plan quality, all planners
     ray-zep bench layers [CONFIG] [key=value ...] [--out DIR]
                                              routing NIC bytes and remap solver on plans
+    ray-zep bench tawpipe [--hidden ...] [--seq-lens ...] [--nic-gbps G] [--cpu-steps K]
+                                             weight-passing strategies: simulated on TawPipe's
+                                             testbed and trained on CPU
     ray-zep bench moe [--models ...] [--seq-lens ...] [--cpu-ranks N] [--nic-gbps G]
                       [--intra-gbytes B] [--out DIR]
                                              FoldMoE schedules: simulated and measured
@@ -179,6 +182,17 @@ def _parser() -> argparse.ArgumentParser:
     moe.add_argument("--out", default="runs/bench/moe", help="JSON and PNG folder")
     moe.set_defaults(handler=_bench_moe)
 
+    tawpipe = benches.add_parser("tawpipe", help="weight-passing strategies on TawPipe's testbed")
+    tawpipe.add_argument("--hidden", default="1024,2048,4096", help="model dims H")
+    tawpipe.add_argument("--seq-lens", default="4k,8k,16k", help="sequence lengths")
+    tawpipe.add_argument(
+        "--nic-gbps", type=float, default=10.0, help="line rate between nodes, Gb/s (10)"
+    )
+    tawpipe.add_argument("--cpu-config", default="conf/demo.yaml", help="config of the CPU runs")
+    tawpipe.add_argument("--cpu-steps", type=int, default=6, help="steps of each CPU run (0: none)")
+    tawpipe.add_argument("--out", default="runs/bench/tawpipe", help="JSON and PNG folder")
+    tawpipe.set_defaults(handler=_bench_tawpipe)
+
     data = commands.add_parser("data", help="build or inspect datasets")
     data_commands = data.add_subparsers(dest="data_command", required=True)
     build = data_commands.add_parser("build", help="tokenize text/JSONL into Parquet")
@@ -295,9 +309,8 @@ def _bench_train(args: argparse.Namespace) -> int:
     from ray_zep.bench.output import write_json
     from ray_zep.errors import ConfigError
     from ray_zep.report.timeline import draw_throughput
-    from ray_zep.sim.compare import check_variants
 
-    names = check_variants(_names(args.strategies, bench.DEFAULT_STRATEGIES))
+    names = bench.check_names(_names(args.strategies, bench.DEFAULT_STRATEGIES))
     if args.steps < 2:
         raise ConfigError(f"--steps={args.steps} must be >= 2 (the first step is warm-up)")
     from ray_zep.bench.calibrate import Calibration
@@ -376,6 +389,46 @@ def _bench_moe(args: argparse.Namespace) -> int:
                         bench.row_dicts(rows))  # fmt: skip
     print(f"wrote {record}")
     print(f"wrote {bench.draw_moe_chart(rows, out / 'moe.png')}")
+    return 0
+
+
+def _bench_tawpipe(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from ray_zep.bench import tawpipe as bench
+    from ray_zep.bench.output import write_record
+    from ray_zep.errors import ConfigError
+    from ray_zep.report.plan_command import parse_lengths
+
+    if not args.nic_gbps > 0:
+        raise ConfigError(f"--nic-gbps={args.nic_gbps} must be a positive bandwidth")
+    if args.cpu_steps == 1 or args.cpu_steps < 0:
+        raise ConfigError(f"--cpu-steps={args.cpu_steps}: 0 (no CPU runs) or >= 2 (one warm-up)")
+    spec = bench.TawPipeBenchSpec(
+        hidden=tuple(int(h) for h in args.hidden.split(",")),
+        seq_lens=tuple(int(n) for n in parse_lengths(args.seq_lens, "--seq-lens")),
+        nic_gbps=args.nic_gbps,
+    )
+    rows = bench.simulate_rows(spec)
+    print(f"simulated on {spec.cluster().source}")
+    print(bench.format_table(rows))
+    for goal, ok in bench.goals(rows):
+        print(f"goal {'met' if ok else 'MISSED'}: {goal}")
+    out = Path(args.out)
+    record = {"spec": asdict(spec), "rows": bench.row_dicts(rows)}
+    if args.cpu_steps:
+        import workers.bench_train as train_bench  # trains through Ray, like `train`
+
+        names = tuple(s.value for s in bench.STRATEGIES)
+        cpu, _ = train_bench.run_train_bench(
+            args.cpu_config, [], names, args.cpu_steps, out / "cpu"
+        )
+        print(f"\nreal CPU runs ({args.cpu_config}, {args.cpu_steps} steps each):")
+        print(train_bench.format_table(cpu))
+        record["cpu"] = train_bench.row_dicts(cpu)
+    command = "ray-zep " + " ".join(sys.argv[1:])
+    print(f"wrote {write_record(out / 'tawpipe.json', command, record)}")
+    print(f"wrote {bench.draw_tawpipe_chart(rows, out / 'tawpipe.png')}")
     return 0
 
 

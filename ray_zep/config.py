@@ -255,6 +255,10 @@ class ParallelConfig:
     moe_uniform_slicing: bool = True
     """Slice attention so every slice after the first costs the same (FoldMoE Alg. 1);
     false: d equal token slices. aaam and 1a1m only."""
+    shard_recompute: bool = True
+    """tawpipe | weipipe | fsdp: keep only each weight shard's input in forward and
+    recompute its forward in backward (activation memory of one shard, 4/3 of the
+    compute); false keeps every activation."""
 
     def __post_init__(self) -> None:
         self._check_moe()

@@ -21,10 +21,13 @@ from pathlib import Path
 import torch
 
 from ray_zep.bench.calibrate import Calibration, calibrate, cpu_count
-from ray_zep.config import Config, load_config
+from ray_zep.config import Config, Strategy, load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.costmodel import ComputeRates
+from ray_zep.errors import ConfigError
 from ray_zep.model.shapes import build_shape
+from ray_zep.pipeline.layout import WEIGHT_PASSING
+from ray_zep.pipeline.simulate import WeightCluster, Workload, simulate_step
 from ray_zep.report.plan_command import PlanRequest, request_lengths
 from ray_zep.sim.compare import VARIANTS, simulate_strategies
 from ray_zep.topology import build_topology
@@ -48,7 +51,25 @@ class TrainBenchRow:
         return self.predicted_tokens_per_second / self.measured_tokens_per_second
 
 
+WEIGHT_PASSING_NAMES = tuple(s.value for s in WEIGHT_PASSING)
+
+
+def check_names(names) -> tuple[str, ...]:
+    """`names` if each is a simulated variant or a weight-passing strategy.
+
+    Raises:
+        ConfigError: naming the first unknown one and the choices.
+    """
+    for name in names:
+        if name not in VARIANTS and name not in WEIGHT_PASSING_NAMES:
+            choices = ", ".join((*VARIANTS, *WEIGHT_PASSING_NAMES))
+            raise ConfigError(f"--strategies: {name!r} is not one of {choices}")
+    return tuple(names)
+
+
 def variant_overrides(name: str) -> list[str]:
+    if name in WEIGHT_PASSING_NAMES:
+        return [f"parallel.strategy={name}"]
     variant = VARIANTS[name]
     return [
         f"parallel.strategy={variant.strategy.value}",
@@ -124,12 +145,44 @@ def _predict(config: Config, name: str, steps: int, calibration: Calibration):
     batches = [
         request_lengths(config, topology, PlanRequest(batch=b)) for b in range(1, max(2, steps))
     ]
+    if name in WEIGHT_PASSING_NAMES:
+        return _predict_weight_passing(config, Strategy(name), batches, rates, bandwidth)
     result = simulate_strategies(
         config, topology, batches, (name,), rates, config.train.tokens_per_rank
     )[name]
     if not result.steps:
         return None
     return result.step_seconds, result.tokens_per_second
+
+
+def _predict_weight_passing(config: Config, strategy: Strategy, batches, rates, bandwidth):
+    """(mean step seconds, tokens/s) of the weight-passing step model on these batches;
+    every device gets an equal share of each batch (rank packing balances tokens)."""
+    topology = build_topology(config.topology)
+    cluster = WeightCluster(
+        topology.nodes,
+        topology.gpus_per_node,
+        nic_bytes_per_s=bandwidth,
+        intra_bytes_per_s=bandwidth,
+        inter_latency_s=topology.inter_node_latency,
+        intra_latency_s=topology.intra_node_latency,
+        rates=rates,
+        memory_bytes=float("inf"),
+        source=rates.source,
+    )
+    shape = build_shape(config.model)
+    share = 1.0 / topology.world_size
+    steps = [
+        simulate_step(
+            strategy,
+            Workload(shape, tuple(int(n) for n in lengths), share, config.parallel.shard_recompute),
+            cluster,
+        )
+        for lengths in batches
+    ]
+    seconds = sum(step.seconds for step in steps)
+    tokens = sum(step.tokens for step in steps) * topology.world_size
+    return seconds / len(steps), tokens / seconds
 
 
 def format_table(rows: list[TrainBenchRow]) -> str:

@@ -6,6 +6,10 @@ shard's weights borrowed again. While a shard computes, the next shard's
 weights are on their way (forward: s+1; backward: s-1) and the previous
 shard's gradient is on its way to its owner. The last shard stays resident
 across the turn from forward to backward.
+
+With recompute on (the default), forward runs every shard but the last
+without building a graph and keeps only the shard's input; backward runs the
+shard's forward again with the graph, then its backward.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from ray_zep.errors import ConfigError
 from ray_zep.mesh import Comm
 from ray_zep.model.llama import Transformer, rope_tables
 from ray_zep.pipeline.layout import WeightLayout, model_units
+from ray_zep.pipeline.messages import step_traffic
 from ray_zep.pipeline.transport import Pending, Transport
 from ray_zep.pipeline.weights import ShardedWeights
 
@@ -36,7 +41,9 @@ class WeightPipeline:
         strategy: tawpipe, weipipe or fsdp.
     """
 
-    def __init__(self, model: Transformer, comm: Comm, strategy: Strategy) -> None:
+    def __init__(
+        self, model: Transformer, comm: Comm, strategy: Strategy, recompute: bool = True
+    ) -> None:
         if model.shape.moe_experts:
             raise ConfigError(
                 f"config key model.moe.num_experts={model.shape.moe_experts}: "
@@ -51,8 +58,13 @@ class WeightPipeline:
         nodes, gpus = (topology.nodes, topology.gpus_per_node) if comm.distributed else (1, 1)
         self.layout = WeightLayout.build(strategy, sizes, nodes, gpus)
         self.model = model
+        self.recompute = recompute
         self.weights = ShardedWeights(model, self.layout, comm.rank)
         self.transport = Transport(self.layout, comm)
+        element = self.weights.staging.element_size()
+        shard_bytes = [n * element for n in self.weights.numel]
+        self.step_traffic = step_traffic(self.layout, shard_bytes, topology)
+        """Whole-job bytes of one step per link kind (the same every step)."""
 
     def forward_backward(
         self,
@@ -77,7 +89,8 @@ class WeightPipeline:
             ahead = shard + 1 if shard + 1 < count else count - 2
             pending = self._post_fetch(ahead) if ahead >= 0 else None
             inputs = x if shard == 0 else x.detach().requires_grad_(True)
-            with autocast or contextlib.nullcontext():
+            keep_graph = not self.recompute or shard == count - 1
+            with autocast or contextlib.nullcontext(), torch.set_grad_enabled(keep_graph):
                 out = self._run(shard, inputs, rope, seqs)
             if shard == count - 1:
                 loss_sum = F.cross_entropy(
@@ -89,22 +102,25 @@ class WeightPipeline:
             if shard < count - 1:
                 weights.release(shard)
             x = out
-        grad, summing = None, None
+        grad, summing = None, []
         for shard in reversed(range(count)):
             if shard < count - 1:
                 self._arrive(pending)
                 pending = self._post_fetch(shard - 1) if shard >= 1 else None
             weights.sample()
             inputs, out = saved[shard]
+            if shard < count - 1 and self.recompute:
+                with autocast or contextlib.nullcontext():
+                    out = self._run(shard, inputs, rope, seqs)
             torch.autograd.backward(out, grad)
             grad = inputs.grad if shard > 0 else None
             flat = weights.pack_gradients(shard)
             weights.set_gradients(shard, None)
             weights.release(shard)
-            if summing is not None:
-                self._land(summing)
-            summing = self.transport.post_reduce(shard, flat)
-        self._land(summing)
+            self._advance_sums(summing)
+            summing.append(self.transport.post_reduce(shard, flat))
+        while summing:
+            self._advance_sums(summing)
         return float(loss_sum.detach())
 
     def _run(self, shard: int, x: torch.Tensor, rope, seqs: PackedSeqs) -> torch.Tensor:
@@ -131,7 +147,14 @@ class WeightPipeline:
         flat = self.transport.finish_fetch(pending)
         self.weights.materialize(pending.shard, flat)
 
-    def _land(self, pending: Pending) -> None:
-        summed = self.transport.finish_reduce(pending)
-        if summed is not None:
-            self.weights.set_gradients(pending.shard, summed)
+    def _advance_sums(self, summing: list[Pending]) -> None:
+        """Land the sum relayed last time, relay the one posted last time: each
+        gradient sum has two shards' backward to travel."""
+        if summing and summing[0].relayed:
+            pending = summing.pop(0)
+            summed = self.transport.finish_reduce(pending)
+            if summed is not None:
+                self.weights.set_gradients(pending.shard, summed)
+        if summing and not summing[0].relayed:
+            self.transport.relay_reduce(summing[0])
+            summing[0].relayed = True

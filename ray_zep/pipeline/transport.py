@@ -4,10 +4,11 @@ Each transport has two phases per transfer so the pipeline can compute while
 the slow part runs: `post_*` starts it, `finish_*` completes it; every handle
 is waited on within the configured timeout.
 
-- grouped (TawPipe): the owner sends the shard point to point to one root
-  device in every other group, then each root broadcasts it inside its group;
-  gradients are reduced inside each group to its root, and the roots send
-  them to the owner, which adds them up.
+- grouped (TawPipe): the owner broadcasts the shard across nodes to the
+  devices at its own local index (its rail: one root per group, a point to
+  point send when there are two groups), then each root broadcasts it inside
+  its group; gradients are reduced inside each group to its root, then over
+  the rail to the owner.
 - ring (WeiPipe-style): the shard is relayed around a ring of all devices
   starting at its owner; the gradient travels the same ring, each device
   adding its own, and ends at the owner.
@@ -36,6 +37,7 @@ class Pending:
     buffer: torch.Tensor
     works: list = field(default_factory=list)
     extra: list[torch.Tensor] = field(default_factory=list)
+    relayed: bool = False
 
 
 class Transport:
@@ -48,11 +50,18 @@ class Transport:
         self.world = comm.group
         self.group_index = layout.group_of(comm.rank)
         self.group = self.world
+        self.rail = self.world
+        """TawPipe: the devices at this device's local index, one per group."""
         if len(layout.groups) > 1:
             for index, members in enumerate(layout.groups):
                 pg = dist.new_group(list(members), timeout=comm.timeout)
                 if index == self.group_index:
                     self.group = pg
+            local = layout.groups[self.group_index].index(self.rank)
+            for i in range(len(layout.groups[0])):
+                pg = dist.new_group([g[i] for g in layout.groups], timeout=comm.timeout)
+                if i == local:
+                    self.rail = pg
 
     # --- shards -----------------------------------------------------------------
 
@@ -93,15 +102,12 @@ class Transport:
         return pending.buffer
 
     def _post_grouped_fetch(self, pending: Pending) -> None:
-        shard, flat = pending.shard, pending.buffer
-        owner = self.layout.owners[shard]
-        if self.rank == owner:
-            for group in range(len(self.layout.groups)):
-                if group != self.group_index:
-                    root = self.layout.root(shard, group)
-                    pending.works.append(dist.isend(flat, root, group=self.world, tag=FETCH_TAG))
-        elif self.rank == self.layout.root(shard, self.group_index):
-            pending.works.append(dist.irecv(flat, owner, group=self.world, tag=FETCH_TAG))
+        shard = pending.shard
+        if len(self.layout.groups) > 1 and self.rank == self.layout.root(shard, self.group_index):
+            owner = self.layout.owners[shard]
+            pending.works.append(
+                dist.broadcast(pending.buffer, src=owner, group=self.rail, async_op=True)
+            )
 
     def _post_ring_fetch(self, pending: Pending) -> None:
         owner = self.layout.owners[pending.shard]
@@ -117,7 +123,8 @@ class Transport:
     # --- gradients --------------------------------------------------------------
 
     def post_reduce(self, shard: int, grad: torch.Tensor) -> Pending:
-        """Start summing every device's gradient of `shard` towards its owner."""
+        """Start summing every device's gradient of `shard` towards its owner (the
+        node reduce, the ring's first send, or the whole FSDP reduce)."""
         pending = Pending(shard, grad)
         if self.comm.world_size == 1:
             return pending
@@ -143,39 +150,35 @@ class Transport:
             pending.works.append(dist.reduce(grad, dst=owner, group=self.world, async_op=True))
         return pending
 
-    def finish_reduce(self, pending: Pending) -> torch.Tensor | None:
-        """Wait for the sum; the owner gets the summed gradient, the others None."""
+    def relay_reduce(self, pending: Pending) -> None:
+        """The sum's second leg, one shard after `post_reduce`: TawPipe's roots start
+        the reduce over the rail; in the ring each device adds its gradient to the
+        partial sum that arrived and passes it on."""
+        if self.comm.world_size == 1 or self.layout.strategy is Strategy.FSDP:
+            return
         what = f"summing the gradient of weight shard {pending.shard}"
         self.comm.wait(pending.works, what)
-        owner = self.layout.owners[pending.shard]
-        grad = pending.buffer
-        if self.comm.world_size > 1 and self.layout.strategy is Strategy.TAWPIPE:
-            grad = self._finish_grouped_reduce(pending, owner, what)
-        elif self.layout.strategy is Strategy.WEIPIPE and pending.extra:
+        pending.works = []
+        if self.layout.strategy is Strategy.TAWPIPE:
+            root = self.layout.root(pending.shard, self.group_index)
+            if len(self.layout.groups) > 1 and self.rank == root:
+                owner = self.layout.owners[pending.shard]
+                work = dist.reduce(pending.buffer, dst=owner, group=self.rail, async_op=True)
+                pending.works.append(work)
+        elif pending.extra:
             # a partial sum arrived from the ring: add ours, pass it on unless we own it
-            grad = pending.extra[0].add_(grad)
-            if self.rank != owner:
+            pending.buffer = pending.extra.pop().add_(pending.buffer)
+            if self.rank != self.layout.owners[pending.shard]:
                 after = self._ring_next(self.rank)
-                work = dist.isend(grad, after, group=self.world, tag=GRADIENT_TAG)
-                self.comm.wait([work], what)
-        return grad if self.rank == owner else None
+                pending.works.append(
+                    dist.isend(pending.buffer, after, group=self.world, tag=GRADIENT_TAG)
+                )
 
-    def _finish_grouped_reduce(self, pending: Pending, owner: int, what: str) -> torch.Tensor:
-        grad, shard = pending.buffer, pending.shard
-        roots = [self.layout.root(shard, g) for g in range(len(self.layout.groups))]
-        if self.rank == owner:
-            parts = [torch.empty_like(grad) for r in roots if r != owner]
-            works = [
-                dist.irecv(part, r, group=self.world, tag=GRADIENT_TAG)
-                for part, r in zip(parts, [r for r in roots if r != owner], strict=True)
-            ]
-            self.comm.wait(works, what)
-            for part in parts:
-                grad.add_(part)
-        elif self.rank in roots:
-            work = dist.isend(grad, owner, group=self.world, tag=GRADIENT_TAG)
-            self.comm.wait([work], what)
-        return grad
+    def finish_reduce(self, pending: Pending) -> torch.Tensor | None:
+        """Wait for the sum (after `relay_reduce`); the owner gets it, the others None."""
+        self.comm.wait(pending.works, f"summing the gradient of weight shard {pending.shard}")
+        pending.works = []
+        return pending.buffer if self.rank == self.layout.owners[pending.shard] else None
 
     # --- helpers ----------------------------------------------------------------
 

@@ -152,7 +152,9 @@ class RankTrainer:
         self.state_module: torch.nn.Module = self.model
         """What this rank checkpoints and optimizes: the model, or its own weight shard."""
         if config.parallel.strategy in WEIGHT_PASSING:
-            self.pipeline = WeightPipeline(self.model, self.comm, config.parallel.strategy)
+            self.pipeline = WeightPipeline(
+                self.model, self.comm, config.parallel.strategy, config.parallel.shard_recompute
+            )
             self.params = self.pipeline.weights.own_parameters()
             self.state_module = self.pipeline.weights.own_module()
         self.optimizer = build_optimizer(self.state_module, config.train)
@@ -200,7 +202,10 @@ class RankTrainer:
         }
 
     def _traffic(self, shard: RankShard, grad_bytes: int) -> Traffic:
-        """Bytes of this step: gradients plus the shard's attention and remap traffic."""
+        """Bytes of this step: gradients plus the shard's attention and remap traffic
+        (weight-passing strategies: the shards and their gradients)."""
+        if self.pipeline is not None:
+            return self.pipeline.step_traffic
         traffic = gradient_traffic(grad_bytes, self.comm.topology, self.comm.world_size)
         if shard.traffic is not None:
             scaled, fixed = shard.traffic

@@ -125,3 +125,8 @@ def checkpoint_params(path: Path, overrides: list[str]) -> dict[str, torch.Tenso
 def jsonl_losses(run_dir: Path) -> dict[int, float]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return {row["step"]: row["loss"] for row in map(json.loads, lines)}
+
+
+def train_rank_each(rank: int, world: int, runs: list[list[str]]) -> list[dict[str, Any]]:
+    """`train_rank` for several configs in turn on the same processes (one spawn)."""
+    return [train_rank(rank, world, overrides) for overrides in runs]

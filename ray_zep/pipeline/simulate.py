@@ -1,0 +1,370 @@
+"""Step time of the weight-passing executor (`ray_zep.pipeline.runner`) on a modelled cluster.
+
+The model plays the runner's program on one device; devices run it in lockstep
+(each transfer involves all of them), so one timeline stands for all. Two
+link resources per device, the node's NIC (shared by its GPUs) and the GPU's
+intra-node link, serve transfers first-come first-served; a transfer takes
+`latency x hops + bytes / bandwidth` (NCCL's pipelined ring for broadcast and
+reduce). The compute stream waits where the runner waits.
+
+What each strategy's transport costs (B: shard bytes, D nodes, G GPUs each):
+
+- tawpipe: fetch = broadcast over the owner's rail (D devices, B per NIC,
+  async), then a broadcast in the node (B per GPU, blocking when the shard is
+  taken); gradient = reduce in the node (async), then over the rail (async,
+  posted one shard later).
+- fsdp: broadcast from / reduce to the owner over every GPU (one pipelined
+  ring: B per NIC, async).
+- weipipe: the executor's ring relay is store and forward: the owner's send
+  runs async, every further hop waits for the one before, while the devices
+  wait in the runner (P - 2 hops on the compute stream, for shards and for
+  gradients). This is the executor's lockstep relay, not WeiPipe's staggered
+  schedule (there the devices run different shards at once and every ring
+  link carries a shard each time step); the executor does not run that.
+
+Shards travel as the executor sends them: float32 master weights and float32
+gradients. Memory (`sequences_that_fit`) counts the own shard with its
+gradient and Adam moments, the borrowed and staging shards, the gradients in
+flight, every shard boundary and one shard's activations (recompute on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ray_zep.config import Strategy
+from ray_zep.costmodel import (
+    BACKWARD_ATTENTION_FACTOR,
+    BACKWARD_LINEAR_FACTOR,
+    HARDWARE_RATES,
+    ComputeRates,
+    causal_attention_flops,
+    head_flops_per_token,
+    linear_flops_per_token,
+)
+from ray_zep.model.shapes import ModelShape
+from ray_zep.pipeline.layout import WeightLayout
+from ray_zep.pipeline.messages import Message, fetch_messages, reduce_messages
+
+WEIGHT_BYTES = 4
+"""Shards and gradients travel in float32 (the master weights)."""
+ACTIVATION_BYTES_PER_TOKEN_LAYER = 34
+"""Activation bytes of one block per token per unit of model dim, bf16 with flash
+attention (Korthikanti et al., 2022: 34 s b h, the 5 a s^2 b term gone)."""
+OPTIMIZER_BYTES = 16
+"""Own shard per parameter: float32 weight, gradient and two Adam moments."""
+
+
+@dataclass(frozen=True)
+class WeightCluster:
+    """What the model needs of the hardware (achieved rates, not peaks).
+
+    Attributes:
+        nodes: D, nodes (TawPipe's groups).
+        gpus_per_node: G.
+        nic_bytes_per_s: one node's inter-node bandwidth each way, shared by its GPUs.
+        intra_bytes_per_s: one GPU's intra-node bandwidth each way.
+        inter_latency_s / intra_latency_s: per hop.
+        rates: compute rates of one GPU.
+        memory_bytes: usable memory of one GPU.
+        source: where the numbers come from.
+    """
+
+    nodes: int
+    gpus_per_node: int
+    nic_bytes_per_s: float
+    intra_bytes_per_s: float
+    inter_latency_s: float
+    intra_latency_s: float
+    rates: ComputeRates
+    memory_bytes: float
+    source: str
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+TAWPIPE_TESTBED = WeightCluster(
+    nodes=3,
+    gpus_per_node=8,
+    nic_bytes_per_s=0.9 * 10e9 / 8,
+    intra_bytes_per_s=200e9,
+    inter_latency_s=50e-6,
+    intra_latency_s=5e-6,
+    rates=HARDWARE_RATES["A800"],
+    memory_bytes=0.9 * 80e9,
+    source=(
+        "the TawPipe testbed: 3 nodes x 8 GPUs, 10 GbE between nodes (90% achieved); "
+        "the paper names no GPU: A100-80GB assumed (NVLink 200 GB/s achieved, the A100 "
+        "compute preset)"
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one device trains per step.
+
+    Attributes:
+        shape: the model.
+        lengths: sequence lengths (the device's own, or a global batch with `share`).
+        share: the device's fraction of `lengths` (1 / devices for a global batch).
+        recompute: `parallel.shard_recompute`.
+    """
+
+    shape: ModelShape
+    lengths: tuple[int, ...]
+    share: float = 1.0
+    recompute: bool = True
+
+    @property
+    def tokens(self) -> float:
+        return self.share * sum(self.lengths)
+
+    def attention_flops(self) -> float:
+        """Forward attention FLOPs of one block."""
+        return self.share * sum(causal_attention_flops(n, self.shape) for n in self.lengths)
+
+
+def unit_sizes(shape: ModelShape) -> list[int]:
+    """Parameters of the runner's units: embedding, each block, norm + output."""
+    block = shape.linear_params_per_layer() + 2 * shape.dim
+    embedding = shape.vocab_size * shape.dim
+    return [embedding, *[block] * shape.n_layers, embedding + shape.dim]
+
+
+def shard_compute(work: Workload, rates: ComputeRates, units: range) -> tuple[float, float]:
+    """(forward, backward) seconds of one shard on one device's tokens."""
+    shape, last = work.shape, work.shape.n_layers + 1
+    before, after = linear_flops_per_token(shape)
+    matmul = attention = 0.0
+    for unit in units:
+        if 1 <= unit <= shape.n_layers:
+            matmul += work.tokens * (before + after)
+            attention += work.attention_flops()
+        elif unit == last:
+            matmul += work.tokens * head_flops_per_token(shape)
+    forward = matmul / rates.matmul + attention / rates.attention_forward
+    backward = BACKWARD_LINEAR_FACTOR * matmul / rates.matmul
+    backward += BACKWARD_ATTENTION_FACTOR * attention / rates.attention_backward
+    return forward, backward
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One shard's fetch or gradient sum under a strategy.
+
+    Attributes:
+        posted: (link, seconds) parts that run async from the post, in order.
+        blocking: (link, seconds) parts the compute stream waits out when it takes the
+            shard (fetch) or relays the sum (gradient).
+        relayed: (link, seconds) async parts posted at the relay (gradients only).
+        inter_bytes: bytes over NICs, summed over the nodes.
+        intra_bytes: bytes over intra-node links, summed over the GPUs.
+    """
+
+    posted: tuple[tuple[str, float], ...] = ()
+    blocking: tuple[tuple[str, float], ...] = ()
+    relayed: tuple[tuple[str, float], ...] = ()
+    inter_bytes: float = 0.0
+    intra_bytes: float = 0.0
+
+
+def _ring(c: WeightCluster, members: int, size: float, link: str) -> float:
+    """A pipelined ring broadcast or reduce over `members` devices."""
+    if members <= 1:
+        return 0.0
+    if link == "nic":
+        return (members - 1) * c.inter_latency_s + size / c.nic_bytes_per_s
+    return (members - 1) * c.intra_latency_s + size / c.intra_bytes_per_s
+
+
+def _hop(c: WeightCluster, src: int, size: float) -> tuple[str, float]:
+    if (src + 1) % c.devices // c.gpus_per_node != src // c.gpus_per_node:
+        return "nic", c.inter_latency_s + size / c.nic_bytes_per_s
+    return "intra", c.intra_latency_s + size / c.intra_bytes_per_s
+
+
+def _volume(messages: list[Message], size: float, gpus_per_node: int) -> dict[str, float]:
+    inter = sum(size for src, dst in messages if src // gpus_per_node != dst // gpus_per_node)
+    return {"inter_bytes": inter, "intra_bytes": len(messages) * size - inter}
+
+
+def transfers(
+    strategy: Strategy, layout: WeightLayout, sizes: list[int], c: WeightCluster, shard: int
+) -> tuple[Transfer, Transfer]:
+    """(fetch, gradient sum) of one shard."""
+    size = WEIGHT_BYTES * sum(sizes[u] for u in layout.units[shard])
+    d, g, p = c.nodes, c.gpus_per_node, c.devices
+    fetched = _volume(fetch_messages(layout, shard), size, g)
+    summed = _volume(reduce_messages(layout, shard), size, g)
+    if strategy is Strategy.TAWPIPE:
+        rail, node = ("nic", _ring(c, d, size, "nic")), ("intra", _ring(c, g, size, "intra"))
+        return (
+            Transfer(posted=(rail,), blocking=(node,), **fetched),
+            Transfer(posted=(node,), relayed=(rail,), **summed),
+        )
+    if strategy is Strategy.FSDP:
+        link = "nic" if d > 1 else "intra"
+        whole = (link, max(_ring(c, p, size, link), _ring(c, g, size, "intra")))
+        return Transfer(posted=(whole,), **fetched), Transfer(posted=(whole,), **summed)
+    owner = layout.owners[shard]
+    fetch_hops = [_hop(c, (owner + k) % p, size) for k in range(p - 1)]
+    sum_hops = [_hop(c, (owner + 1 + k) % p, size) for k in range(p - 1)]
+    return (
+        Transfer(posted=tuple(fetch_hops[:1]), blocking=tuple(fetch_hops[1:]), **fetched),
+        Transfer(posted=tuple(sum_hops[:1]), blocking=tuple(sum_hops[1:]), **summed),
+    )
+
+
+@dataclass
+class _Links:
+    """When each link is next free."""
+
+    free: dict[str, float] = field(default_factory=lambda: {"nic": 0.0, "intra": 0.0})
+
+    def run(self, parts: tuple[tuple[str, float], ...], start: float) -> float:
+        """Run parts in order from `start`; returns when the last ends."""
+        t = start
+        for link, seconds in parts:
+            t = max(t, self.free[link]) + seconds
+            self.free[link] = t
+        return t
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """One simulated step of one device.
+
+    Attributes:
+        seconds: step time.
+        compute_seconds: time the compute stream computes.
+        inter_bytes / intra_bytes: per step, summed over nodes / GPUs.
+        tokens: one device's tokens per step.
+    """
+
+    seconds: float
+    compute_seconds: float
+    inter_bytes: float
+    intra_bytes: float
+    tokens: float
+
+    @property
+    def bubble(self) -> float:
+        """Share of the step the compute stream waits."""
+        return 1.0 - self.compute_seconds / self.seconds
+
+    @property
+    def tokens_per_gpu_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def simulate_step(strategy: Strategy, work: Workload, c: WeightCluster) -> StepModel:
+    """The runner's program for one step (module docstring)."""
+    sizes = unit_sizes(work.shape)
+    layout = WeightLayout.build(strategy, sizes, c.nodes, c.gpus_per_node)
+    count = layout.shards
+    plan = [transfers(strategy, layout, sizes, c, s) for s in range(count)]
+    compute = [shard_compute(work, c.rates, layout.units[s]) for s in range(count)]
+    links, t, busy = _Links(), 0.0, 0.0
+    ready: dict[int, float] = {}
+    volume = [0.0, 0.0]
+
+    def post_fetch(shard: int) -> None:
+        ready[shard] = links.run(plan[shard][0].posted, t)
+        volume[0] += plan[shard][0].inter_bytes
+        volume[1] += plan[shard][0].intra_bytes
+
+    def take(shard: int) -> float:
+        return links.run(plan[shard][0].blocking, max(t, ready.pop(shard)))
+
+    post_fetch(0)
+    for shard in range(count):
+        t = take(shard)
+        ahead = shard + 1 if shard + 1 < count else count - 2
+        if ahead >= 0:
+            post_fetch(ahead)
+        t += compute[shard][0]
+        busy += compute[shard][0]
+    sums = _Sums(plan, links, volume)
+    for shard in reversed(range(count)):
+        if shard < count - 1:
+            t = take(shard)
+            if shard >= 1:
+                post_fetch(shard - 1)
+        seconds = compute[shard][1]
+        if work.recompute and shard < count - 1:
+            seconds += compute[shard][0]
+        t += seconds
+        busy += seconds
+        t = sums.after_backward(shard, t)
+    t = sums.drain(t)
+    return StepModel(t, busy, volume[0], volume[1], work.tokens)
+
+
+@dataclass
+class _Sums:
+    """The runner's gradient sums: after each shard's backward the sum posted two
+    shards ago lands, the one posted last time is relayed, and this one is posted."""
+
+    plan: list[tuple[Transfer, Transfer]]
+    links: _Links
+    volume: list[float]
+    flight: list[list] = field(default_factory=list)
+    """[shard, posted part done, relayed part done or None], oldest first."""
+
+    def after_backward(self, shard: int, t: float) -> float:
+        if len(self.flight) == 2:
+            t = self._land(t)
+        if self.flight:
+            t = self._relay(t)
+        transfer = self.plan[shard][1]
+        self.flight.append([shard, self.links.run(transfer.posted, t), None])
+        self.volume[0] += transfer.inter_bytes
+        self.volume[1] += transfer.intra_bytes
+        return t
+
+    def drain(self, t: float) -> float:
+        while self.flight:
+            t = self._land(t) if self.flight[0][2] is not None else self._relay(t)
+        return t
+
+    def _land(self, t: float) -> float:
+        _, posted, relayed = self.flight.pop(0)
+        return max(t, posted, relayed)
+
+    def _relay(self, t: float) -> float:
+        """Waits for the posted part when there is more to do, as the runner does."""
+        entry = self.flight[0]
+        transfer = self.plan[entry[0]][1]
+        if transfer.blocking or transfer.relayed:
+            t = self.links.run(transfer.blocking, max(t, entry[1]))
+        entry[2] = self.links.run(transfer.relayed, t) if transfer.relayed else entry[1]
+        return t
+
+
+LOGIT_BYTES = 10
+"""Per token per vocabulary entry at the head: bf16 logits, their float32 copy for
+the loss and its gradient."""
+
+
+def sequences_that_fit(
+    shape: ModelShape, seq_len: int, c: WeightCluster, recompute: bool = True, most: int = 64
+) -> int:
+    """Sequences per device per step whose training fits `c.memory_bytes` (0: none).
+
+    Counts the largest shard as own (with gradient and Adam moments), borrowed and
+    staging, three gradient sums in flight, the float32 shard boundaries, and the
+    activations of one shard (recompute) or of every block, with the head's logits.
+    """
+    sizes = unit_sizes(shape)
+    layout = WeightLayout.build(Strategy.TAWPIPE, sizes, c.nodes, c.gpus_per_node)
+    largest = max(sum(sizes[u] for u in units) for units in layout.units)
+    fixed = (OPTIMIZER_BYTES + 5 * WEIGHT_BYTES) * largest
+    blocks = max(len(units) for units in layout.units) if recompute else shape.n_layers
+    per_token = WEIGHT_BYTES * shape.dim * layout.shards
+    per_token += ACTIVATION_BYTES_PER_TOKEN_LAYER * shape.dim * blocks
+    per_token += LOGIT_BYTES * shape.vocab_size
+    room = c.memory_bytes - fixed
+    return max(0, min(most, int(room // (per_token * seq_len))))
