@@ -157,4 +157,3 @@ class WeightPipeline:
                 self.weights.set_gradients(pending.shard, summed)
         if summing and not summing[0].relayed:
             self.transport.relay_reduce(summing[0])
-            summing[0].relayed = True

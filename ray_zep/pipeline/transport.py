@@ -1,8 +1,9 @@
 """How a shard reaches the devices that borrow it, and its gradient returns.
 
-Each transport has two phases per transfer so the pipeline can compute while
-the slow part runs: `post_*` starts it, `finish_*` completes it; every handle
-is waited on within the configured timeout.
+Each transfer runs in phases so the pipeline can compute while the slow part
+runs: `post_*` starts it, `finish_*` completes it, and a gradient sum has a
+middle leg, `relay_reduce`, started one shard after the post; every handle is
+waited on within the configured timeout.
 
 - grouped (TawPipe): the owner broadcasts the shard across nodes to the
   devices at its own local index (its rail: one root per group, a point to
@@ -154,6 +155,7 @@ class Transport:
         """The sum's second leg, one shard after `post_reduce`: TawPipe's roots start
         the reduce over the rail; in the ring each device adds its gradient to the
         partial sum that arrived and passes it on."""
+        pending.relayed = True
         if self.comm.world_size == 1 or self.layout.strategy is Strategy.FSDP:
             return
         what = f"summing the gradient of weight shard {pending.shard}"
