@@ -404,8 +404,12 @@ def _bench_tawpipe(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nic-gbps={args.nic_gbps} must be a positive bandwidth")
     if args.cpu_steps == 1 or args.cpu_steps < 0:
         raise ConfigError(f"--cpu-steps={args.cpu_steps}: 0 (no CPU runs) or >= 2 (one warm-up)")
+    hidden = args.hidden.split(",")
+    for item in hidden:
+        if not item.isdigit() or int(item) % 128 or int(item) == 0:
+            raise ConfigError(f"--hidden item {item!r} must be a positive multiple of 128")
     spec = bench.TawPipeBenchSpec(
-        hidden=tuple(int(h) for h in args.hidden.split(",")),
+        hidden=tuple(int(h) for h in hidden),
         seq_lens=tuple(int(n) for n in parse_lengths(args.seq_lens, "--seq-lens")),
         nic_gbps=args.nic_gbps,
     )

@@ -104,8 +104,9 @@ def test_bench_tawpipe_writes_table_json_and_chart(tmp_path: Path, capsys) -> No
     record = json.loads((tmp_path / "tawpipe.json").read_text())
     assert {r["strategy"] for r in record["rows"]} == {"tawpipe", "weipipe", "fsdp"}
     assert (tmp_path / "tawpipe.png").stat().st_size > 1000
-    assert main([*args, "--nic-gbps", "0", "--out", str(tmp_path)]) == 2
-    assert "--nic-gbps" in capsys.readouterr().err
+    for bad, flag in (("--nic-gbps", "0"), ("--hidden", "1000"), ("--cpu-steps", "1")):
+        assert main([*args, bad, flag, "--out", str(tmp_path)]) == 2
+        assert bad in capsys.readouterr().err
 
 
 def test_step_traffic_counts_every_message_of_the_transports() -> None:
