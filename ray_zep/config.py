@@ -501,11 +501,15 @@ class RayConfig:
 class MetricsConfig:
     port: int = constants.DEFAULT_METRICS_PORT
     """Prometheus endpoint of the driver; 0 picks a free port, -1 turns it off."""
+    host: str = "127.0.0.1"
+    """Address the endpoint binds: loopback by default; 0.0.0.0 (or the pod's address)
+    where a Prometheus outside the machine scrapes it, as in deploy/."""
     progress: bool = True
     """Show a progress bar with tokens/s and loss."""
 
     def __post_init__(self) -> None:
         _require(-1 <= self.port <= 65535, "metrics.port", self.port, "must be -1, 0 or a port")
+        _require(bool(self.host.strip()), "metrics.host", self.host, "must be an address")
 
 
 @dataclass

@@ -75,6 +75,28 @@ def test_only_complete_checkpoints_count(tmp_path: Path) -> None:
     assert checkpoint.latest_checkpoint(tmp_path / "elsewhere") is None
 
 
+class _RunsCode:
+    """Unpickling this would run a command: a checkpoint must never do that."""
+
+    def __reduce__(self):
+        return (print, ("code ran while loading a checkpoint",))
+
+
+def test_a_checkpoint_holding_code_is_refused_not_run(tmp_path: Path, capsys, monkeypatch) -> None:
+    trainer = _trainer(seed=0)
+    # a tampered file: the progress item holds a pickled callable
+    monkeypatch.setattr(
+        checkpoint, "_progress_state", lambda progress: {"step": 0, "cursor": _RunsCode()}
+    )
+    path = trainer.save(tmp_path, {"epoch": 0})
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=r"'progress.cursor' is not plain data.*GLOBAL"):
+        checkpoint.read_progress(path)
+    with pytest.raises(CheckpointError, match="weights_only=True"):
+        trainer.load(path)
+    assert "code ran" not in capsys.readouterr().out
+
+
 def test_world_size_mismatch_is_refused(tmp_path: Path) -> None:
     trainer = _trainer(seed=0)
     path = trainer.save(tmp_path, {})

@@ -74,6 +74,7 @@ def test_exporter_serves_metrics_and_writes_jsonl(tmp_path: Path) -> None:
         )
     finally:
         exporter.close()
+    assert exporter.address == ("127.0.0.1", exporter.port), "loopback unless metrics.host"
     assert row["tokens_per_second"] == pytest.approx(8000)
     assert row["rank_token_imbalance"] == pytest.approx(1.1)
     for spec in metrics.ALL_METRICS:

@@ -63,7 +63,8 @@ def train(config: Config) -> RunSummary:
     started_ray = _connect(plan.config, plan.num_workers)
     try:
         use_gpu = _use_gpu(plan.config, plan.num_workers)
-        exporter = MetricsExporter(plan.run_dir, plan.config.metrics.port)
+        metrics = plan.config.metrics
+        exporter = MetricsExporter(plan.run_dir, metrics.port, metrics.host)
         exporter.set_ranks(plan.num_workers)
         try:
             return _run(plan, use_gpu, exporter)

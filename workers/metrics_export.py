@@ -24,24 +24,28 @@ log = logging.getLogger(__name__)
 
 
 class MetricsExporter:
-    """Serves metrics on `port` (0: any free port, -1: off) and appends metrics.jsonl."""
+    """Serves metrics on `host`:`port` (0: any free port, -1: off) and appends metrics.jsonl."""
 
-    def __init__(self, run_dir: Path, port: int) -> None:
+    def __init__(self, run_dir: Path, port: int, host: str = "127.0.0.1") -> None:
         self.registry = CollectorRegistry()
         self.metrics = m.create_metrics(self.registry)
         self.jsonl_path = run_dir / METRICS_FILE_NAME
         self.port: int | None = None
+        self.address: tuple[str, int] | None = None
         self._server = None
         if port >= 0:
             try:
-                self._server, _ = start_http_server(port, addr="0.0.0.0", registry=self.registry)
+                self._server, _ = start_http_server(port, addr=host, registry=self.registry)
             except OSError as exc:
                 raise ConfigError(
-                    f"config key metrics.port={port}: cannot serve metrics ({exc.strerror}); "
-                    "choose a free port, 0 for any, or -1 to turn the endpoint off"
+                    f"config keys metrics.host={host} metrics.port={port}: cannot serve "
+                    f"metrics ({exc.strerror}); choose a local address and a free port, "
+                    "0 for any, or -1 to turn the endpoint off"
                 ) from None
             self.port = self._server.server_port
-            log.info("Prometheus metrics on http://0.0.0.0:%d/metrics", self.port)
+            self.address = self._server.server_address[:2]
+            """(address, port) the endpoint listens on."""
+            log.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
 
     def set_ranks(self, ranks: int) -> None:
         self.metrics[m.RANKS.name].set(ranks)

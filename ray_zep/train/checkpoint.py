@@ -11,6 +11,10 @@ Replicated tensors (data parallelism) are written once by DCP's planner;
 parameters that differ between ranks (experts split by expert parallelism)
 are stored under names unique to their shard. The data cursor can be read
 without a process group (`read_progress`).
+
+Loading never unpickles code: the non-tensor items DCP stores as pickled
+bytes (step, cursor, optimizer counters) are read with `weights_only=True`,
+so a checkpoint that holds anything but plain data is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -161,9 +168,7 @@ def load_checkpoint(
         "rng": {f"rank{comm.rank}": _rng_state()},
     }
     with _quiet_single_process():
-        dcp.load(
-            state, checkpoint_id=str(path), process_group=comm.group, no_dist=not comm.distributed
-        )
+        _load(state, path, comm.group, not comm.distributed)
     back = {new: old for old, new in names.items()}
     set_state_dict(
         model,
@@ -181,7 +186,7 @@ def read_progress(path: Path) -> Progress:
     _read_marker(path)
     state = {"progress": _progress_state(Progress(0, {}))}
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        _load(state, path, None, True)
     return _progress_from_state(state["progress"])
 
 
@@ -196,8 +201,53 @@ def read_model_state(path: Path, model: torch.nn.Module) -> dict[str, torch.Tens
     _read_marker(path)
     state = {"model": model.state_dict()}
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        _load(state, path, None, True)
     return state["model"]
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with its pickled items read as plain data only."""
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            item = torch.load(value, weights_only=True)
+        except Exception as exc:  # an UnpicklingError names the refused global
+            lines = str(exc).splitlines() or ["unreadable"]
+            reason = next((line for line in lines if "global" in line.lower()), lines[0])
+            raise CheckpointError(
+                f"checkpoint item {read_item.dest_index.fqn!r} is not plain data and is not "
+                f"loaded (weights_only=True): {reason.strip()}"
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], item)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = item
+
+
+def _load(state: dict[str, Any], path: Path, group, no_dist: bool) -> None:
+    try:
+        dcp.load(
+            state,
+            checkpoint_id=str(path),
+            process_group=group,
+            no_dist=no_dist,
+            planner=WeightsOnlyLoadPlanner(),
+        )
+    except CheckpointException as exc:
+        refused = _refusal(exc)
+        if refused is None:
+            raise
+        raise CheckpointError(f"{path}: {refused}") from None
+
+
+def _refusal(exc: BaseException) -> str | None:
+    """The message of a CheckpointError inside DCP's wrapped failure, if any."""
+    failures = getattr(exc, "failures", {}) or {}
+    for failure in failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, CheckpointError):
+            return str(inner)
+    return None
 
 
 def _options(own_shard: bool) -> StateDictOptions | None:
