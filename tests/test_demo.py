@@ -48,6 +48,9 @@ def test_demo_trains_with_falling_loss_and_matches_golden(tmp_path: Path) -> Non
     elapsed = time.perf_counter() - started
     assert done.returncode == 0, done.stderr[-4000:]
     assert "trained steps 1..60" in done.stdout
+    # the driver probed the one-node CPU cluster and kept the config's virtual topology
+    probe_line = "no GPU on the 1 Ray node(s): using the configured virtual topology (2 x 2)"
+    assert probe_line in done.stdout + done.stderr
 
     losses = jsonl_losses(out)
     assert sorted(losses) == list(range(1, STEPS + 1))

@@ -12,6 +12,7 @@ from ray_zep.config import TopologyConfig
 from ray_zep.errors import ProbeError, TopologyError
 from ray_zep.topology import GB, GBIT, LinkKind, Topology, build_topology
 from ray_zep.topology_probe import parse_nvidia_smi_topo, probe_local_node, probe_node
+from ray_zep.topology_resolve import NodeReport, report_local_node, resolve_topology
 
 pytestmark = pytest.mark.unit
 
@@ -136,3 +137,47 @@ def test_probe_errors(tmp_path: Path) -> None:
 def test_local_probe_without_nvidia_smi_says_so() -> None:
     with pytest.raises(ProbeError, match="nvidia-smi is not on PATH"):
         probe_local_node()
+
+
+def _a800_report(tmp_path: Path, host: str) -> NodeReport:
+    text = (FIXTURES / "a800_8gpu_4nic.topo.txt").read_text()
+    probed = probe_node(text, _sysfs(tmp_path, "a800_8gpu_4nic"), nodes=1, gpu_model="A800")
+    return NodeReport(host, 8, topology=probed.to_dict())
+
+
+def test_cpu_only_cluster_keeps_the_configured_virtual_topology() -> None:
+    configured = build_topology(TopologyConfig(nodes=2, gpus_per_node=2))
+    reports = [NodeReport("head", 0, error="no nvidia-smi on this node")]
+    topology, origin = resolve_topology(reports, configured)
+    assert topology is configured
+    assert origin == "no GPU on the 1 Ray node(s): using the configured virtual topology (2 x 2)"
+
+
+def test_alike_gpu_nodes_give_the_probed_topology(tmp_path: Path) -> None:
+    configured = build_topology(TopologyConfig(nodes=2, gpus_per_node=8))
+    reports = [_a800_report(tmp_path, "n0"), _a800_report(tmp_path, "n1")]
+    topology, origin = resolve_topology(reports, configured)
+    assert (topology.name, topology.nodes, topology.gpus_per_node) == ("probed", 2, 8)
+    assert topology.gpu_to_nic == (0, 0, 1, 1, 2, 2, 3, 3)
+    assert topology.nic_names == ("mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3")
+    assert origin.startswith("probed topology (n0: 8 GPU(s), n1: 8 GPU(s))")
+
+
+def test_probe_that_contradicts_the_config_keeps_the_config_and_says_why(
+    tmp_path: Path,
+) -> None:
+    configured = build_topology(TopologyConfig(nodes=3, gpus_per_node=8))
+    reports = [_a800_report(tmp_path, "n0"), _a800_report(tmp_path, "n1")]
+    topology, origin = resolve_topology(reports, configured)
+    assert topology is configured
+    assert "does not give topology.nodes=3" in origin
+    failed = [NodeReport("n0", 8, error="no active RDMA NIC found")]
+    assert "n0: no active RDMA NIC found" in resolve_topology(failed, configured)[1]
+    preset = build_topology(TopologyConfig(preset="cluster_a", nodes=2))
+    named = "probe found n0: 8 GPU(s), n1: 8 GPU(s); using topology.preset=cluster_a"
+    assert resolve_topology(reports, preset) == (preset, named)
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi")
+def test_this_cpu_node_reports_no_gpu() -> None:
+    assert report_local_node("here") == NodeReport("here", 0, error="no nvidia-smi on this node")

@@ -12,6 +12,7 @@ metrics.jsonl.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -26,9 +27,11 @@ from ray.util.queue import Empty, Queue
 
 from ray_zep.config import Config, Device, config_to_dict
 from ray_zep.errors import TopologyError, find_zep_error
+from ray_zep.topology_resolve import resolve_topology
 from ray_zep.train.setup import RunPlan, prepare_run
 from workers.data_actor import DataActor
 from workers.metrics_export import MetricsExporter
+from workers.probe import probe_cluster
 from workers.progress import ProgressBar
 from workers.train_fn import train_loop
 
@@ -62,6 +65,11 @@ def train(config: Config) -> RunSummary:
     plan = prepare_run(config)
     started_ray = _connect(plan.config, plan.num_workers)
     try:
+        topology, origin = resolve_topology(
+            probe_cluster(plan.config.comm.init_timeout_s), plan.topology
+        )
+        log.info("topology: %s", origin)
+        plan = dataclasses.replace(plan, topology=topology)
         use_gpu = _use_gpu(plan.config, plan.num_workers)
         metrics = plan.config.metrics
         exporter = MetricsExporter(plan.run_dir, metrics.port, metrics.host)
