@@ -506,10 +506,14 @@ class MetricsConfig:
     where a Prometheus outside the machine scrapes it, as in deploy/."""
     progress: bool = True
     """Show a progress bar with tokens/s and loss."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s of one GPU for the MFU metric; 0: the datasheet BF16 peak of
+    a known GPU (A100/A800 312, H100/H800/H200 989), no MFU otherwise."""
 
     def __post_init__(self) -> None:
         _require(-1 <= self.port <= 65535, "metrics.port", self.port, "must be -1, 0 or a port")
         _require(bool(self.host.strip()), "metrics.host", self.host, "must be an address")
+        _require(self.peak_tflops >= 0, "metrics.peak_tflops", self.peak_tflops, "must be >= 0")
 
 
 @dataclass

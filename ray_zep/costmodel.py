@@ -93,31 +93,42 @@ ATTENTION_CALL_OVERHEAD_S = 10e-6
 launch latencies are 5-10 us; the preset takes the upper end)."""
 
 _DATASHEETS = "NVIDIA datasheet peak x efficiencies from FlashAttention-2 and Megatron-LM"
+DATASHEET_PEAK_FLOPS = {"A800": 312e12, "H800": 989e12, "H200": 989e12}
+"""Dense BF16 peak of one GPU (NVIDIA's A100 and H100/H200 SXM datasheets)."""
 HARDWARE_RATES: dict[str, ComputeRates] = {
     "A800": ComputeRates(
-        312e12 * 0.50,
-        312e12 * 0.45,
-        312e12 * 0.60,
+        DATASHEET_PEAK_FLOPS["A800"] * 0.50,
+        DATASHEET_PEAK_FLOPS["A800"] * 0.45,
+        DATASHEET_PEAK_FLOPS["A800"] * 0.60,
         ATTENTION_CALL_OVERHEAD_S,
         f"A800 preset: {_DATASHEETS}",
     ),
     "H800": ComputeRates(
-        989e12 * 0.35,
-        989e12 * 0.30,
-        989e12 * 0.60,
+        DATASHEET_PEAK_FLOPS["H800"] * 0.35,
+        DATASHEET_PEAK_FLOPS["H800"] * 0.30,
+        DATASHEET_PEAK_FLOPS["H800"] * 0.60,
         ATTENTION_CALL_OVERHEAD_S,
         f"H800 preset: {_DATASHEETS}",
     ),
     "H200": ComputeRates(
-        989e12 * 0.35,
-        989e12 * 0.30,
-        989e12 * 0.60,
+        DATASHEET_PEAK_FLOPS["H200"] * 0.35,
+        DATASHEET_PEAK_FLOPS["H200"] * 0.30,
+        DATASHEET_PEAK_FLOPS["H200"] * 0.60,
         ATTENTION_CALL_OVERHEAD_S,
         f"H200 preset: {_DATASHEETS}",
     ),
 }
 """Labelled presets (see the module docstring for the sources)."""
 HARDWARE_ALIASES = {"A100": "A800", "H100": "H800"}
+
+
+def datasheet_peak_flops(gpu_model: str) -> float | None:
+    """Dense BF16 peak of a GPU named like `NVIDIA H100 80GB HBM3` (None: not known)."""
+    name = gpu_model.upper()
+    for key in (*DATASHEET_PEAK_FLOPS, *HARDWARE_ALIASES):
+        if key in name:
+            return DATASHEET_PEAK_FLOPS[HARDWARE_ALIASES.get(key, key)]
+    return None
 
 
 def preset_rates(gpu_model: str) -> ComputeRates:

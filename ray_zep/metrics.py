@@ -83,6 +83,28 @@ CHECKPOINT_STEP = MetricSpec(
     "ray_zep_checkpoint_step", Kind.GAUGE, "Step of the newest checkpoint."
 )
 
+ZONE_TOKENS = MetricSpec(
+    "ray_zep_zone_tokens_total",
+    Kind.COUNTER,
+    "Tokens by the zone their attention runs in (local, intra_node, inter_node).",
+    ("zone",),
+)
+MODEL_FLOPS_PER_SECOND = MetricSpec(
+    "ray_zep_model_flops_per_second",
+    Kind.GAUGE,
+    "Model FLOPs (forward + backward, no recompute) per second of the last step, all ranks.",
+)
+MFU = MetricSpec(
+    "ray_zep_mfu_ratio",
+    Kind.GAUGE,
+    "Model FLOPs utilisation of the last step: model FLOP/s over ranks x peak (0-1).",
+)
+RESTARTS = MetricSpec(
+    "ray_zep_restarts_total",
+    Kind.COUNTER,
+    "Times the training workers restarted from a checkpoint during this job.",
+)
+
 ALL_METRICS: tuple[MetricSpec, ...] = (
     TOKENS,
     STEPS,
@@ -103,6 +125,10 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     CHECKPOINTS,
     CHECKPOINT_STEP,
     RANKS,
+    ZONE_TOKENS,
+    MODEL_FLOPS_PER_SECOND,
+    MFU,
+    RESTARTS,
 )
 
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)

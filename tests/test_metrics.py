@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 
 from ray_zep import metrics
-from ray_zep.config import TopologyConfig
+from ray_zep.config import TopologyConfig, load_config
 from ray_zep.errors import ConfigError
+from ray_zep.model.shapes import build_shape
 from ray_zep.topology import build_topology
 from ray_zep.traffic import gradient_traffic
+from tests.helpers.procs import run_ranks
+from tests.helpers.training import SMALL_RUN, train_rank
 from workers.metrics_export import MetricsExporter
 
 pytestmark = pytest.mark.unit
@@ -49,6 +52,8 @@ def _event(step: int, loss: float = 2.0) -> dict:
         "comm_bytes": {"intra_node": 300, "inter_node": 100},
         "nic_bytes": [[60, 40]],
         "compression": {"raw_bytes": 1400, "wire_bytes": 1000},
+        "zone_tokens": {"local": 3000, "intra_node": 600, "inter_node": 400},
+        "model_flops": 2e12,
     }
 
 
@@ -123,3 +128,43 @@ def test_ring_all_reduce_volume_by_link_kind() -> None:
     assert gradient_traffic(1000, one_node, 4).inter_node == 0
     single = gradient_traffic(1000, one_node, 1)
     assert single.intra_node == 0 and single.inter_node == 0
+
+
+def test_exporter_derives_model_flops_mfu_zone_shares_and_restarts(tmp_path: Path) -> None:
+    exporter = MetricsExporter(tmp_path, port=0, peak_flops=1e12)
+    try:
+        exporter.set_ranks(4)
+        exporter.on_start(0)
+        row = exporter.on_step(_event(1))
+        exporter.on_restart()
+        body = (
+            urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
+    finally:
+        exporter.close()
+    assert row["model_flops_per_second"] == pytest.approx(4e12)  # 2e12 FLOPs in 0.5 s
+    assert row["mfu"] == pytest.approx(4e12 / (4 * 1e12))
+    assert 'ray_zep_zone_tokens_total{zone="inter_node"} 400.0' in body
+    assert "ray_zep_mfu_ratio 1.0" in body
+    assert "ray_zep_restarts_total 1.0" in body
+    without_peak = MetricsExporter(tmp_path / "b", port=-1)
+    (tmp_path / "b").mkdir()
+    assert "mfu" not in without_peak.on_step(_event(1))
+
+
+@pytest.mark.dist
+def test_step_events_carry_zone_tokens_and_model_flops(tmp_path: Path) -> None:
+    overrides = [*SMALL_RUN, "train.steps=2", "topology.nodes=2", "topology.gpus_per_node=2"]
+    overrides += ["parallel.strategy=zeppelin", f"train.out_dir={tmp_path}"]
+    rank0 = run_ranks(train_rank, 4, overrides)[0]
+    shape = build_shape(load_config(None, overrides).model)
+    steps = [e for e in rank0["events"] if e["event"] == "step"]
+    assert len(steps) == 2
+    for event in steps:
+        lengths = [length for _, _, length in rank0["samples"][event["step"] - 1]]
+        assert sum(event["zone_tokens"].values()) == event["tokens"] == sum(lengths)
+        attention = sum(shape.attention_flops(n) for n in lengths)
+        expected = 3 * (shape.linear_flops_per_token() * event["tokens"] + attention)
+        assert event["model_flops"] == pytest.approx(expected, rel=1e-9)

@@ -26,6 +26,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.queue import Empty, Queue
 
 from ray_zep.config import Config, Device, config_to_dict
+from ray_zep.costmodel import datasheet_peak_flops
 from ray_zep.errors import TopologyError, find_zep_error
 from ray_zep.topology_resolve import resolve_topology
 from ray_zep.train.setup import RunPlan, prepare_run
@@ -72,7 +73,10 @@ def train(config: Config) -> RunSummary:
         plan = dataclasses.replace(plan, topology=topology)
         use_gpu = _use_gpu(plan.config, plan.num_workers)
         metrics = plan.config.metrics
-        exporter = MetricsExporter(plan.run_dir, metrics.port, metrics.host)
+        peak = metrics.peak_tflops * 1e12 or (
+            datasheet_peak_flops(topology.gpu_model) if use_gpu else None
+        )
+        exporter = MetricsExporter(plan.run_dir, metrics.port, metrics.host, peak)
         exporter.set_ranks(plan.num_workers)
         try:
             return _run(plan, use_gpu, exporter)
@@ -149,6 +153,7 @@ class _Watcher:
     def __init__(self, exporter: MetricsExporter, progress: ProgressBar) -> None:
         self.exporter = exporter
         self.progress = progress
+        self.started = False
         self.first_step = 0
         self.last_step = 0
         self.first_loss: float | None = None
@@ -166,7 +171,13 @@ class _Watcher:
     def handle(self, event: dict[str, Any]) -> None:
         kind = event["event"]
         if kind == "start":
-            self.first_step = self.last_step = event["step"]
+            if self.started:  # Ray Train restarted the workers from the last checkpoint
+                self.exporter.on_restart()
+                log.warning("workers restarted from the checkpoint of step %d", event["step"])
+            else:
+                self.first_step = event["step"]
+            self.started = True
+            self.last_step = event["step"]
             self.exporter.on_start(event["step"])
             self.progress.start(event["step"])
         elif kind == "step":

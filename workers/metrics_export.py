@@ -26,11 +26,16 @@ log = logging.getLogger(__name__)
 class MetricsExporter:
     """Serves metrics on `host`:`port` (0: any free port, -1: off) and appends metrics.jsonl."""
 
-    def __init__(self, run_dir: Path, port: int, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, run_dir: Path, port: int, host: str = "127.0.0.1", peak_flops: float | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         self.metrics = m.create_metrics(self.registry)
         self.jsonl_path = run_dir / METRICS_FILE_NAME
         self.port: int | None = None
+        self.peak_flops = peak_flops
+        """One GPU's peak FLOP/s for MFU (None: no MFU)."""
+        self.ranks = 1
         self.address: tuple[str, int] | None = None
         self._server = None
         if port >= 0:
@@ -48,7 +53,12 @@ class MetricsExporter:
             log.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
 
     def set_ranks(self, ranks: int) -> None:
+        self.ranks = ranks
         self.metrics[m.RANKS.name].set(ranks)
+
+    def on_restart(self) -> None:
+        """The workers started again from a checkpoint (Ray Train's failure handling)."""
+        self.metrics[m.RESTARTS.name].inc()
 
     def on_start(self, step: int) -> None:
         """Training (re)starts after `step`: drop jsonl lines of later steps."""
@@ -81,8 +91,12 @@ class MetricsExporter:
             "comm_bytes": event["comm_bytes"],
             "nic_bytes": event.get("nic_bytes", []),
             "compression": event.get("compression", {}),
+            "zone_tokens": event.get("zone_tokens", {}),
+            "model_flops_per_second": event.get("model_flops", 0.0) / seconds,
             "time": time.time(),
         }
+        if self.peak_flops:
+            row["mfu"] = row["model_flops_per_second"] / (self.ranks * self.peak_flops)
         self._update_prometheus(row)
         with self.jsonl_path.open("a") as handle:
             handle.write(json.dumps(row) + "\n")
@@ -117,6 +131,11 @@ class MetricsExporter:
             get(m.COMPRESSION_RATIO.name).set(raw / wire)
             get(m.COMPRESSION_SENT_BYTES.name).inc(wire)
             get(m.COMPRESSION_SAVED_BYTES.name).inc(max(raw - wire, 0))
+        get(m.MODEL_FLOPS_PER_SECOND.name).set(row["model_flops_per_second"])
+        if "mfu" in row:
+            get(m.MFU.name).set(row["mfu"])
+        for zone, tokens in row["zone_tokens"].items():
+            get(m.ZONE_TOKENS.name).labels(zone=zone).inc(tokens)
         for link, nbytes in row["comm_bytes"].items():
             get(m.COMM_BYTES.name).labels(link=link).inc(nbytes)
         for node, nics in enumerate(row["nic_bytes"]):

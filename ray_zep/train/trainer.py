@@ -34,6 +34,7 @@ from ray_zep.mesh import Comm
 from ray_zep.model.llama import Transformer
 from ray_zep.model.shapes import build_shape
 from ray_zep.moe.parallel import balance_loss, parallelize_experts
+from ray_zep.partition.plan import Zone, zone_of
 from ray_zep.pipeline.layout import WEIGHT_PASSING
 from ray_zep.pipeline.runner import WeightPipeline
 from ray_zep.remap.comms import to_attention, to_linear
@@ -44,6 +45,10 @@ from ray_zep.train.comms import all_reduce_gradients_, all_reduce_sum_
 from ray_zep.train.optim import build_optimizer, lr_at, set_lr
 
 log = logging.getLogger(__name__)
+
+
+ZONES = (Zone.LOCAL, Zone.INTRA_NODE, Zone.INTER_NODE)
+"""Order of the per-zone token counts in a step's totals."""
 
 
 @dataclass
@@ -69,6 +74,12 @@ class StepStats:
     and bytes they sent (`wire_bytes`), whole job (measured)."""
     moe_aux_loss: float = 0.0
     """Weighted MoE load-balancing loss of the global batch (included in `loss`)."""
+    zone_tokens: dict[str, int] = field(default_factory=dict)
+    """Tokens of the global batch whose attention stays on one rank (`local`), in a
+    node (`intra_node`) or spans nodes (`inter_node`)."""
+    model_flops: float = 0.0
+    """Forward + backward FLOPs the model needs for the global batch (3 x forward,
+    causal attention), whatever the strategy recomputes."""
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -142,6 +153,8 @@ class RankTrainer:
         shape = build_shape(config.model)
         self.kernel = select_kernel(config.model.attention_kernel, device, self.dtype)
         self.model = Transformer(shape, self.kernel)
+        self.linear_flops = shape.linear_flops_per_token()
+        """Forward matmul FLOPs of one token (for the step's model FLOPs)."""
         self.model.init_weights(torch.Generator().manual_seed(config.train.seed))
         self.model.to(device)
         self.experts = parallelize_experts(self.model, self.comm, config)
@@ -173,8 +186,10 @@ class RankTrainer:
         self.optimizer.step()
         self.steps_done += 1
         ring_bytes = self.comm.ring_zip.take() if self.comm.ring_zip else (0, 0)
-        totals = torch.tensor([loss_sum, aux_loss, *ring_bytes], dtype=torch.float64)
+        led = self._led_work(shard)
+        totals = torch.tensor([loss_sum, aux_loss, *ring_bytes, *led], dtype=torch.float64)
         all_reduce_sum_(totals, self.comm, "the step loss")
+        zone_tokens, attention_flops = totals[4:7].tolist(), float(totals[7])
         traffic = self._traffic(shard, grad_bytes)
         return StepStats(
             step=self.steps_done,
@@ -189,7 +204,25 @@ class RankTrainer:
             nic_bytes=traffic.nic.tolist(),
             compression=self._compression_bytes(int(totals[2]), int(totals[3])),
             moe_aux_loss=float(totals[1]),
+            zone_tokens={z.value: int(n) for z, n in zip(ZONES, zone_tokens, strict=True)},
+            model_flops=3.0 * (self.linear_flops * shard.global_tokens + attention_flops),
         )
+
+    def _led_work(self, shard: RankShard) -> list[float]:
+        """Tokens per zone and forward attention FLOPs of the sequences this rank
+        leads (the first rank of their group): summed over ranks, each sequence once."""
+        zones = [0.0] * len(ZONES)
+        if shard.plan is None:  # whole sequences on this rank
+            zones[0] = float(shard.num_tokens)
+            lengths = [int(n) for n in shard.lengths]
+        else:
+            led = [p for p in shard.plan.placements if p.ranks[0] == self.comm.rank]
+            for p in led:
+                zones[ZONES.index(zone_of(p.ranks, self.comm.topology))] += p.length
+            lengths = [p.length for p in led]
+        shape = self.model.shape
+        attention = sum(shape.attention_flops(n) for n in lengths)
+        return [*zones, attention]
 
     def _compression_bytes(self, ring_raw: int, ring_wire: int) -> dict[str, int]:
         """Whole-job bytes of the compressible transfers of the step (measured)."""
