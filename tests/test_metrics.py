@@ -57,6 +57,11 @@ def _event(step: int, loss: float = 2.0) -> dict:
     }
 
 
+def _scrape(port: int) -> str:
+    url = f"http://127.0.0.1:{port}/metrics"
+    return urllib.request.urlopen(url, timeout=10).read().decode()
+
+
 @pytest.mark.parametrize("spec", metrics.ALL_METRICS, ids=lambda s: s.name)
 def test_metric_names_follow_prometheus_conventions(spec: metrics.MetricSpec) -> None:
     assert re.fullmatch(r"ray_zep_[a-z_]+", spec.name)
@@ -72,11 +77,7 @@ def test_exporter_serves_metrics_and_writes_jsonl(tmp_path: Path) -> None:
         row = exporter.on_step(_event(1))
         exporter.on_step(_event(2, loss=1.5))
         exporter.on_checkpoint(2)
-        body = (
-            urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10)
-            .read()
-            .decode()
-        )
+        body = _scrape(exporter.port)
     finally:
         exporter.close()
     assert exporter.address == ("127.0.0.1", exporter.port), "loopback unless metrics.host"
@@ -137,11 +138,7 @@ def test_exporter_derives_model_flops_mfu_zone_shares_and_restarts(tmp_path: Pat
         exporter.on_start(0)
         row = exporter.on_step(_event(1))
         exporter.on_restart()
-        body = (
-            urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10)
-            .read()
-            .decode()
-        )
+        body = _scrape(exporter.port)
     finally:
         exporter.close()
     assert row["model_flops_per_second"] == pytest.approx(4e12)  # 2e12 FLOPs in 0.5 s
