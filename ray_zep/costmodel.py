@@ -122,22 +122,24 @@ HARDWARE_RATES: dict[str, ComputeRates] = {
 HARDWARE_ALIASES = {"A100": "A800", "H100": "H800"}
 
 
-def datasheet_peak_flops(gpu_model: str) -> float | None:
-    """Dense BF16 peak of a GPU named like `NVIDIA H100 80GB HBM3` (None: not known)."""
-    name = gpu_model.upper()
-    for key in (*DATASHEET_PEAK_FLOPS, *HARDWARE_ALIASES):
-        if key in name:
-            return DATASHEET_PEAK_FLOPS[HARDWARE_ALIASES.get(key, key)]
-    return None
-
-
-def preset_rates(gpu_model: str) -> ComputeRates:
-    """The preset of a GPU named like `NVIDIA H100 80GB HBM3` or `A800-80G` (A800 otherwise)."""
+def _known_gpu(gpu_model: str) -> str | None:
+    """The preset key of a GPU named like `NVIDIA H100 80GB HBM3` or `A800-80G`."""
     name = gpu_model.upper()
     for key in (*HARDWARE_RATES, *HARDWARE_ALIASES):
         if key in name:
-            return HARDWARE_RATES[HARDWARE_ALIASES.get(key, key)]
-    return HARDWARE_RATES["A800"]
+            return HARDWARE_ALIASES.get(key, key)
+    return None
+
+
+def datasheet_peak_flops(gpu_model: str) -> float | None:
+    """Dense BF16 peak of a named GPU (None: not known)."""
+    known = _known_gpu(gpu_model)
+    return DATASHEET_PEAK_FLOPS[known] if known else None
+
+
+def preset_rates(gpu_model: str) -> ComputeRates:
+    """The preset of a named GPU (A800 otherwise)."""
+    return HARDWARE_RATES[_known_gpu(gpu_model) or "A800"]
 
 
 def linear_flops_per_token(shape: ModelShape) -> tuple[float, float]:

@@ -3,9 +3,10 @@
 Forward runs the shards in order, each on a detached copy of the previous
 shard's output, so backward can run them one at a time in reverse with the
 shard's weights borrowed again. While a shard computes, the next shard's
-weights are on their way (forward: s+1; backward: s-1) and the previous
-shard's gradient is on its way to its owner. The last shard stays resident
-across the turn from forward to backward.
+weights are on their way (forward: s+1; backward: s-1) and the gradients of
+the two shards before it travel to their owners: a sum is posted after its
+shard's backward, relayed after the next one's and landed after the one after
+that. The last shard stays resident across the turn from forward to backward.
 
 With recompute on (the default), forward runs every shard but the last
 without building a graph and keeps only the shard's input; backward runs the

@@ -240,11 +240,9 @@ def _load(state: dict[str, Any], path: Path, group, no_dist: bool) -> None:
         raise CheckpointError(f"{path}: {refused}") from None
 
 
-def _refusal(exc: BaseException) -> str | None:
-    """The message of a CheckpointError inside DCP's wrapped failure, if any."""
-    failures = getattr(exc, "failures", {}) or {}
-    for failure in failures.values():
-        inner = failure[0] if isinstance(failure, tuple) else failure
+def _refusal(exc: CheckpointException) -> str | None:
+    """The message of a CheckpointError among DCP's per-rank (exception, trace) failures."""
+    for inner, _ in exc.failures.values():
         if isinstance(inner, CheckpointError):
             return str(inner)
     return None
