@@ -223,8 +223,9 @@ def _train(args: argparse.Namespace) -> int:
 
     summary = train(config)
     if summary.final_loss is not None:
+        restarts = f" after {summary.restarts} worker restart(s)" if summary.restarts else ""
         print(
-            f"trained steps {summary.first_step + 1}..{summary.last_step}: loss "
+            f"trained steps {summary.first_step + 1}..{summary.last_step}{restarts}: loss "
             f"{summary.first_loss:.4f} -> {summary.final_loss:.4f}, "
             f"{summary.tokens_per_second / 1e3:.1f}k tokens/s; run dir {summary.run_dir}"
         )

@@ -194,6 +194,9 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Save a checkpoint every k steps; 0 saves only at the end of the run."""
     resume: ResumeMode = ResumeMode.AUTO
+    sample_ledger: bool = True
+    """Every rank records the document pieces it trains on, step by step, in
+    `<out_dir>/samples/` (see ray_zep.train.ledger)."""
     device: Device = Device.AUTO
     precision: Precision = Precision.AUTO
 

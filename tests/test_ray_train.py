@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import ray
-import torch
 
 from ray_zep.config import load_config
 from ray_zep.errors import OverlongDocumentError
 from ray_zep.train.checkpoint import checkpoint_path
+from ray_zep.train.ledger import read_ledger
+from tests.helpers.procs import free_port
+from tests.helpers.prometheus import (
+    PrometheusServer,
+    has_finite_sample,
+    prometheus_binary,
+    start_prometheus,
+)
 from tests.helpers.training import SMALL_RUN, checkpoint_params, jsonl_losses, max_relative_error
-from workers.driver import train
+from workers.driver import RunSummary, train
 
 pytestmark = pytest.mark.ray
+
+REPO = Path(__file__).resolve().parents[1]
 
 # See tests/test_train_dist.py for why fp32 dp and single agree to ~1e-6 and not bit for bit.
 REL_TOL = 1e-5
@@ -38,10 +51,41 @@ def _train(out: Path, *overrides: str):
     return train(load_config(None, [*BASE, f"train.out_dir={out}", *overrides]))
 
 
-def test_dp_on_ray_matches_single_and_resumes_exactly(tmp_path: Path) -> None:
-    dp = _train(tmp_path / "dp", "train.steps=4")
+@dataclass
+class ScrapedRun:
+    summary: RunSummary
+    prometheus: PrometheusServer | None
+    """None where the prometheus package is missing."""
+    started: float
+    ended: float
+
+
+@pytest.fixture(scope="module")
+def scraped_dp_run(tmp_path_factory: pytest.TempPathFactory):
+    """A dp run with compression on, its metrics scraped by a real Prometheus server."""
+    binary = shutil.which("prometheus")
+    out = tmp_path_factory.mktemp("ray_train")
+    port = free_port()
+    prometheus = start_prometheus(binary, port, out / "prometheus") if binary else None
+    try:
+        started = time.time()
+        summary = _train(
+            out / "dp",
+            "train.steps=4",
+            f"metrics.port={port}",
+            "metrics.peak_tflops=0.001",  # no datasheet peak on a CPU: MFU needs one
+            "comm.compression=always",
+        )
+        yield ScrapedRun(summary, prometheus, started, time.time())
+    finally:
+        if prometheus:
+            prometheus.stop()
+
+
+def test_dp_on_ray_matches_single(scraped_dp_run: ScrapedRun, tmp_path: Path) -> None:
+    dp = scraped_dp_run.summary
     single = _train(tmp_path / "single", "train.steps=4", "parallel.strategy=single")
-    assert (dp.first_step, dp.last_step) == (0, 4)
+    assert (dp.first_step, dp.last_step, dp.restarts) == (0, 4, 0)
 
     dp_losses, single_losses = jsonl_losses(dp.run_dir), jsonl_losses(single.run_dir)
     assert sorted(dp_losses) == [1, 2, 3, 4]
@@ -51,14 +95,25 @@ def test_dp_on_ray_matches_single_and_resumes_exactly(tmp_path: Path) -> None:
     single_params = checkpoint_params(checkpoint_path(single.run_dir, 4), BASE)
     err, name = max_relative_error(dp_params, single_params)
     assert err <= REL_TOL, f"parameter {name}: relative error {err:.2e}"
+    dp_samples, single_samples = read_ledger(dp.run_dir), read_ledger(single.run_dir)
+    assert {k: sorted(v) for k, v in dp_samples.items()} == {
+        k: sorted(v) for k, v in single_samples.items()
+    }, "dp ranks trained other samples than the one process"
 
-    first = _train(tmp_path / "resumed", "train.steps=2")
-    second = _train(tmp_path / "resumed", "train.steps=4")
-    assert (first.last_step, second.first_step, second.last_step) == (2, 2, 4)
-    assert jsonl_losses(second.run_dir) == dp_losses, "the data actor must rewind to the cursor"
-    resumed_params = checkpoint_params(checkpoint_path(second.run_dir, 4), BASE)
-    for key, value in dp_params.items():
-        assert torch.equal(resumed_params[key], value), key
+
+def test_every_dashboard_panel_query_answers(scraped_dp_run: ScrapedRun) -> None:
+    prometheus_binary()  # skips (or fails, where CI requires it) without the package
+    dashboard = json.loads((REPO / "dashboards" / "ray_zep.json").read_text())
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    assert len(queries) >= 20
+    run, prometheus = scraped_dp_run, scraped_dp_run.prometheus
+    assert prometheus is not None
+    empty = [
+        query
+        for query in queries
+        if not has_finite_sample(prometheus.query_range(query, run.started, run.ended + 1))
+    ]
+    assert not empty, f"panel queries with no answer: {empty}"
 
 
 def test_a_data_error_during_training_reaches_the_driver_typed(tmp_path: Path) -> None:

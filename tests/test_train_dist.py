@@ -13,6 +13,7 @@ warm-up the worst parameter error measured after 3 steps is ~1.2e-6.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from ray_zep.errors import CommError, TopologyError
 from ray_zep.mesh import Comm
 from ray_zep.topology import build_topology
 from ray_zep.train.comms import all_reduce_sum_
+from ray_zep.train.ledger import ledger_path, read_ledger
 from tests.helpers.procs import run_ranks
 from tests.helpers.samples import assert_each_token_once_per_epoch
 from tests.helpers.training import (
@@ -99,6 +101,9 @@ def test_resume_matches_uninterrupted_run_and_loses_no_sample(tmp_path: Path) ->
     ]
     full = run_ranks(train_rank, 2, [*base, "train.steps=6", f"train.out_dir={tmp_path / 'a'}"])
     first = run_ranks(train_rank, 2, [*base, "train.steps=3", f"train.out_dir={tmp_path / 'b'}"])
+    for rank in (0, 1):  # a step trained after the checkpoint, then lost in a crash
+        with ledger_path(tmp_path / "b", rank).open("a") as ledger:
+            ledger.write(json.dumps({"step": 4, "docs": [0], "starts": [0], "lengths": [1]}) + "\n")
     second = run_ranks(train_rank, 2, [*base, "train.steps=6", f"train.out_dir={tmp_path / 'b'}"])
 
     assert second[0]["events"][0] == {"event": "start", "step": 3}
@@ -113,6 +118,10 @@ def test_resume_matches_uninterrupted_run_and_loses_no_sample(tmp_path: Path) ->
         [piece for step in sorted(resumed_samples) for piece in resumed_samples[step]], lengths
     )
     assert epochs >= 1, "the run should cross an epoch boundary to test the shuffled order"
+    ledger = read_ledger(tmp_path / "b")
+    assert ledger == read_ledger(tmp_path / "a"), "the ledger must rewind with the run"
+    by_step = {step + 1: sorted(pieces) for step, pieces in full[0]["samples"].items()}
+    assert {step: sorted(pieces) for step, pieces in ledger.items()} == by_step
 
 
 def _lengths_of(path: Path) -> list[int]:

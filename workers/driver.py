@@ -54,6 +54,8 @@ class RunSummary:
     tokens: int
     tokens_per_second: float
     metrics_port: int | None
+    restarts: int = 0
+    """Times Ray Train restarted the workers from the last checkpoint."""
 
 
 def train(config: Config) -> RunSummary:
@@ -154,6 +156,7 @@ class _Watcher:
         self.exporter = exporter
         self.progress = progress
         self.started = False
+        self.restarts = 0
         self.first_step = 0
         self.last_step = 0
         self.first_loss: float | None = None
@@ -173,6 +176,7 @@ class _Watcher:
         if kind == "start":
             if self.started:  # Ray Train restarted the workers from the last checkpoint
                 self.exporter.on_restart()
+                self.restarts += 1
                 log.warning("workers restarted from the checkpoint of step %d", event["step"])
             else:
                 self.first_step = event["step"]
@@ -200,6 +204,7 @@ class _Watcher:
             self.progress.tokens,
             self.progress.average_tokens_per_second(),
             port,
+            self.restarts,
         )
 
 

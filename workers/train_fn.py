@@ -8,6 +8,8 @@ rank loop, fetching shards from the data actor and sending events to the driver.
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,11 @@ from ray_zep.topology import Topology
 from ray_zep.train.checkpoint import Progress
 from ray_zep.train.loop import run_rank
 
+log = logging.getLogger(__name__)
+
 EVENT_PUT_TIMEOUT_S = 30.0
+COMM_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TP_SOCKET_IFNAME")
+"""Environment variables that steer the collectives (set them through `runtime_env`)."""
 
 
 def train_loop(loop_config: dict[str, Any]) -> None:
@@ -39,6 +45,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     topology = Topology.from_dict(loop_config["topology"])
     rank = ray.train.get_context().get_world_rank()
     setup_logging(rank)
+    if rank == 0:
+        log.info("communication environment: %s", comm_environment())
     comm = Comm.create(topology, config.parallel.strategy, config.comm.timeout_s)
     device = ray.train.torch.get_device() if loop_config["use_gpu"] else torch.device("cpu")
     data_actor = loop_config["data_actor"]
@@ -68,3 +76,11 @@ def fetch_shard(data_actor: Any, step: int, rank: int, timeout_s: float) -> Rank
         raise CommError(
             f"rank {rank} got no shard for step {step} within comm.timeout_s={timeout_s:g}"
         ) from None
+
+
+def comm_environment() -> str:
+    """The NCCL / gloo settings this worker sees, as `KEY=value` pairs."""
+    found = sorted(k for k in os.environ if k.startswith(COMM_ENV_PREFIXES))
+    if not found:
+        return "library defaults (no NCCL_*, GLOO_* or TORCH_NCCL_* variables set)"
+    return " ".join(f"{key}={os.environ[key]}" for key in found)

@@ -3,7 +3,8 @@
 Ray workers and plain torch.distributed tests both run `run_rank`: it picks
 the checkpoint to resume from on rank 0 and broadcasts the choice (every rank
 loads the same one), asks the data side to start right after it, then trains,
-checkpoints and reports.
+checkpoints, records the samples of every step (ray_zep.train.ledger) and
+reports.
 
 Events passed to `report` (rank 0 only), all plain dicts:
     {"event": "start", "step": k}          training resumes after step k (0: fresh)
@@ -26,6 +27,7 @@ from ray_zep.data.shards import RankShard
 from ray_zep.errors import CheckpointError
 from ray_zep.mesh import Comm
 from ray_zep.train import checkpoint
+from ray_zep.train.ledger import SampleLedger
 from ray_zep.train.trainer import RankTrainer
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,9 @@ def run_rank(
     trainer = RankTrainer(config, comm, device)
     resume_from = _agree_on_checkpoint(run_dir, config.train.resume, comm)
     progress = trainer.load(resume_from) if resume_from else checkpoint.Progress(0, {})
+    ledger = SampleLedger(run_dir, comm.rank) if config.train.sample_ledger else None
+    if ledger:
+        ledger.rewind(progress.step)
     if start_data is not None:
         start_data(progress)
     if report and comm.rank == 0:
@@ -68,6 +73,8 @@ def run_rank(
         fetched = time.perf_counter()
         stats = trainer.train_step(shard)
         stats.step_seconds = time.perf_counter() - started
+        if ledger:
+            ledger.record(trainer.steps_done, shard)
         if report and comm.rank == 0:
             report({"event": "step", "data_seconds": fetched - started, **stats.to_dict()})
         last = trainer.steps_done == config.train.steps

@@ -1,0 +1,82 @@
+"""The sample ledger: which pieces of which documents every rank trained on.
+
+Each rank appends one line per finished step to
+`<train.out_dir>/samples/rank_<r>.jsonl`:
+
+    {"step": 7, "docs": [...], "starts": [...], "lengths": [...]}
+
+`step` is 1-based, as in metrics.jsonl; piece i is tokens
+[starts[i], starts[i] + lengths[i]) of document docs[i]. When training
+(re)starts after step k, every rank first drops its lines of later steps, so
+the ledger always describes exactly the batches behind the newest parameters:
+after a restart, nothing is listed twice and nothing trained is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ray_zep.data.shards import RankShard
+
+LEDGER_DIR_NAME = "samples"
+
+Piece = tuple[int, int, int]
+"""(document, start, length)."""
+
+
+def ledger_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / LEDGER_DIR_NAME / f"rank_{rank:05d}.jsonl"
+
+
+class SampleLedger:
+    """One rank's ledger file."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.path = ledger_path(run_dir, rank)
+
+    def rewind(self, step: int) -> None:
+        """Keep only the lines of steps <= `step` (training resumes after it)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [line for line in _lines(self.path) if json.loads(line)["step"] <= step]
+        scratch = self.path.with_suffix(".jsonl.tmp")
+        scratch.write_text("".join(line + "\n" for line in kept))
+        os.replace(scratch, self.path)
+
+    def record(self, step: int, shard: RankShard) -> None:
+        """Append the pieces this rank trained on in (1-based) `step`."""
+        line = json.dumps(
+            {
+                "step": step,
+                "docs": shard.docs.tolist(),
+                "starts": shard.starts.tolist(),
+                "lengths": shard.lengths.tolist(),
+            }
+        )
+        with self.path.open("a") as handle:
+            handle.write(line + "\n")
+
+
+def read_ledger(run_dir: Path) -> dict[int, list[Piece]]:
+    """Every step's pieces over all ranks, in rank order.
+
+    Raises:
+        FileNotFoundError: the run wrote no ledger.
+    """
+    files = sorted((run_dir / LEDGER_DIR_NAME).glob("rank_*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no sample ledger under {run_dir / LEDGER_DIR_NAME}")
+    steps: dict[int, list[Piece]] = {}
+    for path in files:
+        for line in _lines(path):
+            row = json.loads(line)
+            pieces = zip(row["docs"], row["starts"], row["lengths"], strict=True)
+            steps.setdefault(row["step"], []).extend(pieces)
+    return dict(sorted(steps.items()))
+
+
+def _lines(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    return [line for line in path.read_text().splitlines() if line.strip()]

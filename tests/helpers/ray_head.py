@@ -1,0 +1,190 @@
+"""A real Ray head on this machine, with token authentication, for `ray job submit` tests.
+
+The head is started with `ray start --head` as an operator would: its job API and
+dashboard listen on 127.0.0.1 only, and token authentication is on (Ray 2.60:
+`RAY_AUTH_MODE=token`, the token read from `RAY_AUTH_TOKEN_PATH`). Every client
+call goes through the `ray` CLI with the same two variables, as README says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.helpers.procs import free_port
+
+START_TIMEOUT_S = 120.0
+CLI_TIMEOUT_S = 120.0
+
+
+@dataclass
+class RayHead:
+    temp_dir: Path
+    job_api: str
+    """http://127.0.0.1:<dashboard port>"""
+    token_path: Path
+    pids: set[int] = field(default_factory=set)
+
+    def client_env(self, with_token: bool = True) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        if with_token:
+            env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_path))
+        return env
+
+    def ray(self, *args: str, with_token: bool = True) -> subprocess.CompletedProcess:
+        """Run `ray <args>` against this head's job API."""
+        return subprocess.run(
+            ["ray", *args],
+            env={**self.client_env(with_token), "RAY_API_SERVER_ADDRESS": self.job_api},
+            capture_output=True,
+            text=True,
+            timeout=CLI_TIMEOUT_S,
+        )
+
+    def submit(self, job_id: str, working_dir: Path, runtime_env: str, entrypoint: list[str]):
+        """Start `ray job submit` (which waits for the job and tails its logs)."""
+        return subprocess.Popen(
+            [
+                "ray",
+                "job",
+                "submit",
+                "--address",
+                self.job_api,
+                "--submission-id",
+                job_id,
+                "--working-dir",
+                str(working_dir),
+                "--runtime-env-json",
+                runtime_env,
+                "--",
+                *entrypoint,
+            ],
+            env=self.client_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def status(self, job_id: str) -> str:
+        """SUCCEEDED, FAILED, STOPPED, RUNNING or PENDING (through the job SDK)."""
+        ask = (
+            "import sys; from ray.job_submission import JobSubmissionClient as C; "
+            "print(C(sys.argv[1]).get_job_status(sys.argv[2]).value)"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", ask, self.job_api, job_id],
+            env=self.client_env(),
+            capture_output=True,
+            text=True,
+            timeout=CLI_TIMEOUT_S,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    def logs(self, job_id: str) -> str:
+        return self.ray("job", "logs", job_id).stdout
+
+    def driver_log(self, job_id: str) -> str:
+        """The job driver's log as the head writes it (cheap to poll)."""
+        path = self.temp_dir / "session_latest" / "logs" / f"job-driver-{job_id}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+def start_ray_head(num_cpus: int, object_store_mb: int) -> RayHead:
+    """Start a head whose job API listens on 127.0.0.1 and requires a token."""
+    # Unix socket paths must stay short, so not under pytest's long tmp paths.
+    temp_dir = Path(tempfile.mkdtemp(prefix="rzh"))
+    token_path = temp_dir / "auth_token"
+    token_path.write_text(secrets.token_hex(32))
+    token_path.chmod(0o600)
+    head = RayHead(temp_dir, f"http://127.0.0.1:{free_port()}", token_path)
+    before = _ray_pids()
+    started = subprocess.run(
+        [
+            "ray",
+            "start",
+            "--head",
+            "--node-ip-address=127.0.0.1",
+            f"--port={free_port()}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={head.job_api.rsplit(':', 1)[1]}",
+            f"--ray-client-server-port={free_port()}",
+            f"--num-cpus={num_cpus}",
+            f"--object-store-memory={object_store_mb * 1024 * 1024}",
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
+        ],
+        env=head.client_env(),
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+    )
+    head.pids = _ray_pids() - before
+    if started.returncode != 0:
+        stop_ray_head(head)
+        raise RuntimeError(f"ray start failed:\n{started.stdout}\n{started.stderr}")
+    return head
+
+
+def stop_ray_head(head: RayHead) -> None:
+    """Stop only this head's processes (never other Ray clusters on the machine)."""
+    mine = head.pids | {pid for pid, cmd in process_table().items() if str(head.temp_dir) in cmd}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in mine:
+            _signal(pid, sig)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in mine):
+            time.sleep(0.2)
+    shutil.rmtree(head.temp_dir, ignore_errors=True)
+
+
+def process_table() -> dict[int, str]:
+    """pid -> command line (process title) of every process we can read."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                raw = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            table[int(entry.name)] = raw.replace(b"\0", b" ").decode(errors="replace").strip()
+    return table
+
+
+def pids_matching(*needles: str) -> list[int]:
+    return sorted(
+        pid for pid, cmd in process_table().items() if all(needle in cmd for needle in needles)
+    )
+
+
+def _ray_pids() -> set[int]:
+    return {pid for pid, cmd in process_table().items() if "ray" in cmd}
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and "Z" not in _state(pid)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"

@@ -1,0 +1,177 @@
+"""`ray job submit` against a real Ray head with token authentication, and failures.
+
+One head (`ray start --head`, job API on 127.0.0.1, `RAY_AUTH_MODE=token`) serves
+the module. A reference job trains uninterrupted. A second job of the same run
+meets three failures at random steps: a worker that stops answering (SIGSTOP), a
+worker killed outright (SIGKILL), and then its driver killed; submitted again
+with the same `train.out_dir`, it finishes. Both must end in the same state,
+bit for bit, with every sample trained exactly once (the sample ledger).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from ray_zep.train.checkpoint import checkpoint_path
+from ray_zep.train.ledger import read_ledger
+from tests.helpers.ray_head import (
+    RayHead,
+    pids_matching,
+    process_table,
+    start_ray_head,
+    stop_ray_head,
+)
+from tests.helpers.training import SMALL_RUN, checkpoint_params, jsonl_losses
+
+pytestmark = pytest.mark.ray
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 14
+TIMEOUT_S = 8
+RUN = [
+    *SMALL_RUN,
+    f"train.steps={STEPS}",
+    "train.checkpoint_every=2",
+    "train.warmup_steps=2",
+    "metrics.port=-1",
+    f"comm.timeout_s={TIMEOUT_S}",
+    "ray.max_failures=2",
+]
+RUNTIME_ENV = json.dumps({"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})
+JOB_TIMEOUT_S = 300.0
+WORKER_TITLE = "ray::RayTrainWorker"
+RESTARTED = "workers restarted from the checkpoint of step"
+
+
+@pytest.fixture(scope="module")
+def head():
+    started = start_ray_head(num_cpus=6, object_store_mb=300)
+    yield started
+    stop_ray_head(started)
+
+
+def test_job_api_refuses_a_client_without_the_token(head: RayHead) -> None:
+    refused = head.ray("job", "list", with_token=False)
+    assert refused.returncode != 0, refused.stdout
+    allowed = head.ray("job", "list")
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+
+
+def test_job_survives_a_silent_peer_a_killed_worker_and_a_killed_driver(
+    head: RayHead, tmp_path: Path
+) -> None:
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    where = f"(failure steps drawn with seed {seed})"
+
+    reference = tmp_path / "reference"
+    logs = _run_to_end(head, "reference", reference)
+    assert "communication environment: GLOO_SOCKET_IFNAME=lo" in logs, "runtime_env lost"
+    assert f"trained steps 1..{STEPS}:" in logs
+
+    out = tmp_path / "failing"
+    job = head.submit("failing", REPO, RUNTIME_ENV, _entrypoint(out))
+    try:
+        # 1. a peer stops answering: the others fail within comm.timeout_s, Ray restarts all
+        _wait_for_step(out, first := rng.randint(1, 3), head, "failing")
+        os.kill(rng.choice(_workers()), signal.SIGSTOP)
+        stopped = time.monotonic()
+        _wait_until(lambda: f"comm.timeout_s={TIMEOUT_S}" in head.driver_log("failing"), "error")
+        noticed = time.monotonic() - stopped
+        assert noticed < TIMEOUT_S + 20, f"a silent peer noticed after {noticed:.0f} s {where}"
+        _wait_until(lambda: head.driver_log("failing").count(RESTARTED) == 1, "first restart")
+
+        # 2. a worker dies (a step beyond any the stopped run could have reached)
+        _wait_for_step(out, second := rng.randint(first + 2, first + 4), head, "failing")
+        os.kill(rng.choice(_workers()), signal.SIGKILL)
+        _wait_until(lambda: head.driver_log("failing").count(RESTARTED) == 2, "second restart")
+
+        # 3. the driver dies; freeze the workers first so that no step runs past this point
+        _wait_for_step(out, rng.randint(second + 2, second + 3), head, "failing")
+        workers = _workers()
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        for pid in _driver_pids(out):
+            os.kill(pid, signal.SIGKILL)
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        job.wait(timeout=JOB_TIMEOUT_S)
+    finally:
+        job.kill()
+    assert head.status("failing") == "FAILED"
+    killed_at = max(jsonl_losses(out))
+    assert killed_at < STEPS, f"the first driver finished before it was killed {where}"
+
+    # 4. the same run submitted again resumes from its newest checkpoint and finishes
+    logs = _run_to_end(head, "failing-again", out)
+    assert "resuming from" in logs and f"..{STEPS}:" in logs
+
+    assert jsonl_losses(out) == jsonl_losses(reference), f"losses differ {where}"
+    ours = checkpoint_params(checkpoint_path(out, STEPS), RUN)
+    for name, value in checkpoint_params(checkpoint_path(reference, STEPS), RUN).items():
+        assert torch.equal(ours[name], value), f"parameter {name} differs {where}"
+    samples = read_ledger(out)
+    assert samples == read_ledger(reference), f"the trained samples differ {where}"
+    assert sorted(samples) == list(range(1, STEPS + 1))
+    pieces = [piece for step in samples.values() for piece in step]
+    assert len(set(pieces)) == len(pieces), f"a sample was trained twice {where}"
+
+
+def _entrypoint(out: Path) -> list[str]:
+    return ["ray-zep", "train", "conf/demo.yaml", *RUN, f"train.out_dir={out}"]
+
+
+def _run_to_end(head: RayHead, job_id: str, out: Path) -> str:
+    job = head.submit(job_id, REPO, RUNTIME_ENV, _entrypoint(out))
+    try:
+        output, _ = job.communicate(timeout=JOB_TIMEOUT_S)
+    finally:
+        job.kill()
+    status = head.status(job_id)
+    logs = head.logs(job_id)
+    assert status == "SUCCEEDED", f"job {job_id}: {status}\n{output[-3000:]}"
+    return logs
+
+
+def _workers() -> list[int]:
+    found = pids_matching(WORKER_TITLE)
+    assert found, "no Ray Train worker is running"
+    return found
+
+
+def _driver_pids(out: Path) -> list[int]:
+    """The job's driver (and its shell), not the `ray job submit` client."""
+    table = process_table()
+    return [
+        pid
+        for pid in pids_matching("ray-zep train", f"train.out_dir={out}")
+        if "job submit" not in table.get(pid, "job submit")
+    ]
+
+
+def _wait_for_step(out: Path, step: int, head: RayHead, job_id: str) -> None:
+    def reached() -> bool:
+        try:
+            return max(jsonl_losses(out), default=0) >= step
+        except (FileNotFoundError, json.JSONDecodeError):
+            return False
+
+    _wait_until(reached, f"step {step}", lambda: head.driver_log(job_id)[-3000:])
+
+
+def _wait_until(
+    done: Callable[[], bool], what: str, context: Callable[[], str] = lambda: ""
+) -> None:
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not done():
+        assert time.monotonic() < deadline, f"waited in vain for {what}\n{context()}"
+        time.sleep(0.05)
