@@ -473,8 +473,9 @@ class RayConfig:
     """Object store of a new local Ray, MiB."""
     num_workers: int | None = None
     """Training workers; defaults to topology nodes x GPUs (1 for strategy single)."""
-    max_failures: int = 0
-    """Times Ray Train restarts a failed worker group (from the last checkpoint)."""
+    max_failures: int = 2
+    """Times Ray Train restarts a failed worker group (from the last checkpoint);
+    0 fails the job at the first error, -1 restarts without limit."""
 
     def __post_init__(self) -> None:
         _require(
@@ -560,7 +561,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} must look like key=value, e.g. train.steps=5")
     try:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        dotlist = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))
+        layers.append(OmegaConf.create(_enum_words_back(dotlist, Config)))
         merged = OmegaConf.merge(*layers)
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except ConfigKeyError as exc:
@@ -587,7 +589,27 @@ def _load_yaml(path: Path) -> Any:
         content = {}
     if not isinstance(content, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
-    return OmegaConf.create(content)
+    return OmegaConf.create(_enum_words_back(content, Config))
+
+
+YAML_BOOLEAN_WORDS = {False: ("off", "no", "false"), True: ("on", "yes", "true")}
+
+
+def _enum_words_back(data: Any, schema: Any) -> Any:
+    """YAML reads `off` / `on` (and no / yes) as booleans: where the schema expects an
+    enum with such a member (`comm.compression=off`), give the word back."""
+    if not isinstance(data, dict) or not dataclasses.is_dataclass(schema):
+        return data
+    hints = typing.get_type_hints(schema)
+    fixed = {}
+    for key, value in data.items():
+        field_type = hints.get(key)
+        is_enum = isinstance(field_type, type) and issubclass(field_type, Enum)
+        if isinstance(value, bool) and is_enum:
+            values = {member.value for member in field_type}
+            value = next((w for w in YAML_BOOLEAN_WORDS[value] if w in values), value)
+        fixed[key] = _enum_words_back(value, field_type)
+    return fixed
 
 
 def _schema_type(parts: list[str]) -> Any:

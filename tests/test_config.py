@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from ray_zep.config import (
+    Compression,
     Config,
     Packing,
     Strategy,
@@ -109,3 +110,15 @@ def test_demo_config_is_the_documented_cpu_demo() -> None:
     assert config.model.preset == "tiny"
     assert config.topology.nodes * (config.topology.gpus_per_node or 1) == 4
     assert config.data.source == "stdlib"
+
+
+def test_yaml_boolean_words_name_enum_members(tmp_path: Path) -> None:
+    """YAML reads an unquoted `off` as false; `comm.compression: off` still means off."""
+    path = tmp_path / "run.yaml"
+    path.write_text("comm:\n  compression: off\n")
+    assert load_config(path).comm.compression is Compression.OFF
+    on_then_off = load_config(path, ["comm.compression=always", "comm.compression=off"])
+    assert on_then_off.comm.compression is Compression.OFF
+    assert load_config(None, ["train.sample_ledger=off"]).train.sample_ledger is False
+    with pytest.raises(ConfigError, match=r"comm\.compression.*expected off \| auto \| always"):
+        load_config(None, ["comm.compression=on"])

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 14
-TIMEOUT_S = 8
+TIMEOUT_S = 5
 RUN = [
     *SMALL_RUN,
     f"train.steps={STEPS}",

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from ray_zep.config import load_config
+from ray_zep.config import config_to_dict, load_config
 from ray_zep.errors import OverlongDocumentError
+from ray_zep.topology import build_topology
 from ray_zep.train.checkpoint import checkpoint_path
 from ray_zep.train.ledger import read_ledger
 from tests.helpers.procs import free_port
@@ -23,6 +24,7 @@ from tests.helpers.prometheus import (
     start_prometheus,
 )
 from tests.helpers.training import SMALL_RUN, checkpoint_params, jsonl_losses, max_relative_error
+from workers.data_actor import DataActor
 from workers.driver import RunSummary, train
 
 pytestmark = pytest.mark.ray
@@ -116,12 +118,30 @@ def test_every_dashboard_panel_query_answers(scraped_dp_run: ScrapedRun) -> None
     assert not empty, f"panel queries with no answer: {empty}"
 
 
+OVERLONG = [
+    "train.steps=30",
+    "data.source=synthetic:github",
+    "data.length_scale=1.0",
+    "data.overlong=error",
+]
+
+
 def test_a_data_error_during_training_reaches_the_driver_typed(tmp_path: Path) -> None:
     with pytest.raises(OverlongDocumentError, match=r"data\.overlong=error"):
-        _train(
-            tmp_path,
-            "train.steps=30",
-            "data.source=synthetic:github",
-            "data.length_scale=1.0",
-            "data.overlong=error",
-        )
+        _train(tmp_path, *OVERLONG, "ray.max_failures=0")
+
+
+def test_a_data_error_fails_every_restart_at_once() -> None:
+    """Restarts must not replay a data error step by step (nor skip past it)."""
+    config = load_config(None, [*BASE, *OVERLONG])
+    actor = DataActor(config_to_dict(config), build_topology(config.topology).to_dict())
+    actor.start(0, None)
+    with pytest.raises(OverlongDocumentError) as first:
+        for step in range(config.train.steps):
+            actor.get_shard(step, 0, timeout_s=60)
+    actor.start(0, None)  # what rank 0 does after Ray Train restarts the workers
+    started = time.perf_counter()
+    with pytest.raises(OverlongDocumentError) as again:
+        actor.get_shard(0, 0, timeout_s=60)
+    assert str(again.value) == str(first.value)
+    assert time.perf_counter() - started < 5

@@ -8,7 +8,9 @@ serialises a shard twice and the plan is made once, in one place.
 
 It is a threaded actor (`max_concurrency` > 1): a producer thread fills the
 buffer while worker calls wait on it. `start` rewinds it to a checkpoint's
-cursor; rank 0 calls it whenever training (re)starts.
+cursor; rank 0 calls it whenever training (re)starts. A typed data error (say
+an overlong document under `data.overlong=error`) stays: after a restart every
+shard request fails with it at once, so retries do not replay the data.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ray_zep.config import Config, config_from_dict
 from ray_zep.data.batching import BatchStream, Cursor
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.data.shards import shard_for
-from ray_zep.errors import CommError
+from ray_zep.errors import CommError, ZepError
 from ray_zep.logs import setup_logging
 from ray_zep.mesh import num_ranks
 from ray_zep.topology import Topology
@@ -49,6 +51,8 @@ class DataActor:
         self._ready: dict[int, list[ray.ObjectRef]] = {}
         self._fetched: dict[int, set[int]] = {}
         self._error: BaseException | None = None
+        self._data_error: ZepError | None = None
+        """A typed error of the data itself: it would recur on every restart."""
         self._generation = 0
 
     def ready(self) -> bool:
@@ -67,9 +71,12 @@ class DataActor:
             self._generation += 1
             self._ready.clear()
             self._fetched.clear()
-            self._error = None
+            self._error = self._data_error
             generation = self._generation
             self._cond.notify_all()
+        if self._data_error is not None:
+            log.error("data stream not restarted: %s", self._data_error)
+            return
         threading.Thread(
             target=self._produce,
             args=(stream, generation),
@@ -118,6 +125,8 @@ class DataActor:
                 with self._cond:
                     if self._generation == generation:
                         self._error = exc
+                        if isinstance(exc, ZepError):
+                            self._data_error = exc
                         self._cond.notify_all()
                 return
             with self._cond:
