@@ -43,12 +43,27 @@ def _ring_all(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("nodes,gpus", TOPOLOGIES, ids=lambda v: str(v))
-@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
-def test_ring_attention_matches_single_device(nodes: int, gpus: int, kv_heads: int) -> None:
+def test_ring_attention_matches_single_device(nodes: int, gpus: int) -> None:
+    """Multi-head and grouped-query attention (8 and 2 K/V heads), one spawn."""
+    for kv_heads, cases, results in _ring_runs(nodes, gpus):
+        _assert_ring_matches(kv_heads, cases, results)
+
+
+def _ring_runs(nodes: int, gpus: int):
+    cases = {kv_heads: _ring_cases(nodes, gpus, kv_heads) for kv_heads in (8, 2)}
+    flat = [case for group in cases.values() for case in group]
+    results = run_ranks(_ring_all, nodes * gpus, flat)
+    start = 0
+    for kv_heads, group in cases.items():
+        yield kv_heads, group, [r[start : start + len(group)] for r in results]
+        start += len(group)
+
+
+def _ring_cases(nodes: int, gpus: int, kv_heads: int) -> list[dict]:
     lengths = [1, 7, 3, 2 * gpus - 1, 2, 5 * gpus * 12 + 1, *[1, 2, 1, 3] * 4, 33]
     capacity = -(-sum(lengths) // (nodes * gpus)) + 4
     routed = [(s, True) for s in ROUTED] if nodes > 1 else []
-    cases = [
+    return [
         dict(
             strategy=s,
             routing=routing,
@@ -62,8 +77,10 @@ def test_ring_attention_matches_single_device(nodes: int, gpus: int, kv_heads: i
         )
         for s, routing in [*((s, False) for s in STRATEGIES), *routed]
     ]
-    results = run_ranks(_ring_all, nodes * gpus, cases)
-    q, k, v, _, out = reference(lengths, 8, kv_heads, 4, 0)
+
+
+def _assert_ring_matches(kv_heads: int, cases: list[dict], results: list[list[dict]]) -> None:
+    q, k, v, _, out = reference(cases[0]["lengths"], 8, kv_heads, 4, 0)
     for index, case in enumerate(cases):
         for rank, per_rank in enumerate(results):
             got = per_rank[index]
@@ -76,7 +93,10 @@ def test_ring_attention_matches_single_device(nodes: int, gpus: int, kv_heads: i
                 ("dv", got["dv"], v.grad),
             ]:
                 diff = (value[:n] - ref[rows]).abs()
-                where = f"{case['strategy']} routing={case['routing']} rank {rank} {name}"
+                where = (
+                    f"{case['strategy']} routing={case['routing']} kv_heads={kv_heads} "
+                    f"rank {rank} {name}"
+                )
                 assert n == 0 or float(diff.max()) <= ATTENTION_TOL, (
                     f"{where}: max abs {float(diff.max()):.2e}, mean {float(diff.mean()):.2e}"
                 )
@@ -126,16 +146,6 @@ def _assert_trains_like(single: dict, runs: dict) -> None:
         assert err <= 1e-5, f"{name}: parameter {param} relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("nodes,gpus", TOPOLOGIES, ids=lambda v: str(v))
-def test_every_strategy_trains_like_one_process(nodes: int, gpus: int, tmp_path: Path) -> None:
-    base = _base(nodes, gpus, _mixed_dataset(tmp_path / "mixed.parquet"))
-    single = run_ranks(
-        train_rank, 1, [*base, "parallel.strategy=single", f"train.out_dir={tmp_path}/single"]
-    )[0]
-    runs = run_ranks(_train_all, nodes * gpus, base, str(tmp_path))
-    _assert_trains_like(single, runs[0])
-
-
 ROUTE = "parallel.routing=true"
 REMAP = ("parallel.remap=true", "parallel.remap_policy=always")
 LAYER_RUNS = {
@@ -145,19 +155,24 @@ LAYER_RUNS = {
     "hybrid_dp+remap": ["parallel.strategy=hybrid_dp", *REMAP],
 }
 """Strategies with the routing and remapping layers on (te_cp, llama_cp and usp
-already hold balanced token counts, so remapping would move nothing)."""
+already hold balanced token counts, so remapping would move nothing); they need
+more than one node."""
 
 
-@pytest.mark.parametrize("nodes,gpus", [(2, 2), (2, 4)], ids=lambda v: str(v))
-def test_routing_and_remap_train_like_one_process(nodes: int, gpus: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize("nodes,gpus", TOPOLOGIES, ids=lambda v: str(v))
+def test_every_strategy_trains_like_one_process(nodes: int, gpus: int, tmp_path: Path) -> None:
+    """Every strategy, and on several nodes the routing and remapping layers, in one spawn."""
     base = _base(nodes, gpus, _mixed_dataset(tmp_path / "mixed.parquet"))
-    for name, extra in LAYER_RUNS.items():
-        _assert_layers_act(load_config(None, [*base, *extra]), name)
+    runs = {s: [f"parallel.strategy={s}"] for s in STRATEGIES}
+    if nodes > 1:
+        for name, extra in LAYER_RUNS.items():
+            _assert_layers_act(load_config(None, [*base, *extra]), name)
+        runs.update(LAYER_RUNS)
     single = run_ranks(
         train_rank, 1, [*base, "parallel.strategy=single", f"train.out_dir={tmp_path}/single"]
     )[0]
-    runs = run_ranks(_train_all, nodes * gpus, base, str(tmp_path), LAYER_RUNS)
-    _assert_trains_like(single, runs[0])
+    trained = run_ranks(_train_all, nodes * gpus, base, str(tmp_path), runs)
+    _assert_trains_like(single, trained[0])
 
 
 def _assert_layers_act(config, name: str) -> None:
