@@ -19,7 +19,13 @@ import pytest
 import torch
 
 from tests.helpers.procs import run_ranks
-from tests.helpers.training import SMALL_RUN, first_gradients, gradients_of, train_rank
+from tests.helpers.training import (
+    SMALL_RUN,
+    first_gradients,
+    gradients_of,
+    train_rank,
+    train_rank_each,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -56,24 +62,27 @@ def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], w
         )
 
 
-def _gradients(rank: int, world: int, overrides: list[str]) -> dict[str, torch.Tensor]:
-    trainer = first_gradients(rank, overrides)
-    assert trainer.model.moe_layers(), "the model must have MoE blocks"
-    return gradients_of(trainer)
+def _gradients_each(rank: int, world: int, runs: list[list[str]]) -> list[dict]:
+    grads = []
+    for overrides in runs:
+        trainer = first_gradients(rank, overrides)
+        assert trainer.model.moe_layers(), "the model must have MoE blocks"
+        grads.append(gradients_of(trainer))
+    return grads
 
 
-@pytest.mark.parametrize(
-    "strategy, ep",
-    [("dp", 2), ("dp", 4), ("zeppelin", 2)],
-)
-def test_expert_parallel_gradients_match_single(strategy: str, ep: int) -> None:
-    single = run_ranks(_gradients, 1, [*MOE_RUN, "parallel.strategy=single"])[0]
-    split = run_ranks(
-        _gradients, 4, [*MOE_RUN, f"parallel.strategy={strategy}", f"parallel.ep={ep}"]
-    )
-    _assert_close(_whole_experts(split, ep), single, "gradient")
-    local = split[1]["layers.1.feed_forward.w1"].shape[0]
-    assert local == 4 // ep, "each rank must hold only its experts"
+GRADIENT_CASES = [("dp", 2), ("dp", 4), ("zeppelin", 2)]
+
+
+def test_expert_parallel_gradients_match_single() -> None:
+    single = run_ranks(_gradients_each, 1, [[*MOE_RUN, "parallel.strategy=single"]])[0][0]
+    runs = [[*MOE_RUN, f"parallel.strategy={s}", f"parallel.ep={ep}"] for s, ep in GRADIENT_CASES]
+    per_rank = run_ranks(_gradients_each, 4, runs)
+    for index, (strategy, ep) in enumerate(GRADIENT_CASES):
+        split = [grads[index] for grads in per_rank]
+        _assert_close(_whole_experts(split, ep), single, f"{strategy} ep={ep} gradient")
+        local = split[1]["layers.1.feed_forward.w1"].shape[0]
+        assert local == 4 // ep, "each rank must hold only its experts"
 
 
 RUNS = {
@@ -95,25 +104,33 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("extra", list(RUNS.values()), ids=list(RUNS))
-def test_moe_trains_like_single(extra: list[str], tmp_path: Path) -> None:
+def test_moe_trains_like_single(tmp_path: Path) -> None:
+    """Every expert-parallel run of RUNS against one process (one spawn for all)."""
     base = [*MOE_RUN, "train.steps=3"]
     single = run_ranks(
         train_rank, 1, [*base, "parallel.strategy=single", f"train.out_dir={tmp_path / 's'}"]
     )[0]
-    split = run_ranks(train_rank, 4, [*base, *extra, f"train.out_dir={tmp_path / 'x'}"])
-    for step, loss in single["losses"].items():
-        assert split[0]["losses"][step] == pytest.approx(loss, rel=REL_TOL), f"loss of step {step}"
-    ep = int(next(o for o in extra if o.startswith("parallel.ep=")).split("=")[1])
-    _assert_close(_whole_experts([r["params"] for r in split], ep), single["params"], "parameter")
+    runs = [[*base, *extra, f"train.out_dir={tmp_path / name}"] for name, extra in RUNS.items()]
+    per_rank = run_ranks(train_rank_each, 4, runs)
+    for index, (name, extra) in enumerate(RUNS.items()):
+        split = [results[index] for results in per_rank]
+        for step, loss in single["losses"].items():
+            got = split[0]["losses"][step]
+            assert got == pytest.approx(loss, rel=REL_TOL), f"{name}: loss of step {step}"
+        ep = int(next(o for o in extra if o.startswith("parallel.ep=")).split("=")[1])
+        whole = _whole_experts([r["params"] for r in split], ep)
+        _assert_close(whole, single["params"], f"{name} parameter")
 
 
 def test_expert_parallel_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     base = [*MOE_RUN, "parallel.strategy=dp", "parallel.ep=2", "train.checkpoint_every=0"]
-    full = run_ranks(train_rank, 4, [*base, "train.steps=4", f"train.out_dir={tmp_path / 'a'}"])
-    run_ranks(train_rank, 4, [*base, "train.steps=2", f"train.out_dir={tmp_path / 'b'}"])
-    second = run_ranks(train_rank, 4, [*base, "train.steps=4", f"train.out_dir={tmp_path / 'b'}"])
-    assert second[0]["events"][0] == {"event": "start", "step": 2}
-    for rank in range(4):
-        for name, value in full[rank]["params"].items():
-            assert torch.equal(second[rank]["params"][name], value), f"rank {rank}: {name} differs"
+    runs = [
+        [*base, "train.steps=4", f"train.out_dir={tmp_path / 'a'}"],
+        [*base, "train.steps=2", f"train.out_dir={tmp_path / 'b'}"],
+        [*base, "train.steps=4", f"train.out_dir={tmp_path / 'b'}"],
+    ]
+    per_rank = run_ranks(train_rank_each, 4, runs)
+    assert per_rank[0][2]["events"][0] == {"event": "start", "step": 2}
+    for rank, (full, _, second) in enumerate(per_rank):
+        for name, value in full["params"].items():
+            assert torch.equal(second["params"][name], value), f"rank {rank}: {name} differs"
