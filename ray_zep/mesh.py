@@ -58,13 +58,17 @@ class Comm:
         timeout_s: float,
         group: dist.ProcessGroup | None = None,
     ) -> Comm:
-        """Bind the default (or given) process group to the topology.
+        """Bind the processes of the default (or the given) group to the topology.
+
+        With the default group, the Comm's group is a new one over all its ranks whose
+        blocking collectives time out after `timeout_s`.
 
         Raises:
             TopologyError: the number of processes does not match what the
                 strategy needs on this topology.
         """
-        if group is None and dist.is_available() and dist.is_initialized():
+        default = group is None and dist.is_available() and dist.is_initialized()
+        if default:
             group = dist.group.WORLD
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
@@ -76,6 +80,10 @@ class Comm:
                 f"{topology.gpus_per_node} = {topology.world_size} GPUs), but {world} are "
                 "running; fix the topology or ray.num_workers"
             )
+        if default and world > 1:
+            # The default group keeps the rendezvous timeout (comm.init_timeout_s); every
+            # later collective, blocking ones and checkpoint I/O included, gets timeout_s.
+            group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
         return cls(topology, rank, world, group if world > 1 else None, timeout_s)
 
     @property

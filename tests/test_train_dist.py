@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from ray_zep.config import load_config
 from ray_zep.data.builder import write_token_parquet
@@ -130,24 +131,35 @@ def _lengths_of(path: Path) -> list[int]:
     return ParquetSource(path).lengths.tolist()
 
 
-def _stall(rank: int, world: int) -> tuple[float, str] | None:
+def _stall(rank: int, world: int) -> list[tuple[float, str]] | None:
     topology = build_topology(load_config(None, ["topology.gpus_per_node=2"]).topology)
     comm = Comm.create(topology, load_config(None).parallel.strategy, timeout_s=2.0)
     if rank == 1:
-        time.sleep(6.0)  # a peer that stops answering
+        time.sleep(8.0)  # a peer that stops answering
         return None
-    started = time.perf_counter()
-    try:
-        all_reduce_sum_(torch.ones(4), comm, "the test tensor")
-    except CommError as exc:
-        return time.perf_counter() - started, str(exc)
-    return time.perf_counter() - started, "no error"
+    outcomes = []
+    for name, collective in [
+        ("all-reduce", lambda: all_reduce_sum_(torch.ones(4), comm, "the test tensor")),
+        ("barrier", lambda: dist.barrier(group=comm.group)),  # blocking, as in checkpoints
+    ]:
+        started = time.perf_counter()
+        try:
+            collective()
+            message = "no error"
+        except (CommError, RuntimeError) as exc:
+            message = str(exc)
+        outcomes.append((name, time.perf_counter() - started, message))
+    return outcomes
 
 
 def test_silent_peer_raises_comm_error_within_timeout() -> None:
-    elapsed, message = run_ranks(_stall, 2)[0]
+    """Async collectives wait through `Comm.wait`; blocking ones (barriers, checkpoint
+    I/O) run on the Comm's group, created with the same timeout."""
+    (_, elapsed, message), (_, barrier_elapsed, barrier_message) = run_ranks(_stall, 2)[0]
     assert "comm.timeout_s=2" in message, message
     assert elapsed < 5.0, f"timed out after {elapsed:.1f} s with a 2 s timeout"
+    assert barrier_message != "no error"
+    assert barrier_elapsed < 5.0, f"the barrier failed after {barrier_elapsed:.1f} s"
 
 
 def test_topology_must_match_the_process_count() -> None:

@@ -26,6 +26,7 @@ always has its message posted: there is no cycle.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import queue
 import threading
@@ -89,7 +90,10 @@ class Channels:
 
 def open_channels(main_group, timeout_s: float) -> Channels:
     """Create the three routing groups (collective over `main_group`'s ranks)."""
-    groups = [dist.new_group(backend=dist.get_backend(main_group)) for _ in range(3)]
+    timeout = datetime.timedelta(seconds=timeout_s)
+    groups = [
+        dist.new_group(backend=dist.get_backend(main_group), timeout=timeout) for _ in range(3)
+    ]
     return Channels(main_group, *groups, timeout_s=timeout_s, rank=dist.get_rank(main_group))
 
 

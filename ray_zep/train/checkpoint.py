@@ -132,12 +132,22 @@ def save_checkpoint(
         "progress": _progress_state(progress),
         "rng": {f"rank{comm.rank}": _rng_state()},
     }
-    with _quiet_single_process():
-        dcp.save(
-            state, checkpoint_id=str(path), process_group=comm.group, no_dist=not comm.distributed
-        )
-    if comm.distributed:
-        dist.barrier(group=comm.group)
+    try:
+        with _quiet_single_process():
+            dcp.save(
+                state,
+                checkpoint_id=str(path),
+                process_group=comm.group,
+                no_dist=not comm.distributed,
+            )
+        if comm.distributed:
+            dist.barrier(group=comm.group)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(
+            f"saving the checkpoint of step {progress.step} to {path} on rank {comm.rank} "
+            f"failed or exceeded comm.timeout_s={comm.timeout_s:g}: {first}"
+        ) from exc
     if comm.rank == 0:
         marker = {"step": progress.step, "world_size": comm.world_size}
         (path / constants.CHECKPOINT_COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
