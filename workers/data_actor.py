@@ -60,13 +60,6 @@ class DataActor:
 
     def start(self, step: int, cursor: dict[str, int] | None) -> None:
         """Produce from batch `step` on, with the data cursor of the checkpoint before it."""
-        stream = BatchStream.from_config(
-            self.source,
-            self.config,
-            self.topology.world_size,
-            cursor=Cursor.from_dict(cursor) if cursor else None,
-            start_index=step,
-        )
         with self._cond:
             self._generation += 1
             self._ready.clear()
@@ -77,6 +70,13 @@ class DataActor:
         if self._data_error is not None:
             log.error("data stream not restarted: %s", self._data_error)
             return
+        stream = BatchStream.from_config(
+            self.source,
+            self.config,
+            self.topology.world_size,
+            cursor=Cursor.from_dict(cursor) if cursor else None,
+            start_index=step,
+        )
         threading.Thread(
             target=self._produce,
             args=(stream, generation),

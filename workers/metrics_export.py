@@ -8,7 +8,6 @@ will be trained again) are removed first, so the file always tells one history.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, start_http_server
 
 from ray_zep import metrics as m
+from ray_zep import steplog
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import ConfigError
 
@@ -62,14 +62,7 @@ class MetricsExporter:
 
     def on_start(self, step: int) -> None:
         """Training (re)starts after `step`: drop jsonl lines of later steps."""
-        if not self.jsonl_path.exists():
-            return
-        kept = [
-            line
-            for line in self.jsonl_path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
-        self.jsonl_path.write_text("".join(line + "\n" for line in kept))
+        steplog.rewind(self.jsonl_path, step)
 
     def on_step(self, event: dict[str, Any]) -> dict[str, Any]:
         """Record one step; returns the row written to metrics.jsonl."""
@@ -98,8 +91,7 @@ class MetricsExporter:
         if self.peak_flops:
             row["mfu"] = row["model_flops_per_second"] / (self.ranks * self.peak_flops)
         self._update_prometheus(row)
-        with self.jsonl_path.open("a") as handle:
-            handle.write(json.dumps(row) + "\n")
+        steplog.append_row(self.jsonl_path, row)
         return row
 
     def on_checkpoint(self, step: int) -> None:

@@ -7,17 +7,17 @@ Each rank appends one line per finished step to
 
 `step` is 1-based, as in metrics.jsonl; piece i is tokens
 [starts[i], starts[i] + lengths[i]) of document docs[i]. When training
-(re)starts after step k, every rank first drops its lines of later steps, so
-the ledger always describes exactly the batches behind the newest parameters:
-after a restart, nothing is listed twice and nothing trained is missing.
+(re)starts after step k, every rank first drops its lines of later steps
+(`ray_zep.steplog`), so the ledger always describes exactly the batches behind
+the newest parameters: after a restart, nothing is listed twice and nothing
+trained is missing.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
+from ray_zep import steplog
 from ray_zep.data.shards import RankShard
 
 LEDGER_DIR_NAME = "samples"
@@ -38,24 +38,17 @@ class SampleLedger:
 
     def rewind(self, step: int) -> None:
         """Keep only the lines of steps <= `step` (training resumes after it)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [line for line in _lines(self.path) if json.loads(line)["step"] <= step]
-        scratch = self.path.with_suffix(".jsonl.tmp")
-        scratch.write_text("".join(line + "\n" for line in kept))
-        os.replace(scratch, self.path)
+        steplog.rewind(self.path, step)
 
     def record(self, step: int, shard: RankShard) -> None:
         """Append the pieces this rank trained on in (1-based) `step`."""
-        line = json.dumps(
-            {
-                "step": step,
-                "docs": shard.docs.tolist(),
-                "starts": shard.starts.tolist(),
-                "lengths": shard.lengths.tolist(),
-            }
-        )
-        with self.path.open("a") as handle:
-            handle.write(line + "\n")
+        row = {
+            "step": step,
+            "docs": shard.docs.tolist(),
+            "starts": shard.starts.tolist(),
+            "lengths": shard.lengths.tolist(),
+        }
+        steplog.append_row(self.path, row)
 
 
 def read_ledger(run_dir: Path) -> dict[int, list[Piece]]:
@@ -69,14 +62,7 @@ def read_ledger(run_dir: Path) -> dict[int, list[Piece]]:
         raise FileNotFoundError(f"no sample ledger under {run_dir / LEDGER_DIR_NAME}")
     steps: dict[int, list[Piece]] = {}
     for path in files:
-        for line in _lines(path):
-            row = json.loads(line)
+        for row in steplog.read_rows(path):
             pieces = zip(row["docs"], row["starts"], row["lengths"], strict=True)
             steps.setdefault(row["step"], []).extend(pieces)
     return dict(sorted(steps.items()))
-
-
-def _lines(path: Path) -> list[str]:
-    if not path.exists():
-        return []
-    return [line for line in path.read_text().splitlines() if line.strip()]
