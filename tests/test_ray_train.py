@@ -50,7 +50,9 @@ def local_ray():
 
 
 def _train(out: Path, *overrides: str):
-    return train(load_config(None, [*BASE, f"train.out_dir={out}", *overrides]))
+    """A short demo run: conf/demo.yaml made small by BASE."""
+    demo = REPO / "conf" / "demo.yaml"
+    return train(load_config(demo, [*BASE, f"train.out_dir={out}", *overrides]))
 
 
 @dataclass
