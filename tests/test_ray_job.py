@@ -169,7 +169,7 @@ def _wait_for_step(out: Path, step: int, head: RayHead, job_id: str) -> None:
     def reached() -> bool:
         try:
             return max(jsonl_losses(out), default=0) >= step
-        except (FileNotFoundError, json.JSONDecodeError):
+        except json.JSONDecodeError:  # a line still being written
             return False
 
     _wait_until(reached, f"step {step}", lambda: head.driver_log(job_id)[-3000:])

@@ -14,12 +14,12 @@ virtual topology takes the measured gloo latency and bandwidth.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 from pathlib import Path
 
 import torch
 
+from ray_zep import steplog
 from ray_zep.bench.calibrate import Calibration, calibrate, cpu_count
 from ray_zep.config import Config, Strategy, load_config
 from ray_zep.constants import METRICS_FILE_NAME
@@ -114,8 +114,7 @@ def run_train_bench(
 
 def _steady_steps(path: Path) -> tuple[float, int]:
     """Seconds and tokens of every step but the first."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "step_seconds" in r][1:]
+    rows = [r for r in steplog.read_rows(path) if "step_seconds" in r][1:]
     return sum(r["step_seconds"] for r in rows), sum(r["tokens"] for r in rows)
 
 

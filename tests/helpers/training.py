@@ -7,13 +7,14 @@ trains through the library's `run_rank`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ray_zep import steplog
 from ray_zep.config import Config, load_config
+from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.data.batching import BatchStream, Cursor, GlobalBatch
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.data.shards import shard_for
@@ -123,8 +124,8 @@ def checkpoint_params(path: Path, overrides: list[str]) -> dict[str, torch.Tenso
 
 
 def jsonl_losses(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {row["step"]: row["loss"] for row in map(json.loads, lines)}
+    """Loss of every step in metrics.jsonl (none before the file exists)."""
+    return {row["step"]: row["loss"] for row in steplog.read_rows(run_dir / METRICS_FILE_NAME)}
 
 
 def train_rank_each(rank: int, world: int, runs: list[list[str]]) -> list[dict[str, Any]]:
