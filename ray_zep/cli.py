@@ -43,6 +43,7 @@ import numpy as np
 from ray_zep.config import config_to_yaml, load_config
 from ray_zep.errors import ZepError
 from ray_zep.logs import setup_logging
+from ray_zep.parallel.axes import WeightsMode
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -98,12 +99,14 @@ def _parser() -> argparse.ArgumentParser:
         "--tokens", type=int, help="batch tokens for --distribution (nodes x GPUs x L)"
     )
     plan.add_argument("--batch", type=int, default=0, help="else: batch index of the config's data")
-    plan.add_argument("--strategy", help="planner (default parallel.strategy)")
+    plan.add_argument(
+        "--sequence", help="placement, the same as parallel.sequence=... (default: the config's)"
+    )
     plan.add_argument("--png", help="write a picture of the placement here")
     plan.add_argument("--json", dest="json_path", help="write ranks and fragments as JSON here")
     plan.set_defaults(handler=_plan)
 
-    simulate = commands.add_parser("simulate", help="predict step time per strategy on a cluster")
+    simulate = commands.add_parser("simulate", help="predict step time per placement on a cluster")
     _optional_config_args(simulate)
     simulate.add_argument("--strategies", help="default: zeppelin,te_cp,llama_cp,hybrid_dp")
     simulate.add_argument(
@@ -182,7 +185,9 @@ def _parser() -> argparse.ArgumentParser:
     moe.add_argument("--out", default="runs/bench/moe", help="JSON and PNG folder")
     moe.set_defaults(handler=_bench_moe)
 
-    tawpipe = benches.add_parser("tawpipe", help="weight-passing strategies on TawPipe's testbed")
+    tawpipe = benches.add_parser(
+        WeightsMode.TAWPIPE.value, help="weight-passing modes on TawPipe's testbed"
+    )
     tawpipe.add_argument("--hidden", default="1024,2048,4096", help="model dims H")
     tawpipe.add_argument("--seq-lens", default="4k,8k,16k", help="sequence lengths")
     tawpipe.add_argument(
@@ -263,7 +268,9 @@ def _topology(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from ray_zep.report.plan_command import PlanRequest, run_plan, write_outputs
 
-    request = PlanRequest(args.lengths, args.distribution, args.tokens, args.batch, args.strategy)
+    if args.sequence is not None:  # one more override: validated with the others
+        args.overrides = [*args.overrides, f"parallel.sequence={args.sequence}"]
+    request = PlanRequest(args.lengths, args.distribution, args.tokens, args.batch)
     result = run_plan(_optional_config(args), request)
     print(result.table)
     for path in write_outputs(result, args.png, args.json_path):
@@ -424,7 +431,7 @@ def _bench_tawpipe(args: argparse.Namespace) -> int:
     if args.cpu_steps:
         import workers.bench_train as train_bench  # trains through Ray, like `train`
 
-        names = tuple(s.value for s in bench.STRATEGIES)
+        names = tuple(m.value for m in bench.MODES)
         cpu, _ = train_bench.run_train_bench(
             args.cpu_config, [], names, args.cpu_steps, out / "cpu"
         )

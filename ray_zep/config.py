@@ -7,9 +7,10 @@ own ranges in `__post_init__`; `Config.__post_init__` checks rules that span
 sections.
 
 Public contract (other tools and users rely on these keys): `train.steps`,
-`train.seed`, `train.out_dir`, `train.tokens_per_rank`, `parallel.strategy`,
-`topology.preset`, `topology.nodes`, `topology.gpus_per_node`, `model.preset`,
-`data.source`.
+`train.seed`, `train.out_dir`, `train.tokens_per_rank`, `parallel.sequence`,
+`parallel.weights`, `topology.preset`, `topology.nodes`, `topology.gpus_per_node`,
+`model.preset`, `data.source`. Whether the parallel axes compose is decided by
+`ray_zep.parallel.axes.refusal` when the config loads.
 """
 
 from __future__ import annotations
@@ -28,140 +29,48 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from ray_zep import constants
 from ray_zep.errors import ConfigError
-
-
-class Strategy(Enum):
-    """How a global batch is spread over the ranks."""
-
-    SINGLE = "single"
-    """One process trains on the whole global batch: the reference."""
-    DP = "dp"
-    """Whole sequences per rank, gradients all-reduced."""
-    ZEPPELIN = "zeppelin"
-    """Hierarchical partitioner: local, intra-node and inter-node rings."""
-    TE_CP = "te_cp"
-    """Every sequence zigzag-split over one global ring (Transformer Engine CP)."""
-    LLAMA_CP = "llama_cp"
-    """Every sequence zigzag-split, K and V all-gathered before attention (LLaMA-3)."""
-    HYBRID_DP = "hybrid_dp"
-    """Short sequences whole on FLOP-balanced ranks, long ones on ring groups."""
-    ULYSSES = "ulysses"
-    """Every sequence split over all ranks, heads exchanged by all-to-all."""
-    USP = "usp"
-    """Ulysses inside groups of parallel.ulysses_degree ranks, rings across them."""
-    TAWPIPE = "tawpipe"
-    """Whole sequences per rank; each rank owns one shard of layers, which travels
-    to the others as they need it: inside a node by broadcast, between nodes
-    point to point (TawPipe)."""
-    WEIPIPE = "weipipe"
-    """As tawpipe, but shards and gradients travel around one ring of all ranks
-    (WeiPipe-style baseline)."""
-    FSDP = "fsdp"
-    """As tawpipe, but shards and gradients move by collectives over all ranks
-    (FSDP-style baseline)."""
-
-
-WHOLE_SEQUENCE_STRATEGIES = (
-    Strategy.DP,
-    Strategy.TAWPIPE,
-    Strategy.WEIPIPE,
-    Strategy.FSDP,
+from ray_zep.model.shapes import build_shape
+from ray_zep.options import (  # the enums are part of the schema: re-exported
+    COMPRESSION_STREAMS as COMPRESSION_STREAMS,
 )
-"""Multi-rank strategies that keep every sequence on one rank (rank-packed batches)."""
-
-
-class ZonePolicy(Enum):
-    """How the Zeppelin partitioner chooses zone thresholds and split degrees."""
-
-    COST = "cost"
-    """From the cost model: split only where the transfer hides behind compute."""
-    CAPACITY = "capacity"
-    """As the paper's Algorithms 1 and 2: from token capacities alone."""
-
-
-class RemapPolicy(Enum):
-    """When the remapping layer runs on a batch (with `parallel.remap`)."""
-
-    WHEN_FASTER = "when_faster"
-    """Only when the cost model says balancing the linear modules saves more time
-    than the transfers cost (ray_zep.remap.policy)."""
-    ALWAYS = "always"
-    """On every batch."""
-
-
-class Packing(Enum):
-    """How documents are admitted into a global batch."""
-
-    BUDGET = "budget"
-    """Add documents while the batch holds at most nodes x GPUs x L tokens."""
-    RANK = "rank"
-    """First-fit into one bin of L tokens per rank; a document never spans ranks."""
-
-
-class Overlong(Enum):
-    """What to do with a document longer than the longest sequence a batch takes."""
-
-    SPLIT = "split"
-    DROP = "drop"
-    ERROR = "error"
-
-
-class ResumeMode(Enum):
-    AUTO = "auto"
-    """Resume from the newest complete checkpoint in `train.out_dir` if there is one."""
-    NEVER = "never"
-    """Start from scratch; refuse to run if `train.out_dir` holds checkpoints."""
-
-
-class Device(Enum):
-    AUTO = "auto"
-    CPU = "cpu"
-    CUDA = "cuda"
-
-
-class Precision(Enum):
-    AUTO = "auto"
-    """fp32 on CPU, bf16 autocast on GPU."""
-    FP32 = "fp32"
-    BF16 = "bf16"
-
-
-class Compression(Enum):
-    """When collectives move losslessly compressed bytes (ZipCCL)."""
-
-    OFF = "off"
-    AUTO = "auto"
-    """Per call, whichever of the plain and the zipped path the switcher, profiled
-    at start-up, models faster (ray_zep.collectives.switcher)."""
-    ALWAYS = "always"
-    """Every call that can go zipped does."""
-
-
-COMPRESSION_STREAMS = ("gradients", "kv")
-
-
-class MoEDispatch(Enum):
-    """How tokens reach their experts under expert parallelism."""
-
-    AUTO = "auto"
-    """padded when a capacity factor is set, varlen when dropless."""
-    PADDED = "padded"
-    """Every expert gets exactly `capacity` slots (fixed sizes, no host sync)."""
-    VARLEN = "varlen"
-    """Only kept choices move; counts are exchanged first."""
-
-
-class MoEPipeline(Enum):
-    """How an MoE block overlaps its all-to-alls with computation (FoldMoE)."""
-
-    NONE = "none"
-    """No overlap: attention, dispatch, experts, combine in turn."""
-    MOE_ONLY = "moe_only"
-    """Token micro-batches inside the MoE layer only (Tutel-style)."""
-    AAAM = "aaam"
-    """Attention-MoE pipeline, all attention slices before any expert computation."""
-    ONE_A_ONE_M = "1a1m"
-    """Attention-MoE pipeline interleaving one attention slice and one expert micro-batch."""
+from ray_zep.options import (
+    Compression as Compression,
+)
+from ray_zep.options import (
+    Device as Device,
+)
+from ray_zep.options import (
+    MoEDispatch as MoEDispatch,
+)
+from ray_zep.options import (
+    MoEPipeline as MoEPipeline,
+)
+from ray_zep.options import (
+    Overlong as Overlong,
+)
+from ray_zep.options import (
+    Packing as Packing,
+)
+from ray_zep.options import (
+    Precision as Precision,
+)
+from ray_zep.options import (
+    RemapPolicy as RemapPolicy,
+)
+from ray_zep.options import (
+    ResumeMode as ResumeMode,
+)
+from ray_zep.options import (
+    ZonePolicy as ZonePolicy,
+)
+from ray_zep.parallel.axes import (
+    SEQUENCE_AXES,
+    WEIGHTS_AXES,
+    AxesChoice,
+    Placement,
+    WeightsMode,
+    refusal,
+)
 
 
 def _require(ok: bool, key: str, value: Any, rule: str) -> None:
@@ -230,9 +139,12 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    strategy: Strategy = Strategy.DP
-    """single | dp | zeppelin | te_cp | llama_cp | hybrid_dp | ulysses | usp | tawpipe |
-    weipipe | fsdp."""
+    sequence: Placement = Placement.WHOLE
+    """How a batch's tokens are placed over the ranks: single | whole | zeppelin | te_cp |
+    llama_cp | hybrid_dp | ulysses | usp (ray_zep.parallel.axes)."""
+    weights: WeightsMode = WeightsMode.REPLICATED
+    """Where parameters, gradients and optimizer state live: replicated | fsdp | hsdp |
+    tawpipe | weipipe (ray_zep.parallel.axes)."""
     zone_policy: ZonePolicy = ZonePolicy.COST
     """cost | capacity: how zeppelin picks zone thresholds (see ray_zep.partition.zeppelin)."""
     ulysses_degree: int = 0
@@ -240,46 +152,58 @@ class ParallelConfig:
     largest divisor of it that the head counts allow)."""
     routing: bool = False
     """Send ring K/V (and dK/dV) between nodes through proxy ranks on every NIC
-    (ray_zep.routing); planned strategies only."""
+    (ray_zep.routing); planned placements only."""
     remap: bool = False
     """Run the linear modules (embedding, projections, norms, MLP, output) on a
     token-balanced layout and only attention on the plan's layout (ray_zep.remap);
-    planned strategies only."""
+    planned placements only."""
     remap_policy: RemapPolicy = RemapPolicy.WHEN_FASTER
     """when_faster | always: remap only the batches where it pays off, or every batch."""
     ep: int = 1
     """Expert-parallel degree: experts are split over groups of this many
     consecutive ranks; must divide the number of ranks and model.moe.num_experts."""
     moe_pipeline: MoEPipeline = MoEPipeline.NONE
-    """none | moe_only | aaam | 1a1m: all-to-all overlap inside MoE blocks; aaam and
-    1a1m slice attention too, so they need attention local to a rank (single, dp)."""
+    """none | moe_only | aaam | 1a1m: all-to-all overlap inside MoE blocks. aaam and
+    1a1m slice attention under placements that keep every sequence on one rank
+    (single, whole); under placements whose attention runs through the engine (zeppelin,
+    te_cp, ...) the block overlaps only its MoE micro-batches, as moe_only does."""
     moe_overlap_degree: int = 4
     """d, micro-batches per MoE block under parallel.moe_pipeline."""
     moe_uniform_slicing: bool = True
     """Slice attention so every slice after the first costs the same (FoldMoE Alg. 1);
     false: d equal token slices. aaam and 1a1m only."""
     shard_recompute: bool = True
-    """tawpipe | weipipe | fsdp: keep only each weight shard's input in forward and
+    """tawpipe | weipipe: keep only each weight shard's input in forward and
     recompute its forward in backward (activation memory of one shard, 4/3 of the
     compute); false keeps every activation."""
+    reference_layout: Placement | None = None
+    """parallel.sequence=single only: route MoE tokens in the groups each rank of this
+    placement holds (its linear layout; with parallel.remap, the remapped one), so that
+    expert capacity drops exactly what that distributed run drops. Unset: the whole
+    batch is one routing group, with a capacity sized for it."""
+    reshard_after_forward: bool = True
+    """fsdp | hsdp: free each block's gathered parameters after its forward and gather
+    them again for backward (less memory, one more all-gather per block)."""
+    prefetch: bool = True
+    """fsdp | hsdp: gather the next block's parameters while the current block
+    computes (explicit forward and backward prefetch)."""
 
     def __post_init__(self) -> None:
         self._check_moe()
-        for key in ("routing", "remap"):
-            _require(
-                not getattr(self, key)
-                or self.strategy not in (Strategy.SINGLE, *WHOLE_SEQUENCE_STRATEGIES),
-                f"parallel.{key}",
-                True,
-                f"needs a planned strategy (not {self.strategy.value}): "
-                "zeppelin, te_cp, llama_cp, hybrid_dp, ulysses or usp",
-            )
         _require(
             self.ulysses_degree >= 0,
             "parallel.ulysses_degree",
             self.ulysses_degree,
             "must be >= 0 (0 = automatic)",
         )
+
+    @property
+    def sequence_axis(self):
+        return SEQUENCE_AXES[self.sequence]
+
+    @property
+    def weights_axis(self):
+        return WEIGHTS_AXES[self.weights]
 
     def _check_moe(self) -> None:
         _require(self.ep >= 1, "parallel.ep", self.ep, "must be >= 1")
@@ -288,20 +212,6 @@ class ParallelConfig:
             "parallel.moe_overlap_degree",
             self.moe_overlap_degree,
             "must be >= 1",
-        )
-        _require(
-            self.ep == 1 or self.strategy is not Strategy.SINGLE,
-            "parallel.ep",
-            self.ep,
-            "expert parallelism needs several ranks; parallel.strategy=single runs one",
-        )
-        sliced = self.moe_pipeline in (MoEPipeline.AAAM, MoEPipeline.ONE_A_ONE_M)
-        _require(
-            not sliced or self.strategy in (Strategy.SINGLE, *WHOLE_SEQUENCE_STRATEGIES),
-            "parallel.moe_pipeline",
-            self.moe_pipeline.value,
-            f"slices attention, which parallel.strategy={self.strategy.value} spreads over "
-            "ranks; use single or dp, or moe_pipeline=moe_only",
         )
 
 
@@ -404,7 +314,7 @@ class DataConfig:
     source: str = "stdlib"
     """stdlib (built-in text), synthetic:arxiv|github|prolong64k, or a Parquet file/folder."""
     packing: Packing = Packing.RANK
-    """rank | budget (parallel.strategy=dp needs rank)."""
+    """rank | budget (parallel.sequence=whole needs rank)."""
     overlong: Overlong = Overlong.SPLIT
     """split | drop | error, for documents longer than data.max_doc_tokens."""
     max_doc_tokens: int | None = None
@@ -532,12 +442,53 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
-        strategy = self.parallel.strategy
-        if strategy in WHOLE_SEQUENCE_STRATEGIES and self.data.packing is not Packing.RANK:
-            raise ConfigError(
-                f"config key data.packing='budget': parallel.strategy={strategy.value} keeps "
-                "each sequence on one rank and needs data.packing=rank"
+        parallel = self.parallel
+        moe_model = build_shape(self.model).moe_experts > 0
+        refused = refusal(
+            AxesChoice(
+                parallel.sequence,
+                parallel.weights,
+                parallel.ep,
+                moe_model,
+                parallel.routing,
+                parallel.remap,
+                parallel.reference_layout,
             )
+        )
+        if refused is not None:
+            key, why = refused
+            value = getattr(parallel, key.split(".")[1])
+            raise ConfigError(f"config key {key}={_word(value)}: {why}")
+        seq = parallel.sequence_axis
+        if parallel.reference_layout is not None:
+            seq = SEQUENCE_AXES[parallel.reference_layout]  # the packing of the mirrored run
+        if seq.whole_sequences and not seq.one_process and self.data.packing is not Packing.RANK:
+            raise ConfigError(
+                f"config key data.packing='budget': parallel.sequence={seq.name} keeps each "
+                "sequence on one rank and needs data.packing=rank"
+            )
+
+
+def _word(value: Any) -> str:
+    return value.value if isinstance(value, Enum) else str(value).lower()
+
+
+LEGACY_STRATEGIES = {
+    "dp": (Placement.WHOLE, WeightsMode.REPLICATED),
+    **{p.value: (p, WeightsMode.REPLICATED) for p in Placement if p is not Placement.WHOLE},
+    **{w.value: (Placement.WHOLE, w) for w in WeightsMode if w is not WeightsMode.REPLICATED},
+}
+"""What each value of the former `parallel.strategy` key is in the axes."""
+
+
+def _refuse_strategy_key(value: Any) -> None:
+    """A config that still sets `parallel.strategy` gets the keys that replace it."""
+    sequence, weights = LEGACY_STRATEGIES.get(str(value), (Placement.WHOLE, WeightsMode.REPLICATED))
+    raise ConfigError(
+        f"config key parallel.strategy={value} was replaced by parallel.sequence and "
+        f"parallel.weights: use parallel.sequence={sequence.value} "
+        f"parallel.weights={weights.value}"
+    )
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
@@ -560,6 +511,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} must look like key=value, e.g. train.steps=5")
+        if item.split("=", 1)[0].strip() == "parallel.strategy":
+            _refuse_strategy_key(item.split("=", 1)[1])
     try:
         dotlist = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))
         layers.append(OmegaConf.create(_enum_words_back(dotlist, Config)))
@@ -589,6 +542,9 @@ def _load_yaml(path: Path) -> Any:
         content = {}
     if not isinstance(content, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    parallel = content.get("parallel")
+    if isinstance(parallel, dict) and "strategy" in parallel:
+        _refuse_strategy_key(parallel["strategy"])
     return OmegaConf.create(_enum_words_back(content, Config))
 
 

@@ -139,6 +139,44 @@ def gradient_traffic(nbytes: int, topology: Topology, world: int) -> Traffic:
     return out
 
 
+def sharded_weights_traffic(
+    gathered_bytes: int, grad_bytes: int, topology: Topology, hybrid: bool
+) -> Traffic:
+    """Bytes of FSDP's collectives in one step, as ring algorithms move them.
+
+    Args:
+        gathered_bytes: unsharded parameter bytes all-gathered in the step (every
+            block in forward, again in backward when it reshards).
+        grad_bytes: unsharded gradient bytes reduce-scattered.
+        topology: the cluster; ranks are node-major.
+        hybrid: shard inside each node and all-reduce the shards over the nodes'
+            rails (hsdp) instead of sharding over all ranks (fsdp).
+    """
+    out = Traffic.zero(topology)
+    world, gpus = topology.world_size, topology.gpus_per_node
+    groups = [list(range(world))]
+    if hybrid and topology.nodes > 1:
+        groups = [list(range(n * gpus, (n + 1) * gpus)) for n in range(topology.nodes)]
+    for members in groups:
+        size = len(members)
+        _ring_charge(out, topology, members, (size - 1) * (gathered_bytes + grad_bytes) // size)
+    if len(groups) > 1:
+        shard = grad_bytes // gpus
+        nodes = topology.nodes
+        for local in range(gpus):
+            rail = list(range(local, world, gpus))
+            _ring_charge(out, topology, rail, 2 * (nodes - 1) * shard // nodes)
+    return out
+
+
+def _ring_charge(out: Traffic, topology: Topology, members: list[int], per_link: int) -> None:
+    """Each member sends `per_link` bytes to the next member of the ring."""
+    if len(members) <= 1:
+        return
+    for i, src in enumerate(members):
+        out.charge(topology, src, members[(i + 1) % len(members)], per_link)
+
+
 def attention_step_traffic(
     plan: AttentionPlan,
     shape: ModelShape,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_zep.config import Overlong, Packing, Strategy
+from ray_zep.config import Overlong, Packing
 from ray_zep.constants import IGNORE_INDEX
 from ray_zep.data.batching import BatchStream, Cursor
 from ray_zep.data.builder import write_token_parquet
@@ -17,6 +17,7 @@ from ray_zep.data.shards import shard_batch
 from ray_zep.data.source import ParquetSource
 from ray_zep.data.synthetic import SyntheticSource
 from ray_zep.errors import ConfigError, EmptyDatasetError, OverlongDocumentError, PlacementError
+from ray_zep.parallel.axes import Placement
 from tests.helpers.samples import assert_each_token_once_per_epoch
 
 pytestmark = pytest.mark.unit
@@ -169,7 +170,7 @@ def test_every_token_is_placed_once_within_capacity(lengths, world, capacity, pa
 def test_shards_of_dp_and_single() -> None:
     stream = _stream([6, 9, 4, 3, 8], packing=Packing.RANK, shuffle=False)
     batch = stream.next_batch()
-    dp = shard_batch(batch, Strategy.DP, world=2)
+    dp = shard_batch(batch, Placement.WHOLE, world=2)
     assert [s.lengths.tolist() for s in dp] == [[6, 4], [9]]
     assert [s.rank_tokens for s in dp] == [(10, 9), (10, 9)]
     assert all(s.global_label_tokens == 19 - 3 and s.global_tokens == 19 for s in dp)
@@ -178,10 +179,10 @@ def test_shards_of_dp_and_single() -> None:
     assert labels[:5].tolist() == dp[0].tokens[1:6].tolist()
     assert labels[5] == IGNORE_INDEX and labels[9] == IGNORE_INDEX
     assert (labels != IGNORE_INDEX).sum() == 10 - 2
-    (single,) = shard_batch(batch, Strategy.SINGLE, world=2)
+    (single,) = shard_batch(batch, Placement.SINGLE, world=2)
     assert single.num_tokens == 19 and single.docs.tolist() == [0, 1, 2]
     with pytest.raises(PlacementError, match=r"data\.packing=rank"):
-        shard_batch(_stream([3, 4]).next_batch(), Strategy.DP, world=2)
+        shard_batch(_stream([3, 4]).next_batch(), Placement.WHOLE, world=2)
 
 
 def test_parquet_stream_with_empty_rows(tmp_path: Path) -> None:

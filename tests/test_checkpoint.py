@@ -10,9 +10,9 @@ import torch
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.config import load_config
 from ray_zep.errors import CheckpointError
-from ray_zep.mesh import Comm
 from ray_zep.topology import build_topology
 from ray_zep.train import checkpoint
+from ray_zep.train.setup import create_comm
 from ray_zep.train.trainer import RankTrainer
 
 pytestmark = pytest.mark.unit
@@ -20,9 +20,9 @@ pytestmark = pytest.mark.unit
 
 def _trainer(seed: int) -> RankTrainer:
     config = load_config(
-        None, ["parallel.strategy=single", "model.n_layers=1", f"train.seed={seed}"]
+        None, ["parallel.sequence=single", "model.n_layers=1", f"train.seed={seed}"]
     )
-    comm = Comm.create(build_topology(config.topology), config.parallel.strategy, 10.0)
+    comm = create_comm(config, build_topology(config.topology), 10.0)
     return RankTrainer(config, comm, torch.device("cpu"))
 
 
@@ -107,7 +107,7 @@ def test_world_size_mismatch_is_refused(tmp_path: Path) -> None:
 
 def test_topology_of_single_is_only_the_batch_size() -> None:
     config = load_config(
-        None, ["parallel.strategy=single", "topology.nodes=2", "topology.gpus_per_node=4"]
+        None, ["parallel.sequence=single", "topology.nodes=2", "topology.gpus_per_node=4"]
     )
-    comm = Comm.create(build_topology(config.topology), config.parallel.strategy, 10.0)
+    comm = create_comm(config, build_topology(config.topology), 10.0)
     assert (comm.world_size, comm.distributed) == (1, False)

@@ -10,13 +10,13 @@ from ray_zep.config import (
     Compression,
     Config,
     Packing,
-    Strategy,
     config_from_dict,
     config_to_dict,
     load_config,
     write_resolved_config,
 )
 from ray_zep.errors import ConfigError
+from ray_zep.parallel.axes import Placement, WeightsMode
 
 pytestmark = pytest.mark.unit
 
@@ -26,7 +26,8 @@ PUBLIC_KEYS = [
     "train.seed",
     "train.out_dir",
     "train.tokens_per_rank",
-    "parallel.strategy",
+    "parallel.sequence",
+    "parallel.weights",
     "topology.preset",
     "topology.nodes",
     "topology.gpus_per_node",
@@ -38,16 +39,17 @@ PUBLIC_KEYS = [
 def test_defaults_are_valid_and_consistent() -> None:
     config = load_config()
     assert config == Config()
-    assert config.parallel.strategy is Strategy.DP
+    assert config.parallel.sequence is Placement.WHOLE
+    assert config.parallel.weights is WeightsMode.REPLICATED
     assert config.data.packing is Packing.RANK
 
 
 def test_yaml_then_overrides_merge_in_order(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text("train:\n  steps: 7\n  seed: 3\nparallel:\n  strategy: single\n")
+    path.write_text("train:\n  steps: 7\n  seed: 3\nparallel:\n  sequence: single\n")
     config = load_config(path, ["train.steps=9", "topology.nodes=2"])
     assert (config.train.steps, config.train.seed) == (9, 3)
-    assert config.parallel.strategy is Strategy.SINGLE
+    assert config.parallel.sequence is Placement.SINGLE
     assert config.topology.nodes == 2
 
 
@@ -64,12 +66,13 @@ def test_public_contract_keys_exist(key: str) -> None:
         (["trian.steps=3"], r"unknown config key 'trian'; the top level takes: train"),
         (["train.steps=three"], r"config key train.steps: Value 'three'.*Integer"),
         (["train.steps=1.5"], r"config key train.steps: .*Integer"),
-        (["parallel.strategy=ring"], r"config key parallel.strategy: .*expected single \| dp"),
+        (["parallel.sequence=ring"], r"config key parallel.sequence: .*expected single \| whole"),
+        (["parallel.weights=zero3"], r"parallel.weights: .*expected replicated \| fsdp \| hsdp"),
         (["data.overlong=trim"], r"data.overlong: .*expected split \| drop \| error"),
         (["train.steps=0"], r"train.steps=0: must be >= 1"),
         (["train.tokens_per_rank=1"], r"train.tokens_per_rank=1: must be >= 2"),
         (["topology.nodes=0"], r"topology.nodes=0: must be >= 1"),
-        (["data.packing=budget"], r"parallel.strategy=dp .* needs data.packing=rank"),
+        (["data.packing=budget"], r"parallel.sequence=whole .* needs data.packing=rank"),
         (["metrics.port=70000"], r"metrics.port=70000"),
         (["train.steps"], r"override 'train.steps' must look like key=value"),
     ],
@@ -98,11 +101,11 @@ def test_bad_files(tmp_path: Path) -> None:
 
 
 def test_resolved_config_round_trips(tmp_path: Path) -> None:
-    config = load_config(REPO / "conf" / "demo.yaml", ["train.steps=5", "parallel.strategy=single"])
+    config = load_config(REPO / "conf" / "demo.yaml", ["train.steps=5", "parallel.sequence=single"])
     written = write_resolved_config(config, tmp_path / "run")
     assert load_config(written) == config
     assert config_from_dict(config_to_dict(config)) == config
-    assert "strategy: single" in written.read_text()
+    assert "sequence: single" in written.read_text()
 
 
 def test_demo_config_is_the_documented_cpu_demo() -> None:
@@ -122,3 +125,23 @@ def test_yaml_boolean_words_name_enum_members(tmp_path: Path) -> None:
     assert load_config(None, ["train.sample_ledger=off"]).train.sample_ledger is False
     with pytest.raises(ConfigError, match=r"comm\.compression.*expected off \| auto \| always"):
         load_config(None, ["comm.compression=on"])
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "replacement"),
+    [
+        ("override", "dp", "parallel.sequence=whole parallel.weights=replicated"),
+        ("override", "tawpipe", "parallel.sequence=whole parallel.weights=tawpipe"),
+        ("yaml", "zeppelin", "parallel.sequence=zeppelin parallel.weights=replicated"),
+    ],
+)
+def test_the_former_strategy_key_names_the_keys_that_replace_it(
+    tmp_path: Path, where: str, value: str, replacement: str
+) -> None:
+    path, overrides = None, [f"parallel.strategy={value}"]
+    if where == "yaml":
+        path, overrides = tmp_path / "old.yaml", []
+        path.write_text(f"parallel:\n  strategy: {value}\n")
+    with pytest.raises(ConfigError, match=r"parallel\.strategy=.* was replaced by") as info:
+        load_config(path, overrides)
+    assert replacement in str(info.value) and "\n" not in str(info.value)

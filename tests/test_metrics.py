@@ -154,7 +154,7 @@ def test_exporter_derives_model_flops_mfu_zone_shares_and_restarts(tmp_path: Pat
 @pytest.mark.dist
 def test_step_events_carry_zone_tokens_and_model_flops(tmp_path: Path) -> None:
     overrides = [*SMALL_RUN, "train.steps=2", "topology.nodes=2", "topology.gpus_per_node=2"]
-    overrides += ["parallel.strategy=zeppelin", f"train.out_dir={tmp_path}"]
+    overrides += ["parallel.sequence=zeppelin", f"train.out_dir={tmp_path}"]
     rank0 = run_ranks(train_rank, 4, overrides)[0]
     shape = build_shape(load_config(None, overrides).model)
     steps = [e for e in rank0["events"] if e["event"] == "step"]

@@ -7,11 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_zep.config import ParallelConfig, Strategy, ZonePolicy, load_config
+from ray_zep.config import ParallelConfig, ZonePolicy, load_config
 from ray_zep.costmodel import CostModel, kv_bytes_per_token
 from ray_zep.errors import ConfigError, PlacementError
 from ray_zep.model.shapes import build_shape
-from ray_zep.partition import PLANNED_STRATEGIES, make_plan, plan_from_bins
+from ray_zep.parallel.axes import Placement
+from ray_zep.partition import PLANNED, make_plan, plan_from_bins
 from ray_zep.partition.fill import water_fill
 from ray_zep.partition.plan import Exchange, Zone, bounds_for_counts, even_bounds
 from ray_zep.partition.stats import plan_stats, visible_pairs
@@ -61,15 +62,15 @@ def _coverage(plan) -> None:
 
 
 def _planned(strategy, lengths, topology, capacity, policy=ZonePolicy.COST):
-    parallel = ParallelConfig(strategy=strategy, zone_policy=policy)
+    parallel = ParallelConfig(sequence=strategy, zone_policy=policy)
     try:
         return make_plan(strategy, lengths, topology, capacity, SHAPE, parallel)
     except ConfigError:
-        assert strategy in (Strategy.ULYSSES, Strategy.USP)
+        assert strategy in (Placement.ULYSSES, Placement.USP)
         return None
 
 
-@pytest.mark.parametrize("strategy", PLANNED_STRATEGIES, ids=lambda s: s.value)
+@pytest.mark.parametrize("strategy", PLANNED, ids=lambda s: s.value)
 @settings(max_examples=60, deadline=None)
 @given(batch=batches())
 def test_every_token_once_and_capacity_respected(strategy, batch) -> None:
@@ -90,7 +91,7 @@ def test_every_token_once_and_capacity_respected(strategy, batch) -> None:
 @given(batch=batches())
 def test_zeppelin_never_splits_a_sequence_shorter_than_the_local_threshold(policy, batch) -> None:
     topology, capacity, lengths = batch
-    plan = _planned(Strategy.ZEPPELIN, lengths, topology, capacity, policy)
+    plan = _planned(Placement.ZEPPELIN, lengths, topology, capacity, policy)
     _coverage(plan)
     assert plan.rank_tokens().max() <= capacity
     for node in range(topology.nodes):
@@ -108,18 +109,18 @@ def test_zeppelin_never_splits_a_sequence_shorter_than_the_local_threshold(polic
 def test_zeppelin_keeps_short_sequences_local_and_spreads_a_giant() -> None:
     topology = _topology(2, 4)
     lengths = np.asarray([5000, *[50] * 40])  # a node holds 4 x 1024 tokens
-    plan = make_plan(Strategy.ZEPPELIN, lengths, topology, 1024, SHAPE)
+    plan = make_plan(Placement.ZEPPELIN, lengths, topology, 1024, SHAPE)
     assert plan.zone(0) is Zone.INTER_NODE
     assert all(plan.zone(i) is Zone.LOCAL for i in range(1, len(lengths)))
 
 
 def test_te_cp_puts_every_sequence_on_one_global_ring() -> None:
     topology = _topology(2, 2)
-    plan = make_plan(Strategy.TE_CP, [1, 3, 7, 100], topology, 64, SHAPE)
+    plan = make_plan(Placement.TE_CP, [1, 3, 7, 100], topology, 64, SHAPE)
     (item,) = plan.items()
     assert item.ranks == (0, 1, 2, 3) and item.zone is Zone.INTER_NODE
     assert item.exchange is Exchange.RING
-    llama = make_plan(Strategy.LLAMA_CP, [1, 3, 7, 100], topology, 64, SHAPE)
+    llama = make_plan(Placement.LLAMA_CP, [1, 3, 7, 100], topology, 64, SHAPE)
     assert llama.items()[0].exchange is Exchange.ALL_GATHER
 
 
@@ -143,22 +144,22 @@ def test_water_fill_is_even_within_capacity() -> None:
 
 def test_planners_refuse_a_batch_larger_than_the_ranks() -> None:
     with pytest.raises(PlacementError, match="tokens_per_rank=10"):
-        make_plan(Strategy.ZEPPELIN, [25, 20], _topology(1, 4), 10, SHAPE)
+        make_plan(Placement.ZEPPELIN, [25, 20], _topology(1, 4), 10, SHAPE)
 
 
 def test_ulysses_head_rules_name_the_key() -> None:
     with pytest.raises(ConfigError, match=r"model\.n_heads=8 divisible by 3"):
-        make_plan(Strategy.ULYSSES, [10], _topology(1, 3), 10, SHAPE)
+        make_plan(Placement.ULYSSES, [10], _topology(1, 3), 10, SHAPE)
 
 
 def test_stats_count_causal_pairs_exactly() -> None:
     assert visible_pairs(0, 4) == 10
-    plan = plan_from_bins([4, 2], [[0], [1]], _topology(1, 2), 8, "dp")
+    plan = plan_from_bins([4, 2], [[0], [1]], _topology(1, 2), 8, Placement.WHOLE)
     stats = plan_stats(plan, SHAPE)
     per_pair = 4 * SHAPE.n_heads * SHAPE.head_dim
     assert stats.attention_flops.tolist() == [10 * per_pair, 3 * per_pair]
     assert stats.total_bytes(LinkKind.INTER_NODE) == 0
-    ring = make_plan(Strategy.TE_CP, [8], _topology(1, 2), 8, SHAPE)
+    ring = make_plan(Placement.TE_CP, [8], _topology(1, 2), 8, SHAPE)
     flops = plan_stats(ring, SHAPE).attention_flops
     assert flops.sum() == visible_pairs(0, 8) * per_pair
     assert flops[0] == flops[1], "zigzag balances causal work"
@@ -167,10 +168,10 @@ def test_stats_count_causal_pairs_exactly() -> None:
 def test_modelled_time_overlaps_ring_transfer_with_compute() -> None:
     topology = _topology(2, 1)
     cost = CostModel.create(SHAPE, topology)
-    local = plan_stats(plan_from_bins([64], [[0], []], topology, 64, "dp"), SHAPE)
+    local = plan_stats(plan_from_bins([64], [[0], []], topology, 64, Placement.WHOLE), SHAPE)
     assert local.seconds[0] == pytest.approx(cost.attention_seconds(local.attention_flops[0]))
     assert local.seconds[1] == 0.0
-    ring = plan_stats(make_plan(Strategy.TE_CP, [64], topology, 64, SHAPE), SHAPE)
+    ring = plan_stats(make_plan(Placement.TE_CP, [64], topology, 64, SHAPE), SHAPE)
     share = cost.attention_seconds(ring.attention_flops.max()) / 2
     step = cost.transfer_seconds(32 * kv_bytes_per_token(SHAPE), LinkKind.INTER_NODE, True)
     assert ring.layer_seconds == pytest.approx(share + max(share, step))

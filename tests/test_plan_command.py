@@ -25,12 +25,12 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-@pytest.mark.parametrize("strategy", ["zeppelin", "te_cp", "hybrid_dp", "usp", "dp"])
+@pytest.mark.parametrize("strategy", ["zeppelin", "te_cp", "hybrid_dp", "usp", "whole"])
 def test_plan_json_tiles_every_sequence(tmp_path: Path, capsys, strategy: str) -> None:
-    lengths = LENGTHS if strategy != "dp" else [4000, 300, 7]
+    lengths = LENGTHS if strategy != "whole" else [4000, 300, 7]
     out = tmp_path / "plan.json"
     argv = [*CLUSTER, "model.preset=7b", "--lengths", ",".join(map(str, lengths))]
-    code, stdout, err = _run(capsys, "plan", *argv, "--strategy", strategy, "--json", str(out))
+    code, stdout, err = _run(capsys, "plan", *argv, "--sequence", strategy, "--json", str(out))
     assert code == 0, err
     # header, ranks, summary; blank, NIC header, 2 nodes x 4 NICs, NIC and remap lines; "wrote"
     assert len(stdout.splitlines()) == 1 + 16 + 1 + 1 + 1 + 8 + 2 + 1
@@ -61,7 +61,7 @@ def test_plan_json_tiles_every_sequence(tmp_path: Path, capsys, strategy: str) -
 def test_plan_picture_shows_the_zones(tmp_path: Path, capsys) -> None:
     png = tmp_path / "plan.png"
     argv = [*CLUSTER, "--lengths", "30000,9000,12k,300,5", "--png", str(png)]
-    code, _, err = _run(capsys, "plan", *argv, "--strategy", "zeppelin")
+    code, _, err = _run(capsys, "plan", *argv, "--sequence", "zeppelin")
     assert code == 0, err
     pixels = decode_png(png.read_bytes())
     assert pixels.shape[1] > 900 and pixels.shape[0] > 16 * 12
@@ -72,11 +72,11 @@ def test_plan_picture_shows_the_zones(tmp_path: Path, capsys) -> None:
 
 def test_plan_from_a_distribution_and_from_the_configured_data(capsys) -> None:
     argv = [*CLUSTER, "--distribution", "arxiv", "--tokens", "60000"]
-    code, stdout, err = _run(capsys, "plan", *argv, "--strategy", "zeppelin")
+    code, stdout, err = _run(capsys, "plan", *argv, "--sequence", "zeppelin")
     assert code == 0, err
     assert "60000 tokens on 16 ranks" in stdout
     data = ["data.source=synthetic:github", "data.length_scale=0.05", "data.packing=budget"]
-    argv = [*CLUSTER, *data, "parallel.strategy=zeppelin", "--batch", "1"]
+    argv = [*CLUSTER, *data, "parallel.sequence=zeppelin", "--batch", "1"]
     code, stdout, err = _run(capsys, "plan", *argv)
     assert code == 0, err
     assert "zeppelin:" in stdout and "tokens on 16 ranks" in stdout
@@ -88,8 +88,8 @@ def test_plan_from_a_distribution_and_from_the_configured_data(capsys) -> None:
         (["--lengths", "10,abc"], r"--lengths item 'abc'"),
         (["--lengths", "10,0"], r"--lengths item '0'"),
         (["--lengths", "70000,70000"], r"train\.tokens_per_rank=4096"),
-        (["--lengths", "10", "--strategy", "ring"], r"--strategy='ring': choose"),
-        (["--lengths", "10", "--strategy", "single"], r"nothing to place"),
+        (["--lengths", "10", "--sequence", "ring"], r"parallel.sequence: .*expected single"),
+        (["--lengths", "10", "--sequence", "single"], r"nothing to place"),
         (["--lengths", "10", "--distribution", "arxiv"], r"either --lengths or --distribution"),
         (["--distribution", "wiki"], r"synthetic:arxiv"),
         (["--lengths", "10", "parallel.zone_policy=fast"], r"parallel\.zone_policy"),

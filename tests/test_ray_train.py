@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from ray.cluster_utils import Cluster
 
 from ray_zep.config import config_to_dict, load_config
 from ray_zep.errors import OverlongDocumentError
@@ -44,9 +45,19 @@ BASE = [
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=6, object_store_memory=256 * 1024 * 1024, log_to_driver=False)
+    """Three Ray nodes on this machine with two CPUs each: wherever Ray packs the four
+    workers of a 2 x 2 run, each node holds two of them (one topology node)."""
+    store = 96 * 1024 * 1024
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": store}
+    )
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, object_store_memory=store)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
     yield
     ray.shutdown()
+    cluster.shutdown()
 
 
 def _train(out: Path, *overrides: str):
@@ -88,8 +99,11 @@ def scraped_dp_run(tmp_path_factory: pytest.TempPathFactory):
 
 def test_dp_on_ray_matches_single(scraped_dp_run: ScrapedRun, tmp_path: Path) -> None:
     dp = scraped_dp_run.summary
-    single = _train(tmp_path / "single", "train.steps=4", "parallel.strategy=single")
+    single = _train(tmp_path / "single", "train.steps=4", "parallel.sequence=single")
     assert (dp.first_step, dp.last_step, dp.restarts) == (0, 4, 0)
+    # ranks 0, 1 on one Ray node and 2, 3 on another: the topology's nodes, in rank order
+    nodes = dp.machines
+    assert len(nodes) == 4 and nodes[0] == nodes[1] != nodes[2] == nodes[3], nodes
 
     dp_losses, single_losses = jsonl_losses(dp.run_dir), jsonl_losses(single.run_dir)
     assert sorted(dp_losses) == [1, 2, 3, 4]

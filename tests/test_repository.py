@@ -116,3 +116,83 @@ def test_library_never_imports_ray() -> None:
             lazy = rel == "ray_zep/cli.py" and not top_level
             allowed = lazy and name in ("workers.driver", "workers.bench_train")
             assert allowed, f"{rel} imports {name}"
+
+
+def test_no_import_circle_inside_the_library() -> None:
+    """Every import counts, lazy and TYPE_CHECKING ones too: a circle of files that name
+    each other is a circle to a reader, whatever Python tolerates at run time."""
+    files = {
+        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (REPO / "ray_zep").rglob("*.py")
+    }
+    graph = {}
+    for module, path in files.items():
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                    for a in node.names
+                }
+            elif isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+        graph[module] = {n for n in names if n in files and n != module}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for dep in sorted(graph[module]):
+            assert dep not in path, "import circle: " + " -> ".join([*path, module, dep])
+            if dep not in done:
+                visit(dep, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [])
+
+
+AXES_MODULE = "ray_zep/parallel/axes.py"
+
+
+def _axis_names() -> set[str]:
+    from ray_zep.parallel.axes import Placement, WeightsMode
+
+    return {m.value for m in (*Placement, *WeightsMode)}
+
+
+def test_axis_names_are_spelled_in_one_module_only() -> None:
+    """Code refers to placements and weights modes through the enums of the axes module:
+    no string literal elsewhere equals one of their names (docstrings aside)."""
+    names = _axis_names()
+    found = []
+    for path in [*(REPO / "ray_zep").rglob("*.py"), *(REPO / "workers").rglob("*.py")]:
+        rel = path.relative_to(REPO).as_posix()
+        if rel == AXES_MODULE:
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+        }
+        found += [
+            f"{rel}:{node.lineno} {node.value!r}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and node.value in names
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+        ]
+    assert not found, f"axis names spelled outside {AXES_MODULE}: {found}"
+
+
+def test_every_planned_placement_has_a_planner_and_every_value_a_description() -> None:
+    from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Placement, WeightsMode
+    from ray_zep.partition import PLANNED, PLANNERS
+
+    assert set(SEQUENCE_AXES) == set(Placement) and set(WEIGHTS_AXES) == set(WeightsMode)
+    assert set(PLANNERS) == set(PLANNED)
+    for axis in (*SEQUENCE_AXES.values(), *WEIGHTS_AXES.values()):
+        assert axis.summary and axis.name in README, f"{axis.name} is not in the README"

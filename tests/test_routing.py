@@ -13,11 +13,12 @@ from collections import Counter
 import pytest
 import torch
 
-from ray_zep.config import Strategy, load_config
-from ray_zep.mesh import Comm
+from ray_zep.config import load_config
+from ray_zep.dist import Comm, GroupNeeds
 from ray_zep.model.shapes import build_shape
+from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
-from ray_zep.routing.comms import RowFormat, post_recv, post_send
+from ray_zep.routing.comms import RowFormat, open_channels, post_recv, post_send
 from ray_zep.routing.routes import (
     Payload,
     Phase,
@@ -79,7 +80,7 @@ def test_proxies_spread_over_nics_and_include_the_endpoint() -> None:
 def test_routing_spreads_te_cp_over_every_nic() -> None:
     topo = _topology("cluster_a", nodes=2)
     shape = build_shape(load_config(None, ["model.preset=7b"]).model)
-    plan = make_plan(Strategy.TE_CP, [65536], topo, 4096, shape)
+    plan = make_plan(Placement.TE_CP, [65536], topo, 4096, shape)
 
     def row_bytes(t):
         return 1024 if t.payload is Payload.KV else 2048
@@ -100,14 +101,14 @@ def test_concurrent_hops_share_no_proxy_and_full_rings_stay_direct() -> None:
     assert not set(a.recv_proxies) & set(b.recv_proxies)
     assert {topo.nic_of(r) for r in a.send_proxies} == {0, 1, 2, 3}
     shape = build_shape(load_config(None, ["model.preset=7b"]).model)
-    usp = make_plan(Strategy.USP, [65536], topo, 4096, shape)
+    usp = make_plan(Placement.USP, [65536], topo, 4096, shape)
     assert not RoutingPlan.build(usp).for_rank(0).forward, "every GPU already sends"
 
 
 def test_rank_routing_keeps_what_each_rank_does() -> None:
     topo = _topology(nodes=2, gpus=2)
     shape = build_shape(load_config(None, []).model)
-    plan = make_plan(Strategy.TE_CP, [40, 9], topo, 16, shape)
+    plan = make_plan(Placement.TE_CP, [40, 9], topo, 16, shape)
     routing = RoutingPlan.build(plan)
     for rank in range(4):
         mine = routing.for_rank(rank)
@@ -142,21 +143,22 @@ def _payload(index: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _routed_rank(rank: int, world: int, kv_dtype: torch.dtype) -> dict:
     topo = _topology(nodes=2, gpus=3)
-    comm = Comm.create(topo, Strategy.TE_CP, 30.0).with_routing()
+    comm = Comm.create(topo, topo.world_size, 30.0).with_groups(GroupNeeds(routing=True))
+    channels = open_channels(comm)
     transfers = [Transfer((*at, int(payload)), ((0,), 1), 1, r) for at, payload, r in ROUTES]
     rows = RowFormat(ROW_SHAPE[1], ROW_SHAPE[2], kv_dtype, torch.device("cpu"))
     relayed = RankRouting(rank, tuple(transfers), ()).relayed(Phase.FORWARD)
-    comm.routing.start_relay(relayed, rows)
+    channels.start_relay(relayed, rows)
     received, works, ops = {}, [], Counter()
     for index, t in enumerate(transfers):
         dtype = rows.dtype(t)
         if t.route.src == rank:
-            works += post_send(_payload(index, t.route.rows, dtype), t.route, comm.routing, ops)
+            works += post_send(_payload(index, t.route.rows, dtype), t.route, channels, ops)
         if t.route.dst == rank:
             received[index] = rows.empty(t, t.route.rows)
-            works += post_recv(received[index], t.route, comm.routing, ops)
+            works += post_recv(received[index], t.route, channels, ops)
     comm.wait(works, "test transfers")
-    comm.routing.finish_relay()
+    channels.finish_relay()
     return received
 
 
@@ -176,7 +178,7 @@ def test_routed_transfers_deliver_the_exact_bytes(kv_dtype: torch.dtype) -> None
 def test_step_traffic_counts_what_the_layers_move() -> None:
     topo = _topology("cluster_a", nodes=2)
     shape = build_shape(load_config(None, ["model.preset=7b"]).model)
-    plan = make_plan(Strategy.TE_CP, [65536, 3000], topo, 5000, shape)
+    plan = make_plan(Placement.TE_CP, [65536, 3000], topo, 5000, shape)
     routed = attention_step_traffic(plan, shape, True, None)
     by_layer = ring_traffic(plan, shape, True) + collective_traffic(plan, shape)
     assert routed.intra_node == by_layer.intra_node * shape.n_layers

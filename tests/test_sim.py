@@ -9,10 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_zep.config import Strategy, TopologyConfig
+from ray_zep.config import TopologyConfig
 from ray_zep.costmodel import ComputeRates, CostModel, linear_flops_per_token
 from ray_zep.data.synthetic import batch_lengths
 from ray_zep.model.shapes import PRESETS, ModelShape
+from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.remap.solver import solve_remap
 from ray_zep.routing.routes import Phase, RoutingPlan, Transfer, plan_route
@@ -57,7 +58,7 @@ def test_one_ring_step_by_hand() -> None:
     rows cross the NIC; step 1: 8 pairs (late queries x all keys, or all queries x
     early keys). The step costs the longer of its compute and its transfer."""
     topo = _topology(2, 1, nic_gbits=0.008)  # 1 MB/s: the transfer dominates
-    plan = make_plan(Strategy.TE_CP, [8], topo, 4, SHAPE)
+    plan = make_plan(Placement.TE_CP, [8], topo, 4, SHAPE)
     timeline = simulate(layer_graph(_setup(plan), Phase.FORWARD))
     before, after = linear_flops_per_token(SHAPE)
     transfer = topo.inter_node_latency + 4 * ROW_BYTES / topo.nic_bandwidth
@@ -76,7 +77,7 @@ def test_one_routed_transfer_by_hand() -> None:
     topo = _topology(2, 2, nic_gbits=8.0, intra_gbytes=2.0)
     route = plan_route(topo, 1, 2, 10)
     assert set(route.send_proxies) == {0, 1} and set(route.recv_proxies) == {2, 3}
-    plan = make_plan(Strategy.TE_CP, [16], topo, 4, SHAPE)
+    plan = make_plan(Placement.TE_CP, [16], topo, 4, SHAPE)
     build = _Builder(_setup(plan, routed=True), Phase.FORWARD)
     start = build.graph.join(1, [])
     sent, received = build.ring_transfer(
@@ -96,7 +97,7 @@ def test_one_remap_by_hand() -> None:
     """hybrid_dp puts a 6-token and a 2-token sequence on the 2 GPUs of one node; the
     remap moves 2 tokens: their q/k/v in and their output back, over the intra-node link."""
     topo = _topology(1, 2, intra_gbytes=0.001)
-    plan = make_plan(Strategy.HYBRID_DP, [6, 2], topo, 6, SHAPE)
+    plan = make_plan(Placement.HYBRID_DP, [6, 2], topo, 6, SHAPE)
     remap = solve_remap(plan.rank_tokens(), topo, 1)
     assert [t[2] for t in remap.transfers] == [2]
     graph = layer_graph(_setup(plan, remap=remap), Phase.FORWARD)
@@ -110,13 +111,13 @@ def test_one_remap_by_hand() -> None:
     assert timeline.makespan > durations["remap q/k/v"] + durations["remap output"]
 
 
-def _random_plan(seed: int, strategy: Strategy, nodes: int = 2, gpus: int = 4):
+def _random_plan(seed: int, strategy: Placement, nodes: int = 2, gpus: int = 4):
     topo = _topology(nodes, gpus, nic_gbits=40.0, intra_gbytes=20.0)
     lengths = batch_lengths("github", nodes * gpus * 256, seed)
     return make_plan(strategy, lengths, topo, 320, SHAPE)
 
 
-STRATEGIES = [Strategy.ZEPPELIN, Strategy.TE_CP, Strategy.LLAMA_CP, Strategy.HYBRID_DP]
+STRATEGIES = [Placement.ZEPPELIN, Placement.TE_CP, Placement.LLAMA_CP, Placement.HYBRID_DP]
 
 
 @settings(max_examples=12, deadline=None)
@@ -177,7 +178,7 @@ def test_te_cp_round_transfer_matches_fig_12() -> None:
     per-round inter-node K/V transfer takes 2.18 ms. Ours must be within 25%."""
     topo = build_topology(TopologyConfig(preset="cluster_a", nodes=2))
     shape = PRESETS["3b"]
-    plan = make_plan(Strategy.TE_CP, [65536], topo, 4096, shape)
+    plan = make_plan(Placement.TE_CP, [65536], topo, 4096, shape)
     cost = CostModel(shape, topo, RATES.attention_forward)
     setup = LayerSetup(plan, shape, cost, RATES, RoutingPlan.build(plan, False, all_hops=True))
     timeline = simulate(layer_graph(setup, Phase.FORWARD))

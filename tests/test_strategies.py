@@ -1,4 +1,4 @@
-"""Every parallel strategy trains like one process, and ring attention matches the reference.
+"""Every placement and weights mode trains like one process; ring attention matches the reference.
 
 Multi-process gloo tests. The batches hold sequences of length 1, odd lengths,
 lengths below 2 x G, many tiny documents and one document longer than a node
@@ -33,7 +33,7 @@ STRATEGIES = ["zeppelin", "te_cp", "llama_cp", "hybrid_dp", "ulysses", "usp"]
 ROUTED = ["zeppelin", "te_cp", "usp"]
 """Strategies whose plans have ring transfers between nodes (usp's U parallel rings
 already use every GPU's NIC, so its transfers stay direct: the engine must agree)."""
-TOPOLOGIES = [(1, 4), (2, 2), (2, 4)]
+TOPOLOGIES = [(1, 4), (2, 2), pytest.param(2, 4, marks=pytest.mark.slow)]
 HEADS = ["model.n_heads=8", "model.n_kv_heads=2"]
 ATTENTION_TOL = 1e-5
 
@@ -114,30 +114,26 @@ def _mixed_dataset(path: Path) -> Path:
     return write_token_parquet(docs, path).path
 
 
-def _train_all(rank: int, world: int, base: list[str], out: str, runs=None) -> dict:
-    runs = runs or {s: [f"parallel.strategy={s}"] for s in STRATEGIES}
-    return {
-        name: train_rank(rank, world, [*base, *extra, f"train.out_dir={out}/{name}"])
-        for name, extra in runs.items()
-    }
+def _train_all(rank: int, world: int, runs: dict[str, list[str]]) -> dict:
+    return {name: train_rank(rank, world, overrides) for name, overrides in runs.items()}
 
 
-def _base(nodes: int, gpus: int, data: Path) -> list[str]:
+def _base(nodes: int, gpus: int, data: Path, packing: str = "budget") -> list[str]:
     return [
         *SMALL_RUN,
         *HEADS,
         f"topology.nodes={nodes}",
         f"topology.gpus_per_node={gpus}",
         "train.tokens_per_rank=64",
-        "train.steps=2",
+        "train.steps=3",
         f"data.source={data}",
-        "data.packing=budget",
+        f"data.packing={packing}",
         "data.shuffle=false",
     ]
 
 
 def _assert_trains_like(single: dict, runs: dict) -> None:
-    assert sorted(single["losses"]) == [1, 2]
+    assert sorted(single["losses"]) == [1, 2, 3]
     for name, run in runs.items():
         assert run["samples"] == single["samples"], f"{name} saw other batches"
         for step, loss in single["losses"].items():
@@ -149,30 +145,62 @@ def _assert_trains_like(single: dict, runs: dict) -> None:
 ROUTE = "parallel.routing=true"
 REMAP = ("parallel.remap=true", "parallel.remap_policy=always")
 LAYER_RUNS = {
-    "zeppelin+routing+remap": ["parallel.strategy=zeppelin", ROUTE, *REMAP],
-    "te_cp+routing": ["parallel.strategy=te_cp", ROUTE],
-    "zeppelin+routing": ["parallel.strategy=zeppelin", ROUTE],
-    "hybrid_dp+remap": ["parallel.strategy=hybrid_dp", *REMAP],
+    "zeppelin+routing+remap": ["parallel.sequence=zeppelin", ROUTE, *REMAP],
+    "zeppelin+hsdp+routing+remap": [
+        "parallel.sequence=zeppelin",
+        "parallel.weights=hsdp",
+        ROUTE,
+        *REMAP,
+    ],
+    "te_cp+routing": ["parallel.sequence=te_cp", ROUTE],
+    "hybrid_dp+remap": ["parallel.sequence=hybrid_dp", *REMAP],
 }
-"""Strategies with the routing and remapping layers on (te_cp, llama_cp and usp
+"""Placements with the routing and remapping layers on (te_cp, llama_cp and usp
 already hold balanced token counts, so remapping would move nothing); they need
 more than one node."""
+WEIGHTS = ("replicated", "fsdp")
+WHOLE_WEIGHTS = ("replicated", "fsdp", "hsdp")
+"""Whole sequences with every sharding mode (the weight-passing modes are tested in
+test_weight_pipeline)."""
 
 
-@pytest.mark.parametrize("nodes,gpus", TOPOLOGIES, ids=lambda v: str(v))
-def test_every_strategy_trains_like_one_process(nodes: int, gpus: int, tmp_path: Path) -> None:
-    """Every strategy, and on several nodes the routing and remapping layers, in one spawn."""
-    base = _base(nodes, gpus, _mixed_dataset(tmp_path / "mixed.parquet"))
-    runs = {s: [f"parallel.strategy={s}"] for s in STRATEGIES}
-    if nodes > 1:
-        for name, extra in LAYER_RUNS.items():
-            _assert_layers_act(load_config(None, [*base, *extra]), name)
-        runs.update(LAYER_RUNS)
-    single = run_ranks(
-        train_rank, 1, [*base, "parallel.strategy=single", f"train.out_dir={tmp_path}/single"]
+@pytest.mark.parametrize(
+    "nodes,gpus", [(2, 2), pytest.param(2, 4, marks=pytest.mark.slow)], ids=["2x2", "2x4"]
+)
+def test_every_placement_and_weights_mode_trains_like_one_process(
+    nodes: int, gpus: int, tmp_path: Path
+) -> None:
+    """Every placement x {replicated, fsdp}, hsdp with zeppelin's routing and remapping
+    layers, and whole sequences under every sharding mode, 3 steps each, one spawn."""
+    data = _mixed_dataset(tmp_path / "mixed.parquet")
+    planned, whole = _base(nodes, gpus, data), _base(nodes, gpus, data, packing="rank")
+    for name, extra in LAYER_RUNS.items():
+        _assert_layers_act(load_config(None, [*planned, *extra]), name)
+    runs = {
+        f"{s}+{w}": [*planned, f"parallel.sequence={s}", f"parallel.weights={w}"]
+        for s in STRATEGIES
+        for w in WEIGHTS
+    }
+    runs |= {name: [*planned, *extra] for name, extra in LAYER_RUNS.items()}
+    whole_runs = {f"whole+{w}": [*whole, f"parallel.weights={w}"] for w in WHOLE_WEIGHTS}
+    singles = run_ranks(
+        _train_all,
+        1,
+        {
+            name: [*base, "parallel.sequence=single", f"train.out_dir={tmp_path / name}"]
+            for name, base in (("single", planned), ("single_rank_packed", whole))
+        },
     )[0]
-    trained = run_ranks(_train_all, nodes * gpus, base, str(tmp_path), runs)
-    _assert_trains_like(single, trained[0])
+    trained = run_ranks(
+        _train_all,
+        nodes * gpus,
+        {
+            name: [*overrides, f"train.out_dir={tmp_path / name}"]
+            for name, overrides in (runs | whole_runs).items()
+        },
+    )[0]
+    _assert_trains_like(singles["single"], {name: trained[name] for name in runs})
+    _assert_trains_like(singles["single_rank_packed"], {n: trained[n] for n in whole_runs})
 
 
 def _assert_layers_act(config, name: str) -> None:

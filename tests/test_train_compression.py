@@ -18,7 +18,7 @@ from tests.helpers.training import SMALL_RUN, first_gradients, gradients_of, tra
 
 pytestmark = pytest.mark.dist
 
-TWO_BY_TWO = ["topology.nodes=2", "topology.gpus_per_node=2", "parallel.strategy=dp"]
+TWO_BY_TWO = ["topology.nodes=2", "topology.gpus_per_node=2", "parallel.sequence=whole"]
 MODES = ["off", "always", "auto"]
 
 
@@ -51,8 +51,8 @@ def test_zipped_gradient_sync_matches_the_plain_one():
 
 KV_ONLY = ["comm.compression=always", "comm.compression_streams=[kv]"]
 RING_STRATEGIES = {
-    "te_cp": ["parallel.strategy=te_cp"],
-    "usp": ["parallel.strategy=usp", "parallel.ulysses_degree=2"],
+    "te_cp": ["parallel.sequence=te_cp"],
+    "usp": ["parallel.sequence=usp", "parallel.ulysses_degree=2"],
 }
 
 

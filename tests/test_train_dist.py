@@ -25,11 +25,11 @@ import torch.distributed as dist
 from ray_zep.config import load_config
 from ray_zep.data.builder import write_token_parquet
 from ray_zep.errors import CommError, TopologyError
-from ray_zep.mesh import Comm
 from ray_zep.topology import build_topology
 from ray_zep.train.comms import all_reduce_sum_
 from ray_zep.train.ledger import ledger_path, read_ledger
-from tests.helpers.procs import run_ranks
+from ray_zep.train.setup import create_comm
+from tests.helpers.procs import run_fresh_ranks, run_ranks
 from tests.helpers.samples import assert_each_token_once_per_epoch
 from tests.helpers.training import (
     SMALL_RUN,
@@ -48,10 +48,10 @@ TWO_BY_TWO = ["topology.nodes=2", "topology.gpus_per_node=2"]
 def test_dp_matches_single_on_2x2(tmp_path: Path) -> None:
     base = [*SMALL_RUN, *TWO_BY_TWO, "train.steps=3"]
     single = run_ranks(
-        train_rank, 1, [*base, "parallel.strategy=single", f"train.out_dir={tmp_path / 'single'}"]
+        train_rank, 1, [*base, "parallel.sequence=single", f"train.out_dir={tmp_path / 'single'}"]
     )[0]
     dp = run_ranks(
-        train_rank, 4, [*base, "parallel.strategy=dp", f"train.out_dir={tmp_path / 'dp'}"]
+        train_rank, 4, [*base, "parallel.sequence=whole", f"train.out_dir={tmp_path / 'dp'}"]
     )
 
     assert dp[0]["samples"] == single["samples"], "both strategies must see the same batches"
@@ -71,8 +71,8 @@ def _gradients(rank: int, world: int, overrides: list[str]) -> dict[str, torch.T
 
 def test_dp_gradients_match_single_for_every_parameter() -> None:
     base = [*SMALL_RUN, *TWO_BY_TWO]
-    single = run_ranks(_gradients, 1, [*base, "parallel.strategy=single"])[0]
-    dp = run_ranks(_gradients, 4, [*base, "parallel.strategy=dp"])
+    single = run_ranks(_gradients, 1, [*base, "parallel.sequence=single"])[0]
+    dp = run_ranks(_gradients, 4, [*base, "parallel.sequence=whole"])
     assert set(dp[0]) == set(single)
     for name, ref in single.items():
         diff = (dp[0][name] - ref).abs()
@@ -133,7 +133,7 @@ def _lengths_of(path: Path) -> list[int]:
 
 def _stall(rank: int, world: int) -> list[tuple[float, str]] | None:
     topology = build_topology(load_config(None, ["topology.gpus_per_node=2"]).topology)
-    comm = Comm.create(topology, load_config(None).parallel.strategy, timeout_s=2.0)
+    comm = create_comm(load_config(None), topology, timeout_s=2.0)
     if rank == 1:
         time.sleep(8.0)  # a peer that stops answering
         return None
@@ -155,7 +155,7 @@ def _stall(rank: int, world: int) -> list[tuple[float, str]] | None:
 def test_silent_peer_raises_comm_error_within_timeout() -> None:
     """Async collectives wait through `Comm.wait`; blocking ones (barriers, checkpoint
     I/O) run on the Comm's group, created with the same timeout."""
-    (_, elapsed, message), (_, barrier_elapsed, barrier_message) = run_ranks(_stall, 2)[0]
+    (_, elapsed, message), (_, barrier_elapsed, barrier_message) = run_fresh_ranks(_stall, 2)[0]
     assert "comm.timeout_s=2" in message, message
     assert elapsed < 5.0, f"timed out after {elapsed:.1f} s with a 2 s timeout"
     assert barrier_message != "no error"
@@ -165,4 +165,4 @@ def test_silent_peer_raises_comm_error_within_timeout() -> None:
 def test_topology_must_match_the_process_count() -> None:
     topology = build_topology(load_config(None, TWO_BY_TWO).topology)
     with pytest.raises(TopologyError, match=r"needs 4 process\(es\).*but 1 are running"):
-        Comm.create(topology, load_config(None).parallel.strategy, timeout_s=5.0)
+        create_comm(load_config(None), topology, timeout_s=5.0)

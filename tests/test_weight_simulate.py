@@ -10,7 +10,8 @@ import pytest
 
 from ray_zep.bench.tawpipe import llama_shape, paper_bubble
 from ray_zep.cli import main
-from ray_zep.config import Strategy, load_config
+from ray_zep.config import load_config
+from ray_zep.parallel.axes import Passing, WeightsMode
 from ray_zep.pipeline.layout import WeightLayout
 from ray_zep.pipeline.messages import step_traffic
 from ray_zep.pipeline.simulate import (
@@ -25,7 +26,7 @@ from ray_zep.pipeline.simulate import (
 from ray_zep.topology import build_topology
 
 pytestmark = pytest.mark.unit
-STRATEGIES = (Strategy.TAWPIPE, Strategy.WEIPIPE, Strategy.FSDP)
+STRATEGIES = (WeightsMode.TAWPIPE, WeightsMode.WEIPIPE, WeightsMode.FSDP)
 SHAPE = llama_shape(1024, layers=48)
 WORK = Workload(SHAPE, (4096,) * 8)
 FAST = dataclasses.replace(
@@ -40,7 +41,7 @@ FAST = dataclasses.replace(
 def _compute_seconds(work: Workload) -> float:
     """Forward, backward and recompute of every shard (the last is not recomputed)."""
     sizes = unit_sizes(work.shape)
-    layout = WeightLayout.build(Strategy.TAWPIPE, sizes, 3, 8)
+    layout = WeightLayout.build(WeightsMode.TAWPIPE, sizes, 3, 8)
     total = 0.0
     for shard, units in enumerate(layout.units):
         forward, backward = shard_compute(work, TAWPIPE_TESTBED.rates, units)
@@ -59,11 +60,11 @@ def test_free_links_leave_no_bubble_and_every_strategy_computes_alike() -> None:
 
 def test_tawpipe_moves_each_shard_across_nodes_once_per_transfer() -> None:
     sizes = unit_sizes(SHAPE)
-    layout = WeightLayout.build(Strategy.TAWPIPE, sizes, 3, 8)
+    layout = WeightLayout.build(WeightsMode.TAWPIPE, sizes, 3, 8)
     shard_bytes = [WEIGHT_BYTES * sum(sizes[u] for u in units) for units in layout.units]
     # every shard fetched for forward and again for backward (the last stays), summed once
     moved = 3 * sum(shard_bytes) - shard_bytes[-1]
-    step = simulate_step(Strategy.TAWPIPE, WORK, TAWPIPE_TESTBED)
+    step = simulate_step(WeightsMode.TAWPIPE, WORK, TAWPIPE_TESTBED)
     assert step.inter_bytes == pytest.approx((3 - 1) * moved)
     assert step.intra_bytes == pytest.approx(3 * (8 - 1) * moved)
     assert sum(sizes) == SHAPE.param_count()
@@ -71,13 +72,13 @@ def test_tawpipe_moves_each_shard_across_nodes_once_per_transfer() -> None:
 
 def test_slow_links_show_as_bubble_and_the_lockstep_ring_waits_longest() -> None:
     steps = {s: simulate_step(s, WORK, TAWPIPE_TESTBED) for s in STRATEGIES}
-    assert steps[Strategy.TAWPIPE].bubble > 0.05
-    assert steps[Strategy.WEIPIPE].seconds > 2 * steps[Strategy.TAWPIPE].seconds
+    assert steps[WeightsMode.TAWPIPE].bubble > 0.05
+    assert steps[WeightsMode.WEIPIPE].seconds > 2 * steps[WeightsMode.TAWPIPE].seconds
     # the same NIC bytes per transfer as the rail broadcast, so about the same time
-    fsdp, tawpipe = steps[Strategy.FSDP].seconds, steps[Strategy.TAWPIPE].seconds
+    fsdp, tawpipe = steps[WeightsMode.FSDP].seconds, steps[WeightsMode.TAWPIPE].seconds
     assert fsdp == pytest.approx(tawpipe, rel=0.05)
-    more = simulate_step(Strategy.TAWPIPE, Workload(SHAPE, (4096,) * 32), TAWPIPE_TESTBED)
-    assert more.bubble < steps[Strategy.TAWPIPE].bubble, "more tokens hide more transfer"
+    more = simulate_step(WeightsMode.TAWPIPE, Workload(SHAPE, (4096,) * 32), TAWPIPE_TESTBED)
+    assert more.bubble < steps[WeightsMode.TAWPIPE].bubble, "more tokens hide more transfer"
 
 
 def test_memory_decides_the_sequences_per_step() -> None:
@@ -91,9 +92,9 @@ def test_memory_decides_the_sequences_per_step() -> None:
 
 
 def test_paper_bubble_formulas() -> None:
-    assert paper_bubble(Strategy.WEIPIPE, 24, 3, 8) == pytest.approx(23 / 31)
-    assert paper_bubble(Strategy.TAWPIPE, 24, 3, 8) == pytest.approx(56 / 632)
-    assert paper_bubble(Strategy.FSDP, 24, 3, 8) is None
+    assert paper_bubble(WeightsMode.WEIPIPE, 24, 3, 8) == pytest.approx(23 / 31)
+    assert paper_bubble(WeightsMode.TAWPIPE, 24, 3, 8) == pytest.approx(56 / 632)
+    assert paper_bubble(WeightsMode.FSDP, 24, 3, 8) is None
 
 
 def test_bench_tawpipe_writes_table_json_and_chart(tmp_path: Path, capsys) -> None:
@@ -102,7 +103,7 @@ def test_bench_tawpipe_writes_table_json_and_chart(tmp_path: Path, capsys) -> No
     out = capsys.readouterr().out
     assert "tawpipe/weipipe" in out and "13629" in out
     record = json.loads((tmp_path / "tawpipe.json").read_text())
-    assert {r["strategy"] for r in record["rows"]} == {"tawpipe", "weipipe", "fsdp"}
+    assert {r["mode"] for r in record["rows"]} == {"tawpipe", "weipipe", "fsdp"}
     assert (tmp_path / "tawpipe.png").stat().st_size > 1000
     for bad, flag in (("--nic-gbps", "0"), ("--hidden", "1000"), ("--cpu-steps", "1")):
         assert main([*args, bad, flag, "--out", str(tmp_path)]) == 2
@@ -113,9 +114,9 @@ def test_step_traffic_counts_every_message_of_the_transports() -> None:
     config = load_config(None, ["topology.nodes=2", "topology.gpus_per_node=2"])
     topology = build_topology(config.topology)
     expected = {  # one step's (inter-node, intra-node) bytes for shards of 10, 20, 30, 40
-        Strategy.TAWPIPE: (3 * 60 + 2 * 40, 2 * (3 * 60 + 2 * 40)),
-        Strategy.FSDP: None,
-        Strategy.WEIPIPE: None,
+        Passing.GROUPED: (3 * 60 + 2 * 40, 2 * (3 * 60 + 2 * 40)),
+        None: None,
+        Passing.RING: None,
     }
     for strategy, want in expected.items():
         layout = WeightLayout.build(strategy, [1, 1, 1, 1], 2, 2)

@@ -1,8 +1,11 @@
-"""`ray-zep bench train`: strategies trained for real on the CPU virtual cluster, side by
-side with the simulator's prediction for the same batches and the same CPU.
+"""`ray-zep bench train`: placements and weights modes trained for real on the CPU virtual
+cluster, side by side with the simulator's prediction for the same batches and the same CPU.
 
-Each strategy trains K steps from the same config (so the data actor draws the
-same batches) through the Ray driver, like `ray-zep train`. Measured tokens/s
+A name is a simulator variant (a placement, with the routing and remapping layers
+as `ray-zep simulate` names them) trained with replicated weights, or a weights
+mode (tawpipe, weipipe, fsdp, hsdp) trained with whole sequences. Each trains K
+steps from the same config (so the data actor draws the same batches) through the
+Ray driver, like `ray-zep train`. Measured tokens/s
 are the steady state: the first step (process-group warm-up, first plan) is
 left out. The prediction simulates those K - 1 batches with this machine's
 calibration (`ray_zep.bench.calibrate`): one virtual GPU is one single-threaded
@@ -21,23 +24,26 @@ import torch
 
 from ray_zep import steplog
 from ray_zep.bench.calibrate import Calibration, calibrate, cpu_count
-from ray_zep.config import Config, Strategy, load_config
+from ray_zep.config import Config, load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.costmodel import ComputeRates
 from ray_zep.errors import ConfigError
 from ray_zep.model.shapes import build_shape
-from ray_zep.pipeline.layout import WEIGHT_PASSING
+from ray_zep.parallel.axes import WEIGHTS_AXES, Placement, WeightsMode
 from ray_zep.pipeline.simulate import WeightCluster, Workload, simulate_step
 from ray_zep.report.plan_command import PlanRequest, request_lengths
 from ray_zep.sim.compare import VARIANTS, simulate_strategies
 from ray_zep.topology import build_topology
 
-DEFAULT_STRATEGIES = ("zeppelin", "te_cp", "llama_cp", "hybrid_dp")
+DEFAULT_STRATEGIES = tuple(
+    p.value for p in (Placement.ZEPPELIN, Placement.TE_CP, Placement.LLAMA_CP, Placement.HYBRID_DP)
+)
 
 
 @dataclasses.dataclass
 class TrainBenchRow:
-    strategy: str
+    name: str
+    """A simulator variant or a weights mode (module docstring)."""
     measured_tokens_per_second: float | None
     predicted_tokens_per_second: float | None
     measured_step_seconds: float | None
@@ -51,28 +57,30 @@ class TrainBenchRow:
         return self.predicted_tokens_per_second / self.measured_tokens_per_second
 
 
-WEIGHT_PASSING_NAMES = tuple(s.value for s in WEIGHT_PASSING)
+WEIGHTS_NAMES = tuple(m.value for m in WeightsMode if m is not WeightsMode.REPLICATED)
+"""Weights modes the bench trains with whole sequences (the step model predicts them)."""
 
 
 def check_names(names) -> tuple[str, ...]:
-    """`names` if each is a simulated variant or a weight-passing strategy.
+    """`names` if each is a simulated variant or a weights mode.
 
     Raises:
         ConfigError: naming the first unknown one and the choices.
     """
     for name in names:
-        if name not in VARIANTS and name not in WEIGHT_PASSING_NAMES:
-            choices = ", ".join((*VARIANTS, *WEIGHT_PASSING_NAMES))
+        if name not in VARIANTS and name not in WEIGHTS_NAMES:
+            choices = ", ".join((*VARIANTS, *WEIGHTS_NAMES))
             raise ConfigError(f"--strategies: {name!r} is not one of {choices}")
     return tuple(names)
 
 
 def variant_overrides(name: str) -> list[str]:
-    if name in WEIGHT_PASSING_NAMES:
-        return [f"parallel.strategy={name}"]
+    if name in WEIGHTS_NAMES:
+        return [f"parallel.sequence={Placement.WHOLE.value}", f"parallel.weights={name}"]
     variant = VARIANTS[name]
     return [
-        f"parallel.strategy={variant.strategy.value}",
+        f"parallel.sequence={variant.placement.value}",
+        f"parallel.weights={WeightsMode.REPLICATED.value}",
         f"parallel.routing={str(variant.routed).lower()}",
         f"parallel.remap={str(variant.remap).lower()}",
     ]
@@ -144,8 +152,8 @@ def _predict(config: Config, name: str, steps: int, calibration: Calibration):
     batches = [
         request_lengths(config, topology, PlanRequest(batch=b)) for b in range(1, max(2, steps))
     ]
-    if name in WEIGHT_PASSING_NAMES:
-        return _predict_weight_passing(config, Strategy(name), batches, rates, bandwidth)
+    if name in WEIGHTS_NAMES:
+        return _predict_weights(config, WeightsMode(name), batches, rates, bandwidth)
     result = simulate_strategies(
         config, topology, batches, (name,), rates, config.train.tokens_per_rank
     )[name]
@@ -154,9 +162,14 @@ def _predict(config: Config, name: str, steps: int, calibration: Calibration):
     return result.step_seconds, result.tokens_per_second
 
 
-def _predict_weight_passing(config: Config, strategy: Strategy, batches, rates, bandwidth):
-    """(mean step seconds, tokens/s) of the weight-passing step model on these batches;
-    every device gets an equal share of each batch (rank packing balances tokens)."""
+def _predict_weights(config: Config, mode: WeightsMode, batches, rates, bandwidth):
+    """(mean step seconds, tokens/s) of the weight-passing step model on these batches
+    (fsdp and hsdp: its FSDP comparison); every device gets an equal share of each
+    batch (rank packing balances tokens)."""
+    if mode is WeightsMode.HSDP:
+        mode = WeightsMode.FSDP  # the step model has no hybrid sharding
+    if WEIGHTS_AXES[mode].passing is None and not WEIGHTS_AXES[mode].fsdp:
+        return None
     topology = build_topology(config.topology)
     cluster = WeightCluster(
         topology.nodes,
@@ -173,7 +186,7 @@ def _predict_weight_passing(config: Config, strategy: Strategy, batches, rates, 
     share = 1.0 / topology.world_size
     steps = [
         simulate_step(
-            strategy,
+            mode,
             Workload(shape, tuple(int(n) for n in lengths), share, config.parallel.shard_recompute),
             cluster,
         )
@@ -195,7 +208,7 @@ def format_table(rows: list[TrainBenchRow]) -> str:
 
     for r in rows:
         lines.append(
-            f"{r.strategy:<26}{fmt(r.measured_tokens_per_second, 1e3):>18}"
+            f"{r.name:<26}{fmt(r.measured_tokens_per_second, 1e3):>18}"
             f"{fmt(r.predicted_tokens_per_second, 1e3):>19}{fmt(r.predicted_over_measured):>11}"
             f"{fmt(r.measured_step_seconds, 1, 3):>13}{fmt(r.predicted_step_seconds, 1, 3):>13}"
             f"{fmt(r.final_loss, 1, 4):>12}"

@@ -27,8 +27,8 @@ from ray_zep.data.catalog import open_configured_source
 from ray_zep.data.shards import shard_for
 from ray_zep.errors import CommError, ZepError
 from ray_zep.logs import setup_logging
-from ray_zep.mesh import num_ranks
 from ray_zep.topology import Topology
+from ray_zep.train.setup import num_ranks
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class DataActor:
         self.config: Config = config_from_dict(config)
         self.topology = Topology.from_dict(topology)
         self.source = open_configured_source(self.config)
-        self.num_ranks = num_ranks(self.config.parallel.strategy, self.topology)
+        self.num_ranks = num_ranks(self.config, self.topology)
         self._cond = threading.Condition()
         self._ready: dict[int, list[ray.ObjectRef]] = {}
         self._fetched: dict[int, set[int]] = {}

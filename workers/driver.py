@@ -56,6 +56,8 @@ class RunSummary:
     metrics_port: int | None
     restarts: int = 0
     """Times Ray Train restarted the workers from the last checkpoint."""
+    machines: tuple[str, ...] = ()
+    """The Ray node id each rank ran on (rank order), as the last worker group reported."""
 
 
 def train(config: Config) -> RunSummary:
@@ -161,6 +163,7 @@ class _Watcher:
         self.last_step = 0
         self.first_loss: float | None = None
         self.final_loss: float | None = None
+        self.machines: tuple[str, ...] = ()
 
     def drain(self, events: Queue, block: bool) -> None:
         while True:
@@ -193,6 +196,9 @@ class _Watcher:
                 self.first_loss = row["loss"]
         elif kind == "checkpoint":
             self.exporter.on_checkpoint(event["step"])
+        elif kind == "placement":
+            self.machines = tuple(event["machines"])
+            log.info("ranks run on Ray nodes %s", [m[:12] for m in self.machines])
 
     def summary(self, run_dir: Path, port: int | None) -> RunSummary:
         return RunSummary(
@@ -205,6 +211,7 @@ class _Watcher:
             self.progress.average_tokens_per_second(),
             port,
             self.restarts,
+            self.machines,
         )
 
 

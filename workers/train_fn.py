@@ -2,8 +2,10 @@
 
 Ray Train (TorchTrainer) places the workers, creates the process group (gloo
 on CPU, NCCL on GPU) with the configured timeout and restarts the group on
-failure; this function binds that group to the topology and runs the library's
-rank loop, fetching shards from the data actor and sending events to the driver.
+failure; this function binds that group to the topology, checks that every
+rank runs where the topology puts it (`ray_zep.dist.placement`: Ray numbers the
+workers node by node, in GPU order), and runs the library's rank loop, fetching
+shards from the data actor and sending events to the driver.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import torch
 
 from ray_zep.config import config_from_dict
 from ray_zep.data.shards import RankShard
+from ray_zep.dist.placement import WorkerPlace, check_placement, gather_places
 from ray_zep.errors import CommError
 from ray_zep.logs import setup_logging
-from ray_zep.mesh import Comm
 from ray_zep.topology import Topology
 from ray_zep.train.checkpoint import Progress
 from ray_zep.train.loop import run_rank
+from ray_zep.train.setup import create_comm
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +50,20 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     setup_logging(rank)
     if rank == 0:
         log.info("communication environment: %s", comm_environment())
-    comm = Comm.create(topology, config.parallel.strategy, config.comm.timeout_s)
+    comm = create_comm(config, topology)
+    context = ray.train.get_context()
+    here = WorkerPlace(ray.get_runtime_context().get_node_id(), context.get_local_rank())
+    places = gather_places(comm, here)
+    check_placement(places, topology)
     device = ray.train.torch.get_device() if loop_config["use_gpu"] else torch.device("cpu")
     data_actor = loop_config["data_actor"]
     events = loop_config["events"]
     timeout_s = config.comm.timeout_s
+    if rank == 0:
+        events.put(
+            {"event": "placement", "machines": [p.machine for p in places]},
+            timeout=EVENT_PUT_TIMEOUT_S,
+        )
 
     def fetch(step: int) -> RankShard:
         return fetch_shard(data_actor, step, rank, timeout_s)

@@ -2,7 +2,7 @@
 
 Every call is asynchronous where the backend allows it and waited on with the
 Comm's timeout; a timeout or a lost peer becomes a CommError naming the peer and
-`comm.timeout_s`. Ranks are global ranks of `comm.group`. Every call is tallied
+`comm.timeout_s`. Ranks are global ranks of `links.group`. Every call is tallied
 in the schedule's `ops` counter, so tests can check that what ran is what the
 plan implies.
 """
@@ -15,16 +15,16 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ray_zep.attention.links import Links
 from ray_zep.collectives.codec import compress, decode_chunk, read_header
 from ray_zep.collectives.format import static_bytes
-from ray_zep.mesh import Comm
 
 
 class Pending:
     """Handles of posted operations; `wait` completes them all or raises CommError."""
 
-    def __init__(self, works: list, comm: Comm, what: str) -> None:
-        self._works, self._comm, self._what = works, comm, what
+    def __init__(self, works: list, links: Links, what: str) -> None:
+        self._works, self._comm, self._what = works, links, what
 
     def wait(self) -> None:
         self._comm.wait(self._works, self._what)
@@ -39,30 +39,30 @@ class Pending:
 def exchange(
     sends: Sequence[tuple[torch.Tensor, int]],
     recvs: Sequence[tuple[torch.Tensor, int]],
-    comm: Comm,
+    links: Links,
     ops: Counter,
     what: str,
     zip_stream: str | None = None,
 ) -> Pending:
     """Post sends of (tensor, peer) and receives into (buffer, peer) together.
 
-    With `zip_stream` and the Comm's ring zipper (`comm.compression`), each
+    With `zip_stream` and the ring zipper of `links` (`comm.compression`), each
     message the zipper picks travels compressed (see `ZippedPending`).
     """
     if not sends and not recvs:
-        return Pending([], comm, what)
-    zipper = comm.ring_zip if zip_stream is not None else None
+        return Pending([], links, what)
+    zipper = links.ring_zip if zip_stream is not None else None
     if zipper is not None:
-        return _zipped_exchange(sends, recvs, comm, ops, what, zipper)
+        return _zipped_exchange(sends, recvs, links, ops, what, zipper)
     return Pending(
-        _post([(t.contiguous(), peer) for t, peer in sends], recvs, comm, ops), comm, what
+        _post([(t.contiguous(), peer) for t, peer in sends], recvs, links, ops), links, what
     )
 
 
-def _post(sends, recvs, comm: Comm, ops: Counter) -> list:
+def _post(sends, recvs, links: Links, ops: Counter) -> list:
     """Post sends of (tensor, peer) and receives into (buffer, peer) as one batch."""
-    p2p = [dist.P2POp(dist.isend, t, peer, comm.group) for t, peer in sends]
-    p2p += [dist.P2POp(dist.irecv, buf, peer, comm.group) for buf, peer in recvs]
+    p2p = [dist.P2POp(dist.isend, t, peer, links.group) for t, peer in sends]
+    p2p += [dist.P2POp(dist.irecv, buf, peer, links.group) for buf, peer in recvs]
     ops["p2p"] += len(p2p)
     return list(dist.batch_isend_irecv(p2p)) if p2p else []
 
@@ -77,8 +77,8 @@ class ZippedPending(Pending):
     concurrent exchanges between the same two ranks pair up.
     """
 
-    def __init__(self, works, comm, what, ops, zipped_sends, zipped_recvs, zipper) -> None:
-        super().__init__(works, comm, what)
+    def __init__(self, works, links, what, ops, zipped_sends, zipped_recvs, zipper) -> None:
+        super().__init__(works, links, what)
         self._ops, self._sends, self._recvs, self._zipper = ops, zipped_sends, zipped_recvs, zipper
 
     def wait(self) -> None:
@@ -103,7 +103,7 @@ class ZippedPending(Pending):
         self._sends, self._recvs = [], []
 
 
-def _zipped_exchange(sends, recvs, comm, ops, what, zipper) -> Pending:
+def _zipped_exchange(sends, recvs, links, ops, what, zipper) -> Pending:
     plain_sends, plain_recvs, zipped_sends, zipped_recvs = [], [], [], []
     for tensor, peer in sends:
         if zipper.zip_send(peer, tensor):
@@ -120,28 +120,28 @@ def _zipped_exchange(sends, recvs, comm, ops, what, zipper) -> Pending:
             plain_recvs.append((static, peer))
         else:
             plain_recvs.append((buf, peer))
-    works = _post(plain_sends, plain_recvs, comm, ops)
-    return ZippedPending(works, comm, what, ops, zipped_sends, zipped_recvs, zipper)
+    works = _post(plain_sends, plain_recvs, links, ops)
+    return ZippedPending(works, links, what, ops, zipped_sends, zipped_recvs, zipper)
 
 
-def all_gather_rows(local: torch.Tensor, rows: int, comm: Comm, ops: Counter) -> torch.Tensor:
+def all_gather_rows(local: torch.Tensor, rows: int, links: Links, ops: Counter) -> torch.Tensor:
     """Every rank's `local` (rows x ...), padded to `rows`, stacked by rank: (world, rows, ...)."""
     padded = local.new_zeros((rows, *local.shape[1:]))
     padded[: local.shape[0]] = local
-    out = local.new_empty((comm.world_size * rows, *local.shape[1:]))
+    out = local.new_empty((links.world_size * rows, *local.shape[1:]))
     ops["all_gather"] += 1
-    work = dist.all_gather_single(out, padded, group=comm.group, async_op=True)
-    Pending([work], comm, "all-gather of K/V").wait()
-    return out.view(comm.world_size, rows, *local.shape[1:])
+    work = dist.all_gather_single(out, padded, group=links.group, async_op=True)
+    Pending([work], links, "all-gather of K/V").wait()
+    return out.view(links.world_size, rows, *local.shape[1:])
 
 
-def reduce_scatter_rows(stacked: torch.Tensor, comm: Comm, ops: Counter) -> torch.Tensor:
+def reduce_scatter_rows(stacked: torch.Tensor, links: Links, ops: Counter) -> torch.Tensor:
     """Sum (world, rows, ...) over ranks and keep this rank's slice (rows, ...)."""
     out = stacked.new_empty(stacked.shape[1:])
     ops["reduce_scatter"] += 1
     flat = stacked.reshape(-1, *stacked.shape[2:]).contiguous()
     work = dist.reduce_scatter_single(
-        out, flat, op=dist.ReduceOp.SUM, group=comm.group, async_op=True
+        out, flat, op=dist.ReduceOp.SUM, group=links.group, async_op=True
     )
-    Pending([work], comm, "reduce-scatter of dK/dV").wait()
+    Pending([work], links, "reduce-scatter of dK/dV").wait()
     return out

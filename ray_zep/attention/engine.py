@@ -34,9 +34,9 @@ import torch
 
 from ray_zep.attention import ring
 from ray_zep.attention.comms import all_gather_rows, exchange, reduce_scatter_rows
+from ray_zep.attention.links import Links
 from ray_zep.attention.schedule import ItemSchedule, RankSchedule
 from ray_zep.errors import CommError
-from ray_zep.mesh import Comm
 from ray_zep.partition.plan import Exchange
 from ray_zep.routing.comms import Channels, RowFormat, post_recv, post_send
 from ray_zep.routing.routes import Payload, Phase
@@ -72,8 +72,8 @@ class AttentionEngine(torch.autograd.Function):
     """out_THE = attention of this rank's rows under the plan (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q_THE, k_TKE, v_TKE, schedule: RankSchedule, comm: Comm, kernels):
-        relay = _start_relay(schedule, comm, Phase.FORWARD, k_TKE)
+    def forward(ctx, q_THE, k_TKE, v_TKE, schedule: RankSchedule, links: Links, kernels):
+        relay = _start_relay(schedule, links, Phase.FORWARD, k_TKE)
         out = torch.zeros_like(q_THE)
         saved = []
         for item in schedule.items:
@@ -84,14 +84,14 @@ class AttentionEngine(torch.autograd.Function):
                 v_TKE[start:stop],
                 item,
                 schedule,
-                comm,
+                links,
                 kernels[0],
             )
             out[start:stop] = item_out
             saved.append(state)
         if relay is not None:
             relay.finish_relay()
-        ctx.schedule, ctx.comm, ctx.kernels, ctx.saved = schedule, comm, kernels, saved
+        ctx.schedule, ctx.links, ctx.kernels, ctx.saved = schedule, links, kernels, saved
         ctx.shapes = (q_THE.shape, k_TKE.shape, q_THE.dtype)
         return out
 
@@ -101,11 +101,11 @@ class AttentionEngine(torch.autograd.Function):
         dq = torch.zeros(q_shape, dtype=dtype, device=dout_THE.device)
         dk = torch.zeros(k_shape, dtype=dtype, device=dout_THE.device)
         dv = torch.zeros(k_shape, dtype=dtype, device=dout_THE.device)
-        relay = _start_relay(ctx.schedule, ctx.comm, Phase.BACKWARD, dk)
+        relay = _start_relay(ctx.schedule, ctx.links, Phase.BACKWARD, dk)
         for item, state in zip(ctx.schedule.items, ctx.saved, strict=True):
             start, stop = item.rows
             grads = _item_backward(
-                dout_THE[start:stop], item, state, ctx.schedule, ctx.comm, ctx.kernels[1]
+                dout_THE[start:stop], item, state, ctx.schedule, ctx.links, ctx.kernels[1]
             )
             dq[start:stop], dk[start:stop], dv[start:stop] = grads
         if relay is not None:
@@ -114,21 +114,21 @@ class AttentionEngine(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def run_attention(q_THE, k_TKE, v_TKE, schedule: RankSchedule, comm: Comm, kernels):
+def run_attention(q_THE, k_TKE, v_TKE, schedule: RankSchedule, links: Links, kernels):
     """Differentiable attention of a rank's rows; `kernels` = (forward, backward)."""
-    return AttentionEngine.apply(q_THE, k_TKE, v_TKE, schedule, comm, kernels)
+    return AttentionEngine.apply(q_THE, k_TKE, v_TKE, schedule, links, kernels)
 
 
-def _start_relay(schedule: RankSchedule, comm: Comm, phase: Phase, k_TKE) -> Channels | None:
+def _start_relay(schedule: RankSchedule, links: Links, phase: Phase, k_TKE) -> Channels | None:
     """Start this rank's relay on the pieces it forwards in this call (None: nothing to do)."""
-    if schedule.routing is None or comm.routing is None:
+    if schedule.routing is None or links.routing is None:
         return None
     rows = RowFormat(k_TKE.shape[1], k_TKE.shape[2], k_TKE.dtype, k_TKE.device)
-    comm.routing.start_relay(schedule.relayed[phase], rows)
-    return comm.routing
+    links.routing.start_relay(schedule.relayed[phase], rows)
+    return links.routing
 
 
-def _ring_exchange(send, recv, item: ItemSchedule, step: int, payload, schedule, comm, what):
+def _ring_exchange(send, recv, item: ItemSchedule, step: int, payload, schedule, links, what):
     """Send `send` to the next ring position and receive into `recv` from the previous one,
     directly or through the routing layer when the plan routes that transfer."""
     key = (item.item.ranks, item.item.ulysses)
@@ -137,25 +137,25 @@ def _ring_exchange(send, recv, item: ItemSchedule, step: int, payload, schedule,
     direct = exchange(
         [] if out_route else [(send, item.ring_next)],
         [] if in_route else [(recv, item.ring_prev)],
-        comm,
+        links,
         schedule.ops,
         what,
         zip_stream="kv",
     )
     if out_route is None and in_route is None:
         return direct
-    if comm.routing is None:
-        raise CommError("the plan routes transfers but this Comm has no routing groups")
-    works = post_send(send, out_route, comm.routing, schedule.ops) if out_route else []
-    works += post_recv(recv, in_route, comm.routing, schedule.ops) if in_route else []
+    if links.routing is None:
+        raise CommError("the plan routes transfers, but parallel.routing is off on this rank")
+    works = post_send(send, out_route, links.routing, schedule.ops) if out_route else []
+    works += post_recv(recv, in_route, links.routing, schedule.ops) if in_route else []
     return direct.extend(works)
 
 
-def _item_forward(q, k, v, item: ItemSchedule, schedule: RankSchedule, comm: Comm, kernel):
+def _item_forward(q, k, v, item: ItemSchedule, schedule: RankSchedule, links: Links, kernel):
     u_size = item.item.ulysses
     heads = _Heads(q.shape[1], k.shape[1], u_size)
     if u_size > 1:
-        q_pos, kv_pos = _scatter_heads(q, k, v, item, heads, schedule, comm)
+        q_pos, kv_pos = _scatter_heads(q, k, v, item, heads, schedule, links)
     else:
         q_pos, kv_pos = q, torch.stack((k, v), dim=1)
     out_pos = torch.zeros(q_pos.shape, dtype=torch.float32, device=q.device)
@@ -164,55 +164,55 @@ def _item_forward(q, k, v, item: ItemSchedule, schedule: RankSchedule, comm: Com
     )
     gathered = None
     if item.item.exchange is Exchange.ALL_GATHER and item.item.ring_size > 1:
-        gathered = all_gather_rows(kv_pos, max(item.position_tokens), comm, schedule.ops)
+        gathered = all_gather_rows(kv_pos, max(item.position_tokens), links, schedule.ops)
         for step in item.steps:
             source = gathered[item.item.ranks[step.source * u_size + item.part]]
             ring.step_forward(q_pos, source, step, out_pos, lse_pos, kernel)
     else:
-        _ring_forward(q_pos, kv_pos, item, schedule, comm, out_pos, lse_pos, kernel)
+        _ring_forward(q_pos, kv_pos, item, schedule, links, out_pos, lse_pos, kernel)
     state = _Saved(q_pos, kv_pos, out_pos, lse_pos, gathered, heads, k.shape[1])
     if u_size > 1:
-        return _gather_out(out_pos.to(q.dtype), item, heads, schedule, comm), state
+        return _gather_out(out_pos.to(q.dtype), item, heads, schedule, links), state
     return out_pos.to(q.dtype), state
 
 
-def _rotate(current, item: ItemSchedule, step: int, schedule, comm, what: str):
+def _rotate(current, item: ItemSchedule, step: int, schedule, links, what: str):
     """Post the send of `current` to the next position and the receive of the K/V that
     step `step + 1` uses; (None, None) after the last step."""
     if step + 1 >= len(item.steps):
         return None, None
     source = item.steps[step + 1].source
     buf = current.new_empty((item.position_tokens[source], *current.shape[1:]))
-    return buf, _ring_exchange(current, buf, item, step, Payload.KV, schedule, comm, what)
+    return buf, _ring_exchange(current, buf, item, step, Payload.KV, schedule, links, what)
 
 
-def _ring_forward(q_pos, kv_pos, item, schedule, comm, out_pos, lse_pos, kernel) -> None:
+def _ring_forward(q_pos, kv_pos, item, schedule, links, out_pos, lse_pos, kernel) -> None:
     current = kv_pos
     for s, step in enumerate(item.steps):
-        buf, pending = _rotate(current, item, s, schedule, comm, "ring K/V exchange")
+        buf, pending = _rotate(current, item, s, schedule, links, "ring K/V exchange")
         ring.step_forward(q_pos, current, step, out_pos, lse_pos, kernel)
         if pending is not None:
             pending.wait()
             current = buf
 
 
-def _item_backward(dout, item: ItemSchedule, state: _Saved, schedule, comm, backward):
+def _item_backward(dout, item: ItemSchedule, state: _Saved, schedule, links, backward):
     u_size = item.item.ulysses
     if u_size > 1:
-        dout_pos = _scatter_q(dout, item, state.heads, schedule, comm)
+        dout_pos = _scatter_q(dout, item, state.heads, schedule, links)
     else:
         dout_pos = dout
     dq_pos = torch.zeros(state.q_PHE.shape, dtype=torch.float32, device=dout.device)
     if state.gathered is not None:
-        dkv_pos = _all_gather_backward(dout_pos, state, item, schedule, comm, dq_pos, backward)
+        dkv_pos = _all_gather_backward(dout_pos, state, item, schedule, links, dq_pos, backward)
     else:
-        dkv_pos = _ring_backward(dout_pos, state, item, schedule, comm, dq_pos, backward)
+        dkv_pos = _ring_backward(dout_pos, state, item, schedule, links, dq_pos, backward)
     if u_size > 1:
-        return _return_grads(dq_pos, dkv_pos, item, state, schedule, comm)
+        return _return_grads(dq_pos, dkv_pos, item, state, schedule, links)
     return dq_pos, dkv_pos[:, 0], dkv_pos[:, 1]
 
 
-def _ring_backward(dout_pos, state, item, schedule, comm, dq_pos, backward):
+def _ring_backward(dout_pos, state, item, schedule, links, dq_pos, backward):
     def contribute(kv_P2KE, step):
         dkv = torch.zeros(kv_P2KE.shape, dtype=torch.float32, device=kv_P2KE.device)
         ring.step_backward(
@@ -236,7 +236,7 @@ def _ring_backward(dout_pos, state, item, schedule, comm, dq_pos, backward):
     sends_alive = []  # keep sent accumulators alive until their transfers complete
     for s, step in enumerate(item.steps):
         kv_buf, kv_pending = _rotate(
-            current, item, s, schedule, comm, "ring K/V exchange (backward)"
+            current, item, s, schedule, links, "ring K/V exchange (backward)"
         )
         dkv = contribute(current, step)
         if dkv_pending is not None:
@@ -247,7 +247,7 @@ def _ring_backward(dout_pos, state, item, schedule, comm, dq_pos, backward):
         size = item.position_tokens[item.position if last else item.steps[s + 1].source]
         incoming = dkv.new_empty((size, *dkv.shape[1:]))
         dkv_pending = _ring_exchange(
-            dkv, incoming, item, s, Payload.DKV, schedule, comm, "ring dK/dV exchange"
+            dkv, incoming, item, s, Payload.DKV, schedule, links, "ring dK/dV exchange"
         )
         sends_alive.append(dkv)
         if kv_pending is not None:
@@ -257,7 +257,7 @@ def _ring_backward(dout_pos, state, item, schedule, comm, dq_pos, backward):
     return incoming
 
 
-def _all_gather_backward(dout_pos, state, item, schedule, comm, dq_pos, backward):
+def _all_gather_backward(dout_pos, state, item, schedule, links, dq_pos, backward):
     gathered = state.gathered
     u_size = item.item.ulysses
     dkv_all = torch.zeros(gathered.shape, dtype=torch.float32, device=gathered.device)
@@ -274,11 +274,11 @@ def _all_gather_backward(dout_pos, state, item, schedule, comm, dq_pos, backward
             dkv_all[owner],
             backward,
         )
-    mine = reduce_scatter_rows(dkv_all, comm, schedule.ops)
+    mine = reduce_scatter_rows(dkv_all, links, schedule.ops)
     return mine[: state.kv_P2KE.shape[0]]
 
 
-def _scatter_heads(q, k, v, item, heads: _Heads, schedule, comm):
+def _scatter_heads(q, k, v, item, heads: _Heads, schedule, links):
     """Ulysses forward exchange: rows of all members, heads of this member."""
     me, dim = item.part, q.shape[2]
     kv = torch.stack((k, v), dim=1)
@@ -288,7 +288,7 @@ def _scatter_heads(q, k, v, item, heads: _Heads, schedule, comm):
     ]
     kv_per = len(heads.kv[me])
     width = (heads.q_per + 2 * kv_per) * dim
-    received = _swap(payload, item.member_tokens, width, item, schedule, comm, "Q/K/V")
+    received = _swap(payload, item.member_tokens, width, item, schedule, links, "Q/K/V")
     q_parts, kv_parts = [], []
     for m, flat in enumerate(received):
         rows = item.member_tokens[m]
@@ -298,25 +298,25 @@ def _scatter_heads(q, k, v, item, heads: _Heads, schedule, comm):
     return _to_position(torch.cat(q_parts), item), _to_position(torch.cat(kv_parts), item)
 
 
-def _scatter_q(x_THE, item, heads: _Heads, schedule, comm):
+def _scatter_q(x_THE, item, heads: _Heads, schedule, links):
     """Backward twin of the Q part of `_scatter_heads` (for output gradients)."""
     dim = x_THE.shape[2]
     payload = [x_THE[:, heads.q(m)].reshape(-1) for m in range(item.item.ulysses)]
     received = _swap(
-        payload, item.member_tokens, heads.q_per * dim, item, schedule, comm, "output gradient"
+        payload, item.member_tokens, heads.q_per * dim, item, schedule, links, "output gradient"
     )
     parts = [flat.view(-1, heads.q_per, dim) for flat in received]
     return _to_position(torch.cat(parts), item)
 
 
-def _gather_out(out_PHE, item, heads: _Heads, schedule, comm):
+def _gather_out(out_PHE, item, heads: _Heads, schedule, links):
     """Ulysses return exchange: this member's rows, all heads."""
     rows = out_PHE[item.gather_order].split(list(item.member_tokens))
     payload = [r.reshape(-1) for r in rows]
     mine = item.member_tokens[item.part]
     dim = out_PHE.shape[2]
     received = _swap(
-        payload, [mine] * len(payload), heads.q_per * dim, item, schedule, comm, "attention output"
+        payload, [mine] * len(payload), heads.q_per * dim, item, schedule, links, "attention output"
     )
     out = out_PHE.new_empty((mine, heads.q_per * len(payload), dim))
     for m, flat in enumerate(received):
@@ -324,7 +324,7 @@ def _gather_out(out_PHE, item, heads: _Heads, schedule, comm):
     return out
 
 
-def _return_grads(dq_PHE, dkv_P2KE, item, state: _Saved, schedule, comm):
+def _return_grads(dq_PHE, dkv_P2KE, item, state: _Saved, schedule, links):
     """Ulysses backward return: dQ, dK, dV of this member's rows, all heads (fp32)."""
     heads, kv_per, dim = state.heads, dkv_P2KE.shape[2], dq_PHE.shape[2]
     order = item.gather_order
@@ -335,7 +335,7 @@ def _return_grads(dq_PHE, dkv_P2KE, item, state: _Saved, schedule, comm):
     ]
     mine = item.member_tokens[item.part]
     width = (heads.q_per + 2 * kv_per) * dim
-    received = _swap(payload, [mine] * len(payload), width, item, schedule, comm, "Q/K/V gradient")
+    received = _swap(payload, [mine] * len(payload), width, item, schedule, links, "Q/K/V gradient")
     members = len(payload)
     dq = dq_PHE.new_zeros((mine, heads.q_per * members, dim))
     dkv = dq_PHE.new_zeros((mine, 2, state.kv_heads, dim))
@@ -352,7 +352,7 @@ def _to_position(rows_by_member: torch.Tensor, item: ItemSchedule) -> torch.Tens
     return out
 
 
-def _swap(payload, recv_rows, row_numel, item, schedule, comm, what):
+def _swap(payload, recv_rows, row_numel, item, schedule, links, what):
     """Send payload[m] to member m; receive recv_rows[m] rows of row_numel elements from m."""
     me, peers = item.part, item.ulysses_peers
     received = [
@@ -363,7 +363,7 @@ def _swap(payload, recv_rows, row_numel, item, schedule, comm, what):
     exchange(
         [(payload[m], peers[m]) for m in others],
         [(received[m], peers[m]) for m in others],
-        comm,
+        links,
         schedule.ops,
         f"Ulysses {what} exchange",
     ).wait()

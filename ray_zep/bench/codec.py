@@ -23,8 +23,9 @@ import torch
 
 from ray_zep.collectives import compress, decompress, native
 from ray_zep.collectives.format import float_format
-from ray_zep.config import Config, Strategy
+from ray_zep.config import Config
 from ray_zep.errors import ConfigError
+from ray_zep.parallel.axes import Placement
 from ray_zep.report.charts import bar_panel, legend
 from ray_zep.report.png import Canvas
 
@@ -77,13 +78,13 @@ def model_tensors(config: Config, steps: int) -> dict[str, torch.Tensor]:
     from ray_zep.data.batching import BatchStream
     from ray_zep.data.catalog import open_configured_source
     from ray_zep.data.shards import shard_for
-    from ray_zep.mesh import Comm
+    from ray_zep.dist import Comm
     from ray_zep.topology import build_topology
     from ray_zep.train.trainer import RankTrainer
 
-    config.parallel.strategy = Strategy.SINGLE
+    config.parallel.sequence = Placement.SINGLE
     topology = build_topology(config.topology)
-    comm = Comm.create(topology, Strategy.SINGLE, config.comm.timeout_s)
+    comm = Comm.create(topology, 1, config.comm.timeout_s)
     stream = BatchStream.from_config(open_configured_source(config), config, 1)
     trainer = RankTrainer(config, comm, torch.device("cpu"))
     hidden: list[torch.Tensor] = []

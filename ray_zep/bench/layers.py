@@ -25,10 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from ray_zep.bench.partition import synthetic_lengths
-from ray_zep.config import Config, Strategy
+from ray_zep.config import Config
 from ray_zep.data.synthetic import TABLE_2
 from ray_zep.errors import ConfigError, ZepError
 from ray_zep.model.shapes import build_shape
+from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.remap.solver import remap_token_bytes, solve_remap
 from ray_zep.report.charts import bar_panel, legend
@@ -36,7 +37,9 @@ from ray_zep.report.png import Canvas
 from ray_zep.topology import build_topology
 from ray_zep.traffic import collective_traffic, ring_traffic
 
-PLANNERS = ("te_cp", "zeppelin", "hybrid_dp", "usp")
+PLANNERS = tuple(
+    p.value for p in (Placement.TE_CP, Placement.ZEPPELIN, Placement.HYBRID_DP, Placement.USP)
+)
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,9 @@ def _measure(row, batches, topology, capacity, shape, config, spec) -> None:
     samples: dict[str, list[float]] = {}
     times = []
     for lengths in batches:
-        plan = make_plan(Strategy(row.planner), lengths, topology, capacity, shape, config.parallel)
+        plan = make_plan(
+            Placement(row.planner), lengths, topology, capacity, shape, config.parallel
+        )
         others = collective_traffic(plan, shape)
         direct = ring_traffic(plan, shape, routed=False) + others
         routed = ring_traffic(plan, shape, routed=True) + others

@@ -180,7 +180,7 @@ def cpu_shape(ranks: int) -> ModelShape:
 def _measure_rank(rank: int, spec: MoEBenchSpec, port: int, queue) -> None:
     from ray_zep.attention.kernels import torch_varlen_attention
     from ray_zep.attention.varlen import PackedSeqs
-    from ray_zep.collectives.comms import Group
+    from ray_zep.dist.group import Group
     from ray_zep.model.llama import Block, rope_tables
     from ray_zep.moe.layer import shard_experts
     from ray_zep.moe.pipeline import FoldedForward

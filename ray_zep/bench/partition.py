@@ -27,15 +27,27 @@ from pathlib import Path
 
 import numpy as np
 
-from ray_zep.config import Config, ParallelConfig, Strategy, ZonePolicy
+from ray_zep.config import Config, ParallelConfig, ZonePolicy
 from ray_zep.data.synthetic import TABLE_2, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
 from ray_zep.model.shapes import ModelShape, build_shape
+from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.partition.stats import plan_stats
 from ray_zep.topology import LinkKind, Topology, build_topology
 
-PLANNERS = ("zeppelin", "zeppelin_capacity", "te_cp", "llama_cp", "hybrid_dp", "ulysses", "usp")
+ZEPPELIN, TE_CP = Placement.ZEPPELIN.value, Placement.TE_CP.value
+ZEPPELIN_CAPACITY = f"{ZEPPELIN}_capacity"
+"""Zeppelin with the paper's capacity-only zone thresholds (zone_policy=capacity)."""
+PLANNERS = (
+    ZEPPELIN,
+    ZEPPELIN_CAPACITY,
+    *(
+        p.value
+        for p in Placement
+        if p not in (Placement.SINGLE, Placement.WHOLE, Placement.ZEPPELIN)
+    ),
+)
 DISTRIBUTIONS = (*TABLE_2, "short")
 SHORT_MAX_TOKENS = 256
 
@@ -119,7 +131,7 @@ def run_partition_bench(
             row.distribution, row.nodes, row.tokens = distribution, nodes, tokens
         _relate_to_te_cp(case_rows)
         rows.extend(case_rows)
-        zeppelin = next((r for r in case_rows if r.planner == "zeppelin"), case_rows[0])
+        zeppelin = next((r for r in case_rows if r.planner == ZEPPELIN), case_rows[0])
         progress(
             f"[{index}/{len(cases)}] {distribution} {nodes}x{topology.gpus_per_node} "
             f"{tokens // 1024}k tokens: {zeppelin.planner} p50 "
@@ -173,15 +185,17 @@ def _measure(
     return row
 
 
-def _planner_config(planner: str) -> tuple[Strategy, ParallelConfig]:
-    if planner == "zeppelin_capacity":
-        return Strategy.ZEPPELIN, ParallelConfig(Strategy.ZEPPELIN, ZonePolicy.CAPACITY)
-    strategy = Strategy(planner)
-    return strategy, ParallelConfig(strategy)
+def _planner_config(planner: str) -> tuple[Placement, ParallelConfig]:
+    if planner == ZEPPELIN_CAPACITY:
+        return Placement.ZEPPELIN, ParallelConfig(
+            Placement.ZEPPELIN, zone_policy=ZonePolicy.CAPACITY
+        )
+    placement = Placement(planner)
+    return placement, ParallelConfig(placement)
 
 
 def _relate_to_te_cp(rows: list[PartitionRow]) -> None:
-    reference = next((r for r in rows if r.planner == "te_cp" and r.inter_node_gb), None)
+    reference = next((r for r in rows if r.planner == TE_CP and r.inter_node_gb), None)
     if reference is None:
         return
     for row in rows:

@@ -16,8 +16,8 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ray_zep.config import Strategy
 from ray_zep.model.shapes import ModelShape
+from ray_zep.parallel.axes import WeightsMode
 from ray_zep.pipeline.simulate import (
     TAWPIPE_TESTBED,
     WEIGHT_BYTES,
@@ -29,13 +29,14 @@ from ray_zep.pipeline.simulate import (
 from ray_zep.report.charts import bar_panel, legend
 from ray_zep.report.png import Canvas
 
-STRATEGIES = (Strategy.TAWPIPE, Strategy.WEIPIPE, Strategy.FSDP)
+MODES = (WeightsMode.TAWPIPE, WeightsMode.WEIPIPE, WeightsMode.FSDP)
+TAW, WEI, FSDP = (m.value for m in MODES)
 PAPER_TOKENS: dict[tuple[int, int], dict[str, float]] = {
-    (1024, 4096): {"tawpipe": 13629, "weipipe": 12055, "fsdp": 10559, "1f1b": 7212},
-    (1024, 8192): {"tawpipe": 11738, "weipipe": 10663, "fsdp": 8826, "1f1b": 6636},
-    (1024, 16384): {"tawpipe": 8914, "weipipe": 8412, "fsdp": 6751, "1f1b": 5594},
-    (2048, 16384): {"tawpipe": 4180},
-    (4096, 16384): {"tawpipe": 1377.6, "weipipe": 1232.4, "fsdp": 956.1, "1f1b": 1114.2},
+    (1024, 4096): {TAW: 13629, WEI: 12055, FSDP: 10559, "1f1b": 7212},
+    (1024, 8192): {TAW: 11738, WEI: 10663, FSDP: 8826, "1f1b": 6636},
+    (1024, 16384): {TAW: 8914, WEI: 8412, FSDP: 6751, "1f1b": 5594},
+    (2048, 16384): {TAW: 4180},
+    (4096, 16384): {TAW: 1377.6, WEI: 1232.4, FSDP: 956.1, "1f1b": 1114.2},
 }
 """TawPipe paper, tokens/GPU/s on 24 GPUs (Tables 1-2; H=2048: the ablation's full TawPipe)."""
 PAPER_GLOBAL_BATCH = 1536
@@ -66,7 +67,7 @@ class TawPipeBenchSpec:
 
 @dataclass(frozen=True)
 class TawPipeRow:
-    """One strategy on one (H, S) case, simulated.
+    """One weights mode on one (H, S) case, simulated.
 
     Attributes:
         sequences: per GPU per step (as many as fit, at most the paper's 64).
@@ -74,13 +75,13 @@ class TawPipeRow:
         nic_gb: GB per step through one node's NIC (sent), mean over nodes.
         intra_gb: GB per step over one GPU's intra-node link (sent), mean over GPUs.
         per_layer_h2: elements sent per GPU per layer per step, in units of H^2.
-        paper_bubble: the paper's formula for the strategy at N = its micro-batches
+        paper_bubble: the paper's formula for the mode at N = its micro-batches
             per GPU (None: no formula).
     """
 
     hidden: int
     seq_len: int
-    strategy: str
+    mode: str
     sequences: int
     tokens_per_gpu_s: float
     bubble: float
@@ -91,12 +92,12 @@ class TawPipeRow:
     paper_bubble: float | None
 
 
-def paper_bubble(strategy: Strategy, devices: int, groups: int, micro_batches: float):
-    """The paper's bubble ratio of a strategy (TawPipe; WeiPipe and 1F1B share theirs)."""
+def paper_bubble(mode: WeightsMode, devices: int, groups: int, micro_batches: float):
+    """The paper's bubble ratio of a mode (TawPipe; WeiPipe and 1F1B share theirs)."""
     p, d, n = devices, groups, micro_batches
-    if strategy is Strategy.TAWPIPE:
+    if mode is WeightsMode.TAWPIPE:
         return ((d - 1) * p + n) / ((3 * n + d - 1) * p + n)
-    if strategy is Strategy.WEIPIPE:
+    if mode is WeightsMode.WEIPIPE:
         return (p - 1) / (n + p - 1)
     return None
 
@@ -109,31 +110,30 @@ def simulate_rows(spec: TawPipeBenchSpec) -> list[TawPipeRow]:
         for seq_len in spec.seq_lens:
             sequences = sequences_that_fit(shape, seq_len, cluster, spec.recompute)
             paper = PAPER_TOKENS.get((hidden, seq_len), {})
-            for strategy in STRATEGIES:
+            for mode in MODES:
                 if sequences == 0:
                     continue
                 work = Workload(shape, (seq_len,) * sequences, recompute=spec.recompute)
-                step = simulate_step(strategy, work, cluster)
+                step = simulate_step(mode, work, cluster)
                 elements = (step.inter_bytes + step.intra_bytes) / WEIGHT_BYTES
                 micro = PAPER_GLOBAL_BATCH / (cluster.devices * sequences)
                 rows.append(
                     TawPipeRow(
-                        hidden, seq_len, strategy.value, sequences, step.tokens_per_gpu_s,
+                        hidden, seq_len, mode.value, sequences, step.tokens_per_gpu_s,
                         step.bubble, step.inter_bytes / cluster.nodes / 1e9,
                         step.intra_bytes / cluster.devices / 1e9,
                         elements / cluster.devices / spec.layers / hidden**2,
-                        paper.get(strategy.value),
-                        paper_bubble(strategy, cluster.devices, cluster.nodes, micro),
+                        paper.get(mode.value),
+                        paper_bubble(mode, cluster.devices, cluster.nodes, micro),
                     )
                 )  # fmt: skip
     return rows
 
 
-def ratio(rows: list[TawPipeRow], hidden: int, seq_len: int, over: str = "weipipe") -> float:
-    pick = {
-        r.strategy: r.tokens_per_gpu_s for r in rows if (r.hidden, r.seq_len) == (hidden, seq_len)
-    }
-    return pick["tawpipe"] / pick[over]
+def ratio(rows: list[TawPipeRow], hidden: int, seq_len: int, over: str = WEI) -> float:
+    """Simulated tawpipe tokens/GPU/s over those of mode `over`."""
+    pick = {r.mode: r.tokens_per_gpu_s for r in rows if (r.hidden, r.seq_len) == (hidden, seq_len)}
+    return pick[TAW] / pick[over]
 
 
 def goals(rows: list[TawPipeRow]) -> list[tuple[str, bool]]:
@@ -146,14 +146,14 @@ def goals(rows: list[TawPipeRow]) -> list[tuple[str, bool]]:
 
 
 def format_table(rows: list[TawPipeRow]) -> str:
-    header = f"{'H':>5} {'S':>6} {'strategy':<8} {'seqs':>4} {'tok/GPU/s':>10} {'bubble':>6} "
+    header = f"{'H':>5} {'S':>6} {'weights':<8} {'seqs':>4} {'tok/GPU/s':>10} {'bubble':>6} "
     header += f"{'NIC GB':>7} {'intra GB':>8} {'xH^2':>5} {'paper tok':>9} {'paper bub':>9}"
     lines = [header, "-" * len(header)]
     for r in rows:
         paper = f"{r.paper_tokens:>9.0f}" if r.paper_tokens else f"{'-':>9}"
         bubble = f"{r.paper_bubble:>9.2f}" if r.paper_bubble is not None else f"{'-':>9}"
         lines.append(
-            f"{r.hidden:>5} {r.seq_len:>6} {r.strategy:<8} {r.sequences:>4} "
+            f"{r.hidden:>5} {r.seq_len:>6} {r.mode:<8} {r.sequences:>4} "
             f"{r.tokens_per_gpu_s:>10.0f} {r.bubble:>6.2f} {r.nic_gb:>7.2f} {r.intra_gb:>8.2f} "
             f"{r.per_layer_h2:>5.1f} {paper} {bubble}"
         )
@@ -161,10 +161,9 @@ def format_table(rows: list[TawPipeRow]) -> str:
     for hidden, seq_len in cases:
         paper = PAPER_TOKENS.get((hidden, seq_len), {})
         line = f"H={hidden} S={seq_len}: tawpipe/weipipe {ratio(rows, hidden, seq_len):.2f}x, "
-        line += f"tawpipe/fsdp {ratio(rows, hidden, seq_len, 'fsdp'):.2f}x"
-        if "weipipe" in paper:
-            line += f" (paper {paper['tawpipe'] / paper['weipipe']:.2f}x, "
-            line += f"{paper['tawpipe'] / paper['fsdp']:.2f}x)"
+        line += f"tawpipe/fsdp {ratio(rows, hidden, seq_len, FSDP):.2f}x"
+        if WEI in paper:
+            line += f" (paper {paper[TAW] / paper[WEI]:.2f}x, {paper[TAW] / paper[FSDP]:.2f}x)"
         lines.append(line)
     return "\n".join(lines)
 
@@ -174,10 +173,10 @@ def row_dicts(rows: list[TawPipeRow]) -> list[dict]:
 
 
 def draw_tawpipe_chart(rows: list[TawPipeRow], path: Path) -> Path:
-    """Simulated tokens/GPU/s per case, one bar per strategy."""
+    """Simulated tokens/GPU/s per case, one bar per weights mode."""
     cases = list(dict.fromkeys((r.hidden, r.seq_len) for r in rows))
-    table = {(r.hidden, r.seq_len, r.strategy): r.tokens_per_gpu_s for r in rows}
-    names = [s.value for s in STRATEGIES]
+    table = {(r.hidden, r.seq_len, r.mode): r.tokens_per_gpu_s for r in rows}
+    names = [m.value for m in MODES]
     values = [[table.get((h, s, name)) for name in names] for h, s in cases]
     groups = [f"H{h // 1024}k S{s // 1024}k" for h, s in cases]
     canvas = Canvas(1200, 420)

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from ray_zep.collectives import comms
-from ray_zep.collectives.comms import Group, Sizes
+from ray_zep.collectives.comms import Sizes
 from ray_zep.collectives.format import FORMATS
 from ray_zep.collectives.switcher import Kind, Switcher, profile_group
 from ray_zep.config import Compression
+from ray_zep.dist.group import Group
 
 log = logging.getLogger(__name__)
 

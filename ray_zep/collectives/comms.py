@@ -32,32 +32,13 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ray_zep.collectives.codec import Compressed, compress, decode_chunk, split_packed
 from ray_zep.collectives.format import static_bytes
+from ray_zep.dist.group import Group
 from ray_zep.errors import CodecError
-from ray_zep.mesh import wait_all
 
 
 class AllToAllDesign(Enum):
     SIZE_FIRST = "size_first"
     STATIC_FIRST = "static_first"
-
-
-@dataclass(frozen=True)
-class Group:
-    """A process group and the timeout of every wait on it."""
-
-    group: dist.ProcessGroup
-    timeout_s: float
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group)
-
-    @property
-    def size(self) -> int:
-        return dist.get_world_size(self.group)
-
-    def wait(self, works: list, what: str) -> None:
-        wait_all([w for w in works if w is not None], what, self.timeout_s, self.rank)
 
 
 @dataclass

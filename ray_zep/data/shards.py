@@ -5,10 +5,10 @@ length of each sequence, and where each sequence comes from (document and
 offset: the sample ids). Positions and labels are derived on the rank with
 vectorised numpy, never per document.
 
-Placement by strategy:
-- `single`: one shard holding the whole batch (the reference).
-- `dp`: rank r holds bin r of a rank-packed batch: whole sequences, at most L tokens.
-- every other strategy: its planner places the batch (`ray_zep.partition`) and
+Placement by `parallel.sequence` (ray_zep.parallel.axes):
+- the one-process reference: one shard holding the whole batch.
+- whole sequences: rank r holds bin r of a rank-packed batch, at most L tokens.
+- every planned placement: its planner places the batch (`ray_zep.partition`) and
   rank r holds the fragments of its plan layout, with explicit positions and
   next-token labels taken from the whole sequences (a fragment's last label is
   the first token of the next fragment, wherever that lives), and its slice of
@@ -21,17 +21,21 @@ Placement by strategy:
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
 from ray_zep.attention.varlen import positions_from_lengths
-from ray_zep.config import WHOLE_SEQUENCE_STRATEGIES, Config, Strategy
+from ray_zep.config import Config
 from ray_zep.constants import IGNORE_INDEX
 from ray_zep.costmodel import preset_rates
 from ray_zep.data.batching import GlobalBatch
 from ray_zep.errors import PlacementError
 from ray_zep.model.shapes import build_shape
+from ray_zep.moe.gate import RoutingGroups
+from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
 from ray_zep.partition import make_plan
 from ray_zep.partition.plan import AttentionPlan, Fragment
 from ray_zep.remap.layout import RankRemap, to_linear_layout
@@ -80,6 +84,8 @@ class RankShard:
     """This rank's part of the linear <-> attention layout transfer (`parallel.remap`)."""
     traffic: tuple[Traffic, Traffic] | None = None
     """Whole-job attention and remap bytes of the step, as `attention_step_parts` gives them."""
+    routing_groups: RoutingGroups | None = None
+    """The one-process reference: the MoE routing groups of the run it mirrors."""
 
     @property
     def num_tokens(self) -> int:
@@ -102,23 +108,25 @@ class RankShard:
         return labels
 
 
-def shard_batch(batch: GlobalBatch, strategy: Strategy, world: int) -> list[RankShard]:
-    """Split a global batch into the shards of every rank under `strategy`.
+def shard_batch(batch: GlobalBatch, placement: Placement, world: int) -> list[RankShard]:
+    """Split a global batch into the shards of every rank under a whole-sequence placement.
 
     Raises:
-        PlacementError: dp on a batch that was not rank-packed for `world` ranks.
+        PlacementError: a batch that was not rank-packed for `world` ranks, or a
+            planned placement (see `shard_for`).
     """
-    if strategy is Strategy.SINGLE:
+    axis = SEQUENCE_AXES[placement]
+    if axis.one_process:
         groups = [list(range(len(batch.pieces)))]
-    elif strategy in WHOLE_SEQUENCE_STRATEGIES:
+    elif axis.whole_sequences:
         if batch.bins is None or len(batch.bins) != world:
             raise PlacementError(
-                f"strategy {strategy.value} needs a batch rank-packed for {world} ranks "
+                f"parallel.sequence={axis.name} needs a batch rank-packed for {world} ranks "
                 "(data.packing=rank)"
             )
         groups = batch.bins
     else:
-        raise PlacementError(f"parallel.strategy={strategy.value} has no shard placement here")
+        raise PlacementError(f"parallel.sequence={axis.name} is planned: use shard_for")
     rank_tokens = tuple(int(sum(batch.pieces[i].length for i in g)) for g in groups)
     return [_shard(batch, rank, group, rank_tokens) for rank, group in enumerate(groups)]
 
@@ -143,19 +151,22 @@ def _shard(
 
 
 def shard_for(batch: GlobalBatch, config: Config, topology: Topology) -> list[RankShard]:
-    """Every rank's shard of `batch` under `config.parallel.strategy`.
+    """Every rank's shard of `batch` under `config.parallel.sequence`.
 
     Raises:
-        PlacementError: the batch does not fit the strategy's placement.
-        ConfigError: the strategy's rules (e.g. Ulysses head counts) fail.
+        PlacementError: the batch does not fit the placement.
+        ConfigError: the placement's rules (e.g. Ulysses head counts) fail.
     """
-    strategy = config.parallel.strategy
-    if strategy in (Strategy.SINGLE, *WHOLE_SEQUENCE_STRATEGIES):
-        world = 1 if strategy is Strategy.SINGLE else topology.world_size
-        return shard_batch(batch, strategy, world)
+    placement = config.parallel.sequence
+    axis = SEQUENCE_AXES[placement]
+    if axis.whole_sequences:
+        shards = shard_batch(batch, placement, 1 if axis.one_process else topology.world_size)
+        if axis.one_process and config.parallel.reference_layout is not None:
+            shards[0].routing_groups = reference_groups(batch, config, topology)
+        return shards
     shape = build_shape(config.model)
     plan = make_plan(
-        strategy, batch.lengths, topology, config.train.tokens_per_rank, shape, config.parallel
+        placement, batch.lengths, topology, config.train.tokens_per_rank, shape, config.parallel
     )
     rank_tokens = tuple(int(n) for n in plan.rank_tokens())
     shards = [_planned_shard(batch, plan, rank, rank_tokens) for rank in range(topology.world_size)]
@@ -173,6 +184,25 @@ def shard_for(batch: GlobalBatch, config: Config, topology: Topology) -> list[Ra
     for shard in shards:
         shard.traffic = traffic
     return shards
+
+
+def reference_groups(batch: GlobalBatch, config: Config, topology: Topology) -> RoutingGroups:
+    """The routing groups of the run the reference mirrors (`parallel.reference_layout`):
+    every rank's tokens in its linear layout, by their index in the reference's shard.
+
+    The mirrored run is sharded as the data actor shards it, on a copy of the batch
+    whose token ids are replaced by the tokens' indices.
+    """
+    bounds = np.cumsum([0, *(len(t) for t in batch.tokens)])
+    indexed = dataclasses.replace(
+        batch, tokens=[np.arange(a, b, dtype=np.int64) for a, b in itertools.pairwise(bounds)]
+    )
+    parallel = dataclasses.replace(
+        config.parallel, sequence=config.parallel.reference_layout, reference_layout=None
+    )
+    shards = shard_for(indexed, dataclasses.replace(config, parallel=parallel), topology)
+    order = [s.tokens.astype(np.int64) for s in shards]
+    return RoutingGroups(np.concatenate(order), tuple(len(o) for o in order))
 
 
 def _remap_shards(shards: list[RankShard], plan: RemapPlan) -> None:

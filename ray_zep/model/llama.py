@@ -129,6 +129,10 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         if self.pipeline is not None:
             return self.pipeline(self, x_TD, rope, seqs, attention)
+        return self.plain_forward(x_TD, rope, seqs, attention)
+
+    def plain_forward(self, x_TD, rope, seqs, attention) -> torch.Tensor:
+        """Attention, then the feed-forward, with no overlap."""
         h_TD = x_TD + self.attention(self.attention_norm(x_TD), rope, seqs, attention)
         return h_TD + self.feed_forward(self.ffn_norm(h_TD))
 
@@ -161,7 +165,7 @@ class Transformer(nn.Module):
             if name.endswith("norm.weight"):
                 nn.init.ones_(param)
             else:
-                residual = name.endswith(("wo.weight", "w2.weight", "feed_forward.w2"))
+                residual = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
                 std = residual_std if residual else INIT_STD
                 with torch.no_grad():
                     param.copy_(torch.randn(param.shape, generator=generator) * std)

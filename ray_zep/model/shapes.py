@@ -21,8 +21,8 @@ experts in every other block (top-2), for CPU runs.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import Any, Protocol
 
-from ray_zep.config import ModelConfig
 from ray_zep.errors import ConfigError
 
 
@@ -215,7 +215,20 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
-def build_shape(cfg: ModelConfig) -> ModelShape:
+class MoESpec(Protocol):
+    def overrides(self) -> dict[str, Any]: ...
+
+
+class ShapeSpec(Protocol):
+    """What `build_shape` reads: the `model` section of the config (`ModelConfig`)."""
+
+    preset: str
+    moe: MoESpec
+
+    def overrides(self) -> dict[str, Any]: ...
+
+
+def build_shape(cfg: ShapeSpec) -> ModelShape:
     """The preset named by `model.preset` with the explicitly set fields replaced.
 
     Raises:

@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ray_zep.collectives.comms import Group, all_to_all_v, exchange_rows, post_all_to_all
+from ray_zep.collectives.comms import all_to_all_v, exchange_rows, post_all_to_all
+from ray_zep.dist.group import Group
 
-ExpertFn = Callable[[torch.Tensor, int], torch.Tensor]
-"""(rows of one local expert, local expert index) -> that expert's outputs."""
+ExpertFn = Callable[[torch.Tensor, list[int]], torch.Tensor]
+"""(rows sorted by local expert, rows of each local expert) -> the experts' outputs, in
+the same order (one call for all local experts: `ray_zep.moe.layer.Experts`)."""
 
 
 class _AllToAll(torch.autograd.Function):
@@ -155,8 +157,8 @@ def padded_experts(buf_XCD: torch.Tensor, experts: ExpertFn, g: Group) -> torch.
     rows = [local * capacity] * g.size
     flat = buf_XCD.reshape(total * capacity, dim)
     got = all_to_all_rows(flat, rows, rows, g, "MoE dispatch").view(g.size, local, capacity, dim)
-    by_expert = got.transpose(0, 1).reshape(local, g.size * capacity, dim)
-    out = torch.stack([experts(by_expert[j], j) for j in range(local)])
+    by_expert = got.transpose(0, 1).reshape(local * g.size * capacity, dim)
+    out = experts(by_expert, [g.size * capacity] * local)
     back = out.view(local, g.size, capacity, dim).transpose(0, 1).reshape(-1, dim)
     return all_to_all_rows(back, rows, rows, g, "MoE combine").view(total, capacity, dim)
 
@@ -189,15 +191,19 @@ class Splits:
 def run_local_experts(got_ND: torch.Tensor, splits: Splits, experts: ExpertFn) -> torch.Tensor:
     """Outputs of the local experts on the rows a dispatch delivered, in the same order."""
     local = len(splits.recv[0]) if splits.recv else 0
+    sources = len(splits.recv)
     pieces = list(got_ND.split([n for source in splits.recv for n in source]))
+    if not pieces:
+        return got_ND
+    by_expert = [s * local + j for j in range(local) for s in range(sources)]
+    out = experts(
+        torch.cat([pieces[i] for i in by_expert]),
+        [sum(splits.recv[s][j] for s in range(sources)) for j in range(local)],
+    )
     outputs = [None] * len(pieces)
-    for j in range(local):
-        index = [s * local + j for s in range(len(splits.recv))]
-        sizes = [pieces[i].shape[0] for i in index]
-        out = experts(torch.cat([pieces[i] for i in index]), j)
-        for i, part in zip(index, out.split(sizes), strict=True):
-            outputs[i] = part
-    return torch.cat(outputs) if outputs else got_ND
+    for i, part in zip(by_expert, out.split([pieces[i].shape[0] for i in by_expert]), strict=True):
+        outputs[i] = part
+    return torch.cat(outputs)
 
 
 def varlen_experts(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -52,6 +53,24 @@ class Balance:
         total = max(self.tokens if tokens is None else tokens, 1)
         experts = counts.numel()
         return experts * (counts.float() / total * self.prob_sum_X / total).sum()
+
+
+@dataclass(frozen=True)
+class RoutingGroups:
+    """How the tokens of one MoE call split into routing groups (capacity is per group).
+
+    A distributed run routes each rank's tokens as one group; the one-process
+    reference routes the whole batch in the groups the run it mirrors forms
+    (`parallel.reference_layout`), so both drop exactly the same choices.
+
+    Attributes:
+        order: token indices in group order (within a group, the order that run
+            routes them in).
+        sizes: tokens of each group.
+    """
+
+    order: np.ndarray
+    sizes: tuple[int, ...]
 
 
 @dataclass(frozen=True)

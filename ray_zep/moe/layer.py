@@ -18,11 +18,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ray_zep.collectives.comms import Group
 from ray_zep.config import MoEDispatch as Dispatch
+from ray_zep.dist.group import Group
 from ray_zep.errors import ConfigError, PlacementError
 from ray_zep.moe import comms
-from ray_zep.moe.gate import Balance, Routing, expert_capacity, route
+from ray_zep.moe.gate import Balance, Routing, RoutingGroups, expert_capacity, route
+
+
+class Experts(nn.Module):
+    """The SwiGLU weights of a block's experts (this rank's share under EP).
+
+    Args:
+        experts: X (or X_l under expert parallelism).
+        hidden: F.
+        dim: D.
+    """
+
+    def __init__(self, experts: int, hidden: int, dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
+
+    def forward(self, rows_ND: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Expert j on the j-th run of `sizes[j]` rows (rows sorted by expert).
+
+        One call runs every expert, so a sharding wrapper (FSDP2) gathers the
+        weights once per call.
+        """
+        parts = rows_ND.split(sizes)
+        outs = [self._one(x_ND, j) for j, x_ND in enumerate(parts)]
+        return torch.cat(outs) if outs else rows_ND
+
+    def _one(self, x_ND: torch.Tensor, j: int) -> torch.Tensor:
+        w1, w3, w2 = self.w1[j], self.w3[j], self.w2[j]
+        return F.linear(F.silu(F.linear(x_ND, w1)) * F.linear(x_ND, w3), w2)
 
 
 class MoE(nn.Module):
@@ -52,18 +82,18 @@ class MoE(nn.Module):
         capacity_tokens: int | None = None,
     ) -> None:
         super().__init__()
-        self.experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
+        self.num_experts, self.top_k, self.capacity_factor = experts, top_k, capacity_factor
         if dispatch is Dispatch.AUTO:
             dispatch = Dispatch.PADDED if capacity_factor > 0 else Dispatch.VARLEN
         self.dispatch, self.capacity_tokens = dispatch, capacity_tokens
         self.gate = nn.Linear(dim, experts, bias=False)
-        self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
-        self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
-        self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.experts = Experts(experts, hidden, dim)
         self.ep: Group | None = None
         self.first_expert = 0
         self.balance: Balance | None = None
-        """Load-balancing statistics of the last forward (its routing group)."""
+        """Load-balancing statistics of the last forward (its routing groups)."""
+        self.routing_groups: RoutingGroups | None = None
+        """Routing groups of the next forward (None: all its tokens form one group)."""
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -71,6 +101,19 @@ class MoE(nn.Module):
         return self.balance.loss() if self.balance is not None else torch.zeros(())
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        groups = self.routing_groups
+        if groups is None:
+            return self._route_group(x_TD)
+        order_T = torch.as_tensor(groups.order, dtype=torch.int64, device=x_TD.device)
+        outs, balance = [], None
+        for part_TD in x_TD[order_T].split(list(groups.sizes)):
+            outs.append(self._route_group(part_TD))
+            balance = self.balance if balance is None else balance + self.balance
+        self.balance = balance
+        return x_TD.new_zeros(x_TD.shape).index_copy(0, order_T, torch.cat(outs))
+
+    def _route_group(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """One routing group: gate, capacity, dispatch, experts, combine."""
         capacity = self.capacity(x_TD.shape[0])
         routing = route(self.gate(x_TD), self.top_k, capacity)
         self.balance = routing.balance
@@ -83,34 +126,35 @@ class MoE(nn.Module):
         if self.capacity_tokens is None or (
             self.capacity_factor <= 0 and self.dispatch is Dispatch.VARLEN
         ):
-            return expert_capacity(tokens, self.experts, self.top_k, self.capacity_factor)
+            return expert_capacity(tokens, self.num_experts, self.top_k, self.capacity_factor)
         if self.capacity_factor <= 0 and tokens > self.capacity_tokens:
             raise PlacementError(
                 f"a rank holds {tokens} tokens, more than the {self.capacity_tokens} the "
                 "dropless capacity-padded MoE was sized for; raise capacity_tokens"
             )
-        return expert_capacity(self.capacity_tokens, self.experts, self.top_k, self.capacity_factor)
+        return expert_capacity(
+            self.capacity_tokens, self.num_experts, self.top_k, self.capacity_factor
+        )
 
     def sharded_parameter_names(self) -> dict[str, str]:
         """Parameters that differ between EP ranks, with a name unique to this shard."""
         if self.ep is None:
             return {}
-        last = self.first_expert + self.w1.shape[0] - 1
-        return {name: f"{name}.experts_{self.first_expert}_{last}" for name in ("w1", "w3", "w2")}
-
-    def expert(self, x_ND: torch.Tensor, local: int) -> torch.Tensor:
-        """SwiGLU of local expert `local` on its rows."""
-        w1, w3, w2 = self.w1[local], self.w3[local], self.w2[local]
-        return F.linear(F.silu(F.linear(x_ND, w1)) * F.linear(x_ND, w3), w2)
+        last = self.first_expert + self.experts.w1.shape[0] - 1
+        return {
+            f"experts.{name}": f"experts.{name}.experts_{self.first_expert}_{last}"
+            for name in ("w1", "w3", "w2")
+        }
 
     def _padded(self, x_TD: torch.Tensor, routing: Routing, capacity: int) -> torch.Tensor:
         kept, token_N = routing.kept_TK, _kept_tokens(routing)
-        buf_XCD = x_TD.new_zeros((self.experts, capacity, x_TD.shape[1]))
+        buf_XCD = x_TD.new_zeros((self.num_experts, capacity, x_TD.shape[1]))
         buf_XCD = buf_XCD.index_put((routing.expert_TK[kept], routing.slot_TK[kept]), x_TD[token_N])
         if self.ep is None:
-            out_XCD = torch.stack([self.expert(buf_XCD[e], e) for e in range(self.experts)])
+            sizes = [capacity] * self.num_experts
+            out_XCD = self.experts(buf_XCD.flatten(0, 1), sizes).view(buf_XCD.shape)
         else:
-            out_XCD = comms.padded_experts(buf_XCD, self.expert, self.ep)
+            out_XCD = comms.padded_experts(buf_XCD, self.experts, self.ep)
         picked_TKD = out_XCD[routing.expert_TK, routing.slot_TK.clamp_min(0)]
         return (picked_TKD * routing.weight_TK.unsqueeze(-1).to(x_TD.dtype)).sum(1)
 
@@ -120,13 +164,12 @@ class MoE(nn.Module):
         if self.ep is None:
             out_ND = self.all_experts(rows_ND, routing.counts_X)
         else:
-            out_ND = comms.varlen_experts(rows_ND, routing.counts_X, self.expert, self.ep)
+            out_ND = comms.varlen_experts(rows_ND, routing.counts_X, self.experts, self.ep)
         return choices.combine(out_ND, x_TD)
 
     def all_experts(self, rows_ND: torch.Tensor, counts_X: torch.Tensor) -> torch.Tensor:
         """Every expert (all held here) on rows sorted by expert, counts_X rows each."""
-        parts = rows_ND.split(counts_X.tolist())
-        return torch.cat([self.expert(p, e) for e, p in enumerate(parts)])
+        return self.experts(rows_ND, counts_X.tolist())
 
 
 @dataclass(frozen=True)
@@ -167,18 +210,18 @@ def shard_experts(moe: MoE, ep: Group) -> None:
         ConfigError: the experts do not divide evenly over the group, or padded
             dispatch has no fixed capacity.
     """
-    if moe.experts % ep.size:
+    if moe.num_experts % ep.size:
         raise ConfigError(
-            f"model.moe.num_experts={moe.experts} must be divisible by parallel.ep={ep.size}"
+            f"model.moe.num_experts={moe.num_experts} must be divisible by parallel.ep={ep.size}"
         )
     if moe.dispatch is Dispatch.PADDED and moe.capacity_tokens is None and ep.size > 1:
         raise ConfigError(
             "capacity-padded expert parallelism needs the same capacity on every rank: "
             "give the MoE layer capacity_tokens"
         )
-    local = moe.experts // ep.size
+    local = moe.num_experts // ep.size
     first = ep.rank * local
     for name in ("w1", "w3", "w2"):
-        full = getattr(moe, name)
-        setattr(moe, name, nn.Parameter(full.detach()[first : first + local].clone()))
+        full = getattr(moe.experts, name)
+        setattr(moe.experts, name, nn.Parameter(full.detach()[first : first + local].clone()))
     moe.ep, moe.first_expert = ep, first

@@ -9,6 +9,7 @@ other parameter is summed over all ranks as before.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -16,17 +17,19 @@ import torch.distributed as dist
 from torch import nn
 
 from ray_zep.collectives.comms import (
-    Group,
     all_reduce_sum_,
     gradients_or_zeros,
     reduce_in_one_buffer_,
 )
 from ray_zep.config import Config, MoEDispatch, MoEPipeline
+from ray_zep.dist import Comm
+from ray_zep.dist.group import Group
 from ray_zep.errors import ConfigError
-from ray_zep.mesh import Comm
 from ray_zep.moe.gate import Balance
 from ray_zep.moe.layer import MoE, shard_experts
 from ray_zep.moe.pipeline import FoldedForward
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,11 +46,11 @@ class ExpertGroups:
 
     @classmethod
     def build(cls, comm: Comm, ep: int, experts: int) -> ExpertGroups:
-        """Create every EP and replica group (collective: every rank calls it).
+        """This rank's EP and replica groups, from those the Comm was built with.
 
         Raises:
-            ConfigError: ep does not divide the ranks or the experts; the
-                message prints every factor.
+            ConfigError: ep does not divide the ranks or the experts (the message
+                prints every factor), or the Comm has no EP groups.
         """
         world = comm.world_size
         if world % ep or experts % ep:
@@ -56,18 +59,9 @@ class ExpertGroups:
                 f"{comm.topology.nodes} x topology.gpus_per_node={comm.topology.gpus_per_node}) "
                 f"and model.moe.num_experts={experts}"
             )
-        mine_ep = mine_replicas = None
-        for first in range(0, world, ep):
-            group = dist.new_group(list(range(first, first + ep)), timeout=comm.timeout)
-            if first <= comm.rank < first + ep:
-                mine_ep = group
-        for offset in range(ep):
-            members = list(range(offset, world, ep))
-            group = dist.new_group(members, timeout=comm.timeout) if len(members) > 1 else None
-            if comm.rank % ep == offset:
-                mine_replicas = group
-        replicas = Group(mine_replicas, comm.timeout_s) if mine_replicas is not None else None
-        return cls(Group(mine_ep, comm.timeout_s), replicas)
+        if comm.groups.ep is None or comm.groups.ep.size != ep:
+            raise ConfigError(f"parallel.ep={ep}: the Comm was built without EP groups of {ep}")
+        return cls(comm.groups.ep, comm.groups.ep_replicas)
 
 
 @dataclass
@@ -111,10 +105,21 @@ def parallelize_experts(model: nn.Module, comm: Comm, config: Config) -> ExpertP
                 "model.moe.num_experts or an MoE model.preset (tiny_moe, gpt_moe_m, ...)"
             )
         return ExpertParallel(None, [])
+    # capacity per rank's tokens (L), as the reference routes the mirrored ranks' groups;
+    # a reference that mirrors no run routes the whole batch as one group, sized for it
+    one_group = config.parallel.sequence_axis.one_process and not config.parallel.reference_layout
     for moe in layers:
         moe.dispatch = _dispatch(config, moe)
-        moe.capacity_tokens = config.train.tokens_per_rank
+        moe.capacity_tokens = None if one_group else config.train.tokens_per_rank
     parallel = config.parallel
+    slicing = parallel.moe_pipeline in (MoEPipeline.AAAM, MoEPipeline.ONE_A_ONE_M)
+    if slicing and not parallel.sequence_axis.local_attention_only and comm.rank == 0:
+        log.info(
+            "parallel.moe_pipeline=%s: parallel.sequence=%s spreads attention over ranks, so "
+            "MoE blocks overlap only their MoE micro-batches (as moe_only)",
+            parallel.moe_pipeline.value,
+            parallel.sequence.value,
+        )
     if parallel.moe_pipeline is not MoEPipeline.NONE:
         pipeline = FoldedForward(
             parallel.moe_pipeline, parallel.moe_overlap_degree, parallel.moe_uniform_slicing
@@ -124,10 +129,10 @@ def parallelize_experts(model: nn.Module, comm: Comm, config: Config) -> ExpertP
                 block.pipeline = pipeline
     if ep == 1 or not comm.distributed:
         return ExpertParallel(None, [])
-    groups = ExpertGroups.build(comm, ep, layers[0].experts)
+    groups = ExpertGroups.build(comm, ep, layers[0].num_experts)
     for moe in layers:
         shard_experts(moe, groups.ep)
-    return ExpertParallel(groups, [p for moe in layers for p in (moe.w1, moe.w3, moe.w2)])
+    return ExpertParallel(groups, [p for moe in layers for p in moe.experts.parameters()])
 
 
 def _dispatch(config: Config, moe: MoE) -> MoEDispatch:

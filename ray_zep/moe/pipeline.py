@@ -48,11 +48,14 @@ class TokenBuffer:
         self._pieces: list[torch.Tensor] = []
 
     def push(self, rows: torch.Tensor) -> None:
-        if rows.shape[0]:
-            self._pieces.append(rows)
+        # Empty pieces stay: an empty micro-batch must still hang off the block's
+        # input in the autograd graph, as on ranks with tokens, so that a sharding
+        # wrapper's backward hooks (FSDP2's) fire in the same order on every rank.
+        self._pieces.append(rows)
 
     def take(self, count: int, like: torch.Tensor) -> torch.Tensor:
-        """The oldest `count` rows (the buffer must hold them)."""
+        """The oldest `count` rows (the buffer must hold them); never a tensor cut off
+        from the graph, even when `count` is 0 (`like`: the block's input)."""
         taken, need = [], count
         while need:
             piece = self._pieces[0]
@@ -63,7 +66,9 @@ class TokenBuffer:
                 taken.append(piece[:need])
                 self._pieces[0] = piece[need:]
                 need = 0
-        return torch.cat(taken) if taken else like.new_zeros((0, *like.shape[1:]))
+        if taken:
+            return torch.cat(taken)
+        return self._pieces[0][:0] if self._pieces else like[:0]
 
 
 @dataclass
@@ -168,7 +173,7 @@ class _Run:
             batch.in_flight = moe.all_experts(batch.in_flight, batch.counts_X)
             return
         got_ND, self.order = comms.wait_rows(batch.in_flight, batch.ticket, self.order)
-        out_ND = comms.run_local_experts(got_ND, batch.splits, moe.expert)
+        out_ND = comms.run_local_experts(got_ND, batch.splits, moe.experts)
         splits = batch.splits
         batch.in_flight, batch.ticket, self.order = comms.post_rows(
             out_ND,
@@ -227,6 +232,7 @@ class FoldedForward:
             )
         self.schedule, self.degree, self.uniform = schedule, degree, uniform_slicing
         self.program = build_program(schedule, degree)
+        self.unsliced_program = build_program(MoEPipeline.MOE_ONLY, degree)
         self.last_slices: list[int] = []
         """Attention slices of the last call (for logs and tests)."""
 
@@ -240,12 +246,12 @@ class FoldedForward:
         return token_uniform_slices(tokens, self.degree)
 
     def __call__(self, block, x_TD, rope, seqs: PackedSeqs | None, attention) -> torch.Tensor:
-        sliced = attention_slices(self.schedule, self.degree) > 1
-        if seqs is None and sliced:
-            raise ConfigError(
-                f"parallel.moe_pipeline={self.schedule.value} slices attention, which needs "
-                "attention local to each rank (parallel.strategy single or dp)"
-            )
+        # Attention through the engine (seqs None: sequences span ranks) runs whole, and
+        # the block overlaps only its MoE micro-batches, as moe_only does.
+        if block.feed_forward.routing_groups is not None:  # the reference: nothing to overlap
+            return block.plain_forward(x_TD, rope, seqs, attention)
+        sliced = attention_slices(self.schedule, self.degree) > 1 and seqs is not None
+        program = self.program if sliced else self.unsliced_program
         moe: MoE = block.feed_forward
         tokens = x_TD.shape[0]
         attn = block.attention
@@ -264,7 +270,7 @@ class FoldedForward:
         self.last_slices = run.slices
         if not sliced:
             self._whole_attention(run, block, attention)
-        for step in self.program:
+        for step in program:
             if sliced or step.kind is not Kind.ATTEND:
                 run.play(step)
         moe.balance = run.balance

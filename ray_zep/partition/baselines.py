@@ -26,6 +26,7 @@ import numpy as np
 
 from ray_zep.errors import ConfigError
 from ray_zep.model.shapes import ModelShape
+from ray_zep.parallel.axes import Placement
 from ray_zep.partition.fill import check_total, water_fill
 from ray_zep.partition.plan import (
     AttentionPlan,
@@ -45,10 +46,10 @@ def plan_global_ring(
 ) -> AttentionPlan:
     """te_cp (ring exchange) or llama_cp (all-gather exchange)."""
     started = time.perf_counter()
-    name = "te_cp" if exchange is Exchange.RING else "llama_cp"
+    name = Placement.TE_CP if exchange is Exchange.RING else Placement.LLAMA_CP
     lengths = np.asarray(lengths, dtype=np.int64)
     world = topology.world_size
-    check_total(lengths, world, tokens_per_rank, name)
+    check_total(lengths, world, tokens_per_rank, name.value)
     free = np.full(world, tokens_per_rank, dtype=np.int64)
     ranks = tuple(range(world))
     placements = []
@@ -66,7 +67,7 @@ def plan_hybrid_dp(lengths: np.ndarray, topology: Topology, tokens_per_rank: int
     started = time.perf_counter()
     lengths = np.asarray(lengths, dtype=np.int64)
     world = topology.world_size
-    check_total(lengths, world, tokens_per_rank, "hybrid_dp")
+    check_total(lengths, world, tokens_per_rank, Placement.HYBRID_DP.value)
     free = np.full(world, tokens_per_rank, dtype=np.int64)
     flops = np.zeros(world, dtype=np.float64)
     placements: list[SeqPlacement | None] = [None] * len(lengths)
@@ -88,7 +89,7 @@ def plan_hybrid_dp(lengths: np.ndarray, topology: Topology, tokens_per_rank: int
         flops[chosen] += counts.astype(np.float64) * n
         ranks = tuple(int(r) for r in chosen)
         placements[seq] = SeqPlacement(seq, n, ranks, bounds_for_counts(counts.tolist()))
-    return _finish("hybrid_dp", topology, tokens_per_rank, placements, started)
+    return _finish(Placement.HYBRID_DP, topology, tokens_per_rank, placements, started)
 
 
 def _most_free(count: int, tokens: int, free: np.ndarray) -> np.ndarray:
@@ -154,10 +155,10 @@ def plan_ulysses_ring(
 ) -> AttentionPlan:
     """ulysses (degree = world) or usp (ring over world / degree groups of `degree` ranks)."""
     started = time.perf_counter()
-    name = "ulysses" if degree == topology.world_size else "usp"
+    name = Placement.ULYSSES if degree == topology.world_size else Placement.USP
     lengths = np.asarray(lengths, dtype=np.int64)
     world = topology.world_size
-    check_total(lengths, world, tokens_per_rank, name)
+    check_total(lengths, world, tokens_per_rank, name.value)
     ring = world // degree
     free = np.full(world, tokens_per_rank, dtype=np.int64)
     ranks = tuple(range(world))
@@ -183,7 +184,7 @@ def plan_ulysses_ring(
 
 
 def _finish(
-    name: str,
+    name: Placement,
     topology: Topology,
     tokens_per_rank: int,
     placements: list,

@@ -39,13 +39,13 @@ def water_fill(total: int, free: np.ndarray) -> np.ndarray:
     return shares
 
 
-def check_total(lengths: np.ndarray, world: int, tokens_per_rank: int, strategy: str) -> None:
+def check_total(lengths: np.ndarray, world: int, tokens_per_rank: int, planner: str) -> None:
     """Refuse a batch larger than the ranks can hold."""
     total = int(lengths.sum())
     if total > world * tokens_per_rank:
         raise PlacementError(
-            f"{strategy}: the batch has {total} tokens but {world} ranks x "
+            f"{planner}: the batch has {total} tokens but {world} ranks x "
             f"train.tokens_per_rank={tokens_per_rank} hold {world * tokens_per_rank}"
         )
     if lengths.size and int(lengths.min()) < 1:
-        raise PlacementError(f"{strategy}: sequence lengths must be >= 1")
+        raise PlacementError(f"{planner}: sequence lengths must be >= 1")

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ray_zep.errors import PlacementError
+from ray_zep.parallel.axes import Placement
 from ray_zep.topology import LinkKind, Topology
 
 
@@ -184,14 +185,14 @@ class AttentionPlan:
     """Placement of one global batch.
 
     Attributes:
-        strategy: the planner that made it.
+        planner: the placement whose planner made it.
         topology: the cluster it is for.
         tokens_per_rank: L, the hard token capacity of a rank.
         placements: one per sequence, `placements[i].seq == i` (unless sliced).
         planner_seconds: wall time of the planner.
     """
 
-    strategy: str
+    planner: Placement
     topology: Topology
     tokens_per_rank: int
     placements: tuple[SeqPlacement, ...]
@@ -219,7 +220,7 @@ class AttentionPlan:
         """The part of the plan `rank` needs to execute: the placements of its groups."""
         mine = tuple(p for p in self.placements if rank in p.ranks)
         return AttentionPlan(
-            self.strategy,
+            self.planner,
             self.topology,
             self.tokens_per_rank,
             mine,
@@ -287,7 +288,7 @@ class AttentionPlan:
         if over.size:
             rank = int(over[0])
             raise PlacementError(
-                f"{self.strategy} placed {int(tokens[rank])} tokens on rank {rank}, "
+                f"{self.planner.value} placed {int(tokens[rank])} tokens on rank {rank}, "
                 f"over train.tokens_per_rank={self.tokens_per_rank}"
             )
 

@@ -56,6 +56,7 @@ import numpy as np
 from ray_zep.config import ZonePolicy
 from ray_zep.costmodel import CostModel
 from ray_zep.errors import PlacementError
+from ray_zep.parallel.axes import Placement
 from ray_zep.partition.fill import check_total, water_fill
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts
 from ray_zep.topology import LinkKind, Topology
@@ -127,7 +128,7 @@ def plan_zeppelin(
     """
     started = time.perf_counter()
     lengths = np.asarray(lengths, dtype=np.int64)
-    check_total(lengths, topology.world_size, tokens_per_rank, "zeppelin")
+    check_total(lengths, topology.world_size, tokens_per_rank, Placement.ZEPPELIN.value)
     rules = _Rules(
         policy,
         lengths,
@@ -162,7 +163,7 @@ def plan_zeppelin(
         placements.append(
             SeqPlacement(seq, length, ranks, bounds_for_counts([c for _, c in ranked]))
         )
-    plan = AttentionPlan("zeppelin", topology, tokens_per_rank, tuple(placements))
+    plan = AttentionPlan(Placement.ZEPPELIN, topology, tokens_per_rank, tuple(placements))
     plan.planner_seconds = time.perf_counter() - started
     return plan
 

@@ -4,11 +4,11 @@ The model is a chain of units: the token embedding, each block, then the
 final norm with the output projection. The units are cut into P contiguous
 shards of about equal parameter count, one per device.
 
-TawPipe groups the devices by node (D groups of G) and interleaves the owners
-so consecutive shards live in different groups: shard s belongs to group
-s mod D, on the device with local index s div D (device P_i of group g_k owns
-W_((D*i + k) mod P) in the paper's numbering). The ring and global baselines
-give shard s to device s.
+TawPipe (grouped passing) groups the devices by node (D groups of G) and
+interleaves the owners so consecutive shards live in different groups: shard s
+belongs to group s mod D, on the device with local index s div D (device P_i of
+group g_k owns W_((D*i + k) mod P) in the paper's numbering). The ring baseline
+(and the simulator's flat layout of the FSDP comparison) gives shard s to device s.
 """
 
 from __future__ import annotations
@@ -18,11 +18,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ray_zep.config import Strategy
 from ray_zep.errors import ConfigError
-
-WEIGHT_PASSING = (Strategy.TAWPIPE, Strategy.WEIPIPE, Strategy.FSDP)
-"""Strategies whose devices borrow weight shards instead of holding the whole model."""
+from ray_zep.parallel.axes import Passing
 
 
 def model_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
@@ -41,7 +38,7 @@ def cut_shards(unit_sizes: list[int], devices: int) -> list[range]:
     """
     if len(unit_sizes) < devices:
         raise ConfigError(
-            f"config key model.n_layers: a weight-passing strategy gives every one of the "
+            f"config key model.n_layers: a weight-passing mode gives every one of the "
             f"{devices} devices a shard of whole layers, but the model has only "
             f"{len(unit_sizes)} units (embedding, {len(unit_sizes) - 2} blocks, output); "
             f"use at least {devices - 2} layers or fewer devices"
@@ -60,27 +57,27 @@ def cut_shards(unit_sizes: list[int], devices: int) -> list[range]:
 
 @dataclass(frozen=True)
 class WeightLayout:
-    """Owners of the shards and the device groups of one strategy.
+    """Owners of the shards and the device groups of one way of passing weights.
 
     Attributes:
-        strategy: tawpipe, weipipe or fsdp.
+        passing: grouped (TawPipe) or ring (WeiPipe-style); None: one flat group.
         units: unit ranges of each shard.
         owners: device that owns each shard.
         groups: devices of each group (TawPipe: one per node; else one group).
     """
 
-    strategy: Strategy
+    passing: Passing | None
     units: tuple[range, ...]
     owners: tuple[int, ...]
     groups: tuple[tuple[int, ...], ...]
 
     @classmethod
     def build(
-        cls, strategy: Strategy, unit_sizes: list[int], nodes: int, gpus_per_node: int
+        cls, passing: Passing | None, unit_sizes: list[int], nodes: int, gpus_per_node: int
     ) -> WeightLayout:
         devices = nodes * gpus_per_node
         units = tuple(cut_shards(unit_sizes, devices))
-        if strategy is Strategy.TAWPIPE:
+        if passing is Passing.GROUPED:
             owners = tuple((s % nodes) * gpus_per_node + s // nodes for s in range(devices))
             groups = tuple(
                 tuple(range(n * gpus_per_node, (n + 1) * gpus_per_node)) for n in range(nodes)
@@ -88,7 +85,7 @@ class WeightLayout:
         else:
             owners = tuple(range(devices))
             groups = (tuple(range(devices)),)
-        return cls(strategy, units, owners, groups)
+        return cls(passing, units, owners, groups)
 
     @property
     def shards(self) -> int:

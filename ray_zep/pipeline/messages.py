@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 
-from ray_zep.config import Strategy
+from ray_zep.parallel.axes import Passing
 from ray_zep.pipeline.layout import WeightLayout
 from ray_zep.topology import Topology
 from ray_zep.traffic import Traffic
@@ -27,7 +27,7 @@ def _chain(members: list[int], first: int) -> list[Message]:
 def fetch_messages(layout: WeightLayout, shard: int) -> list[Message]:
     """Messages that bring `shard` from its owner to every device."""
     owner = layout.owners[shard]
-    if layout.strategy is not Strategy.TAWPIPE:
+    if layout.passing is not Passing.GROUPED:
         return _chain(list(range(len(layout.owners))), owner)
     roots = [layout.root(shard, g) for g in range(len(layout.groups))]
     messages = _chain(roots, owner)
@@ -38,7 +38,7 @@ def fetch_messages(layout: WeightLayout, shard: int) -> list[Message]:
 
 def reduce_messages(layout: WeightLayout, shard: int) -> list[Message]:
     """Messages that sum `shard`'s gradient at its owner."""
-    if layout.strategy is Strategy.WEIPIPE:
+    if layout.passing is Passing.RING:
         devices = len(layout.owners)
         return _chain(list(range(devices)), (layout.owners[shard] + 1) % devices)
     return [(dst, src) for src, dst in fetch_messages(layout, shard)]

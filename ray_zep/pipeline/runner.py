@@ -1,4 +1,4 @@
-"""One training step under a weight-passing strategy, shard by shard.
+"""One training step under a weight-passing mode (tawpipe, weipipe), shard by shard.
 
 Forward runs the shards in order, each on a detached copy of the previous
 shard's output, so backward can run them one at a time in reverse with the
@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from ray_zep.attention.varlen import PackedSeqs
-from ray_zep.config import Strategy
 from ray_zep.constants import IGNORE_INDEX
+from ray_zep.dist import Comm
 from ray_zep.errors import ConfigError
-from ray_zep.mesh import Comm
 from ray_zep.model.llama import Transformer, rope_tables
+from ray_zep.parallel.axes import WEIGHTS_AXES, WeightsMode
 from ray_zep.pipeline.layout import WeightLayout, model_units
 from ray_zep.pipeline.messages import step_traffic
 from ray_zep.pipeline.transport import Pending, Transport
@@ -39,17 +39,17 @@ class WeightPipeline:
         model: the full model, initialised identically on every device; the
             shards other devices own are released.
         comm: this device's process group and topology.
-        strategy: tawpipe, weipipe or fsdp.
+        mode: tawpipe or weipipe.
     """
 
     def __init__(
-        self, model: Transformer, comm: Comm, strategy: Strategy, recompute: bool = True
+        self, model: Transformer, comm: Comm, mode: WeightsMode, recompute: bool = True
     ) -> None:
         if model.shape.moe_experts:
             raise ConfigError(
                 f"config key model.moe.num_experts={model.shape.moe_experts}: "
-                f"parallel.strategy={strategy.value} passes the weights of dense models; "
-                "use parallel.strategy=dp (with parallel.ep) for MoE models"
+                f"parallel.weights={mode.value} passes the weights of dense models; "
+                "shard an MoE model with parallel.weights=fsdp or keep it replicated"
             )
         sizes = [
             sum(p.numel() for m in modules for p in m.parameters())
@@ -57,7 +57,7 @@ class WeightPipeline:
         ]
         topology = comm.topology
         nodes, gpus = (topology.nodes, topology.gpus_per_node) if comm.distributed else (1, 1)
-        self.layout = WeightLayout.build(strategy, sizes, nodes, gpus)
+        self.layout = WeightLayout.build(WEIGHTS_AXES[mode].passing, sizes, nodes, gpus)
         self.model = model
         self.recompute = recompute
         self.weights = ShardedWeights(model, self.layout, comm.rank)

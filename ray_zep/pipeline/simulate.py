@@ -7,14 +7,17 @@ intra-node link, serve transfers first-come first-served; a transfer takes
 `latency x hops + bytes / bandwidth` (NCCL's pipelined ring for broadcast and
 reduce). The compute stream waits where the runner waits.
 
-What each strategy's transport costs (B: shard bytes, D nodes, G GPUs each):
+What each mode's transport costs (B: shard bytes, D nodes, G GPUs each):
 
 - tawpipe: fetch = broadcast over the owner's rail (D devices, B per NIC,
   async), then a broadcast in the node (B per GPU, blocking when the shard is
   taken); gradient = reduce in the node (async), then over the rail (async,
   posted one shard later).
-- fsdp: broadcast from / reduce to the owner over every GPU (one pipelined
-  ring: B per NIC, async).
+- fsdp: the comparison the TawPipe paper draws: every unit all-gathered over
+  all GPUs before it computes (forward, and again in backward) and its
+  gradient reduce-scattered, each one pipelined ring collective moving B per
+  NIC, async. ray_zep trains this mode with torch's FSDP2 (parallel.weights=
+  fsdp), which runs the same collectives per transformer block.
 - weipipe: the executor's ring relay is store and forward: the owner's send
   runs async, every further hop waits for the one before, while the devices
   wait in the runner (P - 2 hops on the compute stream, for shards and for
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ray_zep.config import Strategy
 from ray_zep.costmodel import (
     BACKWARD_ATTENTION_FACTOR,
     BACKWARD_LINEAR_FACTOR,
@@ -43,6 +45,7 @@ from ray_zep.costmodel import (
     linear_flops_per_token,
 )
 from ray_zep.model.shapes import ModelShape
+from ray_zep.parallel.axes import WEIGHTS_AXES, Passing, WeightsMode
 from ray_zep.pipeline.layout import WeightLayout
 from ray_zep.pipeline.messages import Message, fetch_messages, reduce_messages
 
@@ -153,7 +156,7 @@ def shard_compute(work: Workload, rates: ComputeRates, units: range) -> tuple[fl
 
 @dataclass(frozen=True)
 class Transfer:
-    """One shard's fetch or gradient sum under a strategy.
+    """One shard's fetch or gradient sum under a weights mode.
 
     Attributes:
         posted: (link, seconds) parts that run async from the post, in order.
@@ -192,20 +195,20 @@ def _volume(messages: list[Message], size: float, gpus_per_node: int) -> dict[st
 
 
 def transfers(
-    strategy: Strategy, layout: WeightLayout, sizes: list[int], c: WeightCluster, shard: int
+    mode: WeightsMode, layout: WeightLayout, sizes: list[int], c: WeightCluster, shard: int
 ) -> tuple[Transfer, Transfer]:
     """(fetch, gradient sum) of one shard."""
     size = WEIGHT_BYTES * sum(sizes[u] for u in layout.units[shard])
     d, g, p = c.nodes, c.gpus_per_node, c.devices
     fetched = _volume(fetch_messages(layout, shard), size, g)
     summed = _volume(reduce_messages(layout, shard), size, g)
-    if strategy is Strategy.TAWPIPE:
+    if layout.passing is Passing.GROUPED:
         rail, node = ("nic", _ring(c, d, size, "nic")), ("intra", _ring(c, g, size, "intra"))
         return (
             Transfer(posted=(rail,), blocking=(node,), **fetched),
             Transfer(posted=(node,), relayed=(rail,), **summed),
         )
-    if strategy is Strategy.FSDP:
+    if WEIGHTS_AXES[mode].fsdp:
         link = "nic" if d > 1 else "intra"
         whole = (link, max(_ring(c, p, size, link), _ring(c, g, size, "intra")))
         return Transfer(posted=(whole,), **fetched), Transfer(posted=(whole,), **summed)
@@ -260,12 +263,12 @@ class StepModel:
         return self.tokens / self.seconds
 
 
-def simulate_step(strategy: Strategy, work: Workload, c: WeightCluster) -> StepModel:
-    """The runner's program for one step (module docstring)."""
+def simulate_step(mode: WeightsMode, work: Workload, c: WeightCluster) -> StepModel:
+    """The runner's program for one step (module docstring): tawpipe, weipipe or fsdp."""
     sizes = unit_sizes(work.shape)
-    layout = WeightLayout.build(strategy, sizes, c.nodes, c.gpus_per_node)
+    layout = WeightLayout.build(WEIGHTS_AXES[mode].passing, sizes, c.nodes, c.gpus_per_node)
     count = layout.shards
-    plan = [transfers(strategy, layout, sizes, c, s) for s in range(count)]
+    plan = [transfers(mode, layout, sizes, c, s) for s in range(count)]
     compute = [shard_compute(work, c.rates, layout.units[s]) for s in range(count)]
     links, t, busy = _Links(), 0.0, 0.0
     ready: dict[int, float] = {}
@@ -359,7 +362,7 @@ def sequences_that_fit(
     activations of one shard (recompute) or of every block, with the head's logits.
     """
     sizes = unit_sizes(shape)
-    layout = WeightLayout.build(Strategy.TAWPIPE, sizes, c.nodes, c.gpus_per_node)
+    layout = WeightLayout.build(Passing.GROUPED, sizes, c.nodes, c.gpus_per_node)
     largest = max(sum(sizes[u] for u in units) for units in layout.units)
     fixed = (OPTIMIZER_BYTES + 5 * WEIGHT_BYTES) * largest
     blocks = max(len(units) for units in layout.units) if recompute else shape.n_layers

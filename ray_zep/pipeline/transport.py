@@ -13,7 +13,6 @@ waited on within the configured timeout.
 - ring (WeiPipe-style): the shard is relayed around a ring of all devices
   starting at its owner; the gradient travels the same ring, each device
   adding its own, and ends at the owner.
-- global (FSDP-style): broadcast from the owner to all devices, reduce to it.
 """
 
 from __future__ import annotations
@@ -23,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ray_zep.config import Strategy
-from ray_zep.mesh import Comm
+from ray_zep.dist import Comm
+from ray_zep.errors import CommError
+from ray_zep.parallel.axes import Passing
 from ray_zep.pipeline.layout import WeightLayout
 
 FETCH_TAG, GRADIENT_TAG = 0, 1
@@ -54,31 +54,23 @@ class Transport:
         self.rail = self.world
         """TawPipe: the devices at this device's local index, one per group."""
         if len(layout.groups) > 1:
-            for index, members in enumerate(layout.groups):
-                pg = dist.new_group(list(members), timeout=comm.timeout)
-                if index == self.group_index:
-                    self.group = pg
-            local = layout.groups[self.group_index].index(self.rank)
-            for i in range(len(layout.groups[0])):
-                pg = dist.new_group([g[i] for g in layout.groups], timeout=comm.timeout)
-                if i == local:
-                    self.rail = pg
+            # TawPipe's groups are the nodes, so its rails are the topology's rails
+            if comm.groups.node is None or comm.groups.rail is None:
+                raise CommError("grouped weight passing needs the Comm's node and rail groups")
+            self.group = comm.groups.node.group
+            self.rail = comm.groups.rail.group
 
     # --- shards -----------------------------------------------------------------
 
     def post_fetch(self, shard: int, flat: torch.Tensor) -> Pending:
         """Start bringing `shard` into `flat` (the owner has packed it there)."""
-        strategy = self.layout.strategy
         pending = Pending(shard, flat)
         if self.comm.world_size == 1:
             return pending
-        if strategy is Strategy.TAWPIPE:
+        if self.layout.passing is Passing.GROUPED:
             self._post_grouped_fetch(pending)
-        elif strategy is Strategy.WEIPIPE:
-            self._post_ring_fetch(pending)
         else:
-            owner = self.layout.owners[shard]
-            pending.works.append(dist.broadcast(flat, src=owner, group=self.world, async_op=True))
+            self._post_ring_fetch(pending)
         return pending
 
     def finish_fetch(self, pending: Pending) -> torch.Tensor:
@@ -87,12 +79,12 @@ class Transport:
         pending.works = []
         if self.comm.world_size == 1:
             return pending.buffer
-        if self.layout.strategy is Strategy.TAWPIPE:
+        if self.layout.passing is Passing.GROUPED:
             root = self.layout.root(pending.shard, self.group_index)
             if len(self.layout.groups[self.group_index]) > 1:
                 work = dist.broadcast(pending.buffer, src=root, group=self.group, async_op=True)
                 self.comm.wait([work], f"broadcasting weight shard {pending.shard} in the node")
-        elif self.layout.strategy is Strategy.WEIPIPE:
+        else:
             after = self._ring_next(self.rank)
             if (
                 self.rank != self.layout.owners[pending.shard]
@@ -125,17 +117,16 @@ class Transport:
 
     def post_reduce(self, shard: int, grad: torch.Tensor) -> Pending:
         """Start summing every device's gradient of `shard` towards its owner (the
-        node reduce, the ring's first send, or the whole FSDP reduce)."""
+        node reduce or the ring's first send)."""
         pending = Pending(shard, grad)
         if self.comm.world_size == 1:
             return pending
         owner = self.layout.owners[shard]
-        strategy = self.layout.strategy
-        if strategy is Strategy.TAWPIPE:
+        if self.layout.passing is Passing.GROUPED:
             root = self.layout.root(shard, self.group_index)
             if len(self._members()) > 1:
                 pending.works.append(dist.reduce(grad, dst=root, group=self.group, async_op=True))
-        elif strategy is Strategy.WEIPIPE:
+        else:
             first = self._ring_next(owner)
             if self.rank == first:
                 after = self._ring_next(self.rank)
@@ -147,8 +138,6 @@ class Transport:
                 pending.works.append(
                     dist.irecv(partial, before, group=self.world, tag=GRADIENT_TAG)
                 )
-        else:
-            pending.works.append(dist.reduce(grad, dst=owner, group=self.world, async_op=True))
         return pending
 
     def relay_reduce(self, pending: Pending) -> None:
@@ -156,12 +145,12 @@ class Transport:
         the reduce over the rail; in the ring each device adds its gradient to the
         partial sum that arrived and passes it on."""
         pending.relayed = True
-        if self.comm.world_size == 1 or self.layout.strategy is Strategy.FSDP:
+        if self.comm.world_size == 1:
             return
         what = f"summing the gradient of weight shard {pending.shard}"
         self.comm.wait(pending.works, what)
         pending.works = []
-        if self.layout.strategy is Strategy.TAWPIPE:
+        if self.layout.passing is Passing.GROUPED:
             root = self.layout.root(pending.shard, self.group_index)
             if len(self.layout.groups) > 1 and self.rank == root:
                 owner = self.layout.owners[pending.shard]

@@ -26,11 +26,11 @@ from collections import Counter
 import torch
 
 from ray_zep.attention.comms import exchange
-from ray_zep.mesh import Comm
+from ray_zep.attention.links import Links
 from ray_zep.remap.layout import RankRemap
 
 
-def _move(x_TC: torch.Tensor, remap: RankRemap, comm: Comm, ops: Counter, to_linear: bool):
+def _move(x_TC: torch.Tensor, remap: RankRemap, links: Links, ops: Counter, to_linear: bool):
     """Keep the leading rows this rank holds in both layouts, send the rest, append arrivals."""
     if to_linear:
         outgoing, incoming = remap.sends, remap.recvs
@@ -47,27 +47,27 @@ def _move(x_TC: torch.Tensor, remap: RankRemap, comm: Comm, ops: Counter, to_lin
     for peer, n in incoming:
         recvs.append((received[offset : offset + n], peer))
         offset += n
-    exchange(sends, recvs, comm, ops, "remap all-to-all-v").wait()
+    exchange(sends, recvs, links, ops, "remap all-to-all-v").wait()
     return torch.cat((x_TC[:keep], received))
 
 
 class _Remap(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TC, remap: RankRemap, comm: Comm, ops: Counter, to_linear: bool):
-        ctx.remap, ctx.comm, ctx.ops, ctx.to_linear = remap, comm, ops, to_linear
-        return _move(x_TC, remap, comm, ops, to_linear)
+    def forward(ctx, x_TC, remap: RankRemap, links: Links, ops: Counter, to_linear: bool):
+        ctx.remap, ctx.links, ctx.ops, ctx.to_linear = remap, links, ops, to_linear
+        return _move(x_TC, remap, links, ops, to_linear)
 
     @staticmethod
     def backward(ctx, grad_TC):
-        grad = _move(grad_TC.contiguous(), ctx.remap, ctx.comm, ctx.ops, not ctx.to_linear)
+        grad = _move(grad_TC.contiguous(), ctx.remap, ctx.links, ctx.ops, not ctx.to_linear)
         return grad, None, None, None, None
 
 
-def to_attention(x_TC: torch.Tensor, remap: RankRemap, comm: Comm, ops: Counter) -> torch.Tensor:
+def to_attention(x_TC: torch.Tensor, remap: RankRemap, links: Links, ops: Counter) -> torch.Tensor:
     """Rows of the linear layout (B x C) -> rows of the attention layout (A x C)."""
-    return _Remap.apply(x_TC, remap, comm, ops, False)
+    return _Remap.apply(x_TC, remap, links, ops, False)
 
 
-def to_linear(x_TC: torch.Tensor, remap: RankRemap, comm: Comm, ops: Counter) -> torch.Tensor:
+def to_linear(x_TC: torch.Tensor, remap: RankRemap, links: Links, ops: Counter) -> torch.Tensor:
     """Rows of the attention layout (A x C) -> rows of the linear layout (B x C)."""
-    return _Remap.apply(x_TC, remap, comm, ops, True)
+    return _Remap.apply(x_TC, remap, links, ops, True)

@@ -43,7 +43,7 @@ def plan_record(plan: AttentionPlan, stats: PlanStats) -> dict[str, Any]:
             }
         )
     return {
-        "strategy": plan.strategy,
+        "placement": plan.planner.value,
         "planner_ms": plan.planner_seconds * 1e3,
         "tokens_per_rank": plan.tokens_per_rank,
         "nodes": plan.topology.nodes,
@@ -81,7 +81,7 @@ def rank_table(plan: AttentionPlan, stats: PlanStats) -> str:
 
 def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
     return (
-        f"{plan.strategy}: {len(plan.placements)} sequences, {int(stats.tokens.sum())} tokens "
+        f"{plan.planner.value}: {len(plan.placements)} sequences, {int(stats.tokens.sum())} tokens "
         f"on {plan.world} ranks; planner {plan.planner_seconds * 1e3:.2f} ms; attention "
         f"FLOPs max/mean {stats.imbalance():.2f}; max tokens/L "
         f"{stats.tokens.max() / plan.tokens_per_rank:.2f}; inter-node "
@@ -127,7 +127,7 @@ def draw_placement(plan: AttentionPlan, stats: PlanStats, path: str | Path) -> P
 
 def summary_title(plan: AttentionPlan, stats: PlanStats) -> str:
     return (
-        f"{plan.strategy}  {len(plan.placements)} seqs  {int(stats.tokens.sum())} tokens  "
+        f"{plan.planner.value}  {len(plan.placements)} seqs  {int(stats.tokens.sum())} tokens  "
         f"L={plan.tokens_per_rank}  planner {plan.planner_seconds * 1e3:.2f} ms  "
         f"flops max/mean {stats.imbalance():.2f}"
     )

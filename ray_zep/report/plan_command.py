@@ -8,10 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ray_zep.config import Config, Strategy
+from ray_zep.config import Config
 from ray_zep.errors import ConfigError
 from ray_zep.model.shapes import build_shape
-from ray_zep.partition import PLANNED_STRATEGIES, make_plan, plan_from_bins
+from ray_zep.parallel.axes import Placement
+from ray_zep.partition import PLANNED, make_plan, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.partition.stats import PlanStats, plan_stats
 from ray_zep.report.layers import LayerReport
@@ -27,7 +28,6 @@ class PlanRequest:
     distribution: str | None = None
     tokens: int | None = None
     batch: int = 0
-    strategy: str | None = None
 
 
 @dataclasses.dataclass
@@ -39,21 +39,22 @@ class PlanResult:
 
 
 def run_plan(config: Config, request: PlanRequest) -> PlanResult:
-    """Place the requested batch with the requested (or configured) strategy.
+    """Place the requested batch with the configured placement (`parallel.sequence`).
 
     Raises:
-        ConfigError: bad --lengths / --distribution / --strategy values.
+        ConfigError: bad --lengths / --distribution values, or the reference placement
+            (one process: nothing to place).
         PlacementError: the batch does not fit nodes x GPUs x L tokens.
     """
     topology = build_topology(config.topology)
-    strategy = _strategy(request.strategy, config)
+    placement = config.parallel.sequence
     lengths = request_lengths(config, topology, request)
     shape = build_shape(config.model)
     capacity = config.train.tokens_per_rank
-    if strategy in PLANNED_STRATEGIES:
-        plan = make_plan(strategy, lengths, topology, capacity, shape, config.parallel)
+    if placement in PLANNED:
+        plan = make_plan(placement, lengths, topology, capacity, shape, config.parallel)
     else:
-        plan = _whole_sequence_plan(strategy, lengths, topology, capacity)
+        plan = _whole_sequence_plan(placement, lengths, topology, capacity)
     stats = plan_stats(plan, shape)
     layers = LayerReport.build(plan, shape)
     return PlanResult(plan, stats, rank_table(plan, stats) + "\n\n" + layers.table(), layers)
@@ -117,24 +118,14 @@ def _data_batch_lengths(config: Config, topology: Topology, index: int) -> np.nd
     return stream.next_batch().lengths
 
 
-def _strategy(name: str | None, config: Config) -> Strategy:
-    if name is None:
-        return config.parallel.strategy
-    try:
-        return Strategy(name)
-    except ValueError:
-        choices = " | ".join(s.value for s in Strategy)
-        raise ConfigError(f"--strategy={name!r}: choose {choices}") from None
-
-
 def _whole_sequence_plan(
-    strategy: Strategy, lengths: np.ndarray, topology: Topology, capacity: int
+    placement: Placement, lengths: np.ndarray, topology: Topology, capacity: int
 ) -> AttentionPlan:
-    """dp: each sequence whole on the rank with the fewest tokens, longest first."""
-    if strategy is Strategy.SINGLE:
+    """Whole sequences: each on the rank with the fewest tokens, longest first."""
+    if placement is Placement.SINGLE:
         raise ConfigError(
-            "--strategy=single trains the whole batch in one process: nothing to place; "
-            "choose another strategy"
+            "parallel.sequence=single trains the whole batch in one process: nothing to "
+            "place; choose another placement"
         )
     bins: list[list[int]] = [[] for _ in range(topology.world_size)]
     loads = np.zeros(topology.world_size, dtype=np.int64)
@@ -142,4 +133,4 @@ def _whole_sequence_plan(
         rank = int(np.argmin(loads))
         bins[rank].append(seq)
         loads[rank] += lengths[seq]
-    return plan_from_bins(lengths, bins, topology, capacity, "dp")
+    return plan_from_bins(lengths, bins, topology, capacity, placement)

@@ -26,7 +26,6 @@ always has its message posted: there is no cycle.
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import queue
 import threading
@@ -37,8 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ray_zep.dist import Comm
+from ray_zep.dist.waiting import wait_all
 from ray_zep.errors import CommError
-from ray_zep.mesh import wait_all
 from ray_zep.routing.routes import Payload, Route, Transfer
 
 
@@ -88,13 +88,15 @@ class Channels:
         self._relay.join()
 
 
-def open_channels(main_group, timeout_s: float) -> Channels:
-    """Create the three routing groups (collective over `main_group`'s ranks)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    groups = [
-        dist.new_group(backend=dist.get_backend(main_group), timeout=timeout) for _ in range(3)
-    ]
-    return Channels(main_group, *groups, timeout_s=timeout_s, rank=dist.get_rank(main_group))
+def open_channels(comm: Comm) -> Channels:
+    """The routing channels over the Comm's group and its three routing groups.
+
+    Raises:
+        CommError: the Comm was built without the routing groups (`GroupNeeds.routing`).
+    """
+    if comm.groups.routing is None:
+        raise CommError("routing needs the routing groups: build the Comm with GroupNeeds")
+    return Channels(comm.group, *comm.groups.routing, timeout_s=comm.timeout_s, rank=comm.rank)
 
 
 def post_send(tensor: torch.Tensor, route: Route, channels: Channels, ops: Counter) -> list:

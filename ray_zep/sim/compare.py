@@ -1,4 +1,4 @@
-"""Strategies side by side on the same sampled batches: what `ray-zep simulate` reports.
+"""Placements side by side on the same sampled batches: what `ray-zep simulate` reports.
 
 Baselines run as the executor runs them without the routing and remapping
 layers. `zeppelin` is the full system: the Zeppelin partitioner and engine,
@@ -14,40 +14,50 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ray_zep.config import Config, Strategy
+from ray_zep.config import Config
 from ray_zep.costmodel import ComputeRates
 from ray_zep.errors import ConfigError, ZepError
 from ray_zep.model.shapes import build_shape
+from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.remap.policy import choose_remap
 from ray_zep.sim.step import StepResult, simulate_step
 from ray_zep.topology import Topology
 
-REFERENCE = "te_cp"
+REFERENCE = Placement.TE_CP.value
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A strategy with the routing and remapping layers on or off."""
+    """A placement with the routing and remapping layers on or off."""
 
-    strategy: Strategy
+    placement: Placement
     routed: bool = False
     remap: bool = False
 
 
+ROUTED_TE_CP = f"{REFERENCE}+routing"
+ROUTED_PARTITION = f"{REFERENCE}+routing+partition"
 VARIANTS: dict[str, Variant] = {
-    "zeppelin": Variant(Strategy.ZEPPELIN, routed=True, remap=True),
-    "te_cp": Variant(Strategy.TE_CP),
-    "llama_cp": Variant(Strategy.LLAMA_CP),
-    "hybrid_dp": Variant(Strategy.HYBRID_DP),
-    "ulysses": Variant(Strategy.ULYSSES),
-    "usp": Variant(Strategy.USP),
-    "te_cp+routing": Variant(Strategy.TE_CP, routed=True),
-    "te_cp+routing+partition": Variant(Strategy.ZEPPELIN, routed=True),
+    Placement.ZEPPELIN.value: Variant(Placement.ZEPPELIN, routed=True, remap=True),
+    **{
+        p.value: Variant(p)
+        for p in (
+            Placement.TE_CP,
+            Placement.LLAMA_CP,
+            Placement.HYBRID_DP,
+            Placement.ULYSSES,
+            Placement.USP,
+        )
+    },
+    ROUTED_TE_CP: Variant(Placement.TE_CP, routed=True),
+    ROUTED_PARTITION: Variant(Placement.ZEPPELIN, routed=True),
 }
-ABLATION = ("te_cp", "te_cp+routing", "te_cp+routing+partition", "zeppelin")
+ABLATION = (REFERENCE, ROUTED_TE_CP, ROUTED_PARTITION, Placement.ZEPPELIN.value)
 """The Fig. 11 ladder, each row adding one part of Zeppelin."""
-DEFAULT_STRATEGIES = ("zeppelin", "te_cp", "llama_cp", "hybrid_dp")
+DEFAULT_STRATEGIES = tuple(
+    p.value for p in (Placement.ZEPPELIN, Placement.TE_CP, Placement.LLAMA_CP, Placement.HYBRID_DP)
+)
 
 
 @dataclass
@@ -136,7 +146,7 @@ def simulate_strategies(
         try:
             for lengths in batches:
                 plan = make_plan(
-                    variant.strategy, lengths, topology, tokens_per_rank, shape, config.parallel
+                    variant.placement, lengths, topology, tokens_per_rank, shape, config.parallel
                 )
                 remap = None
                 if variant.remap:

@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ray_zep import constants
 from ray_zep.config import ResumeMode
+from ray_zep.dist import Comm
 from ray_zep.errors import CheckpointError
-from ray_zep.mesh import Comm
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ray_zep.collectives.adaptive import AdaptiveCollectives
 from ray_zep.collectives.comms import gradients_or_zeros, reduce_in_one_buffer_
-from ray_zep.mesh import Comm
+from ray_zep.dist import Comm
 
 
 def all_reduce_sum_(tensor: torch.Tensor, comm: Comm, what: str) -> torch.Tensor:
@@ -42,3 +43,24 @@ def all_reduce_gradients_(
     if zipped is None:
         return reduce_in_one_buffer_(grads, lambda flat: all_reduce_sum_(flat, comm, "gradients"))
     return reduce_in_one_buffer_(grads, lambda flat: zipped.all_reduce_sum_(flat, "gradients"))
+
+
+def square_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Squared L2 norm of the parameters' whole gradients, float64.
+
+    Gradients sharded by FSDP2 (DTensors) count whole: the sum of squares of each
+    mesh's shards is reduced over that mesh (a collective over the mesh's ranks),
+    so every rank of the mesh gets the same figure.
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    by_mesh: dict[int | None, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            mesh = id(p.grad.device_mesh) if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(mesh, []).append(p.grad)
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total += norm.double().cpu() ** 2
+    return total

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from ray_zep.config import Config, ResumeMode
 from ray_zep.data.shards import RankShard
+from ray_zep.dist import Comm
 from ray_zep.errors import CheckpointError
-from ray_zep.mesh import Comm
 from ray_zep.train import checkpoint
 from ray_zep.train.ledger import SampleLedger
 from ray_zep.train.trainer import RankTrainer

@@ -17,8 +17,10 @@ from pathlib import Path
 from ray_zep.config import Config, write_resolved_config
 from ray_zep.data.batching import BatchStream
 from ray_zep.data.catalog import open_configured_source
-from ray_zep.errors import TopologyError
-from ray_zep.mesh import num_ranks
+from ray_zep.dist import Comm
+from ray_zep.errors import ConfigError, TopologyError
+from ray_zep.model.shapes import build_shape
+from ray_zep.parallel.axes import Family
 from ray_zep.topology import Topology, build_topology
 from ray_zep.train.checkpoint import resume_checkpoint
 
@@ -40,6 +42,21 @@ class RunPlan:
     run_dir: Path
 
 
+def num_ranks(config: Config, topology: Topology) -> int:
+    """Processes the run needs on the topology: one for the reference, else one per GPU."""
+    return config.parallel.sequence_axis.processes(topology.world_size)
+
+
+def create_comm(config: Config, topology: Topology, timeout_s: float | None = None) -> Comm:
+    """This process's Comm for the run (checks the number of processes it needs)."""
+    return Comm.create(
+        topology,
+        num_ranks(config, topology),
+        config.comm.timeout_s if timeout_s is None else timeout_s,
+        why=f"parallel.sequence={config.parallel.sequence.value}",
+    )
+
+
 def prepare_run(config: Config, write_config: bool = True) -> RunPlan:
     """Validate a config against its data and run directory.
 
@@ -47,14 +64,15 @@ def prepare_run(config: Config, write_config: bool = True) -> RunPlan:
         ZepError subclasses naming the key, path or value to fix.
     """
     topology = build_topology(config.topology)
-    expected = num_ranks(config.parallel.strategy, topology)
+    expected = num_ranks(config, topology)
     wanted = config.ray.num_workers
     if wanted is not None and wanted != expected:
         raise TopologyError(
-            f"config key ray.num_workers={wanted}: parallel.strategy="
-            f"{config.parallel.strategy.value} on topology.nodes={topology.nodes} x "
+            f"config key ray.num_workers={wanted}: parallel.sequence="
+            f"{config.parallel.sequence.value} on topology.nodes={topology.nodes} x "
             f"topology.gpus_per_node={topology.gpus_per_node} runs {expected} worker(s)"
         )
+    check_sizes(config, topology)
     run_dir = Path(config.train.out_dir).expanduser().resolve()
     config = dataclasses.replace(
         config, train=dataclasses.replace(config.train, out_dir=str(run_dir))
@@ -64,6 +82,33 @@ def prepare_run(config: Config, write_config: bool = True) -> RunPlan:
     if write_config:
         write_resolved_config(config, run_dir)
     return RunPlan(config, topology, expected, run_dir)
+
+
+def check_sizes(config: Config, topology: Topology) -> None:
+    """The rules of the parallel axes that depend on the cluster's and the model's sizes.
+
+    Raises:
+        ConfigError: `parallel.ep` does not divide the ranks or the experts; a
+            weight-passing mode has fewer model units than ranks.
+    """
+    ranks = num_ranks(config, topology)
+    shape = build_shape(config.model)
+    ep = config.parallel.ep
+    if ep > 1 and (ranks % ep or shape.moe_experts % ep):
+        raise ConfigError(
+            f"config key parallel.ep={ep}: must divide the {ranks} ranks (topology.nodes="
+            f"{topology.nodes} x topology.gpus_per_node={topology.gpus_per_node}) and "
+            f"model.moe.num_experts={shape.moe_experts}"
+        )
+    weights = config.parallel.weights_axis
+    units = shape.n_layers + 2
+    if weights.family is Family.WEIGHT_PASSING and units < ranks:
+        raise ConfigError(
+            f"config key model.n_layers={shape.n_layers}: parallel.weights={weights.name} "
+            f"gives each of the {ranks} ranks a shard of whole units, but the model has "
+            f"{units} (embedding, {shape.n_layers} blocks, output); use at least "
+            f"{ranks - 2} layers or fewer ranks"
+        )
 
 
 def _check_data(config: Config, topology: Topology) -> None:

@@ -8,7 +8,6 @@ computes in one process.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import Counter
@@ -21,27 +20,29 @@ import torch.nn.functional as F
 
 from ray_zep.attention.engine import run_attention
 from ray_zep.attention.kernels import AttentionFn, select_backward, select_kernel
+from ray_zep.attention.links import Links
 from ray_zep.attention.schedule import RankSchedule
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.collectives.adaptive import AdaptiveCollectives
-from ray_zep.collectives.comms import Group
 from ray_zep.collectives.comms import all_reduce_sum_ as group_all_reduce_sum_
 from ray_zep.config import Compression, Config, Device, Precision
 from ray_zep.constants import IGNORE_INDEX
 from ray_zep.data.shards import RankShard
+from ray_zep.dist import Comm, GroupNeeds
 from ray_zep.errors import ConfigError
-from ray_zep.mesh import Comm
 from ray_zep.model.llama import Transformer
 from ray_zep.model.shapes import build_shape
 from ray_zep.moe.parallel import balance_loss, parallelize_experts
+from ray_zep.parallel.axes import Family, Passing, Sharding
+from ray_zep.parallel.fsdp import mesh_shape, shard_model
 from ray_zep.partition.plan import Zone, zone_of
-from ray_zep.pipeline.layout import WEIGHT_PASSING
 from ray_zep.pipeline.runner import WeightPipeline
 from ray_zep.remap.comms import to_attention, to_linear
 from ray_zep.remap.layout import RankRemap
-from ray_zep.traffic import Traffic, gradient_traffic
+from ray_zep.routing.comms import open_channels
+from ray_zep.traffic import Traffic, gradient_traffic, sharded_weights_traffic
 from ray_zep.train import checkpoint
-from ray_zep.train.comms import all_reduce_gradients_, all_reduce_sum_
+from ray_zep.train.comms import all_reduce_gradients_, all_reduce_sum_, square_norm
 from ray_zep.train.optim import build_optimizer, lr_at, set_lr
 
 log = logging.getLogger(__name__)
@@ -85,18 +86,21 @@ class StepStats:
         return dict(self.__dict__)
 
 
-def _remap_qkv(q_THE, k_TKE, v_TKE, remap: RankRemap, comm: Comm, ops: Counter):
+def _remap_qkv(q_THE, k_TKE, v_TKE, remap: RankRemap, links: Links, ops: Counter):
     """q, k and v from the linear to the attention layout, in one transfer."""
     widths = [q_THE[0].numel(), k_TKE[0].numel(), v_TKE[0].numel()]
     rows = torch.cat((q_THE.flatten(1), k_TKE.flatten(1), v_TKE.flatten(1)), dim=1)
-    moved = to_attention(rows, remap, comm, ops).split(widths, dim=1)
+    moved = to_attention(rows, remap, links, ops).split(widths, dim=1)
     return tuple(
         part.unflatten(1, x.shape[1:]) for part, x in zip(moved, (q_THE, k_TKE, v_TKE), strict=True)
     )
 
 
-def _square_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    return sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None), torch.zeros(()))
+def _parameter_bytes(model: Transformer, dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes of the transformer blocks' parameters and of the others, in `dtype`."""
+    size = torch.empty((), dtype=dtype).element_size()
+    blocks = sum(p.numel() for p in model.layers.parameters()) * size
+    return blocks, sum(p.numel() for p in model.parameters()) * size - blocks
 
 
 def _scale_to_norm(params: list[torch.nn.Parameter], norm: float, max_norm: float) -> float:
@@ -127,13 +131,23 @@ def resolve_dtype(precision: Precision, device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
+def group_needs(config: Config) -> GroupNeeds:
+    """The process groups a run needs besides the world group."""
+    weights = config.parallel.weights_axis
+    return GroupNeeds(
+        node_and_rail=weights.passing is Passing.GROUPED,
+        fsdp=mesh_shape(config.parallel),
+        routing=config.parallel.routing,
+        ep=config.parallel.ep,
+    )
+
+
 def _zipped_collectives(config: Config, comm: Comm) -> AdaptiveCollectives | None:
     """The gradient collectives' switcher when `comm.compression` is on (collective call)."""
     mode = config.comm.compression
     if mode is Compression.OFF or comm.group is None or not config.comm.compression_streams:
         return None
-    group = Group(comm.group, comm.timeout_s)
-    return AdaptiveCollectives(group, mode, config.comm.compression_refresh_calls)
+    return AdaptiveCollectives(comm.world, mode, config.comm.compression_refresh_calls)
 
 
 class RankTrainer:
@@ -147,7 +161,7 @@ class RankTrainer:
 
     def __init__(self, config: Config, comm: Comm, device: torch.device) -> None:
         self.config = config
-        self.comm = comm.with_routing() if config.parallel.routing else comm
+        self.comm = comm.with_groups(group_needs(config))
         self.device = device
         self.dtype = resolve_dtype(config.train.precision, device)
         shape = build_shape(config.model)
@@ -158,23 +172,38 @@ class RankTrainer:
         self.model.init_weights(torch.Generator().manual_seed(config.train.seed))
         self.model.to(device)
         self.experts = parallelize_experts(self.model, self.comm, config)
-        split = {id(p) for p in self.experts.expert_params}
-        self.params = [p for p in self.model.parameters() if p.requires_grad and id(p) not in split]
-        """Parameters whose gradients are summed over all ranks (all but split experts)."""
         self.pipeline: WeightPipeline | None = None
         self.state_module: torch.nn.Module = self.model
         """What this rank checkpoints and optimizes: the model, or its own weight shard."""
-        if config.parallel.strategy in WEIGHT_PASSING:
+        self.sharded = bool(config.parallel.weights_axis.fsdp and self.comm.distributed)
+        """Parameters, gradients and optimizer state sharded by FSDP2."""
+        self.unsharded_bytes = _parameter_bytes(self.model, self.dtype)
+        """(block, other) bytes of the whole model's parameters in the compute dtype."""
+        if self.sharded:
+            split = [m.experts for m in self.model.moe_layers()] if self.experts.groups else []
+            shard_model(self.model, self.comm, config.parallel, device, self.dtype, split)
+            # fully_shard replaced the parameters with sharded ones
+            self.experts.expert_params = [p for m in split for p in m.parameters()]
+        split_ids = {id(p) for p in self.experts.expert_params}
+        self.params = [
+            p for p in self.model.parameters() if p.requires_grad and id(p) not in split_ids
+        ]
+        """Parameters whose gradients are summed over all ranks (all but split experts)."""
+        if config.parallel.weights_axis.family is Family.WEIGHT_PASSING:
             self.pipeline = WeightPipeline(
-                self.model, self.comm, config.parallel.strategy, config.parallel.shard_recompute
+                self.model, self.comm, config.parallel.weights, config.parallel.shard_recompute
             )
             self.params = self.pipeline.weights.own_parameters()
             self.state_module = self.pipeline.weights.own_module()
         self.optimizer = build_optimizer(self.state_module, config.train)
         self.steps_done = 0
         self.zipped = _zipped_collectives(config, self.comm)
+        ring_zip = None
         if self.zipped is not None and "kv" in config.comm.compression_streams:
-            self.comm = dataclasses.replace(self.comm, ring_zip=self.zipped.ring_zipper())
+            ring_zip = self.zipped.ring_zipper()
+        routing = open_channels(self.comm) if config.parallel.routing and comm.distributed else None
+        self.links = Links(self.comm, routing, ring_zip)
+        """What the attention engine and the remap communicate over."""
 
     def train_step(self, shard: RankShard) -> StepStats:
         """Forward, backward, gradient sync, clip and update on this rank's shard."""
@@ -185,7 +214,7 @@ class RankTrainer:
         grad_norm = self._clip()
         self.optimizer.step()
         self.steps_done += 1
-        ring_bytes = self.comm.ring_zip.take() if self.comm.ring_zip else (0, 0)
+        ring_bytes = self.links.ring_zip.take() if self.links.ring_zip else (0, 0)
         led = self._led_work(shard)
         totals = torch.tensor([loss_sum, aux_loss, *ring_bytes, *led], dtype=torch.float64)
         all_reduce_sum_(totals, self.comm, "the step loss")
@@ -239,7 +268,17 @@ class RankTrainer:
         (weight-passing strategies: the shards and their gradients)."""
         if self.pipeline is not None:
             return self.pipeline.step_traffic
-        traffic = gradient_traffic(grad_bytes, self.comm.topology, self.comm.world_size)
+        if self.sharded:
+            blocks, other = self.unsharded_bytes
+            gathers = 2 if self.config.parallel.reshard_after_forward else 1
+            traffic = sharded_weights_traffic(
+                gathers * blocks + other,
+                blocks + other,
+                self.comm.topology,
+                hybrid=self.config.parallel.weights_axis.sharding is Sharding.NODE,
+            )
+        else:
+            traffic = gradient_traffic(grad_bytes, self.comm.topology, self.comm.world_size)
         if shard.traffic is not None:
             scaled, fixed = shard.traffic
             element = torch.empty((), dtype=self.dtype).element_size()
@@ -257,6 +296,8 @@ class RankTrainer:
         if self.pipeline is not None:
             return (self._pipelined_forward_backward(shard), 0.0), 0
         losses = self._forward_backward(shard)
+        if self.sharded:  # FSDP2 reduce-scattered the gradients during backward
+            return losses, 0
         zipped = self.zipped if "gradients" in self.config.comm.compression_streams else None
         synced = all_reduce_gradients_(self.params, self.comm, zipped)
         return losses, synced + self.experts.sum_expert_gradients_()
@@ -281,8 +322,12 @@ class RankTrainer:
             seqs = PackedSeqs.from_lengths(shard.lengths, self.device)
         else:
             attention = self._engine(shard)
+        for moe in self.model.moe_layers():
+            moe.routing_groups = shard.routing_groups
         with self._autocast():
             logits_TV = self.model(tokens, positions, seqs, attention)
+        for moe in self.model.moe_layers():
+            moe.routing_groups = None
         token_losses = F.cross_entropy(
             logits_TV.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"
         )
@@ -307,14 +352,14 @@ class RankTrainer:
         """
         schedule = RankSchedule.build(shard.plan, self.comm.rank, self.device, shard.routing)
         kernels = (self.kernel, select_backward(self.kernel))
-        comm, remap, ops = self.comm, shard.remap, Counter()
+        links, remap, ops = self.links, shard.remap, Counter()
 
         def attention(q_THE, k_TKE, v_TKE, seqs, causal=True):
             if remap is not None:
-                q_THE, k_TKE, v_TKE = _remap_qkv(q_THE, k_TKE, v_TKE, remap, comm, ops)
-            out_THE = run_attention(q_THE, k_TKE, v_TKE, schedule, comm, kernels)
+                q_THE, k_TKE, v_TKE = _remap_qkv(q_THE, k_TKE, v_TKE, remap, links, ops)
+            out_THE = run_attention(q_THE, k_TKE, v_TKE, schedule, links, kernels)
             if remap is not None:
-                out_THE = to_linear(out_THE.flatten(1), remap, comm, ops).unflatten(
+                out_THE = to_linear(out_THE.flatten(1), remap, links, ops).unflatten(
                     1, out_THE.shape[1:]
                 )
             return out_THE, None
@@ -327,14 +372,16 @@ class RankTrainer:
         experts = self.experts.expert_params
         if self.pipeline is not None:
             # every parameter has one owner: the whole norm is the sum over owners
-            squares = _square_norm(self.params).double().reshape(1)
+            squares = square_norm(self.params).reshape(1)
             all_reduce_sum_(squares, self.comm, "the gradient norm")
             return _scale_to_norm(self.params, float(squares.sqrt()), max_norm)
-        if not experts:
-            return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        squares = torch.stack([_square_norm(self.params), _square_norm(experts)]).double()
-        group_all_reduce_sum_(squares[1:], self.experts.groups.ep, "the expert gradient norm")
-        return _scale_to_norm([*self.params, *experts], float(squares.sum().sqrt()), max_norm)
+        squares = square_norm(self.params)
+        if experts:
+            # each EP rank holds other experts: their squares add up over the EP group
+            split = square_norm(experts).reshape(1)
+            group_all_reduce_sum_(split, self.experts.groups.ep, "the expert gradient norm")
+            squares = squares + split[0]
+        return _scale_to_norm([*self.params, *experts], float(squares.sqrt()), max_norm)
 
     def save(self, run_dir: Path, cursor: dict[str, int]) -> Path:
         """Checkpoint the state after `steps_done` steps (collective)."""

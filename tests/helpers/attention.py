@@ -7,12 +7,15 @@ import torch
 
 from ray_zep.attention.engine import run_attention
 from ray_zep.attention.kernels import torch_varlen_attention, torch_varlen_attention_backward
+from ray_zep.attention.links import Links
 from ray_zep.attention.schedule import RankSchedule, expected_ops
 from ray_zep.attention.varlen import PackedSeqs
-from ray_zep.config import Strategy, load_config
-from ray_zep.mesh import Comm
+from ray_zep.config import load_config
+from ray_zep.dist import Comm, GroupNeeds
 from ray_zep.model.shapes import build_shape
+from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
+from ray_zep.routing.comms import open_channels
 from ray_zep.routing.routes import RoutingPlan
 from ray_zep.topology import build_topology
 
@@ -44,12 +47,13 @@ def ring_rank(rank: int, world: int, case: dict) -> dict:
     ]
     config = load_config(None, overrides)
     topology = build_topology(config.topology)
-    comm = Comm.create(topology, Strategy(case["strategy"]), 60.0)
-    if case.get("routing"):
-        comm = comm.with_routing()
+    comm = Comm.create(topology, topology.world_size, 60.0)
+    routed = bool(case.get("routing"))
+    comm = comm.with_groups(GroupNeeds(routing=routed))
+    links = Links(comm, open_channels(comm) if routed else None)
     lengths = case["lengths"]
     plan = make_plan(
-        Strategy(case["strategy"]), lengths, topology, case["capacity"], build_shape(config.model)
+        Placement(case["strategy"]), lengths, topology, case["capacity"], build_shape(config.model)
     )
     q, k, v, dout, _ = reference(lengths, case["heads"], case["kv_heads"], case["dim"], 0)
     starts = np.concatenate([[0], np.cumsum(lengths)])
@@ -65,7 +69,7 @@ def ring_rank(rank: int, world: int, case: dict) -> dict:
     lq, lk, lv = mine(q), mine(k), mine(v)
     routing = RoutingPlan.build(plan).for_rank(rank) if case.get("routing") else None
     schedule = RankSchedule.build(plan, rank, routing=routing)
-    out = run_attention(lq, lk, lv, schedule, comm, KERNELS)
+    out = run_attention(lq, lk, lv, schedule, links, KERNELS)
     upstream = torch.cat((dout[index], torch.full((PAD_ROWS, *dout.shape[1:]), 5.0)))
     (out * upstream).sum().backward()
     return {

@@ -1,14 +1,28 @@
-"""Run a function on N spawned processes joined by a gloo process group.
+"""Run a function on N processes joined by a gloo process group.
 
-Each process calls `fn(rank, world, *args)`; whatever rank r returns is saved
-with torch.save and handed back in rank order. A process that raises fails the
-whole call with that rank's traceback.
+Each process calls `fn(rank, world, *args)`; whatever rank r returns is handed
+back in rank order. A process that raises fails the whole call with that rank's
+traceback.
+
+`run_ranks` reuses one pool of N processes per world size for the whole test
+session: starting a process costs seconds of imports (about 5 s for 4 ranks and
+10 s for 8 on two cores), far more than most tests' work. Between two calls a
+pool destroys every process group but the default one and restores the global
+RNG state a fresh process starts with, so a call sees what a new process would.
+A pool whose call fails (an error on any rank, a dead process, a timeout) is
+killed, and the next call starts a new one. `run_fresh_ranks` spawns new
+processes for tests that break their process group on purpose (stopped peers).
 """
 
 from __future__ import annotations
 
+import atexit
+import io
+import multiprocessing.connection
+import os
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -18,10 +32,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ray_zep.mesh import init_process_group
+from ray_zep.dist.launch import init_process_group
 
 INIT_TIMEOUT_S = 60.0
 COLLECTIVE_TIMEOUT_S = 60.0
+CALL_TIMEOUT_S = 540.0
+"""A pooled call that has not returned by then fails (below pytest's own 600 s)."""
+POOL_WORLDS_KEPT = 3
+"""Pools kept alive at once (each process holds a few hundred MB of imports)."""
 
 
 def free_port() -> int:
@@ -33,11 +51,26 @@ def free_port() -> int:
 def run_ranks(
     fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = COLLECTIVE_TIMEOUT_S
 ) -> list[Any]:
-    """Run `fn` on `world` processes (no process group when world == 1)."""
+    """Run `fn` on the pooled processes of `world` ranks (no process group when world == 1)."""
+    if timeout_s != COLLECTIVE_TIMEOUT_S or os.environ.get("RAY_ZEP_TEST_FRESH_RANKS") == "1":
+        return run_fresh_ranks(fn, world, *args, timeout_s=timeout_s)
+    pool = _pool(world)
+    try:
+        return pool.call(fn, args)
+    except BaseException:
+        _POOLS.pop(world, None)
+        pool.close(kill=True)
+        raise
+
+
+def run_fresh_ranks(
+    fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = COLLECTIVE_TIMEOUT_S
+) -> list[Any]:
+    """Run `fn` on `world` newly spawned processes, ended after the call."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
-            _entry,
+            _fresh_entry,
             args=(world, port, Path(tmp), fn, args, timeout_s),
             nprocs=world,
             join=True,
@@ -46,7 +79,7 @@ def run_ranks(
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def _entry(
+def _fresh_entry(
     rank: int,
     world: int,
     port: int,
@@ -66,3 +99,131 @@ def _entry(
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
     torch.save(result, out / f"rank{rank}.pt")
+
+
+class RankPool:
+    """`world` spawned processes in one gloo group, serving calls one at a time."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        context = mp.get_context("spawn")
+        port = free_port()
+        self.conns: list[multiprocessing.connection.Connection] = []
+        self.procs = []
+        for rank in range(world):
+            ours, theirs = context.Pipe()
+            proc = context.Process(
+                target=_serve, args=(rank, world, port, theirs), daemon=True, name=f"rank{rank}"
+            )
+            proc.start()
+            theirs.close()
+            self.conns.append(ours)
+            self.procs.append(proc)
+
+    def call(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> list[Any]:
+        for conn in self.conns:
+            conn.send((fn, args))
+        results: list[Any] = [None] * self.world
+        waiting = dict(enumerate(self.conns))
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while waiting:
+            left = deadline - time.monotonic()
+            ready = multiprocessing.connection.wait(list(waiting.values()), timeout=max(0, left))
+            if not ready:
+                raise TimeoutError(f"ranks {sorted(waiting)} did not return in {CALL_TIMEOUT_S} s")
+            for rank, conn in list(waiting.items()):
+                if conn not in ready:
+                    continue
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    raise RuntimeError(f"rank {rank} died (exit code {self._exit(rank)})") from None
+                if status == "error":
+                    raise RuntimeError(f"rank {rank} failed:\n{payload}")
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                del waiting[rank]
+        return results
+
+    def _exit(self, rank: int) -> int | None:
+        self.procs[rank].join(timeout=5)
+        return self.procs[rank].exitcode
+
+    def close(self, kill: bool = False) -> None:
+        for conn, proc in zip(self.conns, self.procs, strict=True):
+            if not kill and proc.is_alive():
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    kill = True
+            conn.close()
+        for proc in self.procs:
+            if kill:
+                proc.kill()
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def _pool(world: int) -> RankPool:
+    pool = _POOLS.pop(world, None)
+    if pool is None or not all(p.is_alive() for p in pool.procs):
+        if pool is not None:
+            pool.close(kill=True)
+        pool = RankPool(world)
+    _POOLS[world] = pool  # most recently used last
+    while len(_POOLS) > POOL_WORLDS_KEPT:
+        _POOLS.pop(next(iter(_POOLS))).close()
+    return pool
+
+
+@atexit.register
+def close_pools() -> None:
+    """End every pooled process (the next `run_ranks` starts new ones)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+def _serve(rank: int, world: int, port: int, conn: multiprocessing.connection.Connection) -> None:
+    torch.set_num_threads(1)
+    if world > 1:
+        init_process_group(
+            "gloo", rank, world, "127.0.0.1", port, INIT_TIMEOUT_S, COLLECTIVE_TIMEOUT_S
+        )
+    rng_state = torch.get_rng_state()
+    while (task := conn.recv()) is not None:
+        fn, args = task
+        torch.set_rng_state(rng_state)
+        try:
+            result = fn(rank, world, *args)
+            buffer = io.BytesIO()
+            torch.save(result, buffer)
+            reply = ("ok", buffer.getvalue())
+        except BaseException:
+            reply = ("error", traceback.format_exc())
+        _destroy_subgroups()
+        conn.send(reply)
+    if world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _destroy_subgroups() -> None:
+    """Every process group the call created, so groups never pile up across calls.
+
+    DTensor caches sharding decisions by DeviceMesh (in Python and in C++), and meshes
+    compare by their ranks and names, not their groups: a later call's mesh over new
+    groups would hit entries that name this call's groups. The caches go with the groups.
+    """
+    if not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    world_group = c10d.GroupMember.WORLD
+    for group in list(c10d._world.pg_map):
+        if group is not world_group:
+            dist.destroy_process_group(group)

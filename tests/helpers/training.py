@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ray_zep import steplog
 from ray_zep.config import Config, load_config
@@ -18,12 +19,12 @@ from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.data.batching import BatchStream, Cursor, GlobalBatch
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.data.shards import shard_for
-from ray_zep.mesh import Comm
 from ray_zep.model.llama import Transformer
 from ray_zep.model.shapes import build_shape
 from ray_zep.topology import Topology, build_topology
 from ray_zep.train.checkpoint import Progress, read_model_state
 from ray_zep.train.loop import run_rank
+from ray_zep.train.setup import create_comm
 from ray_zep.train.trainer import RankTrainer
 
 TIMEOUT_S = 60.0
@@ -35,8 +36,15 @@ SMALL_RUN = [
     "data.source=synthetic:arxiv",
     "data.length_scale=0.02",
     "metrics.progress=false",
+    "train.adam_eps=1e-6",
 ]
-"""A run small enough for several processes on two cores, with varied lengths."""
+"""A run small enough for several processes on two cores, with varied lengths.
+
+AdamW's eps is 1e-6 here: its update divides each gradient by the gradient's own
+magnitude plus eps, so an entry whose gradient is below eps (a tiny model has a few,
+around 6e-9) turns summation-order rounding of 1e-9, far below the 1e-5 tolerance on
+gradients, into a visible difference of its update. With eps 1e-6 the same rounding
+stays as small in the parameters as it is in the gradients."""
 
 
 def make_stream(config: Config, topology: Topology, progress: Progress) -> BatchStream:
@@ -49,11 +57,13 @@ def make_stream(config: Config, topology: Topology, progress: Progress) -> Batch
     )
 
 
-def train_rank(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
+def train_rank(
+    rank: int, world: int, overrides: list[str], config_path: Path | None = None
+) -> dict[str, Any]:
     """Train this rank; return losses, final parameters and the samples of each step."""
-    config = load_config(None, overrides)
+    config = load_config(config_path, overrides)
     topology = build_topology(config.topology)
-    comm = Comm.create(topology, config.parallel.strategy, TIMEOUT_S)
+    comm = create_comm(config, topology, TIMEOUT_S)
     state: dict[str, Any] = {"batches": {}}
 
     def start_data(progress: Progress) -> None:
@@ -75,8 +85,9 @@ def train_rank(rank: int, world: int, overrides: list[str]) -> dict[str, Any]:
     )
     return {
         "losses": {e["step"]: e["loss"] for e in events if e["event"] == "step"},
-        # weight-passing strategies hold only their own shard: its names, full-model keys
-        "params": {k: v.detach().clone() for k, v in trainer.state_module.state_dict().items()},
+        # weight-passing modes hold only their own shard: its names, full-model keys;
+        # FSDP2's shards are gathered whole (a collective: every rank returns them)
+        "params": full_state(trainer.state_module),
         "samples": {
             s: [(p.doc, p.start, p.length) for p in b.pieces] for s, b in state["batches"].items()
         },
@@ -89,7 +100,7 @@ def first_gradients(rank: int, overrides: list[str]) -> RankTrainer:
     """A trainer of this rank after computing (and syncing) the first batch's gradients."""
     config = load_config(None, overrides)
     topology = build_topology(config.topology)
-    comm = Comm.create(topology, config.parallel.strategy, TIMEOUT_S)
+    comm = create_comm(config, topology, TIMEOUT_S)
     batch = make_stream(config, topology, Progress(0, {})).next_batch()
     trainer = RankTrainer(config, comm, torch.device("cpu"))
     trainer.compute_gradients(shard_for(batch, config, topology)[rank])
@@ -97,7 +108,16 @@ def first_gradients(rank: int, overrides: list[str]) -> RankTrainer:
 
 
 def gradients_of(trainer: RankTrainer) -> dict[str, torch.Tensor]:
-    return {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+    return {name: _whole(p.grad).clone() for name, p in trainer.model.named_parameters()}
+
+
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state with FSDP2-sharded tensors gathered whole (collective)."""
+    return {k: _whole(v).detach().clone() for k, v in module.state_dict().items()}
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _batch(state: dict[str, Any], step: int) -> GlobalBatch:

@@ -1,0 +1,12 @@
+"""The ground floor of every distributed call: groups, meshes, waits and placement.
+
+Every process group and DeviceMesh a run uses is built here, once, from the
+topology (`Comm.create` for the world group, `Comm.with_groups` for the rest);
+the rest of the package asks the Comm for them instead of creating its own.
+"""
+
+from ray_zep.dist.comm import Comm
+from ray_zep.dist.group import Group
+from ray_zep.dist.groups import GroupNeeds, MeshShape, RankGroups
+
+__all__ = ["Comm", "Group", "GroupNeeds", "MeshShape", "RankGroups"]

@@ -1,0 +1,102 @@
+"""Enumerated values of config keys (the schema is `ray_zep.config`).
+
+Each enum's members are the words a YAML file or a `key=value` override may use.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ZonePolicy(Enum):
+    """How the Zeppelin partitioner chooses zone thresholds and split degrees."""
+
+    COST = "cost"
+    """From the cost model: split only where the transfer hides behind compute."""
+    CAPACITY = "capacity"
+    """As the paper's Algorithms 1 and 2: from token capacities alone."""
+
+
+class RemapPolicy(Enum):
+    """When the remapping layer runs on a batch (with `parallel.remap`)."""
+
+    WHEN_FASTER = "when_faster"
+    """Only when the cost model says balancing the linear modules saves more time
+    than the transfers cost (ray_zep.remap.policy)."""
+    ALWAYS = "always"
+    """On every batch."""
+
+
+class Packing(Enum):
+    """How documents are admitted into a global batch."""
+
+    BUDGET = "budget"
+    """Add documents while the batch holds at most nodes x GPUs x L tokens."""
+    RANK = "rank"
+    """First-fit into one bin of L tokens per rank; a document never spans ranks."""
+
+
+class Overlong(Enum):
+    """What to do with a document longer than the longest sequence a batch takes."""
+
+    SPLIT = "split"
+    DROP = "drop"
+    ERROR = "error"
+
+
+class ResumeMode(Enum):
+    AUTO = "auto"
+    """Resume from the newest complete checkpoint in `train.out_dir` if there is one."""
+    NEVER = "never"
+    """Start from scratch; refuse to run if `train.out_dir` holds checkpoints."""
+
+
+class Device(Enum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class Precision(Enum):
+    AUTO = "auto"
+    """fp32 on CPU, bf16 autocast on GPU."""
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class Compression(Enum):
+    """When collectives move losslessly compressed bytes (ZipCCL)."""
+
+    OFF = "off"
+    AUTO = "auto"
+    """Per call, whichever of the plain and the zipped path the switcher, profiled
+    at start-up, models faster (ray_zep.collectives.switcher)."""
+    ALWAYS = "always"
+    """Every call that can go zipped does."""
+
+
+COMPRESSION_STREAMS = ("gradients", "kv")
+
+
+class MoEDispatch(Enum):
+    """How tokens reach their experts under expert parallelism."""
+
+    AUTO = "auto"
+    """padded when a capacity factor is set, varlen when dropless."""
+    PADDED = "padded"
+    """Every expert gets exactly `capacity` slots (fixed sizes, no host sync)."""
+    VARLEN = "varlen"
+    """Only kept choices move; counts are exchanged first."""
+
+
+class MoEPipeline(Enum):
+    """How an MoE block overlaps its all-to-alls with computation (FoldMoE)."""
+
+    NONE = "none"
+    """No overlap: attention, dispatch, experts, combine in turn."""
+    MOE_ONLY = "moe_only"
+    """Token micro-batches inside the MoE layer only (Tutel-style)."""
+    AAAM = "aaam"
+    """Attention-MoE pipeline, all attention slices before any expert computation."""
+    ONE_A_ONE_M = "1a1m"
+    """Attention-MoE pipeline interleaving one attention slice and one expert micro-batch."""

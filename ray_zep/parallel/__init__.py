@@ -1,0 +1,1 @@
+"""Parallelism as composable axes (see `axes`)."""
