@@ -34,6 +34,9 @@ from ray_zep.options import (  # the enums are part of the schema: re-exported
     COMPRESSION_STREAMS as COMPRESSION_STREAMS,
 )
 from ray_zep.options import (
+    ActivationCheckpointing as ActivationCheckpointing,
+)
+from ray_zep.options import (
     Compression as Compression,
 )
 from ray_zep.options import (
@@ -108,6 +111,9 @@ class TrainConfig:
     `<out_dir>/samples/` (see ray_zep.train.ledger)."""
     device: Device = Device.AUTO
     precision: Precision = Precision.AUTO
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
+    """Per transformer block: `full` recomputes the block in backward, `selective` its
+    feed-forward part only (attention outputs kept); results equal `none`."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "train.steps", self.steps, "must be >= 1")

@@ -64,6 +64,17 @@ class Precision(Enum):
     BF16 = "bf16"
 
 
+class ActivationCheckpointing(Enum):
+    """Which activations of a transformer block backward recomputes instead of keeping."""
+
+    NONE = "none"
+    """Keep every activation."""
+    FULL = "full"
+    """Keep only each block's input; backward runs the block's forward again."""
+    SELECTIVE = "selective"
+    """Keep the attention outputs, recompute the feed-forward (MLP or MoE) part."""
+
+
 class Compression(Enum):
     """When collectives move losslessly compressed bytes (ZipCCL)."""
 

@@ -11,6 +11,12 @@ MoE models (`ModelShape.moe_experts` > 0) put a `ray_zep.moe.layer.MoE` in
 place of the feed-forward of every `moe_every`-th block; `ray_zep.moe.parallel`
 spreads its experts over ranks and may give the block a pipelined forward.
 
+Activation checkpointing (`Block.checkpointing`) keeps a block's input (`full`)
+or its attention output (`selective`) and runs the rest of its forward again in
+backward. The recomputation runs to the end of the checkpointed region even
+after the tensors backward needs are back (no early stop), so a recomputed
+forward posts every transfer the first one posted, on every rank alike.
+
 Shape legend: T tokens of the packed batch, D model dim, H query heads,
 K key/value heads, E head dim, F feed-forward dim, V vocabulary.
 """
@@ -22,12 +28,14 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ray_zep.attention.kernels import AttentionFn, torch_varlen_attention
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.model.shapes import ModelShape
 from ray_zep.moe.gate import Balance
 from ray_zep.moe.layer import MoE
+from ray_zep.options import ActivationCheckpointing
 
 INIT_STD = 0.02
 
@@ -119,6 +127,9 @@ class Block(nn.Module):
         self.pipeline = None
         """A forward that overlaps this block's all-to-alls with computation
         (`ray_zep.moe.pipeline`), or None."""
+        self.checkpointing = ActivationCheckpointing.NONE
+        """What backward recomputes (`train.activation_checkpointing`). A pipelined
+        block interleaves attention and experts, so `selective` recomputes it whole."""
 
     def forward(
         self,
@@ -127,6 +138,15 @@ class Block(nn.Module):
         seqs: PackedSeqs,
         attention: AttentionFn,
     ) -> torch.Tensor:
+        mode = self.checkpointing if torch.is_grad_enabled() else ActivationCheckpointing.NONE
+        whole = mode is ActivationCheckpointing.FULL or (
+            mode is ActivationCheckpointing.SELECTIVE and self.pipeline is not None
+        )
+        if whole:
+            return _recomputed(self._forward, x_TD, rope, seqs, attention)
+        return self._forward(x_TD, rope, seqs, attention)
+
+    def _forward(self, x_TD, rope, seqs, attention) -> torch.Tensor:
         if self.pipeline is not None:
             return self.pipeline(self, x_TD, rope, seqs, attention)
         return self.plain_forward(x_TD, rope, seqs, attention)
@@ -134,7 +154,18 @@ class Block(nn.Module):
     def plain_forward(self, x_TD, rope, seqs, attention) -> torch.Tensor:
         """Attention, then the feed-forward, with no overlap."""
         h_TD = x_TD + self.attention(self.attention_norm(x_TD), rope, seqs, attention)
-        return h_TD + self.feed_forward(self.ffn_norm(h_TD))
+        if self.checkpointing is ActivationCheckpointing.SELECTIVE and torch.is_grad_enabled():
+            return h_TD + _recomputed(self._feed_forward, h_TD)
+        return h_TD + self._feed_forward(h_TD)
+
+    def _feed_forward(self, h_TD: torch.Tensor) -> torch.Tensor:
+        return self.feed_forward(self.ffn_norm(h_TD))
+
+
+def _recomputed(fn, *args) -> torch.Tensor:
+    """`fn(*args)` whose activations backward recomputes (non-reentrant, no early stop)."""
+    with set_checkpoint_early_stop(False):
+        return checkpoint(fn, *args, use_reentrant=False)
 
 
 class Transformer(nn.Module):
@@ -169,6 +200,11 @@ class Transformer(nn.Module):
                 std = residual_std if residual else INIT_STD
                 with torch.no_grad():
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+    def set_checkpointing(self, mode: ActivationCheckpointing) -> None:
+        """Activation checkpointing of every block (`train.activation_checkpointing`)."""
+        for block in self.layers:
+            block.checkpointing = mode
 
     def moe_layers(self) -> list[MoE]:
         """The MoE feed-forwards, block by block."""

@@ -171,6 +171,7 @@ class RankTrainer:
         """Forward matmul FLOPs of one token (for the step's model FLOPs)."""
         self.model.init_weights(torch.Generator().manual_seed(config.train.seed))
         self.model.to(device)
+        self.model.set_checkpointing(config.train.activation_checkpointing)
         self.experts = parallelize_experts(self.model, self.comm, config)
         self.pipeline: WeightPipeline | None = None
         self.state_module: torch.nn.Module = self.model
@@ -322,18 +323,21 @@ class RankTrainer:
             seqs = PackedSeqs.from_lengths(shard.lengths, self.device)
         else:
             attention = self._engine(shard)
+        # the routing groups stay set through backward: checkpointed blocks route again
         for moe in self.model.moe_layers():
             moe.routing_groups = shard.routing_groups
-        with self._autocast():
-            logits_TV = self.model(tokens, positions, seqs, attention)
-        for moe in self.model.moe_layers():
-            moe.routing_groups = None
-        token_losses = F.cross_entropy(
-            logits_TV.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        moe = self.config.model.moe
-        aux = balance_loss(self.model.balance(), self.comm, moe.aux_loss_coef).to(self.device)
-        (token_losses / max(1, shard.global_label_tokens) + aux).backward()
+        try:
+            with self._autocast():
+                logits_TV = self.model(tokens, positions, seqs, attention)
+            token_losses = F.cross_entropy(
+                logits_TV.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+            coef = self.config.model.moe.aux_loss_coef
+            aux = balance_loss(self.model.balance(), self.comm, coef).to(self.device)
+            (token_losses / max(1, shard.global_label_tokens) + aux).backward()
+        finally:
+            for moe in self.model.moe_layers():
+                moe.routing_groups = None
         return float(token_losses.detach()), float(aux.detach())
 
     def _pipelined_forward_backward(self, shard: RankShard) -> float:
