@@ -198,6 +198,16 @@ def _parser() -> argparse.ArgumentParser:
     tawpipe.add_argument("--out", default="runs/bench/tawpipe", help="JSON and PNG folder")
     tawpipe.set_defaults(handler=_bench_tawpipe)
 
+    memory = benches.add_parser("memory", help="per-rank memory, modelled and measured")
+    _optional_config_args(memory)
+    memory.add_argument("--weights", default="replicated,fsdp", help="weights modes to run")
+    memory.add_argument(
+        "--checkpointing", default="none,full", help="train.activation_checkpointing values"
+    )
+    memory.add_argument("--steps", type=int, default=3, help="steps per case; the last is measured")
+    memory.add_argument("--out", default="runs/bench/memory", help="JSON and PNG folder")
+    memory.set_defaults(handler=_bench_memory)
+
     data = commands.add_parser("data", help="build or inspect datasets")
     data_commands = data.add_subparsers(dest="data_command", required=True)
     build = data_commands.add_parser("build", help="tokenize text/JSONL into Parquet")
@@ -275,6 +285,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(result.table)
     for path in write_outputs(result, args.png, args.json_path):
         print(f"wrote {path}")
+    result.memory.check()  # after the table: the refusal comes with the figures
     return 0
 
 
@@ -397,6 +408,43 @@ def _bench_moe(args: argparse.Namespace) -> int:
                         bench.row_dicts(rows))  # fmt: skip
     print(f"wrote {record}")
     print(f"wrote {bench.draw_moe_chart(rows, out / 'moe.png')}")
+    return 0
+
+
+def _bench_memory(args: argparse.Namespace) -> int:
+    from ray_zep.bench import memory as bench
+    from ray_zep.bench.output import write_json
+    from ray_zep.config import ActivationCheckpointing
+    from ray_zep.errors import ConfigError
+    from ray_zep.parallel.axes import WEIGHTS_AXES, Family, WeightsMode
+
+    config = _optional_config(args)
+    if args.config is None and not args.overrides:
+        config = load_config(
+            Path("conf/demo.yaml"), ["topology.nodes=1", "topology.gpus_per_node=8"]
+        )
+    if args.steps < 2:
+        raise ConfigError(f"--steps={args.steps}: at least 2 (the first has no optimizer state)")
+    weights = [w.strip() for w in args.weights.split(",") if w.strip()]
+    known = [m.value for m in WeightsMode if WEIGHTS_AXES[m].family is Family.AUTOGRAD]
+    checkpointing = [c.strip() for c in args.checkpointing.split(",") if c.strip()]
+    for name in weights:
+        if name not in known:
+            raise ConfigError(f"--weights item {name!r}: choose from {', '.join(known)}")
+    for name in checkpointing:
+        if name not in [m.value for m in ActivationCheckpointing]:
+            raise ConfigError(f"--checkpointing item {name!r}: none, full or selective")
+    rows = bench.run_cases(config, bench.cases(weights, checkpointing), args.steps)
+    checks = bench.goals(rows, config)
+    print(bench.table(rows, checks))
+    out = Path(args.out)
+    command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ray-zep bench memory"
+    spec = {"weights": weights, "checkpointing": checkpointing, "steps": args.steps}
+    record_rows = bench.row_dicts(rows)
+    print(
+        f"wrote {write_json(out / 'memory.json', command, spec | {'goals': checks}, record_rows)}"
+    )
+    print(f"wrote {bench.draw(rows, out / 'memory.png')}")
     return 0
 
 

@@ -273,9 +273,17 @@ class TopologyConfig:
     """Per-NIC inter-node bandwidth, Gb/s each way."""
     intra_node_latency_us: float | None = None
     inter_node_latency_us: float | None = None
+    gpu_memory_gb: float | None = None
+    """Memory of one GPU, GB (1e9 bytes); defaults to the preset's (unknown on virtual)."""
 
     def __post_init__(self) -> None:
         _require(self.nodes >= 1, "topology.nodes", self.nodes, "must be >= 1")
+        _require(
+            self.gpu_memory_gb is None or self.gpu_memory_gb > 0,
+            "topology.gpu_memory_gb",
+            self.gpu_memory_gb,
+            "must be > 0",
+        )
         for key in ("gpus_per_node", "nics_per_node"):
             value = getattr(self, key)
             _require(value is None or value >= 1, f"topology.{key}", value, "must be >= 1")
@@ -429,8 +437,13 @@ class MetricsConfig:
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one GPU for the MFU metric; 0: the datasheet BF16 peak of
     a known GPU (A100/A800 312, H100/H800/H200 989), no MFU otherwise."""
+    memory_every: int = 10
+    """On CPU, measure a step's peak tensor memory every k steps, from the second on
+    (the tracker slows that step by about half); 0 never. GPUs read the allocator's
+    peak every step."""
 
     def __post_init__(self) -> None:
+        _require(self.memory_every >= 0, "metrics.memory_every", self.memory_every, "must be >= 0")
         _require(-1 <= self.port <= 65535, "metrics.port", self.port, "must be -1, 0 or a port")
         _require(bool(self.host.strip()), "metrics.host", self.host, "must be an address")
         _require(self.peak_tflops >= 0, "metrics.peak_tflops", self.peak_tflops, "must be >= 0")

@@ -55,6 +55,10 @@ class TokenOutOfVocabError(DataError):
     """A token id is negative or not below the model's vocabulary size."""
 
 
+class MemoryPlanError(ConfigError):
+    """The modelled per-rank memory of a run exceeds the GPU's memory."""
+
+
 class PlacementError(ZepError):
     """A batch cannot be placed on the ranks under the chosen strategy."""
 

@@ -99,6 +99,12 @@ MFU = MetricSpec(
     Kind.GAUGE,
     "Model FLOPs utilisation of the last step: model FLOP/s over ranks x peak (0-1).",
 )
+RANK_MEMORY = MetricSpec(
+    "ray_zep_rank_memory_bytes",
+    Kind.GAUGE,
+    "Peak memory of the fullest rank in the last step: modelled, and measured where it was.",
+    ("kind",),
+)
 RESTARTS = MetricSpec(
     "ray_zep_restarts_total",
     Kind.COUNTER,
@@ -128,6 +134,7 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     ZONE_TOKENS,
     MODEL_FLOPS_PER_SECOND,
     MFU,
+    RANK_MEMORY,
     RESTARTS,
 )
 

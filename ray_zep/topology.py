@@ -58,6 +58,8 @@ class Topology:
         intra_node_latency: seconds per intra-node message.
         inter_node_latency: seconds per inter-node message.
         gpu_model: GPU name, for reports.
+        gpu_memory_bytes: memory of one GPU (0: unknown, as on a virtual topology);
+            `ray-zep plan` refuses a plan whose per-rank memory exceeds it.
         nic_names: device names of the NICs (probed topologies), for NCCL settings.
     """
 
@@ -72,6 +74,7 @@ class Topology:
     inter_node_latency: float
     gpu_model: str = "virtual"
     nic_names: tuple[str, ...] = ()
+    gpu_memory_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1 or self.nics_per_node < 1:
@@ -190,13 +193,15 @@ class NodeHardware:
     nic_gbits_per_s: float
     intra_latency_us: float = 3.0
     inter_latency_us: float = 10.0
+    gpu_memory_gb: float = 0.0
+    """The GPU's memory (datasheet, GB = 1e9 bytes); 0 when unknown."""
 
 
 PRESETS: dict[str, NodeHardware] = {
     "virtual": NodeHardware("virtual", 1, 1, 200.0, 200.0),
-    "cluster_a": NodeHardware("A800-80G", 8, 4, 200.0, 200.0),
-    "cluster_b": NodeHardware("H800", 8, 8, 200.0, 400.0),
-    "cluster_c": NodeHardware("H200", 8, 8, 450.0, 400.0),
+    "cluster_a": NodeHardware("A800-80G", 8, 4, 200.0, 200.0, gpu_memory_gb=80.0),
+    "cluster_b": NodeHardware("H800", 8, 8, 200.0, 400.0, gpu_memory_gb=80.0),
+    "cluster_c": NodeHardware("H200", 8, 8, 450.0, 400.0, gpu_memory_gb=141.0),
 }
 
 
@@ -225,6 +230,7 @@ def build_topology(cfg: TopologyConfig) -> Topology:
         intra_node_latency=_or(cfg.intra_node_latency_us, hw.intra_latency_us) * US,
         inter_node_latency=_or(cfg.inter_node_latency_us, hw.inter_latency_us) * US,
         gpu_model=hw.gpu_model,
+        gpu_memory_bytes=(cfg.gpu_memory_gb or hw.gpu_memory_gb) * GB,
     )
 
 

@@ -26,6 +26,7 @@ UNITS = (
     "_total",
     "_seconds",
     "_bytes_total",
+    "_bytes",
     "_per_second",
     "_step",
     "_loss",

@@ -86,6 +86,7 @@ class MetricsExporter:
             "compression": event.get("compression", {}),
             "zone_tokens": event.get("zone_tokens", {}),
             "model_flops_per_second": event.get("model_flops", 0.0) / seconds,
+            "memory": event.get("memory", {}),
             "time": time.time(),
         }
         if self.peak_flops:
@@ -126,6 +127,10 @@ class MetricsExporter:
         get(m.MODEL_FLOPS_PER_SECOND.name).set(row["model_flops_per_second"])
         if "mfu" in row:
             get(m.MFU.name).set(row["mfu"])
+        for kind in ("modelled", "measured"):
+            peak = max(row["memory"].get(kind) or [0.0])
+            if peak > 0:  # ranks measure on some steps only (CPU: metrics.memory_every)
+                get(m.RANK_MEMORY.name).labels(kind=kind).set(peak)
         for zone, tokens in row["zone_tokens"].items():
             get(m.ZONE_TOKENS.name).labels(zone=zone).inc(tokens)
         for link, nbytes in row["comm_bytes"].items():

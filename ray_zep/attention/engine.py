@@ -67,6 +67,12 @@ class _Saved:
     heads: _Heads
     kv_heads: int
 
+    TENSORS = ("q_PHE", "kv_P2KE", "out_PHE", "lse_HP", "gathered")
+    """The fields backward needs as tensors, in field order."""
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [getattr(self, name) for name in self.TENSORS]
+
 
 class AttentionEngine(torch.autograd.Function):
     """out_THE = attention of this rank's rows under the plan (see the module docstring)."""
@@ -91,8 +97,11 @@ class AttentionEngine(torch.autograd.Function):
             saved.append(state)
         if relay is not None:
             relay.finish_relay()
-        ctx.schedule, ctx.links, ctx.kernels, ctx.saved = schedule, links, kernels, saved
+        ctx.schedule, ctx.links, ctx.kernels = schedule, links, kernels
         ctx.shapes = (q_THE.shape, k_TKE.shape, q_THE.dtype)
+        # through save_for_backward, so activation checkpointing can drop and recompute them
+        ctx.save_for_backward(*(t for state in saved for t in state.tensors()))
+        ctx.meta = [(state.heads, state.kv_heads) for state in saved]
         return out
 
     @staticmethod
@@ -102,7 +111,12 @@ class AttentionEngine(torch.autograd.Function):
         dk = torch.zeros(k_shape, dtype=dtype, device=dout_THE.device)
         dv = torch.zeros(k_shape, dtype=dtype, device=dout_THE.device)
         relay = _start_relay(ctx.schedule, ctx.links, Phase.BACKWARD, dk)
-        for item, state in zip(ctx.schedule.items, ctx.saved, strict=True):
+        tensors = ctx.saved_tensors
+        width = len(_Saved.TENSORS)
+        saved = [
+            _Saved(*tensors[i * width : (i + 1) * width], *meta) for i, meta in enumerate(ctx.meta)
+        ]
+        for item, state in zip(ctx.schedule.items, saved, strict=True):
             start, stop = item.rows
             grads = _item_backward(
                 dout_THE[start:stop], item, state, ctx.schedule, ctx.links, ctx.kernels[1]
@@ -110,7 +124,6 @@ class AttentionEngine(torch.autograd.Function):
             dq[start:stop], dk[start:stop], dv[start:stop] = grads
         if relay is not None:
             relay.finish_relay()
-        ctx.saved = []
         return dq, dk, dv, None, None, None
 
 

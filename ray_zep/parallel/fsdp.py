@@ -1,8 +1,8 @@
 """Weight sharding with torch's FSDP2 (`parallel.weights=fsdp|hsdp`).
 
-`shard_model` applies `fully_shard` to every transformer block and then to the
-whole model (embedding, final norm, output), over a DeviceMesh that is a view of
-the groups `ray_zep.dist` built: `fsdp` shards over all ranks, `hsdp` over the
+`shard_model` applies `fully_shard` to the embedding, to every transformer block,
+to the head (final norm and output) and then to the whole model, over a DeviceMesh
+that is a view of the groups `ray_zep.dist` built: `fsdp` shards over all ranks, `hsdp` over the
 GPUs of a node with replicas across nodes. Gradients are summed, not averaged
 (the loss is already normalised by the global token count), with a plain SUM
 reduction because gloo has no pre-multiplied one. On GPU with bf16, parameters
@@ -53,7 +53,10 @@ def shard_model(
         expert_modules: modules holding only expert-parallel weights.
 
     Returns:
-        The FSDP modules, blocks first, the root last.
+        The FSDP modules in forward order (embedding, blocks, head), the root last.
+        Separate units let backward free the head before the blocks run and gather
+        the embedding only at its end, so at most one unit (two with prefetch) is
+        gathered at a time.
     """
     mesh = comm.groups.fsdp_mesh(device.type, comm.topology)
     policy = MixedPrecisionPolicy(
@@ -73,23 +76,28 @@ def shard_model(
         def placement(param: nn.Parameter) -> ShardPlacementResult | None:
             return on_replicas if id(param) in expert_ids else None
 
+    embedding = fully_shard(model.tok_embeddings, mesh=mesh, reshard_after_forward=reshard,
+                            mp_policy=policy)  # fmt: skip
     blocks = [
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy,
                     shard_placement_fn=placement, ignored_params=ignored)
         for block in model.layers
     ]  # fmt: skip
-    # the root keeps its (small) parameters gathered after forward: backward needs them first
+    # the head stays gathered after forward: backward needs it first
+    fully_shard([model.norm, model.output], mesh=mesh, reshard_after_forward=False,
+                mp_policy=policy)  # fmt: skip
+    head = model.norm  # one unit over both modules: either one stands for it
     root = fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy,
                        ignored_params=ignored)  # fmt: skip
-    modules = [*blocks, root]
-    for module in modules:
+    units = [embedding, *blocks, head]
+    for module in [*units, root]:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
     if parallel.prefetch:
-        for earlier, later in itertools.pairwise(blocks):
+        for earlier, later in itertools.pairwise(units):
             earlier.set_modules_to_forward_prefetch([later])
             later.set_modules_to_backward_prefetch([earlier])
-    return modules
+    return [*units, root]
 
 
 def mesh_shape(parallel: ParallelConfig) -> MeshShape | None:

@@ -19,7 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from ray_zep.attention.engine import run_attention
-from ray_zep.attention.kernels import AttentionFn, select_backward, select_kernel
+from ray_zep.attention.kernels import (
+    AttentionFn,
+    flash_varlen_attention,
+    select_backward,
+    select_kernel,
+)
 from ray_zep.attention.links import Links
 from ray_zep.attention.schedule import RankSchedule
 from ray_zep.attention.varlen import PackedSeqs
@@ -35,6 +40,7 @@ from ray_zep.model.shapes import build_shape
 from ray_zep.moe.parallel import balance_loss, parallelize_experts
 from ray_zep.parallel.axes import Family, Passing, Sharding
 from ray_zep.parallel.fsdp import mesh_shape, shard_model
+from ray_zep.parallel.memory import RankMemory
 from ray_zep.partition.plan import Zone, zone_of
 from ray_zep.pipeline.runner import WeightPipeline
 from ray_zep.remap.comms import to_attention, to_linear
@@ -43,6 +49,7 @@ from ray_zep.routing.comms import open_channels
 from ray_zep.traffic import Traffic, gradient_traffic, sharded_weights_traffic
 from ray_zep.train import checkpoint
 from ray_zep.train.comms import all_reduce_gradients_, all_reduce_sum_, square_norm
+from ray_zep.train.memory_probe import PeakProbe, modelled
 from ray_zep.train.optim import build_optimizer, lr_at, set_lr
 
 log = logging.getLogger(__name__)
@@ -81,6 +88,9 @@ class StepStats:
     model_flops: float = 0.0
     """Forward + backward FLOPs the model needs for the global batch (3 x forward,
     causal attention), whatever the strategy recomputes."""
+    memory: dict[str, object] = field(default_factory=dict)
+    """Per-rank peak bytes: `modelled` (every step) and `measured` (0 where the step
+    was not measured), `measured_by`, and rank 0's modelled and measured `parts`."""
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -172,6 +182,7 @@ class RankTrainer:
         self.model.init_weights(torch.Generator().manual_seed(config.train.seed))
         self.model.to(device)
         self.model.set_checkpointing(config.train.activation_checkpointing)
+        self.shape = shape
         self.experts = parallelize_experts(self.model, self.comm, config)
         self.pipeline: WeightPipeline | None = None
         self.state_module: torch.nn.Module = self.model
@@ -198,6 +209,9 @@ class RankTrainer:
             self.state_module = self.pipeline.weights.own_module()
         self.optimizer = build_optimizer(self.state_module, config.train)
         self.steps_done = 0
+        self.memory_probe = PeakProbe(
+            device, config.metrics.memory_every, (self.state_module, self.optimizer)
+        )
         self.zipped = _zipped_collectives(config, self.comm)
         ring_zip = None
         if self.zipped is not None and "kv" in config.comm.compression_streams:
@@ -211,15 +225,19 @@ class RankTrainer:
         started = time.perf_counter()
         lr = lr_at(self.steps_done, self.config.train)
         set_lr(self.optimizer, lr)
-        (loss_sum, aux_loss), grad_bytes = self.compute_gradients(shard)
-        grad_norm = self._clip()
-        self.optimizer.step()
+        with self.memory_probe.step(self.steps_done + 1):
+            (loss_sum, aux_loss), grad_bytes = self.compute_gradients(shard)
+            grad_norm = self._clip()
+            self.optimizer.step()
         self.steps_done += 1
         ring_bytes = self.links.ring_zip.take() if self.links.ring_zip else (0, 0)
         led = self._led_work(shard)
-        totals = torch.tensor([loss_sum, aux_loss, *ring_bytes, *led], dtype=torch.float64)
+        model = self._modelled_memory(shard)
+        memory = self._rank_slots(model.total, self.memory_probe.last.get("peak", 0.0))
+        totals = torch.tensor([loss_sum, aux_loss, *ring_bytes, *led, *memory], dtype=torch.float64)
         all_reduce_sum_(totals, self.comm, "the step loss")
         zone_tokens, attention_flops = totals[4:7].tolist(), float(totals[7])
+        per_rank = totals[8:].view(2, -1).tolist()
         traffic = self._traffic(shard, grad_bytes)
         return StepStats(
             step=self.steps_done,
@@ -236,6 +254,28 @@ class RankTrainer:
             moe_aux_loss=float(totals[1]),
             zone_tokens={z.value: int(n) for z, n in zip(ZONES, zone_tokens, strict=True)},
             model_flops=3.0 * (self.linear_flops * shard.global_tokens + attention_flops),
+            memory={
+                "modelled": per_rank[0],
+                "measured": per_rank[1],
+                "measured_by": self.memory_probe.method,
+                "parts": {"modelled": model.to_dict(), "measured": self.memory_probe.last},
+            },
+        )
+
+    def _rank_slots(self, *values: float) -> list[float]:
+        """`values` in this rank's slot of one row per value (summed over ranks: gathered)."""
+        rows = torch.zeros(len(values), self.comm.world_size, dtype=torch.float64)
+        rows[:, self.comm.rank] = torch.tensor(values, dtype=torch.float64)
+        return rows.flatten().tolist()
+
+    def _modelled_memory(self, shard: RankShard) -> RankMemory:
+        ring = 0
+        if shard.plan is not None:
+            layout = shard.plan.layout(self.comm.rank)
+            ring = sum(f.end - f.start for f in layout if f.zone is not Zone.LOCAL)
+        flash = self.kernel is flash_varlen_attention
+        return modelled(
+            self.config, self.shape, self.comm.topology, shard.num_tokens, ring, self.dtype, flash
         )
 
     def _led_work(self, shard: RankShard) -> list[float]:

@@ -37,6 +37,7 @@ SMALL_RUN = [
     "data.length_scale=0.02",
     "metrics.progress=false",
     "train.adam_eps=1e-6",
+    "metrics.memory_every=0",
 ]
 """A run small enough for several processes on two cores, with varied lengths.
 
@@ -44,7 +45,9 @@ AdamW's eps is 1e-6 here: its update divides each gradient by the gradient's own
 magnitude plus eps, so an entry whose gradient is below eps (a tiny model has a few,
 around 6e-9) turns summation-order rounding of 1e-9, far below the 1e-5 tolerance on
 gradients, into a visible difference of its update. With eps 1e-6 the same rounding
-stays as small in the parameters as it is in the gradients."""
+stays as small in the parameters as it is in the gradients. Memory is not measured
+(`metrics.memory_every=0`): the tracker doubles a step's time; tests/test_memory.py
+measures it."""
 
 
 def make_stream(config: Config, topology: Topology, progress: Progress) -> BatchStream:

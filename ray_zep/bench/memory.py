@@ -1,0 +1,217 @@
+"""`ray-zep bench memory`: per-rank memory, modelled and measured, per weights mode.
+
+Each case trains a few steps of the configured model on a virtual topology (one
+gloo process per GPU, the trainer's own step) and measures the last step with
+the trainer's probe (`ray_zep.train.memory_probe`): the peak of live tensors and
+the most parameters + gradients + optimizer state held. The model
+(`ray_zep.parallel.memory`) is computed for the same rank and tokens. Two goals
+are checked and reported, met or not:
+
+- sharded state: FSDP2's measured state peak is at most the replicated one
+  divided by the ranks, plus one block's unsharded parameters;
+- the model: within 10% of the measured peak, case by case.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ray_zep.config import Config, config_from_dict, config_to_dict
+from ray_zep.model.shapes import build_shape
+from ray_zep.parallel.axes import WeightsMode
+from ray_zep.parallel.memory import FP32, block_params, memory_inputs, state_bytes
+from ray_zep.report.charts import bar_panel, legend
+from ray_zep.report.png import Canvas
+
+REPLICATED, FSDP = WeightsMode.REPLICATED.value, WeightsMode.FSDP.value
+MODEL_TOLERANCE = 0.10
+"""The model must be within 10% of the measured peak."""
+
+
+@dataclass(frozen=True)
+class MemoryCase:
+    weights: str
+    checkpointing: str
+    prefetch: bool = True
+
+    @property
+    def name(self) -> str:
+        fetch = "" if self.weights == REPLICATED or self.prefetch else "-noprefetch"
+        return f"{self.weights}{fetch}/{self.checkpointing}"
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """One case: rank 0's figures (bytes) of the last step."""
+
+    case: str
+    weights: str
+    checkpointing: str
+    ranks: int
+    tokens: int
+    modelled: float
+    measured: float
+    state_measured: float
+    state_modelled: float
+    modelled_parts: dict
+    measured_parts: dict
+
+    @property
+    def model_error(self) -> float:
+        return self.modelled / self.measured - 1.0 if self.measured else float("nan")
+
+
+def cases(weights: list[str], checkpointing: list[str]) -> list[MemoryCase]:
+    """Every weights mode x checkpointing; FSDP2 modes with and without prefetch."""
+    out = []
+    for w in weights:
+        for c in checkpointing:
+            fetches = (True,) if w == REPLICATED else (True, False)
+            out.extend(MemoryCase(w, c, f) for f in fetches)
+    return out
+
+
+def run_cases(config: Config, todo: list[MemoryCase], steps: int) -> list[MemoryRow]:
+    """Train every case on `topology.nodes x topology.gpus_per_node` gloo processes."""
+    ranks = config.topology.nodes * (config.topology.gpus_per_node or 1)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    plain = config_to_dict(config)
+    mp.start_processes(
+        _rank_main, (ranks, port, plain, todo, steps, queue), nprocs=ranks, start_method="spawn"
+    )
+    return queue.get()
+
+
+def _rank_main(rank, ranks, port, plain, todo, steps, queue) -> None:
+    from ray_zep.data.batching import BatchStream
+    from ray_zep.data.catalog import open_configured_source
+    from ray_zep.data.shards import shard_for
+    from ray_zep.dist.launch import init_process_group
+    from ray_zep.topology import build_topology
+    from ray_zep.train.setup import create_comm
+    from ray_zep.train.trainer import RankTrainer
+
+    torch.set_num_threads(1)
+    base = config_from_dict(plain)
+    init_process_group("gloo", rank, ranks, "127.0.0.1", port, 120.0, base.comm.timeout_s)
+    rows = []
+    for case in todo:
+        config = _with(base, case, steps)
+        topology = build_topology(config.topology)
+        comm = create_comm(config, topology)
+        stream = BatchStream.from_config(
+            open_configured_source(config), config, topology.world_size
+        )
+        trainer = RankTrainer(config, comm, torch.device("cpu"))
+        for _ in range(steps):
+            shard = shard_for(stream.next_batch(), config, topology)[rank]
+            stats = trainer.train_step(shard)
+        measured = trainer.memory_probe.last
+        modelled = stats.memory["parts"]["modelled"]
+        rows.append(
+            MemoryRow(
+                case.name,
+                case.weights,
+                case.checkpointing,
+                ranks,
+                shard.num_tokens,
+                modelled["total"],
+                measured.get("peak", 0.0),
+                measured.get("state_peak", 0.0),
+                state_bytes(trainer.shape, memory_inputs(config, topology, shard.num_tokens)),
+                modelled,
+                measured,
+            )
+        )
+        del trainer
+        dist.barrier()
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def _with(config: Config, case: MemoryCase, steps: int) -> Config:
+    plain = config_to_dict(config)
+    plain["parallel"]["weights"] = case.weights
+    plain["train"]["activation_checkpointing"] = case.checkpointing
+    plain["train"]["steps"] = steps
+    plain["metrics"]["memory_every"] = 1
+    plain["parallel"]["prefetch"] = case.prefetch
+    return config_from_dict(plain)
+
+
+def goals(rows: list[MemoryRow], config: Config) -> list[dict]:
+    """The two goals, case by case: figures, limits and whether they are met."""
+    shape = build_shape(config.model)
+    block = max(block_params(shape, i) for i in range(shape.n_layers)) * FP32
+    out = []
+    by_case = {(r.weights, r.checkpointing): r for r in rows}
+    for row in rows:
+        out.append(
+            {
+                "goal": "model within 10% of measured",
+                "case": row.case,
+                "value": row.model_error,
+                "limit": MODEL_TOLERANCE,
+                "met": abs(row.model_error) <= MODEL_TOLERANCE,
+            }
+        )
+        replicated = by_case.get((REPLICATED, row.checkpointing))
+        if row.weights == FSDP and replicated is not None:
+            limit = replicated.state_measured / row.ranks + block
+            out.append(
+                {
+                    "goal": "fsdp state <= replicated / ranks + one block",
+                    "case": row.case,
+                    "value": row.state_measured,
+                    "limit": limit,
+                    "met": row.state_measured <= limit,
+                }
+            )
+    return out
+
+
+def row_dicts(rows: list[MemoryRow]) -> list[dict]:
+    return [{**asdict(r), "model_error": r.model_error} for r in rows]
+
+
+def table(rows: list[MemoryRow], checks: list[dict]) -> str:
+    mib = 2**20
+    lines = [
+        f"{'case':<26}{'ranks':>6}{'tokens':>8}{'modelled MiB':>14}"
+        f"{'measured MiB':>14}{'error':>8}{'state MiB':>11}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.case:<26}{r.ranks:>6}{r.tokens:>8}"
+            f"{r.modelled / mib:>14.2f}{r.measured / mib:>14.2f}{r.model_error:>+8.1%}"
+            f"{r.state_measured / mib:>11.2f}"
+        )
+    lines.append("")
+    for c in checks:
+        verdict = "met" if c["met"] else "NOT MET"
+        lines.append(
+            f"{c['goal']:<46}{c['case']:<26}{c['value']:>14.4g} vs {c['limit']:.4g}  {verdict}"
+        )
+    return "\n".join(lines)
+
+
+def draw(rows: list[MemoryRow], path: Path) -> Path:
+    """Modelled and measured peak per case, MiB."""
+    mib = 2**20
+    groups = [r.case for r in rows]
+    values = [[r.modelled / mib, r.measured / mib, r.state_measured / mib] for r in rows]
+    canvas = Canvas(1000, 420)
+    title = f"per-rank peak MiB on {rows[0].ranks} CPU ranks" if rows else "no rows"
+    bar_panel(canvas, (40, 30, 920, 340), title, groups, values)
+    legend(canvas, 40, 395, ["modelled peak", "measured peak", "measured state"])
+    return canvas.save(path)

@@ -1,0 +1,285 @@
+"""Per-rank memory of a training step, modelled from the axes, the shape and the tokens.
+
+The model counts the tensors ray_zep's own step keeps, category by category:
+
+- parameters: fp32 masters, split as the weights mode says (`replicated`: all,
+  experts divided by `parallel.ep`; `fsdp`: 1/ranks; `hsdp`: 1/GPUs of a node;
+  weight passing: the owned shard plus two borrowed ones), plus FSDP2's gathered
+  copies in the compute dtype of the unit being differentiated (the embedding, a
+  block or the head; two with prefetch);
+- gradients: fp32, sharded like the parameters;
+- optimizer: AdamW's two fp32 moments of the parameters a rank owns;
+- activations: what autograd keeps for the rank's tokens (below), the logits,
+  the gradients of a block's widest intermediate and of its input while it runs
+  backward, and, for a checkpointed block, its recomputed activations; with the torch kernel
+  on ring blocks, the backward's H x chunk x chunk score matrices;
+- buffers: the flat gradient all-reduce buffer (`replicated`), the ring attention's
+  K/V receive buffers (placements that spread sequences), an FSDP2 unit's unsharded
+  gradients before its reduce-scatter.
+
+A step's peak is the larger of two moments: the first block's backward in
+reverse order (parameters, optimizer state, every kept activation, the logits, the
+gradients that block's backward computes, the weights gathered or borrowed for it)
+and the end of backward (parameters, optimizer state, every gradient, the reduction
+buffers). Optimizer
+state exists from the second step on; the model describes that steady state.
+
+Activations per token and block, in elements, as the block computes them (D model
+dim, H heads, K KV heads, E head dim, F SwiGLU dim): the attention half keeps
+3D + 1 for its norm and projection input, H·E for the rotated queries, the keys
+and values the kernel saw, H·E for the output and H for the log-sum-exp; the
+torch kernel (CPU) sees keys and values expanded to H heads and keeps its output
+apart from the output projection's input (5·H·E + H in all), flash-attn keeps
+them once (2·H·E + 2·K·E + H). The feed-forward half keeps 3D + 1 for its norm and
+4F for SwiGLU. An MoE feed-forward keeps 3D + 1, 2X for the gate and, per chosen
+expert, 2D + 4F' (an estimate: the gathered rows, the expert's SwiGLU and its
+output). `selective` keeps the attention half and the feed-forward's input (D);
+`full` keeps the block input (D). In bf16 the residual stream and norms stay fp32
+(4 bytes), matmul and attention results take 2 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ray_zep.config import Config
+from ray_zep.model.shapes import ModelShape
+from ray_zep.options import ActivationCheckpointing
+from ray_zep.parallel.axes import Family, Sharding, WeightsAxis
+from ray_zep.pipeline.layout import cut_shards
+from ray_zep.topology import Topology
+
+FP32 = 4
+ADAM_MOMENTS = 2
+SCORE_MATRICES = 3
+"""H x Sq x Sk matrices the torch kernel's backward holds at once (scores,
+probabilities, their gradient); flash kernels tile them away."""
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """Everything the model needs besides the shape.
+
+    Attributes:
+        weights: the weights axis.
+        ep: expert-parallel degree.
+        ranks: processes of the run; gpus_per_node: ranks of one node.
+        tokens: tokens this rank holds (the plan's placement of the batch).
+        ring_tokens: tokens whose K/V this rank receives from ring peers at once
+            (0 where attention never communicates).
+        checkpointing: `train.activation_checkpointing`.
+        compute_bytes: 4 (fp32) or 2 (bf16 autocast).
+        flash_kernel: attention by flash-attn (keys and values kept unexpanded).
+        reshard_after_forward, prefetch: FSDP2's settings.
+    """
+
+    weights: WeightsAxis
+    ep: int
+    ranks: int
+    gpus_per_node: int
+    tokens: int
+    ring_tokens: int = 0
+    checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
+    compute_bytes: int = FP32
+    flash_kernel: bool = False
+    reshard_after_forward: bool = True
+    prefetch: bool = True
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes a rank holds at its step's peak, by category."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    moment: str = "in backward"
+    """When the peak happens: `in backward` (activations at their fullest) or `end of
+    backward` (every gradient and the reduction buffers)."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    @property
+    def state(self) -> float:
+        """Parameters, gradients and optimizer state."""
+        return self.params + self.grads + self.optimizer
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total}
+
+    def describe(self) -> str:
+        parts = ", ".join(
+            f"{k} {v / GB:.1f}" for k, v in asdict(self).items() if not isinstance(v, str)
+        )
+        return f"{self.total / GB:.1f} GB {self.moment} ({parts})"
+
+
+def model_memory(shape: ModelShape, m: MemoryInputs) -> RankMemory:
+    """The modelled peak of one rank (bytes, see the module docstring)."""
+    owned = owned_params(shape, m)
+    work = _working_set(shape, m)
+    optimizer = ADAM_MOMENTS * owned * FP32
+    activations = activation_bytes(shape, m)
+    ring = 2 * 2 * shape.n_kv_heads * shape.head_dim * m.ring_tokens * m.compute_bytes
+    grads = _gradient_elements(shape, m) * FP32
+    flat = grads if m.weights.family is Family.AUTOGRAD and not m.weights.fsdp else 0
+    params = owned * FP32 + work.gathered
+    if activations + ring >= grads + flat + work.unit_grads:
+        return RankMemory(params, 0.0, optimizer, activations, ring)
+    return RankMemory(params, grads, optimizer, 0.0, flat + work.unit_grads, "end of backward")
+
+
+def state_bytes(shape: ModelShape, m: MemoryInputs) -> float:
+    """Parameters + gradients + optimizer state at their own peak, late in backward:
+    every gradient exists and the borrowed or gathered weights of that moment."""
+    owned = owned_params(shape, m)
+    grads = _gradient_elements(shape, m) * FP32
+    return owned * FP32 + _working_set(shape, m).gathered + grads + ADAM_MOMENTS * owned * FP32
+
+
+@dataclass(frozen=True)
+class _WorkingSet:
+    """Weights held in backward beyond the owned ones, and one FSDP2 unit's unsharded
+    gradients before their reduce-scatter (bytes)."""
+
+    gathered: float = 0.0
+    unit_grads: float = 0.0
+
+
+def _working_set(shape: ModelShape, m: MemoryInputs) -> _WorkingSet:
+    if m.weights.sharding is Sharding.OWNER:
+        borrowed = 2 * owned_params(shape, m) * FP32  # the shard computing and the next
+        return _WorkingSet(borrowed)
+    if not m.weights.fsdp:
+        return _WorkingSet()
+    # FSDP2 units: the embedding, each block, the head (final norm + output); backward
+    # gathers one unit at a time, two with prefetch
+    units = [shape.vocab_size * shape.dim, shape.vocab_size * shape.dim + shape.dim]
+    units += [block_params(shape, i) for i in range(shape.n_layers)]
+    largest = max(units)
+    held = 2 if m.prefetch else 1
+    return _WorkingSet(held * largest * m.compute_bytes, largest * FP32)
+
+
+def owned_params(shape: ModelShape, m: MemoryInputs) -> float:
+    """fp32 parameters a rank stores between steps (elements)."""
+    total = shape.param_count()
+    experts = expert_params(shape)
+    sharding = m.weights.sharding
+    if sharding is Sharding.NONE:
+        return total - experts + experts / m.ep
+    if sharding is Sharding.ALL_RANKS:
+        return total / m.ranks
+    if sharding is Sharding.NODE:
+        return (total - experts) / m.gpus_per_node + experts / m.ranks
+    return max(_weight_shards(shape, m.ranks))  # the largest shard bounds every rank's
+
+
+def expert_params(shape: ModelShape) -> int:
+    """Weights of every expert of every MoE block."""
+    return shape.moe_blocks * shape.moe_experts * 3 * shape.dim * shape.expert_hidden
+
+
+def _gradient_elements(shape: ModelShape, m: MemoryInputs) -> float:
+    if m.weights.sharding is Sharding.OWNER:
+        return 2 * max(_weight_shards(shape, m.ranks))  # own shard's and the one in flight
+    return owned_params(shape, m)
+
+
+def _weight_shards(shape: ModelShape, ranks: int) -> list[int]:
+    """Parameters of each weight-passing shard (whole units: embedding, blocks, head)."""
+    units = [shape.vocab_size * shape.dim]
+    units += [block_params(shape, i) for i in range(shape.n_layers)]
+    units += [shape.vocab_size * shape.dim + shape.dim]
+    return [sum(units[i] for i in shard) for shard in cut_shards(units, ranks)]
+
+
+def block_params(shape: ModelShape, index: int) -> int:
+    """Parameters of block `index` (every expert of an MoE block)."""
+    ffn = 3 * shape.dim * shape.ffn_dim
+    if shape.is_moe_block(index):
+        ffn = shape.moe_experts * (3 * shape.dim * shape.expert_hidden + shape.dim)
+    return shape.attention_params_per_layer() + ffn + 2 * shape.dim
+
+
+def activation_bytes(shape: ModelShape, m: MemoryInputs) -> float:
+    """Bytes autograd keeps for the rank's tokens at the end of forward."""
+    kept, recomputed = 0.0, 0.0
+    for index in range(shape.n_layers):
+        attention, feed_forward = _block_halves(shape, index, m)
+        mode = m.checkpointing
+        if mode is ActivationCheckpointing.NONE:
+            kept += attention + feed_forward
+        elif mode is ActivationCheckpointing.SELECTIVE:
+            kept += attention + shape.dim * FP32
+            recomputed = max(recomputed, feed_forward)
+        else:
+            kept += shape.dim * FP32
+            recomputed = max(recomputed, attention + feed_forward)
+    # the head's norm and projection input, and the logits the step holds until its end
+    head = (3 * shape.dim + 1) * FP32 + shape.vocab_size * FP32
+    if m.compute_bytes != FP32:
+        head += shape.vocab_size * m.compute_bytes  # the bf16 logits before their fp32 copy
+    # a block's backward: gradients of its widest intermediate and of its input
+    widest = max(
+        shape.moe_top_k * shape.expert_hidden if shape.is_moe_block(i) else shape.ffn_dim
+        for i in range(shape.n_layers)
+    )
+    working = (widest + shape.dim) * FP32
+    scores = 0.0
+    if m.ring_tokens and not m.flash_kernel:
+        # the torch kernel's backward of a ring block: scores, probabilities and their
+        # gradient, H x chunk x chunk in fp32 (the rank's ring tokens bound the chunk)
+        scores = SCORE_MATRICES * shape.n_heads * float(m.ring_tokens) ** 2 * FP32
+    return m.tokens * (kept + recomputed + head + working) + scores
+
+
+def _block_halves(shape: ModelShape, index: int, m: MemoryInputs) -> tuple[float, float]:
+    """Bytes per token the attention half and the feed-forward half of a block keep."""
+    c = m.compute_bytes
+    d, heads, he = shape.dim, shape.n_heads, shape.n_heads * shape.head_dim
+    ke = shape.n_kv_heads * shape.head_dim
+    norm = (3 * d + 1) * FP32
+    if m.flash_kernel:
+        attention = norm + (2 * he + 2 * ke) * c + heads * FP32
+    else:
+        attention = norm + 5 * he * c + heads * FP32
+    if shape.is_moe_block(index):
+        per_choice = 2 * d + 4 * shape.expert_hidden
+        ffn = norm + 2 * shape.moe_experts * FP32 + shape.moe_top_k * per_choice * c
+    else:
+        ffn = norm + 4 * shape.ffn_dim * c
+    return attention, ffn
+
+
+def memory_inputs(
+    config: Config,
+    topology: Topology,
+    tokens: int,
+    ring_tokens: int = 0,
+    dtype: torch.dtype = torch.float32,
+    flash: bool = False,
+) -> MemoryInputs:
+    """What the memory model needs from a run's config for a rank holding `tokens`."""
+    parallel = config.parallel
+    ranks = parallel.sequence_axis.processes(topology.world_size)
+    return MemoryInputs(
+        weights=parallel.weights_axis,
+        ep=parallel.ep,
+        ranks=ranks,
+        gpus_per_node=min(topology.gpus_per_node, ranks),
+        tokens=tokens,
+        ring_tokens=ring_tokens,
+        checkpointing=config.train.activation_checkpointing,
+        compute_bytes=torch.empty((), dtype=dtype).element_size(),
+        flash_kernel=flash,
+        reshard_after_forward=parallel.reshard_after_forward,
+        prefetch=parallel.prefetch,
+    )

@@ -1,0 +1,97 @@
+"""Per-rank memory: the model (`ray_zep.parallel.memory`) against the trainer's
+measurement, `ray-zep plan`'s refusal of a plan that does not fit the GPU, and
+`ray-zep bench memory`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ray_zep.config import load_config
+from ray_zep.errors import MemoryPlanError
+from ray_zep.report.plan_command import PlanRequest, run_plan
+from tests.helpers.procs import run_ranks
+from tests.helpers.training import SMALL_RUN, train_rank_each
+
+PLAN_7B = [
+    "model.preset=7b",
+    "topology.preset=cluster_a",
+    "topology.nodes=8",
+    "train.tokens_per_rank=4096",
+    "parallel.sequence=zeppelin",
+    "data.packing=budget",
+]
+"""7B on 8 nodes of 8 A800-80G, one 256k-token sequence spread by Zeppelin."""
+
+
+@pytest.mark.unit
+def test_plan_refuses_replicated_7b_at_256k_and_accepts_fsdp() -> None:
+    request = PlanRequest(lengths="256k")
+    replicated = run_plan(load_config(None, [*PLAN_7B, "parallel.weights=replicated"]), request)
+    fsdp = run_plan(load_config(None, [*PLAN_7B, "parallel.weights=fsdp"]), request)
+    assert "per-rank memory" in replicated.table and "DOES NOT FIT" in replicated.table
+    refused = r"per-rank memory \d+\.\d GB .*exceeds the 80 GB"
+    with pytest.raises(MemoryPlanError, match=refused) as e:
+        replicated.memory.check()
+    assert "parallel.weights=fsdp models" in str(e.value)
+    fsdp.memory.check()
+    assert "fits" in fsdp.table
+    full, sharded = (r.memory.ranks[r.memory.fullest] for r in (replicated, fsdp))
+    # AdamW with fp32 masters: 16 bytes a parameter replicated, a 64th of it sharded
+    assert full.state > 100e9 and sharded.state < 0.05 * full.state
+    assert sharded.total < 80e9 < full.total
+
+
+CASES = {
+    "replicated": [],
+    "fsdp+full": ["parallel.weights=fsdp", "train.activation_checkpointing=full"],
+    "zeppelin+fsdp+selective": [
+        "parallel.sequence=zeppelin", "parallel.weights=fsdp", "data.packing=budget",
+        "train.activation_checkpointing=selective",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.dist
+def test_modelled_memory_is_within_ten_percent_of_the_measured_peak(tmp_path: Path) -> None:
+    base = [*SMALL_RUN, "topology.gpus_per_node=2", "train.steps=2", "metrics.memory_every=1",
+            "train.tokens_per_rank=512"]  # fmt: skip
+    runs = [[*base, *extra, f"train.out_dir={tmp_path / name}"] for name, extra in CASES.items()]
+    per_rank = run_ranks(train_rank_each, 2, runs)
+    for name, result in zip(CASES, per_rank[0], strict=True):
+        memory = [e for e in result["events"] if e["event"] == "step"][-1]["memory"]
+        assert memory["measured_by"] == "MemTracker"
+        for modelled, measured in zip(memory["modelled"], memory["measured"], strict=True):
+            assert measured > 0, name
+            assert abs(modelled / measured - 1) <= 0.10, (name, modelled, measured)
+        parts = memory["parts"]["measured"]
+        assert parts["state_peak"] >= parts["params"] + parts["optimizer"], name
+
+
+@pytest.mark.dist
+def test_bench_memory_writes_table_json_png_and_goal_verdicts(tmp_path: Path, capsys) -> None:
+    from ray_zep.cli import main
+
+    code = main(
+        ["bench", "memory", "conf/demo.yaml", "topology.gpus_per_node=2",
+         "train.tokens_per_rank=256", "--checkpointing", "none", "--steps", "2",
+         "--out", str(tmp_path)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    record = json.loads((tmp_path / "memory.json").read_text())
+    cases = {r["case"] for r in record["rows"]}
+    assert cases == {"replicated/none", "fsdp/none", "fsdp-noprefetch/none"}
+    for row in record["rows"]:
+        assert row["measured"] > 0 and abs(row["model_error"]) <= 0.10, row["case"]
+    sharded = next(r for r in record["rows"] if r["case"] == "fsdp/none")
+    replicated = next(r for r in record["rows"] if r["case"] == "replicated/none")
+    assert sharded["state_measured"] < replicated["state_measured"]
+    goals = record["spec"]["goals"]
+    assert {g["goal"] for g in goals} == {
+        "model within 10% of measured", "fsdp state <= replicated / ranks + one block"
+    }  # fmt: skip
+    assert "met" in out and (tmp_path / "memory.png").stat().st_size > 0
