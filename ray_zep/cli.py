@@ -313,7 +313,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _bench_calibrate(args: argparse.Namespace) -> int:
     from ray_zep.bench.calibrate import calibrate
     from ray_zep.model.shapes import build_shape
-    from ray_zep.train.trainer import resolve_device
+    from ray_zep.train.build import resolve_device
 
     config = _optional_config(args)
     device = resolve_device(config.train.device)

@@ -97,11 +97,11 @@ def test_a_checkpoint_holding_code_is_refused_not_run(tmp_path: Path, capsys, mo
     assert "code ran" not in capsys.readouterr().out
 
 
-def test_world_size_mismatch_is_refused(tmp_path: Path) -> None:
+def test_expert_parallel_degree_mismatch_is_refused(tmp_path: Path) -> None:
     trainer = _trainer(seed=0)
     path = trainer.save(tmp_path, {})
-    (path / "COMPLETE").write_text('{"step": 0, "world_size": 4}\n')
-    with pytest.raises(CheckpointError, match=r"saved by 4 rank\(s\) but this run has 1"):
+    (path / "COMPLETE").write_text('{"step": 0, "world_size": 4, "ep": 2}\n')
+    with pytest.raises(CheckpointError, match=r"saved with parallel.ep=2, this run has"):
         trainer.load(path)
 
 

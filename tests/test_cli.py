@@ -99,13 +99,13 @@ def test_resume_refusals(tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"
     step = run / "checkpoints" / "step_00000002"
     step.mkdir(parents=True)
-    (step / "COMPLETE").write_text(json.dumps({"step": 2, "world_size": 1}))
+    (step / "COMPLETE").write_text(json.dumps({"step": 2, "world_size": 1, "ep": 2}))
     code, _, err = _run(
         capsys, "train", DEMO, f"train.out_dir={run}", f"data.source={ok}", "train.resume=never"
     )
     assert code == 2 and "train.resume=never" in err
     code, _, err = _run(capsys, "train", DEMO, f"train.out_dir={run}", f"data.source={ok}")
-    assert code == 2 and "saved by 1 rank(s) but this run has 4" in err
+    assert code == 2 and "saved with parallel.ep=2, this run has parallel.ep=1" in err
 
 
 def test_data_build_and_stats(tmp_path: Path, capsys) -> None:

@@ -16,6 +16,8 @@ from ray_zep.report.png import decode_png
 pytestmark = pytest.mark.unit
 
 CLUSTER = ["topology.preset=cluster_a", "topology.nodes=2", "train.tokens_per_rank=4096"]
+SHARDED = [*CLUSTER, "parallel.weights=fsdp"]
+"""7B replicated does not fit an 80 GB GPU (ray-zep plan refuses it): shard the weights."""
 LENGTHS = [30000, 9000, 300, 300, 12288, 1024, 1, 7]
 
 
@@ -29,11 +31,12 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 def test_plan_json_tiles_every_sequence(tmp_path: Path, capsys, strategy: str) -> None:
     lengths = LENGTHS if strategy != "whole" else [4000, 300, 7]
     out = tmp_path / "plan.json"
-    argv = [*CLUSTER, "model.preset=7b", "--lengths", ",".join(map(str, lengths))]
+    argv = [*SHARDED, "model.preset=7b", "--lengths", ",".join(map(str, lengths))]
     code, stdout, err = _run(capsys, "plan", *argv, "--sequence", strategy, "--json", str(out))
     assert code == 0, err
-    # header, ranks, summary; blank, NIC header, 2 nodes x 4 NICs, NIC and remap lines; "wrote"
-    assert len(stdout.splitlines()) == 1 + 16 + 1 + 1 + 1 + 8 + 2 + 1
+    # header, ranks, summary; blank, NIC header, 2 nodes x 4 NICs, NIC and remap lines;
+    # blank, per-rank memory; "wrote"
+    assert len(stdout.splitlines()) == 1 + 16 + 1 + 1 + 1 + 8 + 2 + 2 + 1
     record = json.loads(out.read_text())
     remap = record["remap"]
     assert remap["counts_before"] == [r["tokens"] for r in record["ranks"]]

@@ -8,8 +8,8 @@ vectorised numpy, never per document.
 Placement by `parallel.sequence` (ray_zep.parallel.axes):
 - the one-process reference: one shard holding the whole batch.
 - whole sequences: rank r holds bin r of a rank-packed batch, at most L tokens.
-- every planned placement: its planner places the batch (`ray_zep.partition`) and
-  rank r holds the fragments of its plan layout, with explicit positions and
+- every planned placement: the step's plan (`ray_zep.parallel.step_plan`) places
+  the batch and rank r holds the fragments of its plan layout, with explicit positions and
   next-token labels taken from the whole sequences (a fragment's last label is
   the first token of the next fragment, wherever that lives), and its slice of
   the plan;
@@ -30,20 +30,18 @@ import numpy as np
 from ray_zep.attention.varlen import positions_from_lengths
 from ray_zep.config import Config
 from ray_zep.constants import IGNORE_INDEX
-from ray_zep.costmodel import preset_rates
 from ray_zep.data.batching import GlobalBatch
 from ray_zep.errors import PlacementError
 from ray_zep.model.shapes import build_shape
 from ray_zep.moe.gate import RoutingGroups
 from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
-from ray_zep.partition import make_plan
+from ray_zep.parallel.step_plan import plan_step
 from ray_zep.partition.plan import AttentionPlan, Fragment
 from ray_zep.remap.layout import RankRemap, to_linear_layout
-from ray_zep.remap.policy import choose_remap
 from ray_zep.remap.solver import RemapPlan
-from ray_zep.routing.routes import RankRouting, RoutingPlan
+from ray_zep.routing.routes import RankRouting
 from ray_zep.topology import Topology
-from ray_zep.traffic import Traffic, attention_step_parts
+from ray_zep.traffic import Traffic
 
 
 @dataclass
@@ -164,25 +162,16 @@ def shard_for(batch: GlobalBatch, config: Config, topology: Topology) -> list[Ra
         if axis.one_process and config.parallel.reference_layout is not None:
             shards[0].routing_groups = reference_groups(batch, config, topology)
         return shards
-    shape = build_shape(config.model)
-    plan = make_plan(
-        placement, batch.lengths, topology, config.train.tokens_per_rank, shape, config.parallel
-    )
+    step = plan_step(batch.lengths, config, topology, build_shape(config.model))
+    plan = step.attention
     rank_tokens = tuple(int(n) for n in plan.rank_tokens())
     shards = [_planned_shard(batch, plan, rank, rank_tokens) for rank in range(topology.world_size)]
-    if config.parallel.routing:
-        routing = RoutingPlan.build(plan)
-        for shard in shards:
-            shard.routing = routing.for_rank(shard.rank)
-    remap = None
-    if config.parallel.remap:
-        rates = preset_rates(topology.gpu_model)
-        remap = choose_remap(plan, shape, rates, config.parallel.remap_policy)
-    if remap is not None:
-        _remap_shards(shards, remap)
-    traffic = attention_step_parts(plan, shape, config.parallel.routing, remap)
     for shard in shards:
-        shard.traffic = traffic
+        if step.routing is not None:
+            shard.routing = step.routing.for_rank(shard.rank)
+        shard.traffic = step.traffic
+    if step.remap is not None:
+        _remap_shards(shards, step.remap)
     return shards
 
 

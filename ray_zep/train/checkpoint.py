@@ -12,6 +12,15 @@ parameters that differ between ranks (experts split by expert parallelism)
 are stored under names unique to their shard. The data cursor can be read
 without a process group (`read_progress`).
 
+Every weights mode writes the same keys: parameters by their name in the whole
+model (FSDP2's DTensors as the global tensor, a weight-passing rank's shard under
+the names of the layers it owns) and the optimizer state flattened per parameter.
+So a checkpoint resumes under another weights mode (replicated, fsdp, hsdp,
+tawpipe, weipipe) and another number of ranks: DCP reads each rank's part from
+whatever ranks wrote it. Only the expert-parallel degree must match (it names the
+expert shards). RNG states are per rank and come back only at the same rank count
+(the step uses none: no dropout, the data order comes from the cursor).
+
 Loading never unpickles code: the non-tensor items DCP stores as pickled
 bytes (step, cursor, optimizer counters) are read with `weights_only=True`,
 so a checkpoint that holds anything but plain data is refused.
@@ -49,6 +58,8 @@ from ray_zep.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+"""The optimizer state keyed by parameter name, so every weights mode writes the same keys."""
 
 
 @dataclass(frozen=True)
@@ -80,12 +91,12 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
-def resume_checkpoint(run_dir: Path, resume: ResumeMode, world_size: int) -> Path | None:
+def resume_checkpoint(run_dir: Path, resume: ResumeMode, ep: int) -> Path | None:
     """The checkpoint a run in `run_dir` continues from, or None to start fresh.
 
     Raises:
         CheckpointError: `run_dir` holds checkpoints and `train.resume=never`, or
-            the newest was saved by a different number of ranks.
+            the newest was saved with another `parallel.ep`.
     """
     found = latest_checkpoint(run_dir)
     if found is None:
@@ -95,18 +106,25 @@ def resume_checkpoint(run_dir: Path, resume: ResumeMode, world_size: int) -> Pat
             f"train.out_dir={str(run_dir)!r} already holds checkpoints and train.resume=never; "
             "choose a new train.out_dir or train.resume=auto"
         )
-    check_world_size(found, world_size)
+    check_resumable(found, ep)
     return found
 
 
-def check_world_size(path: Path, world_size: int) -> None:
-    """Raise CheckpointError unless `path` is complete and was saved by `world_size` ranks."""
-    saved = _read_marker(path).get("world_size")
-    if saved != world_size:
+def check_resumable(path: Path, ep: int) -> dict[str, Any]:
+    """The checkpoint's marker, if this run can resume from it.
+
+    Raises:
+        CheckpointError: incomplete, or saved with another `parallel.ep`.
+    """
+    marker = _read_marker(path)
+    saved = marker.get("ep", 1)
+    if saved != ep:
         raise CheckpointError(
-            f"checkpoint {path} was saved by {saved} rank(s) but this run has {world_size}; "
-            "resume with the same topology and strategy, or use a new train.out_dir"
+            f"checkpoint {path} was saved with parallel.ep={saved}, this run has "
+            f"parallel.ep={ep}: the expert shards are named by it; resume with "
+            f"parallel.ep={saved} or use a new train.out_dir"
         )
+    return marker
 
 
 def save_checkpoint(
@@ -115,16 +133,16 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     progress: Progress,
     comm: Comm,
-    own_shard: bool = False,
+    ep: int = 1,
+    weights: str = "",
 ) -> None:
     """Write a checkpoint collectively (every rank calls it).
 
     Args:
-        own_shard: `model` holds only this rank's parameters (weight-passing
-            strategies); the optimizer state is then keyed by parameter name
-            throughout, so every rank's part lands under its own keys.
+        ep: the run's expert-parallel degree (a resuming run must match it).
+        weights: the run's weights mode, recorded for the log of a resume.
     """
-    model_state, optim_state = get_state_dict(model, optimizer, options=_options(own_shard))
+    model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
     names = _shard_names(model)
     state = {
         "model": _renamed(model_state, names),
@@ -149,7 +167,12 @@ def save_checkpoint(
             f"failed or exceeded comm.timeout_s={comm.timeout_s:g}: {first}"
         ) from exc
     if comm.rank == 0:
-        marker = {"step": progress.step, "world_size": comm.world_size}
+        marker = {
+            "step": progress.step,
+            "world_size": comm.world_size,
+            "ep": ep,
+            "weights": weights,
+        }
         (path / constants.CHECKPOINT_COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
         log.info("saved checkpoint of step %d to %s", progress.step, path)
 
@@ -159,24 +182,36 @@ def load_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     comm: Comm,
-    own_shard: bool = False,
+    ep: int = 1,
+    weights: str = "",
 ) -> Progress:
     """Load a checkpoint into the model and optimizer collectively; return its progress.
 
     Raises:
-        CheckpointError: the checkpoint is incomplete or was saved by a
-            different number of ranks.
+        CheckpointError: the checkpoint is incomplete or was saved with another
+            `parallel.ep`.
     """
-    check_world_size(path, comm.world_size)
-    options = _options(own_shard)
-    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    marker = check_resumable(path, ep)
+    same_ranks = marker.get("world_size") == comm.world_size
+    if comm.rank == 0 and (not same_ranks or marker.get("weights", weights) != weights):
+        log.info(
+            "resuming %s (saved by %s rank(s), parallel.weights=%s) on %d rank(s) with "
+            "parallel.weights=%s",
+            path,
+            marker.get("world_size"),
+            marker.get("weights") or "?",
+            comm.world_size,
+            weights,
+        )
+    model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
     names = _shard_names(model)
     state: dict[str, Any] = {
         "model": _renamed(model_state, names),
         "optim": _renamed_optim(optim_state, names),
         "progress": _progress_state(Progress(0, {})),
-        "rng": {f"rank{comm.rank}": _rng_state()},
     }
+    if same_ranks:
+        state["rng"] = {f"rank{comm.rank}": _rng_state()}
     with _quiet_single_process():
         _load(state, path, comm.group, not comm.distributed)
     back = {new: old for old, new in names.items()}
@@ -185,9 +220,10 @@ def load_checkpoint(
         optimizer,
         model_state_dict=_renamed(state["model"], back),
         optim_state_dict=_renamed_optim(state["optim"], back),
-        options=options,
+        options=OPTIONS,
     )
-    _set_rng_state(state["rng"][f"rank{comm.rank}"])
+    if same_ranks:
+        _set_rng_state(state["rng"][f"rank{comm.rank}"])
     return _progress_from_state(state["progress"])
 
 
@@ -258,10 +294,6 @@ def _refusal(exc: CheckpointException) -> str | None:
     return None
 
 
-def _options(own_shard: bool) -> StateDictOptions | None:
-    return StateDictOptions(flatten_optimizer_state_dict=True) if own_shard else None
-
-
 def _shard_names(model: torch.nn.Module) -> dict[str, str]:
     """Checkpoint names of the parameters this rank holds a shard of."""
     names = {}
@@ -279,13 +311,19 @@ def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
 
 
 def _renamed_optim(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """The flattened optimizer state (`state.<param>.<item>`, `param_groups.<param>.<key>`)
+    with parameter names replaced."""
     if not names:
         return state
-    groups = [
-        {**group, "params": [names.get(p, p) for p in group["params"]]}
-        for group in state["param_groups"]
-    ]
-    return {"state": _renamed(state["state"], names), "param_groups": groups}
+    out = {}
+    for key, value in state.items():
+        section, _, rest = key.partition(".")
+        for old, new in names.items():
+            if rest.startswith(old + "."):
+                key = f"{section}.{new}{rest[len(old) :]}"
+                break
+        out[key] = value
+    return out
 
 
 def _progress_state(progress: Progress) -> dict[str, Any]:

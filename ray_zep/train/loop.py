@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ray_zep.config import Config, ResumeMode
+from ray_zep.config import Config
 from ray_zep.data.shards import RankShard
 from ray_zep.dist import Comm
 from ray_zep.errors import CheckpointError
@@ -55,7 +55,7 @@ def run_rank(
         The trainer after the last step (tests inspect its parameters).
     """
     trainer = RankTrainer(config, comm, device)
-    resume_from = _agree_on_checkpoint(run_dir, config.train.resume, comm)
+    resume_from = _agree_on_checkpoint(run_dir, config, comm)
     progress = trainer.load(resume_from) if resume_from else checkpoint.Progress(0, {})
     ledger = SampleLedger(run_dir, comm.rank) if config.train.sample_ledger else None
     if ledger:
@@ -85,12 +85,12 @@ def run_rank(
     return trainer
 
 
-def _agree_on_checkpoint(run_dir: Path, resume: ResumeMode, comm: Comm) -> Path | None:
+def _agree_on_checkpoint(run_dir: Path, config: Config, comm: Comm) -> Path | None:
     """Rank 0 picks the checkpoint (or the error) and every rank gets the same answer."""
     choice: list[dict[str, str | None]] = [{}]
     if comm.rank == 0:
         try:
-            found = checkpoint.resume_checkpoint(run_dir, resume, comm.world_size)
+            found = checkpoint.resume_checkpoint(run_dir, config.train.resume, config.parallel.ep)
             choice = [{"path": str(found) if found else None}]
         except CheckpointError as exc:
             choice = [{"error": str(exc)}]

@@ -4,7 +4,7 @@
 workers and the absolute run directory. It checks the checkpoint a restart
 would resume from, opens the dataset and builds the first batch stream, so a
 missing or corrupt dataset, an out-of-vocabulary token, an overlong document
-under `data.overlong=error` or a mismatched checkpoint fails here, in one
+under `data.overlong=error` or a checkpoint of another `parallel.ep` fails here, in one
 line, before a cluster is touched.
 """
 
@@ -78,7 +78,7 @@ def prepare_run(config: Config, write_config: bool = True) -> RunPlan:
         config, train=dataclasses.replace(config.train, out_dir=str(run_dir))
     )
     _check_data(config, topology)
-    resume_checkpoint(run_dir, config.train.resume, expected)
+    resume_checkpoint(run_dir, config.train.resume, config.parallel.ep)
     if write_config:
         write_resolved_config(config, run_dir)
     return RunPlan(config, topology, expected, run_dir)

@@ -1,0 +1,73 @@
+"""One step's plan: where a global batch's tokens go and what the step moves.
+
+`plan_step` decides, for the configured sequence placement, the attention plan
+(the planner of `ray_zep.partition`; none where every sequence stays whole on a
+rank), the routed ring transfers (`parallel.routing`), the remap to a balanced
+linear layout (`parallel.remap`, when its policy pays) and the step's attention
+traffic. The data actor cuts the batch into rank shards from it
+(`ray_zep.data.shards`); nothing else decides placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ray_zep.config import Config
+from ray_zep.costmodel import preset_rates
+from ray_zep.model.shapes import ModelShape
+from ray_zep.parallel.axes import SEQUENCE_AXES
+from ray_zep.partition import make_plan
+from ray_zep.partition.plan import AttentionPlan
+from ray_zep.remap.policy import choose_remap
+from ray_zep.remap.solver import RemapPlan
+from ray_zep.routing.routes import RoutingPlan
+from ray_zep.topology import Topology
+from ray_zep.traffic import Traffic, attention_step_parts
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How one global batch is placed and moved.
+
+    Attributes:
+        attention: the planner's placement; None when sequences stay whole on ranks.
+        routing: the routed ring transfers (`parallel.routing`), or None.
+        remap: the move to the linear layout (`parallel.remap`), or None.
+        traffic: whole-job attention and remap bytes of the step, as
+            (bytes per byte of the compute dtype, float32 dK/dV bytes); None when
+            attention never communicates.
+    """
+
+    attention: AttentionPlan | None = None
+    routing: RoutingPlan | None = None
+    remap: RemapPlan | None = None
+    traffic: tuple[Traffic, Traffic] | None = None
+
+    @property
+    def planned(self) -> bool:
+        return self.attention is not None
+
+
+def plan_step(
+    lengths: np.ndarray, config: Config, topology: Topology, shape: ModelShape
+) -> StepPlan:
+    """The plan of a batch of sequences of `lengths` under `config.parallel`.
+
+    Raises:
+        PlacementError: the batch does not fit the placement.
+        ConfigError: the placement's rules (e.g. Ulysses head counts) fail.
+    """
+    parallel = config.parallel
+    if SEQUENCE_AXES[parallel.sequence].whole_sequences:
+        return StepPlan()
+    plan = make_plan(
+        parallel.sequence, lengths, topology, config.train.tokens_per_rank, shape, parallel
+    )
+    routing = RoutingPlan.build(plan) if parallel.routing else None
+    remap = None
+    if parallel.remap:
+        remap = choose_remap(plan, shape, preset_rates(topology.gpu_model), parallel.remap_policy)
+    traffic = attention_step_parts(plan, shape, parallel.routing, remap)
+    return StepPlan(plan, routing, remap, traffic)

@@ -1,0 +1,103 @@
+"""What a step did, as whole-job figures: `StepStats` and the per-rank parts summed into it.
+
+Each rank puts its share of every figure (losses, ring compression bytes, tokens
+per zone, attention FLOPs, modelled and measured memory in its own slot) into one
+float64 vector; a single all-reduce sums them, and rank 0 reports the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ray_zep.attention.kernels import flash_varlen_attention
+from ray_zep.data.shards import RankShard
+from ray_zep.parallel.memory import RankMemory
+from ray_zep.partition.plan import Zone, zone_of
+from ray_zep.train.memory_probe import modelled
+from ray_zep.train.runners import StepContext
+
+ZONES = (Zone.LOCAL, Zone.INTRA_NODE, Zone.INTER_NODE)
+"""Order of the per-zone token counts in a step's totals."""
+
+
+@dataclass
+class StepStats:
+    """What one step did, as the rank-0 worker reports it (whole-job totals)."""
+
+    step: int
+    """1-based number of the step just finished."""
+    loss: float
+    tokens: int
+    label_tokens: int
+    grad_norm: float
+    lr: float
+    step_seconds: float
+    rank_tokens: list[int]
+    comm_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes moved per link kind (`intra_node`, `inter_node`) by the whole job
+    (modelled: `ray_zep.traffic`)."""
+    nic_bytes: list[list[int]] = field(default_factory=list)
+    """Bytes that left each NIC, [node][NIC], whole job."""
+    compression: dict[str, int] = field(default_factory=dict)
+    """With `comm.compression`: bytes handed to the gradient collectives (`raw_bytes`)
+    and bytes they sent (`wire_bytes`), whole job (measured)."""
+    moe_aux_loss: float = 0.0
+    """Weighted MoE load-balancing loss of the global batch (included in `loss`)."""
+    zone_tokens: dict[str, int] = field(default_factory=dict)
+    """Tokens of the global batch whose attention stays on one rank (`local`), in a
+    node (`intra_node`) or spans nodes (`inter_node`)."""
+    model_flops: float = 0.0
+    """Forward + backward FLOPs the model needs for the global batch (3 x forward,
+    causal attention), whatever the strategy recomputes."""
+    memory: dict[str, object] = field(default_factory=dict)
+    """Per-rank peak bytes: `modelled` (every step) and `measured` (0 where the step
+    was not measured), `measured_by`, and rank 0's modelled and measured `parts`."""
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def led_work(shard: RankShard, ctx: StepContext) -> list[float]:
+    """Tokens per zone and forward attention FLOPs of the sequences this rank leads
+    (the first rank of their group): summed over ranks, each sequence once."""
+    zones = [0.0] * len(ZONES)
+    rank = ctx.comm.rank
+    if shard.plan is None:  # whole sequences on this rank
+        zones[0] = float(shard.num_tokens)
+        lengths = [int(n) for n in shard.lengths]
+    else:
+        led = [p for p in shard.plan.placements if p.ranks[0] == rank]
+        for p in led:
+            zones[ZONES.index(zone_of(p.ranks, ctx.comm.topology))] += p.length
+        lengths = [p.length for p in led]
+    shape = ctx.model.shape
+    return [*zones, sum(shape.attention_flops(n) for n in lengths)]
+
+
+def compression_bytes(ctx: StepContext, ring_raw: int, ring_wire: int) -> dict[str, int]:
+    """Whole-job bytes of the compressible transfers of the step (measured)."""
+    if ctx.zipped is None:
+        return {}
+    sizes = ctx.zipped.take_sizes()
+    return {"raw_bytes": sizes.raw_bytes + ring_raw, "wire_bytes": sizes.wire_bytes + ring_wire}
+
+
+def rank_slots(ctx: StepContext, *values: float) -> list[float]:
+    """`values` in this rank's slot of one row per value (summed over ranks: gathered)."""
+    rows = torch.zeros(len(values), ctx.comm.world_size, dtype=torch.float64)
+    rows[:, ctx.comm.rank] = torch.tensor(values, dtype=torch.float64)
+    return rows.flatten().tolist()
+
+
+def modelled_memory(shard: RankShard, ctx: StepContext) -> RankMemory:
+    """The memory model's peak for this rank's shard."""
+    ring = 0
+    if shard.plan is not None:
+        layout = shard.plan.layout(ctx.comm.rank)
+        ring = sum(f.end - f.start for f in layout if f.zone is not Zone.LOCAL)
+    flash = ctx.kernel is flash_varlen_attention
+    return modelled(
+        ctx.config, ctx.model.shape, ctx.comm.topology, shard.num_tokens, ring, ctx.dtype, flash
+    )

@@ -1,0 +1,124 @@
+"""Building a rank's model and applying the parallel axes to it.
+
+`build_model` makes the Transformer every rank starts from (the same seed, the
+same weights); `apply_axes` then splits the experts (`parallel.ep`), shards
+the weights with FSDP2 (`fsdp`, `hsdp`) or hands them to the weight-passing
+pipeline (`tawpipe`, `weipipe`), and says which parameters this rank sums,
+optimizes and checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ray_zep.attention.kernels import AttentionFn, select_kernel
+from ray_zep.config import Config, Device, Precision
+from ray_zep.dist import Comm, GroupNeeds
+from ray_zep.errors import ConfigError
+from ray_zep.model.llama import Transformer
+from ray_zep.model.shapes import build_shape
+from ray_zep.moe.parallel import ExpertParallel, parallelize_experts
+from ray_zep.parallel.axes import Family, Passing
+from ray_zep.parallel.fsdp import mesh_shape, shard_model
+from ray_zep.pipeline.runner import WeightPipeline
+
+
+def resolve_device(device: Device) -> torch.device:
+    """`train.device` on this process: auto picks CUDA when it is available."""
+    if device is Device.CPU or (device is Device.AUTO and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("config key train.device=cuda: no CUDA device is visible to this process")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def resolve_dtype(precision: Precision, device: torch.device) -> torch.dtype:
+    """Compute dtype: fp32 on CPU, bf16 autocast on GPU unless `train.precision` says otherwise."""
+    if precision is Precision.FP32 or (precision is Precision.AUTO and device.type == "cpu"):
+        return torch.float32
+    if device.type == "cpu":
+        raise ConfigError(
+            "config key train.precision=bf16: bf16 autocast is for GPU runs; use fp32"
+        )
+    return torch.bfloat16
+
+
+def group_needs(config: Config) -> GroupNeeds:
+    """The process groups a run needs besides the world group."""
+    weights = config.parallel.weights_axis
+    return GroupNeeds(
+        node_and_rail=weights.passing is Passing.GROUPED,
+        fsdp=mesh_shape(config.parallel),
+        routing=config.parallel.routing,
+        ep=config.parallel.ep,
+    )
+
+
+def build_model(
+    config: Config, device: torch.device, dtype: torch.dtype
+) -> tuple[Transformer, AttentionFn]:
+    """The seeded model on `device` with its attention kernel and activation checkpointing."""
+    shape = build_shape(config.model)
+    kernel = select_kernel(config.model.attention_kernel, device, dtype)
+    model = Transformer(shape, kernel)
+    model.init_weights(torch.Generator().manual_seed(config.train.seed))
+    model.to(device)
+    model.set_checkpointing(config.train.activation_checkpointing)
+    return model, kernel
+
+
+@dataclass
+class AppliedAxes:
+    """What the axes made of a rank's model.
+
+    Attributes:
+        experts: the expert-parallel groups and the split experts' parameters.
+        sharded: parameters, gradients and optimizer state are sharded by FSDP2.
+        pipeline: the weight-passing pipeline, or None.
+        state_module: what this rank optimizes and checkpoints (the model, or its
+            own weight shard).
+        params: parameters whose gradients are summed over all ranks (all but the
+            split experts), or the own shard's under weight passing.
+        unsharded_bytes: (block, other) bytes of the whole model's parameters in the
+            compute dtype (for the FSDP2 traffic model).
+    """
+
+    experts: ExpertParallel
+    sharded: bool
+    pipeline: WeightPipeline | None
+    state_module: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    unsharded_bytes: tuple[int, int]
+
+
+def apply_axes(
+    model: Transformer, comm: Comm, config: Config, device: torch.device, dtype: torch.dtype
+) -> AppliedAxes:
+    """Split, shard or pass the model's weights as `config.parallel` says (collective)."""
+    parallel = config.parallel
+    experts = parallelize_experts(model, comm, config)
+    sharded = bool(parallel.weights_axis.fsdp and comm.distributed)
+    unsharded = _parameter_bytes(model, dtype)
+    if sharded:
+        split = [m.experts for m in model.moe_layers()] if experts.groups else []
+        shard_model(model, comm, parallel, device, dtype, split)
+        # fully_shard replaced the parameters with sharded ones
+        experts.expert_params = [p for m in split for p in m.parameters()]
+    split_ids = {id(p) for p in experts.expert_params}
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in split_ids]
+    if parallel.weights_axis.family is not Family.WEIGHT_PASSING:
+        return AppliedAxes(experts, sharded, None, model, params, unsharded)
+    pipeline = WeightPipeline(model, comm, parallel.weights, parallel.shard_recompute)
+    own = pipeline.weights
+    return AppliedAxes(
+        experts, sharded, pipeline, own.own_module(), own.own_parameters(), unsharded
+    )
+
+
+def _parameter_bytes(model: Transformer, dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes of the transformer blocks' parameters and of the others, in `dtype`."""
+    size = torch.empty((), dtype=dtype).element_size()
+    blocks = sum(p.numel() for p in model.layers.parameters()) * size
+    return blocks, sum(p.numel() for p in model.parameters()) * size - blocks
