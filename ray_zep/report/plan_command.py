@@ -12,7 +12,7 @@ import torch
 from ray_zep.config import Config, Precision
 from ray_zep.errors import ConfigError, MemoryPlanError
 from ray_zep.model.shapes import ModelShape, build_shape
-from ray_zep.parallel.axes import Placement, WeightsMode
+from ray_zep.parallel.axes import SEQUENCE_AXES, Placement, WeightsMode
 from ray_zep.parallel.memory import GB, RankMemory, memory_inputs, model_memory
 from ray_zep.partition import PLANNED, make_plan, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan, Zone
@@ -207,10 +207,10 @@ def _whole_sequence_plan(
     placement: Placement, lengths: np.ndarray, topology: Topology, capacity: int
 ) -> AttentionPlan:
     """Whole sequences: each on the rank with the fewest tokens, longest first."""
-    if placement is Placement.SINGLE:
+    if SEQUENCE_AXES[placement].one_process:
         raise ConfigError(
-            "parallel.sequence=single trains the whole batch in one process: nothing to "
-            "place; choose another placement"
+            f"parallel.sequence={placement.value} trains the whole batch in one process: "
+            "nothing to place; choose another placement"
         )
     bins: list[list[int]] = [[] for _ in range(topology.world_size)]
     loads = np.zeros(topology.world_size, dtype=np.int64)
