@@ -418,11 +418,12 @@ def _bench_memory(args: argparse.Namespace) -> int:
     from ray_zep.errors import ConfigError
     from ray_zep.parallel.axes import WEIGHTS_AXES, Family, WeightsMode
 
-    config = _optional_config(args)
-    if args.config is None and not args.overrides:
+    if args.config is None and not args.overrides:  # the demo model on a virtual 1 x 8
         config = load_config(
             Path("conf/demo.yaml"), ["topology.nodes=1", "topology.gpus_per_node=8"]
         )
+    else:
+        config = _optional_config(args)
     if args.steps < 2:
         raise ConfigError(f"--steps={args.steps}: at least 2 (the first has no optimizer state)")
     weights = [w.strip() for w in args.weights.split(",") if w.strip()]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from ray_zep.attention.kernels import select_backward, select_kernel
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.costmodel import BACKWARD_ATTENTION_FACTOR, ComputeRates
+from ray_zep.dist.launch import free_port
 from ray_zep.model.shapes import ModelShape
 
 ATTENTION_LENGTHS = (64, 128, 256, 512)
@@ -133,9 +133,7 @@ def measure_gloo_link(repeats: int) -> list[Measurement]:
     """One-way time of gloo messages between two local processes (ping-pong / 2)."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with mp.Manager() as manager:
         result = manager.list()
         mp.spawn(_link_worker, args=(port, repeats, result), nprocs=2, join=True)

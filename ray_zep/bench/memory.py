@@ -14,7 +14,6 @@ are checked and reported, met or not:
 
 from __future__ import annotations
 
-import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,11 +22,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ray_zep.config import Config, config_from_dict, config_to_dict
+from ray_zep.dist.launch import free_port
 from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import WeightsMode
 from ray_zep.parallel.memory import FP32, block_params, memory_inputs, state_bytes
 from ray_zep.report.charts import bar_panel, legend
 from ray_zep.report.png import Canvas
+from ray_zep.topology import build_topology
 
 REPLICATED, FSDP = WeightsMode.REPLICATED.value, WeightsMode.FSDP.value
 MODEL_TOLERANCE = 0.10
@@ -79,10 +80,8 @@ def cases(weights: list[str], checkpointing: list[str]) -> list[MemoryCase]:
 
 def run_cases(config: Config, todo: list[MemoryCase], steps: int) -> list[MemoryRow]:
     """Train every case on `topology.nodes x topology.gpus_per_node` gloo processes."""
-    ranks = config.topology.nodes * (config.topology.gpus_per_node or 1)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    ranks = build_topology(config.topology).world_size
+    port = free_port()
     queue = mp.get_context("spawn").SimpleQueue()
     plain = config_to_dict(config)
     mp.start_processes(
@@ -96,7 +95,6 @@ def _rank_main(rank, ranks, port, plain, todo, steps, queue) -> None:
     from ray_zep.data.catalog import open_configured_source
     from ray_zep.data.shards import shard_for
     from ray_zep.dist.launch import init_process_group
-    from ray_zep.topology import build_topology
     from ray_zep.train.setup import create_comm
     from ray_zep.train.trainer import RankTrainer
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ray_zep.config import MoEPipeline
+from ray_zep.dist.launch import free_port
 from ray_zep.model.shapes import PRESETS, ModelShape
 from ray_zep.moe.simulate import A10G_100GBE, Cluster, block_seconds
 from ray_zep.report.charts import bar_panel, legend
@@ -159,9 +159,7 @@ def draw_moe_chart(rows: list[MoERow], path: Path) -> Path:
 
 def measure_rows(spec: MoEBenchSpec) -> list[MoERow]:
     """The real block on `cpu_ranks` gloo processes, every schedule (best of `repeats`)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(
         _measure_rank, (spec, port, queue), nprocs=spec.cpu_ranks, start_method="spawn"

@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import datetime
+import socket
 
 import torch.distributed as dist
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that nothing listens on now (for a local rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def init_process_group(

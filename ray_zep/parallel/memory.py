@@ -73,7 +73,7 @@ class MemoryInputs:
         checkpointing: `train.activation_checkpointing`.
         compute_bytes: 4 (fp32) or 2 (bf16 autocast).
         flash_kernel: attention by flash-attn (keys and values kept unexpanded).
-        reshard_after_forward, prefetch: FSDP2's settings.
+        prefetch: FSDP2 gathers the next unit while one computes.
     """
 
     weights: WeightsAxis
@@ -85,7 +85,6 @@ class MemoryInputs:
     checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
     compute_bytes: int = FP32
     flash_kernel: bool = False
-    reshard_after_forward: bool = True
     prefetch: bool = True
 
 
@@ -159,11 +158,8 @@ def _working_set(shape: ModelShape, m: MemoryInputs) -> _WorkingSet:
         return _WorkingSet(borrowed)
     if not m.weights.fsdp:
         return _WorkingSet()
-    # FSDP2 units: the embedding, each block, the head (final norm + output); backward
-    # gathers one unit at a time, two with prefetch
-    units = [shape.vocab_size * shape.dim, shape.vocab_size * shape.dim + shape.dim]
-    units += [block_params(shape, i) for i in range(shape.n_layers)]
-    largest = max(units)
+    # FSDP2's units are the model's units; backward gathers one at a time, two with prefetch
+    largest = max(model_units(shape))
     held = 2 if m.prefetch else 1
     return _WorkingSet(held * largest * m.compute_bytes, largest * FP32)
 
@@ -194,11 +190,16 @@ def _gradient_elements(shape: ModelShape, m: MemoryInputs) -> float:
 
 
 def _weight_shards(shape: ModelShape, ranks: int) -> list[int]:
-    """Parameters of each weight-passing shard (whole units: embedding, blocks, head)."""
-    units = [shape.vocab_size * shape.dim]
-    units += [block_params(shape, i) for i in range(shape.n_layers)]
-    units += [shape.vocab_size * shape.dim + shape.dim]
+    """Parameters of each weight-passing shard (whole units)."""
+    units = model_units(shape)
     return [sum(units[i] for i in shard) for shard in cut_shards(units, ranks)]
+
+
+def model_units(shape: ModelShape) -> list[int]:
+    """Parameters of the units weights are sharded or passed in, in forward order: the
+    embedding, each block, the head (final norm and output)."""
+    blocks = [block_params(shape, i) for i in range(shape.n_layers)]
+    return [shape.vocab_size * shape.dim, *blocks, shape.vocab_size * shape.dim + shape.dim]
 
 
 def block_params(shape: ModelShape, index: int) -> int:
@@ -280,6 +281,5 @@ def memory_inputs(
         checkpointing=config.train.activation_checkpointing,
         compute_bytes=torch.empty((), dtype=dtype).element_size(),
         flash_kernel=flash,
-        reshard_after_forward=parallel.reshard_after_forward,
         prefetch=parallel.prefetch,
     )

@@ -13,9 +13,8 @@ import torch
 
 from ray_zep.attention.kernels import flash_varlen_attention
 from ray_zep.data.shards import RankShard
-from ray_zep.parallel.memory import RankMemory
+from ray_zep.parallel.memory import RankMemory, memory_inputs, model_memory
 from ray_zep.partition.plan import Zone, zone_of
-from ray_zep.train.memory_probe import modelled
 from ray_zep.train.runners import StepContext
 
 ZONES = (Zone.LOCAL, Zone.INTRA_NODE, Zone.INTER_NODE)
@@ -98,6 +97,5 @@ def modelled_memory(shard: RankShard, ctx: StepContext) -> RankMemory:
         layout = shard.plan.layout(ctx.comm.rank)
         ring = sum(f.end - f.start for f in layout if f.zone is not Zone.LOCAL)
     flash = ctx.kernel is flash_varlen_attention
-    return modelled(
-        ctx.config, ctx.model.shape, ctx.comm.topology, shard.num_tokens, ring, ctx.dtype, flash
-    )
+    inputs = memory_inputs(ctx.config, ctx.comm.topology, shard.num_tokens, ring, ctx.dtype, flash)
+    return model_memory(ctx.model.shape, inputs)

@@ -1,4 +1,4 @@
-"""A step's memory: modelled (`ray_zep.parallel.memory`) and measured.
+"""A step's memory, measured (the model is `ray_zep.parallel.memory`).
 
 On GPU the measurement is the caching allocator's peak of the step
 (`torch.cuda.max_memory_allocated`, reset before the step). On CPU there is no
@@ -17,11 +17,6 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-from ray_zep.config import Config
-from ray_zep.model.shapes import ModelShape
-from ray_zep.parallel.memory import RankMemory, memory_inputs, model_memory
-from ray_zep.topology import Topology
-
 CATEGORIES = {
     _MemRefType.PARAM: "params",
     _MemRefType.GRAD: "grads",
@@ -32,19 +27,6 @@ CATEGORIES = {
     _MemRefType.OTH: "buffers",
 }
 """MemTracker's categories in the model's terms (TEMP: backward's transient tensors)."""
-
-
-def modelled(
-    config: Config,
-    shape: ModelShape,
-    topology: Topology,
-    tokens: int,
-    ring_tokens: int,
-    dtype: torch.dtype,
-    flash: bool,
-) -> RankMemory:
-    """The model's peak for a rank holding `tokens` (ring peers' K/V: `ring_tokens`)."""
-    return model_memory(shape, memory_inputs(config, topology, tokens, ring_tokens, dtype, flash))
 
 
 @dataclass

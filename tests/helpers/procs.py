@@ -20,7 +20,6 @@ import atexit
 import io
 import multiprocessing.connection
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ray_zep.dist.launch import init_process_group
+from ray_zep.dist.launch import free_port, init_process_group
 
 INIT_TIMEOUT_S = 60.0
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -40,12 +39,6 @@ CALL_TIMEOUT_S = 540.0
 """A pooled call that has not returned by then fails (below pytest's own 600 s)."""
 POOL_WORLDS_KEPT = 3
 """Pools kept alive at once (each process holds a few hundred MB of imports)."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_ranks(
