@@ -142,3 +142,16 @@ static inline int has_zero_byte(uint64_t v) {
 ZC_DEFINE(bf16, uint16_t, 8, 7, 1, 0)
 ZC_DEFINE(fp16, uint16_t, 5, 10, 1, 3)
 ZC_DEFINE(fp32, uint32_t, 8, 23, 3, 0)
+
+/* Checksum of a chunk's values (format.py): sum of bits_i * (2i + 1) modulo 2^32. */
+uint32_t zc_checksum_u16(const uint16_t *values, int64_t n) {
+    uint32_t sum = 0;
+    for (int64_t i = 0; i < n; ++i) sum += (uint32_t)values[i] * (uint32_t)(2 * i + 1);
+    return sum;
+}
+
+uint32_t zc_checksum_u32(const uint32_t *values, int64_t n) {
+    uint32_t sum = 0;
+    for (int64_t i = 0; i < n; ++i) sum += values[i] * (uint32_t)(2 * i + 1);
+    return sum;
+}

@@ -359,12 +359,12 @@ class CommConfig:
     timeout_s: float = constants.DEFAULT_COLLECTIVE_TIMEOUT_S
     """Every collective and every shard fetch in steady state."""
     compression: Compression = Compression.OFF
-    """Lossless compression of the gradient all-reduce (off, auto, always). Results
-    are bit-identical to plain all-gathers; the gradient sum is taken in float32
-    in rank order, so it may differ from the backend's in the last bits."""
+    """Lossless compression of communication (off, auto, always). Streams that move
+    bytes stay bit-identical; zipped sums are taken in float32 in rank order, so
+    they may differ from the backend's in the last bits."""
     compression_streams: list[str] = field(default_factory=lambda: list(COMPRESSION_STREAMS))
-    """What may travel compressed: `gradients` (the DP all-reduce) and `kv` (ring
-    K/V and dK/dV transfers of the attention engine; pure moves, so bit-identical)."""
+    """What may travel compressed (`ray_zep.options.CompressionStream` says what each
+    stream carries and whether it is bit-identical)."""
     compression_refresh_calls: int = 32
     """With `auto`: every how many calls a stream goes zipped to measure its ratio."""
 

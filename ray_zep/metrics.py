@@ -65,17 +65,20 @@ RANK_TOKEN_IMBALANCE = MetricSpec(
 COMPRESSION_RATIO = MetricSpec(
     "ray_zep_compression_ratio",
     Kind.GAUGE,
-    "Bytes handed to compressed collectives over bytes they sent, last step (1 = no gain).",
+    "Raw over sent bytes of a compressible stream in the last step (1 = no gain).",
+    ("stream",),
 )
-COMPRESSION_SENT_BYTES = MetricSpec(
-    "ray_zep_compression_sent_bytes_total",
+COMPRESSION_RAW_BYTES = MetricSpec(
+    "ray_zep_compression_raw_bytes_total",
     Kind.COUNTER,
-    "Bytes the compressible collectives sent, all ranks (measured).",
+    "Bytes handed to a compressible stream's transfers, all ranks (measured).",
+    ("stream",),
 )
-COMPRESSION_SAVED_BYTES = MetricSpec(
-    "ray_zep_compression_saved_bytes_total",
+COMPRESSION_WIRE_BYTES = MetricSpec(
+    "ray_zep_compression_wire_bytes_total",
     Kind.COUNTER,
-    "Bytes compression kept off the links, all ranks (measured).",
+    "Bytes a compressible stream's transfers sent, all ranks (measured).",
+    ("stream",),
 )
 CHECKPOINTS = MetricSpec("ray_zep_checkpoints_total", Kind.COUNTER, "Checkpoints written.")
 RANKS = MetricSpec("ray_zep_ranks", Kind.GAUGE, "Training processes (GPUs) of the job.")
@@ -126,8 +129,8 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     NIC_BYTES,
     RANK_TOKEN_IMBALANCE,
     COMPRESSION_RATIO,
-    COMPRESSION_SENT_BYTES,
-    COMPRESSION_SAVED_BYTES,
+    COMPRESSION_RAW_BYTES,
+    COMPRESSION_WIRE_BYTES,
     CHECKPOINTS,
     CHECKPOINT_STEP,
     RANKS,

@@ -86,7 +86,25 @@ class Compression(Enum):
     """Every call that can go zipped does."""
 
 
-COMPRESSION_STREAMS = ("gradients", "kv")
+class CompressionStream(Enum):
+    """The traffic `comm.compression` may compress, by name (`comm.compression_streams`).
+
+    A stream that only moves bytes (all-gather, all-to-all, point-to-point) is
+    bit-identical with compression on or off. A stream that sums sums in float32
+    in rank order when zipped, so it differs from the backend's sum by rounding.
+    """
+
+    GRADIENTS = "gradients"
+    """The data-parallel gradient all-reduce (replicated weights): a sum."""
+    KV = "kv"
+    """Ring K/V and dK/dV transfers of the attention engine: moves, bit-identical."""
+    FSDP_ALL_GATHER = "fsdp_all_gather"
+    """FSDP2's parameter all-gathers, forward and backward: moves, bit-identical."""
+    FSDP_REDUCE_SCATTER = "fsdp_reduce_scatter"
+    """FSDP2's gradient reduce-scatter inside the shard group: a sum."""
+
+
+COMPRESSION_STREAMS = tuple(s.value for s in CompressionStream)
 
 
 class MoEDispatch(Enum):

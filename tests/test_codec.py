@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_zep.collectives import compress, decompress, native
-from ray_zep.collectives.codec import decode_chunk, split_packed
+from ray_zep.collectives.codec import decode_chunk, read_header, split_packed
 from ray_zep.collectives.format import BF16, FP16, FP32, TILE_VALUES, float_format, static_bytes
 from ray_zep.collectives.table import WINDOW_OFFSET, best_base, choose_table, window_share
 from ray_zep.errors import CodecError
@@ -169,6 +169,30 @@ def test_bad_input_raises_codec_errors():
         decode_chunk(torch.zeros_like(static), dynamic)
     with pytest.raises(CodecError, match="truncated"):
         decode_chunk(static[:64], dynamic)
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_flipped_bit_anywhere_in_a_chunk_is_an_error_not_a_wrong_value(backend, dtype):
+    if backend == "native" and NATIVE_MISSING is not None:
+        pytest.skip(f"C codec kernel: {NATIVE_MISSING}")
+    tensor = (torch.randn(2500, generator=torch.Generator().manual_seed(3)) * 1e-3).to(dtype)
+    tensor[::5] = 1e-30  # escapes: a dynamic part to corrupt too
+    static, dynamic = compress(tensor, backend=backend).chunk(0)
+    layout = read_header(static).layout
+    used = [(static, b) for b in range(layout.static_bytes)]
+    used += [(dynamic, b) for b in range(read_header(static).n_escapes)]
+    for part, byte in used[:: max(1, len(used) // 400)]:
+        original = int(part[byte])
+        part[byte] = original ^ (1 << (byte % 8))
+        try:
+            decoded = decode_chunk(static, dynamic, backend=backend)
+        except CodecError:
+            decoded = None
+        finally:
+            part[byte] = original
+        if decoded is not None:  # only padding bytes may change without effect
+            assert torch.equal(bits(decoded), bits(tensor)), f"byte {byte} gave wrong values"
 
 
 @pytest.mark.skipif(NATIVE_MISSING is not None, reason=f"C codec kernel: {NATIVE_MISSING}")

@@ -21,6 +21,7 @@ from ray_zep.collectives.comms import (
     zipped_reduce_scatter,
 )
 from ray_zep.collectives.format import float_format
+from ray_zep.errors import CodecError
 from tests.helpers.procs import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -110,3 +111,36 @@ def test_zipped_reduce_scatter_is_close_to_the_native_one(world):
         scale = native.abs().max().clamp_min(1e-30)
         err = ((zipped - native).abs().max() / scale).item()
         assert err <= 1e-6, f"rank {rank}: max rel. difference {err:.2e}"
+
+
+def _damaged_all_to_all(rank: int, world: int, design: str) -> str:
+    """Rank 2 flips one bit of the chunk it sends rank 0; what each rank raises."""
+    import ray_zep.collectives.comms as comms
+
+    honest = comms.compress
+
+    def compress_damaged(tensor, splits=None, backend="auto"):
+        out = honest(tensor, splits, backend)
+        if rank == 2:
+            out.static[out.static_offsets[0] + 100] ^= 0x04  # the chunk for rank 0
+        return out
+
+    g = Group(dist.group.WORLD, 60.0)
+    tensor = torch.randn(world * 64, WIDTH, generator=torch.Generator().manual_seed(rank))
+    rows = [64] * world
+    comms.compress = compress_damaged  # pooled ranks serve later tests: put it back
+    try:
+        zipped_all_to_all(tensor.bfloat16(), rows, rows, g, AllToAllDesign(design), what="moe")
+    except CodecError as exc:
+        return str(exc)
+    finally:
+        comms.compress = honest
+    return "no error"
+
+
+@pytest.mark.parametrize("design", [d.value for d in AllToAllDesign])
+def test_a_corrupted_all_to_all_chunk_names_the_stream_and_the_sender(design):
+    errors = run_ranks(_damaged_all_to_all, 3, design)
+    assert errors[0].startswith("moe: the compressed data from rank 2"), errors[0]
+    assert "checksum" in errors[0] or "corrupt" in errors[0]
+    assert errors[1:] == ["no error", "no error"], "only rank 0 received the damaged chunk"

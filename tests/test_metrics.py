@@ -52,7 +52,10 @@ def _event(step: int, loss: float = 2.0) -> dict:
         "rank_tokens": [1000, 900, 1100, 1000],
         "comm_bytes": {"intra_node": 300, "inter_node": 100},
         "nic_bytes": [[60, 40]],
-        "compression": {"raw_bytes": 1400, "wire_bytes": 1000},
+        "compression": {
+            "fsdp_all_gather": {"raw_bytes": 1400, "wire_bytes": 1000},
+            "kv": {"raw_bytes": 500, "wire_bytes": 500},
+        },
         "zone_tokens": {"local": 3000, "intra_node": 600, "inter_node": 400},
         "model_flops": 2e12,
     }
@@ -91,8 +94,9 @@ def test_exporter_serves_metrics_and_writes_jsonl(tmp_path: Path) -> None:
     assert 'ray_zep_nic_bytes_total{nic="1",node="0"} 80.0' in body
     assert row["nic_bytes"] == [[60, 40]]
     assert "ray_zep_loss 1.5" in body
-    assert "ray_zep_compression_ratio 1.4" in body
-    assert "ray_zep_compression_saved_bytes_total 800.0" in body
+    assert 'ray_zep_compression_ratio{stream="fsdp_all_gather"} 1.4' in body
+    assert 'ray_zep_compression_raw_bytes_total{stream="fsdp_all_gather"} 2800.0' in body
+    assert 'ray_zep_compression_wire_bytes_total{stream="kv"} 1000.0' in body
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]
     assert {"step", "loss", "tokens", "step_seconds"} <= set(lines[0])

@@ -14,18 +14,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from ray_zep.config import load_config
-from ray_zep.data.builder import write_token_parquet
 from ray_zep.data.shards import shard_for
 from ray_zep.topology import build_topology
 from ray_zep.train.checkpoint import Progress
 from tests.helpers.attention import reference, ring_rank
 from tests.helpers.procs import run_ranks
-from tests.helpers.training import SMALL_RUN, make_stream, max_relative_error, train_rank
+from tests.helpers.training import (
+    SMALL_RUN,
+    make_stream,
+    max_relative_error,
+    mixed_dataset,
+    train_rank,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -107,13 +111,6 @@ def _assert_ring_matches(kv_heads: int, cases: list[dict], results: list[list[di
             assert routed > 0, "te_cp crosses nodes: routing must act"
 
 
-def _mixed_dataset(path: Path) -> Path:
-    rng = np.random.default_rng(3)
-    lengths = [1, 3, 5, 7, 300, *[1, 2, 3, 1] * 8, 63, 129, 77, 2, 1, 40, 9, 250, 11]
-    docs = [rng.integers(0, 256, size=n, dtype=np.int32) for n in lengths]
-    return write_token_parquet(docs, path).path
-
-
 def _train_all(rank: int, world: int, runs: dict[str, list[str]]) -> dict:
     return {name: train_rank(rank, world, overrides) for name, overrides in runs.items()}
 
@@ -172,7 +169,7 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
 ) -> None:
     """Every placement x {replicated, fsdp}, hsdp with zeppelin's routing and remapping
     layers, and whole sequences under every sharding mode, 3 steps each, one spawn."""
-    data = _mixed_dataset(tmp_path / "mixed.parquet")
+    data = mixed_dataset(tmp_path / "mixed.parquet")
     planned, whole = _base(nodes, gpus, data), _base(nodes, gpus, data, packing="rank")
     for name, extra in LAYER_RUNS.items():
         _assert_layers_act(load_config(None, [*planned, *extra]), name)

@@ -118,12 +118,12 @@ class MetricsExporter:
         get(m.LEARNING_RATE.name).set(row["lr"])
         get(m.GRAD_NORM.name).set(row["grad_norm"])
         get(m.RANK_TOKEN_IMBALANCE.name).set(row["rank_token_imbalance"])
-        compression = row["compression"]
-        if compression.get("wire_bytes"):
-            raw, wire = compression["raw_bytes"], compression["wire_bytes"]
-            get(m.COMPRESSION_RATIO.name).set(raw / wire)
-            get(m.COMPRESSION_SENT_BYTES.name).inc(wire)
-            get(m.COMPRESSION_SAVED_BYTES.name).inc(max(raw - wire, 0))
+        for stream, sizes in row["compression"].items():
+            raw, wire = sizes["raw_bytes"], sizes["wire_bytes"]
+            get(m.COMPRESSION_RAW_BYTES.name).labels(stream=stream).inc(raw)
+            get(m.COMPRESSION_WIRE_BYTES.name).labels(stream=stream).inc(wire)
+            if wire:
+                get(m.COMPRESSION_RATIO.name).labels(stream=stream).set(raw / wire)
         get(m.MODEL_FLOPS_PER_SECOND.name).set(row["model_flops_per_second"])
         if "mfu" in row:
             get(m.MFU.name).set(row["mfu"])

@@ -1,9 +1,10 @@
 """Collectives that pick the plain or the zipped path per call (`comm.compression`).
 
 One object per process group: it holds the switcher (profiled at creation
-when the mode is `auto`) and the tally of bytes handed to collectives versus
-bytes sent, which the trainer reports as the compression ratio and the bytes
-saved.
+when the mode is `auto`, or sharing another group's profile) and counts, per
+stream, the bytes handed to its collectives and the bytes they sent into the
+rank's `StreamTally`. A stream not listed in `comm.compression_streams`, or a
+dtype the codec does not code, always takes the plain path.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import torch.distributed as dist
 from ray_zep.collectives import comms
 from ray_zep.collectives.comms import Sizes
 from ray_zep.collectives.format import FORMATS
-from ray_zep.collectives.switcher import Kind, Switcher, profile_group
+from ray_zep.collectives.switcher import Kind, Profile, Switcher, profile_group
+from ray_zep.collectives.tally import StreamTally
 from ray_zep.config import Compression
 from ray_zep.dist.group import Group
+from ray_zep.options import COMPRESSION_STREAMS
 
 log = logging.getLogger(__name__)
 
@@ -30,46 +33,86 @@ class AdaptiveCollectives:
         g: the group and its timeout.
         mode: `comm.compression`.
         refresh_calls: every how many calls a stream measures its ratio again.
+        tally: the rank's byte counts per stream (a new one if None).
+        streams: the streams that may go zipped (`comm.compression_streams`).
+        profile: the switcher's measured costs; None profiles `g` (collective)
+            when the mode is `auto`. Groups of one shape may share one.
     """
 
-    def __init__(self, g: Group, mode: Compression, refresh_calls: int = 32) -> None:
+    def __init__(
+        self,
+        g: Group,
+        mode: Compression,
+        refresh_calls: int = 32,
+        tally: StreamTally | None = None,
+        streams: tuple[str, ...] | list[str] = COMPRESSION_STREAMS,
+        profile: Profile | None = None,
+    ) -> None:
         self.g = g
-        profile = profile_group(g) if mode is Compression.AUTO else None
-        if profile is not None and g.rank == 0:
-            log.info("compression switcher profile: %s", profile.to_dict())
+        if profile is None and mode is Compression.AUTO:
+            profile = profile_group(g)
+            if g.rank == 0:
+                log.info("compression switcher profile: %s", profile.to_dict())
         self.switcher = Switcher(mode, profile, refresh_calls)
-        self.sizes = Sizes(0, 0)
-        """Global bytes of the zipped calls since the last `take_sizes`: raw and sent."""
+        self.tally = tally if tally is not None else StreamTally()
+        self.streams = frozenset(streams)
 
     def all_reduce_sum_(self, flat: torch.Tensor, stream: str) -> None:
         """Sum a 1-D tensor over the group in place, zipped when that is faster."""
         nbytes = flat.numel() * flat.element_size()
-        if not self.switcher.use_zipped(Kind.ALL_REDUCE, stream, nbytes):
+        if not self._zipped(Kind.ALL_REDUCE, stream, flat, nbytes):
             work = dist.all_reduce(flat, group=self.g.group, async_op=True)
             self.g.wait([work], f"all-reduce of {stream}")
-            self._count_plain(nbytes)
+            self._count_plain(stream, nbytes)
             return
-        total, sizes = comms.zipped_all_reduce(flat, self.g)
+        total, sizes = comms.zipped_all_reduce(flat, self.g, what=stream)
         flat.copy_(total)
         self._record(stream, sizes)
 
-    def take_sizes(self) -> Sizes:
-        """Bytes counted since the last call (whole group), and reset."""
-        sizes, self.sizes = self.sizes, Sizes(0, 0)
-        return sizes
+    def all_gather_into_(self, out: torch.Tensor, shard: torch.Tensor, stream: str) -> None:
+        """`out` = every rank's equal-sized 1-D `shard`, in rank order (a move: same bits)."""
+        nbytes = shard.numel() * shard.element_size()
+        if not self._zipped(Kind.ALL_GATHER, stream, shard, nbytes):
+            work = dist.all_gather_single(out, shard, group=self.g.group, async_op=True)
+            self.g.wait([work], f"all-gather of {stream}")
+            self._count_plain(stream, nbytes)
+            return
+        gathered, sizes = comms.zipped_all_gather(shard, self.g, what=stream)
+        torch.cat(gathered, out=out)
+        self._record(stream, sizes)
 
-    def _record(self, stream: str, sizes: Sizes) -> None:
-        self.switcher.observe(stream, sizes)
-        self.sizes += sizes
+    def reduce_scatter_into_(self, out: torch.Tensor, full: torch.Tensor, stream: str) -> None:
+        """`out` = the sum over ranks of block `rank` of the 1-D `full` (size x out)."""
+        nbytes = full.numel() * full.element_size()
+        if not self._zipped(Kind.REDUCE_SCATTER, stream, full, nbytes):
+            work = dist.reduce_scatter_single(out, full, group=self.g.group, async_op=True)
+            self.g.wait([work], f"reduce-scatter of {stream}")
+            self._count_plain(stream, nbytes)
+            return
+        reduced, sizes = comms.zipped_reduce_scatter(full, self.g, what=stream)
+        out.copy_(reduced)
+        self._record(stream, sizes)
 
     def ring_zipper(self) -> RingZipper:
         """Per-message choices for this rank's ring transfers, sharing the profile."""
-        return RingZipper(self.switcher, self.g.rank)
+        return RingZipper(self.switcher, self.g.rank, self.tally, "kv" in self.streams)
 
-    def _count_plain(self, nbytes: int) -> None:
-        """A plain all-reduce moves each rank's bytes uncompressed: raw = sent."""
-        total = nbytes * self.g.size
-        self.sizes += Sizes(total, total)
+    def _zipped(self, kind: Kind, stream: str, tensor: torch.Tensor, nbytes: int) -> bool:
+        if stream not in self.streams or tensor.dtype not in FORMATS or tensor.numel() == 0:
+            return False
+        return self.switcher.use_zipped(kind, stream, nbytes)
+
+    def _record(self, stream: str, sizes: Sizes) -> None:
+        """A zipped call's sizes, the same on every rank: counted once, by rank 0."""
+        self.switcher.observe(stream, sizes)
+        if self.g.rank == 0:
+            self.tally.add(stream, sizes.raw_bytes, sizes.wire_bytes)
+
+    def _count_plain(self, stream: str, nbytes: int) -> None:
+        """A plain call moves every rank's bytes uncompressed: raw = sent."""
+        if self.g.rank == 0:
+            total = nbytes * self.g.size
+            self.tally.add(stream, total, total)
 
 
 class RingZipper:
@@ -77,19 +120,20 @@ class RingZipper:
 
     A link's choices depend only on the message sizes and on the ratios of its
     earlier zipped messages, which both ends know, so sender and receiver
-    always agree. Counts this rank's sent bytes (raw and on the wire).
+    always agree. Counts this rank's sent bytes (raw and on the wire) as the
+    `kv` stream of the tally.
     """
 
-    def __init__(self, switcher: Switcher, rank: int) -> None:
-        self.switcher, self.rank = switcher, rank
-        self.raw_bytes = self.wire_bytes = 0
+    def __init__(
+        self, switcher: Switcher, rank: int, tally: StreamTally, enabled: bool = True
+    ) -> None:
+        self.switcher, self.rank, self.tally, self.enabled = switcher, rank, tally, enabled
 
     def zip_send(self, peer: int, tensor: torch.Tensor) -> bool:
         nbytes = tensor.numel() * tensor.element_size()
         zipped = self._decide(self._link(self.rank, peer), tensor, nbytes)
         if not zipped:
-            self.raw_bytes += nbytes
-            self.wire_bytes += nbytes
+            self.tally.add("kv", nbytes, nbytes)
         return zipped
 
     def zip_recv(self, peer: int, buf: torch.Tensor) -> bool:
@@ -97,22 +141,15 @@ class RingZipper:
 
     def sent(self, peer: int, tensor: torch.Tensor, wire_bytes: int) -> None:
         nbytes = tensor.numel() * tensor.element_size()
-        self.raw_bytes += nbytes
-        self.wire_bytes += wire_bytes
+        self.tally.add("kv", nbytes, wire_bytes)
         self.switcher.observe(self._link(self.rank, peer), Sizes(nbytes, wire_bytes))
 
     def received(self, peer: int, out: torch.Tensor, wire_bytes: int) -> None:
         nbytes = out.numel() * out.element_size()
         self.switcher.observe(self._link(peer, self.rank), Sizes(nbytes, wire_bytes))
 
-    def take(self) -> tuple[int, int]:
-        """(raw, wire) bytes this rank sent since the last call; resets."""
-        out = (self.raw_bytes, self.wire_bytes)
-        self.raw_bytes = self.wire_bytes = 0
-        return out
-
     def _decide(self, link: str, tensor: torch.Tensor, nbytes: int) -> bool:
-        if tensor.dtype not in FORMATS or tensor.numel() == 0:
+        if not self.enabled or tensor.dtype not in FORMATS or tensor.numel() == 0:
             return False
         return self.switcher.use_zipped(Kind.ALL_TO_ALL, link, nbytes)
 

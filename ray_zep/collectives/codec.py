@@ -156,8 +156,14 @@ def decode_chunk(
             f"truncated chunk: {static.numel()} + {dynamic.numel()} bytes for "
             f"{header.n_values} values and {header.n_escapes} escapes"
         )
-    decode = _kernels(backend, static.device, header.fmt).decode_chunk
-    return decode(static, dynamic, header)
+    kernels = _kernels(backend, static.device, header.fmt)
+    values = kernels.decode_chunk(static, dynamic, header)
+    if kernels.checksum(values, header.fmt) != header.checksum:
+        raise CodecError(
+            f"corrupt chunk: the checksum of its {header.n_values} decoded values does not "
+            "match its header"
+        )
+    return values
 
 
 def split_packed(buffer: torch.Tensor, chunks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -85,9 +85,14 @@ def all_gather_v(tensor: torch.Tensor, g: Group) -> list[torch.Tensor]:
 
 
 def zipped_all_gather(
-    tensor: torch.Tensor, g: Group, traffic: Traffic | None = None
+    tensor: torch.Tensor, g: Group, traffic: Traffic | None = None, what: str = "all-gather"
 ) -> tuple[list[torch.Tensor], Sizes]:
-    """Same result as `all_gather_v`, moving compressed bytes."""
+    """Same result as `all_gather_v`, moving compressed bytes.
+
+    Raises:
+        CodecError: a rank's compressed block is corrupt or truncated (names `what`
+            and the rank).
+    """
     _check_rows_dim(tensor)
     packed = compress(tensor).packed()
     meta = _gather_ints([tensor.shape[0], packed.numel()], g, "zipped all-gather sizes")
@@ -96,12 +101,12 @@ def zipped_all_gather(
     padded[: packed.numel()] = packed
     out = packed.new_empty(g.size * longest)
     work = dist.all_gather_single(out, padded, group=g.group, async_op=True)
-    g.wait([work], "zipped all-gather")
+    g.wait([work], f"zipped {what}")
     blocks = out.view(g.size, longest)
     gathered = []
-    for r, (rows, _) in enumerate(meta):
-        ((static, dynamic),) = split_packed(blocks[r], 1)
-        gathered.append(_rows(decode_chunk(static, dynamic), rows, tensor))
+    for r, (rows, size) in enumerate(meta):
+        flat = _decode_from(r, g, what, rows * _row_numel(tensor), blocks[r, :size])
+        gathered.append(_rows(flat, rows, tensor))
     sizes = Sizes(sum(_nbytes_rows(m[0], tensor) for m in meta), sum(m[1] for m in meta))
     if traffic is not None:
         traffic.add("all_gather", _nbytes(tensor), packed.numel())
@@ -170,19 +175,26 @@ def zipped_all_to_all(
     g: Group,
     design: AllToAllDesign = AllToAllDesign.STATIC_FIRST,
     traffic: Traffic | None = None,
+    what: str = "all-to-all",
 ) -> tuple[torch.Tensor, Sizes]:
-    """Same result as `all_to_all_v`, moving compressed bytes (either of the two designs)."""
+    """Same result as `all_to_all_v`, moving compressed bytes (either of the two designs).
+
+    Raises:
+        CodecError: a chunk received from a rank is corrupt or truncated (names
+            `what` and the rank).
+    """
     _check_rows(send_rows, tensor, g)
     row = _row_numel(tensor)
     zipped = compress(tensor, [r * row for r in send_rows])
     raw = _nbytes(tensor)
     if design is AllToAllDesign.SIZE_FIRST:
-        chunks, matrix = _size_first(zipped, raw, g)
+        chunks, matrix = _size_first(zipped, raw, g, what)
     else:
-        chunks, matrix = _static_first(zipped, raw, [r * row for r in recv_rows], tensor.dtype, g)
+        recv_values = [r * row for r in recv_rows]
+        chunks, matrix = _static_first(zipped, raw, recv_values, tensor.dtype, g, what)
     parts = [
-        _rows(decode_chunk(static, dynamic), rows, tensor)
-        for (static, dynamic), rows in zip(chunks, recv_rows, strict=True)
+        _rows(_decode_from(src, g, what, rows * row, chunk), rows, tensor)
+        for src, (chunk, rows) in enumerate(zip(chunks, recv_rows, strict=True))
     ]
     out = torch.cat(parts) if parts else tensor.new_empty((0, *tensor.shape[1:]))
     if traffic is not None:
@@ -190,24 +202,30 @@ def zipped_all_to_all(
     return out, Sizes(sum(r[-1] for r in matrix), sum(sum(r[:-1]) for r in matrix))
 
 
-def _size_first(zipped: Compressed, raw: int, g: Group):
-    """Exchange every rank's row of chunk sizes, then the packed chunks."""
+def _size_first(zipped: Compressed, raw: int, g: Group, what: str):
+    """Exchange every rank's row of chunk sizes, then the packed chunks (one buffer each)."""
     sizes = zipped.packed_sizes()
-    matrix = _gather_ints([*sizes, raw], g, "zipped all-to-all sizes")
+    matrix = _gather_ints([*sizes, raw], g, f"zipped {what} sizes")
     incoming = [matrix[src][g.rank] for src in range(g.size)]
     out, work = post_all_to_all(zipped.packed(), sizes, incoming, g)
-    g.wait([work], "zipped all-to-all")
-    return [split_packed(piece, 1)[0] for piece in out.split(incoming)], matrix
+    g.wait([work], f"zipped {what}")
+    return list(out.split(incoming)), matrix
 
 
-def _static_first(zipped: Compressed, raw: int, recv_values: list[int], dtype, g: Group):
+def _static_first(zipped: Compressed, raw: int, recv_values: list[int], dtype, g: Group, what: str):
     """Static parts at once (their sizes follow from the rows), then sizes, then dynamic parts."""
     in_static = [static_bytes(n, dtype) for n in recv_values]
     static_out, static_work = post_all_to_all(zipped.static, zipped.static_sizes, in_static, g)
-    matrix = _gather_ints([*zipped.packed_sizes(), raw], g, "zipped all-to-all dynamic sizes")
+    matrix = _gather_ints([*zipped.packed_sizes(), raw], g, f"zipped {what} dynamic sizes")
     in_dynamic = [matrix[src][g.rank] - in_static[src] for src in range(g.size)]
+    if any(n < 0 for n in in_dynamic):
+        g.wait([static_work], f"zipped {what}")
+        src = min(s for s in range(g.size) if in_dynamic[s] < 0)
+        raise CodecError(
+            f"{what}: rank {_global(g, src)} announced a chunk shorter than its static part"
+        )
     dynamic_out, dynamic_work = post_all_to_all(zipped.dynamic, zipped.dynamic_sizes, in_dynamic, g)
-    g.wait([static_work, dynamic_work], "zipped all-to-all")
+    g.wait([static_work, dynamic_work], f"zipped {what}")
     chunks = list(zip(static_out.split(in_static), dynamic_out.split(in_dynamic), strict=True))
     return chunks, matrix
 
@@ -229,12 +247,12 @@ def reduce_scatter_via_all_to_all(tensor: torch.Tensor, g: Group) -> torch.Tenso
 
 
 def zipped_reduce_scatter(
-    tensor: torch.Tensor, g: Group, traffic: Traffic | None = None
+    tensor: torch.Tensor, g: Group, traffic: Traffic | None = None, what: str = "reduce-scatter"
 ) -> tuple[torch.Tensor, Sizes]:
     """Rank r gets the sum over ranks of rows [r·m, (r+1)·m) of `tensor` (m = rows / world)."""
     rows = _equal_rows(tensor, g)
     received, sizes = zipped_all_to_all(
-        tensor, [rows] * g.size, [rows] * g.size, g, traffic=traffic
+        tensor, [rows] * g.size, [rows] * g.size, g, traffic=traffic, what=what
     )
     return reduce_scatter_local(received, g, tensor.dtype), sizes
 
@@ -265,6 +283,29 @@ def _gather_ints(values: list[int], g: Group, what: str) -> list[list[int]]:
     work = dist.all_gather_single(out, mine, group=g.group, async_op=True)
     g.wait([work], what)
     return out.view(g.size, len(values)).tolist()
+
+
+def _decode_from(
+    src: int, g: Group, what: str, values: int, part: torch.Tensor | tuple[torch.Tensor, ...]
+) -> torch.Tensor:
+    """Decode what rank `src` of `g` sent (a (static, dynamic) chunk or one packed
+    chunk): exactly `values` values, or a CodecError naming `what` and the rank."""
+    try:
+        static, dynamic = part if isinstance(part, tuple) else split_packed(part, 1)[0]
+        flat = decode_chunk(static, dynamic)
+    except CodecError as exc:
+        raise CodecError(f"{what}: the compressed data from rank {_global(g, src)}: {exc}") from exc
+    if flat.numel() != values:
+        raise CodecError(
+            f"{what}: the compressed data from rank {_global(g, src)} holds {flat.numel()} "
+            f"values where {values} were expected"
+        )
+    return flat
+
+
+def _global(g: Group, rank: int) -> int:
+    """The world rank of rank `rank` of `g`."""
+    return dist.get_global_rank(g.group, rank)
 
 
 def _rows(flat: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Tensor:
@@ -307,7 +348,7 @@ def _equal_rows(tensor: torch.Tensor, g: Group) -> int:
 
 
 def zipped_all_reduce(
-    flat: torch.Tensor, g: Group, traffic: Traffic | None = None
+    flat: torch.Tensor, g: Group, traffic: Traffic | None = None, what: str = "all-reduce"
 ) -> tuple[torch.Tensor, Sizes]:
     """Sum of a 1-D tensor over ranks, as zipped reduce-scatter then zipped all-gather.
 
@@ -318,7 +359,7 @@ def zipped_all_reduce(
     shard = -(-n // g.size)
     padded = flat.new_zeros(shard * g.size)
     padded[:n] = flat
-    reduced, rs_sizes = zipped_reduce_scatter(padded.view(g.size * shard, 1), g, traffic)
-    gathered, ag_sizes = zipped_all_gather(reduced, g, traffic)
+    reduced, rs_sizes = zipped_reduce_scatter(padded.view(g.size * shard, 1), g, traffic, what)
+    gathered, ag_sizes = zipped_all_gather(reduced, g, traffic, what)
     total = torch.cat(gathered).view(-1)[:n]
     return total, rs_sizes + ag_sizes

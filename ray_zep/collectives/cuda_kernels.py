@@ -25,7 +25,7 @@ from ray_zep.collectives.format import (
     Layout,
     dynamic_bytes,
 )
-from ray_zep.collectives.reference import code_lookup
+from ray_zep.collectives.reference import checksum, code_lookup
 from ray_zep.errors import CodecError
 
 SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "zipccl.cu"
@@ -61,7 +61,8 @@ def encode_chunk(
     n_escapes = int(counts_T.sum()) if layout.tiles else 0
     static = torch.zeros(layout.static_bytes, dtype=torch.uint8, device=flat_N.device)
     dynamic = torch.zeros(dynamic_bytes(n_escapes), dtype=torch.uint8, device=flat_N.device)
-    header = torch.frombuffer(bytearray(Header(fmt, table, n, n_escapes).pack()), dtype=torch.uint8)
+    header = Header(fmt, table, n, n_escapes, checksum(flat_N, fmt))
+    header = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
     static[:HEADER_BYTES] = header.to(flat_N.device)
     static[layout.tile_index : layout.tile_index + 4 * layout.tiles] = index_T.view(torch.uint8)
     ext.encode(

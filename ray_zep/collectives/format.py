@@ -15,10 +15,11 @@ Static part (all integers little-endian; sections start on 16-byte boundaries)::
 
     offset  size              field
     0       2                 magic b"ZC"
-    2       1                 version (1)
+    2       1                 version (2)
     3       1                 float format code (1 bf16, 2 fp16, 3 fp32)
     4       7                 table: exponent field of codes 1..7
-    11      5                 zero
+    11      1                 zero
+    12      4   uint32        checksum of the values (`checksum` below)
     16      8   int64         n_values
     24      8   int64         n_escapes
     32      4 x T  int32      tile index: escapes before tile t (T = ceil(n / 1024))
@@ -36,6 +37,12 @@ without escapes has an empty dynamic part). The tile index lets a parallel
 decoder find the first escape of any tile without scanning the ones before.
 
 Sizes for BF16: 8 raw + 3 code bits per value, plus 8 bits per escape.
+
+Checksum: the sum over the chunk's values of bits_i x (2i + 1), modulo 2^32,
+where bits_i is value i's bit pattern read as an unsigned integer. The decoder
+recomputes it over what it decoded, so a corrupted byte anywhere in the chunk
+is an error, never a wrong value: a change of one value always changes the
+sum (2i + 1 is odd, hence invertible modulo 2^32).
 """
 
 from __future__ import annotations
@@ -48,14 +55,14 @@ import torch
 from ray_zep.errors import CodecError
 
 MAGIC = b"ZC"
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = 32
 CHUNK_ALIGN = 128
 SECTION_ALIGN = 16
 TILE_VALUES = 1024
 CODE_PLANES = 3
 TABLE_SIZE = 7
-_HEADER = struct.Struct("<2sBB7s5xqq")
+_HEADER = struct.Struct("<2sBB7sxIqq")
 
 
 @dataclass(frozen=True)
@@ -169,10 +176,18 @@ class Header:
     table: tuple[int, ...]
     n_values: int
     n_escapes: int
+    checksum: int
+    """Of the values (see the module docstring)."""
 
     def pack(self) -> bytes:
         return _HEADER.pack(
-            MAGIC, VERSION, self.fmt.code, bytes(self.table), self.n_values, self.n_escapes
+            MAGIC,
+            VERSION,
+            self.fmt.code,
+            bytes(self.table),
+            self.checksum,
+            self.n_values,
+            self.n_escapes,
         )
 
     @classmethod
@@ -184,14 +199,15 @@ class Header:
         """
         if len(data) < HEADER_BYTES:
             raise CodecError(f"chunk of {len(data)} bytes is shorter than its header")
-        magic, version, code, table, n_values, n_escapes = _HEADER.unpack(data[:HEADER_BYTES])
+        fields = _HEADER.unpack(data[:HEADER_BYTES])
+        magic, version, code, table, checksum, n_values, n_escapes = fields
         if magic != MAGIC or version != VERSION or code not in _BY_CODE:
             raise CodecError(
                 f"not a ZipCCL v{VERSION} chunk (magic {magic!r}, version {version}, format {code})"
             )
         if n_values < 0 or not 0 <= n_escapes <= n_values:
             raise CodecError(f"corrupt chunk header: {n_values} values, {n_escapes} escapes")
-        return cls(_BY_CODE[code], tuple(table), n_values, n_escapes)
+        return cls(_BY_CODE[code], tuple(table), n_values, n_escapes, checksum)
 
     @property
     def layout(self) -> Layout:

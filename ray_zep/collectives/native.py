@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ray_zep import constants
-from ray_zep.collectives import cuda_kernels
+from ray_zep.collectives import cuda_kernels, reference
 from ray_zep.collectives.format import (
     HEADER_BYTES,
     FloatFormat,
@@ -81,7 +81,8 @@ def encode_chunk(
     sections = _sections(static, layout)
     encode = getattr(_library(), f"zc_encode_{_NAMES[fmt.dtype]}")
     n_escapes = encode(_ptr(flat_N), n, _ptr(code_of), ctypes.byref(sections), _ptr(escapes))
-    static[:HEADER_BYTES] = _header_bytes(Header(fmt, table, n, n_escapes))
+    header = Header(fmt, table, n, n_escapes, checksum(flat_N, fmt))
+    static[:HEADER_BYTES] = _header_bytes(header)
     _zero_gaps(static, layout)
     dynamic = torch.zeros(dynamic_bytes(n_escapes), dtype=torch.uint8)
     dynamic[:n_escapes] = escapes[:n_escapes]
@@ -109,6 +110,14 @@ def decode_chunk(static: torch.Tensor, dynamic: torch.Tensor, header: Header) ->
             "and the tile index of its header"
         )
     return out
+
+
+def checksum(flat_N: torch.Tensor, fmt: FloatFormat) -> int:
+    """Same contract as `reference.checksum`, for contiguous values on the CPU."""
+    if flat_N.is_cuda:
+        return reference.checksum(flat_N, fmt)
+    name = "u16" if fmt.value_bytes == 2 else "u32"
+    return int(getattr(_library(), f"zc_checksum_{name}")(_ptr(flat_N), flat_N.numel()))
 
 
 def _sections(static: torch.Tensor, layout: Layout) -> _Sections:
@@ -151,6 +160,10 @@ def _library() -> ctypes.CDLL:
         decode.restype = ctypes.c_int
         decode.argtypes = [ctypes.POINTER(_Sections), ctypes.c_void_p, ctypes.c_int64,
                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]  # fmt: skip
+    for name in ("u16", "u32"):
+        check = getattr(lib, f"zc_checksum_{name}")
+        check.restype = ctypes.c_uint32
+        check.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     return lib
 
 

@@ -19,6 +19,7 @@ from ray_zep.collectives.format import (
     Layout,
     dynamic_bytes,
 )
+from ray_zep.errors import CodecError
 
 
 def split_fields(flat_N: torch.Tensor, fmt: FloatFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +83,7 @@ def encode_chunk(
     escaped_N = code_N == 0
     escapes = exp_N[escaped_N].to(torch.uint8)
     static = torch.zeros(layout.static_bytes, dtype=torch.uint8, device=device)
-    header = Header(fmt, table, n, escapes.numel()).pack()
+    header = Header(fmt, table, n, escapes.numel(), checksum(flat_N, fmt)).pack()
     static[:HEADER_BYTES] = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
     _put(static, layout.tile_index, _tile_index(escaped_N, layout).view(torch.uint8))
     raw_NR = torch.stack([(sm_N >> (8 * b)) & 0xFF for b in range(fmt.raw_bytes)], dim=1)
@@ -111,8 +112,30 @@ def decode_chunk(static: torch.Tensor, dynamic: torch.Tensor, header: Header) ->
     exponents = torch.tensor((0, *header.table), dtype=torch.int64, device=static.device)
     exp_N = exponents[code_N]
     escaped_N = code_N == 0
+    index = _get(static, layout.tile_index, 4 * layout.tiles).clone().view(torch.int32)
+    if int(escaped_N.sum()) != header.n_escapes or not torch.equal(
+        index, _tile_index(escaped_N, layout)
+    ):
+        raise CodecError(
+            f"corrupt chunk: escape codes do not match the {header.n_escapes} escapes "
+            "and the tile index of its header"
+        )
     exp_N[escaped_N] = dynamic[: header.n_escapes].to(torch.int64)
     return join_fields(exp_N, sm_N, fmt)
+
+
+def checksum(flat_N: torch.Tensor, fmt: FloatFormat) -> int:
+    """The values' checksum (`format.py`): sum of bits_i x (2i + 1) modulo 2^32.
+
+    Computed in int64 without overflow: each product is split into 16-bit halves
+    of the bits and reduced modulo 2^32 before the sum (chunks hold < 2^31 values).
+    """
+    mask32 = (1 << 32) - 1
+    bits_N = flat_N.view(fmt.int_dtype).to(torch.int64) & ((1 << (8 * fmt.value_bytes)) - 1)
+    weight_N = (2 * torch.arange(bits_N.numel(), device=bits_N.device) + 1) & mask32
+    low_N = ((bits_N & 0xFFFF) * weight_N) & mask32
+    high_N = ((((bits_N >> 16) * weight_N) & 0xFFFF) << 16) & mask32
+    return int((low_N + high_N).sum()) & mask32
 
 
 def _tile_index(escaped_N: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -27,9 +27,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
 from torch.distributed.tensor import Shard
 
+from ray_zep.collectives.adaptive import AdaptiveCollectives
 from ray_zep.config import ParallelConfig
 from ray_zep.dist import Comm, MeshShape
 from ray_zep.parallel.axes import Sharding
+from ray_zep.parallel.fsdp_comms import switch_collectives
 
 MESH_SHAPES = {Sharding.ALL_RANKS: MeshShape.FLAT, Sharding.NODE: MeshShape.NODE}
 
@@ -41,6 +43,7 @@ def shard_model(
     device: torch.device,
     dtype: torch.dtype,
     expert_modules: list[nn.Module] = (),
+    collectives: AdaptiveCollectives | None = None,
 ) -> list[FSDPModule]:
     """Shard `model` in place with FSDP2 (collective: every rank calls it).
 
@@ -51,6 +54,9 @@ def shard_model(
         device: compute device (its type names the mesh's device type).
         dtype: compute dtype; bf16 gathers parameters in bf16 and reduces in fp32.
         expert_modules: modules holding only expert-parallel weights.
+        collectives: the shard group's compression switch (`comm.compression`
+            on): the units' all-gathers and reduce-scatters go through it
+            (`ray_zep.parallel.fsdp_comms`).
 
     Returns:
         The FSDP modules in forward order (embedding, blocks, head), the root last.
@@ -97,6 +103,8 @@ def shard_model(
         for earlier, later in itertools.pairwise(units):
             earlier.set_modules_to_forward_prefetch([later])
             later.set_modules_to_backward_prefetch([earlier])
+    if collectives is not None:
+        switch_collectives([*units, root], collectives)
     return [*units, root]
 
 

@@ -1,6 +1,6 @@
 """What a step did, as whole-job figures: `StepStats` and the per-rank parts summed into it.
 
-Each rank puts its share of every figure (losses, ring compression bytes, tokens
+Each rank puts its share of every figure (losses, compression bytes per stream, tokens
 per zone, attention FLOPs, modelled and measured memory in its own slot) into one
 float64 vector; a single all-reduce sums them, and rank 0 reports the result.
 """
@@ -39,9 +39,10 @@ class StepStats:
     (modelled: `ray_zep.traffic`)."""
     nic_bytes: list[list[int]] = field(default_factory=list)
     """Bytes that left each NIC, [node][NIC], whole job."""
-    compression: dict[str, int] = field(default_factory=dict)
-    """With `comm.compression`: bytes handed to the gradient collectives (`raw_bytes`)
-    and bytes they sent (`wire_bytes`), whole job (measured)."""
+    compression: dict[str, dict[str, int]] = field(default_factory=dict)
+    """With `comm.compression`: per stream (`comm.compression_streams` names), the
+    bytes handed to its transfers (`raw_bytes`) and the bytes they sent
+    (`wire_bytes`), whole job (measured)."""
     moe_aux_loss: float = 0.0
     """Weighted MoE load-balancing loss of the global batch (included in `loss`)."""
     zone_tokens: dict[str, int] = field(default_factory=dict)
@@ -73,14 +74,6 @@ def led_work(shard: RankShard, ctx: StepContext) -> list[float]:
         lengths = [p.length for p in led]
     shape = ctx.model.shape
     return [*zones, sum(shape.attention_flops(n) for n in lengths)]
-
-
-def compression_bytes(ctx: StepContext, ring_raw: int, ring_wire: int) -> dict[str, int]:
-    """Whole-job bytes of the compressible transfers of the step (measured)."""
-    if ctx.zipped is None:
-        return {}
-    sizes = ctx.zipped.take_sizes()
-    return {"raw_bytes": sizes.raw_bytes + ring_raw, "wire_bytes": sizes.wire_bytes + ring_wire}
 
 
 def rank_slots(ctx: StepContext, *values: float) -> list[float]:

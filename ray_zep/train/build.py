@@ -23,6 +23,7 @@ from ray_zep.moe.parallel import ExpertParallel, parallelize_experts
 from ray_zep.parallel.axes import Family, Passing
 from ray_zep.parallel.fsdp import mesh_shape, shard_model
 from ray_zep.pipeline.runner import WeightPipeline
+from ray_zep.train.compression import CompressionSwitches
 
 
 def resolve_device(device: Device) -> torch.device:
@@ -94,16 +95,25 @@ class AppliedAxes:
 
 
 def apply_axes(
-    model: Transformer, comm: Comm, config: Config, device: torch.device, dtype: torch.dtype
+    model: Transformer,
+    comm: Comm,
+    config: Config,
+    device: torch.device,
+    dtype: torch.dtype,
+    switches: CompressionSwitches | None = None,
 ) -> AppliedAxes:
-    """Split, shard or pass the model's weights as `config.parallel` says (collective)."""
+    """Split, shard or pass the model's weights as `config.parallel` says (collective).
+
+    With `switches`, FSDP2's collectives go through the shard group's switch.
+    """
     parallel = config.parallel
     experts = parallelize_experts(model, comm, config)
     sharded = bool(parallel.weights_axis.fsdp and comm.distributed)
     unsharded = _parameter_bytes(model, dtype)
     if sharded:
         split = [m.experts for m in model.moe_layers()] if experts.groups else []
-        shard_model(model, comm, parallel, device, dtype, split)
+        zipped = switches.for_group(comm.groups.fsdp_shard) if switches else None
+        shard_model(model, comm, parallel, device, dtype, split, zipped)
         # fully_shard replaced the parameters with sharded ones
         experts.expert_params = [p for m in split for p in m.parameters()]
     split_ids = {id(p) for p in experts.expert_params}

@@ -106,9 +106,7 @@ class AutogradRunner(StepRunner):
         losses = self._forward_backward(shard)
         if ctx.axes.sharded:  # FSDP2 reduce-scattered the gradients during backward
             return losses, 0
-        streams = ctx.config.comm.compression_streams
-        zipped = ctx.zipped if "gradients" in streams else None
-        synced = all_reduce_gradients_(ctx.axes.params, ctx.comm, zipped)
+        synced = all_reduce_gradients_(ctx.axes.params, ctx.comm, ctx.zipped)
         return losses, synced + ctx.axes.experts.sum_expert_gradients_()
 
     def clip(self) -> float:

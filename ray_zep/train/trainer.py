@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from ray_zep.attention.links import Links
-from ray_zep.collectives.adaptive import AdaptiveCollectives
-from ray_zep.config import Compression, Config
+from ray_zep.collectives.tally import per_stream
+from ray_zep.config import Config
 from ray_zep.data.shards import RankShard
 from ray_zep.dist import Comm
 from ray_zep.routing.comms import open_channels
@@ -24,7 +24,6 @@ from ray_zep.train import checkpoint
 from ray_zep.train.accounting import (
     ZONES,
     StepStats,
-    compression_bytes,
     led_work,
     modelled_memory,
     rank_slots,
@@ -37,6 +36,7 @@ from ray_zep.train.build import (
     resolve_dtype,
 )
 from ray_zep.train.comms import all_reduce_sum_
+from ray_zep.train.compression import CompressionSwitches
 from ray_zep.train.memory_probe import PeakProbe
 from ray_zep.train.optim import build_optimizer, lr_at, set_lr
 from ray_zep.train.runners import RUNNERS, StepContext
@@ -44,14 +44,6 @@ from ray_zep.train.runners import RUNNERS, StepContext
 __all__ = ["RankTrainer", "StepStats", "resolve_device", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
-
-
-def _zipped_collectives(config: Config, comm: Comm) -> AdaptiveCollectives | None:
-    """The gradient collectives' switcher when `comm.compression` is on (collective call)."""
-    mode = config.comm.compression
-    if mode is Compression.OFF or comm.group is None or not config.comm.compression_streams:
-        return None
-    return AdaptiveCollectives(comm.world, mode, config.comm.compression_refresh_calls)
 
 
 class RankTrainer:
@@ -70,16 +62,15 @@ class RankTrainer:
         self.dtype = resolve_dtype(config.train.precision, device)
         self.model, kernel = build_model(config, device, self.dtype)
         self.shape = self.model.shape
-        self.axes = apply_axes(self.model, self.comm, config, device, self.dtype)
+        self.switches = CompressionSwitches(config, self.comm)
+        self.axes = apply_axes(self.model, self.comm, config, device, self.dtype, self.switches)
         self.optimizer = build_optimizer(self.axes.state_module, config.train)
         self.steps_done = 0
         self.memory_probe = PeakProbe(
             device, config.metrics.memory_every, (self.axes.state_module, self.optimizer)
         )
-        self.zipped = _zipped_collectives(config, self.comm)
-        ring_zip = None
-        if self.zipped is not None and "kv" in config.comm.compression_streams:
-            ring_zip = self.zipped.ring_zipper()
+        self.zipped = self.switches.world
+        ring_zip = self.zipped.ring_zipper() if self.zipped is not None else None
         routing = open_channels(self.comm) if config.parallel.routing and comm.distributed else None
         links = Links(self.comm, routing, ring_zip)
         self.ctx = StepContext(
@@ -126,15 +117,16 @@ class RankTrainer:
             self.optimizer.step()
         self.steps_done += 1
         ctx = self.ctx
-        ring_bytes = ctx.links.ring_zip.take() if ctx.links.ring_zip else (0, 0)
         model = modelled_memory(shard, ctx)
         memory = rank_slots(ctx, model.total, self.memory_probe.last.get("peak", 0.0))
+        streams = self.switches.tally.vector()
         totals = torch.tensor(
-            [loss_sum, aux_loss, *ring_bytes, *led_work(shard, ctx), *memory], dtype=torch.float64
+            [loss_sum, aux_loss, *led_work(shard, ctx), *streams, *memory], dtype=torch.float64
         )
         all_reduce_sum_(totals, self.comm, "the step loss")
-        zone_tokens, attention_flops = totals[4:7].tolist(), float(totals[7])
-        per_rank = totals[8:].view(2, -1).tolist()
+        zone_tokens, attention_flops = totals[2:5].tolist(), float(totals[5])
+        streams = totals[6 : 6 + len(streams)].tolist()
+        per_rank = totals[6 + len(streams) :].view(2, -1).tolist()
         traffic = self.runner.traffic(shard, grad_bytes)
         linear_flops = self.shape.linear_flops_per_token() * shard.global_tokens
         return StepStats(
@@ -148,7 +140,7 @@ class RankTrainer:
             rank_tokens=list(shard.rank_tokens),
             comm_bytes={"intra_node": traffic.intra_node, "inter_node": traffic.inter_node},
             nic_bytes=traffic.nic.tolist(),
-            compression=compression_bytes(ctx, int(totals[2]), int(totals[3])),
+            compression=per_stream(streams),
             moe_aux_loss=float(totals[1]),
             zone_tokens={z.value: int(n) for z, n in zip(ZONES, zone_tokens, strict=True)},
             model_flops=3.0 * (linear_flops + attention_flops),

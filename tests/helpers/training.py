@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -17,6 +18,7 @@ from ray_zep import steplog
 from ray_zep.config import Config, load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.data.batching import BatchStream, Cursor, GlobalBatch
+from ray_zep.data.builder import write_token_parquet
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.data.shards import shard_for
 from ray_zep.model.llama import Transformer
@@ -48,6 +50,15 @@ gradients, into a visible difference of its update. With eps 1e-6 the same round
 stays as small in the parameters as it is in the gradients. Memory is not measured
 (`metrics.memory_every=0`): the tracker doubles a step's time; tests/test_memory.py
 measures it."""
+
+
+def mixed_dataset(path: Path) -> Path:
+    """A Parquet file of documents from 1 to 300 tokens: with `train.tokens_per_rank=64`
+    the long ones span ranks and nodes (rings, routing and remapping have work)."""
+    rng = np.random.default_rng(3)
+    lengths = [1, 3, 5, 7, 300, *[1, 2, 3, 1] * 8, 63, 129, 77, 2, 1, 40, 9, 250, 11]
+    docs = [rng.integers(0, 256, size=n, dtype=np.int32) for n in lengths]
+    return write_token_parquet(docs, path).path
 
 
 def make_stream(config: Config, topology: Topology, progress: Progress) -> BatchStream:
