@@ -102,6 +102,9 @@ class CompressionStream(Enum):
     """FSDP2's parameter all-gathers, forward and backward: moves, bit-identical."""
     FSDP_REDUCE_SCATTER = "fsdp_reduce_scatter"
     """FSDP2's gradient reduce-scatter inside the shard group: a sum."""
+    EXPERT_ALL_TO_ALL = "expert_all_to_all"
+    """MoE dispatch and combine over the EP group, forward and backward: moves,
+    bit-identical (the switcher also picks the all-to-all design)."""
 
 
 COMPRESSION_STREAMS = tuple(s.value for s in CompressionStream)

@@ -65,6 +65,14 @@ ROUTE_REMAP = ["parallel.routing=true", "parallel.remap=true", "parallel.remap_p
 SUMS = ("gradients", "fsdp_reduce_scatter")
 SPLIT = ("train.tokens_per_rank=64", "data.shuffle=false", "data.packing=budget")
 """With the mixed dataset, long documents span ranks: zeppelin rings, routes, remaps."""
+MOE = [
+    "model.preset=tiny_moe",
+    "model.moe.capacity_factor=0",
+    "parallel.ep=2",
+    "parallel.moe_pipeline=1a1m",
+]
+PADDED_MOE = ["model.preset=tiny_moe", "model.moe.capacity_factor=1.25", "parallel.ep=2"]
+"""Capacity-padded dispatch, no pipeline: the one-call all-to-all."""
 PAIRS = {
     # name: (placement and weights, streams compressed, streams expected in the metrics)
     "gradients": ([], ["gradients"], {"gradients"}),
@@ -73,6 +81,9 @@ PAIRS = {
     "fsdp_all_gather": (["parallel.weights=fsdp"], ["fsdp_all_gather"], {"fsdp_all_gather"}),
     "fsdp": (["parallel.weights=fsdp"], [], {"fsdp_all_gather", "fsdp_reduce_scatter"}),
     "hsdp": (["parallel.weights=hsdp"], [], {"fsdp_all_gather", "fsdp_reduce_scatter"}),
+    "moe_ep2_1a1m_dispatch": (MOE, ["expert_all_to_all"], {"expert_all_to_all"}),
+    "moe_ep2_1a1m": (MOE, [], {"expert_all_to_all", "gradients"}),
+    "moe_ep2_padded": (PADDED_MOE, ["expert_all_to_all"], {"expert_all_to_all"}),
     "zeppelin+fsdp+routing+remap": (
         ["parallel.sequence=zeppelin", "parallel.weights=fsdp", *ROUTE_REMAP, *SPLIT],
         [],

@@ -93,6 +93,37 @@ class AdaptiveCollectives:
         out.copy_(reduced)
         self._record(stream, sizes)
 
+    def post_all_to_all_rows(
+        self,
+        x: torch.Tensor,
+        send_rows: list[int],
+        recv_rows: list[int],
+        stream: str,
+        what: str,
+        agreed_bytes: int,
+    ) -> PlainAllToAll | comms.ZippedAllToAll:
+        """Start an all-to-all of rows (send_rows[r] to rank r, recv_rows[r] from r);
+        `.wait()` on the result gives the received rows. A move: same bits either way.
+
+        Args:
+            agreed_bytes: a size every rank of the group passes the same (the mean
+                bytes per rank of the exchange): the switcher decides on it, so
+                every rank takes the same path and design.
+        """
+        row = x[0].numel() if x.dim() else 1
+        out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+        if not self._zipped(Kind.ALL_TO_ALL, stream, x, agreed_bytes):
+            flat, work = comms.post_all_to_all(
+                x.contiguous().view(-1), [r * row for r in send_rows],
+                [r * row for r in recv_rows], self.g,
+            )  # fmt: skip
+            self._count_plain(stream, agreed_bytes)
+            return PlainAllToAll(flat.view(out.shape), work, self.g, what)
+        design = self.switcher.all_to_all_design(agreed_bytes, stream)
+        posted = comms.post_zipped_all_to_all(x, send_rows, recv_rows, self.g, design, what, out)
+        self._record(stream, posted.sizes)
+        return posted
+
     def ring_zipper(self) -> RingZipper:
         """Per-message choices for this rank's ring transfers, sharing the profile."""
         return RingZipper(self.switcher, self.g.rank, self.tally, "kv" in self.streams)
@@ -113,6 +144,17 @@ class AdaptiveCollectives:
         if self.g.rank == 0:
             total = nbytes * self.g.size
             self.tally.add(stream, total, total)
+
+
+class PlainAllToAll:
+    """A plain all-to-all in flight; `wait` gives the received rows."""
+
+    def __init__(self, out: torch.Tensor, work, g: Group, what: str) -> None:
+        self.out, self.work, self.g, self.what = out, work, g, what
+
+    def wait(self) -> torch.Tensor:
+        self.g.wait([self.work], self.what)
+        return self.out
 
 
 class RingZipper:

@@ -183,33 +183,83 @@ def zipped_all_to_all(
         CodecError: a chunk received from a rank is corrupt or truncated (names
             `what` and the rank).
     """
+    posted = post_zipped_all_to_all(tensor, send_rows, recv_rows, g, design, what)
+    out = posted.wait()
+    if traffic is not None:
+        traffic.add(f"all_to_all_{design.value}", _nbytes(tensor), posted.wire_bytes)
+    return out, posted.sizes
+
+
+@dataclass
+class ZippedAllToAll:
+    """A zipped all-to-all in flight: `wait` finishes it and decodes what arrived.
+
+    Attributes:
+        sizes: every rank's raw and compressed bytes (known once posted).
+        wire_bytes: the compressed bytes this rank sent.
+    """
+
+    works: list
+    chunks: list
+    recv_rows: list[int]
+    like: torch.Tensor
+    g: Group
+    what: str
+    sizes: Sizes
+    wire_bytes: int
+    out: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        """The received rows (in `out` when given), by source rank."""
+        self.g.wait(self.works, f"zipped {self.what}")
+        row = _row_numel(self.like)
+        parts = [
+            _rows(_decode_from(src, self.g, self.what, rows * row, chunk()), rows, self.like)
+            for src, (chunk, rows) in enumerate(zip(self.chunks, self.recv_rows, strict=True))
+        ]
+        shape = (sum(self.recv_rows), *self.like.shape[1:])
+        if self.out is None:
+            return torch.cat(parts) if parts else self.like.new_empty(shape)
+        if parts:
+            torch.cat(parts, out=self.out.view(shape))
+        return self.out
+
+
+def post_zipped_all_to_all(
+    tensor: torch.Tensor,
+    send_rows: Sequence[int],
+    recv_rows: Sequence[int],
+    g: Group,
+    design: AllToAllDesign = AllToAllDesign.STATIC_FIRST,
+    what: str = "all-to-all",
+    out: torch.Tensor | None = None,
+) -> ZippedAllToAll:
+    """Compress and start a zipped all-to-all; the size exchange blocks, the data
+    transfers stay in flight until `wait` (which fills `out` when given)."""
     _check_rows(send_rows, tensor, g)
     row = _row_numel(tensor)
     zipped = compress(tensor, [r * row for r in send_rows])
     raw = _nbytes(tensor)
     if design is AllToAllDesign.SIZE_FIRST:
-        chunks, matrix = _size_first(zipped, raw, g, what)
+        works, chunks, matrix = _size_first(zipped, raw, g, what)
     else:
         recv_values = [r * row for r in recv_rows]
-        chunks, matrix = _static_first(zipped, raw, recv_values, tensor.dtype, g, what)
-    parts = [
-        _rows(_decode_from(src, g, what, rows * row, chunk), rows, tensor)
-        for src, (chunk, rows) in enumerate(zip(chunks, recv_rows, strict=True))
-    ]
-    out = torch.cat(parts) if parts else tensor.new_empty((0, *tensor.shape[1:]))
-    if traffic is not None:
-        traffic.add(f"all_to_all_{design.value}", raw, zipped.nbytes)
-    return out, Sizes(sum(r[-1] for r in matrix), sum(sum(r[:-1]) for r in matrix))
+        works, chunks, matrix = _static_first(zipped, raw, recv_values, tensor.dtype, g, what)
+    sizes = Sizes(sum(r[-1] for r in matrix), sum(sum(r[:-1]) for r in matrix))
+    return ZippedAllToAll(
+        works, chunks, list(recv_rows), tensor, g, what, sizes, zipped.nbytes, out
+    )
 
 
 def _size_first(zipped: Compressed, raw: int, g: Group, what: str):
-    """Exchange every rank's row of chunk sizes, then the packed chunks (one buffer each)."""
+    """Exchange every rank's row of chunk sizes, then post the packed chunks."""
     sizes = zipped.packed_sizes()
     matrix = _gather_ints([*sizes, raw], g, f"zipped {what} sizes")
     incoming = [matrix[src][g.rank] for src in range(g.size)]
     out, work = post_all_to_all(zipped.packed(), sizes, incoming, g)
-    g.wait([work], f"zipped {what}")
-    return list(out.split(incoming)), matrix
+    offsets = _offsets(incoming)
+    chunks = [_slice(out, o, n) for o, n in zip(offsets, incoming, strict=True)]
+    return [work], chunks, matrix
 
 
 def _static_first(zipped: Compressed, raw: int, recv_values: list[int], dtype, g: Group, what: str):
@@ -225,9 +275,30 @@ def _static_first(zipped: Compressed, raw: int, recv_values: list[int], dtype, g
             f"{what}: rank {_global(g, src)} announced a chunk shorter than its static part"
         )
     dynamic_out, dynamic_work = post_all_to_all(zipped.dynamic, zipped.dynamic_sizes, in_dynamic, g)
-    g.wait([static_work, dynamic_work], f"zipped {what}")
-    chunks = list(zip(static_out.split(in_static), dynamic_out.split(in_dynamic), strict=True))
-    return chunks, matrix
+    chunks = [
+        _pair(static_out, s, ns, dynamic_out, d, nd)
+        for s, ns, d, nd in zip(
+            _offsets(in_static), in_static, _offsets(in_dynamic), in_dynamic, strict=True
+        )
+    ]
+    return [static_work, dynamic_work], chunks, matrix
+
+
+def _slice(buffer: torch.Tensor, offset: int, size: int):
+    """A view of the buffer's bytes, taken once the transfer has landed."""
+    return lambda: buffer[offset : offset + size]
+
+
+def _pair(static: torch.Tensor, s: int, ns: int, dynamic: torch.Tensor, d: int, nd: int):
+    return lambda: (static[s : s + ns], dynamic[d : d + nd])
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    out, total = [], 0
+    for size in sizes:
+        out.append(total)
+        total += size
+    return out
 
 
 def reduce_scatter_local(received: torch.Tensor, g: Group, dtype: torch.dtype) -> torch.Tensor:
@@ -275,6 +346,11 @@ def post_all_to_all(
         out, send, list(recv_sizes), list(send_sizes), group=g.group, async_op=True
     )
     return out, work
+
+
+def all_gather_ints(values: list[int], g: Group, what: str) -> list[list[int]]:
+    """Every rank's list of ints (all the same length), by rank."""
+    return _gather_ints(values, g, what)
 
 
 def _gather_ints(values: list[int], g: Group, what: str) -> list[list[int]]:

@@ -27,13 +27,15 @@ import torch.distributed as dist
 
 from ray_zep.collectives import comms
 from ray_zep.collectives.codec import compress, decompress
-from ray_zep.collectives.comms import Sizes
+from ray_zep.collectives.comms import AllToAllDesign, Sizes
 from ray_zep.config import Compression
 from ray_zep.dist.group import Group
 
 PROFILE_BYTES = (1 << 14, 1 << 20)
 """Sizes (bytes per rank) of the plain-collective fit."""
 PROFILE_REPEATS = 3
+STATIC_SHARE = 11 / 16
+"""Bytes of BF16's static part per raw byte (8 raw + 3 code bits of 16)."""
 RATIO_SMOOTHING = 0.5
 """Weight of the newest measurement in a stream's ratio estimate."""
 
@@ -117,6 +119,29 @@ class Switcher:
             return True
         plain = self.profile.plain_seconds(kind, nbytes)
         return self.profile.zipped_seconds(kind, nbytes, self.ratios[stream]) < plain
+
+    def all_to_all_design(self, nbytes: int, stream: str) -> AllToAllDesign:
+        """The zipped all-to-all design modelled faster for `nbytes` per rank.
+
+        Size-first exchanges the sizes, then all bytes: T = α_ag + α_a2a + β·B.
+        Static-first sends the static parts (known sizes, S bytes) while the sizes
+        are exchanged, then the dynamic parts (D): T = max(α_a2a + β·S, α_ag) +
+        α_a2a + β·D. Without a profile (`always`), static-first.
+        """
+        if self.profile is None:
+            return AllToAllDesign.STATIC_FIRST
+        ratio = self.ratios.get(stream, 1.0)
+        a2a, ag = (
+            self.profile.plain[Kind.ALL_TO_ALL.value],
+            self.profile.plain[Kind.ALL_GATHER.value],
+        )
+        wire = nbytes / ratio
+        static = min(wire, nbytes * STATIC_SHARE)
+        size_first = ag.alpha_s + a2a.alpha_s + a2a.beta_s_per_byte * wire
+        static_first = max(a2a.seconds(static), ag.alpha_s) + a2a.seconds(wire - static)
+        if static_first <= size_first:
+            return AllToAllDesign.STATIC_FIRST
+        return AllToAllDesign.SIZE_FIRST
 
     def observe(self, stream: str, sizes: Sizes) -> None:
         """Record a zipped call's global sizes (the same on every rank)."""

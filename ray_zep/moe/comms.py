@@ -23,54 +23,91 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ray_zep.collectives.comms import all_to_all_v, exchange_rows, post_all_to_all
+from ray_zep.collectives.adaptive import AdaptiveCollectives, PlainAllToAll
+from ray_zep.collectives.comms import ZippedAllToAll, all_gather_ints, post_all_to_all
 from ray_zep.dist.group import Group
+from ray_zep.options import CompressionStream
 
 ExpertFn = Callable[[torch.Tensor, list[int]], torch.Tensor]
 """(rows sorted by local expert, rows of each local expert) -> the experts' outputs, in
 the same order (one call for all local experts: `ray_zep.moe.layer.Experts`)."""
 
 
+@dataclass(frozen=True)
+class ExpertLink:
+    """How an MoE block's tokens reach the ranks holding its experts.
+
+    Attributes:
+        g: the EP group.
+        switch: the group's compression switch (`comm.compression` on): the
+            dispatch and combine travel as the `expert_all_to_all` stream, plain
+            or zipped (a move, so the same bits), in the design it models faster.
+    """
+
+    g: Group
+    switch: AdaptiveCollectives | None = None
+
+    @property
+    def size(self) -> int:
+        return self.g.size
+
+    def post(
+        self, x_ND: torch.Tensor, send_rows, recv_rows, what: str, total_rows: int
+    ) -> PlainAllToAll | ZippedAllToAll:
+        """Start moving rows; `.wait()` on the result gives the received rows (and
+        fills its `out`). `total_rows`: rows of the whole exchange, all ranks."""
+        if self.switch is None:
+            row = x_ND.shape[1:].numel()
+            sizes = ([r * row for r in send_rows], [r * row for r in recv_rows])
+            out, work = post_all_to_all(x_ND.contiguous().view(-1), *sizes, self.g)
+            return PlainAllToAll(out.view(sum(recv_rows), *x_ND.shape[1:]), work, self.g, what)
+        agreed = total_rows * x_ND[0].numel() * x_ND.element_size() // self.g.size
+        stream = CompressionStream.EXPERT_ALL_TO_ALL.value
+        return self.switch.post_all_to_all_rows(
+            x_ND.contiguous(), list(send_rows), list(recv_rows), stream, what, agreed
+        )
+
+
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single whose gradient is the reverse all-to-all."""
+    """All-to-all of rows whose gradient is the reverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, x_ND, in_rows, out_rows, g: Group, what: str):
-        ctx.rows, ctx.g, ctx.what = (in_rows, out_rows), g, what
-        return all_to_all_v(x_ND, in_rows, out_rows, g, what)
+    def forward(ctx, x_ND, in_rows, out_rows, link: ExpertLink, what: str, total: int):
+        ctx.rows, ctx.link, ctx.what, ctx.total = (in_rows, out_rows), link, what, total
+        return link.post(x_ND, in_rows, out_rows, what, total).wait()
 
     @staticmethod
     def backward(ctx, grad_ND):
         in_rows, out_rows = ctx.rows
-        grad = all_to_all_v(grad_ND, out_rows, in_rows, ctx.g, ctx.what + " (backward)")
-        return grad, None, None, None, None
+        back = ctx.link.post(grad_ND, out_rows, in_rows, ctx.what + " (backward)", ctx.total)
+        return back.wait(), None, None, None, None, None
 
 
 def all_to_all_rows(
-    x_ND: torch.Tensor, in_rows: Sequence[int], out_rows: Sequence[int], g: Group, what: str
+    x_ND: torch.Tensor,
+    in_rows: Sequence[int],
+    out_rows: Sequence[int],
+    link: ExpertLink,
+    what: str,
+    total_rows: int,
 ) -> torch.Tensor:
-    """Differentiable all-to-all of rows: in_rows[r] rows to rank r, out_rows[r] from r."""
-    return _AllToAll.apply(x_ND, list(in_rows), list(out_rows), g, what)
+    """Differentiable all-to-all of rows: in_rows[r] rows to rank r, out_rows[r] from r
+    (`total_rows`: rows of the whole exchange, the same on every rank)."""
+    return _AllToAll.apply(x_ND, list(in_rows), list(out_rows), link, what, total_rows)
 
 
 @dataclass
 class Ticket:
-    """One all-to-all of rows in flight: its sizes and its work handles."""
+    """One all-to-all of rows in flight: its sizes and its transfers."""
 
     send_rows: list[int]
     recv_rows: list[int]
-    g: Group
+    link: ExpertLink
     what: str
-    work: object = None
-    backward_work: object = None
+    total_rows: int
+    transfer: object = None
+    backward_transfer: object = None
     backward_out: torch.Tensor | None = field(default=None, repr=False)
-
-
-def _post_rows(x_ND: torch.Tensor, send_rows, recv_rows, g: Group):
-    row = x_ND.shape[1:].numel()
-    sizes = ([r * row for r in send_rows], [r * row for r in recv_rows])
-    out, work = post_all_to_all(x_ND.contiguous().view(-1), *sizes, g)
-    return out.view(sum(recv_rows), *x_ND.shape[1:]), work
 
 
 class _Post(torch.autograd.Function):
@@ -78,14 +115,15 @@ class _Post(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_ND, order, ticket: Ticket):
-        out, ticket.work = _post_rows(x_ND, ticket.send_rows, ticket.recv_rows, ticket.g)
+        t = ticket
+        t.transfer = t.link.post(x_ND, t.send_rows, t.recv_rows, t.what, t.total_rows)
         ctx.ticket = ticket
-        return out, order.clone()
+        return t.transfer.out, order.clone()
 
     @staticmethod
     def backward(ctx, grad_ND, grad_order):
         ticket = ctx.ticket
-        ticket.g.wait([ticket.backward_work], ticket.what + " (backward)")
+        ticket.backward_transfer.wait()
         return ticket.backward_out, grad_order, None
 
 
@@ -94,17 +132,16 @@ class _Wait(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, buffer_ND, order, ticket: Ticket):
-        ticket.g.wait([ticket.work], ticket.what)
+        ticket.transfer.wait()  # fills buffer_ND (the transfer's `out`)
         ctx.ticket = ticket
         return buffer_ND, order.clone()
 
     @staticmethod
     def backward(ctx, grad_ND, grad_order):
-        ticket = ctx.ticket
-        out, ticket.backward_work = _post_rows(
-            grad_ND, ticket.recv_rows, ticket.send_rows, ticket.g
-        )
-        ticket.backward_out = out
+        t = ctx.ticket
+        what = t.what + " (backward)"
+        t.backward_transfer = t.link.post(grad_ND, t.recv_rows, t.send_rows, what, t.total_rows)
+        t.backward_out = t.backward_transfer.out
         # _Post's backward returns `backward_out` once the transfer is done and
         # ignores what flows along the graph here.
         return grad_ND, grad_order, None
@@ -119,9 +156,10 @@ def post_rows(
     x_ND: torch.Tensor,
     send_rows: Sequence[int],
     recv_rows: Sequence[int],
-    g: Group,
+    link: ExpertLink,
     what: str,
     order: torch.Tensor,
+    total_rows: int,
 ) -> tuple[torch.Tensor, Ticket, torch.Tensor]:
     """Start a differentiable all-to-all of rows; pass the result to `wait_rows`.
 
@@ -138,7 +176,7 @@ def post_rows(
     Returns:
         The receive buffer, the transfer's ticket, and the next `order`.
     """
-    ticket = Ticket(list(send_rows), list(recv_rows), g, what)
+    ticket = Ticket(list(send_rows), list(recv_rows), link, what, total_rows)
     out, order = _Post.apply(x_ND, order, ticket)
     return out, ticket, order
 
@@ -150,17 +188,20 @@ def wait_rows(
     return _Wait.apply(buffer_ND, order, ticket)
 
 
-def padded_experts(buf_XCD: torch.Tensor, experts: ExpertFn, g: Group) -> torch.Tensor:
-    """Outputs of every expert on its `capacity` slots, experts spread over `g`."""
+def padded_experts(buf_XCD: torch.Tensor, experts: ExpertFn, link: ExpertLink) -> torch.Tensor:
+    """Outputs of every expert on its `capacity` slots, experts spread over the link's group."""
     total, capacity, dim = buf_XCD.shape
-    local = total // g.size
-    rows = [local * capacity] * g.size
+    size = link.size
+    local = total // size
+    rows = [local * capacity] * size
     flat = buf_XCD.reshape(total * capacity, dim)
-    got = all_to_all_rows(flat, rows, rows, g, "MoE dispatch").view(g.size, local, capacity, dim)
-    by_expert = got.transpose(0, 1).reshape(local * g.size * capacity, dim)
-    out = experts(by_expert, [g.size * capacity] * local)
-    back = out.view(local, g.size, capacity, dim).transpose(0, 1).reshape(-1, dim)
-    return all_to_all_rows(back, rows, rows, g, "MoE combine").view(total, capacity, dim)
+    every = total * capacity * size
+    got = all_to_all_rows(flat, rows, rows, link, "MoE dispatch", every)
+    by_expert = got.view(size, local, capacity, dim).transpose(0, 1).reshape(-1, dim)
+    out = experts(by_expert, [size * capacity] * local)
+    back = out.view(local, size, capacity, dim).transpose(0, 1).reshape(-1, dim)
+    combined = all_to_all_rows(back, rows, rows, link, "MoE combine", every)
+    return combined.view(total, capacity, dim)
 
 
 @dataclass(frozen=True)
@@ -174,14 +215,20 @@ class Splits:
 
     send_rows: list[int]
     recv: list[list[int]]
+    total_rows: int
+    """Rows every rank sends, summed (the same on every rank)."""
 
     @classmethod
     def exchange(cls, counts_X: torch.Tensor, g: Group) -> Splits:
-        """Split sizes for rows sorted by expert, counts_X rows each (collective)."""
-        local = counts_X.numel() // g.size
-        send_rows = counts_X.view(g.size, local).sum(1).tolist()
-        received = exchange_rows(counts_X.tolist(), g)  # [source s, local expert j] flattened
-        return cls(send_rows, [received[s * local : (s + 1) * local] for s in range(g.size)])
+        """Split sizes for rows sorted by expert, counts_X rows each (collective: an
+        all-gather of every rank's counts, so every rank also knows the total)."""
+        size = g.size
+        local = counts_X.numel() // size
+        send_rows = counts_X.view(size, local).sum(1).tolist()
+        every = all_gather_ints(counts_X.tolist(), g, "MoE expert counts")  # [source][expert]
+        mine = slice(g.rank * local, (g.rank + 1) * local)
+        total = sum(sum(row) for row in every)
+        return cls(send_rows, [every[s][mine] for s in range(size)], total)
 
     @property
     def recv_rows(self) -> list[int]:
@@ -207,10 +254,11 @@ def run_local_experts(got_ND: torch.Tensor, splits: Splits, experts: ExpertFn) -
 
 
 def varlen_experts(
-    rows_ND: torch.Tensor, counts_X: torch.Tensor, experts: ExpertFn, g: Group
+    rows_ND: torch.Tensor, counts_X: torch.Tensor, experts: ExpertFn, link: ExpertLink
 ) -> torch.Tensor:
-    """Outputs for rows sorted by expert (counts_X rows each), experts spread over `g`."""
-    splits = Splits.exchange(counts_X, g)
-    got = all_to_all_rows(rows_ND, splits.send_rows, splits.recv_rows, g, "MoE dispatch")
+    """Outputs for rows sorted by expert (counts_X rows each), experts spread over the link."""
+    splits = Splits.exchange(counts_X, link.g)
+    send, recv, total = splits.send_rows, splits.recv_rows, splits.total_rows
+    got = all_to_all_rows(rows_ND, send, recv, link, "MoE dispatch", total)
     back = run_local_experts(got, splits, experts)
-    return all_to_all_rows(back, splits.recv_rows, splits.send_rows, g, "MoE combine")
+    return all_to_all_rows(back, recv, send, link, "MoE combine", total)

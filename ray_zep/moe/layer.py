@@ -88,7 +88,7 @@ class MoE(nn.Module):
         self.dispatch, self.capacity_tokens = dispatch, capacity_tokens
         self.gate = nn.Linear(dim, experts, bias=False)
         self.experts = Experts(experts, hidden, dim)
-        self.ep: Group | None = None
+        self.ep: comms.ExpertLink | None = None
         self.first_expert = 0
         self.balance: Balance | None = None
         """Load-balancing statistics of the last forward (its routing groups)."""
@@ -203,13 +203,16 @@ def _kept_tokens(routing: Routing) -> torch.Tensor:
     return token_T.unsqueeze(1).expand_as(kept)[kept]
 
 
-def shard_experts(moe: MoE, ep: Group) -> None:
-    """Keep only this rank's experts (contiguous block) and route tokens over `ep`.
+def shard_experts(moe: MoE, link: comms.ExpertLink | Group) -> None:
+    """Keep only this rank's experts (contiguous block) and route tokens over the
+    link's EP group (a bare group: uncompressed).
 
     Raises:
         ConfigError: the experts do not divide evenly over the group, or padded
             dispatch has no fixed capacity.
     """
+    link = link if isinstance(link, comms.ExpertLink) else comms.ExpertLink(link)
+    ep = link.g
     if moe.num_experts % ep.size:
         raise ConfigError(
             f"model.moe.num_experts={moe.num_experts} must be divisible by parallel.ep={ep.size}"
@@ -224,4 +227,4 @@ def shard_experts(moe: MoE, ep: Group) -> None:
     for name in ("w1", "w3", "w2"):
         full = getattr(moe.experts, name)
         setattr(moe.experts, name, nn.Parameter(full.detach()[first : first + local].clone()))
-    moe.ep, moe.first_expert = ep, first
+    moe.ep, moe.first_expert = link, first

@@ -21,10 +21,12 @@ from ray_zep.collectives.comms import (
     gradients_or_zeros,
     reduce_in_one_buffer_,
 )
+from ray_zep.collectives.switches import CompressionSwitches
 from ray_zep.config import Config, MoEDispatch, MoEPipeline
 from ray_zep.dist import Comm
 from ray_zep.dist.group import Group
 from ray_zep.errors import ConfigError
+from ray_zep.moe.comms import ExpertLink
 from ray_zep.moe.gate import Balance
 from ray_zep.moe.layer import MoE, shard_experts
 from ray_zep.moe.pipeline import FoldedForward
@@ -88,8 +90,13 @@ class ExpertParallel:
         )
 
 
-def parallelize_experts(model: nn.Module, comm: Comm, config: Config) -> ExpertParallel:
+def parallelize_experts(
+    model: nn.Module, comm: Comm, config: Config, switches: CompressionSwitches | None = None
+) -> ExpertParallel:
     """Configure every MoE block of `model` for this run (collective when ep > 1).
+
+    With `switches` (`comm.compression` on), the dispatch and combine go through the
+    EP group's switch (`ray_zep.moe.comms.ExpertLink`).
 
     Sets the dispatch and the capacity (`train.tokens_per_rank` tokens per
     routing group), splits the experts over `parallel.ep` ranks, and gives the
@@ -130,8 +137,9 @@ def parallelize_experts(model: nn.Module, comm: Comm, config: Config) -> ExpertP
     if ep == 1 or not comm.distributed:
         return ExpertParallel(None, [])
     groups = ExpertGroups.build(comm, ep, layers[0].num_experts)
+    link = ExpertLink(groups.ep, switches.for_group(groups.ep) if switches else None)
     for moe in layers:
-        shard_experts(moe, groups.ep)
+        shard_experts(moe, link)
     return ExpertParallel(groups, [p for moe in layers for p in moe.experts.parameters()])
 
 

@@ -156,7 +156,7 @@ class _Run:
         if moe.ep is None:
             batch.in_flight = rows_ND
         else:
-            batch.splits = comms.Splits.exchange(routing.counts_X, moe.ep)
+            batch.splits = comms.Splits.exchange(routing.counts_X, moe.ep.g)
             batch.in_flight, batch.ticket, self.order = comms.post_rows(
                 rows_ND,
                 batch.splits.send_rows,
@@ -164,6 +164,7 @@ class _Run:
                 moe.ep,
                 f"MoE dispatch of micro-batch {j}",
                 self.order,
+                batch.splits.total_rows,
             )
         self.batches[j] = batch
 
@@ -182,6 +183,7 @@ class _Run:
             moe.ep,
             f"MoE combine of micro-batch {j}",
             self.order,
+            splits.total_rows,
         )
 
     def combine(self, j: int) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ray_zep.attention.kernels import AttentionFn, select_kernel
+from ray_zep.collectives.switches import CompressionSwitches
 from ray_zep.config import Config, Device, Precision
 from ray_zep.dist import Comm, GroupNeeds
 from ray_zep.errors import ConfigError
@@ -23,7 +24,6 @@ from ray_zep.moe.parallel import ExpertParallel, parallelize_experts
 from ray_zep.parallel.axes import Family, Passing
 from ray_zep.parallel.fsdp import mesh_shape, shard_model
 from ray_zep.pipeline.runner import WeightPipeline
-from ray_zep.train.compression import CompressionSwitches
 
 
 def resolve_device(device: Device) -> torch.device:
@@ -107,7 +107,7 @@ def apply_axes(
     With `switches`, FSDP2's collectives go through the shard group's switch.
     """
     parallel = config.parallel
-    experts = parallelize_experts(model, comm, config)
+    experts = parallelize_experts(model, comm, config, switches)
     sharded = bool(parallel.weights_axis.fsdp and comm.distributed)
     unsharded = _parameter_bytes(model, dtype)
     if sharded:

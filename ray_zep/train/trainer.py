@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ray_zep.attention.links import Links
+from ray_zep.collectives.switches import CompressionSwitches
 from ray_zep.collectives.tally import per_stream
 from ray_zep.config import Config
 from ray_zep.data.shards import RankShard
@@ -36,7 +37,6 @@ from ray_zep.train.build import (
     resolve_dtype,
 )
 from ray_zep.train.comms import all_reduce_sum_
-from ray_zep.train.compression import CompressionSwitches
 from ray_zep.train.memory_probe import PeakProbe
 from ray_zep.train.optim import build_optimizer, lr_at, set_lr
 from ray_zep.train.runners import RUNNERS, StepContext
