@@ -11,9 +11,9 @@ from ray_zep.collectives.codec import read_header
 from ray_zep.collectives.comms import (
     AllToAllDesign,
     Group,
+    all_gather_ints,
     all_gather_v,
     all_to_all_v,
-    exchange_rows,
     native_reduce_scatter,
     reduce_scatter_via_all_to_all,
     zipped_all_gather,
@@ -66,7 +66,7 @@ def collectives_rank(rank: int, world: int) -> dict:
     for name, tensor in inputs(rank, world).items():
         results[f"ag/{name}"] = (zipped_all_gather(tensor, g)[0], all_gather_v(tensor, g))
         rows = send_rows(rank, world, tensor.shape[0])
-        recv = exchange_rows(rows, g)
+        recv = [every[rank] for every in all_gather_ints(rows, g, "row counts")]
         plain = all_to_all_v(tensor, rows, recv, g)
         for design in AllToAllDesign:
             zipped, _ = zipped_all_to_all(tensor, rows, recv, g, design)

@@ -16,9 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ray_zep.attention.links import Links
-from ray_zep.collectives.codec import compress, decode_chunk, read_header
-from ray_zep.collectives.format import Header, static_bytes
-from ray_zep.errors import CodecError
+from ray_zep.collectives.codec import blamed_on, compress, decode_exactly, read_header
+from ray_zep.collectives.format import static_bytes
 
 
 class Pending:
@@ -84,7 +83,10 @@ class ZippedPending(Pending):
 
     def wait(self) -> None:
         super().wait()
-        headers = [self._header(static, peer) for static, _, peer in self._recvs]
+        headers = []
+        for static, _, peer in self._recvs:
+            with blamed_on(self._source(peer)):
+                headers.append(read_header(static))
         dynamic_in = [
             static.new_empty(h.dynamic_bytes)
             for h, (static, _, _) in zip(headers, self._recvs, strict=True)
@@ -99,28 +101,14 @@ class ZippedPending(Pending):
         for header, dynamic, (static, out, peer) in zip(
             headers, dynamic_in, self._recvs, strict=True
         ):
-            out.view(-1).copy_(self._decode(static, dynamic, header, peer, out.numel()))
+            with blamed_on(self._source(peer)):
+                out.view(-1).copy_(decode_exactly(static, dynamic, out.numel(), header))
             self._zipper.received(peer, out, static.numel() + dynamic.numel())
         self._sends, self._recvs = [], []
 
-    def _header(self, static: torch.Tensor, peer: int) -> Header:
-        try:
-            return read_header(static)
-        except CodecError as exc:
-            raise self._bad(peer, exc) from exc
-
-    def _decode(self, static, dynamic, header: Header, peer: int, values: int) -> torch.Tensor:
-        try:
-            flat = decode_chunk(static, dynamic, header=header)
-        except CodecError as exc:
-            raise self._bad(peer, exc) from exc
-        if flat.numel() != values:
-            raise self._bad(peer, f"{flat.numel()} values where {values} were expected")
-        return flat
-
-    def _bad(self, peer: int, why: object) -> CodecError:
-        """The error of a zipped `kv` message from rank `peer`."""
-        return CodecError(f"kv ({self._what}): the compressed message from rank {peer}: {why}")
+    def _source(self, peer: int) -> str:
+        """Who a zipped `kv` message comes from, for its errors."""
+        return f"kv ({self._what}): the compressed message from rank {peer}"
 
 
 def _zipped_exchange(sends, recvs, links, ops, what, zipper) -> Pending:

@@ -10,6 +10,8 @@ dtype the codec does not code, always takes the plain path.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -59,39 +61,36 @@ class AdaptiveCollectives:
 
     def all_reduce_sum_(self, flat: torch.Tensor, stream: str) -> None:
         """Sum a 1-D tensor over the group in place, zipped when that is faster."""
-        nbytes = flat.numel() * flat.element_size()
-        if not self._zipped(Kind.ALL_REDUCE, stream, flat, nbytes):
-            work = dist.all_reduce(flat, group=self.g.group, async_op=True)
-            self.g.wait([work], f"all-reduce of {stream}")
-            self._count_plain(stream, nbytes)
-            return
-        total, sizes = comms.zipped_all_reduce(flat, self.g, what=stream)
-        flat.copy_(total)
-        self._record(stream, sizes)
+
+        def zipped() -> Sizes:
+            total, sizes = comms.zipped_all_reduce(flat, self.g, what=stream)
+            flat.copy_(total)
+            return sizes
+
+        plain = partial(dist.all_reduce, flat, group=self.g.group, async_op=True)
+        self._either(Kind.ALL_REDUCE, stream, flat, plain, zipped)
 
     def all_gather_into_(self, out: torch.Tensor, shard: torch.Tensor, stream: str) -> None:
         """`out` = every rank's equal-sized 1-D `shard`, in rank order (a move: same bits)."""
-        nbytes = shard.numel() * shard.element_size()
-        if not self._zipped(Kind.ALL_GATHER, stream, shard, nbytes):
-            work = dist.all_gather_single(out, shard, group=self.g.group, async_op=True)
-            self.g.wait([work], f"all-gather of {stream}")
-            self._count_plain(stream, nbytes)
-            return
-        gathered, sizes = comms.zipped_all_gather(shard, self.g, what=stream)
-        torch.cat(gathered, out=out)
-        self._record(stream, sizes)
+
+        def zipped() -> Sizes:
+            gathered, sizes = comms.zipped_all_gather(shard, self.g, what=stream)
+            torch.cat(gathered, out=out)
+            return sizes
+
+        plain = partial(dist.all_gather_single, out, shard, group=self.g.group, async_op=True)
+        self._either(Kind.ALL_GATHER, stream, shard, plain, zipped)
 
     def reduce_scatter_into_(self, out: torch.Tensor, full: torch.Tensor, stream: str) -> None:
         """`out` = the sum over ranks of block `rank` of the 1-D `full` (size x out)."""
-        nbytes = full.numel() * full.element_size()
-        if not self._zipped(Kind.REDUCE_SCATTER, stream, full, nbytes):
-            work = dist.reduce_scatter_single(out, full, group=self.g.group, async_op=True)
-            self.g.wait([work], f"reduce-scatter of {stream}")
-            self._count_plain(stream, nbytes)
-            return
-        reduced, sizes = comms.zipped_reduce_scatter(full, self.g, what=stream)
-        out.copy_(reduced)
-        self._record(stream, sizes)
+
+        def zipped() -> Sizes:
+            reduced, sizes = comms.zipped_reduce_scatter(full, self.g, what=stream)
+            out.copy_(reduced)
+            return sizes
+
+        plain = partial(dist.reduce_scatter_single, out, full, group=self.g.group, async_op=True)
+        self._either(Kind.REDUCE_SCATTER, stream, full, plain, zipped)
 
     def post_all_to_all_rows(
         self,
@@ -101,7 +100,7 @@ class AdaptiveCollectives:
         stream: str,
         what: str,
         agreed_bytes: int,
-    ) -> PlainAllToAll | comms.ZippedAllToAll:
+    ) -> comms.PlainAllToAll | comms.ZippedAllToAll:
         """Start an all-to-all of rows (send_rows[r] to rank r, recv_rows[r] from r);
         `.wait()` on the result gives the received rows. A move: same bits either way.
 
@@ -110,16 +109,11 @@ class AdaptiveCollectives:
                 bytes per rank of the exchange): the switcher decides on it, so
                 every rank takes the same path and design.
         """
-        row = x[0].numel() if x.dim() else 1
-        out = x.new_empty((sum(recv_rows), *x.shape[1:]))
         if not self._zipped(Kind.ALL_TO_ALL, stream, x, agreed_bytes):
-            flat, work = comms.post_all_to_all(
-                x.contiguous().view(-1), [r * row for r in send_rows],
-                [r * row for r in recv_rows], self.g,
-            )  # fmt: skip
             self._count_plain(stream, agreed_bytes)
-            return PlainAllToAll(flat.view(out.shape), work, self.g, what)
+            return comms.post_plain_all_to_all(x, send_rows, recv_rows, self.g, what)
         design = self.switcher.all_to_all_design(agreed_bytes, stream)
+        out = x.new_empty((sum(recv_rows), *x.shape[1:]))
         posted = comms.post_zipped_all_to_all(x, send_rows, recv_rows, self.g, design, what, out)
         self._record(stream, posted.sizes)
         return posted
@@ -127,6 +121,22 @@ class AdaptiveCollectives:
     def ring_zipper(self) -> RingZipper:
         """Per-message choices for this rank's ring transfers, sharing the profile."""
         return RingZipper(self.switcher, self.g.rank, self.tally, "kv" in self.streams)
+
+    def _either(
+        self,
+        kind: Kind,
+        stream: str,
+        tensor: torch.Tensor,
+        plain: Callable[[], dist.Work],
+        zipped: Callable[[], Sizes],
+    ) -> None:
+        """Run the zipped or the plain (posted, then waited) form of one collective."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._zipped(kind, stream, tensor, nbytes):
+            self._record(stream, zipped())
+            return
+        self.g.wait([plain()], f"{kind.value.replace('_', '-')} of {stream}")
+        self._count_plain(stream, nbytes)
 
     def _zipped(self, kind: Kind, stream: str, tensor: torch.Tensor, nbytes: int) -> bool:
         if stream not in self.streams or tensor.dtype not in FORMATS or tensor.numel() == 0:
@@ -144,17 +154,6 @@ class AdaptiveCollectives:
         if self.g.rank == 0:
             total = nbytes * self.g.size
             self.tally.add(stream, total, total)
-
-
-class PlainAllToAll:
-    """A plain all-to-all in flight; `wait` gives the received rows."""
-
-    def __init__(self, out: torch.Tensor, work, g: Group, what: str) -> None:
-        self.out, self.work, self.g, self.what = out, work, g, what
-
-    def wait(self) -> torch.Tensor:
-        self.g.wait([self.work], self.what)
-        return self.out
 
 
 class RingZipper:

@@ -9,10 +9,11 @@ native kernels (`native.py`: C on the CPU, CUDA on a GPU), chosen by `backend`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -65,11 +66,11 @@ class Compressed:
 
     @property
     def static_offsets(self) -> list[int]:
-        return _offsets(self.static_sizes)
+        return offsets(self.static_sizes)
 
     @property
     def dynamic_offsets(self) -> list[int]:
-        return _offsets(self.dynamic_sizes)
+        return offsets(self.dynamic_sizes)
 
     def chunk(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(static, dynamic) part of chunk i, as views."""
@@ -166,6 +167,25 @@ def decode_chunk(
     return values
 
 
+def decode_exactly(
+    static: torch.Tensor, dynamic: torch.Tensor, values: int, header: Header | None = None
+) -> torch.Tensor:
+    """`decode_chunk`, and a CodecError unless the chunk holds exactly `values` values."""
+    flat = decode_chunk(static, dynamic, header=header)
+    if flat.numel() != values:
+        raise CodecError(f"{flat.numel()} values where {values} were expected")
+    return flat
+
+
+@contextlib.contextmanager
+def blamed_on(source: str) -> Iterator[None]:
+    """Prefix a CodecError raised inside with `source` (the stream and the sender)."""
+    try:
+        yield
+    except CodecError as exc:
+        raise CodecError(f"{source}: {exc}") from exc
+
+
 def split_packed(buffer: torch.Tensor, chunks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Cut a `Compressed.packed()` buffer into (static, dynamic) per chunk, by its headers."""
     out, offset = [], 0
@@ -215,7 +235,8 @@ def _cat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _offsets(sizes: tuple[int, ...]) -> list[int]:
+def offsets(sizes: Sequence[int]) -> list[int]:
+    """Where each of consecutive parts of `sizes` starts."""
     out, total = [], 0
     for size in sizes:
         out.append(total)

@@ -30,7 +30,14 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ray_zep.collectives.codec import Compressed, compress, decode_chunk, split_packed
+from ray_zep.collectives.codec import (
+    Compressed,
+    blamed_on,
+    compress,
+    decode_exactly,
+    offsets,
+    split_packed,
+)
 from ray_zep.collectives.format import static_bytes
 from ray_zep.dist.group import Group
 from ray_zep.errors import CodecError
@@ -73,7 +80,7 @@ class Sizes:
 def all_gather_v(tensor: torch.Tensor, g: Group) -> list[torch.Tensor]:
     """Plain all-gather of tensors whose dim 0 may differ by rank: one tensor per rank."""
     _check_rows_dim(tensor)
-    rows = _gather_ints([tensor.shape[0]], g, "all-gather sizes")
+    rows = all_gather_ints([tensor.shape[0]], g, "all-gather sizes")
     row_shape, longest = tensor.shape[1:], max(r[0] for r in rows)
     padded = tensor.new_zeros((longest, *row_shape))
     padded[: tensor.shape[0]] = tensor
@@ -95,7 +102,7 @@ def zipped_all_gather(
     """
     _check_rows_dim(tensor)
     packed = compress(tensor).packed()
-    meta = _gather_ints([tensor.shape[0], packed.numel()], g, "zipped all-gather sizes")
+    meta = all_gather_ints([tensor.shape[0], packed.numel()], g, "zipped all-gather sizes")
     longest = max(m[1] for m in meta)
     padded = packed.new_zeros(longest)
     padded[: packed.numel()] = packed
@@ -121,11 +128,35 @@ def all_to_all_v(
     what: str = "all-to-all",
 ) -> torch.Tensor:
     """Plain all-to-all: send_rows[r] rows to rank r, receive recv_rows[r] from r, by rank."""
+    return post_plain_all_to_all(tensor, send_rows, recv_rows, g, what).wait()
+
+
+@dataclass
+class PlainAllToAll:
+    """A plain all-to-all in flight; `wait` gives the received rows (`out`)."""
+
+    out: torch.Tensor
+    work: object
+    g: Group
+    what: str
+
+    def wait(self) -> torch.Tensor:
+        self.g.wait([self.work], self.what)
+        return self.out
+
+
+def post_plain_all_to_all(
+    tensor: torch.Tensor,
+    send_rows: Sequence[int],
+    recv_rows: Sequence[int],
+    g: Group,
+    what: str = "all-to-all",
+) -> PlainAllToAll:
+    """Start a plain all-to-all of rows (send_rows[r] to rank r, recv_rows[r] from r)."""
     row = _row_numel(tensor)
     flat = tensor.contiguous().view(-1)
     out, work = post_all_to_all(flat, [r * row for r in send_rows], [r * row for r in recv_rows], g)
-    g.wait([work], what)
-    return out.view(sum(recv_rows), *tensor.shape[1:])
+    return PlainAllToAll(out.view(sum(recv_rows), *tensor.shape[1:]), work, g, what)
 
 
 def gradients_or_zeros(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
@@ -157,15 +188,6 @@ def all_reduce_sum_(tensor: torch.Tensor, g: Group, what: str) -> torch.Tensor:
     work = dist.all_reduce(tensor, group=g.group, async_op=True)
     g.wait([work], f"all-reduce of {what}")
     return tensor
-
-
-def exchange_rows(send_rows: Sequence[int], g: Group) -> list[int]:
-    """Rows each rank will receive from every rank, given what every rank sends."""
-    send = torch.tensor(list(send_rows), dtype=torch.int64)
-    recv = torch.empty_like(send)
-    work = dist.all_to_all_single(recv, send, group=g.group, async_op=True)
-    g.wait([work], "all-to-all row counts")
-    return recv.tolist()
 
 
 def zipped_all_to_all(
@@ -254,11 +276,10 @@ def post_zipped_all_to_all(
 def _size_first(zipped: Compressed, raw: int, g: Group, what: str):
     """Exchange every rank's row of chunk sizes, then post the packed chunks."""
     sizes = zipped.packed_sizes()
-    matrix = _gather_ints([*sizes, raw], g, f"zipped {what} sizes")
+    matrix = all_gather_ints([*sizes, raw], g, f"zipped {what} sizes")
     incoming = [matrix[src][g.rank] for src in range(g.size)]
     out, work = post_all_to_all(zipped.packed(), sizes, incoming, g)
-    offsets = _offsets(incoming)
-    chunks = [_slice(out, o, n) for o, n in zip(offsets, incoming, strict=True)]
+    chunks = [_slice(out, o, n) for o, n in zip(offsets(incoming), incoming, strict=True)]
     return [work], chunks, matrix
 
 
@@ -266,7 +287,7 @@ def _static_first(zipped: Compressed, raw: int, recv_values: list[int], dtype, g
     """Static parts at once (their sizes follow from the rows), then sizes, then dynamic parts."""
     in_static = [static_bytes(n, dtype) for n in recv_values]
     static_out, static_work = post_all_to_all(zipped.static, zipped.static_sizes, in_static, g)
-    matrix = _gather_ints([*zipped.packed_sizes(), raw], g, f"zipped {what} dynamic sizes")
+    matrix = all_gather_ints([*zipped.packed_sizes(), raw], g, f"zipped {what} dynamic sizes")
     in_dynamic = [matrix[src][g.rank] - in_static[src] for src in range(g.size)]
     if any(n < 0 for n in in_dynamic):
         g.wait([static_work], f"zipped {what}")
@@ -278,7 +299,7 @@ def _static_first(zipped: Compressed, raw: int, recv_values: list[int], dtype, g
     chunks = [
         _pair(static_out, s, ns, dynamic_out, d, nd)
         for s, ns, d, nd in zip(
-            _offsets(in_static), in_static, _offsets(in_dynamic), in_dynamic, strict=True
+            offsets(in_static), in_static, offsets(in_dynamic), in_dynamic, strict=True
         )
     ]
     return [static_work, dynamic_work], chunks, matrix
@@ -291,14 +312,6 @@ def _slice(buffer: torch.Tensor, offset: int, size: int):
 
 def _pair(static: torch.Tensor, s: int, ns: int, dynamic: torch.Tensor, d: int, nd: int):
     return lambda: (static[s : s + ns], dynamic[d : d + nd])
-
-
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for size in sizes:
-        out.append(total)
-        total += size
-    return out
 
 
 def reduce_scatter_local(received: torch.Tensor, g: Group, dtype: torch.dtype) -> torch.Tensor:
@@ -350,10 +363,6 @@ def post_all_to_all(
 
 def all_gather_ints(values: list[int], g: Group, what: str) -> list[list[int]]:
     """Every rank's list of ints (all the same length), by rank."""
-    return _gather_ints(values, g, what)
-
-
-def _gather_ints(values: list[int], g: Group, what: str) -> list[list[int]]:
     mine = torch.tensor(values, dtype=torch.int64)
     out = torch.empty(g.size * len(values), dtype=torch.int64)
     work = dist.all_gather_single(out, mine, group=g.group, async_op=True)
@@ -366,17 +375,9 @@ def _decode_from(
 ) -> torch.Tensor:
     """Decode what rank `src` of `g` sent (a (static, dynamic) chunk or one packed
     chunk): exactly `values` values, or a CodecError naming `what` and the rank."""
-    try:
+    with blamed_on(f"{what}: the compressed data from rank {_global(g, src)}"):
         static, dynamic = part if isinstance(part, tuple) else split_packed(part, 1)[0]
-        flat = decode_chunk(static, dynamic)
-    except CodecError as exc:
-        raise CodecError(f"{what}: the compressed data from rank {_global(g, src)}: {exc}") from exc
-    if flat.numel() != values:
-        raise CodecError(
-            f"{what}: the compressed data from rank {_global(g, src)} holds {flat.numel()} "
-            f"values where {values} were expected"
-        )
-    return flat
+        return decode_exactly(static, dynamic, values)
 
 
 def _global(g: Group, rank: int) -> int:

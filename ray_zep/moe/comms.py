@@ -19,12 +19,17 @@ C capacity, N rows, D model dim.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ray_zep.collectives.adaptive import AdaptiveCollectives, PlainAllToAll
-from ray_zep.collectives.comms import ZippedAllToAll, all_gather_ints, post_all_to_all
+from ray_zep.collectives.adaptive import AdaptiveCollectives
+from ray_zep.collectives.comms import (
+    PlainAllToAll,
+    ZippedAllToAll,
+    all_gather_ints,
+    post_plain_all_to_all,
+)
 from ray_zep.dist.group import Group
 from ray_zep.options import CompressionStream
 
@@ -57,10 +62,7 @@ class ExpertLink:
         """Start moving rows; `.wait()` on the result gives the received rows (and
         fills its `out`). `total_rows`: rows of the whole exchange, all ranks."""
         if self.switch is None:
-            row = x_ND.shape[1:].numel()
-            sizes = ([r * row for r in send_rows], [r * row for r in recv_rows])
-            out, work = post_all_to_all(x_ND.contiguous().view(-1), *sizes, self.g)
-            return PlainAllToAll(out.view(sum(recv_rows), *x_ND.shape[1:]), work, self.g, what)
+            return post_plain_all_to_all(x_ND, send_rows, recv_rows, self.g, what)
         agreed = total_rows * x_ND[0].numel() * x_ND.element_size() // self.g.size
         stream = CompressionStream.EXPERT_ALL_TO_ALL.value
         return self.switch.post_all_to_all_rows(
@@ -107,7 +109,6 @@ class Ticket:
     total_rows: int
     transfer: object = None
     backward_transfer: object = None
-    backward_out: torch.Tensor | None = field(default=None, repr=False)
 
 
 class _Post(torch.autograd.Function):
@@ -122,9 +123,7 @@ class _Post(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_ND, grad_order):
-        ticket = ctx.ticket
-        ticket.backward_transfer.wait()
-        return ticket.backward_out, grad_order, None
+        return ctx.ticket.backward_transfer.wait(), grad_order, None
 
 
 class _Wait(torch.autograd.Function):
@@ -141,9 +140,8 @@ class _Wait(torch.autograd.Function):
         t = ctx.ticket
         what = t.what + " (backward)"
         t.backward_transfer = t.link.post(grad_ND, t.recv_rows, t.send_rows, what, t.total_rows)
-        t.backward_out = t.backward_transfer.out
-        # _Post's backward returns `backward_out` once the transfer is done and
-        # ignores what flows along the graph here.
+        # _Post's backward returns what this transfer delivers and ignores what
+        # flows along the graph here.
         return grad_ND, grad_order, None
 
 

@@ -125,8 +125,8 @@ class RankTrainer:
         )
         all_reduce_sum_(totals, self.comm, "the step loss")
         zone_tokens, attention_flops = totals[2:5].tolist(), float(totals[5])
-        streams = totals[6 : 6 + len(streams)].tolist()
-        per_rank = totals[6 + len(streams) :].view(2, -1).tolist()
+        end = 6 + len(streams)
+        job_streams, per_rank = totals[6:end].tolist(), totals[end:].view(2, -1).tolist()
         traffic = self.runner.traffic(shard, grad_bytes)
         linear_flops = self.shape.linear_flops_per_token() * shard.global_tokens
         return StepStats(
@@ -140,7 +140,7 @@ class RankTrainer:
             rank_tokens=list(shard.rank_tokens),
             comm_bytes={"intra_node": traffic.intra_node, "inter_node": traffic.inter_node},
             nic_bytes=traffic.nic.tolist(),
-            compression=per_stream(streams),
+            compression=per_stream(job_streams),
             moe_aux_loss=float(totals[1]),
             zone_tokens={z.value: int(n) for z, n in zip(ZONES, zone_tokens, strict=True)},
             model_flops=3.0 * (linear_flops + attention_flops),
