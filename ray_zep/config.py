@@ -43,6 +43,9 @@ from ray_zep.options import (
     Device as Device,
 )
 from ray_zep.options import (
+    FsdpUnit as FsdpUnit,
+)
+from ray_zep.options import (
     MoEDispatch as MoEDispatch,
 )
 from ray_zep.options import (
@@ -191,8 +194,11 @@ class ParallelConfig:
     """fsdp | hsdp: free each block's gathered parameters after its forward and gather
     them again for backward (less memory, one more all-gather per block)."""
     prefetch: bool = True
-    """fsdp | hsdp: gather the next block's parameters while the current block
+    """fsdp | hsdp: gather the next unit's parameters while the current one
     computes (explicit forward and backward prefetch)."""
+    fsdp_unit: FsdpUnit = FsdpUnit.BLOCK
+    """fsdp | hsdp: block | linear, what one FSDP2 unit gathers: a transformer block,
+    or each projection of a dense block apart (less memory, more collectives)."""
 
     def __post_init__(self) -> None:
         self._check_moe()

@@ -75,6 +75,20 @@ class ActivationCheckpointing(Enum):
     """Keep the attention outputs, recompute the feed-forward (MLP or MoE) part."""
 
 
+class FsdpUnit(Enum):
+    """What one FSDP2 unit gathers at a time (`parallel.fsdp_unit`)."""
+
+    BLOCK = "block"
+    """A transformer block: one all-gather and one reduce-scatter per block and pass,
+    and a block's unsharded parameters and gradients held together in its backward."""
+    LINEAR = "linear"
+    """Each projection of a dense block (q, k, v, o and the three SwiGLU matrices)
+    apart, the block's norms in a unit of their own, as ZeRO-3 gathers per module:
+    seven times the collectives, a seventh of the transient. MoE blocks stay one
+    unit (FoldMoE calls their attention once per micro-batch). A checkpointed region
+    recomputed in backward gathers all of its projections at once."""
+
+
 class Compression(Enum):
     """When collectives move losslessly compressed bytes (ZipCCL)."""
 

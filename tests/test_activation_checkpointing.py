@@ -69,8 +69,9 @@ CASES = {
         "parallel.sequence=zeppelin", "parallel.weights=fsdp", "data.packing=budget",
         "parallel.routing=true", "parallel.remap=true", "parallel.remap_policy=always",
     ],
-    "whole+moe+ep2+1a1m+fsdp": [
+    "whole+moe+ep2+1a1m+fsdp per projection": [
         *MOE, "parallel.ep=2", "parallel.moe_pipeline=1a1m", "parallel.weights=fsdp",
+        "parallel.fsdp_unit=linear",
     ],
     "zeppelin+moe+ep2": [*MOE, "parallel.sequence=zeppelin", "parallel.ep=2",
                          "data.packing=budget"],

@@ -6,13 +6,18 @@ measurement, `ray-zep plan`'s refusal of a plan that does not fit the GPU, and
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from ray_zep.config import load_config
+from ray_zep.config import FsdpUnit, load_config
 from ray_zep.errors import MemoryPlanError
+from ray_zep.model.shapes import build_shape
+from ray_zep.parallel.axes import WEIGHTS_AXES, WeightsMode
+from ray_zep.parallel.memory import fsdp_units, memory_inputs, state_bytes
 from ray_zep.report.plan_command import PlanRequest, run_plan
+from ray_zep.topology import build_topology
 from tests.helpers.procs import run_ranks
 from tests.helpers.training import SMALL_RUN, train_rank_each
 
@@ -84,7 +89,7 @@ def test_bench_memory_writes_table_json_png_and_goal_verdicts(tmp_path: Path, ca
     assert code == 0
     record = json.loads((tmp_path / "memory.json").read_text())
     cases = {r["case"] for r in record["rows"]}
-    assert cases == {"replicated/none", "fsdp/none", "fsdp-noprefetch/none"}
+    assert cases == {"replicated/none", "fsdp/none", "fsdp-noprefetch/none", "fsdp-linear/none"}
     for row in record["rows"]:
         assert row["measured"] > 0 and abs(row["model_error"]) <= 0.10, row["case"]
     sharded = next(r for r in record["rows"] if r["case"] == "fsdp/none")
@@ -95,3 +100,15 @@ def test_bench_memory_writes_table_json_png_and_goal_verdicts(tmp_path: Path, ca
         "model within 10% of measured", "fsdp state <= replicated / ranks + one block"
     }  # fmt: skip
     assert "met" in out and (tmp_path / "memory.png").stat().st_size > 0
+
+
+@pytest.mark.unit
+def test_units_per_projection_hold_less_than_units_per_block() -> None:
+    config = load_config(Path("conf/demo.yaml"), ["topology.gpus_per_node=8"])
+    shape, topology = build_shape(config.model), build_topology(config.topology)
+    block, linear = (fsdp_units(shape, unit) for unit in FsdpUnit)
+    assert sum(block) == sum(linear) == shape.param_count()
+    assert max(linear[1:-1]) < max(block[1:-1]) / 4
+    inputs = replace(memory_inputs(config, topology, 256), weights=WEIGHTS_AXES[WeightsMode.FSDP])
+    states = {unit: state_bytes(shape, replace(inputs, fsdp_unit=unit)) for unit in FsdpUnit}
+    assert states[FsdpUnit.LINEAR] < states[FsdpUnit.BLOCK]

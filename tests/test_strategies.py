@@ -179,6 +179,7 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
         for w in WEIGHTS
     }
     runs |= {name: [*planned, *extra] for name, extra in LAYER_RUNS.items()}
+    runs["zeppelin+fsdp per projection"] = [*runs["zeppelin+fsdp"], "parallel.fsdp_unit=linear"]
     whole_runs = {f"whole+{w}": [*whole, f"parallel.weights={w}"] for w in WHOLE_WEIGHTS}
     singles = run_ranks(
         _train_all,

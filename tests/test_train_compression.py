@@ -78,7 +78,11 @@ PAIRS = {
     "gradients": ([], ["gradients"], {"gradients"}),
     "te_cp": (["parallel.sequence=te_cp"], ["kv"], {"kv"}),
     "usp": (["parallel.sequence=usp", "parallel.ulysses_degree=2"], ["kv"], {"kv"}),
-    "fsdp_all_gather": (["parallel.weights=fsdp"], ["fsdp_all_gather"], {"fsdp_all_gather"}),
+    "fsdp_all_gather per projection": (
+        ["parallel.weights=fsdp", "parallel.fsdp_unit=linear"],
+        ["fsdp_all_gather"],
+        {"fsdp_all_gather"},
+    ),
     "fsdp": (["parallel.weights=fsdp"], [], {"fsdp_all_gather", "fsdp_reduce_scatter"}),
     "hsdp": (["parallel.weights=hsdp"], [], {"fsdp_all_gather", "fsdp_reduce_scatter"}),
     "moe_ep2_1a1m_dispatch": (MOE, ["expert_all_to_all"], {"expert_all_to_all"}),

@@ -8,7 +8,9 @@ the most parameters + gradients + optimizer state held. The model
 are checked and reported, met or not:
 
 - sharded state: FSDP2's measured state peak is at most the replicated one
-  divided by the ranks, plus one block's unsharded parameters;
+  divided by the ranks, plus one block's unsharded parameters (checked for
+  every FSDP2 case: units per block hold a block's unsharded gradients too,
+  units per projection one projection's);
 - the model: within 10% of the measured peak, case by case.
 """
 
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ray_zep.config import Config, config_from_dict, config_to_dict
+from ray_zep.config import Config, FsdpUnit, config_from_dict, config_to_dict
 from ray_zep.dist.launch import free_port
 from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import WeightsMode
@@ -31,6 +33,7 @@ from ray_zep.report.png import Canvas
 from ray_zep.topology import build_topology
 
 REPLICATED, FSDP = WeightsMode.REPLICATED.value, WeightsMode.FSDP.value
+BLOCK, LINEAR = FsdpUnit.BLOCK.value, FsdpUnit.LINEAR.value
 MODEL_TOLERANCE = 0.10
 """The model must be within 10% of the measured peak."""
 
@@ -40,11 +43,14 @@ class MemoryCase:
     weights: str
     checkpointing: str
     prefetch: bool = True
+    unit: str = BLOCK
+    """`parallel.fsdp_unit`."""
 
     @property
     def name(self) -> str:
         fetch = "" if self.weights == REPLICATED or self.prefetch else "-noprefetch"
-        return f"{self.weights}{fetch}/{self.checkpointing}"
+        unit = "" if self.unit == BLOCK else f"-{self.unit}"
+        return f"{self.weights}{unit}{fetch}/{self.checkpointing}"
 
 
 @dataclass(frozen=True)
@@ -69,12 +75,14 @@ class MemoryRow:
 
 
 def cases(weights: list[str], checkpointing: list[str]) -> list[MemoryCase]:
-    """Every weights mode x checkpointing; FSDP2 modes with and without prefetch."""
+    """Every weights mode x checkpointing; FSDP2 modes with and without prefetch, and
+    with a unit per projection."""
     out = []
     for w in weights:
         for c in checkpointing:
-            fetches = (True,) if w == REPLICATED else (True, False)
-            out.extend(MemoryCase(w, c, f) for f in fetches)
+            out.append(MemoryCase(w, c))
+            if w != REPLICATED:
+                out += [MemoryCase(w, c, prefetch=False), MemoryCase(w, c, unit=LINEAR)]
     return out
 
 
@@ -144,6 +152,7 @@ def _with(config: Config, case: MemoryCase, steps: int) -> Config:
     plain["train"]["steps"] = steps
     plain["metrics"]["memory_every"] = 1
     plain["parallel"]["prefetch"] = case.prefetch
+    plain["parallel"]["fsdp_unit"] = case.unit
     return config_from_dict(plain)
 
 
@@ -185,12 +194,12 @@ def row_dicts(rows: list[MemoryRow]) -> list[dict]:
 def table(rows: list[MemoryRow], checks: list[dict]) -> str:
     mib = 2**20
     lines = [
-        f"{'case':<26}{'ranks':>6}{'tokens':>8}{'modelled MiB':>14}"
+        f"{'case':<30}{'ranks':>6}{'tokens':>8}{'modelled MiB':>14}"
         f"{'measured MiB':>14}{'error':>8}{'state MiB':>11}",
     ]
     for r in rows:
         lines.append(
-            f"{r.case:<26}{r.ranks:>6}{r.tokens:>8}"
+            f"{r.case:<30}{r.ranks:>6}{r.tokens:>8}"
             f"{r.modelled / mib:>14.2f}{r.measured / mib:>14.2f}{r.model_error:>+8.1%}"
             f"{r.state_measured / mib:>11.2f}"
         )
@@ -198,7 +207,7 @@ def table(rows: list[MemoryRow], checks: list[dict]) -> str:
     for c in checks:
         verdict = "met" if c["met"] else "NOT MET"
         lines.append(
-            f"{c['goal']:<46}{c['case']:<26}{c['value']:>14.4g} vs {c['limit']:.4g}  {verdict}"
+            f"{c['goal']:<46}{c['case']:<30}{c['value']:>14.4g} vs {c['limit']:.4g}  {verdict}"
         )
     return "\n".join(lines)
 

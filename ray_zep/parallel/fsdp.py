@@ -15,6 +15,11 @@ per-parameter mesh). One unit per block matters: FoldMoE calls the experts once
 per micro-batch, and a separately wrapped experts module would reduce-scatter
 once per call, in an order that can differ between ranks. Where every rank holds
 other experts (parallel.ep = ranks), FSDP leaves them alone.
+
+`parallel.fsdp_unit=linear` also makes each projection of a dense block a unit
+of its own, the block's unit keeping its norms. A block unit holds the block's
+unsharded parameters and its unsharded gradients together until its
+reduce-scatter; a projection unit holds one projection's.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, Shard
 from torch.distributed.tensor import Shard
 
 from ray_zep.collectives.adaptive import AdaptiveCollectives
-from ray_zep.config import ParallelConfig
+from ray_zep.config import FsdpUnit, ParallelConfig
 from ray_zep.dist import Comm, MeshShape
+from ray_zep.moe.layer import MoE
 from ray_zep.parallel.axes import Sharding
 from ray_zep.parallel.fsdp_comms import switch_collectives
 
@@ -59,7 +65,8 @@ def shard_model(
             (`ray_zep.parallel.fsdp_comms`).
 
     Returns:
-        The FSDP modules in forward order (embedding, blocks, head), the root last.
+        The FSDP modules in forward order (embedding, each block followed by its
+        projection units, head), the root last.
         Separate units let backward free the head before the blocks run and gather
         the embedding only at its end, so at most one unit (two with prefetch) is
         gathered at a time.
@@ -82,30 +89,72 @@ def shard_model(
         def placement(param: nn.Parameter) -> ShardPlacementResult | None:
             return on_replicas if id(param) in expert_ids else None
 
-    embedding = fully_shard(model.tok_embeddings, mesh=mesh, reshard_after_forward=reshard,
-                            mp_policy=policy)  # fmt: skip
-    blocks = [
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy,
-                    shard_placement_fn=placement, ignored_params=ignored)
-        for block in model.layers
-    ]  # fmt: skip
+    def wrap(module, reshard_after=reshard, **kwargs) -> FSDPModule:
+        return fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after,
+                           mp_policy=policy, **kwargs)  # fmt: skip
+
+    embedding = wrap(model.tok_embeddings)
+    inner, blocks = [], []
+    for block in model.layers:
+        # inner units first: fully_shard nests from the leaves up
+        inner.append([wrap(m) for m in projections(block, parallel.fsdp_unit)])
+        blocks.append(wrap(block, shard_placement_fn=placement, ignored_params=ignored))
     # the head stays gathered after forward: backward needs it first
-    fully_shard([model.norm, model.output], mesh=mesh, reshard_after_forward=False,
-                mp_policy=policy)  # fmt: skip
+    wrap([model.norm, model.output], reshard_after=False)
     head = model.norm  # one unit over both modules: either one stands for it
-    root = fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy,
-                       ignored_params=ignored)  # fmt: skip
+    root = wrap(model, reshard_after=False, ignored_params=ignored)
     units = [embedding, *blocks, head]
-    for module in [*units, root]:
+    nested = dict(zip(blocks, inner, strict=True))
+    every = [embedding, *(u for b in blocks for u in (b, *nested[b])), head]
+    for module in [*every, root]:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
     if parallel.prefetch:
-        for earlier, later in itertools.pairwise(units):
+        _set_prefetch(units, nested)
+    if collectives is not None:
+        switch_collectives([*every, root], collectives)
+    return [*every, root]
+
+
+PROJECTIONS = tuple(
+    f"{half}.{name}"
+    for half, names in (("attention", "wq wk wv wo"), ("feed_forward", "w1 w3 w2"))
+    for name in names.split()
+)
+"""A dense block's projections in the order its forward calls them."""
+
+
+def projections(block: nn.Module, unit: FsdpUnit) -> list[nn.Module]:
+    """The modules of `block` that are FSDP2 units of their own, in forward order."""
+    if unit is FsdpUnit.BLOCK or isinstance(block.feed_forward, MoE):
+        return []
+    return [block.get_submodule(name) for name in PROJECTIONS]
+
+
+def _set_prefetch(units: list[FSDPModule], inner: dict[FSDPModule, list[FSDPModule]]) -> None:
+    """Explicit prefetch: each unit gathers the next one in forward and the previous one
+    in backward; a block also gathers its first (forward) or last (backward) projection.
+
+    Projections prefetch only inside their block: a checkpointed block runs their
+    forward again in backward, and a link to the next block would gather, after its
+    backward, parameters nothing frees before the optimizer changes them.
+    """
+    forward = {u: [] for u in units}
+    backward = {u: [] for u in units}
+    for earlier, later in itertools.pairwise(units):
+        forward[earlier].append(later)
+        backward[later].append(earlier)
+    for block, chain in inner.items():
+        if not chain:
+            continue
+        forward[block].insert(0, chain[0])
+        backward[block].insert(0, chain[-1])
+        for earlier, later in itertools.pairwise(chain):
             earlier.set_modules_to_forward_prefetch([later])
             later.set_modules_to_backward_prefetch([earlier])
-    if collectives is not None:
-        switch_collectives([*units, root], collectives)
-    return [*units, root]
+    for unit in units:
+        unit.set_modules_to_forward_prefetch(forward[unit])
+        unit.set_modules_to_backward_prefetch(backward[unit])
 
 
 def mesh_shape(parallel: ParallelConfig) -> MeshShape | None:

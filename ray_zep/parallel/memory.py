@@ -6,7 +6,8 @@ The model counts the tensors ray_zep's own step keeps, category by category:
   experts divided by `parallel.ep`; `fsdp`: 1/ranks; `hsdp`: 1/GPUs of a node;
   weight passing: the owned shard plus two borrowed ones), plus FSDP2's gathered
   copies in the compute dtype of the unit being differentiated (the embedding, a
-  block or the head; two with prefetch);
+  block or the head, or with `parallel.fsdp_unit=linear` a projection; two with
+  prefetch; a checkpointed region's projections all at once);
 - gradients: fp32, sharded like the parameters;
 - optimizer: AdamW's two fp32 moments of the parameters a rank owns;
 - activations: what autograd keeps for the rank's tokens (below), the logits,
@@ -46,7 +47,7 @@ import torch
 
 from ray_zep.config import Config
 from ray_zep.model.shapes import ModelShape
-from ray_zep.options import ActivationCheckpointing
+from ray_zep.options import ActivationCheckpointing, FsdpUnit
 from ray_zep.parallel.axes import Family, Sharding, WeightsAxis
 from ray_zep.pipeline.layout import cut_shards
 from ray_zep.topology import Topology
@@ -74,6 +75,7 @@ class MemoryInputs:
         compute_bytes: 4 (fp32) or 2 (bf16 autocast).
         flash_kernel: attention by flash-attn (keys and values kept unexpanded).
         prefetch: FSDP2 gathers the next unit while one computes.
+        fsdp_unit: what one FSDP2 unit gathers (`parallel.fsdp_unit`).
     """
 
     weights: WeightsAxis
@@ -86,6 +88,7 @@ class MemoryInputs:
     compute_bytes: int = FP32
     flash_kernel: bool = False
     prefetch: bool = True
+    fsdp_unit: FsdpUnit = FsdpUnit.BLOCK
 
 
 @dataclass(frozen=True)
@@ -158,10 +161,43 @@ def _working_set(shape: ModelShape, m: MemoryInputs) -> _WorkingSet:
         return _WorkingSet(borrowed)
     if not m.weights.fsdp:
         return _WorkingSet()
-    # FSDP2's units are the model's units; backward gathers one at a time, two with prefetch
-    largest = max(model_units(shape))
-    held = 2 if m.prefetch else 1
-    return _WorkingSet(held * largest * m.compute_bytes, largest * FP32)
+    # backward gathers one unit at a time, two with prefetch
+    units = fsdp_units(shape, m.fsdp_unit)
+    largest = max(units)
+    gathered = (2 if m.prefetch else 1) * largest
+    if m.fsdp_unit is FsdpUnit.LINEAR:
+        # a region recomputed in backward gathers its projections together and holds
+        # them until their own backward (FSDP2 does not reshard in backward)
+        gathered = max(gathered, _recompute_gathered(shape, m.checkpointing))
+    return _WorkingSet(gathered * m.compute_bytes, largest * FP32)
+
+
+def fsdp_units(shape: ModelShape, unit: FsdpUnit) -> list[int]:
+    """Parameters of each FSDP2 unit (`ray_zep.parallel.fsdp.shard_model`)."""
+    units = model_units(shape)
+    if unit is FsdpUnit.BLOCK:
+        return units
+    out = [units[0]]
+    for index in range(shape.n_layers):
+        if shape.is_moe_block(index):
+            out.append(block_params(shape, index))
+        else:
+            out.extend([2 * shape.dim, *_projections(shape)])
+    return [*out, units[-1]]
+
+
+def _projections(shape: ModelShape) -> list[int]:
+    """Parameters of a dense block's projections: q, k, v, o, then w1, w3, w2."""
+    d, q, kv = shape.dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    return [d * q, d * kv, d * kv, q * d, *[d * shape.ffn_dim] * 3]
+
+
+def _recompute_gathered(shape: ModelShape, mode: ActivationCheckpointing) -> int:
+    """Projection parameters a dense block's checkpointed region holds gathered at once."""
+    if mode is ActivationCheckpointing.NONE or shape.moe_blocks == shape.n_layers:
+        return 0
+    projections = _projections(shape)
+    return sum(projections if mode is ActivationCheckpointing.FULL else projections[4:])
 
 
 def owned_params(shape: ModelShape, m: MemoryInputs) -> float:
@@ -282,4 +318,5 @@ def memory_inputs(
         compute_bytes=torch.empty((), dtype=dtype).element_size(),
         flash_kernel=flash,
         prefetch=parallel.prefetch,
+        fsdp_unit=parallel.fsdp_unit,
     )

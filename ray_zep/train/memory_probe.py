@@ -6,6 +6,14 @@ allocator counter; torch's `MemTracker` (a dispatch mode that follows every
 tensor storage the step creates or frees, by category) gives the peak bytes of
 live tensors, on the steps `metrics.memory_every` picks. Tensors created by
 other threads (the routing relay) are not seen.
+
+The state peak (parameters + gradients + optimizer state) is sampled after every
+operation the step dispatches, from the tensors themselves: the optimizer's
+parameters, their gradients and its state, and whatever parameters the model has
+registered at that moment (FSDP2's gathered ones between a unit's all-gather and
+its reshard) with their gradients (a unit's unsharded ones until its
+reduce-scatter). MemTracker's categories would miss those: it tags parameters at
+module boundaries, and a unit that is a single projection has none inside.
 """
 
 from __future__ import annotations
@@ -15,7 +23,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.utils._python_dispatch import TorchDispatchMode
 
 CATEGORIES = {
     _MemRefType.PARAM: "params",
@@ -59,24 +69,44 @@ class PeakProbe:
             return
         tracker = MemTracker()
         tracker.track_external(*self.modules)
-        with tracker:
+        sampler = StateSampler(*self.modules)
+        with tracker, sampler:
             yield
         peak = tracker.get_tracker_snapshot("peak").get(self.device, {})
         parts = dict.fromkeys(CATEGORIES.values(), 0.0)
         for kind, name in CATEGORIES.items():
             parts[name] += float(peak.get(kind, 0))
         total = float(peak.get("Total", sum(parts.values())))
-        self.last = {"peak": total, **parts, "state_peak": self._state_peak(tracker)}
+        self.last = {"peak": total, **parts, "state_peak": float(sampler.peak)}
 
-    def _state_peak(self, tracker: MemTracker) -> float:
-        """The largest parameters + gradients + optimizer state the step held, sampled
-        before and after every module's forward and backward and at the step's end."""
-        snapshots = [tracker.get_tracker_snapshot("current")]
-        for stats in tracker.memory_tracking.values():
-            for taken in stats.snapshots.values():
-                snapshots.extend(taken)
-        state = (_MemRefType.PARAM, _MemRefType.GRAD, _MemRefType.OPT)
-        return max(
-            float(sum(snap.get(self.device, {}).get(kind, 0) for kind in state))
-            for snap in snapshots
-        )
+
+class StateSampler(TorchDispatchMode):
+    """The most bytes of parameters, gradients and optimizer state held after any
+    operation run inside it (`peak`)."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__()
+        self.module, self.optimizer = module, optimizer
+        self.peak = self.current()
+
+    def current(self) -> int:
+        """Bytes of the distinct storages of the state tensors, now."""
+        owned = [p for group in self.optimizer.param_groups for p in group["params"]]
+        tensors = [*owned, *self.module.parameters()]
+        tensors += [p.grad for p in tensors if p.grad is not None]
+        tensors += [
+            t
+            for per_param in self.optimizer.state.values()
+            for t in per_param.values()
+            if isinstance(t, torch.Tensor)
+        ]
+        storages = {}
+        for tensor in tensors:
+            storage = getattr(tensor, "_local_tensor", tensor).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.current())
+        return out
