@@ -119,6 +119,12 @@ class CompressionStream(Enum):
     EXPERT_ALL_TO_ALL = "expert_all_to_all"
     """MoE dispatch and combine over the EP group, forward and backward: moves,
     bit-identical (the switcher also picks the all-to-all design)."""
+    ULYSSES_ALL_TO_ALL = "ulysses_all_to_all"
+    """The Ulysses head exchange of `ulysses` and `usp` (Q, K, V rows for head slices,
+    outputs and gradients back), forward and backward: moves, bit-identical."""
+    REMAP_ALL_TO_ALL = "remap_all_to_all"
+    """The remapping layer's rows between the linear and the attention layout
+    (`parallel.remap`), forward and backward: moves, bit-identical."""
 
 
 COMPRESSION_STREAMS = tuple(s.value for s in CompressionStream)

@@ -77,7 +77,11 @@ PAIRS = {
     # name: (placement and weights, streams compressed, streams expected in the metrics)
     "gradients": ([], ["gradients"], {"gradients"}),
     "te_cp": (["parallel.sequence=te_cp"], ["kv"], {"kv"}),
-    "usp": (["parallel.sequence=usp", "parallel.ulysses_degree=2"], ["kv"], {"kv"}),
+    "usp": (
+        ["parallel.sequence=usp", "parallel.ulysses_degree=2"],
+        ["kv", "ulysses_all_to_all"],
+        {"kv", "ulysses_all_to_all"},
+    ),
     "fsdp_all_gather per projection": (
         ["parallel.weights=fsdp", "parallel.fsdp_unit=linear"],
         ["fsdp_all_gather"],
@@ -91,7 +95,7 @@ PAIRS = {
     "zeppelin+fsdp+routing+remap": (
         ["parallel.sequence=zeppelin", "parallel.weights=fsdp", *ROUTE_REMAP, *SPLIT],
         [],
-        {"fsdp_all_gather", "fsdp_reduce_scatter", "kv"},
+        {"fsdp_all_gather", "fsdp_reduce_scatter", "kv", "remap_all_to_all"},
     ),
 }
 """An empty stream list compresses every stream."""

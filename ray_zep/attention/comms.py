@@ -46,14 +46,15 @@ def exchange(
 ) -> Pending:
     """Post sends of (tensor, peer) and receives into (buffer, peer) together.
 
-    With `zip_stream` and the ring zipper of `links` (`comm.compression`), each
-    message the zipper picks travels compressed (see `ZippedPending`).
+    With `zip_stream` (a `comm.compression_streams` name) and the zipper of
+    `links` (`comm.compression`), each message the zipper picks travels
+    compressed (see `ZippedPending`).
     """
     if not sends and not recvs:
         return Pending([], links, what)
     zipper = links.ring_zip if zip_stream is not None else None
     if zipper is not None:
-        return _zipped_exchange(sends, recvs, links, ops, what, zipper)
+        return _zipped_exchange(sends, recvs, links, ops, what, zipper, zip_stream)
     return Pending(
         _post([(t.contiguous(), peer) for t, peer in sends], recvs, links, ops), links, what
     )
@@ -68,7 +69,7 @@ def _post(sends, recvs, links: Links, ops: Counter) -> list:
 
 
 class ZippedPending(Pending):
-    """A ring exchange whose zipped messages travel in two parts.
+    """A point-to-point exchange whose zipped messages travel in two parts.
 
     The static parts (sizes known to both ends from the tensor shapes) are
     posted with the plain messages and overlap computation; at `wait` the
@@ -77,9 +78,10 @@ class ZippedPending(Pending):
     concurrent exchanges between the same two ranks pair up.
     """
 
-    def __init__(self, works, links, what, ops, zipped_sends, zipped_recvs, zipper) -> None:
+    def __init__(self, works, links, what, ops, zipped, zipper, stream) -> None:
         super().__init__(works, links, what)
-        self._ops, self._sends, self._recvs, self._zipper = ops, zipped_sends, zipped_recvs, zipper
+        self._ops, (self._sends, self._recvs) = ops, zipped
+        self._zipper, self._stream = zipper, stream
 
     def wait(self) -> None:
         super().wait()
@@ -103,33 +105,34 @@ class ZippedPending(Pending):
         ):
             with blamed_on(self._source(peer)):
                 out.view(-1).copy_(decode_exactly(static, dynamic, out.numel(), header))
-            self._zipper.received(peer, out, static.numel() + dynamic.numel())
+            self._zipper.received(self._stream, peer, out, static.numel() + dynamic.numel())
         self._sends, self._recvs = [], []
 
     def _source(self, peer: int) -> str:
-        """Who a zipped `kv` message comes from, for its errors."""
-        return f"kv ({self._what}): the compressed message from rank {peer}"
+        """Who a zipped message comes from, for its errors."""
+        return f"{self._stream} ({self._what}): the compressed message from rank {peer}"
 
 
-def _zipped_exchange(sends, recvs, links, ops, what, zipper) -> Pending:
+def _zipped_exchange(sends, recvs, links, ops, what, zipper, stream) -> Pending:
     plain_sends, plain_recvs, zipped_sends, zipped_recvs = [], [], [], []
     for tensor, peer in sends:
-        if zipper.zip_send(peer, tensor):
+        if zipper.zip_send(stream, peer, tensor):
             zipped = compress(tensor)
-            zipper.sent(peer, tensor, zipped.nbytes)
+            zipper.sent(stream, peer, tensor, zipped.nbytes)
             zipped_sends.append((zipped, peer))
             plain_sends.append((zipped.static, peer))
         else:
             plain_sends.append((tensor.contiguous(), peer))
     for buf, peer in recvs:
-        if zipper.zip_recv(peer, buf):
+        if zipper.zip_recv(stream, peer, buf):
             static = buf.new_empty(static_bytes(buf.numel(), buf.dtype), dtype=torch.uint8)
             zipped_recvs.append((static, buf, peer))
             plain_recvs.append((static, peer))
         else:
             plain_recvs.append((buf, peer))
     works = _post(plain_sends, plain_recvs, links, ops)
-    return ZippedPending(works, links, what, ops, zipped_sends, zipped_recvs, zipper)
+    zipped = (zipped_sends, zipped_recvs)
+    return ZippedPending(works, links, what, ops, zipped, zipper, stream)
 
 
 def all_gather_rows(local: torch.Tensor, rows: int, links: Links, ops: Counter) -> torch.Tensor:

@@ -37,6 +37,7 @@ from ray_zep.attention.comms import all_gather_rows, exchange, reduce_scatter_ro
 from ray_zep.attention.links import Links
 from ray_zep.attention.schedule import ItemSchedule, RankSchedule
 from ray_zep.errors import CommError
+from ray_zep.options import CompressionStream
 from ray_zep.partition.plan import Exchange
 from ray_zep.routing.comms import Channels, RowFormat, post_recv, post_send
 from ray_zep.routing.routes import Payload, Phase
@@ -153,7 +154,7 @@ def _ring_exchange(send, recv, item: ItemSchedule, step: int, payload, schedule,
         links,
         schedule.ops,
         what,
-        zip_stream="kv",
+        zip_stream=CompressionStream.KV.value,
     )
     if out_route is None and in_route is None:
         return direct
@@ -379,5 +380,6 @@ def _swap(payload, recv_rows, row_numel, item, schedule, links, what):
         links,
         schedule.ops,
         f"Ulysses {what} exchange",
+        zip_stream=CompressionStream.ULYSSES_ALL_TO_ALL.value,
     ).wait()
     return received

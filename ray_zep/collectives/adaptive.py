@@ -120,7 +120,7 @@ class AdaptiveCollectives:
 
     def ring_zipper(self) -> RingZipper:
         """Per-message choices for this rank's ring transfers, sharing the profile."""
-        return RingZipper(self.switcher, self.g.rank, self.tally, "kv" in self.streams)
+        return RingZipper(self.switcher, self.g.rank, self.tally, frozenset(self.streams))
 
     def _either(
         self,
@@ -157,43 +157,44 @@ class AdaptiveCollectives:
 
 
 class RingZipper:
-    """Chooses, per point-to-point ring message, whether it travels zipped.
+    """Chooses, per point-to-point message of the attention layer, whether it travels
+    zipped: ring K/V (`kv`), the Ulysses head exchange and the remapping layer's rows.
 
-    A link's choices depend only on the message sizes and on the ratios of its
-    earlier zipped messages, which both ends know, so sender and receiver
-    always agree. Counts this rank's sent bytes (raw and on the wire) as the
-    `kv` stream of the tally.
+    A link's choices depend only on the stream, the message sizes and the ratios
+    of its earlier zipped messages, which both ends know, so sender and receiver
+    always agree. Counts this rank's sent bytes (raw and on the wire) per stream.
     """
 
     def __init__(
-        self, switcher: Switcher, rank: int, tally: StreamTally, enabled: bool = True
+        self, switcher: Switcher, rank: int, tally: StreamTally, streams: frozenset[str]
     ) -> None:
-        self.switcher, self.rank, self.tally, self.enabled = switcher, rank, tally, enabled
+        self.switcher, self.rank, self.tally, self.streams = switcher, rank, tally, streams
 
-    def zip_send(self, peer: int, tensor: torch.Tensor) -> bool:
+    def zip_send(self, stream: str, peer: int, tensor: torch.Tensor) -> bool:
         nbytes = tensor.numel() * tensor.element_size()
-        zipped = self._decide(self._link(self.rank, peer), tensor, nbytes)
+        zipped = self._decide(stream, self._link(stream, self.rank, peer), tensor, nbytes)
         if not zipped:
-            self.tally.add("kv", nbytes, nbytes)
+            self.tally.add(stream, nbytes, nbytes)
         return zipped
 
-    def zip_recv(self, peer: int, buf: torch.Tensor) -> bool:
-        return self._decide(self._link(peer, self.rank), buf, buf.numel() * buf.element_size())
+    def zip_recv(self, stream: str, peer: int, buf: torch.Tensor) -> bool:
+        nbytes = buf.numel() * buf.element_size()
+        return self._decide(stream, self._link(stream, peer, self.rank), buf, nbytes)
 
-    def sent(self, peer: int, tensor: torch.Tensor, wire_bytes: int) -> None:
+    def sent(self, stream: str, peer: int, tensor: torch.Tensor, wire_bytes: int) -> None:
         nbytes = tensor.numel() * tensor.element_size()
-        self.tally.add("kv", nbytes, wire_bytes)
-        self.switcher.observe(self._link(self.rank, peer), Sizes(nbytes, wire_bytes))
+        self.tally.add(stream, nbytes, wire_bytes)
+        self.switcher.observe(self._link(stream, self.rank, peer), Sizes(nbytes, wire_bytes))
 
-    def received(self, peer: int, out: torch.Tensor, wire_bytes: int) -> None:
+    def received(self, stream: str, peer: int, out: torch.Tensor, wire_bytes: int) -> None:
         nbytes = out.numel() * out.element_size()
-        self.switcher.observe(self._link(peer, self.rank), Sizes(nbytes, wire_bytes))
+        self.switcher.observe(self._link(stream, peer, self.rank), Sizes(nbytes, wire_bytes))
 
-    def _decide(self, link: str, tensor: torch.Tensor, nbytes: int) -> bool:
-        if not self.enabled or tensor.dtype not in FORMATS or tensor.numel() == 0:
+    def _decide(self, stream: str, link: str, tensor: torch.Tensor, nbytes: int) -> bool:
+        if stream not in self.streams or tensor.dtype not in FORMATS or tensor.numel() == 0:
             return False
         return self.switcher.use_zipped(Kind.ALL_TO_ALL, link, nbytes)
 
     @staticmethod
-    def _link(src: int, dst: int) -> str:
-        return f"kv {src}->{dst}"
+    def _link(stream: str, src: int, dst: int) -> str:
+        return f"{stream} {src}->{dst}"

@@ -27,6 +27,7 @@ import torch
 
 from ray_zep.attention.comms import exchange
 from ray_zep.attention.links import Links
+from ray_zep.options import CompressionStream
 from ray_zep.remap.layout import RankRemap
 
 
@@ -47,7 +48,8 @@ def _move(x_TC: torch.Tensor, remap: RankRemap, links: Links, ops: Counter, to_l
     for peer, n in incoming:
         recvs.append((received[offset : offset + n], peer))
         offset += n
-    exchange(sends, recvs, links, ops, "remap all-to-all-v").wait()
+    stream = CompressionStream.REMAP_ALL_TO_ALL.value
+    exchange(sends, recvs, links, ops, "remap all-to-all-v", zip_stream=stream).wait()
     return torch.cat((x_TC[:keep], received))
 
 
