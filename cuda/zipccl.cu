@@ -1,8 +1,10 @@
 // Torch binding of the ZipCCL bfloat16 kernels (zipccl_kernels.cuh), JIT-built by
 // ray_zep/collectives/cuda_kernels.py with torch.utils.cpp_extension.load.
 //
-// The host side (Python) allocates the chunk's static and dynamic parts, writes
-// the header and the tile index; these functions launch on the current stream.
+// The host side (Python) allocates the chunk's static and dynamic parts, chooses
+// the block tables and writes them, the header and the tile index; these
+// functions launch on the current stream. `code_of` is (blocks, 256) and
+// `table8` (blocks, 8): one lookup per block of ZC_BLOCK_VALUES values.
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <vector>
@@ -12,6 +14,8 @@
 namespace {
 
 int64_t tiles_of(int64_t n) { return (n + ZC_TILE_VALUES - 1) / ZC_TILE_VALUES; }
+
+int64_t blocks_of(int64_t n) { return (n + ZC_BLOCK_VALUES - 1) / ZC_BLOCK_VALUES; }
 
 void check(const torch::Tensor &t, torch::ScalarType type, const char *name) {
     TORCH_CHECK(t.is_cuda() && t.is_contiguous(), name, " must be a contiguous CUDA tensor");
@@ -25,6 +29,7 @@ torch::Tensor count_escapes(torch::Tensor values, torch::Tensor code_of, int64_t
     check(code_of, torch::kUInt8, "code_of");
     const int64_t n = values.numel();
     TORCH_CHECK(tiles == tiles_of(n), "tile count does not match the values");
+    TORCH_CHECK(code_of.numel() == 256 * blocks_of(n), "one code lookup per block expected");
     auto counts = torch::zeros({tiles}, values.options().dtype(torch::kInt64));
     if (tiles == 0) return counts;
     zc_count_escapes_kernel<<<tiles, ZC_THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
@@ -38,11 +43,13 @@ void encode(torch::Tensor values, torch::Tensor code_of, torch::Tensor tile_inde
             torch::Tensor static_part, int64_t raw_offset, std::vector<int64_t> code_offsets,
             torch::Tensor dynamic_part) {
     check(values, torch::kInt16, "values");
+    check(code_of, torch::kUInt8, "code_of");
     check(tile_index, torch::kInt32, "tile_index");
     check(static_part, torch::kUInt8, "static_part");
     check(dynamic_part, torch::kUInt8, "dynamic_part");
     TORCH_CHECK(code_offsets.size() == 3, "three code planes expected");
     const int64_t n = values.numel(), tiles = tiles_of(n);
+    TORCH_CHECK(code_of.numel() == 256 * blocks_of(n), "one code lookup per block expected");
     if (tiles == 0) return;
     uint8_t *base = static_part.data_ptr<uint8_t>();
     zc_encode_kernel<<<tiles, ZC_THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(
@@ -63,6 +70,7 @@ void decode(torch::Tensor static_part, int64_t raw_offset, std::vector<int64_t> 
     check(out, torch::kInt16, "out");
     TORCH_CHECK(code_offsets.size() == 3, "three code planes expected");
     const int64_t n = out.numel(), tiles = tiles_of(n);
+    TORCH_CHECK(table8.numel() == 8 * blocks_of(n), "one table per block expected");
     if (tiles == 0) return;
     const uint8_t *base = static_part.data_ptr<uint8_t>();
     zc_decode_kernel<<<tiles, ZC_THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(

@@ -6,6 +6,11 @@
 // thread owns one byte of every bit plane and eight bytes of the raw plane,
 // and a warp's stores to a plane are 32 consecutive bytes.
 //
+// Each block of ZC_BLOCK_VALUES values (a whole number of tiles) has its own
+// code table, chosen by the host (ray_zep/collectives/table.py): `code_of` holds
+// one 256-entry field -> code lookup per block, `table8` one 8-entry code ->
+// field lookup per block (entry 0 unused: code 0 is an escape).
+//
 // Escapes are written in value order: a first launch counts each tile's
 // escapes, the host turns the counts into the tile index (exclusive prefix
 // sum, stored in the chunk), and the encoder places a thread's escapes at
@@ -17,11 +22,21 @@
 #ifndef ZC_TILE_VALUES
 #define ZC_TILE_VALUES 1024
 #endif
+#ifndef ZC_BLOCK_VALUES
+#define ZC_BLOCK_VALUES 4096
+#endif
+#define ZC_TILES_PER_BLOCK (ZC_BLOCK_VALUES / ZC_TILE_VALUES)
 #define ZC_VALUES_PER_THREAD 8
 #define ZC_THREADS (ZC_TILE_VALUES / ZC_VALUES_PER_THREAD)
 #define ZC_WARPS (ZC_THREADS / 32)
 
 static_assert(ZC_THREADS % 32 == 0, "a tile must fill whole warps");
+static_assert(ZC_BLOCK_VALUES % ZC_TILE_VALUES == 0, "a block must be whole tiles");
+
+// This tile's block's entry of a per-block lookup with `width` entries per block.
+__device__ __forceinline__ int64_t zc_block_lookup(int width) {
+    return (int64_t)(blockIdx.x / ZC_TILES_PER_BLOCK) * width;
+}
 
 // Exclusive prefix sum of `value` over the block's threads; `total` gets the sum.
 __device__ __forceinline__ int zc_block_exclusive_scan(int value, int *total) {
@@ -70,7 +85,7 @@ __global__ void zc_count_escapes_kernel(const uint16_t *values, int64_t n, const
                                         int64_t *counts) {
     const int64_t first = ((int64_t)blockIdx.x * ZC_THREADS + threadIdx.x) * ZC_VALUES_PER_THREAD;
     int escapes = 0, total = 0;
-    zc_codes(values, n, first, code_of, &escapes);
+    zc_codes(values, n, first, code_of + zc_block_lookup(256), &escapes);
     zc_block_exclusive_scan(escapes, &total);
     if (threadIdx.x == 0) counts[blockIdx.x] = total;
 }
@@ -81,7 +96,7 @@ __global__ void zc_encode_kernel(const uint16_t *values, int64_t n, const uint8_
     const int64_t group = (int64_t)blockIdx.x * ZC_THREADS + threadIdx.x;
     const int64_t first = group * ZC_VALUES_PER_THREAD;
     int escapes = 0, total = 0;
-    const uint64_t codes = zc_codes(values, n, first, code_of, &escapes);
+    const uint64_t codes = zc_codes(values, n, first, code_of + zc_block_lookup(256), &escapes);
     int slot = tile_index[blockIdx.x] + zc_block_exclusive_scan(escapes, &total);
     if (first >= n) return;
 #pragma unroll
@@ -118,12 +133,13 @@ __global__ void zc_decode_kernel(const uint8_t *raw, const uint8_t *plane0, cons
     }
     int slot = tile_index[blockIdx.x] + zc_block_exclusive_scan(escaped, &total);
     if (first >= n) return;
+    const uint8_t *fields = table8 + zc_block_lookup(8);
 #pragma unroll
     for (int k = 0; k < ZC_VALUES_PER_THREAD; ++k) {
         const int64_t i = first + k;
         if (i < n) {
             const uint32_t c = ((b0 >> k) & 1u) | (((b1 >> k) & 1u) << 1) | (((b2 >> k) & 1u) << 2);
-            const uint32_t e = c ? table8[c] : escapes[slot++];
+            const uint32_t e = c ? fields[c] : escapes[slot++];
             const uint32_t sm = raw[i];
             values[i] = (uint16_t)(((sm & 0x80u) << 8) | (e << 7) | (sm & 0x7Fu));
         }

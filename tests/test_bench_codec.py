@@ -29,8 +29,13 @@ def test_bench_codec_writes_rows_for_every_data_set(tmp_path: Path, capsys) -> N
     assert {r["codec"] for r in rows} <= {"zipccl", "zipccl-torch", "zstd-3"}
     ours = [r for r in rows if r["codec"] == "zipccl-torch" and r["data"].startswith("gaussian")]
     assert ours and all(r["ratio"] >= 1.40 for r in ours)
+    messages = {r["data"] for r in rows if r["data"].startswith("message")}
+    assert messages == {"message 64 KiB", "message 1 MiB", "message 16 MiB"}
+    assert {r["codec"] for r in rows if r["data"] in messages} <= {"zipccl", "zstd-3"}
     assert (tmp_path / "codec.png").stat().st_size > 0
     assert "goal" in out and "ratio >= 1.40" in out
+    if any(r["codec"] == "zstd-3" for r in rows) and any(r["codec"] == "zipccl" for r in rows):
+        assert "model gradients (BF16)" in out and "message 64 KiB: c+d" in out
 
 
 def test_goals_compare_against_zstd_on_the_same_data() -> None:

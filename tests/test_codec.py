@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,8 +9,17 @@ from hypothesis import strategies as st
 
 from ray_zep.collectives import compress, decompress, native
 from ray_zep.collectives.codec import decode_chunk, read_header, split_packed
-from ray_zep.collectives.format import BF16, FP16, FP32, TILE_VALUES, float_format, static_bytes
-from ray_zep.collectives.table import WINDOW_OFFSET, best_base, choose_table, window_share
+from ray_zep.collectives.format import (
+    BF16,
+    BLOCK_VALUES,
+    FP16,
+    FP32,
+    TILE_VALUES,
+    float_format,
+    static_bytes,
+)
+from ray_zep.collectives.reference import split_fields
+from ray_zep.collectives.table import block_tables
 from ray_zep.errors import CodecError
 
 pytestmark = pytest.mark.unit
@@ -122,27 +129,50 @@ def test_gaussian_bf16_compresses_at_least_1_4x_at_every_sigma(sigma):
     assert compress(tensor).ratio >= 1.40
 
 
+def tables_of(tensor: torch.Tensor) -> list[list[int]]:
+    fmt = float_format(tensor.dtype)
+    return block_tables(split_fields(tensor.reshape(-1), fmt)[0], fmt).tolist()
+
+
 def test_relu_like_activations_code_their_zeros():
     gen = torch.Generator().manual_seed(2)
     tensor = torch.relu(torch.randn(1 << 16, generator=gen)).bfloat16()
-    assert 0 in choose_table(tensor, BF16)
+    assert all(table[0] == 0 for table in tables_of(tensor)), "zeros are the most frequent field"
     assert compress(tensor).ratio >= 1.35
 
 
-def test_window_offset_and_best_base_follow_eq_5():
-    assert abs(WINDOW_OFFSET + 5.35) < 0.02  # the paper rounds -5.36
-    for sigma in (1e-20, 0.5, 1.0, 3.0, 1e20):
-        base = best_base(sigma)
-        assert abs(base - (math.log2(sigma) + WINDOW_OFFSET)) <= 1
-        assert window_share(base, sigma) >= max(window_share(base + d, sigma) for d in (-1, 1))
-        assert window_share(base, sigma) > 0.95
+def test_each_block_codes_its_seven_most_frequent_fields_by_count_then_field():
+    fields = [120, 5, 7, 9, 121, 33, 200, 201, 202]
+    counts = [10, 40, 40, 3, 1, 2, 2, 40, 0]
+    block = torch.tensor([f for f, c in zip(fields, counts, strict=True) for _ in range(c)])
+    block = torch.cat([block, torch.full((BLOCK_VALUES - block.numel(),), 77)])
+    second = torch.tensor([3, 3, 4])  # a short last block: the unused fields fill its table
+    exp_N = torch.cat([block[torch.randperm(BLOCK_VALUES)], second])
+    assert block_tables(exp_N, BF16).tolist() == [
+        [77, 5, 7, 201, 120, 9, 33],
+        [3, 4, 0, 1, 2, 5, 6],
+    ]
 
 
-def test_table_stays_inside_the_exponent_range():
+def test_mixed_scales_get_a_table_per_block():
+    gen = torch.Generator().manual_seed(4)
+    scales = torch.tensor([1e-8, 1.0, 1e5, 1e-3]).repeat_interleave(BLOCK_VALUES)
+    tensor = (torch.randn(scales.numel(), generator=gen) * scales).bfloat16()
+    assert len({tuple(sorted(t)) for t in tables_of(tensor)}) == 4
+    assert compress(tensor).ratio >= 1.40
+
+
+def test_tables_stay_inside_the_exponent_range():
     for fmt, huge in ((BF16, 1e30), (FP16, 6e4), (FP32, 1e30)):
         for sigma in (1e-30, huge):
-            table = choose_table((torch.randn(999) * sigma).to(fmt.dtype), fmt)
-            assert len(set(table)) == 7 and all(0 <= e < fmt.exp_max for e in table)
+            for table in tables_of((torch.randn(999) * sigma).to(fmt.dtype)):
+                assert len(set(table)) == 7 and all(0 <= e < fmt.exp_max for e in table)
+
+
+def test_inf_and_nan_always_escape():
+    tensor = torch.tensor([float("nan"), float("inf")] * 3000).bfloat16()
+    static, _ = compress(tensor).chunk(0)
+    assert read_header(static).n_escapes == tensor.numel()
 
 
 def test_chunks_are_padded_to_128_bytes_and_split_back():

@@ -16,16 +16,17 @@ import torch
 
 from ray_zep.collectives import compress, cuda_kernels, decompress, reference
 from ray_zep.collectives.codec import read_header
-from ray_zep.collectives.format import BF16, TILE_VALUES
-from ray_zep.collectives.table import choose_table
+from ray_zep.collectives.format import BF16, BLOCK_VALUES, TILE_VALUES
 from tests.helpers.cuda_emulation import EmulatedKernels, build
 
-SIZES = [0, 1, 7, 8, 9, 1000, TILE_VALUES, TILE_VALUES + 1, 3 * TILE_VALUES + 333]
+SIZES = [0, 1, 7, 8, 9, 1000, TILE_VALUES, TILE_VALUES + 1, 3 * TILE_VALUES + 333, BLOCK_VALUES]
+SIZES += [2 * BLOCK_VALUES + TILE_VALUES + 5]
 
 
 def sample(n: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    values = (torch.randn(n, generator=gen) * 0.05).bfloat16()
+    scale = 10.0 ** (torch.arange(n) // BLOCK_VALUES * 4 - 2)  # every block its own table
+    values = (torch.randn(n, generator=gen) * scale).bfloat16()
     values[:: 5] = torch.randint(-(2**15), 2**15, values[:: 5].shape, generator=gen,
                                  dtype=torch.int16).view(torch.bfloat16)  # fmt: skip
     return values
@@ -43,9 +44,8 @@ def emulated(tmp_path_factory) -> EmulatedKernels:
 @pytest.mark.parametrize("n", SIZES)
 def test_cuda_kernel_logic_writes_the_reference_bytes(emulated, n):
     values = sample(n, seed=n)
-    table = choose_table(values, BF16)
-    static, dynamic = cuda_kernels.encode_chunk(values, BF16, table, kernels=emulated)
-    ref_static, ref_dynamic = reference.encode_chunk(values, BF16, table)
+    static, dynamic = cuda_kernels.encode_chunk(values, BF16, kernels=emulated)
+    ref_static, ref_dynamic = reference.encode_chunk(values, BF16)
     assert torch.equal(static, ref_static), "static part differs from the reference"
     assert torch.equal(dynamic, ref_dynamic), "escapes differ from the reference"
     decoded = cuda_kernels.decode_chunk(static, dynamic, read_header(static), kernels=emulated)

@@ -1,10 +1,11 @@
 """Lossless compression of float tensors: `compress`, `decompress` and chunk handling.
 
 A tensor is cut into chunks (one per destination of a collective, or one for
-the whole tensor); each chunk is coded as described in `format.py`. The coded
-exponent table is chosen once per tensor (`table.py`). Two backends produce
-the same bytes: the torch reference (`reference.py`, any device) and the
-native kernels (`native.py`: C on the CPU, CUDA on a GPU), chosen by `backend`.
+the whole tensor); each chunk is coded as described in `format.py`, with a
+code table per block of 4096 values inside it (`table.py`). Two backends
+produce the same bytes: the torch reference (`reference.py`, any device) and
+the native kernels (`native.py`: C on the CPU, one call for all of a tensor's
+chunks each way; CUDA on a GPU), chosen by `backend`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 
 from ray_zep.collectives import native, reference
 from ray_zep.collectives.format import HEADER_BYTES, FloatFormat, Header, float_format
-from ray_zep.collectives.table import choose_table
 from ray_zep.errors import CodecError
 
 BACKENDS = ("auto", "torch", "native")
@@ -109,33 +109,23 @@ def compress(
     fmt = float_format(tensor.dtype)
     flat = tensor.detach().reshape(-1).contiguous()
     chunk_values = _check_splits(splits, flat.numel())
-    encode = _kernels(backend, flat.device, fmt).encode_chunk
-    table = choose_table(flat, fmt)
-    statics, dynamics = [], []
-    for piece in flat.split(list(chunk_values)):
-        static, dynamic = encode(piece, fmt, table)
-        statics.append(static)
-        dynamics.append(dynamic)
+    kernels = _kernels(backend, flat.device, fmt)
+    static, dynamic, static_sizes, dynamic_sizes = kernels.encode_chunks(flat, fmt, chunk_values)
     return Compressed(
-        static=_cat(statics, flat.device),
-        dynamic=_cat(dynamics, flat.device),
-        static_sizes=tuple(s.numel() for s in statics),
-        dynamic_sizes=tuple(d.numel() for d in dynamics),
-        chunk_values=chunk_values,
-        dtype=tensor.dtype,
-        shape=tensor.shape,
+        static, dynamic, static_sizes, dynamic_sizes, chunk_values, tensor.dtype, tensor.shape
     )
 
 
 def decompress(compressed: Compressed, backend: str = "auto") -> torch.Tensor:
-    """The original tensor: same dtype, shape and bits (contiguous)."""
-    parts = [
-        decode_chunk(*compressed.chunk(i), backend=backend)
-        for i in range(len(compressed.chunk_values))
-    ]
+    """The original tensor: same dtype, shape and bits (contiguous).
+
+    Raises:
+        CodecError: a chunk is damaged (see `decode_chunk`).
+    """
     fmt = float_format(compressed.dtype)
-    flat = torch.cat(parts) if parts else compressed.static.new_empty(0).view(fmt.dtype)
-    return flat.view(compressed.shape)
+    chunks = [compressed.chunk(i) for i in range(len(compressed.chunk_values))]
+    kernels = _kernels(backend, compressed.static.device, fmt)
+    return kernels.decode_chunks(chunks, compressed.chunk_values, fmt).view(compressed.shape)
 
 
 def read_header(static: torch.Tensor) -> Header:
@@ -149,32 +139,24 @@ def decode_chunk(
     """Decompress one chunk (as cut from a `Compressed` or received) into 1-D values.
 
     Raises:
-        CodecError: the bytes are not a valid chunk.
+        CodecError: the bytes are not a valid chunk: a bad header, parts shorter
+            than it announces, escape codes that do not match it, or decoded
+            values whose checksum differs from its own.
     """
     header = header or read_header(static)
-    if static.numel() < header.layout.static_bytes or dynamic.numel() < header.n_escapes:
-        raise CodecError(
-            f"truncated chunk: {static.numel()} + {dynamic.numel()} bytes for "
-            f"{header.n_values} values and {header.n_escapes} escapes"
-        )
+    reference.check_whole(static, dynamic, header)  # before trusting its count of values
     kernels = _kernels(backend, static.device, header.fmt)
-    values = kernels.decode_chunk(static, dynamic, header)
-    if kernels.checksum(values, header.fmt) != header.checksum:
-        raise CodecError(
-            f"corrupt chunk: the checksum of its {header.n_values} decoded values does not "
-            "match its header"
-        )
-    return values
+    return kernels.decode_chunks([(static, dynamic)], (header.n_values,), header.fmt)
 
 
 def decode_exactly(
     static: torch.Tensor, dynamic: torch.Tensor, values: int, header: Header | None = None
 ) -> torch.Tensor:
     """`decode_chunk`, and a CodecError unless the chunk holds exactly `values` values."""
-    flat = decode_chunk(static, dynamic, header=header)
-    if flat.numel() != values:
-        raise CodecError(f"{flat.numel()} values where {values} were expected")
-    return flat
+    header = header or read_header(static)
+    if header.n_values != values:
+        raise CodecError(f"{header.n_values} values where {values} were expected")
+    return decode_chunk(static, dynamic, header=header)
 
 
 @contextlib.contextmanager
@@ -227,12 +209,6 @@ def _check_splits(splits: Sequence[int] | None, numel: int) -> tuple[int, ...]:
     if any(s < 0 for s in values) or sum(values) != numel:
         raise CodecError(f"splits {list(values)} must be >= 0 and sum to the {numel} values")
     return values
-
-
-def _cat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if not parts:
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def offsets(sizes: Sequence[int]) -> list[int]:

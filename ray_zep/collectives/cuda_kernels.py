@@ -2,10 +2,12 @@
 
 Built on first use when torch sees a GPU and nvcc is found; BF16 only (FP16 and
 FP32 tensors on a GPU use the torch reference, which `unavailable_reason` says).
-Encoding takes two launches: one counts the escapes of each 1024-value tile,
-torch turns the counts into the tile index (an exclusive prefix sum), and the
-second writes the planes and the escapes at their tile's offset, so the bytes
-are deterministic and equal to the reference's.
+Torch ops choose each block's table (`table.py`'s histogram and top seven, the
+same code as the reference's); encoding then takes two launches: one counts
+the escapes of each 1024-value tile, torch turns the counts into the tile
+index (an exclusive prefix sum), and the second writes the planes and the
+escapes at their tile's offset, so the bytes are deterministic and equal to
+the reference's.
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ from types import ModuleType
 import torch
 
 from ray_zep.collectives.format import (
+    BLOCK_VALUES,
     HEADER_BYTES,
+    TABLE_BYTES,
     TILE_VALUES,
     FloatFormat,
     Header,
     Layout,
     dynamic_bytes,
 )
-from ray_zep.collectives.reference import checksum, code_lookup
+from ray_zep.collectives.reference import checksum, code_lookup, split_fields, table_bytes
+from ray_zep.collectives.table import block_tables
 from ray_zep.errors import CodecError
 
 SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "zipccl.cu"
@@ -47,7 +52,7 @@ def unavailable_reason(fmt: FloatFormat) -> str | None:
 
 
 def encode_chunk(
-    flat_N: torch.Tensor, fmt: FloatFormat, table: tuple[int, ...], kernels=None
+    flat_N: torch.Tensor, fmt: FloatFormat, kernels=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `reference.encode_chunk`, for a bfloat16 tensor on a GPU.
 
@@ -55,18 +60,27 @@ def encode_chunk(
     """
     ext, n = kernels or _extension(), flat_N.numel()
     layout = Layout.of(n, fmt)
-    code_of = code_lookup(table, fmt, flat_N.device).to(torch.uint8)
-    counts_T = ext.count_escapes(flat_N.view(torch.int16), code_of, layout.tiles)
+    tables_K7 = block_tables(split_fields(flat_N, fmt)[0], fmt)
+    code_of_KE = code_lookup(tables_K7, fmt).to(torch.uint8)
+    counts_T = ext.count_escapes(flat_N.view(torch.int16), code_of_KE, layout.tiles)
     index_T = (torch.cumsum(counts_T, 0) - counts_T).to(torch.int32)
     n_escapes = int(counts_T.sum()) if layout.tiles else 0
     static = torch.zeros(layout.static_bytes, dtype=torch.uint8, device=flat_N.device)
     dynamic = torch.zeros(dynamic_bytes(n_escapes), dtype=torch.uint8, device=flat_N.device)
-    header = Header(fmt, table, n, n_escapes, checksum(flat_N, fmt))
+    header = Header(fmt, n, n_escapes, checksum(flat_N, fmt))
     header = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
     static[:HEADER_BYTES] = header.to(flat_N.device)
+    tables = table_bytes(tables_K7)
+    static[layout.tables : layout.tables + tables.numel()] = tables
     static[layout.tile_index : layout.tile_index + 4 * layout.tiles] = index_T.view(torch.uint8)
     ext.encode(
-        flat_N.view(torch.int16), code_of, index_T, static, layout.raw, list(layout.codes), dynamic
+        flat_N.view(torch.int16),
+        code_of_KE,
+        index_T,
+        static,
+        layout.raw,
+        list(layout.codes),
+        dynamic,
     )
     return static, dynamic
 
@@ -76,7 +90,9 @@ def decode_chunk(
 ) -> torch.Tensor:
     """Same contract as `reference.decode_chunk`, on the GPU that holds `static`."""
     layout = header.layout
-    table8 = torch.tensor((0, *header.table), dtype=torch.uint8, device=static.device)
+    tables_K8 = static[layout.tables : layout.tables + TABLE_BYTES * layout.blocks]
+    table8_K8 = tables_K8.view(-1, TABLE_BYTES).roll(1, dims=1).contiguous()
+    table8_K8[:, 0] = 0  # code 0 is an escape (its field comes from the dynamic part)
     out = torch.empty(header.n_values, dtype=torch.int16, device=static.device)
     index_bytes = static[layout.tile_index : layout.tile_index + 4 * layout.tiles]
     (kernels or _extension()).decode(
@@ -85,7 +101,7 @@ def decode_chunk(
         list(layout.codes),
         index_bytes.clone().view(torch.int32),
         dynamic.contiguous(),
-        table8,
+        table8_K8,
         out,
     )
     return out.view(torch.bfloat16)
@@ -106,6 +122,10 @@ def _extension() -> ModuleType:
     return load(
         name="ray_zep_zipccl",
         sources=[str(SOURCE)],
-        extra_cuda_cflags=["-O3", f"-DZC_TILE_VALUES={TILE_VALUES}"],
+        extra_cuda_cflags=[
+            "-O3",
+            f"-DZC_TILE_VALUES={TILE_VALUES}",
+            f"-DZC_BLOCK_VALUES={BLOCK_VALUES}",
+        ],
         verbose=False,
     )

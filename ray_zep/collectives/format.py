@@ -8,21 +8,27 @@ compressed buffer, sent and received without re-layout.
 
 Every value is split into its exponent field and the rest (sign and mantissa,
 "sm", kept raw). The exponent becomes a 3-bit code: codes 1..7 stand for the
-seven exponents of the chunk's table, code 0 ("escape") means the exponent is
-stored in full in the dynamic part.
+seven exponents of the value's block table, code 0 ("escape") means the
+exponent is stored in full in the dynamic part.
+
+A chunk is cut into blocks of 4096 values (the last may be shorter), each
+with its own table (`table.py` says how it is chosen; never the field of Inf
+and NaN, which always escape): the tensors of a whole model mix very
+different scales, and one table per chunk fits them badly.
 
 Static part (all integers little-endian; sections start on 16-byte boundaries)::
 
     offset  size              field
     0       2                 magic b"ZC"
-    2       1                 version (2)
+    2       1                 version (3)
     3       1                 float format code (1 bf16, 2 fp16, 3 fp32)
-    4       7                 table: exponent field of codes 1..7
-    11      1                 zero
+    4       8                 zero
     12      4   uint32        checksum of the values (`checksum` below)
     16      8   int64         n_values
     24      8   int64         n_escapes
-    32      4 x T  int32      tile index: escapes before tile t (T = ceil(n / 1024))
+    32      8 x K             block tables: exponent fields of codes 1..7, then a zero
+                              byte, for each block (K = ceil(n / 4096))
+    ...     4 x T  int32      tile index: escapes before tile t (T = ceil(n / 1024))
     ...     R x n             raw plane: the low 8R bits of each value's sm, value by value
     ...     E x ceil(n / 8)   extra planes: bit 8R + e of the sm (fp16's top 3 sm bits)
     ...     3 x ceil(n / 8)   code planes: bit j of each value's code
@@ -36,7 +42,8 @@ in value order, then zero padding to a multiple of 128 bytes (so a chunk
 without escapes has an empty dynamic part). The tile index lets a parallel
 decoder find the first escape of any tile without scanning the ones before.
 
-Sizes for BF16: 8 raw + 3 code bits per value, plus 8 bits per escape.
+Sizes for BF16: 8 raw + 3 code bits per value, plus 8 bits per escape and
+64 bits per block.
 
 Checksum: the sum over the chunk's values of bits_i x (2i + 1), modulo 2^32,
 where bits_i is value i's bit pattern read as an unsigned integer. The decoder
@@ -47,6 +54,7 @@ sum (2i + 1 is odd, hence invertible modulo 2^32).
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -55,14 +63,18 @@ import torch
 from ray_zep.errors import CodecError
 
 MAGIC = b"ZC"
-VERSION = 2
+VERSION = 3
 HEADER_BYTES = 32
 CHUNK_ALIGN = 128
 SECTION_ALIGN = 16
 TILE_VALUES = 1024
+BLOCK_VALUES = 4096
+"""Values per block table: a multiple of `TILE_VALUES`."""
+TABLE_BYTES = 8
 CODE_PLANES = 3
 TABLE_SIZE = 7
-_HEADER = struct.Struct("<2sBB7sxIqq")
+_HEADER = struct.Struct("<2sBB8sIqq")
+_RESERVED = bytes(8)
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,11 @@ class FloatFormat:
     def extra_planes(self) -> int:
         """Bit planes holding the sm bits that do not fill a whole byte."""
         return self.sm_bits - 8 * self.raw_bytes
+
+    @property
+    def exponents(self) -> int:
+        """Distinct exponent fields, Inf and NaN's included."""
+        return 1 << self.exp_bits
 
     @property
     def exp_max(self) -> int:
@@ -133,6 +150,8 @@ class Layout:
 
     n_values: int
     fmt: FloatFormat
+    blocks: int
+    tables: int
     tiles: int
     tile_index: int
     raw: int
@@ -142,10 +161,13 @@ class Layout:
     static_bytes: int
 
     @classmethod
+    @functools.lru_cache(maxsize=4096)
     def of(cls, n_values: int, fmt: FloatFormat) -> Layout:
+        blocks = -(-n_values // BLOCK_VALUES)
         tiles = -(-n_values // TILE_VALUES)
         plane = -(-n_values // 8)
-        offset = HEADER_BYTES
+        tables = HEADER_BYTES
+        offset = align(tables + TABLE_BYTES * blocks, SECTION_ALIGN)
         tile_index = offset
         offset = align(offset + 4 * tiles, SECTION_ALIGN)
         raw = offset
@@ -156,7 +178,17 @@ class Layout:
             offset = align(offset + plane, SECTION_ALIGN)
         extra, codes = tuple(planes[: fmt.extra_planes]), tuple(planes[fmt.extra_planes :])
         return cls(
-            n_values, fmt, tiles, tile_index, raw, extra, codes, plane, align(offset, CHUNK_ALIGN)
+            n_values,
+            fmt,
+            blocks,
+            tables,
+            tiles,
+            tile_index,
+            raw,
+            extra,
+            codes,
+            plane,
+            align(offset, CHUNK_ALIGN),
         )
 
 
@@ -173,7 +205,6 @@ def dynamic_bytes(n_escapes: int) -> int:
 @dataclass(frozen=True)
 class Header:
     fmt: FloatFormat
-    table: tuple[int, ...]
     n_values: int
     n_escapes: int
     checksum: int
@@ -184,7 +215,7 @@ class Header:
             MAGIC,
             VERSION,
             self.fmt.code,
-            bytes(self.table),
+            _RESERVED,
             self.checksum,
             self.n_values,
             self.n_escapes,
@@ -200,14 +231,14 @@ class Header:
         if len(data) < HEADER_BYTES:
             raise CodecError(f"chunk of {len(data)} bytes is shorter than its header")
         fields = _HEADER.unpack(data[:HEADER_BYTES])
-        magic, version, code, table, checksum, n_values, n_escapes = fields
-        if magic != MAGIC or version != VERSION or code not in _BY_CODE:
+        magic, version, code, reserved, checksum, n_values, n_escapes = fields
+        if magic != MAGIC or version != VERSION or code not in _BY_CODE or reserved != _RESERVED:
             raise CodecError(
                 f"not a ZipCCL v{VERSION} chunk (magic {magic!r}, version {version}, format {code})"
             )
         if n_values < 0 or not 0 <= n_escapes <= n_values:
             raise CodecError(f"corrupt chunk header: {n_values} values, {n_escapes} escapes")
-        return cls(_BY_CODE[code], tuple(table), n_values, n_escapes, checksum)
+        return cls(_BY_CODE[code], n_values, n_escapes, checksum)
 
     @property
     def layout(self) -> Layout:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import itertools
 import logging
 import os
 import shutil
@@ -25,28 +24,21 @@ import torch
 
 from ray_zep import constants
 from ray_zep.collectives import cuda_kernels, reference
-from ray_zep.collectives.format import (
-    HEADER_BYTES,
-    FloatFormat,
-    Header,
-    Layout,
-    dynamic_bytes,
-)
-from ray_zep.collectives.reference import code_lookup
+from ray_zep.collectives.format import CHUNK_ALIGN, FloatFormat, Layout, align
 from ray_zep.errors import CodecError
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "zipccl_cpu.c"
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-
-
-class _Sections(ctypes.Structure):
-    _fields_ = [
-        ("tile_index", ctypes.c_void_p),
-        ("raw", ctypes.c_void_p),
-        ("planes", ctypes.c_void_p * 6),
-    ]
+_ERRORS = {
+    1: "not a ZipCCL v3 chunk of {dtype} (magic, version, format or header fields)",
+    2: "the chunk's header holds a different number of values than the {values} expected",
+    3: "truncated chunk: {static} + {dynamic} bytes are fewer than its header announces",
+    4: "corrupt chunk: escape codes do not match the escapes and the tile index of its header",
+    5: "corrupt chunk: the checksum of its {values} decoded values does not match its header",
+}
+"""zc_decompress_* status -> CodecError message."""
 
 
 def unavailable_reason(device: torch.device, fmt: FloatFormat) -> str | None:
@@ -67,121 +59,118 @@ def _unavailable_reason(device_type: str, fmt: FloatFormat) -> str | None:
     return None
 
 
-def encode_chunk(
-    flat_N: torch.Tensor, fmt: FloatFormat, table: tuple[int, ...]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `reference.encode_chunk`."""
+def encode_chunks(
+    flat_N: torch.Tensor, fmt: FloatFormat, chunk_values: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """Same contract as `reference.encode_chunks`: one C call for all chunks on the CPU."""
     if flat_N.is_cuda:
-        return cuda_kernels.encode_chunk(flat_N, fmt, table)
-    n = flat_N.numel()
-    layout = Layout.of(n, fmt)
-    static = torch.empty(layout.static_bytes, dtype=torch.uint8)
-    escapes = torch.empty(max(n, 1), dtype=torch.uint8)
-    code_of = code_lookup(table, fmt, flat_N.device).to(torch.uint8)
-    sections = _sections(static, layout)
-    encode = getattr(_library(), f"zc_encode_{_NAMES[fmt.dtype]}")
-    n_escapes = encode(_ptr(flat_N), n, _ptr(code_of), ctypes.byref(sections), _ptr(escapes))
-    header = Header(fmt, table, n, n_escapes, checksum(flat_N, fmt))
-    static[:HEADER_BYTES] = _header_bytes(header)
-    _zero_gaps(static, layout)
-    dynamic = torch.zeros(dynamic_bytes(n_escapes), dtype=torch.uint8)
-    dynamic[:n_escapes] = escapes[:n_escapes]
-    return static, dynamic
+        return reference.encode_each(flat_N, fmt, chunk_values, cuda_kernels.encode_chunk)
+    static_sizes = tuple(Layout.of(n, fmt).static_bytes for n in chunk_values)
+    static = torch.empty(sum(static_sizes), dtype=torch.uint8)
+    room = sum(align(n, CHUNK_ALIGN) for n in chunk_values)
+    scratch = torch.empty(room, dtype=torch.uint8)
+    count = len(chunk_values)
+    dynamic_sizes = (ctypes.c_int64 * count)()
+    used = _library().compress[fmt.code](
+        flat_N.data_ptr(),
+        (ctypes.c_int64 * count)(*chunk_values),
+        count,
+        static.data_ptr(),
+        scratch.data_ptr(),
+        dynamic_sizes,
+    )
+    dynamic = scratch if used == room else scratch[:used].clone()  # free the unused room
+    return static, dynamic, static_sizes, tuple(dynamic_sizes)
 
 
-def decode_chunk(static: torch.Tensor, dynamic: torch.Tensor, header: Header) -> torch.Tensor:
-    """Same contract as `reference.decode_chunk`."""
-    if static.is_cuda:
-        return cuda_kernels.decode_chunk(static, dynamic, header)
-    fmt, n = header.fmt, header.n_values
-    static = static.contiguous()
-    escapes = torch.zeros(header.n_escapes + 1, dtype=torch.uint8)
-    escapes[: header.n_escapes] = dynamic[: header.n_escapes]
-    out = torch.empty(n, dtype=fmt.dtype)
-    table8 = torch.tensor((0, *header.table), dtype=torch.uint8)
-    sections = _sections(static, header.layout)
-    decode = getattr(_library(), f"zc_decode_{_NAMES[fmt.dtype]}")
-    status = decode(
-        ctypes.byref(sections), _ptr(escapes), header.n_escapes, _ptr(table8), n, _ptr(out)
+def decode_chunks(
+    chunks: list[tuple[torch.Tensor, torch.Tensor]], chunk_values: tuple[int, ...], fmt: FloatFormat
+) -> torch.Tensor:
+    """Same contract as `reference.decode_chunks`: one C call for all chunks on the CPU."""
+    if chunks and chunks[0][0].is_cuda:
+        return reference.decode_each(chunks, chunk_values, fmt, _decode_on_gpu)
+    chunks = [(s.contiguous(), d.contiguous()) for s, d in chunks]
+    count = len(chunks)
+    out = torch.empty(sum(chunk_values), dtype=fmt.dtype)
+    failed = ctypes.c_int64(0)
+    status = _library().decompress[fmt.code](
+        (ctypes.c_void_p * count)(*[s.data_ptr() for s, _ in chunks]),
+        (ctypes.c_int64 * count)(*[s.numel() for s, _ in chunks]),
+        (ctypes.c_void_p * count)(*[d.data_ptr() for _, d in chunks]),
+        (ctypes.c_int64 * count)(*[d.numel() for _, d in chunks]),
+        (ctypes.c_int64 * count)(*chunk_values),
+        count,
+        out.data_ptr(),
+        ctypes.byref(failed),
     )
     if status != 0:
+        static, dynamic = chunks[failed.value]
         raise CodecError(
-            f"corrupt chunk: escape codes do not match the {header.n_escapes} escapes "
-            "and the tile index of its header"
+            _ERRORS[status].format(
+                dtype=str(fmt.dtype).removeprefix("torch."),
+                values=chunk_values[failed.value],
+                static=static.numel(),
+                dynamic=dynamic.numel(),
+            )
         )
     return out
 
 
-def checksum(flat_N: torch.Tensor, fmt: FloatFormat) -> int:
-    """Same contract as `reference.checksum`, for contiguous values on the CPU."""
-    if flat_N.is_cuda:
-        return reference.checksum(flat_N, fmt)
-    name = "u16" if fmt.value_bytes == 2 else "u32"
-    return int(getattr(_library(), f"zc_checksum_{name}")(_ptr(flat_N), flat_N.numel()))
+def _decode_on_gpu(static: torch.Tensor, dynamic: torch.Tensor, header) -> torch.Tensor:
+    values = cuda_kernels.decode_chunk(static, dynamic, header)
+    reference.check_sum(values, header)
+    return values
 
 
-def _sections(static: torch.Tensor, layout: Layout) -> _Sections:
-    base = static.data_ptr()
-    planes = (ctypes.c_void_p * 6)(*[base + off for off in (*layout.extra, *layout.codes)])
-    return _Sections(base + layout.tile_index, base + layout.raw, planes)
+class Kernels:
+    """The C entry points of a built kernel, by float format code."""
 
-
-def _zero_gaps(static: torch.Tensor, layout: Layout) -> None:
-    """Zero the padding after each section (the kernel writes only the sections)."""
-    fmt, n = layout.fmt, layout.n_values
-    ends = [
-        (layout.tile_index + 4 * layout.tiles, layout.raw),
-        (layout.raw + fmt.raw_bytes * n, (layout.extra or layout.codes)[0]),
-    ]
-    planes = [*layout.extra, *layout.codes, layout.static_bytes]
-    ends += [(start + layout.plane_bytes, nxt) for start, nxt in itertools.pairwise(planes)]
-    for start, stop in ends:
-        static[start:stop] = 0
-
-
-def _header_bytes(header: Header) -> torch.Tensor:
-    return torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
-
-
-def _ptr(tensor: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(tensor.data_ptr())
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.compress, self.decompress = {}, {}
+        for fmt_code, name in ((1, "bf16"), (2, "fp16"), (3, "fp32")):
+            compress = getattr(lib, f"zc_compress_{name}")
+            compress.restype = ctypes.c_int64
+            compress.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
+            decompress = getattr(lib, f"zc_decompress_{name}")
+            decompress.restype = ctypes.c_int
+            decompress.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p,
+                                                           ctypes.c_void_p]  # fmt: skip
+            self.compress[fmt_code], self.decompress[fmt_code] = compress, decompress
 
 
 @functools.cache
-def _library() -> ctypes.CDLL:
-    path = _build()
-    lib = ctypes.CDLL(str(path))
-    for name in _NAMES.values():
-        encode = getattr(lib, f"zc_encode_{name}")
-        encode.restype = ctypes.c_int64
-        encode.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                           ctypes.POINTER(_Sections), ctypes.c_void_p]  # fmt: skip
-        decode = getattr(lib, f"zc_decode_{name}")
-        decode.restype = ctypes.c_int
-        decode.argtypes = [ctypes.POINTER(_Sections), ctypes.c_void_p, ctypes.c_int64,
-                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]  # fmt: skip
-    for name in ("u16", "u32"):
-        check = getattr(lib, f"zc_checksum_{name}")
-        check.restype = ctypes.c_uint32
-        check.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    return lib
+def _library() -> Kernels:
+    return Kernels(ctypes.CDLL(str(_build())))
 
 
-def _build() -> Path:
-    """Compile the C kernel once per source version; atomic so concurrent ranks can race."""
+def _build(defines: tuple[str, ...] = ()) -> Path:
+    """Compile the C kernel once per source version and `defines` (e.g. "ZC_PORTABLE", the
+    plain-C path the tests check on x86 too); atomic so concurrent ranks can race."""
     if not SOURCE.is_file():
         raise CodecError(f"C kernel source {SOURCE} is missing from this installation")
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise CodecError("no C compiler (cc or gcc) on PATH to build the CPU codec kernel")
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    flags = [f"-D{name}" for name in defines]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     target = constants.cache_dir() / "native" / f"zipccl_cpu_{digest}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        cmd = [compiler, "-O3", "-std=c99", "-shared", "-fPIC", "-o", str(built), str(SOURCE)]
+        cmd = [
+            compiler,
+            "-O3",
+            "-std=c99",
+            *flags,
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(built),
+            str(SOURCE),
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise CodecError(f"building the CPU codec kernel failed: {result.stderr.strip()}")

@@ -1,17 +1,24 @@
 """The codec in vectorised torch: the reference every other backend must match byte for byte.
 
-Runs wherever torch runs (CPU or GPU). Works on one chunk; `codec.py` cuts a
-tensor into chunks and picks the backend. The byte format is in `format.py`.
+Runs wherever torch runs (CPU or GPU). Codes one chunk at a time
+(`encode_chunks` / `decode_chunks` take all of a tensor's chunks, as the
+native backend does); `codec.py` picks the backend. The byte format is in
+`format.py`, the choice of each block's table in `table.py`.
 
-Legend: N values of the chunk, P = ceil(N / 8) bytes of a bit plane, T tiles.
+Legend: N values of the chunk, P = ceil(N / 8) bytes of a bit plane, T tiles,
+K blocks (each with its own table), E exponent fields.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ray_zep.collectives.format import (
+    BLOCK_VALUES,
     HEADER_BYTES,
+    TABLE_BYTES,
     TABLE_SIZE,
     TILE_VALUES,
     FloatFormat,
@@ -19,6 +26,7 @@ from ray_zep.collectives.format import (
     Layout,
     dynamic_bytes,
 )
+from ray_zep.collectives.table import block_tables
 from ray_zep.errors import CodecError
 
 
@@ -56,22 +64,33 @@ def unpack_bits(plane_P: torch.Tensor, n: int) -> torch.Tensor:
     return ((plane_P.to(torch.int64).unsqueeze(1) >> shifts) & 1).reshape(-1)[:n]
 
 
-def code_lookup(table: tuple[int, ...], fmt: FloatFormat, device: torch.device) -> torch.Tensor:
-    """Exponent field -> code (0 for exponents outside the table)."""
-    lookup = torch.zeros(fmt.exp_max + 1, dtype=torch.int64, device=device)
-    lookup[torch.tensor(table, device=device)] = torch.arange(1, TABLE_SIZE + 1, device=device)
-    return lookup
+def code_lookup(tables_K7: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """(K, E) int64: exponent field -> code in each block (0 for fields outside its table)."""
+    blocks = tables_K7.shape[0]
+    lookup_KE = tables_K7.new_zeros((blocks, fmt.exponents))
+    codes = torch.arange(1, TABLE_SIZE + 1, device=tables_K7.device).expand(blocks, -1)
+    return lookup_KE.scatter_(1, tables_K7, codes)
 
 
-def encode_chunk(
-    flat_N: torch.Tensor, fmt: FloatFormat, table: tuple[int, ...]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def table_bytes(tables_K7: torch.Tensor) -> torch.Tensor:
+    """The block tables section: each table's seven fields, then a zero byte (uint8, 8K)."""
+    rows_K8 = tables_K7.new_zeros((tables_K7.shape[0], TABLE_BYTES))
+    rows_K8[:, :TABLE_SIZE] = tables_K7
+    return rows_K8.to(torch.uint8).reshape(-1)
+
+
+def codes_of(exp_N: torch.Tensor, tables_K7: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Each value's code under its block's table (int64, N)."""
+    block_N = torch.arange(exp_N.numel(), device=exp_N.device) // BLOCK_VALUES
+    return code_lookup(tables_K7, fmt).view(-1)[block_N * fmt.exponents + exp_N]
+
+
+def encode_chunk(flat_N: torch.Tensor, fmt: FloatFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """Compress one chunk.
 
     Args:
         flat_N: contiguous 1-D values of `fmt.dtype`.
         fmt: their layout.
-        table: the seven coded exponent fields.
 
     Returns:
         (static part, dynamic part): uint8 tensors on the values' device.
@@ -79,12 +98,14 @@ def encode_chunk(
     n, device = flat_N.numel(), flat_N.device
     layout = Layout.of(n, fmt)
     exp_N, sm_N = split_fields(flat_N, fmt)
-    code_N = code_lookup(table, fmt, device)[exp_N]
+    tables_K7 = block_tables(exp_N, fmt)
+    code_N = codes_of(exp_N, tables_K7, fmt)
     escaped_N = code_N == 0
     escapes = exp_N[escaped_N].to(torch.uint8)
     static = torch.zeros(layout.static_bytes, dtype=torch.uint8, device=device)
-    header = Header(fmt, table, n, escapes.numel(), checksum(flat_N, fmt)).pack()
+    header = Header(fmt, n, escapes.numel(), checksum(flat_N, fmt)).pack()
     static[:HEADER_BYTES] = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
+    _put(static, layout.tables, table_bytes(tables_K7))
     _put(static, layout.tile_index, _tile_index(escaped_N, layout).view(torch.uint8))
     raw_NR = torch.stack([(sm_N >> (8 * b)) & 0xFF for b in range(fmt.raw_bytes)], dim=1)
     _put(static, layout.raw, raw_NR.to(torch.uint8).reshape(-1))
@@ -109,8 +130,10 @@ def decode_chunk(static: torch.Tensor, dynamic: torch.Tensor, header: Header) ->
     code_N = torch.zeros_like(sm_N)
     for j, offset in enumerate(layout.codes):
         code_N |= unpack_bits(_get(static, offset, layout.plane_bytes), n) << j
-    exponents = torch.tensor((0, *header.table), dtype=torch.int64, device=static.device)
-    exp_N = exponents[code_N]
+    tables_K8 = _get(static, layout.tables, TABLE_BYTES * layout.blocks).view(-1, TABLE_BYTES)
+    exponents_K8 = torch.cat([tables_K8[:, :1] * 0, tables_K8[:, :TABLE_SIZE]], dim=1)  # 0: escape
+    block_N = torch.arange(n, device=static.device) // BLOCK_VALUES
+    exp_N = exponents_K8.to(torch.int64).view(-1)[block_N * TABLE_BYTES + code_N]
     escaped_N = code_N == 0
     index = _get(static, layout.tile_index, 4 * layout.tiles).clone().view(torch.int32)
     if int(escaped_N.sum()) != header.n_escapes or not torch.equal(
@@ -122,6 +145,109 @@ def decode_chunk(static: torch.Tensor, dynamic: torch.Tensor, header: Header) ->
         )
     exp_N[escaped_N] = dynamic[: header.n_escapes].to(torch.int64)
     return join_fields(exp_N, sm_N, fmt)
+
+
+EncodeChunk = Callable[[torch.Tensor, FloatFormat], tuple[torch.Tensor, torch.Tensor]]
+DecodeChunk = Callable[[torch.Tensor, torch.Tensor, Header], torch.Tensor]
+
+
+def encode_chunks(
+    flat_N: torch.Tensor, fmt: FloatFormat, chunk_values: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """Compress consecutive chunks of `flat_N` (`chunk_values` values each).
+
+    Returns:
+        (static parts back to back, dynamic parts back to back, their sizes, their sizes).
+    """
+    return encode_each(flat_N, fmt, chunk_values, encode_chunk)
+
+
+def encode_each(
+    flat_N: torch.Tensor, fmt: FloatFormat, chunk_values: tuple[int, ...], encode: EncodeChunk
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """`encode_chunks` with `encode` coding one chunk at a time."""
+    parts = [encode(piece, fmt) for piece in flat_N.split(list(chunk_values))]
+    statics, dynamics = [s for s, _ in parts], [d for _, d in parts]
+    return (
+        _cat(statics, flat_N.device),
+        _cat(dynamics, flat_N.device),
+        tuple(s.numel() for s in statics),
+        tuple(d.numel() for d in dynamics),
+    )
+
+
+def decode_chunks(
+    chunks: list[tuple[torch.Tensor, torch.Tensor]], chunk_values: tuple[int, ...], fmt: FloatFormat
+) -> torch.Tensor:
+    """Decode (static, dynamic) chunks holding `chunk_values` values of `fmt` each, back to back.
+
+    Raises:
+        CodecError: a chunk is not a valid chunk of that many values of `fmt`.
+    """
+    return decode_each(chunks, chunk_values, fmt, _checked_decode)
+
+
+def decode_each(
+    chunks: list[tuple[torch.Tensor, torch.Tensor]],
+    chunk_values: tuple[int, ...],
+    fmt: FloatFormat,
+    decode: DecodeChunk,
+) -> torch.Tensor:
+    """`decode_chunks` with `decode` decoding (and checking) one chunk whose header is valid."""
+    parts = []
+    for (static, dynamic), values in zip(chunks, chunk_values, strict=True):
+        header = checked_header(static, dynamic, values, fmt)
+        parts.append(decode(static, dynamic, header))
+    if not parts:
+        return torch.empty(0, dtype=fmt.dtype)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def checked_header(
+    static: torch.Tensor, dynamic: torch.Tensor, values: int, fmt: FloatFormat
+) -> Header:
+    """The chunk's header, if it is one of `values` values of `fmt` and its parts are whole.
+
+    Raises:
+        CodecError: otherwise.
+    """
+    header = Header.unpack(static[:HEADER_BYTES].cpu().numpy().tobytes())
+    if header.fmt != fmt:
+        raise CodecError(f"a chunk of {header.fmt.dtype} where {fmt.dtype} was expected")
+    if header.n_values != values:
+        raise CodecError(f"{header.n_values} values where {values} were expected")
+    check_whole(static, dynamic, header)
+    return header
+
+
+def check_whole(static: torch.Tensor, dynamic: torch.Tensor, header: Header) -> None:
+    """Raise a CodecError unless the parts hold at least the bytes `header` announces."""
+    if static.numel() < header.layout.static_bytes or dynamic.numel() < header.n_escapes:
+        raise CodecError(
+            f"truncated chunk: {static.numel()} + {dynamic.numel()} bytes for "
+            f"{header.n_values} values and {header.n_escapes} escapes"
+        )
+
+
+def check_sum(values_N: torch.Tensor, header: Header) -> None:
+    """Raise a CodecError unless the decoded values have the header's checksum."""
+    if checksum(values_N, header.fmt) != header.checksum:
+        raise CodecError(
+            f"corrupt chunk: the checksum of its {header.n_values} decoded values does not "
+            "match its header"
+        )
+
+
+def _checked_decode(static: torch.Tensor, dynamic: torch.Tensor, header: Header) -> torch.Tensor:
+    values_N = decode_chunk(static, dynamic, header)
+    check_sum(values_N, header)
+    return values_N
+
+
+def _cat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def checksum(flat_N: torch.Tensor, fmt: FloatFormat) -> int:
