@@ -14,6 +14,8 @@
     ray-zep bench calibrate [--out DIR]      measure attention and matmul rates of this device
     ray-zep bench train [CONFIG] [key=value ...] [--strategies ...] [--steps K]
                                              real CPU runs per strategy beside the simulator
+    ray-zep bench train [CONFIG] --compare compression [--cases fsdp,...] [--modes off,auto,always]
+                                             the same steps with ZipCCL off and on
     ray-zep bench codec [CONFIG] [key=value ...] [--values N] [--codecs zipccl,zstd-3,...]
                                              ZipCCL codec vs zstd, lz4, blosc2 on synthetic
                                              and the model's real tensors
@@ -137,6 +139,15 @@ def _parser() -> argparse.ArgumentParser:
     train_bench.add_argument("--steps", type=int, default=6, help="steps per strategy")
     train_bench.add_argument("--calibration", help="calibration.json (default: measure now)")
     train_bench.add_argument("--out", default="runs/bench/train", help="runs, JSON and PNG")
+    train_bench.add_argument(
+        "--compare",
+        choices=["compression"],
+        help="compression: each of --cases with comm.compression off and on, side by side",
+    )
+    train_bench.add_argument(
+        "--cases", help="--compare compression: fsdp,zeppelin+fsdp,moe_ep2_1a1m"
+    )
+    train_bench.add_argument("--modes", help="--compare compression: off,auto,always")
     train_bench.set_defaults(handler=_bench_train)
     codec = benches.add_parser("codec", help="ZipCCL codec vs zstd, lz4, blosc2: ratio, GB/s")
     _optional_config_args(codec)
@@ -324,6 +335,8 @@ def _bench_calibrate(args: argparse.Namespace) -> int:
 
 
 def _bench_train(args: argparse.Namespace) -> int:
+    if args.compare == "compression":
+        return _bench_compression(args)
     import workers.bench_train as bench  # trains through Ray, like `train`
     from ray_zep.bench.output import write_json
     from ray_zep.errors import ConfigError
@@ -350,6 +363,33 @@ def _bench_train(args: argparse.Namespace) -> int:
     print(f"wrote {write_json(out / 'train.json', command, spec, bench.row_dicts(rows))}")
     measured = [r.measured_tokens_per_second for r in rows]
     print(f"wrote {draw_throughput('measured on this CPU', names, measured, out / 'train.png')}")
+    return 0
+
+
+def _bench_compression(args: argparse.Namespace) -> int:
+    import workers.bench_compression as bench  # trains through Ray, like `train`
+    from ray_zep.bench.output import write_json
+    from ray_zep.errors import ConfigError
+    from ray_zep.report.timeline import draw_throughput
+
+    cases, modes = bench.check_cases(
+        _names(args.cases, tuple(bench.CASES)), _names(args.modes, bench.MODES)
+    )
+    if args.steps < 2:
+        raise ConfigError(f"--steps={args.steps} must be >= 2 (the first step is warm-up)")
+    out = Path(args.out)
+    rows = bench.run_compression_bench(
+        args.config, args.overrides, cases, modes, args.steps, out.resolve()
+    )
+    print(bench.format_table(rows))
+    spec = {"config": args.config, "overrides": args.overrides, "steps": args.steps}
+    command = "ray-zep " + " ".join(sys.argv[1:])
+    print(f"wrote {write_json(out / 'compression.json', command, spec, bench.row_dicts(rows))}")
+    names = [f"{r.case} {r.mode}" for r in rows]
+    chart = draw_throughput(
+        "measured on this CPU", names, [r.tokens_per_second for r in rows], out / "compression.png"
+    )
+    print(f"wrote {chart}")
     return 0
 
 

@@ -133,8 +133,10 @@ def test_compressed_training_equals_plain_training(tmp_path: Path):
             for stream, sizes in row.items():
                 if stream in expected:
                     assert sizes["raw_bytes"] > sizes["wire_bytes"] > 0, f"{name}: {stream}"
+                    assert sizes["zipped_calls"] > 0, f"{name}: {stream}"
                 else:  # through the switch, but not a stream it may compress
                     assert sizes["raw_bytes"] == sizes["wire_bytes"] > 0, f"{name}: {stream}"
+                    assert sizes["zipped_calls"] == 0 < sizes["plain_calls"], f"{name}: {stream}"
         assert all(not e.get("compression") for e in off["events"] if e["event"] == "step")
 
 

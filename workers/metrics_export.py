@@ -89,6 +89,8 @@ class MetricsExporter:
             "memory": event.get("memory", {}),
             "time": time.time(),
         }
+        if event.get("switcher"):  # the first step with comm.compression=auto
+            row["switcher"] = event["switcher"]
         if self.peak_flops:
             row["mfu"] = row["model_flops_per_second"] / (self.ranks * self.peak_flops)
         self._update_prometheus(row)

@@ -136,6 +136,9 @@ class AdaptiveCollectives:
             self._record(stream, zipped())
             return
         self.g.wait([plain()], f"{kind.value.replace('_', '-')} of {stream}")
+        if kind is Kind.ALL_REDUCE:  # counted as its zipped form moves it (RS, then AG)
+            padded = -(-tensor.numel() // self.g.size) * tensor.element_size()
+            nbytes = padded * (self.g.size + 1)
         self._count_plain(stream, nbytes)
 
     def _zipped(self, kind: Kind, stream: str, tensor: torch.Tensor, nbytes: int) -> bool:
@@ -147,13 +150,13 @@ class AdaptiveCollectives:
         """A zipped call's sizes, the same on every rank: counted once, by rank 0."""
         self.switcher.observe(stream, sizes)
         if self.g.rank == 0:
-            self.tally.add(stream, sizes.raw_bytes, sizes.wire_bytes)
+            self.tally.add(stream, sizes.raw_bytes, sizes.wire_bytes, zipped=True)
 
     def _count_plain(self, stream: str, nbytes: int) -> None:
         """A plain call moves every rank's bytes uncompressed: raw = sent."""
         if self.g.rank == 0:
             total = nbytes * self.g.size
-            self.tally.add(stream, total, total)
+            self.tally.add(stream, total, total, zipped=False)
 
 
 class RingZipper:
@@ -174,7 +177,7 @@ class RingZipper:
         nbytes = tensor.numel() * tensor.element_size()
         zipped = self._decide(stream, self._link(stream, self.rank, peer), tensor, nbytes)
         if not zipped:
-            self.tally.add(stream, nbytes, nbytes)
+            self.tally.add(stream, nbytes, nbytes, zipped=False)
         return zipped
 
     def zip_recv(self, stream: str, peer: int, buf: torch.Tensor) -> bool:
@@ -183,7 +186,7 @@ class RingZipper:
 
     def sent(self, stream: str, peer: int, tensor: torch.Tensor, wire_bytes: int) -> None:
         nbytes = tensor.numel() * tensor.element_size()
-        self.tally.add(stream, nbytes, wire_bytes)
+        self.tally.add(stream, nbytes, wire_bytes, zipped=True)
         self.switcher.observe(self._link(stream, self.rank, peer), Sizes(nbytes, wire_bytes))
 
     def received(self, stream: str, peer: int, out: torch.Tensor, wire_bytes: int) -> None:

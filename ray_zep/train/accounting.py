@@ -42,7 +42,8 @@ class StepStats:
     compression: dict[str, dict[str, int]] = field(default_factory=dict)
     """With `comm.compression`: per stream (`comm.compression_streams` names), the
     bytes handed to its transfers (`raw_bytes`) and the bytes they sent
-    (`wire_bytes`), whole job (measured)."""
+    (`wire_bytes`), and the calls that went zipped or plain (`zipped_calls`,
+    `plain_calls`), whole job (measured)."""
     moe_aux_loss: float = 0.0
     """Weighted MoE load-balancing loss of the global batch (included in `loss`)."""
     zone_tokens: dict[str, int] = field(default_factory=dict)
@@ -54,6 +55,9 @@ class StepStats:
     memory: dict[str, object] = field(default_factory=dict)
     """Per-rank peak bytes: `modelled` (every step) and `measured` (0 where the step
     was not measured), `measured_by`, and rank 0's modelled and measured `parts`."""
+    switcher: dict[str, object] = field(default_factory=dict)
+    """First step with `comm.compression=auto`: the costs the job's switch measured at
+    start-up and decides on (α and β per collective, codec seconds per byte)."""
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)

@@ -106,6 +106,11 @@ class RankTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return self.runner.compute_gradients(shard)
 
+    def _switcher_profile(self) -> dict:
+        """The job switch's measured costs, reported with the first step."""
+        profile = self.zipped.switcher.profile if self.zipped is not None else None
+        return profile.to_dict() if profile is not None and self.steps_done == 1 else {}
+
     def train_step(self, shard: RankShard) -> StepStats:
         """Forward, backward, gradient sync, clip and update on this rank's shard."""
         started = time.perf_counter()
@@ -141,6 +146,7 @@ class RankTrainer:
             comm_bytes={"intra_node": traffic.intra_node, "inter_node": traffic.inter_node},
             nic_bytes=traffic.nic.tolist(),
             compression=per_stream(job_streams),
+            switcher=self._switcher_profile(),
             moe_aux_loss=float(totals[1]),
             zone_tokens={z.value: int(n) for z, n in zip(ZONES, zone_tokens, strict=True)},
             model_flops=3.0 * (linear_flops + attention_flops),
