@@ -21,22 +21,24 @@ from ray_zep import steplog
 from ray_zep.config import Compression, load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import ConfigError
+from ray_zep.parallel.axes import Placement, WeightsMode
 
-WHOLE = [
-    "parallel.sequence=whole",
+FSDP, WHOLE, ZEPPELIN = WeightsMode.FSDP.value, Placement.WHOLE.value, Placement.ZEPPELIN.value
+WHOLE_SEQUENCES = [
+    f"parallel.sequence={WHOLE}",
     "data.packing=rank",
     "parallel.routing=false",
     "parallel.remap=false",
 ]
 CASES = {
-    "fsdp": [*WHOLE, "parallel.weights=fsdp"],
-    "zeppelin+fsdp": [
-        "parallel.sequence=zeppelin",
-        "parallel.weights=fsdp",
+    FSDP: [*WHOLE_SEQUENCES, f"parallel.weights={FSDP}"],
+    f"{ZEPPELIN}+{FSDP}": [
+        f"parallel.sequence={ZEPPELIN}",
+        f"parallel.weights={FSDP}",
         "data.packing=budget",
     ],
     "moe_ep2_1a1m": [
-        *WHOLE,
+        *WHOLE_SEQUENCES,
         "model.preset=tiny_moe",
         "parallel.ep=2",
         "parallel.moe_pipeline=1a1m",
