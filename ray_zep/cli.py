@@ -335,16 +335,17 @@ def _bench_calibrate(args: argparse.Namespace) -> int:
 
 
 def _bench_train(args: argparse.Namespace) -> int:
+    from ray_zep.errors import ConfigError
+
+    if args.steps < 2:
+        raise ConfigError(f"--steps={args.steps} must be >= 2 (the first step is warm-up)")
     if args.compare == "compression":
         return _bench_compression(args)
     import workers.bench_train as bench  # trains through Ray, like `train`
     from ray_zep.bench.output import write_json
-    from ray_zep.errors import ConfigError
     from ray_zep.report.timeline import draw_throughput
 
     names = bench.check_names(_names(args.strategies, bench.DEFAULT_STRATEGIES))
-    if args.steps < 2:
-        raise ConfigError(f"--steps={args.steps} must be >= 2 (the first step is warm-up)")
     from ray_zep.bench.calibrate import Calibration
 
     calibration = Calibration.load(args.calibration) if args.calibration else None
@@ -369,14 +370,11 @@ def _bench_train(args: argparse.Namespace) -> int:
 def _bench_compression(args: argparse.Namespace) -> int:
     import workers.bench_compression as bench  # trains through Ray, like `train`
     from ray_zep.bench.output import write_json
-    from ray_zep.errors import ConfigError
     from ray_zep.report.timeline import draw_throughput
 
     cases, modes = bench.check_cases(
         _names(args.cases, tuple(bench.CASES)), _names(args.modes, bench.MODES)
     )
-    if args.steps < 2:
-        raise ConfigError(f"--steps={args.steps} must be >= 2 (the first step is warm-up)")
     out = Path(args.out)
     rows = bench.run_compression_bench(
         args.config, args.overrides, cases, modes, args.steps, out.resolve()

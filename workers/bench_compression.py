@@ -17,11 +17,11 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-from ray_zep import steplog
 from ray_zep.config import Compression, load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import ConfigError
 from ray_zep.parallel.axes import Placement, WeightsMode
+from workers.bench_train import steady_totals, step_rows
 
 FSDP, WHOLE, ZEPPELIN = WeightsMode.FSDP.value, Placement.WHOLE.value, Placement.ZEPPELIN.value
 WHOLE_SEQUENCES = [
@@ -116,17 +116,16 @@ def run_compression_bench(
 
 
 def _row(case: str, mode: str, metrics: Path, final_loss: float | None) -> CompressionRow:
-    steps = [r for r in steplog.read_rows(metrics) if "step_seconds" in r]
+    steps = step_rows(metrics)
     steady = steps[1:]
     profile = next((r["switcher"] for r in steps if r.get("switcher")), {})
-    seconds = sum(r["step_seconds"] for r in steady)
-    tokens = sum(r["tokens"] for r in steady)
+    seconds, tokens = steady_totals(steps)
     streams: dict[str, dict[str, int]] = {}
     for r in steady:
         for name, counts in (r.get("compression") or {}).items():
             total = streams.setdefault(name, dict.fromkeys(counts, 0))
             for key, value in counts.items():
-                total[key] = total.get(key, 0) + value
+                total[key] += value
     return CompressionRow(
         case,
         mode,

@@ -105,7 +105,7 @@ def run_train_bench(
         shutil.rmtree(out / name, ignore_errors=True)  # a fresh run, never a resume
         config = load_config(config_path, [*overrides, *extra])
         summary = train(config)
-        seconds, tokens = _steady_steps(summary.run_dir / METRICS_FILE_NAME)
+        seconds, tokens = steady_totals(step_rows(summary.run_dir / METRICS_FILE_NAME))
         predicted = _predict(config, name, steps, calibration)
         rows.append(
             TrainBenchRow(
@@ -120,10 +120,14 @@ def run_train_bench(
     return rows, calibration
 
 
-def _steady_steps(path: Path) -> tuple[float, int]:
-    """Seconds and tokens of every step but the first."""
-    rows = [r for r in steplog.read_rows(path) if "step_seconds" in r][1:]
-    return sum(r["step_seconds"] for r in rows), sum(r["tokens"] for r in rows)
+def step_rows(path: Path) -> list[dict]:
+    """The step rows of a run's metrics.jsonl."""
+    return [r for r in steplog.read_rows(path) if "step_seconds" in r]
+
+
+def steady_totals(rows: list[dict]) -> tuple[float, int]:
+    """Seconds and tokens of every step row but the first (warm-up)."""
+    return sum(r["step_seconds"] for r in rows[1:]), sum(r["tokens"] for r in rows[1:])
 
 
 def _predict(config: Config, name: str, steps: int, calibration: Calibration):

@@ -94,17 +94,17 @@ def shard_model(
                            mp_policy=policy, **kwargs)  # fmt: skip
 
     embedding = wrap(model.tok_embeddings)
-    inner, blocks = [], []
+    nested = {}  # each block's unit: its projections' units
     for block in model.layers:
         # inner units first: fully_shard nests from the leaves up
-        inner.append([wrap(m) for m in projections(block, parallel.fsdp_unit)])
-        blocks.append(wrap(block, shard_placement_fn=placement, ignored_params=ignored))
+        inner = [wrap(m) for m in projections(block, parallel.fsdp_unit)]
+        nested[wrap(block, shard_placement_fn=placement, ignored_params=ignored)] = inner
+    blocks = list(nested)
     # the head stays gathered after forward: backward needs it first
     wrap([model.norm, model.output], reshard_after=False)
     head = model.norm  # one unit over both modules: either one stands for it
     root = wrap(model, reshard_after=False, ignored_params=ignored)
     units = [embedding, *blocks, head]
-    nested = dict(zip(blocks, inner, strict=True))
     every = [embedding, *(u for b in blocks for u in (b, *nested[b])), head]
     for module in [*every, root]:
         module.set_gradient_divide_factor(1.0)

@@ -87,12 +87,13 @@ class StateSampler(TorchDispatchMode):
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().__init__()
         self.module, self.optimizer = module, optimizer
+        self.owned = [p for group in optimizer.param_groups for p in group["params"]]
         self.peak = self.current()
 
     def current(self) -> int:
-        """Bytes of the distinct storages of the state tensors, now."""
-        owned = [p for group in self.optimizer.param_groups for p in group["params"]]
-        tensors = [*owned, *self.module.parameters()]
+        """Bytes of the distinct storages of the state tensors, now (the module's
+        registered parameters change as FSDP2 gathers and reshards)."""
+        tensors = [*self.owned, *self.module.parameters()]
         tensors += [p.grad for p in tensors if p.grad is not None]
         tensors += [
             t
