@@ -15,9 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from ray_zep.collectives.adaptive import AdaptiveCollectives
+from ray_zep.config import Compression, load_config
+from ray_zep.dist import Comm, GroupNeeds
 from ray_zep.errors import ConfigError
+from ray_zep.model.llama import Transformer
+from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import Passing
 from ray_zep.pipeline.layout import WeightLayout, cut_shards
+from ray_zep.pipeline.transport import Transport
+from ray_zep.pipeline.weights import ShardedWeights
+from ray_zep.topology import build_topology
 from tests.helpers.procs import run_ranks
 from tests.helpers.training import SMALL_RUN, checkpoint_params, train_rank, train_rank_each
 
@@ -56,13 +64,15 @@ def _merged(per_rank: list[dict]) -> dict[str, torch.Tensor]:
     return merged
 
 
+ZIPPED = "comm.compression=always"
 STRATEGY_RUNS = {
-    "1x4": [("tawpipe",), ("weipipe",)],
+    "1x4": [("tawpipe",), ("weipipe",), ("tawpipe", ZIPPED)],
     "2x2": [("tawpipe",), ("weipipe",), ("tawpipe", "parallel.shard_recompute=false")],
-    "2x4": [("tawpipe",), ("weipipe",)],
+    "2x4": [("tawpipe",), ("weipipe",), ("tawpipe", ZIPPED)],
 }
 """Weight-passing modes with whole sequences (FSDP2 is tested with every placement in
-test_strategies)."""
+test_strategies). Compressed, TawPipe's broadcasts and sums run as chains through
+four devices of a node, a shard's compressed bytes relayed as they came."""
 
 
 @pytest.mark.dist
@@ -117,3 +127,78 @@ def test_tawpipe_checkpoint_holds_the_whole_model_and_resumes_exactly(tmp_path: 
     assert set(stored) == set(merged)
     for name, value in merged.items():
         assert torch.equal(stored[name], value), f"checkpoint holds another {name}"
+
+
+def _shard(shard: int, numel: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7 + shard)
+    return (torch.randn(numel, generator=g) * 0.02).to(torch.bfloat16)
+
+
+def _bf16_transport_rank(rank: int, world: int, passing: Passing) -> dict:
+    """Every shard fetched and every gradient summed through a zipped Transport in bf16."""
+    config = load_config(None, ["topology.nodes=2", "topology.gpus_per_node=2"])
+    topology = build_topology(config.topology)
+    comm = Comm.create(topology, topology.world_size, 30.0)
+    comm = comm.with_groups(GroupNeeds(node_and_rail=passing is Passing.GROUPED))
+    layout = WeightLayout.build(passing, [1] * 4, nodes=2, gpus_per_node=2)
+    zipper = AdaptiveCollectives(comm.world, Compression.ALWAYS).ring_zipper()
+    transport = Transport(layout, comm, zipper)
+    numel, fetched, sums = 3000, {}, {}
+    for shard in range(layout.shards):
+        mine = layout.shard_of(rank) == shard
+        buffer = _shard(shard, numel) if mine else torch.empty(numel, dtype=torch.bfloat16)
+        fetched[shard] = transport.finish_fetch(transport.post_fetch(shard, buffer)).clone()
+        pending = transport.post_reduce(shard, _shard(10 * (rank + 1) + shard, numel))
+        transport.relay_reduce(pending)
+        sums[shard] = transport.finish_reduce(pending)
+    tally = {s: zipper.tally.peek(s) for s in ("weight_shards", "shard_gradients")}
+    return {"fetched": fetched, "sums": sums, "tally": tally}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("passing", [Passing.GROUPED, Passing.RING])
+def test_bf16_shards_and_sums_travel_zipped(passing: Passing) -> None:
+    """Shards arrive bit-identical and every owner gets the sum of all devices' bf16
+    gradients, added in float32 at each hop and rounded to bf16 to travel on."""
+    results = run_ranks(_bf16_transport_rank, 4, passing)
+    layout = WeightLayout.build(passing, [1] * 4, nodes=2, gpus_per_node=2)
+    for shard in range(layout.shards):
+        for result in results:
+            assert torch.equal(result["fetched"][shard], _shard(shard, 3000)), shard
+        parts = [_shard(10 * (r + 1) + shard, 3000).float() for r in range(4)]
+        exact, scale = sum(parts), sum(p.abs() for p in parts)
+        for rank, result in enumerate(results):
+            got = result["sums"][shard]
+            if rank != layout.owners[shard]:
+                assert got is None
+                continue
+            assert got.dtype == torch.bfloat16
+            # one bf16 rounding per hop (at most 3), each within 2^-8 of what is summed
+            assert bool(((got.float() - exact).abs() <= 3 * 2**-8 * scale).all()), shard
+    for stream in ("weight_shards", "shard_gradients"):
+        raw, wire = (sum(r["tally"][stream][i] for r in results) for i in (0, 1))
+        assert raw > 1.2 * wire > 0, f"{stream}: {raw} raw bytes, {wire} on the wire"
+
+
+@pytest.mark.unit
+def test_shards_travel_in_the_compute_dtype_and_parameters_keep_theirs() -> None:
+    shape = build_shape(load_config(None, ["model.preset=tiny", "model.n_layers=2"]).model)
+    model = Transformer(shape)
+    model.init_weights(torch.Generator().manual_seed(0))
+    layout = WeightLayout.build(Passing.RING, [1] * 4, nodes=1, gpus_per_node=4)
+    weights = ShardedWeights(model, layout, 0, torch.bfloat16)
+    own = weights.own_parameters()
+    packed = weights.pack(0, weights.staging)
+    assert packed.dtype == torch.bfloat16
+    assert torch.equal(packed[: own[0].numel()], own[0].detach().reshape(-1).bfloat16())
+    for p in own:
+        p.grad = torch.full_like(p, 1 / 3)
+    flat = weights.pack_gradients(0)
+    assert flat.dtype == torch.bfloat16
+    weights.set_gradients(0, flat)
+    assert own[0].grad.dtype == torch.float32
+    assert torch.equal(own[0].grad, torch.full_like(own[0], 1 / 3).bfloat16().float())
+    borrowed = weights.params[1][0]
+    weights.materialize(1, torch.ones(weights.numel[1], dtype=torch.bfloat16))
+    assert borrowed.dtype == torch.float32 and bool((borrowed == 1).all())
+    assert weights.ledger.staging_bytes == 2 * max(weights.numel)

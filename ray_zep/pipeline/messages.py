@@ -17,11 +17,15 @@ from ray_zep.traffic import Traffic
 Message = tuple[int, int]
 
 
+def chain_order(members: list[int] | tuple[int, ...], first: int) -> list[int]:
+    """`members` in member order, rotated to start at `first`."""
+    start = members.index(first)
+    return [*members[start:], *members[:start]]
+
+
 def _chain(members: list[int], first: int) -> list[Message]:
     """A chain through `members` starting at `first`, in member order."""
-    start = members.index(first)
-    order = members[start:] + members[:start]
-    return list(itertools.pairwise(order))
+    return list(itertools.pairwise(chain_order(members, first)))
 
 
 def fetch_messages(layout: WeightLayout, shard: int) -> list[Message]:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ray_zep.attention.varlen import PackedSeqs
+from ray_zep.collectives.adaptive import RingZipper
 from ray_zep.constants import IGNORE_INDEX
 from ray_zep.dist import Comm
 from ray_zep.errors import ConfigError
@@ -40,10 +41,19 @@ class WeightPipeline:
             shards other devices own are released.
         comm: this device's process group and topology.
         mode: tawpipe or weipipe.
+        recompute: run each shard's forward again in backward (`parallel.shard_recompute`).
+        dtype: the compute dtype: shards and gradients travel in it.
+        zipper: `comm.compression`'s per-message choices (None: off).
     """
 
     def __init__(
-        self, model: Transformer, comm: Comm, mode: WeightsMode, recompute: bool = True
+        self,
+        model: Transformer,
+        comm: Comm,
+        mode: WeightsMode,
+        recompute: bool = True,
+        dtype: torch.dtype = torch.float32,
+        zipper: RingZipper | None = None,
     ) -> None:
         if model.shape.moe_experts:
             raise ConfigError(
@@ -60,8 +70,8 @@ class WeightPipeline:
         self.layout = WeightLayout.build(WEIGHTS_AXES[mode].passing, sizes, nodes, gpus)
         self.model = model
         self.recompute = recompute
-        self.weights = ShardedWeights(model, self.layout, comm.rank)
-        self.transport = Transport(self.layout, comm)
+        self.weights = ShardedWeights(model, self.layout, comm.rank, dtype)
+        self.transport = Transport(self.layout, comm, zipper)
         element = self.weights.staging.element_size()
         shard_bytes = [n * element for n in self.weights.numel]
         self.step_traffic = step_traffic(self.layout, shard_bytes, topology)

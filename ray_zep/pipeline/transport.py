@@ -13,6 +13,14 @@ waited on within the configured timeout.
 - ring (WeiPipe-style): the shard is relayed around a ring of all devices
   starting at its owner; the gradient travels the same ring, each device
   adding its own, and ends at the owner.
+
+Shards and gradients travel in the dtype the model computes in. With
+`comm.compression` on, every transfer is a chain of point-to-point messages
+(`ray_zep.pipeline.wire`), each plain or zipped: the grouped broadcasts and
+reduces run as chains through their members in member order (the volume
+`messages` counts), a shard keeps its compressed bytes along a chain, and a
+gradient sum is coded again at every hop. The ring's sums add in the same
+order either way; a grouped sum adds in chain order instead of the backend's.
 """
 
 from __future__ import annotations
@@ -22,10 +30,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ray_zep.collectives.adaptive import RingZipper
 from ray_zep.dist import Comm
 from ray_zep.errors import CommError
+from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import Passing
 from ray_zep.pipeline.layout import WeightLayout
+from ray_zep.pipeline.messages import chain_order
+from ray_zep.pipeline.wire import Incoming, Wire
 
 FETCH_TAG, GRADIENT_TAG = 0, 1
 
@@ -37,14 +49,20 @@ class Pending:
     shard: int
     buffer: torch.Tensor
     works: list = field(default_factory=list)
-    extra: list[torch.Tensor] = field(default_factory=list)
+    incoming: Incoming | None = None
     relayed: bool = False
 
 
 class Transport:
-    """Moves shards and gradients under a layout (collective: build on every device)."""
+    """Moves shards and gradients under a layout (collective: build on every device).
 
-    def __init__(self, layout: WeightLayout, comm: Comm) -> None:
+    Args:
+        layout: shard owners and device groups.
+        comm: the job's group and topology.
+        zipper: `comm.compression`'s per-message choices (None: off).
+    """
+
+    def __init__(self, layout: WeightLayout, comm: Comm, zipper: RingZipper | None = None) -> None:
         self.layout = layout
         self.comm = comm
         self.rank = comm.rank
@@ -53,12 +71,20 @@ class Transport:
         self.group = self.world
         self.rail = self.world
         """TawPipe: the devices at this device's local index, one per group."""
-        if len(layout.groups) > 1:
+        self.chained = zipper is not None
+        """Grouped broadcasts and reduces run as chains of messages (compression on)."""
+        self.shards = Wire(comm, zipper, CompressionStream.WEIGHT_SHARDS.value, FETCH_TAG)
+        self.sums = Wire(comm, zipper, CompressionStream.SHARD_GRADIENTS.value, GRADIENT_TAG)
+        if len(layout.groups) > 1 and not self.chained:
             # TawPipe's groups are the nodes, so its rails are the topology's rails
             if comm.groups.node is None or comm.groups.rail is None:
                 raise CommError("grouped weight passing needs the Comm's node and rail groups")
             self.group = comm.groups.node.group
             self.rail = comm.groups.rail.group
+
+    @property
+    def grouped(self) -> bool:
+        return self.layout.passing is Passing.GROUPED
 
     # --- shards -----------------------------------------------------------------
 
@@ -67,51 +93,60 @@ class Transport:
         pending = Pending(shard, flat)
         if self.comm.world_size == 1:
             return pending
-        if self.layout.passing is Passing.GROUPED:
-            self._post_grouped_fetch(pending)
-        else:
-            self._post_ring_fetch(pending)
-        return pending
-
-    def finish_fetch(self, pending: Pending) -> torch.Tensor:
-        """Wait until the shard is in the buffer; returns it."""
-        self.comm.wait(pending.works, f"fetching weight shard {pending.shard}")
-        pending.works = []
-        if self.comm.world_size == 1:
-            return pending.buffer
-        if self.layout.passing is Passing.GROUPED:
-            root = self.layout.root(pending.shard, self.group_index)
-            if len(self.layout.groups[self.group_index]) > 1:
-                work = dist.broadcast(pending.buffer, src=root, group=self.group, async_op=True)
-                self.comm.wait([work], f"broadcasting weight shard {pending.shard} in the node")
-        else:
-            after = self._ring_next(self.rank)
-            if (
-                self.rank != self.layout.owners[pending.shard]
-                and after != self.layout.owners[pending.shard]
-            ):
-                work = dist.isend(pending.buffer, after, group=self.world, tag=FETCH_TAG)
-                self.comm.wait([work], f"relaying weight shard {pending.shard}")
-        return pending.buffer
-
-    def _post_grouped_fetch(self, pending: Pending) -> None:
-        shard = pending.shard
-        if len(self.layout.groups) > 1 and self.rank == self.layout.root(shard, self.group_index):
+        if not self.grouped:
+            self._post_along(pending, self._ring(self.layout.owners[shard]), self.shards)
+        elif self.chained:
+            self._post_along(pending, self._rail_chain(shard), self.shards)
+        elif len(self.layout.groups) > 1 and self.rank == self._root(shard):
             owner = self.layout.owners[shard]
             pending.works.append(
                 dist.broadcast(pending.buffer, src=owner, group=self.rail, async_op=True)
             )
+        return pending
 
-    def _post_ring_fetch(self, pending: Pending) -> None:
-        owner = self.layout.owners[pending.shard]
-        if self.rank == owner:
-            after = self._ring_next(owner)
-            pending.works.append(dist.isend(pending.buffer, after, group=self.world, tag=FETCH_TAG))
+    def finish_fetch(self, pending: Pending) -> torch.Tensor:
+        """Wait until the shard is in the buffer; returns it."""
+        shard = pending.shard
+        what = f"fetching weight shard {shard}"
+        if self.comm.world_size == 1:
+            return pending.buffer
+        if not self.grouped:
+            self._relay_along(pending, self._ring(self.layout.owners[shard]), what)
+        elif self.chained:
+            self._relay_along(pending, self._rail_chain(shard), what)
+            node = self._node_chain(shard)
+            self._post_along(pending, node, self.shards)
+            self._relay_along(pending, node, f"{what} in the node")
         else:
-            before = self._ring_next(self.rank, -1)
-            pending.works.append(
-                dist.irecv(pending.buffer, before, group=self.world, tag=FETCH_TAG)
-            )
+            self.comm.wait(pending.works, what)
+            pending.works = []
+            if len(self._members()) > 1:
+                root = self._root(shard)
+                work = dist.broadcast(pending.buffer, src=root, group=self.group, async_op=True)
+                self.comm.wait([work], f"broadcasting weight shard {shard} in the node")
+        return pending.buffer
+
+    def _post_along(self, pending: Pending, chain: list[int], wire: Wire) -> None:
+        """A chain broadcast's first leg: its head sends, the others post their receive."""
+        if self.rank not in chain or len(chain) < 2:
+            return
+        at = chain.index(self.rank)
+        if at == 0:
+            pending.works += wire.send(pending.buffer, chain[1])
+        else:
+            pending.incoming = wire.post_recv(pending.buffer, chain[at - 1])
+
+    def _relay_along(self, pending: Pending, chain: list[int], what: str) -> None:
+        """A chain broadcast's rest: receive, pass it on, and wait for what was sent."""
+        self.comm.wait(pending.works, what)
+        pending.works = []
+        incoming, pending.incoming = pending.incoming, None
+        if incoming is None:
+            return
+        incoming.wait(what)
+        at = chain.index(self.rank)
+        if at + 1 < len(chain):
+            self.comm.wait(incoming.wire.forward(incoming, chain[at + 1]), f"relaying: {what}")
 
     # --- gradients --------------------------------------------------------------
 
@@ -122,22 +157,13 @@ class Transport:
         if self.comm.world_size == 1:
             return pending
         owner = self.layout.owners[shard]
-        if self.layout.passing is Passing.GROUPED:
-            root = self.layout.root(shard, self.group_index)
-            if len(self._members()) > 1:
-                pending.works.append(dist.reduce(grad, dst=root, group=self.group, async_op=True))
-        else:
-            first = self._ring_next(owner)
-            if self.rank == first:
-                after = self._ring_next(self.rank)
-                pending.works.append(dist.isend(grad, after, group=self.world, tag=GRADIENT_TAG))
-            else:
-                before = self._ring_next(self.rank, -1)
-                partial = torch.empty_like(grad)
-                pending.extra.append(partial)
-                pending.works.append(
-                    dist.irecv(partial, before, group=self.world, tag=GRADIENT_TAG)
-                )
+        if not self.grouped:
+            self._post_sum(pending, self._ring((owner + 1) % self.comm.world_size))
+        elif self.chained:
+            self._post_sum(pending, self._node_chain(shard)[::-1])
+        elif len(self._members()) > 1:
+            root = self._root(shard)
+            pending.works.append(dist.reduce(grad, dst=root, group=self.group, async_op=True))
         return pending
 
     def relay_reduce(self, pending: Pending) -> None:
@@ -147,34 +173,83 @@ class Transport:
         pending.relayed = True
         if self.comm.world_size == 1:
             return
-        what = f"summing the gradient of weight shard {pending.shard}"
+        shard = pending.shard
+        what = f"summing the gradient of weight shard {shard}"
+        if not self.grouped:
+            owner = self.layout.owners[shard]
+            self._add_along(pending, self._ring((owner + 1) % self.comm.world_size), what)
+            return
+        if self.chained:
+            self._add_along(pending, self._node_chain(shard)[::-1], f"{what} in the node")
+            if self.rank == self._root(shard):
+                self._post_sum(pending, self._rail_chain(shard)[::-1])
+            return
         self.comm.wait(pending.works, what)
         pending.works = []
-        if self.layout.passing is Passing.GROUPED:
-            root = self.layout.root(pending.shard, self.group_index)
-            if len(self.layout.groups) > 1 and self.rank == root:
-                owner = self.layout.owners[pending.shard]
-                work = dist.reduce(pending.buffer, dst=owner, group=self.rail, async_op=True)
-                pending.works.append(work)
-        elif pending.extra:
-            # a partial sum arrived from the ring: add ours, pass it on unless we own it
-            pending.buffer = pending.extra.pop().add_(pending.buffer)
-            if self.rank != self.layout.owners[pending.shard]:
-                after = self._ring_next(self.rank)
-                pending.works.append(
-                    dist.isend(pending.buffer, after, group=self.world, tag=GRADIENT_TAG)
-                )
+        if len(self.layout.groups) > 1 and self.rank == self._root(shard):
+            owner = self.layout.owners[shard]
+            work = dist.reduce(pending.buffer, dst=owner, group=self.rail, async_op=True)
+            pending.works.append(work)
 
     def finish_reduce(self, pending: Pending) -> torch.Tensor | None:
         """Wait for the sum (after `relay_reduce`); the owner gets it, the others None."""
-        self.comm.wait(pending.works, f"summing the gradient of weight shard {pending.shard}")
+        shard = pending.shard
+        what = f"summing the gradient of weight shard {shard}"
+        if self.chained and self.grouped and self.rank == self._root(shard):
+            self._add_along(pending, self._rail_chain(shard)[::-1], f"{what} over the rail")
+        self.comm.wait(pending.works, what)
         pending.works = []
-        return pending.buffer if self.rank == self.layout.owners[pending.shard] else None
+        return pending.buffer if self.rank == self.layout.owners[shard] else None
+
+    def _post_sum(self, pending: Pending, chain: list[int]) -> None:
+        """A chain sum's first leg: its head sends its gradient, the others post the
+        receive of the partial sum."""
+        if self.rank not in chain or len(chain) < 2:
+            return
+        at = chain.index(self.rank)
+        if at == 0:
+            pending.works += self.sums.send(pending.buffer, chain[1])
+        else:
+            partial = torch.empty_like(pending.buffer)
+            pending.incoming = self.sums.post_recv(partial, chain[at - 1])
+
+    def _add_along(self, pending: Pending, chain: list[int], what: str) -> None:
+        """A chain sum's next leg: add this device's gradient to the partial sum that
+        arrived and pass it on (posted, waited by the next phase)."""
+        self.comm.wait(pending.works, what)
+        pending.works = []
+        incoming, pending.incoming = pending.incoming, None
+        if incoming is None:
+            return
+        pending.buffer = _add(incoming.wait(what), pending.buffer)
+        at = chain.index(self.rank)
+        if at + 1 < len(chain):
+            pending.works += self.sums.send(pending.buffer, chain[at + 1])
 
     # --- helpers ----------------------------------------------------------------
 
     def _members(self) -> tuple[int, ...]:
         return self.layout.groups[self.group_index]
 
-    def _ring_next(self, rank: int, step: int = 1) -> int:
-        return (rank + step) % self.comm.world_size
+    def _root(self, shard: int) -> int:
+        return self.layout.root(shard, self.group_index)
+
+    def _ring(self, first: int) -> list[int]:
+        """Every device in ring order, starting at `first`."""
+        return chain_order(list(range(self.comm.world_size)), first)
+
+    def _rail_chain(self, shard: int) -> list[int]:
+        """The groups' roots of `shard`, starting at its owner (TawPipe's rail)."""
+        roots = [self.layout.root(shard, g) for g in range(len(self.layout.groups))]
+        return chain_order(roots, self.layout.owners[shard])
+
+    def _node_chain(self, shard: int) -> list[int]:
+        """This device's group, starting at its root of `shard`."""
+        return chain_order(list(self._members()), self._root(shard))
+
+
+def _add(partial: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """partial + own, added in float32 (in place when the gradients are float32)."""
+    if partial.dtype == torch.float32:
+        return partial.add_(own)
+    return (partial.float() + own.float()).to(partial.dtype)

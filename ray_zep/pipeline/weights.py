@@ -6,6 +6,10 @@ refilled in place before backward needs it again, so every view autograd
 holds sees the refilled values. Shards travel as one flat buffer; a device
 has one staging buffer, sized to the largest shard, that the transfer of the
 next shard fills while the current one computes.
+
+Shards and gradients travel in the compute dtype (bf16 under autocast, as
+TawPipe sends its half-precision weights); the parameters, their gradients and
+the optimizer keep theirs.
 """
 
 from __future__ import annotations
@@ -35,9 +39,16 @@ class ShardedWeights:
         model: the full model, initialised identically on every device.
         layout: shard owners.
         device_rank: this device.
+        dtype: what shards and gradients travel in (the compute dtype).
     """
 
-    def __init__(self, model: nn.Module, layout: WeightLayout, device_rank: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: WeightLayout,
+        device_rank: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         units = model_units(model)
         self.layout = layout
         self.mine = layout.shard_of(device_rank)
@@ -48,7 +59,7 @@ class ShardedWeights:
         ]
         self.numel = [sum(p.numel() for p in ps) for ps in self.params]
         like = self.params[self.mine][0]
-        self.staging = torch.empty(max(self.numel), dtype=like.dtype, device=like.device)
+        self.staging = torch.empty(max(self.numel), dtype=dtype, device=like.device)
         self.resident = {self.mine}
         for shard in range(layout.shards):
             if shard != self.mine:
@@ -56,7 +67,7 @@ class ShardedWeights:
         size = like.element_size()
         self.ledger = WeightLedger(
             own_bytes=self.numel[self.mine] * size,
-            staging_bytes=self.staging.numel() * size,
+            staging_bytes=self.staging.numel() * self.staging.element_size(),
             largest_shard_bytes=max(self.numel) * size,
         )
         self.sample()
@@ -88,14 +99,15 @@ class ShardedWeights:
         return flat
 
     def pack_gradients(self, shard: int) -> torch.Tensor:
-        """The shard's gradients in one new flat tensor (zeros where none arrived)."""
+        """The shard's gradients in one new flat tensor of the travel dtype (zeros
+        where none arrived)."""
         grads = [
             p.grad.reshape(-1)
             if p.grad is not None
             else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
             for p in self.params[shard]
         ]
-        return torch.cat(grads)
+        return torch.cat(grads).to(self.staging.dtype)
 
     def set_gradients(self, shard: int, flat: torch.Tensor | None) -> None:
         """Gradients of the shard from a flat tensor; None drops them (borrowed shards)."""
@@ -104,7 +116,7 @@ class ShardedWeights:
             if flat is None:
                 p.grad = None
                 continue
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype, copy=True)
             offset += p.numel()
 
     def materialize(self, shard: int, flat: torch.Tensor) -> None:

@@ -120,7 +120,11 @@ def apply_axes(
     params = [p for p in model.parameters() if p.requires_grad and id(p) not in split_ids]
     if parallel.weights_axis.family is not Family.WEIGHT_PASSING:
         return AppliedAxes(experts, sharded, None, model, params, unsharded)
-    pipeline = WeightPipeline(model, comm, parallel.weights, parallel.shard_recompute)
+    world = switches.world if switches is not None else None
+    zipper = world.ring_zipper() if world is not None else None
+    pipeline = WeightPipeline(
+        model, comm, parallel.weights, parallel.shard_recompute, dtype, zipper
+    )
     own = pipeline.weights
     return AppliedAxes(
         experts, sharded, pipeline, own.own_module(), own.own_parameters(), unsharded
