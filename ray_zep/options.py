@@ -112,6 +112,9 @@ class CompressionStream(Enum):
     """The data-parallel gradient all-reduce (replicated weights): a sum."""
     KV = "kv"
     """Ring K/V and dK/dV transfers of the attention engine: moves, bit-identical."""
+    ROUTED_KV = "routed_kv"
+    """Ring K/V and dK/dV that `parallel.routing` sends through proxy ranks, coded
+    once at the source per piece and decoded at the destination: moves, bit-identical."""
     FSDP_ALL_GATHER = "fsdp_all_gather"
     """FSDP2's parameter all-gathers, forward and backward: moves, bit-identical."""
     FSDP_REDUCE_SCATTER = "fsdp_reduce_scatter"

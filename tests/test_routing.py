@@ -8,17 +8,23 @@ both directions between two nodes in the same ring step.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
 import torch
 
-from ray_zep.config import load_config
+from ray_zep.collectives.adaptive import AdaptiveCollectives, RingZipper
+from ray_zep.collectives.format import Layout, float_format
+from ray_zep.config import Compression, load_config
 from ray_zep.dist import Comm, GroupNeeds
+from ray_zep.errors import CodecError, CommError
 from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
+from ray_zep.routing import comms as routing_comms
 from ray_zep.routing.comms import RowFormat, open_channels, post_recv, post_send
+from ray_zep.routing.frames import HEAD_BYTES
 from ray_zep.routing.routes import (
     Payload,
     Phase,
@@ -141,10 +147,29 @@ def _payload(index: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn((rows, *ROW_SHAPE), generator=g).to(dtype)
 
 
-def _routed_rank(rank: int, world: int, kv_dtype: torch.dtype) -> dict:
+class _EveryOtherPeer(RingZipper):
+    """Zips the messages to even ranks only: plain and zipped frames meet at proxies."""
+
+    def choose(self, stream, peer, tensor):
+        return peer % 2 == 0
+
+
+def _zipper(comm: Comm, framing: str) -> RingZipper | None:
+    if framing == "off":
+        return None
+    zipper = AdaptiveCollectives(comm.world, Compression.ALWAYS).ring_zipper()
+    if framing == "mixed":
+        zipper.__class__ = _EveryOtherPeer
+    return zipper
+
+
+def _routed_rank(
+    rank: int, world: int, kv_dtype: torch.dtype, framing: str = "off", timeout_s: float = 30.0
+) -> dict:
     topo = _topology(nodes=2, gpus=3)
-    comm = Comm.create(topo, topo.world_size, 30.0).with_groups(GroupNeeds(routing=True))
-    channels = open_channels(comm)
+    comm = Comm.create(topo, topo.world_size, timeout_s).with_groups(GroupNeeds(routing=True))
+    zipper = _zipper(comm, framing)
+    channels = open_channels(comm, zipper)
     transfers = [Transfer((*at, int(payload)), ((0,), 1), 1, r) for at, payload, r in ROUTES]
     rows = RowFormat(ROW_SHAPE[1], ROW_SHAPE[2], kv_dtype, torch.device("cpu"))
     relayed = RankRouting(rank, tuple(transfers), ()).relayed(Phase.FORWARD)
@@ -159,17 +184,36 @@ def _routed_rank(rank: int, world: int, kv_dtype: torch.dtype) -> dict:
             works += post_recv(received[index], t.route, channels, ops)
     comm.wait(works, "test transfers")
     channels.finish_relay()
-    return received
+    sizes = zipper.tally.peek("routed_kv") if zipper is not None else None
+    return {"received": received, "sizes": sizes}
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_routed_transfers_deliver_the_exact_bytes(kv_dtype: torch.dtype) -> None:
-    results = run_ranks(_routed_rank, 6, kv_dtype)
+@pytest.mark.parametrize(
+    ("kv_dtype", "framing"),
+    [
+        (torch.float32, "off"),
+        (torch.bfloat16, "off"),
+        (torch.bfloat16, "zipped"),
+        (torch.float32, "mixed"),
+    ],
+    ids=["fp32", "bf16", "bf16-zipped", "fp32-mixed-frames"],
+)
+def test_routed_transfers_deliver_the_exact_bytes(kv_dtype: torch.dtype, framing: str) -> None:
+    """Every route shape, with proxies that forward a piece whole, cut a range into
+    pieces (x1 = 3, x2 = 2) or join pieces (x1 = 2, x2 = 3); framed, plain and zipped
+    messages meet at the proxies."""
+    results = run_ranks(_routed_rank, 6, kv_dtype, framing)
+    if framing != "off":  # every hop's message counted once, the relays' too
+        raw = sum(r["sizes"][0] for r in results)
+        rows = sum(r.dispatched_rows() + r.rows + r.combined_rows() for *_, r in ROUTES)
+        element = torch.empty((), dtype=kv_dtype).element_size()
+        dkv = sum(r.dispatched_rows() + r.rows + r.combined_rows() for _, p, r in ROUTES if p)
+        assert raw == math.prod(ROW_SHAPE) * ((rows - dkv) * element + dkv * 4)
     for index, (_, payload, route) in enumerate(ROUTES):
         dtype = kv_dtype if payload is Payload.KV else torch.float32
         sent = _payload(index, route.rows, dtype)
-        got = results[route.dst][index]
+        got = results[route.dst]["received"][index]
         assert got.dtype == dtype and torch.equal(got.view(torch.uint8), sent.view(torch.uint8)), (
             f"transfer {index} ({route.src}->{route.dst}) differs"
         )
@@ -186,3 +230,33 @@ def test_step_traffic_counts_what_the_layers_move() -> None:
     direct = attention_step_traffic(plan, shape, False, None)
     assert direct.inter_node == routed.inter_node > 0
     assert direct.intra_node < routed.intra_node, "dispatch and combine hops are intra-node"
+
+
+def _damaged_frames(rank: int, world: int) -> str:
+    """Rank 0 sends every zipped frame with a bit of its first value flipped."""
+    honest = routing_comms.frame
+
+    def damaged(tensor, zipped):
+        message = honest(tensor, zipped)
+        if zipped:  # the first value's raw byte (sign and mantissa)
+            layout = Layout.of(tensor.numel(), float_format(tensor.dtype))
+            message.frame[HEAD_BYTES + layout.raw] ^= 0x10
+        return message
+
+    routing_comms.frame = damaged if rank == 0 else honest
+    try:
+        _routed_rank(rank, world, torch.bfloat16, "zipped", timeout_s=3.0)
+    except (CodecError, CommError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        routing_comms.frame = honest
+    return "no error"
+
+
+@pytest.mark.dist
+def test_a_damaged_routed_frame_is_a_typed_error_naming_stream_and_peer() -> None:
+    """Rank 0's own piece goes straight to rank 3 (both are proxies): rank 3 decodes it
+    and names the stream and rank 0; no rank hangs past comm.timeout_s."""
+    errors = run_ranks(_damaged_frames, 6)
+    assert errors[3].startswith("CodecError: routed_kv"), errors[3]
+    assert "from rank 0" in errors[3], errors[3]

@@ -97,10 +97,15 @@ PAIRS = {
     "moe_ep2_padded": (PADDED_MOE, ["expert_all_to_all"], {"expert_all_to_all"}),
     "tawpipe": (["parallel.weights=tawpipe"], [], {"weight_shards", "shard_gradients"}),
     "weipipe": (["parallel.weights=weipipe"], [], {"weight_shards", "shard_gradients"}),
+    "zeppelin+routing": (
+        ["parallel.sequence=zeppelin", "parallel.routing=true", *SPLIT],
+        ["kv", "routed_kv"],
+        {"kv", "routed_kv"},
+    ),
     "zeppelin+fsdp+routing+remap": (
         ["parallel.sequence=zeppelin", "parallel.weights=fsdp", *ROUTE_REMAP, *SPLIT],
         [],
-        {"fsdp_all_gather", "fsdp_reduce_scatter", "kv", "remap_all_to_all"},
+        {"fsdp_all_gather", "fsdp_reduce_scatter", "kv", "routed_kv", "remap_all_to_all"},
     ),
 }
 """An empty stream list compresses every stream."""

@@ -180,6 +180,18 @@ class RingZipper:
             self.tally.add(stream, nbytes, nbytes, zipped=False)
         return zipped
 
+    def choose(self, stream: str, peer: int, tensor: torch.Tensor) -> bool:
+        """Whether a message to `peer` goes zipped, where the message itself tells the
+        receiver (routed frames): nothing tallied, see `framed_sent`."""
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._decide(stream, self._link(stream, self.rank, peer), tensor, nbytes)
+
+    def framed_sent(self, stream: str, peer: int, raw: int, wire: int, zipped: bool) -> None:
+        """Tally a message `choose` decided, learning the link's ratio when zipped."""
+        self.tally.add(stream, raw, wire, zipped)
+        if zipped:
+            self.switcher.observe(self._link(stream, self.rank, peer), Sizes(raw, wire))
+
     def zip_recv(self, stream: str, peer: int, buf: torch.Tensor) -> bool:
         nbytes = buf.numel() * buf.element_size()
         return self._decide(stream, self._link(stream, peer, self.rank), buf, nbytes)

@@ -71,7 +71,8 @@ class RankTrainer:
         )
         self.zipped = self.switches.world
         ring_zip = self.zipped.ring_zipper() if self.zipped is not None else None
-        routing = open_channels(self.comm) if config.parallel.routing and comm.distributed else None
+        routed = config.parallel.routing and comm.distributed
+        routing = open_channels(self.comm, ring_zip) if routed else None
         links = Links(self.comm, routing, ring_zip)
         self.ctx = StepContext(
             config, self.comm, device, self.dtype, self.model, kernel, self.axes, links, self.zipped

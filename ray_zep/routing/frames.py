@@ -1,0 +1,188 @@
+"""Routed messages that say themselves whether they are compressed (`routed_kv`).
+
+With compression on, every message of a routed transfer travels in two parts:
+
+- the frame, whose size every rank knows from the rows it carries: a 16-byte
+  head (its kind, plain or zipped) and then the codec's static part, or for a
+  plain message as many raw bytes as a static part would hold;
+- the tail: the codec's dynamic part (its size in the static part's header), or
+  the raw bytes that did not fit in the frame.
+
+So a proxy forwards a message without knowing how its source chose, and without
+decoding it when it passes it on whole: a piece is coded once, at its source,
+and decoded once, at its destination.
+
+Order: on one group, a pair of ranks pairs messages in the order both post
+them. A sender posts a message's frame and tail together; a receiver
+(`Mailbox`) posts a frame only once the tail of the message before it on the
+same group and peer is posted, so frames and tails pair up in order.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ray_zep.collectives.codec import blamed_on, compress, decode_exactly, read_header
+from ray_zep.collectives.format import static_bytes
+from ray_zep.errors import CodecError
+
+HEAD_BYTES = 16
+PLAIN, ZIPPED = 0x50, 0x5A
+"""The first byte of a frame: its kind."""
+
+
+def frame_bytes(values: int, dtype: torch.dtype) -> int:
+    """Size of the frame of a message of `values` values."""
+    return HEAD_BYTES + static_bytes(values, dtype)
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class Framed:
+    """One message in its two parts."""
+
+    frame: torch.Tensor
+    tail: torch.Tensor
+    raw_bytes: int
+
+    @property
+    def zipped(self) -> bool:
+        return int(self.frame[0]) == ZIPPED
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.frame.numel() + self.tail.numel()
+
+    def post(self, peer: int, group) -> list:
+        """Post both parts to `peer` (global rank) on `group`."""
+        works = [dist.isend(self.frame, peer, group)]
+        if self.tail.numel():
+            works.append(dist.isend(self.tail, peer, group))
+        return works
+
+
+def frame(tensor: torch.Tensor, zipped: bool) -> Framed:
+    """`tensor` as a message, compressed or not."""
+    values, raw = tensor.numel(), _raw(tensor)
+    out = torch.empty(frame_bytes(values, tensor.dtype), dtype=torch.uint8, device=tensor.device)
+    out[:HEAD_BYTES] = 0
+    if zipped:
+        compressed = compress(tensor)
+        out[0] = ZIPPED
+        out[HEAD_BYTES:] = compressed.static
+        return Framed(out, compressed.dynamic, raw.numel())
+    out[0] = PLAIN
+    held = min(raw.numel(), out.numel() - HEAD_BYTES)
+    out[HEAD_BYTES : HEAD_BYTES + held] = raw[:held]
+    return Framed(out, raw[held:], raw.numel())
+
+
+def tail_bytes(head: torch.Tensor, values: int, dtype: torch.dtype) -> int:
+    """Size of the tail that follows `head` (a received frame).
+
+    Raises:
+        CodecError: the frame is of no known kind, or its static part is damaged.
+    """
+    kind = int(head[0])
+    if kind == ZIPPED:
+        return read_header(head[HEAD_BYTES:]).dynamic_bytes
+    if kind == PLAIN:
+        raw = values * torch.empty((), dtype=dtype).element_size()
+        return max(0, raw - (head.numel() - HEAD_BYTES))
+    raise CodecError(f"a routed frame of unknown kind {kind:#x} (damaged in transit?)")
+
+
+def unframe(message: Framed, out: torch.Tensor) -> None:
+    """Write the message's values into `out` (contiguous, of the sent shape's size).
+
+    Raises:
+        CodecError: a damaged zipped message.
+    """
+    if message.zipped:
+        static = message.frame[HEAD_BYTES:]
+        values = decode_exactly(static, message.tail, out.numel())
+        out.view(-1).copy_(values)
+        return
+    if not out.is_contiguous():
+        raise CodecError("a routed message's receive buffer must be contiguous")
+    raw = _raw(out)
+    held = min(raw.numel(), message.frame.numel() - HEAD_BYTES)
+    raw[:held] = message.frame[HEAD_BYTES : HEAD_BYTES + held]
+    raw[held:] = message.tail
+
+
+class FramedRecv:
+    """A routed message being received into `out` (a `wait_all` handle).
+
+    Args:
+        out: the rows it carries (contiguous).
+        peer, group: where it comes from.
+        box: the receiving thread's mailbox.
+        source: who sends it, for errors.
+        decode: write the values into `out` (False: only forwarded whole).
+    """
+
+    def __init__(self, out: torch.Tensor, peer: int, group, box: Mailbox, source: str, decode):
+        self.out, self.peer, self.group, self.box = out, peer, group, box
+        self.source, self.decode = source, decode
+        self.head = out.new_empty(frame_bytes(out.numel(), out.dtype), dtype=torch.uint8)
+        self.tail: torch.Tensor | None = None
+        self.works: list = []
+        box.add(self)
+
+    def post_head(self) -> None:
+        self.works = [dist.irecv(self.head, self.peer, self.group)]
+
+    def post_tail(self, timeout) -> None:
+        """Wait for the frame, then post the receive of the tail it announces."""
+        for work in self.works:
+            work.wait(timeout=timeout)
+        with blamed_on(self.source):
+            size = tail_bytes(self.head, self.out.numel(), self.out.dtype)
+        self.tail = self.head.new_empty(size)
+        self.works = [dist.irecv(self.tail, self.peer, self.group)] if size else []
+
+    def wait(self, timeout=None) -> bool:
+        self.box.reach(self, timeout)
+        for work in self.works:
+            work.wait(timeout=timeout)
+        self.works = []
+        if self.decode:
+            with blamed_on(self.source):
+                unframe(self.message(), self.out)
+        return True
+
+    def message(self) -> Framed:
+        """What arrived, as it arrived (after `wait`)."""
+        raw = self.out.numel() * self.out.element_size()
+        return Framed(self.head, self.tail, raw)
+
+
+class Mailbox:
+    """One receiving thread's routed messages whose tails are not posted yet, per
+    (group, peer), in the order they were posted; only the first has its frame posted."""
+
+    def __init__(self) -> None:
+        self._queues: dict[tuple[int, int], collections.deque[FramedRecv]] = {}
+
+    def add(self, recv: FramedRecv) -> None:
+        queue = self._queues.setdefault((id(recv.group), recv.peer), collections.deque())
+        if not queue:
+            recv.post_head()
+        queue.append(recv)
+
+    def reach(self, recv: FramedRecv, timeout) -> None:
+        """Post tails in order until `recv`'s is posted."""
+        queue = self._queues[(id(recv.group), recv.peer)]
+        while any(r is recv for r in queue):
+            first = queue.popleft()
+            first.post_tail(timeout)
+            if queue:
+                queue[0].post_head()
