@@ -29,6 +29,9 @@
     ray-zep bench moe [--models ...] [--seq-lens ...] [--cpu-ranks N] [--nic-gbps G]
                       [--intra-gbytes B] [--out DIR]
                                              FoldMoE schedules: simulated and measured
+    ray-zep bench zipccl [--mfu F] [--codec-dram-fraction F] [--demo-steps K] [--out DIR]
+                                             ZipCCL's paper setups, modelled off and on with
+                                             the ratios our codec measures here
 
 Errors on bad input are one line on stderr and exit status 2.
 """
@@ -208,6 +211,22 @@ def _parser() -> argparse.ArgumentParser:
     tawpipe.add_argument("--cpu-steps", type=int, default=6, help="steps of each CPU run (0: none)")
     tawpipe.add_argument("--out", default="runs/bench/tawpipe", help="JSON and PNG folder")
     tawpipe.set_defaults(handler=_bench_tawpipe)
+
+    zipccl = benches.add_parser("zipccl", help="ZipCCL's paper setups, modelled off and on")
+    zipccl.add_argument("--mfu", type=float, default=0.58, help="model FLOPs / peak (0.58)")
+    zipccl.add_argument(
+        "--codec-dram-fraction", type=float, default=0.5, help="codec rate / DRAM rate (0.5)"
+    )
+    zipccl.add_argument("--latency-us", type=float, default=10.0, help="alpha per ring step")
+    zipccl.add_argument(
+        "--weights-sample", type=int, default=0, help="values per weight tensor measured (0: all)"
+    )
+    zipccl.add_argument("--demo-config", default="conf/demo.yaml", help="model of the demo ratios")
+    zipccl.add_argument(
+        "--demo-steps", type=int, default=3, help="demo training steps (0: weights' ratio only)"
+    )
+    zipccl.add_argument("--out", default="runs/bench/zipccl", help="JSON and PNG folder")
+    zipccl.set_defaults(handler=_bench_zipccl)
 
     memory = benches.add_parser("memory", help="per-rank memory, modelled and measured")
     _optional_config_args(memory)
@@ -528,6 +547,40 @@ def _bench_tawpipe(args: argparse.Namespace) -> int:
     command = "ray-zep " + " ".join(sys.argv[1:])
     print(f"wrote {write_record(out / 'tawpipe.json', command, record)}")
     print(f"wrote {bench.draw_tawpipe_chart(rows, out / 'tawpipe.png')}")
+    return 0
+
+
+def _bench_zipccl(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from ray_zep.bench import zipccl_report as bench
+    from ray_zep.bench.output import write_record
+    from ray_zep.bench.zipccl import Assumptions
+    from ray_zep.errors import ConfigError
+
+    if args.demo_steps < 0:
+        raise ConfigError(f"--demo-steps={args.demo_steps}: must be >= 0 (0: no demo run)")
+    spec = Assumptions(args.mfu, args.codec_dram_fraction, args.latency_us)
+    weights = bench.layer_weights(sample=args.weights_sample)
+    demo = None
+    if args.demo_steps:
+        from ray_zep.bench.codec import model_tensors
+
+        demo = model_tensors(load_config(Path(args.demo_config), []), args.demo_steps)
+    ratios = bench.measure_ratios(weights, demo)
+    print(f"measured ratios (our codec, this machine): {asdict(ratios)}")
+    rows = bench.model_rows(spec, ratios)
+    print(bench.format_table(rows))
+    out = Path(args.out)
+    record = {
+        "assumptions": asdict(spec),
+        "ratios": asdict(ratios)
+        | {"weights_values": weights.numel(), "demo_steps": args.demo_steps},
+        "rows": bench.row_dicts(rows),
+    }
+    command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ray-zep bench zipccl"
+    print(f"wrote {write_record(out / 'zipccl.json', command, record)}")
+    print(f"wrote {bench.draw_zipccl_chart(rows, out / 'zipccl.png')}")
     return 0
 
 
