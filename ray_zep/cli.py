@@ -148,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
         help="compression: each of --cases with comm.compression off and on, side by side",
     )
     train_bench.add_argument(
-        "--cases", help="--compare compression: fsdp,zeppelin+fsdp,moe_ep2_1a1m"
+        "--cases", help="--compare compression: fsdp,zeppelin+fsdp,moe_ep2_1a1m (also tawpipe)"
     )
     train_bench.add_argument("--modes", help="--compare compression: off,auto,always")
     train_bench.set_defaults(handler=_bench_train)
@@ -392,7 +392,7 @@ def _bench_compression(args: argparse.Namespace) -> int:
     from ray_zep.report.timeline import draw_throughput
 
     cases, modes = bench.check_cases(
-        _names(args.cases, tuple(bench.CASES)), _names(args.modes, bench.MODES)
+        _names(args.cases, bench.DEFAULT_CASES), _names(args.modes, bench.MODES)
     )
     out = Path(args.out)
     rows = bench.run_compression_bench(

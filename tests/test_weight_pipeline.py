@@ -67,7 +67,11 @@ def _merged(per_rank: list[dict]) -> dict[str, torch.Tensor]:
 ZIPPED = "comm.compression=always"
 STRATEGY_RUNS = {
     "1x4": [("tawpipe",), ("weipipe",), ("tawpipe", ZIPPED)],
-    "2x2": [("tawpipe",), ("weipipe",), ("tawpipe", "parallel.shard_recompute=false")],
+    "2x2": [
+        ("tawpipe", "metrics.memory_every=1"),
+        ("weipipe",),
+        ("tawpipe", "parallel.shard_recompute=false"),
+    ],
     "2x4": [("tawpipe",), ("weipipe",), ("tawpipe", ZIPPED)],
 }
 """Weight-passing modes with whole sequences (FSDP2 is tested with every placement in

@@ -21,9 +21,10 @@ from ray_zep.config import Compression, load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import ConfigError
 from ray_zep.parallel.axes import Placement, WeightsMode
-from workers.bench_train import steady_totals, step_rows
+from workers.bench_train import TIMING_OVERRIDES, steady_totals, step_rows
 
 FSDP, WHOLE, ZEPPELIN = WeightsMode.FSDP.value, Placement.WHOLE.value, Placement.ZEPPELIN.value
+TAWPIPE = WeightsMode.TAWPIPE.value
 WHOLE_SEQUENCES = [
     f"parallel.sequence={WHOLE}",
     "data.packing=rank",
@@ -44,9 +45,11 @@ CASES = {
         "parallel.moe_pipeline=1a1m",
     ],
 }
+CASES[TAWPIPE] = [*WHOLE_SEQUENCES, f"parallel.weights={TAWPIPE}"]
 """The compositions compared: FSDP2 over whole sequences, Zeppelin under FSDP2 (with
-the routing and remapping layers where the config turns them on), and an EP MoE
-model with FoldMoE's 1a1m pipeline."""
+the routing and remapping layers where the config turns them on), an EP MoE model
+with FoldMoE's 1a1m pipeline, and TawPipe's weight passing (on request)."""
+DEFAULT_CASES = (FSDP, f"{ZEPPELIN}+{FSDP}", "moe_ep2_1a1m")
 MODES = tuple(m.value for m in Compression)
 
 
@@ -107,6 +110,7 @@ def run_compression_bench(
             extra = [
                 *CASES[case],
                 f"comm.compression={mode}",
+                *TIMING_OVERRIDES,
                 f"train.steps={steps}",
                 f"train.out_dir={run_dir}",
             ]

@@ -35,6 +35,9 @@ from ray_zep.report.plan_command import PlanRequest, request_lengths
 from ray_zep.sim.compare import VARIANTS, simulate_strategies
 from ray_zep.topology import build_topology
 
+TIMING_OVERRIDES = ("metrics.memory_every=0",)
+"""Timed runs measure no memory: on CPU a measured step runs 2-3x slower (MemTracker
+follows every tensor), which would bias the steady-state step time."""
 DEFAULT_STRATEGIES = tuple(
     p.value for p in (Placement.ZEPPELIN, Placement.TE_CP, Placement.LLAMA_CP, Placement.HYBRID_DP)
 )
@@ -101,7 +104,8 @@ def run_train_bench(
     calibration = calibration or calibrate(build_shape(base.model), torch.device("cpu"))
     rows = []
     for name in strategies:
-        extra = [*variant_overrides(name), f"train.steps={steps}", f"train.out_dir={out / name}"]
+        extra = [*variant_overrides(name), *TIMING_OVERRIDES, f"train.steps={steps}"]
+        extra.append(f"train.out_dir={out / name}")
         shutil.rmtree(out / name, ignore_errors=True)  # a fresh run, never a resume
         config = load_config(config_path, [*overrides, *extra])
         summary = train(config)

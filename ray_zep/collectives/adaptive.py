@@ -160,8 +160,9 @@ class AdaptiveCollectives:
 
 
 class RingZipper:
-    """Chooses, per point-to-point message of the attention layer, whether it travels
-    zipped: ring K/V (`kv`), the Ulysses head exchange and the remapping layer's rows.
+    """Chooses, per point-to-point message, whether it travels zipped: ring K/V (`kv`),
+    the Ulysses head exchange, the remapping layer's rows, routed K/V (`choose`: the
+    message says its kind itself) and weight passing's shards and gradient sums.
 
     A link's choices depend only on the stream, the message sizes and the ratios
     of its earlier zipped messages, which both ends know, so sender and receiver

@@ -25,10 +25,11 @@ What each mode's transport costs (B: shard bytes, D nodes, G GPUs each):
   schedule (there the devices run different shards at once and every ring
   link carries a shard each time step); the executor does not run that.
 
-Shards travel as the executor sends them: float32 master weights and float32
-gradients. Memory (`sequences_that_fit`) counts the own shard with its
-gradient and Adam moments, the borrowed and staging shards, the gradients in
-flight, every shard boundary and one shard's activations (recompute on).
+Shards and gradients travel as the executor sends them on a GPU: in the bf16
+compute dtype (float32 master weights stay with their owner). Memory
+(`sequences_that_fit`) counts the own shard with its gradient and Adam moments,
+the borrowed shard (float32 parameters), the staging buffer and the gradients
+in flight (bf16), every shard boundary and one shard's activations (recompute on).
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ from ray_zep.parallel.axes import WEIGHTS_AXES, Passing, WeightsMode
 from ray_zep.pipeline.layout import WeightLayout
 from ray_zep.pipeline.messages import Message, fetch_messages, reduce_messages
 
-WEIGHT_BYTES = 4
-"""Shards and gradients travel in float32 (the master weights)."""
+WEIGHT_BYTES = 2
+"""Shards and gradients travel in the compute dtype, bf16 (`ShardedWeights`)."""
+PARAM_BYTES = 4
+"""A borrowed shard's parameters and the shard boundaries are float32."""
 ACTIVATION_BYTES_PER_TOKEN_LAYER = 34
 """Activation bytes of one block per token per unit of model dim, bf16 with flash
 attention (Korthikanti et al., 2022: 34 s b h, the 5 a s^2 b term gone)."""
@@ -364,9 +367,9 @@ def sequences_that_fit(
     sizes = unit_sizes(shape)
     layout = WeightLayout.build(Passing.GROUPED, sizes, c.nodes, c.gpus_per_node)
     largest = max(sum(sizes[u] for u in units) for units in layout.units)
-    fixed = (OPTIMIZER_BYTES + 5 * WEIGHT_BYTES) * largest
+    fixed = (OPTIMIZER_BYTES + PARAM_BYTES + 4 * WEIGHT_BYTES) * largest
     blocks = max(len(units) for units in layout.units) if recompute else shape.n_layers
-    per_token = WEIGHT_BYTES * shape.dim * layout.shards
+    per_token = PARAM_BYTES * shape.dim * layout.shards
     per_token += ACTIVATION_BYTES_PER_TOKEN_LAYER * shape.dim * blocks
     per_token += LOGIT_BYTES * shape.vocab_size
     room = c.memory_bytes - fixed

@@ -113,9 +113,9 @@ class Transport:
         if not self.grouped:
             self._relay_along(pending, self._ring(self.layout.owners[shard]), what)
         elif self.chained:
-            self._relay_along(pending, self._rail_chain(shard), what)
+            arrived = self._relay_along(pending, self._rail_chain(shard), what)
             node = self._node_chain(shard)
-            self._post_along(pending, node, self.shards)
+            self._post_along(pending, node, self.shards, arrived)
             self._relay_along(pending, node, f"{what} in the node")
         else:
             self.comm.wait(pending.works, what)
@@ -126,27 +126,34 @@ class Transport:
                 self.comm.wait([work], f"broadcasting weight shard {shard} in the node")
         return pending.buffer
 
-    def _post_along(self, pending: Pending, chain: list[int], wire: Wire) -> None:
-        """A chain broadcast's first leg: its head sends, the others post their receive."""
+    def _post_along(
+        self, pending: Pending, chain: list[int], wire: Wire, arrived: Incoming | None = None
+    ) -> None:
+        """A chain broadcast's first leg: its head sends (what `arrived` over the rail,
+        as it came), the others post their receive."""
         if self.rank not in chain or len(chain) < 2:
             return
         at = chain.index(self.rank)
-        if at == 0:
+        if at == 0 and arrived is not None:
+            pending.works += wire.forward(arrived, chain[1])
+        elif at == 0:
             pending.works += wire.send(pending.buffer, chain[1])
         else:
             pending.incoming = wire.post_recv(pending.buffer, chain[at - 1])
 
-    def _relay_along(self, pending: Pending, chain: list[int], what: str) -> None:
-        """A chain broadcast's rest: receive, pass it on, and wait for what was sent."""
+    def _relay_along(self, pending: Pending, chain: list[int], what: str) -> Incoming | None:
+        """A chain broadcast's rest: receive, pass it on, and wait for what was sent;
+        returns what arrived (None at the head)."""
         self.comm.wait(pending.works, what)
         pending.works = []
         incoming, pending.incoming = pending.incoming, None
         if incoming is None:
-            return
+            return None
         incoming.wait(what)
         at = chain.index(self.rank)
         if at + 1 < len(chain):
             self.comm.wait(incoming.wire.forward(incoming, chain[at + 1]), f"relaying: {what}")
+        return incoming
 
     # --- gradients --------------------------------------------------------------
 

@@ -5,7 +5,9 @@ On GPU the measurement is the caching allocator's peak of the step
 allocator counter; torch's `MemTracker` (a dispatch mode that follows every
 tensor storage the step creates or frees, by category) gives the peak bytes of
 live tensors, on the steps `metrics.memory_every` picks. Tensors created by
-other threads (the routing relay) are not seen.
+other threads (the routing relay) are not seen. Weight passing (`tawpipe`,
+`weipipe`) runs a shard's modules twice in a step, forward and again in
+backward, which MemTracker cannot follow: there the state peak alone is measured.
 
 The state peak (parameters + gradients + optimizer state) is sampled after every
 operation the step dispatches, from the tensors themselves: the optimizer's
@@ -46,6 +48,8 @@ class PeakProbe:
     device: torch.device
     every: int
     modules: tuple = ()
+    whole_step: bool = True
+    """On CPU, measure every live tensor (MemTracker); False: the state peak only."""
     last: dict[str, float] = field(default_factory=dict)
     """The last measured step: `peak` bytes, on CPU with its parts at that moment and
     `state_peak` (the most parameters + gradients + optimizer state held); empty if the
@@ -67,9 +71,14 @@ class PeakProbe:
         if not self.every or step < 2 or (step - 2) % self.every:
             yield
             return
+        sampler = StateSampler(*self.modules)
+        if not self.whole_step:
+            with sampler:
+                yield
+            self.last = {"state_peak": float(sampler.peak)}
+            return
         tracker = MemTracker()
         tracker.track_external(*self.modules)
-        sampler = StateSampler(*self.modules)
         with tracker, sampler:
             yield
         peak = tracker.get_tracker_snapshot("peak").get(self.device, {})

@@ -67,7 +67,10 @@ class RankTrainer:
         self.optimizer = build_optimizer(self.axes.state_module, config.train)
         self.steps_done = 0
         self.memory_probe = PeakProbe(
-            device, config.metrics.memory_every, (self.axes.state_module, self.optimizer)
+            device,
+            config.metrics.memory_every,
+            (self.axes.state_module, self.optimizer),
+            whole_step=self.axes.pipeline is None,
         )
         self.zipped = self.switches.world
         ring_zip = self.zipped.ring_zipper() if self.zipped is not None else None
