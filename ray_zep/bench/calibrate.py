@@ -126,6 +126,7 @@ def _link_worker(rank: int, port: int, repeats: int, result) -> None:
             times.append((time.perf_counter() - started) / 2)
         if rank == 0:
             result.append((nbytes, float(np.median(times[1:]))))
+    dist.barrier()  # no rank tears the group down while a peer still uses it
     dist.destroy_process_group()
 
 

@@ -225,4 +225,5 @@ def _measure_rank(rank: int, spec: MoEBenchSpec, port: int, queue) -> None:
         )  # fmt: skip
     if rank == 0:
         queue.put(rows)
+    dist.barrier()  # no rank tears the group down while a peer still uses it
     dist.destroy_process_group()
