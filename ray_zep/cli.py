@@ -2,6 +2,13 @@
 
     ray-zep train CONFIG [key=value ...]     train (starts a local Ray unless one is given)
     ray-zep config CONFIG [key=value ...]    print the resolved config
+    ray-zep export (RUN_DIR | CONFIG) [key=value ...] --out DIR
+                                             write a run's last checkpoint (or model.init_from)
+                                             as a Hugging Face LlamaForCausalLM / Qwen2ForCausalLM
+    ray-zep eval CONFIG [key=value ...] [--run RUN_DIR] [--batches N] [--json F]
+                                             validation loss of model.init_from (or the run's
+                                             last checkpoint) on the config's data, per document
+    ray-zep report RUN_DIR                   draw a run's loss.png, throughput.png and load.png
     ray-zep topology [CONFIG] [key=value ...] [--probe]
                                              print the topology (or probe this GPU node)
     ray-zep data build INPUT ... --out FILE  tokenize text/JSONL into a Parquet dataset
@@ -87,6 +94,23 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(config)
     config.set_defaults(handler=_config)
 
+    export = commands.add_parser("export", help="write a model as a Hugging Face checkpoint")
+    export.add_argument("source", help="run directory, or YAML config with model.init_from")
+    export.add_argument("overrides", nargs="*", help="key=value overrides")
+    export.add_argument("--out", required=True, help="output directory")
+    export.set_defaults(handler=_export)
+
+    evaluate = commands.add_parser("eval", help="validation loss on the config's data")
+    _config_args(evaluate)
+    evaluate.add_argument("--run", help="evaluate this run directory's last checkpoint")
+    evaluate.add_argument("--batches", type=int, help="only the first N batches")
+    evaluate.add_argument("--json", dest="json_path", help="write loss and documents here")
+    evaluate.set_defaults(handler=_eval)
+
+    report = commands.add_parser("report", help="draw a run's pictures from its metrics.jsonl")
+    report.add_argument("run_dir", help="the run directory (train.out_dir)")
+    report.set_defaults(handler=_report)
+
     topology = commands.add_parser("topology", help="print the topology of a config")
     _optional_config_args(topology)
     topology.add_argument(
@@ -101,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
         "--distribution", help="draw lengths from a Table 2 distribution: arxiv|github|prolong64k"
     )
     plan.add_argument(
-        "--tokens", type=int, help="batch tokens for --distribution (nodes x GPUs x L)"
+        "--tokens", help="batch tokens for --distribution, e.g. 256k (default: nodes x GPUs x L)"
     )
     plan.add_argument("--batch", type=int, default=0, help="else: batch index of the config's data")
     plan.add_argument(
@@ -274,13 +298,73 @@ def _train(args: argparse.Namespace) -> int:
             f"{summary.first_loss:.4f} -> {summary.final_loss:.4f}, "
             f"{summary.tokens_per_second / 1e3:.1f}k tokens/s; run dir {summary.run_dir}"
         )
+        _print_run_summary(config, summary.run_dir)
     else:
         print(f"nothing to train: {summary.run_dir} is already at step {summary.last_step}")
     return 0
 
 
+def _print_run_summary(config, run_dir: Path) -> None:
+    """Balance and traffic of the run, and TE CP on its batches (modelled)."""
+    from ray_zep import steplog
+    from ray_zep.constants import METRICS_FILE_NAME
+    from ray_zep.errors import ZepError
+    from ray_zep.report.run_summary import compare_with_te_cp, summary_lines
+    from ray_zep.topology import build_topology
+
+    rows = [r for r in steplog.read_rows(run_dir / METRICS_FILE_NAME) if "step_seconds" in r]
+    if not rows:
+        return
+    comparison = None
+    try:
+        comparison = compare_with_te_cp(config, build_topology(config.topology), rows[-1]["step"])
+    except ZepError as exc:
+        print(f"te_cp comparison not modelled: {exc}")
+    for line in summary_lines(rows, comparison):
+        print(line)
+
+
 def _config(args: argparse.Namespace) -> int:
     print(config_to_yaml(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from ray_zep.report.run_plots import draw_run
+
+    for path in draw_run(Path(args.run_dir)):
+        print(f"wrote {path}")
+    return 0
+
+
+def _wrote(path: Path | None) -> None:
+    """Say where a picture went; None: skipped without matplotlib, already logged."""
+    if path is not None:
+        print(f"wrote {path}")
+
+
+def _export(args: argparse.Namespace) -> int:
+    from ray_zep.train.restore import export_model, resolve_source
+
+    source = resolve_source(args.source, args.overrides)
+    out = export_model(source, args.out)
+    origin = source.checkpoint or source.config.model.init_from
+    print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'} from {origin}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from ray_zep.train.evaluate import run_eval
+    from ray_zep.train.restore import resolve_source
+
+    source = resolve_source(args.config, args.overrides, args.run)
+    result = run_eval(source, args.batches)
+    print(
+        f"loss {result.loss:.6f} over {result.label_tokens} label tokens, "
+        f"{len(result.documents)} documents in {result.batches} batches"
+    )
+    if args.json_path:
+        print(f"wrote {result.write_json(args.json_path)}")
     return 0
 
 
@@ -310,7 +394,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.sequence is not None:  # one more override: validated with the others
         args.overrides = [*args.overrides, f"parallel.sequence={args.sequence}"]
-    request = PlanRequest(args.lengths, args.distribution, args.tokens, args.batch)
+    request = PlanRequest(args.lengths, args.distribution, _tokens(args.tokens), args.batch)
     result = run_plan(_optional_config(args), request)
     print(result.table)
     for path in write_outputs(result, args.png, args.json_path):
@@ -319,11 +403,23 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate(args: argparse.Namespace) -> int:
+def _tokens(text: str | None) -> int | None:
+    """A `--tokens` count, in the lengths' syntax (k = 1024): one syntax for every command."""
+    from ray_zep.errors import ConfigError
     from ray_zep.report.plan_command import parse_lengths
+
+    if not text:
+        return None
+    values = parse_lengths(text, "--tokens")
+    if len(values) != 1:
+        raise ConfigError(f"--tokens {text!r}: one count, e.g. --tokens 256k")
+    return int(values[0])
+
+
+def _simulate(args: argparse.Namespace) -> int:
     from ray_zep.sim.command import SimulateRequest, run_simulate, write_outputs
 
-    tokens = int(parse_lengths(args.tokens, "--tokens")[0]) if args.tokens else None
+    tokens = _tokens(args.tokens)
     request = SimulateRequest(
         args.strategies,
         args.ablation,
@@ -382,7 +478,7 @@ def _bench_train(args: argparse.Namespace) -> int:
     command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ray-zep bench train"
     print(f"wrote {write_json(out / 'train.json', command, spec, bench.row_dicts(rows))}")
     measured = [r.measured_tokens_per_second for r in rows]
-    print(f"wrote {draw_throughput('measured on this CPU', names, measured, out / 'train.png')}")
+    _wrote(draw_throughput("measured on this CPU", names, measured, out / "train.png"))
     return 0
 
 
@@ -406,7 +502,7 @@ def _bench_compression(args: argparse.Namespace) -> int:
     chart = draw_throughput(
         "measured on this CPU", names, [r.tokens_per_second for r in rows], out / "compression.png"
     )
-    print(f"wrote {chart}")
+    _wrote(chart)
     return 0
 
 
@@ -428,7 +524,7 @@ def _bench_codec(args: argparse.Namespace) -> int:
     for goal, ok in bench.goals(rows):
         print(f"goal {'met' if ok else 'MISSED'}: {goal}")
     _write_bench(args, config, spec, "codec", bench.row_dicts(rows))
-    print(f"wrote {bench.draw_codec_chart(rows, Path(args.out) / 'codec.png')}")
+    _wrote(bench.draw_codec_chart(rows, Path(args.out) / "codec.png"))
     return 0
 
 
@@ -464,7 +560,7 @@ def _bench_moe(args: argparse.Namespace) -> int:
     record = write_json(out / "moe.json", "ray-zep " + " ".join(sys.argv[1:]), asdict(spec),
                         bench.row_dicts(rows))  # fmt: skip
     print(f"wrote {record}")
-    print(f"wrote {bench.draw_moe_chart(rows, out / 'moe.png')}")
+    _wrote(bench.draw_moe_chart(rows, out / "moe.png"))
     return 0
 
 
@@ -476,9 +572,9 @@ def _bench_memory(args: argparse.Namespace) -> int:
     from ray_zep.parallel.axes import WEIGHTS_AXES, Family, WeightsMode
 
     if args.config is None and not args.overrides:  # the demo model on a virtual 1 x 8
-        config = load_config(
-            Path("conf/demo.yaml"), ["topology.nodes=1", "topology.gpus_per_node=8"]
-        )
+        whole = ["parallel.sequence=whole", "parallel.routing=false", "parallel.remap=false"]
+        sizes = ["topology.nodes=1", "topology.gpus_per_node=8", "data.packing=rank"]
+        config = load_config(Path("conf/demo.yaml"), [*sizes, *whole])
     else:
         config = _optional_config(args)
     if args.steps < 2:
@@ -502,7 +598,7 @@ def _bench_memory(args: argparse.Namespace) -> int:
     print(
         f"wrote {write_json(out / 'memory.json', command, spec | {'goals': checks}, record_rows)}"
     )
-    print(f"wrote {bench.draw(rows, out / 'memory.png')}")
+    _wrote(bench.draw(rows, out / "memory.png"))
     return 0
 
 
@@ -546,7 +642,7 @@ def _bench_tawpipe(args: argparse.Namespace) -> int:
         record["cpu"] = train_bench.row_dicts(cpu)
     command = "ray-zep " + " ".join(sys.argv[1:])
     print(f"wrote {write_record(out / 'tawpipe.json', command, record)}")
-    print(f"wrote {bench.draw_tawpipe_chart(rows, out / 'tawpipe.png')}")
+    _wrote(bench.draw_tawpipe_chart(rows, out / "tawpipe.png"))
     return 0
 
 
@@ -580,7 +676,7 @@ def _bench_zipccl(args: argparse.Namespace) -> int:
     }
     command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ray-zep bench zipccl"
     print(f"wrote {write_record(out / 'zipccl.json', command, record)}")
-    print(f"wrote {bench.draw_zipccl_chart(rows, out / 'zipccl.png')}")
+    _wrote(bench.draw_zipccl_chart(rows, out / "zipccl.png"))
     return 0
 
 
@@ -594,7 +690,7 @@ def _bench_partition(args: argparse.Namespace) -> int:
     rows = bench.run_partition_bench(config, spec)
     print(bench.format_table(rows))
     _write_bench(args, config, spec, "partition", bench.row_dicts(rows))
-    print(f"wrote {bench.draw_partition_chart(rows, Path(args.out) / 'partition.png')}")
+    _wrote(bench.draw_partition_chart(rows, Path(args.out) / "partition.png"))
     return 0
 
 
@@ -607,7 +703,7 @@ def _bench_layers(args: argparse.Namespace) -> int:
     rows = bench.run_layers_bench(config, spec)
     print(bench.format_table(rows))
     _write_bench(args, config, spec, "layers", bench.row_dicts(rows))
-    print(f"wrote {bench.draw_layers_chart(rows, Path(args.out) / 'layers.png')}")
+    _wrote(bench.draw_layers_chart(rows, Path(args.out) / "layers.png"))
     return 0
 
 

@@ -16,6 +16,7 @@ Public contract (other tools and users rely on these keys): `train.steps`,
 from __future__ import annotations
 
 import dataclasses
+import logging
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,6 +78,8 @@ from ray_zep.parallel.axes import (
     WeightsMode,
     refusal,
 )
+
+log = logging.getLogger(__name__)
 
 
 def _require(ok: bool, key: str, value: Any, rule: str) -> None:
@@ -316,15 +319,29 @@ class ModelConfig:
     rope_theta: float | None = None
     attention_kernel: str = "auto"
     """auto (flash-attn on GPU when installed, else torch) | torch | flash."""
+    init_from: str | None = None
+    """A local Hugging Face checkpoint directory (config.json + model.safetensors, or
+    shards with model.safetensors.index.json) of a LlamaForCausalLM or
+    Qwen2ForCausalLM: the model takes its shape and initial weights (see
+    ray_zep.model.hf); `model.preset` is not used and a size key set here must
+    repeat the checkpoint's value. Unset: a preset, randomly initialised."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-Experts blocks (the preset's unless set)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.init_from is None or bool(self.init_from.strip()),
+            "model.init_from",
+            self.init_from,
+            "must name a checkpoint directory, or be null",
+        )
 
     def overrides(self) -> dict[str, Any]:
         """The dense shape fields set explicitly, by name."""
         return {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name not in ("preset", "attention_kernel", "moe")
+            if f.name not in ("preset", "attention_kernel", "init_from", "moe")
             and getattr(self, f.name) is not None
         }
 
@@ -532,7 +549,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """
     layers = [OmegaConf.structured(Config)]
     if path is not None:
-        layers.append(_load_yaml(Path(path)))
+        layers.append(_load_yaml(Path(path), overrides))
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} must look like key=value, e.g. train.steps=5")
@@ -555,7 +572,29 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         raise ConfigError(f"config key {key}: {detail}") from None
 
 
-def _load_yaml(path: Path) -> Any:
+PRESET_SIZES = ("gpus_per_node", "nics_per_node")
+"""Topology keys a named preset fixes (see `ray_zep.topology.build_topology`)."""
+
+
+def _preset_sizes_win(content: Any, overrides: Sequence[str], path: Path) -> Any:
+    """A named `topology.preset` given as an override replaces the sizes the file pins
+    (the command line is the later word); sizes given as overrides too still meet the
+    preset's check."""
+    given = {k.strip(): v for k, _, v in (item.partition("=") for item in overrides)}
+    preset = given.get("topology.preset", "").strip()
+    topology = content.get("topology") if isinstance(content, dict) else None
+    if not preset or preset == "virtual" or not isinstance(topology, dict):
+        return content
+    for key in PRESET_SIZES:
+        if key in topology and f"topology.{key}" not in given:
+            log.info(
+                "topology.preset=%s fixes topology.%s: %s's value %s is not used",
+                preset, key, path, topology.pop(key),
+            )  # fmt: skip
+    return content
+
+
+def _load_yaml(path: Path, overrides: Sequence[str] = ()) -> Any:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
@@ -570,6 +609,7 @@ def _load_yaml(path: Path) -> Any:
     parallel = content.get("parallel")
     if isinstance(parallel, dict) and "strategy" in parallel:
         _refuse_strategy_key(parallel["strategy"])
+    content = _preset_sizes_win(content, overrides, path)
     return OmegaConf.create(_enum_words_back(content, Config))
 
 

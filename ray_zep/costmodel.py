@@ -137,9 +137,14 @@ def datasheet_peak_flops(gpu_model: str) -> float | None:
     return DATASHEET_PEAK_FLOPS[known] if known else None
 
 
+def preset_gpu(gpu_model: str) -> str:
+    """The GPU whose rates `preset_rates` takes for `gpu_model` (A800 when unknown)."""
+    return _known_gpu(gpu_model) or "A800"
+
+
 def preset_rates(gpu_model: str) -> ComputeRates:
     """The preset of a named GPU (A800 otherwise)."""
-    return HARDWARE_RATES[_known_gpu(gpu_model) or "A800"]
+    return HARDWARE_RATES[preset_gpu(gpu_model)]
 
 
 def linear_flops_per_token(shape: ModelShape) -> tuple[float, float]:

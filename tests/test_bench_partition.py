@@ -12,7 +12,7 @@ from ray_zep.bench.partition import PartitionBenchSpec, run_partition_bench, syn
 from ray_zep.cli import main
 from ray_zep.config import load_config
 from ray_zep.errors import ConfigError
-from ray_zep.report.png import decode_png
+from tests.helpers.pictures import read_png
 
 pytestmark = pytest.mark.unit
 
@@ -69,8 +69,8 @@ def test_command_writes_table_json_and_png(tmp_path: Path, capsys) -> None:
     record = json.loads((tmp_path / "partition.json").read_text())
     assert record["machine"]["cpu_count"] >= 1 and len(record["rows"]) == 7
     assert {"planner_p50_ms", "flops_max_over_mean", "inter_node_gb"} <= set(record["rows"][0])
-    pixels = decode_png((tmp_path / "partition.png").read_bytes())
-    assert pixels.shape[1] == 1100 and (pixels != 255).any()
+    pixels = read_png(tmp_path / "partition.png")
+    assert pixels.shape[1] == 1210 and (pixels != 255).any()  # 11 inches at 110 dpi
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--tokens", "8k,abc"), ("--nodes", "0")])
@@ -92,4 +92,4 @@ def test_layers_bench_routes_te_cp_over_every_nic(tmp_path: Path, capsys) -> Non
         if row["planner"] == "te_cp":
             assert row["busiest_ratio"] <= 1 / 3
         assert 0 <= row["solve_p50_ms"] <= row["solve_p99_ms"]
-    assert decode_png((tmp_path / "layers.png").read_bytes()).shape[:2] == (560, 980)
+    assert read_png(tmp_path / "layers.png").shape[:2] == (726, 1100)  # 10 x 6.6 in, 110 dpi

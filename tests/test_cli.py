@@ -48,7 +48,7 @@ def _datasets(tmp: Path) -> dict[str, Path]:
 BAD_INPUT = [
     (["train.stesp=3"], "unknown config key 'train.stesp'"),
     (["train.steps=many"], "config key train.steps: Value 'many'"),
-    (["ray.num_workers=3"], "ray.num_workers=3: parallel.sequence=whole on topology.nodes=2"),
+    (["ray.num_workers=3"], "ray.num_workers=3: parallel.sequence=zeppelin on topology.nodes=2"),
     (["data.source={tmp}/nope.parquet"], "nope.parquet' does not exist"),
     (["data.source={corrupt}"], "is not a readable Parquet file"),
     (["data.source={empty}"], "holds no tokens"),

@@ -101,11 +101,11 @@ def test_bad_files(tmp_path: Path) -> None:
 
 
 def test_resolved_config_round_trips(tmp_path: Path) -> None:
-    config = load_config(REPO / "conf" / "demo.yaml", ["train.steps=5", "parallel.sequence=single"])
+    config = load_config(REPO / "conf" / "demo.yaml", ["train.steps=5", "parallel.remap=false"])
     written = write_resolved_config(config, tmp_path / "run")
     assert load_config(written) == config
     assert config_from_dict(config_to_dict(config)) == config
-    assert "sequence: single" in written.read_text()
+    assert "sequence: zeppelin" in written.read_text() and "remap: false" in written.read_text()
 
 
 def test_demo_config_is_the_documented_cpu_demo() -> None:
@@ -113,6 +113,21 @@ def test_demo_config_is_the_documented_cpu_demo() -> None:
     assert config.model.preset == "tiny"
     assert config.topology.nodes * (config.topology.gpus_per_node or 1) == 4
     assert config.data.source == "stdlib"
+    # the product: Zeppelin's placement with FSDP2, routing and remapping
+    assert config.parallel.sequence.value == "zeppelin"
+    assert config.parallel.weights.value == "fsdp"
+    assert config.parallel.routing and config.parallel.remap
+
+
+def test_a_preset_on_the_command_line_replaces_the_sizes_a_file_pins() -> None:
+    """One rule for every command: the later word wins, and both words on the command
+    line must agree (the preset's check names the key to drop)."""
+    demo = REPO / "conf" / "demo.yaml"  # pins gpus_per_node: 2
+    config = load_config(demo, ["topology.preset=cluster_a"])
+    assert config.topology.gpus_per_node is None and config.topology.nodes == 2
+    kept = load_config(demo, ["topology.preset=cluster_a", "topology.gpus_per_node=8"])
+    assert kept.topology.gpus_per_node == 8
+    assert load_config(demo).topology.gpus_per_node == 2
 
 
 def test_yaml_boolean_words_name_enum_members(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "demo_losses.json"
-STEPS = 60
+STEPS = 40
 # The first steps are compared tightly; later ones loosely, since fp32 rounding
 # differences between CPU kernels (AVX2 vs AVX-512 paths) compound over steps.
 EARLY_STEPS, EARLY_REL, LATE_REL = 10, 1e-3, 5e-2
@@ -48,10 +48,16 @@ def test_demo_trains_with_falling_loss_and_matches_golden(tmp_path: Path) -> Non
     )
     elapsed = time.perf_counter() - started
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "trained steps 1..60" in done.stdout
+    assert f"trained steps 1..{STEPS}" in done.stdout
     # the driver probed the one-node CPU cluster and kept the config's virtual topology
     probe_line = "no GPU on the 1 Ray node(s): using the configured virtual topology (2 x 2)"
     assert probe_line in done.stdout + done.stderr
+    # the summary a user reads at the end: balance, traffic, and TE CP on the same batches
+    for line in ("balance over ranks", "bytes between nodes", "  zeppelin: ", "  te_cp: "):
+        assert line in done.stdout, done.stdout[-2000:]
+    assert "PreemptionWatcher" not in done.stderr, "a Ray-internal error line a user reads"
+    for picture in ("loss.png", "throughput.png", "load.png"):
+        assert (out / picture).read_bytes().startswith(b"\x89PNG"), picture
 
     losses = jsonl_losses(out)
     assert sorted(losses) == list(range(1, STEPS + 1))
@@ -60,7 +66,7 @@ def test_demo_trains_with_falling_loss_and_matches_golden(tmp_path: Path) -> Non
     assert last < first - 2.0, (
         f"loss should fall from ~5.5 by more than 2: {first:.3f} -> {last:.3f}"
     )
-    # A usability bound for the README's first command on 2 cores (measured ~95 s), not a
+    # A usability bound for the README's first command on 2 cores (measured ~120 s), not a
     # benchmark: it only catches a demo that stopped being a few-minute run.
     assert elapsed < 300, f"the demo took {elapsed:.0f} s"
     _compare_with_golden(losses)

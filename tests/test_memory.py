@@ -82,8 +82,9 @@ def test_bench_memory_writes_table_json_png_and_goal_verdicts(tmp_path: Path, ca
 
     code = main(
         ["bench", "memory", "conf/demo.yaml", "topology.gpus_per_node=2",
-         "train.tokens_per_rank=256", "--checkpointing", "none", "--steps", "2",
-         "--out", str(tmp_path)]
+         "parallel.sequence=whole", "parallel.routing=false", "parallel.remap=false",
+         "data.packing=rank", "train.tokens_per_rank=256", "--checkpointing", "none",
+         "--steps", "2", "--out", str(tmp_path)]
     )  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0

@@ -157,7 +157,7 @@ def test_exporter_derives_model_flops_mfu_zone_shares_and_restarts(tmp_path: Pat
 
 
 @pytest.mark.dist
-def test_step_events_carry_zone_tokens_and_model_flops(tmp_path: Path) -> None:
+def test_step_events_carry_zone_tokens_and_model_flops_per_rank(tmp_path: Path) -> None:
     overrides = [*SMALL_RUN, "train.steps=2", "topology.nodes=2", "topology.gpus_per_node=2"]
     overrides += ["parallel.sequence=zeppelin", f"train.out_dir={tmp_path}"]
     rank0 = run_ranks(train_rank, 4, overrides)[0]
@@ -170,3 +170,6 @@ def test_step_events_carry_zone_tokens_and_model_flops(tmp_path: Path) -> None:
         attention = sum(shape.attention_flops(n) for n in lengths)
         expected = 3 * (shape.linear_flops_per_token() * event["tokens"] + attention)
         assert event["model_flops"] == pytest.approx(expected, rel=1e-9)
+        # each rank's share: its tokens' layers and its part of each sequence's attention
+        assert len(event["rank_flops"]) == 4 and min(event["rank_flops"]) > 0
+        assert sum(event["rank_flops"]) == pytest.approx(expected, rel=1e-9)

@@ -11,7 +11,7 @@ import pytest
 
 from ray_zep.cli import main
 from ray_zep.report.placement import ZONE_COLORS
-from ray_zep.report.png import decode_png
+from tests.helpers.pictures import read_png
 
 pytestmark = pytest.mark.unit
 
@@ -66,7 +66,7 @@ def test_plan_picture_shows_the_zones(tmp_path: Path, capsys) -> None:
     argv = [*CLUSTER, "--lengths", "30000,9000,12k,300,5", "--png", str(png)]
     code, _, err = _run(capsys, "plan", *argv, "--sequence", "zeppelin")
     assert code == 0, err
-    pixels = decode_png(png.read_bytes())
+    pixels = read_png(png)
     assert pixels.shape[1] > 900 and pixels.shape[0] > 16 * 12
     colours = {tuple(p) for p in pixels.reshape(-1, 3)[::7].tolist()}
     for zone_shades in ZONE_COLORS.values():

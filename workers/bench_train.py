@@ -78,8 +78,13 @@ def check_names(names) -> tuple[str, ...]:
 
 
 def variant_overrides(name: str) -> list[str]:
-    if name in WEIGHTS_NAMES:
-        return [f"parallel.sequence={Placement.WHOLE.value}", f"parallel.weights={name}"]
+    if name in WEIGHTS_NAMES:  # whole sequences: nothing to route or remap
+        return [
+            f"parallel.sequence={Placement.WHOLE.value}",
+            f"parallel.weights={name}",
+            "parallel.routing=false",
+            "parallel.remap=false",
+        ]
     variant = VARIANTS[name]
     return [
         f"parallel.sequence={variant.placement.value}",

@@ -7,7 +7,7 @@ TorchTrainer, which places them, builds the process group (gloo on CPU, NCCL on
 GPU) and restarts them from the last checkpoint on failure
 (`ray.max_failures`). While training runs, rank 0's per-step events arrive on
 a Ray queue and feed the progress bar, the Prometheus endpoint and
-metrics.jsonl.
+metrics.jsonl; when training ends, the driver draws the run's pictures next to it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from ray.util.queue import Empty, Queue
 from ray_zep.config import Config, Device, config_to_dict
 from ray_zep.costmodel import datasheet_peak_flops
 from ray_zep.errors import TopologyError, find_zep_error
+from ray_zep.report.run_plots import draw_run
 from ray_zep.topology_resolve import resolve_topology
 from ray_zep.train.setup import RunPlan, prepare_run
 from workers.data_actor import DataActor
@@ -39,6 +40,9 @@ from workers.train_fn import train_loop
 log = logging.getLogger(__name__)
 
 WORKER_GROUP_START_TIMEOUT_ENV_VAR = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+PREEMPTION_WATCHER_ENV_VAR = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+"""Ray Train's watcher of preemptible nodes; off on a local Ray, where no node is
+preemptible and starting it prints a Ray-internal error line that is not a failure."""
 EVENT_POLL_S = 0.5
 
 
@@ -148,7 +152,21 @@ def _run(plan: RunPlan, use_gpu: bool, exporter: MetricsExporter) -> RunSummary:
     ray.kill(data_actor)
     if "error" in outcome:
         raise outcome["error"]
+    _draw_pictures(plan.run_dir)
     return watcher.summary(plan.run_dir, exporter.port)
+
+
+def _draw_pictures(run_dir: Path) -> None:
+    """loss.png, throughput.png and load.png of the finished run, into its directory.
+
+    A picture is a convenience: whatever goes wrong drawing it (no matplotlib, a
+    malformed row, a full disk) is a warning, never the failure of a finished run.
+    """
+    try:
+        for path in draw_run(run_dir):
+            log.info("wrote %s", path)
+    except Exception as exc:
+        log.warning("run pictures not drawn in %s: %s: %s", run_dir, type(exc).__name__, exc)
 
 
 class _Watcher:
@@ -224,6 +242,7 @@ def _connect(config: Config, num_workers: int) -> bool:
         ray.init(address=address, log_to_driver=True)
         return True
     cpus = config.ray.num_cpus or max(num_workers + 2, os.cpu_count() or 1)
+    os.environ.setdefault(PREEMPTION_WATCHER_ENV_VAR, "0")  # the local Ray inherits it
     ray.init(
         num_cpus=cpus,
         object_store_memory=config.ray.object_store_mb * 1024 * 1024,

@@ -67,8 +67,9 @@ class MetricsExporter:
     def on_step(self, event: dict[str, Any]) -> dict[str, Any]:
         """Record one step; returns the row written to metrics.jsonl."""
         seconds = max(event["step_seconds"], 1e-9)
-        rank_tokens = event["rank_tokens"]
+        rank_tokens, rank_flops = event["rank_tokens"], event.get("rank_flops", [])
         mean = sum(rank_tokens) / max(1, len(rank_tokens))
+        mean_flops = sum(rank_flops) / max(1, len(rank_flops))
         row = {
             "step": event["step"],
             "loss": event["loss"],
@@ -81,6 +82,8 @@ class MetricsExporter:
             "grad_norm": event["grad_norm"],
             "rank_tokens": rank_tokens,
             "rank_token_imbalance": max(rank_tokens) / mean if mean else 1.0,
+            "rank_flops": rank_flops,
+            "rank_flop_imbalance": max(rank_flops) / mean_flops if mean_flops else 1.0,
             "comm_bytes": event["comm_bytes"],
             "nic_bytes": event.get("nic_bytes", []),
             "compression": event.get("compression", {}),

@@ -22,17 +22,19 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ray_zep.collectives import compress, decompress, native
 from ray_zep.collectives.format import float_format
-from ray_zep.config import Config
+from ray_zep.config import Config, Packing
 from ray_zep.errors import ConfigError
-from ray_zep.parallel.axes import Placement
-from ray_zep.report.charts import bar_panel, legend
-from ray_zep.report.png import Canvas
+from ray_zep.parallel.axes import Placement, WeightsMode
+from ray_zep.report.charts import grouped_bars
+from ray_zep.report.figures import save_figure
 
 SIGMAS = (1e-3, 0.02, 1.0, 1e3)
 CODECS = ("zipccl", "zipccl-torch", "zstd-3", "lz4", "blosc2")
@@ -94,7 +96,11 @@ def model_tensors(config: Config, steps: int) -> dict[str, torch.Tensor]:
     from ray_zep.topology import build_topology
     from ray_zep.train.trainer import RankTrainer
 
-    config.parallel.sequence = Placement.SINGLE
+    # one process, the reference: the config's model and data, whatever its placement
+    parallel = config.parallel
+    parallel.sequence, parallel.weights = Placement.SINGLE, WeightsMode.REPLICATED
+    parallel.routing = parallel.remap = False
+    config.data.packing = Packing.RANK  # one rank's batch, as the recorded figures used
     topology = build_topology(config.topology)
     comm = Comm.create(topology, 1, config.comm.timeout_s)
     stream = BatchStream.from_config(open_configured_source(config), config, 1)
@@ -317,8 +323,16 @@ def row_dicts(rows: list[CodecRow]) -> list[dict]:
     return [asdict(r) for r in rows]
 
 
-def draw_codec_chart(rows: list[CodecRow], path: Path) -> Path:
-    """Ratio and compress+decompress throughput per data set, one bar per codec."""
+def draw_codec_chart(rows: list[CodecRow], path: Path) -> Path | None:
+    """Ratio and compress+decompress throughput per data set, one bar per codec.
+
+    Returns:
+        `path`, or None when matplotlib is not installed (the picture is skipped).
+    """
+    return save_figure(path, partial(_draw_codec, rows), size=(12.0, 7.6), rows=2)
+
+
+def _draw_codec(rows: list[CodecRow], figure: Any, axes: Any) -> None:
     data = list(dict.fromkeys(r.data for r in rows))
     codecs = list(dict.fromkeys(r.codec for r in rows))
     table = {(r.data, r.codec): r for r in rows}
@@ -329,8 +343,7 @@ def draw_codec_chart(rows: list[CodecRow], path: Path) -> Path:
             for d in data
         ]
 
-    canvas = Canvas(1200, 760)
-    bar_panel(canvas, (40, 40, 1120, 320), "compression ratio", data, values("ratio"))
-    bar_panel(canvas, (40, 400, 1120, 320), "compress + decompress GB/s", data, values("both_gbps"))
-    legend(canvas, 40, 735, codecs)
-    return canvas.save(path)
+    ratio, speed = values("ratio"), values("both_gbps")
+    grouped_bars(axes[0, 0], data, codecs, ratio, title="compression ratio", ylabel="ratio (x)")
+    title = "compress + decompress throughput"
+    grouped_bars(axes[1, 0], data, codecs, speed, title=title, ylabel="GB/s", xlabel="tensor")

@@ -20,7 +20,9 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,8 +34,8 @@ from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.remap.solver import remap_token_bytes, solve_remap
-from ray_zep.report.charts import bar_panel, legend
-from ray_zep.report.png import Canvas
+from ray_zep.report.charts import grouped_bars
+from ray_zep.report.figures import save_figure
 from ray_zep.topology import build_topology
 from ray_zep.traffic import collective_traffic, ring_traffic
 
@@ -163,8 +165,16 @@ def row_dicts(rows: list[LayersRow]) -> list[dict]:
     return [asdict(r) for r in rows]
 
 
-def draw_layers_chart(rows: list[LayersRow], path: Path) -> Path:
-    """Busiest-NIC ratio (routed / direct) and solve p50 per planner, at the largest size."""
+def draw_layers_chart(rows: list[LayersRow], path: Path) -> Path | None:
+    """Busiest-NIC ratio (routed / direct) and solve p50 per planner, at the largest size.
+
+    Returns:
+        `path`, or None when matplotlib is not installed (the picture is skipped).
+    """
+    return save_figure(path, partial(_draw_layers, rows), size=(10.0, 6.6), rows=2)
+
+
+def _draw_layers(rows: list[LayersRow], figure: Any, axes: Any) -> None:
     nodes, tokens = max(r.nodes for r in rows), max(r.tokens for r in rows)
     chosen = [r for r in rows if r.nodes == nodes and r.tokens == tokens]
     dists = list(dict.fromkeys(r.distribution for r in chosen))
@@ -174,10 +184,9 @@ def draw_layers_chart(rows: list[LayersRow], path: Path) -> Path:
         table = {(r.distribution, r.planner): getattr(r, field) for r in chosen}
         return [[table.get((d, p)) for p in planners] for d in dists]
 
-    canvas = Canvas(980, 560)
-    canvas.text(10, 8, f"routing and remap, {nodes} nodes, {tokens} tokens per batch")
-    legend(canvas, 10, 24, planners)
-    ratio = grid("busiest_ratio")
-    bar_panel(canvas, (10, 50, 960, 240), "busiest NIC routed / direct", dists, ratio)
-    bar_panel(canvas, (10, 310, 960, 240), "remap solve p50 (ms)", dists, grid("solve_p50_ms"))
-    return canvas.save(path)
+    figure.suptitle(f"routing and remap, {nodes} nodes, {tokens} tokens per batch")
+    title = "busiest NIC bytes, routed / direct"
+    ratio, solve = grid("busiest_ratio"), grid("solve_p50_ms")
+    grouped_bars(axes[0, 0], dists, planners, ratio, title=title, ylabel="routed / direct (x)")
+    title, xlabel = "remap solve time p50", "length distribution"
+    grouped_bars(axes[1, 0], dists, planners, solve, title=title, ylabel="ms", xlabel=xlabel)

@@ -17,7 +17,9 @@ are checked and reported, met or not:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,8 +30,8 @@ from ray_zep.dist.launch import free_port
 from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import WeightsMode
 from ray_zep.parallel.memory import FP32, block_params, memory_inputs, state_bytes
-from ray_zep.report.charts import bar_panel, legend
-from ray_zep.report.png import Canvas
+from ray_zep.report.charts import grouped_bars
+from ray_zep.report.figures import save_figure
 from ray_zep.topology import build_topology
 
 REPLICATED, FSDP = WeightsMode.REPLICATED.value, WeightsMode.FSDP.value
@@ -212,13 +214,21 @@ def table(rows: list[MemoryRow], checks: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def draw(rows: list[MemoryRow], path: Path) -> Path:
-    """Modelled and measured peak per case, MiB."""
+def draw(rows: list[MemoryRow], path: Path) -> Path | None:
+    """Modelled and measured peak per case, MiB.
+
+    Returns:
+        `path`, or None when matplotlib is not installed (the picture is skipped).
+    """
+    return save_figure(path, partial(_draw, rows), size=(10.0, 4.4))
+
+
+def _draw(rows: list[MemoryRow], figure: Any, axes: Any) -> None:
     mib = 2**20
     groups = [r.case for r in rows]
     values = [[r.modelled / mib, r.measured / mib, r.state_measured / mib] for r in rows]
-    canvas = Canvas(1000, 420)
-    title = f"per-rank peak MiB on {rows[0].ranks} CPU ranks" if rows else "no rows"
-    bar_panel(canvas, (40, 30, 920, 340), title, groups, values)
-    legend(canvas, 40, 395, ["modelled peak", "measured peak", "measured state"])
-    return canvas.save(path)
+    title = f"per-rank peak memory on {rows[0].ranks} CPU ranks" if rows else "no rows"
+    series = ["modelled peak", "measured peak", "measured state"]
+    grouped_bars(
+        axes[0, 0], groups, series, values, title=title, ylabel="MiB per rank", xlabel="case"
+    )

@@ -16,7 +16,9 @@ import dataclasses
 import datetime
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,8 +28,8 @@ from ray_zep.config import MoEPipeline
 from ray_zep.dist.launch import free_port
 from ray_zep.model.shapes import PRESETS, ModelShape
 from ray_zep.moe.simulate import A10G_100GBE, Cluster, block_seconds
-from ray_zep.report.charts import bar_panel, legend
-from ray_zep.report.png import Canvas
+from ray_zep.report.charts import grouped_bars
+from ray_zep.report.figures import save_figure
 
 SCHEDULES: dict[str, tuple[MoEPipeline, bool]] = {
     "none": (MoEPipeline.NONE, False),
@@ -145,16 +147,30 @@ def row_dicts(rows: list[MoERow]) -> list[dict]:
     return [{**asdict(r), "total_ms": r.total_ms} for r in rows]
 
 
-def draw_moe_chart(rows: list[MoERow], path: Path) -> Path:
-    """Total block latency per case, one bar per schedule (simulated)."""
+def draw_moe_chart(rows: list[MoERow], path: Path) -> Path | None:
+    """Total block latency per case, one bar per schedule (simulated).
+
+    Returns:
+        `path`, or None when matplotlib is not installed (the picture is skipped).
+    """
+    return save_figure(path, partial(_draw_moe, rows), size=(12.0, 4.4))
+
+
+def _draw_moe(rows: list[MoERow], figure: Any, axes: Any) -> None:
     cases = list(dict.fromkeys((r.model, r.seq_len) for r in rows if r.source == "simulated"))
     table = {(r.model, r.seq_len, r.schedule): r.total_ms for r in rows}
     values = [[table.get((m, s, name)) for name in SCHEDULES] for m, s in cases]
     groups = [f"{m[-1].upper()}{s // 1024}k" for m, s in cases]
-    canvas = Canvas(1200, 420)
-    bar_panel(canvas, (40, 30, 1120, 340), "simulated ms per MoE block (fwd+bwd)", groups, values)
-    legend(canvas, 40, 395, list(SCHEDULES))
-    return canvas.save(path)
+    title = "simulated MoE block latency (forward + backward)"
+    grouped_bars(
+        axes[0, 0],
+        groups,
+        list(SCHEDULES),
+        values,
+        title=title,
+        ylabel="ms per MoE block",
+        xlabel="model (S/M/L) and sequence length",
+    )
 
 
 def measure_rows(spec: MoEBenchSpec) -> list[MoERow]:

@@ -23,7 +23,9 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +36,8 @@ from ray_zep.model.shapes import ModelShape, build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.partition.stats import plan_stats
+from ray_zep.report.charts import grouped_bars
+from ray_zep.report.figures import save_figure
 from ray_zep.topology import LinkKind, Topology, build_topology
 
 ZEPPELIN, TE_CP = Placement.ZEPPELIN.value, Placement.TE_CP.value
@@ -234,32 +238,38 @@ def row_dicts(rows: list[PartitionRow]) -> list[dict]:
     return [dataclasses.asdict(r) for r in rows]
 
 
-def draw_partition_chart(rows: list[PartitionRow], path: str | Path) -> Path:
-    """Four panels at the largest cluster and batch: latency, balance, bytes, modelled time."""
-    from ray_zep.report.charts import bar_panel, legend
-    from ray_zep.report.png import Canvas
+def draw_partition_chart(rows: list[PartitionRow], path: str | Path) -> Path | None:
+    """Four panels at the largest cluster and batch: latency, balance, bytes, modelled time.
 
+    Returns:
+        `path`, or None when matplotlib is not installed (the picture is skipped).
+    """
+    panels = len(PARTITION_METRICS)
+    draw = partial(_draw_partition, rows)
+    return save_figure(path, draw, size=(11.0, 1.0 + 2.6 * panels), rows=panels)
+
+
+PARTITION_METRICS = (
+    ("planner_p50_ms", "planner latency p50", "ms"),
+    ("flops_max_over_mean", "attention FLOPs imbalance", "max / mean (x)"),
+    ("inter_node_gb", "inter-node bytes per layer", "GB"),
+    ("modelled_ms", "modelled attention time per layer", "ms"),
+)
+"""(row field, panel title, y-axis label) of the partition picture's panels."""
+
+
+def _draw_partition(rows: list[PartitionRow], figure: Any, axes: Any) -> None:
     nodes = max(r.nodes for r in rows)
     tokens = max(r.tokens for r in rows)
     chosen = [r for r in rows if r.nodes == nodes and r.tokens == tokens]
     distributions = list(dict.fromkeys(r.distribution for r in chosen))
     planners = list(dict.fromkeys(r.planner for r in chosen))
     by_key = {(r.distribution, r.planner): r for r in chosen}
-    metrics = [
-        ("planner_p50_ms", "planner p50 ms"),
-        ("flops_max_over_mean", "attention flops max/mean"),
-        ("inter_node_gb", "inter-node GB per layer"),
-        ("modelled_ms", "modelled attention ms per layer"),
-    ]
-    panel_height, width = 170, 1100
-    canvas = Canvas(width, 50 + panel_height * len(metrics))
-    canvas.text(10, 8, f"partition bench: {nodes} nodes, {tokens // 1024}k tokens per batch")
-    legend(canvas, 10, 26, planners)
-    for index, (field, title) in enumerate(metrics):
+    figure.suptitle(f"partition bench: {nodes} nodes, {tokens // 1024}k tokens per batch")
+    for ax, (field, title, unit) in zip(axes[:, 0], PARTITION_METRICS, strict=True):
         values = [
             [getattr(by_key[(d, p)], field) if (d, p) in by_key else None for p in planners]
             for d in distributions
         ]
-        box = (10, 50 + index * panel_height, width - 20, panel_height - 12)
-        bar_panel(canvas, box, title, distributions, values)
-    return canvas.save(path)
+        grouped_bars(ax, distributions, planners, values, title=title, ylabel=unit)
+    axes[-1, 0].set_xlabel("length distribution")

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from ray_zep.model.shapes import ModelShape
 from ray_zep.parallel.axes import WeightsMode
@@ -26,8 +28,8 @@ from ray_zep.pipeline.simulate import (
     sequences_that_fit,
     simulate_step,
 )
-from ray_zep.report.charts import bar_panel, legend
-from ray_zep.report.png import Canvas
+from ray_zep.report.charts import grouped_bars
+from ray_zep.report.figures import save_figure
 
 MODES = (WeightsMode.TAWPIPE, WeightsMode.WEIPIPE, WeightsMode.FSDP)
 TAW, WEI, FSDP = (m.value for m in MODES)
@@ -172,16 +174,28 @@ def row_dicts(rows: list[TawPipeRow]) -> list[dict]:
     return [asdict(r) for r in rows]
 
 
-def draw_tawpipe_chart(rows: list[TawPipeRow], path: Path) -> Path:
-    """Simulated tokens/GPU/s per case, one bar per weights mode."""
+def draw_tawpipe_chart(rows: list[TawPipeRow], path: Path) -> Path | None:
+    """Simulated tokens/GPU/s per case, one bar per weights mode.
+
+    Returns:
+        `path`, or None when matplotlib is not installed (the picture is skipped).
+    """
+    return save_figure(path, partial(_draw_tawpipe, rows), size=(12.0, 4.4))
+
+
+def _draw_tawpipe(rows: list[TawPipeRow], figure: Any, axes: Any) -> None:
     cases = list(dict.fromkeys((r.hidden, r.seq_len) for r in rows))
     table = {(r.hidden, r.seq_len, r.mode): r.tokens_per_gpu_s for r in rows}
     names = [m.value for m in MODES]
     values = [[table.get((h, s, name)) for name in names] for h, s in cases]
     groups = [f"H{h // 1024}k S{s // 1024}k" for h, s in cases]
-    canvas = Canvas(1200, 420)
-    bar_panel(
-        canvas, (40, 30, 1120, 340), "simulated tokens/GPU/s, 3 x 8 GPUs, 10 GbE", groups, values
+    title = "simulated throughput, 3 x 8 GPUs, 10 GbE"
+    grouped_bars(
+        axes[0, 0],
+        groups,
+        names,
+        values,
+        title=title,
+        ylabel="tokens per GPU per s",
+        xlabel="model dim H and sequence length S",
     )
-    legend(canvas, 40, 395, names)
-    return canvas.save(path)

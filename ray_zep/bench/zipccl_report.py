@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,8 +22,8 @@ from ray_zep.collectives import compress
 from ray_zep.errors import ConfigError
 from ray_zep.model.llama import INIT_STD, Block
 from ray_zep.model.shapes import ModelShape
-from ray_zep.report.charts import bar_panel, legend
-from ray_zep.report.png import Canvas
+from ray_zep.report.charts import grouped_bars
+from ray_zep.report.figures import save_figure
 
 
 def layer_weights(model: DenseModel = LLAMA3_8B, sample: int = 0) -> torch.Tensor:
@@ -147,13 +149,29 @@ def row_dicts(rows: list[ZipCCLRow]) -> list[dict]:
     return [asdict(r) for r in rows]
 
 
-def draw_zipccl_chart(rows: list[ZipCCLRow], path: Path) -> Path:
-    """Modelled and paper speedups per setup: end to end, then communication."""
+def draw_zipccl_chart(rows: list[ZipCCLRow], path: Path) -> Path | None:
+    """Modelled and paper speedups per setup: end to end, then communication.
+
+    Returns:
+        `path`, or None when matplotlib is not installed (the picture is skipped).
+    """
+    return save_figure(path, partial(_draw_zipccl, rows), size=(14.0, 7.6), rows=2)
+
+
+def _draw_zipccl(rows: list[ZipCCLRow], figure: Any, axes: Any) -> None:
     groups = [f"{r.model.split('-')[0]} {r.gpus}/{r.testbed.split(',')[0][-5:]}" for r in rows]
-    canvas = Canvas(1400, 760)
-    bar_panel(canvas, (40, 30, 1320, 320), "end-to-end speedup: modelled vs paper", groups,
-              [[r.e2e_speedup, r.paper_e2e] for r in rows])  # fmt: skip
-    bar_panel(canvas, (40, 390, 1320, 320), "communication speedup: modelled vs paper", groups,
-              [[r.comm_speedup, r.paper_comm] for r in rows])  # fmt: skip
-    legend(canvas, 40, 735, ["modelled", "paper"])
-    return canvas.save(path)
+    series = ["modelled", "paper"]
+    e2e = [[r.e2e_speedup, r.paper_e2e] for r in rows]
+    comm = [[r.comm_speedup, r.paper_comm] for r in rows]
+    title = "end-to-end speedup with ZipCCL: modelled vs paper"
+    grouped_bars(axes[0, 0], groups, series, e2e, title=title, ylabel="speedup (x)")
+    title = "communication speedup with ZipCCL: modelled vs paper"
+    grouped_bars(
+        axes[1, 0],
+        groups,
+        series,
+        comm,
+        title=title,
+        ylabel="speedup (x)",
+        xlabel="model, GPUs / testbed",
+    )

@@ -78,9 +78,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads = shape.n_heads, shape.n_kv_heads
         self.head_dim = shape.head_dim
-        self.wq = nn.Linear(shape.dim, shape.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(shape.dim, shape.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(shape.dim, shape.n_kv_heads * self.head_dim, bias=False)
+        bias = shape.qkv_bias
+        self.wq = nn.Linear(shape.dim, shape.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(shape.dim, shape.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(shape.dim, shape.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(shape.n_heads * self.head_dim, shape.dim, bias=False)
 
     def forward(
@@ -186,7 +187,8 @@ class Transformer(nn.Module):
         self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
 
     def init_weights(self, generator: torch.Generator) -> None:
-        """Normal(0, 0.02) weights, output projections scaled by 1/sqrt(2 x layers).
+        """Normal(0, 0.02) weights, output projections scaled by 1/sqrt(2 x layers),
+        zero biases (`ModelShape.qkv_bias`).
 
         Drawn from `generator` in parameter order, so every layer differs and
         every rank that uses the same seed builds the same model.
@@ -195,6 +197,8 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(param)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(param)
             else:
                 residual = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
                 std = residual_std if residual else INIT_STD

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 from ray_zep.errors import ConfigError
+from ray_zep.model.hf_config import SHAPE_KEYS, hf_shape_fields
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class ModelShape:
             group (a rank's tokens); <= 0: no token is ever dropped.
         moe_hidden: each expert's SwiGLU inner dimension; 0 = ffn_dim.
         moe_every: every n-th block is an MoE block (blocks n-1, 2n-1, ...).
+        qkv_bias: the query, key and value projections carry a bias (Qwen2);
+            the output projection never does.
     """
 
     vocab_size: int
@@ -60,6 +63,7 @@ class ModelShape:
     moe_capacity_factor: float = 1.0
     moe_hidden: int = 0
     moe_every: int = 1
+    qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         self._check_moe()
@@ -114,7 +118,8 @@ class ModelShape:
     def attention_params_per_layer(self) -> int:
         """Weights of one block's Q, K, V and output projections."""
         e = self.head_dim
-        return self.dim * (self.n_heads * e) * 2 + self.dim * (self.n_kv_heads * e) * 2
+        biases = (self.n_heads + 2 * self.n_kv_heads) * e if self.qkv_bias else 0
+        return self.dim * (self.n_heads * e) * 2 + self.dim * (self.n_kv_heads * e) * 2 + biases
 
     def linear_params_per_layer(self) -> int:
         """Weights one token meets in a dense block's matmuls (QKV, output, SwiGLU)."""
@@ -223,19 +228,58 @@ class ShapeSpec(Protocol):
     """What `build_shape` reads: the `model` section of the config (`ModelConfig`)."""
 
     preset: str
+    init_from: str | None
     moe: MoESpec
 
     def overrides(self) -> dict[str, Any]: ...
 
 
 def build_shape(cfg: ShapeSpec) -> ModelShape:
-    """The preset named by `model.preset` with the explicitly set fields replaced.
+    """The model's shape: the preset named by `model.preset`, or the Hugging Face
+    checkpoint of `model.init_from`, with the explicitly set fields replaced.
+
+    Under `model.init_from` the checkpoint's config.json fixes the shape (the preset
+    is not used): an explicit size key may only repeat its value, and MoE keys
+    may only keep the model dense.
 
     Raises:
-        ConfigError: unknown preset or inconsistent dimensions.
+        ConfigError: unknown preset, unreadable or unsupported checkpoint, a key
+            that contradicts the checkpoint, or inconsistent dimensions.
     """
+    init_from = getattr(cfg, "init_from", None)
+    if init_from:
+        return _checkpoint_shape(init_from, {**cfg.overrides(), **cfg.moe.overrides()})
     if cfg.preset not in PRESETS:
         raise ConfigError(
             f"config key model.preset={cfg.preset!r}: choose one of {', '.join(PRESETS)}"
         )
     return replace(PRESETS[cfg.preset], **cfg.overrides(), **cfg.moe.overrides())
+
+
+MOE_KEYS = {
+    "moe_experts": "moe.num_experts",
+    "moe_top_k": "moe.top_k",
+    "moe_capacity_factor": "moe.capacity_factor",
+    "moe_hidden": "moe.hidden_dim",
+    "moe_every": "moe.every",
+}
+
+
+def _checkpoint_shape(init_from: str, overrides: dict[str, Any]) -> ModelShape:
+    """The shape of the checkpoint at `init_from`; `overrides` must agree with it."""
+    fields = hf_shape_fields(init_from)
+    for name, value in overrides.items():
+        if name in MOE_KEYS:
+            if name == "moe_experts" and value:
+                raise ConfigError(
+                    f"config key model.moe.num_experts={value} conflicts with "
+                    f"model.init_from={init_from!r}: a dense checkpoint (Llama / Qwen2)"
+                )
+            continue
+        if name in fields and fields[name] != value:
+            raise ConfigError(
+                f"config key model.{name}={value} conflicts with {SHAPE_KEYS[name]}="
+                f"{fields[name]} in {init_from}/config.json (model.init_from); drop the key "
+                "or give the checkpoint's value"
+            )
+    return ModelShape(**fields)

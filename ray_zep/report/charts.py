@@ -1,66 +1,69 @@
-"""Grouped bar charts on a Canvas (for benchmark PNGs)."""
+"""Grouped bar charts on matplotlib axes (the benchmark pictures).
+
+Only called from inside a `figures.save_figure` callback, so matplotlib is
+already known to be importable here.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from ray_zep.report.png import BLACK, GREY, Canvas, Color
-
-PALETTE: tuple[Color, ...] = (
-    (200, 60, 50),
-    (240, 150, 40),
-    (60, 120, 190),
-    (110, 170, 220),
-    (60, 150, 80),
-    (150, 100, 180),
-    (120, 120, 120),
-    (180, 140, 90),
-)
+MISSING = "n/a"
+"""Written on the axis where a group has no value for a series."""
 
 
-def legend(canvas: Canvas, x: int, y: int, series: Sequence[str]) -> None:
-    for index, name in enumerate(series):
-        canvas.fill(x, y, x + 10, y + 10, PALETTE[index % len(PALETTE)])
-        x += 14 + canvas.text(x + 14, y + 2, name) + 12
-
-
-def bar_panel(
-    canvas: Canvas,
-    box: tuple[int, int, int, int],
-    title: str,
+def grouped_bars(
+    axes: Any,
     groups: Sequence[str],
+    series: Sequence[str],
     values: Sequence[Sequence[float | None]],
+    *,
+    title: str,
+    ylabel: str,
+    xlabel: str = "",
 ) -> None:
-    """Bars of values[group][series] in `box` = (x, y, width, height); None = no bar.
+    """Bars of values[group][series]: one cluster per group, one colour per series.
 
-    Bars start at zero and share one linear scale; each is labelled with its value.
+    Bars start at zero on one linear scale and carry their value on top; a None
+    value draws no bar and an "n/a" mark instead. A legend right of the axes names
+    the series when there is more than one.
+
+    Args:
+        axes: a matplotlib Axes.
+        groups: the x tick labels, one per cluster.
+        series: the names of the bars inside each cluster (legend entries).
+        values: len(groups) rows of len(series) values, in the unit `ylabel` says.
+        title, ylabel, xlabel: the axes' texts.
     """
-    x, y, width, height = box
-    canvas.text(x, y, title)
-    top, bottom = y + 24, y + height - 14
-    finite = [v for row in values for v in row if v is not None]
-    peak = max(finite, default=0.0) or 1.0
-    canvas.fill(x, bottom, x + width, bottom + 1, GREY)
-    group_width = width / max(1, len(groups))
-    for g, (group, row) in enumerate(zip(groups, values, strict=True)):
-        left = x + g * group_width + 6
-        bar = (group_width - 12) / max(1, len(row))
-        for s, value in enumerate(row):
-            if value is None:
-                canvas.text(int(left + s * bar), bottom - 9, "-", GREY)
-                continue
-            bar_top = bottom - (bottom - top) * value / peak
-            color = PALETTE[s % len(PALETTE)]
-            canvas.fill(left + s * bar, bar_top, left + (s + 1) * bar - 2, bottom, color)
-            label = _short(value)
-            if canvas.text_width(label) <= bar + 8:
-                canvas.text(int(left + s * bar), int(bar_top) - 9, label, BLACK)
-        canvas.text(int(left), bottom + 4, group)
+    width = 0.8 / max(1, len(series))
+    for s, name in enumerate(series):
+        xs = [g + (s - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        heights = [_at(row, s) for row in values]
+        bars = axes.bar(xs, [h or 0.0 for h in heights], width * 0.95, label=name)
+        labels = [MISSING if h is None else short(h) for h in heights]
+        axes.bar_label(bars, labels, fontsize=7, padding=1, rotation=90 if len(xs) > 24 else 0)
+    tilted = {"rotation": 30, "ha": "right"} if len(groups) > 6 else {}
+    axes.set_xticks(range(len(groups)), groups, **tilted)
+    axes.set_title(title)
+    axes.set_ylabel(ylabel)
+    if xlabel:
+        axes.set_xlabel(xlabel)
+    axes.margins(y=0.15)
+    axes.grid(axis="y", alpha=0.3)
+    if len(series) > 1:  # beside the axes: inside, it would hide bars
+        axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
-def _short(value: float) -> str:
-    if value >= 100:
+def short(value: float) -> str:
+    """A bar label with about three significant digits."""
+    if abs(value) >= 100:
         return f"{value:.0f}"
-    if value >= 10:
+    if abs(value) >= 10:
         return f"{value:.1f}"
     return f"{value:.2f}"
+
+
+def _at(row: Sequence[float | None], index: int) -> float | None:
+    value = row[index] if index < len(row) else None
+    return None if value is None else float(value)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from ray_zep.partition.plan import AttentionPlan, Zone
 from ray_zep.partition.stats import PlanStats
-from ray_zep.report.png import BLACK, GREY, Canvas, Color
+from ray_zep.report.figures import save_figure
 from ray_zep.topology import LinkKind
+
+Color = tuple[int, int, int]
+"""Red, green, blue in 0..255."""
 
 ZONE_COLORS: dict[Zone, tuple[Color, Color]] = {
     Zone.INTER_NODE: ((200, 60, 50), (235, 130, 110)),
@@ -91,38 +95,47 @@ def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
     )
 
 
-def draw_placement(plan: AttentionPlan, stats: PlanStats, path: str | Path) -> Path:
+def draw_placement(plan: AttentionPlan, stats: PlanStats, path: str | Path) -> Path | None:
     """PNG of every rank's tokens: one bar per rank over [0, L), one block per fragment.
 
     Blocks are coloured by zone, in two shades alternating between sequences;
-    lines separate nodes.
+    dashed lines separate nodes.
+
+    Returns:
+        `path`, or None when matplotlib is not installed (the picture is skipped).
     """
-    row, gap, left, top, bar_width = 12, 3, 64, 44, 900
-    height = top + plan.world * (row + gap) + plan.topology.nodes + 10
-    canvas = Canvas(left + bar_width + 20, height)
-    canvas.text(8, 6, summary_title(plan, stats), BLACK)
-    x = 8
-    for zone, (shade, _) in ZONE_COLORS.items():
-        canvas.fill(x, 22, x + 10, 32, shade)
-        x += 14 + canvas.text(x + 14, 24, ZONE_LABELS[zone] + " node" * (zone != Zone.LOCAL))
-        x += 16
-    scale = bar_width / plan.tokens_per_rank
-    y = top
+    height = 1.6 + 0.24 * plan.world
+    return save_figure(path, partial(_draw_placement, plan, stats), size=(11.0, height))
+
+
+def _draw_placement(plan: AttentionPlan, stats: PlanStats, figure: Any, axes: Any) -> None:
+    from matplotlib.patches import Patch
+
+    ax = axes[0, 0]
     for rank in range(plan.world):
-        if rank and plan.topology.local_index(rank) == 0:
-            canvas.fill(left, y - 2, left + bar_width, y - 1, GREY)
-            y += 1
-        canvas.text(8, y + 2, f"R{rank}")
-        canvas.fill(left - 1, y, left, y + row, GREY)
-        canvas.fill(left + bar_width, y, left + bar_width + 1, y + row, GREY)
-        offset = 0
+        blocks, colors, offset = [], [], 0
         for fragment in plan.layout(rank):
-            shade = ZONE_COLORS[fragment.zone][fragment.seq % 2]
-            x0 = left + offset * scale
+            blocks.append((offset, fragment.length))
+            colors.append(_rgb(ZONE_COLORS[fragment.zone][fragment.seq % 2]))
             offset += fragment.length
-            canvas.fill(x0, y, left + offset * scale, y + row, shade)
-        y += row + gap
-    return canvas.save(path)
+        ax.broken_barh(blocks, (rank - 0.4, 0.8), facecolors=colors)
+        if rank and plan.topology.local_index(rank) == 0:
+            ax.axhline(rank - 0.5, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xlim(0, plan.tokens_per_rank)
+    ax.set_ylim(plan.world - 0.5, -0.5)
+    ax.set_yticks(range(plan.world), [f"R{r}" for r in range(plan.world)], fontsize=7)
+    ax.set_xlabel(f"position in the rank's share (tokens, L = {plan.tokens_per_rank})")
+    ax.set_ylabel("rank (dashed: node boundary)")
+    ax.set_title(summary_title(plan, stats), fontsize=9)
+    handles = [
+        Patch(color=_rgb(shade), label=ZONE_LABELS[zone] + " node" * (zone != Zone.LOCAL))
+        for zone, (shade, _) in ZONE_COLORS.items()
+    ]
+    ax.legend(handles=handles, loc="upper right", fontsize=8, ncols=len(handles))
+
+
+def _rgb(color: Color) -> tuple[float, float, float]:
+    return (color[0] / 255, color[1] / 255, color[2] / 255)
 
 
 def summary_title(plan: AttentionPlan, stats: PlanStats) -> str:

@@ -147,8 +147,8 @@ def plan_memory(
 
 def write_outputs(result: PlanResult, png: str | None, json_path: str | None) -> list[Path]:
     written = []
-    if png:
-        written.append(draw_placement(result.plan, result.stats, png))
+    if png and (picture := draw_placement(result.plan, result.stats, png)) is not None:
+        written.append(picture)  # None: no matplotlib, the skip is logged
     if json_path:
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -136,14 +136,8 @@ def write_outputs(result: SimulateResult, json_path: str | None, out_dir: str) -
     out = Path(out_dir)
     placed = {n: r for n, r in result.results.items() if r.steps}
     title = f"{result.config.model.preset} on {result.topology.world_size} GPUs"
-    written.append(
-        draw_throughput(
-            title,
-            list(placed),
-            [r.tokens_per_second for r in placed.values()],
-            out / "throughput.png",
-        )
-    )
+    speeds = [r.tokens_per_second for r in placed.values()]
+    pictures = [draw_throughput(title, list(placed), speeds, out / "throughput.png")]
     panels = []
     for name, r in placed.items():
         panels += [
@@ -151,5 +145,5 @@ def write_outputs(result: SimulateResult, json_path: str | None, out_dir: str) -
             (f"{name} backward", r.steps[0].backward),
         ]
     ranks = range(min(TIMELINE_RANKS, result.topology.world_size))
-    written.append(draw_timelines(panels, list(ranks), out / "timeline.png"))
-    return written
+    pictures.append(draw_timelines(panels, list(ranks), out / "timeline.png"))
+    return written + [p for p in pictures if p is not None]  # None: no matplotlib, logged

@@ -52,6 +52,9 @@ class StepStats:
     model_flops: float = 0.0
     """Forward + backward FLOPs the model needs for the global batch (3 x forward,
     causal attention), whatever the strategy recomputes."""
+    rank_flops: list[float] = field(default_factory=list)
+    """Each rank's share of `model_flops`: its tokens' layers and its part of the
+    attention of every sequence it holds (a ring member, its tokens' share)."""
     memory: dict[str, object] = field(default_factory=dict)
     """Per-rank peak bytes: `modelled` (every step) and `measured` (0 where the step
     was not measured), `measured_by`, and rank 0's modelled and measured `parts`."""
@@ -78,6 +81,24 @@ def led_work(shard: RankShard, ctx: StepContext) -> list[float]:
         lengths = [p.length for p in led]
     shape = ctx.model.shape
     return [*zones, sum(shape.attention_flops(n) for n in lengths)]
+
+
+def rank_model_flops(shard: RankShard, ctx: StepContext) -> float:
+    """Forward + backward FLOPs of this rank's share of the step (see `StepStats.rank_flops`)."""
+    shape, rank = ctx.model.shape, ctx.comm.rank
+    linear = shape.linear_flops_per_token() * shard.num_tokens
+    if shard.plan is None:
+        attention = sum(shape.attention_flops(int(n)) for n in shard.lengths)
+    else:
+        held: dict[int, int] = {}
+        for fragment in shard.plan.layout(rank):
+            held[fragment.seq] = held.get(fragment.seq, 0) + fragment.length
+        lengths = {seq: shard.plan.placement(seq).length for seq in held}
+        attention = sum(
+            shape.attention_flops(lengths[seq]) * tokens / lengths[seq]
+            for seq, tokens in held.items()
+        )
+    return 3.0 * (linear + attention)
 
 
 def rank_slots(ctx: StepContext, *values: float) -> list[float]:

@@ -18,6 +18,7 @@ from ray_zep.collectives.switches import CompressionSwitches
 from ray_zep.config import Config, Device, Precision
 from ray_zep.dist import Comm, GroupNeeds
 from ray_zep.errors import ConfigError
+from ray_zep.model.hf import load_hf_weights
 from ray_zep.model.llama import Transformer
 from ray_zep.model.shapes import build_shape
 from ray_zep.moe.parallel import ExpertParallel, parallelize_experts
@@ -60,11 +61,19 @@ def group_needs(config: Config) -> GroupNeeds:
 def build_model(
     config: Config, device: torch.device, dtype: torch.dtype
 ) -> tuple[Transformer, AttentionFn]:
-    """The seeded model on `device` with its attention kernel and activation checkpointing."""
+    """The seeded model on `device` with its attention kernel and activation checkpointing.
+
+    With `model.init_from` the weights are the Hugging Face checkpoint's, read on
+    every rank before the axes split or shard anything (so every composition
+    starts from the whole checkpoint).
+    """
     shape = build_shape(config.model)
     kernel = select_kernel(config.model.attention_kernel, device, dtype)
     model = Transformer(shape, kernel)
-    model.init_weights(torch.Generator().manual_seed(config.train.seed))
+    if config.model.init_from:
+        load_hf_weights(model, config.model.init_from)
+    else:
+        model.init_weights(torch.Generator().manual_seed(config.train.seed))
     model.to(device)
     model.set_checkpointing(config.train.activation_checkpointing)
     return model, kernel

@@ -27,6 +27,7 @@ from ray_zep.train.accounting import (
     StepStats,
     led_work,
     modelled_memory,
+    rank_model_flops,
     rank_slots,
 )
 from ray_zep.train.build import (
@@ -127,7 +128,8 @@ class RankTrainer:
         self.steps_done += 1
         ctx = self.ctx
         model = modelled_memory(shard, ctx)
-        memory = rank_slots(ctx, model.total, self.memory_probe.last.get("peak", 0.0))
+        peak = self.memory_probe.last.get("peak", 0.0)
+        memory = rank_slots(ctx, model.total, peak, rank_model_flops(shard, ctx))
         streams = self.switches.tally.vector()
         totals = torch.tensor(
             [loss_sum, aux_loss, *led_work(shard, ctx), *streams, *memory], dtype=torch.float64
@@ -135,7 +137,7 @@ class RankTrainer:
         all_reduce_sum_(totals, self.comm, "the step loss")
         zone_tokens, attention_flops = totals[2:5].tolist(), float(totals[5])
         end = 6 + len(streams)
-        job_streams, per_rank = totals[6:end].tolist(), totals[end:].view(2, -1).tolist()
+        job_streams, per_rank = totals[6:end].tolist(), totals[end:].view(3, -1).tolist()
         traffic = self.runner.traffic(shard, grad_bytes)
         linear_flops = self.shape.linear_flops_per_token() * shard.global_tokens
         return StepStats(
@@ -154,6 +156,7 @@ class RankTrainer:
             moe_aux_loss=float(totals[1]),
             zone_tokens={z.value: int(n) for z, n in zip(ZONES, zone_tokens, strict=True)},
             model_flops=3.0 * (linear_flops + attention_flops),
+            rank_flops=per_rank[2],
             memory={
                 "modelled": per_rank[0],
                 "measured": per_rank[1],

@@ -1,0 +1,324 @@
+"""Hugging Face checkpoints in and out: LlamaForCausalLM and Qwen2ForCausalLM.
+
+`load_hf_weights` fills a `Transformer` from a checkpoint directory
+(`model.init_from`); `export_hf` writes a model's weights as one (`ray-zep
+export`). The shape comes from config.json through `ray_zep.model.hf_config`.
+
+Names. HF's `model.embed_tokens`, `model.layers.<i>.self_attn.{q,k,v,o}_proj`,
+`mlp.{gate,up,down}_proj`, `input_layernorm`, `post_attention_layernorm`,
+`model.norm` and `lm_head` are our `tok_embeddings`, `layers.<i>.attention.w{q,k,v,o}`,
+`feed_forward.w{1,3,2}`, `attention_norm`, `ffn_norm`, `norm` and `output`.
+
+RoPE layout. Our `apply_rope` rotates consecutive pairs of a head's E channels,
+(x[2i], x[2i+1]) by angle p·θ_i, as Meta's LLaMA does; HF Llama and Qwen2 rotate
+the two halves, (x[i], x[i + E/2]) by the same angle. Both use θ_i =
+base^(-2i/E). Reordering the rows of the query and key projections (and of
+Qwen2's query and key biases) head by head turns one layout into the other:
+HF's row h·E/2 + i (h in {0, 1}, i < E/2) is our row 2i + h. As a tensor move,
+rows viewed as (heads, 2, E/2) are transposed to (heads, E/2, 2)
+(`halves_to_pairs`); export applies the inverse (`pairs_to_halves`, the
+permutation HF's own LLaMA conversion script applies to Meta weights). Scores
+q·k are sums over channels, unchanged when q and k are reordered alike; values
+and the output projection keep their order.
+
+Tied embeddings. A checkpoint with `tie_word_embeddings` is loaded untied: the
+output projection starts as a copy of the embedding and trains apart from it.
+Every weights mode (FSDP2 units, weight-passing shards) cuts the embedding and
+the output into different pieces, so one shared tensor would not survive them;
+export therefore writes `tie_word_embeddings: false` with an `lm_head`.
+
+Files are safetensors, read and written here (an 8-byte little-endian header
+length, a JSON header of dtype, shape and byte offsets per tensor, then the raw
+little-endian bytes), so loading needs no extra package. Export writes float32.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ray_zep.errors import ConfigError
+from ray_zep.model.hf_config import INIT_KEY, architecture, read_hf_config, tied
+from ray_zep.model.shapes import ModelShape
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+"""safetensors dtype names."""
+
+BLOCK_NAMES = {
+    "self_attn.q_proj": "attention.wq",
+    "self_attn.k_proj": "attention.wk",
+    "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo",
+    "mlp.gate_proj": "feed_forward.w1",
+    "mlp.up_proj": "feed_forward.w3",
+    "mlp.down_proj": "feed_forward.w2",
+    "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+"""HF module -> ours, inside block i."""
+
+TOP_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+CARRIED_KEYS = ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+"""config.json entries an export copies from the checkpoint the model came from."""
+
+DEFAULT_MAX_POSITIONS = 4096
+
+
+def halves_to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF's rotate-half row order of a q/k projection (or bias) to ours (pairs)."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def pairs_to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of `halves_to_pairs`: our row order to HF's."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _name_map(shape: ModelShape) -> dict[str, str]:
+    """HF tensor name -> our state-dict name, for every tensor of the shape."""
+    names = dict(TOP_NAMES)
+    kinds = ["weight"]
+    for i in range(shape.n_layers):
+        for hf, ours in BLOCK_NAMES.items():
+            biased = shape.qkv_bias and hf in ("self_attn.q_proj", "self_attn.k_proj",
+                                               "self_attn.v_proj")  # fmt: skip
+            for kind in [*kinds, "bias"] if biased else kinds:
+                names[f"model.layers.{i}.{hf}.{kind}"] = f"layers.{i}.{ours}.{kind}"
+    return names
+
+
+def _rope_heads(name: str, shape: ModelShape) -> int | None:
+    """Heads whose rows `name` orders by RoPE pairs (q and k), else None."""
+    if ".attention.wq." in name:
+        return shape.n_heads
+    if ".attention.wk." in name:
+        return shape.n_kv_heads
+    return None
+
+
+def hf_to_ours(tensors: dict[str, torch.Tensor], shape: ModelShape, tie: bool, where: str):
+    """A HF state dict as ours (names, RoPE row order, an untied output).
+
+    Raises:
+        ConfigError: a tensor is missing, unexpected or of the wrong shape.
+    """
+    names = _name_map(shape)
+    if tie:
+        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
+    missing = sorted(k for k in names if tensors.get(k) is None)
+    extra = sorted(k for k in tensors if k not in names and not k.endswith("rotary_emb.inv_freq"))
+    if missing or extra:
+        raise ConfigError(
+            f"config key {INIT_KEY}: {where} does not match its config.json: missing "
+            f"{missing[:3] or 'none'}, unexpected {extra[:3] or 'none'}"
+        )
+    out = {}
+    for hf, ours in names.items():
+        heads = _rope_heads(ours, shape)
+        tensor = tensors[hf]
+        out[ours] = halves_to_pairs(tensor, heads) if heads else tensor
+    return out
+
+
+def ours_to_hf(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+    """Our state dict as HF's (names, rotate-half row order), float32, contiguous."""
+    out = {}
+    for hf, ours in _name_map(shape).items():
+        heads = _rope_heads(ours, shape)
+        tensor = state[ours].detach().to("cpu", torch.float32)
+        out[hf] = (pairs_to_halves(tensor, heads) if heads else tensor).contiguous()
+    return out
+
+
+def load_hf_weights(model: torch.nn.Module, directory: str | Path) -> None:
+    """Copy the checkpoint at `directory` into `model` (a Transformer of its shape).
+
+    Raises:
+        ConfigError: missing files, or tensors that do not match the shape; the
+            message names `model.init_from` and the path.
+    """
+    config = read_hf_config(directory)
+    architecture(config, str(Path(directory) / "config.json"))
+    tensors = read_checkpoint_tensors(directory)
+    state = hf_to_ours(tensors, model.shape, tied(config), str(directory))
+    params = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if params[name].shape != tensor.shape:
+                raise ConfigError(
+                    f"config key {INIT_KEY}: tensor for {name} in {directory} has shape "
+                    f"{tuple(tensor.shape)}, config.json implies {tuple(params[name].shape)}"
+                )
+            params[name].copy_(tensor.to(params[name].dtype))
+
+
+def read_checkpoint_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory: model.safetensors, or the shards its
+    model.safetensors.index.json lists."""
+    root = Path(directory)
+    if (root / SINGLE_FILE).is_file():
+        return read_safetensors(root / SINGLE_FILE)
+    if not (root / INDEX_FILE).is_file():
+        raise ConfigError(
+            f"config key {INIT_KEY}={str(directory)!r}: neither {SINGLE_FILE} nor {INDEX_FILE} "
+            f"is in {root}"
+        )
+    try:
+        weight_map = json.loads((root / INDEX_FILE).read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"config key {INIT_KEY}: {root / INDEX_FILE} is unreadable: {exc}"
+        ) from None
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(set(weight_map.values())):
+        if not (root / file).is_file():
+            raise ConfigError(
+                f"config key {INIT_KEY}: shard {root / file} listed in {INDEX_FILE} is missing"
+            )
+        tensors.update(read_safetensors(root / file))
+    return tensors
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file (memory-mapped, copy on write).
+
+    Raises:
+        ConfigError: not a safetensors file, or a dtype we do not read.
+    """
+    with open(path, "rb") as handle:
+        try:
+            (size,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(size))
+            data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (struct.error, ValueError, OSError) as exc:
+            raise ConfigError(f"{path} is not a safetensors file: {exc}") from None
+    start = 8 + size
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in DTYPES:
+            raise ConfigError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}")
+        begin, end = entry["data_offsets"]
+        dtype, count = DTYPES[entry["dtype"]], int(torch.Size(entry["shape"]).numel())
+        flat = (
+            torch.frombuffer(data, dtype=dtype, count=count, offset=start + begin)
+            if end > begin
+            else torch.empty(0, dtype=dtype)
+        )
+        tensors[name] = flat.reshape(entry["shape"])
+    return tensors
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path) -> Path:
+    """Write contiguous CPU tensors as one safetensors file (names in sorted order)."""
+    reverse = {dtype: name for name, dtype in DTYPES.items()}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": reverse[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(text)) + text)
+        for name in sorted(tensors):
+            handle.write(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return Path(path)
+
+
+def hf_config_of(shape: ModelShape, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json of a dense shape: Qwen2ForCausalLM when it has q/k/v biases, else
+    LlamaForCausalLM; `base` (the source checkpoint's config) lends CARRIED_KEYS.
+
+    Raises:
+        ConfigError: an MoE shape (no such HF architecture here).
+    """
+    if shape.moe_experts:
+        raise ConfigError(
+            f"model.moe.num_experts={shape.moe_experts}: export writes dense "
+            "LlamaForCausalLM / Qwen2ForCausalLM checkpoints only"
+        )
+    qwen = shape.qkv_bias
+    config: dict[str, Any] = {
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen else "llama",
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.dim,
+        "intermediate_size": shape.ffn_dim,
+        "num_hidden_layers": shape.n_layers,
+        "num_attention_heads": shape.n_heads,
+        "num_key_value_heads": shape.n_kv_heads,
+        "head_dim": shape.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": shape.norm_eps,
+        "rope_theta": shape.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": DEFAULT_MAX_POSITIONS,
+        "torch_dtype": "float32",
+        **({"use_sliding_window": False} if qwen else {"attention_bias": False, "mlp_bias": False}),
+    }
+    for key in CARRIED_KEYS:
+        if base and key in base:
+            config[key] = base[key]
+    return config
+
+
+def export_hf(
+    state: dict[str, torch.Tensor],
+    shape: ModelShape,
+    out: str | Path,
+    base: dict[str, Any] | None = None,
+) -> Path:
+    """Write config.json and model.safetensors of our model's state into `out`.
+
+    Args:
+        state: the whole model's state dict (our names, any dtype or device).
+        shape: its shape.
+        out: output directory (created).
+        base: config.json of the checkpoint the model started from, if any.
+
+    Returns:
+        The output directory.
+    """
+    config = hf_config_of(shape, base)
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    write_safetensors(ours_to_hf(state, shape), root / SINGLE_FILE)
+    (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return root
