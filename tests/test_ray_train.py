@@ -40,6 +40,12 @@ BASE = [
     "topology.gpus_per_node=2",
     "metrics.port=-1",
     "train.checkpoint_every=2",
+    # data parallel: whole sequences packed per rank, replicated weights
+    "parallel.sequence=whole",
+    "parallel.weights=replicated",
+    "parallel.routing=false",
+    "parallel.remap=false",
+    "data.packing=rank",
 ]
 
 

@@ -28,7 +28,7 @@ def _readme_commands() -> list[str]:
 
 def test_readme_opens_with_the_demo_and_test_commands() -> None:
     train, test = _readme_commands()
-    assert train.startswith("pip install torch==2.13.0 && pip install -e .")
+    assert train.startswith("pip install torch==2.13.0 && pip install -e '.[plots]' && ")
     assert train.endswith("ray-zep train conf/demo.yaml")
     assert "pytest" in test and "'.[test]'" in test
 

@@ -27,16 +27,13 @@ Every weights mode (FSDP2 units, weight-passing shards) cuts the embedding and
 the output into different pieces, so one shared tensor would not survive them;
 export therefore writes `tie_word_embeddings: false` with an `lm_head`.
 
-Files are safetensors, read and written here (an 8-byte little-endian header
-length, a JSON header of dtype, shape and byte offsets per tensor, then the raw
-little-endian bytes), so loading needs no extra package. Export writes float32.
+Files are safetensors, read and written with the safetensors library (the `hf`
+extra). Export writes float32.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -48,20 +45,6 @@ from ray_zep.model.shapes import ModelShape
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-"""safetensors dtype names."""
 
 BLOCK_NAMES = {
     "self_attn.q_proj": "attention.wq",
@@ -207,57 +190,36 @@ def read_checkpoint_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file (memory-mapped, copy on write).
+    """The tensors of one safetensors file.
 
     Raises:
-        ConfigError: not a safetensors file, or a dtype we do not read.
+        ConfigError: safetensors is not installed, or the file is not a safetensors file.
     """
-    with open(path, "rb") as handle:
-        try:
-            (size,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(size))
-            data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-        except (struct.error, ValueError, OSError) as exc:
-            raise ConfigError(f"{path} is not a safetensors file: {exc}") from None
-    start = 8 + size
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if entry["dtype"] not in DTYPES:
-            raise ConfigError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}")
-        begin, end = entry["data_offsets"]
-        dtype, count = DTYPES[entry["dtype"]], int(torch.Size(entry["shape"]).numel())
-        flat = (
-            torch.frombuffer(data, dtype=dtype, count=count, offset=start + begin)
-            if end > begin
-            else torch.empty(0, dtype=dtype)
-        )
-        tensors[name] = flat.reshape(entry["shape"])
-    return tensors
+    load_file, _ = _safetensors()
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # the library's own error types vary by version
+        raise ConfigError(f"{path} is not a readable safetensors file: {exc}") from None
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path) -> Path:
-    """Write contiguous CPU tensors as one safetensors file (names in sorted order)."""
-    reverse = {dtype: name for name, dtype in DTYPES.items()}
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name in sorted(tensors):
-        tensor = tensors[name]
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": reverse[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as handle:
-        handle.write(struct.pack("<Q", len(text)) + text)
-        for name in sorted(tensors):
-            handle.write(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    """Write CPU tensors as one safetensors file."""
+    _, save_file = _safetensors()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), {"format": "pt"})
     return Path(path)
+
+
+def _safetensors():
+    """(load_file, save_file) of the safetensors library, or a ConfigError saying how to
+    install it."""
+    try:
+        from safetensors.torch import load_file, save_file
+    except ImportError:
+        raise ConfigError(
+            f"config key {INIT_KEY} and `ray-zep export` read and write safetensors files: "
+            "pip install 'ray-zep[hf]'"
+        ) from None
+    return load_file, save_file
 
 
 def hf_config_of(shape: ModelShape, base: dict[str, Any] | None = None) -> dict[str, Any]:
