@@ -120,9 +120,17 @@ class TrainConfig:
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
     """Per transformer block: `full` recomputes the block in backward, `selective` its
     feed-forward part only (attention outputs kept); results equal `none`."""
+    eval_every: int = 0
+    """Every k steps, the validation loss on `data.eval_source` (a checkpoint is saved
+    at those steps; rank 0 evaluates it as `ray-zep eval` does); 0: never."""
+    eval_batches: int = 8
+    """Batches of `data.eval_source` each evaluation reads (the same ones every time);
+    0 reads it all once."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
+        _require(self.eval_every >= 0, "train.eval_every", self.eval_every, "must be >= 0")
+        _require(self.eval_batches >= 0, "train.eval_batches", self.eval_batches, "must be >= 0")
         _require(
             self.tokens_per_rank >= 2, "train.tokens_per_rank", self.tokens_per_rank, "must be >= 2"
         )
@@ -362,6 +370,9 @@ class DataConfig:
     """Multiply synthetic lengths by this (e.g. 1/64 to run paper distributions on a CPU)."""
     prefetch: int = 2
     """Steps of shards the data actor prepares ahead."""
+    eval_source: str | None = None
+    """Held-out data for `train.eval_every` (any form `data.source` takes), never
+    trained on; null: no evaluation during training."""
 
     def __post_init__(self) -> None:
         _require(bool(self.source), "data.source", self.source, "must not be empty")
@@ -508,6 +519,11 @@ class Config:
             raise ConfigError(
                 f"config key data.packing='budget': parallel.sequence={seq.name} keeps each "
                 "sequence on one rank and needs data.packing=rank"
+            )
+        if self.train.eval_every and not self.data.eval_source:
+            raise ConfigError(
+                f"config key train.eval_every={self.train.eval_every}: evaluation reads "
+                "held-out data; set data.eval_source (a Parquet file, stdlib, synthetic:...)"
             )
 
 

@@ -108,6 +108,11 @@ RANK_MEMORY = MetricSpec(
     "Peak memory of the fullest rank in the last step: modelled, and measured where it was.",
     ("kind",),
 )
+EVAL_LOSS = MetricSpec(
+    "ray_zep_eval_loss",
+    Kind.GAUGE,
+    "Validation loss (mean over label tokens of data.eval_source) of the last evaluation.",
+)
 RESTARTS = MetricSpec(
     "ray_zep_restarts_total",
     Kind.COUNTER,
@@ -115,6 +120,7 @@ RESTARTS = MetricSpec(
 )
 
 ALL_METRICS: tuple[MetricSpec, ...] = (
+    EVAL_LOSS,
     TOKENS,
     STEPS,
     STEP,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_zep import metrics
+from ray_zep import metrics, steplog
 from ray_zep.config import TopologyConfig, load_config
 from ray_zep.errors import ConfigError
 from ray_zep.model.shapes import build_shape
@@ -154,6 +154,22 @@ def test_exporter_derives_model_flops_mfu_zone_shares_and_restarts(tmp_path: Pat
     without_peak = MetricsExporter(tmp_path / "b", port=-1)
     (tmp_path / "b").mkdir()
     assert "mfu" not in without_peak.on_step(_event(1))
+
+
+def test_an_evaluation_is_a_metrics_row_and_a_gauge(tmp_path: Path) -> None:
+    exporter = MetricsExporter(tmp_path, port=0)
+    try:
+        exporter.on_start(0)
+        exporter.on_step(_event(1))
+        eval_event = {"step": 1, "loss": 2.5, "label_tokens": 900, "documents": 12, "seconds": 0.4}
+        exporter.on_eval(eval_event)
+        body = _scrape(exporter.port)
+    finally:
+        exporter.close()
+    assert "ray_zep_eval_loss 2.5" in body
+    rows = steplog.read_rows(tmp_path / "metrics.jsonl")
+    assert [r.get("eval_loss") for r in rows] == [None, 2.5]
+    assert "step_seconds" not in rows[1], "readers of step rows must skip it"
 
 
 @pytest.mark.dist

@@ -214,6 +214,12 @@ class _Watcher:
                 self.first_loss = row["loss"]
         elif kind == "checkpoint":
             self.exporter.on_checkpoint(event["step"])
+        elif kind == "eval":
+            row = self.exporter.on_eval(event)
+            log.info(
+                "step %d: validation loss %.4f on %d label tokens of data.eval_source (%.1f s)",
+                row["step"], row["eval_loss"], row["eval_label_tokens"], row["eval_seconds"],
+            )  # fmt: skip
         elif kind == "placement":
             self.machines = tuple(event["machines"])
             log.info("ranks run on Ray nodes %s", [m[:12] for m in self.machines])

@@ -100,6 +100,21 @@ class MetricsExporter:
         steplog.append_row(self.jsonl_path, row)
         return row
 
+    def on_eval(self, event: dict[str, Any]) -> dict[str, Any]:
+        """Record one evaluation (`train.eval_every`); returns the row written to
+        metrics.jsonl (it has no `step_seconds`: readers of step rows skip it)."""
+        row = {
+            "step": event["step"],
+            "eval_loss": event["loss"],
+            "eval_label_tokens": event["label_tokens"],
+            "eval_documents": event["documents"],
+            "eval_seconds": event["seconds"],
+            "time": time.time(),
+        }
+        self.metrics[m.EVAL_LOSS.name].set(row["eval_loss"])
+        steplog.append_row(self.jsonl_path, row)
+        return row
+
     def on_checkpoint(self, step: int) -> None:
         self.metrics[m.CHECKPOINTS.name].inc()
         self.metrics[m.CHECKPOINT_STEP.name].set(step)

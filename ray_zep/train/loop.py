@@ -10,10 +10,13 @@ Events passed to `report` (rank 0 only), all plain dicts:
     {"event": "start", "step": k}          training resumes after step k (0: fresh)
     {"event": "step", **StepStats}          one finished step
     {"event": "checkpoint", "step": k, "path": ...}
+    {"event": "eval", "step": k, "loss": ..., "label_tokens": ..., "documents": ...,
+     "seconds": ...}                        the validation loss after step k
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -25,7 +28,7 @@ import torch.distributed as dist
 from ray_zep.config import Config
 from ray_zep.data.shards import RankShard
 from ray_zep.dist import Comm
-from ray_zep.errors import CheckpointError
+from ray_zep.errors import CheckpointError, ConfigError, ZepError
 from ray_zep.train import checkpoint
 from ray_zep.train.ledger import SampleLedger
 from ray_zep.train.trainer import RankTrainer
@@ -78,11 +81,49 @@ def run_rank(
         if report and comm.rank == 0:
             report({"event": "step", "data_seconds": fetched - started, **stats.to_dict()})
         last = trainer.steps_done == config.train.steps
-        if last or (every and trainer.steps_done % every == 0):
+        evaluate = _due(trainer.steps_done, config.train.eval_every)
+        if last or evaluate or _due(trainer.steps_done, every):
             path = trainer.save(run_dir, shard.cursor_after)
             if report and comm.rank == 0:
                 report({"event": "checkpoint", "step": trainer.steps_done, "path": str(path)})
+            if evaluate:
+                _evaluate(config, comm, path, trainer.steps_done, report)
     return trainer
+
+
+def _due(step: int, every: int) -> bool:
+    return bool(every) and step % every == 0
+
+
+def _evaluate(config: Config, comm: Comm, path: Path, step: int, report: Report | None) -> None:
+    """Rank 0 evaluates the checkpoint of `step` on `data.eval_source` in one process (as
+    `ray-zep eval` does); the others wait for its answer (within comm.timeout_s)."""
+    from ray_zep.train.evaluate import run_eval
+    from ray_zep.train.restore import ModelSource
+
+    outcome: list[dict] = [{}]
+    if comm.rank == 0:
+        started = time.perf_counter()
+        held_out = dataclasses.replace(config.data, source=config.data.eval_source)
+        source = ModelSource(dataclasses.replace(config, data=held_out), path)
+        try:
+            result = run_eval(source, config.train.eval_batches or None)
+            outcome = [
+                {
+                    "loss": result.loss,
+                    "label_tokens": result.label_tokens,
+                    "documents": len(result.documents),
+                    "seconds": time.perf_counter() - started,
+                }
+            ]
+        except ZepError as exc:
+            outcome = [{"error": f"train.eval_every at step {step}: {exc}"}]
+    if comm.distributed:
+        dist.broadcast_object_list(outcome, src=0, group=comm.group)
+    if "error" in outcome[0]:
+        raise ConfigError(outcome[0]["error"])
+    if report and comm.rank == 0:
+        report({"event": "eval", "step": step, **outcome[0]})
 
 
 def _agree_on_checkpoint(run_dir: Path, config: Config, comm: Comm) -> Path | None:

@@ -159,7 +159,8 @@ def checkpoint_params(path: Path, overrides: list[str]) -> dict[str, torch.Tenso
 
 def jsonl_losses(run_dir: Path) -> dict[int, float]:
     """Loss of every step in metrics.jsonl (none before the file exists)."""
-    return {row["step"]: row["loss"] for row in steplog.read_rows(run_dir / METRICS_FILE_NAME)}
+    rows = steplog.read_rows(run_dir / METRICS_FILE_NAME)
+    return {row["step"]: row["loss"] for row in rows if "step_seconds" in row}
 
 
 def train_rank_each(rank: int, world: int, runs: list[list[str]]) -> list[dict[str, Any]]:
