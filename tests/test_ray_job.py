@@ -47,6 +47,12 @@ RUN = [
     "metrics.port=-1",
     f"comm.timeout_s={TIMEOUT_S}",
     "ray.max_failures=2",
+    # data parallel: whole sequences packed per rank, replicated weights
+    "parallel.sequence=whole",
+    "parallel.weights=replicated",
+    "parallel.routing=false",
+    "parallel.remap=false",
+    "data.packing=rank",
 ]
 RUNTIME_ENV = json.dumps({"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})
 JOB_TIMEOUT_S = 300.0
