@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+from collections.abc import Iterator
 
 from ray_zep.errors import CommError
+
+BACKEND_FAILURE_WORDS = ("gloo", "nccl", "timed out", "connection closed", "connection reset")
+"""What the backends' own errors say when a peer is lost or a collective times out."""
 
 
 def wait_all(works: list, what: str, timeout_s: float, rank: int) -> None:
@@ -21,6 +26,22 @@ def wait_all(works: list, what: str, timeout_s: float, rank: int) -> None:
     except RuntimeError as exc:
         text = str(exc).strip()
         first = text.splitlines()[0] if text else type(exc).__name__
+        raise CommError(
+            f"{what} on rank {rank} failed or exceeded comm.timeout_s={timeout_s:g}: {first}"
+        ) from None
+
+
+@contextlib.contextmanager
+def collectives_of(what: str, timeout_s: float, rank: int) -> Iterator[None]:
+    """Turn a backend's error raised by collectives we do not wait on ourselves (FSDP2's,
+    torch's own) into the CommError `wait_all` raises; other errors pass unchanged."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc).strip()
+        if not any(word in text.lower() for word in BACKEND_FAILURE_WORDS):
+            raise
+        first = text.splitlines()[0]
         raise CommError(
             f"{what} on rank {rank} failed or exceeded comm.timeout_s={timeout_s:g}: {first}"
         ) from None

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ray_zep.config import Config
 from ray_zep.data.shards import RankShard
 from ray_zep.dist import Comm
+from ray_zep.dist.waiting import collectives_of
 from ray_zep.errors import CheckpointError, ConfigError, ZepError
 from ray_zep.train import checkpoint
 from ray_zep.train.ledger import SampleLedger
@@ -74,7 +75,8 @@ def run_rank(
         started = time.perf_counter()
         shard = fetch_shard(step)
         fetched = time.perf_counter()
-        stats = trainer.train_step(shard)
+        with collectives_of(f"step {step + 1}", comm.timeout_s, comm.rank):
+            stats = trainer.train_step(shard)
         stats.step_seconds = time.perf_counter() - started
         if ledger:
             ledger.record(trainer.steps_done, shard)
