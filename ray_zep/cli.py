@@ -312,7 +312,7 @@ def _print_run_summary(config, run_dir: Path) -> None:
     from ray_zep.report.run_summary import compare_with_te_cp, summary_lines
     from ray_zep.topology import build_topology
 
-    rows = [r for r in steplog.read_rows(run_dir / METRICS_FILE_NAME) if "step_seconds" in r]
+    rows = steplog.step_rows(run_dir / METRICS_FILE_NAME)
     if not rows:
         return
     comparison = None

@@ -25,6 +25,12 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def step_rows(path: Path) -> list[dict[str, Any]]:
+    """The step rows of a metrics.jsonl (those with "step" and "step_seconds"; evaluation
+    rows have no step time), in file order."""
+    return [r for r in read_rows(path) if "step" in r and "step_seconds" in r]
+
+
 def rewind(path: Path, step: int) -> None:
     """Keep only the rows of steps <= `step` (replacing the file atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)

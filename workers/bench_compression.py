@@ -17,11 +17,12 @@ import dataclasses
 import shutil
 from pathlib import Path
 
+from ray_zep import steplog
 from ray_zep.config import Compression, load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import ConfigError
 from ray_zep.parallel.axes import Placement, WeightsMode
-from workers.bench_train import TIMING_OVERRIDES, steady_totals, step_rows
+from workers.bench_train import TIMING_OVERRIDES, steady_totals
 
 FSDP, WHOLE, ZEPPELIN = WeightsMode.FSDP.value, Placement.WHOLE.value, Placement.ZEPPELIN.value
 TAWPIPE = WeightsMode.TAWPIPE.value
@@ -120,7 +121,7 @@ def run_compression_bench(
 
 
 def _row(case: str, mode: str, metrics: Path, final_loss: float | None) -> CompressionRow:
-    steps = step_rows(metrics)
+    steps = steplog.step_rows(metrics)
     steady = steps[1:]
     profile = next((r["switcher"] for r in steps if r.get("switcher")), {})
     seconds, tokens = steady_totals(steps)

@@ -114,7 +114,7 @@ def run_train_bench(
         shutil.rmtree(out / name, ignore_errors=True)  # a fresh run, never a resume
         config = load_config(config_path, [*overrides, *extra])
         summary = train(config)
-        seconds, tokens = steady_totals(step_rows(summary.run_dir / METRICS_FILE_NAME))
+        seconds, tokens = steady_totals(steplog.step_rows(summary.run_dir / METRICS_FILE_NAME))
         predicted = _predict(config, name, steps, calibration)
         rows.append(
             TrainBenchRow(
@@ -127,11 +127,6 @@ def run_train_bench(
             )
         )
     return rows, calibration
-
-
-def step_rows(path: Path) -> list[dict]:
-    """The step rows of a run's metrics.jsonl."""
-    return [r for r in steplog.read_rows(path) if "step_seconds" in r]
 
 
 def steady_totals(rows: list[dict]) -> tuple[float, int]:

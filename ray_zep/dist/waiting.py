@@ -24,11 +24,7 @@ def wait_all(works: list, what: str, timeout_s: float, rank: int) -> None:
         for work in works:
             work.wait(timeout=timeout)
     except RuntimeError as exc:
-        text = str(exc).strip()
-        first = text.splitlines()[0] if text else type(exc).__name__
-        raise CommError(
-            f"{what} on rank {rank} failed or exceeded comm.timeout_s={timeout_s:g}: {first}"
-        ) from None
+        raise _comm_error(exc, what, timeout_s, rank) from None
 
 
 @contextlib.contextmanager
@@ -38,10 +34,15 @@ def collectives_of(what: str, timeout_s: float, rank: int) -> Iterator[None]:
     try:
         yield
     except RuntimeError as exc:
-        text = str(exc).strip()
-        if not any(word in text.lower() for word in BACKEND_FAILURE_WORDS):
+        if not any(word in str(exc).lower() for word in BACKEND_FAILURE_WORDS):
             raise
-        first = text.splitlines()[0]
-        raise CommError(
-            f"{what} on rank {rank} failed or exceeded comm.timeout_s={timeout_s:g}: {first}"
-        ) from None
+        raise _comm_error(exc, what, timeout_s, rank) from None
+
+
+def _comm_error(exc: RuntimeError, what: str, timeout_s: float, rank: int) -> CommError:
+    """The backend's error as one line naming `what`, the rank and the limit's key."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return CommError(
+        f"{what} on rank {rank} failed or exceeded comm.timeout_s={timeout_s:g}: {first}"
+    )

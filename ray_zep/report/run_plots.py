@@ -52,7 +52,7 @@ def draw_run(run_dir: Path) -> list[Path]:
             f"{run_dir} has no {METRICS_FILE_NAME}: give the train.out_dir of a run "
             f"that trained at least one step"
         )
-    rows = step_rows(metrics)
+    rows = steplog.step_rows(metrics)
     if not rows:
         log.info("no pictures of %s: %s has no step rows yet", run_dir, METRICS_FILE_NAME)
         return []
@@ -65,11 +65,6 @@ def draw_run(run_dir: Path) -> list[Path]:
         draw_load(rows, run_dir / "load.png"),
     ]
     return [path for path in drawn if path is not None]
-
-
-def step_rows(path: Path) -> list[dict[str, Any]]:
-    """The step rows of a metrics.jsonl, in file order."""
-    return [r for r in steplog.read_rows(path) if "step" in r and "step_seconds" in r]
 
 
 def steady_tokens_per_second(rows: Sequence[dict[str, Any]]) -> float:

@@ -23,6 +23,7 @@ from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.remap.policy import choose_remap
+from ray_zep.report.run_plots import imbalance, rank_matrix, steady_tokens_per_second
 from ray_zep.sim.step import simulate_step
 from ray_zep.topology import Topology
 from ray_zep.traffic import attention_step_traffic
@@ -94,11 +95,10 @@ def _modelled(config, topology, batches, placement: Placement, routed: bool, rem
 
 def summary_lines(rows: list[dict], comparison: TeCpComparison | None) -> list[str]:
     """A few lines a person reads at the end of a run (`rows`: its step rows)."""
-    steady = rows[1:] or rows
-    seconds = sum(r["step_seconds"] for r in steady)
-    tokens = sum(r["tokens"] for r in steady)
-    lines = [f"throughput: {tokens / max(seconds, 1e-9) / 1e3:.2f}k tokens/s (steps 2-{len(rows)})"]
-    lines.append("balance over ranks (max / mean per step): " + ", ".join(_balances(steady)))
+    throughput = steady_tokens_per_second(rows)
+    lines = [f"throughput: {throughput / 1e3:.2f}k tokens/s (steps 2-{len(rows)})"]
+    balances = _balances(rows[1:] or rows)
+    lines.append("balance over ranks (max / mean per step): " + ", ".join(balances))
     crossed = sum(r.get("comm_bytes", {}).get("inter_node", 0) for r in rows)
     lines.append(
         f"bytes between nodes (all traffic, traffic model of what ran): {crossed / GB:.3f} GB "
@@ -112,15 +112,11 @@ def summary_lines(rows: list[dict], comparison: TeCpComparison | None) -> list[s
 def _balances(rows: list[dict]) -> list[str]:
     out = []
     for key, label in (("rank_tokens", "tokens"), ("rank_flops", "FLOPs")):
-        ratios = [_imbalance(r[key]) for r in rows if r.get(key)]
-        if ratios:
-            out.append(f"{label} {np.mean(ratios):.2f} mean, {max(ratios):.2f} worst")
+        matrix = rank_matrix(rows, key)
+        if matrix is not None:
+            mean, worst = imbalance(matrix)
+            out.append(f"{label} {mean:.2f} mean, {worst:.2f} worst")
     return out or ["not recorded"]
-
-
-def _imbalance(values: list[float]) -> float:
-    mean = sum(values) / len(values)
-    return max(values) / mean if mean else 1.0
 
 
 def _comparison_lines(c: TeCpComparison) -> list[str]:
