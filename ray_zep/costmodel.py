@@ -117,6 +117,14 @@ HARDWARE_RATES: dict[str, ComputeRates] = {
         ATTENTION_CALL_OVERHEAD_S,
         f"H200 preset: {_DATASHEETS}",
     ),
+    "A10G": ComputeRates(
+        40e12,
+        40e12,
+        50e12,
+        30e-6,
+        "A10G assumption (FoldMoE testbed): 50 / 40 TFLOP/s fp16 matmul / flash attention "
+        "achieved, 30 us per kernel step (launches, permutations); not measured",
+    ),
 }
 """Labelled presets (see the module docstring for the sources)."""
 HARDWARE_ALIASES = {"A100": "A800", "H100": "H800"}
@@ -134,7 +142,7 @@ def _known_gpu(gpu_model: str) -> str | None:
 def datasheet_peak_flops(gpu_model: str) -> float | None:
     """Dense BF16 peak of a named GPU (None: not known)."""
     known = _known_gpu(gpu_model)
-    return DATASHEET_PEAK_FLOPS[known] if known else None
+    return DATASHEET_PEAK_FLOPS.get(known) if known else None
 
 
 def preset_gpu(gpu_model: str) -> str:

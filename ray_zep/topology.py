@@ -20,6 +20,18 @@ Presets are the Zeppelin paper's clusters (its §5 "Experimental Setup"):
 
 Latencies are not given by the paper; presets assume 3 us inside a node and
 10 us across RoCE, typical small-message figures for these fabrics.
+
+Two more presets are the testbeds of the FoldMoE and TawPipe papers, for their
+simulated setups; their bandwidths are what a transfer achieves, not line rates:
+
+- foldmoe_a10g: 2 x g5.48xlarge, 8 A10G per node on PCIe without NVLink (5 GB/s
+  per GPU each way, staged through the host) and one 100 Gb/s NIC per node of
+  which 40% is achieved (g5 has no EFA; NCCL uses its socket transport); 50 us
+  per message. The paper states the instance type and the 100 Gb/s line; the
+  achieved shares are assumptions.
+- tawpipe_a100: 3 nodes x 8 GPUs with one 10 GbE NIC per node (90% achieved).
+  The paper names no GPU: A100-80GB with 200 GB/s NVLink each way is assumed,
+  5 us inside a node and 50 us across the Ethernet.
 """
 
 from __future__ import annotations
@@ -202,6 +214,8 @@ PRESETS: dict[str, NodeHardware] = {
     "cluster_a": NodeHardware("A800-80G", 8, 4, 200.0, 200.0, gpu_memory_gb=80.0),
     "cluster_b": NodeHardware("H800", 8, 8, 200.0, 400.0, gpu_memory_gb=80.0),
     "cluster_c": NodeHardware("H200", 8, 8, 450.0, 400.0, gpu_memory_gb=141.0),
+    "foldmoe_a10g": NodeHardware("A10G", 8, 1, 5.0, 40.0, 50.0, 50.0, gpu_memory_gb=24.0),
+    "tawpipe_a100": NodeHardware("A100-80GB", 8, 1, 200.0, 9.0, 5.0, 50.0, gpu_memory_gb=80.0),
 }
 
 

@@ -15,8 +15,8 @@ from ray_zep.bench.moe import MoEBenchSpec, format_table, simulate_rows, speedup
 from ray_zep.config import MoEPipeline
 from ray_zep.model.shapes import PRESETS
 from ray_zep.moe.schedule import Kind, build_program
-from ray_zep.moe.simulate import play, stage_times
 from ray_zep.moe.slicing import micro_batch_sizes, slice_costs, time_uniform_slices
+from ray_zep.sim.moe_block import play, stage_times
 
 pytestmark = pytest.mark.unit
 
@@ -72,13 +72,14 @@ def test_simulated_schedules_order_as_the_paper_reports():
 def test_attention_steps_carry_the_tensor_parallel_collectives():
     shape, cluster = PRESETS["gpt_moe_m"], MoEBenchSpec().cluster()
     one = stage_times(shape, 16384, MoEPipeline.ONE_A_ONE_M, 4, False, cluster)
+    one_gpu = replace(cluster.topology, gpus_per_node=1, gpu_to_nic=(0,))
     alone = stage_times(
-        shape, 16384, MoEPipeline.ONE_A_ONE_M, 4, False, replace(cluster, gpus_per_node=1)
+        shape, 16384, MoEPipeline.ONE_A_ONE_M, 4, False, replace(cluster, topology=one_gpu)
     )
     assert alone.attend_collectives == [0.0] * 4
     # a gather and a reduce-scatter of each 4096-token slice over 8 GPUs
     slice_bytes = 4096 * shape.dim * 2
-    expected = 2 * (cluster.latency_s + slice_bytes * 7 / 8 / cluster.intra_bytes_per_s)
+    expected = 2 * (cluster.intra_latency + slice_bytes * 7 / 8 / cluster.intra_bandwidth)
     assert one.attend_collectives == pytest.approx([expected] * 4)
     program = build_program(MoEPipeline.NONE, 1)
     plain = stage_times(shape, 16384, MoEPipeline.NONE, 1, False, cluster)

@@ -14,13 +14,13 @@ from ray_zep.config import load_config
 from ray_zep.parallel.axes import Passing, WeightsMode
 from ray_zep.pipeline.layout import WeightLayout
 from ray_zep.pipeline.messages import step_traffic
-from ray_zep.pipeline.simulate import (
-    TAWPIPE_TESTBED,
+from ray_zep.sim.weight_passing import (
     WEIGHT_BYTES,
     Workload,
     sequences_that_fit,
     shard_compute,
     simulate_step,
+    tawpipe_testbed,
     unit_sizes,
 )
 from ray_zep.topology import build_topology
@@ -29,12 +29,16 @@ pytestmark = pytest.mark.unit
 STRATEGIES = (WeightsMode.TAWPIPE, WeightsMode.WEIPIPE, WeightsMode.FSDP)
 SHAPE = llama_shape(1024, layers=48)
 WORK = Workload(SHAPE, (4096,) * 8)
+TAWPIPE_TESTBED = tawpipe_testbed()
 FAST = dataclasses.replace(
     TAWPIPE_TESTBED,
-    nic_bytes_per_s=1e30,
-    intra_bytes_per_s=1e30,
-    inter_latency_s=0.0,
-    intra_latency_s=0.0,
+    topology=dataclasses.replace(
+        TAWPIPE_TESTBED.topology,
+        nic_bandwidth=1e30,
+        intra_node_bandwidth=1e30,
+        inter_node_latency=0.0,
+        intra_node_latency=0.0,
+    ),
 )
 
 
@@ -87,7 +91,10 @@ def test_memory_decides_the_sequences_per_step() -> None:
     assert 1 <= long < short <= 64
     kept = sequences_that_fit(SHAPE, 4096, TAWPIPE_TESTBED, recompute=False)
     assert kept < short, "without recompute every block's activations stay"
-    tiny = dataclasses.replace(TAWPIPE_TESTBED, memory_bytes=1e9)
+    tiny = dataclasses.replace(
+        TAWPIPE_TESTBED,
+        topology=dataclasses.replace(TAWPIPE_TESTBED.topology, gpu_memory_bytes=1e9 / 0.9),
+    )
     assert sequences_that_fit(llama_shape(4096), 16384, tiny) == 0
 
 

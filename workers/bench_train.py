@@ -30,9 +30,10 @@ from ray_zep.costmodel import ComputeRates
 from ray_zep.errors import ConfigError
 from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import WEIGHTS_AXES, Placement, WeightsMode
-from ray_zep.pipeline.simulate import WeightCluster, Workload, simulate_step
 from ray_zep.report.plan_command import PlanRequest, request_lengths
 from ray_zep.sim.compare import VARIANTS, simulate_strategies
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.weight_passing import Workload, simulate_step
 from ray_zep.topology import build_topology
 
 TIMING_OVERRIDES = ("metrics.memory_every=0",)
@@ -179,17 +180,7 @@ def _predict_weights(config: Config, mode: WeightsMode, batches, rates, bandwidt
     if WEIGHTS_AXES[mode].passing is None and not WEIGHTS_AXES[mode].fsdp:
         return None
     topology = build_topology(config.topology)
-    cluster = WeightCluster(
-        topology.nodes,
-        topology.gpus_per_node,
-        nic_bytes_per_s=bandwidth,
-        intra_bytes_per_s=bandwidth,
-        inter_latency_s=topology.inter_node_latency,
-        intra_latency_s=topology.intra_node_latency,
-        rates=rates,
-        memory_bytes=float("inf"),
-        source=rates.source,
-    )
+    cluster = Hardware(topology, rates)
     shape = build_shape(config.model)
     share = 1.0 / topology.world_size
     steps = [

@@ -3,7 +3,7 @@
 Two parts, printed side by side:
 
 - simulated: per-block forward + backward latency of GPT-MoE-S/M/L at 4k-32k
-  on the FoldMoE testbed model (`ray_zep.moe.simulate`), each schedule at its
+  on the FoldMoE testbed model (`ray_zep.sim.moe_block`), each schedule at its
   best overlap degree, next to the latencies the paper reports (Table 2:
   Megatron-MoE, Tutel at its best d, FoldMoE at its best d);
 - measured: the real pipelined block (`ray_zep.moe.pipeline`) on this machine,
@@ -12,7 +12,6 @@ Two parts, printed side by side:
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import time
 from dataclasses import asdict, dataclass
@@ -27,9 +26,10 @@ import torch.multiprocessing as mp
 from ray_zep.config import MoEPipeline
 from ray_zep.dist.launch import free_port
 from ray_zep.model.shapes import PRESETS, ModelShape
-from ray_zep.moe.simulate import A10G_100GBE, Cluster, block_seconds
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.moe_block import block_seconds, foldmoe_testbed
 
 SCHEDULES: dict[str, tuple[MoEPipeline, bool]] = {
     "none": (MoEPipeline.NONE, False),
@@ -66,18 +66,15 @@ class MoEBenchSpec:
     cpu_tokens: int = 2048
     cpu_degree: int = 4
     repeats: int = 3
-    nic_gbps: float = A10G_100GBE.nic_bytes_per_s * 8 / 1e9
-    """Achieved inter-node bandwidth of one node, Gb/s each way (the model's assumption)."""
-    intra_gbytes: float = A10G_100GBE.intra_bytes_per_s / 1e9
-    """Achieved intra-node bandwidth of one GPU, GB/s each way (the model's assumption)."""
+    nic_gbps: float = 40.0
+    """Achieved inter-node bandwidth of one node (its one NIC), Gb/s each way (the
+    `foldmoe_a10g` topology preset's assumption)."""
+    intra_gbytes: float = 5.0
+    """Achieved intra-node bandwidth of one GPU, GB/s each way (the preset's assumption)."""
 
-    def cluster(self) -> Cluster:
-        """The testbed model with this spec's bandwidths."""
-        return dataclasses.replace(
-            A10G_100GBE,
-            nic_bytes_per_s=self.nic_gbps * 1e9 / 8,
-            intra_bytes_per_s=self.intra_gbytes * 1e9,
-        )
+    def cluster(self) -> Hardware:
+        """The testbed with this spec's bandwidths."""
+        return foldmoe_testbed().with_links(self.nic_gbps, self.intra_gbytes)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """`ray-zep bench tawpipe`: the weight-passing strategies on TawPipe's testbed, simulated.
 
 For LLaMA-2-style models of 48 blocks (H = 1024-4096, S = 4k-16k) on 3 nodes x
-8 GPUs with 10 GbE between nodes, the simulator (`ray_zep.pipeline.simulate`)
+8 GPUs with 10 GbE between nodes, the simulator (`ray_zep.sim.weight_passing`)
 plays the executor's step for tawpipe, weipipe and fsdp with as many sequences
 per GPU as fit in memory. Each row gives tokens/GPU/s, the share of the step
 the GPU waits (bubble), the bytes per step on each link kind and the elements
@@ -12,7 +12,6 @@ of the same strategies come from `workers.bench_train` (through Ray).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -20,16 +19,16 @@ from typing import Any
 
 from ray_zep.model.shapes import ModelShape
 from ray_zep.parallel.axes import WeightsMode
-from ray_zep.pipeline.simulate import (
-    TAWPIPE_TESTBED,
+from ray_zep.report.charts import grouped_bars
+from ray_zep.report.figures import save_figure
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.weight_passing import (
     WEIGHT_BYTES,
-    WeightCluster,
     Workload,
     sequences_that_fit,
     simulate_step,
+    tawpipe_testbed,
 )
-from ray_zep.report.charts import grouped_bars
-from ray_zep.report.figures import save_figure
 
 MODES = (WeightsMode.TAWPIPE, WeightsMode.WEIPIPE, WeightsMode.FSDP)
 TAW, WEI, FSDP = (m.value for m in MODES)
@@ -63,8 +62,8 @@ class TawPipeBenchSpec:
     """Line rate between nodes, Gb/s per node (90% of it is achieved)."""
     recompute: bool = True
 
-    def cluster(self) -> WeightCluster:
-        return dataclasses.replace(TAWPIPE_TESTBED, nic_bytes_per_s=0.9 * self.nic_gbps * 1e9 / 8)
+    def cluster(self) -> Hardware:
+        return tawpipe_testbed().with_links(nic_gbits_per_s=0.9 * self.nic_gbps)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ background between the step that posts them and the step that waits:
     COMBINE j   wait for the combine, weight and add the expert outputs
 
 A schedule is the order of these steps on the compute stream; the executor
-(`ray_zep.moe.pipeline`) and the simulator (`ray_zep.moe.simulate`) play the
+(`ray_zep.moe.pipeline`) and the simulator (`ray_zep.sim.moe_block`) play the
 same list. Backward runs the steps in reverse (autograd runs the latest-created
 work first), with each transfer's reverse posted by the step that waited for
 it and waited for by the step that posted it.

@@ -1,4 +1,4 @@
-"""Step time of the weight-passing executor (`ray_zep.pipeline.runner`) on a modelled cluster.
+"""Step time of the weight-passing executor (`ray_zep.pipeline.runner`) on a `Hardware` cluster.
 
 The model plays the runner's program on one device; devices run it in lockstep
 (each transfer involves all of them), so one timeline stands for all. Two
@@ -36,10 +36,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ray_zep.config import TopologyConfig
 from ray_zep.costmodel import (
     BACKWARD_ATTENTION_FACTOR,
     BACKWARD_LINEAR_FACTOR,
-    HARDWARE_RATES,
     ComputeRates,
     causal_attention_flops,
     head_flops_per_token,
@@ -49,6 +49,8 @@ from ray_zep.model.shapes import ModelShape
 from ray_zep.parallel.axes import WEIGHTS_AXES, Passing, WeightsMode
 from ray_zep.pipeline.layout import WeightLayout
 from ray_zep.pipeline.messages import Message, fetch_messages, reduce_messages
+from ray_zep.sim.hardware import Hardware
+from ray_zep.topology import build_topology
 
 WEIGHT_BYTES = 2
 """Shards and gradients travel in the compute dtype, bf16 (`ShardedWeights`)."""
@@ -61,51 +63,10 @@ OPTIMIZER_BYTES = 16
 """Own shard per parameter: float32 weight, gradient and two Adam moments."""
 
 
-@dataclass(frozen=True)
-class WeightCluster:
-    """What the model needs of the hardware (achieved rates, not peaks).
-
-    Attributes:
-        nodes: D, nodes (TawPipe's groups).
-        gpus_per_node: G.
-        nic_bytes_per_s: one node's inter-node bandwidth each way, shared by its GPUs.
-        intra_bytes_per_s: one GPU's intra-node bandwidth each way.
-        inter_latency_s / intra_latency_s: per hop.
-        rates: compute rates of one GPU.
-        memory_bytes: usable memory of one GPU.
-        source: where the numbers come from.
-    """
-
-    nodes: int
-    gpus_per_node: int
-    nic_bytes_per_s: float
-    intra_bytes_per_s: float
-    inter_latency_s: float
-    intra_latency_s: float
-    rates: ComputeRates
-    memory_bytes: float
-    source: str
-
-    @property
-    def devices(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
-TAWPIPE_TESTBED = WeightCluster(
-    nodes=3,
-    gpus_per_node=8,
-    nic_bytes_per_s=0.9 * 10e9 / 8,
-    intra_bytes_per_s=200e9,
-    inter_latency_s=50e-6,
-    intra_latency_s=5e-6,
-    rates=HARDWARE_RATES["A800"],
-    memory_bytes=0.9 * 80e9,
-    source=(
-        "the TawPipe testbed: 3 nodes x 8 GPUs, 10 GbE between nodes (90% achieved); "
-        "the paper names no GPU: A100-80GB assumed (NVLink 200 GB/s achieved, the A100 "
-        "compute preset)"
-    ),
-)
+def tawpipe_testbed() -> Hardware:
+    """TawPipe's testbed: topology preset `tawpipe_a100` (3 x 8 GPUs, 10 GbE) with the
+    A100 preset rates."""
+    return Hardware.preset(build_topology(TopologyConfig(preset="tawpipe_a100", nodes=3)))
 
 
 @dataclass(frozen=True)
@@ -177,19 +138,19 @@ class Transfer:
     intra_bytes: float = 0.0
 
 
-def _ring(c: WeightCluster, members: int, size: float, link: str) -> float:
+def _ring(hw: Hardware, members: int, size: float, link: str) -> float:
     """A pipelined ring broadcast or reduce over `members` devices."""
     if members <= 1:
         return 0.0
     if link == "nic":
-        return (members - 1) * c.inter_latency_s + size / c.nic_bytes_per_s
-    return (members - 1) * c.intra_latency_s + size / c.intra_bytes_per_s
+        return (members - 1) * hw.inter_latency + size / hw.node_nic_bandwidth
+    return (members - 1) * hw.intra_latency + size / hw.intra_bandwidth
 
 
-def _hop(c: WeightCluster, src: int, size: float) -> tuple[str, float]:
-    if (src + 1) % c.devices // c.gpus_per_node != src // c.gpus_per_node:
-        return "nic", c.inter_latency_s + size / c.nic_bytes_per_s
-    return "intra", c.intra_latency_s + size / c.intra_bytes_per_s
+def _hop(hw: Hardware, src: int, size: float) -> tuple[str, float]:
+    if (src + 1) % hw.devices // hw.gpus_per_node != src // hw.gpus_per_node:
+        return "nic", hw.inter_latency + size / hw.node_nic_bandwidth
+    return "intra", hw.intra_latency + size / hw.intra_bandwidth
 
 
 def _volume(messages: list[Message], size: float, gpus_per_node: int) -> dict[str, float]:
@@ -198,7 +159,7 @@ def _volume(messages: list[Message], size: float, gpus_per_node: int) -> dict[st
 
 
 def transfers(
-    mode: WeightsMode, layout: WeightLayout, sizes: list[int], c: WeightCluster, shard: int
+    mode: WeightsMode, layout: WeightLayout, sizes: list[int], c: Hardware, shard: int
 ) -> tuple[Transfer, Transfer]:
     """(fetch, gradient sum) of one shard."""
     size = WEIGHT_BYTES * sum(sizes[u] for u in layout.units[shard])
@@ -266,7 +227,7 @@ class StepModel:
         return self.tokens / self.seconds
 
 
-def simulate_step(mode: WeightsMode, work: Workload, c: WeightCluster) -> StepModel:
+def simulate_step(mode: WeightsMode, work: Workload, c: Hardware) -> StepModel:
     """The runner's program for one step (module docstring): tawpipe, weipipe or fsdp."""
     sizes = unit_sizes(work.shape)
     layout = WeightLayout.build(WEIGHTS_AXES[mode].passing, sizes, c.nodes, c.gpus_per_node)
@@ -356,9 +317,9 @@ the loss and its gradient."""
 
 
 def sequences_that_fit(
-    shape: ModelShape, seq_len: int, c: WeightCluster, recompute: bool = True, most: int = 64
+    shape: ModelShape, seq_len: int, c: Hardware, recompute: bool = True, most: int = 64
 ) -> int:
-    """Sequences per device per step whose training fits `c.memory_bytes` (0: none).
+    """Sequences per device per step whose training fits `c.usable_memory_bytes` (0: none).
 
     Counts the largest shard as own (with gradient and Adam moments), borrowed and
     staging, three gradient sums in flight, the float32 shard boundaries, and the
@@ -372,5 +333,5 @@ def sequences_that_fit(
     per_token = PARAM_BYTES * shape.dim * layout.shards
     per_token += ACTIVATION_BYTES_PER_TOKEN_LAYER * shape.dim * blocks
     per_token += LOGIT_BYTES * shape.vocab_size
-    room = c.memory_bytes - fixed
+    room = c.usable_memory_bytes - fixed
     return max(0, min(most, int(room // (per_token * seq_len))))

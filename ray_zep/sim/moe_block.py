@@ -1,4 +1,4 @@
-"""Latency of one MoE block under a pipeline program, on a modelled cluster.
+"""Latency of one MoE block under a FoldMoE pipeline program, on a `Hardware` cluster.
 
 Two resources per GPU, as on the GPU: a compute stream that runs the
 program's steps in order, and a communication stream that runs the posted
@@ -23,7 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ray_zep.config import MoEPipeline
+from ray_zep.config import MoEPipeline, TopologyConfig
+from ray_zep.costmodel import (
+    BACKWARD_ATTENTION_FACTOR,
+    BACKWARD_LINEAR_FACTOR,
+    BYTES_PER_ELEMENT,
+)
 from ray_zep.model.shapes import ModelShape
 from ray_zep.moe.schedule import Kind, Step, attention_slices, build_program
 from ray_zep.moe.slicing import (
@@ -32,60 +37,13 @@ from ray_zep.moe.slicing import (
     time_uniform_slices,
     token_uniform_slices,
 )
-
-BACKWARD_MATMUL_FACTOR = 2.0
-"""Backward FLOPs per forward FLOP of a matmul (input and weight gradients)."""
-BACKWARD_ATTENTION_FACTOR = 2.5
-"""Backward time per forward time of flash attention (it recomputes the scores)."""
+from ray_zep.sim.hardware import Hardware
+from ray_zep.topology import build_topology
 
 
-@dataclass(frozen=True)
-class Cluster:
-    """What the model needs of the hardware (achieved rates, not peaks).
-
-    Attributes:
-        gpus_per_node: G, the tensor/sequence-parallel degree of attention.
-        nodes: nodes; experts (EP) span G x nodes GPUs.
-        matmul_flops: achieved dense matmul rate per GPU, FLOP/s.
-        attention_flops: achieved attention rate per GPU, FLOP/s.
-        nic_bytes_per_s: one node's inter-node bandwidth, each way, shared by its GPUs.
-        intra_bytes_per_s: one GPU's intra-node bandwidth, each way.
-        latency_s: fixed cost of one all-to-all.
-        step_overhead_s: fixed cost of one step of a program (kernel launches,
-            permutations), what makes a large d stop paying off.
-        bytes_per_element: activation element size on the wire.
-    """
-
-    gpus_per_node: int
-    nodes: int
-    matmul_flops: float
-    attention_flops: float
-    nic_bytes_per_s: float
-    intra_bytes_per_s: float
-    latency_s: float
-    step_overhead_s: float
-    bytes_per_element: int = 2
-
-    @property
-    def experts_span(self) -> int:
-        return self.gpus_per_node * self.nodes
-
-
-A10G_100GBE = Cluster(
-    gpus_per_node=8,
-    nodes=2,
-    matmul_flops=50e12,
-    attention_flops=40e12,
-    nic_bytes_per_s=0.4 * 100e9 / 8,
-    intra_bytes_per_s=5e9,
-    latency_s=50e-6,
-    step_overhead_s=30e-6,
-)
-"""The FoldMoE testbed: 2 x g5.48xlarge (8 A10G each on PCIe), 100 Gb/s between nodes.
-Achieved rates are assumptions, not measurements: 50 / 40 TFLOP/s for fp16
-matmuls / flash attention; 40% of the 100 Gb/s line rate, since g5 has no EFA
-and NCCL goes through its socket transport; 5 GB/s per GPU inside a node, as
-PCIe traffic without NVLink is staged through the host."""
+def foldmoe_testbed() -> Hardware:
+    """The FoldMoE testbed: topology preset `foldmoe_a10g` with the A10G rates."""
+    return Hardware.preset(build_topology(TopologyConfig(preset="foldmoe_a10g", nodes=2)))
 
 
 @dataclass
@@ -99,6 +57,8 @@ class StageTimes:
     combine: list[float]
     dispatch_comm: list[float]
     combine_comm: list[float]
+    attend_backward_factor: float = BACKWARD_ATTENTION_FACTOR
+    """Backward attention time per forward attention time."""
 
 
 @dataclass
@@ -114,24 +74,26 @@ class Timeline:
 
 
 def stage_times(
-    shape: ModelShape, seq_len: int, schedule: MoEPipeline, degree: int, uniform: bool, c: Cluster
+    shape: ModelShape, seq_len: int, schedule: MoEPipeline, degree: int, uniform: bool, hw: Hardware
 ) -> StageTimes:
     """Per-GPU forward times of one MoE block of `shape` on a sequence of `seq_len`."""
     d = 1 if schedule is MoEPipeline.NONE else degree
+    g, rates = hw.gpus_per_node, hw.rates
+    overhead_s = rates.call_overhead_s
     slices = _slices(shape, seq_len, schedule, d, uniform)
     flops = slice_costs([seq_len], slices, shape.dim, shape.n_heads, causal=True)
-    attend = [f / c.gpus_per_node / c.attention_flops + c.step_overhead_s for f in flops]
-    gathered = [2 * _ring_seconds(n * shape.dim * c.bytes_per_element, c) for n in slices]
-    tokens = [n / c.gpus_per_node for n in micro_batch_sizes(seq_len, d)]
+    attend = [f / g / rates.attention_forward + overhead_s for f in flops]
+    gathered = [2 * _ring_seconds(n * shape.dim * BYTES_PER_ELEMENT, hw) for n in slices]
+    tokens = [n / g for n in micro_batch_sizes(seq_len, d)]
     k, dim = shape.moe_top_k, shape.dim
-    gate = [2 * dim * shape.moe_experts * n / c.matmul_flops + c.step_overhead_s for n in tokens]
+    gate = [2 * dim * shape.moe_experts * n / rates.matmul + overhead_s for n in tokens]
     experts = [
-        2 * 3 * dim * shape.expert_hidden * k * n / c.matmul_flops + c.step_overhead_s
-        for n in tokens
+        2 * 3 * dim * shape.expert_hidden * k * n / rates.matmul + overhead_s for n in tokens
     ]
-    comm = [_all_to_all_seconds(n * k * dim * c.bytes_per_element, c) for n in tokens]
-    overhead = [c.step_overhead_s] * d
-    return StageTimes(attend, gathered, gate, experts, overhead, comm, list(comm))
+    comm = [_all_to_all_seconds(n * k * dim * BYTES_PER_ELEMENT, hw) for n in tokens]
+    overhead = [overhead_s] * d
+    backward = BACKWARD_ATTENTION_FACTOR * rates.attention_forward / rates.attention_backward
+    return StageTimes(attend, gathered, gate, experts, overhead, comm, list(comm), backward)
 
 
 def _slices(shape, seq_len, schedule, d, uniform) -> list[int]:
@@ -142,21 +104,23 @@ def _slices(shape, seq_len, schedule, d, uniform) -> list[int]:
     return token_uniform_slices(seq_len, d)
 
 
-def _ring_seconds(gathered_bytes: float, c: Cluster) -> float:
+def _ring_seconds(gathered_bytes: float, hw: Hardware) -> float:
     """A ring all-gather (or reduce-scatter) of `gathered_bytes` over a node's GPUs."""
-    g = c.gpus_per_node
+    g = hw.gpus_per_node
     if g == 1:
         return 0.0
-    return c.latency_s + gathered_bytes * (g - 1) / g / c.intra_bytes_per_s
+    return hw.intra_latency + gathered_bytes * (g - 1) / g / hw.intra_bandwidth
 
 
-def _all_to_all_seconds(send_bytes: float, c: Cluster) -> float:
-    """One GPU's all-to-all of `send_bytes` spread evenly over every expert's GPU."""
-    span = c.experts_span
-    inter = send_bytes * (span - c.gpus_per_node) / span
-    intra = send_bytes * (c.gpus_per_node - 1) / span
-    nic_share = c.nic_bytes_per_s / c.gpus_per_node
-    return c.latency_s + max(inter / nic_share, intra / c.intra_bytes_per_s)
+def _all_to_all_seconds(send_bytes: float, hw: Hardware) -> float:
+    """One GPU's all-to-all of `send_bytes` spread evenly over every expert's GPU
+    (experts span every GPU of every node)."""
+    span, g = hw.devices, hw.gpus_per_node
+    inter = send_bytes * (span - g) / span
+    intra = send_bytes * (g - 1) / span
+    nic_share = hw.node_nic_bandwidth / g
+    latency = hw.inter_latency if hw.nodes > 1 else hw.intra_latency
+    return latency + max(inter / nic_share, intra / hw.intra_bandwidth)
 
 
 def play(program: list[Step], times: StageTimes, backward: bool = False) -> Timeline:
@@ -192,7 +156,7 @@ def play(program: list[Step], times: StageTimes, backward: bool = False) -> Time
         j = step.index
         if step.kind in waits:
             now = max(now, done[(waits[step.kind], j)])
-        cost = compute_cost[step.kind][j] * _backward_factor(step.kind, backward)
+        cost = compute_cost[step.kind][j] * _backward_factor(step.kind, backward, times)
         if step.kind is Kind.ATTEND:
             cost += times.attend_collectives[j]
         line.compute.append((str(step), now, now + cost))
@@ -206,16 +170,16 @@ def play(program: list[Step], times: StageTimes, backward: bool = False) -> Time
     return line
 
 
-def _backward_factor(kind: Kind, backward: bool) -> float:
+def _backward_factor(kind: Kind, backward: bool, times: StageTimes) -> float:
     if not backward:
         return 1.0
-    return BACKWARD_ATTENTION_FACTOR if kind is Kind.ATTEND else BACKWARD_MATMUL_FACTOR
+    return times.attend_backward_factor if kind is Kind.ATTEND else BACKWARD_LINEAR_FACTOR
 
 
 def block_seconds(
-    shape: ModelShape, seq_len: int, schedule: MoEPipeline, degree: int, uniform: bool, c: Cluster
+    shape: ModelShape, seq_len: int, schedule: MoEPipeline, degree: int, uniform: bool, hw: Hardware
 ) -> tuple[float, float]:
     """Forward and backward seconds of one MoE block."""
-    times = stage_times(shape, seq_len, schedule, degree, uniform, c)
+    times = stage_times(shape, seq_len, schedule, degree, uniform, hw)
     program = build_program(schedule, degree)
     return play(program, times).end, play(program, times, backward=True).end
