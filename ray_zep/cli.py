@@ -18,7 +18,13 @@
     ray-zep simulate [CONFIG] [key=value ...] [--strategies zeppelin,te_cp,...] [--ablation]
                      [--distribution arxiv --tokens 256k] [--calibration FILE] [--json PATH]
                                              predicted step time and speedup per strategy
-    ray-zep bench calibrate [--out DIR]      measure attention and matmul rates of this device
+    ray-zep bench calibrate [CONFIG] [--out DIR]
+                                             measure this device (attention per length, matmul,
+                                             element-wise, optimizer) and, on CPU, the virtual
+                                             cluster's links and the trainer's fixed step cost
+    ray-zep bench validate [CONFIG] [key=value ...] [--quick] [--json F]
+                                             calibrate, train every placement x {replicated,
+                                             fsdp}, predict them, simulate the paper headlines
     ray-zep bench train [CONFIG] [key=value ...] [--strategies ...] [--steps K]
                                              real CPU runs per strategy beside the simulator
     ray-zep bench train [CONFIG] --compare compression [--cases fsdp,...] [--modes off,auto,always]
@@ -159,11 +165,20 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--repeats", type=int, default=5, help="timed runs per size")
     calibrate.add_argument("--out", default="runs/bench/calibrate", help="output folder")
     calibrate.set_defaults(handler=_bench_calibrate)
+    validate = benches.add_parser("validate", help="the simulator against real CPU runs")
+    validate.add_argument("config", nargs="?", default="conf/demo.yaml", help="YAML config")
+    validate.add_argument("overrides", nargs="*", help="key=value overrides")
+    validate.add_argument("--quick", action="store_true", help="6 of the 14 modes (all headlines)")
+    validate.add_argument("--steps", type=int, default=8, help="steps per mode (2 warm-up)")
+    validate.add_argument("--calibration", help="calibration.json (default: measure now)")
+    validate.add_argument("--json", dest="json_path", help="write the rows here")
+    validate.add_argument("--out", default="runs/bench/validate", help="runs and JSON folder")
+    validate.set_defaults(handler=_bench_validate)
     train_bench = benches.add_parser("train", help="real CPU runs next to the simulator")
     train_bench.add_argument("config", nargs="?", default="conf/zeppelin.yaml", help="YAML config")
     train_bench.add_argument("overrides", nargs="*", help="key=value overrides")
     train_bench.add_argument("--strategies", help="default: zeppelin,te_cp,llama_cp,hybrid_dp")
-    train_bench.add_argument("--steps", type=int, default=6, help="steps per strategy")
+    train_bench.add_argument("--steps", type=int, default=8, help="steps per mode (2 warm-up)")
     train_bench.add_argument("--calibration", help="calibration.json (default: measure now)")
     train_bench.add_argument("--out", default="runs/bench/train", help="runs, JSON and PNG")
     train_bench.add_argument(
@@ -438,22 +453,51 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _bench_calibrate(args: argparse.Namespace) -> int:
     from ray_zep.bench.calibrate import calibrate
-    from ray_zep.model.shapes import build_shape
     from ray_zep.train.build import resolve_device
 
     config = _optional_config(args)
     device = resolve_device(config.train.device)
-    result = calibrate(build_shape(config.model), device, args.repeats)
+    result = calibrate(config, device, args.repeats)
+    out = Path(args.out)
+    if device.type == "cpu":  # the trainer's fixed step cost on this virtual cluster
+        from workers.calibrate_step import measure_step_overhead  # trains through Ray
+
+        result = measure_step_overhead(args.config, args.overrides, result, out.resolve())
     print(result.table())
-    print(f"wrote {result.save(Path(args.out) / 'calibration.json')}")
+    print(f"wrote {result.save(out / 'calibration.json')}")
+    return 0
+
+
+def _bench_validate(args: argparse.Namespace) -> int:
+    from ray_zep.errors import ConfigError
+
+    if args.steps < 3:
+        raise ConfigError(f"--steps={args.steps} must be >= 3 (the first two are warm-up)")
+    import workers.bench_validate as bench  # trains through Ray, like `train`
+    from ray_zep.bench.calibrate import Calibration
+    from ray_zep.bench.output import write_json
+
+    calibration = Calibration.load(args.calibration) if args.calibration else None
+    out = Path(args.out)
+    result = bench.run_validate(
+        args.config, args.overrides, args.quick, args.steps, out.resolve(), calibration
+    )
+    print(result.table())
+    written = result.calibration.save(out / "calibration.json")
+    print(f"wrote {written}")
+    command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ray-zep bench validate"
+    spec = {"config": args.config, "overrides": args.overrides, "steps": args.steps,
+            "quick": args.quick}  # fmt: skip
+    path = Path(args.json_path) if args.json_path else out / "validate.json"
+    print(f"wrote {write_json(path, command, spec, result.rows())}")
     return 0
 
 
 def _bench_train(args: argparse.Namespace) -> int:
     from ray_zep.errors import ConfigError
 
-    if args.steps < 2:
-        raise ConfigError(f"--steps={args.steps} must be >= 2 (the first step is warm-up)")
+    if args.steps < 3:
+        raise ConfigError(f"--steps={args.steps} must be >= 3 (the first two are warm-up)")
     if args.compare == "compression":
         return _bench_compression(args)
     import workers.bench_train as bench  # trains through Ray, like `train`
@@ -474,6 +518,7 @@ def _bench_train(args: argparse.Namespace) -> int:
     spec["link"] = {
         "latency_s": calibration.link_latency_s,
         "bandwidth": calibration.link_bandwidth,
+        "core_share": calibration.core_share,
     }
     command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ray-zep bench train"
     print(f"wrote {write_json(out / 'train.json', command, spec, bench.row_dicts(rows))}")

@@ -7,15 +7,32 @@ Compute rates (`ComputeRates`) come from `ray-zep bench calibrate`, which
 measures the present device, or from the labelled hardware presets
 (`HARDWARE_RATES`): the vendors' dense BF16 peaks (A800/A100 312 TFLOP/s,
 H800/H100/H200 989 TFLOP/s: NVIDIA's A100 and H100/H200 SXM datasheets) times
-efficiencies from published measurements. FlashAttention-2 (Dao, 2023) reaches
-50-73% of the A100 peak in forward and up to 63% in backward at head dim 128
-and long sequences, about 35% of the H100 peak (it predates Hopper kernels,
-and the Zeppelin paper's stack runs FlashAttention 2.4.3); varlen batches of a
-few thousand tokens sit at the low end, so the presets take 50% / 45% (A800)
-and 35% / 30% (Hopper). Dense matmuls take 60% of peak, a little above the 52%
-model-FLOPs utilisation Megatron-LM reports end to end on A100 (Narayanan et
-al., 2021). A virtual topology is modelled as A800 nodes, so that plans made on
-a laptop look like plans made for cluster A.
+efficiencies from published measurements.
+
+Attention runs at a rate that depends on the length of the block a kernel call
+computes per sequence: `rate(L) = rate_long x L / (L + L_half)`, where L_half is
+the length at which the kernel reaches half its long-sequence rate. The form and
+its constants fit the FlashAttention-2 benchmark (Dao-AILab/flash-attention,
+`benchmarks/benchmark_flash_attention.py`: 16k tokens per batch cut into
+sequences of 512 to 16k tokens, head dim 128, forward + backward; the README's
+A100 and H100 figures) within 2%: on A100 the causal series levels at
+193 TFLOP/s with L_half = 480, the unmasked one at 205 TFLOP/s with L_half = 185
+(the causal diagonal tiles waste more on short blocks); on H100, 333 TFLOP/s with
+L_half = 530 and 344 with 190. The forward / backward split takes FA2's Hopper
+ratio of backward to forward rate at long sequences (0.87): A800 214 / 186
+TFLOP/s (69% / 60% of peak), Hopper 350 / 327 (35% / 33%; the Zeppelin paper's
+stack runs FlashAttention 2.4.3, which predates Hopper kernels). Dense matmuls
+take 60% of peak, a little above the 52% model-FLOPs utilisation Megatron-LM
+reports end to end on A100 (Narayanan et al., 2021). A virtual topology is
+modelled as A800 nodes, so that plans made on a laptop look like plans made for
+cluster A.
+
+While communication kernels run on a GPU they take SMs from compute:
+`ComputeRates.contention` slows the compute that overlaps a transfer. The
+presets take 1.19, the mean slowdown of compute overlapped with NCCL
+communication measured on A100 and H100 for GPT and LLaMA workloads
+(arXiv 2507.03114, "Characterizing compute-communication overlap", 18.9% on
+average, 40% at most).
 
 The crossover chunk length of a link is the Fig. 5 reading of the Zeppelin
 paper: one ring step over a chunk of m tokens per rank computes an m x m block
@@ -25,9 +42,10 @@ proportional to m). Past the crossover the transfer hides behind the compute.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from ray_zep.errors import ConfigError
@@ -45,20 +63,71 @@ GRAD_BYTES_PER_ELEMENT = 4
 """Gradients are all-reduced in float32 (parameters are float32, autocast computes in bf16)."""
 
 
+CURVE_KINDS = (
+    "forward_causal",
+    "forward_full",
+    "backward_causal",
+    "backward_full",
+    "backward_autograd",
+)
+"""Attention block kinds a calibration measures: the diagonal blocks (causal) and a
+ring step's other blocks (unmasked), forward and backward, and the backward of local
+causal attention through autograd (whole-sequence placements; where not measured,
+the engine's causal backward stands for it)."""
+
+
+def _interpolate(points: tuple[tuple[float, float], ...], length: float) -> float:
+    """Rate at `length`, log-log between measured (length, rate) points, flat outside."""
+    if length <= points[0][0]:
+        return points[0][1]
+    for (n0, r0), (n1, r1) in itertools.pairwise(points):
+        if length <= n1:
+            w = math.log(length / n0) / math.log(n1 / n0)
+            return math.exp(math.log(r0) + w * math.log(r1 / r0))
+    return points[-1][1]
+
+
+def pointwise_elements_per_token(shape: ModelShape) -> float:
+    """Elements the element-wise work of one block touches per token, forward and backward:
+    about 16 passes over the model dim (two RMSNorms, residual adds, RoPE on the
+    heads) and 6 over the feed-forward width (SwiGLU and its gradient). An estimate;
+    a calibration fits the rate on the model itself, which absorbs its error."""
+    return 16.0 * shape.dim + 6.0 * shape.mean_ffn_params() / (3 * shape.dim)
+
+
 @dataclass(frozen=True)
 class ComputeRates:
     """Sustained compute of one GPU (or one CPU process of a virtual cluster).
 
     Attributes:
-        attention_forward: FLOP/s of forward attention, counting 4 H E per
-            visible (query, key) pair.
-        attention_backward: FLOP/s of backward attention, counting
+        attention_forward: FLOP/s of forward attention on long blocks, counting
+            4 H E per visible (query, key) pair.
+        attention_backward: FLOP/s of backward attention on long blocks, counting
             `BACKWARD_ATTENTION_FACTOR` times the forward FLOPs.
         matmul: FLOP/s of the linear modules (2 FLOPs per multiply-add).
         call_overhead_s: fixed seconds per attention kernel call (launch,
             metadata), paid once per ring step.
         source: where the numbers come from (preset and its sources, or the
             calibration run's device).
+        causal_half_tokens: L_half of causal (diagonal) blocks: a block of L
+            query tokens per sequence runs at `L / (L + L_half)` of the long rate.
+        full_half_tokens: L_half of unmasked blocks (a ring step's other chunks).
+        contention: compute time factor while a transfer shares the device (>= 1).
+        curves: measured attention rates replacing the half-rate form, per block
+            kind (`CURVE_KINDS`): ((length, FLOP/s), ...) by increasing length,
+            interpolated log-log and held flat outside (`ray-zep bench calibrate`).
+        pointwise: elements/s of the element-wise work around the matmuls
+            (norms, RoPE, activations, residual adds, the loss), counted as
+            `pointwise_elements_per_token` per token and layer; 0: not modelled.
+        optimizer_param_seconds: seconds of one optimizer update per parameter
+            a rank owns (AdamW with its gradient clipping); 0: not modelled.
+        step_overhead_s: fixed host-side seconds of every step (fetching the
+            shard, the step's small collectives, its accounting); measured on a
+            CPU virtual cluster, 0 in the GPU presets (a few ms against steps of
+            seconds).
+        fsdp_unit_overhead_s: host-side seconds FSDP2 adds per unit and step (its
+            hooks and buffer copies); measured on a CPU virtual cluster, 0 in the
+            GPU presets (they run on streams beside the compute).
     """
 
     attention_forward: float
@@ -66,11 +135,73 @@ class ComputeRates:
     matmul: float
     call_overhead_s: float = 0.0
     source: str = ""
+    causal_half_tokens: float = 0.0
+    full_half_tokens: float = 0.0
+    contention: float = 1.0
+    curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+    pointwise: float = 0.0
+    optimizer_param_seconds: float = 0.0
+    step_overhead_s: float = 0.0
+    fsdp_unit_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         rates = (self.attention_forward, self.attention_backward, self.matmul)
         if min(rates) <= 0 or self.call_overhead_s < 0:
             raise ValueError(f"compute rates must be > 0 (overhead >= 0), got {self}")
+        if min(self.causal_half_tokens, self.full_half_tokens) < 0 or self.contention < 1:
+            raise ValueError(f"half-rate lengths must be >= 0 and contention >= 1, got {self}")
+        fixed = (self.optimizer_param_seconds, self.step_overhead_s, self.fsdp_unit_overhead_s)
+        if min(self.pointwise, *fixed) < 0:
+            raise ValueError(f"pointwise rate and fixed costs must be >= 0, got {self}")
+        for kind, points in self.curves:
+            if kind not in CURVE_KINDS or not points or min(r for _, r in points) <= 0:
+                raise ValueError(f"attention curve {kind!r} must be one of {CURVE_KINDS} "
+                                 "with positive rates")  # fmt: skip
+
+    def attention_efficiency(self, tokens: float, causal: bool) -> float:
+        """Share of the long-block rate a block of `tokens` query tokens per sequence gets."""
+        half = self.causal_half_tokens if causal else self.full_half_tokens
+        return tokens / (tokens + half) if tokens > 0 else 1.0
+
+    def attention_rate(
+        self, tokens: float, causal: bool, backward: bool, autograd: bool = False
+    ) -> float:
+        """FLOP/s of a block of `tokens` per sequence (a measured curve where there is one);
+        `autograd`: local attention differentiated by autograd, not by the engine."""
+        kind = f"{'backward' if backward else 'forward'}_{'causal' if causal else 'full'}"
+        kinds = ("backward_autograd", kind) if autograd and backward and causal else (kind,)
+        curves = dict(self.curves)
+        for name in kinds:
+            if name in curves:
+                return _interpolate(curves[name], tokens)
+        rate = self.attention_backward if backward else self.attention_forward
+        return rate * self.attention_efficiency(tokens, causal)
+
+    def attention_seconds(
+        self, flops: float, tokens: float, causal: bool, backward: bool, autograd: bool = False
+    ) -> float:
+        """Seconds of `flops` attention FLOPs (forward-counted x `BACKWARD_ATTENTION_FACTOR`
+        when `backward`) on blocks of `tokens` query tokens per sequence (unmasked
+        blocks: the geometric mean of their query and key tokens)."""
+        return flops / self.attention_rate(tokens, causal, backward, autograd)
+
+    def pointwise_seconds(self, elements: float) -> float:
+        return elements / self.pointwise if self.pointwise > 0 else 0.0
+
+    def scaled(self, share: float, note: str) -> ComputeRates:
+        """These rates with every FLOP rate times `share` (devices sharing a processor)."""
+        return replace(
+            self,
+            attention_forward=self.attention_forward * share,
+            attention_backward=self.attention_backward * share,
+            matmul=self.matmul * share,
+            source=f"{self.source}, {note}",
+            curves=tuple(
+                (kind, tuple((n, r * share) for n, r in points)) for kind, points in self.curves
+            ),
+            pointwise=self.pointwise * share,
+            optimizer_param_seconds=self.optimizer_param_seconds / share,
+        )
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -83,7 +214,12 @@ class ComputeRates:
         """Rates written by `ray-zep bench calibrate` (its `calibration.json`)."""
         try:
             data = json.loads(Path(path).read_text())
-            return cls(**{f.name: data[f.name] for f in fields(cls)})
+            known = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+            known["curves"] = tuple(
+                (kind, tuple((float(n), float(r)) for n, r in points))
+                for kind, points in known.get("curves", ())
+            )
+            return cls(**known)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"--calibration {path}: not a calibration file ({exc})") from exc
 
@@ -95,28 +231,30 @@ launch latencies are 5-10 us; the preset takes the upper end)."""
 _DATASHEETS = "NVIDIA datasheet peak x efficiencies from FlashAttention-2 and Megatron-LM"
 DATASHEET_PEAK_FLOPS = {"A800": 312e12, "H800": 989e12, "H200": 989e12}
 """Dense BF16 peak of one GPU (NVIDIA's A100 and H100/H200 SXM datasheets)."""
+SM_CONTENTION = 1.19
+"""Compute slowdown under overlapped NCCL kernels (arXiv 2507.03114, mean of A100/H100)."""
+AMPERE_HALF_TOKENS = (480.0, 185.0)
+HOPPER_HALF_TOKENS = (530.0, 190.0)
+"""(causal, unmasked) L_half of FlashAttention-2 at head dim 128 (module docstring)."""
+
+
+def _gpu_rates(gpu: str, forward: float, backward: float, half: tuple[float, float]):
+    peak = DATASHEET_PEAK_FLOPS[gpu]
+    return ComputeRates(
+        forward,
+        backward,
+        peak * 0.60,
+        ATTENTION_CALL_OVERHEAD_S,
+        f"{gpu} preset: {_DATASHEETS}",
+        *half,
+        SM_CONTENTION,
+    )
+
+
 HARDWARE_RATES: dict[str, ComputeRates] = {
-    "A800": ComputeRates(
-        DATASHEET_PEAK_FLOPS["A800"] * 0.50,
-        DATASHEET_PEAK_FLOPS["A800"] * 0.45,
-        DATASHEET_PEAK_FLOPS["A800"] * 0.60,
-        ATTENTION_CALL_OVERHEAD_S,
-        f"A800 preset: {_DATASHEETS}",
-    ),
-    "H800": ComputeRates(
-        DATASHEET_PEAK_FLOPS["H800"] * 0.35,
-        DATASHEET_PEAK_FLOPS["H800"] * 0.30,
-        DATASHEET_PEAK_FLOPS["H800"] * 0.60,
-        ATTENTION_CALL_OVERHEAD_S,
-        f"H800 preset: {_DATASHEETS}",
-    ),
-    "H200": ComputeRates(
-        DATASHEET_PEAK_FLOPS["H200"] * 0.35,
-        DATASHEET_PEAK_FLOPS["H200"] * 0.30,
-        DATASHEET_PEAK_FLOPS["H200"] * 0.60,
-        ATTENTION_CALL_OVERHEAD_S,
-        f"H200 preset: {_DATASHEETS}",
-    ),
+    "A800": _gpu_rates("A800", 214e12, 186e12, AMPERE_HALF_TOKENS),
+    "H800": _gpu_rates("H800", 350e12, 327e12, HOPPER_HALF_TOKENS),
+    "H200": _gpu_rates("H200", 350e12, 327e12, HOPPER_HALF_TOKENS),
     "A10G": ComputeRates(
         40e12,
         40e12,
@@ -200,11 +338,15 @@ class CostModel:
         shape: the model (head counts and head dim matter here).
         topology: links, latencies and GPU model.
         attention_flops_per_s: sustained attention throughput of one GPU.
+        collective_step: (latency s, bytes/s) of one step of a ring collective when it
+            was measured apart from point-to-point messages (a CPU virtual cluster's
+            calibration); None: the topology's links.
     """
 
     shape: ModelShape
     topology: Topology
     attention_flops_per_s: float
+    collective_step: tuple[float, float] | None = None
 
     @classmethod
     def create(cls, shape: ModelShape, topology: Topology) -> CostModel:
@@ -273,12 +415,16 @@ class CostModel:
         per NIC, so a node's NICs together carry what its GPUs exchange, capped by
         the intra-node port (the "bus bandwidth" of nccl-tests).
         """
+        if self.collective_step is not None:
+            return self.collective_step[1]
         topo = self.topology
         if len({topo.node_of(r) for r in ranks}) <= 1:
             return topo.intra_node_bandwidth
         return min(topo.intra_node_bandwidth, topo.nics_per_node * topo.nic_bandwidth)
 
     def _collective_latency(self, ranks) -> float:
+        if self.collective_step is not None:
+            return self.collective_step[0]
         topo = self.topology
         nodes = len({topo.node_of(r) for r in ranks})
         return self.link_latency(LinkKind.INTER_NODE if nodes > 1 else LinkKind.INTRA_NODE)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_zep.config import TopologyConfig
+from ray_zep.config import Config, TopologyConfig
 from ray_zep.costmodel import ComputeRates, CostModel, linear_flops_per_token
 from ray_zep.data.synthetic import batch_lengths
 from ray_zep.model.shapes import PRESETS, ModelShape
@@ -18,8 +18,9 @@ from ray_zep.partition import make_plan
 from ray_zep.remap.solver import solve_remap
 from ray_zep.routing.routes import Phase, RoutingPlan, Transfer, plan_route
 from ray_zep.sim.events import Lane, TaskGraph, simulate
+from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.program import LayerSetup, _Builder, layer_graph
-from ray_zep.sim.step import simulate_step
+from ray_zep.sim.step import RunModel, simulate_plan
 from ray_zep.topology import build_topology
 
 SHAPE = ModelShape(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128)
@@ -129,16 +130,21 @@ STRATEGIES = [Placement.ZEPPELIN, Placement.TE_CP, Placement.LLAMA_CP, Placement
 )
 def test_step_time_is_monotone_in_bytes_and_flops(seed, strategy, routed, factor) -> None:
     plan = _random_plan(seed, strategy)
-    base = simulate_step(plan, SHAPE, RATES, routed).step_seconds
+
+    def step(plan, rates=RATES) -> float:
+        run = RunModel(Config(), Hardware(plan.topology, rates), SHAPE, 2)
+        return simulate_plan(plan, run, routed).step_seconds
+
+    base = step(plan)
     slower_links = dataclasses.replace(
         plan.topology,
         nic_bandwidth=plan.topology.nic_bandwidth / factor,
         intra_node_bandwidth=plan.topology.intra_node_bandwidth / factor,
     )
     more_bytes = dataclasses.replace(plan, topology=slower_links, _items=None, _by_seq=None)
-    assert simulate_step(more_bytes, SHAPE, RATES, routed).step_seconds >= base * (1 - 1e-12)
+    assert step(more_bytes) >= base * (1 - 1e-12)
     slower = ComputeRates(*(r / factor for r in (1e9, 0.8e9, 2e9)), 1e-6)
-    assert simulate_step(plan, SHAPE, slower, routed).step_seconds >= base * (1 - 1e-12)
+    assert step(plan, slower) >= base * (1 - 1e-12)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.value)
@@ -215,7 +221,7 @@ def test_calibration_fit_and_file_round_trip(tmp_path) -> None:
     points = [Measurement("x", n, 1e9 * n, 2e-5 + n / 50.0) for n in (1, 2, 4, 8)]
     overhead, rate = fit(points)
     assert overhead == pytest.approx(2e-5, rel=1e-6) and rate == pytest.approx(50e9, rel=1e-9)
-    calibration = Calibration(RATES, 5e-5, 3e9, points)
+    calibration = Calibration(RATES, 5e-5, 3e9, measurements=points)
     loaded = Calibration.load(calibration.save(tmp_path / "calibration.json"))
     assert loaded.rates == RATES and loaded.link_bandwidth == 3e9
     (tmp_path / "bad.json").write_text("{}")

@@ -1,17 +1,18 @@
 """`ray-zep bench train`: placements and weights modes trained for real on the CPU virtual
 cluster, side by side with the simulator's prediction for the same batches and the same CPU.
 
-A name is a simulator variant (a placement, with the routing and remapping layers
-as `ray-zep simulate` names them) trained with replicated weights, or a weights
-mode (tawpipe, weipipe, fsdp, hsdp) trained with whole sequences. Each trains K
-steps from the same config (so the data actor draws the same batches) through the
-Ray driver, like `ray-zep train`. Measured tokens/s
-are the steady state: the first step (process-group warm-up, first plan) is
-left out. The prediction simulates those K - 1 batches with this machine's
-calibration (`ray_zep.bench.calibrate`): one virtual GPU is one single-threaded
-process, and with more processes than cores they share the cores, so compute
-rates and the gloo link rate are scaled by cores / ranks; every link of the
-virtual topology takes the measured gloo latency and bandwidth.
+A mode is `PLACEMENT[/WEIGHTS]`: a simulator variant (a placement, with the routing
+and remapping layers as `ray-zep simulate` names them) or `whole` (rank-packed
+whole sequences), with replicated weights unless another weights mode is named
+(`te_cp/fsdp`); a weights mode alone (`tawpipe`) trains whole sequences. Each
+trains K steps from the same config (so the data actor draws the same batches)
+through the Ray driver, like `ray-zep train`. Measured tokens/s are the steady
+state: the first `WARM_UP_STEPS` are left out. The prediction replays those
+batches through the simulator (`ray_zep.sim.replay`) on this machine's
+calibration (`Calibration.hardware`: one virtual GPU is one single-threaded
+process at its measured share of the cores; every link takes the measured
+message cost among that many processes; the trainer's fixed step cost measured
+on tiny steps, `workers.calibrate_step`).
 """
 
 from __future__ import annotations
@@ -23,18 +24,14 @@ from pathlib import Path
 import torch
 
 from ray_zep import steplog
-from ray_zep.bench.calibrate import Calibration, calibrate, cpu_count
-from ray_zep.config import Config, load_config
+from ray_zep.bench.calibrate import Calibration, calibrate
+from ray_zep.config import load_config
 from ray_zep.constants import METRICS_FILE_NAME
-from ray_zep.costmodel import ComputeRates
 from ray_zep.errors import ConfigError
-from ray_zep.model.shapes import build_shape
-from ray_zep.parallel.axes import WEIGHTS_AXES, Placement, WeightsMode
-from ray_zep.report.plan_command import PlanRequest, request_lengths
-from ray_zep.sim.compare import VARIANTS, simulate_strategies
-from ray_zep.sim.hardware import Hardware
-from ray_zep.sim.weight_passing import Workload, simulate_step
-from ray_zep.topology import build_topology
+from ray_zep.parallel.axes import Placement, WeightsMode
+from ray_zep.sim.compare import VARIANTS
+from ray_zep.sim.replay import replay
+from workers.calibrate_step import measure_step_overhead
 
 TIMING_OVERRIDES = ("metrics.memory_every=0",)
 """Timed runs measure no memory: on CPU a measured step runs 2-3x slower (MemTracker
@@ -62,34 +59,52 @@ class TrainBenchRow:
 
 
 WEIGHTS_NAMES = tuple(m.value for m in WeightsMode if m is not WeightsMode.REPLICATED)
-"""Weights modes the bench trains with whole sequences (the step model predicts them)."""
+"""Weights modes named alone: trained with whole sequences."""
+WHOLE = Placement.WHOLE.value
+WARM_UP_STEPS = 2
+"""Steps left out of the steady state: process groups, the first plans, the first
+backward of each shape."""
 
 
 def check_names(names) -> tuple[str, ...]:
-    """`names` if each is a simulated variant or a weights mode.
+    """`names` if each is a mode: `PLACEMENT[/WEIGHTS]` (a simulator variant or whole,
+    replicated weights unless named) or a weights mode alone (with whole sequences).
 
     Raises:
         ConfigError: naming the first unknown one and the choices.
     """
     for name in names:
-        if name not in VARIANTS and name not in WEIGHTS_NAMES:
-            choices = ", ".join((*VARIANTS, *WEIGHTS_NAMES))
-            raise ConfigError(f"--strategies: {name!r} is not one of {choices}")
+        placement, _, weights = name.partition("/")
+        known = placement in VARIANTS or placement == WHOLE
+        if weights:
+            known = known and weights in (m.value for m in WeightsMode)
+        if not known and name not in WEIGHTS_NAMES:
+            choices = ", ".join((*VARIANTS, WHOLE, *WEIGHTS_NAMES))
+            raise ConfigError(
+                f"--strategies: {name!r} is not one of {choices} (optionally /WEIGHTS, "
+                "e.g. te_cp/fsdp)"
+            )
     return tuple(names)
 
 
 def variant_overrides(name: str) -> list[str]:
-    if name in WEIGHTS_NAMES:  # whole sequences: nothing to route or remap
+    """The config overrides of a mode (see `check_names`)."""
+    placement, _, weights = name.partition("/")
+    if name in WEIGHTS_NAMES:
+        placement, weights = WHOLE, name
+    weights = weights or WeightsMode.REPLICATED.value
+    if placement == WHOLE:  # whole sequences, rank-packed: nothing to route or remap
         return [
-            f"parallel.sequence={Placement.WHOLE.value}",
-            f"parallel.weights={name}",
+            f"parallel.sequence={WHOLE}",
+            f"parallel.weights={weights}",
             "parallel.routing=false",
             "parallel.remap=false",
+            "data.packing=rank",
         ]
-    variant = VARIANTS[name]
+    variant = VARIANTS[placement]
     return [
         f"parallel.sequence={variant.placement.value}",
-        f"parallel.weights={WeightsMode.REPLICATED.value}",
+        f"parallel.weights={weights}",
         f"parallel.routing={str(variant.routed).lower()}",
         f"parallel.remap={str(variant.remap).lower()}",
     ]
@@ -103,27 +118,31 @@ def run_train_bench(
     out: Path,
     calibration: Calibration | None = None,
 ) -> tuple[list[TrainBenchRow], Calibration]:
-    """Train each strategy `steps` steps and predict the same steps (module docstring)."""
+    """Train each mode `steps` steps and predict the same steps (module docstring)."""
     from workers.driver import train
 
     base = load_config(config_path, overrides)
-    calibration = calibration or calibrate(build_shape(base.model), torch.device("cpu"))
+    if calibration is None:
+        calibration = calibrate(base, torch.device("cpu"))
+        calibration = measure_step_overhead(config_path, overrides, calibration, out / "tiny")
     rows = []
     for name in strategies:
+        run_dir = out / name.replace("/", "+")
         extra = [*variant_overrides(name), *TIMING_OVERRIDES, f"train.steps={steps}"]
-        extra.append(f"train.out_dir={out / name}")
-        shutil.rmtree(out / name, ignore_errors=True)  # a fresh run, never a resume
+        extra.append(f"train.out_dir={run_dir}")
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resume
         config = load_config(config_path, [*overrides, *extra])
         summary = train(config)
         seconds, tokens = steady_totals(steplog.step_rows(summary.run_dir / METRICS_FILE_NAME))
-        predicted = _predict(config, name, steps, calibration)
+        hardware = calibration.hardware(config.topology)
+        predicted = replay(config, hardware, WARM_UP_STEPS, steps - WARM_UP_STEPS, False)
         rows.append(
             TrainBenchRow(
                 name,
                 tokens / seconds if seconds else None,
-                predicted[1] if predicted else None,
-                seconds / max(1, steps - 1) if seconds else None,
-                predicted[0] if predicted else None,
+                predicted.tokens_per_second,
+                seconds / max(1, steps - WARM_UP_STEPS) if seconds else None,
+                predicted.step_seconds,
                 summary.final_loss,
             )
         )
@@ -131,69 +150,9 @@ def run_train_bench(
 
 
 def steady_totals(rows: list[dict]) -> tuple[float, int]:
-    """Seconds and tokens of every step row but the first (warm-up)."""
-    return sum(r["step_seconds"] for r in rows[1:]), sum(r["tokens"] for r in rows[1:])
-
-
-def _predict(config: Config, name: str, steps: int, calibration: Calibration):
-    """(mean step seconds, tokens/s) the simulator predicts for batches 1..steps-1."""
-    topology = build_topology(config.topology)
-    share = min(1.0, cpu_count() / topology.world_size)
-    r = calibration.rates
-    rates = ComputeRates(
-        r.attention_forward * share,
-        r.attention_backward * share,
-        r.matmul * share,
-        r.call_overhead_s,
-        f"{r.source}, x{share:.2f} for {topology.world_size} ranks on {cpu_count()} cores",
-    )
-    bandwidth = (calibration.link_bandwidth or 1e9) * share
-    latency_us = (calibration.link_latency_s or 0.0) * 1e6
-    links = dataclasses.replace(
-        config.topology,
-        intra_node_gbytes_per_s=bandwidth / 1e9,
-        nic_gbits_per_s=bandwidth * 8 / 1e9,
-        intra_node_latency_us=latency_us,
-        inter_node_latency_us=latency_us,
-    )
-    config = dataclasses.replace(config, topology=links)
-    topology = build_topology(links)
-    batches = [
-        request_lengths(config, topology, PlanRequest(batch=b)) for b in range(1, max(2, steps))
-    ]
-    if name in WEIGHTS_NAMES:
-        return _predict_weights(config, WeightsMode(name), batches, rates, bandwidth)
-    result = simulate_strategies(
-        config, topology, batches, (name,), rates, config.train.tokens_per_rank
-    )[name]
-    if not result.steps:
-        return None
-    return result.step_seconds, result.tokens_per_second
-
-
-def _predict_weights(config: Config, mode: WeightsMode, batches, rates, bandwidth):
-    """(mean step seconds, tokens/s) of the weight-passing step model on these batches
-    (fsdp and hsdp: its FSDP comparison); every device gets an equal share of each
-    batch (rank packing balances tokens)."""
-    if mode is WeightsMode.HSDP:
-        mode = WeightsMode.FSDP  # the step model has no hybrid sharding
-    if WEIGHTS_AXES[mode].passing is None and not WEIGHTS_AXES[mode].fsdp:
-        return None
-    topology = build_topology(config.topology)
-    cluster = Hardware(topology, rates)
-    shape = build_shape(config.model)
-    share = 1.0 / topology.world_size
-    steps = [
-        simulate_step(
-            mode,
-            Workload(shape, tuple(int(n) for n in lengths), share, config.parallel.shard_recompute),
-            cluster,
-        )
-        for lengths in batches
-    ]
-    seconds = sum(step.seconds for step in steps)
-    tokens = sum(step.tokens for step in steps) * topology.world_size
-    return seconds / len(steps), tokens / seconds
+    """Seconds and tokens of every step row after the warm-up steps."""
+    steady = rows[WARM_UP_STEPS:]
+    return sum(r["step_seconds"] for r in steady), sum(r["tokens"] for r in steady)
 
 
 def format_table(rows: list[TrainBenchRow]) -> str:

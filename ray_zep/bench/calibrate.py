@@ -1,47 +1,44 @@
-"""`ray-zep bench calibrate`: measure this device's attention and matmul rates.
+"""`ray-zep bench calibrate`: measure this device and, on CPU, its virtual cluster's links.
 
-Runs the attention kernels training would select (flash-attn on a GPU with bf16,
-the torch reference otherwise) forward and backward on packed causal batches of
-the configured model's heads, and the model's matmul shapes, at several sizes.
-Per operation, `seconds = overhead + flops / rate` is fitted by least squares
-over the sizes (FLOPs counted as the simulator counts them). On CPU it also
-measures a gloo point-to-point link between two processes (`seconds = latency +
-bytes / bandwidth`), which is what a virtual cluster's ranks send over.
+Compute (`ray_zep.bench.calibrate_kernels`): attention rates per block kind and
+length, the matmul rate, the element-wise rate of the model's own layers and the
+optimizer's cost per parameter, on one thread per process on CPU (one virtual GPU
+is one single-threaded process), in bf16 on a GPU. Links, on CPU
+(`ray_zep.bench.calibrate_links`): messages and all-gathers among as many gloo
+processes as the virtual cluster has ranks, computing between messages as
+training does.
 
-Writes `calibration.json` (the `ComputeRates` the simulator loads, plus the
-link fit) and prints the measurements.
+Writes `calibration.json`: the `ComputeRates` the simulator loads (`ray-zep
+simulate --calibration`), the link fits, and every measurement.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ray_zep.attention.kernels import select_backward, select_kernel
-from ray_zep.attention.varlen import PackedSeqs
-from ray_zep.costmodel import BACKWARD_ATTENTION_FACTOR, ComputeRates
-from ray_zep.dist.launch import free_port
-from ray_zep.model.shapes import ModelShape
-
-ATTENTION_LENGTHS = (64, 128, 256, 512)
-"""Sequence lengths of the packed causal batches (each batch holds TOKENS tokens)."""
-MATMUL_TOKENS = (256, 512, 1024, 2048)
-TOKENS = 2048
-LINK_BYTES = (1 << 10, 1 << 16, 1 << 20, 1 << 23)
-
-
-@dataclass
-class Measurement:
-    op: str
-    size: int
-    flops: float
-    seconds: float
+from ray_zep.bench.calibrate_kernels import (
+    Measurement,
+    curves,
+    measure_attention,
+    measure_call,
+    measure_matmul,
+    measure_model,
+    pointwise_rate,
+)
+from ray_zep.bench.calibrate_links import LinkPoint, contention, fit_link, measure_links
+from ray_zep.bench.calibrate_ring import with_ring_step
+from ray_zep.config import Config, TopologyConfig
+from ray_zep.costmodel import ComputeRates
+from ray_zep.model.shapes import ModelShape, build_shape
+from ray_zep.sim.hardware import Hardware
+from ray_zep.topology import build_topology
 
 
 def fit(points: list[Measurement]) -> tuple[float, float]:
@@ -54,108 +51,35 @@ def fit(points: list[Measurement]) -> tuple[float, float]:
     return float(intercept), 1.0 / float(slope)
 
 
-def _timed(repeats: int, fn, *args, **kwargs) -> float:
-    """Median seconds of `fn(*args, **kwargs)` after one warm-up call."""
-    fn(*args, **kwargs)
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    times = []
-    for _ in range(repeats):
-        sync()
-        started = time.perf_counter()
-        fn(*args, **kwargs)
-        sync()
-        times.append(time.perf_counter() - started)
-    return float(np.median(times))
-
-
-def measure_attention(
-    shape: ModelShape, device: torch.device, dtype: torch.dtype, repeats: int
-) -> list[Measurement]:
-    kernel = select_kernel("auto", device, dtype)
-    backward = select_backward(kernel)
-    heads, kv_heads, dim = shape.n_heads, shape.n_kv_heads, shape.head_dim
-    out = []
-    generator = torch.Generator().manual_seed(0)
-    for length in ATTENTION_LENGTHS:
-        seqs = PackedSeqs.from_lengths([length] * (TOKENS // length), device)
-
-        def rand(h):
-            return torch.randn((TOKENS, h, dim), generator=generator).to(device, dtype)
-
-        q, k, v = rand(heads), rand(kv_heads), rand(kv_heads)
-        flops = 4.0 * (TOKENS // length) * length * (length + 1) / 2 * heads * dim
-        seconds = _timed(repeats, kernel, q, k, v, seqs, seqs, causal=True)
-        out.append(Measurement("attention_forward", length, flops, seconds))
-        o, lse = kernel(q, k, v, seqs, seqs, causal=True)
-        dout = torch.randn_like(o)
-        seconds = _timed(repeats, backward, dout, q, k, v, o, lse, seqs, seqs, True)
-        out.append(
-            Measurement("attention_backward", length, BACKWARD_ATTENTION_FACTOR * flops, seconds)
-        )
-    return out
-
-
-def measure_matmul(
-    shape: ModelShape, device: torch.device, dtype: torch.dtype, repeats: int
-) -> list[Measurement]:
-    weight = torch.randn((shape.dim, shape.ffn_dim), device=device, dtype=dtype)
-    out = []
-    for tokens in MATMUL_TOKENS:
-        x = torch.randn((tokens, shape.dim), device=device, dtype=dtype)
-        seconds = _timed(repeats, torch.matmul, x, weight)
-        out.append(Measurement("matmul", tokens, 2.0 * tokens * shape.dim * shape.ffn_dim, seconds))
-    return out
-
-
-def _link_worker(rank: int, port: int, repeats: int, result) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    for nbytes in LINK_BYTES:
-        buf = torch.zeros(nbytes // 4)
-        times = []
-        for _ in range(repeats + 1):
-            started = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            times.append((time.perf_counter() - started) / 2)
-        if rank == 0:
-            result.append((nbytes, float(np.median(times[1:]))))
-    dist.barrier()  # no rank tears the group down while a peer still uses it
-    dist.destroy_process_group()
-
-
-def measure_gloo_link(repeats: int) -> list[Measurement]:
-    """One-way time of gloo messages between two local processes (ping-pong / 2)."""
-    import torch.multiprocessing as mp
-
-    port = free_port()
-    with mp.Manager() as manager:
-        result = manager.list()
-        mp.spawn(_link_worker, args=(port, repeats, result), nprocs=2, join=True)
-        return [Measurement("gloo_link", n, float(n), s) for n, s in result]
-
-
 @dataclass
 class Calibration:
+    """What `ray-zep bench calibrate` measured.
+
+    Attributes:
+        rates: one device's rates (one single-threaded process on CPU).
+        link_latency_s, link_bandwidth: a message between two ranks of the virtual
+            cluster (None on a GPU).
+        step_latency_s, step_bandwidth: one step of an all-gather among them.
+        ranks: processes the links were measured with.
+        cores: cores of this machine.
+        core_share: share of a core one of those ranks gets while all compute
+            (measured; cores / ranks when not).
+        measurements: every timed point.
+    """
+
     rates: ComputeRates
-    link_latency_s: float | None
-    link_bandwidth: float | None
-    measurements: list[Measurement]
+    link_latency_s: float | None = None
+    link_bandwidth: float | None = None
+    step_latency_s: float | None = None
+    step_bandwidth: float | None = None
+    ranks: int = 1
+    cores: int = 1
+    core_share: float | None = None
+    measurements: list = field(default_factory=list)
 
     def save(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        record = {
-            **asdict(self.rates),
-            "link_latency_s": self.link_latency_s,
-            "link_bandwidth": self.link_bandwidth,
-            "measurements": [asdict(m) for m in self.measurements],
-        }
+        record = {**asdict(self.rates), **{k: v for k, v in asdict(self).items() if k != "rates"}}
         path.write_text(json.dumps(record, indent=1) + "\n")
         return path
 
@@ -164,53 +88,159 @@ class Calibration:
         """A `calibration.json` written by `save` (measurements are not read back)."""
         rates = ComputeRates.load(path)
         record = json.loads(Path(path).read_text())
-        return cls(rates, record.get("link_latency_s"), record.get("link_bandwidth"), [])
+        keys = ("link_latency_s", "link_bandwidth", "step_latency_s", "step_bandwidth")
+        sizes = {k: int(record.get(k, 1)) for k in ("ranks", "cores")}
+        return cls(rates, *(record.get(k) for k in keys), **sizes,
+                   core_share=record.get("core_share"))  # fmt: skip
+
+    def share(self, world: int) -> float:
+        """Share of a core each of `world` ranks gets while all compute: measured for the
+        calibrated rank count, cores / ranks otherwise."""
+        if self.core_share is not None and world == self.ranks:
+            return min(1.0, self.core_share)
+        return min(1.0, self.cores / world)
+
+    def hardware(self, topology: TopologyConfig) -> Hardware:
+        """The virtual cluster of `topology` as measured: every link at the measured message
+        latency and bandwidth, each rank's compute at its share of the cores."""
+        bandwidth = self.link_bandwidth or 1e9
+        links = dataclasses.replace(
+            topology,
+            intra_node_gbytes_per_s=bandwidth / 1e9,
+            nic_gbits_per_s=bandwidth * 8 / 1e9,
+            intra_node_latency_us=(self.link_latency_s or 0.0) * 1e6,
+            inter_node_latency_us=(self.link_latency_s or 0.0) * 1e6,
+        )
+        world = topology.nodes * (topology.gpus_per_node or 1)
+        share = self.share(world)
+        note = f"x{share:.2f} for {world} ranks on {self.cores} cores"
+        step = None
+        if self.step_latency_s is not None and self.step_bandwidth:
+            step = (self.step_latency_s, self.step_bandwidth)
+        return Hardware(build_topology(links), self.rates.scaled(share, note), step)
 
     def table(self) -> str:
         lines = [f"{'op':<20}{'size':>9}{'GFLOP or MB':>13}{'ms':>10}{'GFLOP/s or GB/s':>17}"]
         for m in self.measurements:
-            scale = 1e9 if m.op != "gloo_link" else 1e6
-            lines.append(
-                f"{m.op:<20}{m.size:>9}{m.flops / scale:>13.3f}{m.seconds * 1e3:>10.3f}"
-                f"{m.flops / m.seconds / 1e9:>17.2f}"
-            )
+            if isinstance(m, LinkPoint):
+                lines.append(f"{m.op:<20}{m.nbytes:>9}{m.nbytes / 1e6:>13.3f}"
+                             f"{m.seconds * 1e3:>10.3f}{'':>17}")  # fmt: skip
+                continue
+            rate = f"{m.flops / m.seconds / 1e9:>17.2f}" if m.flops else f"{'':>17}"
+            lines.append(f"{m.op:<20}{m.size:>9}{m.flops / 1e9:>13.3f}{m.seconds * 1e3:>10.3f}"
+                         + rate)  # fmt: skip
         r = self.rates
         lines.append(
-            f"fit: attention forward {r.attention_forward / 1e9:.2f} GFLOP/s, backward "
-            f"{r.attention_backward / 1e9:.2f} GFLOP/s, matmul {r.matmul / 1e9:.2f} GFLOP/s, "
-            f"call overhead {r.call_overhead_s * 1e6:.1f} us"
+            f"fit: attention (longest blocks) forward {r.attention_forward / 1e9:.2f} GFLOP/s, "
+            f"backward {r.attention_backward / 1e9:.2f} GFLOP/s, matmul {r.matmul / 1e9:.2f} "
+            f"GFLOP/s, call {r.call_overhead_s * 1e6:.1f} us, element-wise "
+            f"{r.pointwise / 1e9:.3f} G elements/s, optimizer "
+            f"{r.optimizer_param_seconds * 1e9:.2f} ns/parameter, compute x{r.contention:.2f} "
+            "while messages move"
         )
         if self.link_bandwidth:
             lines.append(
-                f"fit: gloo link {self.link_latency_s * 1e6:.1f} us + bytes / "
-                f"{self.link_bandwidth / 1e9:.2f} GB/s"
+                f"fit: {self.ranks} ranks on {self.cores} cores, each computing at "
+                f"{self.share(self.ranks):.2f} of a core: message "
+                f"{self.link_latency_s * 1e6:.0f} us + bytes / {self.link_bandwidth / 1e9:.2f} "
+                f"GB/s; all-gather step {self.step_latency_s * 1e6:.0f} us + bytes / "
+                f"{self.step_bandwidth / 1e9:.2f} GB/s"
             )
         return "\n".join(lines)
 
 
-def calibrate(shape: ModelShape, device: torch.device, repeats: int = 5) -> Calibration:
-    """Measure and fit the rates of `device` (bf16 on a GPU, fp32 on CPU, as training runs)."""
+def measure_compute(
+    shape: ModelShape, device: torch.device, repeats: int
+) -> tuple[Measurement, list, list, list, float]:
+    """(call, attention, matmul, model measurements, optimizer seconds per parameter) of
+    one process (one thread on CPU: one virtual GPU is one single-threaded process)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     threads = torch.get_num_threads()
     if device.type == "cpu":
-        torch.set_num_threads(1)  # one virtual GPU = one process with one thread
+        torch.set_num_threads(1)
     try:
+        call = measure_call(shape, device, dtype, repeats)
         attention = measure_attention(shape, device, dtype, repeats)
         matmul = measure_matmul(shape, device, dtype, repeats)
+        model, optimizer = measure_model(shape, device, dtype, repeats)
     finally:
         torch.set_num_threads(threads)
-    overhead, forward = fit([m for m in attention if m.op == "attention_forward"])
-    _, backward = fit([m for m in attention if m.op == "attention_backward"])
-    _, matmul_rate = fit(matmul)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, 1 thread"
-    rates = ComputeRates(forward, backward, matmul_rate, overhead, f"calibrated: {name}")
-    measurements = attention + matmul
-    latency = bandwidth = None
+    return call, attention, matmul, model, optimizer
+
+
+def _loaded_worker(index: int, shape: ModelShape, repeats: int, result) -> None:
+    result.append(measure_compute(shape, torch.device("cpu"), repeats))
+
+
+def measure_loaded(shape: ModelShape, repeats: int, processes: int):
+    """`measure_compute` in `processes` processes at once, averaged point by point: the
+    rates of one core while the others compute too (they share memory bandwidth and the
+    last-level cache, which memory-bound kernels feel)."""
+    import torch.multiprocessing as mp
+
+    if processes <= 1:
+        return measure_compute(shape, torch.device("cpu"), repeats)
+    with mp.Manager() as manager:
+        result = manager.list()
+        mp.spawn(_loaded_worker, args=(shape, repeats, result), nprocs=processes, join=True)
+        runs = list(result)
+
+    def mean(points_of) -> list[Measurement]:
+        columns = zip(*(points_of(run) for run in runs), strict=True)
+        return [
+            dataclasses.replace(c[0], seconds=float(np.mean([m.seconds for m in c])))
+            for c in columns
+        ]
+
+    return (
+        mean(lambda run: [run[0]])[0],
+        mean(lambda run: run[1]),
+        mean(lambda run: run[2]),
+        mean(lambda run: run[3]),
+        float(np.mean([run[4] for run in runs])),
+    )
+
+
+def calibrate(config: Config, device: torch.device, repeats: int = 5) -> Calibration:
+    """Measure and fit the rates of `device` for `config.model` (bf16 on a GPU, fp32 on CPU,
+    as training runs) and, on CPU, the links among the processes of `config.topology` and
+    the attention engine's ring step among them; on CPU the compute is measured on as many
+    cores at once as the ranks will keep busy."""
+    shape = build_shape(config.model)
+    ranks = build_topology(config.topology).world_size
     if device.type == "cpu":
-        link = measure_gloo_link(repeats)
-        latency, bandwidth = fit(link)
-        measurements += link
-    return Calibration(rates, latency, bandwidth, measurements)
+        measured = measure_loaded(shape, repeats, min(cpu_count(), max(1, ranks)))
+    else:
+        measured = measure_compute(shape, device, repeats)
+    call, attention, matmul, model, optimizer = measured
+    _, matmul_rate = fit(matmul)
+    kinds = curves(attention, call.seconds)
+    longest = {kind: points[-1][1] for kind, points in kinds}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, 1 thread"
+    rates = ComputeRates(
+        longest["forward_causal"],
+        longest["backward_causal"],
+        matmul_rate,
+        call.seconds,
+        f"calibrated: {name}",
+        curves=kinds,
+        pointwise=pointwise_rate(shape, model, matmul_rate),
+        optimizer_param_seconds=optimizer,
+    )
+    out = Calibration(rates, measurements=[call, *attention, *matmul, *model], cores=cpu_count())
+    if device.type == "cpu":
+        links = measure_links(max(2, ranks))
+        shares = [p.seconds for p in links if p.op == "core_share"]
+        out.core_share = shares[0] if shares else None
+        links = [p for p in links if p.op != "core_share"]
+        out.rates = dataclasses.replace(out.rates, contention=contention(links))
+        out.link_latency_s, out.link_bandwidth = fit_link(links, "message")
+        out.step_latency_s, out.step_bandwidth = fit_link(links, "all_gather_step")
+        out.ranks = max(2, ranks)
+        out.measurements += links
+        if ranks > 1:
+            out = with_ring_step(config, out)
+    return out
 
 
 def cpu_count() -> int:

@@ -24,7 +24,8 @@ from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.remap.policy import choose_remap
 from ray_zep.report.run_plots import imbalance, rank_matrix, steady_tokens_per_second
-from ray_zep.sim.step import simulate_step
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.step import RunModel, simulate_plan
 from ray_zep.topology import Topology
 from ray_zep.traffic import attention_step_traffic
 
@@ -82,6 +83,7 @@ def compare_with_te_cp(config: Config, topology: Topology, steps: int) -> TeCpCo
 def _modelled(config, topology, batches, placement: Placement, routed: bool, remap: bool):
     shape, parallel = build_shape(config.model), config.parallel
     rates = preset_rates(topology.gpu_model)
+    run = RunModel.create(config, Hardware(topology, rates))
     inter, seconds = 0.0, []
     for lengths in batches:
         plan = make_plan(
@@ -89,7 +91,7 @@ def _modelled(config, topology, batches, placement: Placement, routed: bool, rem
         )
         moved = choose_remap(plan, shape, rates, parallel.remap_policy) if remap else None
         inter += attention_step_traffic(plan, shape, routed, moved).inter_node
-        seconds.append(simulate_step(plan, shape, rates, routed, moved).step_seconds)
+        seconds.append(simulate_plan(plan, run, routed, moved).step_seconds)
     return Modelled(placement.value, inter, float(np.mean(seconds)) if seconds else 0.0)
 
 

@@ -17,12 +17,13 @@ import numpy as np
 
 from ray_zep.bench.output import write_record
 from ray_zep.config import Config
-from ray_zep.costmodel import ComputeRates, preset_rates
+from ray_zep.costmodel import ComputeRates
 from ray_zep.errors import ConfigError
 from ray_zep.model.shapes import build_shape
 from ray_zep.report.plan_command import PlanRequest, request_lengths
 from ray_zep.report.timeline import draw_throughput, draw_timelines
 from ray_zep.sim.compare import StrategyResult, simulate_strategies, strategy_names
+from ray_zep.sim.hardware import Hardware
 from ray_zep.topology import Topology, build_topology
 
 TIMELINE_RANKS = 16
@@ -97,16 +98,31 @@ def run_simulate(config: Config, request: SimulateRequest) -> SimulateResult:
     Raises:
         ConfigError: bad options or calibration file.
     """
-    topology = build_topology(config.topology)
     names = strategy_names(request.strategies, request.ablation)
-    rates = (
-        ComputeRates.load(request.calibration)
-        if request.calibration
-        else preset_rates(topology.gpu_model)
-    )
+    hardware, on_gpu = request_hardware(config, request.calibration)
+    topology = hardware.topology
     batches, capacity = _batches(config, topology, request)
-    results = simulate_strategies(config, topology, batches, names, rates, capacity)
-    return SimulateResult(config, topology, rates, capacity, batches, results)
+    results = simulate_strategies(config, hardware, batches, names, capacity, on_gpu)
+    return SimulateResult(config, topology, hardware.rates, capacity, batches, results)
+
+
+def request_hardware(config: Config, calibration: str | None) -> tuple[Hardware, bool]:
+    """(the cluster to simulate, whether it trains on GPUs): the topology's preset, or a
+    calibration's rates; a CPU calibration (it measured links) stands for the config's
+    virtual cluster of processes on this machine.
+
+    Raises:
+        ConfigError: the calibration file cannot be read.
+    """
+    topology = build_topology(config.topology)
+    if calibration is None:
+        return Hardware.preset(topology), True
+    from ray_zep.bench.calibrate import Calibration
+
+    measured = Calibration.load(calibration)
+    if measured.link_latency_s is None:
+        return Hardware(topology, measured.rates), True
+    return measured.hardware(config.topology), False
 
 
 def _batches(config: Config, topology: Topology, request: SimulateRequest):

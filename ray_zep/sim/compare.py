@@ -10,19 +10,16 @@ partitioner and engine with routing, no remap).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ray_zep.config import Config
-from ray_zep.costmodel import ComputeRates
 from ray_zep.errors import ConfigError, ZepError
-from ray_zep.model.shapes import build_shape
-from ray_zep.parallel.axes import Placement
-from ray_zep.partition import make_plan
-from ray_zep.remap.policy import choose_remap
-from ray_zep.sim.step import StepResult, simulate_step
-from ray_zep.topology import Topology
+from ray_zep.parallel.axes import WEIGHTS_AXES, Family, Placement, WeightsMode
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.step import RunModel, StepResult, simulate_batch
 
 REFERENCE = Placement.TE_CP.value
 
@@ -130,28 +127,22 @@ def _split(text: str) -> list[str]:
 
 def simulate_strategies(
     config: Config,
-    topology: Topology,
+    hardware: Hardware,
     batches: list[np.ndarray],
     names: tuple[str, ...],
-    rates: ComputeRates,
     tokens_per_rank: int,
+    on_gpu: bool = True,
 ) -> dict[str, StrategyResult]:
-    """Simulate every variant of `names` on every batch (lengths arrays); speedups are
-    filled in when te_cp is among them."""
-    shape = build_shape(config.model)
+    """Simulate every variant of `names` on every batch (lengths arrays), each placed as
+    the data actor would place it under that variant's axes (`simulate_batch`) with the
+    config's weights mode (replicated where it passes weights); speedups are filled in
+    when te_cp is among them."""
     results = {}
     for name in names:
-        variant = VARIANTS[name]
+        run = RunModel.create(variant_config(config, name, tokens_per_rank), hardware, on_gpu)
         result = StrategyResult(name)
         try:
-            for lengths in batches:
-                plan = make_plan(
-                    variant.placement, lengths, topology, tokens_per_rank, shape, config.parallel
-                )
-                remap = None
-                if variant.remap:
-                    remap = choose_remap(plan, shape, rates, config.parallel.remap_policy)
-                result.steps.append(simulate_step(plan, shape, rates, variant.routed, remap))
+            result.steps = [simulate_batch(lengths, run) for lengths in batches]
         except ZepError as exc:
             result.steps, result.error = [], str(exc)
         results[name] = result
@@ -160,3 +151,20 @@ def simulate_strategies(
         if reference and result.step_seconds:
             result.speedup_vs_te_cp = reference / result.step_seconds
     return results
+
+
+def variant_config(config: Config, name: str, tokens_per_rank: int) -> Config:
+    """`config` with the variant's placement, routing and remap, and L = `tokens_per_rank`."""
+    variant = VARIANTS[name]
+    weights = config.parallel.weights
+    if WEIGHTS_AXES[weights].family is not Family.AUTOGRAD:
+        weights = WeightsMode.REPLICATED
+    parallel = dataclasses.replace(
+        config.parallel,
+        sequence=variant.placement,
+        weights=weights,
+        routing=variant.routed,
+        remap=variant.remap,
+    )
+    train = dataclasses.replace(config.train, tokens_per_rank=tokens_per_rank)
+    return dataclasses.replace(config, parallel=parallel, train=train)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ray_zep.costmodel import ComputeRates, preset_rates
+from ray_zep.costmodel import ComputeRates, CostModel, preset_rates
+from ray_zep.model.shapes import ModelShape
 from ray_zep.topology import GB, GBIT, Topology
 
 USABLE_MEMORY_FRACTION = 0.9
@@ -29,15 +30,22 @@ class Hardware:
     Attributes:
         topology: nodes, GPUs, NICs and links.
         rates: compute rates of one GPU (or of one process of a virtual cluster).
+        collective_step: (latency s, bytes/s) of one ring-collective step where it was
+            measured apart from messages (`CostModel.collective_step`); None: the links.
     """
 
     topology: Topology
     rates: ComputeRates
+    collective_step: tuple[float, float] | None = None
 
     @classmethod
     def preset(cls, topology: Topology) -> Hardware:
         """The topology with its GPU's preset rates (A800's when unknown)."""
         return cls(topology, preset_rates(topology.gpu_model))
+
+    def cost(self, shape: ModelShape) -> CostModel:
+        """The link and attention times of `shape` on this cluster."""
+        return CostModel(shape, self.topology, self.rates.attention_forward, self.collective_step)
 
     @property
     def nodes(self) -> int:

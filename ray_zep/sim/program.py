@@ -39,8 +39,10 @@ from ray_zep.costmodel import (
     ComputeRates,
     CostModel,
     linear_flops_per_token,
+    pointwise_elements_per_token,
 )
 from ray_zep.model.shapes import ModelShape
+from ray_zep.parallel.axes import SEQUENCE_AXES
 from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem
 from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import Payload, Phase, RoutingPlan, Transfer
@@ -64,6 +66,13 @@ class LayerSetup:
             routed, all_hops=True)`).
         remap: the remap plan, or None when linear modules run on the attention layout.
         element_bytes: bytes of an activation element (2 for bf16).
+        dkv_bytes: bytes of a dK/dV element on the wire (our engine accumulates
+            and sends them in float32).
+        weight_sync: seconds of the layer's weight collectives, (forward,
+            backward): FSDP2 gathers the next block while this one computes (and
+            in backward also reduce-scatters the previous block's gradients); 0: none.
+        weight_groups: the rank groups those collectives run over (each holds its
+            members' links for the collective's time).
     """
 
     plan: AttentionPlan
@@ -73,6 +82,9 @@ class LayerSetup:
     routing: RoutingPlan
     remap: RemapPlan | None = None
     element_bytes: int = 2
+    dkv_bytes: int = 4
+    weight_sync: tuple[float, float] = (0.0, 0.0)
+    weight_groups: tuple[tuple[int, ...], ...] = ()
 
     def linear_tokens(self) -> list[int]:
         """Tokens each rank's linear modules process."""
@@ -121,6 +133,14 @@ class _Builder:
 
     def collective(self, ranks, seconds: float, name: str) -> int:
         """A collective over `ranks` holding all their links; every member waits for it."""
+        task = self.post_collective(ranks, seconds, name)
+        for r in ranks:
+            self.wait(r, [task])
+        return task
+
+    def post_collective(self, ranks, seconds: float, name: str) -> int:
+        """A collective over `ranks` holding all their links, started once every member
+        has posted it; nobody waits for it yet."""
         topo = self.topology
         resources = [("port_out", r) for r in ranks] + [("port_in", r) for r in ranks]
         nodes = {topo.node_of(r) for r in ranks}
@@ -128,7 +148,7 @@ class _Builder:
             for node in nodes:
                 for nic in range(topo.nics_per_node):
                     resources += [("nic_out", node, nic), ("nic_in", node, nic)]
-        task = self.graph.add(
+        return self.graph.add(
             name,
             ranks[0],
             Lane.INTER_NODE if len(nodes) > 1 else Lane.INTRA_NODE,
@@ -136,9 +156,17 @@ class _Builder:
             tuple(resources),
             [self.point[r] for r in ranks],
         )
-        for r in ranks:
-            self.wait(r, [task])
-        return task
+
+    def post_weight_sync(self) -> dict[int, int]:
+        """This layer's weight collectives, per rank the one it joins at the layer's end."""
+        seconds = self.setup.weight_sync[0 if self.phase is Phase.FORWARD else 1]
+        if seconds <= 0:
+            return {}
+        out = {}
+        for group in self.setup.weight_groups:
+            task = self.post_collective(list(group), seconds, "weights gather/scatter")
+            out.update(dict.fromkeys(group, task))
+        return out
 
     def ring_transfer(self, t: Transfer, row_bytes: int, src_dep, dst_dep) -> tuple[list, list]:
         """Tasks of one ring transfer: (the sender's messages, the receiver's messages)."""
@@ -182,26 +210,38 @@ class _Builder:
     # the engine's parts
 
     def step_seconds(self, item: QueueItem, layouts, position: int, step: int) -> float:
-        """Compute of one ring step of one member (forward or backward), 0 when it has no rows."""
+        """Compute of one ring step of one member (forward or backward), 0 when it has no rows.
+
+        Each sequence's block runs at the rate of its length (`ComputeRates.attention_seconds`):
+        step 0 computes causal blocks over the member's own rows, later steps unmasked
+        blocks of its rows against the source's (their length: the geometric mean of
+        the two sides).
+        """
         ring = item.ring_size
         source = (position - step) % ring
         segments = step_segments(layouts[position], layouts[source], step, source, position)
         if not segments:
             return 0.0
-        if step == 0:
-            pairs = sum(q * (q + 1) // 2 for _, q, _, _ in segments)
-        else:
-            pairs = sum(q * k for _, q, _, k in segments)
         shape, rates = self.setup.shape, self.setup.rates
-        flops = 4.0 * pairs * (shape.n_heads // item.ulysses) * shape.head_dim
-        if self.phase is Phase.FORWARD:
-            return rates.call_overhead_s + flops / rates.attention_forward
-        return rates.call_overhead_s + BACKWARD_ATTENTION_FACTOR * flops / rates.attention_backward
+        backward = self.phase is Phase.BACKWARD
+        # whole-sequence placements call the kernel in the model: autograd differentiates it
+        autograd = SEQUENCE_AXES[self.setup.plan.planner].whole_sequences
+        per_pair = 4.0 * (shape.n_heads // item.ulysses) * shape.head_dim
+        if backward:
+            per_pair *= BACKWARD_ATTENTION_FACTOR
+        seconds = rates.call_overhead_s
+        for _, q, _, k in segments:
+            if step == 0:
+                flops, length, causal = per_pair * q * (q + 1) / 2, q, True
+            else:
+                flops, length, causal = per_pair * q * k, (q * k) ** 0.5, False
+            seconds += rates.attention_seconds(flops, length, causal, backward, autograd)
+        return seconds
 
     def kv_row_bytes(self, item: QueueItem, payload: Payload) -> int:
         shape = self.setup.shape
         heads = shape.n_kv_heads // item.ulysses if item.ulysses <= shape.n_kv_heads else 1
-        size = self.setup.element_bytes if payload is Payload.KV else FP32_BYTES
+        size = self.setup.element_bytes if payload is Payload.KV else self.setup.dkv_bytes
         return 2 * heads * shape.head_dim * size
 
     def ring_item(self, index: int, item: QueueItem) -> None:
@@ -223,18 +263,24 @@ class _Builder:
             done[t.route.dst] += received
         return done
 
-    def _member_computes(self, item: QueueItem, layouts, step: int) -> dict[int, int]:
+    def _member_computes(self, item: QueueItem, layouts, step: int, *in_flight) -> dict[int, int]:
+        """Every member's compute of ring step `step`, slowed while the messages of
+        `in_flight` (per rank) share its device (`ComputeRates.contention`, for the
+        time they can overlap: the shorter of the compute and the transfers)."""
         out = {}
+        factor = self.setup.rates.contention - 1.0
         for member, rank in enumerate(item.ranks):
             position = member // item.ulysses
             seconds = self.step_seconds(item, layouts, position, step)
+            moving = sum(self.graph.tasks[t].duration for msgs in in_flight for t in msgs[rank])
+            seconds += factor * min(seconds, moving)
             out[rank] = self.compute(rank, seconds, f"attention step {step}")
         return out
 
     def ring_forward(self, index: int, item: QueueItem, layouts) -> None:
         for step in range(item.ring_size):
             kv = self._post(index, item, step, Payload.KV, {r: self.point[r] for r in item.ranks})
-            computes = self._member_computes(item, layouts, step)
+            computes = self._member_computes(item, layouts, step, kv)
             for rank in item.ranks:
                 self.wait(rank, [computes[rank], *kv[rank]])
 
@@ -242,7 +288,7 @@ class _Builder:
         previous: dict = defaultdict(list)  # dK/dV messages of the previous step
         for step in range(item.ring_size):
             kv = self._post(index, item, step, Payload.KV, {r: self.point[r] for r in item.ranks})
-            computes = self._member_computes(item, layouts, step)
+            computes = self._member_computes(item, layouts, step, kv, previous)
             if item.ring_size == 1:
                 for rank in item.ranks:
                     self.wait(rank, [computes[rank]])
@@ -332,12 +378,24 @@ class _Builder:
         for rank, tasks in done.items():
             self.wait(rank, tasks)
 
-    def linear(self, flops_per_token: float, name: str) -> None:
+    def linear(self, flops_per_token: float, name: str, pointwise_share: float) -> None:
+        """The matmuls of `flops_per_token` and `pointwise_share` of the layer's element-wise
+        work on every rank's linear tokens, slowed while weight collectives run."""
         rates = self.setup.rates
-        factor = 1.0 if self.phase is Phase.FORWARD else BACKWARD_LINEAR_FACTOR
+        backward = self.phase is Phase.BACKWARD
+        factor = BACKWARD_LINEAR_FACTOR if backward else 1.0
+        sync = self.setup.weight_sync[1 if backward else 0]
+        elements = pointwise_share * pointwise_elements_per_token(self.setup.shape)
         for rank, tokens in enumerate(self.setup.linear_tokens()):
             seconds = factor * tokens * flops_per_token / rates.matmul
+            seconds += rates.pointwise_seconds(tokens * elements)
+            seconds += (rates.contention - 1.0) * min(seconds, sync / 2)
             self.wait(rank, [self.compute(rank, seconds, name)])
+
+
+POINTWISE_SHARES = ((1 / 6, 1 / 6), (1 / 3, 1 / 3))
+"""Shares of a layer's element-wise work (forward and backward together) each linear
+part takes: (before attention, after it), forward then backward (backward: twice)."""
 
 
 def layer_graph(setup: LayerSetup, phase: Phase) -> TaskGraph:
@@ -347,16 +405,27 @@ def layer_graph(setup: LayerSetup, phase: Phase) -> TaskGraph:
     qkv_bytes = (shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim * elem
     out_bytes = shape.n_heads * shape.head_dim * elem
     before, after = linear_flops_per_token(shape)
+    sync = build.post_weight_sync()
+    shares = POINTWISE_SHARES[0 if phase is Phase.FORWARD else 1]
     if phase is Phase.FORWARD:
-        build.linear(before, "QKV projection")
+        build.linear(before, "QKV projection", shares[0])
         build.remap(True, qkv_bytes, "remap q/k/v")
         build.attention()
         build.remap(False, out_bytes, "remap output")
-        build.linear(after, "output projection + MLP")
+        build.linear(after, "output projection + MLP", shares[1])
     else:
-        build.linear(after, "output projection + MLP")
+        build.linear(after, "output projection + MLP", shares[1])
         build.remap(True, out_bytes, "remap output gradient")
         build.attention()
         build.remap(False, qkv_bytes, "remap q/k/v gradient")
-        build.linear(before, "QKV projection")
+        build.linear(before, "QKV projection", shares[0])
+    for rank, task in sync.items():
+        build.wait(rank, [task])
+    return build.graph
+
+
+def attention_graph(setup: LayerSetup, phase: Phase) -> TaskGraph:
+    """The task graph of one layer's attention engine alone (no linear modules, no remap)."""
+    build = _Builder(setup, phase)
+    build.attention()
     return build.graph

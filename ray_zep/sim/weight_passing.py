@@ -44,6 +44,7 @@ from ray_zep.costmodel import (
     causal_attention_flops,
     head_flops_per_token,
     linear_flops_per_token,
+    pointwise_elements_per_token,
 )
 from ray_zep.model.shapes import ModelShape
 from ray_zep.parallel.axes import WEIGHTS_AXES, Passing, WeightsMode
@@ -102,19 +103,22 @@ def unit_sizes(shape: ModelShape) -> list[int]:
 
 
 def shard_compute(work: Workload, rates: ComputeRates, units: range) -> tuple[float, float]:
-    """(forward, backward) seconds of one shard on one device's tokens."""
+    """(forward, backward) seconds of one shard on one device's tokens: matmuls, causal
+    attention at the rate of each sequence's length, element-wise work."""
     shape, last = work.shape, work.shape.n_layers + 1
     before, after = linear_flops_per_token(shape)
-    matmul = attention = 0.0
-    for unit in units:
-        if 1 <= unit <= shape.n_layers:
-            matmul += work.tokens * (before + after)
-            attention += work.attention_flops()
-        elif unit == last:
-            matmul += work.tokens * head_flops_per_token(shape)
-    forward = matmul / rates.matmul + attention / rates.attention_forward
-    backward = BACKWARD_LINEAR_FACTOR * matmul / rates.matmul
-    backward += BACKWARD_ATTENTION_FACTOR * attention / rates.attention_backward
+    blocks = sum(1 <= unit <= shape.n_layers for unit in units)
+    matmul = blocks * work.tokens * (before + after)
+    if last in units:
+        matmul += work.tokens * head_flops_per_token(shape)
+    elements = blocks * work.tokens * pointwise_elements_per_token(shape)
+    pointwise = rates.pointwise_seconds(elements)
+    forward = matmul / rates.matmul + pointwise / 3
+    backward = BACKWARD_LINEAR_FACTOR * matmul / rates.matmul + 2 * pointwise / 3
+    for n in work.lengths:
+        flops = blocks * work.share * causal_attention_flops(n, shape)
+        forward += rates.attention_seconds(flops, n, True, False)
+        backward += rates.attention_seconds(BACKWARD_ATTENTION_FACTOR * flops, n, True, True)
     return forward, backward
 
 

@@ -1,0 +1,170 @@
+"""The links of a CPU virtual cluster, measured the way its ranks use them.
+
+A virtual cluster runs one single-threaded process per rank, often more processes
+than cores. A message between two of them then costs far more than a ping-pong
+between two idle processes shows: the receiver is computing, or waiting for a
+core, when the message arrives. So the ranks here do what training ranks do:
+each computes a burst of matmuls, then exchanges a message with its ring
+neighbours (`isend`/`irecv`, as the attention engine does), or joins an
+all-gather (as FSDP2 does); the time an iteration takes beyond the compute-only
+loop is the message's cost. Fitted over message sizes, `seconds = latency +
+bytes / bandwidth`, per message and per all-gather step. A message posted before
+the burst and waited for after it should hide behind the burst; what it still
+costs, against what it costs after the burst, is how much of a transfer the ranks'
+compute cannot overlap (`contention`: the sender and receiver need the cores
+that compute). The compute-only loop against rank 0 computing alone gives the
+share of a core one rank gets while all of them compute.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ray_zep.dist.launch import free_port
+
+MESSAGE_BYTES = (1 << 12, 1 << 18, 1 << 21)
+"""Sizes of the measured messages (per rank)."""
+BURST_MATMULS = 12
+"""Matmuls of 256 x 256 x 256 per compute burst (a few ms on one core)."""
+
+
+@dataclass(frozen=True)
+class LinkPoint:
+    """Extra seconds one iteration took with a message of `nbytes` per rank."""
+
+    op: str
+    nbytes: int
+    seconds: float
+
+
+def _burst(a: torch.Tensor, b: torch.Tensor) -> None:
+    for _ in range(BURST_MATMULS):
+        a @ b
+
+
+def _loop(iterations: int, exchange, overlapped: bool = False) -> float:
+    """Seconds per iteration of a compute burst followed by `exchange()` (None: none), or
+    with `overlapped`, of a burst between posting the exchange and waiting for it."""
+    import torch.distributed as dist
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(iterations):
+        if overlapped:
+            handles = exchange()
+            _burst(a, b)
+            for handle in handles:
+                handle.wait()
+            continue
+        _burst(a, b)
+        if exchange is not None:
+            for handle in exchange():
+                handle.wait()
+    elapsed = torch.tensor([time.perf_counter() - started])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed) / iterations
+
+
+def _solo(rank: int, iterations: int) -> float:
+    """Seconds per compute burst of rank 0 while the other ranks wait in a barrier."""
+    import torch.distributed as dist
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    dist.barrier()
+    started = time.perf_counter()
+    if rank == 0:
+        for _ in range(iterations):
+            _burst(a, b)
+    elapsed = time.perf_counter() - started
+    dist.barrier()
+    return elapsed / iterations
+
+
+def _ring_exchange(rank: int, world: int, send: torch.Tensor, recv: torch.Tensor):
+    import torch.distributed as dist
+
+    def exchange() -> list:
+        return [dist.irecv(recv, (rank - 1) % world), dist.isend(send, (rank + 1) % world)]
+
+    return exchange
+
+
+def _gather(send: torch.Tensor, out: torch.Tensor):
+    import torch.distributed as dist
+
+    def exchange() -> list:
+        dist.all_gather_single(out, send)
+        return []
+
+    return exchange
+
+
+def _worker(rank: int, world: int, port: int, iterations: int, result) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    _loop(2, None)  # warm-up: page in, first collective
+    solo = _solo(rank, iterations)
+    alone = _loop(iterations, None)
+    if rank == 0:
+        result.append(("core_share", 0, solo / alone))
+    for nbytes in MESSAGE_BYTES:
+        send = torch.zeros(nbytes // 4)
+        recv = torch.zeros_like(send)
+        ring = _loop(iterations, _ring_exchange(rank, world, send, recv))
+        hidden = _loop(iterations, _ring_exchange(rank, world, send, recv), overlapped=True)
+        gathered = torch.zeros(world * send.numel())
+        gather = _loop(iterations, _gather(send, gathered))
+        if rank == 0:
+            result.append(("message", nbytes, max(0.0, ring - alone)))
+            result.append(("overlapped_message", nbytes, max(0.0, hidden - alone)))
+            result.append(("all_gather_step", nbytes, max(0.0, gather - alone) / (world - 1)))
+            result.append(("burst", nbytes, alone))
+    dist.barrier()  # no rank tears the group down while a peer still uses it
+    dist.destroy_process_group()
+
+
+def measure_links(ranks: int, iterations: int = 30) -> list[LinkPoint]:
+    """Message and all-gather costs among `ranks` single-threaded processes (module docstring).
+
+    Raises:
+        ValueError: fewer than 2 ranks.
+    """
+    import torch.multiprocessing as mp
+
+    if ranks < 2:
+        raise ValueError(f"measuring links needs >= 2 ranks, got {ranks}")
+    port = free_port()
+    with mp.Manager() as manager:
+        result = manager.list()
+        mp.spawn(_worker, args=(ranks, port, iterations, result), nprocs=ranks, join=True)
+        return [LinkPoint(op, n, s) for op, n, s in result]
+
+
+def fit_link(points: list[LinkPoint], op: str) -> tuple[float, float]:
+    """(latency seconds >= 0, bytes/s) of `seconds = latency + bytes / bandwidth` for `op`."""
+    chosen = [p for p in points if p.op == op]
+    x = np.array([p.nbytes for p in chosen], dtype=float)
+    y = np.array([p.seconds for p in chosen])
+    slope, intercept = np.polyfit(x, y, 1)
+    if slope <= 0:  # bandwidth beyond what the sizes resolve: latency only
+        return float(max(y.mean(), 0.0)), float("inf")
+    if intercept < 0:
+        slope, intercept = float(np.dot(x, y) / np.dot(x, x)), 0.0
+    return float(intercept), 1.0 / float(slope)
+
+
+def contention(points: list[LinkPoint]) -> float:
+    """Compute time factor while messages move (`ComputeRates.contention`): 1 + the part
+    of a message's cost that overlapping it with compute does not hide, in [1, 2]."""
+    exposed = sum(p.seconds for p in points if p.op == "message")
+    hidden = sum(p.seconds for p in points if p.op == "overlapped_message")
+    return 1.0 + min(1.0, hidden / exposed) if exposed > 0 else 1.0

@@ -1,0 +1,105 @@
+"""What the weights axis adds to a simulated step: collectives, their overlap, the optimizer.
+
+As the trainer runs each mode (`ray_zep.parallel.fsdp`, `ray_zep.train.comms`):
+
+- replicated: every rank holds every parameter; the gradients are all-reduced in
+  float32 once after backward (not overlapped), and every rank updates all of them.
+- fsdp / hsdp: torch's FSDP2 over all ranks / inside each node. Each block is one
+  unit: in forward the next block's parameters are all-gathered while this block
+  computes (FSDP2 queues the next unit's all-gather as the host runs ahead; torch
+  `_fully_shard/_fsdp_param_group.py`), and again in backward
+  (`reshard_after_forward`), where the block's gradients are also reduce-scattered
+  while the next block computes backward. Parameters travel in the compute dtype
+  (`MixedPrecisionPolicy.param_dtype`), gradients are reduced in float32. What
+  cannot overlap: the first gathers (embedding, first block, the head, which stays
+  gathered after forward) and the last reduce-scatters after backward. hsdp adds an
+  all-reduce of each node's shard across nodes after backward. Each rank updates
+  only its shard.
+
+Weight-passing modes are simulated by `ray_zep.sim.weight_passing`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ray_zep.costmodel import GRAD_BYTES_PER_ELEMENT, CostModel
+from ray_zep.model.shapes import ModelShape
+from ray_zep.parallel.axes import WEIGHTS_AXES, Sharding, WeightsMode
+from ray_zep.topology import Topology
+
+
+@dataclass(frozen=True)
+class WeightsCost:
+    """Seconds the weights mode adds to a step.
+
+    Attributes:
+        layer_sync: a block's collectives (forward, backward), overlapped with the
+            block's compute (`ray_zep.sim.program.LayerSetup.weight_sync`).
+        groups: the rank groups those collectives run over.
+        exposed: collectives no compute hides (before the first block, after the last).
+        owned_params: parameters each rank updates.
+    """
+
+    layer_sync: tuple[float, float] = (0.0, 0.0)
+    groups: tuple[tuple[int, ...], ...] = ()
+    exposed: float = 0.0
+    owned_params: float = 0.0
+
+
+def _groups(topology: Topology, sharding: Sharding) -> tuple[tuple[int, ...], ...]:
+    if sharding is Sharding.NODE:
+        return tuple(tuple(topology.ranks_of_node(n)) for n in range(topology.nodes))
+    return (tuple(range(topology.world_size)),)
+
+
+def block_params(shape: ModelShape) -> float:
+    """Parameters of one block (averaged over dense and MoE blocks: every expert)."""
+    embeddings = 2 * shape.vocab_size * shape.dim + shape.dim
+    return (shape.param_count() - embeddings) / shape.n_layers
+
+
+def weights_cost(
+    mode: WeightsMode,
+    shape: ModelShape,
+    cost: CostModel,
+    param_bytes: int,
+    reshard: bool = True,
+    host_seconds: float = 0.0,
+) -> WeightsCost:
+    """The cost of `mode` for `shape` on `cost`'s topology; parameters gathered in
+    `param_bytes` per element, gradients reduced in float32; FSDP2's host work of a
+    step (`host_seconds`: its units times `ComputeRates.fsdp_unit_overhead_s`) counts
+    as exposed.
+
+    Raises:
+        ValueError: a weight-passing mode (see `ray_zep.sim.weight_passing`).
+    """
+    axis = WEIGHTS_AXES[mode]
+    topology = cost.topology
+    params = shape.param_count()
+    if axis.sharding is Sharding.NONE:
+        ranks = range(topology.world_size)
+        grads = params * GRAD_BYTES_PER_ELEMENT
+        return WeightsCost(exposed=cost.all_reduce_seconds(grads, ranks), owned_params=params)
+    if not axis.fsdp:
+        raise ValueError(f"parallel.weights={mode.value} is simulated by sim.weight_passing")
+    groups = _groups(topology, axis.sharding)
+    size = len(groups[0])
+    block = block_params(shape) / size
+    gather = cost.all_gather_seconds(block * param_bytes, groups[0])
+    scatter = cost.all_gather_seconds(block * GRAD_BYTES_PER_ELEMENT, groups[0])
+    embedding = shape.vocab_size * shape.dim / size
+    first = cost.all_gather_seconds(embedding * param_bytes, groups[0])
+    last = cost.all_gather_seconds(embedding * GRAD_BYTES_PER_ELEMENT, groups[0])
+    # before the blocks: embedding and first block; the head once (it stays gathered);
+    # after them: the last block's, the head's and the embedding's reduce-scatters
+    exposed = 2 * first + gather + 2 * last + scatter
+    if axis.sharding is Sharding.NODE and topology.nodes > 1:
+        # the G shard all-reduces of a node run at once over its NICs: together they
+        # move every gradient across nodes
+        replicas = [g[0] for g in groups]
+        exposed += cost.all_reduce_seconds(params * GRAD_BYTES_PER_ELEMENT, replicas)
+    backward = (gather if reshard else 0.0) + scatter
+    exposed += host_seconds
+    return WeightsCost((gather, backward), groups, exposed, params / size)

@@ -1,0 +1,57 @@
+"""`ray-zep bench validate`: its rows, its ranking check, the paper headlines, its options."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_zep.bench.headlines import TOLERANCE, paper_rows
+from ray_zep.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+
+def test_headlines_name_the_paper_figure_and_explain_every_gap() -> None:
+    rows = paper_rows(quick=True)
+    names = {row.name.split("/")[0] for row in rows}
+    assert names == {"zeppelin", "tawpipe", "foldmoe", "zipccl"}
+    for row in rows:
+        record = row.to_dict()
+        assert record["kind"] == "paper" and record["paper"] > 0 and record["simulated"] > 0
+        off = abs(row.simulated / row.paper - 1) > TOLERANCE
+        assert (record["explained"] is not None) == off, row
+
+
+def test_rows_and_ranking_of_the_cpu_runs() -> None:
+    from workers.bench_train import TrainBenchRow
+    from workers.bench_validate import Validation
+
+    runs = [
+        TrainBenchRow("whole/replicated", 10e3, 11e3, 0.4, 0.36, 4.0),
+        TrainBenchRow("te_cp/replicated", 2e3, 3e3, 2.0, 1.3, 4.0),
+        TrainBenchRow("zeppelin/replicated", 2.5e3, 2.6e3, 1.6, 1.5, 4.0),
+    ]
+    result = Validation(runs, [], calibration=None)
+    rows = result.rows()
+    assert [r["mode"] for r in rows] == [r.name for r in runs]
+    assert rows[1]["kind"] == "cpu" and rows[1]["predicted_over_measured"] == pytest.approx(1.5)
+    assert result.misordered() == [("zeppelin/replicated", "te_cp/replicated")]
+    table = result.table()
+    assert "off by > 20%" in table.splitlines()[2] and "zeppelin/replicated > te_cp" in table
+
+
+def test_mode_names_and_their_overrides() -> None:
+    from workers.bench_train import check_names, variant_overrides
+
+    assert check_names(["te_cp/fsdp", "whole", "tawpipe", "zeppelin"])
+    assert "parallel.weights=fsdp" in variant_overrides("te_cp/fsdp")
+    assert "data.packing=rank" in variant_overrides("whole/fsdp")
+    assert "parallel.sequence=whole" in variant_overrides("tawpipe")
+    with pytest.raises(ConfigError, match="te_cp/nope"):
+        check_names(["te_cp/nope"])
+
+
+def test_validate_rejects_bad_options_before_starting_anything(capsys) -> None:
+    from ray_zep.cli import main
+
+    assert main(["bench", "validate", "conf/demo.yaml", "--steps", "2"]) == 2
+    assert "--steps=2" in capsys.readouterr().err

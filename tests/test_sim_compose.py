@@ -1,0 +1,191 @@
+"""The composed simulator: every composition the trainer runs, from the plan it executes."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ray_zep.bench.calibrate_links import LinkPoint, contention, fit_link
+from ray_zep.config import Config, load_config
+from ray_zep.costmodel import ComputeRates
+from ray_zep.parallel.axes import Placement, WeightsMode
+from ray_zep.parallel.step_plan import plan_step
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.step import RunModel, greedy_bins, plan_batch, simulate_batch, simulate_plan
+from ray_zep.topology import build_topology
+
+pytestmark = pytest.mark.unit
+
+CURVES = (
+    ("forward_causal", ((32.0, 1e9), (512.0, 4e9))),
+    ("backward_causal", ((32.0, 0.5e9), (512.0, 2e9))),
+)
+RATES = ComputeRates(4e9, 2e9, 8e9, 1e-5, "test", 64.0, 32.0, 1.2, CURVES, 1e9, 1e-9, 1e-3, 1e-4)
+PLACED = [
+    Placement.WHOLE,
+    Placement.ZEPPELIN,
+    Placement.TE_CP,
+    Placement.LLAMA_CP,
+    Placement.HYBRID_DP,
+    Placement.USP,
+]
+AUTOGRAD_WEIGHTS = [WeightsMode.REPLICATED, WeightsMode.FSDP, WeightsMode.HSDP]
+
+
+@functools.cache
+def _config(placement: Placement, weights: WeightsMode) -> Config:
+    routed = placement is Placement.ZEPPELIN
+    overrides = [
+        f"parallel.sequence={placement.value}",
+        f"parallel.weights={weights.value}",
+        f"parallel.routing={str(routed).lower()}",
+        f"parallel.remap={str(routed).lower()}",
+        "parallel.ulysses_degree=2",
+        "train.tokens_per_rank=1024",
+        "topology.nic_gbits_per_s=8",
+        "topology.intra_node_gbytes_per_s=4",
+    ]
+    if placement is Placement.WHOLE:
+        overrides.append("data.packing=rank")
+    return load_config("conf/demo.yaml", overrides)
+
+
+def _run(placement: Placement, weights: WeightsMode, rates=RATES, **links) -> RunModel:
+    config = _config(placement, weights)
+    topology = dataclasses.replace(build_topology(config.topology), **links)
+    return RunModel.create(config, Hardware(topology, rates), on_gpu=False)
+
+
+def _lengths(seed: int) -> np.ndarray:
+    """A batch of 2048 tokens: a few long sequences and short ones, varied by seed."""
+    rng = np.random.default_rng(seed)
+    lengths, left = [], 4 * 512
+    while left > 0:
+        n = int(min(left, rng.choice([rng.integers(1, 64), rng.integers(64, 900)])))
+        lengths.append(n)
+        left -= n
+    return np.asarray(lengths, dtype=np.int64)
+
+
+def _step(run: RunModel, lengths: np.ndarray) -> float:
+    return simulate_batch(lengths, run, greedy_bins(lengths, 4)).step_seconds
+
+
+SLOWER = {
+    "nic_bandwidth": ("link", 0.5),
+    "intra_node_bandwidth": ("link", 0.5),
+    "inter_node_latency": ("link", 3.0),
+    "intra_node_latency": ("link", 3.0),
+    "attention_forward": ("rate", 0.5),
+    "attention_backward": ("rate", 0.5),
+    "matmul": ("rate", 0.5),
+    "pointwise": ("rate", 0.5),
+    "curves": ("rate", 0.5),
+    "contention": ("rate", 2.0),
+    "call_overhead_s": ("rate", 3.0),
+    "optimizer_param_seconds": ("rate", 3.0),
+    "step_overhead_s": ("rate", 3.0),
+    "fsdp_unit_overhead_s": ("rate", 3.0),
+}
+
+
+def _slower(name: str, factor: float, topology) -> tuple[dict, ComputeRates]:
+    kind, base = SLOWER[name]
+    scale = base**factor
+    if kind == "link":
+        return {name: getattr(topology, name) * scale}, RATES
+    if name == "curves":
+        slower = tuple((k, tuple((n, r * scale) for n, r in pts)) for k, pts in RATES.curves)
+        return {}, dataclasses.replace(RATES, curves=slower)
+    return {}, dataclasses.replace(RATES, **{name: getattr(RATES, name) * scale})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 500),
+    placement=st.sampled_from(PLACED),
+    weights=st.sampled_from(AUTOGRAD_WEIGHTS),
+    knob=st.sampled_from(sorted(SLOWER)),
+    factor=st.floats(0.5, 2.0),
+)
+def test_step_time_never_drops_when_a_link_or_rate_gets_worse(
+    seed, placement, weights, knob, factor
+) -> None:
+    """The same plan on worse hardware (the planners may choose differently on other
+    hardware: that is a decision, not the simulator's arithmetic)."""
+    lengths = _lengths(seed)
+    run = _run(placement, weights)
+    plan, remap = plan_batch(lengths, run, greedy_bins(lengths, 4))
+    routed = run.config.parallel.routing
+    base = simulate_plan(plan, run, routed, remap).step_seconds
+    links, rates = _slower(knob, factor, run.hardware.topology)
+    worse_run = _run(placement, weights, rates, **links)
+    worse_plan = dataclasses.replace(
+        plan, topology=worse_run.hardware.topology, _items=None, _by_seq=None
+    )
+    worse = simulate_plan(worse_plan, worse_run, routed, remap).step_seconds
+    assert worse >= base * (1 - 1e-9), f"{knob} x{factor}: {worse} < {base}"
+
+
+@pytest.mark.parametrize("mode", [WeightsMode.TAWPIPE, WeightsMode.WEIPIPE])
+def test_weight_passing_steps_slow_down_with_their_links(mode) -> None:
+    lengths = _lengths(3)
+    run = _run(Placement.WHOLE, mode)
+    base = _step(run, lengths)
+    nic = run.hardware.topology.nic_bandwidth
+    slow = _step(_run(Placement.WHOLE, mode, nic_bandwidth=nic / 8), lengths)
+    assert slow > base > 0
+
+
+def test_fsdp_on_free_links_costs_what_replicated_computes_and_its_gathers_show_when_slow():
+    lengths = _lengths(7)
+    free = {"nic_bandwidth": 1e30, "intra_node_bandwidth": 1e30}
+    free |= {"inter_node_latency": 0.0, "intra_node_latency": 0.0}
+    rates = dataclasses.replace(RATES, fsdp_unit_overhead_s=0.0, optimizer_param_seconds=0.0)
+    replicated = simulate_batch(
+        lengths, _run(Placement.TE_CP, WeightsMode.REPLICATED, rates, **free)
+    )
+    fsdp = simulate_batch(lengths, _run(Placement.TE_CP, WeightsMode.FSDP, rates, **free))
+    assert fsdp.step_seconds == pytest.approx(replicated.step_seconds, rel=1e-9)
+    slow = {"nic_bandwidth": 1e6, "intra_node_bandwidth": 1e6}
+    sharded = simulate_batch(lengths, _run(Placement.TE_CP, WeightsMode.FSDP, rates, **slow))
+    assert sharded.grad_sync_seconds > 0
+    assert sharded.forward_layer_seconds > fsdp.forward_layer_seconds
+
+
+def test_the_simulator_places_a_batch_as_the_data_actor_does() -> None:
+    lengths = _lengths(11)
+    run = _run(Placement.ZEPPELIN, WeightsMode.FSDP)
+    step = simulate_batch(lengths, run)
+    planned = plan_step(lengths, run.config, run.hardware.topology, run.shape)
+    assert (step.remap is None) == (planned.remap is None)
+    if step.remap is not None:
+        assert step.remap.counts_after == planned.remap.counts_after
+    assert step.tokens == int(lengths.sum())
+
+
+def test_attention_rates_follow_the_measured_curve_and_survive_a_file(tmp_path) -> None:
+    assert RATES.attention_rate(32, True, False) == pytest.approx(1e9)
+    assert RATES.attention_rate(128, True, False) == pytest.approx(2e9)  # log-log midpoint
+    assert RATES.attention_rate(1e6, True, False) == pytest.approx(4e9)  # flat past the end
+    # no curve for unmasked forward blocks: the half-rate form, L / (L + 32)
+    assert RATES.attention_rate(32, False, False) == pytest.approx(2e9)
+    half = RATES.scaled(0.5, "half")
+    assert half.attention_rate(128, True, True) == pytest.approx(
+        0.5 * RATES.attention_rate(128, True, True)
+    )
+    assert ComputeRates.load(RATES.save(tmp_path / "rates.json")) == RATES
+
+
+def test_link_fits_and_contention_from_measured_points() -> None:
+    points = [LinkPoint("message", n, 1e-3 + n / 1e9) for n in (1 << 12, 1 << 18, 1 << 21)]
+    latency, bandwidth = fit_link(points, "message")
+    assert latency == pytest.approx(1e-3, rel=1e-6) and bandwidth == pytest.approx(1e9, rel=1e-6)
+    hidden = [LinkPoint("overlapped_message", p.nbytes, p.seconds / 4) for p in points]
+    assert contention(points + hidden) == pytest.approx(1.25)
+    assert contention(points) == 1.0
