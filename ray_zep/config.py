@@ -277,7 +277,8 @@ class MoEConfig:
 @dataclass
 class TopologyConfig:
     preset: str = "virtual"
-    """virtual (sizes below) or a named cluster: cluster_a, cluster_b, cluster_c."""
+    """virtual (sizes below) or a named cluster: cluster_a, cluster_b, cluster_c, or a
+    paper's testbed: foldmoe_a10g, tawpipe_a100."""
     nodes: int = 1
     """Number of nodes."""
     gpus_per_node: int | None = None

@@ -124,7 +124,7 @@ def _row(case: str, mode: str, metrics: Path, final_loss: float | None) -> Compr
     steps = steplog.step_rows(metrics)
     steady = steps[1:]
     profile = next((r["switcher"] for r in steps if r.get("switcher")), {})
-    seconds, tokens = steady_totals(steps)
+    seconds, tokens = steady_totals(steps, warm_up=1)
     streams: dict[str, dict[str, int]] = {}
     for r in steady:
         for name, counts in (r.get("compression") or {}).items():

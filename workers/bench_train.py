@@ -149,9 +149,9 @@ def run_train_bench(
     return rows, calibration
 
 
-def steady_totals(rows: list[dict]) -> tuple[float, int]:
-    """Seconds and tokens of every step row after the warm-up steps."""
-    steady = rows[WARM_UP_STEPS:]
+def steady_totals(rows: list[dict], warm_up: int = WARM_UP_STEPS) -> tuple[float, int]:
+    """Seconds and tokens of every step row after the first `warm_up`."""
+    steady = rows[warm_up:]
     return sum(r["step_seconds"] for r in steady), sum(r["tokens"] for r in steady)
 
 

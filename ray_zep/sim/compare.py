@@ -1,7 +1,8 @@
 """Placements side by side on the same sampled batches: what `ray-zep simulate` reports.
 
 Baselines run as the executor runs them without the routing and remapping
-layers. `zeppelin` is the full system: the Zeppelin partitioner and engine,
+layers, except `te_cp`, the reference, which runs as TransformerEngine runs it
+(`Variant.te_wire`). `zeppelin` is the full system: the Zeppelin partitioner and engine,
 routing, and the remapping layer under `parallel.remap_policy`. The ablation
 adds, as in the Zeppelin paper's Fig. 11, `te_cp+routing` (even split, ring
 transfers through proxies) and `te_cp+routing+partition` (the Zeppelin
@@ -26,11 +27,20 @@ REFERENCE = Placement.TE_CP.value
 
 @dataclass(frozen=True)
 class Variant:
-    """A placement with the routing and remapping layers on or off."""
+    """A placement with the routing and remapping layers on or off.
+
+    Attributes:
+        te_wire: dK/dV travel in the activation dtype, as TransformerEngine sends them
+            (`context_parallel.py`, AttnFuncWithCPAndKVP2P.backward: the dK/dV
+            buffer is `torch.empty((2, *kv.shape), dtype=kv.dtype)`, accumulated and
+            sent in bf16 with the next K/V); our engine accumulates and sends them in
+            float32.
+    """
 
     placement: Placement
     routed: bool = False
     remap: bool = False
+    te_wire: bool = False
 
 
 ROUTED_TE_CP = f"{REFERENCE}+routing"
@@ -40,13 +50,13 @@ VARIANTS: dict[str, Variant] = {
     **{
         p.value: Variant(p)
         for p in (
-            Placement.TE_CP,
             Placement.LLAMA_CP,
             Placement.HYBRID_DP,
             Placement.ULYSSES,
             Placement.USP,
         )
     },
+    REFERENCE: Variant(Placement.TE_CP, te_wire=True),
     ROUTED_TE_CP: Variant(Placement.TE_CP, routed=True),
     ROUTED_PARTITION: Variant(Placement.ZEPPELIN, routed=True),
 }
@@ -140,6 +150,8 @@ def simulate_strategies(
     results = {}
     for name in names:
         run = RunModel.create(variant_config(config, name, tokens_per_rank), hardware, on_gpu)
+        if VARIANTS[name].te_wire:
+            run = dataclasses.replace(run, dkv_bytes=run.element_bytes)
         result = StrategyResult(name)
         try:
             result.steps = [simulate_batch(lengths, run) for lengths in batches]
