@@ -15,6 +15,10 @@
     ray-zep data stats SOURCE                documents, tokens and length percentiles
     ray-zep plan [CONFIG] [key=value ...] [--lengths 9000,300 | --distribution arxiv]
                                              place one batch, print a per-rank table
+    ray-zep plan --auto [CONFIG] [key=value ...] [--distribution arxiv --tokens 256k]
+                 [--batches 3] [--calibration FILE] [--out best.yaml]
+                                             rank every composition by simulated step time,
+                                             keep what fits, write the winner's config
     ray-zep simulate [CONFIG] [key=value ...] [--strategies zeppelin,te_cp,...] [--ablation]
                      [--distribution arxiv --tokens 256k] [--calibration FILE] [--json PATH]
                                              predicted step time and speedup per strategy
@@ -134,6 +138,12 @@ def _parser() -> argparse.ArgumentParser:
         "--tokens", help="batch tokens for --distribution, e.g. 256k (default: nodes x GPUs x L)"
     )
     plan.add_argument("--batch", type=int, default=0, help="else: batch index of the config's data")
+    plan.add_argument(
+        "--auto", action="store_true", help="search every composition with the simulator"
+    )
+    plan.add_argument("--batches", type=int, default=3, help="--auto: batches simulated (3)")
+    plan.add_argument("--calibration", help="--auto: calibration.json instead of the GPU preset")
+    plan.add_argument("--out", help="--auto: write the chosen config here (YAML)")
     plan.add_argument(
         "--sequence", help="placement, the same as parallel.sequence=... (default: the config's)"
     )
@@ -407,6 +417,8 @@ def _topology(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from ray_zep.report.plan_command import PlanRequest, run_plan, write_outputs
 
+    if args.auto:
+        return _plan_auto(args)
     if args.sequence is not None:  # one more override: validated with the others
         args.overrides = [*args.overrides, f"parallel.sequence={args.sequence}"]
     request = PlanRequest(args.lengths, args.distribution, _tokens(args.tokens), args.batch)
@@ -415,6 +427,32 @@ def _plan(args: argparse.Namespace) -> int:
     for path in write_outputs(result, args.png, args.json_path):
         print(f"wrote {path}")
     result.memory.check()  # after the table: the refusal comes with the figures
+    return 0
+
+
+def _plan_auto(args: argparse.Namespace) -> int:
+    import json
+
+    from ray_zep.errors import ConfigError
+    from ray_zep.sim.auto import auto_plan, write_best
+    from ray_zep.sim.command import SimulateRequest, batches_of, request_hardware
+
+    if args.batches < 1:
+        raise ConfigError(f"--batches={args.batches} must be >= 1")
+    config = _optional_config(args)
+    hardware, on_gpu = request_hardware(config, args.calibration)
+    request = SimulateRequest(None, False, args.batches, args.distribution, _tokens(args.tokens))
+    batches, _ = batches_of(config, hardware.topology, request)
+    result = auto_plan(config, hardware, batches, on_gpu)
+    print(f"{hardware.source}; {len(batches)} batches; {len(result.candidates)} compositions")
+    print(result.table())
+    if result.best is not None:
+        print(f"chosen: {result.best.name}: {result.why()}")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result.record(), indent=1) + "\n")
+        print(f"wrote {args.json_path}")
+    if args.out:
+        print(f"wrote {write_best(result, Path(args.out))}")
     return 0
 
 

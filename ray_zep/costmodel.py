@@ -128,6 +128,9 @@ class ComputeRates:
         fsdp_unit_overhead_s: host-side seconds FSDP2 adds per unit and step (its
             hooks and buffer copies); measured on a CPU virtual cluster, 0 in the
             GPU presets (they run on streams beside the compute).
+        ring_row_seconds: seconds a ring step costs per query row besides its kernel
+            (accumulators, copies); measured on the engine by a calibration, 0 in
+            the GPU presets (fused into the kernels' epilogues there).
     """
 
     attention_forward: float
@@ -143,6 +146,7 @@ class ComputeRates:
     optimizer_param_seconds: float = 0.0
     step_overhead_s: float = 0.0
     fsdp_unit_overhead_s: float = 0.0
+    ring_row_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         rates = (self.attention_forward, self.attention_backward, self.matmul)
@@ -150,7 +154,12 @@ class ComputeRates:
             raise ValueError(f"compute rates must be > 0 (overhead >= 0), got {self}")
         if min(self.causal_half_tokens, self.full_half_tokens) < 0 or self.contention < 1:
             raise ValueError(f"half-rate lengths must be >= 0 and contention >= 1, got {self}")
-        fixed = (self.optimizer_param_seconds, self.step_overhead_s, self.fsdp_unit_overhead_s)
+        fixed = (
+            self.optimizer_param_seconds,
+            self.step_overhead_s,
+            self.fsdp_unit_overhead_s,
+            self.ring_row_seconds,
+        )
         if min(self.pointwise, *fixed) < 0:
             raise ValueError(f"pointwise rate and fixed costs must be >= 0, got {self}")
         for kind, points in self.curves:

@@ -55,3 +55,32 @@ def test_validate_rejects_bad_options_before_starting_anything(capsys) -> None:
 
     assert main(["bench", "validate", "conf/demo.yaml", "--steps", "2"]) == 2
     assert "--steps=2" in capsys.readouterr().err
+
+
+def test_plan_auto_searches_compositions_and_keeps_only_what_fits(tmp_path) -> None:
+    """7B on 16 GPUs of cluster A: replicated weights need 16 B per parameter on every GPU
+    (112 GB), more than an 80 GB A800 holds; the winner must fit, and its YAML trains."""
+    from ray_zep.cli import main
+    from ray_zep.config import load_config
+    from ray_zep.sim.auto import auto_plan, compositions
+    from ray_zep.sim.command import SimulateRequest, batches_of, request_hardware
+
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=2", "model.preset=7b"])
+    every = compositions(config, 16)
+    names = {(c.parallel.sequence.value, c.parallel.weights.value) for c in every}
+    assert ("zeppelin", "fsdp") in names and ("whole", "tawpipe") in names
+    assert ("zeppelin", "tawpipe") not in names  # refused: weight passing keeps sequences whole
+    hardware, on_gpu = request_hardware(config, None)
+    batches, _ = batches_of(config, hardware.topology, SimulateRequest(None, False, 1, "arxiv"))
+    result = auto_plan(config, hardware, batches, on_gpu)
+    assert result.best is not None and result.best.fits
+    assert result.best.memory_gb * 1e9 <= hardware.topology.gpu_memory_bytes
+    replicated = [
+        c for c in result.candidates if c.steps and c.config.parallel.weights.value == "replicated"
+    ]
+    assert replicated and not any(c.fits for c in replicated)
+    out = tmp_path / "best.yaml"
+    args = ["plan", "--auto", "topology.preset=cluster_a", "topology.nodes=2", "model.preset=7b"]
+    assert main([*args, "--distribution", "arxiv", "--batches", "1", "--out", str(out)]) == 0
+    chosen = load_config(out, [])
+    assert chosen.parallel.sequence is result.best.config.parallel.sequence

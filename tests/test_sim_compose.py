@@ -25,7 +25,9 @@ CURVES = (
     ("forward_causal", ((32.0, 1e9), (512.0, 4e9))),
     ("backward_causal", ((32.0, 0.5e9), (512.0, 2e9))),
 )
-RATES = ComputeRates(4e9, 2e9, 8e9, 1e-5, "test", 64.0, 32.0, 1.2, CURVES, 1e9, 1e-9, 1e-3, 1e-4)
+RATES = ComputeRates(
+    4e9, 2e9, 8e9, 1e-5, "test", 64.0, 32.0, 1.2, CURVES, 1e9, 1e-9, 1e-3, 1e-4, 1e-7
+)
 PLACED = [
     Placement.WHOLE,
     Placement.ZEPPELIN,
@@ -91,6 +93,7 @@ SLOWER = {
     "optimizer_param_seconds": ("rate", 3.0),
     "step_overhead_s": ("rate", 3.0),
     "fsdp_unit_overhead_s": ("rate", 3.0),
+    "ring_row_seconds": ("rate", 3.0),
 }
 
 

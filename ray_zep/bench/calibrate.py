@@ -168,51 +168,13 @@ def measure_compute(
     return call, attention, matmul, model, optimizer
 
 
-def _loaded_worker(index: int, shape: ModelShape, repeats: int, result) -> None:
-    result.append(measure_compute(shape, torch.device("cpu"), repeats))
-
-
-def measure_loaded(shape: ModelShape, repeats: int, processes: int):
-    """`measure_compute` in `processes` processes at once, averaged point by point: the
-    rates of one core while the others compute too (they share memory bandwidth and the
-    last-level cache, which memory-bound kernels feel)."""
-    import torch.multiprocessing as mp
-
-    if processes <= 1:
-        return measure_compute(shape, torch.device("cpu"), repeats)
-    with mp.Manager() as manager:
-        result = manager.list()
-        mp.spawn(_loaded_worker, args=(shape, repeats, result), nprocs=processes, join=True)
-        runs = list(result)
-
-    def mean(points_of) -> list[Measurement]:
-        columns = zip(*(points_of(run) for run in runs), strict=True)
-        return [
-            dataclasses.replace(c[0], seconds=float(np.mean([m.seconds for m in c])))
-            for c in columns
-        ]
-
-    return (
-        mean(lambda run: [run[0]])[0],
-        mean(lambda run: run[1]),
-        mean(lambda run: run[2]),
-        mean(lambda run: run[3]),
-        float(np.mean([run[4] for run in runs])),
-    )
-
-
 def calibrate(config: Config, device: torch.device, repeats: int = 5) -> Calibration:
     """Measure and fit the rates of `device` for `config.model` (bf16 on a GPU, fp32 on CPU,
     as training runs) and, on CPU, the links among the processes of `config.topology` and
-    the attention engine's ring step among them; on CPU the compute is measured on as many
-    cores at once as the ranks will keep busy."""
+    the attention engine's ring step among them."""
     shape = build_shape(config.model)
     ranks = build_topology(config.topology).world_size
-    if device.type == "cpu":
-        measured = measure_loaded(shape, repeats, min(cpu_count(), max(1, ranks)))
-    else:
-        measured = measure_compute(shape, device, repeats)
-    call, attention, matmul, model, optimizer = measured
+    call, attention, matmul, model, optimizer = measure_compute(shape, device, repeats)
     _, matmul_rate = fit(matmul)
     kinds = curves(attention, call.seconds)
     longest = {kind: points[-1][1] for kind, points in kinds}

@@ -63,7 +63,8 @@ class Measurement:
 
 
 def timed(repeats: int, fn, *args, **kwargs) -> float:
-    """Median seconds of `fn(*args, **kwargs)` after one warm-up call."""
+    """Mean seconds of `fn(*args, **kwargs)` after one warm-up call: training pays the
+    occasional slow call too (page faults of fresh buffers, a descheduled process)."""
     fn(*args, **kwargs)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
@@ -73,7 +74,7 @@ def timed(repeats: int, fn, *args, **kwargs) -> float:
         fn(*args, **kwargs)
         sync()
         times.append(time.perf_counter() - started)
-    return float(np.median(times))
+    return float(np.mean(times))
 
 
 def _block(shape: ModelShape, q_len: int, k_len: int, count: int, device, dtype, generator):

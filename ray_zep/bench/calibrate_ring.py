@@ -5,10 +5,13 @@ step's rows, allocates and accumulates the gradient buffers, posts and waits for
 its messages, and on a virtual cluster whose ranks share a few cores each wait
 costs a scheduling round. Here `ranks` gloo processes run the engine
 (`ray_zep.attention.engine.run_attention`) forward and backward on one short
-sequence zigzag-split over all of them (TE CP's plan), so that almost nothing
-but the steps' fixed costs remains; the time beyond what the simulator models for
-that layer (`ray_zep.sim.program`), per ring step, is the cost of a step the
-simulator adds to every ring step (`ComputeRates.call_overhead_s`).
+sequence zigzag-split over all of them (TE CP's plan), once with chunks of a few
+tokens and once with chunks of `CHUNK_TOKENS[1]`; the time beyond what the simulator
+models for that layer (`ray_zep.sim.program`), per ring step, is what a step costs
+besides its kernel and its transfers: a fixed part (from the tiny chunks,
+`ComputeRates.call_overhead_s`) and a part per query row (from the larger ones,
+`ComputeRates.ring_row_seconds`: the fp32 accumulators, copies and scheduling the
+step functions alone do not show).
 """
 
 from __future__ import annotations
@@ -22,25 +25,25 @@ import torch
 from ray_zep.config import Config
 from ray_zep.dist.launch import free_port
 
-CHUNK_TOKENS = 8
-"""Tokens of each zigzag chunk (a rank holds two)."""
+CHUNK_TOKENS = (8, 256)
+"""Tokens of each zigzag chunk in the two measurements (a rank holds two chunks)."""
 ITERATIONS = 12
 WARM_UP = 2
 
 
-def _plan(config: Config):
+def _plan(config: Config, chunk: int):
     from ray_zep.model.shapes import build_shape
     from ray_zep.parallel.axes import Placement
     from ray_zep.partition import make_plan
     from ray_zep.topology import build_topology
 
     topology = build_topology(config.topology)
-    tokens = 2 * CHUNK_TOKENS * topology.world_size
+    tokens = 2 * chunk * topology.world_size
     shape = build_shape(config.model)
-    return make_plan(Placement.TE_CP, [tokens], topology, 2 * CHUNK_TOKENS, shape)
+    return make_plan(Placement.TE_CP, [tokens], topology, 2 * chunk, shape)
 
 
-def _worker(rank: int, world: int, port: int, config: Config, result) -> None:
+def _worker(rank: int, world: int, port: int, config: Config, chunk: int, result) -> None:
     import torch.distributed as dist
 
     from ray_zep.attention.engine import run_attention
@@ -54,7 +57,7 @@ def _worker(rank: int, world: int, port: int, config: Config, result) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    plan = _plan(config)
+    plan = _plan(config, chunk)
     comm = Comm.create(plan.topology, world, config.comm.timeout_s)
     kernel = select_kernel("auto", torch.device("cpu"), torch.float32)
     kernels = (kernel, select_backward(kernel))
@@ -77,8 +80,9 @@ def _worker(rank: int, world: int, port: int, config: Config, result) -> None:
     dist.destroy_process_group()
 
 
-def measure_ring_step(config: Config, hardware) -> float:
-    """Seconds a ring step costs beyond what `hardware` models for it (module docstring)."""
+def measure_ring_step(config: Config, hardware) -> tuple[float, float]:
+    """(seconds per ring step, seconds per query row and ring step) beyond what `hardware`
+    models (module docstring)."""
     import torch.multiprocessing as mp
 
     from ray_zep.model.shapes import build_shape
@@ -86,25 +90,32 @@ def measure_ring_step(config: Config, hardware) -> float:
     from ray_zep.sim.events import simulate
     from ray_zep.sim.program import LayerSetup, attention_graph
 
-    plan = _plan(config)
-    world = plan.topology.world_size
-    port = free_port()
-    with mp.Manager() as manager:
-        result = manager.list()
-        mp.spawn(_worker, args=(world, port, config, result), nprocs=world, join=True)
-        measured = result[0]
     shape = build_shape(config.model)
-    setup = LayerSetup(plan, shape, hardware.cost(shape), hardware.rates,
-                       RoutingPlan.build(plan, False, all_hops=True), element_bytes=4)  # fmt: skip
-    modelled = sum(simulate(attention_graph(setup, phase)).makespan for phase in Phase)
-    return max(0.0, measured - modelled) / (2 * world)
+    extra = []
+    for chunk in CHUNK_TOKENS:
+        plan = _plan(config, chunk)
+        world = plan.topology.world_size
+        with mp.Manager() as manager:
+            result = manager.list()
+            args = (world, free_port(), config, chunk, result)
+            mp.spawn(_worker, args=args, nprocs=world, join=True)
+            measured = result[0]
+        routing = RoutingPlan.build(plan, False, all_hops=True)
+        setup = LayerSetup(plan, shape, hardware.cost(shape), hardware.rates, routing,
+                           element_bytes=4)  # fmt: skip
+        modelled = sum(simulate(attention_graph(setup, phase)).makespan for phase in Phase)
+        extra.append(max(0.0, measured - modelled) / (2 * world))
+    per_step = extra[0]
+    rows = 2 * (CHUNK_TOKENS[1] - CHUNK_TOKENS[0])
+    return per_step, max(0.0, extra[1] - extra[0]) / rows
 
 
-def with_ring_step(config: Config, calibration) -> object:
-    """`calibration` with the measured ring step cost added to its per-call cost."""
-    hardware = calibration.hardware(config.topology)
-    extra = measure_ring_step(config, hardware)
+def with_ring_step(config: Config, calibration):
+    """`calibration` with the measured ring step costs added to its rates."""
+    per_step, per_row = measure_ring_step(config, calibration.hardware(config.topology))
     rates = dataclasses.replace(
-        calibration.rates, call_overhead_s=calibration.rates.call_overhead_s + extra
+        calibration.rates,
+        call_overhead_s=calibration.rates.call_overhead_s + per_step,
+        ring_row_seconds=per_row,
     )
     return dataclasses.replace(calibration, rates=rates)

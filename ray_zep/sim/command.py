@@ -101,7 +101,7 @@ def run_simulate(config: Config, request: SimulateRequest) -> SimulateResult:
     names = strategy_names(request.strategies, request.ablation)
     hardware, on_gpu = request_hardware(config, request.calibration)
     topology = hardware.topology
-    batches, capacity = _batches(config, topology, request)
+    batches, capacity = batches_of(config, topology, request)
     results = simulate_strategies(config, hardware, batches, names, capacity, on_gpu)
     return SimulateResult(config, topology, hardware.rates, capacity, batches, results)
 
@@ -125,7 +125,9 @@ def request_hardware(config: Config, calibration: str | None) -> tuple[Hardware,
     return measured.hardware(config.topology), False
 
 
-def _batches(config: Config, topology: Topology, request: SimulateRequest):
+def batches_of(config: Config, topology: Topology, request: SimulateRequest):
+    """(lengths of each requested batch, L): sampled from a distribution with L = tokens per
+    rank x headroom, or the configured data's first batches with L = train.tokens_per_rank."""
     world = topology.world_size
     if request.distribution is None:
         batches = [

@@ -230,6 +230,8 @@ class _Builder:
         if backward:
             per_pair *= BACKWARD_ATTENTION_FACTOR
         seconds = rates.call_overhead_s
+        if not autograd:  # the engine's accumulators and copies around its kernel
+            seconds += sum(q for _, q, _, _ in segments) * rates.ring_row_seconds
         for _, q, _, k in segments:
             if step == 0:
                 flops, length, causal = per_pair * q * (q + 1) / 2, q, True

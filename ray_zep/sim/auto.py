@@ -1,0 +1,238 @@
+"""`ray-zep plan --auto`: search the compositions with the simulator, keep what fits.
+
+Every composition the trainer can run on the configured model and cluster is a
+candidate: each sequence placement (with the routing and remapping layers off, on,
+or one of them, and for `zeppelin` each zone policy) times each weights mode
+(times each expert-parallel degree that divides the cluster and the experts, for
+an MoE model), less what the config refuses (`ray_zep.parallel.axes.refusal`, the
+placements' own rules). Each plays the same batches through the simulator
+(`ray_zep.sim.step.simulate_batch`) and gets its per-rank memory modelled
+(`ray_zep.report.plan_command.plan_memory`); the fastest that fits every rank in
+the GPU's memory wins. ZipCCL compression and FoldMoE's overlap are kept as the
+config sets them: the composed step does not model them yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ray_zep.config import Config, config_to_yaml
+from ray_zep.errors import MemoryPlanError, ZepError
+from ray_zep.model.shapes import build_shape
+from ray_zep.options import ZonePolicy
+from ray_zep.parallel.axes import (
+    SEQUENCE_AXES,
+    WEIGHTS_AXES,
+    AxesChoice,
+    Placement,
+    refusal,
+)
+from ray_zep.parallel.memory import GB
+from ray_zep.partition.stats import plan_stats
+from ray_zep.report.plan_command import plan_memory
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.step import RunModel, StepResult, plan_batch, simulate_batch
+
+
+@dataclass
+class Candidate:
+    """One composition and what the simulator says of it.
+
+    Attributes:
+        config: the run with this composition.
+        steps: simulated steps of the batches (empty when it cannot place them).
+        memory_gb: modelled memory of the fullest rank, GB.
+        fits: every rank fits the GPU's memory (always, when the topology names none).
+        error: why it cannot run these batches.
+    """
+
+    config: Config
+    steps: list[StepResult] = field(default_factory=list)
+    memory_gb: float = 0.0
+    fits: bool = True
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        p = self.config.parallel
+        parts = [p.sequence.value, p.weights.value]
+        if p.routing:
+            parts.append("routing")
+        if p.remap:
+            parts.append("remap")
+        if p.sequence is Placement.ZEPPELIN:
+            parts.append(f"zones={p.zone_policy.value}")
+        if p.ep > 1:
+            parts.append(f"ep={p.ep}")
+        return "+".join(parts)
+
+    @property
+    def layers_on(self) -> int:
+        """Routing and remap switched on: of equally fast candidates the simplest ranks first."""
+        return int(self.config.parallel.routing) + int(self.config.parallel.remap)
+
+    @property
+    def step_seconds(self) -> float:
+        return float(np.mean([s.step_seconds for s in self.steps])) if self.steps else float("inf")
+
+    @property
+    def tokens_per_second(self) -> float:
+        seconds = sum(s.step_seconds for s in self.steps)
+        return sum(s.tokens for s in self.steps) / seconds if seconds else 0.0
+
+    def breakdown(self) -> dict[str, float]:
+        """Mean seconds of a step by part (`StepResult.breakdown`)."""
+        layers = build_shape(self.config.model).n_layers
+        parts = [s.breakdown(layers) for s in self.steps]
+        return {k: float(np.mean([p[k] for p in parts])) for k in parts[0]} if parts else {}
+
+
+def compositions(config: Config, world: int) -> list[Config]:
+    """Every composition of `config`'s model on `world` ranks that the config accepts."""
+    shape = build_shape(config.model)
+    eps = [e for e in range(1, world + 1) if world % e == 0 and shape.moe_experts % e == 0]
+    eps = eps if shape.moe_experts else [1]
+    out = []
+    for axis, weights, ep in itertools.product(SEQUENCE_AXES.values(), WEIGHTS_AXES, eps):
+        if axis.one_process:
+            continue
+        layers = [(False, False)]
+        if axis.planned:
+            layers = [(False, False), (True, False), (False, True), (True, True)]
+        zones = list(ZonePolicy) if axis.placement is Placement.ZEPPELIN else [None]
+        for (routing, remap), zone in itertools.product(layers, zones):
+            choice = AxesChoice(axis.placement, weights, ep, shape.moe_experts > 0, routing, remap)
+            if refusal(choice) is not None:
+                continue
+            parallel = dataclasses.replace(
+                config.parallel,
+                sequence=axis.placement,
+                weights=weights,
+                ep=ep,
+                routing=routing,
+                remap=remap,
+                zone_policy=zone or config.parallel.zone_policy,
+            )
+            try:
+                out.append(dataclasses.replace(config, parallel=parallel))
+            except ZepError:  # a composition the config's own checks refuse
+                continue
+    return out
+
+
+def evaluate(config: Config, hardware: Hardware, batches: list[np.ndarray], on_gpu: bool):
+    """The candidate of `config` on `batches`: simulated steps and modelled memory."""
+    candidate = Candidate(config)
+    run = RunModel.create(config, hardware, on_gpu)
+    try:
+        candidate.steps = [simulate_batch(lengths, run) for lengths in batches]
+        worst = None
+        for lengths in batches:
+            plan, _ = plan_batch(lengths, run)
+            memory = plan_memory(config, hardware.topology, plan_stats(plan, run.shape), run.shape)
+            fullest = memory.ranks[memory.fullest].total
+            if worst is None or fullest > worst[0]:
+                worst = (fullest, memory.fits)
+        candidate.memory_gb, candidate.fits = worst[0] / GB, worst[1]
+    except ZepError as exc:
+        candidate.steps, candidate.error = [], str(exc).splitlines()[0]
+    return candidate
+
+
+@dataclass
+class AutoPlan:
+    """The ranking of every candidate; `best` is the fastest that fits."""
+
+    candidates: list[Candidate]
+
+    @property
+    def ranked(self) -> list[Candidate]:
+        runnable = [c for c in self.candidates if c.steps]
+
+        def key(c: Candidate) -> tuple[float, int]:
+            return (round(c.step_seconds, 12), c.layers_on)
+
+        fitting = sorted((c for c in runnable if c.fits), key=key)
+        others = sorted((c for c in runnable if not c.fits), key=key)
+        return fitting + others + [c for c in self.candidates if not c.steps]
+
+    @property
+    def best(self) -> Candidate | None:
+        first = self.ranked[0] if self.candidates else None
+        return first if first is not None and first.steps and first.fits else None
+
+    def why(self) -> str:
+        """Where the winner gains most over the runner-up (the first fitting candidate that
+        is not equally fast), by part of the step."""
+        fitting = [c for c in self.ranked if c.steps and c.fits]
+        best = fitting[0] if fitting else None
+        slower = [c for c in fitting[1:] if c.step_seconds > best.step_seconds * 1.001]
+        if best is None or not slower:
+            return "the only composition that runs and fits, or all are equally fast"
+        second = slower[0]
+        mine, theirs = best.breakdown(), second.breakdown()
+        part = max(mine, key=lambda k: theirs[k] - mine[k])
+        gain = second.step_seconds / best.step_seconds
+        return (
+            f"{gain:.2f}x faster than the runner-up {second.name}: most of it in "
+            f"{part} ({mine[part] * 1e3:.1f} ms against {theirs[part] * 1e3:.1f} ms a step)"
+        )
+
+    def table(self, limit: int = 20) -> str:
+        lines = [f"{'#':>3} {'composition':<44}{'step s':>9}{'k tok/s':>10}{'GB/GPU':>9}  fits"]
+        for i, c in enumerate(self.ranked[:limit], 1):
+            if not c.steps:
+                lines.append(f"{i:>3} {c.name:<44}  cannot run: {c.error}")
+                continue
+            lines.append(
+                f"{i:>3} {c.name:<44}{c.step_seconds:>9.4f}{c.tokens_per_second / 1e3:>10.1f}"
+                f"{c.memory_gb:>9.1f}  {'yes' if c.fits else 'NO'}"
+            )
+        hidden = len(self.ranked) - limit
+        if hidden > 0:
+            lines.append(f"    ... {hidden} more (--json has all)")
+        return "\n".join(lines)
+
+    def record(self) -> list[dict]:
+        return [
+            {
+                "composition": c.name,
+                "step_seconds": c.step_seconds if c.steps else None,
+                "tokens_per_second": c.tokens_per_second if c.steps else None,
+                "memory_gb": c.memory_gb if c.steps else None,
+                "fits": c.fits,
+                "error": c.error,
+            }
+            for c in self.ranked
+        ]
+
+
+def auto_plan(
+    config: Config, hardware: Hardware, batches: list[np.ndarray], on_gpu: bool = True
+) -> AutoPlan:
+    """Simulate every composition (module docstring) on `batches`."""
+    return AutoPlan(
+        [evaluate(c, hardware, batches, on_gpu) for c in compositions(config, hardware.devices)]
+    )
+
+
+def write_best(plan: AutoPlan, path: Path) -> Path:
+    """The winner's config as YAML `ray-zep train` accepts.
+
+    Raises:
+        MemoryPlanError: no composition runs and fits.
+    """
+    best = plan.best
+    if best is None:
+        raise MemoryPlanError(
+            "no composition places these batches within the GPU's memory: lower "
+            "train.tokens_per_rank, set train.activation_checkpointing=full or add GPUs"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config_to_yaml(best.config))
+    return path
