@@ -436,15 +436,26 @@ def _plan_auto(args: argparse.Namespace) -> int:
     from ray_zep.errors import ConfigError
     from ray_zep.sim.auto import auto_plan, write_best
     from ray_zep.sim.command import SimulateRequest, batches_of, request_hardware
+    from ray_zep.sim.replay import data_batches
 
     if args.batches < 1:
         raise ConfigError(f"--batches={args.batches} must be >= 1")
     config = _optional_config(args)
     hardware, on_gpu = request_hardware(config, args.calibration)
-    request = SimulateRequest(None, False, args.batches, args.distribution, _tokens(args.tokens))
-    batches, _ = batches_of(config, hardware.topology, request)
+    if args.distribution:  # the same sampled lengths for every composition
+        tokens = _tokens(args.tokens)
+        request = SimulateRequest(None, False, args.batches, args.distribution, tokens)
+        sampled = [(lengths, None) for lengths in batches_of(config, hardware.topology, request)[0]]
+
+        def batches(candidate):
+            return sampled
+    else:  # the data as each composition's data actor draws it
+
+        def batches(candidate):
+            return data_batches(candidate, hardware.devices, 0, args.batches)
+
     result = auto_plan(config, hardware, batches, on_gpu)
-    print(f"{hardware.source}; {len(batches)} batches; {len(result.candidates)} compositions")
+    print(f"{hardware.source}; {args.batches} batches; {len(result.candidates)} compositions")
     print(result.table())
     if result.best is not None:
         print(f"chosen: {result.best.name}: {result.why()}")

@@ -32,7 +32,13 @@ def test_rows_and_ranking_of_the_cpu_runs() -> None:
     ]
     result = Validation(runs, [], calibration=None)
     rows = result.rows()
-    assert [r["mode"] for r in rows] == [r.name for r in runs]
+    assert [r["mode"] for r in rows if r["kind"] == "cpu"] == [r.name for r in runs]
+    assert rows[-1] == {
+        "kind": "auto",
+        "chosen": "whole/replicated",
+        "fastest_measured": "whole/replicated",
+        "chosen_over_fastest": 1.0,
+    }
     assert rows[1]["kind"] == "cpu" and rows[1]["predicted_over_measured"] == pytest.approx(1.5)
     assert result.misordered() == [("zeppelin/replicated", "te_cp/replicated")]
     table = result.table()
@@ -72,7 +78,7 @@ def test_plan_auto_searches_compositions_and_keeps_only_what_fits(tmp_path) -> N
     assert ("zeppelin", "tawpipe") not in names  # refused: weight passing keeps sequences whole
     hardware, on_gpu = request_hardware(config, None)
     batches, _ = batches_of(config, hardware.topology, SimulateRequest(None, False, 1, "arxiv"))
-    result = auto_plan(config, hardware, batches, on_gpu)
+    result = auto_plan(config, hardware, lambda _: [(b, None) for b in batches], on_gpu)
     assert result.best is not None and result.best.fits
     assert result.best.memory_gb * 1e9 <= hardware.topology.gpu_memory_bytes
     replicated = [

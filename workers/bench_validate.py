@@ -8,8 +8,10 @@
 4. simulates the papers' headline setups (`ray_zep.bench.headlines`).
 
 Rows: `{"kind": "cpu", "mode", "predicted_tokens_per_s", "measured_tokens_per_s",
-"predicted_over_measured"}` per mode and `{"kind": "paper", "name", "paper",
-"simulated", "explained"}` per headline.
+"predicted_over_measured"}` per mode, `{"kind": "auto", "chosen", "fastest_measured",
+"chosen_over_fastest"}` (the mode the simulator ranks first, as `plan --auto` ranks,
+against the fastest measured) and `{"kind": "paper", "name", "paper", "simulated",
+"explained"}` per headline.
 """
 
 from __future__ import annotations
@@ -59,7 +61,28 @@ class Validation:
             }
             for r in self.cpu
         ]
+        picked = self.chosen()
+        if picked is not None:
+            chosen, best = picked
+            out.append(
+                {
+                    "kind": "auto",
+                    "chosen": chosen.name,
+                    "fastest_measured": best.name,
+                    "chosen_over_fastest": chosen.measured_tokens_per_second
+                    / best.measured_tokens_per_second,
+                }
+            )
         return out + [row.to_dict() for row in self.paper]
+
+    def chosen(self) -> tuple[TrainBenchRow, TrainBenchRow] | None:
+        """(the mode the simulator ranks first, the mode measured fastest): what `plan
+        --auto` would choose among these modes, against the best of them."""
+        rows = [r for r in self.cpu if r.predicted_over_measured is not None]
+        if not rows:
+            return None
+        chosen = max(rows, key=lambda r: r.predicted_tokens_per_second)
+        return chosen, max(rows, key=lambda r: r.measured_tokens_per_second)
 
     def misordered(self) -> list[tuple[str, str]]:
         """Pairs of modes the prediction ranks the other way round than the measurement."""
@@ -88,6 +111,14 @@ class Validation:
             else "ranking: measured faster first, predicted the other way: "
             + ", ".join(f"{a} > {b}" for a, b in swapped)
         )  # fmt: skip
+        picked = self.chosen()
+        if picked is not None:
+            chosen, best = picked
+            share = chosen.measured_tokens_per_second / best.measured_tokens_per_second
+            lines.append(
+                f"chosen by the simulator: {chosen.name}, measured at {share:.0%} of the "
+                f"fastest measured ({best.name})"
+            )
         lines.append("")
         lines.append(f"{'paper headline':<44}{'paper':>10}{'simulated':>11}  explained")
         for row in self.paper:

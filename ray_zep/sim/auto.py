@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ray_zep.config import Config, config_to_yaml
+from ray_zep.config import Config, Packing, config_to_yaml
 from ray_zep.errors import MemoryPlanError, ZepError
 from ray_zep.model.shapes import build_shape
 from ray_zep.options import ZonePolicy
@@ -118,22 +119,29 @@ def compositions(config: Config, world: int) -> list[Config]:
                 remap=remap,
                 zone_policy=zone or config.parallel.zone_policy,
             )
+            # whole sequences train rank-packed batches (the config requires it)
+            packing = Packing.RANK if axis.whole_sequences else config.data.packing
+            data = dataclasses.replace(config.data, packing=packing)
             try:
-                out.append(dataclasses.replace(config, parallel=parallel))
+                out.append(dataclasses.replace(config, parallel=parallel, data=data))
             except ZepError:  # a composition the config's own checks refuse
                 continue
     return out
 
 
-def evaluate(config: Config, hardware: Hardware, batches: list[np.ndarray], on_gpu: bool):
+Batches = list[tuple[np.ndarray, list[list[int]] | None]]
+"""(lengths, rank bins or None) of each batch a candidate trains."""
+
+
+def evaluate(config: Config, hardware: Hardware, batches: Batches, on_gpu: bool) -> Candidate:
     """The candidate of `config` on `batches`: simulated steps and modelled memory."""
     candidate = Candidate(config)
     run = RunModel.create(config, hardware, on_gpu)
     try:
-        candidate.steps = [simulate_batch(lengths, run) for lengths in batches]
+        candidate.steps = [simulate_batch(lengths, run, bins) for lengths, bins in batches]
         worst = None
-        for lengths in batches:
-            plan, _ = plan_batch(lengths, run)
+        for lengths, bins in batches:
+            plan, _ = plan_batch(lengths, run, bins)
             memory = plan_memory(config, hardware.topology, plan_stats(plan, run.shape), run.shape)
             fullest = memory.ranks[memory.fullest].total
             if worst is None or fullest > worst[0]:
@@ -213,12 +221,23 @@ class AutoPlan:
 
 
 def auto_plan(
-    config: Config, hardware: Hardware, batches: list[np.ndarray], on_gpu: bool = True
+    config: Config,
+    hardware: Hardware,
+    batches_of: Callable[[Config], Batches],
+    on_gpu: bool = True,
 ) -> AutoPlan:
-    """Simulate every composition (module docstring) on `batches`."""
-    return AutoPlan(
-        [evaluate(c, hardware, batches, on_gpu) for c in compositions(config, hardware.devices)]
-    )
+    """Simulate every composition (module docstring) on the batches `batches_of` gives it:
+    the same sampled lengths for all, or the configured data as each composition's data
+    actor would draw it (whole sequences are rank-packed)."""
+    candidates = []
+    for candidate in compositions(config, hardware.devices):
+        try:
+            batches = batches_of(candidate)
+        except ZepError as exc:
+            candidates.append(Candidate(candidate, error=str(exc).splitlines()[0]))
+            continue
+        candidates.append(evaluate(candidate, hardware, batches, on_gpu))
+    return AutoPlan(candidates)
 
 
 def write_best(plan: AutoPlan, path: Path) -> Path:

@@ -42,6 +42,22 @@ class Replayed:
         return self.seconds / max(1, len(self.steps))
 
 
+def data_batches(config: Config, ranks: int, first: int, count: int) -> list:
+    """(lengths, rank bins or None) of batches `first` .. `first + count - 1` of the
+    configured data, as the data actor draws them under `config`.
+
+    Raises:
+        ZepError subclasses: data that cannot be read.
+    """
+    from ray_zep.data.batching import BatchStream
+    from ray_zep.data.catalog import open_configured_source
+
+    stream = BatchStream.from_config(open_configured_source(config), config, ranks)
+    for _ in range(first):
+        stream.next_batch()
+    return [(b.lengths, b.bins) for b in (stream.next_batch() for _ in range(count))]
+
+
 def replay(
     config: Config, hardware: Hardware, first: int, count: int, on_gpu: bool = True
 ) -> Replayed:
@@ -50,12 +66,6 @@ def replay(
     Raises:
         ZepError subclasses: data that cannot be read, batches that cannot be placed.
     """
-    from ray_zep.data.batching import BatchStream
-    from ray_zep.data.catalog import open_configured_source
-
     run = RunModel.create(config, hardware, on_gpu)
-    stream = BatchStream.from_config(open_configured_source(config), config, hardware.devices)
-    for _ in range(first):
-        stream.next_batch()
-    batches = [stream.next_batch() for _ in range(count)]
-    return Replayed([simulate_batch(b.lengths, run, b.bins) for b in batches])
+    batches = data_batches(config, hardware.devices, first, count)
+    return Replayed([simulate_batch(lengths, run, bins) for lengths, bins in batches])
