@@ -24,14 +24,12 @@ import numpy as np
 
 from ray_zep import steplog
 from ray_zep.bench.calibrate import Calibration
-from ray_zep.config import Config, load_config
+from ray_zep.config import load_config
 from ray_zep.constants import METRICS_FILE_NAME
-from ray_zep.data.batching import BatchStream
-from ray_zep.data.catalog import open_configured_source
 from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import WeightsMode
 from ray_zep.parallel.memory import fsdp_units
-from ray_zep.sim.step import RunModel, simulate_batch
+from ray_zep.sim.replay import replay
 
 TINY_STEPS = (
     "parallel.sequence=whole",
@@ -82,13 +80,6 @@ def _overhead(
     summary = train(config)
     rows = steplog.step_rows(summary.run_dir / METRICS_FILE_NAME)[WARM_UP:]
     measured = float(np.mean([r["step_seconds"] for r in rows]))
-    return max(0.0, measured - float(np.mean(_simulated(config, calibration))))
-
-
-def _simulated(config: Config, calibration: Calibration) -> list[float]:
-    """Simulated seconds of the measured steps, without a fixed step cost."""
     hardware = calibration.hardware(config.topology)
-    run = RunModel.create(config, hardware, on_gpu=False)
-    stream = BatchStream.from_config(open_configured_source(config), config, hardware.devices)
-    batches = [stream.next_batch() for _ in range(STEPS)][WARM_UP:]
-    return [simulate_batch(b.lengths, run, b.bins).step_seconds for b in batches]
+    simulated = replay(config, hardware, WARM_UP, STEPS - WARM_UP, on_gpu=False)
+    return max(0.0, measured - simulated.step_seconds)

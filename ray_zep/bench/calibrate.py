@@ -111,13 +111,13 @@ class Calibration:
             intra_node_latency_us=(self.link_latency_s or 0.0) * 1e6,
             inter_node_latency_us=(self.link_latency_s or 0.0) * 1e6,
         )
-        world = topology.nodes * (topology.gpus_per_node or 1)
-        share = self.share(world)
-        note = f"x{share:.2f} for {world} ranks on {self.cores} cores"
+        cluster = build_topology(links)
+        share = self.share(cluster.world_size)
+        note = f"x{share:.2f} for {cluster.world_size} ranks on {self.cores} cores"
         step = None
         if self.step_latency_s is not None and self.step_bandwidth:
             step = (self.step_latency_s, self.step_bandwidth)
-        return Hardware(build_topology(links), self.rates.scaled(share, note), step)
+        return Hardware(cluster, self.rates.scaled(share, note), step)
 
     def table(self) -> str:
         lines = [f"{'op':<20}{'size':>9}{'GFLOP or MB':>13}{'ms':>10}{'GFLOP/s or GB/s':>17}"]

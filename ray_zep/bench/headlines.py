@@ -22,7 +22,6 @@ reports it); None where the figure is within it.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -142,8 +141,7 @@ def te_cp_round_seconds() -> tuple[float, float]:
     config = _cluster_a(2, "3b")
     topology = build_topology(config.topology)
     plan = make_plan(Placement.TE_CP, [65536], topology, TOKENS_PER_GPU, PRESETS["3b"])
-    run = RunModel.create(config, Hardware.preset(topology))
-    run = dataclasses.replace(run, dkv_bytes=run.element_bytes)
+    run = RunModel.create(config, Hardware.preset(topology)).with_te_wire()
     step = simulate_plan(plan, run)
     rounds = topology.world_size - 1
     boundary = topology.gpus_per_node - 1

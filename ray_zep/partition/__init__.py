@@ -90,6 +90,18 @@ def make_plan(
     return plan
 
 
+def greedy_bins(lengths: Sequence[int] | np.ndarray, ranks: int) -> list[list[int]]:
+    """Whole sequences, longest first, each onto the rank with the fewest tokens."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    bins: list[list[int]] = [[] for _ in range(ranks)]
+    loads = np.zeros(ranks, dtype=np.int64)
+    for seq in np.argsort(-lengths, kind="stable").tolist():
+        rank = int(np.argmin(loads))
+        bins[rank].append(seq)
+        loads[rank] += lengths[seq]
+    return bins
+
+
 def plan_from_bins(
     lengths: Sequence[int] | np.ndarray,
     bins: list[list[int]],

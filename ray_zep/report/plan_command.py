@@ -14,7 +14,7 @@ from ray_zep.errors import ConfigError, MemoryPlanError
 from ray_zep.model.shapes import ModelShape, build_shape
 from ray_zep.parallel.axes import SEQUENCE_AXES, Placement, WeightsMode
 from ray_zep.parallel.memory import GB, RankMemory, memory_inputs, model_memory
-from ray_zep.partition import PLANNED, make_plan, plan_from_bins
+from ray_zep.partition import PLANNED, greedy_bins, make_plan, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan, Zone
 from ray_zep.partition.stats import PlanStats, plan_stats
 from ray_zep.report.layers import LayerReport
@@ -212,10 +212,5 @@ def _whole_sequence_plan(
             f"parallel.sequence={placement.value} trains the whole batch in one process: "
             "nothing to place; choose another placement"
         )
-    bins: list[list[int]] = [[] for _ in range(topology.world_size)]
-    loads = np.zeros(topology.world_size, dtype=np.int64)
-    for seq in np.argsort(-lengths, kind="stable").tolist():
-        rank = int(np.argmin(loads))
-        bins[rank].append(seq)
-        loads[rank] += lengths[seq]
+    bins = greedy_bins(lengths, topology.world_size)
     return plan_from_bins(lengths, bins, topology, capacity, placement)

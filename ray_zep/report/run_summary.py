@@ -11,7 +11,6 @@ ranks) on the same batches, at the rates of the topology's GPU preset.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,7 +85,7 @@ def _modelled(config, topology, batches, placement: Placement, routed: bool, rem
     rates = preset_rates(topology.gpu_model)
     run = RunModel.create(config, Hardware(topology, rates))
     if placement is Placement.TE_CP:  # as TransformerEngine sends dK/dV (sim.compare.Variant)
-        run = dataclasses.replace(run, dkv_bytes=run.element_bytes)
+        run = run.with_te_wire()
     inter, seconds = 0.0, []
     for lengths in batches:
         plan = make_plan(

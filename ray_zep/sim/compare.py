@@ -151,7 +151,7 @@ def simulate_strategies(
     for name in names:
         run = RunModel.create(variant_config(config, name, tokens_per_rank), hardware, on_gpu)
         if VARIANTS[name].te_wire:
-            run = dataclasses.replace(run, dkv_bytes=run.element_bytes)
+            run = run.with_te_wire()
         result = StrategyResult(name)
         try:
             result.steps = [simulate_batch(lengths, run) for lengths in batches]

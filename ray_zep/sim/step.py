@@ -27,6 +27,7 @@ ZipCCL compression (`comm.compression`) is not modelled in the composed step.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +38,7 @@ from ray_zep.model.shapes import ModelShape, build_shape
 from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, WeightsMode
 from ray_zep.parallel.memory import fsdp_units
 from ray_zep.parallel.step_plan import plan_step
-from ray_zep.partition import plan_from_bins
+from ray_zep.partition import greedy_bins, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import Phase, RoutingPlan
@@ -73,6 +74,12 @@ class RunModel:
         bf16 = on_gpu and config.train.precision is not Precision.FP32
         element = BYTES_PER_ELEMENT if bf16 else FP32_BYTES
         return cls(config, hardware, build_shape(config.model), element)
+
+    def with_te_wire(self) -> RunModel:
+        """dK/dV in the activation dtype, as TransformerEngine sends them
+        (`context_parallel.py`, AttnFuncWithCPAndKVP2P.backward), not in float32 as
+        our engine does: the TE CP baseline."""
+        return dataclasses.replace(self, dkv_bytes=self.element_bytes)
 
 
 @dataclass
@@ -165,17 +172,6 @@ def plan_batch(
     return step.attention, step.remap
 
 
-def greedy_bins(lengths: np.ndarray, ranks: int) -> list[list[int]]:
-    """Whole sequences, longest first, each onto the rank with the fewest tokens."""
-    bins: list[list[int]] = [[] for _ in range(ranks)]
-    loads = np.zeros(ranks, dtype=np.int64)
-    for seq in np.argsort(-np.asarray(lengths), kind="stable").tolist():
-        rank = int(np.argmin(loads))
-        bins[rank].append(seq)
-        loads[rank] += lengths[seq]
-    return bins
-
-
 def simulate_plan(
     plan: AttentionPlan, run: RunModel, routed: bool = False, remap: RemapPlan | None = None
 ) -> StepResult:
@@ -228,12 +224,10 @@ def expert_seconds(run: RunModel, tokens: list[int]) -> float:
     if shape.moe_blocks == 0 or ep <= 1:
         return 0.0
     cost = run.hardware.cost(shape)
-    topology = run.hardware.topology
-    members = range(ep)
-    rows = max(tokens, default=0) * shape.moe_top_k * (ep - 1) / ep
-    block = rows * shape.dim * run.element_bytes / (ep - 1)
-    # an all-to-all moves as much per rank as an all-gather of one block per peer
-    per_exchange = cost.all_gather_seconds(block, [r % topology.world_size for r in members])
+    # one peer's share of the slowest rank's top-k rows; an all-to-all moves as much per
+    # rank as an all-gather of one such block per peer (the group: ranks 0 .. ep - 1)
+    block = max(tokens, default=0) * shape.moe_top_k * shape.dim * run.element_bytes / ep
+    per_exchange = cost.all_gather_seconds(block, range(ep))
     return shape.moe_blocks * EXPERT_EXCHANGES * per_exchange
 
 

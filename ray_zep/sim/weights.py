@@ -23,9 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ray_zep.costmodel import GRAD_BYTES_PER_ELEMENT, CostModel
 from ray_zep.model.shapes import ModelShape
 from ray_zep.parallel.axes import WEIGHTS_AXES, Sharding, WeightsMode
+from ray_zep.parallel.memory import block_params
 from ray_zep.topology import Topology
 
 
@@ -51,12 +54,6 @@ def _groups(topology: Topology, sharding: Sharding) -> tuple[tuple[int, ...], ..
     if sharding is Sharding.NODE:
         return tuple(tuple(topology.ranks_of_node(n)) for n in range(topology.nodes))
     return (tuple(range(topology.world_size)),)
-
-
-def block_params(shape: ModelShape) -> float:
-    """Parameters of one block (averaged over dense and MoE blocks: every expert)."""
-    embeddings = 2 * shape.vocab_size * shape.dim + shape.dim
-    return (shape.param_count() - embeddings) / shape.n_layers
 
 
 def weights_cost(
@@ -86,7 +83,8 @@ def weights_cost(
         raise ValueError(f"parallel.weights={mode.value} is simulated by sim.weight_passing")
     groups = _groups(topology, axis.sharding)
     size = len(groups[0])
-    block = block_params(shape) / size
+    # one block, averaged over dense and MoE blocks (an MoE block holds every expert)
+    block = float(np.mean([block_params(shape, i) for i in range(shape.n_layers)])) / size
     gather = cost.all_gather_seconds(block * param_bytes, groups[0])
     scatter = cost.all_gather_seconds(block * GRAD_BYTES_PER_ELEMENT, groups[0])
     embedding = shape.vocab_size * shape.dim / size
