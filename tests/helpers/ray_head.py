@@ -94,9 +94,14 @@ class RayHead:
         return self.ray("job", "logs", job_id).stdout
 
     def driver_log(self, job_id: str) -> str:
-        """The job driver's log as the head writes it (cheap to poll)."""
+        """The job driver's log as the head writes it (cheap to poll); empty while it does
+        not exist. Checking and then reading races the head, which can move the
+        `session_latest` link between the two: only the read decides."""
         path = self.temp_dir / "session_latest" / "logs" / f"job-driver-{job_id}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
+        try:
+            return path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
 
 
 def start_ray_head(num_cpus: int, object_store_mb: int) -> RayHead:
