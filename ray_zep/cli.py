@@ -153,7 +153,11 @@ def _parser() -> argparse.ArgumentParser:
 
     simulate = commands.add_parser("simulate", help="predict step time per placement on a cluster")
     _optional_config_args(simulate)
-    simulate.add_argument("--strategies", help="default: zeppelin,te_cp,llama_cp,hybrid_dp")
+    simulate.add_argument(
+        "--strategies",
+        help="default: zeppelin,te_cp,llama_cp,hybrid_dp,megatron_hybrid_cp "
+        "(also ulysses, usp, te_cp+routing, te_cp+routing+partition)",
+    )
     simulate.add_argument(
         "--ablation", action="store_true", help="add te_cp+routing, te_cp+routing+partition"
     )

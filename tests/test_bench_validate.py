@@ -54,6 +54,8 @@ def test_mode_names_and_their_overrides() -> None:
     assert "parallel.sequence=whole" in variant_overrides("tawpipe")
     with pytest.raises(ConfigError, match="te_cp/nope"):
         check_names(["te_cp/nope"])
+    with pytest.raises(ConfigError, match="'megatron_hybrid_cp' is not one of"):
+        check_names(["megatron_hybrid_cp"])  # a simulated baseline, not a trainer mode
 
 
 def test_validate_rejects_bad_options_before_starting_anything(capsys) -> None:

@@ -73,13 +73,14 @@ def check_names(names) -> tuple[str, ...]:
     Raises:
         ConfigError: naming the first unknown one and the choices.
     """
+    trainable = [n for n, v in VARIANTS.items() if not v.hybrid_cp]  # simulated only
     for name in names:
         placement, _, weights = name.partition("/")
-        known = placement in VARIANTS or placement == WHOLE
+        known = placement in trainable or placement == WHOLE
         if weights:
             known = known and weights in (m.value for m in WeightsMode)
         if not known and name not in WEIGHTS_NAMES:
-            choices = ", ".join((*VARIANTS, WHOLE, *WEIGHTS_NAMES))
+            choices = ", ".join((*trainable, WHOLE, *WEIGHTS_NAMES))
             raise ConfigError(
                 f"--strategies: {name!r} is not one of {choices} (optionally /WEIGHTS, "
                 "e.g. te_cp/fsdp)"

@@ -2,7 +2,9 @@
 
 Baselines run as the executor runs them without the routing and remapping
 layers, except `te_cp`, the reference, which runs as TransformerEngine runs it
-(`Variant.te_wire`). `zeppelin` is the full system: the Zeppelin partitioner and engine,
+(`Variant.te_wire`, `Variant.te_padding`), and `megatron_hybrid_cp`, Megatron-Core's
+hybrid DP x CP: waves of power-of-two TE CP groups (`ray_zep.sim.megatron_cp`).
+`zeppelin` is the full system: the Zeppelin partitioner and engine,
 routing, and the remapping layer under `parallel.remap_policy`. The ablation
 adds, as in the Zeppelin paper's Fig. 11, `te_cp+routing` (even split, ring
 transfers through proxies) and `te_cp+routing+partition` (the Zeppelin
@@ -12,6 +14,7 @@ partitioner and engine with routing, no remap).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +23,8 @@ from ray_zep.config import Config
 from ray_zep.errors import ConfigError, ZepError
 from ray_zep.parallel.axes import WEIGHTS_AXES, Family, Placement, WeightsMode
 from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
+from ray_zep.sim.megatron_cp import simulate_hybrid_cp, te_padded
 from ray_zep.sim.step import RunModel, StepResult, simulate_batch
 
 REFERENCE = Placement.TE_CP.value
@@ -35,12 +40,19 @@ class Variant:
             buffer is `torch.empty((2, *kv.shape), dtype=kv.dtype)`, accumulated and
             sent in bf16 with the next K/V); our engine accumulates and sends them in
             float32.
+        te_padding: every sequence padded to a multiple of 2 x the ring's ranks, as
+            TransformerEngine's THD format needs (`ray_zep.sim.megatron_cp.te_padded`);
+            the padded batch is what TE trains, so a rank may hold more than L tokens.
+        hybrid_cp: Megatron-Core's hybrid DP x CP waves (`ray_zep.sim.megatron_cp`),
+            TE CP inside each group.
     """
 
     placement: Placement
     routed: bool = False
     remap: bool = False
     te_wire: bool = False
+    te_padding: bool = False
+    hybrid_cp: bool = False
 
 
 ROUTED_TE_CP = f"{REFERENCE}+routing"
@@ -56,15 +68,15 @@ VARIANTS: dict[str, Variant] = {
             Placement.USP,
         )
     },
-    REFERENCE: Variant(Placement.TE_CP, te_wire=True),
+    REFERENCE: Variant(Placement.TE_CP, te_wire=True, te_padding=True),
+    MEGATRON_HYBRID_CP: Variant(Placement.TE_CP, te_wire=True, hybrid_cp=True),
     ROUTED_TE_CP: Variant(Placement.TE_CP, routed=True),
     ROUTED_PARTITION: Variant(Placement.ZEPPELIN, routed=True),
 }
 ABLATION = (REFERENCE, ROUTED_TE_CP, ROUTED_PARTITION, Placement.ZEPPELIN.value)
 """The Fig. 11 ladder, each row adding one part of Zeppelin."""
-DEFAULT_STRATEGIES = tuple(
-    p.value for p in (Placement.ZEPPELIN, Placement.TE_CP, Placement.LLAMA_CP, Placement.HYBRID_DP)
-)
+_DEFAULT_PLACEMENTS = (Placement.ZEPPELIN, Placement.TE_CP, Placement.LLAMA_CP, Placement.HYBRID_DP)
+DEFAULT_STRATEGIES = (*(p.value for p in _DEFAULT_PLACEMENTS), MEGATRON_HYBRID_CP)
 
 
 @dataclass
@@ -144,17 +156,19 @@ def simulate_strategies(
     on_gpu: bool = True,
 ) -> dict[str, StrategyResult]:
     """Simulate every variant of `names` on every batch (lengths arrays), each placed as
-    the data actor would place it under that variant's axes (`simulate_batch`) with the
-    config's weights mode (replicated where it passes weights); speedups are filled in
-    when te_cp is among them."""
+    the data actor would place it under that variant's axes (`simulate_batch`; te_cp on
+    TE's padded lengths, `simulate_te_padded`; megatron_hybrid_cp in its waves,
+    `simulate_hybrid_cp`) with the config's weights mode (replicated where it passes
+    weights); speedups are filled in when te_cp is among them."""
     results = {}
     for name in names:
         run = RunModel.create(variant_config(config, name, tokens_per_rank), hardware, on_gpu)
         if VARIANTS[name].te_wire:
             run = run.with_te_wire()
+        step = _step_function(VARIANTS[name])
         result = StrategyResult(name)
         try:
-            result.steps = [simulate_batch(lengths, run) for lengths in batches]
+            result.steps = [step(lengths, run) for lengths in batches]
         except ZepError as exc:
             result.steps, result.error = [], str(exc)
         results[name] = result
@@ -163,6 +177,30 @@ def simulate_strategies(
         if reference and result.step_seconds:
             result.speedup_vs_te_cp = reference / result.step_seconds
     return results
+
+
+def _step_function(variant: Variant) -> Callable[[np.ndarray, RunModel], StepResult]:
+    if variant.hybrid_cp:
+        return simulate_hybrid_cp
+    return simulate_te_padded if variant.te_padding else simulate_batch
+
+
+def simulate_te_padded(lengths: np.ndarray, run: RunModel) -> StepResult:
+    """One step of the configured composition with every sequence padded as TE's THD CP
+    pads it over all ranks (`te_padded`); L grows to the padded batch's share where the
+    padding overflows it. The padded tokens are computed and sent; the result counts the
+    real ones.
+
+    Raises:
+        PlacementError, ConfigError: as `simulate_batch`.
+    """
+    world = run.hardware.topology.world_size
+    padded = te_padded(lengths, world)
+    capacity = max(run.config.train.tokens_per_rank, -(-int(padded.sum()) // world))
+    train = dataclasses.replace(run.config.train, tokens_per_rank=capacity)
+    run = dataclasses.replace(run, config=dataclasses.replace(run.config, train=train))
+    step = simulate_batch(padded, run)
+    return dataclasses.replace(step, tokens=int(np.asarray(lengths, dtype=np.int64).sum()))
 
 
 def variant_config(config: Config, name: str, tokens_per_rank: int) -> Config:
