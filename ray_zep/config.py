@@ -71,6 +71,7 @@ from ray_zep.options import (
     ZonePolicy as ZonePolicy,
 )
 from ray_zep.parallel.axes import (
+    RENAMED_WEIGHTS,
     SEQUENCE_AXES,
     WEIGHTS_AXES,
     AxesChoice,
@@ -164,7 +165,7 @@ class ParallelConfig:
     llama_cp | hybrid_dp | ulysses | usp (ray_zep.parallel.axes)."""
     weights: WeightsMode = WeightsMode.REPLICATED
     """Where parameters, gradients and optimizer state live: replicated | fsdp | hsdp |
-    tawpipe | weipipe (ray_zep.parallel.axes)."""
+    tawpipe | ring_relay (ray_zep.parallel.axes)."""
     zone_policy: ZonePolicy = ZonePolicy.COST
     """cost | capacity: how zeppelin picks zone thresholds (see ray_zep.partition.zeppelin)."""
     ulysses_degree: int = 0
@@ -193,7 +194,7 @@ class ParallelConfig:
     """Slice attention so every slice after the first costs the same (FoldMoE Alg. 1);
     false: d equal token slices. aaam and 1a1m only."""
     shard_recompute: bool = True
-    """tawpipe | weipipe: keep only each weight shard's input in forward and
+    """tawpipe | ring_relay: keep only each weight shard's input in forward and
     recompute its forward in backward (activation memory of one shard, 4/3 of the
     compute); false keeps every activation."""
     reference_layout: Placement | None = None
@@ -536,6 +537,7 @@ LEGACY_STRATEGIES = {
     "dp": (Placement.WHOLE, WeightsMode.REPLICATED),
     **{p.value: (p, WeightsMode.REPLICATED) for p in Placement if p is not Placement.WHOLE},
     **{w.value: (Placement.WHOLE, w) for w in WeightsMode if w is not WeightsMode.REPLICATED},
+    **{old: (Placement.WHOLE, mode) for old, (mode, _) in RENAMED_WEIGHTS.items()},
 }
 """What each value of the former `parallel.strategy` key is in the axes."""
 
@@ -550,6 +552,36 @@ def _refuse_strategy_key(value: Any) -> None:
     )
 
 
+def _refuse_renamed_weights(value: Any) -> None:
+    """A config that names a former `parallel.weights` value gets today's name and why."""
+    if isinstance(value, str) and value.strip() in RENAMED_WEIGHTS:
+        mode, why = RENAMED_WEIGHTS[value.strip()]
+        raise ConfigError(
+            f"config key parallel.weights={value.strip()} was renamed: use "
+            f"parallel.weights={mode.value}, the same executor; {why}"
+        )
+
+
+def renamed_overrides(path: str | Path) -> list[str]:
+    """Overrides that bring a run directory's saved config up to today's names.
+
+    A config.yaml an earlier version wrote may name a renamed weights mode; reading
+    that run (its checkpoint, `ray-zep export` / `eval`) needs the mode's current name,
+    for the executor is the same. Returns [] for anything but such a file.
+    """
+    try:
+        content = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    parallel = content.get("parallel") if isinstance(content, dict) else None
+    old = parallel.get("weights") if isinstance(parallel, dict) else None
+    if not isinstance(old, str) or old not in RENAMED_WEIGHTS:
+        return []
+    mode = RENAMED_WEIGHTS[old][0]
+    log.info("%s: parallel.weights=%s is now called %s", path, old, mode.value)
+    return [f"parallel.weights={mode.value}"]
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Merge the defaults, a YAML file and `key=value` overrides into a Config.
 
@@ -562,7 +594,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
     Raises:
         ConfigError: the file is missing or not YAML, an override is malformed,
-            a key is unknown, a value has the wrong type or is out of range.
+            a key is unknown, a value has the wrong type or is out of range, or
+            `parallel.weights` names a renamed mode (`RENAMED_WEIGHTS`).
     """
     layers = [OmegaConf.structured(Config)]
     if path is not None:
@@ -570,8 +603,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} must look like key=value, e.g. train.steps=5")
-        if item.split("=", 1)[0].strip() == "parallel.strategy":
-            _refuse_strategy_key(item.split("=", 1)[1])
+        key, value = (part.strip() for part in item.split("=", 1))
+        if key == "parallel.strategy":
+            _refuse_strategy_key(value)
+        if key == "parallel.weights":
+            _refuse_renamed_weights(value)
     try:
         dotlist = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))
         layers.append(OmegaConf.create(_enum_words_back(dotlist, Config)))
@@ -626,6 +662,11 @@ def _load_yaml(path: Path, overrides: Sequence[str] = ()) -> Any:
     parallel = content.get("parallel")
     if isinstance(parallel, dict) and "strategy" in parallel:
         _refuse_strategy_key(parallel["strategy"])
+    if isinstance(parallel, dict) and str(parallel.get("weights")) in RENAMED_WEIGHTS:
+        if any(item.partition("=")[0].strip() == "parallel.weights" for item in overrides):
+            parallel.pop("weights")  # the command line is the later word
+        else:
+            _refuse_renamed_weights(parallel["weights"])
     content = _preset_sizes_win(content, overrides, path)
     return OmegaConf.create(_enum_words_back(content, Config))
 

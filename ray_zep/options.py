@@ -129,10 +129,10 @@ class CompressionStream(Enum):
     """The remapping layer's rows between the linear and the attention layout
     (`parallel.remap`), forward and backward: moves, bit-identical."""
     WEIGHT_SHARDS = "weight_shards"
-    """`tawpipe` / `weipipe`: weight shards on their way to the devices that borrow
+    """`tawpipe` / `ring_relay`: weight shards on their way to the devices that borrow
     them, in the compute dtype: moves, bit-identical."""
     SHARD_GRADIENTS = "shard_gradients"
-    """`tawpipe` / `weipipe`: the gradient sums on their way to the shards' owners, in
+    """`tawpipe` / `ring_relay`: the gradient sums on their way to the shards' owners, in
     the compute dtype: a sum, coded again at every hop. The ring adds in the same
     order either way (bit-identical); TawPipe's group sums add in chain order."""
 

@@ -19,7 +19,7 @@ SWITCHES = [
     ("replicated", "fsdp"),
     ("fsdp", "tawpipe"),
     ("tawpipe", "hsdp"),
-    ("weipipe", "replicated"),
+    ("ring_relay", "replicated"),
 ]
 
 

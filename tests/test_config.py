@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from ray_zep.config import (
     config_from_dict,
     config_to_dict,
     load_config,
+    renamed_overrides,
     write_resolved_config,
 )
 from ray_zep.errors import ConfigError
@@ -147,6 +149,7 @@ def test_yaml_boolean_words_name_enum_members(tmp_path: Path) -> None:
     [
         ("override", "dp", "parallel.sequence=whole parallel.weights=replicated"),
         ("override", "tawpipe", "parallel.sequence=whole parallel.weights=tawpipe"),
+        ("override", "weipipe", "parallel.sequence=whole parallel.weights=ring_relay"),
         ("yaml", "zeppelin", "parallel.sequence=zeppelin parallel.weights=replicated"),
     ],
 )
@@ -160,3 +163,33 @@ def test_the_former_strategy_key_names_the_keys_that_replace_it(
     with pytest.raises(ConfigError, match=r"parallel\.strategy=.* was replaced by") as info:
         load_config(path, overrides)
     assert replacement in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("where", ["override", "yaml"])
+def test_the_former_weipipe_mode_is_refused_with_its_new_name(tmp_path: Path, where: str) -> None:
+    path, overrides = None, ["parallel.weights=weipipe"]
+    if where == "yaml":
+        path, overrides = tmp_path / "old.yaml", []
+        path.write_text("parallel:\n  weights: weipipe\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    message = str(info.value)
+    assert message.startswith("config key parallel.weights=weipipe was renamed: use ")
+    assert "parallel.weights=ring_relay" in message
+    assert "not WeiPipe's staggered schedule" in message and "\n" not in message
+    assert str(pickle.loads(pickle.dumps(info.value))) == message
+    config = load_config(path, [f"parallel.weights={WeightsMode.RING_RELAY.value}"])
+    assert config.parallel.weights is WeightsMode.RING_RELAY, "the command line is the later word"
+
+
+def test_a_saved_run_config_with_the_former_name_reads_as_ring_relay(tmp_path: Path) -> None:
+    written = write_resolved_config(load_config(None, ["parallel.weights=ring_relay"]), tmp_path)
+    old = written.read_text().replace("weights: ring_relay", "weights: weipipe")
+    assert old != written.read_text()
+    written.write_text(old)
+    with pytest.raises(ConfigError, match="was renamed"):
+        load_config(written)
+    renamed = renamed_overrides(written)
+    assert renamed == ["parallel.weights=ring_relay"]
+    assert load_config(written, renamed).parallel.weights is WeightsMode.RING_RELAY
+    assert renamed_overrides(tmp_path / "missing.yaml") == []

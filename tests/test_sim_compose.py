@@ -135,7 +135,7 @@ def test_step_time_never_drops_when_a_link_or_rate_gets_worse(
     assert worse >= base * (1 - 1e-9), f"{knob} x{factor}: {worse} < {base}"
 
 
-@pytest.mark.parametrize("mode", [WeightsMode.TAWPIPE, WeightsMode.WEIPIPE])
+@pytest.mark.parametrize("mode", [WeightsMode.TAWPIPE, WeightsMode.RING_RELAY])
 def test_weight_passing_steps_slow_down_with_their_links(mode) -> None:
     lengths = _lengths(3)
     run = _run(Placement.WHOLE, mode)

@@ -64,7 +64,7 @@ def test_zipped_gradient_sync_matches_the_plain_one():
 ALWAYS = ["comm.compression=always"]
 ROUTE_REMAP = ["parallel.routing=true", "parallel.remap=true", "parallel.remap_policy=always"]
 SUMS = ("gradients", "fsdp_reduce_scatter", "shard_gradients")
-IN_ORDER = {"weipipe"}
+IN_ORDER = {"ring_relay"}
 """Cases whose compressed sums add in the order of the plain ones: bit-identical."""
 SPLIT = ("train.tokens_per_rank=64", "data.shuffle=false", "data.packing=budget")
 """With the mixed dataset, long documents span ranks: zeppelin rings, routes, remaps."""
@@ -96,7 +96,7 @@ PAIRS = {
     "moe_ep2_1a1m": (MOE, [], {"expert_all_to_all", "gradients"}),
     "moe_ep2_padded": (PADDED_MOE, ["expert_all_to_all"], {"expert_all_to_all"}),
     "tawpipe": (["parallel.weights=tawpipe"], [], {"weight_shards", "shard_gradients"}),
-    "weipipe": (["parallel.weights=weipipe"], [], {"weight_shards", "shard_gradients"}),
+    "ring_relay": (["parallel.weights=ring_relay"], [], {"weight_shards", "shard_gradients"}),
     "zeppelin+routing": (
         ["parallel.sequence=zeppelin", "parallel.routing=true", *SPLIT],
         ["kv", "routed_kv"],

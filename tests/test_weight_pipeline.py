@@ -66,13 +66,13 @@ def _merged(per_rank: list[dict]) -> dict[str, torch.Tensor]:
 
 ZIPPED = "comm.compression=always"
 STRATEGY_RUNS = {
-    "1x4": [("tawpipe",), ("weipipe",), ("tawpipe", ZIPPED)],
+    "1x4": [("tawpipe",), ("ring_relay",), ("tawpipe", ZIPPED)],
     "2x2": [
         ("tawpipe", "metrics.memory_every=1"),
-        ("weipipe",),
+        ("ring_relay",),
         ("tawpipe", "parallel.shard_recompute=false"),
     ],
-    "2x4": [("tawpipe",), ("weipipe",), ("tawpipe", ZIPPED)],
+    "2x4": [("tawpipe",), ("ring_relay",), ("tawpipe", ZIPPED)],
 }
 """Weight-passing modes with whole sequences (FSDP2 is tested with every placement in
 test_strategies). Compressed, TawPipe's broadcasts and sums run as chains through

@@ -8,12 +8,23 @@ from pathlib import Path
 
 import pytest
 
-from ray_zep.bench.tawpipe import llama_shape, paper_bubble
+from ray_zep.bench.tawpipe import (
+    FSDP,
+    RELAY,
+    TAW,
+    WEI,
+    TawPipeBenchSpec,
+    case_rows,
+    llama_shape,
+    paper_bubble,
+    ratio,
+)
 from ray_zep.cli import main
 from ray_zep.config import load_config
 from ray_zep.parallel.axes import Passing, WeightsMode
 from ray_zep.pipeline.layout import WeightLayout
 from ray_zep.pipeline.messages import step_traffic
+from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.weight_passing import (
     WEIGHT_BYTES,
     Workload,
@@ -23,10 +34,19 @@ from ray_zep.sim.weight_passing import (
     tawpipe_testbed,
     unit_sizes,
 )
+from ray_zep.sim.weipipe_schedule import (
+    chunk_times,
+    fastest_weipipe,
+    micro_batch_that_fits,
+    simulate_weipipe,
+    slot_links,
+    slot_shards,
+    weipipe_bubble,
+)
 from ray_zep.topology import build_topology
 
 pytestmark = pytest.mark.unit
-STRATEGIES = (WeightsMode.TAWPIPE, WeightsMode.WEIPIPE, WeightsMode.FSDP)
+STRATEGIES = (WeightsMode.TAWPIPE, WeightsMode.RING_RELAY, WeightsMode.FSDP)
 SHAPE = llama_shape(1024, layers=48)
 WORK = Workload(SHAPE, (4096,) * 8)
 TAWPIPE_TESTBED = tawpipe_testbed()
@@ -77,7 +97,7 @@ def test_tawpipe_moves_each_shard_across_nodes_once_per_transfer() -> None:
 def test_slow_links_show_as_bubble_and_the_lockstep_ring_waits_longest() -> None:
     steps = {s: simulate_step(s, WORK, TAWPIPE_TESTBED) for s in STRATEGIES}
     assert steps[WeightsMode.TAWPIPE].bubble > 0.05
-    assert steps[WeightsMode.WEIPIPE].seconds > 2 * steps[WeightsMode.TAWPIPE].seconds
+    assert steps[WeightsMode.RING_RELAY].seconds > 2 * steps[WeightsMode.TAWPIPE].seconds
     # the same NIC bytes per transfer as the rail broadcast, so about the same time
     fsdp, tawpipe = steps[WeightsMode.FSDP].seconds, steps[WeightsMode.TAWPIPE].seconds
     assert fsdp == pytest.approx(tawpipe, rel=0.05)
@@ -99,18 +119,19 @@ def test_memory_decides_the_sequences_per_step() -> None:
 
 
 def test_paper_bubble_formulas() -> None:
-    assert paper_bubble(WeightsMode.WEIPIPE, 24, 3, 8) == pytest.approx(23 / 31)
-    assert paper_bubble(WeightsMode.TAWPIPE, 24, 3, 8) == pytest.approx(56 / 632)
-    assert paper_bubble(WeightsMode.FSDP, 24, 3, 8) is None
+    assert paper_bubble(WEI, 24, 3, 8) == pytest.approx(23 / 31)
+    assert paper_bubble(WEI, 24, 3, 2 * 24) == pytest.approx(weipipe_bubble(24, 2))
+    assert paper_bubble(TAW, 24, 3, 8) == pytest.approx(56 / 632)
+    assert paper_bubble(FSDP, 24, 3, 8) is None and paper_bubble(RELAY, 24, 3, 8) is None
 
 
 def test_bench_tawpipe_writes_table_json_and_chart(tmp_path: Path, capsys) -> None:
     args = ["bench", "tawpipe", "--hidden", "1024", "--seq-lens", "4k", "--cpu-steps", "0"]
     assert main([*args, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "tawpipe/weipipe" in out and "13629" in out
+    assert "tawpipe/weipipe" in out and "tawpipe/ring_relay" in out and "13629" in out
     record = json.loads((tmp_path / "tawpipe.json").read_text())
-    assert {r["mode"] for r in record["rows"]} == {"tawpipe", "weipipe", "fsdp"}
+    assert [r["mode"] for r in record["rows"]] == [TAW, WEI, RELAY, FSDP]
     assert (tmp_path / "tawpipe.png").stat().st_size > 1000
     for bad, flag in (("--nic-gbps", "0"), ("--hidden", "1000"), ("--cpu-steps", "1")):
         assert main([*args, bad, flag, "--out", str(tmp_path)]) == 2
@@ -132,3 +153,97 @@ def test_step_traffic_counts_every_message_of_the_transports() -> None:
         assert traffic.inter_node + traffic.intra_node == 3 * moved, strategy
         if want is not None:
             assert (traffic.inter_node, traffic.intra_node) == want
+
+
+@pytest.mark.parametrize("micro_batches", [2, 3, 8])
+def test_weipipe_on_free_links_idles_only_to_fill_and_drain_its_ring(micro_batches: int) -> None:
+    step = simulate_weipipe(WORK, FAST, micro_batches)
+    assert step.bubble == pytest.approx(23 / (24 * micro_batches + 23), rel=1e-9)
+    assert weipipe_bubble(24, micro_batches) == pytest.approx(23 / (24 * micro_batches + 23))
+    # per micro-batch: each 2-block chunk forward, recomputed and backward, the head once
+    micro = Workload(SHAPE, WORK.lengths, share=1 / micro_batches)
+    forward, backward = shard_compute(micro, FAST.rates, range(1, 3))
+    head = sum(shard_compute(micro, FAST.rates, range(49, 50)))
+    want = micro_batches * (24 * (2 * forward + backward) + head)
+    assert step.compute_seconds == pytest.approx(want, rel=1e-9)
+    assert step.tokens == 8 * 4096
+
+
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_weipipe_never_speeds_up_when_a_link_slows(micro_batches: int) -> None:
+    for knob in ("nic_gbits_per_s", "intra_gbytes_per_s"):
+        seconds = [
+            simulate_weipipe(
+                WORK, TAWPIPE_TESTBED.with_links(**{knob: rate}), micro_batches
+            ).seconds
+            for rate in (1000.0, 100.0, 10.0, 1.0, 0.1)
+        ]
+        assert seconds == sorted(seconds), knob
+        assert seconds[-1] > 1.5 * seconds[0], f"{knob}: the slowest link must show"
+
+
+def test_weipipe_slot_sends_three_shards_per_ring_link_and_shares_the_nic() -> None:
+    shard = 1e8
+    cluster = TAWPIPE_TESTBED
+    links = slot_links(cluster, shard, 2, 1)
+    # each node has one ring link leaving it each way: two shards ahead, one back
+    assert links.seconds == pytest.approx(
+        3 * shard / cluster.node_nic_bandwidth + cluster.inter_latency
+    )
+    assert links.inter_bytes == pytest.approx(3 * 3 * shard)
+    assert links.intra_bytes == pytest.approx(24 * 3 * shard - 9 * shard)
+    one_node = Hardware.preset(
+        build_topology(load_config(None, ["topology.nodes=1", "topology.gpus_per_node=8"]).topology)
+    )
+    inside = slot_links(one_node, shard, 2, 1)
+    assert inside.inter_bytes == 0.0
+    assert inside.seconds == pytest.approx(
+        3 * shard / one_node.intra_bandwidth + one_node.intra_latency
+    )
+    ahead, back = slot_shards(24, 4)
+    assert len(ahead) == 4 * 24 + 2 * 24 - 1
+    # forward weights for every forward but the last, gradients and backward weights
+    # for every backward but the last (which start at slot P)
+    assert ahead.sum() == 2 * (4 * 24 + 22) and back.sum() == 4 * 24 + 22
+    assert (ahead[:24] == 1).all() and (back[:24] == 0).all() and ahead[-1] == back[-1] == 0
+
+
+def test_a_link_bound_weipipe_pays_p_slots_of_three_shards_per_micro_batch() -> None:
+    slow = TAWPIPE_TESTBED.with_links(nic_gbits_per_s=0.1)
+    shard = WEIGHT_BYTES * unit_sizes(SHAPE)[1] * 2
+    slot = 3 * shard / slow.node_nic_bandwidth + slow.inter_latency
+    more = simulate_weipipe(WORK, slow, 4).seconds - simulate_weipipe(WORK, slow, 2).seconds
+    # the last slot sends nothing: its backward alone, of a smaller micro-batch
+    last = chunk_times(WORK, slow, 4).backward - chunk_times(WORK, slow, 2).backward
+    assert more == pytest.approx(2 * 24 * slot + last, rel=1e-9)
+
+
+def test_weipipe_micro_batches_fit_its_memory_and_run_fastest() -> None:
+    short = micro_batch_that_fits(SHAPE, 4096, TAWPIPE_TESTBED)
+    long = micro_batch_that_fits(SHAPE, 16384, TAWPIPE_TESTBED)
+    assert 1 <= long < short <= 64
+    tiny = dataclasses.replace(
+        TAWPIPE_TESTBED,
+        topology=dataclasses.replace(TAWPIPE_TESTBED.topology, gpu_memory_bytes=1e9 / 0.9),
+    )
+    assert micro_batch_that_fits(llama_shape(4096), 16384, tiny) == 0
+    found = fastest_weipipe(WORK, TAWPIPE_TESTBED, most=2)
+    assert found is not None
+    batches, step = found
+    assert batches in (4, 8)
+    assert step.seconds == min(simulate_weipipe(WORK, TAWPIPE_TESTBED, g).seconds for g in (4, 8))
+    assert fastest_weipipe(WORK, TAWPIPE_TESTBED, most=0) is None
+    assert (
+        chunk_times(WORK, TAWPIPE_TESTBED, 2).backward
+        > 2 * chunk_times(WORK, TAWPIPE_TESTBED, 2).forward
+    ), "backward recomputes the chunk"
+
+
+def test_the_weipipe_model_stands_between_tawpipe_and_the_ring_relay() -> None:
+    rows = case_rows(TawPipeBenchSpec(), 1024, 4096)
+    assert [r.mode for r in rows] == [TAW, WEI, RELAY, FSDP]
+    wei = rows[1]
+    assert wei.sequences == 64 and 64 % wei.micro_batch == 0
+    assert wei.micro_batch <= micro_batch_that_fits(SHAPE, 4096, TawPipeBenchSpec().cluster())
+    over_weipipe, over_relay = ratio(rows, 1024, 4096), ratio(rows, 1024, 4096, RELAY)
+    assert 1.0 < over_weipipe < over_relay

@@ -1,13 +1,16 @@
 """`ray-zep bench tawpipe`: the weight-passing strategies on TawPipe's testbed, simulated.
 
 For LLaMA-2-style models of 48 blocks (H = 1024-4096, S = 4k-16k) on 3 nodes x
-8 GPUs with 10 GbE between nodes, the simulator (`ray_zep.sim.weight_passing`)
-plays the executor's step for tawpipe, weipipe and fsdp with as many sequences
-per GPU as fit in memory. Each row gives tokens/GPU/s, the share of the step
+8 GPUs with 10 GbE between nodes, the simulator plays the executor's step
+(`ray_zep.sim.weight_passing`) for tawpipe, ring_relay and fsdp with as many
+sequences per GPU as fit in memory, and WeiPipe's staggered schedule, the
+paper's baseline, which ray_zep does not execute (`ray_zep.sim.weipipe_schedule`),
+with the paper's 1536 sequences per iteration cut into the micro-batches that run
+fastest among those that fit. Each row gives tokens/GPU/s, the share of the step
 the GPU waits (bubble), the bytes per step on each link kind and the elements
 sent per GPU per layer (in H^2), next to the paper's throughput (Table 1,
 Table 2, the ablation's full TawPipe) and its bubble formulas. Real CPU runs
-of the same strategies come from `workers.bench_train` (through Ray).
+of the executor's modes come from `workers.bench_train` (through Ray).
 """
 
 from __future__ import annotations
@@ -24,14 +27,20 @@ from ray_zep.report.figures import save_figure
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.weight_passing import (
     WEIGHT_BYTES,
+    StepModel,
     Workload,
     sequences_that_fit,
     simulate_step,
     tawpipe_testbed,
 )
+from ray_zep.sim.weipipe_schedule import fastest_weipipe, micro_batch_that_fits
 
-MODES = (WeightsMode.TAWPIPE, WeightsMode.WEIPIPE, WeightsMode.FSDP)
-TAW, WEI, FSDP = (m.value for m in MODES)
+MODES = (WeightsMode.TAWPIPE, WeightsMode.RING_RELAY, WeightsMode.FSDP)
+"""The executor's weight-passing modes and its FSDP comparison (simulated and run)."""
+TAW, RELAY, FSDP = (m.value for m in MODES)
+WEI = "weipipe"
+"""The column of WeiPipe's staggered schedule, the paper's baseline (simulated only)."""
+COLUMNS = (TAW, WEI, RELAY, FSDP)
 PAPER_TOKENS: dict[tuple[int, int], dict[str, float]] = {
     (1024, 4096): {TAW: 13629, WEI: 12055, FSDP: 10559, "1f1b": 7212},
     (1024, 8192): {TAW: 11738, WEI: 10663, FSDP: 8826, "1f1b": 6636},
@@ -43,7 +52,8 @@ PAPER_TOKENS: dict[tuple[int, int], dict[str, float]] = {
 PAPER_GLOBAL_BATCH = 1536
 """Sequences per iteration in the paper; N below is its micro-batches per GPU."""
 GOAL = (4096, 16384, 1.1)
-"""Simulated tawpipe over weipipe on the paper's 24-GPU headline case (the paper: 1.12x)."""
+"""Simulated tawpipe over the WeiPipe model on the paper's 24-GPU headline case (the
+paper: 1.12x)."""
 
 
 def llama_shape(hidden: int, layers: int = 48) -> ModelShape:
@@ -68,22 +78,27 @@ class TawPipeBenchSpec:
 
 @dataclass(frozen=True)
 class TawPipeRow:
-    """One weights mode on one (H, S) case, simulated.
+    """One weights mode (or the WeiPipe model) on one (H, S) case, simulated.
 
     Attributes:
-        sequences: per GPU per step (as many as fit, at most the paper's 64).
-        bubble: share of the step the GPU waits for weights or gradients.
+        mode: a `COLUMNS` name.
+        sequences: per GPU per step: as many as fit, at most the paper's 64, for the
+            executor's modes; the paper's 1536 / 24 GPUs for WeiPipe.
+        micro_batch: sequences per micro-batch (the executor computes a step's
+            sequences together; WeiPipe's fastest that fits).
+        bubble: share of the step the GPU waits for weights or gradients (WeiPipe: or
+            for its pipeline to fill and drain).
         nic_gb: GB per step through one node's NIC (sent), mean over nodes.
         intra_gb: GB per step over one GPU's intra-node link (sent), mean over GPUs.
         per_layer_h2: elements sent per GPU per layer per step, in units of H^2.
-        paper_bubble: the paper's formula for the mode at N = its micro-batches
-            per GPU (None: no formula).
+        paper_bubble: the paper's formula for the mode (`paper_bubble`; None: no formula).
     """
 
     hidden: int
     seq_len: int
     mode: str
     sequences: int
+    micro_batch: int
     tokens_per_gpu_s: float
     bubble: float
     nic_gb: float
@@ -93,48 +108,77 @@ class TawPipeRow:
     paper_bubble: float | None
 
 
-def paper_bubble(mode: WeightsMode, devices: int, groups: int, micro_batches: float):
-    """The paper's bubble ratio of a mode (TawPipe; WeiPipe and 1F1B share theirs)."""
+def paper_bubble(column: str, devices: int, groups: int, micro_batches: float) -> float | None:
+    """The paper's bubble ratio of a column ("Theoretical Analysis"), None if it gives none.
+
+    Args:
+        micro_batches: N: TawPipe's micro-batches per GPU; for WeiPipe, those of all
+            GPUs (G P), with which the paper's (P - 1) / (N + P - 1) is the bubble of
+            WeiPipe's schedule (`ray_zep.sim.weipipe_schedule.weipipe_bubble`).
+    """
     p, d, n = devices, groups, micro_batches
-    if mode is WeightsMode.TAWPIPE:
+    if column == TAW:
         return ((d - 1) * p + n) / ((3 * n + d - 1) * p + n)
-    if mode is WeightsMode.WEIPIPE:
+    if column == WEI:
         return (p - 1) / (n + p - 1)
     return None
 
 
+def _row(
+    spec: TawPipeBenchSpec, case: tuple[int, int], column: str, step: StepModel, micro: int
+) -> TawPipeRow:
+    """A row of `step`, which trains `micro` sequences per micro-batch."""
+    cluster, (hidden, seq_len) = spec.cluster(), case
+    sequences = round(step.tokens / seq_len)
+    elements = (step.inter_bytes + step.intra_bytes) / WEIGHT_BYTES
+    # N of the paper's formulas: TawPipe's micro-batches per GPU, WeiPipe's over all GPUs
+    n = PAPER_GLOBAL_BATCH / (cluster.devices * sequences)
+    if column == WEI:
+        n = sequences // micro * cluster.devices
+    return TawPipeRow(
+        hidden, seq_len, column, sequences, micro, step.tokens_per_gpu_s, step.bubble,
+        step.inter_bytes / cluster.nodes / 1e9, step.intra_bytes / cluster.devices / 1e9,
+        elements / cluster.devices / spec.layers / hidden**2,
+        PAPER_TOKENS.get(case, {}).get(column),
+        paper_bubble(column, cluster.devices, cluster.nodes, n),
+    )  # fmt: skip
+
+
+def case_rows(spec: TawPipeBenchSpec, hidden: int, seq_len: int) -> list[TawPipeRow]:
+    """The `COLUMNS` that fit in memory on one case."""
+    cluster, case = spec.cluster(), (hidden, seq_len)
+    shape = llama_shape(hidden, spec.layers)
+    rows: dict[str, TawPipeRow] = {}
+    sequences = sequences_that_fit(shape, seq_len, cluster, spec.recompute)
+    if sequences:
+        work = Workload(shape, (seq_len,) * sequences, recompute=spec.recompute)
+        for mode in MODES:
+            rows[mode.value] = _row(
+                spec, case, mode.value, simulate_step(mode, work, cluster), sequences
+            )
+    per_gpu = PAPER_GLOBAL_BATCH // cluster.devices
+    most = micro_batch_that_fits(shape, seq_len, cluster, spec.recompute, per_gpu)
+    work = Workload(shape, (seq_len,) * per_gpu, recompute=spec.recompute)
+    fastest = fastest_weipipe(work, cluster, most) if most else None
+    if fastest is not None:
+        batches, step = fastest
+        rows[WEI] = _row(spec, case, WEI, step, per_gpu // batches)
+    return [rows[name] for name in COLUMNS if name in rows]
+
+
 def simulate_rows(spec: TawPipeBenchSpec) -> list[TawPipeRow]:
-    cluster = spec.cluster()
-    rows = []
-    for hidden in spec.hidden:
-        shape = llama_shape(hidden, spec.layers)
-        for seq_len in spec.seq_lens:
-            sequences = sequences_that_fit(shape, seq_len, cluster, spec.recompute)
-            paper = PAPER_TOKENS.get((hidden, seq_len), {})
-            for mode in MODES:
-                if sequences == 0:
-                    continue
-                work = Workload(shape, (seq_len,) * sequences, recompute=spec.recompute)
-                step = simulate_step(mode, work, cluster)
-                elements = (step.inter_bytes + step.intra_bytes) / WEIGHT_BYTES
-                micro = PAPER_GLOBAL_BATCH / (cluster.devices * sequences)
-                rows.append(
-                    TawPipeRow(
-                        hidden, seq_len, mode.value, sequences, step.tokens_per_gpu_s,
-                        step.bubble, step.inter_bytes / cluster.nodes / 1e9,
-                        step.intra_bytes / cluster.devices / 1e9,
-                        elements / cluster.devices / spec.layers / hidden**2,
-                        paper.get(mode.value),
-                        paper_bubble(mode, cluster.devices, cluster.nodes, micro),
-                    )
-                )  # fmt: skip
-    return rows
+    return [
+        row
+        for hidden in spec.hidden
+        for seq_len in spec.seq_lens
+        for row in case_rows(spec, hidden, seq_len)
+    ]
 
 
 def ratio(rows: list[TawPipeRow], hidden: int, seq_len: int, over: str = WEI) -> float:
-    """Simulated tawpipe tokens/GPU/s over those of mode `over`."""
+    """Simulated tawpipe tokens/GPU/s over those of column `over` (nan: either is missing)."""
     pick = {r.mode: r.tokens_per_gpu_s for r in rows if (r.hidden, r.seq_len) == (hidden, seq_len)}
-    return pick[TAW] / pick[over]
+    return pick[TAW] / pick[over] if TAW in pick and over in pick else float("nan")
 
 
 def goals(rows: list[TawPipeRow]) -> list[tuple[str, bool]]:
@@ -147,24 +191,29 @@ def goals(rows: list[TawPipeRow]) -> list[tuple[str, bool]]:
 
 
 def format_table(rows: list[TawPipeRow]) -> str:
-    header = f"{'H':>5} {'S':>6} {'weights':<8} {'seqs':>4} {'tok/GPU/s':>10} {'bubble':>6} "
-    header += f"{'NIC GB':>7} {'intra GB':>8} {'xH^2':>5} {'paper tok':>9} {'paper bub':>9}"
+    header = f"{'H':>5} {'S':>6} {'weights':<10} {'seqs':>4} {'mb':>3} {'tok/GPU/s':>10} "
+    header += f"{'bubble':>6} {'NIC GB':>7} {'intra GB':>8} {'xH^2':>5} {'paper tok':>9} "
+    header += f"{'paper bub':>9}"
     lines = [header, "-" * len(header)]
     for r in rows:
         paper = f"{r.paper_tokens:>9.0f}" if r.paper_tokens else f"{'-':>9}"
         bubble = f"{r.paper_bubble:>9.2f}" if r.paper_bubble is not None else f"{'-':>9}"
         lines.append(
-            f"{r.hidden:>5} {r.seq_len:>6} {r.mode:<8} {r.sequences:>4} "
+            f"{r.hidden:>5} {r.seq_len:>6} {r.mode:<10} {r.sequences:>4} {r.micro_batch:>3} "
             f"{r.tokens_per_gpu_s:>10.0f} {r.bubble:>6.2f} {r.nic_gb:>7.2f} {r.intra_gb:>8.2f} "
             f"{r.per_layer_h2:>5.1f} {paper} {bubble}"
         )
+    lines.append(
+        f"seqs: sequences per GPU per step; mb: per micro-batch. {WEI}: WeiPipe's staggered "
+        f"schedule (the paper's baseline, simulated only); {RELAY}: the executor's lockstep ring"
+    )
     cases = list(dict.fromkeys((r.hidden, r.seq_len) for r in rows))
     for hidden, seq_len in cases:
         paper = PAPER_TOKENS.get((hidden, seq_len), {})
-        line = f"H={hidden} S={seq_len}: tawpipe/weipipe {ratio(rows, hidden, seq_len):.2f}x, "
-        line += f"tawpipe/fsdp {ratio(rows, hidden, seq_len, FSDP):.2f}x"
+        over = [(name, ratio(rows, hidden, seq_len, name)) for name in (WEI, RELAY, FSDP)]
+        line = f"H={hidden} S={seq_len}: " + ", ".join(f"tawpipe/{n} {x:.2f}x" for n, x in over)
         if WEI in paper:
-            line += f" (paper {paper[TAW] / paper[WEI]:.2f}x, {paper[TAW] / paper[FSDP]:.2f}x)"
+            line += f" (paper {paper[TAW] / paper[WEI]:.2f}x, -, {paper[TAW] / paper[FSDP]:.2f}x)"
         lines.append(line)
     return "\n".join(lines)
 
@@ -174,7 +223,7 @@ def row_dicts(rows: list[TawPipeRow]) -> list[dict]:
 
 
 def draw_tawpipe_chart(rows: list[TawPipeRow], path: Path) -> Path | None:
-    """Simulated tokens/GPU/s per case, one bar per weights mode.
+    """Simulated tokens/GPU/s per case, one bar per column (weights mode or WeiPipe).
 
     Returns:
         `path`, or None when matplotlib is not installed (the picture is skipped).
@@ -185,7 +234,7 @@ def draw_tawpipe_chart(rows: list[TawPipeRow], path: Path) -> Path | None:
 def _draw_tawpipe(rows: list[TawPipeRow], figure: Any, axes: Any) -> None:
     cases = list(dict.fromkeys((r.hidden, r.seq_len) for r in rows))
     table = {(r.hidden, r.seq_len, r.mode): r.tokens_per_gpu_s for r in rows}
-    names = [m.value for m in MODES]
+    names = list(COLUMNS)
     values = [[table.get((h, s, name)) for name in names] for h, s in cases]
     groups = [f"H{h // 1024}k S{s // 1024}k" for h, s in cases]
     title = "simulated throughput, 3 x 8 GPUs, 10 GbE"

@@ -44,7 +44,7 @@ class WeightsMode(Enum):
     FSDP = "fsdp"
     HSDP = "hsdp"
     TAWPIPE = "tawpipe"
-    WEIPIPE = "weipipe"
+    RING_RELAY = "ring_relay"
 
 
 class Family(Enum):
@@ -77,7 +77,8 @@ class Passing(Enum):
     GROUPED = "grouped"
     """TawPipe: broadcast inside a node, point to point between nodes."""
     RING = "ring"
-    """WeiPipe-style: around one ring of all ranks."""
+    """Relayed hop by hop around one ring of all ranks, every rank computing the same
+    shard (ring_relay)."""
 
 
 @dataclass(frozen=True)
@@ -213,15 +214,27 @@ WEIGHTS_AXES: dict[WeightsMode, WeightsAxis] = {
             Passing.GROUPED,
         ),
         WeightsAxis(
-            WeightsMode.WEIPIPE,
-            "as tawpipe, but shards and gradients travel around one ring of all ranks "
-            "(WeiPipe-style baseline)",
+            WeightsMode.RING_RELAY,
+            "as tawpipe, but each shard and its gradient sum are relayed hop by hop around "
+            "one ring of all ranks, every rank waiting out the hops (a lockstep ring "
+            "baseline, not WeiPipe's staggered schedule)",
             Family.WEIGHT_PASSING,
             Sharding.OWNER,
             Passing.RING,
         ),
     )
 }
+
+RENAMED_WEIGHTS: dict[str, tuple[WeightsMode, str]] = {
+    "weipipe": (
+        WeightsMode.RING_RELAY,
+        "it relays each shard and gradient sum around the ring hop by hop while every "
+        "rank waits; it is not WeiPipe's staggered schedule, which only the simulator "
+        "models, as the TawPipe paper's baseline in `ray-zep bench tawpipe`",
+    ),
+}
+"""Former `parallel.weights` values: the mode each now is and why it was renamed. The
+executor and its checkpoints are unchanged; only the name is."""
 
 
 def sequence_axis(placement: Placement) -> SequenceAxis:

@@ -60,7 +60,7 @@ class WeightLayout:
     """Owners of the shards and the device groups of one way of passing weights.
 
     Attributes:
-        passing: grouped (TawPipe) or ring (WeiPipe-style); None: one flat group.
+        passing: grouped (TawPipe) or ring (ring_relay); None: one flat group.
         units: unit ranges of each shard.
         owners: device that owns each shard.
         groups: devices of each group (TawPipe: one per node; else one group).

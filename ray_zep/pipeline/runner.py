@@ -1,4 +1,4 @@
-"""One training step under a weight-passing mode (tawpipe, weipipe), shard by shard.
+"""One training step under a weight-passing mode (tawpipe, ring_relay), shard by shard.
 
 Forward runs the shards in order, each on a detached copy of the previous
 shard's output, so backward can run them one at a time in reverse with the
@@ -40,7 +40,7 @@ class WeightPipeline:
         model: the full model, initialised identically on every device; the
             shards other devices own are released.
         comm: this device's process group and topology.
-        mode: tawpipe or weipipe.
+        mode: tawpipe or ring_relay.
         recompute: run each shard's forward again in backward (`parallel.shard_recompute`).
         dtype: the compute dtype: shards and gradients travel in it.
         zipper: `comm.compression`'s per-message choices (None: off).

@@ -10,9 +10,12 @@ waited on within the configured timeout.
   point send when there are two groups), then each root broadcasts it inside
   its group; gradients are reduced inside each group to its root, then over
   the rail to the owner.
-- ring (WeiPipe-style): the shard is relayed around a ring of all devices
-  starting at its owner; the gradient travels the same ring, each device
-  adding its own, and ends at the owner.
+- ring (`ring_relay`): the shard is relayed hop by hop around a ring of all
+  devices starting at its owner, while every device waits to compute that same
+  shard; the gradient travels the same ring, each device adding its own, and
+  ends at the owner. (WeiPipe's schedule, where the devices are staggered and
+  every ring link carries a shard at once, is not this; only
+  `ray_zep.sim.weipipe_schedule` models it.)
 
 Shards and gradients travel in the dtype the model computes in. With
 `comm.compression` on, every transfer is a chain of point-to-point messages

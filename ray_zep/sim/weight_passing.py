@@ -18,12 +18,13 @@ What each mode's transport costs (B: shard bytes, D nodes, G GPUs each):
   gradient reduce-scattered, each one pipelined ring collective moving B per
   NIC, async. ray_zep trains this mode with torch's FSDP2 (parallel.weights=
   fsdp), which runs the same collectives per transformer block.
-- weipipe: the executor's ring relay is store and forward: the owner's send
+- ring_relay: the executor's ring relay is store and forward: the owner's send
   runs async, every further hop waits for the one before, while the devices
   wait in the runner (P - 2 hops on the compute stream, for shards and for
-  gradients). This is the executor's lockstep relay, not WeiPipe's staggered
-  schedule (there the devices run different shards at once and every ring
-  link carries a shard each time step); the executor does not run that.
+  gradients). It is not WeiPipe's staggered schedule (there the devices run
+  different chunks at once and every ring link carries shards each time
+  slot), which the executor does not run; `ray_zep.sim.weipipe_schedule`
+  models that one, as the TawPipe paper's baseline.
 
 Shards and gradients travel as the executor sends them on a GPU: in the bf16
 compute dtype (float32 master weights stay with their owner). Memory
@@ -232,7 +233,7 @@ class StepModel:
 
 
 def simulate_step(mode: WeightsMode, work: Workload, c: Hardware) -> StepModel:
-    """The runner's program for one step (module docstring): tawpipe, weipipe or fsdp."""
+    """The runner's program for one step (module docstring): tawpipe, ring_relay or fsdp."""
     sizes = unit_sizes(work.shape)
     layout = WeightLayout.build(WEIGHTS_AXES[mode].passing, sizes, c.nodes, c.gpus_per_node)
     count = layout.shards

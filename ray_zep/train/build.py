@@ -3,7 +3,7 @@
 `build_model` makes the Transformer every rank starts from (the same seed, the
 same weights); `apply_axes` then splits the experts (`parallel.ep`), shards
 the weights with FSDP2 (`fsdp`, `hsdp`) or hands them to the weight-passing
-pipeline (`tawpipe`, `weipipe`), and says which parameters this rank sums,
+pipeline (`tawpipe`, `ring_relay`), and says which parameters this rank sums,
 optimizes and checkpoints.
 """
 

@@ -16,10 +16,12 @@ Every weights mode writes the same keys: parameters by their name in the whole
 model (FSDP2's DTensors as the global tensor, a weight-passing rank's shard under
 the names of the layers it owns) and the optimizer state flattened per parameter.
 So a checkpoint resumes under another weights mode (replicated, fsdp, hsdp,
-tawpipe, weipipe) and another number of ranks: DCP reads each rank's part from
+tawpipe, ring_relay) and another number of ranks: DCP reads each rank's part from
 whatever ranks wrote it. Only the expert-parallel degree must match (it names the
 expert shards). RNG states are per rank and come back only at the same rank count
-(the step uses none: no dropout, the data order comes from the cursor).
+(the step uses none: no dropout, the data order comes from the cursor). The mode's
+name is in the COMPLETE marker for the resume log only, so a run saved under a
+former name (`weipipe`, now `ring_relay`) resumes like any other.
 
 Loading never unpickles code: the non-tensor items DCP stores as pickled
 bytes (step, cursor, optimizer counters) are read with `weights_only=True`,

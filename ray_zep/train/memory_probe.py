@@ -6,7 +6,7 @@ allocator counter; torch's `MemTracker` (a dispatch mode that follows every
 tensor storage the step creates or frees, by category) gives the peak bytes of
 live tensors, on the steps `metrics.memory_every` picks. Tensors created by
 other threads (the routing relay) are not seen. Weight passing (`tawpipe`,
-`weipipe`) runs a shard's modules twice in a step, forward and again in
+`ring_relay`) runs a shard's modules twice in a step, forward and again in
 backward, which MemTracker cannot follow: there the state peak alone is measured.
 
 The state peak (parameters + gradients + optimizer state) is sampled after every

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ray_zep import constants
-from ray_zep.config import Config, load_config
+from ray_zep.config import Config, load_config, renamed_overrides
 from ray_zep.errors import ConfigError
 from ray_zep.model.hf import export_hf, load_hf_weights
 from ray_zep.model.hf_config import read_hf_config
@@ -64,7 +64,7 @@ def resolve_source(target: str, overrides: list[str], run_dir: str | None = None
         resolved = Path(target) / constants.RESOLVED_CONFIG_FILE_NAME
         if not resolved.is_file():
             raise ConfigError(f"{target!r} is a folder without {resolved.name}: not a run dir")
-        return run_source(target, load_config(resolved, overrides))
+        return run_source(target, load_config(resolved, [*renamed_overrides(resolved), *overrides]))
     config = load_config(target, overrides)
     if run_dir is not None:
         return run_source(run_dir, config)

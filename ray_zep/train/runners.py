@@ -189,7 +189,7 @@ class AutogradRunner(StepRunner):
 
 
 class WeightPassingRunner(StepRunner):
-    """The weight-passing pipeline (tawpipe, weipipe): gradients land at the owners."""
+    """The weight-passing pipeline (tawpipe, ring_relay): gradients land at the owners."""
 
     def compute_gradients(self, shard: RankShard) -> Losses:
         tokens, positions, labels = self.inputs(shard)
