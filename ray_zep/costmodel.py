@@ -131,6 +131,9 @@ class ComputeRates:
         ring_row_seconds: seconds a ring step costs per query row besides its kernel
             (accumulators, copies); measured on the engine by a calibration, 0 in
             the GPU presets (fused into the kernels' epilogues there).
+        codec_bytes_s: original bytes/s of the ZipCCL codec on one device, compress
+            and decompress alike; 0: not measured, the simulator's default for the
+            device (`ray_zep.sim.wire.codec_bytes_s`).
     """
 
     attention_forward: float
@@ -147,6 +150,7 @@ class ComputeRates:
     step_overhead_s: float = 0.0
     fsdp_unit_overhead_s: float = 0.0
     ring_row_seconds: float = 0.0
+    codec_bytes_s: float = 0.0
 
     def __post_init__(self) -> None:
         rates = (self.attention_forward, self.attention_backward, self.matmul)

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "demo_losses.json"
-STEPS = 40
+STEPS = 24
+"""The demo trains 40 steps; the test stops it at 24 (the suite's time on 2 cores): every
+part of the run, the checkpoint of step 20 included, has happened by then."""
 # The first steps are compared tightly; later ones loosely, since fp32 rounding
 # differences between CPU kernels (AVX2 vs AVX-512 paths) compound over steps.
 EARLY_STEPS, EARLY_REL, LATE_REL = 10, 1e-3, 5e-2
@@ -40,6 +42,7 @@ def test_demo_trains_with_falling_loss_and_matches_golden(tmp_path: Path) -> Non
             "train",
             str(REPO / "conf" / "demo.yaml"),
             f"train.out_dir={out}",
+            f"train.steps={STEPS}",
         ],
         capture_output=True,
         text=True,
@@ -63,12 +66,12 @@ def test_demo_trains_with_falling_loss_and_matches_golden(tmp_path: Path) -> Non
     assert sorted(losses) == list(range(1, STEPS + 1))
     first = sum(losses[s] for s in range(1, 6)) / 5
     last = sum(losses[s] for s in range(STEPS - 9, STEPS + 1)) / 10
-    assert last < first - 2.0, (
-        f"loss should fall from ~5.5 by more than 2: {first:.3f} -> {last:.3f}"
+    assert last < first - 1.5, (
+        f"loss should fall from ~5 by more than 1.5: {first:.3f} -> {last:.3f}"
     )
-    # A usability bound for the README's first command on 2 cores (measured ~120 s), not a
-    # benchmark: it only catches a demo that stopped being a few-minute run.
-    assert elapsed < 300, f"the demo took {elapsed:.0f} s"
+    # A usability bound for the README's first command on 2 cores (24 steps measured
+    # ~90 s), not a benchmark: it only catches a demo that stopped being a few-minute run.
+    assert elapsed < 240, f"the demo took {elapsed:.0f} s"
     _compare_with_golden(losses)
 
 
@@ -86,6 +89,6 @@ def _compare_with_golden(losses: dict[int, float]) -> None:
             f"golden losses were recorded on {golden['dataset']}; this Python's "
             f"standard library gives {dataset}"
         )
-    for step, want in enumerate(golden["losses"], 1):
+    for step, want in enumerate(golden["losses"][:STEPS], 1):
         rel = EARLY_REL if step <= EARLY_STEPS else LATE_REL
         assert losses[step] == pytest.approx(want, rel=rel), f"step {step} left the golden curve"

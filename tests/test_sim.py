@@ -229,6 +229,38 @@ def test_calibration_fit_and_file_round_trip(tmp_path) -> None:
         ComputeRates.load(tmp_path / "bad.json")
 
 
+def test_job_share_slows_every_host_cost_measured_outside_the_job(tmp_path) -> None:
+    from ray_zep.bench.calibrate import Calibration
+
+    rates = dataclasses.replace(RATES, ring_row_seconds=1e-6, step_overhead_s=0.03)
+    bare = Calibration(rates, 5e-5, 3e9, ranks=4, cores=2, core_share=0.5)
+    inside = dataclasses.replace(bare, job_share=0.8)
+    plain, job = bare.job_rates(4), inside.job_rates(4)
+    assert plain.matmul == pytest.approx(0.5 * RATES.matmul)
+    assert job.matmul == pytest.approx(0.8 * plain.matmul)
+    assert job.attention_rate(4096, True, False) == pytest.approx(
+        0.8 * plain.attention_rate(4096, True, False)
+    )
+    assert job.call_overhead_s == pytest.approx(plain.call_overhead_s / 0.8)
+    assert job.ring_row_seconds == pytest.approx(plain.ring_row_seconds / 0.8)
+    assert job.step_overhead_s == plain.step_overhead_s == 0.03  # measured inside the job
+    assert inside.job_rates(8).matmul == pytest.approx(2 / 8 * RATES.matmul)  # not measured
+    # a run whose ranks get half the share they had at calibration: kernels take twice as
+    # long, and so do the messages and ring steps measured among the ranks
+    slower = dataclasses.replace(bare, ring_step_s=2e-4, run_share=0.25)
+    topology = TopologyConfig(preset="virtual", nodes=2, gpus_per_node=2)
+    base, half = bare.hardware(topology), slower.hardware(topology)
+    assert half.rates.matmul == pytest.approx(0.5 * base.rates.matmul)
+    assert half.rates.ring_row_seconds == pytest.approx(2 * base.rates.ring_row_seconds)
+    assert half.rates.call_overhead_s == pytest.approx(2 * base.rates.call_overhead_s + 4e-4)
+    assert half.intra_latency == pytest.approx(2 * base.intra_latency)
+    assert half.intra_bandwidth == pytest.approx(0.5 * base.intra_bandwidth)
+    gpu = Calibration(RATES, cores=2)  # no links: a GPU's calibration is not shared
+    assert gpu.job_rates(16).matmul == RATES.matmul
+    loaded = Calibration.load(inside.save(tmp_path / "calibration.json"))
+    assert loaded.job_share == 0.8
+
+
 def test_bench_train_rejects_bad_options_before_starting_anything(capsys) -> None:
     from ray_zep.cli import main
 

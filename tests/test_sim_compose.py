@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ray_zep.bench.calibrate_links import LinkPoint, contention, fit_link
-from ray_zep.config import Config, load_config
+from ray_zep.config import Compression, Config, load_config
 from ray_zep.costmodel import ComputeRates
 from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.parallel.step_plan import plan_step
@@ -26,8 +26,9 @@ CURVES = (
     ("backward_causal", ((32.0, 0.5e9), (512.0, 2e9))),
 )
 RATES = ComputeRates(
-    4e9, 2e9, 8e9, 1e-5, "test", 64.0, 32.0, 1.2, CURVES, 1e9, 1e-9, 1e-3, 1e-4, 1e-7
+    4e9, 2e9, 8e9, 1e-5, "test", 64.0, 32.0, 1.2, CURVES, 1e9, 1e-9, 1e-3, 1e-4, 1e-7, 2e10
 )
+"""A codec at 20 GB/s: zipping pays on these links' slower messages, not on all."""
 PLACED = [
     Placement.WHOLE,
     Placement.ZEPPELIN,
@@ -57,8 +58,17 @@ def _config(placement: Placement, weights: WeightsMode) -> Config:
     return load_config("conf/demo.yaml", overrides)
 
 
-def _run(placement: Placement, weights: WeightsMode, rates=RATES, **links) -> RunModel:
+def _run(
+    placement: Placement,
+    weights: WeightsMode,
+    rates=RATES,
+    compression: Compression = Compression.OFF,
+    **links,
+) -> RunModel:
     config = _config(placement, weights)
+    config = dataclasses.replace(
+        config, comm=dataclasses.replace(config.comm, compression=compression)
+    )
     topology = dataclasses.replace(build_topology(config.topology), **links)
     return RunModel.create(config, Hardware(topology, rates), on_gpu=False)
 
@@ -94,6 +104,7 @@ SLOWER = {
     "step_overhead_s": ("rate", 3.0),
     "fsdp_unit_overhead_s": ("rate", 3.0),
     "ring_row_seconds": ("rate", 3.0),
+    "codec_bytes_s": ("rate", 0.5),
 }
 
 
@@ -115,19 +126,22 @@ def _slower(name: str, factor: float, topology) -> tuple[dict, ComputeRates]:
     weights=st.sampled_from(AUTOGRAD_WEIGHTS),
     knob=st.sampled_from(sorted(SLOWER)),
     factor=st.floats(0.5, 2.0),
+    compression=st.sampled_from(list(Compression)),
 )
 def test_step_time_never_drops_when_a_link_or_rate_gets_worse(
-    seed, placement, weights, knob, factor
+    seed, placement, weights, knob, factor, compression
 ) -> None:
     """The same plan on worse hardware (the planners may choose differently on other
-    hardware: that is a decision, not the simulator's arithmetic)."""
+    hardware: that is a decision, not the simulator's arithmetic), with ZipCCL off or on:
+    where a slower link tips a message to the zipped path, that path takes as long as the
+    plain one did at the tipping point."""
     lengths = _lengths(seed)
-    run = _run(placement, weights)
+    run = _run(placement, weights, compression=compression)
     plan, remap = plan_batch(lengths, run, greedy_bins(lengths, 4))
     routed = run.config.parallel.routing
     base = simulate_plan(plan, run, routed, remap).step_seconds
     links, rates = _slower(knob, factor, run.hardware.topology)
-    worse_run = _run(placement, weights, rates, **links)
+    worse_run = _run(placement, weights, rates, compression, **links)
     worse_plan = dataclasses.replace(
         plan, topology=worse_run.hardware.topology, _items=None, _by_seq=None
     )

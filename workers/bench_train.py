@@ -10,9 +10,10 @@ through the Ray driver, like `ray-zep train`. Measured tokens/s are the steady
 state: the first `WARM_UP_STEPS` are left out. The prediction replays those
 batches through the simulator (`ray_zep.sim.replay`) on this machine's
 calibration (`Calibration.hardware`: one virtual GPU is one single-threaded
-process at its measured share of the cores; every link takes the measured
-message cost among that many processes; the trainer's fixed step cost measured
-on tiny steps, `workers.calibrate_step`).
+process at its share of the cores, probed just before and just after the run
+(`ray_zep.bench.core_share`: a virtual machine's cores come and go with its host's
+load); every link takes the measured message cost among that many processes; the
+trainer's fixed step cost measured on tiny steps, `workers.calibrate_step`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from ray_zep import steplog
 from ray_zep.bench.calibrate import Calibration, calibrate
+from ray_zep.bench.core_share import probe_core_share
 from ray_zep.config import load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import ConfigError
@@ -50,6 +52,8 @@ class TrainBenchRow:
     measured_step_seconds: float | None
     predicted_step_seconds: float | None
     final_loss: float | None
+    core_share: float | None = None
+    """Share of a core each rank had during the run (the mean of the probes around it)."""
 
     @property
     def predicted_over_measured(self) -> float | None:
@@ -133,9 +137,13 @@ def run_train_bench(
         extra.append(f"train.out_dir={run_dir}")
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resume
         config = load_config(config_path, [*overrides, *extra])
+        ranks = calibration.ranks
+        before = probe_core_share(ranks)
         summary = train(config)
+        share = (before + probe_core_share(ranks)) / 2
         seconds, tokens = steady_totals(steplog.step_rows(summary.run_dir / METRICS_FILE_NAME))
-        hardware = calibration.hardware(config.topology)
+        now = dataclasses.replace(calibration, run_share=share)
+        hardware = now.hardware(config.topology)
         predicted = replay(config, hardware, WARM_UP_STEPS, steps - WARM_UP_STEPS, False)
         rows.append(
             TrainBenchRow(
@@ -145,6 +153,7 @@ def run_train_bench(
                 seconds / max(1, steps - WARM_UP_STEPS) if seconds else None,
                 predicted.step_seconds,
                 summary.final_loss,
+                share,
             )
         )
     return rows, calibration
@@ -159,7 +168,7 @@ def steady_totals(rows: list[dict], warm_up: int = WARM_UP_STEPS) -> tuple[float
 def format_table(rows: list[TrainBenchRow]) -> str:
     lines = [
         f"{'strategy':<26}{'measured k tok/s':>18}{'predicted k tok/s':>19}{'pred/meas':>11}"
-        f"{'meas s/step':>13}{'pred s/step':>13}{'final loss':>12}"
+        f"{'meas s/step':>13}{'pred s/step':>13}{'final loss':>12}{'core share':>12}"
     ]
 
     def fmt(value, scale=1.0, digits=2):
@@ -170,7 +179,7 @@ def format_table(rows: list[TrainBenchRow]) -> str:
             f"{r.name:<26}{fmt(r.measured_tokens_per_second, 1e3):>18}"
             f"{fmt(r.predicted_tokens_per_second, 1e3):>19}{fmt(r.predicted_over_measured):>11}"
             f"{fmt(r.measured_step_seconds, 1, 3):>13}{fmt(r.predicted_step_seconds, 1, 3):>13}"
-            f"{fmt(r.final_loss, 1, 4):>12}"
+            f"{fmt(r.final_loss, 1, 4):>12}{fmt(r.core_share):>12}"
         )
     return "\n".join(lines)
 

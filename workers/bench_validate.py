@@ -4,11 +4,12 @@
    cluster's links, the trainer's fixed step cost);
 2. trains every sequence placement with replicated weights and with FSDP2 on the
    configured virtual cluster (`ray-zep bench train`'s runs; `--quick`: a subset);
-3. replays the same batches through the simulator on the calibration;
+3. replays the same batches through the simulator on the calibration, with each
+   run's share of the cores probed around it (`ray_zep.bench.core_share`);
 4. simulates the papers' headline setups (`ray_zep.bench.headlines`).
 
 Rows: `{"kind": "cpu", "mode", "predicted_tokens_per_s", "measured_tokens_per_s",
-"predicted_over_measured"}` per mode, `{"kind": "auto", "chosen", "fastest_measured",
+"predicted_over_measured", "core_share"}` per mode, `{"kind": "auto", "chosen", "fastest_measured",
 "chosen_over_fastest"}` (the mode the simulator ranks first, as `plan --auto` ranks,
 against the fastest measured) and `{"kind": "paper", "name", "paper", "simulated",
 "explained"}` per headline.
@@ -58,6 +59,7 @@ class Validation:
                 "predicted_tokens_per_s": r.predicted_tokens_per_second,
                 "measured_tokens_per_s": r.measured_tokens_per_second,
                 "predicted_over_measured": r.predicted_over_measured,
+                "core_share": r.core_share,
             }
             for r in self.cpu
         ]

@@ -9,9 +9,16 @@ configured model through the Ray driver, as `ray-zep train` does, on batches of
 32 tokens per rank with whole sequences and replicated weights; the step time
 beyond what the simulator models for those steps (`ray_zep.sim.step`) is the
 fixed cost it adds to every step it simulates on this machine
-(`ComputeRates.step_overhead_s`). The same steps with FSDP2 give what each of
-its units adds on the host (its hooks, the copies into and out of the gathered
+(`ComputeRates.step_overhead_s`). Steps of `JOB_TOKENS` tokens per rank, the same
+way, then give the share of its measured compute rate a rank keeps inside the job
+(`Calibration.job_share`: the ranks compute beside Ray's own processes, the driver
+and the data actor, on the same cores): the step time beyond the fixed cost over
+what the simulator models for it. The same tiny steps with FSDP2 give what each
+of its units adds on the host (its hooks, the copies into and out of the gathered
 buffers: `ComputeRates.fsdp_unit_overhead_s`).
+
+These runs train on synthetic lengths with whole sequences only, so the modes
+`ray-zep bench validate` compares are predicted, not fitted.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import numpy as np
 
 from ray_zep import steplog
 from ray_zep.bench.calibrate import Calibration
+from ray_zep.bench.core_share import probe_core_share
 from ray_zep.config import load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.model.shapes import build_shape
@@ -46,6 +54,9 @@ TINY_STEPS = (
     "metrics.progress=false",
 )
 """Batches of 32 tokens per rank: almost nothing but the step's fixed parts."""
+JOB_TOKENS = 768
+"""Tokens per rank of the steps that measure `Calibration.job_share`: compute
+dominates, a step stays short."""
 STEPS = 8
 WARM_UP = 2
 """Steps left out (process groups, first plans, allocator)."""
@@ -54,12 +65,18 @@ WARM_UP = 2
 def measure_step_overhead(
     config_path: str | None, overrides: list[str], calibration: Calibration, out: Path
 ) -> Calibration:
-    """`calibration` with `rates.step_overhead_s` and `rates.fsdp_unit_overhead_s` measured
-    (module docstring): tiny steps with replicated weights, then with FSDP2."""
+    """`calibration` with `rates.step_overhead_s`, `job_share` and
+    `rates.fsdp_unit_overhead_s` measured (module docstring): tiny steps with replicated
+    weights, larger ones, then tiny ones with FSDP2."""
     plain = out / WeightsMode.REPLICATED.value
     overhead = _overhead(config_path, [*overrides, *TINY_STEPS], calibration, plain)
     rates = dataclasses.replace(calibration.rates, step_overhead_s=overhead)
-    calibration = dataclasses.replace(calibration, rates=rates)
+    calibration = dataclasses.replace(calibration, rates=rates, job_share=None)
+    larger = [*overrides, *TINY_STEPS, f"train.tokens_per_rank={JOB_TOKENS}"]
+    measured, simulated = _steps(config_path, larger, calibration, out / "job")
+    if simulated > overhead and measured > overhead:
+        share = (simulated - overhead) / (measured - overhead)
+        calibration = dataclasses.replace(calibration, job_share=share)
     sharded = [*overrides, *TINY_STEPS, f"parallel.weights={WeightsMode.FSDP.value}"]
     extra = _overhead(config_path, sharded, calibration, out / WeightsMode.FSDP.value)
     config = load_config(config_path, sharded)
@@ -72,14 +89,24 @@ def _overhead(
     config_path: str | None, overrides: list[str], calibration: Calibration, out: Path
 ) -> float:
     """Seconds a tiny step takes beyond what `calibration` simulates for it."""
+    measured, simulated = _steps(config_path, overrides, calibration, out)
+    return max(0.0, measured - simulated)
+
+
+def _steps(
+    config_path: str | None, overrides: list[str], calibration: Calibration, out: Path
+) -> tuple[float, float]:
+    """(measured, simulated) mean seconds of the steps after the warm-up of a run."""
     from workers.driver import train
 
     shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resume
     extra = [f"train.steps={STEPS}", f"train.out_dir={out}"]
     config = load_config(config_path, [*overrides, *extra])
+    before = probe_core_share(calibration.ranks)
     summary = train(config)
+    share = (before + probe_core_share(calibration.ranks)) / 2
     rows = steplog.step_rows(summary.run_dir / METRICS_FILE_NAME)[WARM_UP:]
     measured = float(np.mean([r["step_seconds"] for r in rows]))
-    hardware = calibration.hardware(config.topology)
+    hardware = dataclasses.replace(calibration, run_share=share).hardware(config.topology)
     simulated = replay(config, hardware, WARM_UP, STEPS - WARM_UP, on_gpu=False)
-    return max(0.0, measured - simulated.step_seconds)
+    return measured, simulated.step_seconds

@@ -34,6 +34,7 @@ from ray_zep.bench.calibrate_kernels import (
 )
 from ray_zep.bench.calibrate_links import LinkPoint, contention, fit_link, measure_links
 from ray_zep.bench.calibrate_ring import with_ring_step
+from ray_zep.bench.core_share import probe_core_share
 from ray_zep.config import Config, TopologyConfig
 from ray_zep.costmodel import ComputeRates
 from ray_zep.model.shapes import ModelShape, build_shape
@@ -58,13 +59,26 @@ class Calibration:
     Attributes:
         rates: one device's rates (one single-threaded process on CPU).
         link_latency_s, link_bandwidth: a message between two ranks of the virtual
-            cluster (None on a GPU).
+            cluster (None on a GPU), measured at `core_share`.
         step_latency_s, step_bandwidth: one step of an all-gather among them.
         ranks: processes the links were measured with.
         cores: cores of this machine.
-        core_share: share of a core one of those ranks gets while all compute
-            (measured; cores / ranks when not).
+        core_share: share of a core each of those ranks got while the links and the
+            ring step were measured (`ray_zep.bench.core_share`; cores / ranks when
+            not measured).
+        ring_step_s: what a ring step of the attention engine costs besides its kernel
+            and its transfers, at `core_share` (`ray_zep.bench.calibrate_ring`).
+        job_share: what share of the compute rate a rank keeps inside a training job
+            (measured by `workers.calibrate_step` on steps through Ray: the raylet, the
+            driver and the data actor share the same cores; None: not measured).
+        run_share: share of a core each rank gets in the run being predicted (probed
+            around it); None: `core_share`.
         measurements: every timed point.
+
+    On a CPU virtual cluster every cost is CPU time: one measured in a process alone
+    (kernels, a kernel call) takes 1 / share as long in a run whose ranks get `share`
+    of a core each, and one measured among the ranks at `core_share` (messages, the
+    ring step) takes `core_share / share` as long.
     """
 
     rates: ComputeRates
@@ -75,6 +89,9 @@ class Calibration:
     ranks: int = 1
     cores: int = 1
     core_share: float | None = None
+    ring_step_s: float = 0.0
+    job_share: float | None = None
+    run_share: float | None = None
     measurements: list = field(default_factory=list)
 
     def save(self, path: Path) -> Path:
@@ -90,34 +107,71 @@ class Calibration:
         record = json.loads(Path(path).read_text())
         keys = ("link_latency_s", "link_bandwidth", "step_latency_s", "step_bandwidth")
         sizes = {k: int(record.get(k, 1)) for k in ("ranks", "cores")}
-        return cls(rates, *(record.get(k) for k in keys), **sizes,
-                   core_share=record.get("core_share"))  # fmt: skip
+        shares = {k: record.get(k) for k in ("core_share", "job_share", "run_share")}
+        return cls(rates, *(record.get(k) for k in keys), **sizes, **shares,
+                   ring_step_s=float(record.get("ring_step_s", 0.0)))  # fmt: skip
+
+    @property
+    def virtual(self) -> bool:
+        """A CPU virtual cluster's calibration (its links measured)."""
+        return self.link_bandwidth is not None
 
     def share(self, world: int) -> float:
-        """Share of a core each of `world` ranks gets while all compute: measured for the
-        calibrated rank count, cores / ranks otherwise."""
-        if self.core_share is not None and world == self.ranks:
-            return min(1.0, self.core_share)
+        """Share of a core each of `world` ranks gets while all compute: probed for the
+        calibrated rank count (around the run, else at calibration), cores / ranks
+        otherwise; 1 for a GPU's calibration."""
+        if not self.virtual:
+            return 1.0
+        measured = self.run_share if self.run_share is not None else self.core_share
+        if measured is not None and world == self.ranks:
+            return min(1.0, measured)
         return min(1.0, self.cores / world)
+
+    def _factors(self, world: int) -> tuple[float, float]:
+        """(compute share inside the job, slowdown of costs measured among the ranks)."""
+        job = self.job_share if self.job_share and world == self.ranks else 1.0
+        share = self.share(world) * job
+        measured_at = self.core_share if self.core_share is not None else share
+        return share, measured_at / share
+
+    def job_rates(self, world: int) -> ComputeRates:
+        """The rates of one of `world` ranks inside a training job (class docstring): the
+        kernels and a kernel call at the rank's share of a core (times `job_share`), the
+        ring step's costs measured among the ranks rescaled to it; the fixed costs
+        measured through the job (`step_overhead_s`, `fsdp_unit_overhead_s`) stay."""
+        share, among = self._factors(world)
+        note = f"x{self.share(world):.2f} for {world} ranks on {self.cores} cores"
+        if share != self.share(world):
+            note += f", x{share / self.share(world):.2f} inside the training job"
+        rates = self.rates.scaled(share, note)
+        if not self.virtual:
+            return rates
+        return dataclasses.replace(
+            rates,
+            call_overhead_s=self.rates.call_overhead_s / share + self.ring_step_s * among,
+            ring_row_seconds=self.rates.ring_row_seconds * among,
+        )
 
     def hardware(self, topology: TopologyConfig) -> Hardware:
         """The virtual cluster of `topology` as measured: every link at the measured message
-        latency and bandwidth, each rank's compute at its share of the cores."""
-        bandwidth = self.link_bandwidth or 1e9
+        latency and bandwidth, each rank's compute at its share of the cores (class
+        docstring)."""
+        cluster = build_topology(topology)
+        _, among = self._factors(cluster.world_size)
+        bandwidth = (self.link_bandwidth or 1e9) / among
+        latency = (self.link_latency_s or 0.0) * among
         links = dataclasses.replace(
             topology,
             intra_node_gbytes_per_s=bandwidth / 1e9,
             nic_gbits_per_s=bandwidth * 8 / 1e9,
-            intra_node_latency_us=(self.link_latency_s or 0.0) * 1e6,
-            inter_node_latency_us=(self.link_latency_s or 0.0) * 1e6,
+            intra_node_latency_us=latency * 1e6,
+            inter_node_latency_us=latency * 1e6,
         )
         cluster = build_topology(links)
-        share = self.share(cluster.world_size)
-        note = f"x{share:.2f} for {cluster.world_size} ranks on {self.cores} cores"
         step = None
         if self.step_latency_s is not None and self.step_bandwidth:
-            step = (self.step_latency_s, self.step_bandwidth)
-        return Hardware(cluster, self.rates.scaled(share, note), step)
+            step = (self.step_latency_s * among, self.step_bandwidth / among)
+        return Hardware(cluster, self.job_rates(cluster.world_size), step)
 
     def table(self) -> str:
         lines = [f"{'op':<20}{'size':>9}{'GFLOP or MB':>13}{'ms':>10}{'GFLOP/s or GB/s':>17}"]
@@ -145,6 +199,12 @@ class Calibration:
                 f"{self.link_latency_s * 1e6:.0f} us + bytes / {self.link_bandwidth / 1e9:.2f} "
                 f"GB/s; all-gather step {self.step_latency_s * 1e6:.0f} us + bytes / "
                 f"{self.step_bandwidth / 1e9:.2f} GB/s"
+            )
+        if self.job_share:
+            lines.append(
+                f"inside a training job a rank computes at x{self.job_share:.2f} of that; "
+                f"fixed step cost {r.step_overhead_s * 1e3:.1f} ms, FSDP2 "
+                f"{r.fsdp_unit_overhead_s * 1e3:.1f} ms per unit"
             )
         return "\n".join(lines)
 
@@ -191,14 +251,13 @@ def calibrate(config: Config, device: torch.device, repeats: int = 5) -> Calibra
     )
     out = Calibration(rates, measurements=[call, *attention, *matmul, *model], cores=cpu_count())
     if device.type == "cpu":
-        links = measure_links(max(2, ranks))
-        shares = [p.seconds for p in links if p.op == "core_share"]
-        out.core_share = shares[0] if shares else None
-        links = [p for p in links if p.op != "core_share"]
+        out.ranks = max(2, ranks)
+        before = probe_core_share(out.ranks)
+        links = measure_links(out.ranks)
+        out.core_share = (before + probe_core_share(out.ranks)) / 2
         out.rates = dataclasses.replace(out.rates, contention=contention(links))
         out.link_latency_s, out.link_bandwidth = fit_link(links, "message")
         out.step_latency_s, out.step_bandwidth = fit_link(links, "all_gather_step")
-        out.ranks = max(2, ranks)
         out.measurements += links
         if ranks > 1:
             out = with_ring_step(config, out)

@@ -12,8 +12,8 @@ bytes / bandwidth`, per message and per all-gather step. A message posted before
 the burst and waited for after it should hide behind the burst; what it still
 costs, against what it costs after the burst, is how much of a transfer the ranks'
 compute cannot overlap (`contention`: the sender and receiver need the cores
-that compute). The compute-only loop against rank 0 computing alone gives the
-share of a core one rank gets while all of them compute.
+that compute). The share of a core each rank gets meanwhile is probed around
+these measurements (`ray_zep.bench.core_share`).
 """
 
 from __future__ import annotations
@@ -70,21 +70,6 @@ def _loop(iterations: int, exchange, overlapped: bool = False) -> float:
     return float(elapsed) / iterations
 
 
-def _solo(rank: int, iterations: int) -> float:
-    """Seconds per compute burst of rank 0 while the other ranks wait in a barrier."""
-    import torch.distributed as dist
-
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-    dist.barrier()
-    started = time.perf_counter()
-    if rank == 0:
-        for _ in range(iterations):
-            _burst(a, b)
-    elapsed = time.perf_counter() - started
-    dist.barrier()
-    return elapsed / iterations
-
-
 def _ring_exchange(rank: int, world: int, send: torch.Tensor, recv: torch.Tensor):
     import torch.distributed as dist
 
@@ -112,10 +97,7 @@ def _worker(rank: int, world: int, port: int, iterations: int, result) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     _loop(2, None)  # warm-up: page in, first collective
-    solo = _solo(rank, iterations)
     alone = _loop(iterations, None)
-    if rank == 0:
-        result.append(("core_share", 0, solo / alone))
     for nbytes in MESSAGE_BYTES:
         send = torch.zeros(nbytes // 4)
         recv = torch.zeros_like(send)

@@ -9,7 +9,7 @@ sequence zigzag-split over all of them (TE CP's plan), once with chunks of a few
 tokens and once with chunks of `CHUNK_TOKENS[1]`; the time beyond what the simulator
 models for that layer (`ray_zep.sim.program`), per ring step, is what a step costs
 besides its kernel and its transfers: a fixed part (from the tiny chunks,
-`ComputeRates.call_overhead_s`) and a part per query row (from the larger ones,
+`Calibration.ring_step_s`) and a part per query row (from the larger ones,
 `ComputeRates.ring_row_seconds`: the fp32 accumulators, copies and scheduling the
 step functions alone do not show).
 """
@@ -111,11 +111,8 @@ def measure_ring_step(config: Config, hardware) -> tuple[float, float]:
 
 
 def with_ring_step(config: Config, calibration):
-    """`calibration` with the measured ring step costs added to its rates."""
+    """`calibration` with the measured ring step costs (`Calibration.ring_step_s`,
+    `ComputeRates.ring_row_seconds`, both at the calibration's core share)."""
     per_step, per_row = measure_ring_step(config, calibration.hardware(config.topology))
-    rates = dataclasses.replace(
-        calibration.rates,
-        call_overhead_s=calibration.rates.call_overhead_s + per_step,
-        ring_row_seconds=per_row,
-    )
-    return dataclasses.replace(calibration, rates=rates)
+    rates = dataclasses.replace(calibration.rates, ring_row_seconds=per_row)
+    return dataclasses.replace(calibration, rates=rates, ring_step_s=per_step)

@@ -4,12 +4,18 @@ Every composition the trainer can run on the configured model and cluster is a
 candidate: each sequence placement (with the routing and remapping layers off, on,
 or one of them, and for `zeppelin` each zone policy) times each weights mode
 (times each expert-parallel degree that divides the cluster and the experts, for
-an MoE model), less what the config refuses (`ray_zep.parallel.axes.refusal`, the
-placements' own rules). Each plays the same batches through the simulator
-(`ray_zep.sim.step.simulate_batch`) and gets its per-rank memory modelled
-(`ray_zep.report.plan_command.plan_memory`); the fastest that fits every rank in
-the GPU's memory wins. ZipCCL compression and FoldMoE's overlap are kept as the
-config sets them: the composed step does not model them yet.
+an MoE model), times ZipCCL compression off and `auto` (`comm.compression`),
+times FoldMoE's pipeline off and on (`parallel.moe_pipeline`: the config's
+schedule, or 1a1m; MoE models with expert parallelism only), less what the config
+refuses (`ray_zep.parallel.axes.refusal`, the placements' own rules).
+Weight-passing modes keep the config's compression: their step does not model it.
+
+Each plays the same batches through the simulator (`ray_zep.sim.step`; the
+compositions that differ only in compression and pipeline share one placement of
+each batch, as their data actors would make the same) and gets its per-rank memory
+modelled (`ray_zep.report.plan_command.plan_memory`; neither switch changes it);
+the fastest that fits every rank in the GPU's memory wins, of equally fast ones
+the one with the fewest switches on.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ray_zep.config import Config, Packing, config_to_yaml
+from ray_zep.config import Compression, Config, MoEPipeline, Packing, config_to_yaml
 from ray_zep.errors import MemoryPlanError, ZepError
 from ray_zep.model.shapes import build_shape
 from ray_zep.options import ZonePolicy
@@ -30,6 +36,7 @@ from ray_zep.parallel.axes import (
     SEQUENCE_AXES,
     WEIGHTS_AXES,
     AxesChoice,
+    Family,
     Placement,
     refusal,
 )
@@ -37,7 +44,13 @@ from ray_zep.parallel.memory import GB
 from ray_zep.partition.stats import plan_stats
 from ray_zep.report.plan_command import plan_memory
 from ray_zep.sim.hardware import Hardware
-from ray_zep.sim.step import RunModel, StepResult, plan_batch, simulate_batch
+from ray_zep.sim.step import RunModel, StepResult, plan_batch, simulate_batch, simulate_plans
+
+SEARCHED_COMPRESSION = (Compression.OFF, Compression.AUTO)
+"""`comm.compression` values searched (`always` is never faster than `auto` in the model)."""
+PIPELINE_ON = MoEPipeline.ONE_A_ONE_M
+"""The schedule searched when the config names none (FoldMoE's fastest; under placements
+whose attention runs through the engine it overlaps the MoE micro-batches only)."""
 
 
 @dataclass
@@ -70,12 +83,20 @@ class Candidate:
             parts.append(f"zones={p.zone_policy.value}")
         if p.ep > 1:
             parts.append(f"ep={p.ep}")
+        if p.moe_pipeline is not MoEPipeline.NONE:
+            parts.append(f"moe_pipeline={p.moe_pipeline.value}")
+        if self.config.comm.compression is not Compression.OFF:
+            parts.append(f"compression={self.config.comm.compression.value}")
         return "+".join(parts)
 
     @property
-    def layers_on(self) -> int:
-        """Routing and remap switched on: of equally fast candidates the simplest ranks first."""
-        return int(self.config.parallel.routing) + int(self.config.parallel.remap)
+    def switches_on(self) -> int:
+        """Routing, remap, the MoE pipeline and compression switched on: of equally fast
+        candidates the simplest ranks first."""
+        p = self.config.parallel
+        on = (p.routing, p.remap, p.moe_pipeline is not MoEPipeline.NONE,
+              self.config.comm.compression is not Compression.OFF)  # fmt: skip
+        return sum(on)
 
     @property
     def step_seconds(self) -> float:
@@ -123,33 +144,79 @@ def compositions(config: Config, world: int) -> list[Config]:
             packing = Packing.RANK if axis.whole_sequences else config.data.packing
             data = dataclasses.replace(config.data, packing=packing)
             try:
-                out.append(dataclasses.replace(config, parallel=parallel, data=data))
+                out += _switched(dataclasses.replace(config, parallel=parallel, data=data))
             except ZepError:  # a composition the config's own checks refuse
                 continue
     return out
+
+
+def _switched(config: Config) -> list[Config]:
+    """`config` with compression off and auto, each with the MoE pipeline off and on (module
+    docstring), in that order (`auto_plan` places their batches once)."""
+    parallel = config.parallel
+    compressions = [config.comm.compression]
+    if WEIGHTS_AXES[parallel.weights].family is Family.AUTOGRAD:
+        compressions = list(SEARCHED_COMPRESSION)
+    pipelines = [parallel.moe_pipeline]
+    if parallel.ep > 1:
+        on = parallel.moe_pipeline if parallel.moe_pipeline is not MoEPipeline.NONE else PIPELINE_ON
+        pipelines = [MoEPipeline.NONE, on]
+    out = []
+    for compression, pipeline in itertools.product(compressions, pipelines):
+        comm = dataclasses.replace(config.comm, compression=compression)
+        switched = dataclasses.replace(parallel, moe_pipeline=pipeline)
+        out.append(dataclasses.replace(config, comm=comm, parallel=switched))
+    return out
+
+
+def _placement(config: Config) -> tuple:
+    """What decides how a composition places its batches (all but its switches)."""
+    p = config.parallel
+    return (p.sequence, p.weights, p.ep, p.routing, p.remap, p.zone_policy, config.data.packing)
 
 
 Batches = list[tuple[np.ndarray, list[list[int]] | None]]
 """(lengths, rank bins or None) of each batch a candidate trains."""
 
 
-def evaluate(config: Config, hardware: Hardware, batches: Batches, on_gpu: bool) -> Candidate:
-    """The candidate of `config` on `batches`: simulated steps and modelled memory."""
-    candidate = Candidate(config)
-    run = RunModel.create(config, hardware, on_gpu)
+def evaluate_group(
+    configs: list[Config], hardware: Hardware, batches: Batches, on_gpu: bool
+) -> list[Candidate]:
+    """The candidates of compositions that place batches alike (`_placement`): simulated
+    steps and modelled memory, each batch placed and its memory modelled once, then
+    played under each one's switches."""
+    candidates = [Candidate(c) for c in configs]
+    run = RunModel.create(configs[0], hardware, on_gpu)
     try:
-        candidate.steps = [simulate_batch(lengths, run, bins) for lengths, bins in batches]
+        placed = [plan_batch(lengths, run, bins) for lengths, bins in batches]
         worst = None
-        for lengths, bins in batches:
-            plan, _ = plan_batch(lengths, run, bins)
-            memory = plan_memory(config, hardware.topology, plan_stats(plan, run.shape), run.shape)
+        for plan, _ in placed:
+            stats = plan_stats(plan, run.shape)
+            memory = plan_memory(configs[0], hardware.topology, stats, run.shape)
             fullest = memory.ranks[memory.fullest].total
             if worst is None or fullest > worst[0]:
                 worst = (fullest, memory.fits)
-        candidate.memory_gb, candidate.fits = worst[0] / GB, worst[1]
     except ZepError as exc:
-        candidate.steps, candidate.error = [], str(exc).splitlines()[0]
-    return candidate
+        for candidate in candidates:
+            candidate.error = str(exc).splitlines()[0]
+        return candidates
+    for candidate in candidates:
+        candidate.memory_gb, candidate.fits = worst[0] / GB, worst[1]
+    runs = [RunModel.create(c, hardware, on_gpu) for c in configs]
+    try:
+        if WEIGHTS_AXES[run.config.parallel.weights].family is Family.WEIGHT_PASSING:
+            steps = [[simulate_batch(lengths, r, bins) for lengths, bins in batches] for r in runs]
+        else:
+            routed = run.config.parallel.routing
+            per_batch = [simulate_plans(plan, runs, routed, remap) for plan, remap in placed]
+            steps = [list(s) for s in zip(*per_batch, strict=True)]
+    except ZepError as exc:
+        for candidate in candidates:
+            candidate.error = str(exc).splitlines()[0]
+        return candidates
+    for candidate, mine in zip(candidates, steps, strict=True):
+        candidate.steps = mine
+    return candidates
 
 
 @dataclass
@@ -163,7 +230,7 @@ class AutoPlan:
         runnable = [c for c in self.candidates if c.steps]
 
         def key(c: Candidate) -> tuple[float, int]:
-            return (round(c.step_seconds, 12), c.layers_on)
+            return (round(c.step_seconds, 12), c.switches_on)
 
         fitting = sorted((c for c in runnable if c.fits), key=key)
         others = sorted((c for c in runnable if not c.fits), key=key)
@@ -192,13 +259,15 @@ class AutoPlan:
         )
 
     def table(self, limit: int = 20) -> str:
-        lines = [f"{'#':>3} {'composition':<44}{'step s':>9}{'k tok/s':>10}{'GB/GPU':>9}  fits"]
-        for i, c in enumerate(self.ranked[:limit], 1):
+        shown = self.ranked[:limit]
+        w = max([44, *(len(c.name) + 1 for c in shown)])
+        lines = [f"{'#':>3} {'composition':<{w}}{'step s':>9}{'k tok/s':>10}{'GB/GPU':>9}  fits"]
+        for i, c in enumerate(shown, 1):
             if not c.steps:
-                lines.append(f"{i:>3} {c.name:<44}  cannot run: {c.error}")
+                lines.append(f"{i:>3} {c.name:<{w}}  cannot run: {c.error}")
                 continue
             lines.append(
-                f"{i:>3} {c.name:<44}{c.step_seconds:>9.4f}{c.tokens_per_second / 1e3:>10.1f}"
+                f"{i:>3} {c.name:<{w}}{c.step_seconds:>9.4f}{c.tokens_per_second / 1e3:>10.1f}"
                 f"{c.memory_gb:>9.1f}  {'yes' if c.fits else 'NO'}"
             )
         hidden = len(self.ranked) - limit
@@ -230,13 +299,14 @@ def auto_plan(
     the same sampled lengths for all, or the configured data as each composition's data
     actor would draw it (whole sequences are rank-packed)."""
     candidates = []
-    for candidate in compositions(config, hardware.devices):
+    for _, alike in itertools.groupby(compositions(config, hardware.devices), key=_placement):
+        group = list(alike)
         try:
-            batches = batches_of(candidate)
+            batches = batches_of(group[0])
         except ZepError as exc:
-            candidates.append(Candidate(candidate, error=str(exc).splitlines()[0]))
+            candidates += [Candidate(c, error=str(exc).splitlines()[0]) for c in group]
             continue
-        candidates.append(evaluate(candidate, hardware, batches, on_gpu))
+        candidates += evaluate_group(group, hardware, batches, on_gpu)
     return AutoPlan(candidates)
 
 

@@ -17,10 +17,16 @@ the other way round). Those collectives block the compute stream as they do
 in Megatron, so they are part of an attention step: its computation scales
 for backward, its collectives do not. They share the GPU's PCIe link with the
 all-to-alls' traffic; that contention is not modelled.
+
+The composed step (`ray_zep.sim.step`) plays the same programs on one rank's
+own tokens (`BlockSpread`: no tensor parallelism, its expert-parallel group's
+all-to-all) and charges what a pass takes beyond the plain block's compute
+(`overhang_seconds`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ray_zep.config import MoEPipeline, TopologyConfig
@@ -28,6 +34,7 @@ from ray_zep.costmodel import (
     BACKWARD_ATTENTION_FACTOR,
     BACKWARD_LINEAR_FACTOR,
     BYTES_PER_ELEMENT,
+    ComputeRates,
 )
 from ray_zep.model.shapes import ModelShape
 from ray_zep.moe.schedule import Kind, Step, attention_slices, build_program
@@ -73,35 +80,78 @@ class Timeline:
         return max((e for _, _, e in self.compute), default=0.0)
 
 
+@dataclass(frozen=True)
+class BlockSpread:
+    """How one MoE block's work is spread over the GPUs (what `block_times` needs
+    besides the model and the rates).
+
+    Attributes:
+        attention_gpus: GPUs that split every attention slice and micro-batch (tensor +
+            sequence parallelism); 1: a rank attends over its own tokens.
+        slice_collectives: seconds of the collectives around an attention slice of n
+            tokens (the tensor-parallel gather and reduce-scatter).
+        all_to_all: seconds of one GPU's dispatch (or combine) of `elements` values.
+    """
+
+    attention_gpus: int
+    slice_collectives: Callable[[int], float]
+    all_to_all: Callable[[float], float]
+
+
+def testbed_spread(shape: ModelShape, hw: Hardware) -> BlockSpread:
+    """The FoldMoE setup (module docstring): attention over a node's GPUs, experts on every
+    GPU of every node, bf16 on the wire."""
+    return BlockSpread(
+        hw.gpus_per_node,
+        lambda n: 2 * _ring_seconds(n * shape.dim * BYTES_PER_ELEMENT, hw),
+        lambda elements: _all_to_all_seconds(elements * BYTES_PER_ELEMENT, hw),
+    )
+
+
 def stage_times(
     shape: ModelShape, seq_len: int, schedule: MoEPipeline, degree: int, uniform: bool, hw: Hardware
 ) -> StageTimes:
     """Per-GPU forward times of one MoE block of `shape` on a sequence of `seq_len`."""
+    return block_times(shape, [seq_len], schedule, degree, uniform, hw.rates,
+                       testbed_spread(shape, hw))  # fmt: skip
+
+
+def block_times(
+    shape: ModelShape,
+    lengths: Sequence[int],
+    schedule: MoEPipeline,
+    degree: int,
+    uniform: bool,
+    rates: ComputeRates,
+    spread: BlockSpread,
+) -> StageTimes:
+    """Per-GPU forward times of one MoE block of `shape` on the packed sequences of
+    `lengths` (slicing, micro-batches and the token buffer of `ray_zep.moe.slicing`)."""
     d = 1 if schedule is MoEPipeline.NONE else degree
-    g, rates = hw.gpus_per_node, hw.rates
-    overhead_s = rates.call_overhead_s
-    slices = _slices(shape, seq_len, schedule, d, uniform)
-    flops = slice_costs([seq_len], slices, shape.dim, shape.n_heads, causal=True)
+    g, overhead_s = spread.attention_gpus, rates.call_overhead_s
+    slices = _slices(shape, lengths, schedule, d, uniform)
+    flops = slice_costs(lengths, slices, shape.dim, shape.n_heads, causal=True)
     attend = [f / g / rates.attention_forward + overhead_s for f in flops]
-    gathered = [2 * _ring_seconds(n * shape.dim * BYTES_PER_ELEMENT, hw) for n in slices]
-    tokens = [n / g for n in micro_batch_sizes(seq_len, d)]
+    gathered = [spread.slice_collectives(n) for n in slices]
+    tokens = [n / g for n in micro_batch_sizes(int(sum(lengths)), d)]
     k, dim = shape.moe_top_k, shape.dim
     gate = [2 * dim * shape.moe_experts * n / rates.matmul + overhead_s for n in tokens]
     experts = [
         2 * 3 * dim * shape.expert_hidden * k * n / rates.matmul + overhead_s for n in tokens
     ]
-    comm = [_all_to_all_seconds(n * k * dim * BYTES_PER_ELEMENT, hw) for n in tokens]
+    comm = [spread.all_to_all(n * k * dim) for n in tokens]
     overhead = [overhead_s] * d
     backward = BACKWARD_ATTENTION_FACTOR * rates.attention_forward / rates.attention_backward
     return StageTimes(attend, gathered, gate, experts, overhead, comm, list(comm), backward)
 
 
-def _slices(shape, seq_len, schedule, d, uniform) -> list[int]:
+def _slices(shape, lengths, schedule, d, uniform) -> list[int]:
+    total = int(sum(lengths))
     if attention_slices(schedule, d) == 1:
-        return [seq_len]
+        return [total]
     if uniform:
-        return time_uniform_slices([seq_len], d, shape.dim, shape.n_heads)
-    return token_uniform_slices(seq_len, d)
+        return time_uniform_slices(lengths, d, shape.dim, shape.n_heads)
+    return token_uniform_slices(total, d)
 
 
 def _ring_seconds(gathered_bytes: float, hw: Hardware) -> float:
@@ -174,6 +224,32 @@ def _backward_factor(kind: Kind, backward: bool, times: StageTimes) -> float:
     if not backward:
         return 1.0
     return times.attend_backward_factor if kind is Kind.ATTEND else BACKWARD_LINEAR_FACTOR
+
+
+def overhang_seconds(
+    shape: ModelShape,
+    lengths: Sequence[int],
+    schedule: MoEPipeline,
+    degree: int,
+    uniform: bool,
+    rates: ComputeRates,
+    spread: BlockSpread,
+    backward: bool = False,
+) -> float:
+    """Seconds one pass of an MoE block under `schedule` takes beyond the compute of the
+    plain block (schedule none): the all-to-all time the compute stream waits for, and
+    with micro-batches the kernel calls they add. Under none: its all-to-alls, whole."""
+    line = play(
+        build_program(schedule, degree),
+        block_times(shape, lengths, schedule, degree, uniform, rates, spread),
+        backward,
+    )
+    plain = play(
+        build_program(MoEPipeline.NONE, 1),
+        block_times(shape, lengths, MoEPipeline.NONE, 1, uniform, rates, spread),
+        backward,
+    )
+    return line.end - sum(end - start for _, start, end in plain.compute)
 
 
 def block_seconds(

@@ -21,6 +21,14 @@ arrives, without using the compute stream. All-gathers and reduce-scatters
 (`CostModel.all_gather_seconds`). Ulysses exchanges are point-to-point
 transfers between the members of a ring position.
 
+With `comm.compression` (`ray_zep.sim.wire.WireCodec`), the ring K/V and dK/dV
+(`kv`; `routed_kv` through proxies: compressed at the source, decompressed at the
+destination, smaller on every hop), the Ulysses exchanges and the remap rows go
+zipped where the mode zips them, the codec's time inside the message's task; the
+compute a message overlaps is slowed by `ComputeRates.contention` as by any
+communication kernel. llama_cp's K/V all-gather and dK/dV reduce-scatter stay
+plain, as in the engine. `layer_graphs` builds a layer once for several wires.
+
 Elementwise work (norms, RoPE, softmax outside the kernel) and kernel launch
 gaps of the linear modules are not modelled.
 
@@ -30,9 +38,11 @@ Shapes of sizes: H query heads, K key/value heads, E head dim.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ray_zep.attention.schedule import position_layout, step_segments
+from ray_zep.collectives.switcher import Kind, Profile
 from ray_zep.costmodel import (
     BACKWARD_ATTENTION_FACTOR,
     BACKWARD_LINEAR_FACTOR,
@@ -42,11 +52,13 @@ from ray_zep.costmodel import (
     pointwise_elements_per_token,
 )
 from ray_zep.model.shapes import ModelShape
+from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES
 from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem
 from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import Payload, Phase, RoutingPlan, Transfer
-from ray_zep.sim.events import Lane, TaskGraph
+from ray_zep.sim.events import Lane, Task, TaskGraph
+from ray_zep.sim.wire import PLAIN, Stream, WireCodec
 from ray_zep.topology import LinkKind
 
 FP32_BYTES = 4
@@ -73,6 +85,7 @@ class LayerSetup:
             in backward also reduce-scatters the previous block's gradients); 0: none.
         weight_groups: the rank groups those collectives run over (each holds its
             members' links for the collective's time).
+        codec: ZipCCL on the wire (`comm.compression`); the default sends all plain.
     """
 
     plan: AttentionPlan
@@ -85,6 +98,7 @@ class LayerSetup:
     dkv_bytes: int = 4
     weight_sync: tuple[float, float] = (0.0, 0.0)
     weight_groups: tuple[tuple[int, ...], ...] = ()
+    codec: WireCodec = PLAIN
 
     def linear_tokens(self) -> list[int]:
         """Tokens each rank's linear modules process."""
@@ -96,11 +110,18 @@ class LayerSetup:
 class _Builder:
     """Adds one rank program after another to a graph, keeping each rank's host point."""
 
-    def __init__(self, setup: LayerSetup, phase: Phase) -> None:
+    def __init__(self, setup: LayerSetup, phase: Phase, record: bool = False) -> None:
         self.setup, self.phase = setup, phase
         self.graph = TaskGraph()
+        # with `record`, how each task's duration depends on the wire, for `_retime`
+        self.record = record
+        self.recipes: list[tuple] = []
         self.point: list[int | None] = [None] * setup.plan.world
-        self.topology = setup.plan.topology
+        self.topology = topo = setup.plan.topology
+        # per rank, its node and NIC: looked up for every message
+        self.node = [topo.node_of(r) for r in range(topo.world_size)]
+        self.nic = [topo.nic_of(r) for r in range(topo.world_size)]
+        self.profiles: dict[tuple, Profile] = {}
         transfers = setup.routing.forward if phase is Phase.FORWARD else setup.routing.backward
         self.transfers: dict[tuple, list[Transfer]] = defaultdict(list)
         for t in transfers:
@@ -113,20 +134,37 @@ class _Builder:
             name, rank, Lane.COMPUTE, seconds, (("compute", rank),), [self.point[rank]]
         )
 
-    def send(self, src: int, dst: int, nbytes: float, deps, name: str) -> int:
-        """A message on the link between two ranks (FIFO on the sender's and receiver's side)."""
-        topo, cost = self.topology, self.setup.cost
-        kind = topo.link_kind(src, dst)
-        if kind is LinkKind.INTRA_NODE:
-            lane, resources = Lane.INTRA_NODE, (("port_out", src), ("port_in", dst))
+    def send(
+        self, src: int, dst: int, nbytes: float, deps, name: str, stream: Stream | None = None
+    ) -> int:
+        """A message on the link between two ranks (FIFO on the sender's and receiver's
+        side), zipped where `stream` goes zipped (`WireCodec`)."""
+        node = self.node
+        if node[src] == node[dst]:
+            kind, lane = LinkKind.INTRA_NODE, Lane.INTRA_NODE
+            resources = (("port_out", src), ("port_in", dst))
         else:
-            lane = Lane.INTER_NODE
+            kind, lane = LinkKind.INTER_NODE, Lane.INTER_NODE
             resources = (
-                ("nic_out", topo.node_of(src), topo.nic_of(src)),
-                ("nic_in", topo.node_of(dst), topo.nic_of(dst)),
+                ("nic_out", node[src], self.nic[src]),
+                ("nic_in", node[dst], self.nic[dst]),
             )
-        seconds = cost.transfer_seconds(nbytes, kind, one_sender_per_nic=True)
-        return self.graph.add(name, src, lane, seconds, resources, deps)
+        seconds = plain = self.setup.cost.transfer_seconds(nbytes, kind, one_sender_per_nic=True)
+        if stream is not None and self.setup.codec.zips(stream.name):
+            seconds = self.zipped(self.setup.codec, self.profiles, plain, kind, stream, nbytes)
+        task = self.graph.add(name, src, lane, seconds, resources, deps)
+        if self.record and stream is not None:
+            self.recipes.append(("send", task, plain, kind, stream, nbytes))
+        return task
+
+    def zipped(self, codec: WireCodec, profiles: dict, plain: float, kind, stream, nbytes) -> float:
+        """A message's seconds under `codec` (`profiles`: its link profiles, filled here)."""
+        if stream is None or not codec.zips(stream.name):
+            return plain
+        key = (kind, stream.encodes, stream.decodes)
+        if key not in profiles:
+            profiles[key] = codec.link_profile(self.setup.cost, *key)
+        return codec.seconds(plain, profiles[key], Kind.ALL_TO_ALL, stream, nbytes)
 
     def wait(self, rank: int, deps) -> None:
         self.point[rank] = self.graph.join(rank, [self.point[rank], *deps])
@@ -166,22 +204,35 @@ class _Builder:
         for group in self.setup.weight_groups:
             task = self.post_collective(list(group), seconds, "weights gather/scatter")
             out.update(dict.fromkeys(group, task))
+            if self.record:
+                self.recipes.append(("sync", task))
         return out
 
     def ring_transfer(self, t: Transfer, row_bytes: int, src_dep, dst_dep) -> tuple[list, list]:
-        """Tasks of one ring transfer: (the sender's messages, the receiver's messages)."""
+        """Tasks of one ring transfer: (the sender's messages, the receiver's messages).
+
+        A routed transfer's rows are compressed by the message that leaves the source and
+        decompressed by the one that reaches the destination; proxies pass them on as
+        they came. Each hop goes zipped where that pays for it (the trainer's source
+        decides for the whole way; `always` zips every hop, as it does)."""
         route = t.route
-        name = "K/V" if t.payload is Payload.KV else "dK/dV"
+        kv = t.payload is Payload.KV
+        name = "K/V" if kv else "dK/dV"
+        value_bytes = self.setup.element_bytes if kv else self.setup.dkv_bytes
         if route.direct:
-            task = self.send(route.src, route.dst, route.rows * row_bytes, [src_dep, dst_dep], name)
+            stream = Stream(CompressionStream.KV.value, value_bytes, not kv)
+            deps = [src_dep, dst_dep]
+            task = self.send(route.src, route.dst, route.rows * row_bytes, deps, name, stream)
             return [task], [task]
+        routed = Stream(CompressionStream.ROUTED_KV.value, value_bytes, not kv)
         src_msgs, dst_msgs = [], []
         holds = {}
         for proxy, (a, b) in zip(route.send_proxies, route.send_ranges, strict=True):
             holds[proxy] = src_dep
             if proxy != route.src and b > a:
+                stream = routed._replace(decodes=False)
                 holds[proxy] = self.send(
-                    route.src, proxy, (b - a) * row_bytes, [src_dep], f"{name} dispatch"
+                    route.src, proxy, (b - a) * row_bytes, [src_dep], f"{name} dispatch", stream
                 )
                 src_msgs.append(holds[proxy])
         collected = defaultdict(list)
@@ -193,6 +244,9 @@ class _Builder:
                 (piece.hi - piece.lo) * row_bytes,
                 deps,
                 f"{name} piece",
+                routed._replace(
+                    encodes=piece.sender == route.src, decodes=piece.receiver == route.dst
+                ),
             )
             collected[piece.receiver].append(task)
             if piece.sender == route.src:
@@ -202,9 +256,11 @@ class _Builder:
         for proxy, (a, b) in zip(route.recv_proxies, route.recv_ranges, strict=True):
             if proxy != route.dst and b > a:
                 deps = [*collected[proxy], dst_dep]
-                dst_msgs.append(
-                    self.send(proxy, route.dst, (b - a) * row_bytes, deps, f"{name} combine")
+                stream = routed._replace(encodes=False)
+                combine = self.send(
+                    proxy, route.dst, (b - a) * row_bytes, deps, f"{name} combine", stream
                 )
+                dst_msgs.append(combine)
         return src_msgs, dst_msgs
 
     # the engine's parts
@@ -273,10 +329,13 @@ class _Builder:
         factor = self.setup.rates.contention - 1.0
         for member, rank in enumerate(item.ranks):
             position = member // item.ulysses
-            seconds = self.step_seconds(item, layouts, position, step)
-            moving = sum(self.graph.tasks[t].duration for msgs in in_flight for t in msgs[rank])
-            seconds += factor * min(seconds, moving)
+            alone = self.step_seconds(item, layouts, position, step)
+            messages = [t for msgs in in_flight for t in msgs[rank]]
+            moving = sum(self.graph.tasks[t].duration for t in messages)
+            seconds = alone + factor * min(alone, moving)
             out[rank] = self.compute(rank, seconds, f"attention step {step}")
+            if self.record:
+                self.recipes.append(("contended", out[rank], alone, messages))
         return out
 
     def ring_forward(self, index: int, item: QueueItem, layouts) -> None:
@@ -318,9 +377,11 @@ class _Builder:
         if not forward:
             self.collective(list(item.ranks), seconds, "dK/dV reduce-scatter")
 
-    def ulysses_exchange(self, item: QueueItem, row_bytes, name: str) -> None:
-        """Members of each ring position swap rows for heads; `row_bytes(me, peer)` is the
-        message size from member `me` to member `peer`."""
+    def ulysses_exchange(self, item: QueueItem, sizes, name: str) -> None:
+        """Members of each ring position swap rows for heads; `sizes` is (`row_bytes`,
+        the `Stream`), `row_bytes(position, me, peer)` the message size from member `me`
+        to member `peer`."""
+        row_bytes, stream = sizes
         u = item.ulysses
         posted = {r: self.point[r] for r in item.ranks}
         done = defaultdict(list)
@@ -335,6 +396,7 @@ class _Builder:
                             row_bytes(position, me, peer),
                             [posted[src], posted[dst]],
                             name,
+                            stream,
                         )
                         done[src].append(task)
                         done[dst].append(task)
@@ -342,7 +404,8 @@ class _Builder:
             self.wait(rank, done[rank])
 
     def ulysses_sizes(self, item: QueueItem, incoming: bool):
-        """Message sizes of the exchange before (`incoming`) or after the ring, this phase."""
+        """(message sizes, `Stream`) of the exchange before (`incoming`) or after the ring,
+        this phase."""
         shape, u = self.setup.shape, item.ulysses
         placements = [self.setup.plan.placement(s) for s in item.seqs]
         tokens = [sum(p.member_tokens(m) for p in placements) for m in range(len(item.ranks))]
@@ -350,13 +413,17 @@ class _Builder:
         kv_per = shape.n_kv_heads // u if u <= shape.n_kv_heads else 1
         e, elem = shape.head_dim, self.setup.element_bytes
         forward = self.phase is Phase.FORWARD
+        name = CompressionStream.ULYSSES_ALL_TO_ALL.value
+        qkv, out = (q_per + 2 * kv_per) * e, q_per * e  # values per row
         if forward and incoming:  # Q/K/V of my rows, the peer's heads
-            return lambda pos, me, peer: tokens[pos * u + me] * (q_per + 2 * kv_per) * e * elem
-        if forward:  # attention output of the peer's rows, my heads
-            return lambda pos, me, peer: tokens[pos * u + peer] * q_per * e * elem
-        if incoming:  # output gradient of my rows, the peer's heads
-            return lambda pos, me, peer: tokens[pos * u + me] * q_per * e * elem
-        return lambda pos, me, peer: tokens[pos * u + peer] * (q_per + 2 * kv_per) * e * FP32_BYTES
+            mine, per_row, stream = True, qkv * elem, Stream(name, elem)
+        elif forward:  # attention output of the peer's rows, my heads
+            mine, per_row, stream = False, out * elem, Stream(name, elem)
+        elif incoming:  # output gradient of my rows, the peer's heads
+            mine, per_row, stream = True, out * elem, Stream(name, elem, True)
+        else:  # dQ/dK/dV of the peer's rows, my heads, in float32
+            mine, per_row, stream = False, qkv * FP32_BYTES, Stream(name, FP32_BYTES, True)
+        return (lambda pos, me, peer: tokens[pos * u + (me if mine else peer)] * per_row), stream
 
     def attention(self) -> None:
         for index, item in enumerate(self.setup.plan.items()):
@@ -372,9 +439,13 @@ class _Builder:
             return
         posted = list(self.point)
         done = defaultdict(list)
+        backward = self.phase is Phase.BACKWARD
+        stream = Stream(
+            CompressionStream.REMAP_ALL_TO_ALL.value, self.setup.element_bytes, backward
+        )
         for src, dst, tokens in self.setup.remap.transfers:
             a, b = (dst, src) if to_attention else (src, dst)
-            task = self.send(a, b, tokens * row_bytes, [posted[a], posted[b]], name)
+            task = self.send(a, b, tokens * row_bytes, [posted[a], posted[b]], name, stream)
             done[a].append(task)
             done[b].append(task)
         for rank, tasks in done.items():
@@ -389,10 +460,13 @@ class _Builder:
         sync = self.setup.weight_sync[1 if backward else 0]
         elements = pointwise_share * pointwise_elements_per_token(self.setup.shape)
         for rank, tokens in enumerate(self.setup.linear_tokens()):
-            seconds = factor * tokens * flops_per_token / rates.matmul
-            seconds += rates.pointwise_seconds(tokens * elements)
-            seconds += (rates.contention - 1.0) * min(seconds, sync / 2)
-            self.wait(rank, [self.compute(rank, seconds, name)])
+            alone = factor * tokens * flops_per_token / rates.matmul
+            alone += rates.pointwise_seconds(tokens * elements)
+            seconds = alone + (rates.contention - 1.0) * min(alone, sync / 2)
+            task = self.compute(rank, seconds, name)
+            self.wait(rank, [task])
+            if self.record:
+                self.recipes.append(("linear", task, alone))
 
 
 POINTWISE_SHARES = ((1 / 6, 1 / 6), (1 / 3, 1 / 3))
@@ -403,6 +477,71 @@ part takes: (before attention, after it), forward then backward (backward: twice
 def layer_graph(setup: LayerSetup, phase: Phase) -> TaskGraph:
     """The task graph of one layer's forward or backward on every rank (module docstring)."""
     build = _Builder(setup, phase)
+    _layer_program(build)
+    return build.graph
+
+
+Wire = tuple[WireCodec, tuple[float, float]]
+"""What a layer's messages cost on: the codec and the weight collectives' seconds
+(`LayerSetup.codec`, `LayerSetup.weight_sync`)."""
+
+
+def layer_graphs(setup: LayerSetup, phase: Phase, wires: Sequence[Wire]) -> list[TaskGraph]:
+    """`layer_graph` of `setup` under each of `wires` in place of its own: the program is
+    built once, and only the durations the wire changes (messages, the weight
+    collectives and the compute they slow) are worked out again for each.
+
+    Raises:
+        ValueError: a wire has weight collectives in a phase where `setup` has none, or
+            the other way round (the graphs would differ in tasks, not only in times).
+    """
+    own = (setup.codec, setup.weight_sync)
+    build = _Builder(setup, phase, record=any(wire != own for wire in wires))
+    _layer_program(build)
+    graphs = []
+    for codec, sync in wires:
+        if [s > 0 for s in sync] != [s > 0 for s in setup.weight_sync]:
+            raise ValueError(f"weight sync {sync} against the setup's {setup.weight_sync}")
+        graphs.append(build.graph if (codec, sync) == own else _retime(build, codec, sync))
+    return graphs
+
+
+def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> TaskGraph:
+    """The builder's graph with the durations of `build.recipes` worked out under
+    `codec` and `sync`, as the builder works them out (`send`, `_member_computes`,
+    `linear`, `post_weight_sync`); the builder's graph itself where none changes."""
+    setup, tasks = build.setup, build.graph.tasks
+    weights = sync[0 if build.phase is Phase.FORWARD else 1]
+    factor = setup.rates.contention - 1.0
+    durations = [t.duration for t in tasks]
+    profiles: dict[tuple, Profile] = {}
+    messages: dict[tuple, float] = {}  # most messages repeat a few sizes
+    for tag, task, *data in build.recipes:  # in task order: messages before their computes
+        if tag == "send":
+            key = tuple(data)
+            if key not in messages:
+                messages[key] = build.zipped(codec, profiles, *data)
+            durations[task] = messages[key]
+        elif tag == "contended":
+            alone, sent = data
+            durations[task] = alone + factor * min(alone, sum(durations[t] for t in sent))
+        elif tag == "linear":
+            durations[task] = data[0] + factor * min(data[0], weights / 2)
+        else:
+            durations[task] = weights
+    changed = [i for i, (t, d) in enumerate(zip(tasks, durations, strict=True)) if t.duration != d]
+    if not changed:
+        return build.graph
+    retimed = list(tasks)
+    for i in changed:
+        t = tasks[i]
+        retimed[i] = Task(t.name, t.rank, t.lane, durations[i], t.resources, t.deps)
+    return TaskGraph(retimed)
+
+
+def _layer_program(build: _Builder) -> None:
+    """The layer's program (module docstring) into `build`."""
+    setup, phase = build.setup, build.phase
     shape, elem = setup.shape, setup.element_bytes
     qkv_bytes = (shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim * elem
     out_bytes = shape.n_heads * shape.head_dim * elem
@@ -423,7 +562,6 @@ def layer_graph(setup: LayerSetup, phase: Phase) -> TaskGraph:
         build.linear(before, "QKV projection", shares[0])
     for rank, task in sync.items():
         build.wait(rank, [task])
-    return build.graph
 
 
 def attention_graph(setup: LayerSetup, phase: Phase) -> TaskGraph:

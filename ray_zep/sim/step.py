@@ -16,25 +16,40 @@ axes; whole-sequence placements keep the rank-packed bins) and plays it:
   peers anyway);
 - the LM head runs on each rank's linear-layout tokens (the slowest rank counts);
 - MoE blocks exchange their tokens with the expert-parallel group by all-to-all
-  before and after the experts, forward and backward; these are not overlapped
-  (FoldMoE's overlap, `parallel.moe_pipeline`, is modelled per block by
-  `ray_zep.sim.moe_block`, not in the composed step);
+  before and after the experts, forward and backward (the rank with the most
+  linear-layout tokens counts). Without FoldMoE (`parallel.moe_pipeline=none`)
+  none of it is hidden; with it, each block plays the pipeline's program on that
+  rank's tokens (`ray_zep.sim.moe_block.overhang_seconds`: micro-batches, token
+  buffer and, where attention stays on the rank, time-uniform attention slices)
+  and the step pays what the block then takes beyond its plain compute: the
+  all-to-all time left exposed and the micro-batches' extra kernel calls.
+  Placements whose attention runs through the engine overlap only the MoE
+  micro-batches (aaam and 1a1m run as moe_only there, as in the trainer);
 - weight-passing modes play `ray_zep.sim.weight_passing` on each rank's own
   sequences; the slowest rank counts.
 
-ZipCCL compression (`comm.compression`) is not modelled in the composed step.
+ZipCCL (`comm.compression`, `comm.compression_streams`): every stream of the
+composed step goes zipped where the mode zips it (`ray_zep.sim.wire.WireCodec`):
+ring K/V and dK/dV, direct and routed, the Ulysses and remap exchanges
+(`ray_zep.sim.program`), FSDP2's all-gathers and reduce-scatters and the gradient
+all-reduce (`ray_zep.sim.weights`) and the expert all-to-alls (`expert_seconds`).
+Weight-passing modes send their shards plain here (`weight_shards` and
+`shard_gradients` are not modelled).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
-from ray_zep.config import Config, Precision
+from ray_zep.collectives.switcher import Kind
+from ray_zep.config import Compression, Config, MoEPipeline, Precision
 from ray_zep.costmodel import BACKWARD_LINEAR_FACTOR, BYTES_PER_ELEMENT, head_flops_per_token
 from ray_zep.model.shapes import ModelShape, build_shape
+from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, WeightsMode
 from ray_zep.parallel.memory import fsdp_units
 from ray_zep.parallel.step_plan import plan_step
@@ -42,12 +57,14 @@ from ray_zep.partition import greedy_bins, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import Phase, RoutingPlan
-from ray_zep.sim.events import Timeline, simulate
+from ray_zep.sim.events import TaskGraph, Timeline, simulate
 from ray_zep.sim.hardware import Hardware
-from ray_zep.sim.program import FP32_BYTES, LayerSetup, layer_graph
+from ray_zep.sim.moe_block import BlockSpread, overhang_seconds
+from ray_zep.sim.program import FP32_BYTES, LayerSetup, layer_graphs
 from ray_zep.sim.weight_passing import Workload
 from ray_zep.sim.weight_passing import simulate_step as weight_passing_step
-from ray_zep.sim.weights import weights_cost
+from ray_zep.sim.weights import WeightsCost, weights_cost
+from ray_zep.sim.wire import Stream, WireCodec, codec_bytes_s
 
 
 @dataclass(frozen=True)
@@ -60,6 +77,7 @@ class RunModel:
         shape: the model (`config.model`'s).
         element_bytes: bytes of an activation (and a gathered parameter): 2 in bf16.
         dkv_bytes: bytes of a dK/dV element on the wire (our engine: float32).
+        on_gpu: the ranks are GPUs (the codec's rate, `codec_bytes_s`).
     """
 
     config: Config
@@ -67,19 +85,29 @@ class RunModel:
     shape: ModelShape
     element_bytes: int = BYTES_PER_ELEMENT
     dkv_bytes: int = FP32_BYTES
+    on_gpu: bool = True
 
     @classmethod
     def create(cls, config: Config, hardware: Hardware, on_gpu: bool = True) -> RunModel:
         """Activations in bf16 on a GPU unless `train.precision=fp32`; float32 on CPU."""
         bf16 = on_gpu and config.train.precision is not Precision.FP32
         element = BYTES_PER_ELEMENT if bf16 else FP32_BYTES
-        return cls(config, hardware, build_shape(config.model), element)
+        return cls(config, hardware, build_shape(config.model), element, on_gpu=on_gpu)
+
+    def codec(self) -> WireCodec:
+        """ZipCCL as `config.comm` sets it, at this device's codec rate."""
+        hw = self.hardware
+        rate = codec_bytes_s(hw.rates, hw.topology.gpu_model, self.on_gpu)
+        return WireCodec.create(self.config.comm, rate)
 
     def with_te_wire(self) -> RunModel:
         """dK/dV in the activation dtype, as TransformerEngine sends them
         (`context_parallel.py`, AttnFuncWithCPAndKVP2P.backward), not in float32 as
-        our engine does: the TE CP baseline."""
-        return dataclasses.replace(self, dkv_bytes=self.element_bytes)
+        our engine does, and nothing compressed (TE and NCCL send plain bytes, whatever
+        `comm.compression` says): the TE CP baseline."""
+        comm = dataclasses.replace(self.config.comm, compression=Compression.OFF)
+        config = dataclasses.replace(self.config, comm=comm)
+        return dataclasses.replace(self, config=config, dkv_bytes=self.element_bytes)
 
 
 @dataclass
@@ -96,7 +124,8 @@ class StepResult:
         forward, backward: the layer timelines (for per-rank pictures); None for
             weight-passing modes.
         remap: the remap plan used, if any.
-        expert_seconds: the MoE blocks' all-to-alls.
+        expert_seconds: the MoE blocks' all-to-alls, as far as no compute hides them (and
+            the extra kernel calls of FoldMoE's micro-batches).
         optimizer_seconds: the optimizer update.
         fixed_seconds: the step's fixed host work (`ComputeRates.step_overhead_s`).
     """
@@ -178,32 +207,82 @@ def simulate_plan(
     """One step of `plan` under `run`'s weights mode (autograd family), its ring transfers
     routed through proxies or direct, its linear modules on `remap`'s layout (None: the
     plan's)."""
-    shape, hw = run.shape, run.hardware
+    return simulate_plans(plan, [run], routed, remap)[0]
+
+
+def simulate_plans(
+    plan: AttentionPlan,
+    runs: list[RunModel],
+    routed: bool = False,
+    remap: RemapPlan | None = None,
+) -> list[StepResult]:
+    """`simulate_plan` under each of `runs`: one composition with different switches
+    (`comm`, `parallel.moe_pipeline`). Its layer program is built once; runs on the
+    same wire share their layers' timelines, and the others only work out the durations
+    the wire changes again (`ray_zep.sim.program.layer_graphs`).
+
+    Raises:
+        ValueError: the runs differ in more than those switches.
+    """
+    base = runs[0]
+    for run in runs[1:]:
+        if _switched(run, base) != base:
+            raise ValueError("simulate_plans: the runs differ in more than comm and moe_pipeline")
+    shape, hw = base.shape, base.hardware
     cost = hw.cost(shape)
-    parallel = run.config.parallel
+    parallel = base.config.parallel
     units = len(fsdp_units(shape, parallel.fsdp_unit))
     host = units * hw.rates.fsdp_unit_overhead_s
-    weights = weights_cost(parallel.weights, shape, cost, run.element_bytes,
-                           parallel.reshard_after_forward, host)  # fmt: skip
+    codecs = [run.codec() for run in runs]
+    by_codec = {codec: weights_cost(parallel.weights, shape, cost, base.element_bytes,
+                                    parallel.reshard_after_forward, host, codec)
+                for codec in dict.fromkeys(codecs)}  # fmt: skip
+    weights = [by_codec[codec] for codec in codecs]
     routing = RoutingPlan.build(plan, routed=routed, all_hops=True)
-    setup = LayerSetup(plan, shape, cost, hw.rates, routing, remap, run.element_bytes,
-                       run.dkv_bytes, weights.layer_sync, weights.groups)  # fmt: skip
-    forward = simulate(layer_graph(setup, Phase.FORWARD))
-    backward = simulate(layer_graph(setup, Phase.BACKWARD))
-    head_tokens = max(setup.linear_tokens(), default=0)
+    setup = LayerSetup(plan, shape, cost, hw.rates, routing, remap, base.element_bytes,
+                       base.dkv_bytes, weights[0].layer_sync, weights[0].groups,
+                       codecs[0])  # fmt: skip
+    wires = list(dict.fromkeys((c, w.layer_sync) for c, w in zip(codecs, weights, strict=True)))
+    forward = _simulated(layer_graphs(setup, Phase.FORWARD, wires))
+    backward = _simulated(layer_graphs(setup, Phase.BACKWARD, wires))
+    tokens = setup.linear_tokens()
+    head_tokens = max(tokens, default=0)
     head_flops = (1 + BACKWARD_LINEAR_FACTOR) * head_tokens * head_flops_per_token(shape)
     head = head_flops / hw.rates.matmul
-    experts = expert_seconds(run, setup.linear_tokens())
-    optimizer = weights.owned_params * hw.rates.optimizer_param_seconds
-    fixed = hw.rates.step_overhead_s
-    layers = shape.n_layers * (forward.makespan + backward.makespan)
+    piped = any(r.config.parallel.moe_pipeline is not MoEPipeline.NONE for r in runs)
+    lengths = _busiest_sequences(plan, tokens) if piped and remap is None else None
+    results = []
+    for run, codec, paid in zip(runs, codecs, weights, strict=True):
+        wire = wires.index((codec, paid.layer_sync))
+        layers = (forward[wire], backward[wire])
+        experts = expert_seconds(run, tokens, lengths)
+        results.append(_result(plan, run, layers, head, paid, experts, remap))
+    return results
+
+
+def _result(
+    plan: AttentionPlan,
+    run: RunModel,
+    layers: tuple[Timeline, Timeline],
+    head: float,
+    paid: WeightsCost,
+    experts: float,
+    remap: RemapPlan | None,
+) -> StepResult:
+    """A step of `plan` from its parts: (forward, backward) layer timelines, the LM head,
+    what the weights mode costs and the expert all-to-alls."""
+    forward, backward = layers
+    rates = run.hardware.rates
+    optimizer = paid.owned_params * rates.optimizer_param_seconds
+    fixed = rates.step_overhead_s
+    total = run.shape.n_layers * (forward.makespan + backward.makespan)
     return StepResult(
         tokens=int(plan.lengths.sum()),
         forward_layer_seconds=forward.makespan,
         backward_layer_seconds=backward.makespan,
         head_seconds=head,
-        grad_sync_seconds=weights.exposed,
-        step_seconds=layers + head + weights.exposed + experts + optimizer + fixed,
+        grad_sync_seconds=paid.exposed,
+        step_seconds=total + head + paid.exposed + experts + optimizer + fixed,
         forward=forward,
         backward=backward,
         remap=remap,
@@ -213,22 +292,75 @@ def simulate_plan(
     )
 
 
+def _simulated(graphs: list[TaskGraph]) -> list[Timeline]:
+    """The timeline of each graph, each graph object played once (wires that change no
+    duration share the graph)."""
+    played: dict[int, Timeline] = {}
+    for graph in graphs:
+        if id(graph) not in played:
+            played[id(graph)] = simulate(graph)
+    return [played[id(graph)] for graph in graphs]
+
+
+def _switched(run: RunModel, like: RunModel) -> RunModel:
+    """`run` with `like`'s switches (`comm`, `parallel.moe_pipeline`)."""
+    config = like.config
+    parallel = dataclasses.replace(run.config.parallel, moe_pipeline=config.parallel.moe_pipeline)
+    return dataclasses.replace(
+        run, config=dataclasses.replace(run.config, comm=config.comm, parallel=parallel)
+    )
+
+
+def _busiest_sequences(plan: AttentionPlan, tokens: list[int]) -> list[int] | None:
+    """The lengths of the sequence pieces the rank with the most `tokens` holds."""
+    if not tokens:
+        return None
+    return [f.length for f in plan.layout(int(np.argmax(tokens)))]
+
+
 EXPERT_EXCHANGES = 4
 """All-to-alls per MoE block and step: dispatch and combine, forward and backward."""
 
 
-def expert_seconds(run: RunModel, tokens: list[int]) -> float:
-    """The MoE blocks' all-to-alls over the expert-parallel groups (slowest rank): each
-    sends its tokens' top-k rows, all but its own share to the other members."""
-    shape, ep = run.shape, run.config.parallel.ep
-    if shape.moe_blocks == 0 or ep <= 1:
+def expert_seconds(run: RunModel, tokens: list[int], lengths: list[int] | None = None) -> float:
+    """The MoE blocks' all-to-alls over the expert-parallel groups, as far as they are not
+    hidden (module docstring), for the rank with the most `tokens`; `lengths`: the
+    sequences it holds whole, which FoldMoE's aaam and 1a1m slice (None: one stream
+    of its tokens). Each rank sends its tokens' top-k rows, all but its own share to
+    the other members, zipped where `comm.compression` zips the `expert_all_to_all`
+    stream (gradients in backward)."""
+    shape, parallel = run.shape, run.config.parallel
+    ep, schedule = parallel.ep, parallel.moe_pipeline
+    if shape.moe_blocks == 0 or (ep <= 1 and schedule is MoEPipeline.NONE):
         return 0.0
-    cost = run.hardware.cost(shape)
-    # one peer's share of the slowest rank's top-k rows; an all-to-all moves as much per
-    # rank as an all-gather of one such block per peer (the group: ranks 0 .. ep - 1)
-    block = max(tokens, default=0) * shape.moe_top_k * shape.dim * run.element_bytes / ep
-    per_exchange = cost.all_gather_seconds(block, range(ep))
-    return shape.moe_blocks * EXPERT_EXCHANGES * per_exchange
+    cost, codec = run.hardware.cost(shape), run.codec()
+    name = CompressionStream.EXPERT_ALL_TO_ALL.value
+
+    def exchange(elements: float, gradient: bool) -> float:
+        """One dispatch or combine of `elements` values per rank. An all-to-all moves as
+        much per rank as an all-gather of one peer's share per peer (ranks 0 .. ep - 1)."""
+        nbytes = elements * run.element_bytes
+        plain = cost.all_gather_seconds(nbytes / ep, range(ep))
+        stream = Stream(name, run.element_bytes, gradient)
+        return codec.collective_seconds(plain, cost, range(ep), Kind.ALL_TO_ALL, stream, nbytes)
+
+    top = max(tokens, default=0)
+    if schedule is MoEPipeline.NONE:
+        values = top * shape.moe_top_k * shape.dim  # what each rank sends
+        per_block = EXPERT_EXCHANGES / 2 * (exchange(values, False) + exchange(values, True))
+        return shape.moe_blocks * per_block
+    if not SEQUENCE_AXES[parallel.sequence].local_attention_only or lengths is None:
+        # attention runs through the engine (or is not the rank's own): MoE micro-batches only
+        lengths = [top]
+        if schedule in (MoEPipeline.AAAM, MoEPipeline.ONE_A_ONE_M):
+            schedule = MoEPipeline.MOE_ONLY
+    block = 0.0
+    for backward in (False, True):
+        spread = BlockSpread(1, lambda n: 0.0, partial(exchange, gradient=backward))
+        block += overhang_seconds(shape, lengths, schedule, parallel.moe_overlap_degree,
+                                  parallel.moe_uniform_slicing, run.hardware.rates, spread,
+                                  backward)  # fmt: skip
+    return shape.moe_blocks * block
 
 
 def _weight_passing(lengths: np.ndarray, bins: list[list[int]], run: RunModel) -> StepResult:

@@ -16,6 +16,12 @@ As the trainer runs each mode (`ray_zep.parallel.fsdp`, `ray_zep.train.comms`):
   all-reduce of each node's shard across nodes after backward. Each rank updates
   only its shard.
 
+With `comm.compression` (`ray_zep.sim.wire.WireCodec`), FSDP2's all-gathers
+(`fsdp_all_gather`, in the parameters' dtype) and reduce-scatters
+(`fsdp_reduce_scatter`, float32) and the replicated gradient all-reduce
+(`gradients`, float32) go zipped where the mode zips them; hsdp's all-reduce across
+nodes is FSDP2's own and stays plain, as in the trainer.
+
 Weight-passing modes are simulated by `ray_zep.sim.weight_passing`.
 """
 
@@ -25,11 +31,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ray_zep.collectives.switcher import Kind
 from ray_zep.costmodel import GRAD_BYTES_PER_ELEMENT, CostModel
 from ray_zep.model.shapes import ModelShape
+from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import WEIGHTS_AXES, Sharding, WeightsMode
 from ray_zep.parallel.memory import block_params
+from ray_zep.sim.wire import PLAIN, Stream, WireCodec
 from ray_zep.topology import Topology
+
+SCATTER = Stream(CompressionStream.FSDP_REDUCE_SCATTER.value, GRAD_BYTES_PER_ELEMENT, True)
+GRADIENTS = Stream(CompressionStream.GRADIENTS.value, GRAD_BYTES_PER_ELEMENT, True)
 
 
 @dataclass(frozen=True)
@@ -63,11 +75,12 @@ def weights_cost(
     param_bytes: int,
     reshard: bool = True,
     host_seconds: float = 0.0,
+    codec: WireCodec = PLAIN,
 ) -> WeightsCost:
     """The cost of `mode` for `shape` on `cost`'s topology; parameters gathered in
-    `param_bytes` per element, gradients reduced in float32; FSDP2's host work of a
-    step (`host_seconds`: its units times `ComputeRates.fsdp_unit_overhead_s`) counts
-    as exposed.
+    `param_bytes` per element, gradients reduced in float32, each zipped where `codec`
+    zips it; FSDP2's host work of a step (`host_seconds`: its units times
+    `ComputeRates.fsdp_unit_overhead_s`) counts as exposed.
 
     Raises:
         ValueError: a weight-passing mode (see `ray_zep.sim.weight_passing`).
@@ -78,18 +91,32 @@ def weights_cost(
     if axis.sharding is Sharding.NONE:
         ranks = range(topology.world_size)
         grads = params * GRAD_BYTES_PER_ELEMENT
-        return WeightsCost(exposed=cost.all_reduce_seconds(grads, ranks), owned_params=params)
+        plain = cost.all_reduce_seconds(grads, ranks)
+        exposed = codec.collective_seconds(plain, cost, ranks, Kind.ALL_REDUCE, GRADIENTS, grads)
+        return WeightsCost(exposed=exposed, owned_params=params)
     if not axis.fsdp:
         raise ValueError(f"parallel.weights={mode.value} is simulated by sim.weight_passing")
     groups = _groups(topology, axis.sharding)
     size = len(groups[0])
     # one block, averaged over dense and MoE blocks (an MoE block holds every expert)
     block = float(np.mean([block_params(shape, i) for i in range(shape.n_layers)])) / size
-    gather = cost.all_gather_seconds(block * param_bytes, groups[0])
-    scatter = cost.all_gather_seconds(block * GRAD_BYTES_PER_ELEMENT, groups[0])
     embedding = shape.vocab_size * shape.dim / size
-    first = cost.all_gather_seconds(embedding * param_bytes, groups[0])
-    last = cost.all_gather_seconds(embedding * GRAD_BYTES_PER_ELEMENT, groups[0])
+    gather_stream = Stream(CompressionStream.FSDP_ALL_GATHER.value, param_bytes)
+
+    def gather_seconds(shard: float) -> float:  # `shard` parameters per rank
+        nbytes = shard * param_bytes
+        plain = cost.all_gather_seconds(nbytes, groups[0])
+        return codec.collective_seconds(
+            plain, cost, groups[0], Kind.ALL_GATHER, gather_stream, nbytes
+        )
+
+    def scatter_seconds(shard: float) -> float:  # the switcher counts the whole buffer
+        plain = cost.all_gather_seconds(shard * GRAD_BYTES_PER_ELEMENT, groups[0])
+        full = shard * size * GRAD_BYTES_PER_ELEMENT
+        return codec.collective_seconds(plain, cost, groups[0], Kind.REDUCE_SCATTER, SCATTER, full)
+
+    gather, scatter = gather_seconds(block), scatter_seconds(block)
+    first, last = gather_seconds(embedding), scatter_seconds(embedding)
     # before the blocks: embedding and first block; the head once (it stays gathered);
     # after them: the last block's, the head's and the embedding's reduce-scatters
     exposed = 2 * first + gather + 2 * last + scatter

@@ -1,0 +1,61 @@
+"""The share of a core each rank of a CPU virtual cluster gets right now.
+
+A virtual cluster runs more single-threaded rank processes than the machine has
+cores, and a virtual machine's cores are not always all there: its host may run
+other guests on them. On a 2-core VM, 4 busy processes got 0.26 to 0.52 of a core
+each in three calibrations within 20 minutes. A prediction made with the share
+measured at calibration time is then off by up to 2x for a run made later, so
+`ray-zep bench train` and `bench validate` probe the share just before and just
+after each run and predict that run with their mean.
+
+The probe: `ranks` processes run the same CPU-bound loop at once; the share is the
+time of the loop in one process alone over the mean time of the concurrent ones.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+
+PROBE_ITERATIONS = 1_000_000
+"""Loop iterations per process (about 40 ms on one core of a 2020s x86-64 server)."""
+ROUNDS = 3
+
+
+def _loop(iterations: int, results) -> None:
+    started = time.perf_counter()
+    total = 0
+    for i in range(iterations):
+        total += i * i
+    results.put(time.perf_counter() - started)
+
+
+def _timed(processes: int, iterations: int) -> float:
+    """Mean seconds of the loop over `processes` concurrent processes."""
+    context = mp.get_context("fork")  # no torch state is touched in the children
+    results = context.Queue()
+    workers = [context.Process(target=_loop, args=(iterations, results)) for _ in range(processes)]
+    for worker in workers:
+        worker.start()
+    times = [results.get(timeout=60) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=60)
+    return statistics.fmean(times)
+
+
+def probe_core_share(ranks: int, iterations: int = PROBE_ITERATIONS) -> float:
+    """Share of a core each of `ranks` busy processes gets now (median of `ROUNDS`), at
+    most 1.
+
+    Raises:
+        ValueError: `ranks` < 1.
+    """
+    if ranks < 1:
+        raise ValueError(f"probing the core share needs >= 1 rank, got {ranks}")
+    shares = []
+    for _ in range(ROUNDS):
+        alone = _timed(1, iterations)
+        together = _timed(ranks, iterations)
+        shares.append(min(1.0, alone / together))
+    return statistics.median(shares)
