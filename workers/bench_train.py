@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from ray_zep import steplog
 from ray_zep.bench.calibrate import Calibration, calibrate
-from ray_zep.bench.core_share import probe_core_share
+from ray_zep.bench.core_share import while_probed
 from ray_zep.config import load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import ConfigError
@@ -137,10 +138,7 @@ def run_train_bench(
         extra.append(f"train.out_dir={run_dir}")
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resume
         config = load_config(config_path, [*overrides, *extra])
-        ranks = calibration.ranks
-        before = probe_core_share(ranks)
-        summary = train(config)
-        share = (before + probe_core_share(ranks)) / 2
+        summary, share = while_probed(calibration.ranks, partial(train, config))
         seconds, tokens = steady_totals(steplog.step_rows(summary.run_dir / METRICS_FILE_NAME))
         now = dataclasses.replace(calibration, run_share=share)
         hardware = now.hardware(config.topology)

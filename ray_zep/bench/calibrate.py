@@ -34,7 +34,7 @@ from ray_zep.bench.calibrate_kernels import (
 )
 from ray_zep.bench.calibrate_links import LinkPoint, contention, fit_link, measure_links
 from ray_zep.bench.calibrate_ring import with_ring_step
-from ray_zep.bench.core_share import probe_core_share
+from ray_zep.bench.core_share import while_probed
 from ray_zep.config import Config, TopologyConfig
 from ray_zep.costmodel import ComputeRates
 from ray_zep.model.shapes import ModelShape, build_shape
@@ -252,9 +252,7 @@ def calibrate(config: Config, device: torch.device, repeats: int = 5) -> Calibra
     out = Calibration(rates, measurements=[call, *attention, *matmul, *model], cores=cpu_count())
     if device.type == "cpu":
         out.ranks = max(2, ranks)
-        before = probe_core_share(out.ranks)
-        links = measure_links(out.ranks)
-        out.core_share = (before + probe_core_share(out.ranks)) / 2
+        links, out.core_share = while_probed(out.ranks, lambda: measure_links(out.ranks))
         out.rates = dataclasses.replace(out.rates, contention=contention(links))
         out.link_latency_s, out.link_bandwidth = fit_link(links, "message")
         out.step_latency_s, out.step_bandwidth = fit_link(links, "all_gather_step")

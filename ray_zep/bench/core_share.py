@@ -17,6 +17,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import statistics
 import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 PROBE_ITERATIONS = 1_000_000
 """Loop iterations per process (about 40 ms on one core of a 2020s x86-64 server)."""
@@ -59,3 +63,11 @@ def probe_core_share(ranks: int, iterations: int = PROBE_ITERATIONS) -> float:
         together = _timed(ranks, iterations)
         shares.append(min(1.0, alone / together))
     return statistics.median(shares)
+
+
+def while_probed(ranks: int, work: Callable[[], T]) -> tuple[T, float]:
+    """`work()`'s result and the share of a core each of `ranks` processes got around it:
+    the mean of a probe just before and one just after."""
+    before = probe_core_share(ranks)
+    result = work()
+    return result, (before + probe_core_share(ranks)) / 2
