@@ -134,6 +134,13 @@ class ComputeRates:
         codec_bytes_s: original bytes/s of the ZipCCL codec on one device, compress
             and decompress alike; 0: not measured, the simulator's default for the
             device (`ray_zep.sim.wire.codec_bytes_s`).
+        curve_heads: query heads per kernel call the curves were measured with, where
+            the kernel's rate follows the size of the score tensor it materializes
+            (heads x queries x keys: the torch reference kernel of a CPU). A call
+            with h heads (Ulysses leaves each rank H / U) is read at the length whose
+            tensor is as large with `curve_heads`: length x sqrt(h / curve_heads).
+            0: the rate follows the length alone (flash-attn works in tiles whatever
+            the heads: the published curves, a calibration of flash-attn).
     """
 
     attention_forward: float
@@ -151,6 +158,7 @@ class ComputeRates:
     fsdp_unit_overhead_s: float = 0.0
     ring_row_seconds: float = 0.0
     codec_bytes_s: float = 0.0
+    curve_heads: int = 0
 
     def __post_init__(self) -> None:
         rates = (self.attention_forward, self.attention_backward, self.matmul)
@@ -164,7 +172,7 @@ class ComputeRates:
             self.fsdp_unit_overhead_s,
             self.ring_row_seconds,
         )
-        if min(self.pointwise, *fixed) < 0:
+        if min(self.pointwise, *fixed, self.curve_heads) < 0:
             raise ValueError(f"pointwise rate and fixed costs must be >= 0, got {self}")
         for kind, points in self.curves:
             if kind not in CURVE_KINDS or not points or min(r for _, r in points) <= 0:
@@ -177,13 +185,22 @@ class ComputeRates:
         return tokens / (tokens + half) if tokens > 0 else 1.0
 
     def attention_rate(
-        self, tokens: float, causal: bool, backward: bool, autograd: bool = False
+        self,
+        tokens: float,
+        causal: bool,
+        backward: bool,
+        autograd: bool = False,
+        heads: int = 0,
     ) -> float:
         """FLOP/s of a block of `tokens` per sequence (a measured curve where there is one);
-        `autograd`: local attention differentiated by autograd, not by the engine."""
+        `autograd`: local attention differentiated by autograd, not by the engine;
+        `heads`: query heads of the call (0: as many as the curves were measured with,
+        see `curve_heads`)."""
         kind = f"{'backward' if backward else 'forward'}_{'causal' if causal else 'full'}"
         kinds = ("backward_autograd", kind) if autograd and backward and causal else (kind,)
         curves = dict(self.curves)
+        if self.curve_heads and heads:
+            tokens *= math.sqrt(heads / self.curve_heads)
         for name in kinds:
             if name in curves:
                 return _interpolate(curves[name], tokens)
@@ -191,12 +208,19 @@ class ComputeRates:
         return rate * self.attention_efficiency(tokens, causal)
 
     def attention_seconds(
-        self, flops: float, tokens: float, causal: bool, backward: bool, autograd: bool = False
+        self,
+        flops: float,
+        tokens: float,
+        causal: bool,
+        backward: bool,
+        autograd: bool = False,
+        heads: int = 0,
     ) -> float:
         """Seconds of `flops` attention FLOPs (forward-counted x `BACKWARD_ATTENTION_FACTOR`
         when `backward`) on blocks of `tokens` query tokens per sequence (unmasked
-        blocks: the geometric mean of their query and key tokens)."""
-        return flops / self.attention_rate(tokens, causal, backward, autograd)
+        blocks: the geometric mean of their query and key tokens) with `heads` query
+        heads per call (`attention_rate`)."""
+        return flops / self.attention_rate(tokens, causal, backward, autograd, heads)
 
     def pointwise_seconds(self, elements: float) -> float:
         return elements / self.pointwise if self.pointwise > 0 else 0.0

@@ -199,6 +199,26 @@ def test_attention_rates_follow_the_measured_curve_and_survive_a_file(tmp_path) 
     assert ComputeRates.load(RATES.save(tmp_path / "rates.json")) == RATES
 
 
+def test_a_kernel_bound_by_its_score_tensor_reads_its_curve_at_the_calls_heads() -> None:
+    """The CPU reference kernel materializes heads x queries x keys scores: a call with a
+    quarter of the calibration's heads runs like one half as long (the same tensor);
+    flash-attn's curves (curve_heads 0) follow the length whatever the heads."""
+    cpu = dataclasses.replace(RATES, curve_heads=4)
+    half = RATES.attention_rate(128, True, False)
+    assert cpu.attention_rate(256, True, False, heads=1) == pytest.approx(half)
+    assert cpu.attention_rate(256, True, False, heads=4) == RATES.attention_rate(256, True, False)
+    assert cpu.attention_rate(256, True, False) == RATES.attention_rate(256, True, False)
+    assert RATES.attention_rate(256, True, False, heads=1) == RATES.attention_rate(256, True, False)
+    # usp's members call the kernel with H / U heads (tiny: 4 heads, U = 2), te_cp with all
+    lengths = np.array([2048])
+    for placement, slower in ((Placement.USP, True), (Placement.TE_CP, False)):
+        by_length = simulate_batch(lengths, _run(placement, WeightsMode.REPLICATED))
+        by_tensor = simulate_batch(lengths, _run(placement, WeightsMode.REPLICATED, cpu))
+        # these curves rise with the length: a shorter reading is a slower kernel
+        assert (by_tensor.step_seconds > by_length.step_seconds) is slower
+        assert by_tensor.step_seconds >= by_length.step_seconds
+
+
 def test_link_fits_and_contention_from_measured_points() -> None:
     points = [LinkPoint("message", n, 1e-3 + n / 1e9) for n in (1 << 12, 1 << 18, 1 << 21)]
     latency, bandwidth = fit_link(points, "message")

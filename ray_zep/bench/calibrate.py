@@ -25,6 +25,8 @@ import torch
 
 from ray_zep.bench.calibrate_kernels import (
     Measurement,
+    calibration_dtype,
+    curve_heads,
     curves,
     measure_attention,
     measure_call,
@@ -214,7 +216,7 @@ def measure_compute(
 ) -> tuple[Measurement, list, list, list, float]:
     """(call, attention, matmul, model measurements, optimizer seconds per parameter) of
     one process (one thread on CPU: one virtual GPU is one single-threaded process)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = calibration_dtype(device)
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -248,6 +250,7 @@ def calibrate(config: Config, device: torch.device, repeats: int = 5) -> Calibra
         curves=kinds,
         pointwise=pointwise_rate(shape, model, matmul_rate),
         optimizer_param_seconds=optimizer,
+        curve_heads=curve_heads(shape, device),
     )
     out = Calibration(rates, measurements=[call, *attention, *matmul, *model], cores=cpu_count())
     if device.type == "cpu":

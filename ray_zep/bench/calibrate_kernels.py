@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ray_zep.attention import ring
-from ray_zep.attention.kernels import select_backward, select_kernel
+from ray_zep.attention.kernels import flash_varlen_attention, select_backward, select_kernel
 from ray_zep.attention.schedule import StepMeta
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.costmodel import (
@@ -161,6 +161,20 @@ def measure_attention(
                 seconds = _autograd_backward(q, kv, meta, kernel, repeats)
                 out.append(Measurement("backward_autograd", size, flops, seconds))
     return out
+
+
+def calibration_dtype(device: torch.device) -> torch.dtype:
+    """The dtype training computes in on `device` (bf16 on a GPU, float32 on CPU)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def curve_heads(shape: ModelShape, device: torch.device) -> int:
+    """`ComputeRates.curve_heads` of the curves `measure_attention` measures: the model's
+    query heads where the kernel training selects materializes the score tensor (the
+    torch reference: its rate falls as the tensor outgrows the caches), 0 for
+    flash-attn (tiles: its rate follows the length)."""
+    flash = select_kernel("auto", device, calibration_dtype(device)) is flash_varlen_attention
+    return 0 if flash else shape.n_heads
 
 
 def measure_call(shape: ModelShape, device: torch.device, dtype: torch.dtype, repeats: int):

@@ -271,7 +271,9 @@ class _Builder:
         Each sequence's block runs at the rate of its length (`ComputeRates.attention_seconds`):
         step 0 computes causal blocks over the member's own rows, later steps unmasked
         blocks of its rows against the source's (their length: the geometric mean of
-        the two sides).
+        the two sides), each call with the member's heads (H / U under Ulysses: a kernel
+        whose rate follows its score tensor's size reads its curve at a shorter length,
+        `ComputeRates.curve_heads`).
         """
         ring = item.ring_size
         source = (position - step) % ring
@@ -282,7 +284,8 @@ class _Builder:
         backward = self.phase is Phase.BACKWARD
         # whole-sequence placements call the kernel in the model: autograd differentiates it
         autograd = SEQUENCE_AXES[self.setup.plan.planner].whole_sequences
-        per_pair = 4.0 * (shape.n_heads // item.ulysses) * shape.head_dim
+        heads = shape.n_heads // item.ulysses  # Ulysses leaves each member H / U heads
+        per_pair = 4.0 * heads * shape.head_dim
         if backward:
             per_pair *= BACKWARD_ATTENTION_FACTOR
         seconds = rates.call_overhead_s
@@ -293,7 +296,7 @@ class _Builder:
                 flops, length, causal = per_pair * q * (q + 1) / 2, q, True
             else:
                 flops, length, causal = per_pair * q * k, (q * k) ** 0.5, False
-            seconds += rates.attention_seconds(flops, length, causal, backward, autograd)
+            seconds += rates.attention_seconds(flops, length, causal, backward, autograd, heads)
         return seconds
 
     def kv_row_bytes(self, item: QueueItem, payload: Payload) -> int:
