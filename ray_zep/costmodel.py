@@ -226,7 +226,8 @@ class ComputeRates:
         return elements / self.pointwise if self.pointwise > 0 else 0.0
 
     def scaled(self, share: float, note: str) -> ComputeRates:
-        """These rates with every FLOP rate times `share` (devices sharing a processor)."""
+        """These rates with every FLOP rate and the codec's rate times `share` (devices
+        sharing a processor)."""
         return replace(
             self,
             attention_forward=self.attention_forward * share,
@@ -238,6 +239,7 @@ class ComputeRates:
             ),
             pointwise=self.pointwise * share,
             optimizer_param_seconds=self.optimizer_param_seconds / share,
+            codec_bytes_s=self.codec_bytes_s * share,
         )
 
     def save(self, path: str | Path) -> Path:

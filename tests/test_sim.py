@@ -229,6 +229,23 @@ def test_calibration_fit_and_file_round_trip(tmp_path) -> None:
         ComputeRates.load(tmp_path / "bad.json")
 
 
+def test_calibration_measures_the_codec_and_the_kernels_score_heads(tmp_path) -> None:
+    import torch
+
+    from ray_zep.bench.calibrate import Calibration
+    from ray_zep.bench.calibrate_kernels import CODEC_VALUES, curve_heads, measure_codec
+
+    cpu = torch.device("cpu")
+    codec = measure_codec(cpu, torch.float32, 1)
+    assert codec.size == 4 * CODEC_VALUES and 0 < codec.seconds < 5
+    # the torch kernel a CPU runs materializes its scores: curves by the tensor's size
+    assert curve_heads(SHAPE, cpu) == SHAPE.n_heads
+    rates = dataclasses.replace(RATES, codec_bytes_s=1e9, curve_heads=4)
+    assert rates.scaled(0.5, "half").codec_bytes_s == 0.5e9
+    loaded = Calibration.load(Calibration(rates).save(tmp_path / "calibration.json"))
+    assert loaded.rates.curve_heads == 4 and loaded.rates.codec_bytes_s == 1e9
+
+
 def test_job_share_slows_every_host_cost_measured_outside_the_job(tmp_path) -> None:
     from ray_zep.bench.calibrate import Calibration
 

@@ -30,6 +30,7 @@ from ray_zep.bench.calibrate_kernels import (
     curves,
     measure_attention,
     measure_call,
+    measure_codec,
     measure_matmul,
     measure_model,
     pointwise_rate,
@@ -192,7 +193,7 @@ class Calibration:
             f"GFLOP/s, call {r.call_overhead_s * 1e6:.1f} us, element-wise "
             f"{r.pointwise / 1e9:.3f} G elements/s, optimizer "
             f"{r.optimizer_param_seconds * 1e9:.2f} ns/parameter, compute x{r.contention:.2f} "
-            "while messages move"
+            f"while messages move, ZipCCL codec {r.codec_bytes_s / 1e9:.2f} GB/s"
         )
         if self.link_bandwidth:
             lines.append(
@@ -213,9 +214,10 @@ class Calibration:
 
 def measure_compute(
     shape: ModelShape, device: torch.device, repeats: int
-) -> tuple[Measurement, list, list, list, float]:
-    """(call, attention, matmul, model measurements, optimizer seconds per parameter) of
-    one process (one thread on CPU: one virtual GPU is one single-threaded process)."""
+) -> tuple[Measurement, list, list, list, float, Measurement]:
+    """(call, attention, matmul, model measurements, optimizer seconds per parameter,
+    codec) of one process (one thread on CPU: one virtual GPU is one single-threaded
+    process)."""
     dtype = calibration_dtype(device)
     threads = torch.get_num_threads()
     if device.type == "cpu":
@@ -225,9 +227,10 @@ def measure_compute(
         attention = measure_attention(shape, device, dtype, repeats)
         matmul = measure_matmul(shape, device, dtype, repeats)
         model, optimizer = measure_model(shape, device, dtype, repeats)
+        codec = measure_codec(device, dtype, repeats)
     finally:
         torch.set_num_threads(threads)
-    return call, attention, matmul, model, optimizer
+    return call, attention, matmul, model, optimizer, codec
 
 
 def calibrate(config: Config, device: torch.device, repeats: int = 5) -> Calibration:
@@ -236,7 +239,7 @@ def calibrate(config: Config, device: torch.device, repeats: int = 5) -> Calibra
     the attention engine's ring step among them."""
     shape = build_shape(config.model)
     ranks = build_topology(config.topology).world_size
-    call, attention, matmul, model, optimizer = measure_compute(shape, device, repeats)
+    call, attention, matmul, model, optimizer, codec = measure_compute(shape, device, repeats)
     _, matmul_rate = fit(matmul)
     kinds = curves(attention, call.seconds)
     longest = {kind: points[-1][1] for kind, points in kinds}
@@ -251,8 +254,10 @@ def calibrate(config: Config, device: torch.device, repeats: int = 5) -> Calibra
         pointwise=pointwise_rate(shape, model, matmul_rate),
         optimizer_param_seconds=optimizer,
         curve_heads=curve_heads(shape, device),
+        codec_bytes_s=codec.size / codec.seconds,
     )
-    out = Calibration(rates, measurements=[call, *attention, *matmul, *model], cores=cpu_count())
+    measured = [call, *attention, *matmul, *model, codec]
+    out = Calibration(rates, measurements=measured, cores=cpu_count())
     if device.type == "cpu":
         out.ranks = max(2, ranks)
         links, out.core_share = while_probed(out.ranks, lambda: measure_links(out.ranks))

@@ -16,6 +16,8 @@
   attention that only passes its queries through; what the matmuls do not
   explain is the element-wise work (`costmodel.pointwise_elements_per_token`).
 - optimizer: one AdamW update with gradient clipping of the model's parameters.
+- codec: ZipCCL's compress and decompress (`ray_zep.collectives.codec`, the kernel
+  training uses) of `CODEC_VALUES` Gaussian values in the training dtype.
 
 FLOPs are counted as the simulator counts them (`ray_zep.costmodel`).
 """
@@ -50,6 +52,8 @@ TOKENS = 4096
 MATMUL_TOKENS = (256, 512, 1024, 2048)
 MODEL_TOKENS = (512, 2048)
 """Packed tokens of the two model measurements the element-wise rate is fitted on."""
+CODEC_VALUES = 1 << 20
+"""Values of the codec measurement (4 MB in float32: a typical gradient bucket)."""
 MODEL_SEQUENCE = 64
 """Sequence length of those batches (short: attention is passed through anyway)."""
 
@@ -230,6 +234,18 @@ def measure_model(
         optimizer.step()
 
     return out, timed(repeats, update) / sum(p.numel() for p in model.parameters())
+
+
+def measure_codec(device: torch.device, dtype: torch.dtype, repeats: int) -> Measurement:
+    """Seconds of one compress and one decompress, averaged: the codec's rate is
+    `size` / `seconds` original bytes/s each way (`ComputeRates.codec_bytes_s`)."""
+    from ray_zep.collectives.codec import compress, decompress
+
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randn(CODEC_VALUES, generator=generator).to(device, dtype)
+    packed = compress(values)
+    both = timed(repeats, compress, values) + timed(repeats, decompress, packed)
+    return Measurement("codec", values.numel() * values.element_size(), 0.0, both / 2)
 
 
 def pointwise_rate(shape: ModelShape, model: list[Measurement], matmul_rate: float) -> float:

@@ -8,7 +8,6 @@ an MoE model), times ZipCCL compression off and `auto` (`comm.compression`),
 times FoldMoE's pipeline off and on (`parallel.moe_pipeline`: the config's
 schedule, or 1a1m; MoE models with expert parallelism only), less what the config
 refuses (`ray_zep.parallel.axes.refusal`, the placements' own rules).
-Weight-passing modes keep the config's compression: their step does not model it.
 
 Each plays the same batches through the simulator (`ray_zep.sim.step`; the
 compositions that differ only in compression and pipeline share one placement of
@@ -154,9 +153,7 @@ def _switched(config: Config) -> list[Config]:
     """`config` with compression off and auto, each with the MoE pipeline off and on (module
     docstring), in that order (`auto_plan` places their batches once)."""
     parallel = config.parallel
-    compressions = [config.comm.compression]
-    if WEIGHTS_AXES[parallel.weights].family is Family.AUTOGRAD:
-        compressions = list(SEARCHED_COMPRESSION)
+    compressions = list(SEARCHED_COMPRESSION)
     pipelines = [parallel.moe_pipeline]
     if parallel.ep > 1:
         on = parallel.moe_pipeline if parallel.moe_pipeline is not MoEPipeline.NONE else PIPELINE_ON

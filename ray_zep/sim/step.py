@@ -61,7 +61,7 @@ from ray_zep.sim.events import TaskGraph, Timeline, simulate
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.moe_block import BlockSpread, overhang_seconds
 from ray_zep.sim.program import FP32_BYTES, LayerSetup, layer_graphs
-from ray_zep.sim.weight_passing import Workload
+from ray_zep.sim.weight_passing import ShardWire, Workload
 from ray_zep.sim.weight_passing import simulate_step as weight_passing_step
 from ray_zep.sim.weights import WeightsCost, weights_cost
 from ray_zep.sim.wire import Stream, WireCodec, codec_bytes_s
@@ -367,10 +367,11 @@ def _weight_passing(lengths: np.ndarray, bins: list[list[int]], run: RunModel) -
     """Each rank's own sequences through the weight-passing step; the slowest rank counts."""
     mode: WeightsMode = run.config.parallel.weights
     recompute = run.config.parallel.shard_recompute
+    wire = ShardWire(run.codec(), run.element_bytes)
     steps = []
     for group in bins:
         work = Workload(run.shape, tuple(int(lengths[i]) for i in group), 1.0, recompute)
-        steps.append(weight_passing_step(mode, work, run.hardware))
+        steps.append(weight_passing_step(mode, work, run.hardware, wire))
     slowest = max(steps, key=lambda s: s.seconds)
     owned = run.shape.param_count() / run.hardware.devices
     optimizer = owned * run.hardware.rates.optimizer_param_seconds

@@ -26,8 +26,14 @@ What each mode's transport costs (B: shard bytes, D nodes, G GPUs each):
   slot), which the executor does not run; `ray_zep.sim.weipipe_schedule`
   models that one, as the TawPipe paper's baseline.
 
-Shards and gradients travel as the executor sends them on a GPU: in the bf16
-compute dtype (float32 master weights stay with their owner). Memory
+Shards and gradients travel as the executor sends them: in the compute dtype (bf16
+on a GPU, `ShardWire.value_bytes`; float32 master weights stay with their owner).
+With `comm.compression` on (`ShardWire.codec`) the executor chains every transfer
+through point-to-point messages (`ray_zep.pipeline.transport`): a grouped broadcast
+or reduce becomes a store-and-forward chain through its members, each hop plain or
+zipped as the switcher's cost rule decides (`ray_zep.sim.wire.WireCodec`); a shard
+is coded once at its owner and decoded at every hop (each member waits for it
+whole before passing it on), a gradient sum is coded and decoded at every hop. Memory
 (`sequences_that_fit`) counts the own shard with its gradient and Adam moments,
 the borrowed shard (float32 parameters), the staging buffer and the gradients
 in flight (bf16), every shard boundary and one shard's activations (recompute on).
@@ -37,7 +43,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ray_zep.config import TopologyConfig
+from ray_zep.collectives.switcher import Kind
+from ray_zep.config import Compression, TopologyConfig
 from ray_zep.costmodel import (
     BACKWARD_ATTENTION_FACTOR,
     BACKWARD_LINEAR_FACTOR,
@@ -48,10 +55,12 @@ from ray_zep.costmodel import (
     pointwise_elements_per_token,
 )
 from ray_zep.model.shapes import ModelShape
+from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import WEIGHTS_AXES, Passing, WeightsMode
 from ray_zep.pipeline.layout import WeightLayout
 from ray_zep.pipeline.messages import Message, fetch_messages, reduce_messages
 from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.wire import PLAIN, Stream, WireCodec
 from ray_zep.topology import build_topology
 
 WEIGHT_BYTES = 2
@@ -143,6 +152,45 @@ class Transfer:
     intra_bytes: float = 0.0
 
 
+@dataclass(frozen=True)
+class ShardWire:
+    """How shards and gradient sums travel (module docstring).
+
+    Attributes:
+        codec: ZipCCL as `comm.compression` sets it (`RunModel.codec`); PLAIN: off.
+        value_bytes: bytes of a value in the compute dtype (2: bf16 on a GPU).
+    """
+
+    codec: WireCodec = PLAIN
+    value_bytes: int = WEIGHT_BYTES
+
+    @property
+    def chained(self) -> bool:
+        """Whether the executor sends every transfer as point-to-point messages."""
+        return self.codec.mode is not Compression.OFF
+
+    def hop(self, c: Hardware, link: str, size: float, gradient: bool, first: bool):
+        """(link, seconds) of one message of `size` bytes: a shard's (coded at its
+        owner: the `first` hop) or a gradient sum's (coded at every hop)."""
+        if link == "nic":
+            latency, bandwidth = c.inter_latency, c.node_nic_bandwidth
+        else:
+            latency, bandwidth = c.intra_latency, c.intra_bandwidth
+        plain = latency + size / bandwidth
+        stream = CompressionStream.SHARD_GRADIENTS if gradient else CompressionStream.WEIGHT_SHARDS
+        if not self.codec.zips(stream.value):
+            return link, plain
+        coded = Stream(stream.value, self.value_bytes, gradient, encodes=gradient or first)
+        profile = self.codec.message_profile(latency, bandwidth, coded.encodes, coded.decodes)
+        return link, self.codec.seconds(plain, profile, Kind.ALL_TO_ALL, coded, size)
+
+    def chain(self, c: Hardware, link: str, members: int, size: float, gradient: bool, first):
+        """The hops of a chain through `members` devices (`first`: it starts at the owner)."""
+        return tuple(
+            self.hop(c, link, size, gradient, first and k == 0) for k in range(members - 1)
+        )
+
+
 def _ring(hw: Hardware, members: int, size: float, link: str) -> float:
     """A pipelined ring broadcast or reduce over `members` devices."""
     if members <= 1:
@@ -152,10 +200,10 @@ def _ring(hw: Hardware, members: int, size: float, link: str) -> float:
     return (members - 1) * hw.intra_latency + size / hw.intra_bandwidth
 
 
-def _hop(hw: Hardware, src: int, size: float) -> tuple[str, float]:
-    if (src + 1) % hw.devices // hw.gpus_per_node != src // hw.gpus_per_node:
-        return "nic", hw.inter_latency + size / hw.node_nic_bandwidth
-    return "intra", hw.intra_latency + size / hw.intra_bandwidth
+def _hop_link(hw: Hardware, src: int) -> str:
+    """The link from device `src` to the next one around the ring."""
+    crosses = (src + 1) % hw.devices // hw.gpus_per_node != src // hw.gpus_per_node
+    return "nic" if crosses else "intra"
 
 
 def _volume(messages: list[Message], size: float, gpus_per_node: int) -> dict[str, float]:
@@ -164,13 +212,27 @@ def _volume(messages: list[Message], size: float, gpus_per_node: int) -> dict[st
 
 
 def transfers(
-    mode: WeightsMode, layout: WeightLayout, sizes: list[int], c: Hardware, shard: int
+    mode: WeightsMode,
+    layout: WeightLayout,
+    sizes: list[int],
+    c: Hardware,
+    shard: int,
+    wire: ShardWire = ShardWire(),
 ) -> tuple[Transfer, Transfer]:
     """(fetch, gradient sum) of one shard."""
-    size = WEIGHT_BYTES * sum(sizes[u] for u in layout.units[shard])
+    size = wire.value_bytes * sum(sizes[u] for u in layout.units[shard])
     d, g, p = c.nodes, c.gpus_per_node, c.devices
     fetched = _volume(fetch_messages(layout, shard), size, g)
     summed = _volume(reduce_messages(layout, shard), size, g)
+    if layout.passing is Passing.GROUPED and wire.chained:
+        rail = wire.chain(c, "nic", d, size, False, True)
+        node = wire.chain(c, "intra", g, size, False, d <= 1)
+        gradient_node = wire.chain(c, "intra", g, size, True, True)
+        gradient_rail = wire.chain(c, "nic", d, size, True, True)
+        return (
+            Transfer(posted=rail, blocking=node, **fetched),
+            Transfer(posted=gradient_node, relayed=gradient_rail, **summed),
+        )
     if layout.passing is Passing.GROUPED:
         rail, node = ("nic", _ring(c, d, size, "nic")), ("intra", _ring(c, g, size, "intra"))
         return (
@@ -182,8 +244,12 @@ def transfers(
         whole = (link, max(_ring(c, p, size, link), _ring(c, g, size, "intra")))
         return Transfer(posted=(whole,), **fetched), Transfer(posted=(whole,), **summed)
     owner = layout.owners[shard]
-    fetch_hops = [_hop(c, (owner + k) % p, size) for k in range(p - 1)]
-    sum_hops = [_hop(c, (owner + 1 + k) % p, size) for k in range(p - 1)]
+    fetch_hops = [
+        wire.hop(c, _hop_link(c, (owner + k) % p), size, False, k == 0) for k in range(p - 1)
+    ]
+    sum_hops = [
+        wire.hop(c, _hop_link(c, (owner + 1 + k) % p), size, True, True) for k in range(p - 1)
+    ]
     return (
         Transfer(posted=tuple(fetch_hops[:1]), blocking=tuple(fetch_hops[1:]), **fetched),
         Transfer(posted=tuple(sum_hops[:1]), blocking=tuple(sum_hops[1:]), **summed),
@@ -232,12 +298,17 @@ class StepModel:
         return self.tokens / self.seconds
 
 
-def simulate_step(mode: WeightsMode, work: Workload, c: Hardware) -> StepModel:
-    """The runner's program for one step (module docstring): tawpipe, ring_relay or fsdp."""
+def simulate_step(
+    mode: WeightsMode, work: Workload, c: Hardware, wire: ShardWire = ShardWire()
+) -> StepModel:
+    """The runner's program for one step (module docstring): tawpipe, ring_relay or fsdp,
+    its shards and gradient sums on `wire` (the fsdp comparison's collectives stay plain)."""
     sizes = unit_sizes(work.shape)
     layout = WeightLayout.build(WEIGHTS_AXES[mode].passing, sizes, c.nodes, c.gpus_per_node)
     count = layout.shards
-    plan = [transfers(mode, layout, sizes, c, s) for s in range(count)]
+    if WEIGHTS_AXES[mode].fsdp:
+        wire = ShardWire(value_bytes=wire.value_bytes)
+    plan = [transfers(mode, layout, sizes, c, s, wire) for s in range(count)]
     compute = [shard_compute(work, c.rates, layout.units[s]) for s in range(count)]
     links, t, busy = _Links(), 0.0, 0.0
     ready: dict[int, float] = {}

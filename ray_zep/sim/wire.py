@@ -9,7 +9,8 @@ models them the same way), at the device's codec rate (`codec_bytes_s`). `auto`
 zips a call only where that is modelled faster, `always` every one; off, nothing.
 
 Users: the layer graph's messages (`ray_zep.sim.program`), the weights' collectives
-(`ray_zep.sim.weights`) and the expert all-to-alls (`ray_zep.sim.step`).
+(`ray_zep.sim.weights`), the expert all-to-alls (`ray_zep.sim.step`) and the shards
+and gradient sums of weight passing (`ray_zep.sim.weight_passing`).
 """
 
 from __future__ import annotations
@@ -126,7 +127,15 @@ class WireCodec:
     ) -> Profile:
         """A point-to-point message on one link (one sender per NIC), as an all-to-all;
         its ends code it or not (`Stream.encodes`, `Stream.decodes`)."""
-        plain = LinearCost(cost.link_latency(kind), 1 / cost.link_bandwidth(kind, True))
+        latency, bandwidth = cost.link_latency(kind), cost.link_bandwidth(kind, True)
+        return self.message_profile(latency, bandwidth, encodes, decodes)
+
+    def message_profile(
+        self, latency_s: float, bytes_per_s: float, encodes: bool = True, decodes: bool = True
+    ) -> Profile:
+        """A point-to-point message at `latency_s` + bytes / `bytes_per_s`, as an all-to-all
+        (`link_profile`)."""
+        plain = LinearCost(latency_s, 1 / bytes_per_s)
         return self._profile({Kind.ALL_TO_ALL: plain}, 2, encodes, decodes)
 
     def group_profile(self, cost: CostModel, ranks) -> Profile:
