@@ -11,7 +11,9 @@ models for that layer (`ray_zep.sim.program`), per ring step, is what a step cos
 besides its kernel and its transfers: a fixed part (from the tiny chunks,
 `Calibration.ring_step_s`) and a part per query row (from the larger ones,
 `ComputeRates.ring_row_seconds`: the fp32 accumulators, copies and scheduling the
-step functions alone do not show).
+step functions alone do not show). The share of a core the processes got is probed
+around the measurement (`ray_zep.bench.core_share`), so a host that lends fewer
+cores meanwhile does not show up as a dearer ring step.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 import numpy as np
 import torch
 
+from ray_zep.bench.core_share import while_probed
 from ray_zep.config import Config
 from ray_zep.dist.launch import free_port
 
@@ -80,11 +83,25 @@ def _worker(rank: int, world: int, port: int, config: Config, chunk: int, result
     dist.destroy_process_group()
 
 
-def measure_ring_step(config: Config, hardware) -> tuple[float, float]:
-    """(seconds per ring step, seconds per query row and ring step) beyond what `hardware`
-    models (module docstring)."""
+def measure_layers(config: Config) -> list[float]:
+    """Seconds of the engine's forward and backward of the layer of each chunk length of
+    `CHUNK_TOKENS` (the slowest rank's mean), measured in `ranks` gloo processes."""
     import torch.multiprocessing as mp
 
+    measured = []
+    for chunk in CHUNK_TOKENS:
+        world = _plan(config, chunk).topology.world_size
+        with mp.Manager() as manager:
+            result = manager.list()
+            args = (world, free_port(), config, chunk, result)
+            mp.spawn(_worker, args=args, nprocs=world, join=True)
+            measured.append(result[0])
+    return measured
+
+
+def ring_step_costs(config: Config, hardware, measured: list[float]) -> tuple[float, float]:
+    """(seconds per ring step, seconds per query row and ring step) of `measured`
+    (`measure_layers`) beyond what `hardware` models (module docstring)."""
     from ray_zep.model.shapes import build_shape
     from ray_zep.routing.routes import Phase, RoutingPlan
     from ray_zep.sim.events import simulate
@@ -92,19 +109,13 @@ def measure_ring_step(config: Config, hardware) -> tuple[float, float]:
 
     shape = build_shape(config.model)
     extra = []
-    for chunk in CHUNK_TOKENS:
+    for chunk, seconds in zip(CHUNK_TOKENS, measured, strict=True):
         plan = _plan(config, chunk)
-        world = plan.topology.world_size
-        with mp.Manager() as manager:
-            result = manager.list()
-            args = (world, free_port(), config, chunk, result)
-            mp.spawn(_worker, args=args, nprocs=world, join=True)
-            measured = result[0]
         routing = RoutingPlan.build(plan, False, all_hops=True)
         setup = LayerSetup(plan, shape, hardware.cost(shape), hardware.rates, routing,
                            element_bytes=4)  # fmt: skip
         modelled = sum(simulate(attention_graph(setup, phase)).makespan for phase in Phase)
-        extra.append(max(0.0, measured - modelled) / (2 * world))
+        extra.append(max(0.0, seconds - modelled) / (2 * plan.topology.world_size))
     per_step = extra[0]
     rows = 2 * (CHUNK_TOKENS[1] - CHUNK_TOKENS[0])
     return per_step, max(0.0, extra[1] - extra[0]) / rows
@@ -112,7 +123,13 @@ def measure_ring_step(config: Config, hardware) -> tuple[float, float]:
 
 def with_ring_step(config: Config, calibration):
     """`calibration` with the measured ring step costs (`Calibration.ring_step_s`,
-    `ComputeRates.ring_row_seconds`, both at the calibration's core share)."""
-    per_step, per_row = measure_ring_step(config, calibration.hardware(config.topology))
-    rates = dataclasses.replace(calibration.rates, ring_row_seconds=per_row)
-    return dataclasses.replace(calibration, rates=rates, ring_step_s=per_step)
+    `ComputeRates.ring_row_seconds`), restated at the calibration's core share: the
+    share the ranks got while the engine ran is probed around it (the host may lend
+    fewer cores by then), the kernels are modelled at that share, and what is left
+    scales by that share over the calibration's."""
+    measured, share = while_probed(calibration.ranks, lambda: measure_layers(config))
+    during = dataclasses.replace(calibration, run_share=share)
+    per_step, per_row = ring_step_costs(config, during.hardware(config.topology), measured)
+    to_calibration = share / calibration.core_share if calibration.core_share else 1.0
+    rates = dataclasses.replace(calibration.rates, ring_row_seconds=per_row * to_calibration)
+    return dataclasses.replace(calibration, rates=rates, ring_step_s=per_step * to_calibration)
