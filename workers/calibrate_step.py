@@ -58,7 +58,11 @@ TINY_STEPS = (
 JOB_TOKENS = 768
 """Tokens per rank of the steps that measure `Calibration.job_share`: compute
 dominates, a step stays short."""
-STEPS = 8
+STEPS = 26
+"""Steps of each run: a tiny step takes tens of milliseconds and a `JOB_TOKENS` step a
+few hundred, so 24 timed steps stay a few seconds yet average over the host's
+scheduling (6 timed steps measured the job share at 0.69-0.82 on one machine within
+an hour)."""
 WARM_UP = 2
 """Steps left out (process groups, first plans, allocator)."""
 
