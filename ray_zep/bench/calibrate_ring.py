@@ -85,7 +85,8 @@ def _worker(rank: int, world: int, port: int, config: Config, chunk: int, result
 
 def measure_layers(config: Config) -> list[float]:
     """Seconds of the engine's forward and backward of the layer of each chunk length of
-    `CHUNK_TOKENS` (the slowest rank's mean), measured in `ranks` gloo processes."""
+    `CHUNK_TOKENS` (the slowest rank's mean), measured in one gloo process per rank of
+    `config.topology`."""
     import torch.multiprocessing as mp
 
     measured = []

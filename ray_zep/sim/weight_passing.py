@@ -172,10 +172,7 @@ class ShardWire:
     def hop(self, c: Hardware, link: str, size: float, gradient: bool, first: bool):
         """(link, seconds) of one message of `size` bytes: a shard's (coded at its
         owner: the `first` hop) or a gradient sum's (coded at every hop)."""
-        if link == "nic":
-            latency, bandwidth = c.inter_latency, c.node_nic_bandwidth
-        else:
-            latency, bandwidth = c.intra_latency, c.intra_bandwidth
+        latency, bandwidth = _link_rates(c, link)
         plain = latency + size / bandwidth
         stream = CompressionStream.SHARD_GRADIENTS if gradient else CompressionStream.WEIGHT_SHARDS
         if not self.codec.zips(stream.value):
@@ -191,13 +188,19 @@ class ShardWire:
         )
 
 
+def _link_rates(hw: Hardware, link: str) -> tuple[float, float]:
+    """(latency in seconds, bytes/s) of a "nic" (the node's NICs) or "intra" link."""
+    if link == "nic":
+        return hw.inter_latency, hw.node_nic_bandwidth
+    return hw.intra_latency, hw.intra_bandwidth
+
+
 def _ring(hw: Hardware, members: int, size: float, link: str) -> float:
     """A pipelined ring broadcast or reduce over `members` devices."""
     if members <= 1:
         return 0.0
-    if link == "nic":
-        return (members - 1) * hw.inter_latency + size / hw.node_nic_bandwidth
-    return (members - 1) * hw.intra_latency + size / hw.intra_bandwidth
+    latency, bandwidth = _link_rates(hw, link)
+    return (members - 1) * latency + size / bandwidth
 
 
 def _hop_link(hw: Hardware, src: int) -> str:
