@@ -173,7 +173,9 @@ class ComputeRates:
             self.ring_row_seconds,
         )
         if min(self.pointwise, *fixed, self.curve_heads) < 0:
-            raise ValueError(f"pointwise rate and fixed costs must be >= 0, got {self}")
+            raise ValueError(
+                f"pointwise rate, fixed costs and curve_heads must be >= 0, got {self}"
+            )
         for kind, points in self.curves:
             if kind not in CURVE_KINDS or not points or min(r for _, r in points) <= 0:
                 raise ValueError(f"attention curve {kind!r} must be one of {CURVE_KINDS} "
