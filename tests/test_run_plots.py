@@ -59,6 +59,16 @@ def test_draw_run_writes_three_matplotlib_pictures(tmp_path: Path, flops: bool) 
     assert load.shape[1] > (1300 if flops else 600), "a second panel for rank_flops"
 
 
+def test_a_rank_whose_flops_never_change_still_gets_its_load_picture(tmp_path: Path) -> None:
+    run_dir = _write_run(tmp_path / "run", flops=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows[1:]:  # equal values whose float mean rounds below them
+        row["rank_flops"] = [1.0e9, 123.456e9, 2.0e9, 3.0e9]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert np.mean([123.456] * 5) < 123.456
+    assert [p.name for p in draw_run(run_dir)] == list(RUN_PICTURES)
+
+
 def test_steady_state_and_imbalance_numbers() -> None:
     rows = [
         {"step": 1, "step_seconds": 4.0, "tokens": 100},

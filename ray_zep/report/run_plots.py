@@ -174,7 +174,9 @@ def _draw_load(panels: list[tuple[str, np.ndarray]], figure: Any, axes: Any) -> 
 def _rank_bars(ax: Any, matrix: np.ndarray) -> None:
     """Mean per rank as a bar, the min-max range over steps as an error bar."""
     mean = np.nanmean(matrix, axis=0)
-    low, high = mean - np.nanmin(matrix, axis=0), np.nanmax(matrix, axis=0) - mean
+    # rounding can put the mean of equal values a hair outside them: no negative bars
+    low = np.maximum(mean - np.nanmin(matrix, axis=0), 0.0)
+    high = np.maximum(np.nanmax(matrix, axis=0) - mean, 0.0)
     ranks = np.arange(matrix.shape[1])
     ax.bar(ranks, mean, yerr=[low, high], capsize=3, color="C0", ecolor="black", width=0.7)
     ax.axhline(float(np.nanmean(matrix)), color="C1", linestyle="--", label="mean of all ranks")
