@@ -52,6 +52,10 @@ TOKENS = 4096
 MATMUL_TOKENS = (256, 512, 1024, 2048)
 MODEL_TOKENS = (512, 2048)
 """Packed tokens of the two model measurements the element-wise rate is fitted on."""
+CALLS_PER_REPEAT = 40
+"""A call takes tens of microseconds: the mean of 5 calls came out at 40-75 us on one
+machine within a minute, of 200 calls at 39-40 us (the simulator charges it for every
+block of every sequence, so short sequences lean on it)."""
 CODEC_VALUES = 1 << 20
 """Values of the codec measurement (4 MB in float32: a typical gradient bucket)."""
 MODEL_SEQUENCE = 64
@@ -182,11 +186,13 @@ def curve_heads(shape: ModelShape, device: torch.device) -> int:
 
 
 def measure_call(shape: ModelShape, device: torch.device, dtype: torch.dtype, repeats: int):
-    """Seconds of a forward call on one 8-token sequence: the fixed cost of a call."""
+    """Seconds of a forward call on one 8-token sequence: the fixed cost of a call, over
+    `CALLS_PER_REPEAT` x `repeats` calls."""
     kernel = select_kernel("auto", device, dtype)
     q, kv, meta = _block(shape, 8, 8, 1, device, dtype, torch.Generator().manual_seed(1))
     k, v, seqs = kv[:, 0], kv[:, 1], meta.seqs_q
-    return Measurement("attention_call", 8, 0.0, timed(repeats, kernel, q, k, v, seqs, seqs))
+    seconds = timed(CALLS_PER_REPEAT * repeats, kernel, q, k, v, seqs, seqs)
+    return Measurement("attention_call", 8, 0.0, seconds)
 
 
 def measure_matmul(
