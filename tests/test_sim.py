@@ -246,17 +246,6 @@ def test_calibration_measures_the_codec_and_the_kernels_score_heads(tmp_path) ->
     assert loaded.rates.curve_heads == 4 and loaded.rates.codec_bytes_s == 1e9
 
 
-@pytest.mark.parametrize(("tokens", "large"), [(1024, 512), (64, 32), (40, 32), (8192, 512)])
-def test_the_ring_step_is_measured_at_the_chunks_the_configured_batches_make(
-    tokens: int, large: int
-) -> None:
-    from ray_zep.bench.calibrate_ring import chunk_tokens
-    from ray_zep.config import load_config
-
-    config = load_config(None, [f"train.tokens_per_rank={tokens}"])
-    assert chunk_tokens(config) == (8, large)
-
-
 def test_job_share_slows_every_host_cost_measured_outside_the_job(tmp_path) -> None:
     from ray_zep.bench.calibrate import Calibration
 

@@ -6,17 +6,14 @@ its messages, and on a virtual cluster whose ranks share a few cores each wait
 costs a scheduling round. Here `ranks` gloo processes run the engine
 (`ray_zep.attention.engine.run_attention`) forward and backward on one short
 sequence zigzag-split over all of them (TE CP's plan), once with chunks of a few
-tokens and once with chunks as long as the configured batches make them (`chunk_tokens`);
-the time beyond what the simulator models for that layer (`ray_zep.sim.program`), per
-ring step, is what a step costs besides its kernel and its transfers: a fixed part (from
-the tiny chunks, `Calibration.ring_step_s`) and a part per query row (from the larger
-ones, `ComputeRates.ring_row_seconds`: the fp32 accumulators, copies and scheduling the
-step functions alone do not show). The larger chunks are measured at the length the
-training runs use because that part does not grow linearly: on one 2-core machine the
-model without it matched the engine within 4% at 512-token chunks, while the row cost
-fitted at 256-token chunks overcharged them by 18-25%. The share of a core the
-processes got is probed around the measurement (`ray_zep.bench.core_share`), so a host
-that lends fewer cores meanwhile does not show up as a dearer ring step.
+tokens and once with chunks of `CHUNK_TOKENS[1]`; the time beyond what the simulator
+models for that layer (`ray_zep.sim.program`), per ring step, is what a step costs
+besides its kernel and its transfers: a fixed part (from the tiny chunks,
+`Calibration.ring_step_s`) and a part per query row (from the larger ones,
+`ComputeRates.ring_row_seconds`: the fp32 accumulators, copies and scheduling the
+step functions alone do not show). The share of a core the processes got is probed
+around the measurement (`ray_zep.bench.core_share`), so a host that lends fewer
+cores meanwhile does not show up as a dearer ring step.
 """
 
 from __future__ import annotations
@@ -31,22 +28,10 @@ from ray_zep.bench.core_share import while_probed
 from ray_zep.config import Config
 from ray_zep.dist.launch import free_port
 
-SMALL_CHUNK = 8
-"""Tokens of each zigzag chunk in the measurement of the fixed part (a rank holds two)."""
-MAX_CHUNK = 512
-"""Longest chunk of the measurement per row: a layer of 512-token chunks takes about
-0.4 s on one core's share, of 1024-token chunks 2.3 s (past the CPU kernel's cache
-cliff), and the calibration stays a few minutes."""
+CHUNK_TOKENS = (8, 256)
+"""Tokens of each zigzag chunk in the two measurements (a rank holds two chunks)."""
 ITERATIONS = 12
 WARM_UP = 2
-
-
-def chunk_tokens(config: Config) -> tuple[int, int]:
-    """(small, large) chunk of the two measurements: the large one is half the configured
-    tokens per rank (a rank holds two zigzag chunks of a batch-long sequence), within
-    [4 x `SMALL_CHUNK`, `MAX_CHUNK`]."""
-    large = min(MAX_CHUNK, max(4 * SMALL_CHUNK, config.train.tokens_per_rank // 2))
-    return SMALL_CHUNK, large
 
 
 def _plan(config: Config, chunk: int):
@@ -100,12 +85,12 @@ def _worker(rank: int, world: int, port: int, config: Config, chunk: int, result
 
 def measure_layers(config: Config) -> list[float]:
     """Seconds of the engine's forward and backward of the layer of each chunk length of
-    `chunk_tokens` (the slowest rank's mean), measured in one gloo process per rank of
+    `CHUNK_TOKENS` (the slowest rank's mean), measured in one gloo process per rank of
     `config.topology`."""
     import torch.multiprocessing as mp
 
     measured = []
-    for chunk in chunk_tokens(config):
+    for chunk in CHUNK_TOKENS:
         world = _plan(config, chunk).topology.world_size
         with mp.Manager() as manager:
             result = manager.list()
@@ -125,8 +110,7 @@ def ring_step_costs(config: Config, hardware, measured: list[float]) -> tuple[fl
 
     shape = build_shape(config.model)
     extra = []
-    chunks = chunk_tokens(config)
-    for chunk, seconds in zip(chunks, measured, strict=True):
+    for chunk, seconds in zip(CHUNK_TOKENS, measured, strict=True):
         plan = _plan(config, chunk)
         routing = RoutingPlan.build(plan, False, all_hops=True)
         setup = LayerSetup(plan, shape, hardware.cost(shape), hardware.rates, routing,
@@ -134,7 +118,7 @@ def ring_step_costs(config: Config, hardware, measured: list[float]) -> tuple[fl
         modelled = sum(simulate(attention_graph(setup, phase)).makespan for phase in Phase)
         extra.append(max(0.0, seconds - modelled) / (2 * plan.topology.world_size))
     per_step = extra[0]
-    rows = 2 * (chunks[1] - chunks[0])
+    rows = 2 * (CHUNK_TOKENS[1] - CHUNK_TOKENS[0])
     return per_step, max(0.0, extra[1] - extra[0]) / rows
 
 
