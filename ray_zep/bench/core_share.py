@@ -10,6 +10,14 @@ after each run and predict that run with their mean.
 
 The probe: `ranks` processes run the same CPU-bound loop at once; the share is the
 time of the loop in one process alone over the mean time of the concurrent ones.
+One such round takes a tenth of a second, and right after a Ray run some rounds
+read 0.44-0.52 where most read 0.55-0.65 (a 2-core VM, 4 ranks): the processes a
+run leaves to wind down take a core for a moment. So a probe is the median of
+`ROUNDS` rounds spread over a few seconds (`PAUSE_S` apart). With a single burst
+of 3 rounds, the shares probed around the 14 runs of one `bench validate` ranged
+0.53-0.64, and the run probed lowest was predicted at 0.77 of measured (0.90 at
+the calibration's share); spread out, the probes around four runs agreed within
+0.585-0.610.
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ T = TypeVar("T")
 
 PROBE_ITERATIONS = 1_000_000
 """Loop iterations per process (about 40 ms on one core of a 2020s x86-64 server)."""
-ROUNDS = 3
+ROUNDS = 7
+PAUSE_S = 0.3
+"""Seconds between two rounds of a probe (module docstring)."""
 
 
 def _loop(iterations: int, results) -> None:
@@ -48,9 +58,11 @@ def _timed(processes: int, iterations: int) -> float:
     return statistics.fmean(times)
 
 
-def probe_core_share(ranks: int, iterations: int = PROBE_ITERATIONS) -> float:
-    """Share of a core each of `ranks` busy processes gets now (median of `ROUNDS`), at
-    most 1.
+def probe_core_share(
+    ranks: int, iterations: int = PROBE_ITERATIONS, pause: float = PAUSE_S
+) -> float:
+    """Share of a core each of `ranks` busy processes gets now (median of `ROUNDS`
+    rounds, `pause` seconds apart), at most 1.
 
     Raises:
         ValueError: `ranks` < 1.
@@ -58,7 +70,9 @@ def probe_core_share(ranks: int, iterations: int = PROBE_ITERATIONS) -> float:
     if ranks < 1:
         raise ValueError(f"probing the core share needs >= 1 rank, got {ranks}")
     shares = []
-    for _ in range(ROUNDS):
+    for round_index in range(ROUNDS):
+        if round_index:
+            time.sleep(pause)
         alone = _timed(1, iterations)
         together = _timed(ranks, iterations)
         shares.append(min(1.0, alone / together))
