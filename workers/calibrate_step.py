@@ -13,9 +13,15 @@ fixed cost it adds to every step it simulates on this machine
 way, then give the share of its measured compute rate a rank keeps inside the job
 (`Calibration.job_share`: the ranks compute beside Ray's own processes, the driver
 and the data actor, on the same cores): the step time beyond the fixed cost over
-what the simulator models for it. The same tiny steps with FSDP2 give what each
-of its units adds on the host (its hooks, the copies into and out of the gathered
-buffers: `ComputeRates.fsdp_unit_overhead_s`).
+what the simulator models for it. Each such run is followed by the same steps with
+FSDP2, and what they take beyond the simulator's FSDP2 step at that run's share is
+what each of its units adds (`ComputeRates.fsdp_unit_overhead_s`: its hooks, the
+copies into and out of the gathered buffers, and its collectives' cost beyond the
+links' model). Tiny steps would not do for that: a collective costs more the
+longer the ranks compute between two of them (`BENCHMARKS.md`): on tiny steps
+FSDP2 measured 0 and 0.2 ms per unit over the model in two calibrations, where
+the validated runs with FSDP2 took 47-77 ms per step (6 units) more than the
+simulator gave them beside the same runs with replicated weights.
 
 These runs train on synthetic lengths with whole sequences only, so the modes
 `ray-zep bench validate` compares are predicted, not fitted.
@@ -66,7 +72,8 @@ an hour)."""
 WARM_UP = 2
 """Steps left out (process groups, first plans, allocator)."""
 JOB_RUNS = 3
-"""Runs of `JOB_TOKENS` steps; the job share is their median. It scales every rate of
+"""Runs of `JOB_TOKENS` steps, each followed by its FSDP2 twin; the job share is their
+median, and so is the FSDP2 units' cost. It scales every rate of
 every prediction, and one run measured it at 0.69-0.94 on one machine within an hour
 while the runs of one sitting agreed within 5%: a run that lands on a busy stretch of
 the host should not move every prediction."""
@@ -77,25 +84,34 @@ def measure_step_overhead(
 ) -> Calibration:
     """`calibration` with `rates.step_overhead_s`, `job_share` and
     `rates.fsdp_unit_overhead_s` measured (module docstring): tiny steps with replicated
-    weights, larger ones (`JOB_RUNS` runs), then tiny ones with FSDP2."""
+    weights, then `JOB_RUNS` pairs of larger steps, replicated and with FSDP2."""
     plain = out / WeightsMode.REPLICATED.value
     overhead = _overhead(config_path, [*overrides, *TINY_STEPS], calibration, plain)
-    rates = dataclasses.replace(calibration.rates, step_overhead_s=overhead)
+    rates = dataclasses.replace(
+        calibration.rates, step_overhead_s=overhead, fsdp_unit_overhead_s=0.0
+    )
     calibration = dataclasses.replace(calibration, rates=rates, job_share=None)
     larger = [*overrides, *TINY_STEPS, f"train.tokens_per_rank={JOB_TOKENS}"]
-    shares = []
+    sharded = [*larger, f"parallel.weights={WeightsMode.FSDP.value}"]
+    shares, extras = [], []
     for run in range(JOB_RUNS):
         measured, simulated = _steps(config_path, larger, calibration, out / f"job{run}")
-        if simulated > overhead and measured > overhead:
-            shares.append((simulated - overhead) / (measured - overhead))
+        if not (simulated > overhead and measured > overhead):
+            continue
+        share = (simulated - overhead) / (measured - overhead)
+        shares.append(share)
+        at_share = dataclasses.replace(calibration, job_share=share)
+        measured, simulated = _steps(config_path, sharded, at_share, out / f"fsdp{run}")
+        extras.append(measured - simulated)
     if shares:
         calibration = dataclasses.replace(calibration, job_share=float(np.median(shares)))
-    sharded = [*overrides, *TINY_STEPS, f"parallel.weights={WeightsMode.FSDP.value}"]
-    extra = _overhead(config_path, sharded, calibration, out / WeightsMode.FSDP.value)
-    config = load_config(config_path, sharded)
-    units = len(fsdp_units(build_shape(config.model), config.parallel.fsdp_unit))
-    rates = dataclasses.replace(calibration.rates, fsdp_unit_overhead_s=extra / units)
-    return dataclasses.replace(calibration, rates=rates)
+    if extras:
+        config = load_config(config_path, sharded)
+        units = len(fsdp_units(build_shape(config.model), config.parallel.fsdp_unit))
+        per_unit = max(0.0, float(np.median(extras))) / units
+        rates = dataclasses.replace(calibration.rates, fsdp_unit_overhead_s=per_unit)
+        calibration = dataclasses.replace(calibration, rates=rates)
+    return calibration
 
 
 def _overhead(
