@@ -125,9 +125,11 @@ class ComputeRates:
             shard, the step's small collectives, its accounting); measured on a
             CPU virtual cluster, 0 in the GPU presets (a few ms against steps of
             seconds).
-        fsdp_unit_overhead_s: host-side seconds FSDP2 adds per unit and step (its
-            hooks and buffer copies); measured on a CPU virtual cluster, 0 in the
-            GPU presets (they run on streams beside the compute).
+        fsdp_unit_overhead_s: seconds FSDP2 adds per unit and step beyond its
+            modelled collectives (its hooks and buffer copies, and on a CPU virtual
+            cluster its collectives' wait for ranks that drifted apart while
+            computing); measured there, 0 in the GPU presets (they run on streams
+            beside the compute).
         ring_row_seconds: seconds a ring step costs per query row besides its kernel
             (accumulators, copies); measured on the engine by a calibration, 0 in
             the GPU presets (fused into the kernels' epilogues there).
