@@ -101,7 +101,8 @@ def measure_step_overhead(
         share = (simulated - overhead) / (measured - overhead)
         shares.append(share)
         at_share = dataclasses.replace(calibration, job_share=share)
-        measured, simulated = _steps(config_path, sharded, at_share, out / f"fsdp{run}")
+        twin = out / f"{WeightsMode.FSDP.value}{run}"
+        measured, simulated = _steps(config_path, sharded, at_share, twin)
         extras.append(measured - simulated)
     if shares:
         calibration = dataclasses.replace(calibration, job_share=float(np.median(shares)))
