@@ -34,7 +34,7 @@ from ray_zep.errors import ConfigError
 from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.sim.compare import VARIANTS
 from ray_zep.sim.replay import replay
-from workers.calibrate_step import measure_step_overhead
+from workers.calibrate_step import JOB_RUNS, measure_step_overhead
 
 TIMING_OVERRIDES = ("metrics.memory_every=0",)
 """Timed runs measure no memory: on CPU a measured step runs 2-3x slower (MemTracker
@@ -123,14 +123,19 @@ def run_train_bench(
     steps: int,
     out: Path,
     calibration: Calibration | None = None,
+    job_runs: int = JOB_RUNS,
 ) -> tuple[list[TrainBenchRow], Calibration]:
-    """Train each mode `steps` steps and predict the same steps (module docstring)."""
+    """Train each mode `steps` steps and predict the same steps (module docstring);
+    without a `calibration`, calibrate first, the job share from `job_runs` runs
+    (`workers.calibrate_step`)."""
     from workers.driver import train
 
     base = load_config(config_path, overrides)
     if calibration is None:
         calibration = calibrate(base, torch.device("cpu"))
-        calibration = measure_step_overhead(config_path, overrides, calibration, out / "tiny")
+        calibration = measure_step_overhead(
+            config_path, overrides, calibration, out / "tiny", job_runs
+        )
     rows = []
     for name in strategies:
         run_dir = out / name.replace("/", "+")

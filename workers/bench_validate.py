@@ -3,7 +3,8 @@
 1. calibrates this machine (`ray-zep bench calibrate`: kernels, the virtual
    cluster's links, the trainer's fixed step cost);
 2. trains every sequence placement with replicated weights and with FSDP2 on the
-   configured virtual cluster (`ray-zep bench train`'s runs; `--quick`: a subset);
+   configured virtual cluster (`ray-zep bench train`'s runs; `--quick`: a subset,
+   and a calibration on one pair of job runs, `QUICK_JOB_RUNS`);
 3. replays the same batches through the simulator on the calibration, with each
    run's share of the cores probed around it (`ray_zep.bench.core_share`);
 4. simulates the papers' headline setups (`ray_zep.bench.headlines`).
@@ -25,6 +26,7 @@ from ray_zep.bench.calibrate import Calibration
 from ray_zep.bench.headlines import PaperRow, paper_rows
 from ray_zep.parallel.axes import Placement, WeightsMode
 from workers.bench_train import TrainBenchRow, run_train_bench
+from workers.calibrate_step import JOB_RUNS
 
 PLACEMENTS = (
     Placement.WHOLE,
@@ -41,6 +43,10 @@ QUICK_MODES = tuple(
     f"{p.value}/{w.value}"
     for p, w in itertools.product((Placement.WHOLE, Placement.ZEPPELIN, Placement.TE_CP), WEIGHTS)
 )
+QUICK_JOB_RUNS = 1
+"""`--quick` calibrates the job share and FSDP2's units on one pair of runs, not
+`workers.calibrate_step.JOB_RUNS`: about 2.5 minutes less, so `--quick` stays under 10
+minutes on 2 cores, for a noisier calibration."""
 GOAL = 0.20
 """Largest relative error of a prediction the issue accepts."""
 
@@ -139,6 +145,8 @@ def run_validate(
     calibration: Calibration | None = None,
 ) -> Validation:
     """Calibrate, train, predict and simulate the headlines (module docstring)."""
-    modes = QUICK_MODES if quick else MODES
-    cpu, calibration = run_train_bench(config_path, overrides, modes, steps, out, calibration)
+    modes, job_runs = (QUICK_MODES, QUICK_JOB_RUNS) if quick else (MODES, JOB_RUNS)
+    cpu, calibration = run_train_bench(
+        config_path, overrides, modes, steps, out, calibration, job_runs
+    )
     return Validation(cpu, paper_rows(quick), calibration)

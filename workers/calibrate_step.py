@@ -80,11 +80,15 @@ the host should not move every prediction."""
 
 
 def measure_step_overhead(
-    config_path: str | None, overrides: list[str], calibration: Calibration, out: Path
+    config_path: str | None,
+    overrides: list[str],
+    calibration: Calibration,
+    out: Path,
+    job_runs: int = JOB_RUNS,
 ) -> Calibration:
     """`calibration` with `rates.step_overhead_s`, `job_share` and
     `rates.fsdp_unit_overhead_s` measured (module docstring): tiny steps with replicated
-    weights, then `JOB_RUNS` pairs of larger steps, replicated and with FSDP2."""
+    weights, then `job_runs` pairs of larger steps, replicated and with FSDP2."""
     plain = out / WeightsMode.REPLICATED.value
     overhead = _overhead(config_path, [*overrides, *TINY_STEPS], calibration, plain)
     rates = dataclasses.replace(
@@ -94,7 +98,7 @@ def measure_step_overhead(
     larger = [*overrides, *TINY_STEPS, f"train.tokens_per_rank={JOB_TOKENS}"]
     sharded = [*larger, f"parallel.weights={WeightsMode.FSDP.value}"]
     shares, extras = [], []
-    for run in range(JOB_RUNS):
+    for run in range(job_runs):
         measured, simulated = _steps(config_path, larger, calibration, out / f"job{run}")
         if not (simulated > overhead and measured > overhead):
             continue
