@@ -96,3 +96,44 @@ def test_core_share_probe_is_a_share_and_refuses_no_ranks() -> None:
     assert 0.0 < probe_core_share(2, iterations=100_000, pause=0.0) <= 1.0
     with pytest.raises(ValueError, match="needs >= 1 rank"):
         probe_core_share(0)
+
+
+def test_fsdp_units_are_timed_against_their_replicated_twins(monkeypatch, tmp_path) -> None:
+    """Each job-size FSDP2 run is predicted at the share its replicated twin measured, and
+    a unit's cost is the median excess over the model, split over the units."""
+    import numpy as np
+
+    import workers.calibrate_step as step
+    from ray_zep.bench.calibrate import Calibration
+    from ray_zep.costmodel import ComputeRates
+
+    overhead, modelled = 0.03, 0.20  # the tiny step's fixed cost; a job step's compute
+    job_measured = iter([0.30, 0.26, 0.33])  # three replicated job runs
+    excess = iter([0.060, 0.030, 0.150])  # what each FSDP2 twin takes beyond its model
+    shares_seen = []
+
+    def fake_steps(config_path, overrides, calibration, out):
+        tokens = next(o for o in overrides[::-1] if o.startswith("train.tokens_per_rank"))
+        if tokens.endswith("=32"):
+            return 0.05, 0.02  # measured, simulated: 30 ms beyond the model
+        if "fsdp" not in out.name:  # a replicated job run, simulated without a job share
+            assert calibration.job_share is None
+            return next(job_measured), overhead + modelled
+        shares_seen.append(calibration.job_share)
+        simulated = overhead + modelled / calibration.job_share
+        return simulated + next(excess), simulated
+
+    monkeypatch.setattr(step, "_steps", fake_steps)
+    start = Calibration(ComputeRates(1e9, 1e9, 1e9), 1e-3, 1e9, ranks=4, cores=2, core_share=0.5)
+    out = step.measure_step_overhead(None, [], start, tmp_path)
+    shares = [modelled / (m - overhead) for m in (0.30, 0.26, 0.33)]
+    assert out.rates.step_overhead_s == pytest.approx(overhead)
+    assert shares_seen == pytest.approx(shares)
+    assert out.job_share == pytest.approx(float(np.median(shares)))
+    assert out.rates.fsdp_unit_overhead_s == pytest.approx(0.060 / 6)  # the demo has 6 units
+
+    job_measured, excess = iter([0.30]), iter([0.030])  # `--quick`: one pair
+    one = step.measure_step_overhead(None, [], start, tmp_path, job_runs=1)
+    assert len(shares_seen) == 4
+    assert one.job_share == pytest.approx(shares[0])
+    assert one.rates.fsdp_unit_overhead_s == pytest.approx(0.030 / 6)
