@@ -73,8 +73,8 @@ WARM_UP = 2
 """Steps left out (process groups, first plans, allocator)."""
 JOB_RUNS = 3
 """Runs of `JOB_TOKENS` steps, each followed by its FSDP2 twin; the job share is their
-median, and so is the FSDP2 units' cost. It scales every rate of
-every prediction, and one run measured it at 0.69-0.94 on one machine within an hour
+median, and so is the FSDP2 units' cost. The job share scales every rate of every
+prediction, and one run measured it at 0.69-0.94 on one machine within an hour
 while the runs of one sitting agreed within 5%: a run that lands on a busy stretch of
 the host should not move every prediction."""
 
@@ -108,15 +108,13 @@ def measure_step_overhead(
         twin = out / f"{WeightsMode.FSDP.value}{run}"
         measured, simulated = _steps(config_path, sharded, at_share, twin)
         extras.append(measured - simulated)
-    if shares:
-        calibration = dataclasses.replace(calibration, job_share=float(np.median(shares)))
-    if extras:
-        config = load_config(config_path, sharded)
-        units = len(fsdp_units(build_shape(config.model), config.parallel.fsdp_unit))
-        per_unit = max(0.0, float(np.median(extras))) / units
-        rates = dataclasses.replace(calibration.rates, fsdp_unit_overhead_s=per_unit)
-        calibration = dataclasses.replace(calibration, rates=rates)
-    return calibration
+    if not shares:  # every pair's steps came out within the fixed cost
+        return calibration
+    config = load_config(config_path, sharded)
+    units = len(fsdp_units(build_shape(config.model), config.parallel.fsdp_unit))
+    per_unit = max(0.0, float(np.median(extras))) / units
+    rates = dataclasses.replace(calibration.rates, fsdp_unit_overhead_s=per_unit)
+    return dataclasses.replace(calibration, rates=rates, job_share=float(np.median(shares)))
 
 
 def _overhead(
