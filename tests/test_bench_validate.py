@@ -33,7 +33,7 @@ def test_rows_and_ranking_of_the_cpu_runs() -> None:
     result = Validation(runs, [], calibration=None)
     rows = result.rows()
     assert [r["mode"] for r in rows if r["kind"] == "cpu"] == [r.name for r in runs]
-    assert rows[-1] == {
+    assert next(r for r in rows if r["kind"] == "auto") == {
         "kind": "auto",
         "chosen": "whole/replicated",
         "fastest_measured": "whole/replicated",
@@ -43,6 +43,40 @@ def test_rows_and_ranking_of_the_cpu_runs() -> None:
     assert result.misordered() == [("zeppelin/replicated", "te_cp/replicated")]
     table = result.table()
     assert "off by > 20%" in table.splitlines()[2] and "zeppelin/replicated > te_cp" in table
+
+
+def test_ranking_holds_the_prediction_to_the_orders_the_runs_resolve() -> None:
+    """2.5k against 2.0k tokens/s, each +-10%: 0.5k apart is within two standard errors
+    of the difference (2 x 0.32k), so a swapped prediction is listed apart; the same
+    pair measured +-4% is resolved, and the swap counts against the ranking."""
+    from workers.bench_train import TrainBenchRow, relative_error
+    from workers.bench_validate import Validation, resolves
+
+    def runs(error: float) -> list[TrainBenchRow]:
+        return [
+            TrainBenchRow("whole/replicated", 10e3, 11e3, 0.4, 0.36, 4.0, 0.6, error),
+            TrainBenchRow("te_cp/replicated", 2e3, 3e3, 2.0, 1.3, 4.0, 0.6, error),
+            TrainBenchRow("zeppelin/replicated", 2.5e3, 2.6e3, 1.6, 1.5, 4.0, 0.6, error),
+        ]
+
+    loose = Validation(runs(0.10), [], calibration=None)
+    assert not resolves(loose.cpu[1], loose.cpu[2]) and resolves(loose.cpu[0], loose.cpu[1])
+    ranking = next(r for r in loose.rows() if r["kind"] == "ranking")
+    assert ranking == {
+        "kind": "ranking",
+        "pairs": 3,
+        "resolved_pairs": 2,
+        "swapped_resolved": [],
+        "swapped_unresolved": [["zeppelin/replicated", "te_cp/replicated"]],
+    }
+    assert "2 of 3 pairs resolved" in loose.table() and "all predicted in order" in loose.table()
+    tight = Validation(runs(0.04), [], calibration=None)
+    assert tight.misordered(resolved=True) == [("zeppelin/replicated", "te_cp/replicated")]
+    assert tight.resolved_pairs() == (3, 3)
+
+    # steps measured 1.0, 1.2, 0.8 s where the model gave 1 s each: 0.2 / sqrt(3) relative
+    assert relative_error([1.0, 1.2, 0.8], [1.0] * 3) == pytest.approx(0.2 / 3**0.5)
+    assert relative_error([1.0], [1.0]) is None
 
 
 def test_mode_names_and_their_overrides() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import statistics
 from functools import partial
 from pathlib import Path
 
@@ -55,6 +56,10 @@ class TrainBenchRow:
     final_loss: float | None
     core_share: float | None = None
     """Share of a core each rank had during the run (the mean of the probes around it)."""
+    measured_error: float | None = None
+    """Relative standard error of the measured throughput: the spread of the steady
+    steps' measured over predicted seconds (what the batches' own differences do not
+    explain), over the root of their number; None with fewer than 2 steps."""
 
     @property
     def predicted_over_measured(self) -> float | None:
@@ -144,10 +149,12 @@ def run_train_bench(
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resume
         config = load_config(config_path, [*overrides, *extra])
         summary, share = while_probed(calibration.ranks, partial(train, config))
-        seconds, tokens = steady_totals(steplog.step_rows(summary.run_dir / METRICS_FILE_NAME))
+        step_rows = steplog.step_rows(summary.run_dir / METRICS_FILE_NAME)
+        seconds, tokens = steady_totals(step_rows)
         now = dataclasses.replace(calibration, run_share=share)
         hardware = now.hardware(config.topology)
         predicted = replay(config, hardware, WARM_UP_STEPS, steps - WARM_UP_STEPS, False)
+        measured_steps = [r["step_seconds"] for r in step_rows[WARM_UP_STEPS:]]
         rows.append(
             TrainBenchRow(
                 name,
@@ -157,9 +164,21 @@ def run_train_bench(
                 predicted.step_seconds,
                 summary.final_loss,
                 share,
+                relative_error(measured_steps, [s.step_seconds for s in predicted.steps]),
             )
         )
     return rows, calibration
+
+
+def relative_error(measured: list[float], predicted: list[float]) -> float | None:
+    """Relative standard error of a run's mean step time: the spread of its steps'
+    `measured / predicted` seconds (the same batches, so what one batch costs more than
+    another cancels), over the root of the number of steps; None below 2 steps."""
+    ratios = [m / p for m, p in zip(measured, predicted, strict=False) if p > 0]
+    if len(ratios) < 2:
+        return None
+    mean = statistics.fmean(ratios)
+    return statistics.stdev(ratios) / mean / len(ratios) ** 0.5 if mean > 0 else None
 
 
 def steady_totals(rows: list[dict], warm_up: int = WARM_UP_STEPS) -> tuple[float, int]:

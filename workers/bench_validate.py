@@ -10,15 +10,19 @@
 4. simulates the papers' headline setups (`ray_zep.bench.headlines`).
 
 Rows: `{"kind": "cpu", "mode", "predicted_tokens_per_s", "measured_tokens_per_s",
-"predicted_over_measured", "core_share"}` per mode, `{"kind": "auto", "chosen", "fastest_measured",
-"chosen_over_fastest"}` (the mode the simulator ranks first, as `plan --auto` ranks,
-against the fastest measured) and `{"kind": "paper", "name", "paper", "simulated",
-"explained"}` per headline.
+"predicted_over_measured", "core_share", "measured_error"}` per mode, `{"kind": "auto",
+"chosen", "fastest_measured", "chosen_over_fastest"}` (the mode the simulator ranks
+first, as `plan --auto` ranks, against the fastest measured), `{"kind": "ranking",
+"pairs", "resolved_pairs", "swapped_resolved", "swapped_unresolved"}` (the pairs of modes
+the prediction orders the other way round than the measurement, apart for the pairs
+whose measured order the runs' own step-to-step spread leaves open) and `{"kind":
+"paper", "name", "paper", "simulated", "explained"}` per headline.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +53,10 @@ QUICK_JOB_RUNS = 1
 minutes on 2 cores, for a noisier calibration."""
 GOAL = 0.20
 """Largest relative error of a prediction the issue accepts."""
+RESOLVED_SIGMAS = 2.0
+"""Two runs rank each other when their measured throughputs differ by more than this
+many standard errors of the difference (about 95% one way): an order the measurement
+does not resolve is one the next run may swap, so a prediction cannot be held to it."""
 
 
 @dataclass
@@ -66,6 +74,7 @@ class Validation:
                 "measured_tokens_per_s": r.measured_tokens_per_second,
                 "predicted_over_measured": r.predicted_over_measured,
                 "core_share": r.core_share,
+                "measured_error": r.measured_error,
             }
             for r in self.cpu
         ]
@@ -81,6 +90,8 @@ class Validation:
                     / best.measured_tokens_per_second,
                 }
             )
+        if self.cpu:
+            out.append(self.ranking())
         return out + [row.to_dict() for row in self.paper]
 
     def chosen(self) -> tuple[TrainBenchRow, TrainBenchRow] | None:
@@ -92,33 +103,66 @@ class Validation:
         chosen = max(rows, key=lambda r: r.predicted_tokens_per_second)
         return chosen, max(rows, key=lambda r: r.measured_tokens_per_second)
 
-    def misordered(self) -> list[tuple[str, str]]:
-        """Pairs of modes the prediction ranks the other way round than the measurement."""
+    def misordered(self, resolved: bool | None = None) -> list[tuple[str, str]]:
+        """Pairs of modes the prediction ranks the other way round than the measurement,
+        (measured faster, measured slower); `resolved`: only the pairs whose measured
+        order the runs resolve (True, `resolves`) or only those they do not (False)."""
         rows = [r for r in self.cpu if r.predicted_over_measured is not None]
         out = []
         for a, b in itertools.combinations(rows, 2):
             measured = a.measured_tokens_per_second - b.measured_tokens_per_second
             predicted = a.predicted_tokens_per_second - b.predicted_tokens_per_second
-            if measured * predicted < 0:
-                out.append((a.name, b.name) if measured > 0 else (b.name, a.name))
+            if measured * predicted >= 0 or resolved not in (None, resolves(a, b)):
+                continue
+            out.append((a.name, b.name) if measured > 0 else (b.name, a.name))
         return out
 
+    def resolved_pairs(self) -> tuple[int, int]:
+        """(pairs whose measured order the runs resolve, pairs in all)."""
+        rows = [r for r in self.cpu if r.predicted_over_measured is not None]
+        pairs = list(itertools.combinations(rows, 2))
+        return sum(resolves(a, b) for a, b in pairs), len(pairs)
+
+    def ranking(self) -> dict:
+        """The ranking row: the pairs the measurement resolves and the pairs predicted
+        the other way round, among those and among the rest."""
+        resolved, pairs = self.resolved_pairs()
+        return {
+            "kind": "ranking",
+            "pairs": pairs,
+            "resolved_pairs": resolved,
+            "swapped_resolved": [list(p) for p in self.misordered(resolved=True)],
+            "swapped_unresolved": [list(p) for p in self.misordered(resolved=False)],
+        }
+
+    def _ranking_lines(self) -> list[str]:
+        row = self.ranking()
+        swapped, loose = row["swapped_resolved"], row["swapped_unresolved"]
+        head = (
+            f"ranking: {row['resolved_pairs']} of {row['pairs']} pairs resolved by the "
+            f"measurement (> {RESOLVED_SIGMAS:g} standard errors apart): "
+        )
+        lines = [head + ("all predicted in order" if not swapped else f"{len(swapped)} swapped: "
+                         + ", ".join(f"{a} > {b}" for a, b in swapped))]  # fmt: skip
+        if loose:
+            lines.append(
+                f"  among the pairs the measurement does not resolve, {len(loose)} predicted the "
+                "other way: " + ", ".join(f"{a} > {b}" for a, b in loose)
+            )
+        return lines
+
     def table(self) -> str:
-        lines = [f"{'mode':<22}{'measured k tok/s':>18}{'predicted':>11}{'pred/meas':>11}"]
+        lines = [f"{'mode':<22}{'measured k tok/s':>18}{'+-':>7}{'predicted':>11}{'pred/meas':>11}"]
         for r in self.cpu:
             ratio = r.predicted_over_measured
             flag = "" if ratio is None or abs(ratio - 1) <= GOAL else "  off by > 20%"
+            error = "-" if r.measured_error is None else f"{r.measured_error:.0%}"
             lines.append(
-                f"{r.name:<22}{(r.measured_tokens_per_second or 0) / 1e3:>18.2f}"
+                f"{r.name:<22}{(r.measured_tokens_per_second or 0) / 1e3:>18.2f}{error:>7}"
                 f"{(r.predicted_tokens_per_second or 0) / 1e3:>11.2f}"
                 f"{ratio or float('nan'):>11.2f}{flag}"
             )
-        swapped = self.misordered()
-        lines.append(
-            "ranking: preserved" if not swapped
-            else "ranking: measured faster first, predicted the other way: "
-            + ", ".join(f"{a} > {b}" for a, b in swapped)
-        )  # fmt: skip
+        lines.extend(self._ranking_lines())
         picked = self.chosen()
         if picked is not None:
             chosen, best = picked
@@ -134,6 +178,17 @@ class Validation:
                 f"{row.name:<44}{row.paper:>10.3g}{row.simulated:>11.3g}  {row.explained or '-'}"
             )
         return "\n".join(lines)
+
+
+def resolves(a: TrainBenchRow, b: TrainBenchRow) -> bool:
+    """Whether two runs measured their order: their throughputs differ by more than
+    `RESOLVED_SIGMAS` standard errors of the difference (`TrainBenchRow.measured_error`;
+    a run without one resolves every pair)."""
+    if a.measured_error is None or b.measured_error is None:
+        return True
+    ma, mb = a.measured_tokens_per_second, b.measured_tokens_per_second
+    spread = math.hypot(ma * a.measured_error, mb * b.measured_error)
+    return abs(ma - mb) > RESOLVED_SIGMAS * spread
 
 
 def run_validate(
