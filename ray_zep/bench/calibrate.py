@@ -6,7 +6,8 @@ optimizer's cost per parameter, on one thread per process on CPU (one virtual GP
 is one single-threaded process), in bf16 on a GPU. Links, on CPU
 (`ray_zep.bench.calibrate_links`): messages and all-gathers among as many gloo
 processes as the virtual cluster has ranks, computing between messages as
-training does.
+training does; and how much slower than the probed share of a core the model's
+step runs while every rank computes (`ray_zep.bench.calibrate_concurrency`).
 
 Writes `calibration.json`: the `ComputeRates` the simulator loads (`ray-zep
 simulate --calibration`), the link fits, and every measurement.
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ray_zep.bench.calibrate_concurrency import compute_share, concurrent_ratio
 from ray_zep.bench.calibrate_kernels import (
     Measurement,
     calibration_dtype,
@@ -71,6 +73,10 @@ class Calibration:
             not measured).
         ring_step_s: what a ring step of the attention engine costs besides its kernel
             and its transfers, at `core_share` (`ray_zep.bench.calibrate_ring`).
+        compute_share: the factor on the probed share that compute measured alone
+            takes while every rank computes (`ray_zep.bench.calibrate_concurrency`:
+            the model's step shares a core worse than the probe's Python loop; None:
+            not measured, 1).
         job_share: what share of the compute rate a rank keeps inside a training job
             (measured by `workers.calibrate_step` on steps through Ray: the raylet, the
             driver and the data actor share the same cores; None: not measured).
@@ -79,9 +85,10 @@ class Calibration:
         measurements: every timed point.
 
     On a CPU virtual cluster every cost is CPU time: one measured in a process alone
-    (kernels, a kernel call) takes 1 / share as long in a run whose ranks get `share`
-    of a core each, and one measured among the ranks at `core_share` (messages, the
-    ring step) takes `core_share / share` as long.
+    (kernels, a kernel call) takes 1 / (share x compute_share) as long in a run whose
+    ranks get `share` of a core each, and one measured among the ranks at `core_share`
+    (messages, the ring step, which carry the compute's sharing already) takes
+    `core_share / share` as long.
     """
 
     rates: ComputeRates
@@ -93,6 +100,7 @@ class Calibration:
     cores: int = 1
     core_share: float | None = None
     ring_step_s: float = 0.0
+    compute_share: float | None = None
     job_share: float | None = None
     run_share: float | None = None
     measurements: list = field(default_factory=list)
@@ -110,7 +118,8 @@ class Calibration:
         record = json.loads(Path(path).read_text())
         keys = ("link_latency_s", "link_bandwidth", "step_latency_s", "step_bandwidth")
         sizes = {k: int(record.get(k, 1)) for k in ("ranks", "cores")}
-        shares = {k: record.get(k) for k in ("core_share", "job_share", "run_share")}
+        keys_shares = ("core_share", "compute_share", "job_share", "run_share")
+        shares = {k: record.get(k) for k in keys_shares}
         return cls(rates, *(record.get(k) for k in keys), **sizes, **shares,
                    ring_step_s=float(record.get("ring_step_s", 0.0)))  # fmt: skip
 
@@ -131,11 +140,14 @@ class Calibration:
         return min(1.0, self.cores / world)
 
     def _factors(self, world: int) -> tuple[float, float]:
-        """(compute share inside the job, slowdown of costs measured among the ranks)."""
-        job = self.job_share if self.job_share and world == self.ranks else 1.0
+        """(share of a core that compute measured alone gets inside the job, slowdown of
+        costs measured among the ranks)."""
+        calibrated = world == self.ranks
+        job = self.job_share if self.job_share and calibrated else 1.0
+        compute = self.compute_share if self.compute_share and calibrated else 1.0
         share = self.share(world) * job
         measured_at = self.core_share if self.core_share is not None else share
-        return share, measured_at / share
+        return share * compute, measured_at / share
 
     def job_rates(self, world: int) -> ComputeRates:
         """The rates of one of `world` ranks inside a training job (class docstring): the
@@ -145,7 +157,7 @@ class Calibration:
         share, among = self._factors(world)
         note = f"x{self.share(world):.2f} for {world} ranks on {self.cores} cores"
         if share != self.share(world):
-            note += f", x{share / self.share(world):.2f} inside the training job"
+            note += f", x{share / self.share(world):.2f} with every rank computing in the job"
         rates = self.rates.scaled(share, note)
         if not self.virtual:
             return rates
@@ -202,6 +214,11 @@ class Calibration:
                 f"{self.link_latency_s * 1e6:.0f} us + bytes / {self.link_bandwidth / 1e9:.2f} "
                 f"GB/s; all-gather step {self.step_latency_s * 1e6:.0f} us + bytes / "
                 f"{self.step_bandwidth / 1e9:.2f} GB/s"
+            )
+        if self.compute_share:
+            lines.append(
+                f"the model's step shares a core at x{self.compute_share:.2f} of the probed "
+                "share while every rank computes"
             )
         if self.job_share:
             lines.append(
@@ -260,6 +277,8 @@ def calibrate(config: Config, device: torch.device, repeats: int = 5) -> Calibra
     out = Calibration(rates, measurements=measured, cores=cpu_count())
     if device.type == "cpu":
         out.ranks = max(2, ranks)
+        ratio, probed = while_probed(out.ranks, lambda: concurrent_ratio(shape, out.ranks))
+        out.compute_share = compute_share(ratio, probed)
         links, out.core_share = while_probed(out.ranks, lambda: measure_links(out.ranks))
         out.rates = dataclasses.replace(out.rates, contention=contention(links))
         out.link_latency_s, out.link_bandwidth = fit_link(links, "message")
