@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ray_zep.bench.calibrate_links import LinkPoint, contention, fit_link
+from ray_zep.bench.calibrate_links import LinkPoint, contention, fit_link, median_points
 from ray_zep.config import Compression, Config, load_config
 from ray_zep.costmodel import ComputeRates
 from ray_zep.parallel.axes import Placement, WeightsMode
@@ -226,3 +226,6 @@ def test_link_fits_and_contention_from_measured_points() -> None:
     hidden = [LinkPoint("overlapped_message", p.nbytes, p.seconds / 4) for p in points]
     assert contention(points + hidden) == pytest.approx(1.25)
     assert contention(points) == 1.0
+    # three rounds: each point is the median of its own three measurements
+    rounds = [LinkPoint(p.op, p.nbytes, p.seconds * f) for f in (1.0, 3.0, 0.9) for p in points]
+    assert median_points(rounds) == points

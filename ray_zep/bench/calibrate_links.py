@@ -30,6 +30,10 @@ MESSAGE_BYTES = (1 << 12, 1 << 18, 1 << 21)
 """Sizes of the measured messages (per rank)."""
 BURST_MATMULS = 12
 """Matmuls of 256 x 256 x 256 per compute burst (a few ms on one core)."""
+ROUNDS = 3
+"""Measurements whose per-point median is fitted: four back to back on a 2-core VM fitted
+a message at 2.2-3.4 ms + bytes / 1.1-3.4 GB/s, and one calibration's message latency
+moves every engine mode's prediction."""
 
 
 @dataclass(frozen=True)
@@ -114,8 +118,9 @@ def _worker(rank: int, world: int, port: int, iterations: int, result) -> None:
     dist.destroy_process_group()
 
 
-def measure_links(ranks: int, iterations: int = 30) -> list[LinkPoint]:
-    """Message and all-gather costs among `ranks` single-threaded processes (module docstring).
+def measure_links(ranks: int, iterations: int = 30, rounds: int = ROUNDS) -> list[LinkPoint]:
+    """Message and all-gather costs among `ranks` single-threaded processes (module
+    docstring), each point the median of `rounds` measurements.
 
     Raises:
         ValueError: fewer than 2 ranks.
@@ -124,11 +129,22 @@ def measure_links(ranks: int, iterations: int = 30) -> list[LinkPoint]:
 
     if ranks < 2:
         raise ValueError(f"measuring links needs >= 2 ranks, got {ranks}")
-    port = free_port()
-    with mp.Manager() as manager:
-        result = manager.list()
-        mp.spawn(_worker, args=(ranks, port, iterations, result), nprocs=ranks, join=True)
-        return [LinkPoint(op, n, s) for op, n, s in result]
+    measured = []
+    for _ in range(rounds):
+        with mp.Manager() as manager:
+            result = manager.list()
+            args = (ranks, free_port(), iterations, result)
+            mp.spawn(_worker, args=args, nprocs=ranks, join=True)
+            measured.extend(LinkPoint(op, n, s) for op, n, s in result)
+    return median_points(measured)
+
+
+def median_points(points: list[LinkPoint]) -> list[LinkPoint]:
+    """One point per (op, bytes): the median seconds of those measured, in first-seen order."""
+    seconds: dict[tuple[str, int], list[float]] = {}
+    for p in points:
+        seconds.setdefault((p.op, p.nbytes), []).append(p.seconds)
+    return [LinkPoint(op, n, float(np.median(s))) for (op, n), s in seconds.items()]
 
 
 def fit_link(points: list[LinkPoint], op: str) -> tuple[float, float]:
