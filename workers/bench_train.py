@@ -28,6 +28,7 @@ import torch
 
 from ray_zep import steplog
 from ray_zep.bench.calibrate import Calibration, calibrate
+from ray_zep.bench.calibrate_links import ROUNDS as LINK_ROUNDS
 from ray_zep.bench.core_share import while_probed
 from ray_zep.config import load_config
 from ray_zep.constants import METRICS_FILE_NAME
@@ -129,15 +130,16 @@ def run_train_bench(
     out: Path,
     calibration: Calibration | None = None,
     job_runs: int = JOB_RUNS,
+    link_rounds: int = LINK_ROUNDS,
 ) -> tuple[list[TrainBenchRow], Calibration]:
     """Train each mode `steps` steps and predict the same steps (module docstring);
-    without a `calibration`, calibrate first, the job share from `job_runs` runs
-    (`workers.calibrate_step`)."""
+    without a `calibration`, calibrate first: the links from `link_rounds` measurements,
+    the job share from `job_runs` runs (`workers.calibrate_step`)."""
     from workers.driver import train
 
     base = load_config(config_path, overrides)
     if calibration is None:
-        calibration = calibrate(base, torch.device("cpu"))
+        calibration = calibrate(base, torch.device("cpu"), link_rounds=link_rounds)
         calibration = measure_step_overhead(
             config_path, overrides, calibration, out / "tiny", job_runs
         )

@@ -4,7 +4,8 @@
    cluster's links, the trainer's fixed step cost);
 2. trains every sequence placement with replicated weights and with FSDP2 on the
    configured virtual cluster (`ray-zep bench train`'s runs; `--quick`: a subset,
-   and a calibration on one pair of job runs, `QUICK_JOB_RUNS`);
+   and a calibration on one pair of job runs and one round of link measurements,
+   `QUICK_JOB_RUNS`, `QUICK_LINK_ROUNDS`);
 3. replays the same batches through the simulator on the calibration, with each
    run's share of the cores probed around it (`ray_zep.bench.core_share`);
 4. simulates the papers' headline setups (`ray_zep.bench.headlines`).
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ray_zep.bench.calibrate import Calibration
+from ray_zep.bench.calibrate_links import ROUNDS as LINK_ROUNDS
 from ray_zep.bench.headlines import PaperRow, paper_rows
 from ray_zep.parallel.axes import Placement, WeightsMode
 from workers.bench_train import TrainBenchRow, run_train_bench
@@ -51,6 +53,9 @@ QUICK_JOB_RUNS = 1
 """`--quick` calibrates the job share and FSDP2's units on one pair of runs, not
 `workers.calibrate_step.JOB_RUNS`: about 2.5 minutes less, so `--quick` stays under 10
 minutes on 2 cores, for a noisier calibration."""
+QUICK_LINK_ROUNDS = 1
+"""`--quick` measures the links once, not `ray_zep.bench.calibrate_links.ROUNDS` times
+(about 20 s less: with three rounds it took 9.8 minutes on a 2-core AMD EPYC VM)."""
 GOAL = 0.20
 """Largest relative error of a prediction the issue accepts."""
 RESOLVED_SIGMAS = 2.0
@@ -201,7 +206,8 @@ def run_validate(
 ) -> Validation:
     """Calibrate, train, predict and simulate the headlines (module docstring)."""
     modes, job_runs = (QUICK_MODES, QUICK_JOB_RUNS) if quick else (MODES, JOB_RUNS)
+    link_rounds = QUICK_LINK_ROUNDS if quick else LINK_ROUNDS
     cpu, calibration = run_train_bench(
-        config_path, overrides, modes, steps, out, calibration, job_runs
+        config_path, overrides, modes, steps, out, calibration, job_runs, link_rounds
     )
     return Validation(cpu, paper_rows(quick), calibration)

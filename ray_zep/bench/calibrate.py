@@ -37,6 +37,7 @@ from ray_zep.bench.calibrate_kernels import (
     measure_model,
     pointwise_rate,
 )
+from ray_zep.bench.calibrate_links import ROUNDS as LINK_ROUNDS
 from ray_zep.bench.calibrate_links import LinkPoint, contention, fit_link, measure_links
 from ray_zep.bench.calibrate_ring import with_ring_step
 from ray_zep.bench.core_share import while_probed
@@ -250,10 +251,13 @@ def measure_compute(
     return call, attention, matmul, model, optimizer, codec
 
 
-def calibrate(config: Config, device: torch.device, repeats: int = 5) -> Calibration:
+def calibrate(
+    config: Config, device: torch.device, repeats: int = 5, link_rounds: int = LINK_ROUNDS
+) -> Calibration:
     """Measure and fit the rates of `device` for `config.model` (bf16 on a GPU, fp32 on CPU,
-    as training runs) and, on CPU, the links among the processes of `config.topology` and
-    the attention engine's ring step among them."""
+    as training runs) and, on CPU, the links among the processes of `config.topology`
+    (each point the median of `link_rounds` measurements) and the attention engine's ring
+    step among them."""
     shape = build_shape(config.model)
     ranks = build_topology(config.topology).world_size
     call, attention, matmul, model, optimizer, codec = measure_compute(shape, device, repeats)
@@ -279,7 +283,9 @@ def calibrate(config: Config, device: torch.device, repeats: int = 5) -> Calibra
         out.ranks = max(2, ranks)
         ratio, probed = while_probed(out.ranks, lambda: concurrent_ratio(shape, out.ranks))
         out.compute_share = compute_share(ratio, probed)
-        links, out.core_share = while_probed(out.ranks, lambda: measure_links(out.ranks))
+        links, out.core_share = while_probed(
+            out.ranks, lambda: measure_links(out.ranks, rounds=link_rounds)
+        )
         out.rates = dataclasses.replace(out.rates, contention=contention(links))
         out.link_latency_s, out.link_bandwidth = fit_link(links, "message")
         out.step_latency_s, out.step_bandwidth = fit_link(links, "all_gather_step")
