@@ -124,12 +124,35 @@ def test_plan_auto_searches_compositions_and_keeps_only_what_fits(tmp_path) -> N
     assert chosen.parallel.sequence is result.best.config.parallel.sequence
 
 
-def test_core_share_probe_is_a_share_and_refuses_no_ranks() -> None:
-    from ray_zep.bench.core_share import probe_core_share
+def test_share_probe_times_the_models_step_against_its_alone_seconds(monkeypatch, tmp_path) -> None:
+    """The share is the step's seconds alone at calibration over its seconds in every
+    rank now (the median over rounds), capped at 1; a calibration without the alone
+    step cannot probe."""
+    import ray_zep.bench.core_share as core_share
+    from ray_zep.bench.calibrate import Calibration
+    from ray_zep.costmodel import ComputeRates
+    from ray_zep.model.shapes import ModelShape
 
-    assert 0.0 < probe_core_share(2, iterations=100_000, pause=0.0) <= 1.0
-    with pytest.raises(ValueError, match="needs >= 1 rank"):
-        probe_core_share(0)
+    shape = ModelShape(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=64)
+    alone, together = core_share.step_seconds(shape, 2, rounds=1, alone=True)  # real processes
+    assert len(alone) == len(together) == 1 and min(alone + together) > 0
+    with pytest.raises(ValueError, match=">= 2 ranks"):
+        core_share.step_seconds(shape, 1, rounds=1, alone=False)
+
+    rounds = iter([([0.10] * 5, [0.20, 0.25, 0.22, 0.40, 0.21]), ([], [0.4, 0.5, 0.6])])
+    monkeypatch.setattr(core_share, "step_seconds", lambda *args, **kwargs: next(rounds))
+    probe, share = core_share.ShareProbe.calibrate(shape, 4)
+    assert probe.alone_s == 0.10 and share == pytest.approx(0.10 / 0.22)
+    assert probe.share() == pytest.approx(0.10 / 0.5)
+    monkeypatch.setattr(core_share, "step_seconds", lambda *args, **kwargs: ([], [0.05] * 3))
+    assert probe.around(lambda: "trained") == ("trained", 1.0)  # faster than alone: capped
+
+    rates = ComputeRates(1e9, 1e9, 1e9)
+    calibrated = Calibration(rates, 1e-3, 1e9, ranks=4, cores=2, core_share=0.5, alone_step_s=0.1)
+    loaded = Calibration.load(calibrated.save(tmp_path / "calibration.json"))
+    assert loaded.share_probe(shape) == core_share.ShareProbe(shape, 4, 0.1)
+    with pytest.raises(ConfigError, match="alone_step_s"):
+        Calibration(rates, 1e-3, 1e9, ranks=4, cores=2, core_share=0.5).share_probe(shape)
 
 
 def test_fsdp_units_are_timed_against_their_replicated_twins(monkeypatch, tmp_path) -> None:

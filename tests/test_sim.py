@@ -278,37 +278,6 @@ def test_job_share_slows_every_host_cost_measured_outside_the_job(tmp_path) -> N
     assert loaded.job_share == 0.8
 
 
-def test_compute_share_slows_only_what_was_measured_alone(tmp_path) -> None:
-    """Kernels and a kernel call, timed in one process alone, run at `compute_share` of the
-    probed share while every rank computes; messages and ring steps, measured among the
-    ranks, carry that already."""
-    from ray_zep.bench.calibrate import Calibration
-    from ray_zep.bench.calibrate_concurrency import compute_share, concurrent_ratio
-
-    rates = dataclasses.replace(RATES, ring_row_seconds=1e-6)
-    bare = Calibration(rates, 5e-5, 3e9, ranks=4, cores=2, core_share=0.5, ring_step_s=2e-4)
-    shared = dataclasses.replace(bare, compute_share=0.8)
-    topology = TopologyConfig(preset="virtual", nodes=2, gpus_per_node=2)
-    base, slow = bare.hardware(topology), shared.hardware(topology)
-    assert slow.rates.matmul == pytest.approx(0.8 * base.rates.matmul)
-    assert slow.rates.attention_rate(4096, True, False) == pytest.approx(
-        0.8 * base.rates.attention_rate(4096, True, False)
-    )
-    alone_call = RATES.call_overhead_s / 0.5
-    assert slow.rates.call_overhead_s == pytest.approx(alone_call / 0.8 + 2e-4)
-    assert slow.rates.ring_row_seconds == pytest.approx(base.rates.ring_row_seconds)
-    assert slow.intra_latency == pytest.approx(base.intra_latency)
-    assert shared.job_rates(8).matmul == pytest.approx(bare.job_rates(8).matmul)  # not measured
-    assert Calibration.load(shared.save(tmp_path / "c.json")).compute_share == 0.8
-    # 4 processes stepping at 0.45 of the alone rate while a probe gave each 0.6 of a core
-    assert compute_share(0.45, 0.6) == pytest.approx(0.75)
-    assert compute_share(0.9, 0.5) == 1.5  # capped: a probe that read far too low
-    with pytest.raises(ValueError, match="must be > 0"):
-        compute_share(0.0, 0.5)
-    with pytest.raises(ValueError, match=">= 2 ranks"):
-        concurrent_ratio(SHAPE, 1)
-
-
 def test_bench_train_rejects_bad_options_before_starting_anything(capsys) -> None:
     from ray_zep.cli import main
 

@@ -29,10 +29,10 @@ import torch
 from ray_zep import steplog
 from ray_zep.bench.calibrate import Calibration, calibrate
 from ray_zep.bench.calibrate_links import ROUNDS as LINK_ROUNDS
-from ray_zep.bench.core_share import while_probed
 from ray_zep.config import load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import ConfigError
+from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.sim.compare import VARIANTS
 from ray_zep.sim.replay import replay
@@ -143,6 +143,7 @@ def run_train_bench(
         calibration = measure_step_overhead(
             config_path, overrides, calibration, out / "tiny", job_runs
         )
+    probe = calibration.share_probe(build_shape(base.model))  # an old file fails here
     rows = []
     for name in strategies:
         run_dir = out / name.replace("/", "+")
@@ -150,7 +151,7 @@ def run_train_bench(
         extra.append(f"train.out_dir={run_dir}")
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resume
         config = load_config(config_path, [*overrides, *extra])
-        summary, share = while_probed(calibration.ranks, partial(train, config))
+        summary, share = probe.around(partial(train, config))
         step_rows = steplog.step_rows(summary.run_dir / METRICS_FILE_NAME)
         seconds, tokens = steady_totals(step_rows)
         now = dataclasses.replace(calibration, run_share=share)

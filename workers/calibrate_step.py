@@ -38,7 +38,6 @@ import numpy as np
 
 from ray_zep import steplog
 from ray_zep.bench.calibrate import Calibration
-from ray_zep.bench.core_share import while_probed
 from ray_zep.config import load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.model.shapes import build_shape
@@ -134,7 +133,8 @@ def _steps(
     shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resume
     extra = [f"train.steps={STEPS}", f"train.out_dir={out}"]
     config = load_config(config_path, [*overrides, *extra])
-    summary, share = while_probed(calibration.ranks, partial(train, config))
+    probe = calibration.share_probe(build_shape(config.model))
+    summary, share = probe.around(partial(train, config))
     rows = steplog.step_rows(summary.run_dir / METRICS_FILE_NAME)[WARM_UP:]
     measured = float(np.mean([r["step_seconds"] for r in rows]))
     hardware = dataclasses.replace(calibration, run_share=share).hardware(config.topology)

@@ -6,8 +6,8 @@ optimizer's cost per parameter, on one thread per process on CPU (one virtual GP
 is one single-threaded process), in bf16 on a GPU. Links, on CPU
 (`ray_zep.bench.calibrate_links`): messages and all-gathers among as many gloo
 processes as the virtual cluster has ranks, computing between messages as
-training does; and how much slower than the probed share of a core the model's
-step runs while every rank computes (`ray_zep.bench.calibrate_concurrency`).
+training does; and the model's training step in one process alone, against which
+the share of a core each rank gets is probed (`ray_zep.bench.core_share`).
 
 Writes `calibration.json`: the `ComputeRates` the simulator loads (`ray-zep
 simulate --calibration`), the link fits, and every measurement.
@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ray_zep.bench.calibrate_concurrency import compute_share, concurrent_ratio
 from ray_zep.bench.calibrate_kernels import (
     Measurement,
     calibration_dtype,
@@ -40,9 +39,10 @@ from ray_zep.bench.calibrate_kernels import (
 from ray_zep.bench.calibrate_links import ROUNDS as LINK_ROUNDS
 from ray_zep.bench.calibrate_links import LinkPoint, contention, fit_link, measure_links
 from ray_zep.bench.calibrate_ring import with_ring_step
-from ray_zep.bench.core_share import while_probed
+from ray_zep.bench.core_share import ShareProbe
 from ray_zep.config import Config, TopologyConfig
 from ray_zep.costmodel import ComputeRates
+from ray_zep.errors import ConfigError
 from ray_zep.model.shapes import ModelShape, build_shape
 from ray_zep.sim.hardware import Hardware
 from ray_zep.topology import build_topology
@@ -70,14 +70,13 @@ class Calibration:
         ranks: processes the links were measured with.
         cores: cores of this machine.
         core_share: share of a core each of those ranks got while the links and the
-            ring step were measured (`ray_zep.bench.core_share`; cores / ranks when
-            not measured).
+            ring step were measured (`ray_zep.bench.core_share`: the model's step
+            alone over its seconds in every rank at once; cores / ranks when not
+            measured).
         ring_step_s: what a ring step of the attention engine costs besides its kernel
             and its transfers, at `core_share` (`ray_zep.bench.calibrate_ring`).
-        compute_share: the factor on the probed share that compute measured alone
-            takes while every rank computes (`ray_zep.bench.calibrate_concurrency`:
-            the model's step shares a core worse than the probe's Python loop; None:
-            not measured, 1).
+        alone_step_s: the model's training step in one process alone, the reference
+            of every probe of the share (`ShareProbe`; None: not measured).
         job_share: what share of the compute rate a rank keeps inside a training job
             (measured by `workers.calibrate_step` on steps through Ray: the raylet, the
             driver and the data actor share the same cores; None: not measured).
@@ -86,7 +85,7 @@ class Calibration:
         measurements: every timed point.
 
     On a CPU virtual cluster every cost is CPU time: one measured in a process alone
-    (kernels, a kernel call) takes 1 / (share x compute_share) as long in a run whose
+    (kernels, a kernel call) takes 1 / share as long in a run whose
     ranks get `share` of a core each, and one measured among the ranks at `core_share`
     (messages, the ring step, which carry the compute's sharing already) takes
     `core_share / share` as long.
@@ -101,7 +100,7 @@ class Calibration:
     cores: int = 1
     core_share: float | None = None
     ring_step_s: float = 0.0
-    compute_share: float | None = None
+    alone_step_s: float | None = None
     job_share: float | None = None
     run_share: float | None = None
     measurements: list = field(default_factory=list)
@@ -119,7 +118,7 @@ class Calibration:
         record = json.loads(Path(path).read_text())
         keys = ("link_latency_s", "link_bandwidth", "step_latency_s", "step_bandwidth")
         sizes = {k: int(record.get(k, 1)) for k in ("ranks", "cores")}
-        keys_shares = ("core_share", "compute_share", "job_share", "run_share")
+        keys_shares = ("core_share", "alone_step_s", "job_share", "run_share")
         shares = {k: record.get(k) for k in keys_shares}
         return cls(rates, *(record.get(k) for k in keys), **sizes, **shares,
                    ring_step_s=float(record.get("ring_step_s", 0.0)))  # fmt: skip
@@ -140,15 +139,28 @@ class Calibration:
             return min(1.0, measured)
         return min(1.0, self.cores / world)
 
+    def share_probe(self, shape: ModelShape) -> ShareProbe:
+        """The probe of the share each rank gets around a run of a model of `shape`.
+
+        Raises:
+            ConfigError: the calibration did not time the model's step alone (written
+                by an older ray_zep, or not on a virtual cluster).
+        """
+        if self.alone_step_s is None:
+            raise ConfigError(
+                "the calibration has no alone_step_s to probe the core share against: "
+                "run `ray-zep bench calibrate` again"
+            )
+        return ShareProbe(shape, self.ranks, self.alone_step_s)
+
     def _factors(self, world: int) -> tuple[float, float]:
         """(share of a core that compute measured alone gets inside the job, slowdown of
         costs measured among the ranks)."""
         calibrated = world == self.ranks
         job = self.job_share if self.job_share and calibrated else 1.0
-        compute = self.compute_share if self.compute_share and calibrated else 1.0
         share = self.share(world) * job
         measured_at = self.core_share if self.core_share is not None else share
-        return share * compute, measured_at / share
+        return share, measured_at / share
 
     def job_rates(self, world: int) -> ComputeRates:
         """The rates of one of `world` ranks inside a training job (class docstring): the
@@ -216,11 +228,6 @@ class Calibration:
                 f"GB/s; all-gather step {self.step_latency_s * 1e6:.0f} us + bytes / "
                 f"{self.step_bandwidth / 1e9:.2f} GB/s"
             )
-        if self.compute_share:
-            lines.append(
-                f"the model's step shares a core at x{self.compute_share:.2f} of the probed "
-                "share while every rank computes"
-            )
         if self.job_share:
             lines.append(
                 f"inside a training job a rank computes at x{self.job_share:.2f} of that; "
@@ -281,11 +288,9 @@ def calibrate(
     out = Calibration(rates, measurements=measured, cores=cpu_count())
     if device.type == "cpu":
         out.ranks = max(2, ranks)
-        ratio, probed = while_probed(out.ranks, lambda: concurrent_ratio(shape, out.ranks))
-        out.compute_share = compute_share(ratio, probed)
-        links, out.core_share = while_probed(
-            out.ranks, lambda: measure_links(out.ranks, rounds=link_rounds)
-        )
+        probe, _ = ShareProbe.calibrate(shape, out.ranks)
+        out.alone_step_s = probe.alone_s
+        links, out.core_share = probe.around(lambda: measure_links(out.ranks, rounds=link_rounds))
         out.rates = dataclasses.replace(out.rates, contention=contention(links))
         out.link_latency_s, out.link_bandwidth = fit_link(links, "message")
         out.step_latency_s, out.step_bandwidth = fit_link(links, "all_gather_step")

@@ -24,9 +24,9 @@ import time
 import numpy as np
 import torch
 
-from ray_zep.bench.core_share import while_probed
 from ray_zep.config import Config
 from ray_zep.dist.launch import free_port
+from ray_zep.model.shapes import build_shape
 
 CHUNK_TOKENS = (8, 256)
 """Tokens of each zigzag chunk in the two measurements (a rank holds two chunks)."""
@@ -35,7 +35,6 @@ WARM_UP = 2
 
 
 def _plan(config: Config, chunk: int):
-    from ray_zep.model.shapes import build_shape
     from ray_zep.parallel.axes import Placement
     from ray_zep.partition import make_plan
     from ray_zep.topology import build_topology
@@ -54,7 +53,6 @@ def _worker(rank: int, world: int, port: int, config: Config, chunk: int, result
     from ray_zep.attention.links import Links
     from ray_zep.attention.schedule import RankSchedule
     from ray_zep.dist import Comm
-    from ray_zep.model.shapes import build_shape
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -103,7 +101,6 @@ def measure_layers(config: Config) -> list[float]:
 def ring_step_costs(config: Config, hardware, measured: list[float]) -> tuple[float, float]:
     """(seconds per ring step, seconds per query row and ring step) of `measured`
     (`measure_layers`) beyond what `hardware` models (module docstring)."""
-    from ray_zep.model.shapes import build_shape
     from ray_zep.routing.routes import Phase, RoutingPlan
     from ray_zep.sim.events import simulate
     from ray_zep.sim.program import LayerSetup, attention_graph
@@ -128,7 +125,8 @@ def with_ring_step(config: Config, calibration):
     share the ranks got while the engine ran is probed around it (the host may lend
     fewer cores by then), the kernels are modelled at that share, and what is left
     scales by that share over the calibration's."""
-    measured, share = while_probed(calibration.ranks, lambda: measure_layers(config))
+    probe = calibration.share_probe(build_shape(config.model))
+    measured, share = probe.around(lambda: measure_layers(config))
     during = dataclasses.replace(calibration, run_share=share)
     per_step, per_row = ring_step_costs(config, during.hardware(config.topology), measured)
     to_calibration = share / calibration.core_share if calibration.core_share else 1.0

@@ -8,80 +8,214 @@ measured at calibration time is then off by up to 2x for a run made later, so
 `ray-zep bench train` and `bench validate` probe the share just before and just
 after each run and predict that run with their mean.
 
-The probe: `ranks` processes run the same CPU-bound loop at once; the share is the
-time of the loop in one process alone over the mean time of the concurrent ones.
-One such round takes a tenth of a second, and right after a Ray run some rounds
-read 0.44-0.52 where most read 0.55-0.65 (a 2-core VM, 4 ranks): the processes a
-run leaves to wind down take a core for a moment. So a probe is the median of
-`ROUNDS` rounds spread over a few seconds (`PAUSE_S` apart). With a single burst
-of 3 rounds, the shares probed around the 14 runs of one `bench validate` ranged
-0.53-0.64, and the run probed lowest was predicted at 0.77 of measured (0.90 at
-the calibration's share); spread out, the probes around four runs agreed within
-0.585-0.610.
+The probe runs what the ranks run: the model's own training step (forward and
+backward of every layer, with the kernel training selects for its attention, on
+`TOKENS` packed tokens) in `ranks` processes at once. The share is the step's
+seconds in one process alone, timed once at calibration (`Calibration.alone_step_s`,
+where the kernels' rates were timed alone too), over its mean seconds in those
+processes now. A probe that ran a Python loop instead read a share the model's
+kernels did not get: on a 2-core AMD EPYC VM, 4 processes stepping the model each
+ran at 0.47-0.49 of the alone rate while the loop read 0.57-0.58, and over 12
+probes 4 concurrent steps varied by 3.7% (coefficient of variation) while the
+loop's share varied by 5%, not with them; two runs it probed at 0.76 and 0.80 of a
+core (the day's others 0.62-0.71) measured 15% and 39% slower than the same modes
+an hour before.
+
+The stepping processes are spawned once and kept, idle between probes (each imports
+torch, builds the model and takes a warm-up step in seconds); a round times `STEPS`
+steps, and a probe is the median of `ROUNDS` rounds `PAUSE_S` apart (right after a
+Ray run, the processes it leaves to wind down take a core for a moment).
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
+import queue
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
+
+import torch
+import torch.nn.functional as F
+
+from ray_zep.model.shapes import ModelShape
 
 T = TypeVar("T")
 
-PROBE_ITERATIONS = 1_000_000
-"""Loop iterations per process (about 40 ms on one core of a 2020s x86-64 server)."""
-ROUNDS = 7
+TOKENS = 1024
+"""Tokens of the timed step (packed)."""
+SEQUENCE = 256
+"""Length of each packed sequence."""
+STEPS = 2
+"""Steps timed per process and round."""
+ROUNDS = 3
+"""Rounds of a probe around a run."""
+CALIBRATION_ROUNDS = 5
+"""Rounds, alternating one process alone and all at once, that time the step alone."""
 PAUSE_S = 0.3
-"""Seconds between two rounds of a probe (module docstring)."""
+TIMEOUT_S = 300.0
+"""Longest a probe may take (its processes are spawned on the first)."""
 
 
-def _loop(iterations: int, results) -> None:
+def _step_fn(shape: ModelShape):
+    """A training step of the model (forward, backward) on `TOKENS` packed tokens."""
+    from ray_zep.attention.kernels import select_kernel
+    from ray_zep.attention.varlen import PackedSeqs
+    from ray_zep.model.llama import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(shape)
+    ids = torch.randint(0, shape.vocab_size, (TOKENS,))
+    positions = torch.arange(TOKENS) % SEQUENCE
+    seqs = PackedSeqs.from_lengths([SEQUENCE] * (TOKENS // SEQUENCE))
+    kernel = select_kernel("auto", torch.device("cpu"), torch.float32)
+
+    def step() -> None:
+        F.cross_entropy(model(ids, positions, seqs, kernel), ids).backward()
+
+    step()  # warm-up: allocator, first kernels
+    return step
+
+
+def _timed(step) -> float:
     started = time.perf_counter()
-    total = 0
-    for i in range(iterations):
-        total += i * i
-    results.put(time.perf_counter() - started)
+    for _ in range(STEPS):
+        step()
+    return (time.perf_counter() - started) / STEPS
 
 
-def _timed(processes: int, iterations: int) -> float:
-    """Mean seconds of the loop over `processes` concurrent processes."""
-    context = mp.get_context("fork")  # no torch state is touched in the children
-    results = context.Queue()
-    workers = [context.Process(target=_loop, args=(iterations, results)) for _ in range(processes)]
-    for worker in workers:
-        worker.start()
-    times = [results.get(timeout=60) for _ in workers]
-    for worker in workers:
-        worker.join(timeout=60)
-    return statistics.fmean(times)
+def _serve(rank: int, shape: ModelShape, commands, barrier, results) -> None:
+    """A stepping process: builds the model, then times rounds on request until None."""
+    torch.set_num_threads(1)
+    step = _step_fn(shape)
+    while (command := commands.get()) is not None:
+        rounds, alone = command
+        for round_index in range(rounds):
+            if alone:
+                barrier.wait()
+                if rank == 0:
+                    results.put(("alone", round_index, _timed(step)))
+            elif round_index and rank == 0:
+                time.sleep(PAUSE_S)
+            barrier.wait()
+            results.put(("together", round_index, _timed(step)))
+            barrier.wait()
 
 
-def probe_core_share(
-    ranks: int, iterations: int = PROBE_ITERATIONS, pause: float = PAUSE_S
-) -> float:
-    """Share of a core each of `ranks` busy processes gets now (median of `ROUNDS`
-    rounds, `pause` seconds apart), at most 1.
+class _Steppers:
+    """`ranks` processes that hold the model and step it on request: spawned once (a
+    process imports torch and builds the model in seconds) and idle, blocked on their
+    command queues, between probes."""
+
+    def __init__(self, shape: ModelShape, ranks: int) -> None:
+        context = mp.get_context("spawn")
+        self.ranks = ranks
+        self._barrier = context.Barrier(ranks)
+        self._results = context.Queue()
+        self._commands = [context.Queue() for _ in range(ranks)]
+        self._processes = [
+            context.Process(
+                target=_serve,
+                args=(rank, shape, self._commands[rank], self._barrier, self._results),
+                daemon=True,
+            )
+            for rank in range(ranks)
+        ]
+        for process in self._processes:
+            process.start()
+
+    def run(self, rounds: int, alone: bool) -> list[tuple[str, int, float]]:
+        for commands in self._commands:
+            commands.put((rounds, alone))
+        expected = rounds * (self.ranks + int(alone))
+        records, deadline = [], time.monotonic() + TIMEOUT_S
+        while len(records) < expected:
+            try:
+                records.append(self._results.get(timeout=1.0))
+            except queue.Empty:
+                dead = [p.exitcode for p in self._processes if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    why = f"exit codes {dead}" if dead else f"over {TIMEOUT_S:.0f} s"
+                    raise RuntimeError(f"probing the core share failed: {why}") from None
+        return records
+
+    def close(self) -> None:
+        for commands, process in zip(self._commands, self._processes, strict=True):
+            if process.is_alive():
+                commands.put(None)
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+
+
+_STEPPERS: dict[tuple[ModelShape, int], _Steppers] = {}
+
+
+@atexit.register
+def close_steppers() -> None:
+    """Stop every stepping process this process started."""
+    while _STEPPERS:
+        _STEPPERS.popitem()[1].close()
+
+
+def step_seconds(
+    shape: ModelShape, ranks: int, rounds: int, alone: bool
+) -> tuple[list[float], list[float]]:
+    """Per round: the step's seconds in one process alone (when `alone`) and its mean
+    seconds over `ranks` processes stepping at once.
 
     Raises:
-        ValueError: `ranks` < 1.
+        ValueError: fewer than 2 ranks.
+        RuntimeError: a stepping process died, or a probe ran past `TIMEOUT_S`.
     """
-    if ranks < 1:
-        raise ValueError(f"probing the core share needs >= 1 rank, got {ranks}")
-    shares = []
-    for round_index in range(ROUNDS):
-        if round_index:
-            time.sleep(pause)
-        alone = _timed(1, iterations)
-        together = _timed(ranks, iterations)
-        shares.append(min(1.0, alone / together))
-    return statistics.median(shares)
+    if ranks < 2:
+        raise ValueError(f"probing the core share needs >= 2 ranks, got {ranks}")
+    key = (shape, ranks)
+    if key not in _STEPPERS:
+        _STEPPERS[key] = _Steppers(shape, ranks)
+    try:
+        records = _STEPPERS[key].run(rounds, alone)
+    except RuntimeError:
+        del _STEPPERS[key]
+        raise
+    alone_s = [s for kind, _, s in sorted(records) if kind == "alone"]
+    together = [
+        statistics.fmean(s for kind, i, s in records if kind == "together" and i == r)
+        for r in range(rounds)
+    ]
+    return alone_s, together
 
 
-def while_probed(ranks: int, work: Callable[[], T]) -> tuple[T, float]:
-    """`work()`'s result and the share of a core each of `ranks` processes got around it:
-    the mean of a probe just before and one just after."""
-    before = probe_core_share(ranks)
-    result = work()
-    return result, (before + probe_core_share(ranks)) / 2
+@dataclass(frozen=True)
+class ShareProbe:
+    """Probes the share of a core each of `ranks` processes gets (module docstring)."""
+
+    shape: ModelShape
+    ranks: int
+    alone_s: float
+    """The step's seconds in one process alone, at calibration."""
+
+    @classmethod
+    def calibrate(cls, shape: ModelShape, ranks: int) -> tuple[ShareProbe, float]:
+        """The probe, with the step timed alone now, and the share probed meanwhile (the
+        median over rounds of alone over together seconds)."""
+        alone, together = step_seconds(shape, ranks, CALIBRATION_ROUNDS, alone=True)
+        share = statistics.median(a / t for a, t in zip(alone, together, strict=True))
+        return cls(shape, ranks, statistics.median(alone)), min(1.0, share)
+
+    def share(self) -> float:
+        """Share of a core each rank gets now, at most 1."""
+        _, together = step_seconds(self.shape, self.ranks, ROUNDS, alone=False)
+        return min(1.0, self.alone_s / statistics.median(together))
+
+    def around(self, work: Callable[[], T]) -> tuple[T, float]:
+        """`work()`'s result and the share each rank got around it: the mean of a probe
+        just before and one just after."""
+        before = self.share()
+        result = work()
+        return result, (before + self.share()) / 2
