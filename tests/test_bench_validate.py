@@ -146,6 +146,12 @@ def test_share_probe_times_the_models_step_against_its_alone_seconds(monkeypatch
     assert probe.share() == pytest.approx(0.10 / 0.5)
     monkeypatch.setattr(core_share, "step_seconds", lambda *args, **kwargs: ([], [0.05] * 3))
     assert probe.around(lambda: "trained") == ("trained", 1.0)  # faster than alone: capped
+    # with the calibration's share: the median of it and the two probes, so a dip that
+    # one probe reads moves nothing, and a change both read is followed
+    probes = iter([([], [0.5] * 3), ([], [0.22] * 3), ([], [0.4] * 3), ([], [0.38] * 3)])
+    monkeypatch.setattr(core_share, "step_seconds", lambda *args, **kwargs: next(probes))
+    assert probe.around(lambda: None, usual=0.44)[1] == pytest.approx(0.44)  # 0.2, 0.45
+    assert probe.around(lambda: None, usual=0.44)[1] == pytest.approx(0.10 / 0.38)  # 0.25, 0.26
 
     rates = ComputeRates(1e9, 1e9, 1e9)
     calibrated = Calibration(rates, 1e-3, 1e9, ranks=4, cores=2, core_share=0.5, alone_step_s=0.1)

@@ -151,7 +151,7 @@ def run_train_bench(
         extra.append(f"train.out_dir={run_dir}")
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resume
         config = load_config(config_path, [*overrides, *extra])
-        summary, share = probe.around(partial(train, config))
+        summary, share = probe.around(partial(train, config), calibration.core_share)
         step_rows = steplog.step_rows(summary.run_dir / METRICS_FILE_NAME)
         seconds, tokens = steady_totals(step_rows)
         now = dataclasses.replace(calibration, run_share=share)

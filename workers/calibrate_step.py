@@ -134,7 +134,7 @@ def _steps(
     extra = [f"train.steps={STEPS}", f"train.out_dir={out}"]
     config = load_config(config_path, [*overrides, *extra])
     probe = calibration.share_probe(build_shape(config.model))
-    summary, share = probe.around(partial(train, config))
+    summary, share = probe.around(partial(train, config), calibration.core_share)
     rows = steplog.step_rows(summary.run_dir / METRICS_FILE_NAME)[WARM_UP:]
     measured = float(np.mean([r["step_seconds"] for r in rows]))
     hardware = dataclasses.replace(calibration, run_share=share).hardware(config.topology)

@@ -85,10 +85,10 @@ class Calibration:
         measurements: every timed point.
 
     On a CPU virtual cluster every cost is CPU time: one measured in a process alone
-    (kernels, a kernel call) takes 1 / share as long in a run whose
-    ranks get `share` of a core each, and one measured among the ranks at `core_share`
-    (messages, the ring step, which carry the compute's sharing already) takes
-    `core_share / share` as long.
+    (kernels, a kernel call) takes 1 / share as long in a run whose ranks get `share`
+    of a core each, and one measured among the ranks at `core_share` (messages, the
+    ring step, which carry the compute's sharing already) takes `core_share / share`
+    as long.
     """
 
     rates: ComputeRates
@@ -138,6 +138,11 @@ class Calibration:
         if measured is not None and world == self.ranks:
             return min(1.0, measured)
         return min(1.0, self.cores / world)
+
+    def _alone_note(self) -> str:
+        if self.alone_step_s is None:
+            return ""
+        return f" (the model's step {self.alone_step_s * 1e3:.0f} ms alone)"
 
     def share_probe(self, shape: ModelShape) -> ShareProbe:
         """The probe of the share each rank gets around a run of a model of `shape`.
@@ -223,7 +228,7 @@ class Calibration:
         if self.link_bandwidth:
             lines.append(
                 f"fit: {self.ranks} ranks on {self.cores} cores, each computing at "
-                f"{self.share(self.ranks):.2f} of a core: message "
+                f"{self.share(self.ranks):.2f} of a core{self._alone_note()}: message "
                 f"{self.link_latency_s * 1e6:.0f} us + bytes / {self.link_bandwidth / 1e9:.2f} "
                 f"GB/s; all-gather step {self.step_latency_s * 1e6:.0f} us + bytes / "
                 f"{self.step_bandwidth / 1e9:.2f} GB/s"

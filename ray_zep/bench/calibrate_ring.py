@@ -126,7 +126,7 @@ def with_ring_step(config: Config, calibration):
     fewer cores by then), the kernels are modelled at that share, and what is left
     scales by that share over the calibration's."""
     probe = calibration.share_probe(build_shape(config.model))
-    measured, share = probe.around(lambda: measure_layers(config))
+    measured, share = probe.around(lambda: measure_layers(config), calibration.core_share)
     during = dataclasses.replace(calibration, run_share=share)
     per_step, per_row = ring_step_costs(config, during.hardware(config.topology), measured)
     to_calibration = share / calibration.core_share if calibration.core_share else 1.0

@@ -6,7 +6,7 @@ other guests on them. On a 2-core VM, 4 busy processes got 0.26 to 0.52 of a cor
 each in three calibrations within 20 minutes. A prediction made with the share
 measured at calibration time is then off by up to 2x for a run made later, so
 `ray-zep bench train` and `bench validate` probe the share just before and just
-after each run and predict that run with their mean.
+after each run and predict that run from them (below).
 
 The probe runs what the ranks run: the model's own training step (forward and
 backward of every layer, with the kernel training selects for its attention, on
@@ -17,9 +17,18 @@ processes now. A probe that ran a Python loop instead read a share the model's
 kernels did not get: on a 2-core AMD EPYC VM, 4 processes stepping the model each
 ran at 0.47-0.49 of the alone rate while the loop read 0.57-0.58, and over 12
 probes 4 concurrent steps varied by 3.7% (coefficient of variation) while the
-loop's share varied by 5%, not with them; two runs it probed at 0.76 and 0.80 of a
-core (the day's others 0.62-0.71) measured 15% and 39% slower than the same modes
-an hour before.
+loop's share varied by 5%, not with them; of the three runs it probed highest
+(0.76-0.81 of a core, the day's others 0.62-0.71), two measured 15% and 39% slower
+than the same modes an hour before.
+
+A probe reads a couple of seconds of a run that lasts a minute or more, and the host's
+lending moves within seconds: around the 14 runs of one `bench validate` the probes
+read 0.37-0.50 of a core, and predicting each run at its probes put 2 of 14 outside
+20% (the two probed at 0.40-0.41 measured within 6% of the same modes in the validate
+before), where the calibration's share put none. A host that lends less for minutes
+moves both probes around a run; a moment's dip moves one. So a run is predicted at
+the median of three readings: the calibration's share and the probes just before and
+just after the run.
 
 The stepping processes are spawned once and kept, idle between probes (each imports
 torch, builds the model and takes a warm-up step in seconds); a round times `STEPS`
@@ -213,9 +222,13 @@ class ShareProbe:
         _, together = step_seconds(self.shape, self.ranks, ROUNDS, alone=False)
         return min(1.0, self.alone_s / statistics.median(together))
 
-    def around(self, work: Callable[[], T]) -> tuple[T, float]:
-        """`work()`'s result and the share each rank got around it: the mean of a probe
-        just before and one just after."""
+    def around(self, work: Callable[[], T], usual: float | None = None) -> tuple[T, float]:
+        """`work()`'s result and the share each rank got around it: with the `usual`
+        share (the calibration's), the median of it and probes just before and just
+        after (module docstring); without, the mean of the two probes."""
         before = self.share()
         result = work()
-        return result, (before + self.share()) / 2
+        after = self.share()
+        if usual is None:
+            return result, (before + after) / 2
+        return result, statistics.median([usual, before, after])
