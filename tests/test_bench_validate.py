@@ -26,12 +26,13 @@ def test_rows_and_ranking_of_the_cpu_runs() -> None:
     from workers.bench_validate import Validation
 
     runs = [
-        TrainBenchRow("whole/replicated", 10e3, 11e3, 0.4, 0.36, 4.0),
+        TrainBenchRow("whole/replicated", 10e3, 11e3, 0.4, 0.36, 4.0, probed_shares=(0.4, 0.5)),
         TrainBenchRow("te_cp/replicated", 2e3, 3e3, 2.0, 1.3, 4.0),
         TrainBenchRow("zeppelin/replicated", 2.5e3, 2.6e3, 1.6, 1.5, 4.0),
     ]
     result = Validation(runs, [], calibration=None)
     rows = result.rows()
+    assert rows[0]["probed_shares"] == (0.4, 0.5) and rows[1]["probed_shares"] is None
     assert [r["mode"] for r in rows if r["kind"] == "cpu"] == [r.name for r in runs]
     assert next(r for r in rows if r["kind"] == "auto") == {
         "kind": "auto",

@@ -29,6 +29,7 @@ import torch
 from ray_zep import steplog
 from ray_zep.bench.calibrate import Calibration, calibrate
 from ray_zep.bench.calibrate_links import ROUNDS as LINK_ROUNDS
+from ray_zep.bench.core_share import run_share
 from ray_zep.config import load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import ConfigError
@@ -56,11 +57,14 @@ class TrainBenchRow:
     predicted_step_seconds: float | None
     final_loss: float | None
     core_share: float | None = None
-    """Share of a core each rank had during the run (the mean of the probes around it)."""
+    """Share of a core each rank had during the run (`run_share` of the probes around it)."""
     measured_error: float | None = None
     """Relative standard error of the measured throughput: the spread of the steady
     steps' measured over predicted seconds (what the batches' own differences do not
     explain), over the root of their number; None with fewer than 2 steps."""
+    probed_shares: tuple[float, float] | None = None
+    """The shares probed just before and just after the run (`core_share` combines them
+    with the calibration's, `ray_zep.bench.core_share.run_share`)."""
 
     @property
     def predicted_over_measured(self) -> float | None:
@@ -151,7 +155,8 @@ def run_train_bench(
         extra.append(f"train.out_dir={run_dir}")
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resume
         config = load_config(config_path, [*overrides, *extra])
-        summary, share = probe.around(partial(train, config), calibration.core_share)
+        summary, before, after = probe.readings(partial(train, config))
+        share = run_share(before, after, calibration.core_share)
         step_rows = steplog.step_rows(summary.run_dir / METRICS_FILE_NAME)
         seconds, tokens = steady_totals(step_rows)
         now = dataclasses.replace(calibration, run_share=share)
@@ -168,6 +173,7 @@ def run_train_bench(
                 summary.final_loss,
                 share,
                 relative_error(measured_steps, [s.step_seconds for s in predicted.steps]),
+                (before, after),
             )
         )
     return rows, calibration

@@ -11,13 +11,13 @@
 4. simulates the papers' headline setups (`ray_zep.bench.headlines`).
 
 Rows: `{"kind": "cpu", "mode", "predicted_tokens_per_s", "measured_tokens_per_s",
-"predicted_over_measured", "core_share", "measured_error"}` per mode, `{"kind": "auto",
-"chosen", "fastest_measured", "chosen_over_fastest"}` (the mode the simulator ranks
-first, as `plan --auto` ranks, against the fastest measured), `{"kind": "ranking",
-"pairs", "resolved_pairs", "swapped_resolved", "swapped_unresolved"}` (the pairs of modes
-the prediction orders the other way round than the measurement, apart for the pairs
-whose measured order the runs' own step-to-step spread leaves open) and `{"kind":
-"paper", "name", "paper", "simulated", "explained"}` per headline.
+"predicted_over_measured", "core_share", "measured_error", "probed_shares"}` per mode,
+`{"kind": "auto", "chosen", "fastest_measured", "chosen_over_fastest"}` (the mode the
+simulator ranks first, as `plan --auto` ranks, against the fastest measured), `{"kind":
+"ranking", "pairs", "resolved_pairs", "swapped_resolved", "swapped_unresolved"}` (the
+pairs of modes the prediction orders the other way round than the measurement, apart
+for the pairs whose measured order the runs' own step-to-step spread leaves open) and
+`{"kind": "paper", "name", "paper", "simulated", "explained"}` per headline.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ class Validation:
                 "predicted_over_measured": r.predicted_over_measured,
                 "core_share": r.core_share,
                 "measured_error": r.measured_error,
+                "probed_shares": r.probed_shares,
             }
             for r in self.cpu
         ]

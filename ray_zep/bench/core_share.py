@@ -222,13 +222,22 @@ class ShareProbe:
         _, together = step_seconds(self.shape, self.ranks, ROUNDS, alone=False)
         return min(1.0, self.alone_s / statistics.median(together))
 
-    def around(self, work: Callable[[], T], usual: float | None = None) -> tuple[T, float]:
-        """`work()`'s result and the share each rank got around it: with the `usual`
-        share (the calibration's), the median of it and probes just before and just
-        after (module docstring); without, the mean of the two probes."""
+    def readings(self, work: Callable[[], T]) -> tuple[T, float, float]:
+        """`work()`'s result and the shares probed just before and just after it."""
         before = self.share()
         result = work()
-        after = self.share()
-        if usual is None:
-            return result, (before + after) / 2
-        return result, statistics.median([usual, before, after])
+        return result, before, self.share()
+
+    def around(self, work: Callable[[], T], usual: float | None = None) -> tuple[T, float]:
+        """`work()`'s result and the share each rank got around it (`run_share`)."""
+        result, before, after = self.readings(work)
+        return result, run_share(before, after, usual)
+
+
+def run_share(before: float, after: float, usual: float | None) -> float:
+    """The share a run got: with the `usual` share (the calibration's), the median of it
+    and the probes just before and just after the run (module docstring); without, the
+    mean of the two probes."""
+    if usual is None:
+        return (before + after) / 2
+    return statistics.median([usual, before, after])
