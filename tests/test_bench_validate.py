@@ -140,6 +140,7 @@ def test_share_probe_times_the_models_step_against_its_alone_seconds(monkeypatch
     with pytest.raises(ValueError, match=">= 2 ranks"):
         core_share.step_seconds(shape, 1, rounds=1, alone=False)
 
+    monkeypatch.setattr(core_share, "wait_until_quiet", lambda: 0.0)
     rounds = iter([([0.10] * 5, [0.20, 0.25, 0.22, 0.40, 0.21]), ([], [0.4, 0.5, 0.6])])
     monkeypatch.setattr(core_share, "step_seconds", lambda *args, **kwargs: next(rounds))
     probe, share = core_share.ShareProbe.calibrate(shape, 4)
@@ -160,6 +161,24 @@ def test_share_probe_times_the_models_step_against_its_alone_seconds(monkeypatch
     assert loaded.share_probe(shape) == core_share.ShareProbe(shape, 4, 0.1)
     with pytest.raises(ConfigError, match="alone_step_s"):
         Calibration(rates, 1e-3, 1e9, ranks=4, cores=2, core_share=0.5).share_probe(shape)
+
+
+def test_a_probe_waits_for_the_machine_to_be_quiet(monkeypatch, tmp_path) -> None:
+    """Windows at or over the busy threshold are waited out, the first under it ends the
+    wait, and the wait never passes its limit; without `/proc/stat` it is a tenth of it."""
+    import ray_zep.bench.core_share as core_share
+
+    # (busy, total) ticks since boot: windows 50% busy, 20% busy, then 5% busy
+    ticks = iter([(0, 0), (50, 100), (70, 200), (75, 300), (80, 400)])
+    monkeypatch.setattr(core_share, "_cpu_ticks", lambda: next(ticks))
+    waited = core_share.wait_until_quiet(busy_below=0.15, window_s=0.01, max_s=5.0)
+    assert 0.03 <= waited < 1.0 and next(ticks) == (80, 400)  # the 4th reading was not taken
+    monkeypatch.setattr(core_share, "_cpu_ticks", lambda: (0, 0))  # no ticks pass: never quiet
+    assert 0.05 <= core_share.wait_until_quiet(window_s=0.01, max_s=0.05) < 0.5
+    monkeypatch.undo()
+    monkeypatch.setattr(core_share, "PROC_STAT", str(tmp_path / "missing"))
+    assert core_share._cpu_ticks() is None
+    assert 0.01 <= core_share.wait_until_quiet(max_s=0.1) < 0.5
 
 
 def test_fsdp_units_are_timed_against_their_replicated_twins(monkeypatch, tmp_path) -> None:

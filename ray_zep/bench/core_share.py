@@ -32,8 +32,14 @@ just after the run.
 
 The stepping processes are spawned once and kept, idle between probes (each imports
 torch, builds the model and takes a warm-up step in seconds); a round times `STEPS`
-steps, and a probe is the median of `ROUNDS` rounds `PAUSE_S` apart (right after a
-Ray run, the processes it leaves to wind down take a core for a moment).
+steps, and a probe is the median of `ROUNDS` rounds `PAUSE_S` apart.
+
+Right after a Ray run, the processes it leaves wind down for about a second, taking
+half the machine in its first half (measured on a 2-core VM). A probe read then reads
+them: after 5 of 6 runs of a `--quick` validate, the probe read 6-25% below the one
+before the run, and the probe before the next run, seconds later, read as before again.
+So a probe first waits, at most `QUIET_MAX_S`, until the machine's CPUs are less than
+`QUIET_BUSY` busy over `QUIET_WINDOW_S` (`wait_until_quiet`).
 """
 
 from __future__ import annotations
@@ -65,6 +71,12 @@ ROUNDS = 3
 CALIBRATION_ROUNDS = 5
 """Rounds, alternating one process alone and all at once, that time the step alone."""
 PAUSE_S = 0.3
+QUIET_BUSY = 0.15
+"""Busy fraction of the machine's CPUs under which a probe starts."""
+QUIET_WINDOW_S = 0.25
+QUIET_MAX_S = 10.0
+"""Longest a probe waits for the machine to be quiet (then probes anyway)."""
+PROC_STAT = "/proc/stat"
 TIMEOUT_S = 300.0
 """Longest a probe may take (its processes are spawned on the first)."""
 
@@ -172,6 +184,39 @@ def close_steppers() -> None:
         _STEPPERS.popitem()[1].close()
 
 
+def _cpu_ticks() -> tuple[int, int] | None:
+    """Busy and total ticks of all CPUs since boot (Linux `/proc/stat`), None elsewhere."""
+    try:
+        with open(PROC_STAT) as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle, iowait
+    total = sum(fields[:8])  # guest time is counted in user time already
+    return total - idle, total
+
+
+def wait_until_quiet(
+    busy_below: float = QUIET_BUSY, window_s: float = QUIET_WINDOW_S, max_s: float = QUIET_MAX_S
+) -> float:
+    """Wait until the CPUs are less than `busy_below` busy over `window_s`, at most
+    `max_s`; the seconds waited. Where `/proc/stat` is missing, wait `max_s` / 10."""
+    started = time.monotonic()
+    before = _cpu_ticks()
+    if before is None:
+        time.sleep(max_s / 10)
+        return time.monotonic() - started
+    while time.monotonic() - started < max_s:
+        time.sleep(window_s)
+        after = _cpu_ticks()
+        assert after is not None
+        busy, total = (a - b for a, b in zip(after, before, strict=True))
+        if total > 0 and busy / total < busy_below:
+            break
+        before = after
+    return time.monotonic() - started
+
+
 def step_seconds(
     shape: ModelShape, ranks: int, rounds: int, alone: bool
 ) -> tuple[list[float], list[float]]:
@@ -212,13 +257,15 @@ class ShareProbe:
     @classmethod
     def calibrate(cls, shape: ModelShape, ranks: int) -> tuple[ShareProbe, float]:
         """The probe, with the step timed alone now, and the share probed meanwhile (the
-        median over rounds of alone over together seconds)."""
+        median over rounds of alone over together seconds), once the machine is quiet."""
+        wait_until_quiet()
         alone, together = step_seconds(shape, ranks, CALIBRATION_ROUNDS, alone=True)
         share = statistics.median(a / t for a, t in zip(alone, together, strict=True))
         return cls(shape, ranks, statistics.median(alone)), min(1.0, share)
 
     def share(self) -> float:
-        """Share of a core each rank gets now, at most 1."""
+        """Share of a core each rank gets now, at most 1 (once the machine is quiet)."""
+        wait_until_quiet()
         _, together = step_seconds(self.shape, self.ranks, ROUNDS, alone=False)
         return min(1.0, self.alone_s / statistics.median(together))
 
