@@ -17,7 +17,7 @@ from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.remap.solver import solve_remap
 from ray_zep.routing.routes import Phase, RoutingPlan, Transfer, plan_route
-from ray_zep.sim.events import Lane, TaskGraph, simulate
+from ray_zep.sim.events import CorePool, Lane, TaskGraph, simulate
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.program import LayerSetup, _Builder, layer_graph
 from ray_zep.sim.step import RunModel, simulate_plan
@@ -177,6 +177,49 @@ def test_resources_serve_one_task_at_a_time_and_respect_dependencies() -> None:
         bad = TaskGraph()
         bad.add("a", 0, Lane.COMPUTE, 1.0, (), [1])
         simulate(bad)
+
+
+def test_ranks_sharing_cores_compute_faster_while_others_wait_by_hand() -> None:
+    """Two ranks on one core (share 0.5 each): a (1 s while both compute) and b (2 s)
+    run together for 1 s; then b has 1 s left and the core to itself, twice as fast, so
+    it ends at 1.5 s, when the work done (0.5 + 1 core-seconds) has used the core up.
+    A transfer after a holds no core and keeps its duration."""
+    graph = TaskGraph()
+    a = graph.add("a", 0, Lane.COMPUTE, 1.0, (("compute", 0),))
+    b = graph.add("b", 1, Lane.COMPUTE, 2.0, (("compute", 1),))
+    send = graph.add("send", 0, Lane.INTRA_NODE, 0.25, (("port_out", 0),), [a])
+    c = graph.add("c", 1, Lane.COMPUTE, 0.5, (("compute", 1),), [send])
+    timeline = simulate(graph, CorePool(2, 0.5))
+    assert timeline.end[a] == pytest.approx(1.0)
+    assert timeline.end[b] == pytest.approx(1.5)
+    assert (timeline.start[c], timeline.end[send]) == (pytest.approx(1.5), pytest.approx(1.25))
+    # alone, c runs at one core: 0.5 s at half a core take 0.25 s
+    assert timeline.end[c] == pytest.approx(1.75)
+    assert simulate(graph).end[c] == pytest.approx(2.5)  # devices of their own: no speed-up
+    assert CorePool(4, 0.5).speed(4) == 1.0
+    assert CorePool(4, 0.5).speed(1) == 2.0  # one rank takes at most one core
+    with pytest.raises(ValueError, match="CorePool"):
+        CorePool(4, 0.0)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.value)
+@pytest.mark.parametrize("phase", list(Phase), ids=lambda p: p.name.lower())
+def test_shared_cores_play_a_layer_as_the_one_pass_schedule_when_none_speed_up(
+    strategy, phase
+) -> None:
+    """A pool of whole cores, one per rank, never speeds a task up: played event by
+    event the layer matches the one-pass schedule task by task; on a pool of half as
+    many cores it is never slower, and never faster than its compute work spread over
+    those cores."""
+    plan = _random_plan(5, strategy)
+    graph = layer_graph(_setup(plan, routed=True), phase)
+    alone, shared = simulate(graph), simulate(graph, CorePool(plan.world, 1.0))
+    np.testing.assert_allclose(shared.start, alone.start, rtol=1e-9, atol=1e-15)
+    np.testing.assert_allclose(shared.end, alone.end, rtol=1e-9, atol=1e-15)
+    half = simulate(graph, CorePool(plan.world, 0.5))
+    work = sum(t.duration for t in graph.tasks if t.lane is Lane.COMPUTE)  # at 0.5 core
+    assert work * 0.5 / (plan.world * 0.5) <= half.makespan * (1 + 1e-9)
+    assert half.makespan <= alone.makespan * (1 + 1e-9)
 
 
 def test_te_cp_round_transfer_matches_fig_12() -> None:

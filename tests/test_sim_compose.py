@@ -15,6 +15,7 @@ from ray_zep.config import Compression, Config, load_config
 from ray_zep.costmodel import ComputeRates
 from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.parallel.step_plan import plan_step
+from ray_zep.sim.events import CorePool
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, greedy_bins, plan_batch, simulate_batch, simulate_plan
 from ray_zep.topology import build_topology
@@ -63,6 +64,7 @@ def _run(
     weights: WeightsMode,
     rates=RATES,
     compression: Compression = Compression.OFF,
+    pool: CorePool | None = None,
     **links,
 ) -> RunModel:
     config = _config(placement, weights)
@@ -70,7 +72,7 @@ def _run(
         config, comm=dataclasses.replace(config.comm, compression=compression)
     )
     topology = dataclasses.replace(build_topology(config.topology), **links)
-    return RunModel.create(config, Hardware(topology, rates), on_gpu=False)
+    return RunModel.create(config, Hardware(topology, rates, pool=pool), on_gpu=False)
 
 
 def _lengths(seed: int) -> np.ndarray:
@@ -127,21 +129,23 @@ def _slower(name: str, factor: float, topology) -> tuple[dict, ComputeRates]:
     knob=st.sampled_from(sorted(SLOWER)),
     factor=st.floats(0.5, 2.0),
     compression=st.sampled_from(list(Compression)),
+    pool=st.sampled_from([None, CorePool(4, 0.5)]),
 )
 def test_step_time_never_drops_when_a_link_or_rate_gets_worse(
-    seed, placement, weights, knob, factor, compression
+    seed, placement, weights, knob, factor, compression, pool
 ) -> None:
     """The same plan on worse hardware (the planners may choose differently on other
-    hardware: that is a decision, not the simulator's arithmetic), with ZipCCL off or on:
-    where a slower link tips a message to the zipped path, that path takes as long as the
-    plain one did at the tipping point."""
+    hardware: that is a decision, not the simulator's arithmetic), with ZipCCL off or on,
+    on devices of their own or on a CPU virtual cluster's shared cores: where a slower
+    link tips a message to the zipped path, that path takes as long as the plain one did
+    at the tipping point."""
     lengths = _lengths(seed)
-    run = _run(placement, weights, compression=compression)
+    run = _run(placement, weights, compression=compression, pool=pool)
     plan, remap = plan_batch(lengths, run, greedy_bins(lengths, 4))
     routed = run.config.parallel.routing
     base = simulate_plan(plan, run, routed, remap).step_seconds
     links, rates = _slower(knob, factor, run.hardware.topology)
-    worse_run = _run(placement, weights, rates, compression, **links)
+    worse_run = _run(placement, weights, rates, compression, pool, **links)
     worse_plan = dataclasses.replace(
         plan, topology=worse_run.hardware.topology, _items=None, _by_seq=None
     )

@@ -44,6 +44,7 @@ from ray_zep.config import Config, TopologyConfig
 from ray_zep.costmodel import ComputeRates
 from ray_zep.errors import ConfigError
 from ray_zep.model.shapes import ModelShape, build_shape
+from ray_zep.sim.events import CorePool
 from ray_zep.sim.hardware import Hardware
 from ray_zep.topology import build_topology
 
@@ -188,9 +189,10 @@ class Calibration:
     def hardware(self, topology: TopologyConfig) -> Hardware:
         """The virtual cluster of `topology` as measured: every link at the measured message
         latency and bandwidth, each rank's compute at its share of the cores (class
-        docstring)."""
+        docstring), the ranks sharing the cores (`CorePool`): a rank computes faster
+        while others wait."""
         cluster = build_topology(topology)
-        _, among = self._factors(cluster.world_size)
+        share, among = self._factors(cluster.world_size)
         bandwidth = (self.link_bandwidth or 1e9) / among
         latency = (self.link_latency_s or 0.0) * among
         links = dataclasses.replace(
@@ -204,7 +206,8 @@ class Calibration:
         step = None
         if self.step_latency_s is not None and self.step_bandwidth:
             step = (self.step_latency_s * among, self.step_bandwidth / among)
-        return Hardware(cluster, self.job_rates(cluster.world_size), step)
+        pool = CorePool(cluster.world_size, share) if self.virtual else None
+        return Hardware(cluster, self.job_rates(cluster.world_size), step, pool)
 
     def table(self) -> str:
         lines = [f"{'op':<20}{'size':>9}{'GFLOP or MB':>13}{'ms':>10}{'GFLOP/s or GB/s':>17}"]

@@ -112,7 +112,8 @@ def ring_step_costs(config: Config, hardware, measured: list[float]) -> tuple[fl
         routing = RoutingPlan.build(plan, False, all_hops=True)
         setup = LayerSetup(plan, shape, hardware.cost(shape), hardware.rates, routing,
                            element_bytes=4)  # fmt: skip
-        modelled = sum(simulate(attention_graph(setup, phase)).makespan for phase in Phase)
+        graphs = (attention_graph(setup, phase) for phase in Phase)
+        modelled = sum(simulate(graph, hardware.pool).makespan for graph in graphs)
         extra.append(max(0.0, seconds - modelled) / (2 * plan.topology.world_size))
     per_step = extra[0]
     rows = 2 * (CHUNK_TOKENS[1] - CHUNK_TOKENS[0])

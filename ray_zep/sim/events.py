@@ -11,6 +11,13 @@ thread reaching a wait.
 Because a task is released only when its dependencies have finished, and its
 successors become ready no earlier than it ends, tasks leave the ready queue in
 non-decreasing ready time: one pass over a heap schedules the whole graph.
+
+On a CPU virtual cluster the ranks are processes sharing a few cores
+(`CorePool`): a compute task's duration is its time while every rank computes,
+and when some ranks wait (a ring stall, a rank with less work) the operating
+system gives the others their cores, up to one core each. There the graph is
+played event by event: between two events every running compute task advances at
+the pool's speed for the number then running.
 """
 
 from __future__ import annotations
@@ -52,6 +59,30 @@ class Task:
     duration: float
     resources: tuple = ()
     deps: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class CorePool:
+    """The cores the compute lanes of a CPU virtual cluster's ranks share.
+
+    Attributes:
+        ranks: processes computing on the cores.
+        share: share of a core each rank gets while all of them compute, the share
+            every compute task's duration was stated at (`Calibration.job_rates`).
+
+    The pool holds `ranks * share` cores; a rank, one thread, takes at most one.
+    """
+
+    ranks: int
+    share: float
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or not 0.0 < self.share <= 1.0:
+            raise ValueError(f"CorePool needs ranks >= 1 and 0 < share <= 1, got {self}")
+
+    def speed(self, running: int) -> float:
+        """How much faster than its stated duration each of `running` compute tasks runs."""
+        return min(1.0, self.ranks * self.share / max(running, 1)) / self.share
 
 
 @dataclass
@@ -114,23 +145,19 @@ class Timeline:
         return total
 
 
-def simulate(graph: TaskGraph) -> Timeline:
-    """Schedule every task of `graph` (see the module docstring).
+def simulate(graph: TaskGraph, pool: CorePool | None = None) -> Timeline:
+    """Schedule every task of `graph` (see the module docstring); with `pool`, the
+    compute tasks share its cores.
 
     Raises:
         ValueError: a dependency names a later or unknown task (the graph must be
             built in program order, which also rules out cycles).
     """
+    waiting, successors = _dependencies(graph)
+    if pool is not None:
+        return _simulate_shared(graph, pool, waiting, successors)
     tasks = graph.tasks
     count = len(tasks)
-    waiting = np.zeros(count, dtype=np.int64)
-    successors: list[list[int]] = [[] for _ in range(count)]
-    for index, task in enumerate(tasks):
-        for dep in task.deps:
-            if not 0 <= dep < index:
-                raise ValueError(f"task {index} ({task.name}) depends on task {dep}")
-            successors[dep].append(index)
-        waiting[index] = len(task.deps)
     ready_at = np.zeros(count)
     start, end = np.zeros(count), np.zeros(count)
     free: dict = defaultdict(float)
@@ -153,4 +180,79 @@ def simulate(graph: TaskGraph) -> Timeline:
                 heapq.heappush(heap, (float(ready_at[succ]), succ))
     if done != count:
         raise ValueError(f"{count - done} tasks never became ready")
+    return Timeline(graph, start, end)
+
+
+def _dependencies(graph: TaskGraph) -> tuple[np.ndarray, list[list[int]]]:
+    """(count of unfinished dependencies, successors) of every task."""
+    tasks = graph.tasks
+    waiting = np.zeros(len(tasks), dtype=np.int64)
+    successors: list[list[int]] = [[] for _ in tasks]
+    for index, task in enumerate(tasks):
+        for dep in task.deps:
+            if not 0 <= dep < index:
+                raise ValueError(f"task {index} ({task.name}) depends on task {dep}")
+            successors[dep].append(index)
+        waiting[index] = len(task.deps)
+    return waiting, successors
+
+
+def _simulate_shared(
+    graph: TaskGraph, pool: CorePool, waiting: np.ndarray, successors: list[list[int]]
+) -> Timeline:
+    """`simulate` with the compute tasks sharing `pool`, event by event. At each event
+    the ready tasks are offered their resources by ready time (ties: program order); a
+    task that cannot start holds back every resource it names from later tasks, as a
+    reservation does in the one-pass schedule."""
+    tasks = graph.tasks
+    count = len(tasks)
+    start, end = np.zeros(count), np.zeros(count)
+    ready: list[tuple[float, int]] = [(0.0, i) for i in range(count) if waiting[i] == 0]
+    held: set = set()
+    fixed: list[tuple[float, int]] = []  # (end, task) of tasks of a set duration
+    shared: dict[int, float] = {}  # running compute task -> seconds left at speed 1
+    now, done = 0.0, 0
+
+    def finish(index: int) -> None:
+        nonlocal done
+        end[index] = now
+        done += 1
+        held.difference_update(tasks[index].resources)
+        for succ in successors[index]:
+            waiting[succ] -= 1
+            if waiting[succ] == 0:
+                ready.append((now, succ))
+
+    while done < count:
+        ready.sort()
+        blocked: set = set()
+        waiting_list = []
+        for entry in ready:
+            index = entry[1]
+            task = tasks[index]
+            if any(r in held or r in blocked for r in task.resources):
+                blocked.update(task.resources)
+                waiting_list.append(entry)
+                continue
+            start[index] = now
+            held.update(task.resources)
+            if task.lane is Lane.COMPUTE and task.duration > 0:
+                shared[index] = task.duration
+            else:
+                heapq.heappush(fixed, (now + task.duration, index))
+        ready[:] = waiting_list
+        speed = pool.speed(len(shared))
+        step = min(shared.values(), default=np.inf) / speed
+        upcoming = min(now + step, fixed[0][0] if fixed else np.inf)
+        if upcoming == np.inf:
+            raise ValueError(f"{count - done} tasks never became ready")
+        elapsed = upcoming - now
+        now = upcoming
+        for index in list(shared):
+            shared[index] -= elapsed * speed
+            if shared[index] <= 1e-12 * tasks[index].duration:
+                del shared[index]
+                finish(index)
+        while fixed and fixed[0][0] <= now:
+            finish(heapq.heappop(fixed)[1])
     return Timeline(graph, start, end)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ray_zep.costmodel import ComputeRates, CostModel, preset_rates
 from ray_zep.model.shapes import ModelShape
+from ray_zep.sim.events import CorePool
 from ray_zep.topology import GB, GBIT, Topology
 
 USABLE_MEMORY_FRACTION = 0.9
@@ -32,11 +33,14 @@ class Hardware:
         rates: compute rates of one GPU (or of one process of a virtual cluster).
         collective_step: (latency s, bytes/s) of one ring-collective step where it was
             measured apart from messages (`CostModel.collective_step`); None: the links.
+        pool: the cores a CPU virtual cluster's ranks share (`CorePool`); None: each
+            rank computes on its own device.
     """
 
     topology: Topology
     rates: ComputeRates
     collective_step: tuple[float, float] | None = None
+    pool: CorePool | None = None
 
     @classmethod
     def preset(cls, topology: Topology) -> Hardware:

@@ -57,7 +57,7 @@ from ray_zep.partition import greedy_bins, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import Phase, RoutingPlan
-from ray_zep.sim.events import TaskGraph, Timeline, simulate
+from ray_zep.sim.events import CorePool, TaskGraph, Timeline, simulate
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.moe_block import BlockSpread, overhang_seconds
 from ray_zep.sim.program import FP32_BYTES, LayerSetup, layer_graphs
@@ -243,8 +243,8 @@ def simulate_plans(
                        base.dkv_bytes, weights[0].layer_sync, weights[0].groups,
                        codecs[0])  # fmt: skip
     wires = list(dict.fromkeys((c, w.layer_sync) for c, w in zip(codecs, weights, strict=True)))
-    forward = _simulated(layer_graphs(setup, Phase.FORWARD, wires))
-    backward = _simulated(layer_graphs(setup, Phase.BACKWARD, wires))
+    forward = _simulated(layer_graphs(setup, Phase.FORWARD, wires), hw.pool)
+    backward = _simulated(layer_graphs(setup, Phase.BACKWARD, wires), hw.pool)
     tokens = setup.linear_tokens()
     head_tokens = max(tokens, default=0)
     head_flops = (1 + BACKWARD_LINEAR_FACTOR) * head_tokens * head_flops_per_token(shape)
@@ -292,13 +292,13 @@ def _result(
     )
 
 
-def _simulated(graphs: list[TaskGraph]) -> list[Timeline]:
-    """The timeline of each graph, each graph object played once (wires that change no
-    duration share the graph)."""
+def _simulated(graphs: list[TaskGraph], pool: CorePool | None) -> list[Timeline]:
+    """The timeline of each graph on `pool`, each graph object played once (wires that
+    change no duration share the graph)."""
     played: dict[int, Timeline] = {}
     for graph in graphs:
         if id(graph) not in played:
-            played[id(graph)] = simulate(graph)
+            played[id(graph)] = simulate(graph, pool)
     return [played[id(graph)] for graph in graphs]
 
 
