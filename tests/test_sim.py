@@ -319,6 +319,38 @@ def test_job_share_slows_every_host_cost_measured_outside_the_job(tmp_path) -> N
     assert gpu.job_rates(16).matmul == RATES.matmul
     loaded = Calibration.load(inside.save(tmp_path / "calibration.json"))
     assert loaded.job_share == 0.8
+    # the virtual cluster's ranks share the cores at the share their compute is stated at
+    assert inside.hardware(topology).pool == CorePool(4, 0.5 * 0.8)
+    assert gpu.hardware(topology).pool is None
+
+
+def test_ring_step_costs_are_the_median_of_rounds_one_of_which_ran_slow(monkeypatch) -> None:
+    """Three rounds of the engine's layers: two cost 50 us per ring step and 2 us per query
+    row beyond the model, one ran 30% slow all over; the calibration keeps 50 us and 2 us."""
+    from ray_zep.bench import calibrate_ring
+    from ray_zep.bench.calibrate import Calibration
+    from ray_zep.config import load_config
+
+    config = load_config("conf/demo.yaml", [])
+    calibration = Calibration(RATES, 5e-5, 3e9, ranks=4, cores=2, core_share=0.5,
+                              alone_step_s=0.1)  # fmt: skip
+    modelled = calibrate_ring.modelled_layers(config, calibration.hardware(config.topology))
+    steps = 2 * 4  # forward and backward ring steps of 4 ranks
+    true = [
+        m + steps * (50e-6 + 2e-6 * 2 * c)
+        for m, c in zip(modelled, calibrate_ring.CHUNK_TOKENS, strict=True)
+    ]
+    rounds = [true, [1.3 * t for t in true], true]
+
+    class Probe:
+        def around(self, measure, share):
+            return measure(), share
+
+    monkeypatch.setattr(calibrate_ring, "measure_layers", lambda config: rounds)
+    monkeypatch.setattr(Calibration, "share_probe", lambda self, shape: Probe())
+    measured = calibrate_ring.with_ring_step(config, calibration)
+    assert measured.ring_step_s == pytest.approx(50e-6 + 2e-6 * 2 * calibrate_ring.CHUNK_TOKENS[0])
+    assert measured.rates.ring_row_seconds == pytest.approx(2e-6)
 
 
 def test_bench_train_rejects_bad_options_before_starting_anything(capsys) -> None:

@@ -5,8 +5,10 @@ step's rows, allocates and accumulates the gradient buffers, posts and waits for
 its messages, and on a virtual cluster whose ranks share a few cores each wait
 costs a scheduling round. Here `ranks` gloo processes run the engine
 (`ray_zep.attention.engine.run_attention`) forward and backward on one short
-sequence zigzag-split over all of them (TE CP's plan), once with chunks of a few
-tokens and once with chunks of `CHUNK_TOKENS[1]`; the time beyond what the simulator
+sequence zigzag-split over all of them (TE CP's plan), with chunks of a few tokens
+and with chunks of `CHUNK_TOKENS[1]` taking turns for `ROUNDS` rounds in the same
+processes (one measurement swung by 0-11 us per query row between four calibrations
+within minutes; the median of the rounds' fits holds); the time beyond what the simulator
 models for that layer (`ray_zep.sim.program`), per ring step, is what a step costs
 besides its kernel and its transfers: a fixed part (from the tiny chunks,
 `Calibration.ring_step_s`) and a part per query row (from the larger ones,
@@ -30,7 +32,9 @@ from ray_zep.model.shapes import build_shape
 
 CHUNK_TOKENS = (8, 256)
 """Tokens of each zigzag chunk in the two measurements (a rank holds two chunks)."""
-ITERATIONS = 12
+ROUNDS = 3
+"""Rounds of the two measurements; each cost is the median of the rounds' fits."""
+ITERATIONS = 8
 WARM_UP = 2
 
 
@@ -45,7 +49,7 @@ def _plan(config: Config, chunk: int):
     return make_plan(Placement.TE_CP, [tokens], topology, 2 * chunk, shape)
 
 
-def _worker(rank: int, world: int, port: int, config: Config, chunk: int, result) -> None:
+def _worker(rank: int, world: int, port: int, config: Config, result) -> None:
     import torch.distributed as dist
 
     from ray_zep.attention.engine import run_attention
@@ -58,66 +62,77 @@ def _worker(rank: int, world: int, port: int, config: Config, chunk: int, result
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    plan = _plan(config, chunk)
-    comm = Comm.create(plan.topology, world, config.comm.timeout_s)
+    plans = [_plan(config, chunk) for chunk in CHUNK_TOKENS]
+    comm = Comm.create(plans[0].topology, world, config.comm.timeout_s)
     kernel = select_kernel("auto", torch.device("cpu"), torch.float32)
     kernels = (kernel, select_backward(kernel))
-    schedule = RankSchedule.build(plan, rank)
-    shape, rows = build_shape(config.model), int(plan.rank_tokens()[rank])
-    seconds = []
-    for _ in range(ITERATIONS):
-        q = torch.randn(rows, shape.n_heads, shape.head_dim, requires_grad=True)
-        k, v = (torch.randn(rows, shape.n_kv_heads, shape.head_dim, requires_grad=True)
-                for _ in range(2))  # fmt: skip
-        dist.barrier()
-        started = time.perf_counter()
-        run_attention(q, k, v, schedule, Links(comm, None), kernels).sum().backward()
-        seconds.append(time.perf_counter() - started)
-    mean = torch.tensor([float(np.mean(seconds[WARM_UP:]))])
-    dist.all_reduce(mean, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        result.append(float(mean))
+    shape = build_shape(config.model)
+
+    def layer_seconds(plan, iterations: int) -> float:
+        """The median over `iterations` of this rank's forward and backward."""
+        schedule, rows = RankSchedule.build(plan, rank), int(plan.rank_tokens()[rank])
+        seconds = []
+        for _ in range(iterations):
+            q = torch.randn(rows, shape.n_heads, shape.head_dim, requires_grad=True)
+            k, v = (torch.randn(rows, shape.n_kv_heads, shape.head_dim, requires_grad=True)
+                    for _ in range(2))  # fmt: skip
+            dist.barrier()
+            started = time.perf_counter()
+            run_attention(q, k, v, schedule, Links(comm, None), kernels).sum().backward()
+            seconds.append(time.perf_counter() - started)
+        return float(np.median(seconds))
+
+    for plan in plans:
+        layer_seconds(plan, WARM_UP)
+    for _ in range(ROUNDS):
+        medians = torch.tensor([layer_seconds(plan, ITERATIONS) for plan in plans])
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank's
+        if rank == 0:
+            result.append(medians.tolist())
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure_layers(config: Config) -> list[float]:
-    """Seconds of the engine's forward and backward of the layer of each chunk length of
-    `CHUNK_TOKENS` (the slowest rank's mean), measured in one gloo process per rank of
-    `config.topology`."""
+def measure_layers(config: Config) -> list[list[float]]:
+    """Per round, the seconds of the engine's forward and backward of the layer of each
+    chunk length of `CHUNK_TOKENS` (the slowest rank's median), measured in one gloo
+    process per rank of `config.topology`, the chunk lengths taking turns."""
     import torch.multiprocessing as mp
 
-    measured = []
-    for chunk in CHUNK_TOKENS:
-        world = _plan(config, chunk).topology.world_size
-        with mp.Manager() as manager:
-            result = manager.list()
-            args = (world, free_port(), config, chunk, result)
-            mp.spawn(_worker, args=args, nprocs=world, join=True)
-            measured.append(result[0])
-    return measured
+    world = _plan(config, CHUNK_TOKENS[0]).topology.world_size
+    with mp.Manager() as manager:
+        result = manager.list()
+        mp.spawn(_worker, args=(world, free_port(), config, result), nprocs=world, join=True)
+        return [list(r) for r in result]
 
 
-def ring_step_costs(config: Config, hardware, measured: list[float]) -> tuple[float, float]:
-    """(seconds per ring step, seconds per query row and ring step) of `measured`
-    (`measure_layers`) beyond what `hardware` models (module docstring)."""
+def modelled_layers(config: Config, hardware) -> list[float]:
+    """Seconds `hardware` models for the forward and backward of the layer of each chunk
+    length of `CHUNK_TOKENS` (`ray_zep.sim.program`, on the cores the ranks share)."""
     from ray_zep.routing.routes import Phase, RoutingPlan
     from ray_zep.sim.events import simulate
     from ray_zep.sim.program import LayerSetup, attention_graph
 
     shape = build_shape(config.model)
-    extra = []
-    for chunk, seconds in zip(CHUNK_TOKENS, measured, strict=True):
+    modelled = []
+    for chunk in CHUNK_TOKENS:
         plan = _plan(config, chunk)
         routing = RoutingPlan.build(plan, False, all_hops=True)
         setup = LayerSetup(plan, shape, hardware.cost(shape), hardware.rates, routing,
                            element_bytes=4)  # fmt: skip
         graphs = (attention_graph(setup, phase) for phase in Phase)
-        modelled = sum(simulate(graph, hardware.pool).makespan for graph in graphs)
-        extra.append(max(0.0, seconds - modelled) / (2 * plan.topology.world_size))
-    per_step = extra[0]
+        modelled.append(sum(simulate(graph, hardware.pool).makespan for graph in graphs))
+    return modelled
+
+
+def ring_step_costs(
+    measured: list[float], modelled: list[float], world: int
+) -> tuple[float, float]:
+    """(seconds per ring step, seconds per query row and ring step) of one round of
+    `measure_layers` beyond what is `modelled` (module docstring), on `world` ranks."""
+    extra = [max(0.0, m - sim) / (2 * world) for m, sim in zip(measured, modelled, strict=True)]
     rows = 2 * (CHUNK_TOKENS[1] - CHUNK_TOKENS[0])
-    return per_step, max(0.0, extra[1] - extra[0]) / rows
+    return extra[0], max(0.0, extra[1] - extra[0]) / rows
 
 
 def with_ring_step(config: Config, calibration):
@@ -127,9 +142,12 @@ def with_ring_step(config: Config, calibration):
     fewer cores by then), the kernels are modelled at that share, and what is left
     scales by that share over the calibration's."""
     probe = calibration.share_probe(build_shape(config.model))
-    measured, share = probe.around(lambda: measure_layers(config), calibration.core_share)
-    during = dataclasses.replace(calibration, run_share=share)
-    per_step, per_row = ring_step_costs(config, during.hardware(config.topology), measured)
+    rounds, share = probe.around(lambda: measure_layers(config), calibration.core_share)
+    hardware = dataclasses.replace(calibration, run_share=share).hardware(config.topology)
+    modelled = modelled_layers(config, hardware)
+    world = hardware.topology.world_size
+    fits = np.array([ring_step_costs(measured, modelled, world) for measured in rounds])
+    per_step, per_row = (float(x) for x in np.median(fits, axis=0))
     to_calibration = share / calibration.core_share if calibration.core_share else 1.0
     rates = dataclasses.replace(calibration.rates, ring_row_seconds=per_row * to_calibration)
     return dataclasses.replace(calibration, rates=rates, ring_step_s=per_step * to_calibration)
