@@ -35,9 +35,10 @@ torch, builds the model and takes a warm-up step in seconds); a round times `STE
 steps, and a probe is the median of `ROUNDS` rounds `PAUSE_S` apart.
 
 Right after a Ray run, the processes it leaves wind down for about a second, taking
-half the machine in its first half (measured on a 2-core VM). A probe read then reads
-them: after 5 of 6 runs of a `--quick` validate, the probe read 6-25% below the one
-before the run, and the probe before the next run, seconds later, read as before again.
+half the machine in its first half (measured on a 2-core VM), and a probe taken then
+reads them as a smaller share: after 5 of 6 runs of a `--quick` validate, the probe
+read 6-25% below the one before the run, and the probe before the next run, seconds
+later, read as before again.
 So a probe first waits, at most `QUIET_MAX_S`, until the machine's CPUs are less than
 `QUIET_BUSY` busy over `QUIET_WINDOW_S` (`wait_until_quiet`).
 """

@@ -226,13 +226,13 @@ def _simulate_shared(
     while done < count:
         ready.sort()
         blocked: set = set()
-        waiting_list = []
+        not_started = []
         for entry in ready:
             index = entry[1]
             task = tasks[index]
             if any(r in held or r in blocked for r in task.resources):
                 blocked.update(task.resources)
-                waiting_list.append(entry)
+                not_started.append(entry)
                 continue
             start[index] = now
             held.update(task.resources)
@@ -240,7 +240,7 @@ def _simulate_shared(
                 shared[index] = task.duration
             else:
                 heapq.heappush(fixed, (now + task.duration, index))
-        ready[:] = waiting_list
+        ready[:] = not_started
         speed = pool.speed(len(shared))
         step = min(shared.values(), default=np.inf) / speed
         upcoming = min(now + step, fixed[0][0] if fixed else np.inf)
