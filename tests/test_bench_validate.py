@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
 from ray_zep.bench.headlines import TOLERANCE, paper_rows
@@ -22,6 +25,8 @@ def test_headlines_name_the_paper_figure_and_explain_every_gap() -> None:
 
 
 def test_rows_and_ranking_of_the_cpu_runs() -> None:
+    from ray_zep.bench.calibrate import Calibration
+    from ray_zep.costmodel import ComputeRates
     from workers.bench_train import TrainBenchRow
     from workers.bench_validate import Validation
 
@@ -30,7 +35,8 @@ def test_rows_and_ranking_of_the_cpu_runs() -> None:
         TrainBenchRow("te_cp/replicated", 2e3, 3e3, 2.0, 1.3, 4.0),
         TrainBenchRow("zeppelin/replicated", 2.5e3, 2.6e3, 1.6, 1.5, 4.0),
     ]
-    result = Validation(runs, [], calibration=None)
+    uneven = Calibration(ComputeRates(1e9, 1e9, 1e9), job_share=0.8, job_shares=(0.63, 0.8, 0.85))
+    result = Validation(runs, [], uneven)
     rows = result.rows()
     assert rows[0]["probed_shares"] == (0.4, 0.5) and rows[1]["probed_shares"] is None
     assert [r["mode"] for r in rows if r["kind"] == "cpu"] == [r.name for r in runs]
@@ -44,14 +50,21 @@ def test_rows_and_ranking_of_the_cpu_runs() -> None:
     assert result.misordered() == [("zeppelin/replicated", "te_cp/replicated")]
     table = result.table()
     assert "off by > 20%" in table.splitlines()[2] and "zeppelin/replicated > te_cp" in table
+    assert "0.63, 0.80, 0.85 in runs minutes apart" in table and "median, 0.80" in table
+    even = dataclasses.replace(uneven, job_shares=(0.8, 0.85, 0.9))
+    assert "minutes apart" not in Validation(runs, [], even).table()
 
 
 def test_ranking_holds_the_prediction_to_the_orders_the_runs_resolve() -> None:
     """2.5k against 2.0k tokens/s, each +-10%: 0.5k apart is within two standard errors
     of the difference (2 x 0.32k), so a swapped prediction is listed apart; the same
     pair measured +-4% is resolved, and the swap counts against the ranking."""
+    from ray_zep.bench.calibrate import Calibration
+    from ray_zep.costmodel import ComputeRates
     from workers.bench_train import TrainBenchRow, relative_error
     from workers.bench_validate import Validation, resolves
+
+    calibration = Calibration(ComputeRates(1e9, 1e9, 1e9))
 
     def runs(error: float) -> list[TrainBenchRow]:
         return [
@@ -60,7 +73,7 @@ def test_ranking_holds_the_prediction_to_the_orders_the_runs_resolve() -> None:
             TrainBenchRow("zeppelin/replicated", 2.5e3, 2.6e3, 1.6, 1.5, 4.0, 0.6, error),
         ]
 
-    loose = Validation(runs(0.10), [], calibration=None)
+    loose = Validation(runs(0.10), [], calibration)
     assert not resolves(loose.cpu[1], loose.cpu[2]) and resolves(loose.cpu[0], loose.cpu[1])
     ranking = next(r for r in loose.rows() if r["kind"] == "ranking")
     assert ranking == {
@@ -71,7 +84,7 @@ def test_ranking_holds_the_prediction_to_the_orders_the_runs_resolve() -> None:
         "swapped_unresolved": [["zeppelin/replicated", "te_cp/replicated"]],
     }
     assert "2 of 3 pairs resolved" in loose.table() and "all predicted in order" in loose.table()
-    tight = Validation(runs(0.04), [], calibration=None)
+    tight = Validation(runs(0.04), [], calibration)
     assert tight.misordered(resolved=True) == [("zeppelin/replicated", "te_cp/replicated")]
     assert tight.resolved_pairs() == (3, 3)
 
@@ -220,3 +233,62 @@ def test_fsdp_units_are_timed_against_their_replicated_twins(monkeypatch, tmp_pa
     assert len(shares_seen) == 4
     assert one.job_share == pytest.approx(shares[0])
     assert one.rates.fsdp_unit_overhead_s == pytest.approx(0.030 / 6)
+
+
+def test_job_pairs_spread_over_the_runs_and_every_run_is_predicted_at_their_median(
+    monkeypatch, tmp_path
+) -> None:
+    """Three pairs around five runs: before the first, before the third and after the
+    last; the prediction of every run, the first too, uses the median of the three."""
+    import workers.bench_train as bench
+    import workers.calibrate_step as step
+    from ray_zep.bench.calibrate import Calibration
+    from ray_zep.costmodel import ComputeRates
+
+    assert step.spread(3, 14) == [0, 7, 14] and step.spread(3, 5) == [0, 2, 5]
+    assert step.spread(1, 5) == [0] and step.spread(0, 5) == [] and step.spread(2, 1) == [0, 1]
+
+    events, job_shares = [], iter([0.63, 0.85, 0.82])
+
+    class FakeSittings:
+        def __init__(self) -> None:
+            self.shares: list[float] = []
+
+        @classmethod
+        def start(cls, config_path, overrides, calibration, out):
+            events.append("overhead")
+            return cls()
+
+        def measure(self) -> None:
+            events.append("pair")
+            self.shares.append(next(job_shares))
+
+        def calibration(self) -> Calibration:
+            return dataclasses.replace(start, job_share=0.82, job_shares=tuple(self.shares))
+
+    class FakeProbe:
+        def readings(self, work):
+            return work(), 0.5, 0.5
+
+    seen_shares = []
+
+    def fake_predicted(calibration, steps, name, config, summary, before, after):
+        seen_shares.append(calibration.job_share)
+        return bench.TrainBenchRow(name, 1.0, 1.0, 1.0, 1.0, None)
+
+    start = Calibration(ComputeRates(1e9, 1e9, 1e9), 1e-3, 1e9, ranks=4, cores=2, core_share=0.5)
+    monkeypatch.setattr(bench, "calibrate", lambda *a, **k: start)
+    monkeypatch.setattr(bench, "JobSittings", FakeSittings)
+    monkeypatch.setattr(Calibration, "share_probe", lambda self, shape: FakeProbe())
+    monkeypatch.setattr(bench, "_predicted", fake_predicted)
+    import workers.driver as driver
+
+    monkeypatch.setattr(driver, "train", lambda config: events.append(config.train.out_dir))
+    modes = ("whole", "zeppelin", "te_cp", "ulysses", "usp")
+    rows, calibration = bench.run_train_bench(None, [], modes, 3, tmp_path, job_runs=3)
+    runs = [Path(e).name for e in events if isinstance(e, str) and "/" in e]
+    assert runs == list(modes)
+    kinds = ["run" if "/" in e else e for e in events]
+    assert kinds == ["overhead", "pair", "run", "run", "pair", "run", "run", "run", "pair"]
+    assert seen_shares == [0.82] * 5 and calibration.job_shares == (0.63, 0.85, 0.82)
+    assert [r.name for r in rows] == list(modes)

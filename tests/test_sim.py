@@ -317,8 +317,12 @@ def test_job_share_slows_every_host_cost_measured_outside_the_job(tmp_path) -> N
     assert half.intra_bandwidth == pytest.approx(0.5 * base.intra_bandwidth)
     gpu = Calibration(RATES, cores=2)  # no links: a GPU's calibration is not shared
     assert gpu.job_rates(16).matmul == RATES.matmul
-    loaded = Calibration.load(inside.save(tmp_path / "calibration.json"))
-    assert loaded.job_share == 0.8
+    paired = dataclasses.replace(
+        inside, job_shares=(0.78, 0.8, 0.83), step_latency_s=1e-3, step_bandwidth=1e9
+    )
+    loaded = Calibration.load(paired.save(tmp_path / "calibration.json"))
+    assert loaded.job_share == 0.8 and loaded.job_shares == (0.78, 0.8, 0.83)
+    assert "x0.80 of that (median of 0.78, 0.80, 0.83)" in paired.table()
     # the virtual cluster's ranks share the cores at the share their compute is stated at
     assert inside.hardware(topology).pool == CorePool(4, 0.5 * 0.8)
     assert gpu.hardware(topology).pool is None

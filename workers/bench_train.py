@@ -19,10 +19,12 @@ trainer's fixed step cost measured on tiny steps, `workers.calibrate_step`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 import statistics
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,14 +32,19 @@ from ray_zep import steplog
 from ray_zep.bench.calibrate import Calibration, calibrate
 from ray_zep.bench.calibrate_links import ROUNDS as LINK_ROUNDS
 from ray_zep.bench.core_share import run_share
-from ray_zep.config import load_config
+from ray_zep.config import Config, load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import ConfigError
 from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.sim.compare import VARIANTS
 from ray_zep.sim.replay import replay
-from workers.calibrate_step import JOB_RUNS, measure_step_overhead
+from workers.calibrate_step import JOB_RUNS, JobSittings, spread, uneven
+
+if TYPE_CHECKING:
+    from workers.driver import RunSummary
+
+log = logging.getLogger(__name__)
 
 TIMING_OVERRIDES = ("metrics.memory_every=0",)
 """Timed runs measure no memory: on CPU a measured step runs 2-3x slower (MemTracker
@@ -138,45 +145,64 @@ def run_train_bench(
 ) -> tuple[list[TrainBenchRow], Calibration]:
     """Train each mode `steps` steps and predict the same steps (module docstring);
     without a `calibration`, calibrate first: the links from `link_rounds` measurements,
-    the job share from `job_runs` runs (`workers.calibrate_step`)."""
+    the job share from `job_runs` pairs of runs spread over the modes' runs
+    (`workers.calibrate_step.JobSittings`), so every mode is predicted once all ran."""
     from workers.driver import train
 
     base = load_config(config_path, overrides)
+    sittings, pairs_before = None, []
     if calibration is None:
         calibration = calibrate(base, torch.device("cpu"), link_rounds=link_rounds)
-        calibration = measure_step_overhead(
-            config_path, overrides, calibration, out / "tiny", job_runs
-        )
+        sittings = JobSittings.start(config_path, overrides, calibration, out / "tiny")
+        pairs_before = spread(job_runs, len(strategies))
     probe = calibration.share_probe(build_shape(base.model))  # an old file fails here
-    rows = []
-    for name in strategies:
+    runs = []
+    for index, name in enumerate(strategies):
+        for _ in range(pairs_before.count(index)):
+            sittings.measure()
         run_dir = out / name.replace("/", "+")
         extra = [*variant_overrides(name), *TIMING_OVERRIDES, f"train.steps={steps}"]
         extra.append(f"train.out_dir={run_dir}")
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resume
         config = load_config(config_path, [*overrides, *extra])
-        summary, before, after = probe.readings(partial(train, config))
-        share = run_share(before, after, calibration.core_share)
-        step_rows = steplog.step_rows(summary.run_dir / METRICS_FILE_NAME)
-        seconds, tokens = steady_totals(step_rows)
-        now = dataclasses.replace(calibration, run_share=share)
-        hardware = now.hardware(config.topology)
-        predicted = replay(config, hardware, WARM_UP_STEPS, steps - WARM_UP_STEPS, False)
-        measured_steps = [r["step_seconds"] for r in step_rows[WARM_UP_STEPS:]]
-        rows.append(
-            TrainBenchRow(
-                name,
-                tokens / seconds if seconds else None,
-                predicted.tokens_per_second,
-                seconds / max(1, steps - WARM_UP_STEPS) if seconds else None,
-                predicted.step_seconds,
-                summary.final_loss,
-                share,
-                relative_error(measured_steps, [s.step_seconds for s in predicted.steps]),
-                (before, after),
-            )
-        )
+        runs.append((name, config, *probe.readings(partial(train, config))))
+    if sittings is not None:
+        for _ in range(pairs_before.count(len(strategies))):
+            sittings.measure()
+        calibration = sittings.calibration()
+        if (warning := uneven(calibration.job_shares)) is not None:
+            log.warning(warning)
+    rows = [_predicted(calibration, steps, *run) for run in runs]
     return rows, calibration
+
+
+def _predicted(
+    calibration: Calibration,
+    steps: int,
+    name: str,
+    config: Config,
+    summary: RunSummary,
+    before: float,
+    after: float,
+) -> TrainBenchRow:
+    """The row of a run: measured, and predicted at the share probed around it."""
+    share = run_share(before, after, calibration.core_share)
+    step_rows = steplog.step_rows(summary.run_dir / METRICS_FILE_NAME)
+    seconds, tokens = steady_totals(step_rows)
+    hardware = dataclasses.replace(calibration, run_share=share).hardware(config.topology)
+    predicted = replay(config, hardware, WARM_UP_STEPS, steps - WARM_UP_STEPS, False)
+    measured_steps = [r["step_seconds"] for r in step_rows[WARM_UP_STEPS:]]
+    return TrainBenchRow(
+        name,
+        tokens / seconds if seconds else None,
+        predicted.tokens_per_second,
+        seconds / max(1, steps - WARM_UP_STEPS) if seconds else None,
+        predicted.step_seconds,
+        summary.final_loss,
+        share,
+        relative_error(measured_steps, [s.step_seconds for s in predicted.steps]),
+        (before, after),
+    )
 
 
 def relative_error(measured: list[float], predicted: list[float]) -> float | None:

@@ -32,7 +32,7 @@ from ray_zep.bench.calibrate_links import ROUNDS as LINK_ROUNDS
 from ray_zep.bench.headlines import PaperRow, paper_rows
 from ray_zep.parallel.axes import Placement, WeightsMode
 from workers.bench_train import TrainBenchRow, run_train_bench
-from workers.calibrate_step import JOB_RUNS
+from workers.calibrate_step import JOB_RUNS, uneven
 
 PLACEMENTS = (
     Placement.WHOLE,
@@ -169,6 +169,8 @@ class Validation:
                 f"{ratio or float('nan'):>11.2f}{flag}"
             )
         lines.extend(self._ranking_lines())
+        if (warning := uneven(self.calibration.job_shares)) is not None:
+            lines.append(f"calibration: {warning}")
         picked = self.chosen()
         if picked is not None:
             chosen, best = picked

@@ -75,7 +75,14 @@ JOB_RUNS = 3
 median, and so is the FSDP2 units' cost. The job share scales every rate of every
 prediction, and one run measured it at 0.69-0.94 on one machine within an hour
 while the runs of one sitting agreed within 5%: a run that lands on a busy stretch of
-the host should not move every prediction."""
+the host should not move every prediction. Three pairs in a row can all land on one:
+in one calibration the three measured 0.63 (usual 0.82-0.88: job steps of 339-421 ms,
+usual 266-289 ms; the message cost 4.4 ms, usual 2.3-3.6), and the 14 modes trained in
+the 20 minutes after it were predicted at 0.61-0.80 of what they measured (at 0.83,
+12 of 14 within 20%), so `bench validate` spreads its pairs over its runs (`JobSittings`)."""
+UNEVEN_SHARES = 1.15
+"""Highest over lowest job share of one calibration's pairs above which it warns: the
+pairs of one sitting agreed within 5%."""
 
 
 def measure_step_overhead(
@@ -88,32 +95,93 @@ def measure_step_overhead(
     """`calibration` with `rates.step_overhead_s`, `job_share` and
     `rates.fsdp_unit_overhead_s` measured (module docstring): tiny steps with replicated
     weights, then `job_runs` pairs of larger steps, replicated and with FSDP2."""
-    plain = out / WeightsMode.REPLICATED.value
-    overhead = _overhead(config_path, [*overrides, *TINY_STEPS], calibration, plain)
-    rates = dataclasses.replace(
-        calibration.rates, step_overhead_s=overhead, fsdp_unit_overhead_s=0.0
-    )
-    calibration = dataclasses.replace(calibration, rates=rates, job_share=None)
-    larger = [*overrides, *TINY_STEPS, f"train.tokens_per_rank={JOB_TOKENS}"]
-    sharded = [*larger, f"parallel.weights={WeightsMode.FSDP.value}"]
-    shares, extras = [], []
-    for run in range(job_runs):
-        measured, simulated = _steps(config_path, larger, calibration, out / f"job{run}")
+    sittings = JobSittings.start(config_path, overrides, calibration, out)
+    for _ in range(job_runs):
+        sittings.measure()
+    return sittings.calibration()
+
+
+@dataclasses.dataclass
+class JobSittings:
+    """The job share and FSDP2's units measured in pairs of runs that may be minutes
+    apart: `bench validate` spreads its pairs over its runs (`spread`), so that a host
+    lending less for a few minutes moves one pair, not the share every prediction uses.
+    The fixed step cost is measured once, on `start`."""
+
+    config_path: str | None
+    overrides: list[str]
+    base: Calibration
+    """The calibration with the fixed step cost and no job share."""
+    out: Path
+    shares: list[float] = dataclasses.field(default_factory=list)
+    extras: list[float] = dataclasses.field(default_factory=list)
+    """What each FSDP2 twin took beyond its simulated step."""
+
+    @classmethod
+    def start(
+        cls, config_path: str | None, overrides: list[str], calibration: Calibration, out: Path
+    ) -> JobSittings:
+        """Measure the fixed step cost on tiny steps; no pair yet."""
+        plain = out / WeightsMode.REPLICATED.value
+        overhead = _overhead(config_path, [*overrides, *TINY_STEPS], calibration, plain)
+        rates = dataclasses.replace(
+            calibration.rates, step_overhead_s=overhead, fsdp_unit_overhead_s=0.0
+        )
+        base = dataclasses.replace(calibration, rates=rates, job_share=None, job_shares=())
+        return cls(config_path, overrides, base, out)
+
+    def measure(self) -> None:
+        """One pair: `JOB_TOKENS` steps with replicated weights give a job share, their
+        FSDP2 twin, predicted at that share, what FSDP2's units add."""
+        run = len(self.shares)
+        overhead = self.base.rates.step_overhead_s
+        larger = [*self.overrides, *TINY_STEPS, f"train.tokens_per_rank={JOB_TOKENS}"]
+        measured, simulated = _steps(self.config_path, larger, self.base, self.out / f"job{run}")
         if not (simulated > overhead and measured > overhead):
-            continue
+            return  # the steps came out within the fixed cost
         share = (simulated - overhead) / (measured - overhead)
-        shares.append(share)
-        at_share = dataclasses.replace(calibration, job_share=share)
-        twin = out / f"{WeightsMode.FSDP.value}{run}"
-        measured, simulated = _steps(config_path, sharded, at_share, twin)
-        extras.append(measured - simulated)
-    if not shares:  # every pair's steps came out within the fixed cost
-        return calibration
-    config = load_config(config_path, sharded)
-    units = len(fsdp_units(build_shape(config.model), config.parallel.fsdp_unit))
-    per_unit = max(0.0, float(np.median(extras))) / units
-    rates = dataclasses.replace(calibration.rates, fsdp_unit_overhead_s=per_unit)
-    return dataclasses.replace(calibration, rates=rates, job_share=float(np.median(shares)))
+        self.shares.append(share)
+        at_share = dataclasses.replace(self.base, job_share=share)
+        sharded = [*larger, f"parallel.weights={WeightsMode.FSDP.value}"]
+        twin = self.out / f"{WeightsMode.FSDP.value}{run}"
+        measured, simulated = _steps(self.config_path, sharded, at_share, twin)
+        self.extras.append(measured - simulated)
+
+    def calibration(self) -> Calibration:
+        """The calibration at the median of the pairs' job shares and FSDP2 excesses (the
+        fixed step cost alone without a pair)."""
+        if not self.shares:
+            return self.base
+        config = load_config(self.config_path, [*self.overrides, *TINY_STEPS])
+        units = len(fsdp_units(build_shape(config.model), config.parallel.fsdp_unit))
+        per_unit = max(0.0, float(np.median(self.extras))) / units
+        rates = dataclasses.replace(self.base.rates, fsdp_unit_overhead_s=per_unit)
+        share = float(np.median(self.shares))
+        return dataclasses.replace(
+            self.base, rates=rates, job_share=share, job_shares=tuple(self.shares)
+        )
+
+
+def uneven(shares: tuple[float, ...] | list[float]) -> str | None:
+    """A warning when a calibration's job shares spread over more than `UNEVEN_SHARES`
+    (highest over lowest): the host lent the machine unevenly while its pairs ran."""
+    if len(shares) < 2 or max(shares) <= UNEVEN_SHARES * min(shares):
+        return None
+    listed = ", ".join(f"{s:.2f}" for s in shares)
+    return (
+        f"the job share measured {listed} in runs minutes apart (highest over lowest above "
+        f"{UNEVEN_SHARES:g}): the host lent this machine unevenly; the predictions use "
+        f"their median, {float(np.median(shares)):.2f}"
+    )
+
+
+def spread(pairs: int, runs: int) -> list[int]:
+    """Before which of `runs` runs each of `pairs` job pairs goes (`runs`: after the
+    last), evenly from the first to after the last: 3 pairs around 14 runs go before
+    runs 0 and 7 and after run 13."""
+    if pairs <= 1:
+        return [0] * pairs
+    return [round(k * runs / (pairs - 1)) for k in range(pairs)]
 
 
 def _overhead(

@@ -80,7 +80,8 @@ class Calibration:
             of every probe of the share (`ShareProbe`; None: not measured).
         job_share: what share of the compute rate a rank keeps inside a training job
             (measured by `workers.calibrate_step` on steps through Ray: the raylet, the
-            driver and the data actor share the same cores; None: not measured).
+            driver and the data actor share the same cores; None: not measured): the
+            median of `job_shares`, the pairs of job runs that measured it.
         run_share: share of a core each rank gets in the run being predicted (probed
             around it); None: `core_share`.
         measurements: every timed point.
@@ -103,6 +104,7 @@ class Calibration:
     ring_step_s: float = 0.0
     alone_step_s: float | None = None
     job_share: float | None = None
+    job_shares: tuple[float, ...] = ()
     run_share: float | None = None
     measurements: list = field(default_factory=list)
 
@@ -121,6 +123,7 @@ class Calibration:
         sizes = {k: int(record.get(k, 1)) for k in ("ranks", "cores")}
         keys_shares = ("core_share", "alone_step_s", "job_share", "run_share")
         shares = {k: record.get(k) for k in keys_shares}
+        shares["job_shares"] = tuple(record.get("job_shares", ()))
         return cls(rates, *(record.get(k) for k in keys), **sizes, **shares,
                    ring_step_s=float(record.get("ring_step_s", 0.0)))  # fmt: skip
 
@@ -144,6 +147,11 @@ class Calibration:
         if self.alone_step_s is None:
             return ""
         return f" (the model's step {self.alone_step_s * 1e3:.0f} ms alone)"
+
+    def _pairs_note(self) -> str:
+        if len(self.job_shares) < 2:
+            return ""
+        return " (median of " + ", ".join(f"{s:.2f}" for s in self.job_shares) + ")"
 
     def share_probe(self, shape: ModelShape) -> ShareProbe:
         """The probe of the share each rank gets around a run of a model of `shape`.
@@ -238,7 +246,8 @@ class Calibration:
             )
         if self.job_share:
             lines.append(
-                f"inside a training job a rank computes at x{self.job_share:.2f} of that; "
+                f"inside a training job a rank computes at x{self.job_share:.2f} of that"
+                f"{self._pairs_note()}; "
                 f"fixed step cost {r.step_overhead_s * 1e3:.1f} ms, FSDP2 "
                 f"{r.fsdp_unit_overhead_s * 1e3:.1f} ms per unit"
             )
