@@ -183,7 +183,9 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("config", nargs="?", default="conf/demo.yaml", help="YAML config")
     validate.add_argument("overrides", nargs="*", help="key=value overrides")
     validate.add_argument("--quick", action="store_true", help="6 of the 14 modes (all headlines)")
-    validate.add_argument("--steps", type=int, default=8, help="steps per mode (2 warm-up)")
+    validate.add_argument(
+        "--steps", type=int, help="steps per mode (2 warm-up; default 12, with --quick 8)"
+    )
     validate.add_argument("--calibration", help="calibration.json (default: measure now)")
     validate.add_argument("--json", dest="json_path", help="write the rows here")
     validate.add_argument("--out", default="runs/bench/validate", help="runs and JSON folder")
@@ -524,11 +526,14 @@ def _bench_calibrate(args: argparse.Namespace) -> int:
 def _bench_validate(args: argparse.Namespace) -> int:
     from ray_zep.errors import ConfigError
 
-    if args.steps < 3:
+    if args.steps is not None and args.steps < 3:
         raise ConfigError(f"--steps={args.steps} must be >= 3 (the first two are warm-up)")
     import workers.bench_validate as bench  # trains through Ray, like `train`
     from ray_zep.bench.calibrate import Calibration
     from ray_zep.bench.output import write_json
+
+    if args.steps is None:
+        args.steps = bench.QUICK_STEPS if args.quick else bench.STEPS
 
     calibration = Calibration.load(args.calibration) if args.calibration else None
     out = Path(args.out)

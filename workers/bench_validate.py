@@ -49,6 +49,14 @@ QUICK_MODES = tuple(
     f"{p.value}/{w.value}"
     for p, w in itertools.product((Placement.WHOLE, Placement.ZEPPELIN, Placement.TE_CP), WEIGHTS)
 )
+STEPS = 12
+"""Steps each mode trains (the first 2 are warm-up). With 8, one step of a host's hiccup
+moved a mode's throughput by 8% (run 17 of `BENCHMARKS.md`: one step of six took 3.46 s,
+the others 1.67-2.75 s, and swapped two pairs the measurement counted as resolved). Ten
+timed steps cut one step's weight from a sixth to a tenth and see more of the data's
+batches (steps 2-7 of the demo hold one mixed batch), for about 3 minutes more."""
+QUICK_STEPS = 8
+"""Steps per mode of `--quick`, which stays under 10 minutes on 2 cores."""
 QUICK_JOB_RUNS = 1
 """`--quick` calibrates the job share and FSDP2's units on one pair of runs, not
 `workers.calibrate_step.JOB_RUNS`: about 2.5 minutes less, so `--quick` stays under 10
