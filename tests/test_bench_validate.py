@@ -178,7 +178,8 @@ def test_share_probe_times_the_models_step_against_its_alone_seconds(monkeypatch
 
 def test_a_probe_waits_for_the_machine_to_be_quiet(monkeypatch, tmp_path) -> None:
     """Windows at or over the busy threshold are waited out, the first under it ends the
-    wait, and the wait never passes its limit; without `/proc/stat` it is a tenth of it."""
+        wait, and the wait never passes its limit; without `/proc/stat` it is a tenth of it, and
+    `/proc/stat` going away during the wait ends it."""
     import ray_zep.bench.core_share as core_share
 
     # (busy, total) ticks since boot: windows 50% busy, 20% busy, then 5% busy
@@ -188,6 +189,9 @@ def test_a_probe_waits_for_the_machine_to_be_quiet(monkeypatch, tmp_path) -> Non
     assert 0.03 <= waited < 1.0 and next(ticks) == (80, 400)  # the 4th reading was not taken
     monkeypatch.setattr(core_share, "_cpu_ticks", lambda: (0, 0))  # no ticks pass: never quiet
     assert 0.05 <= core_share.wait_until_quiet(window_s=0.01, max_s=0.05) < 0.5
+    gone = iter([(0, 0), None])  # readable once, then gone: the wait ends, no error
+    monkeypatch.setattr(core_share, "_cpu_ticks", lambda: next(gone))
+    assert core_share.wait_until_quiet(window_s=0.01, max_s=5.0) < 1.0
     monkeypatch.undo()
     monkeypatch.setattr(core_share, "PROC_STAT", str(tmp_path / "missing"))
     assert core_share._cpu_ticks() is None
