@@ -238,6 +238,18 @@ def test_fsdp_units_are_timed_against_their_replicated_twins(monkeypatch, tmp_pa
     assert one.job_share == pytest.approx(shares[0])
     assert one.rates.fsdp_unit_overhead_s == pytest.approx(0.030 / 6)
 
+    # a pair whose steps come out within the fixed cost is dropped, and the next pair
+    # runs in folders of its own
+    job_measured, excess = iter([0.02, 0.30]), iter([0.030])
+    folders = []
+    monkeypatch.setattr(step, "_steps", lambda *a: (folders.append(a[3].name), fake_steps(*a))[1])
+    sittings = step.JobSittings.start(None, [], start, tmp_path)
+    sittings.measure()
+    assert sittings.shares == [] and sittings.calibration().job_share is None
+    sittings.measure()
+    assert folders == ["replicated", "job0", "job1", "fsdp1"]
+    assert sittings.calibration().job_shares == pytest.approx((shares[0],))
+
 
 def test_job_pairs_spread_over_the_runs_and_every_run_is_predicted_at_their_median(
     monkeypatch, tmp_path
