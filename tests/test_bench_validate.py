@@ -178,8 +178,8 @@ def test_share_probe_times_the_models_step_against_its_alone_seconds(monkeypatch
 
 def test_a_probe_waits_for_the_machine_to_be_quiet(monkeypatch, tmp_path) -> None:
     """Windows at or over the busy threshold are waited out, the first under it ends the
-        wait, and the wait never passes its limit; without `/proc/stat` it is a tenth of it, and
-    `/proc/stat` going away during the wait ends it."""
+    wait, and the wait never passes its limit; without `/proc/stat` it is a tenth of it,
+    and `/proc/stat` going away during the wait ends it."""
     import ray_zep.bench.core_share as core_share
 
     # (busy, total) ticks since boot: windows 50% busy, 20% busy, then 5% busy
