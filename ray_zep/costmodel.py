@@ -48,6 +48,8 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+import numpy as np
+
 from ray_zep.errors import ConfigError
 from ray_zep.model.shapes import ModelShape
 from ray_zep.topology import LinkKind, Topology
@@ -384,12 +386,17 @@ class CostModel:
         collective_step: (latency s, bytes/s) of one step of a ring collective when it
             was measured apart from point-to-point messages (a CPU virtual cluster's
             calibration); None: the topology's links.
+        message_latency: (seconds a rank computes while a ring message is in flight,
+            the message's latency) in rising compute: on a CPU virtual cluster, whose
+            ranks time-slice the cores, a message waits longer for a peer that computed
+            longer (`ray_zep.bench.calibrate_links`); empty: the topology's latency.
     """
 
     shape: ModelShape
     topology: Topology
     attention_flops_per_s: float
     collective_step: tuple[float, float] | None = None
+    message_latency: tuple[tuple[float, float], ...] = ()
 
     @classmethod
     def create(cls, shape: ModelShape, topology: Topology) -> CostModel:
@@ -421,6 +428,16 @@ class CostModel:
             return 0.0
         bandwidth = self.link_bandwidth(kind, one_sender_per_nic)
         return self.link_latency(kind) + nbytes / bandwidth
+
+    def ring_message_seconds(self, nbytes: float, kind: LinkKind, compute_s: float) -> float:
+        """A ring message of `nbytes` across one hop, in flight while its ranks compute
+        `compute_s`: at the latency `message_latency` gives for that compute (linear
+        between its points, its ends beyond them), the topology's where it is empty."""
+        if nbytes <= 0 or not self.message_latency:
+            return self.transfer_seconds(nbytes, kind, one_sender_per_nic=True)
+        computes, latencies = zip(*self.message_latency, strict=True)
+        latency = float(np.interp(compute_s, computes, latencies))
+        return latency + nbytes / self.link_bandwidth(kind, one_sender_per_nic=True)
 
     def attention_seconds(self, flops: float) -> float:
         return flops / self.attention_flops_per_s

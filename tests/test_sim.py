@@ -19,9 +19,9 @@ from ray_zep.remap.solver import solve_remap
 from ray_zep.routing.routes import Phase, RoutingPlan, Transfer, plan_route
 from ray_zep.sim.events import CorePool, Lane, TaskGraph, simulate
 from ray_zep.sim.hardware import Hardware
-from ray_zep.sim.program import LayerSetup, _Builder, layer_graph
+from ray_zep.sim.program import LayerSetup, _Builder, layer_graph, moving_seconds
 from ray_zep.sim.step import RunModel, simulate_plan
-from ray_zep.topology import build_topology
+from ray_zep.topology import LinkKind, build_topology
 
 SHAPE = ModelShape(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128)
 RATES = ComputeRates(1e9, 0.8e9, 2e9, call_overhead_s=1e-6, source="test")
@@ -82,7 +82,7 @@ def test_one_routed_transfer_by_hand() -> None:
     build = _Builder(_setup(plan, routed=True), Phase.FORWARD)
     start = build.graph.join(1, [])
     sent, received = build.ring_transfer(
-        Transfer((0, 0, 0), (plan.items()[0].ranks, 1), 1, route), ROW_BYTES, start, start
+        Transfer((0, 0, 0), (plan.items()[0].ranks, 1), 1, route), ROW_BYTES, start, start, 0.0
     )
     timeline = simulate(build.graph)
     half = 5 * ROW_BYTES
@@ -92,6 +92,35 @@ def test_one_routed_transfer_by_hand() -> None:
     assert len(sent) == 2 and len(received) == 2  # a dispatch + own piece; own piece + combine
     pieces = [t for t in build.graph.tasks if t.lane is Lane.INTER_NODE]
     assert sorted((t.rank, t.duration) for t in pieces) == [(0, inter), (1, inter)]
+
+
+def test_ring_messages_cost_the_latency_of_the_compute_they_overlap() -> None:
+    """A calibrated latency curve: 2 ms after no compute, 4 ms after 8 ms; beyond its ends
+    the ends hold; without a curve every message is at the topology's latency."""
+    topo = _topology(2, 2, intra_gbytes=1.0)
+    curved = CostModel(SHAPE, topo, 1e12, message_latency=((0.0, 2e-3), (8e-3, 4e-3)))
+    per_byte = 1 / topo.intra_node_bandwidth
+    for compute, latency in ((0.0, 2e-3), (4e-3, 3e-3), (8e-3, 4e-3), (1.0, 4e-3)):
+        seconds = curved.ring_message_seconds(1000, LinkKind.INTRA_NODE, compute)
+        assert seconds == pytest.approx(latency + 1000 * per_byte)
+    flat = CostModel(SHAPE, topo, 1e12)
+    assert flat.ring_message_seconds(1000, LinkKind.INTRA_NODE, 4e-3) == pytest.approx(
+        flat.transfer_seconds(1000, LinkKind.INTRA_NODE, one_sender_per_nic=True)
+    )
+    assert curved.ring_message_seconds(0, LinkKind.INTRA_NODE, 4e-3) == 0.0
+
+
+def test_a_ranks_send_and_receive_keep_it_busy_at_once_and_each_direction_in_turn() -> None:
+    graph = TaskGraph()
+    out_1 = graph.add("send", 0, Lane.INTRA_NODE, 3.0, (), [])
+    out_2 = graph.add("send", 0, Lane.INTER_NODE, 1.0, (), [])
+    into = graph.add("receive", 1, Lane.INTRA_NODE, 2.5, (), [])
+    tasks = graph.tasks
+    assert moving_seconds(0, [out_1, into], tasks, lambda t: tasks[t].duration) == 3.0
+    assert moving_seconds(0, [out_1, out_2, into], tasks, lambda t: tasks[t].duration) == 4.0
+    assert moving_seconds(1, [out_1, out_2, into], tasks, lambda t: tasks[t].duration) == 4.0
+    assert moving_seconds(1, [into], tasks, lambda t: 2 * tasks[t].duration) == 5.0
+    assert moving_seconds(0, [], tasks, lambda t: 1.0) == 0
 
 
 def test_one_remap_by_hand() -> None:
@@ -322,6 +351,14 @@ def test_job_share_slows_every_host_cost_measured_outside_the_job(tmp_path) -> N
     )
     loaded = Calibration.load(paired.save(tmp_path / "calibration.json"))
     assert loaded.job_share == 0.8 and loaded.job_shares == (0.78, 0.8, 0.83)
+    # the latency by compute between messages is stated at core_share like the messages
+    curved = dataclasses.replace(paired, latency_curve=((0.0, 2e-3), (8e-3, 3e-3)))
+    reloaded = Calibration.load(curved.save(tmp_path / "curved.json"))
+    assert reloaded.latency_curve == ((0.0, 2e-3), (8e-3, 3e-3))
+    assert half.message_latency == () and reloaded.hardware(topology).message_latency == (
+        pytest.approx((0.0, 2e-3 / 0.8)),
+        pytest.approx((8e-3 / 0.8, 3e-3 / 0.8)),
+    )
     assert "x0.80 of that (median of 0.78, 0.80, 0.83)" in paired.table()
     # the virtual cluster's ranks share the cores at the share their compute is stated at
     assert inside.hardware(topology).pool == CorePool(4, 0.5 * 0.8)

@@ -10,7 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ray_zep.bench.calibrate_links import LinkPoint, contention, fit_link, median_points
+from ray_zep.bench.calibrate_links import (
+    LinkPoint,
+    contention,
+    fit_link,
+    latency_curve,
+    median_points,
+)
 from ray_zep.config import Compression, Config, load_config
 from ray_zep.costmodel import ComputeRates
 from ray_zep.parallel.axes import Placement, WeightsMode
@@ -233,3 +239,20 @@ def test_link_fits_and_contention_from_measured_points() -> None:
     # three rounds: each point is the median of its own three measurements
     rounds = [LinkPoint(p.op, p.nbytes, p.seconds * f) for f in (1.0, 3.0, 0.9) for p in points]
     assert median_points(rounds) == points
+    # the smallest message after shorter bursts too: the latency by the compute before it
+    after = [LinkPoint("message_after", 1 << 12, s, m, c) for m, c, s in ((0, 1e-5, 4e-4),
+             (3, 2e-3, 6e-4), (0, 3e-5, 2e-4), (3, 4e-3, 7e-4))]  # fmt: skip
+    burst = LinkPoint("burst", 1 << 12, 8e-3, compute_s=8e-3)
+    medians = median_points([*after, burst])
+    assert [(p.burst, p.seconds, p.compute_s) for p in medians[:2]] == [
+        (0, pytest.approx(3e-4), pytest.approx(2e-5)),
+        (3, pytest.approx(6.5e-4), pytest.approx(3e-3)),
+    ]
+    curve = latency_curve(points + medians, latency, bandwidth)
+    per_message = (1 << 12) / bandwidth
+    assert curve == (
+        (pytest.approx(2e-5), pytest.approx(3e-4 - per_message)),
+        (pytest.approx(3e-3), pytest.approx(6.5e-4 - per_message)),
+        (8e-3, pytest.approx(1e-3)),
+    )
+    assert latency_curve(points, latency, bandwidth) == ()  # short bursts not measured

@@ -37,7 +37,13 @@ from ray_zep.bench.calibrate_kernels import (
     pointwise_rate,
 )
 from ray_zep.bench.calibrate_links import ROUNDS as LINK_ROUNDS
-from ray_zep.bench.calibrate_links import LinkPoint, contention, fit_link, measure_links
+from ray_zep.bench.calibrate_links import (
+    LinkPoint,
+    contention,
+    fit_link,
+    latency_curve,
+    measure_links,
+)
 from ray_zep.bench.calibrate_ring import with_ring_step
 from ray_zep.bench.core_share import ShareProbe
 from ray_zep.config import Config, TopologyConfig
@@ -68,6 +74,10 @@ class Calibration:
         link_latency_s, link_bandwidth: a message between two ranks of the virtual
             cluster (None on a GPU), measured at `core_share`.
         step_latency_s, step_bandwidth: one step of an all-gather among them.
+        latency_curve: (seconds of compute between two messages, a message's latency)
+            in rising compute, measured like `link_latency_s` after shorter compute
+            bursts too (`ray_zep.bench.calibrate_links.latency_curve`); empty: not
+            measured (every message at `link_latency_s`).
         ranks: processes the links were measured with.
         cores: cores of this machine.
         core_share: share of a core each of those ranks got while the links and the
@@ -98,6 +108,7 @@ class Calibration:
     link_bandwidth: float | None = None
     step_latency_s: float | None = None
     step_bandwidth: float | None = None
+    latency_curve: tuple[tuple[float, float], ...] = ()
     ranks: int = 1
     cores: int = 1
     core_share: float | None = None
@@ -124,7 +135,9 @@ class Calibration:
         keys_shares = ("core_share", "alone_step_s", "job_share", "run_share")
         shares = {k: record.get(k) for k in keys_shares}
         shares["job_shares"] = tuple(record.get("job_shares", ()))
+        curve = tuple((float(c), float(s)) for c, s in record.get("latency_curve", ()))
         return cls(rates, *(record.get(k) for k in keys), **sizes, **shares,
+                   latency_curve=curve,
                    ring_step_s=float(record.get("ring_step_s", 0.0)))  # fmt: skip
 
     @property
@@ -196,9 +209,10 @@ class Calibration:
 
     def hardware(self, topology: TopologyConfig) -> Hardware:
         """The virtual cluster of `topology` as measured: every link at the measured message
-        latency and bandwidth, each rank's compute at its share of the cores (class
-        docstring), the ranks sharing the cores (`CorePool`): a rank computes faster
-        while others wait."""
+        latency and bandwidth (the attention engine's ring messages at the latency of the
+        compute between them, `latency_curve`), each rank's compute at its share of the
+        cores (class docstring), the ranks sharing the cores (`CorePool`): a rank
+        computes faster while others wait."""
         cluster = build_topology(topology)
         share, among = self._factors(cluster.world_size)
         bandwidth = (self.link_bandwidth or 1e9) / among
@@ -215,7 +229,8 @@ class Calibration:
         if self.step_latency_s is not None and self.step_bandwidth:
             step = (self.step_latency_s * among, self.step_bandwidth / among)
         pool = CorePool(cluster.world_size, share) if self.virtual else None
-        return Hardware(cluster, self.job_rates(cluster.world_size), step, pool)
+        curve = tuple((c * among, s * among) for c, s in self.latency_curve)
+        return Hardware(cluster, self.job_rates(cluster.world_size), step, pool, curve)
 
     def table(self) -> str:
         lines = [f"{'op':<20}{'size':>9}{'GFLOP or MB':>13}{'ms':>10}{'GFLOP/s or GB/s':>17}"]
@@ -244,6 +259,11 @@ class Calibration:
                 f"GB/s; all-gather step {self.step_latency_s * 1e6:.0f} us + bytes / "
                 f"{self.step_bandwidth / 1e9:.2f} GB/s"
             )
+        if self.latency_curve:
+            after = ", ".join(
+                f"{s * 1e3:.2f} ms after {c * 1e3:.1f} ms" for c, s in self.latency_curve
+            )
+            lines.append(f"fit: message latency by the compute between messages: {after}")
         if self.job_share:
             lines.append(
                 f"inside a training job a rank computes at x{self.job_share:.2f} of that"
@@ -311,6 +331,7 @@ def calibrate(
         out.rates = dataclasses.replace(out.rates, contention=contention(links))
         out.link_latency_s, out.link_bandwidth = fit_link(links, "message")
         out.step_latency_s, out.step_bandwidth = fit_link(links, "all_gather_step")
+        out.latency_curve = latency_curve(links, out.link_latency_s, out.link_bandwidth)
         out.measurements += links
         if ranks > 1:
             out = with_ring_step(config, out)

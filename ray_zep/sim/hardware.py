@@ -35,12 +35,16 @@ class Hardware:
             measured apart from messages (`CostModel.collective_step`); None: the links.
         pool: the cores a CPU virtual cluster's ranks share (`CorePool`); None: each
             rank computes on its own device.
+        message_latency: (seconds a rank computes between two ring messages, a
+            message's latency) in rising compute, where a CPU virtual cluster's
+            calibration measured it (`CostModel.message_latency`); empty: the topology's.
     """
 
     topology: Topology
     rates: ComputeRates
     collective_step: tuple[float, float] | None = None
     pool: CorePool | None = None
+    message_latency: tuple[tuple[float, float], ...] = ()
 
     @classmethod
     def preset(cls, topology: Topology) -> Hardware:
@@ -49,7 +53,13 @@ class Hardware:
 
     def cost(self, shape: ModelShape) -> CostModel:
         """The link and attention times of `shape` on this cluster."""
-        return CostModel(shape, self.topology, self.rates.attention_forward, self.collective_step)
+        return CostModel(
+            shape,
+            self.topology,
+            self.rates.attention_forward,
+            self.collective_step,
+            self.message_latency,
+        )
 
     @property
     def nodes(self) -> int:

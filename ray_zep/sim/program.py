@@ -135,10 +135,19 @@ class _Builder:
         )
 
     def send(
-        self, src: int, dst: int, nbytes: float, deps, name: str, stream: Stream | None = None
+        self,
+        src: int,
+        dst: int,
+        nbytes: float,
+        deps,
+        name: str,
+        stream: Stream | None = None,
+        compute_s: float | None = None,
     ) -> int:
         """A message on the link between two ranks (FIFO on the sender's and receiver's
-        side), zipped where `stream` goes zipped (`WireCodec`)."""
+        side), zipped where `stream` goes zipped (`WireCodec`); a ring message in flight
+        while its ranks compute `compute_s` at that compute's latency
+        (`CostModel.ring_message_seconds`)."""
         node = self.node
         if node[src] == node[dst]:
             kind, lane = LinkKind.INTRA_NODE, Lane.INTRA_NODE
@@ -149,7 +158,12 @@ class _Builder:
                 ("nic_out", node[src], self.nic[src]),
                 ("nic_in", node[dst], self.nic[dst]),
             )
-        seconds = plain = self.setup.cost.transfer_seconds(nbytes, kind, one_sender_per_nic=True)
+        cost = self.setup.cost
+        if compute_s is None:
+            plain = cost.transfer_seconds(nbytes, kind, one_sender_per_nic=True)
+        else:
+            plain = cost.ring_message_seconds(nbytes, kind, compute_s)
+        seconds = plain
         if stream is not None and self.setup.codec.zips(stream.name):
             seconds = self.zipped(self.setup.codec, self.profiles, plain, kind, stream, nbytes)
         task = self.graph.add(name, src, lane, seconds, resources, deps)
@@ -208,8 +222,11 @@ class _Builder:
                 self.recipes.append(("sync", task))
         return out
 
-    def ring_transfer(self, t: Transfer, row_bytes: int, src_dep, dst_dep) -> tuple[list, list]:
-        """Tasks of one ring transfer: (the sender's messages, the receiver's messages).
+    def ring_transfer(
+        self, t: Transfer, row_bytes: int, src_dep, dst_dep, compute_s: float
+    ) -> tuple[list, list]:
+        """Tasks of one ring transfer in flight while its ends compute `compute_s`: (the
+        sender's messages, the receiver's messages).
 
         A routed transfer's rows are compressed by the message that leaves the source and
         decompressed by the one that reaches the destination; proxies pass them on as
@@ -222,7 +239,8 @@ class _Builder:
         if route.direct:
             stream = Stream(CompressionStream.KV.value, value_bytes, not kv)
             deps = [src_dep, dst_dep]
-            task = self.send(route.src, route.dst, route.rows * row_bytes, deps, name, stream)
+            rows = route.rows * row_bytes
+            task = self.send(route.src, route.dst, rows, deps, name, stream, compute_s)
             return [task], [task]
         routed = Stream(CompressionStream.ROUTED_KV.value, value_bytes, not kv)
         src_msgs, dst_msgs = [], []
@@ -232,7 +250,13 @@ class _Builder:
             if proxy != route.src and b > a:
                 stream = routed._replace(decodes=False)
                 holds[proxy] = self.send(
-                    route.src, proxy, (b - a) * row_bytes, [src_dep], f"{name} dispatch", stream
+                    route.src,
+                    proxy,
+                    (b - a) * row_bytes,
+                    [src_dep],
+                    f"{name} dispatch",
+                    stream,
+                    compute_s,
                 )
                 src_msgs.append(holds[proxy])
         collected = defaultdict(list)
@@ -247,6 +271,7 @@ class _Builder:
                 routed._replace(
                     encodes=piece.sender == route.src, decodes=piece.receiver == route.dst
                 ),
+                compute_s,
             )
             collected[piece.receiver].append(task)
             if piece.sender == route.src:
@@ -258,7 +283,13 @@ class _Builder:
                 deps = [*collected[proxy], dst_dep]
                 stream = routed._replace(encodes=False)
                 combine = self.send(
-                    proxy, route.dst, (b - a) * row_bytes, deps, f"{name} combine", stream
+                    proxy,
+                    route.dst,
+                    (b - a) * row_bytes,
+                    deps,
+                    f"{name} combine",
+                    stream,
+                    compute_s,
                 )
                 dst_msgs.append(combine)
         return src_msgs, dst_msgs
@@ -314,51 +345,71 @@ class _Builder:
         else:
             self.ring_backward(index, item, layouts)
 
-    def _post(self, index: int, item: QueueItem, step: int, payload: Payload, deps: dict) -> dict:
-        """Post the transfers of (step, payload); per rank, the messages it waits on."""
+    def _post(
+        self, index: int, item: QueueItem, step: int, payload: Payload, deps: dict, alone: dict
+    ) -> dict:
+        """Post the transfers of (step, payload), each in flight while its ends compute
+        what `alone` gives them (per rank); per rank, the messages it waits on."""
         done = defaultdict(list)
         row_bytes = self.kv_row_bytes(item, payload)
         for t in self.transfers.get((index, step, int(payload)), ()):
-            sent, received = self.ring_transfer(t, row_bytes, deps[t.route.src], deps[t.route.dst])
-            done[t.route.src] += sent
-            done[t.route.dst] += received
+            src, dst = t.route.src, t.route.dst
+            compute_s = max(alone.get(src, 0.0), alone.get(dst, 0.0))
+            sent, received = self.ring_transfer(t, row_bytes, deps[src], deps[dst], compute_s)
+            done[src] += sent
+            done[dst] += received
         return done
 
-    def _member_computes(self, item: QueueItem, layouts, step: int, *in_flight) -> dict[int, int]:
-        """Every member's compute of ring step `step`, slowed while the messages of
-        `in_flight` (per rank) share its device (`ComputeRates.contention`, for the
-        time they can overlap: the shorter of the compute and the transfers)."""
+    def _alone(self, item: QueueItem, layouts, step: int) -> dict[int, float]:
+        """Every member's compute of ring step `step` alone (0 past the last step)."""
+        if step >= item.ring_size:
+            return {}
+        return {
+            rank: self.step_seconds(item, layouts, member // item.ulysses, step)
+            for member, rank in enumerate(item.ranks)
+        }
+
+    def _member_computes(self, item: QueueItem, alone: dict, step: int, *in_flight) -> dict:
+        """Every member's compute of ring step `step` (`alone`), slowed while the messages
+        of `in_flight` (per rank) share its device (`ComputeRates.contention`, for the
+        time they can overlap: the shorter of the compute and the transfers, `moving`)."""
         out = {}
         factor = self.setup.rates.contention - 1.0
-        for member, rank in enumerate(item.ranks):
-            position = member // item.ulysses
-            alone = self.step_seconds(item, layouts, position, step)
+        tasks = self.graph.tasks
+        for rank in item.ranks:
             messages = [t for msgs in in_flight for t in msgs[rank]]
-            moving = sum(self.graph.tasks[t].duration for t in messages)
-            seconds = alone + factor * min(alone, moving)
+            moving = moving_seconds(rank, messages, tasks, lambda t: tasks[t].duration)
+            seconds = alone[rank] + factor * min(alone[rank], moving)
             out[rank] = self.compute(rank, seconds, f"attention step {step}")
             if self.record:
-                self.recipes.append(("contended", out[rank], alone, messages))
+                self.recipes.append(("contended", out[rank], alone[rank], messages))
         return out
 
     def ring_forward(self, index: int, item: QueueItem, layouts) -> None:
         for step in range(item.ring_size):
-            kv = self._post(index, item, step, Payload.KV, {r: self.point[r] for r in item.ranks})
-            computes = self._member_computes(item, layouts, step, kv)
+            alone = self._alone(item, layouts, step)
+            points = {r: self.point[r] for r in item.ranks}
+            kv = self._post(index, item, step, Payload.KV, points, alone)
+            computes = self._member_computes(item, alone, step, kv)
             for rank in item.ranks:
                 self.wait(rank, [computes[rank], *kv[rank]])
 
     def ring_backward(self, index: int, item: QueueItem, layouts) -> None:
+        """Step s's K/V message is in flight during step s's compute, its dK/dV message
+        during step s + 1's (the last one after the ring's compute)."""
         previous: dict = defaultdict(list)  # dK/dV messages of the previous step
+        alone = self._alone(item, layouts, 0)
         for step in range(item.ring_size):
-            kv = self._post(index, item, step, Payload.KV, {r: self.point[r] for r in item.ranks})
-            computes = self._member_computes(item, layouts, step, kv, previous)
+            points = {r: self.point[r] for r in item.ranks}
+            kv = self._post(index, item, step, Payload.KV, points, alone)
+            computes = self._member_computes(item, alone, step, kv, previous)
             if item.ring_size == 1:
                 for rank in item.ranks:
                     self.wait(rank, [computes[rank]])
                 return
+            alone = self._alone(item, layouts, step + 1)
             ready = {r: self.graph.join(r, [computes[r], *previous[r]]) for r in item.ranks}
-            previous = self._post(index, item, step, Payload.DKV, ready)
+            previous = self._post(index, item, step, Payload.DKV, ready, alone)
             for rank in item.ranks:
                 self.point[rank] = self.graph.join(rank, [ready[rank], *kv[rank]])
         for rank in item.ranks:
@@ -477,6 +528,16 @@ POINTWISE_SHARES = ((1 / 6, 1 / 6), (1 / 3, 1 / 3))
 part takes: (before attention, after it), forward then backward (backward: twice)."""
 
 
+def moving_seconds(rank: int, messages: list[int], tasks: list[Task], duration) -> float:
+    """Seconds `rank`'s `messages` (task indices; `duration` of each) keep its device busy:
+    what it sends goes one message after another, and so does what it receives, the two
+    directions at once (a ring step's send and receive are one grouped exchange, as the
+    calibration's ring exchange measures them, `ray_zep.bench.calibrate_links`)."""
+    sends = sum(duration(t) for t in messages if tasks[t].rank == rank)
+    receives = sum(duration(t) for t in messages if tasks[t].rank != rank)
+    return max(sends, receives)
+
+
 def layer_graph(setup: LayerSetup, phase: Phase) -> TaskGraph:
     """The task graph of one layer's forward or backward on every rank (module docstring)."""
     build = _Builder(setup, phase)
@@ -527,7 +588,8 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
             durations[task] = messages[key]
         elif tag == "contended":
             alone, sent = data
-            durations[task] = alone + factor * min(alone, sum(durations[t] for t in sent))
+            moving = moving_seconds(tasks[task].rank, sent, tasks, durations.__getitem__)
+            durations[task] = alone + factor * min(alone, moving)
         elif tag == "linear":
             durations[task] = data[0] + factor * min(data[0], weights / 2)
         else:
