@@ -26,8 +26,11 @@ With `comm.compression` (`ray_zep.sim.wire.WireCodec`), the ring K/V and dK/dV
 destination, smaller on every hop), the Ulysses exchanges and the remap rows go
 zipped where the mode zips them, the codec's time inside the message's task; the
 compute a message overlaps is slowed by `ComputeRates.contention` as by any
-communication kernel. llama_cp's K/V all-gather and dK/dV reduce-scatter stay
-plain, as in the engine. `layer_graphs` builds a layer once for several wires.
+communication kernel, for as long as the rank's messages move (`moving_seconds`). A
+ring message in flight while its ranks compute costs the latency of that compute where
+a CPU calibration measured it (`CostModel.ring_message_seconds`). llama_cp's K/V
+all-gather and dK/dV reduce-scatter stay plain, as in the engine. `layer_graphs` builds
+a layer once for several wires.
 
 Elementwise work (norms, RoPE, softmax outside the kernel) and kernel launch
 gaps of the linear modules are not modelled.
