@@ -173,9 +173,9 @@ def uneven(shares: tuple[float, ...] | list[float]) -> str | None:
         return None
     listed = ", ".join(f"{s:.2f}" for s in shares)
     return (
-        f"the job share measured {listed} in runs minutes apart (highest over lowest above "
-        f"{UNEVEN_SHARES:g}): the host lent this machine unevenly; the predictions use "
-        f"their median, {float(np.median(shares)):.2f}"
+        f"the job share measured {listed} in its pairs of job runs (highest over lowest above "
+        f"{UNEVEN_SHARES:g}): the host lent this machine unevenly while they ran; the "
+        f"predictions use their median, {float(np.median(shares)):.2f}"
     )
 
 
