@@ -19,7 +19,7 @@ from ray_zep.remap.solver import solve_remap
 from ray_zep.routing.routes import Phase, RoutingPlan, Transfer, plan_route
 from ray_zep.sim.events import CorePool, Lane, TaskGraph, simulate
 from ray_zep.sim.hardware import Hardware
-from ray_zep.sim.program import LayerSetup, _Builder, layer_graph, moving_seconds
+from ray_zep.sim.program import LayerSetup, _Builder, layer_graph
 from ray_zep.sim.step import RunModel, simulate_plan
 from ray_zep.topology import LinkKind, build_topology
 
@@ -108,19 +108,6 @@ def test_ring_messages_cost_the_latency_of_the_compute_they_overlap() -> None:
         flat.transfer_seconds(1000, LinkKind.INTRA_NODE, one_sender_per_nic=True)
     )
     assert curved.ring_message_seconds(0, LinkKind.INTRA_NODE, 4e-3) == 0.0
-
-
-def test_a_ranks_send_and_receive_keep_it_busy_at_once_and_each_direction_in_turn() -> None:
-    graph = TaskGraph()
-    out_1 = graph.add("send", 0, Lane.INTRA_NODE, 3.0, (), [])
-    out_2 = graph.add("send", 0, Lane.INTER_NODE, 1.0, (), [])
-    into = graph.add("receive", 1, Lane.INTRA_NODE, 2.5, (), [])
-    tasks = graph.tasks
-    assert moving_seconds(0, [out_1, into], tasks, lambda t: tasks[t].duration) == 3.0
-    assert moving_seconds(0, [out_1, out_2, into], tasks, lambda t: tasks[t].duration) == 4.0
-    assert moving_seconds(1, [out_1, out_2, into], tasks, lambda t: tasks[t].duration) == 4.0
-    assert moving_seconds(1, [into], tasks, lambda t: 2 * tasks[t].duration) == 5.0
-    assert moving_seconds(0, [], tasks, lambda t: 1.0) == 0
 
 
 def test_one_remap_by_hand() -> None:

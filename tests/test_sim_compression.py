@@ -87,9 +87,7 @@ def test_auto_stays_plain_where_the_codec_does_not_pay_and_always_pays_for_it() 
     off = _step(_run(config, Compression.OFF, **FAST))
     assert _step(_run(config, Compression.AUTO, **FAST)) == off
     always = _step(_run(config, Compression.ALWAYS, **FAST))
-    # compute-bound: the codec's time (1 GB/s) shows through the compute its longer
-    # messages slow (contention 1.2, counted once per direction of a rank's messages)
-    assert always > off * 1.005, "the codec's time shows on fast links"
+    assert always > off * 1.01, "the codec's time (1 GB/s) shows on fast links"
 
 
 def test_the_te_cp_baseline_sends_plain_whatever_the_config_says() -> None:

@@ -26,11 +26,10 @@ With `comm.compression` (`ray_zep.sim.wire.WireCodec`), the ring K/V and dK/dV
 destination, smaller on every hop), the Ulysses exchanges and the remap rows go
 zipped where the mode zips them, the codec's time inside the message's task; the
 compute a message overlaps is slowed by `ComputeRates.contention` as by any
-communication kernel, for as long as the rank's messages move (`moving_seconds`). A
-ring message in flight while its ranks compute costs the latency of that compute where
-a CPU calibration measured it (`CostModel.ring_message_seconds`). llama_cp's K/V
-all-gather and dK/dV reduce-scatter stay plain, as in the engine. `layer_graphs` builds
-a layer once for several wires.
+communication kernel. A ring message in flight while its ranks compute costs the
+latency of that compute where a CPU calibration measured it
+(`CostModel.ring_message_seconds`). llama_cp's K/V all-gather and dK/dV reduce-scatter
+stay plain, as in the engine. `layer_graphs` builds a layer once for several wires.
 
 Elementwise work (norms, RoPE, softmax outside the kernel) and kernel launch
 gaps of the linear modules are not modelled.
@@ -375,13 +374,13 @@ class _Builder:
     def _member_computes(self, item: QueueItem, alone: dict, step: int, *in_flight) -> dict:
         """Every member's compute of ring step `step` (`alone`), slowed while the messages
         of `in_flight` (per rank) share its device (`ComputeRates.contention`, for the
-        time they can overlap: the shorter of the compute and the transfers, `moving`)."""
+        time they can overlap: the shorter of the compute and the transfers)."""
         out = {}
         factor = self.setup.rates.contention - 1.0
         tasks = self.graph.tasks
         for rank in item.ranks:
             messages = [t for msgs in in_flight for t in msgs[rank]]
-            moving = moving_seconds(rank, messages, tasks, lambda t: tasks[t].duration)
+            moving = sum(tasks[t].duration for t in messages)
             seconds = alone[rank] + factor * min(alone[rank], moving)
             out[rank] = self.compute(rank, seconds, f"attention step {step}")
             if self.record:
@@ -531,16 +530,6 @@ POINTWISE_SHARES = ((1 / 6, 1 / 6), (1 / 3, 1 / 3))
 part takes: (before attention, after it), forward then backward (backward: twice)."""
 
 
-def moving_seconds(rank: int, messages: list[int], tasks: list[Task], duration) -> float:
-    """Seconds `rank`'s `messages` (task indices; `duration` of each) keep its device busy:
-    what it sends goes one message after another, and so does what it receives, the two
-    directions at once (a ring step's send and receive are one grouped exchange, as the
-    calibration's ring exchange measures them, `ray_zep.bench.calibrate_links`)."""
-    sends = sum(duration(t) for t in messages if tasks[t].rank == rank)
-    receives = sum(duration(t) for t in messages if tasks[t].rank != rank)
-    return max(sends, receives)
-
-
 def layer_graph(setup: LayerSetup, phase: Phase) -> TaskGraph:
     """The task graph of one layer's forward or backward on every rank (module docstring)."""
     build = _Builder(setup, phase)
@@ -591,8 +580,7 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
             durations[task] = messages[key]
         elif tag == "contended":
             alone, sent = data
-            moving = moving_seconds(tasks[task].rank, sent, tasks, durations.__getitem__)
-            durations[task] = alone + factor * min(alone, moving)
+            durations[task] = alone + factor * min(alone, sum(durations[t] for t in sent))
         elif tag == "linear":
             durations[task] = data[0] + factor * min(data[0], weights / 2)
         else:
