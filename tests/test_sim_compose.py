@@ -242,7 +242,7 @@ def test_link_fits_and_contention_from_measured_points() -> None:
     # the smallest message after shorter bursts too: the latency by the compute before it
     after = [LinkPoint("message_after", 1 << 12, s, m, c) for m, c, s in ((0, 1e-5, 4e-4),
              (3, 2e-3, 6e-4), (0, 3e-5, 2e-4), (3, 4e-3, 7e-4))]  # fmt: skip
-    burst = LinkPoint("burst", 1 << 12, 8e-3, compute_s=8e-3)
+    burst = LinkPoint("burst", 1 << 12, 8e-3)
     medians = median_points([*after, burst])
     assert [(p.burst, p.seconds, p.compute_s) for p in medians[:2]] == [
         (0, pytest.approx(3e-4), pytest.approx(2e-5)),

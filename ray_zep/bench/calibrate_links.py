@@ -136,7 +136,7 @@ def _worker(rank: int, world: int, port: int, iterations: int, result) -> None:
             result.append(("message", nbytes, max(0.0, ring - alone)))
             result.append(("overlapped_message", nbytes, max(0.0, hidden - alone)))
             result.append(("all_gather_step", nbytes, max(0.0, gather - alone) / (world - 1)))
-            result.append(("burst", nbytes, alone, BURST_MATMULS, alone))
+            result.append(("burst", nbytes, alone))
     send = torch.zeros(MESSAGE_BYTES[0] // 4)
     recv = torch.zeros_like(send)
     short = iterations * SHORT_BURST_ITERATIONS

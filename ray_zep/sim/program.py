@@ -363,7 +363,8 @@ class _Builder:
         return done
 
     def _alone(self, item: QueueItem, layouts, step: int) -> dict[int, float]:
-        """Every member's compute of ring step `step` alone (0 past the last step)."""
+        """Every member's compute of ring step `step` alone (none past the last step:
+        a message then overlaps no compute, `_post`)."""
         if step >= item.ring_size:
             return {}
         return {
