@@ -1,9 +1,9 @@
 """Ranks must run where the topology puts them (rank r on node r // G, in GPU order).
 
-Unit cases of `check_placement`, and a real placement by Ray Train on a Ray
-cluster of two nodes on this machine (`ray.cluster_utils.Cluster`): three workers
-on one node and one on the other are refused. (Two workers per node train, with
-ranks 0, 1 on one node and 2, 3 on the other: tests/test_ray_train.py.)
+Unit cases of `check_placement`. A real placement by Ray Train is in
+tests/test_ray_train.py: two workers per Ray node train with ranks 0, 1 on one node
+and 2, 3 on the other, and a topology node that Ray has to split over machines is
+refused.
 """
 
 from __future__ import annotations
@@ -11,14 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
 from ray_zep.config import load_config
 from ray_zep.dist.placement import WorkerPlace, check_placement
 from ray_zep.errors import TopologyError
 from ray_zep.topology import build_topology
-from tests.helpers.training import SMALL_RUN
 
 REPO = Path(__file__).resolve().parents[1]
 TWO_BY_TWO = build_topology(
@@ -56,37 +53,3 @@ def test_three_workers_on_one_machine_split_a_node_and_are_refused() -> None:
 def test_ranks_must_follow_the_gpu_order_of_their_machine() -> None:
     with pytest.raises(TopologyError, match=r"local indices \[1, 0\]"):
         check_placement(_places("AABB", [1, 0, 0, 1]), TWO_BY_TWO)
-
-
-RUN = [
-    *SMALL_RUN,
-    "topology.nodes=2",
-    "topology.gpus_per_node=2",
-    "train.steps=1",
-    "metrics.port=-1",
-    "ray.max_failures=0",
-]
-
-
-@pytest.fixture
-def two_node_cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-
-
-def _train(cluster: Cluster, out: Path):
-    from workers.driver import train
-
-    ray.init(address=cluster.address, log_to_driver=False)
-    return train(load_config(REPO / "conf" / "demo.yaml", [*RUN, f"train.out_dir={out}"]))
-
-
-@pytest.mark.ray
-def test_ray_placing_three_workers_on_one_node_is_refused(two_node_cluster, tmp_path) -> None:
-    two_node_cluster.add_node(num_cpus=3)
-    two_node_cluster.add_node(num_cpus=1)
-    two_node_cluster.wait_for_nodes()
-    with pytest.raises(TopologyError, match=r"topology node 1 .*spans 2 machines"):
-        _train(two_node_cluster, tmp_path)

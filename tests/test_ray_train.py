@@ -13,7 +13,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from ray_zep.config import config_to_dict, load_config
-from ray_zep.errors import OverlongDocumentError
+from ray_zep.errors import OverlongDocumentError, TopologyError
 from ray_zep.topology import build_topology
 from ray_zep.train.checkpoint import checkpoint_path
 from ray_zep.train.ledger import read_ledger
@@ -151,6 +151,15 @@ OVERLONG = [
 def test_a_data_error_during_training_reaches_the_driver_typed(tmp_path: Path) -> None:
     with pytest.raises(OverlongDocumentError, match=r"data\.overlong=error"):
         _train(tmp_path, *OVERLONG, "ray.max_failures=0")
+
+
+def test_a_topology_node_that_ray_splits_over_machines_is_refused(tmp_path: Path) -> None:
+    """One topology node of four GPUs on Ray nodes of two CPUs each: Ray Train places
+    its workers on two or three machines, and the workers refuse to train."""
+    four_on_one = ["topology.nodes=1", "topology.gpus_per_node=4", "ray.max_failures=0"]
+    split = r"topology node 0 \(ranks 0\.\.3\) spans [23] machines"
+    with pytest.raises(TopologyError, match=split):
+        _train(tmp_path, "train.steps=1", *four_on_one)
 
 
 def test_a_data_error_fails_every_restart_at_once() -> None:
