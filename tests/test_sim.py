@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -286,6 +287,11 @@ def test_calibration_fit_and_file_round_trip(tmp_path) -> None:
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError, match="not a calibration file"):
         ComputeRates.load(tmp_path / "bad.json")
+    record = json.loads((tmp_path / "calibration.json").read_text())
+    for key, value in (("latency_curve", [1e-3]), ("core_share", "half"), ("ranks", None)):
+        (tmp_path / "edited.json").write_text(json.dumps({**record, key: value}))
+        with pytest.raises(ConfigError, match=key):
+            Calibration.load(tmp_path / "edited.json")
 
 
 def test_calibration_measures_the_codec_and_the_kernels_score_heads(tmp_path) -> None:

@@ -65,6 +65,27 @@ def fit(points: list[Measurement]) -> tuple[float, float]:
     return float(intercept), 1.0 / float(slope)
 
 
+_LINK_KEYS = ("link_latency_s", "link_bandwidth", "step_latency_s", "step_bandwidth")
+_SHARE_KEYS = ("core_share", "alone_step_s", "job_share", "run_share")
+
+
+def _optional_float(record: dict, key: str, path: str | Path) -> float | None:
+    """`record[key]` as a float, None where absent or null.
+
+    Raises:
+        ConfigError: the value is not a number.
+    """
+    value = record.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(
+            f"--calibration {path}: {key} must be a number or null, not {value!r}; "
+            "run `ray-zep bench calibrate` again"
+        )
+    return float(value)
+
+
 @dataclass
 class Calibration:
     """What `ray-zep bench calibrate` measured.
@@ -130,15 +151,21 @@ class Calibration:
         """A `calibration.json` written by `save` (measurements are not read back)."""
         rates = ComputeRates.load(path)
         record = json.loads(Path(path).read_text())
-        keys = ("link_latency_s", "link_bandwidth", "step_latency_s", "step_bandwidth")
-        sizes = {k: int(record.get(k, 1)) for k in ("ranks", "cores")}
-        keys_shares = ("core_share", "alone_step_s", "job_share", "run_share")
-        shares = {k: record.get(k) for k in keys_shares}
-        shares["job_shares"] = tuple(record.get("job_shares", ()))
-        curve = tuple((float(c), float(s)) for c, s in record.get("latency_curve", ()))
-        return cls(rates, *(record.get(k) for k in keys), **sizes, **shares,
-                   latency_curve=curve,
-                   ring_step_s=float(record.get("ring_step_s", 0.0)))  # fmt: skip
+        links = {k: _optional_float(record, k, path) for k in _LINK_KEYS}
+        shares = {k: _optional_float(record, k, path) for k in _SHARE_KEYS}
+        try:
+            sizes = {k: int(record.get(k, 1)) for k in ("ranks", "cores")}
+            shares["job_shares"] = tuple(float(s) for s in record.get("job_shares", ()))
+            curve = tuple((float(c), float(s)) for c, s in record.get("latency_curve", ()))
+            ring_step_s = float(record.get("ring_step_s", 0.0))
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(
+                f"--calibration {path}: ranks, cores, job_shares, latency_curve (pairs of "
+                f"seconds) or ring_step_s is malformed ({exc}); run `ray-zep bench "
+                "calibrate` again"
+            ) from exc
+        return cls(rates, **links, **sizes, **shares, latency_curve=curve,
+                   ring_step_s=ring_step_s)  # fmt: skip
 
     @property
     def virtual(self) -> bool:
