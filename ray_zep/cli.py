@@ -26,7 +26,7 @@
                                              measure this device (attention per length, matmul,
                                              element-wise, optimizer) and, on CPU, the virtual
                                              cluster's links and the trainer's fixed step cost
-    ray-zep bench validate [CONFIG] [key=value ...] [--quick] [--json F]
+    ray-zep bench validate [CONFIG] [key=value ...] [--quick] [--sittings N] [--json F]
                                              calibrate, train every placement x {replicated,
                                              fsdp}, predict them, simulate the paper headlines
     ray-zep bench train [CONFIG] [key=value ...] [--strategies ...] [--steps K]
@@ -185,6 +185,13 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("--quick", action="store_true", help="6 of the 14 modes (all headlines)")
     validate.add_argument(
         "--steps", type=int, help="steps per mode (2 warm-up; default 12, with --quick 8)"
+    )
+    validate.add_argument(
+        "--sittings",
+        type=int,
+        default=1,
+        help="runs of each mode, in passes over the modes (every second pass in reverse "
+        "order); a mode's figures are over all its runs (default 1)",
     )
     validate.add_argument("--calibration", help="calibration.json (default: measure now)")
     validate.add_argument("--json", dest="json_path", help="write the rows here")
@@ -528,6 +535,8 @@ def _bench_validate(args: argparse.Namespace) -> int:
 
     if args.steps is not None and args.steps < 3:
         raise ConfigError(f"--steps={args.steps} must be >= 3 (the first two are warm-up)")
+    if args.sittings < 1:
+        raise ConfigError(f"--sittings={args.sittings} must be >= 1 (runs of each mode)")
     import workers.bench_validate as bench  # trains through Ray, like `train`
     from ray_zep.bench.calibrate import Calibration
     from ray_zep.bench.output import write_json
@@ -538,14 +547,15 @@ def _bench_validate(args: argparse.Namespace) -> int:
     calibration = Calibration.load(args.calibration) if args.calibration else None
     out = Path(args.out)
     result = bench.run_validate(
-        args.config, args.overrides, args.quick, args.steps, out.resolve(), calibration
-    )
+        args.config, args.overrides, args.quick, args.steps, out.resolve(), calibration,
+        args.sittings,
+    )  # fmt: skip
     print(result.table())
     written = result.calibration.save(out / "calibration.json")
     print(f"wrote {written}")
     command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ray-zep bench validate"
     spec = {"config": args.config, "overrides": args.overrides, "steps": args.steps,
-            "quick": args.quick}  # fmt: skip
+            "quick": args.quick, "sittings": args.sittings}  # fmt: skip
     path = Path(args.json_path) if args.json_path else out / "validate.json"
     print(f"wrote {write_json(path, command, spec, result.rows())}")
     return 0

@@ -111,6 +111,8 @@ def test_validate_rejects_bad_options_before_starting_anything(capsys) -> None:
 
     assert main(["bench", "validate", "conf/demo.yaml", "--steps", "2"]) == 2
     assert "--steps=2" in capsys.readouterr().err
+    assert main(["bench", "validate", "conf/demo.yaml", "--sittings", "0"]) == 2
+    assert "--sittings=0" in capsys.readouterr().err
 
 
 def test_plan_auto_searches_compositions_and_keeps_only_what_fits(tmp_path) -> None:
@@ -308,3 +310,59 @@ def test_job_pairs_spread_over_the_runs_and_every_run_is_predicted_at_their_medi
     assert kinds == ["overhead", "pair", "run", "run", "pair", "run", "run", "run", "pair"]
     assert seen_shares == [0.82] * 5 and calibration.job_shares == (0.63, 0.85, 0.82)
     assert [r.name for r in rows] == list(modes)
+
+
+def test_sittings_run_every_mode_in_passes_and_combine_its_runs(monkeypatch, tmp_path) -> None:
+    """Two sittings: the modes forward, then backward, each run in its own folder; a
+    mode's row is over both runs, its error widened by how far the runs disagree."""
+    import workers.bench_train as bench
+    from ray_zep.bench.calibrate import Calibration
+    from ray_zep.costmodel import ComputeRates
+
+    assert bench.sitting_order(("a", "b", "c"), 2) == [
+        ("a", 0), ("b", 0), ("c", 0), ("c", 1), ("b", 1), ("a", 1)
+    ]  # fmt: skip
+    assert bench.sitting_order(("a", "b"), 1) == [("a", 0), ("b", 0)]
+    assert bench.run_dir_name("te_cp/fsdp", 0) == "te_cp+fsdp"
+    assert bench.run_dir_name("te_cp/fsdp", 1) == "te_cp+fsdp.sitting2"
+
+    measured = iter([2000.0, 1000.0, 3000.0, 3000.0, 1000.0, 1000.0])
+    folders = []
+
+    class FakeProbe:
+        def readings(self, work):
+            return work(), 0.5, 0.4
+
+    def fake_predicted(calibration, steps, name, config, summary, before, after):
+        return bench.TrainBenchRow(
+            name, next(measured), 1500.0, 1.0, 1.0, 4.0, 0.5, 0.01, (before, after)
+        )
+
+    import workers.driver as driver
+
+    calibration = Calibration(ComputeRates(1e9, 1e9, 1e9), 1e-3, 1e9, ranks=4, cores=2)
+    monkeypatch.setattr(Calibration, "share_probe", lambda self, shape: FakeProbe())
+    monkeypatch.setattr(bench, "_predicted", fake_predicted)
+    monkeypatch.setattr(driver, "train", lambda config: folders.append(config.train.out_dir))
+    modes = ("whole", "te_cp/fsdp", "zeppelin")
+    rows, _ = bench.run_train_bench(None, [], modes, 3, tmp_path, calibration, sittings=2)
+    assert [Path(f).name for f in folders] == [
+        "whole", "te_cp+fsdp", "zeppelin", "zeppelin.sitting2", "te_cp+fsdp.sitting2",
+        "whole.sitting2",
+    ]  # fmt: skip
+    by_name = {r.name: r for r in rows}
+    assert list(by_name) == list(modes)
+    whole, sharded, zeppelin = (by_name[m] for m in modes)
+    # the same batches twice: tokens over the time of both runs
+    assert whole.measured_tokens_per_second == pytest.approx(2 / (1 / 2000 + 1 / 1000))
+    assert whole.predicted_tokens_per_second == pytest.approx(1500.0)
+    assert whole.probed_shares == (0.5, 0.4, 0.5, 0.4)
+    # runs 2x apart: the error is theirs (stdev 0.53 of ratios 0.75, 1.5 over their mean
+    # 1.125, over sqrt(2)), not the steps' (0.01 / sqrt(2))
+    assert whole.measured_error == pytest.approx(1 / 3)
+    # runs that agree keep the steps' error
+    assert sharded.measured_tokens_per_second == pytest.approx(1000.0)
+    assert sharded.measured_error == pytest.approx(0.01 / 2**0.5)
+    assert zeppelin.measured_tokens_per_second == pytest.approx(3000.0)
+    one = bench.combine_sittings([sharded])
+    assert one is sharded

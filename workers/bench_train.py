@@ -69,9 +69,10 @@ class TrainBenchRow:
     """Relative standard error of the measured throughput: the spread of the steady
     steps' measured over predicted seconds (what the batches' own differences do not
     explain), over the root of their number; None with fewer than 2 steps."""
-    probed_shares: tuple[float, float] | None = None
+    probed_shares: tuple[float, ...] | None = None
     """The shares probed just before and just after the run (`core_share` combines them
-    with the calibration's, `ray_zep.bench.core_share.run_share`)."""
+    with the calibration's, `ray_zep.bench.core_share.run_share`); of every run in
+    turn for a mode run in several sittings (`combine_sittings`)."""
 
     @property
     def predicted_over_measured(self) -> float | None:
@@ -142,38 +143,110 @@ def run_train_bench(
     calibration: Calibration | None = None,
     job_runs: int = JOB_RUNS,
     link_rounds: int = LINK_ROUNDS,
+    sittings: int = 1,
 ) -> tuple[list[TrainBenchRow], Calibration]:
     """Train each mode `steps` steps and predict the same steps (module docstring);
     without a `calibration`, calibrate first: the links from `link_rounds` measurements,
     the job share from `job_runs` pairs of runs spread over the modes' runs
-    (`workers.calibrate_step.JobSittings`), so every mode is predicted once all ran."""
+    (`workers.calibrate_step.JobSittings`), so every mode is predicted once all ran.
+    With `sittings` > 1 every mode runs that many times, in passes over the modes
+    (`sitting_order`), and its row combines its runs (`combine_sittings`)."""
     from workers.driver import train
 
     base = load_config(config_path, overrides)
-    sittings, pairs_before = None, []
+    job_sittings, pairs_before = None, []
     if calibration is None:
         calibration = calibrate(base, torch.device("cpu"), link_rounds=link_rounds)
-        sittings = JobSittings.start(config_path, overrides, calibration, out / "tiny")
-        pairs_before = spread(job_runs, len(strategies))
+        job_sittings = JobSittings.start(config_path, overrides, calibration, out / "tiny")
+    order = sitting_order(strategies, sittings)
+    if job_sittings is not None:
+        pairs_before = spread(job_runs, len(order))
     probe = calibration.share_probe(build_shape(base.model))  # an old file fails here
     runs = []
-    for index, name in enumerate(strategies):
+    for index, (name, sitting) in enumerate(order):
         for _ in range(pairs_before.count(index)):
-            sittings.measure()
-        run_dir = out / name.replace("/", "+")
+            job_sittings.measure()
+        run_dir = out / run_dir_name(name, sitting)
         extra = [*variant_overrides(name), *TIMING_OVERRIDES, f"train.steps={steps}"]
         extra.append(f"train.out_dir={run_dir}")
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resume
         config = load_config(config_path, [*overrides, *extra])
         runs.append((name, config, *probe.readings(partial(train, config))))
-    if sittings is not None:
-        for _ in range(pairs_before.count(len(strategies))):
-            sittings.measure()
-        calibration = sittings.calibration()
+    if job_sittings is not None:
+        for _ in range(pairs_before.count(len(order))):
+            job_sittings.measure()
+        calibration = job_sittings.calibration()
         if (warning := uneven(calibration.job_shares)) is not None:
             log.warning(warning)
     rows = [_predicted(calibration, steps, *run) for run in runs]
-    return rows, calibration
+    by_mode = {name: [r for r in rows if r.name == name] for name in strategies}
+    return [combine_sittings(found) for found in by_mode.values()], calibration
+
+
+def sitting_order(strategies: tuple[str, ...], sittings: int) -> list[tuple[str, int]]:
+    """(mode, sitting) of every run: `sittings` passes over the modes, every second one
+    in reverse order, so a mode's runs lie apart in time and no mode is always first."""
+    order: list[tuple[str, int]] = []
+    for sitting in range(sittings):
+        names = strategies if sitting % 2 == 0 else tuple(reversed(strategies))
+        order.extend((name, sitting) for name in names)
+    return order
+
+
+def run_dir_name(name: str, sitting: int) -> str:
+    """The folder of a mode's run: `te_cp+fsdp`, then `te_cp+fsdp.sitting2` and so on."""
+    folder = name.replace("/", "+")
+    return folder if sitting == 0 else f"{folder}.sitting{sitting + 1}"
+
+
+def combine_sittings(rows: list[TrainBenchRow]) -> TrainBenchRow:
+    """One mode's row from its runs in several sittings (one run: that run's row).
+
+    Every run trains the same batches, so the mode's throughputs are over all their
+    steps (the harmonic mean of the runs'). Its error is the larger of the runs'
+    step-to-step error (combined) and the standard error of their measured over
+    predicted throughput across the runs: what the host's lending moves from one run
+    to the next, which the steps inside one run do not show (BENCHMARKS.md, runs
+    23-24: one run of a mode measured 13-19% below its other runs).
+    """
+    if len(rows) == 1:
+        return rows[0]
+    probes = tuple(p for r in rows for p in (r.probed_shares or ()))
+    return TrainBenchRow(
+        rows[0].name,
+        _harmonic_mean([r.measured_tokens_per_second for r in rows]),
+        _harmonic_mean([r.predicted_tokens_per_second for r in rows]),
+        _mean([r.measured_step_seconds for r in rows]),
+        _mean([r.predicted_step_seconds for r in rows]),
+        rows[0].final_loss,
+        _mean([r.core_share for r in rows]),
+        _sittings_error(rows),
+        probes or None,
+    )
+
+
+def _harmonic_mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v]
+    return len(values) / sum(1.0 / v for v in present) if len(present) == len(values) else None
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if len(present) == len(values) else None
+
+
+def _sittings_error(rows: list[TrainBenchRow]) -> float | None:
+    """The larger of the runs' step-to-step errors combined and the standard error of
+    their predicted over measured throughput (`combine_sittings`)."""
+    count = len(rows)
+    errors = [r.measured_error for r in rows if r.measured_error is not None]
+    ratios = [r.predicted_over_measured for r in rows if r.predicted_over_measured]
+    found = []
+    if len(errors) == count:
+        found.append(sum(e * e for e in errors) ** 0.5 / count)
+    if len(ratios) == count:
+        found.append(statistics.stdev(ratios) / statistics.fmean(ratios) / count**0.5)
+    return max(found) if found else None
 
 
 def _predicted(

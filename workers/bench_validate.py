@@ -5,7 +5,8 @@
 2. trains every sequence placement with replicated weights and with FSDP2 on the
    configured virtual cluster (`ray-zep bench train`'s runs; `--quick`: a subset,
    and a calibration on one pair of job runs and one round of link measurements,
-   `QUICK_JOB_RUNS`, `QUICK_LINK_ROUNDS`);
+   `QUICK_JOB_RUNS`, `QUICK_LINK_ROUNDS`; `--sittings N`: each mode N times, in passes
+   over the modes, its row over all its runs, `workers.bench_train.combine_sittings`);
 3. replays the same batches through the simulator on the calibration, with each
    run's share of the cores probed around it (`ray_zep.bench.core_share`);
 4. simulates the papers' headline setups (`ray_zep.bench.headlines`).
@@ -16,7 +17,8 @@ Rows: `{"kind": "cpu", "mode", "predicted_tokens_per_s", "measured_tokens_per_s"
 simulator ranks first, as `plan --auto` ranks, against the fastest measured), `{"kind":
 "ranking", "pairs", "resolved_pairs", "swapped_resolved", "swapped_unresolved"}` (the
 pairs of modes the prediction orders the other way round than the measurement, apart
-for the pairs whose measured order the runs' own step-to-step spread leaves open) and
+for the pairs whose measured order the runs' own spread leaves open: step to step, and
+with sittings also run to run) and
 `{"kind": "paper", "name", "paper", "simulated", "explained"}` per headline.
 """
 
@@ -214,11 +216,14 @@ def run_validate(
     steps: int,
     out: Path,
     calibration: Calibration | None = None,
+    sittings: int = 1,
 ) -> Validation:
-    """Calibrate, train, predict and simulate the headlines (module docstring)."""
+    """Calibrate, train, predict and simulate the headlines (module docstring);
+    `sittings`: runs of each mode, in passes over the modes
+    (`workers.bench_train.sitting_order`)."""
     modes, job_runs = (QUICK_MODES, QUICK_JOB_RUNS) if quick else (MODES, JOB_RUNS)
     link_rounds = QUICK_LINK_ROUNDS if quick else LINK_ROUNDS
     cpu, calibration = run_train_bench(
-        config_path, overrides, modes, steps, out, calibration, job_runs, link_rounds
+        config_path, overrides, modes, steps, out, calibration, job_runs, link_rounds, sittings
     )
     return Validation(cpu, paper_rows(quick), calibration)
