@@ -204,8 +204,8 @@ def combine_sittings(rows: list[TrainBenchRow]) -> TrainBenchRow:
 
     Every run trains the same batches, so the mode's throughputs are over all their
     steps (the harmonic mean of the runs'). Its error is the larger of the runs'
-    step-to-step error (combined) and the standard error of their measured over
-    predicted throughput across the runs: what the host's lending moves from one run
+    step-to-step error (combined) and the standard error of their predicted over
+    measured throughput across the runs: what the host's lending moves from one run
     to the next, which the steps inside one run do not show (BENCHMARKS.md, runs
     23-24: one run of a mode measured 13-19% below its other runs).
     """
