@@ -226,8 +226,7 @@ def combine_sittings(rows: list[TrainBenchRow]) -> TrainBenchRow:
 
 
 def _harmonic_mean(values: list[float | None]) -> float | None:
-    present = [v for v in values if v]
-    return len(values) / sum(1.0 / v for v in present) if len(present) == len(values) else None
+    return statistics.harmonic_mean(values) if all(values) else None
 
 
 def _mean(values: list[float | None]) -> float | None:
