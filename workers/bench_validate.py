@@ -159,13 +159,23 @@ class Validation:
             f"measurement (> {RESOLVED_SIGMAS:g} standard errors apart): "
         )
         lines = [head + ("all predicted in order" if not swapped else f"{len(swapped)} swapped: "
-                         + ", ".join(f"{a} > {b}" for a, b in swapped))]  # fmt: skip
+                         + ", ".join(self._swap(a, b) for a, b in swapped))]  # fmt: skip
         if loose:
             lines.append(
                 f"  among the pairs the measurement does not resolve, {len(loose)} predicted the "
-                "other way: " + ", ".join(f"{a} > {b}" for a, b in loose)
+                "other way: " + ", ".join(self._swap(a, b) for a, b in loose)
             )
         return lines
+
+    def _swap(self, faster: str, slower: str) -> str:
+        """A swapped pair with how far apart it measured and how far the other way it was
+        predicted (a swap of a near tie in the prediction reads differently from one the
+        model gets wrong by a wide margin)."""
+        rows = {r.name: r for r in self.cpu}
+        a, b = rows[faster], rows[slower]
+        measured = a.measured_tokens_per_second / b.measured_tokens_per_second - 1
+        predicted = a.predicted_tokens_per_second / b.predicted_tokens_per_second - 1
+        return f"{faster} > {slower} (measured {measured:+.0%}, predicted {predicted:+.1%})"
 
     def table(self) -> str:
         lines = [f"{'mode':<22}{'measured k tok/s':>18}{'+-':>7}{'predicted':>11}{'pred/meas':>11}"]
