@@ -189,13 +189,6 @@ def cpu_shape(ranks: int) -> ModelShape:
 
 
 def _measure_rank(rank: int, spec: MoEBenchSpec, port: int, queue) -> None:
-    from ray_zep.attention.kernels import torch_varlen_attention
-    from ray_zep.attention.varlen import PackedSeqs
-    from ray_zep.dist.group import Group
-    from ray_zep.model.llama import Block, rope_tables
-    from ray_zep.moe.layer import shard_experts
-    from ray_zep.moe.pipeline import FoldedForward
-
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -204,6 +197,23 @@ def _measure_rank(rank: int, spec: MoEBenchSpec, port: int, queue) -> None:
         world_size=spec.cpu_ranks,
         timeout=datetime.timedelta(seconds=120),
     )
+    rows = _time_schedules(spec)  # its blocks, graphs and work handles are gone on return
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier()  # no rank tears the group down while a peer still uses it
+    dist.destroy_process_group()
+
+
+def _time_schedules(spec: MoEBenchSpec) -> list[MoERow]:
+    """This rank's part of `measure_rows` (best of `repeats` per schedule, the slowest
+    rank's times)."""
+    from ray_zep.attention.kernels import torch_varlen_attention
+    from ray_zep.attention.varlen import PackedSeqs
+    from ray_zep.dist.group import Group
+    from ray_zep.model.llama import Block, rope_tables
+    from ray_zep.moe.layer import shard_experts
+    from ray_zep.moe.pipeline import FoldedForward
+
     shape = cpu_shape(spec.cpu_ranks)
     block = Block(shape, 0)
     torch.manual_seed(0)
@@ -236,7 +246,4 @@ def _measure_rank(rank: int, spec: MoEBenchSpec, port: int, queue) -> None:
             MoERow("cpu", f"cpu x{spec.cpu_ranks}", spec.cpu_tokens, name, degree,
                    best[0] * 1e3, best[1] * 1e3)
         )  # fmt: skip
-    if rank == 0:
-        queue.put(rows)
-    dist.barrier()  # no rank tears the group down while a peer still uses it
-    dist.destroy_process_group()
+    return rows

@@ -123,7 +123,9 @@ class _Post(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_ND, grad_order):
-        return ctx.ticket.backward_transfer.wait(), grad_order, None
+        ticket = ctx.ticket
+        transfer, ticket.backward_transfer = ticket.backward_transfer, None
+        return transfer.wait(), grad_order, None
 
 
 class _Wait(torch.autograd.Function):
@@ -132,6 +134,10 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, buffer_ND, order, ticket: Ticket):
         ticket.transfer.wait()  # fills buffer_ND (the transfer's `out`)
+        # The transfer holds `out`, whose grad_fn (`_Post`'s node) holds the ticket: kept,
+        # that loop runs through autograd's C++ nodes, which Python's garbage collector
+        # does not see, and every step's buffers, graph and work handles would stay alive.
+        ticket.transfer = None
         ctx.ticket = ticket
         return buffer_ND, order.clone()
 
