@@ -259,9 +259,12 @@ def test_job_pairs_spread_over_the_runs_and_every_run_is_predicted_at_their_medi
     monkeypatch, tmp_path
 ) -> None:
     """Three pairs around five runs: before the first, before the third and after the
-    last; the prediction of every run, the first too, uses the median of the three."""
+    last; the prediction of every run, the first too, uses the median of the three. A
+    ring sitting goes beside each pair after the first (the calibration's was the
+    first), and the ring costs are the median of the three sittings'."""
     import workers.bench_train as bench
     import workers.calibrate_step as step
+    from ray_zep.bench import calibrate_ring
     from ray_zep.bench.calibrate import Calibration
     from ray_zep.costmodel import ComputeRates
 
@@ -273,6 +276,7 @@ def test_job_pairs_spread_over_the_runs_and_every_run_is_predicted_at_their_medi
     class FakeSittings:
         def __init__(self) -> None:
             self.shares: list[float] = []
+            self.tried = 0
 
         @classmethod
         def start(cls, config_path, overrides, calibration, out):
@@ -282,6 +286,7 @@ def test_job_pairs_spread_over_the_runs_and_every_run_is_predicted_at_their_medi
         def measure(self) -> None:
             events.append("pair")
             self.shares.append(next(job_shares))
+            self.tried += 1
 
         def calibration(self) -> Calibration:
             return dataclasses.replace(start, job_share=0.82, job_shares=tuple(self.shares))
@@ -296,8 +301,15 @@ def test_job_pairs_spread_over_the_runs_and_every_run_is_predicted_at_their_medi
         seen_shares.append(calibration.job_share)
         return bench.TrainBenchRow(name, 1.0, 1.0, 1.0, 1.0, None)
 
-    start = Calibration(ComputeRates(1e9, 1e9, 1e9), 1e-3, 1e9, ranks=4, cores=2, core_share=0.5)
+    slow_ring = ComputeRates(1e9, 1e9, 1e9, ring_row_seconds=9e-6)  # the first sitting ran slow
+    start = Calibration(slow_ring, 1e-3, 1e9, ranks=4, cores=2, core_share=0.5, ring_step_s=1e-4)
+    ring_costs = iter([(5e-5, 2e-6), (6e-5, 3e-6)])
     monkeypatch.setattr(bench, "calibrate", lambda *a, **k: start)
+    monkeypatch.setattr(
+        calibrate_ring,
+        "measure_ring_costs",
+        lambda config, calibration: (events.append("ring"), next(ring_costs))[1],
+    )
     monkeypatch.setattr(bench, "JobSittings", FakeSittings)
     monkeypatch.setattr(Calibration, "share_probe", lambda self, shape: FakeProbe())
     monkeypatch.setattr(bench, "_predicted", fake_predicted)
@@ -309,8 +321,12 @@ def test_job_pairs_spread_over_the_runs_and_every_run_is_predicted_at_their_medi
     runs = [Path(e).name for e in events if isinstance(e, str) and "/" in e]
     assert runs == list(modes)
     kinds = ["run" if "/" in e else e for e in events]
-    assert kinds == ["overhead", "pair", "run", "run", "pair", "run", "run", "run", "pair"]
+    assert kinds == [
+        "overhead", "pair", "run", "run", "ring", "pair", "run", "run", "run", "ring", "pair"
+    ]  # fmt: skip
     assert seen_shares == [0.82] * 5 and calibration.job_shares == (0.63, 0.85, 0.82)
+    assert calibration.ring_step_s == pytest.approx(6e-5)
+    assert calibration.rates.ring_row_seconds == pytest.approx(3e-6)
     assert [r.name for r in rows] == list(modes)
 
 

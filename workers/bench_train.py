@@ -31,6 +31,7 @@ import torch
 from ray_zep import steplog
 from ray_zep.bench.calibrate import Calibration, calibrate
 from ray_zep.bench.calibrate_links import ROUNDS as LINK_ROUNDS
+from ray_zep.bench.calibrate_ring import RingSittings
 from ray_zep.bench.core_share import run_share
 from ray_zep.config import Config, load_config
 from ray_zep.constants import METRICS_FILE_NAME
@@ -148,24 +149,35 @@ def run_train_bench(
     """Train each mode `steps` steps and predict the same steps (module docstring);
     without a `calibration`, calibrate first: the links from `link_rounds` measurements,
     the job share from `job_runs` pairs of runs spread over the modes' runs
-    (`workers.calibrate_step.JobSittings`), so every mode is predicted once all ran.
+    (`workers.calibrate_step.JobSittings`) and the ring step from sittings beside every
+    pair after the first (`ray_zep.bench.calibrate_ring.RingSittings`), so every mode is
+    predicted once all ran.
     With `sittings` > 1 every mode runs that many times, in passes over the modes
     (`sitting_order`), and its row combines its runs (`combine_sittings`)."""
     from workers.driver import train
 
     base = load_config(config_path, overrides)
-    job_sittings, pairs_before = None, []
+    job_sittings, ring_sittings, pairs_before = None, None, []
     if calibration is None:
         calibration = calibrate(base, torch.device("cpu"), link_rounds=link_rounds)
         job_sittings = JobSittings.start(config_path, overrides, calibration, out / "tiny")
+        ring_sittings = RingSittings.start(base, calibration)
     order = sitting_order(strategies, sittings)
     if job_sittings is not None:
         pairs_before = spread(job_runs, len(order))
     probe = calibration.share_probe(build_shape(base.model))  # an old file fails here
     runs = []
-    for index, (name, sitting) in enumerate(order):
+
+    def calibrate_before(index: int) -> None:
+        """The job pairs due before run `index`, each after the first with a ring sitting
+        (the calibration measured the first)."""
         for _ in range(pairs_before.count(index)):
+            if job_sittings.tried > 0 and calibration.ranks > 1:
+                ring_sittings.measure()
             job_sittings.measure()
+
+    for index, (name, sitting) in enumerate(order):
+        calibrate_before(index)
         run_dir = out / run_dir_name(name, sitting)
         extra = [*variant_overrides(name), *TIMING_OVERRIDES, f"train.steps={steps}"]
         extra.append(f"train.out_dir={run_dir}")
@@ -173,9 +185,9 @@ def run_train_bench(
         config = load_config(config_path, [*overrides, *extra])
         runs.append((name, config, *probe.readings(partial(train, config))))
     if job_sittings is not None:
-        for _ in range(pairs_before.count(len(order))):
-            job_sittings.measure()
-        calibration = job_sittings.calibration()
+        calibrate_before(len(order))
+        calibration = ring_sittings.applied(job_sittings.calibration())
+        log.info("calibration: %s", ring_sittings.summary())
         if (warning := uneven(calibration.job_shares)) is not None:
             log.warning(warning)
     rows = [_predicted(calibration, steps, *run) for run in runs]

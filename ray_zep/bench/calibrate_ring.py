@@ -8,7 +8,9 @@ costs a scheduling round. Here `ranks` gloo processes run the engine
 sequence zigzag-split over all of them (TE CP's plan), with chunks of a few tokens
 and with chunks of `CHUNK_TOKENS[1]` taking turns for `ROUNDS` rounds in the same
 processes (one measurement swung by 0-11 us per query row between four calibrations
-within minutes; the median of the rounds' fits holds); the time beyond what the simulator
+within minutes; the median of the rounds' fits holds; `bench validate` adds sittings
+minutes apart, `RingSittings`, as the rounds of one sitting can all land on a slow
+stretch of the host); the time beyond what the simulator
 models for that layer (`ray_zep.sim.program`), per ring step, is what a step costs
 besides its kernel and its transfers: a fixed part (from the tiny chunks,
 `Calibration.ring_step_s`) and a part per query row (from the larger ones,
@@ -136,9 +138,21 @@ def ring_step_costs(
 
 
 def with_ring_step(config: Config, calibration):
-    """`calibration` with the measured ring step costs (`Calibration.ring_step_s`,
-    `ComputeRates.ring_row_seconds`), restated at the calibration's core share: the
-    share the ranks got while the engine ran is probed around it (the host may lend
+    """`calibration` with the ring step costs of one sitting (`measure_ring_costs`)."""
+    return with_ring_costs(calibration, *measure_ring_costs(config, calibration))
+
+
+def with_ring_costs(calibration, per_step: float, per_row: float):
+    """`calibration` with these ring step costs (`Calibration.ring_step_s`,
+    `ComputeRates.ring_row_seconds`), stated at the calibration's core share."""
+    rates = dataclasses.replace(calibration.rates, ring_row_seconds=per_row)
+    return dataclasses.replace(calibration, rates=rates, ring_step_s=per_step)
+
+
+def measure_ring_costs(config: Config, calibration) -> tuple[float, float]:
+    """(seconds per ring step, per query row and ring step) measured in one sitting of
+    `ROUNDS` rounds (the median of their fits), restated at the calibration's core share:
+    the share the ranks got while the engine ran is probed around it (the host may lend
     fewer cores by then), the kernels are modelled at that share, and what is left
     scales by that share over the calibration's."""
     probe = calibration.share_probe(build_shape(config.model))
@@ -149,5 +163,34 @@ def with_ring_step(config: Config, calibration):
     fits = np.array([ring_step_costs(measured, modelled, world) for measured in rounds])
     per_step, per_row = (float(x) for x in np.median(fits, axis=0))
     to_calibration = share / calibration.core_share if calibration.core_share else 1.0
-    rates = dataclasses.replace(calibration.rates, ring_row_seconds=per_row * to_calibration)
-    return dataclasses.replace(calibration, rates=rates, ring_step_s=per_step * to_calibration)
+    return per_step * to_calibration, per_row * to_calibration
+
+
+@dataclasses.dataclass
+class RingSittings:
+    """The ring step costs measured in sittings minutes apart, the calibration's own first:
+    `bench validate` adds a sitting beside each later pair of job runs, so that a host
+    lending less for a few minutes moves one sitting, not the cost every ring mode is
+    predicted with (the median of the sittings' costs)."""
+
+    config: Config
+    calibration: object
+    """The calibration the first sitting's costs come from (`Calibration`)."""
+    costs: list[tuple[float, float]]
+
+    @classmethod
+    def start(cls, config: Config, calibration) -> RingSittings:
+        first = (calibration.ring_step_s, calibration.rates.ring_row_seconds)
+        return cls(config, calibration, [first])
+
+    def measure(self) -> None:
+        self.costs.append(measure_ring_costs(self.config, self.calibration))
+
+    def applied(self, calibration):
+        """`calibration` with the median of the sittings' costs."""
+        per_step, per_row = (float(x) for x in np.median(np.array(self.costs), axis=0))
+        return with_ring_costs(calibration, per_step, per_row)
+
+    def summary(self) -> str:
+        listed = ", ".join(f"{row * 1e6:.1f}" for _, row in self.costs)
+        return f"ring step per query row {listed} us in {len(self.costs)} sittings: the median"
