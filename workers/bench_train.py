@@ -172,7 +172,7 @@ def run_train_bench(
         """The job pairs due before run `index`, each after the first with a ring sitting
         (the calibration measured the first)."""
         for _ in range(pairs_before.count(index)):
-            if job_sittings.tried > 0 and calibration.ranks > 1:
+            if job_sittings.tried > 0:
                 ring_sittings.measure()
             job_sittings.measure()
 

@@ -184,14 +184,20 @@ class RingSittings:
         return cls(config, calibration, [first])
 
     def measure(self) -> None:
-        self.costs.append(measure_ring_costs(self.config, self.calibration))
+        """One more sitting; none on one rank, which has no ring (as `calibrate`)."""
+        if self.calibration.ranks > 1:
+            self.costs.append(measure_ring_costs(self.config, self.calibration))
+
+    def median(self) -> tuple[float, float]:
+        """(seconds per ring step, per query row): the median of the sittings' costs."""
+        per_step, per_row = (float(x) for x in np.median(np.array(self.costs), axis=0))
+        return per_step, per_row
 
     def applied(self, calibration):
         """`calibration` with the median of the sittings' costs."""
-        per_step, per_row = (float(x) for x in np.median(np.array(self.costs), axis=0))
-        return with_ring_costs(calibration, per_step, per_row)
+        return with_ring_costs(calibration, *self.median())
 
     def summary(self) -> str:
         listed = ", ".join(f"{row * 1e6:.1f}" for _, row in self.costs)
-        median = float(np.median([row for _, row in self.costs])) * 1e6
+        median = self.median()[1] * 1e6
         return f"ring step per query row {listed} us in {len(self.costs)} sittings: {median:.1f} us"
