@@ -54,7 +54,17 @@ RUN = [
     "parallel.remap=false",
     "data.packing=rank",
 ]
-RUNTIME_ENV = json.dumps({"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})
+# Before a restart, Ray Train's controller waits for every worker to destroy its process
+# group, 30 s by default; the stopped worker never answers, so the wait is cut to the
+# comm timeout (the variable reaches the controller through the job's runtime_env).
+RUNTIME_ENV = json.dumps(
+    {
+        "env_vars": {
+            "GLOO_SOCKET_IFNAME": "lo",
+            "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": str(TIMEOUT_S),
+        }
+    }
+)
 JOB_TIMEOUT_S = 300.0
 WORKER_TITLE = "ray::RayTrainWorker"
 RESTARTED = "workers restarted from the checkpoint of step"

@@ -28,16 +28,20 @@ def _readme_commands() -> list[str]:
 
 def test_readme_opens_with_the_demo_and_test_commands() -> None:
     train, test = _readme_commands()
-    assert train.startswith("pip install torch==2.13.0 && pip install -e '.[plots]' && ")
+    venv = "python3 -m venv .venv && . .venv/bin/activate && "
+    assert train.startswith(f"{venv}pip install torch==2.13.0 && pip install -e '.[plots]' && ")
     assert train.endswith("ray-zep train conf/demo.yaml")
-    assert "pytest" in test and "'.[test]'" in test
+    assert test.startswith(venv) and "pytest" in test and "'.[test]'" in test
 
 
-def test_ci_runs_ruff_and_the_readme_test_command() -> None:
-    ci = (REPO / ".ci" / "run").read_text()
-    _, test = _readme_commands()
-    assert test in ci.splitlines()
-    assert ci.index("ruff check") < ci.index(test)
+def test_ci_runs_the_readme_commands_verbatim_in_order_then_ruff() -> None:
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    train, test = _readme_commands()
+    assert train in ci and test in ci, "CI copies both README commands as they are written"
+    assert ci.index(train) < ci.index(test) < ci.index("ruff check .")
+    assert "ruff format --check ." in ci
+    assert any("pip freeze" in line for line in ci), "CI prints the versions it resolved"
+    assert ".venv/" in (REPO / ".gitignore").read_text().splitlines()
 
 
 def _schema_keys(schema: type, prefix: str = "") -> list[str]:

@@ -99,7 +99,6 @@ def test_without_matplotlib_pictures_are_skipped_with_the_install_hint(
     tmp_path: Path, monkeypatch, caplog
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
-    monkeypatch.setattr(logging.getLogger("ray_zep"), "propagate", True)  # reach caplog
     with caplog.at_level(logging.WARNING, logger="ray_zep"):
         assert save_figure(tmp_path / "a.png", lambda figure, axes: None) is None
         assert draw_throughput("t", ["x"], [1.0], tmp_path / "b.png") is None
