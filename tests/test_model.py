@@ -14,7 +14,9 @@ from ray_zep.attention.kernels import (
     flash_varlen_attention,
     select_kernel,
     torch_varlen_attention,
+    torch_varlen_attention_backward,
 )
+from ray_zep.attention.ring import merge_
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.config import ModelConfig
 from ray_zep.errors import ConfigError, PlacementError
@@ -56,6 +58,95 @@ def test_torch_kernel_matches_dense_attention_forward_and_backward(lengths: list
     ref_grads = torch.autograd.grad((ref * probe).sum(), (q, k, v))
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+QUERY_LENGTHS = [5, 1, 7, 96]
+RING_BLOCKS = {
+    # key lengths per sequence and causality of one block a query sees
+    "diagonal": ([5, 1, 7, 96], True),  # square causal: the fused CPU op
+    "earlier": ([3, 2, 9, 64], False),  # fully visible, any shape: the fused CPU op
+    "short causal": ([2, 1, 4, 40], True),  # bottom-right causal, Sq != Sk: explicit mask
+}
+
+
+@pytest.mark.parametrize(
+    "blocks", [["diagonal", "earlier", "short causal"], ["short causal"], ["earlier"]]
+)
+def test_ring_block_backward_equals_autograd_of_the_whole_attention(blocks: list[str]) -> None:
+    """Blocks merged as a ring merges them; each block's backward from the merged out and
+    LSE; summed, they are the gradients of one attention over every block's keys. With the
+    short causal block alone, early rows see no key at all and get exactly zero."""
+    torch.manual_seed(3)
+    heads, kv_heads, dim = 4, 2, 8
+    seqs_q = PackedSeqs.from_lengths(QUERY_LENGTHS)
+    q = torch.randn(sum(QUERY_LENGTHS), heads, dim, requires_grad=True)
+    kvs = {name: torch.randn(sum(RING_BLOCKS[name][0]), 2, kv_heads, dim) for name in blocks}
+    kvs = {name: kv.requires_grad_() for name, kv in kvs.items()}
+    out = torch.zeros(q.shape)
+    lse = torch.full((heads, q.shape[0]), float("-inf"))
+    everything = torch.arange(q.shape[0])
+    with torch.no_grad():
+        for name in blocks:
+            lengths, causal = RING_BLOCKS[name]
+            seqs_k, kv = PackedSeqs.from_lengths(lengths), kvs[name]
+            merge_(
+                out,
+                lse,
+                everything,
+                *torch_varlen_attention(q, kv[:, 0], kv[:, 1], seqs_q, seqs_k, causal=causal),
+            )
+    probe = torch.randn(q.shape)
+    dq = torch.zeros(q.shape)
+    dkvs = {}
+    for name in blocks:
+        lengths, causal = RING_BLOCKS[name]
+        kv = kvs[name].detach()
+        grads = torch_varlen_attention_backward(
+            probe,
+            q.detach(),
+            kv[:, 0],
+            kv[:, 1],
+            out,
+            lse,
+            seqs_q,
+            PackedSeqs.from_lengths(lengths),
+            causal,
+        )
+        dq += grads[0]
+        dkvs[name] = torch.stack(grads[1:], dim=1)
+
+    ref = _dense_over_blocks(q, [(kvs[n], *RING_BLOCKS[n]) for n in blocks])
+    torch.testing.assert_close(out, ref.detach(), atol=ATOL, rtol=0)
+    want = torch.autograd.grad((ref * probe).sum(), (q, *kvs.values()))
+    for got, expected in zip((dq, *dkvs.values()), want, strict=True):
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    if blocks == ["short causal"]:
+        assert torch.equal(dq[:3], torch.zeros_like(dq[:3])), "rows that saw no key"
+
+
+def _dense_over_blocks(q, blocks):
+    """Each sequence's queries against the keys of every block, each block's mask as the
+    kernels draw it (causal: bottom-right aligned), in one masked softmax."""
+    group = q.shape[1] // blocks[0][0].shape[2]
+    outs, starts = [], [0] * len(blocks)
+    for i, sq in enumerate(QUERY_LENGTHS):
+        keys, values, masks = [], [], []
+        for b, (kv, lengths, causal) in enumerate(blocks):
+            sk = lengths[i]
+            seg = kv[starts[b] : starts[b] + sk].permute(1, 2, 0, 3)  # 2 K S E
+            keys.append(seg[0].repeat_interleave(group, 0))
+            values.append(seg[1].repeat_interleave(group, 0))
+            rows, cols = torch.arange(sq).unsqueeze(1), torch.arange(sk).unsqueeze(0)
+            masks.append(cols <= rows + (sk - sq) if causal else torch.ones(sq, sk, dtype=bool))
+            starts[b] += sk
+        start = sum(QUERY_LENGTHS[:i])
+        q_HSE = q[start : start + sq].transpose(0, 1)
+        scores = q_HSE @ torch.cat(keys, 1).transpose(1, 2) / math.sqrt(q.shape[-1])
+        visible = torch.cat(masks, 1)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+        probs = torch.nan_to_num(probs) * visible  # rows that see nothing: zero
+        outs.append((probs @ torch.cat(values, 1)).transpose(0, 1))
+    return torch.cat(outs)
 
 
 def test_lse_is_the_log_normaliser() -> None:
