@@ -15,7 +15,7 @@ from ray_zep.config import FsdpUnit, load_config
 from ray_zep.errors import MemoryPlanError
 from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import WEIGHTS_AXES, WeightsMode
-from ray_zep.parallel.memory import fsdp_units, memory_inputs, state_bytes
+from ray_zep.parallel.memory import activation_bytes, fsdp_units, memory_inputs, state_bytes
 from ray_zep.report.plan_command import PlanRequest, run_plan
 from ray_zep.topology import build_topology
 from tests.helpers.procs import run_ranks
@@ -113,3 +113,22 @@ def test_units_per_projection_hold_less_than_units_per_block() -> None:
     inputs = replace(memory_inputs(config, topology, 256), weights=WEIGHTS_AXES[WeightsMode.FSDP])
     states = {unit: state_bytes(shape, replace(inputs, fsdp_unit=unit)) for unit in FsdpUnit}
     assert states[FsdpUnit.LINEAR] < states[FsdpUnit.BLOCK]
+
+
+@pytest.mark.unit
+def test_ring_score_matrices_count_only_where_the_kernel_holds_them() -> None:
+    """The torch kernel's explicit backward holds H x chunk x chunk fp32 scores, probabilities
+    and their gradient of a ring block off the CPU; on the CPU PyTorch's fused op tiles them
+    away, as flash-attn does on a GPU."""
+    config = load_config(Path("conf/demo.yaml"), [])
+    shape, topology = build_shape(config.model), build_topology(config.topology)
+    ring = 512
+
+    def activations(**kernel: bool) -> float:
+        inputs = memory_inputs(config, topology, 1024, ring, **kernel)
+        return activation_bytes(shape, inputs)
+
+    explicit = activations(on_cpu=False)
+    assert explicit - activations(on_cpu=True) == 3 * shape.n_heads * ring**2 * 4
+    assert activations(flash=True, on_cpu=False) < explicit
+    assert activations(flash=True, on_cpu=False) == activations(flash=True, on_cpu=True)

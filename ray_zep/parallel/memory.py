@@ -13,7 +13,8 @@ The model counts the tensors ray_zep's own step keeps, category by category:
 - activations: what autograd keeps for the rank's tokens (below), the logits,
   the gradients of a block's widest intermediate and of its input while it runs
   backward, and, for a checkpointed block, its recomputed activations; with the torch kernel
-  on ring blocks, the backward's H x chunk x chunk score matrices;
+  off the CPU, the backward's H x chunk x chunk score matrices of a ring block (flash-attn,
+  and on the CPU PyTorch's fused flash-attention op, tile them away);
 - buffers: the flat gradient all-reduce buffer (`replicated`), the ring attention's
   K/V receive buffers (placements that spread sequences), an FSDP2 unit's unsharded
   gradients before its reduce-scatter.
@@ -74,6 +75,9 @@ class MemoryInputs:
         checkpointing: `train.activation_checkpointing`.
         compute_bytes: 4 (fp32) or 2 (bf16 autocast).
         flash_kernel: attention by flash-attn (keys and values kept unexpanded).
+        scores_tiled: the kernel never holds a block's whole score matrix: flash-attn, or
+            the torch kernel on the CPU (PyTorch's fused op runs every block the ring
+            engine makes, forward and backward).
         prefetch: FSDP2 gathers the next unit while one computes.
         fsdp_unit: what one FSDP2 unit gathers (`parallel.fsdp_unit`).
     """
@@ -87,6 +91,7 @@ class MemoryInputs:
     checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
     compute_bytes: int = FP32
     flash_kernel: bool = False
+    scores_tiled: bool = False
     prefetch: bool = True
     fsdp_unit: FsdpUnit = FsdpUnit.BLOCK
 
@@ -271,7 +276,7 @@ def activation_bytes(shape: ModelShape, m: MemoryInputs) -> float:
     )
     working = (widest + shape.dim) * FP32
     scores = 0.0
-    if m.ring_tokens and not m.flash_kernel:
+    if m.ring_tokens and not m.scores_tiled:
         # the torch kernel's backward of a ring block: scores, probabilities and their
         # gradient, H x chunk x chunk in fp32 (the rank's ring tokens bound the chunk)
         scores = SCORE_MATRICES * shape.n_heads * float(m.ring_tokens) ** 2 * FP32
@@ -303,8 +308,10 @@ def memory_inputs(
     ring_tokens: int = 0,
     dtype: torch.dtype = torch.float32,
     flash: bool = False,
+    on_cpu: bool = True,
 ) -> MemoryInputs:
-    """What the memory model needs from a run's config for a rank holding `tokens`."""
+    """What the memory model needs from a run's config for a rank holding `tokens`
+    (`on_cpu`: the rank computes on the CPU, as on a virtual topology)."""
     parallel = config.parallel
     ranks = parallel.sequence_axis.processes(topology.world_size)
     return MemoryInputs(
@@ -317,6 +324,7 @@ def memory_inputs(
         checkpointing=config.train.activation_checkpointing,
         compute_bytes=torch.empty((), dtype=dtype).element_size(),
         flash_kernel=flash,
+        scores_tiled=flash or on_cpu,
         prefetch=parallel.prefetch,
         fsdp_unit=parallel.fsdp_unit,
     )

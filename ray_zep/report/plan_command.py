@@ -131,7 +131,8 @@ def plan_memory(
         out = []
         for rank, held in enumerate(tokens):
             ring = sum(n for zone, n in stats.zones[rank].items() if zone != Zone.LOCAL.value)
-            out.append(model_memory(shape, memory_inputs(cfg, topology, held, ring, dtype, flash)))
+            inputs = memory_inputs(cfg, topology, held, ring, dtype, flash, not on_gpu)
+            out.append(model_memory(shape, inputs))
         return out
 
     weights = config.parallel.weights

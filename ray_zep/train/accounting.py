@@ -115,5 +115,7 @@ def modelled_memory(shard: RankShard, ctx: StepContext) -> RankMemory:
         layout = shard.plan.layout(ctx.comm.rank)
         ring = sum(f.end - f.start for f in layout if f.zone is not Zone.LOCAL)
     flash = ctx.kernel is flash_varlen_attention
-    inputs = memory_inputs(ctx.config, ctx.comm.topology, shard.num_tokens, ring, ctx.dtype, flash)
+    cpu = ctx.device.type == "cpu"
+    topology = ctx.comm.topology
+    inputs = memory_inputs(ctx.config, topology, shard.num_tokens, ring, ctx.dtype, flash, cpu)
     return model_memory(ctx.model.shape, inputs)
