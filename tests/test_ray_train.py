@@ -17,14 +17,20 @@ from ray_zep.errors import OverlongDocumentError, TopologyError
 from ray_zep.topology import build_topology
 from ray_zep.train.checkpoint import checkpoint_path
 from ray_zep.train.ledger import read_ledger
-from tests.helpers.procs import free_port
+from tests.helpers.procs import free_port, run_ranks
 from tests.helpers.prometheus import (
     PrometheusServer,
     has_finite_sample,
     prometheus_binary,
     start_prometheus,
 )
-from tests.helpers.training import SMALL_RUN, checkpoint_params, jsonl_losses, max_relative_error
+from tests.helpers.training import (
+    SMALL_RUN,
+    checkpoint_params,
+    jsonl_losses,
+    max_relative_error,
+    train_rank,
+)
 from workers.data_actor import DataActor
 from workers.driver import RunSummary, train
 
@@ -104,22 +110,27 @@ def scraped_dp_run(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_dp_on_ray_matches_single(scraped_dp_run: ScrapedRun, tmp_path: Path) -> None:
+    """Four Ray Train workers against one process running the library's rank loop, the
+    code every Ray worker runs (no worker group to start for the reference)."""
     dp = scraped_dp_run.summary
-    single = _train(tmp_path / "single", "train.steps=4", "parallel.sequence=single")
+    single_dir = tmp_path / "single"
+    demo = REPO / "conf" / "demo.yaml"
+    single = [*BASE, "train.steps=4", "parallel.sequence=single", f"train.out_dir={single_dir}"]
+    run_ranks(train_rank, 1, single, demo)
     assert (dp.first_step, dp.last_step, dp.restarts) == (0, 4, 0)
     # ranks 0, 1 on one Ray node and 2, 3 on another: the topology's nodes, in rank order
     nodes = dp.machines
     assert len(nodes) == 4 and nodes[0] == nodes[1] != nodes[2] == nodes[3], nodes
 
-    dp_losses, single_losses = jsonl_losses(dp.run_dir), jsonl_losses(single.run_dir)
+    dp_losses, single_losses = jsonl_losses(dp.run_dir), jsonl_losses(single_dir)
     assert sorted(dp_losses) == [1, 2, 3, 4]
     for step, loss in single_losses.items():
         assert dp_losses[step] == pytest.approx(loss, rel=REL_TOL), f"loss of step {step}"
     dp_params = checkpoint_params(checkpoint_path(dp.run_dir, 4), BASE)
-    single_params = checkpoint_params(checkpoint_path(single.run_dir, 4), BASE)
+    single_params = checkpoint_params(checkpoint_path(single_dir, 4), BASE)
     err, name = max_relative_error(dp_params, single_params)
     assert err <= REL_TOL, f"parameter {name}: relative error {err:.2e}"
-    dp_samples, single_samples = read_ledger(dp.run_dir), read_ledger(single.run_dir)
+    dp_samples, single_samples = read_ledger(dp.run_dir), read_ledger(single_dir)
     assert {k: sorted(v) for k, v in dp_samples.items()} == {
         k: sorted(v) for k, v in single_samples.items()
     }, "dp ranks trained other samples than the one process"
