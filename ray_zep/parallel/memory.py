@@ -75,9 +75,9 @@ class MemoryInputs:
         checkpointing: `train.activation_checkpointing`.
         compute_bytes: 4 (fp32) or 2 (bf16 autocast).
         flash_kernel: attention by flash-attn (keys and values kept unexpanded).
-        scores_tiled: the kernel never holds a block's whole score matrix: flash-attn, or
-            the torch kernel on the CPU (PyTorch's fused op runs every block the ring
-            engine makes, forward and backward).
+        on_cpu: the rank computes on the CPU, where the torch kernel runs every block the
+            ring engine makes through PyTorch's fused op (no whole score matrix held, as
+            with flash-attn).
         prefetch: FSDP2 gathers the next unit while one computes.
         fsdp_unit: what one FSDP2 unit gathers (`parallel.fsdp_unit`).
     """
@@ -91,7 +91,7 @@ class MemoryInputs:
     checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
     compute_bytes: int = FP32
     flash_kernel: bool = False
-    scores_tiled: bool = False
+    on_cpu: bool = True
     prefetch: bool = True
     fsdp_unit: FsdpUnit = FsdpUnit.BLOCK
 
@@ -276,7 +276,7 @@ def activation_bytes(shape: ModelShape, m: MemoryInputs) -> float:
     )
     working = (widest + shape.dim) * FP32
     scores = 0.0
-    if m.ring_tokens and not m.scores_tiled:
+    if m.ring_tokens and not (m.flash_kernel or m.on_cpu):
         # the torch kernel's backward of a ring block: scores, probabilities and their
         # gradient, H x chunk x chunk in fp32 (the rank's ring tokens bound the chunk)
         scores = SCORE_MATRICES * shape.n_heads * float(m.ring_tokens) ** 2 * FP32
@@ -324,7 +324,7 @@ def memory_inputs(
         checkpointing=config.train.activation_checkpointing,
         compute_bytes=torch.empty((), dtype=dtype).element_size(),
         flash_kernel=flash,
-        scores_tiled=flash or on_cpu,
+        on_cpu=on_cpu,
         prefetch=parallel.prefetch,
         fsdp_unit=parallel.fsdp_unit,
     )
