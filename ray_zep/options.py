@@ -15,6 +15,9 @@ class ZonePolicy(Enum):
     """From the cost model: split only where the transfer hides behind compute."""
     CAPACITY = "capacity"
     """As the paper's Algorithms 1 and 2: from token capacities alone."""
+    WORK = "work"
+    """Every rank the same modelled work (linear + attention seconds, exposed ring
+    transfers); token counts differ up to L (ray_zep.partition.balance)."""
 
 
 class RemapPolicy(Enum):

@@ -86,10 +86,20 @@ def test_every_token_once_and_capacity_respected(strategy, batch) -> None:
     assert layout_tokens == tokens.tolist()
 
 
-@pytest.mark.parametrize("policy", list(ZonePolicy), ids=lambda p: p.value)
+@settings(max_examples=60, deadline=None)
+@given(batch=batches())
+def test_work_policy_places_every_token_once_within_capacity(batch) -> None:
+    topology, capacity, lengths = batch
+    plan = _planned(Placement.ZEPPELIN, lengths, topology, capacity, ZonePolicy.WORK)
+    _coverage(plan)
+    assert plan.rank_tokens().max() <= capacity
+
+
+@pytest.mark.parametrize("policy", [ZonePolicy.COST, ZonePolicy.CAPACITY], ids=lambda p: p.value)
 @settings(max_examples=100, deadline=None)
 @given(batch=batches())
 def test_zeppelin_never_splits_a_sequence_shorter_than_the_local_threshold(policy, batch) -> None:
+    """The paper's zone rule (the work policy splits by work and keeps no threshold)."""
     topology, capacity, lengths = batch
     plan = _planned(Placement.ZEPPELIN, lengths, topology, capacity, policy)
     _coverage(plan)

@@ -191,6 +191,9 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
     runs |= {name: [*planned, *extra] for name, extra in LAYER_RUNS.items()}
     if crossed:
         runs["zeppelin+fsdp per projection"] = [*runs["zeppelin+fsdp"], "parallel.fsdp_unit=linear"]
+    # work-balanced placement: token counts differ between ranks
+    runs["zeppelin+work"] = [*planned, "parallel.sequence=zeppelin", "parallel.weights=fsdp",
+                             "parallel.zone_policy=work"]  # fmt: skip
     whole_weights = WHOLE_WEIGHTS if crossed else ("hsdp",)
     whole_runs = {f"whole+{w}": [*whole, f"parallel.weights={w}"] for w in whole_weights}
     singles = run_ranks(

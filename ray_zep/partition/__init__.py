@@ -29,7 +29,7 @@ Planner = Callable[[np.ndarray, Topology, int, ModelShape, ParallelConfig], Atte
 
 def _zeppelin(lengths, topology, capacity, shape, parallel) -> AttentionPlan:
     cost = CostModel.create(shape, topology)
-    return plan_zeppelin(lengths, topology, capacity, cost, parallel.zone_policy)
+    return plan_zeppelin(lengths, topology, capacity, cost, parallel.zone_policy, parallel.routing)
 
 
 def _ulysses(lengths, topology, capacity, shape, parallel) -> AttentionPlan:

@@ -57,8 +57,10 @@ from ray_zep.config import ZonePolicy
 from ray_zep.costmodel import CostModel
 from ray_zep.errors import PlacementError
 from ray_zep.parallel.axes import Placement
+from ray_zep.partition.balance import balance
 from ray_zep.partition.fill import check_total, water_fill
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts
+from ray_zep.partition.work import WorkModel
 from ray_zep.topology import LinkKind, Topology
 
 
@@ -110,6 +112,7 @@ def plan_zeppelin(
     tokens_per_rank: int,
     cost: CostModel,
     policy: ZonePolicy = ZonePolicy.COST,
+    routed: bool = False,
 ) -> AttentionPlan:
     """Place a batch with Zeppelin's two-stage partitioner.
 
@@ -119,6 +122,8 @@ def plan_zeppelin(
         tokens_per_rank: L, hard token capacity of one GPU.
         cost: the cost model (crossover chunk lengths of the links).
         policy: how zone thresholds and split degrees are chosen.
+        routed: inter-node ring hops go through proxies (`parallel.routing`); the
+            work policy weighs them at every NIC's bandwidth.
 
     Returns:
         The validated plan.
@@ -129,6 +134,18 @@ def plan_zeppelin(
     started = time.perf_counter()
     lengths = np.asarray(lengths, dtype=np.int64)
     check_total(lengths, topology.world_size, tokens_per_rank, Placement.ZEPPELIN.value)
+    if policy is ZonePolicy.WORK:
+        model = WorkModel.create(cost.shape, topology, routed=routed)
+        try:
+            placements = balance(lengths, topology, tokens_per_rank, model)
+        except PlacementError:
+            # rings of equal chunks do not fit L (a batch that fills nearly every
+            # token): the cost policy's capacity-aware splits place it
+            policy = ZonePolicy.COST
+        else:
+            plan = AttentionPlan(Placement.ZEPPELIN, topology, tokens_per_rank, tuple(placements))
+            plan.planner_seconds = time.perf_counter() - started
+            return plan
     rules = _Rules(
         policy,
         lengths,

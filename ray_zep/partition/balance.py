@@ -1,0 +1,386 @@
+"""Work-balanced placement: every rank gets the same modelled seconds, not the same tokens.
+
+A step lasts as long as its busiest rank, so the planner fills ranks up to a level
+of work (`WorkModel` seconds: linear and attention FLOPs at the per-length rates,
+plus the ring transfers compute does not hide) and lets token counts differ, each
+rank at most L (its memory bound). For a level lam, starting at the mean work:
+
+1. Rings. A sequence stays whole unless its work exceeds lam or its tokens L; such
+   a sequence gets the fewest ranks whose member work is at most lam (equal
+   zigzag chunks: a ring waits for its slowest member at every step, so unequal
+   chunks only add waiting). Where more ranks stop paying (the transfers are
+   exposed) it keeps the degree of least member work.
+2. Hierarchy. A ring of at most G ranks lies inside one node (best fit), a larger
+   one on whole empty nodes plus one node for the remainder, members ordered node
+   by node: intra-node rings send nothing over NICs, inter-node ones cross each
+   node boundary once.
+3. Whole sequences, most work first, go to the rank whose work leaves the least
+   room under lam among those with token room (best fit decreasing), else to the
+   least loaded rank with room. One that fits no rank's token room becomes a ring
+   over the GPUs of the node with most room.
+
+Levels rise from the mean until the rings fit the world; the level whose busiest
+rank is lowest wins. Where they fit at no level, the rings shrink in proportion
+until they do (and then may share nodes); where even their fewest ranks by tokens
+exceed the world, `balance` raises PlacementError and the caller places the batch
+with capacity-aware, unequal splits. The search works on arrays and a sorted list of rank loads,
+so 4,096 ranks and thousands of sequences take milliseconds.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ray_zep.errors import PlacementError
+from ray_zep.partition.fill import water_fill
+from ray_zep.partition.plan import SeqPlacement, bounds_for_counts
+from ray_zep.partition.work import WorkModel
+from ray_zep.topology import LinkKind, Topology
+
+LEVELS = (1.0, 1.02, 1.05, 1.1, 1.15, 1.25, 1.4, 1.6, 2.0, 3.0)
+"""Levels scanned, times the mean work per rank."""
+PAST_FIRST = 2
+"""Levels scanned past the first feasible one (a higher level may need fewer
+transfer-bound ranks and end with a lower busiest rank)."""
+BISECTIONS = 3
+"""Halvings of the gap between the last infeasible and the first feasible level."""
+DEGREE_ROUNDS = 24
+"""Rounds of the vectorised degree search (each grows unfinished degrees by 1/8)."""
+MIN_GAIN = 0.03
+"""A ring grows only while that lowers its member work by at least this share."""
+
+
+@dataclass
+class Placed:
+    """One level's placement: every sequence's ranks and member token counts."""
+
+    level: float
+    groups: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    """Ring sequences: seq -> (ranks ascending, tokens of each)."""
+    local: dict[int, int] = field(default_factory=dict)
+    """Whole sequences: seq -> rank."""
+    load: np.ndarray | None = None
+    tokens: np.ndarray | None = None
+    in_ring: np.ndarray | None = None
+    """Ranks already in a ring: a rank joins at most one, so that every ring starts
+    at once on all its members (the engine runs a rank's rings one after another,
+    and a second ring would wait for the members' first ones)."""
+
+    @property
+    def busiest(self) -> float:
+        return float(self.load.max()) if self.load is not None and self.load.size else 0.0
+
+
+def balance(
+    lengths: np.ndarray, topology: Topology, capacity: int, model: WorkModel
+) -> list[SeqPlacement]:
+    """Placements of a batch that equalise every rank's modelled work (module docstring).
+
+    Args:
+        lengths: sequence lengths (>= 1; their sum at most world x capacity).
+        topology: nodes and GPUs per node.
+        capacity: L, the most tokens one rank holds.
+        model: the work model.
+
+    Returns:
+        One placement per sequence, in sequence order.
+
+    Raises:
+        PlacementError: rings of equal chunks cannot hold the batch within `capacity`.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    work = model.whole_seconds(lengths)
+    mean = float(work.sum()) / topology.world_size
+
+    def at(factor: float) -> Placed | None:
+        return _place_at(lengths, work, mean * factor, topology, capacity, model)
+
+    tried = _scan(at)
+    feasible = [(f, p) for f, p in tried if p is not None]
+    if not feasible:  # rings want more ranks than there are at every level
+        placed = _place_at(lengths, work, mean * LEVELS[-1], topology, capacity, model, True)
+        if placed is None:
+            raise PlacementError("zeppelin (zone_policy=work): the rings do not fit the ranks")
+        return _placements(lengths, placed)
+    low = max((f for f, p in tried if p is None), default=None)
+    high = min(f for f, _ in feasible)
+    for _ in range(BISECTIONS if low is not None else 0):
+        middle = (low + high) / 2
+        placed = at(middle)
+        if placed is None:
+            low = middle
+        else:
+            high = middle
+            feasible.append((middle, placed))
+    best = min((p for _, p in feasible), key=lambda p: p.busiest)
+    return _placements(lengths, best)
+
+
+def _scan(at) -> list[tuple[float, Placed | None]]:
+    """Each level's placement, up to the first feasible level and `PAST_FIRST` more."""
+    tried, left = [], None
+    for factor in LEVELS:
+        placed = at(factor)
+        tried.append((factor, placed))
+        if left is None and placed is not None:
+            left = PAST_FIRST
+        elif left is not None:
+            left -= 1
+        if left == 0:
+            break
+    return tried
+
+
+def _place_at(
+    lengths: np.ndarray,
+    work: np.ndarray,
+    level: float,
+    topology: Topology,
+    capacity: int,
+    model: WorkModel,
+    force: bool = False,
+) -> Placed | None:
+    """The placement at `level`, or None when its rings need more than the world."""
+    world, gpus = topology.world_size, topology.gpus_per_node
+    split = (work > level) | (lengths > capacity)
+    if world == 1:
+        split[:] = False
+    seqs = np.flatnonzero(split)
+    degrees, member = _degrees(lengths[seqs], level, capacity, world, gpus, model)
+    if degrees.sum() > world:
+        if not force:
+            return None
+        degrees = _shrink(degrees, np.maximum(2, -(-lengths[seqs] // capacity)), world)
+        member = _member_seconds(lengths[seqs], degrees, gpus, model)
+    placed = Placed(level, load=np.zeros(world), tokens=np.zeros(world, dtype=np.int64),
+                    in_ring=np.zeros(world, dtype=bool))  # fmt: skip
+    order = np.argsort(-degrees, kind="stable")
+    slots = _NodeSlots(topology.nodes, gpus)
+    for i in order.tolist():
+        seq, d = int(seqs[i]), int(degrees[i])
+        n = int(lengths[seq])
+        ranks = slots.take(min(d, world))
+        if len(ranks) < min(d, world) or not ranks:
+            return None  # fragmented past what the rings need
+        _add_ring(placed, seq, n, ranks, float(member[i]))
+    wholes = np.flatnonzero(~split)
+    _fill_whole(placed, wholes[np.argsort(-work[wholes], kind="stable")], lengths, work,
+                level, capacity, topology, model)  # fmt: skip
+    return placed
+
+
+def _degrees(
+    lengths: np.ndarray, level: float, capacity: int, world: int, gpus: int, model: WorkModel
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ranks of each ring (fewest with member work <= level) and its member work."""
+    if lengths.size == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0)
+    low = np.maximum(2, -(-lengths // capacity))
+    guess = np.ceil(model.whole_seconds(lengths) / max(level, 1e-30))
+    degree = np.minimum(np.maximum(low, guess), world).astype(np.int64)
+    seconds = _member_seconds(lengths, degree, gpus, model)
+    for _ in range(DEGREE_ROUNDS):
+        over = (seconds > level) & (degree < world)
+        if not over.any():
+            break
+        grown = np.minimum(world, degree + np.maximum(1, degree // 8))
+        trial = _member_seconds(lengths, grown, gpus, model)
+        better = over & (trial < seconds * (1 - MIN_GAIN))
+        if not better.any():
+            break
+        degree = np.where(better, grown, degree)
+        seconds = np.where(better, trial, seconds)
+    # an inter-node ring takes whole nodes: a node it shared with another ring would
+    # split its NICs between their boundary hops
+    whole_nodes = np.where(degree > gpus, np.minimum(world, -(-degree // gpus) * gpus), degree)
+    return whole_nodes, _member_seconds(lengths, whole_nodes, gpus, model)
+
+
+def _shrink(degrees: np.ndarray, low: np.ndarray, world: int) -> np.ndarray:
+    """Degrees cut in proportion until they fit the world, none below `low`."""
+    while degrees.sum() > world and (degrees > low).any():
+        scale = world / degrees.sum()
+        degrees = np.maximum(low, np.minimum(degrees - 1, np.floor(degrees * scale))).astype(
+            np.int64
+        )
+    return degrees
+
+
+def _member_seconds(
+    lengths: np.ndarray, degree: np.ndarray, gpus: int, model: WorkModel
+) -> np.ndarray:
+    """Work of a member of each sequence's ring of `degree` ranks (alone on its ring)."""
+    parts = model.ring_parts(lengths, degree)
+    tokens = lengths / degree
+    intra = model.ring_member_seconds(parts, tokens, degree, LinkKind.INTRA_NODE)
+    inter = model.ring_member_seconds(parts, tokens, degree, LinkKind.INTER_NODE)
+    return np.where(degree <= gpus, intra, inter)
+
+
+class _NodeSlots:
+    """Free GPUs of every node; rings take them whole-node first, then best fit."""
+
+    def __init__(self, nodes: int, gpus: int) -> None:
+        self.gpus = gpus
+        self.free = [list(range(n * gpus, (n + 1) * gpus)) for n in range(nodes)]
+
+    def take(self, degree: int) -> tuple[int, ...]:
+        full, rest = divmod(degree, self.gpus)
+        chosen: list[int] = []
+        empty = [n for n, free in enumerate(self.free) if len(free) == self.gpus]
+        if len(empty) >= full:
+            for node in empty[:full]:
+                chosen += self._pop(node, self.gpus)
+            rest_node = self._best_fit(rest) if rest else None
+            if rest == 0 or rest_node is not None:
+                if rest:
+                    chosen += self._pop(rest_node, rest)
+                return tuple(sorted(chosen))
+        # fragmented: the nodes with most free GPUs, as many as the ring needs
+        needed = degree - len(chosen)
+        for node in sorted(range(len(self.free)), key=lambda n: -len(self.free[n])):
+            if needed == 0:
+                break
+            got = self._pop(node, min(needed, len(self.free[node])))
+            chosen += got
+            needed -= len(got)
+        return tuple(sorted(chosen))
+
+    def _best_fit(self, count: int) -> int | None:
+        fits = [(len(free), n) for n, free in enumerate(self.free) if len(free) >= count]
+        return min(fits)[1] if fits else None
+
+    def _pop(self, node: int, count: int) -> list[int]:
+        taken, self.free[node] = self.free[node][:count], self.free[node][count:]
+        return taken
+
+
+def _add_ring(placed: Placed, seq: int, length: int, ranks: tuple[int, ...], member: float):
+    d = len(ranks)
+    counts = [length // d + (1 if i < length % d else 0) for i in range(d)]
+    placed.groups[seq] = (ranks, tuple(counts))
+    index = list(ranks)
+    placed.load[index] += member
+    placed.tokens[index] += np.asarray(counts, dtype=np.int64)
+    placed.in_ring[index] = True
+
+
+def _fill_whole(
+    placed: Placed,
+    order: np.ndarray,
+    lengths: np.ndarray,
+    work: np.ndarray,
+    level: float,
+    capacity: int,
+    topology: Topology,
+    model: WorkModel,
+) -> None:
+    """Best fit decreasing of whole sequences under `level`, token room permitting; one
+    that fits under it nowhere becomes a small intra-node ring where that fits."""
+    load, tokens = placed.load, placed.tokens
+    keys = sorted(zip(load.tolist(), range(len(load)), strict=True))
+    for seq in order.tolist():
+        n, w = int(lengths[seq]), float(work[seq])
+        index = _best_rank(keys, tokens, n, capacity, level - w)
+        under = index is not None and keys[index][0] + w <= level
+        ring = None if under else _small_ring(placed, n, level, capacity, topology, model)
+        if ring is not None:
+            ranks, member = ring
+            for rank in ranks:
+                keys.remove((float(load[rank]), rank))
+            _add_ring(placed, seq, n, ranks, member)
+            for rank in ranks:
+                bisect.insort(keys, (float(load[rank]), rank))
+            continue
+        if index is None:
+            ring = _spill(placed, n, w, capacity)
+            for rank in ring:
+                keys.remove((float(load[rank]), rank))
+            _add_spill(placed, seq, n, w, ring, capacity)
+            for rank in ring:
+                bisect.insort(keys, (float(load[rank]), rank))
+            continue
+        _, rank = keys.pop(index)
+        load[rank] += w
+        tokens[rank] += n
+        placed.local[seq] = rank
+        bisect.insort(keys, (float(load[rank]), rank))
+
+
+def _best_rank(keys: list, tokens: np.ndarray, n: int, capacity: int, room: float) -> int | None:
+    """Index in `keys` of the fullest rank with load <= room and token room for n, else
+    of the least loaded rank with token room, else None."""
+    room_left = capacity - n
+    i = bisect.bisect_right(keys, (room, math.inf)) - 1
+    while i >= 0:
+        if tokens[keys[i][1]] <= room_left:
+            return i
+        i -= 1
+    for j in range(max(0, bisect.bisect_right(keys, (room, math.inf))), len(keys)):
+        if tokens[keys[j][1]] <= room_left:
+            return j
+    return None
+
+
+def _small_ring(
+    placed: Placed, n: int, level: float, capacity: int, topology: Topology, model: WorkModel
+) -> tuple[tuple[int, ...], float] | None:
+    """The fewest GPUs of one node (2 .. G), in no ring yet, whose work room and token
+    room take a ring over `n` tokens, and its member work; None where no node has them."""
+    gpus = topology.gpus_per_node
+    load = placed.load.reshape(topology.nodes, gpus)
+    free = (capacity - placed.tokens).reshape(topology.nodes, gpus)
+    in_ring = placed.in_ring.reshape(topology.nodes, gpus)
+    degrees = np.arange(2, gpus + 1)
+    if degrees.size == 0:
+        return None
+    member = _member_seconds(np.full(degrees.size, n), degrees, gpus, model)
+    need = -(-n // degrees)
+    # per node, its GPUs by load (least first), counting only those with token room
+    for d, seconds, tokens in zip(degrees.tolist(), member.tolist(), need.tolist(), strict=True):
+        ok = (free >= tokens) & (load + seconds <= level) & ~in_ring
+        nodes = np.flatnonzero(ok.sum(axis=1) >= d)
+        if nodes.size:
+            node = int(nodes[np.argmin(load[nodes].sum(axis=1))])
+            candidates = np.flatnonzero(ok[node])
+            chosen = candidates[np.argsort(load[node, candidates], kind="stable")[:d]]
+            return tuple(sorted((node * gpus + chosen).tolist())), float(seconds)
+    return None
+
+
+def _spill(placed: Placed, n: int, w: float, capacity: int) -> tuple[int, ...]:
+    """Ranks with most free tokens, as many as hold `n` (no rank has room for it whole)."""
+    free = capacity - placed.tokens
+    order = np.argsort(-free, kind="stable")
+    count = int(np.searchsorted(np.cumsum(free[order]), n)) + 1
+    return tuple(sorted(order[:count].tolist()))
+
+
+def _add_spill(
+    placed: Placed, seq: int, n: int, w: float, ranks: tuple[int, ...], capacity: int
+) -> None:
+    """A ring over `ranks` filling their free tokens (the water-filled shares)."""
+    counts = water_fill(n, capacity - placed.tokens[list(ranks)])
+    keep = counts > 0
+    ranks = tuple(r for r, k in zip(ranks, keep, strict=True) if k)
+    counts = counts[keep]
+    placed.groups[seq] = (ranks, tuple(counts.tolist()))
+    placed.load[list(ranks)] += w * counts / n
+    placed.tokens[list(ranks)] += counts
+    placed.in_ring[list(ranks)] = True
+
+
+def _placements(lengths: np.ndarray, placed: Placed) -> list[SeqPlacement]:
+    out = []
+    for seq, n in enumerate(lengths.tolist()):
+        rank = placed.local.get(seq)
+        if rank is not None:
+            out.append(SeqPlacement(seq, n, (rank,), (0, n // 2, n)))
+            continue
+        ranks, counts = placed.groups[seq]
+        out.append(SeqPlacement(seq, n, ranks, bounds_for_counts(list(counts))))
+    return out

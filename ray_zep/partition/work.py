@@ -1,0 +1,160 @@
+"""What a rank's share of a batch costs: modelled seconds of a whole training step's work.
+
+The balancing planners equalise these seconds, not tokens. A rank's work is the
+forward and backward of every layer for the tokens it holds:
+
+- linear modules: tokens x their FLOPs per token at the matmul rate;
+- attention of a whole sequence of n tokens on the rank: n (n + 1) / 2 causal pairs
+  at the causal kernel's rate for blocks of n tokens;
+- a ring member holding c tokens of each of a ring's sequences (equal chunks):
+  its diagonal step (about c^2 / 2 causal pairs of its own zigzag chunks) and R - 1
+  steps of c x c / 2 unmasked pairs at the rate of blocks of c / 2 tokens, each step
+  lasting the longer of its compute and the transfer of the K and V it forwards
+  (backward: K, V and the float32 dK/dV accumulators); every member waits for the
+  slowest at every step, so the ring takes the same time on all of them.
+
+Rates are the cost model's (`ComputeRates`: measured curves where there are, the
+half-rate form otherwise), evaluated on arrays so that a batch of thousands of
+sequences on 4,096 ranks is costed at once.
+
+Shapes: S sequences, G ring groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ray_zep.costmodel import (
+    BACKWARD_ATTENTION_FACTOR,
+    BACKWARD_LINEAR_FACTOR,
+    ComputeRates,
+    CostModel,
+    kv_bytes_per_token,
+    linear_flops_per_token,
+    preset_rates,
+)
+from ray_zep.model.shapes import ModelShape
+from ray_zep.topology import LinkKind, Topology
+
+DKV_WIRE_FACTOR = 3.0
+"""Backward ring bytes over forward: K and V again plus float32 dK/dV (twice bf16)."""
+
+
+@dataclass(frozen=True)
+class RingParts:
+    """Per-layer parts of one ring member's attention, forward + backward, per sequence.
+
+    Attributes:
+        diagonal_s: the member's own causal step.
+        step_s: compute of one later step.
+        send_bytes: bytes one step forwards (forward K/V; backward adds dK/dV).
+    """
+
+    diagonal_s: np.ndarray
+    step_s: np.ndarray
+    send_bytes: np.ndarray
+
+
+@dataclass(frozen=True)
+class WorkModel:
+    """Modelled step seconds of a rank's work for one model on one cluster.
+
+    Attributes:
+        shape: the model.
+        rates: one GPU's compute rates.
+        cost: links and latencies.
+        routed: inter-node ring hops go through proxies over every NIC of the node
+            (`parallel.routing`); otherwise through the sender's own NIC.
+    """
+
+    shape: ModelShape
+    rates: ComputeRates
+    cost: CostModel
+    routed: bool = False
+
+    @classmethod
+    def create(
+        cls,
+        shape: ModelShape,
+        topology: Topology,
+        rates: ComputeRates | None = None,
+        routed: bool = False,
+    ) -> WorkModel:
+        """The model on `topology` at `rates` (default: the topology GPU's preset)."""
+        rates = rates or preset_rates(topology.gpu_model)
+        return cls(shape, rates, CostModel(shape, topology, rates.attention_forward), routed)
+
+    def hop(self, kind: LinkKind) -> tuple[float, float]:
+        """(latency s, bytes/s) of one ring hop over `kind`. A ring crosses each node
+        boundary from one GPU; routed, its bytes spread over all the node's NICs
+        through proxies (one intra-node hop more of latency)."""
+        cost, topo = self.cost, self.cost.topology
+        bandwidth = cost.link_bandwidth(kind, one_sender_per_nic=True)
+        latency = cost.link_latency(kind)
+        if kind is LinkKind.INTER_NODE and self.routed:
+            bandwidth *= topo.nics_per_node
+            latency += cost.link_latency(LinkKind.INTRA_NODE)
+        return latency, bandwidth
+
+    @property
+    def layers(self) -> int:
+        return self.shape.n_layers
+
+    def linear_seconds(self, tokens: np.ndarray) -> np.ndarray:
+        """Forward + backward of every layer's matmuls over `tokens` tokens."""
+        before, after = linear_flops_per_token(self.shape)
+        per_token = (1 + BACKWARD_LINEAR_FACTOR) * (before + after) * self.layers
+        return np.asarray(tokens, dtype=np.float64) * (per_token / self.rates.matmul)
+
+    def rate(self, tokens: np.ndarray, causal: bool, backward: bool) -> np.ndarray:
+        """`ComputeRates.attention_rate` over an array of block lengths."""
+        tokens = np.maximum(np.asarray(tokens, dtype=np.float64), 1.0)
+        kind = f"{'backward' if backward else 'forward'}_{'causal' if causal else 'full'}"
+        curves = dict(self.rates.curves)
+        if kind in curves:
+            points = np.asarray(curves[kind], dtype=np.float64)
+            lengths, values = points[:, 0], points[:, 1]
+            return np.exp(np.interp(np.log(tokens), np.log(lengths), np.log(values)))
+        rates = self.rates
+        long_rate = rates.attention_backward if backward else rates.attention_forward
+        half = rates.causal_half_tokens if causal else rates.full_half_tokens
+        return long_rate * tokens / (tokens + half)
+
+    def _pair_seconds(self, pairs: np.ndarray, tokens: np.ndarray, causal: bool) -> np.ndarray:
+        """Forward + backward seconds of `pairs` (query, key) pairs, one layer."""
+        flops = 4.0 * self.shape.n_heads * self.shape.head_dim * pairs
+        forward = flops / self.rate(tokens, causal, backward=False)
+        backward = BACKWARD_ATTENTION_FACTOR * flops / self.rate(tokens, causal, backward=True)
+        return forward + backward + 2 * self.rates.call_overhead_s
+
+    def whole_seconds(self, lengths: np.ndarray) -> np.ndarray:
+        """Work of each sequence whole on one rank (linear + causal attention), seconds."""
+        n = np.asarray(lengths, dtype=np.float64)
+        attention = self._pair_seconds(n * (n + 1) / 2, n, causal=True)
+        return self.linear_seconds(n) + self.layers * attention
+
+    def ring_parts(self, lengths: np.ndarray, degree: np.ndarray) -> RingParts:
+        """Parts of a member of a ring of `degree` ranks over each sequence (degree >= 2)."""
+        n = np.asarray(lengths, dtype=np.float64)
+        c = n / np.asarray(degree, dtype=np.float64)
+        diagonal = self._pair_seconds(c * c / 2, c, causal=True)
+        step = self._pair_seconds(c * c / 2, c / 2, causal=False)
+        send = c * kv_bytes_per_token(self.shape)
+        return RingParts(diagonal, step, send)
+
+    def ring_member_seconds(
+        self, parts: RingParts, tokens: float | np.ndarray, degree, kind: LinkKind
+    ) -> np.ndarray:
+        """Work of a ring member: `parts` summed over the ring's sequences (or one
+        sequence each), `tokens` it holds, `degree` members, over links of `kind`."""
+        latency, bandwidth = self.hop(kind)
+        send_f = latency + parts.send_bytes / bandwidth
+        send_b = latency + DKV_WIRE_FACTOR * parts.send_bytes / bandwidth
+        # forward and backward parts of the step's compute, weighted as `_pair_seconds` is
+        share_f = 1.0 / (1.0 + BACKWARD_ATTENTION_FACTOR)
+        step_f, step_b = parts.step_s * share_f, parts.step_s * (1 - share_f)
+        steps = np.asarray(degree, dtype=np.float64) - 1
+        ring = parts.diagonal_s + steps * (np.maximum(step_f, send_f) + np.maximum(step_b, send_b))
+        return self.linear_seconds(tokens) + self.layers * ring

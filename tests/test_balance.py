@@ -1,0 +1,155 @@
+"""Work-balanced placement (`parallel.zone_policy=work`) and its work model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ray_zep.config import ParallelConfig, ZonePolicy, load_config
+from ray_zep.costmodel import linear_flops_per_token, preset_rates
+from ray_zep.data.synthetic import batch_lengths
+from ray_zep.model.shapes import build_shape
+from ray_zep.parallel.axes import Placement
+from ray_zep.partition import make_plan
+from ray_zep.partition.stats import plan_stats
+from ray_zep.partition.work import WorkModel
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.step import RunModel, simulate_batch
+from ray_zep.topology import LinkKind, build_topology
+
+pytestmark = pytest.mark.unit
+
+L = 5120
+"""Tokens per GPU at most; batches hold 4,096 per GPU on average."""
+
+
+def _cluster(nodes: int):
+    config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={nodes}",
+                                "model.preset=7b"])  # fmt: skip
+    return build_topology(config.topology), build_shape(config.model)
+
+
+def _even(placement) -> bool:
+    tokens = [placement.position_tokens(r) for r in range(placement.ring_size)]
+    return max(tokens) - min(tokens) <= 1
+
+
+def _flop_imbalance(plan, shape) -> float:
+    """Busiest rank's fwd + bwd FLOPs over the mean (linear and attention)."""
+    stats = plan_stats(plan, shape)
+    before, after = linear_flops_per_token(shape)
+    work = 3 * shape.n_layers * (stats.tokens * (before + after) + stats.attention_flops)
+    return float(work.max() / work.mean())
+
+
+@pytest.mark.parametrize("curves", [False, True], ids=["half_rate", "measured_curves"])
+def test_array_rates_equal_the_cost_models_rates(curves: bool) -> None:
+    topology, shape = _cluster(1)
+    rates = preset_rates(topology.gpu_model)
+    if curves:
+        points = ((64.0, 1e12), (1024.0, 8e12), (16384.0, 2e13))
+        rates = dataclasses.replace(rates, curves=(("forward_full", points),))
+    model = WorkModel.create(shape, topology, rates)
+    tokens = np.asarray([1, 50, 64, 300, 1024, 5000, 16384, 70000], dtype=np.float64)
+    for causal in (False, True):
+        for backward in (False, True):
+            got = model.rate(tokens, causal, backward)
+            want = [rates.attention_rate(float(n), causal, backward) for n in tokens]
+            np.testing.assert_allclose(got, want, rtol=1e-9)
+
+
+def test_a_compute_bound_ring_costs_its_share_and_a_transfer_bound_one_its_bytes() -> None:
+    topology, shape = _cluster(4)
+    model = WorkModel.create(shape, topology, routed=True)
+    n = np.asarray([65536])
+    whole = float(model.whole_seconds(n)[0])
+    eight = model.ring_parts(n, np.asarray([8]))
+    member = float(model.ring_member_seconds(eight, n / 8, 8, LinkKind.INTRA_NODE)[0])
+    # NVSwitch hides the transfers: eight members share the work, shorter blocks cost a little
+    assert whole / 8 <= member <= 1.1 * whole / 8
+    # across nodes every member waits for the K/V of the whole sequence to pass its node
+    _, bandwidth = model.hop(LinkKind.INTER_NODE)
+    floor = shape.n_layers * 4.0 * float(n[0]) * 2 * shape.n_kv_heads * shape.head_dim * 2
+    floor /= bandwidth  # forward K/V plus three times that backward, every layer
+    for degree in (32, 64, 128):
+        parts = model.ring_parts(n, np.asarray([degree]))
+        seconds = float(model.ring_member_seconds(parts, n / degree, degree,
+                                                  LinkKind.INTER_NODE)[0])  # fmt: skip
+        assert seconds >= 0.95 * floor, f"{degree} members: {seconds:.3f} s under {floor:.3f} s"
+
+
+@pytest.mark.parametrize("nodes", [8, 32], ids=["64gpus", "256gpus"])
+@pytest.mark.parametrize("distribution", ["arxiv", "github", "prolong64k"])
+def test_work_policy_balances_work_better_than_token_capacity(
+    distribution: str, nodes: int
+) -> None:
+    """Within the same memory bound, on 256 GPUs the work policy's busiest rank carries
+    fewer FLOPs than the cost policy's (arxiv 1.34 vs 1.78, github 1.42 vs 1.79). On 64
+    GPUs, where the rings fit, a rank is in one ring of equal chunks at most and those
+    across nodes take whole nodes."""
+    topology, shape = _cluster(nodes)
+    lengths = batch_lengths(distribution, 4096 * topology.world_size, seed=0)
+    plans = {
+        policy: make_plan(
+            Placement.ZEPPELIN,
+            lengths,
+            topology,
+            L,
+            shape,
+            ParallelConfig(sequence=Placement.ZEPPELIN, zone_policy=policy, routing=True),
+        )
+        for policy in (ZonePolicy.COST, ZonePolicy.WORK)
+    }
+    plan = plans[ZonePolicy.WORK]
+    assert plan.rank_tokens().max() <= L
+    if nodes > 8 or distribution == "prolong64k":
+        # 64 GPUs: FLOPs are as even under both policies, the time is not (simulated
+        # below); prolong64k's five 35-65k sequences want more ranks than 64 at every
+        # level, so their rings are shrunk to fit and share nodes
+        if nodes > 8 and distribution != "prolong64k":  # prolong64k: even FLOPs, faster step
+            work = _flop_imbalance(plans[ZonePolicy.WORK], shape)
+            cost = _flop_imbalance(plans[ZonePolicy.COST], shape)
+            assert work < cost, f"work policy {work:.3f} vs cost policy {cost:.3f}"
+        return
+    # rings of equal chunks; a sequence no rank had token room for fills free space
+    rings = [p.ranks for p in plan.placements if len(p.ranks) > 1 and _even(p)]
+    members = [r for ranks in rings for r in ranks]
+    assert len(members) == len(set(members)), "a rank is in two rings"
+    gpus = topology.gpus_per_node
+    for ranks in rings:
+        nodes = {topology.node_of(r) for r in ranks}
+        if len(nodes) > 1:
+            assert len(ranks) == gpus * len(nodes), f"ring {ranks} shares a node"
+
+
+def test_work_policy_lets_token_counts_differ_where_work_does_not() -> None:
+    """A long sequence's ring members hold fewer tokens than ranks of short ones."""
+    topology, shape = _cluster(1)
+    lengths = np.asarray([16384, *([512] * 32)])
+    parallel = ParallelConfig(sequence=Placement.ZEPPELIN, zone_policy=ZonePolicy.WORK)
+    plan = make_plan(Placement.ZEPPELIN, lengths, topology, L, shape, parallel)
+    tokens = plan.rank_tokens()
+    ring = set(plan.placements[0].ranks)
+    assert len(ring) > 1
+    others = [tokens[r] for r in range(topology.world_size) if r not in ring]
+    assert max(tokens[r] for r in ring) < max(others)
+    assert _flop_imbalance(plan, shape) < 1.25
+
+
+def test_work_policy_steps_faster_in_the_simulator() -> None:
+    """The simulator plays both policies' plans of one batch on 64 GPUs: balancing
+    modelled time (rings on whole nodes, one ring per rank) shortens the step."""
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=8",
+                                "model.preset=7b", f"train.tokens_per_rank={L}",
+                                "parallel.sequence=zeppelin", "parallel.weights=fsdp",
+                                "parallel.routing=true"])  # fmt: skip
+    hardware = Hardware.preset(build_topology(config.topology))
+    lengths = batch_lengths("prolong64k", 4096 * hardware.devices, seed=0)
+    steps = {}
+    for policy in (ZonePolicy.COST, ZonePolicy.WORK):
+        parallel = dataclasses.replace(config.parallel, zone_policy=policy)
+        run = RunModel.create(dataclasses.replace(config, parallel=parallel), hardware)
+        steps[policy] = simulate_batch(lengths, run).step_seconds
+    assert steps[ZonePolicy.WORK] < 0.95 * steps[ZonePolicy.COST], steps
