@@ -17,10 +17,10 @@ import numpy as np
 
 from ray_zep.costmodel import BYTES_PER_ELEMENT
 from ray_zep.model.shapes import ModelShape
-from ray_zep.partition.plan import AttentionPlan
+from ray_zep.partition.plan import AttentionPlan, Exchange
 from ray_zep.partition.stats import plan_stats
 from ray_zep.remap.solver import RemapPlan
-from ray_zep.routing.routes import Payload, RoutingPlan, Transfer
+from ray_zep.routing.routes import Payload, ring_link_bytes, ring_link_bytes_by_payload
 from ray_zep.topology import LinkKind, Topology
 
 DKV_BYTES_PER_ELEMENT = 4
@@ -64,14 +64,14 @@ class Traffic:
 
 
 def kv_row_bytes(shape: ModelShape, element_bytes: int, payloads=tuple(Payload)):
-    """Bytes of one row of a ring transfer, as a function of the transfer (0 for
-    payloads not in `payloads`)."""
+    """Bytes of one row of a ring transfer of `payload` in an item of U Ulysses members
+    (0 for payloads not in `payloads`)."""
 
-    def row_bytes(t: Transfer) -> int:
-        if t.payload not in payloads:
+    def row_bytes(payload: Payload, ulysses: int) -> int:
+        if payload not in payloads:
             return 0
-        heads = shape.n_kv_heads // t.ulysses if t.ulysses <= shape.n_kv_heads else 1
-        size = element_bytes if t.payload is Payload.KV else DKV_BYTES_PER_ELEMENT
+        heads = shape.n_kv_heads // ulysses if ulysses <= shape.n_kv_heads else 1
+        size = element_bytes if payload is Payload.KV else DKV_BYTES_PER_ELEMENT
         return 2 * heads * shape.head_dim * size
 
     return row_bytes
@@ -85,12 +85,7 @@ def ring_traffic(
     payloads=tuple(Payload),
 ) -> Traffic:
     """Ring K/V and dK/dV bytes of one layer, forward + backward."""
-    routing = RoutingPlan.build(plan, routed=routed, all_hops=True)
-    return _ring_bytes(routing, shape, element_bytes, payloads)
-
-
-def _ring_bytes(routing: RoutingPlan, shape: ModelShape, element_bytes: int, payloads) -> Traffic:
-    intra, nic = routing.link_bytes(kv_row_bytes(shape, element_bytes, payloads))
+    intra, nic = ring_link_bytes(plan, routed, kv_row_bytes(shape, element_bytes, payloads))
     return Traffic(intra, nic)
 
 
@@ -99,9 +94,11 @@ def collective_traffic(
 ) -> Traffic:
     """All-gather and Ulysses bytes of one layer, forward + backward."""
     topo = plan.topology
+    out = Traffic.zero(topo)
+    if not any(i.ulysses > 1 or i.exchange is Exchange.ALL_GATHER for i in plan.items()):
+        return out  # rings and local items only: nothing is gathered or exchanged
     stats = plan_stats(plan, shape)
     scale = 2 * element_bytes / BYTES_PER_ELEMENT  # forward and backward
-    out = Traffic.zero(topo)
     out.intra_node = int(stats.collective_bytes[LinkKind.INTRA_NODE].sum() * scale)
     for rank, nbytes in enumerate(stats.collective_bytes[LinkKind.INTER_NODE]):
         out.nic[topo.node_of(rank), topo.nic_of(rank)] += int(nbytes * scale)
@@ -194,9 +191,9 @@ def attention_step_parts(
 ) -> tuple[Traffic, Traffic]:
     """`attention_step_traffic` as (bytes per byte of compute dtype, float32 dK/dV bytes),
     for callers that learn the compute dtype later (the trainer)."""
-    routing = RoutingPlan.build(plan, routed=routed, all_hops=True)
-    layer = _ring_bytes(routing, shape, 1, (Payload.KV,)) + collective_traffic(plan, shape, 1)
+    ring = ring_link_bytes_by_payload(plan, routed, kv_row_bytes(shape, 1))
+    layer = Traffic(*ring[Payload.KV]) + collective_traffic(plan, shape, 1)
     if remap is not None:
         layer = layer + remap_traffic(remap, plan.topology, shape, 1)
-    fixed = _ring_bytes(routing, shape, 1, (Payload.DKV,))
+    fixed = Traffic(*ring[Payload.DKV])
     return layer.times(shape.n_layers), fixed.times(shape.n_layers)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,6 +35,8 @@ from ray_zep.routing.routes import (
     Transfer,
     choose_proxies,
     plan_route,
+    ring_link_bytes,
+    routed_hop_bytes,
     split_rows,
 )
 from ray_zep.topology import build_topology
@@ -81,6 +84,52 @@ def test_proxies_spread_over_nics_and_include_the_endpoint() -> None:
     assert len(route.send_proxies) == len(route.recv_proxies) == 8
     assert route.send_proxies[0] != route.send_proxies[1]
     assert 7 in route.send_proxies and 8 in route.recv_proxies
+
+
+@pytest.mark.parametrize(
+    "placement,nodes,lengths",
+    [
+        (Placement.TE_CP, 2, [5000, 333, 17]),
+        (Placement.ZEPPELIN, 3, [30000, 9000, 700, 700, 65, 12000, 3]),
+        (Placement.USP, 2, [20000, 4000, 99]),
+        (Placement.HYBRID_DP, 3, [25000, 6000, 6000, 800, 40]),
+    ],
+    ids=lambda v: getattr(v, "value", None),
+)
+def test_ring_bytes_in_closed_form_equal_the_listed_transfers(placement, nodes, lengths) -> None:
+    """`ring_link_bytes` (hop by hop over all steps at once) moves exactly the bytes the
+    listed transfers of `RoutingPlan.build(all_hops=True)` do, routed and direct."""
+    topo = _topology(nodes=nodes, gpus=8, nics=3)  # 8 GPUs on 3 NICs: uneven proxy counts
+    shape = build_shape(load_config(None, ["model.preset=7b"]).model)
+    plan = make_plan(placement, lengths, topo, 8192, shape)
+
+    def per_payload(payload: Payload, ulysses: int) -> int:
+        return (1024 if payload is Payload.KV else 2048) // ulysses
+
+    for routed in (False, True):
+        listed = RoutingPlan.build(plan, routed=routed, all_hops=True)
+        intra, nic = listed.link_bytes(lambda t: per_payload(t.payload, t.ulysses))
+        got_intra, got_nic = ring_link_bytes(plan, routed, per_payload)
+        assert got_intra == intra, f"routed={routed}"
+        assert got_nic.tolist() == nic.tolist(), f"routed={routed}"
+
+
+@pytest.mark.parametrize(
+    "send,recv", [((0, 1, 2), (8, 9, 10)), ((0, 1, 2), (8, 9)), ((1, 0), (8,))]
+)
+def test_routed_hop_bytes_over_all_steps_equal_each_steps_pieces(send, recv) -> None:
+    topo = _topology(nodes=2, gpus=8, nics=3)
+    steps = np.asarray([0, 1, 2, 7, 11, 100])
+    nic = np.zeros((2, 3), dtype=np.int64)
+    intra = routed_hop_bytes(Route(send[0], recv[0], 0, send, recv), steps, 3, nic, topo)
+    want_nic, want_intra = np.zeros((2, 3), dtype=np.int64), 0
+    for rows in steps.tolist():
+        route = Route(send[0], recv[0], rows, send, recv)
+        want_intra += (route.dispatched_rows() + route.combined_rows()) * 3
+        for piece in route.pieces():
+            want_nic[0, topo.nic_of(piece.sender)] += (piece.hi - piece.lo) * 3
+    assert intra == want_intra
+    assert nic.tolist() == want_nic.tolist()
 
 
 def test_routing_spreads_te_cp_over_every_nic() -> None:

@@ -144,12 +144,12 @@ class _TransferFlow:
         sender = 2 + np.arange(n_send)
         hub = 2 + n_send + np.arange(n_nodes)
         bucket = 2 + n_send + n_nodes + np.arange(n_nodes)
+        exchange = 2 + n_send + 2 * n_nodes  # every node's hub reaches every bucket through it
         node_demand = np.bincount(self.nodes[self.receivers], self.demand, minlength=n_nodes)
-        pairs = [(a, b) for a in range(n_nodes) for b in range(n_nodes) if a != b]
-        tails = [np.full(n_send, source), sender, sender, hub[[a for a, _ in pairs]], bucket]
+        tails = [np.full(n_send, source), sender, sender, hub, np.full(n_nodes, exchange), bucket]
         heads = [sender, bucket[self.nodes[self.senders]], hub[self.nodes[self.senders]]]
-        heads += [bucket[[b for _, b in pairs]], np.full(n_nodes, sink)]
-        caps = [self.supply, self.supply, self.supply, np.full(len(pairs), UNBOUNDED)]
+        heads += [np.full(n_nodes, exchange), bucket, np.full(n_nodes, sink)]
+        caps = [self.supply, self.supply, self.supply, np.full(2 * n_nodes, UNBOUNDED)]
         caps.append(node_demand.astype(np.int64))
         self.flow = max_flow.SimpleMaxFlow()
         arcs = self.flow.add_arcs_with_capacity(
@@ -159,8 +159,7 @@ class _TransferFlow:
         )
         self.intra_arcs = arcs[n_send : 2 * n_send]
         self.inter_arcs = arcs[2 * n_send : 3 * n_send]
-        self.pair_arcs = arcs[3 * n_send : 3 * n_send + len(pairs)]
-        self.pairs = pairs
+        self.arrival_arcs = arcs[3 * n_send + n_nodes : 3 * n_send + 2 * n_nodes]
 
     def feasible(self, u: float) -> bool:
         """Can every surplus move with at most floor(u - a_i) tokens off-node per sender?"""
@@ -209,49 +208,73 @@ class _TransferFlow:
     def _transfers(self) -> tuple[tuple[tuple[int, int, int], ...], float]:
         intra = np.asarray(self.flow.flows(self.intra_arcs))
         inter = np.asarray(self.flow.flows(self.inter_arcs))
-        unassigned = inter.copy()
-        pair_flow = np.asarray(self.flow.flows(self.pair_arcs))
+        arrived = np.asarray(self.flow.flows(self.arrival_arcs))
+        by_node: dict[int, list[int]] = {}
+        for i, rank in enumerate(self.senders.tolist()):
+            by_node.setdefault(int(self.nodes[rank]), []).append(i)
+        left = _keep_home(inter, intra, arrived, by_node)
         incoming: dict[int, list[tuple[int, int]]] = {}
-        for i, rank in enumerate(self.senders):
+        for i, rank in enumerate(self.senders.tolist()):
             if intra[i]:
-                incoming.setdefault(int(self.nodes[rank]), []).append((int(rank), int(intra[i])))
-        for (src_node, dst_node), amount in zip(self.pairs, pair_flow, strict=True):
-            if amount:
-                pieces = incoming.setdefault(dst_node, [])
-                pieces += _take_inter(self.senders, self.nodes, unassigned, src_node, amount)
+                incoming.setdefault(int(self.nodes[rank]), []).append((rank, int(intra[i])))
+        # after `_keep_home` a node either sends off-node or receives: none meets itself
+        sending = [(node, int(left[members].sum())) for node, members in sorted(by_node.items())]
+        arrivals = [[node, int(n)] for node, n in enumerate(arrived.tolist()) if n > 0]
+        for src_node, dst_node, amount in _match(sending, arrivals):
+            pieces = incoming.setdefault(dst_node, [])
+            pieces += _take_inter(self.senders, by_node[src_node], left, amount)
+        wanting: dict[int, list[list[int]]] = {}  # per node, its receivers in rank order
+        for rank, need in zip(self.receivers.tolist(), self.demand.tolist(), strict=True):
+            wanting.setdefault(int(self.nodes[rank]), []).append([rank, need])
         out = []
         for node, pieces in incoming.items():
-            out += _fill_receivers(pieces, self.receivers, self.demand, self.nodes, node)
+            out += _match(sorted(pieces), wanting[node])
         cost = self.intra * self.supply + (self.inter - self.intra) * inter
         return tuple(sorted(out)), float(cost.max())
 
 
-def _take_inter(senders, nodes, inter, src_node: int, amount: int) -> list[tuple[int, int]]:
-    """(sender, tokens) covering `amount` off-node tokens of src_node's senders, in rank order."""
+def _keep_home(inter, intra, arrived, by_node) -> np.ndarray:
+    """Off-node flow that the exchange node brought back to its own node is an
+    intra-node transfer: moves it (in place) from `inter` to `intra` and from
+    `arrived`; returns a copy of the senders' off-node tokens still to assign."""
+    for node, members in by_node.items():
+        back = min(int(inter[members].sum()), int(arrived[node]))
+        arrived[node] -= back
+        for i in members:
+            moved = min(back, int(inter[i]))
+            inter[i] -= moved
+            intra[i] += moved
+            back -= moved
+    return inter.copy()
+
+
+def _match(supplies, demands: list[list[int]]) -> list[tuple[int, int, int]]:
+    """(source, destination, amount): `supplies` ((source, amount), in order) poured
+    into `demands` ([destination, amount], in order), each filled before the next."""
+    out, k = [], 0
+    for src, amount in supplies:
+        while amount:
+            dst, need = demands[k]
+            take = min(need, amount)
+            out.append((src, dst, take))
+            amount -= take
+            demands[k][1] -= take
+            if demands[k][1] == 0:
+                k += 1
+    return out
+
+
+def _take_inter(senders, members, inter, amount: int) -> list[tuple[int, int]]:
+    """(sender, tokens) covering `amount` off-node tokens of one node's senders
+    (`members`: their indices, in rank order)."""
     out = []
-    for i, rank in enumerate(senders):
+    for i in members:
         if amount == 0:
             break
-        if nodes[rank] != src_node or inter[i] == 0:
+        if inter[i] == 0:
             continue
         take = int(min(inter[i], amount))
         inter[i] -= take
         amount -= take
-        out.append((int(rank), take))
-    return out
-
-
-def _fill_receivers(pieces, receivers, demand, nodes, node: int) -> list[tuple[int, int, int]]:
-    """Split a node's incoming pieces over its receivers in rank order."""
-    open_ = [[int(r), int(d)] for r, d in zip(receivers, demand, strict=True) if nodes[r] == node]
-    out, k = [], 0
-    for src, amount in sorted(pieces):
-        while amount:
-            dst, need = open_[k]
-            take = min(need, amount)
-            out.append((src, dst, take))
-            amount -= take
-            open_[k][1] -= take
-            if open_[k][1] == 0:
-                k += 1
+        out.append((int(senders[i]), take))
     return out

@@ -261,31 +261,42 @@ def item_transfers(
     placements = [plan.placement(s) for s in item.seqs]
     position_tokens = [sum(p.position_tokens(r) for p in placements) for r in range(ring)]
     payloads = [Payload.KV] if phase is Phase.FORWARD else [Payload.KV, Payload.DKV]
-    hops = [
-        (item.ranks[p * u_size + u], item.ranks[((p + 1) % ring) * u_size + u])
-        for p in range(ring)
-        for u in range(u_size)
-    ]
-    crossing = [(a, b) for a, b in hops if topo.node_of(a) != topo.node_of(b)]
+    crossing = _crossing_hops(item, topo)
+    # a hop keeps its proxies at every step; only the rows it carries change
+    hops = []
+    for position in range(ring):
+        for part in range(u_size):
+            src = item.ranks[position * u_size + part]
+            dst = item.ranks[((position + 1) % ring) * u_size + part]
+            crosses = topo.node_of(src) != topo.node_of(dst)
+            if not crosses and not all_hops:
+                continue
+            route = _direct(topo, src, dst, 0)
+            if routed and crosses:
+                route = _shared_route(topo, src, dst, 0, crossing)
+            hops.append((position, route))
+    key = (item.ranks, u_size)
     out = []
     for step in range(ring):
         for payload in payloads:
             if payload is Payload.KV and step == ring - 1:
                 continue  # the last step's K/V is never sent on
-            for position in range(ring):
-                for part in range(u_size):
-                    src = item.ranks[position * u_size + part]
-                    dst = item.ranks[((position + 1) % ring) * u_size + part]
-                    crosses = topo.node_of(src) != topo.node_of(dst)
-                    if not crosses and not all_hops:
-                        continue
-                    rows = position_tokens[(position - step) % ring]
-                    route = _direct(topo, src, dst, rows)
-                    if routed and crosses:
-                        route = _shared_route(topo, src, dst, rows, crossing)
-                    key = (item.ranks, u_size)
-                    out.append(Transfer((index, step, int(payload)), key, u_size, route))
+            for position, hop in hops:
+                rows = position_tokens[(position - step) % ring]
+                route = Route(hop.src, hop.dst, rows, hop.send_proxies, hop.recv_proxies)
+                out.append(Transfer((index, step, int(payload)), key, u_size, route))
     return out
+
+
+def _crossing_hops(item: QueueItem, topo: Topology) -> list[tuple[int, int]]:
+    """(source, destination) of the item's ring hops between nodes."""
+    ring, u_size = item.ring_size, item.ulysses
+    hops = [
+        (item.ranks[p * u_size + u], item.ranks[((p + 1) % ring) * u_size + u])
+        for p in range(ring)
+        for u in range(u_size)
+    ]
+    return [(a, b) for a, b in hops if topo.node_of(a) != topo.node_of(b)]
 
 
 @dataclass(frozen=True)
@@ -372,3 +383,86 @@ class RoutingPlan:
 def _involves(route: Route, rank: int) -> bool:
     endpoints = (route.src, route.dst)
     return rank in endpoints or rank in route.send_proxies or rank in route.recv_proxies
+
+
+def ring_link_bytes(
+    plan: AttentionPlan, routed: bool, row_bytes: Callable[[Payload, int], int]
+) -> tuple[int, np.ndarray]:
+    """`RoutingPlan.build(plan, routed, all_hops=True).link_bytes(...)` without listing
+    the transfers: one layer's forward + backward ring bytes over intra-node links and
+    leaving each NIC (nodes x NICs), worked out hop by hop over all ring steps at once.
+
+    Args:
+        plan: the placement.
+        routed: inter-node hops go through proxies (else direct).
+        row_bytes: bytes of one row of `payload` for an item of U Ulysses members.
+    """
+    by_payload = ring_link_bytes_by_payload(plan, routed, row_bytes)
+    intra = sum(i for i, _ in by_payload.values())
+    return intra, sum(n for _, n in by_payload.values())
+
+
+def ring_link_bytes_by_payload(
+    plan: AttentionPlan, routed: bool, row_bytes: Callable[[Payload, int], int]
+) -> dict[Payload, tuple[int, np.ndarray]]:
+    """`ring_link_bytes` of each payload (K/V, dK/dV) apart, in one pass over the hops."""
+    topo = plan.topology
+    nic = {p: np.zeros((topo.nodes, topo.nics_per_node), dtype=np.int64) for p in Payload}
+    intra = dict.fromkeys(Payload, 0)
+    for item in plan.items():
+        ring, u_size = item.ring_size, item.ulysses
+        if ring < 2 or item.exchange is not Exchange.RING:
+            continue
+        placements = [plan.placement(s) for s in item.seqs]
+        held = np.asarray(
+            [sum(p.position_tokens(r) for p in placements) for r in range(ring)], dtype=np.int64
+        )
+        crossing = _crossing_hops(item, topo)
+        # a hop from position p carries position (p - s)'s rows at step s; K/V is not
+        # sent on at the last step and goes round twice (forward, backward), dK/dV once
+        sizes = {p: row_bytes(p, u_size) * (2 if p is Payload.KV else 1) for p in Payload}
+        for position in range(ring):
+            rows = held[(position - np.arange(ring)) % ring]
+            carried = {Payload.KV: rows[:-1], Payload.DKV: rows}
+            for part in range(u_size):
+                src = item.ranks[position * u_size + part]
+                dst = item.ranks[((position + 1) % ring) * u_size + part]
+                route = None
+                for payload, steps in carried.items():
+                    size = sizes[payload]
+                    if size == 0:
+                        continue
+                    if topo.node_of(src) == topo.node_of(dst):
+                        intra[payload] += int(steps.sum()) * size
+                    elif not routed:
+                        nic[payload][topo.node_of(src), topo.nic_of(src)] += int(steps.sum()) * size
+                    else:
+                        route = route or _shared_route(topo, src, dst, 0, crossing)
+                        intra[payload] += routed_hop_bytes(route, steps, size, nic[payload], topo)
+    return {p: (intra[p], nic[p]) for p in Payload}
+
+
+def routed_hop_bytes(route: Route, steps: np.ndarray, size: int, nic: np.ndarray, topo) -> int:
+    """Adds the NIC bytes of a routed hop's transfers of `steps` rows each; returns
+    its intra-node (dispatch + combine) bytes."""
+    senders, receivers = route.send_proxies, route.recv_proxies
+    if len(senders) != len(receivers):  # ranges differ: intersect them step by step
+        intra = 0
+        for rows in steps.tolist():
+            hop = Route(route.src, route.dst, rows, senders, receivers)
+            intra += (hop.dispatched_rows() + hop.combined_rows()) * size
+            for piece in hop.pieces():
+                nic[topo.node_of(piece.sender), topo.nic_of(piece.sender)] += (
+                    piece.hi - piece.lo
+                ) * size
+        return intra
+    count = len(senders)
+    base, extra = steps // count, steps % count
+    shares = base[:, None] + (np.arange(count)[None, :] < extra[:, None])  # steps x proxies
+    carried = shares.sum(axis=0)
+    for k, proxy in enumerate(senders):
+        nic[topo.node_of(proxy), topo.nic_of(proxy)] += int(carried[k]) * size
+    total = int(steps.sum())
+    own_send = int(carried[senders.index(route.src)])
+    own_recv = int(carried[receivers.index(route.dst)])
+    return (2 * total - own_send - own_recv) * size
