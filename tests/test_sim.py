@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_zep.config import Config, TopologyConfig
+from ray_zep.config import Config, TopologyConfig, load_config
 from ray_zep.costmodel import ComputeRates, CostModel, linear_flops_per_token
 from ray_zep.data.synthetic import batch_lengths
 from ray_zep.model.shapes import PRESETS, ModelShape
@@ -20,8 +20,9 @@ from ray_zep.remap.solver import solve_remap
 from ray_zep.routing.routes import Phase, RoutingPlan, Transfer, plan_route
 from ray_zep.sim.events import CorePool, Lane, TaskGraph, simulate
 from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.program import LayerSetup, _Builder, layer_graph
-from ray_zep.sim.step import RunModel, simulate_plan
+from ray_zep.sim.step import RunModel, simulate_batch, simulate_plan
 from ray_zep.topology import LinkKind, build_topology
 
 SHAPE = ModelShape(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128)
@@ -265,11 +266,16 @@ def test_simulate_command_writes_table_json_and_pictures(tmp_path, capsys) -> No
     rows = record["strategies"]
     assert {"zeppelin", "te_cp", "te_cp+routing", "te_cp+routing+partition"} <= set(rows)
     assert rows["te_cp"]["speedup_vs_te_cp"] == pytest.approx(1.0)
+    ideal = record["ideal_step_seconds"]
+    assert len(ideal) == 1 and ideal[0] > 0
     for row in rows.values():
         assert row["step_seconds"] > 0 and row["tokens_per_second"] > 0
+        assert row["step_over_ideal"] == pytest.approx(row["step_seconds"] / ideal[0])
+        assert row["step_over_ideal"] > 1.0
     assert (tmp_path / "timeline.png").stat().st_size > 0
     assert (tmp_path / "throughput.png").stat().st_size > 0
-    assert "te_cp+routing+partition" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "te_cp+routing+partition" in out and "ideal step" in out
     assert main([*args, "--strategies", "zeppelin,nope"]) == 2
     assert "--strategies: 'nope'" in capsys.readouterr().err
 
@@ -394,3 +400,19 @@ def test_bench_train_rejects_bad_options_before_starting_anything(capsys) -> Non
     assert "--steps=1" in capsys.readouterr().err
     assert main(["bench", "train", "conf/zeppelin.yaml", "--strategies", "ring"]) == 2
     assert "--strategies: 'ring'" in capsys.readouterr().err
+
+
+def test_ideal_step_is_a_balanced_silent_steps_compute() -> None:
+    """Equal whole sequences, one per rank: nothing is split or sent but the gradient
+    all-reduce, so the simulated step less that all-reduce is the ideal step."""
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=2",
+                                "model.preset=7b", "train.tokens_per_rank=5120",
+                                "parallel.sequence=whole"])  # fmt: skip
+    run = RunModel.create(config, Hardware.preset(build_topology(config.topology)))
+    lengths = np.full(16, 4000)
+    step = simulate_batch(lengths, run)
+    ideal = ideal_step_seconds(lengths, run)
+    assert step.step_seconds - step.grad_sync_seconds == pytest.approx(ideal, rel=1e-9)
+    # whole sequences of very different work: one rank carries most of the step
+    skewed = np.asarray([5120, *([100] * 40)])
+    assert simulate_batch(skewed, run).step_seconds > 3 * ideal_step_seconds(skewed, run)

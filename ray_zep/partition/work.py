@@ -33,6 +33,7 @@ from ray_zep.costmodel import (
     CostModel,
     kv_bytes_per_token,
     linear_flops_per_token,
+    pointwise_elements_per_token,
     preset_rates,
 )
 from ray_zep.model.shapes import ModelShape
@@ -103,10 +104,14 @@ class WorkModel:
         return self.shape.n_layers
 
     def linear_seconds(self, tokens: np.ndarray) -> np.ndarray:
-        """Forward + backward of every layer's matmuls over `tokens` tokens."""
+        """Forward + backward of every layer's matmuls and element-wise work over
+        `tokens` tokens."""
         before, after = linear_flops_per_token(self.shape)
         per_token = (1 + BACKWARD_LINEAR_FACTOR) * (before + after) * self.layers
-        return np.asarray(tokens, dtype=np.float64) * (per_token / self.rates.matmul)
+        seconds = per_token / self.rates.matmul
+        elements = pointwise_elements_per_token(self.shape) * self.layers
+        seconds += self.rates.pointwise_seconds(elements)
+        return np.asarray(tokens, dtype=np.float64) * seconds
 
     def rate(self, tokens: np.ndarray, causal: bool, backward: bool) -> np.ndarray:
         """`ComputeRates.attention_rate` over an array of block lengths."""

@@ -24,6 +24,8 @@ from ray_zep.report.plan_command import PlanRequest, request_lengths
 from ray_zep.report.timeline import draw_throughput, draw_timelines
 from ray_zep.sim.compare import StrategyResult, simulate_strategies, strategy_names
 from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.ideal import ideal_step_seconds
+from ray_zep.sim.step import RunModel
 from ray_zep.topology import Topology, build_topology
 
 TIMELINE_RANKS = 16
@@ -55,6 +57,15 @@ class SimulateResult:
     tokens_per_rank: int
     batches: list[np.ndarray]
     results: dict[str, StrategyResult]
+    ideal_seconds: list[float] = dataclasses.field(default_factory=list)
+    """Each batch's ideal step (`ray_zep.sim.ideal`)."""
+
+    def over_ideal(self, result: StrategyResult) -> float | None:
+        """Mean over the batches of the strategy's step / the batch's ideal step."""
+        if not result.steps or len(self.ideal_seconds) != len(result.steps):
+            return None
+        ratios = [s.step_seconds / i for s, i in zip(result.steps, self.ideal_seconds, strict=True)]
+        return float(np.mean(ratios))
 
     def table(self) -> str:
         lines = [
@@ -62,7 +73,7 @@ class SimulateResult:
             f"{self.topology.gpu_model}, model {self.config.model.preset}, "
             f"{len(self.batches)} batches of {int(np.mean([b.sum() for b in self.batches]))} "
             f"tokens, L={self.tokens_per_rank}; rates: {self.rates.source}",
-            f"{'strategy':<26}{'step s':>9}{'k tok/s':>10}{'vs te_cp':>10}"
+            f"{'strategy':<26}{'step s':>9}{'k tok/s':>10}{'vs te_cp':>10}{'x ideal':>9}"
             f"{'fwd ms/layer':>14}{'bwd ms/layer':>14}{'grad s':>8}{'remap':>7}",
         ]
         for name, result in self.results.items():
@@ -73,10 +84,16 @@ class SimulateResult:
             fwd = np.mean([s.forward_layer_seconds for s in steps]) * 1e3
             bwd = np.mean([s.backward_layer_seconds for s in steps]) * 1e3
             remapped = sum(s.remap is not None for s in steps)
+            over = self.over_ideal(result)
             lines.append(
                 f"{name:<26}{result.step_seconds:>9.3f}{result.tokens_per_second / 1e3:>10.1f}"
-                f"{result.speedup_vs_te_cp:>9.2f}x{fwd:>14.2f}{bwd:>14.2f}"
-                f"{steps[0].grad_sync_seconds:>8.3f}{remapped:>5}/{len(steps)}"
+                f"{result.speedup_vs_te_cp:>9.2f}x{over or float('nan'):>8.2f}x{fwd:>14.2f}"
+                f"{bwd:>14.2f}{steps[0].grad_sync_seconds:>8.3f}{remapped:>5}/{len(steps)}"
+            )
+        if self.ideal_seconds:
+            lines.append(
+                f"ideal step {np.mean(self.ideal_seconds):.3f} s: every FLOP spread evenly at "
+                "its unsplit rate, no exposed communication (x ideal: step / ideal, per batch)"
             )
         return "\n".join(lines)
 
@@ -88,7 +105,11 @@ class SimulateResult:
             "tokens_per_rank": self.tokens_per_rank,
             "rates": dataclasses.asdict(self.rates),
             "batches": [{"sequences": len(b), "tokens": int(b.sum())} for b in self.batches],
-            "strategies": {n: r.to_dict(n_layers) for n, r in self.results.items()},
+            "ideal_step_seconds": self.ideal_seconds,
+            "strategies": {
+                n: r.to_dict(n_layers) | {"step_over_ideal": self.over_ideal(r)}
+                for n, r in self.results.items()
+            },
         }
 
 
@@ -103,7 +124,9 @@ def run_simulate(config: Config, request: SimulateRequest) -> SimulateResult:
     topology = hardware.topology
     batches, capacity = batches_of(config, topology, request)
     results = simulate_strategies(config, hardware, batches, names, capacity, on_gpu)
-    return SimulateResult(config, topology, hardware.rates, capacity, batches, results)
+    run = RunModel.create(config, hardware, on_gpu)
+    ideal = [ideal_step_seconds(lengths, run) for lengths in batches]
+    return SimulateResult(config, topology, hardware.rates, capacity, batches, results, ideal)
 
 
 def request_hardware(config: Config, calibration: str | None) -> tuple[Hardware, bool]:
