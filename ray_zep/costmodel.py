@@ -213,6 +213,31 @@ class ComputeRates:
         rate = self.attention_backward if backward else self.attention_forward
         return rate * self.attention_efficiency(tokens, causal)
 
+    def attention_rates(
+        self,
+        tokens: np.ndarray,
+        causal: bool,
+        backward: bool,
+        autograd: bool = False,
+        heads: int = 0,
+    ) -> np.ndarray:
+        """`attention_rate` of every block length in `tokens` (an array), at once."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        kind = f"{'backward' if backward else 'forward'}_{'causal' if causal else 'full'}"
+        kinds = ("backward_autograd", kind) if autograd and backward and causal else (kind,)
+        curves = dict(self.curves)
+        if self.curve_heads and heads:
+            tokens = tokens * math.sqrt(heads / self.curve_heads)
+        for name in kinds:
+            if name in curves:
+                points = np.asarray(curves[name], dtype=np.float64)
+                logs = np.log(np.maximum(tokens, 1e-30))
+                return np.exp(np.interp(logs, np.log(points[:, 0]), np.log(points[:, 1])))
+        rate = self.attention_backward if backward else self.attention_forward
+        half = self.causal_half_tokens if causal else self.full_half_tokens
+        safe = np.where(tokens > 0, tokens, 1.0)
+        return rate * np.where(tokens > 0, safe / (safe + half), 1.0)
+
     def attention_seconds(
         self,
         flops: float,

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ray_zep.attention.schedule import position_layout, step_segments
 from ray_zep.config import Config, TopologyConfig, load_config
 from ray_zep.costmodel import ComputeRates, CostModel, linear_flops_per_token
 from ray_zep.data.synthetic import batch_lengths
@@ -416,3 +417,75 @@ def test_ideal_step_is_a_balanced_silent_steps_compute() -> None:
     # whole sequences of very different work: one rank carries most of the step
     skewed = np.asarray([5120, *([100] * 40)])
     assert simulate_batch(skewed, run).step_seconds > 3 * ideal_step_seconds(skewed, run)
+
+
+def _segment_seconds(builder, item, layouts, position: int, step: int) -> float:
+    """One step's compute costed segment by segment, as the engine cuts it."""
+    ring = item.ring_size
+    source = (position - step) % ring
+    segments = step_segments(layouts[position], layouts[source], step, source, position)
+    if not segments:
+        return 0.0
+    rates, backward = builder.setup.rates, builder.phase is Phase.BACKWARD
+    heads = SHAPE.n_heads // item.ulysses
+    per_pair = 4.0 * heads * SHAPE.head_dim * (2.5 if backward else 1.0)
+    seconds = rates.call_overhead_s + sum(q for _, q, _, _ in segments) * rates.ring_row_seconds
+    for _, q, _, k in segments:
+        if step == 0:
+            flops, length, causal = per_pair * q * (q + 1) / 2, q, True
+        else:
+            flops, length, causal = per_pair * q * k, (q * k) ** 0.5, False
+        seconds += rates.attention_seconds(flops, length, causal, backward, False, heads)
+    return seconds
+
+
+@pytest.mark.parametrize("placement", [Placement.ZEPPELIN, Placement.TE_CP, Placement.USP])
+@pytest.mark.parametrize("curves", [False, True], ids=["half_rate", "curves"])
+def test_ring_step_costs_of_a_whole_item_equal_its_segments_costs(placement, curves) -> None:
+    rates = dataclasses.replace(RATES, causal_half_tokens=40.0, full_half_tokens=15.0,
+                                ring_row_seconds=1e-8)  # fmt: skip
+    if curves:
+        points = ((4.0, 1e8), (64.0, 6e8), (512.0, 9e8))
+        kinds = ("forward_causal", "forward_full", "backward_full")
+        curves_of = tuple((kind, points) for kind in kinds)
+        rates = dataclasses.replace(rates, curve_heads=4, curves=curves_of)
+    lengths = batch_lengths("github", 4 * 300, seed=3) // 3 + 1
+    plan = make_plan(placement, lengths, _topology(2, 2), 400, SHAPE)
+    for phase in Phase:
+        builder = _Builder(_setup(plan, rates), phase)
+        for item in plan.items():
+            layouts = [position_layout(plan, item, r) for r in range(item.ring_size)]
+            for position in range(item.ring_size):
+                for step in range(item.ring_size):
+                    got = builder.step_seconds(item, layouts, position, step)
+                    want = _segment_seconds(builder, item, layouts, position, step)
+                    assert got == pytest.approx(want, rel=1e-9, abs=1e-15), (item, position, step)
+
+
+@pytest.mark.parametrize("speed", [1.0, 1e4], ids=["compute_bound", "transfer_bound"])
+@pytest.mark.parametrize("message_latency", [False, True], ids=["links", "measured_latency"])
+@pytest.mark.parametrize("nodes,gpus", [(1, 4), (2, 4), (4, 2)])
+def test_a_ring_played_on_arrays_takes_the_event_simulations_times(
+    monkeypatch, nodes, gpus, message_latency, speed
+) -> None:
+    """te_cp's global ring of equal chunks: `ring_form`'s recurrence gives every layer the
+    makespan the task graph gives, forward and backward (contention and the K/V and
+    dK/dV messages queueing on one link included)."""
+    from ray_zep.sim import ring_form
+
+    rates = dataclasses.replace(RATES, contention=1.3, full_half_tokens=20.0).scaled(speed, "")
+    world = nodes * gpus
+    plan = make_plan(Placement.TE_CP, [2 * world * n for n in (40, 7, 90, 13)],
+                     _topology(nodes, gpus), 400, SHAPE)  # fmt: skip
+    setup = _setup(plan, rates)
+    if message_latency:
+        cost = dataclasses.replace(setup.cost, message_latency=((0.0, 2e-5), (1e-3, 9e-5)))
+        setup = dataclasses.replace(setup, cost=cost)
+    spans = {}
+    for threshold in (10**6, 2):
+        monkeypatch.setattr(ring_form, "ARRAY_RING", threshold)
+        graphs = [layer_graph(setup, phase) for phase in Phase]
+        spans[threshold] = [simulate(g).makespan for g in graphs]
+        kinds = {t.name for g in graphs for t in g.tasks}
+        assert ("attention ring" in kinds) == (threshold == 2)
+    assert spans[2] == pytest.approx(spans[10**6], rel=1e-12)

@@ -116,16 +116,7 @@ class WorkModel:
     def rate(self, tokens: np.ndarray, causal: bool, backward: bool) -> np.ndarray:
         """`ComputeRates.attention_rate` over an array of block lengths."""
         tokens = np.maximum(np.asarray(tokens, dtype=np.float64), 1.0)
-        kind = f"{'backward' if backward else 'forward'}_{'causal' if causal else 'full'}"
-        curves = dict(self.rates.curves)
-        if kind in curves:
-            points = np.asarray(curves[kind], dtype=np.float64)
-            lengths, values = points[:, 0], points[:, 1]
-            return np.exp(np.interp(np.log(tokens), np.log(lengths), np.log(values)))
-        rates = self.rates
-        long_rate = rates.attention_backward if backward else rates.attention_forward
-        half = rates.causal_half_tokens if causal else rates.full_half_tokens
-        return long_rate * tokens / (tokens + half)
+        return self.rates.attention_rates(tokens, causal, backward)
 
     def _pair_seconds(self, pairs: np.ndarray, tokens: np.ndarray, causal: bool) -> np.ndarray:
         """Forward + backward seconds of `pairs` (query, key) pairs, one layer."""

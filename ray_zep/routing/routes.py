@@ -336,19 +336,29 @@ class RoutingPlan:
     topology: Topology
     forward: tuple[Transfer, ...]
     backward: tuple[Transfer, ...]
+    routed: bool = True
+    """Inter-node hops go through proxies (else direct)."""
 
     @classmethod
-    def build(cls, plan: AttentionPlan, routed: bool = True, all_hops: bool = False) -> RoutingPlan:
+    def build(
+        cls,
+        plan: AttentionPlan,
+        routed: bool = True,
+        all_hops: bool = False,
+        skip: Callable[[QueueItem], bool] | None = None,
+    ) -> RoutingPlan:
         """Routes for `plan`: through proxies (`routed`) or direct (for comparison);
-        `all_hops` adds the intra-node ring hops (direct) for byte accounting."""
+        `all_hops` adds the intra-node ring hops (direct) for byte accounting; items
+        for which `skip` is true are left out (their transfers: `item_transfers`)."""
         phases = {}
         for phase in Phase:
             phases[phase] = tuple(
                 t
                 for index, item in enumerate(plan.items())
+                if skip is None or not skip(item)
                 for t in item_transfers(plan, index, item, phase, routed, all_hops)
             )
-        return cls(plan.topology, phases[Phase.FORWARD], phases[Phase.BACKWARD])
+        return cls(plan.topology, phases[Phase.FORWARD], phases[Phase.BACKWARD], routed)
 
     def for_rank(self, rank: int) -> RankRouting:
         """The transfers `rank` sends, receives or relays (routed ones only)."""

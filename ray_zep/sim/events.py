@@ -121,6 +121,7 @@ class Timeline:
     graph: TaskGraph
     start: np.ndarray
     end: np.ndarray
+    _by_lane: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def makespan(self) -> float:
@@ -128,10 +129,15 @@ class Timeline:
 
     def intervals(self, rank: int, lane: Lane) -> list[tuple[float, float, str]]:
         """(start, end, name) of the rank's tasks on `lane`, by start time."""
+        if self._by_lane is None:  # one pass over the tasks for every (rank, lane)
+            self._by_lane = defaultdict(list)
+            for i, t in enumerate(self.graph.tasks):
+                if t.duration > 0:
+                    self._by_lane[(t.rank, t.lane)].append(i)
+        tasks = self.graph.tasks
         out = [
-            (float(self.start[i]), float(self.end[i]), t.name)
-            for i, t in enumerate(self.graph.tasks)
-            if t.rank == rank and t.lane is lane and t.duration > 0
+            (float(self.start[i]), float(self.end[i]), tasks[i].name)
+            for i in self._by_lane.get((rank, lane), ())
         ]
         return sorted(out)
 

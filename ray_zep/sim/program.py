@@ -43,7 +43,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ray_zep.attention.schedule import position_layout, step_segments
+import numpy as np
+
+from ray_zep.attention.schedule import position_layout
 from ray_zep.collectives.switcher import Kind, Profile
 from ray_zep.costmodel import (
     BACKWARD_ATTENTION_FACTOR,
@@ -58,8 +60,10 @@ from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES
 from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem
 from ray_zep.remap.solver import RemapPlan
-from ray_zep.routing.routes import Payload, Phase, RoutingPlan, Transfer
+from ray_zep.routing.routes import Payload, Phase, RoutingPlan, Transfer, item_transfers
 from ray_zep.sim.events import Lane, Task, TaskGraph
+from ray_zep.sim.ring_form import array_ring, hop_seconds, ring_backward, ring_forward
+from ray_zep.sim.step_costs import step_table
 from ray_zep.sim.wire import PLAIN, Stream, WireCodec
 from ray_zep.topology import LinkKind
 
@@ -124,6 +128,8 @@ class _Builder:
         self.node = [topo.node_of(r) for r in range(topo.world_size)]
         self.nic = [topo.nic_of(r) for r in range(topo.world_size)]
         self.profiles: dict[tuple, Profile] = {}
+        self.step_costs: dict[tuple, np.ndarray] = {}
+        self.sync_tasks: dict[int, int] = {}
         transfers = setup.routing.forward if phase is Phase.FORWARD else setup.routing.backward
         self.transfers: dict[tuple, list[Transfer]] = defaultdict(list)
         for t in transfers:
@@ -222,6 +228,7 @@ class _Builder:
             out.update(dict.fromkeys(group, task))
             if self.record:
                 self.recipes.append(("sync", task))
+        self.sync_tasks = out
         return out
 
     def ring_transfer(
@@ -306,14 +313,19 @@ class _Builder:
         blocks of its rows against the source's (their length: the geometric mean of
         the two sides), each call with the member's heads (H / U under Ulysses: a kernel
         whose rate follows its score tensor's size reads its curve at a shorter length,
-        `ComputeRates.curve_heads`).
+        `ComputeRates.curve_heads`). The segments are `attention.schedule.step_segments`'
+        (the engine's), costed for every position and step of the item at once.
         """
-        ring = item.ring_size
-        source = (position - step) % ring
-        segments = step_segments(layouts[position], layouts[source], step, source, position)
-        if not segments:
-            return 0.0
-        shape, rates = self.setup.shape, self.setup.rates
+        key = item.order_key()
+        if key not in self.step_costs:
+            self.step_costs[key] = self._step_table(item, layouts)
+        return float(self.step_costs[key][position, step])
+
+    def _step_table(self, item: QueueItem, layouts) -> np.ndarray:
+        """`step_seconds` of every (position, step) of the item (positions x steps)."""
+        early = np.asarray([[e for e, _ in lay] for lay in layouts], dtype=np.float64)
+        late = np.asarray([[n for _, n in lay] for lay in layouts], dtype=np.float64)
+        shape = self.setup.shape
         backward = self.phase is Phase.BACKWARD
         # whole-sequence placements call the kernel in the model: autograd differentiates it
         autograd = SEQUENCE_AXES[self.setup.plan.planner].whole_sequences
@@ -321,16 +333,7 @@ class _Builder:
         per_pair = 4.0 * heads * shape.head_dim
         if backward:
             per_pair *= BACKWARD_ATTENTION_FACTOR
-        seconds = rates.call_overhead_s
-        if not autograd:  # the engine's accumulators and copies around its kernel
-            seconds += sum(q for _, q, _, _ in segments) * rates.ring_row_seconds
-        for _, q, _, k in segments:
-            if step == 0:
-                flops, length, causal = per_pair * q * (q + 1) / 2, q, True
-            else:
-                flops, length, causal = per_pair * q * k, (q * k) ** 0.5, False
-            seconds += rates.attention_seconds(flops, length, causal, backward, autograd, heads)
-        return seconds
+        return step_table(early, late, self.setup.rates, per_pair, backward, autograd, heads)
 
     def kv_row_bytes(self, item: QueueItem, payload: Payload) -> int:
         shape = self.setup.shape
@@ -342,6 +345,8 @@ class _Builder:
         layouts = [position_layout(self.setup.plan, item, r) for r in range(item.ring_size)]
         if item.exchange is Exchange.ALL_GATHER and item.ring_size > 1:
             self.gathered_item(item, layouts)
+        elif self._plays_on_arrays(index, item):
+            self.ring_on_arrays(index, item, layouts)
         elif self.phase is Phase.FORWARD:
             self.ring_forward(index, item, layouts)
         else:
@@ -417,6 +422,58 @@ class _Builder:
                 self.point[rank] = self.graph.join(rank, [ready[rank], *kv[rank]])
         for rank in item.ranks:
             self.wait(rank, previous[rank])
+
+    def _plays_on_arrays(self, index: int, item: QueueItem) -> bool:
+        """Whether the ring's schedule is `ray_zep.sim.ring_form`'s (`array_ring`), sent
+        plain, in a graph built for one wire; else its transfers are made ready here
+        where `RoutingPlan.build` left them out."""
+        routed = self.setup.routing.routed
+        if array_ring(item, self.topology, routed):
+            if not self.record and not self.setup.codec.zips(CompressionStream.KV.value):
+                return True
+            if (index, 0, int(Payload.KV)) not in self.transfers:
+                plan = self.setup.plan
+                for t in item_transfers(plan, index, item, self.phase, routed, all_hops=True):
+                    self.transfers[t.order].append(t)
+        return False
+
+    def ring_on_arrays(self, index: int, item: QueueItem, layouts) -> None:
+        """The ring as one task per member lasting what `ring_form` works out, after every
+        member has reached it (and after the layer's weight collectives: the ring's
+        messages would queue behind them on the links)."""
+        ring = item.ring_size
+        compute = np.stack([self._step_table_of(item, layouts)[p] for p in range(ring)])
+        held = np.asarray([sum(e + n for e, n in lay) for lay in layouts], dtype=np.float64)
+        rows = held[(np.arange(ring)[:, None] - np.arange(ring)[None, :]) % ring]
+        kv = self._hop_seconds(item, rows, Payload.KV, compute)
+        following = np.concatenate([compute[:, 1:], np.zeros((ring, 1))], axis=1)
+        contention = self.setup.rates.contention
+        if self.phase is Phase.FORWARD:
+            ends = ring_forward(compute, kv, contention)
+        else:
+            dkv = self._hop_seconds(item, rows, Payload.DKV, following)
+            ends = ring_backward(compute, kv, dkv, contention)
+        deps = [self.point[r] for r in item.ranks] + [self.sync_tasks.get(r) for r in item.ranks]
+        start = self.graph.join(item.ranks[0], deps)
+        for rank, seconds in zip(item.ranks, ends.tolist(), strict=True):
+            task = self.graph.add("attention ring", rank, Lane.COMPUTE, seconds,
+                                  (("compute", rank),), [start])  # fmt: skip
+            self.wait(rank, [task])
+
+    def _step_table_of(self, item: QueueItem, layouts) -> np.ndarray:
+        self.step_seconds(item, layouts, 0, 0)  # fills the item's table
+        return self.step_costs[item.order_key()]
+
+    def _hop_seconds(self, item, rows, payload: Payload, compute) -> np.ndarray:
+        """Seconds of every member's message at every step (members x steps), as `send`
+        works them out for a direct ring hop in flight during `compute` of its two ends."""
+        ring = item.ring_size
+        nbytes = rows * self.kv_row_bytes(item, payload)
+        overlapped = np.maximum(compute, np.roll(compute, -1, axis=0))
+        ranks = item.ranks
+        inter = np.asarray([self.node[r] != self.node[ranks[(m + 1) % ring]]
+                            for m, r in enumerate(ranks)])  # fmt: skip
+        return hop_seconds(self.setup.cost, nbytes, inter, overlapped)
 
     def gathered_item(self, item: QueueItem, layouts) -> None:
         """All-gather K/V, compute every step; backward: compute, reduce-scatter dK/dV."""

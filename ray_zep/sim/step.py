@@ -60,7 +60,7 @@ from ray_zep.routing.routes import Phase, RoutingPlan
 from ray_zep.sim.events import CorePool, TaskGraph, Timeline, simulate
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.moe_block import BlockSpread, overhang_seconds
-from ray_zep.sim.program import FP32_BYTES, LayerSetup, layer_graphs
+from ray_zep.sim.program import FP32_BYTES, LayerSetup, array_ring, layer_graphs
 from ray_zep.sim.weight_passing import ShardWire, Workload
 from ray_zep.sim.weight_passing import simulate_step as weight_passing_step
 from ray_zep.sim.weights import WeightsCost, weights_cost
@@ -238,7 +238,8 @@ def simulate_plans(
                                     parallel.reshard_after_forward, host, codec)
                 for codec in dict.fromkeys(codecs)}  # fmt: skip
     weights = [by_codec[codec] for codec in codecs]
-    routing = RoutingPlan.build(plan, routed=routed, all_hops=True)
+    ring_on_arrays = partial(array_ring, topology=plan.topology, routed=routed)
+    routing = RoutingPlan.build(plan, routed=routed, all_hops=True, skip=ring_on_arrays)
     setup = LayerSetup(plan, shape, cost, hw.rates, routing, remap, base.element_bytes,
                        base.dkv_bytes, weights[0].layer_sync, weights[0].groups,
                        codecs[0])  # fmt: skip
