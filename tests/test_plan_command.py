@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 
 from ray_zep.cli import main
+from ray_zep.config import load_config
+from ray_zep.costmodel import linear_flops_per_token
+from ray_zep.model.shapes import build_shape
 from ray_zep.report.placement import ZONE_COLORS
 from tests.helpers.pictures import read_png
 
@@ -59,6 +62,13 @@ def test_plan_json_tiles_every_sequence(tmp_path: Path, capsys, strategy: str) -
             assert fragment["zone"] in ("local", "intra_node", "inter_node")
             covered[fragment["seq"]][fragment["start"] : fragment["end"]] += 1
     assert all((c == 1).all() for c in covered), "every token exactly once"
+    work = np.asarray([r["work_flops"] for r in record["ranks"]])
+    assert record["work_max_over_mean"] == pytest.approx(work.max() / work.mean())
+    shape = build_shape(load_config(None, [*CLUSTER, "model.preset=7b"]).model)
+    linear = sum(linear_flops_per_token(shape))
+    for rank in record["ranks"]:  # fwd + bwd (x 3) of every layer, linear and attention
+        want = 3 * shape.n_layers * (rank["tokens"] * linear + rank["attention_flops"])
+        assert rank["work_flops"] == pytest.approx(want)
 
 
 def test_plan_picture_shows_the_zones(tmp_path: Path, capsys) -> None:

@@ -29,8 +29,6 @@ so 4,096 ranks and thousands of sequences take milliseconds.
 
 from __future__ import annotations
 
-import bisect
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -227,35 +225,37 @@ class _NodeSlots:
     def __init__(self, nodes: int, gpus: int) -> None:
         self.gpus = gpus
         self.free = [list(range(n * gpus, (n + 1) * gpus)) for n in range(nodes)]
+        self.count = np.full(nodes, gpus, dtype=np.int64)
 
     def take(self, degree: int) -> tuple[int, ...]:
         full, rest = divmod(degree, self.gpus)
-        chosen: list[int] = []
-        empty = [n for n, free in enumerate(self.free) if len(free) == self.gpus]
-        if len(empty) >= full:
-            for node in empty[:full]:
-                chosen += self._pop(node, self.gpus)
-            rest_node = self._best_fit(rest) if rest else None
-            if rest == 0 or rest_node is not None:
-                if rest:
-                    chosen += self._pop(rest_node, rest)
-                return tuple(sorted(chosen))
-        # fragmented: the nodes with most free GPUs, as many as the ring needs
-        needed = degree - len(chosen)
-        for node in sorted(range(len(self.free)), key=lambda n: -len(self.free[n])):
-            if needed == 0:
-                break
-            got = self._pop(node, min(needed, len(self.free[node])))
-            chosen += got
-            needed -= len(got)
+        empty = np.flatnonzero(self.count == self.gpus)[:full].tolist()
+        rest_node = self._best_fit(rest, exclude=empty) if rest else None
+        if len(empty) < full or (rest and rest_node is None):
+            # fragmented: the nodes with most free GPUs, as many as the ring needs
+            chosen, needed = [], degree
+            for node in np.argsort(-self.count, kind="stable").tolist():
+                if needed == 0:
+                    break
+                got = self._pop(node, min(needed, int(self.count[node])))
+                chosen += got
+                needed -= len(got)
+            return tuple(sorted(chosen))
+        chosen = [r for node in empty for r in self._pop(node, self.gpus)]
+        if rest:
+            chosen += self._pop(rest_node, rest)
         return tuple(sorted(chosen))
 
-    def _best_fit(self, count: int) -> int | None:
-        fits = [(len(free), n) for n, free in enumerate(self.free) if len(free) >= count]
-        return min(fits)[1] if fits else None
+    def _best_fit(self, count: int, exclude: list[int]) -> int | None:
+        """The node with the fewest free GPUs that still has `count` (not in `exclude`)."""
+        counts = self.count.copy()
+        counts[exclude] = -1
+        fits = np.flatnonzero(counts >= count)
+        return int(fits[np.argmin(counts[fits])]) if fits.size else None
 
     def _pop(self, node: int, count: int) -> list[int]:
         taken, self.free[node] = self.free[node][:count], self.free[node][count:]
+        self.count[node] -= len(taken)
         return taken
 
 
@@ -282,48 +282,32 @@ def _fill_whole(
     """Best fit decreasing of whole sequences under `level`, token room permitting; one
     that fits under it nowhere becomes a small intra-node ring where that fits."""
     load, tokens = placed.load, placed.tokens
-    keys = sorted(zip(load.tolist(), range(len(load)), strict=True))
     for seq in order.tolist():
         n, w = int(lengths[seq]), float(work[seq])
-        index = _best_rank(keys, tokens, n, capacity, level - w)
-        under = index is not None and keys[index][0] + w <= level
+        rank, under = _best_rank(load, tokens, capacity - n, level - w)
         ring = None if under else _small_ring(placed, n, level, capacity, topology, model)
         if ring is not None:
-            ranks, member = ring
-            for rank in ranks:
-                keys.remove((float(load[rank]), rank))
-            _add_ring(placed, seq, n, ranks, member)
-            for rank in ranks:
-                bisect.insort(keys, (float(load[rank]), rank))
-            continue
-        if index is None:
-            ring = _spill(placed, n, w, capacity)
-            for rank in ring:
-                keys.remove((float(load[rank]), rank))
-            _add_spill(placed, seq, n, w, ring, capacity)
-            for rank in ring:
-                bisect.insort(keys, (float(load[rank]), rank))
-            continue
-        _, rank = keys.pop(index)
-        load[rank] += w
-        tokens[rank] += n
-        placed.local[seq] = rank
-        bisect.insort(keys, (float(load[rank]), rank))
+            _add_ring(placed, seq, n, *ring)
+        elif rank is None:
+            _add_spill(placed, seq, n, w, _spill(placed, n, w, capacity), capacity)
+        else:
+            load[rank] += w
+            tokens[rank] += n
+            placed.local[seq] = rank
 
 
-def _best_rank(keys: list, tokens: np.ndarray, n: int, capacity: int, room: float) -> int | None:
-    """Index in `keys` of the fullest rank with load <= room and token room for n, else
-    of the least loaded rank with token room, else None."""
-    room_left = capacity - n
-    i = bisect.bisect_right(keys, (room, math.inf)) - 1
-    while i >= 0:
-        if tokens[keys[i][1]] <= room_left:
-            return i
-        i -= 1
-    for j in range(max(0, bisect.bisect_right(keys, (room, math.inf))), len(keys)):
-        if tokens[keys[j][1]] <= room_left:
-            return j
-    return None
+def _best_rank(
+    load: np.ndarray, tokens: np.ndarray, most_tokens: int, room: float
+) -> tuple[int | None, bool]:
+    """(the fullest rank with load <= room and at most `most_tokens` tokens, True), else
+    (the least loaded rank with at most `most_tokens`, False), else (None, False)."""
+    fits = tokens <= most_tokens
+    under = fits & (load <= room)
+    if under.any():
+        return int(np.argmax(np.where(under, load, -np.inf))), True
+    if fits.any():
+        return int(np.argmin(np.where(fits, load, np.inf))), False
+    return None, False
 
 
 def _small_ring(

@@ -30,6 +30,7 @@ from ray_zep.costmodel import (
     BYTES_PER_ELEMENT,
     CostModel,
     kv_bytes_per_token,
+    linear_flops_per_token,
     q_bytes_per_token,
 )
 from ray_zep.model.shapes import ModelShape
@@ -57,6 +58,16 @@ class PlanStats:
     zones: list[dict[str, int]]
     seconds: np.ndarray
     collective_bytes: dict[LinkKind, np.ndarray]
+    work_flops: np.ndarray | None = None
+    """Per rank, a step's forward + backward FLOPs of every layer: linear modules on its
+    tokens plus its attention, each x 3 (what the planners balance, counted in FLOPs)."""
+
+    def work_imbalance(self) -> float:
+        """Max over mean of `work_flops` (1.0 is perfect balance)."""
+        if self.work_flops is None or not self.work_flops.size:
+            return 1.0
+        mean = float(self.work_flops.mean())
+        return float(self.work_flops.max()) / mean if mean > 0 else 1.0
 
     def imbalance(self) -> float:
         """Max over mean of attention FLOPs (1.0 is perfect balance)."""
@@ -102,7 +113,9 @@ def plan_stats(plan: AttentionPlan, shape: ModelShape) -> PlanStats:
         flops[list(item.ranks)] += member_flops
         exchange_bytes = _add_item_bytes(plan, item, placements, shape, sent, collective)
         seconds[list(item.ranks)] += _item_seconds(item, cost, max(member_flops), exchange_bytes)
-    return PlanStats(tokens, flops, sent, zones, seconds, collective)
+    before, after = linear_flops_per_token(shape)
+    work = 3.0 * shape.n_layers * (tokens * (before + after) + flops)
+    return PlanStats(tokens, flops, sent, zones, seconds, collective, work)
 
 
 def _item_seconds(item: QueueItem, cost: CostModel, flops: float, exchange: _Exchanged) -> float:

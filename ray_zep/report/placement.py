@@ -38,6 +38,7 @@ def plan_record(plan: AttentionPlan, stats: PlanStats) -> dict[str, Any]:
                 "node": plan.topology.node_of(rank),
                 "tokens": int(stats.tokens[rank]),
                 "attention_flops": float(stats.attention_flops[rank]),
+                "work_flops": float(stats.work_flops[rank]),
                 "modelled_ms": float(stats.seconds[rank] * 1e3),
                 "sent_bytes": {k.value: int(stats.sent_bytes[k][rank]) for k in LinkKind},
                 "fragments": [
@@ -54,6 +55,7 @@ def plan_record(plan: AttentionPlan, stats: PlanStats) -> dict[str, Any]:
         "gpus_per_node": plan.topology.gpus_per_node,
         "lengths": plan.lengths.tolist(),
         "modelled_layer_ms": stats.layer_seconds * 1e3,
+        "work_max_over_mean": stats.work_imbalance(),
         "ranks": ranks,
     }
 
@@ -86,8 +88,9 @@ def rank_table(plan: AttentionPlan, stats: PlanStats) -> str:
 def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
     return (
         f"{plan.planner.value}: {len(plan.placements)} sequences, {int(stats.tokens.sum())} tokens "
-        f"on {plan.world} ranks; planner {plan.planner_seconds * 1e3:.2f} ms; attention "
-        f"FLOPs max/mean {stats.imbalance():.2f}; max tokens/L "
+        f"on {plan.world} ranks; planner {plan.planner_seconds * 1e3:.2f} ms; work (linear + "
+        f"attention FLOPs) max/mean {stats.work_imbalance():.2f}, attention FLOPs max/mean "
+        f"{stats.imbalance():.2f}; max tokens/L "
         f"{stats.tokens.max() / plan.tokens_per_rank:.2f}; inter-node "
         f"{stats.total_bytes(LinkKind.INTER_NODE) / 1e9:.3f} GB, intra-node "
         f"{stats.total_bytes(LinkKind.INTRA_NODE) / 1e9:.3f} GB per layer forward; "
