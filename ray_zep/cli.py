@@ -132,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
     _optional_config_args(plan)
     plan.add_argument("--lengths", help="sequence lengths, e.g. 9000,300,64k (k = 1024)")
     plan.add_argument(
-        "--distribution", help="draw lengths from a Table 2 distribution: arxiv|github|prolong64k"
+        "--distribution",
+        help="draw lengths from a distribution: arxiv|github|prolong64k (Table 2) or chat",
     )
     plan.add_argument(
         "--tokens", help="batch tokens for --distribution, e.g. 256k (default: nodes x GPUs x L)"
@@ -163,7 +164,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("--batches", type=int, default=3, help="sampled batches (default 3)")
     simulate.add_argument(
-        "--distribution", help="draw batches from arxiv|github|prolong64k instead of the data"
+        "--distribution",
+        help="draw batches from arxiv|github|prolong64k|chat instead of the data",
     )
     simulate.add_argument("--tokens", help="batch tokens for --distribution (e.g. 256k)")
     simulate.add_argument("--headroom", type=float, default=1.25, help="L / tokens per rank")

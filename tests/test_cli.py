@@ -90,7 +90,7 @@ def test_console_script_reports_without_traceback(tmp_path: Path) -> None:
     assert done.stderr.strip().endswith(
         "'/nowhere/x.parquet' does not exist; give a Parquet "
         "file or folder, 'stdlib' or "
-        "'synthetic:<arxiv|github|prolong64k>'"
+        "'synthetic:<arxiv|github|prolong64k|chat>'"
     )
 
 

@@ -138,8 +138,9 @@ def test_stdlib_dataset_is_built_once_from_real_text(tmp_path: Path, monkeypatch
     assert lengths.max() > 50 * np.median(lengths), "stdlib lengths should be long-tailed"
 
 
-@pytest.mark.parametrize("name", ["arxiv", "github", "prolong64k"])
+@pytest.mark.parametrize("name", ["arxiv", "github", "prolong64k", "chat"])
 def test_synthetic_lengths_follow_table_2(name: str) -> None:
+    """Table 2's distributions, and the assumed chat mix in the same bins."""
     source = SyntheticSource(name, vocab_size=100, seed=1)
     lengths = np.array([source.length(i) for i in range(4000)])
     edges = np.array(BIN_EDGES_K) * TOKENS_PER_K

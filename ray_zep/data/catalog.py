@@ -18,7 +18,7 @@ def open_source(spec: str, vocab_size: int, seed: int, length_scale: float = 1.0
     """Open the source that `data.source` names and check it against the vocabulary.
 
     Args:
-        spec: `stdlib`, `synthetic:<arxiv|github|prolong64k>`, or a Parquet path.
+        spec: `stdlib`, `synthetic:<arxiv|github|prolong64k|chat>`, or a Parquet path.
         vocab_size: the model's vocabulary size; every token id must be below it.
         seed: seed of synthetic documents.
         length_scale: multiplier of synthetic lengths.

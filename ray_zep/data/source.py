@@ -106,7 +106,7 @@ def _parquet_files(path: Path) -> list[Path]:
     if not path.exists():
         raise DatasetNotFoundError(
             f"data.source={str(path)!r} does not exist; give a Parquet file or folder, "
-            "'stdlib' or 'synthetic:<arxiv|github|prolong64k>'"
+            "'stdlib' or 'synthetic:<arxiv|github|prolong64k|chat>'"
         )
     if path.is_file():
         return [path]

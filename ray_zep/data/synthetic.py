@@ -8,6 +8,11 @@ source is endless, needs no storage and replays exactly after a resume.
 
 The GitHub row of the table sums to 0.945 as printed; its shares are
 normalised to sum to 1 (ArXiv and ProLong64k sum to 1 already).
+
+`chat` is not from the paper: an assumed mix in the same bins, shaped like chat
+and instruction data with a long tail (mostly turns under 2k tokens, one document
+in a thousand past 128k), for judging placements where rare very long sequences
+sit among many short ones.
 """
 
 from __future__ import annotations
@@ -25,17 +30,24 @@ TABLE_2: dict[str, tuple[float, ...]] = {
     "prolong64k": (0.231, 0.042, 0.021, 0.012, 0.013, 0.008, 0.673, 0.0, 0.0),
 }
 
+MIXES: dict[str, tuple[float, ...]] = {
+    "chat": (0.62, 0.2, 0.1, 0.04, 0.02, 0.01, 0.006, 0.003, 0.001),
+}
+"""Assumed length mixes beside Table 2's (module docstring), in its bins."""
+DISTRIBUTIONS: dict[str, tuple[float, ...]] = TABLE_2 | MIXES
+"""Every length distribution a synthetic source or `--distribution` can name."""
+
 TOKENS_PER_K = 1024
 
 
 def bin_probabilities(name: str) -> np.ndarray:
-    """Normalised bin shares of a Table 2 dataset."""
-    if name not in TABLE_2:
+    """Normalised bin shares of a named distribution (`DISTRIBUTIONS`)."""
+    if name not in DISTRIBUTIONS:
         raise ConfigError(
             f"config key data.source='synthetic:{name}': choose synthetic:"
-            + " | synthetic:".join(TABLE_2)
+            + " | synthetic:".join(DISTRIBUTIONS)
         )
-    shares = np.asarray(TABLE_2[name], dtype=np.float64)
+    shares = np.asarray(DISTRIBUTIONS[name], dtype=np.float64)
     return shares / shares.sum()
 
 

@@ -48,6 +48,9 @@ BISECTIONS = 3
 """Halvings of the gap between the last infeasible and the first feasible level."""
 DEGREE_ROUNDS = 24
 """Rounds of the vectorised degree search (each grows unfinished degrees by 1/8)."""
+SMALL_RING_SHARE = 0.25
+"""A whole sequence that fits under the level nowhere becomes a small ring only when
+its work is at least this share of the level (a shorter one overshoots by little)."""
 MIN_GAIN = 0.03
 """A ring grows only while that lowers its member work by at least this share."""
 
@@ -285,7 +288,8 @@ def _fill_whole(
     for seq in order.tolist():
         n, w = int(lengths[seq]), float(work[seq])
         rank, under = _best_rank(load, tokens, capacity - n, level - w)
-        ring = None if under else _small_ring(placed, n, level, capacity, topology, model)
+        worth = not under and w >= SMALL_RING_SHARE * level
+        ring = _small_ring(placed, n, w, level, capacity, topology, model) if worth else None
         if ring is not None:
             _add_ring(placed, seq, n, *ring)
         elif rank is None:
@@ -311,18 +315,27 @@ def _best_rank(
 
 
 def _small_ring(
-    placed: Placed, n: int, level: float, capacity: int, topology: Topology, model: WorkModel
+    placed: Placed,
+    n: int,
+    work: float,
+    level: float,
+    capacity: int,
+    topology: Topology,
+    model: WorkModel,
 ) -> tuple[tuple[int, ...], float] | None:
     """The fewest GPUs of one node (2 .. G), in no ring yet, whose work room and token
     room take a ring over `n` tokens, and its member work; None where no node has them."""
     gpus = topology.gpus_per_node
+    degrees = np.arange(2, gpus + 1)
+    outside = ~placed.in_ring
+    if degrees.size == 0 or not outside.any():
+        return None
+    if placed.load[outside].min() + work / gpus > level:
+        return None  # no rank outside a ring has room for even a G-th of the work
+    member = _member_seconds(np.full(degrees.size, n), degrees, gpus, model)
     load = placed.load.reshape(topology.nodes, gpus)
     free = (capacity - placed.tokens).reshape(topology.nodes, gpus)
     in_ring = placed.in_ring.reshape(topology.nodes, gpus)
-    degrees = np.arange(2, gpus + 1)
-    if degrees.size == 0:
-        return None
-    member = _member_seconds(np.full(degrees.size, n), degrees, gpus, model)
     need = -(-n // degrees)
     # per node, its GPUs by load (least first), counting only those with token room
     for d, seconds, tokens in zip(degrees.tolist(), member.tolist(), need.tolist(), strict=True):

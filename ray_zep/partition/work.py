@@ -23,6 +23,7 @@ Shapes: S sequences, G ring groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -103,15 +104,17 @@ class WorkModel:
     def layers(self) -> int:
         return self.shape.n_layers
 
+    @cached_property
+    def _linear_per_token_s(self) -> float:
+        before, after = linear_flops_per_token(self.shape)
+        per_token = (1 + BACKWARD_LINEAR_FACTOR) * (before + after) * self.layers
+        elements = pointwise_elements_per_token(self.shape) * self.layers
+        return per_token / self.rates.matmul + self.rates.pointwise_seconds(elements)
+
     def linear_seconds(self, tokens: np.ndarray) -> np.ndarray:
         """Forward + backward of every layer's matmuls and element-wise work over
         `tokens` tokens."""
-        before, after = linear_flops_per_token(self.shape)
-        per_token = (1 + BACKWARD_LINEAR_FACTOR) * (before + after) * self.layers
-        seconds = per_token / self.rates.matmul
-        elements = pointwise_elements_per_token(self.shape) * self.layers
-        seconds += self.rates.pointwise_seconds(elements)
-        return np.asarray(tokens, dtype=np.float64) * seconds
+        return np.asarray(tokens, dtype=np.float64) * self._linear_per_token_s
 
     def rate(self, tokens: np.ndarray, causal: bool, backward: bool) -> np.ndarray:
         """`ComputeRates.attention_rate` over an array of block lengths."""
