@@ -245,6 +245,16 @@ def _parser() -> argparse.ArgumentParser:
     layers.add_argument("--repeats", type=int, default=20, help="timed solves per batch")
     layers.add_argument("--out", default="runs/bench/layers", help="JSON and PNG folder")
     layers.set_defaults(handler=_bench_layers)
+    scale = benches.add_parser("scale", help="placements from 64 to 4,096 GPUs, modelled")
+    scale.add_argument("--gpus", default="64,256,1024,4096", help="cluster sizes (8 per node)")
+    scale.add_argument("--distributions", help="default: arxiv,github,prolong64k,chat")
+    scale.add_argument("--models", default="7b,13b", help="model presets (default 7b,13b)")
+    scale.add_argument("--tokens", default="4k,16k", help="tokens per GPU on average")
+    scale.add_argument("--placements", help="default: " + ",".join(_scale_placements()))
+    scale.add_argument("--batches", type=int, default=1, help="sampled batches per case")
+    scale.add_argument("--headroom", type=float, default=1.25, help="L / tokens per GPU")
+    scale.add_argument("--out", default="runs/bench/scale", help="JSON and PNG folder")
+    scale.set_defaults(handler=_bench_scale)
     moe = benches.add_parser("moe", help="MoE block latency per FoldMoE schedule")
     moe.add_argument("--models", default="gpt_moe_s,gpt_moe_m,gpt_moe_l", help="MoE presets")
     moe.add_argument("--seq-lens", default="4k,8k,16k,32k", help="sequence lengths")
@@ -819,6 +829,35 @@ def _bench_layers(args: argparse.Namespace) -> int:
     print(bench.format_table(rows))
     _write_bench(args, config, spec, "layers", bench.row_dicts(rows))
     _wrote(bench.draw_layers_chart(rows, Path(args.out) / "layers.png"))
+    return 0
+
+
+def _scale_placements() -> tuple[str, ...]:
+    from ray_zep.bench.scale import PLACEMENTS
+
+    return PLACEMENTS
+
+
+def _bench_scale(args: argparse.Namespace) -> int:
+    from ray_zep.bench import scale as bench
+    from ray_zep.bench.output import write_json
+    from ray_zep.report.plan_command import parse_lengths
+
+    spec = bench.ScaleBenchSpec(
+        gpus=tuple(int(n) for n in parse_lengths(args.gpus, "--gpus")),
+        distributions=_names(args.distributions, bench.ScaleBenchSpec.distributions),
+        models=_names(args.models, ()),
+        tokens_per_gpu=tuple(int(t) for t in parse_lengths(args.tokens, "--tokens")),
+        placements=_names(args.placements, bench.PLACEMENTS),
+        batches=args.batches,
+        headroom=args.headroom,
+    )
+    rows = bench.run_scale_bench(spec, progress=lambda line: print(line, flush=True))
+    print(bench.format_table(rows))
+    command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ray-zep bench scale"
+    path = write_json(Path(args.out) / "scale.json", command, spec.__dict__, bench.row_dicts(rows))
+    print(f"wrote {path}")
+    _wrote(bench.draw_scale_chart(rows, Path(args.out) / "scale.png"))
     return 0
 
 

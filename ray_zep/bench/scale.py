@@ -1,0 +1,224 @@
+"""`ray-zep bench scale`: placements from 64 to 4,096 GPUs, modelled on the same batches.
+
+For every case (GPUs of cluster A, length distribution, model, tokens per GPU on
+average; L = that x headroom) and placement, on the same sampled batches:
+
+- work max/mean: the busiest rank's linear + attention FLOPs over the mean
+  (`PlanStats.work_imbalance`), averaged over the batches and the worst batch;
+- step / ideal: the simulated step (`ray_zep.sim`) over the batch's ideal step
+  (`ray_zep.sim.ideal`), and modelled tokens/s per GPU;
+- inter-node bytes per step (`traffic.attention_step_traffic`: every layer's ring,
+  collective and remap bytes), the planner's wall time (`plan_step`, as the data
+  actor runs it) and the fullest rank's modelled memory.
+
+`zeppelin` is the full system with `parallel.zone_policy=cost`, `zeppelin+work` with
+`work`; the others are `ray-zep simulate`'s variants. `megatron_hybrid_cp` runs in
+waves of CP groups with no single plan, so its plan columns are empty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ray_zep.config import Config, ZonePolicy, load_config
+from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
+from ray_zep.errors import ConfigError, ZepError
+from ray_zep.parallel.memory import GB
+from ray_zep.partition.stats import plan_stats
+from ray_zep.report.figures import save_figure
+from ray_zep.report.plan_command import plan_memory
+from ray_zep.sim.compare import VARIANTS, variant_config
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.ideal import ideal_step_seconds
+from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
+from ray_zep.sim.megatron_cp import simulate_hybrid_cp
+from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
+from ray_zep.topology import build_topology
+from ray_zep.traffic import attention_step_traffic
+
+WORK_POLICY = "zeppelin+work"
+PLACEMENTS = ("zeppelin", WORK_POLICY, "hybrid_dp", MEGATRON_HYBRID_CP)
+GPUS_PER_NODE = 8
+"""Cluster A's nodes (`topology.preset=cluster_a`)."""
+
+
+@dataclass(frozen=True)
+class ScaleBenchSpec:
+    """The grid of cases and the placements compared on each."""
+
+    gpus: tuple[int, ...] = (64, 256, 1024, 4096)
+    distributions: tuple[str, ...] = ("arxiv", "github", "prolong64k", "chat")
+    models: tuple[str, ...] = ("7b", "13b")
+    tokens_per_gpu: tuple[int, ...] = (4096, 16384)
+    placements: tuple[str, ...] = PLACEMENTS
+    batches: int = 1
+    headroom: float = 1.25
+
+    def __post_init__(self) -> None:
+        for g in self.gpus:
+            if g < GPUS_PER_NODE or g % GPUS_PER_NODE:
+                raise ConfigError(f"--gpus {g}: a multiple of {GPUS_PER_NODE} (cluster A nodes)")
+        for name in self.distributions:
+            if name not in DISTRIBUTIONS:
+                raise ConfigError(f"--distributions: {name!r} is not one of {tuple(DISTRIBUTIONS)}")
+        for name in self.placements:
+            if name != WORK_POLICY and name not in VARIANTS:
+                choices = (WORK_POLICY, *VARIANTS)
+                raise ConfigError(f"--placements: {name!r} is not one of {choices}")
+        if self.batches < 1 or self.headroom < 1.0:
+            raise ConfigError("--batches must be >= 1 and --headroom >= 1")
+
+
+@dataclass
+class ScaleRow:
+    """One placement on one case (None: not measured for this placement)."""
+
+    gpus: int
+    distribution: str
+    model: str
+    tokens_per_gpu: int
+    placement: str
+    step_s: float | None = None
+    step_over_ideal: float | None = None
+    tokens_per_s_per_gpu: float | None = None
+    work_mean: float | None = None
+    work_worst: float | None = None
+    inter_node_gb: float | None = None
+    planner_ms: float | None = None
+    peak_memory_gb: float | None = None
+    error: str | None = None
+
+
+def run_scale_bench(spec: ScaleBenchSpec, progress=print) -> list[ScaleRow]:
+    """Every case of `spec` x every placement (module docstring)."""
+    rows = []
+    for model in spec.models:
+        for tokens in spec.tokens_per_gpu:
+            for gpus in spec.gpus:
+                for distribution in spec.distributions:
+                    case = (gpus, distribution, model, tokens)
+                    started = time.perf_counter()
+                    rows += _case(spec, *case)
+                    progress(f"{gpus} GPUs {distribution} {model} {tokens // 1024}k/GPU: "
+                             f"{time.perf_counter() - started:.1f} s")  # fmt: skip
+    return rows
+
+
+def _case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, tokens: int):
+    capacity = math.ceil(tokens * spec.headroom)
+    config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={gpus // 8}",
+                                f"model.preset={model}", f"train.tokens_per_rank={capacity}",
+                                "parallel.weights=fsdp"])  # fmt: skip
+    hardware = Hardware.preset(build_topology(config.topology))
+    batches = [batch_lengths(distribution, tokens * gpus, seed) for seed in range(spec.batches)]
+    ideal = [ideal_step_seconds(b, RunModel.create(config, hardware)) for b in batches]
+    rows = []
+    for name in spec.placements:
+        row = ScaleRow(gpus, distribution, model, tokens, name)
+        try:
+            _measure(row, config, hardware, batches, ideal, capacity)
+        except ZepError as exc:
+            row.error = str(exc)
+        rows.append(row)
+    return rows
+
+
+def _measure(row, config: Config, hardware: Hardware, batches, ideal, capacity: int) -> None:
+    work_policy = row.placement == WORK_POLICY
+    variant = "zeppelin" if work_policy else row.placement
+    config = variant_config(config, variant, capacity)
+    if work_policy:
+        parallel = dataclasses.replace(config.parallel, zone_policy=ZonePolicy.WORK)
+        config = dataclasses.replace(config, parallel=parallel)
+    run = RunModel.create(config, hardware)
+    if VARIANTS[variant].te_wire:
+        run = run.with_te_wire()
+    steps, works, inter, planner, memory = [], [], [], [], []
+    for lengths in batches:
+        if VARIANTS[variant].hybrid_cp:
+            steps.append(simulate_hybrid_cp(lengths, run).step_seconds)
+            continue
+        started = time.perf_counter()
+        plan, remap = plan_batch(lengths, run)
+        planner.append(time.perf_counter() - started)
+        routed = config.parallel.routing
+        steps.append(simulate_plan(plan, run, routed, remap).step_seconds)
+        stats = plan_stats(plan, run.shape)
+        works.append(stats.work_imbalance())
+        inter.append(attention_step_traffic(plan, run.shape, routed, remap).inter_node)
+        held = plan_memory(config, hardware.topology, stats, run.shape)
+        memory.append(held.ranks[held.fullest].total)
+    tokens = sum(int(b.sum()) for b in batches)
+    row.step_s = float(np.mean(steps))
+    row.step_over_ideal = float(np.mean([s / i for s, i in zip(steps, ideal, strict=True)]))
+    row.tokens_per_s_per_gpu = tokens / sum(steps) / hardware.devices
+    if works:
+        row.work_mean, row.work_worst = float(np.mean(works)), float(max(works))
+        row.inter_node_gb = float(np.mean(inter)) / 1e9
+        row.planner_ms = float(np.mean(planner)) * 1e3
+        row.peak_memory_gb = float(max(memory)) / GB
+
+
+COLUMNS = (
+    ("work_mean", "work m/m", ".2f"),
+    ("work_worst", "worst", ".2f"),
+    ("step_over_ideal", "x ideal", ".2f"),
+    ("tokens_per_s_per_gpu", "tok/s/GPU", ".0f"),
+    ("inter_node_gb", "inter GB", ".1f"),
+    ("planner_ms", "plan ms", ".0f"),
+    ("peak_memory_gb", "mem GB", ".1f"),
+)
+
+
+def format_table(rows: list[ScaleRow]) -> str:
+    head = f"{'GPUs':>5} {'data':<10} {'model':<5} {'tok/GPU':>7} {'placement':<19}"
+    lines = [head + "".join(f"{label:>10}" for _, label, _ in COLUMNS)]
+    for r in rows:
+        line = (f"{r.gpus:>5} {r.distribution:<10} {r.model:<5} {r.tokens_per_gpu // 1024:>6}k "
+                f"{r.placement:<19}")  # fmt: skip
+        if r.error:
+            lines.append(f"{line}  cannot place: {r.error}")
+            continue
+        for field, _, fmt in COLUMNS:
+            value = getattr(r, field)
+            line += f"{'-' if value is None else format(value, fmt):>10}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def row_dicts(rows: list[ScaleRow]) -> list[dict[str, Any]]:
+    return [dataclasses.asdict(r) for r in rows]
+
+
+def draw_scale_chart(rows: list[ScaleRow], path: str | Path) -> Path | None:
+    """Tokens/s per GPU against GPUs, one panel per (model, tokens per GPU, distribution),
+    one line per placement. None when matplotlib is not installed."""
+    panels = list(dict.fromkeys((r.model, r.tokens_per_gpu, r.distribution) for r in rows))
+    cols = min(4, len(panels))
+    grid = math.ceil(len(panels) / cols)
+
+    def draw(figure: Any, axes: Any) -> None:
+        figure.suptitle("modelled tokens/s per GPU (cluster A)")
+        for ax, (model, tokens, distribution) in zip(axes.flat, panels, strict=False):
+            mine = [r for r in rows if (r.model, r.tokens_per_gpu, r.distribution)
+                    == (model, tokens, distribution) and r.tokens_per_s_per_gpu]  # fmt: skip
+            for placement in dict.fromkeys(r.placement for r in mine):
+                line = sorted((r.gpus, r.tokens_per_s_per_gpu) for r in mine
+                              if r.placement == placement)  # fmt: skip
+                ax.plot(*zip(*line, strict=True), marker="o", label=placement)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{model}, {tokens // 1024}k/GPU, {distribution}", fontsize=9)
+            ax.set_xlabel("GPUs")
+            ax.set_ylabel("tokens/s per GPU")
+        axes.flat[0].legend(fontsize=7)
+        for ax in list(axes.flat)[len(panels) :]:
+            ax.set_visible(False)
+
+    return save_figure(path, draw, size=(3.6 * cols, 3.0 * grid), rows=grid, cols=cols)
