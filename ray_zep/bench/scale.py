@@ -30,6 +30,7 @@ import numpy as np
 from ray_zep.config import Config, ZonePolicy, load_config
 from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
+from ray_zep.parallel.axes import Placement
 from ray_zep.parallel.memory import GB
 from ray_zep.partition.stats import plan_stats
 from ray_zep.report.figures import save_figure
@@ -43,8 +44,8 @@ from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
 from ray_zep.topology import build_topology
 from ray_zep.traffic import attention_step_traffic
 
-WORK_POLICY = "zeppelin+work"
-PLACEMENTS = ("zeppelin", WORK_POLICY, "hybrid_dp", MEGATRON_HYBRID_CP)
+WORK_POLICY = f"{Placement.ZEPPELIN.value}+work"
+PLACEMENTS = (Placement.ZEPPELIN.value, WORK_POLICY, Placement.HYBRID_DP.value, MEGATRON_HYBRID_CP)
 GPUS_PER_NODE = 8
 """Cluster A's nodes (`topology.preset=cluster_a`)."""
 
@@ -132,7 +133,7 @@ def _case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, tokens
 
 def _measure(row, config: Config, hardware: Hardware, batches, ideal, capacity: int) -> None:
     work_policy = row.placement == WORK_POLICY
-    variant = "zeppelin" if work_policy else row.placement
+    variant = Placement.ZEPPELIN.value if work_policy else row.placement
     config = variant_config(config, variant, capacity)
     if work_policy:
         parallel = dataclasses.replace(config.parallel, zone_policy=ZonePolicy.WORK)
