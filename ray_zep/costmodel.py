@@ -190,6 +190,17 @@ class ComputeRates:
         half = self.causal_half_tokens if causal else self.full_half_tokens
         return tokens / (tokens + half) if tokens > 0 else 1.0
 
+    def rate_curve(
+        self, causal: bool, backward: bool, autograd: bool = False, heads: int = 0
+    ) -> tuple[tuple[tuple[float, float], ...] | None, float]:
+        """(the measured curve a block's rate is read from, None for the half-rate form;
+        the factor its length is read at: `curve_heads`), see `attention_rate`."""
+        kind = f"{'backward' if backward else 'forward'}_{'causal' if causal else 'full'}"
+        kinds = ("backward_autograd", kind) if autograd and backward and causal else (kind,)
+        curves = dict(self.curves)
+        scale = math.sqrt(heads / self.curve_heads) if self.curve_heads and heads else 1.0
+        return next((curves[name] for name in kinds if name in curves), None), scale
+
     def attention_rate(
         self,
         tokens: float,
@@ -202,14 +213,10 @@ class ComputeRates:
         `autograd`: local attention differentiated by autograd, not by the engine;
         `heads`: query heads of the call (0: as many as the curves were measured with,
         see `curve_heads`)."""
-        kind = f"{'backward' if backward else 'forward'}_{'causal' if causal else 'full'}"
-        kinds = ("backward_autograd", kind) if autograd and backward and causal else (kind,)
-        curves = dict(self.curves)
-        if self.curve_heads and heads:
-            tokens *= math.sqrt(heads / self.curve_heads)
-        for name in kinds:
-            if name in curves:
-                return _interpolate(curves[name], tokens)
+        curve, scale = self.rate_curve(causal, backward, autograd, heads)
+        tokens *= scale
+        if curve is not None:
+            return _interpolate(curve, tokens)
         rate = self.attention_backward if backward else self.attention_forward
         return rate * self.attention_efficiency(tokens, causal)
 
@@ -222,17 +229,12 @@ class ComputeRates:
         heads: int = 0,
     ) -> np.ndarray:
         """`attention_rate` of every block length in `tokens` (an array), at once."""
-        tokens = np.asarray(tokens, dtype=np.float64)
-        kind = f"{'backward' if backward else 'forward'}_{'causal' if causal else 'full'}"
-        kinds = ("backward_autograd", kind) if autograd and backward and causal else (kind,)
-        curves = dict(self.curves)
-        if self.curve_heads and heads:
-            tokens = tokens * math.sqrt(heads / self.curve_heads)
-        for name in kinds:
-            if name in curves:
-                points = np.asarray(curves[name], dtype=np.float64)
-                logs = np.log(np.maximum(tokens, 1e-30))
-                return np.exp(np.interp(logs, np.log(points[:, 0]), np.log(points[:, 1])))
+        curve, scale = self.rate_curve(causal, backward, autograd, heads)
+        tokens = np.asarray(tokens, dtype=np.float64) * scale
+        if curve is not None:
+            points = np.asarray(curve, dtype=np.float64)
+            logs = np.log(np.maximum(tokens, 1e-30))
+            return np.exp(np.interp(logs, np.log(points[:, 0]), np.log(points[:, 1])))
         rate = self.attention_backward if backward else self.attention_forward
         half = self.causal_half_tokens if causal else self.full_half_tokens
         safe = np.where(tokens > 0, tokens, 1.0)

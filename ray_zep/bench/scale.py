@@ -119,7 +119,8 @@ def _case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, tokens
                                 "parallel.weights=fsdp"])  # fmt: skip
     hardware = Hardware.preset(build_topology(config.topology))
     batches = [batch_lengths(distribution, tokens * gpus, seed) for seed in range(spec.batches)]
-    ideal = [ideal_step_seconds(b, RunModel.create(config, hardware)) for b in batches]
+    run = RunModel.create(config, hardware)
+    ideal = [ideal_step_seconds(b, run) for b in batches]
     rows = []
     for name in spec.placements:
         row = ScaleRow(gpus, distribution, model, tokens, name)

@@ -15,16 +15,17 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    by node: intra-node rings send nothing over NICs, inter-node ones cross each
    node boundary once.
 3. Whole sequences, most work first, go to the rank whose work leaves the least
-   room under lam among those with token room (best fit decreasing), else to the
-   least loaded rank with room. One that fits no rank's token room becomes a ring
-   over the GPUs of the node with most room.
+   room under lam among those with token room (best fit decreasing). One that fits
+   under lam nowhere becomes a small ring inside a node where its work is worth one
+   (`SMALL_RING_SHARE`), else goes to the least loaded rank with token room; one
+   that no rank has token room for fills the free tokens of the ranks with most.
 
 Levels rise from the mean until the rings fit the world; the level whose busiest
 rank is lowest wins. Where they fit at no level, the rings shrink in proportion
 until they do (and then may share nodes); where even their fewest ranks by tokens
 exceed the world, `balance` raises PlacementError and the caller places the batch
-with capacity-aware, unequal splits. The search works on arrays and a sorted list of rank loads,
-so 4,096 ranks and thousands of sequences take milliseconds.
+with capacity-aware, unequal splits. Each level is placed on arrays of rank loads,
+so 4,096 ranks and thousands of sequences take milliseconds to a few hundred.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import numpy as np
 
 from ray_zep.errors import PlacementError
 from ray_zep.partition.fill import water_fill
-from ray_zep.partition.plan import SeqPlacement, bounds_for_counts
+from ray_zep.partition.plan import SeqPlacement, bounds_for_counts, local_placement
 from ray_zep.partition.work import WorkModel
 from ray_zep.topology import LinkKind, Topology
 
@@ -59,21 +60,25 @@ MIN_GAIN = 0.03
 class Placed:
     """One level's placement: every sequence's ranks and member token counts."""
 
-    level: float
+    load: np.ndarray
+    """Modelled work of every rank, seconds."""
+    tokens: np.ndarray
+    in_ring: np.ndarray
+    """Ranks already in a ring: a rank joins at most one, so that every ring starts
+    at once on all its members (the engine runs a rank's rings one after another,
+    and a second ring would wait for the members' first ones)."""
     groups: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     """Ring sequences: seq -> (ranks ascending, tokens of each)."""
     local: dict[int, int] = field(default_factory=dict)
     """Whole sequences: seq -> rank."""
-    load: np.ndarray | None = None
-    tokens: np.ndarray | None = None
-    in_ring: np.ndarray | None = None
-    """Ranks already in a ring: a rank joins at most one, so that every ring starts
-    at once on all its members (the engine runs a rank's rings one after another,
-    and a second ring would wait for the members' first ones)."""
+
+    @classmethod
+    def empty(cls, world: int) -> Placed:
+        return cls(np.zeros(world), np.zeros(world, dtype=np.int64), np.zeros(world, dtype=bool))
 
     @property
     def busiest(self) -> float:
-        return float(self.load.max()) if self.load is not None and self.load.size else 0.0
+        return float(self.load.max())
 
 
 def balance(
@@ -157,17 +162,14 @@ def _place_at(
             return None
         degrees = _shrink(degrees, np.maximum(2, -(-lengths[seqs] // capacity)), world)
         member = _member_seconds(lengths[seqs], degrees, gpus, model)
-    placed = Placed(level, load=np.zeros(world), tokens=np.zeros(world, dtype=np.int64),
-                    in_ring=np.zeros(world, dtype=bool))  # fmt: skip
-    order = np.argsort(-degrees, kind="stable")
+    placed = Placed.empty(world)
     slots = _NodeSlots(topology.nodes, gpus)
-    for i in order.tolist():
-        seq, d = int(seqs[i]), int(degrees[i])
-        n = int(lengths[seq])
-        ranks = slots.take(min(d, world))
-        if len(ranks) < min(d, world) or not ranks:
+    for i in np.argsort(-degrees, kind="stable").tolist():
+        seq, d = int(seqs[i]), int(degrees[i])  # d <= world: `_degrees`, `_shrink`
+        ranks = slots.take(d)
+        if len(ranks) < d:
             return None  # fragmented past what the rings need
-        _add_ring(placed, seq, n, ranks, float(member[i]))
+        _add_ring(placed, seq, int(lengths[seq]), ranks, float(member[i]))
     wholes = np.flatnonzero(~split)
     _fill_whole(placed, wholes[np.argsort(-work[wholes], kind="stable")], lengths, work,
                 level, capacity, topology, model)  # fmt: skip
@@ -293,7 +295,7 @@ def _fill_whole(
         if ring is not None:
             _add_ring(placed, seq, n, *ring)
         elif rank is None:
-            _add_spill(placed, seq, n, w, _spill(placed, n, w, capacity), capacity)
+            _add_spill(placed, seq, n, w, _spill(placed, n, capacity), capacity)
         else:
             load[rank] += w
             tokens[rank] += n
@@ -349,7 +351,7 @@ def _small_ring(
     return None
 
 
-def _spill(placed: Placed, n: int, w: float, capacity: int) -> tuple[int, ...]:
+def _spill(placed: Placed, n: int, capacity: int) -> tuple[int, ...]:
     """Ranks with most free tokens, as many as hold `n` (no rank has room for it whole)."""
     free = capacity - placed.tokens
     order = np.argsort(-free, kind="stable")
@@ -376,7 +378,7 @@ def _placements(lengths: np.ndarray, placed: Placed) -> list[SeqPlacement]:
     for seq, n in enumerate(lengths.tolist()):
         rank = placed.local.get(seq)
         if rank is not None:
-            out.append(SeqPlacement(seq, n, (rank,), (0, n // 2, n)))
+            out.append(local_placement(seq, n, rank))
             continue
         ranks, counts = placed.groups[seq]
         out.append(SeqPlacement(seq, n, ranks, bounds_for_counts(list(counts))))

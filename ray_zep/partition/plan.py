@@ -179,6 +179,16 @@ class QueueItem:
     def order_key(self) -> tuple:
         return (ZONE_ORDER.index(self.zone), self.ranks, self.ulysses, self.exchange.value)
 
+    def hops(self) -> list[tuple[int, int, int]]:
+        """(position, sender, receiver) of every ring hop: member u of position p sends
+        to member u of position p + 1, position-major."""
+        ring, u_size, ranks = self.ring_size, self.ulysses, self.ranks
+        return [
+            (p, ranks[p * u_size + u], ranks[((p + 1) % ring) * u_size + u])
+            for p in range(ring)
+            for u in range(u_size)
+        ]
+
 
 @dataclass
 class AttentionPlan:
@@ -243,6 +253,11 @@ class AttentionPlan:
             ]
             self._items = sorted(items, key=QueueItem.order_key)
         return self._items
+
+    def position_tokens(self, item: QueueItem) -> list[int]:
+        """Tokens each ring position of `item` holds, its sequences together."""
+        placements = [self.placement(s) for s in item.seqs]
+        return [sum(p.position_tokens(r) for p in placements) for r in range(item.ring_size)]
 
     def rank_items(self, rank: int) -> list[QueueItem]:
         return [item for item in self.items() if rank in item.ranks]

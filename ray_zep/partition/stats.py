@@ -58,21 +58,17 @@ class PlanStats:
     zones: list[dict[str, int]]
     seconds: np.ndarray
     collective_bytes: dict[LinkKind, np.ndarray]
-    work_flops: np.ndarray | None = None
+    work_flops: np.ndarray
     """Per rank, a step's forward + backward FLOPs of every layer: linear modules on its
     tokens plus its attention, each x 3 (what the planners balance, counted in FLOPs)."""
 
     def work_imbalance(self) -> float:
         """Max over mean of `work_flops` (1.0 is perfect balance)."""
-        if self.work_flops is None or not self.work_flops.size:
-            return 1.0
-        mean = float(self.work_flops.mean())
-        return float(self.work_flops.max()) / mean if mean > 0 else 1.0
+        return _max_over_mean(self.work_flops)
 
     def imbalance(self) -> float:
         """Max over mean of attention FLOPs (1.0 is perfect balance)."""
-        mean = float(self.attention_flops.mean())
-        return float(self.attention_flops.max()) / mean if mean > 0 else 1.0
+        return _max_over_mean(self.attention_flops)
 
     def total_bytes(self, kind: LinkKind) -> int:
         return int(self.sent_bytes[kind].sum())
@@ -81,6 +77,11 @@ class PlanStats:
     def layer_seconds(self) -> float:
         """Modelled forward attention time of one layer: the slowest rank."""
         return float(self.seconds.max()) if self.seconds.size else 0.0
+
+
+def _max_over_mean(values: np.ndarray) -> float:
+    mean = float(values.mean())
+    return float(values.max()) / mean if mean > 0 else 1.0
 
 
 def visible_pairs(start: int, end: int) -> int:
@@ -160,7 +161,7 @@ def _add_item_bytes(
 ) -> _Exchanged:
     topo = plan.topology
     u_size, ring = item.ulysses, item.ring_size
-    position_tokens = [sum(p.position_tokens(r) for p in placements) for r in range(ring)]
+    position_tokens = plan.position_tokens(item)
     kv_token = (
         kv_bytes_per_token(shape) // u_size
         if u_size <= shape.n_kv_heads

@@ -258,23 +258,15 @@ def item_transfers(
     ring, u_size, topo = item.ring_size, item.ulysses, plan.topology
     if ring < 2 or item.exchange is not Exchange.RING:
         return []
-    placements = [plan.placement(s) for s in item.seqs]
-    position_tokens = [sum(p.position_tokens(r) for p in placements) for r in range(ring)]
+    position_tokens = plan.position_tokens(item)
     payloads = [Payload.KV] if phase is Phase.FORWARD else [Payload.KV, Payload.DKV]
     crossing = _crossing_hops(item, topo)
     # a hop keeps its proxies at every step; only the rows it carries change
-    hops = []
-    for position in range(ring):
-        for part in range(u_size):
-            src = item.ranks[position * u_size + part]
-            dst = item.ranks[((position + 1) % ring) * u_size + part]
-            crosses = topo.node_of(src) != topo.node_of(dst)
-            if not crosses and not all_hops:
-                continue
-            route = _direct(topo, src, dst, 0)
-            if routed and crosses:
-                route = _shared_route(topo, src, dst, 0, crossing)
-            hops.append((position, route))
+    hops = [
+        (position, _hop_route(topo, src, dst, routed, crossing))
+        for position, src, dst in item.hops()
+        if all_hops or topo.node_of(src) != topo.node_of(dst)
+    ]
     key = (item.ranks, u_size)
     out = []
     for step in range(ring):
@@ -290,13 +282,15 @@ def item_transfers(
 
 def _crossing_hops(item: QueueItem, topo: Topology) -> list[tuple[int, int]]:
     """(source, destination) of the item's ring hops between nodes."""
-    ring, u_size = item.ring_size, item.ulysses
-    hops = [
-        (item.ranks[p * u_size + u], item.ranks[((p + 1) % ring) * u_size + u])
-        for p in range(ring)
-        for u in range(u_size)
-    ]
-    return [(a, b) for a, b in hops if topo.node_of(a) != topo.node_of(b)]
+    return [(a, b) for _, a, b in item.hops() if topo.node_of(a) != topo.node_of(b)]
+
+
+def _hop_route(topo: Topology, src: int, dst: int, routed: bool, crossing) -> Route:
+    """The route (of no rows yet) a ring hop takes at every step: through proxies when
+    `routed` and it crosses nodes, else direct."""
+    if routed and topo.node_of(src) != topo.node_of(dst):
+        return _shared_route(topo, src, dst, 0, crossing)
+    return _direct(topo, src, dst, 0)
 
 
 @dataclass(frozen=True)
@@ -423,32 +417,25 @@ def ring_link_bytes_by_payload(
         ring, u_size = item.ring_size, item.ulysses
         if ring < 2 or item.exchange is not Exchange.RING:
             continue
-        placements = [plan.placement(s) for s in item.seqs]
-        held = np.asarray(
-            [sum(p.position_tokens(r) for p in placements) for r in range(ring)], dtype=np.int64
-        )
+        held = np.asarray(plan.position_tokens(item), dtype=np.int64)
         crossing = _crossing_hops(item, topo)
         # a hop from position p carries position (p - s)'s rows at step s; K/V is not
         # sent on at the last step and goes round twice (forward, backward), dK/dV once
         sizes = {p: row_bytes(p, u_size) * (2 if p is Payload.KV else 1) for p in Payload}
-        for position in range(ring):
+        for position, src, dst in item.hops():
             rows = held[(position - np.arange(ring)) % ring]
             carried = {Payload.KV: rows[:-1], Payload.DKV: rows}
-            for part in range(u_size):
-                src = item.ranks[position * u_size + part]
-                dst = item.ranks[((position + 1) % ring) * u_size + part]
-                route = None
-                for payload, steps in carried.items():
-                    size = sizes[payload]
-                    if size == 0:
-                        continue
-                    if topo.node_of(src) == topo.node_of(dst):
-                        intra[payload] += int(steps.sum()) * size
-                    elif not routed:
-                        nic[payload][topo.node_of(src), topo.nic_of(src)] += int(steps.sum()) * size
-                    else:
-                        route = route or _shared_route(topo, src, dst, 0, crossing)
-                        intra[payload] += routed_hop_bytes(route, steps, size, nic[payload], topo)
+            route = _hop_route(topo, src, dst, routed, crossing)
+            for payload, steps in carried.items():
+                size = sizes[payload]
+                if size == 0:
+                    continue
+                if route.direct and topo.node_of(src) == topo.node_of(dst):
+                    intra[payload] += int(steps.sum()) * size
+                elif route.direct:
+                    nic[payload][topo.node_of(src), topo.nic_of(src)] += int(steps.sum()) * size
+                else:
+                    intra[payload] += routed_hop_bytes(route, steps, size, nic[payload], topo)
     return {p: (intra[p], nic[p]) for p in Payload}
 
 

@@ -316,13 +316,17 @@ class _Builder:
         `ComputeRates.curve_heads`). The segments are `attention.schedule.step_segments`'
         (the engine's), costed for every position and step of the item at once.
         """
-        key = item.order_key()
-        if key not in self.step_costs:
-            self.step_costs[key] = self._step_table(item, layouts)
-        return float(self.step_costs[key][position, step])
+        return float(self._step_table(item, layouts)[position, step])
 
     def _step_table(self, item: QueueItem, layouts) -> np.ndarray:
-        """`step_seconds` of every (position, step) of the item (positions x steps)."""
+        """`step_seconds` of every (position, step) of the item (positions x steps),
+        worked out once per item."""
+        key = item.order_key()
+        if key not in self.step_costs:
+            self.step_costs[key] = self._new_step_table(item, layouts)
+        return self.step_costs[key]
+
+    def _new_step_table(self, item: QueueItem, layouts) -> np.ndarray:
         early = np.asarray([[e for e, _ in lay] for lay in layouts], dtype=np.float64)
         late = np.asarray([[n for _, n in lay] for lay in layouts], dtype=np.float64)
         shape = self.setup.shape
@@ -442,7 +446,7 @@ class _Builder:
         member has reached it (and after the layer's weight collectives: the ring's
         messages would queue behind them on the links)."""
         ring = item.ring_size
-        compute = np.stack([self._step_table_of(item, layouts)[p] for p in range(ring)])
+        compute = self._step_table(item, layouts)  # members are positions: no Ulysses
         held = np.asarray([sum(e + n for e, n in lay) for lay in layouts], dtype=np.float64)
         rows = held[(np.arange(ring)[:, None] - np.arange(ring)[None, :]) % ring]
         kv = self._hop_seconds(item, rows, Payload.KV, compute)
@@ -459,10 +463,6 @@ class _Builder:
             task = self.graph.add("attention ring", rank, Lane.COMPUTE, seconds,
                                   (("compute", rank),), [start])  # fmt: skip
             self.wait(rank, [task])
-
-    def _step_table_of(self, item: QueueItem, layouts) -> np.ndarray:
-        self.step_seconds(item, layouts, 0, 0)  # fills the item's table
-        return self.step_costs[item.order_key()]
 
     def _hop_seconds(self, item, rows, payload: Payload, compute) -> np.ndarray:
         """Seconds of every member's message at every step (members x steps), as `send`

@@ -93,14 +93,14 @@ def ring_forward(compute_RS: np.ndarray, kv_RS: np.ndarray, contention: float) -
     ring, steps = compute_RS.shape
     point = np.zeros(ring)
     for step in range(steps):
-        ends = [point + _contended(compute_RS[:, step], 0.0, contention)]
+        messages, moving = [], 0.0
         if step < steps - 1:
             start = np.maximum(point, np.roll(point, -1))  # both ends posted it
             sent = start + kv_RS[:, step]
+            messages = [sent, np.roll(sent, 1)]  # sent to r + 1, received from r - 1
             moving = kv_RS[:, step] + np.roll(kv_RS[:, step], 1)
-            ends = [point + _contended(compute_RS[:, step], moving, contention), sent]
-            ends.append(np.roll(sent, 1))  # received from r - 1
-        point = np.maximum.reduce([point, *ends])
+        computed = point + _contended(compute_RS[:, step], moving, contention)
+        point = np.maximum.reduce([point, computed, *messages])
     return point
 
 

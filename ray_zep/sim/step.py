@@ -60,7 +60,8 @@ from ray_zep.routing.routes import Phase, RoutingPlan
 from ray_zep.sim.events import CorePool, TaskGraph, Timeline, simulate
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.moe_block import BlockSpread, overhang_seconds
-from ray_zep.sim.program import FP32_BYTES, LayerSetup, array_ring, layer_graphs
+from ray_zep.sim.program import FP32_BYTES, LayerSetup, layer_graphs
+from ray_zep.sim.ring_form import array_ring
 from ray_zep.sim.weight_passing import ShardWire, Workload
 from ray_zep.sim.weight_passing import simulate_step as weight_passing_step
 from ray_zep.sim.weights import WeightsCost, weights_cost

@@ -45,8 +45,8 @@ def step_table(
     """
     ring = early_RS.shape[0]
     args = (rates, per_pair, backward, autograd, heads)
-    kind = f"{'backward' if backward else 'forward'}_full"
-    if kind in dict(rates.curves) or (rates.curve_heads and heads):
+    curve, scale = rates.rate_curve(False, backward, autograd, heads)
+    if curve is not None or scale != 1.0:
         return np.stack([_step(early_RS, late_RS, s, *args) for s in range(ring)], axis=1)
     by_source = _by_source(early_RS, late_RS, *args)
     positions = np.arange(ring)
