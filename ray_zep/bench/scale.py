@@ -12,8 +12,10 @@ average; L = that x headroom) and placement, on the same sampled batches:
   actor runs it) and the fullest rank's modelled memory.
 
 `zeppelin` is the full system with `parallel.zone_policy=cost`, `zeppelin+work` with
-`work`; the others are `ray-zep simulate`'s variants. `megatron_hybrid_cp` runs in
-waves of CP groups with no single plan, so its plan columns are empty.
+`work`; the others are `ray-zep simulate`'s variants. `bytescale_hdp` runs several
+micro-batches per rank: its work sums them per rank, its bytes sum its rounds, its
+memory is its fullest round's, and its planner time is its schedule's.
+`megatron_hybrid_cp` runs in waves of CP groups, so its plan columns are empty.
 """
 
 from __future__ import annotations
@@ -32,20 +34,27 @@ from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
 from ray_zep.parallel.axes import Placement
 from ray_zep.parallel.memory import GB
-from ray_zep.partition.stats import plan_stats
+from ray_zep.partition.stats import max_over_mean, plan_stats
 from ray_zep.report.figures import save_figure
 from ray_zep.report.plan_command import plan_memory
-from ray_zep.sim.compare import VARIANTS, variant_config
+from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
+from ray_zep.sim.bytescale import bytescale_plans, simulate_schedule
+from ray_zep.sim.compare import VARIANTS, step_function, variant_config
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
-from ray_zep.sim.megatron_cp import simulate_hybrid_cp
 from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
 from ray_zep.topology import build_topology
 from ray_zep.traffic import attention_step_traffic
 
 WORK_POLICY = f"{Placement.ZEPPELIN.value}+work"
-PLACEMENTS = (Placement.ZEPPELIN.value, WORK_POLICY, Placement.HYBRID_DP.value, MEGATRON_HYBRID_CP)
+PLACEMENTS = (
+    Placement.ZEPPELIN.value,
+    WORK_POLICY,
+    Placement.HYBRID_DP.value,
+    MEGATRON_HYBRID_CP,
+    BYTESCALE_HDP,
+)
 GPUS_PER_NODE = 8
 """Cluster A's nodes (`topology.preset=cluster_a`)."""
 
@@ -145,18 +154,28 @@ def _measure(row, config: Config, hardware: Hardware, batches, ideal, capacity: 
     steps, works, inter, planner, memory = [], [], [], [], []
     for lengths in batches:
         if VARIANTS[variant].hybrid_cp:
-            steps.append(simulate_hybrid_cp(lengths, run).step_seconds)
+            steps.append(step_function(VARIANTS[variant])(lengths, run).step_seconds)
             continue
         started = time.perf_counter()
-        plan, remap = plan_batch(lengths, run)
+        if VARIANTS[variant].bytescale:
+            micro, plans = bytescale_plans(lengths, run)
+            remap = None
+        else:
+            plan, remap = plan_batch(lengths, run)
+            plans = [plan]
         planner.append(time.perf_counter() - started)
         routed = config.parallel.routing
-        steps.append(simulate_plan(plan, run, routed, remap).step_seconds)
-        stats = plan_stats(plan, run.shape)
-        works.append(stats.work_imbalance())
-        inter.append(attention_step_traffic(plan, run.shape, routed, remap).inter_node)
-        held = plan_memory(config, hardware.topology, stats, run.shape)
-        memory.append(held.ranks[held.fullest].total)
+        if VARIANTS[variant].bytescale:
+            steps.append(simulate_schedule(lengths, micro, plans, run).step_seconds)
+        else:
+            steps.append(simulate_plan(plans[0], run, routed, remap).step_seconds)
+        stats = [plan_stats(plan, run.shape) for plan in plans]
+        works.append(max_over_mean(sum(one.work_flops for one in stats)))
+        inter.append(sum(attention_step_traffic(plan, run.shape, routed, remap).inter_node
+                         for plan in plans))  # fmt: skip
+        for one in stats:
+            held = plan_memory(config, hardware.topology, one, run.shape)
+            memory.append(held.ranks[held.fullest].total)
     tokens = sum(int(b.sum()) for b in batches)
     row.step_s = float(np.mean(steps))
     row.step_over_ideal = float(np.mean([s / i for s, i in zip(steps, ideal, strict=True)]))

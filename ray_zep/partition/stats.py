@@ -64,11 +64,11 @@ class PlanStats:
 
     def work_imbalance(self) -> float:
         """Max over mean of `work_flops` (1.0 is perfect balance)."""
-        return _max_over_mean(self.work_flops)
+        return max_over_mean(self.work_flops)
 
     def imbalance(self) -> float:
         """Max over mean of attention FLOPs (1.0 is perfect balance)."""
-        return _max_over_mean(self.attention_flops)
+        return max_over_mean(self.attention_flops)
 
     def total_bytes(self, kind: LinkKind) -> int:
         return int(self.sent_bytes[kind].sum())
@@ -79,7 +79,8 @@ class PlanStats:
         return float(self.seconds.max()) if self.seconds.size else 0.0
 
 
-def _max_over_mean(values: np.ndarray) -> float:
+def max_over_mean(values: np.ndarray) -> float:
+    """Largest value over the mean (1.0 for an all-zero array)."""
     mean = float(values.mean())
     return float(values.max()) / mean if mean > 0 else 1.0
 

@@ -3,7 +3,9 @@
 Baselines run as the executor runs them without the routing and remapping
 layers, except `te_cp`, the reference, which runs as TransformerEngine runs it
 (`Variant.te_wire`, `Variant.te_padding`), and `megatron_hybrid_cp`, Megatron-Core's
-hybrid DP x CP: waves of power-of-two TE CP groups (`ray_zep.sim.megatron_cp`).
+hybrid DP x CP: waves of power-of-two TE CP groups (`ray_zep.sim.megatron_cp`), and
+`bytescale_hdp`, ByteScale's hybrid data parallelism: rings of any size and packed
+micro-batches, ranks running different numbers of them (`ray_zep.sim.bytescale`).
 `zeppelin` is the full system: the Zeppelin partitioner and engine,
 routing, and the remapping layer under `parallel.remap_policy`. The ablation
 adds, as in the Zeppelin paper's Fig. 11, `te_cp+routing` (even split, ring
@@ -22,6 +24,8 @@ import numpy as np
 from ray_zep.config import Config
 from ray_zep.errors import ConfigError, ZepError
 from ray_zep.parallel.axes import WEIGHTS_AXES, Family, Placement, WeightsMode
+from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
+from ray_zep.sim.bytescale import simulate_bytescale
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
 from ray_zep.sim.megatron_cp import simulate_hybrid_cp, te_padded
@@ -45,6 +49,7 @@ class Variant:
             the padded batch is what TE trains, so a rank may hold more than L tokens.
         hybrid_cp: Megatron-Core's hybrid DP x CP waves (`ray_zep.sim.megatron_cp`),
             TE CP inside each group.
+        bytescale: ByteScale's HDP micro-batches (`ray_zep.sim.bytescale`).
     """
 
     placement: Placement
@@ -53,6 +58,12 @@ class Variant:
     te_wire: bool = False
     te_padding: bool = False
     hybrid_cp: bool = False
+    bytescale: bool = False
+
+    @property
+    def scheduled(self) -> bool:
+        """Runs as several plans per step (waves, micro-batches), not one."""
+        return self.hybrid_cp or self.bytescale
 
 
 ROUTED_TE_CP = f"{REFERENCE}+routing"
@@ -70,6 +81,8 @@ VARIANTS: dict[str, Variant] = {
     },
     REFERENCE: Variant(Placement.TE_CP, te_wire=True, te_padding=True),
     MEGATRON_HYBRID_CP: Variant(Placement.TE_CP, te_wire=True, hybrid_cp=True),
+    # dK/dV in the activation dtype (generous: ByteScale's paper does not say).
+    BYTESCALE_HDP: Variant(Placement.HYBRID_DP, te_wire=True, bytescale=True),
     ROUTED_TE_CP: Variant(Placement.TE_CP, routed=True),
     ROUTED_PARTITION: Variant(Placement.ZEPPELIN, routed=True),
 }
@@ -158,14 +171,15 @@ def simulate_strategies(
     """Simulate every variant of `names` on every batch (lengths arrays), each placed as
     the data actor would place it under that variant's axes (`simulate_batch`; te_cp on
     TE's padded lengths, `simulate_te_padded`; megatron_hybrid_cp in its waves,
-    `simulate_hybrid_cp`) with the config's weights mode (replicated where it passes
-    weights); speedups are filled in when te_cp is among them."""
+    `simulate_hybrid_cp`; bytescale_hdp in micro-batches, `simulate_bytescale`) with
+    the config's weights mode (replicated where it passes weights); speedups are
+    filled in when te_cp is among them."""
     results = {}
     for name in names:
         run = RunModel.create(variant_config(config, name, tokens_per_rank), hardware, on_gpu)
         if VARIANTS[name].te_wire:
             run = run.with_te_wire()
-        step = _step_function(VARIANTS[name])
+        step = step_function(VARIANTS[name])
         result = StrategyResult(name)
         try:
             result.steps = [step(lengths, run) for lengths in batches]
@@ -179,7 +193,10 @@ def simulate_strategies(
     return results
 
 
-def _step_function(variant: Variant) -> Callable[[np.ndarray, RunModel], StepResult]:
+def step_function(variant: Variant) -> Callable[[np.ndarray, RunModel], StepResult]:
+    """How a variant's step on a batch is simulated."""
+    if variant.bytescale:
+        return simulate_bytescale
     if variant.hybrid_cp:
         return simulate_hybrid_cp
     return simulate_te_padded if variant.te_padding else simulate_batch
