@@ -167,7 +167,9 @@ class ParallelConfig:
     """Where parameters, gradients and optimizer state live: replicated | fsdp | hsdp |
     tawpipe | ring_relay (ray_zep.parallel.axes)."""
     zone_policy: ZonePolicy = ZonePolicy.COST
-    """cost | capacity: how zeppelin picks zone thresholds (see ray_zep.partition.zeppelin)."""
+    """cost | capacity | work: how zeppelin places sequences: zone thresholds by the cost
+    model or by capacity alone (ray_zep.partition.zeppelin), or every rank's modelled
+    work made equal (ray_zep.partition.balance)."""
     ulysses_degree: int = 0
     """Ulysses members per ring position under usp; 0 picks GPUs per node (or the
     largest divisor of it that the head counts allow)."""
@@ -375,6 +377,13 @@ class DataConfig:
     eval_source: str | None = None
     """Held-out data for `train.eval_every` (any form `data.source` takes), never
     trained on; null: no evaluation during training."""
+    outlier_tokens: int = 0
+    """Documents of at least this many tokens are outliers that may wait for a later
+    batch (`ray_zep.data.batching`); 0: off."""
+    outlier_group: int = 2
+    """Outliers released together: held ones open the next batch once this many wait."""
+    outlier_max_delay: int = 4
+    """Batches an outlier waits at most before it is released anyway."""
 
     def __post_init__(self) -> None:
         _require(bool(self.source), "data.source", self.source, "must not be empty")
@@ -386,6 +395,19 @@ class DataConfig:
         )
         _require(self.length_scale > 0, "data.length_scale", self.length_scale, "must be > 0")
         _require(self.prefetch >= 1, "data.prefetch", self.prefetch, "must be >= 1")
+        _require(
+            self.outlier_tokens >= 0,
+            "data.outlier_tokens",
+            self.outlier_tokens,
+            "must be >= 0 (0: off)",
+        )
+        _require(self.outlier_group >= 1, "data.outlier_group", self.outlier_group, "must be >= 1")
+        _require(
+            self.outlier_max_delay >= 1,
+            "data.outlier_max_delay",
+            self.outlier_max_delay,
+            "must be >= 1",
+        )
 
 
 @dataclass

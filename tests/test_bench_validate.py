@@ -106,6 +106,26 @@ def test_mode_names_and_their_overrides() -> None:
         check_names(["te_cp/nope"])
     with pytest.raises(ConfigError, match="'megatron_hybrid_cp' is not one of"):
         check_names(["megatron_hybrid_cp"])  # a simulated baseline, not a trainer mode
+    with pytest.raises(ConfigError, match="'bytescale_hdp' is not one of"):
+        check_names(["bytescale_hdp"])
+    # token- and work-balanced zeppelin side by side: only the zone policy differs
+    assert check_names(["zeppelin", "zeppelin+work/fsdp"])
+    work, plain = variant_overrides("zeppelin+work/fsdp"), variant_overrides("zeppelin/fsdp")
+    assert set(work) - set(plain) == {"parallel.zone_policy=work"}
+    assert not any("zone_policy" in o for o in plain)  # the config's (cost by default)
+
+
+def test_bench_train_reports_the_steady_steps_flop_balance() -> None:
+    from workers.bench_train import TrainBenchRow, combine_sittings, steady_flop_imbalance
+
+    rows = [{"rank_flop_imbalance": x} for x in (3.0, 2.0, 1.2, 1.4)]
+    assert steady_flop_imbalance(rows) == pytest.approx(1.3)  # the warm-up left out
+    assert steady_flop_imbalance([{}, {}, {}]) is None
+    runs = [
+        TrainBenchRow("zeppelin", 1e3, 1e3, 1.0, 1.0, 4.0, flops_max_over_mean=balance)
+        for balance in (1.2, 1.4)
+    ]
+    assert combine_sittings(runs).flops_max_over_mean == pytest.approx(1.3)
 
 
 def test_validate_rejects_bad_options_before_starting_anything(capsys) -> None:

@@ -93,12 +93,15 @@ def _small_dataset(path: Path) -> Path:
 
 
 def test_resume_matches_uninterrupted_run_and_loses_no_sample(tmp_path: Path) -> None:
+    """With outlier delay on: the checkpoint of step 3 is taken while document 3 waits
+    (held at batch 2), so the resumed stream must carry the held queue."""
     data = _small_dataset(tmp_path / "docs.parquet")
     base = [
         *SMALL_RUN,
         "topology.gpus_per_node=2",
         f"data.source={data}",
         "train.checkpoint_every=0",
+        "data.outlier_tokens=150",
     ]
     full = run_ranks(train_rank, 2, [*base, "train.steps=6", f"train.out_dir={tmp_path / 'a'}"])
     first = run_ranks(train_rank, 2, [*base, "train.steps=3", f"train.out_dir={tmp_path / 'b'}"])

@@ -4,7 +4,11 @@ cluster, side by side with the simulator's prediction for the same batches and t
 A mode is `PLACEMENT[/WEIGHTS]`: a simulator variant (a placement, with the routing
 and remapping layers as `ray-zep simulate` names them) or `whole` (rank-packed
 whole sequences), with replicated weights unless another weights mode is named
-(`te_cp/fsdp`); a weights mode alone (`tawpipe`) trains whole sequences. Each
+(`te_cp/fsdp`); a weights mode alone (`tawpipe`) trains whole sequences.
+`zeppelin` keeps the config's `parallel.zone_policy`; `zeppelin+work` sets `work`, so
+`--strategies zeppelin,zeppelin+work` trains the token-balanced and the work-balanced
+plans side by side on the same batches (the `FLOPs max/mean` column is the
+metrics' `rank_flops` balance of the steady steps). Each
 trains K steps from the same config (so the data actor draws the same batches)
 through the Ray driver, like `ray-zep train`. Measured tokens/s are the steady
 state: the first `WARM_UP_STEPS` are left out. The prediction replays those
@@ -74,6 +78,9 @@ class TrainBenchRow:
     """The shares probed just before and just after the run (`core_share` combines them
     with the calibration's, `ray_zep.bench.core_share.run_share`); of every run in
     turn for a mode run in several sittings (`combine_sittings`)."""
+    flops_max_over_mean: float | None = None
+    """The steady steps' busiest rank's FLOPs over the mean (the metrics'
+    `rank_flops`), averaged over the steps: the work balance the run had."""
 
     @property
     def predicted_over_measured(self) -> float | None:
@@ -97,7 +104,7 @@ def check_names(names) -> tuple[str, ...]:
     Raises:
         ConfigError: naming the first unknown one and the choices.
     """
-    trainable = [n for n, v in VARIANTS.items() if not v.hybrid_cp]  # simulated only
+    trainable = [n for n, v in VARIANTS.items() if not v.scheduled]  # simulated only
     for name in names:
         placement, _, weights = name.partition("/")
         known = placement in trainable or placement == WHOLE
@@ -127,12 +134,15 @@ def variant_overrides(name: str) -> list[str]:
             "data.packing=rank",
         ]
     variant = VARIANTS[placement]
-    return [
+    out = [
         f"parallel.sequence={variant.placement.value}",
         f"parallel.weights={weights}",
         f"parallel.routing={str(variant.routed).lower()}",
         f"parallel.remap={str(variant.remap).lower()}",
     ]
+    if variant.zone_policy is not None:
+        out.append(f"parallel.zone_policy={variant.zone_policy.value}")
+    return out
 
 
 def run_train_bench(
@@ -234,6 +244,7 @@ def combine_sittings(rows: list[TrainBenchRow]) -> TrainBenchRow:
         _mean([r.core_share for r in rows]),
         _sittings_error(rows),
         probes or None,
+        _mean([r.flops_max_over_mean for r in rows]),
     )
 
 
@@ -286,7 +297,15 @@ def _predicted(
         share,
         relative_error(measured_steps, [s.step_seconds for s in predicted.steps]),
         (before, after),
+        steady_flop_imbalance(step_rows),
     )
+
+
+def steady_flop_imbalance(rows: list[dict], warm_up: int = WARM_UP_STEPS) -> float | None:
+    """Mean over the step rows after the first `warm_up` of their `rank_flop_imbalance`
+    (None when the rows carry none)."""
+    found = [r["rank_flop_imbalance"] for r in rows[warm_up:] if "rank_flop_imbalance" in r]
+    return statistics.fmean(found) if found else None
 
 
 def relative_error(measured: list[float], predicted: list[float]) -> float | None:
@@ -310,6 +329,7 @@ def format_table(rows: list[TrainBenchRow]) -> str:
     lines = [
         f"{'strategy':<26}{'measured k tok/s':>18}{'predicted k tok/s':>19}{'pred/meas':>11}"
         f"{'meas s/step':>13}{'pred s/step':>13}{'final loss':>12}{'core share':>12}"
+        f"{'FLOPs max/mean':>16}"
     ]
 
     def fmt(value, scale=1.0, digits=2):
@@ -321,6 +341,7 @@ def format_table(rows: list[TrainBenchRow]) -> str:
             f"{fmt(r.predicted_tokens_per_second, 1e3):>19}{fmt(r.predicted_over_measured):>11}"
             f"{fmt(r.measured_step_seconds, 1, 3):>13}{fmt(r.predicted_step_seconds, 1, 3):>13}"
             f"{fmt(r.final_loss, 1, 4):>12}{fmt(r.core_share):>12}"
+            f"{fmt(r.flops_max_over_mean):>16}"
         )
     return "\n".join(lines)
 

@@ -58,7 +58,7 @@ class DataActor:
     def ready(self) -> bool:
         return True
 
-    def start(self, step: int, cursor: dict[str, int] | None) -> None:
+    def start(self, step: int, cursor: dict[str, Any] | None) -> None:
         """Produce from batch `step` on, with the data cursor of the checkpoint before it."""
         with self._cond:
             self._generation += 1

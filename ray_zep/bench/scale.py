@@ -11,8 +11,8 @@ average; L = that x headroom) and placement, on the same sampled batches:
   collective and remap bytes), the planner's wall time (`plan_step`, as the data
   actor runs it) and the fullest rank's modelled memory.
 
-`zeppelin` is the full system with `parallel.zone_policy=cost`, `zeppelin+work` with
-`work`; the others are `ray-zep simulate`'s variants. `bytescale_hdp` runs several
+Placements are `ray-zep simulate`'s variants: `zeppelin` is the full system with
+`parallel.zone_policy=cost`, `zeppelin+work` with `work`. `bytescale_hdp` runs several
 micro-batches per rank: its work sums them per rank, its bytes sum its rounds, its
 memory is its fullest round's, and its planner time is its schedule's.
 `megatron_hybrid_cp` runs in waves of CP groups, so its plan columns are empty.
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_zep.config import Config, ZonePolicy, load_config
+from ray_zep.config import Config, load_config
 from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
 from ray_zep.parallel.axes import Placement
@@ -39,7 +39,7 @@ from ray_zep.report.figures import save_figure
 from ray_zep.report.plan_command import plan_memory
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
 from ray_zep.sim.bytescale import bytescale_plans, simulate_schedule
-from ray_zep.sim.compare import VARIANTS, step_function, variant_config
+from ray_zep.sim.compare import VARIANTS, WORK_POLICY, step_function, variant_config
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
@@ -47,7 +47,6 @@ from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
 from ray_zep.topology import build_topology
 from ray_zep.traffic import attention_step_traffic
 
-WORK_POLICY = f"{Placement.ZEPPELIN.value}+work"
 PLACEMENTS = (
     Placement.ZEPPELIN.value,
     WORK_POLICY,
@@ -79,9 +78,8 @@ class ScaleBenchSpec:
             if name not in DISTRIBUTIONS:
                 raise ConfigError(f"--distributions: {name!r} is not one of {tuple(DISTRIBUTIONS)}")
         for name in self.placements:
-            if name != WORK_POLICY and name not in VARIANTS:
-                choices = (WORK_POLICY, *VARIANTS)
-                raise ConfigError(f"--placements: {name!r} is not one of {choices}")
+            if name not in VARIANTS:
+                raise ConfigError(f"--placements: {name!r} is not one of {tuple(VARIANTS)}")
         if self.batches < 1 or self.headroom < 1.0:
             raise ConfigError("--batches must be >= 1 and --headroom >= 1")
 
@@ -142,12 +140,8 @@ def _case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, tokens
 
 
 def _measure(row, config: Config, hardware: Hardware, batches, ideal, capacity: int) -> None:
-    work_policy = row.placement == WORK_POLICY
-    variant = Placement.ZEPPELIN.value if work_policy else row.placement
+    variant = row.placement
     config = variant_config(config, variant, capacity)
-    if work_policy:
-        parallel = dataclasses.replace(config.parallel, zone_policy=ZonePolicy.WORK)
-        config = dataclasses.replace(config, parallel=parallel)
     run = RunModel.create(config, hardware)
     if VARIANTS[variant].te_wire:
         run = run.with_te_wire()

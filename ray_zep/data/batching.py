@@ -14,14 +14,26 @@ batch and opens the next one. A document that is being split anyway
 the largest free space, so long documents never leave batches part empty.
 Either way nothing is skipped or repeated.
 
+Outlier delay (`data.outlier_tokens` > 0, off by default), after WLB-LLM (Wang et
+al., OSDI'25, arXiv 2503.17924, outlier document delay): a whole document of at
+least that many tokens met while filling a batch is held back instead, up to
+`data.outlier_group` of them. The held documents open a later batch together, in
+the order they were met, once `outlier_group` wait, once the oldest has waited
+`data.outlier_max_delay` batches, or when the epoch ends (every document still
+comes once per epoch). A batch then holds several outliers the planner can give
+equal rank groups, instead of one outlier beside short documents in one batch
+and none in the next. Further outliers met while the queue is full are admitted
+where they are met, so nothing waits without bound.
+
 The `Cursor` (epoch, position in the epoch's order, tokens of the current
-document already used) is all the state there is: a stream rebuilt from a
-saved cursor yields exactly the batches that would have followed.
+document already used, the held outliers) is all the state there is: a stream
+rebuilt from a saved cursor yields exactly the batches that would have followed.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -39,13 +51,20 @@ class Cursor:
     """Position in the epoch's visiting order."""
     offset: int = 0
     """Tokens of the document at `index` already placed in earlier batches."""
+    held: tuple[tuple[int, int], ...] = ()
+    """Outliers held back, oldest first: (document, index of the batch that passed it)."""
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, int]) -> Cursor:
-        return cls(**{k: int(v) for k, v in data.items()})
+    def from_dict(cls, data: dict[str, Any]) -> Cursor:
+        held = tuple((int(doc), int(at)) for doc, at in data.get("held", ()))
+        return cls(**{k: int(v) for k, v in data.items() if k != "held"}, held=held)
+
+    def moved(self, index: int, offset: int = 0) -> Cursor:
+        """This cursor at another position of its epoch, holding the same outliers."""
+        return Cursor(self.epoch, index, offset, self.held)
 
 
 @dataclass(frozen=True)
@@ -91,6 +110,23 @@ class GlobalBatch:
         return int(sum(p.length - 1 for p in self.pieces))
 
 
+@dataclass(frozen=True)
+class OutlierDelay:
+    """`data.outlier_tokens`, `data.outlier_group`, `data.outlier_max_delay` (module
+    docstring)."""
+
+    tokens: int
+    group: int = 2
+    max_delay: int = 4
+
+    @classmethod
+    def from_config(cls, data) -> OutlierDelay | None:
+        """The delay `data` (a `DataConfig`) asks for; None when it is off."""
+        if data.outlier_tokens <= 0:
+            return None
+        return cls(data.outlier_tokens, data.outlier_group, data.outlier_max_delay)
+
+
 @dataclass
 class _Order:
     epoch: int = -1
@@ -112,6 +148,7 @@ class BatchStream:
         shuffle: visit in a seeded random order (else in source order).
         cursor: where to start (the start of the data by default).
         start_index: number of the first batch produced.
+        outliers: outlier delay (module docstring); None: off.
 
     Raises:
         ConfigError: max_doc_tokens larger than a batch or a rank can hold.
@@ -132,8 +169,10 @@ class BatchStream:
         shuffle: bool = True,
         cursor: Cursor | None = None,
         start_index: int = 0,
+        outliers: OutlierDelay | None = None,
     ) -> None:
         self.source = source
+        self.outliers = outliers
         self.world = world
         self.capacity = tokens_per_rank
         self.packing = packing
@@ -171,6 +210,7 @@ class BatchStream:
             shuffle=data.shuffle,
             cursor=cursor,
             start_index=start_index,
+            outliers=OutlierDelay.from_config(data),
         )
 
     def next_batch(self) -> GlobalBatch:
@@ -180,18 +220,31 @@ class BatchStream:
         loads = [0] * (self.world if self.packing is Packing.RANK else 1)
         bins: list[list[int]] = [[] for _ in loads]
         dropped_before = self._dropped
-        while True:
+
+        def place(piece: Piece, slot: int) -> None:
+            loads[slot] += piece.length
+            bins[slot].append(len(pieces))
+            pieces.append(piece)
+            tokens.append(self._piece_tokens(piece))
+
+        full = self._release_due() and not self._release(loads, place)
+        while not full:
             piece = self._current_piece()
+            if piece is None:  # the epoch ends with outliers held: they come first
+                full = not self._release(loads, place)
+                continue
+            if self._holds(piece):
+                self._advance(piece)
+                held = (*self.cursor.held, (piece.doc, self.next_index))
+                self.cursor = replace(self.cursor, held=held)
+                continue
             slot = self._fit(loads, piece.length)
             if slot is None:
                 slot, room = self._roomiest(loads)
                 if room == 0 or self.source.length(piece.doc) <= self.max_doc:
                     break  # a whole document waits for the next batch
                 piece = Piece(piece.doc, piece.start, room)
-            loads[slot] += piece.length
-            bins[slot].append(len(pieces))
-            pieces.append(piece)
-            tokens.append(self._piece_tokens(piece))
+            place(piece, slot)
             self._advance(piece)
         batch = GlobalBatch(
             index=self.next_index,
@@ -203,6 +256,40 @@ class BatchStream:
         )
         self.next_index += 1
         return batch
+
+    def _holds(self, piece: Piece) -> bool:
+        """Whether `piece` is an outlier to hold back: a whole document of at least
+        `outliers.tokens`, with room in the queue."""
+        delay = self.outliers
+        return (
+            delay is not None
+            and piece.start == 0
+            and piece.length >= delay.tokens
+            and piece.length == self.source.length(piece.doc)
+            and len(self.cursor.held) < delay.group
+        )
+
+    def _release_due(self) -> bool:
+        """Whether the held outliers open this batch: a full group, or the oldest has
+        waited `outliers.max_delay` batches."""
+        held, delay = self.cursor.held, self.outliers
+        if not held or delay is None:
+            return bool(held)  # a stream resumed with the delay off still places them
+        return len(held) >= delay.group or self.next_index - held[0][1] >= delay.max_delay
+
+    def _release(self, loads: list[int], place) -> bool:
+        """Place the held outliers, oldest first, while they fit; whether all did."""
+        held = list(self.cursor.held)
+        while held:
+            doc = held[0][0]
+            piece = Piece(doc, 0, self.source.length(doc))
+            slot = self._fit(loads, piece.length)
+            if slot is None:
+                break
+            place(piece, slot)
+            held.pop(0)
+        self.cursor = replace(self.cursor, held=tuple(held))
+        return not held
 
     @property
     def _limit(self) -> int:
@@ -216,11 +303,14 @@ class BatchStream:
         slot = min(range(len(loads)), key=loads.__getitem__)
         return slot, self._limit - loads[slot]
 
-    def _current_piece(self) -> Piece:
-        """The piece at the cursor, moving the cursor past empty and dropped documents."""
+    def _current_piece(self) -> Piece | None:
+        """The piece at the cursor, moving the cursor past empty and dropped documents;
+        None at the end of an epoch while outliers are held (they come first)."""
         skipped = 0
         while True:
             doc = self._doc_at_cursor()
+            if doc is None:
+                return None
             length = self.source.length(doc)
             if length > 0 and (length <= self.max_doc or self.overlong is not Overlong.DROP):
                 if length > self.max_doc and self.overlong is Overlong.ERROR:
@@ -236,20 +326,24 @@ class BatchStream:
                     f"every document of {self.source.name!r} is longer than "
                     f"data.max_doc_tokens={self.max_doc} and data.overlong=drop drops them all"
                 )
-            self.cursor = Cursor(self.cursor.epoch, self.cursor.index + 1, 0)
+            self.cursor = self.cursor.moved(self.cursor.index + 1)
 
     def _advance(self, piece: Piece) -> None:
         offset = piece.start + piece.length
         if offset >= self.source.length(piece.doc):
-            self.cursor = Cursor(self.cursor.epoch, self.cursor.index + 1, 0)
+            self.cursor = self.cursor.moved(self.cursor.index + 1)
         else:
-            self.cursor = Cursor(self.cursor.epoch, self.cursor.index, offset)
+            self.cursor = self.cursor.moved(self.cursor.index, offset)
 
-    def _doc_at_cursor(self) -> int:
+    def _doc_at_cursor(self) -> int | None:
+        """The document at the cursor, starting the next epoch past the last one; None
+        at the end of an epoch while outliers are held."""
         num_docs = self.source.num_docs
         if num_docs is None:
             return self.cursor.index
         if self.cursor.index >= num_docs:
+            if self.cursor.held:
+                return None
             self.cursor = Cursor(self.cursor.epoch + 1, 0, 0)
         if self._order.epoch != self.cursor.epoch:
             self._order = _Order(self.cursor.epoch, self._visit_order(self.cursor.epoch, num_docs))

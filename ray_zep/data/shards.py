@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -71,7 +72,7 @@ class RankShard:
     global_tokens: int
     global_label_tokens: int
     rank_tokens: tuple[int, ...]
-    cursor_after: dict[str, int]
+    cursor_after: dict[str, Any]
     plan: AttentionPlan | None = None
     """This rank's slice of the batch's plan (None: whole sequences, local attention)."""
     position_ids: np.ndarray | None = None

@@ -7,7 +7,8 @@ hybrid DP x CP: waves of power-of-two TE CP groups (`ray_zep.sim.megatron_cp`), 
 `bytescale_hdp`, ByteScale's hybrid data parallelism: rings of any size and packed
 micro-batches, ranks running different numbers of them (`ray_zep.sim.bytescale`).
 `zeppelin` is the full system: the Zeppelin partitioner and engine,
-routing, and the remapping layer under `parallel.remap_policy`. The ablation
+routing, and the remapping layer under `parallel.remap_policy`, with the config's
+`parallel.zone_policy`; `zeppelin+work` the same with the work-balanced zones. The ablation
 adds, as in the Zeppelin paper's Fig. 11, `te_cp+routing` (even split, ring
 transfers through proxies) and `te_cp+routing+partition` (the Zeppelin
 partitioner and engine with routing, no remap).
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ray_zep.config import Config
+from ray_zep.config import Config, ZonePolicy
 from ray_zep.errors import ConfigError, ZepError
 from ray_zep.parallel.axes import WEIGHTS_AXES, Family, Placement, WeightsMode
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
@@ -50,6 +51,7 @@ class Variant:
         hybrid_cp: Megatron-Core's hybrid DP x CP waves (`ray_zep.sim.megatron_cp`),
             TE CP inside each group.
         bytescale: ByteScale's HDP micro-batches (`ray_zep.sim.bytescale`).
+        zone_policy: Zeppelin's `parallel.zone_policy` (None: the config's).
     """
 
     placement: Placement
@@ -59,6 +61,7 @@ class Variant:
     te_padding: bool = False
     hybrid_cp: bool = False
     bytescale: bool = False
+    zone_policy: ZonePolicy | None = None
 
     @property
     def scheduled(self) -> bool:
@@ -66,10 +69,12 @@ class Variant:
         return self.hybrid_cp or self.bytescale
 
 
+WORK_POLICY = f"{Placement.ZEPPELIN.value}+work"
 ROUTED_TE_CP = f"{REFERENCE}+routing"
 ROUTED_PARTITION = f"{REFERENCE}+routing+partition"
 VARIANTS: dict[str, Variant] = {
     Placement.ZEPPELIN.value: Variant(Placement.ZEPPELIN, routed=True, remap=True),
+    WORK_POLICY: Variant(Placement.ZEPPELIN, routed=True, remap=True, zone_policy=ZonePolicy.WORK),
     **{
         p.value: Variant(p)
         for p in (
@@ -232,6 +237,7 @@ def variant_config(config: Config, name: str, tokens_per_rank: int) -> Config:
         weights=weights,
         routing=variant.routed,
         remap=variant.remap,
+        zone_policy=variant.zone_policy or config.parallel.zone_policy,
     )
     train = dataclasses.replace(config.train, tokens_per_rank=tokens_per_rank)
     return dataclasses.replace(config, parallel=parallel, train=train)

@@ -69,7 +69,7 @@ class Progress:
     """Where training stands: steps done and the data cursor after them."""
 
     step: int
-    cursor: dict[str, int]
+    cursor: dict[str, Any]
 
 
 def checkpoint_root(run_dir: Path) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -165,7 +166,7 @@ class RankTrainer:
             },
         )
 
-    def save(self, run_dir: Path, cursor: dict[str, int]) -> Path:
+    def save(self, run_dir: Path, cursor: dict[str, Any]) -> Path:
         """Checkpoint the state after `steps_done` steps (collective)."""
         path = checkpoint.checkpoint_path(run_dir, self.steps_done)
         checkpoint.save_checkpoint(
