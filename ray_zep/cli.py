@@ -157,7 +157,8 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--strategies",
         help="default: zeppelin,te_cp,llama_cp,hybrid_dp,megatron_hybrid_cp "
-        "(also ulysses, usp, te_cp+routing, te_cp+routing+partition)",
+        "(also zeppelin+work, bytescale_hdp, ulysses, usp, te_cp+routing, "
+        "te_cp+routing+partition)",
     )
     simulate.add_argument(
         "--ablation", action="store_true", help="add te_cp+routing, te_cp+routing+partition"

@@ -377,6 +377,10 @@ class DataConfig:
     eval_source: str | None = None
     """Held-out data for `train.eval_every` (any form `data.source` takes), never
     trained on; null: no evaluation during training."""
+    batch_fill: float = 1.0
+    """Share of nodes x GPUs x L a batch fills under packing=budget; below 1 every rank
+    may hold more tokens than the mean (up to L), room `parallel.zone_policy=work` uses
+    to balance work."""
     outlier_tokens: int = 0
     """Documents of at least this many tokens are outliers that may wait for a later
     batch (`ray_zep.data.batching`); 0: off."""
@@ -395,6 +399,13 @@ class DataConfig:
         )
         _require(self.length_scale > 0, "data.length_scale", self.length_scale, "must be > 0")
         _require(self.prefetch >= 1, "data.prefetch", self.prefetch, "must be >= 1")
+        _require(0 < self.batch_fill <= 1, "data.batch_fill", self.batch_fill, "must be in (0, 1]")
+        _require(
+            self.batch_fill == 1 or self.packing is Packing.BUDGET,
+            "data.batch_fill",
+            self.batch_fill,
+            "below 1 needs data.packing=budget (rank packing fills L-token bins)",
+        )
         _require(
             self.outlier_tokens >= 0,
             "data.outlier_tokens",

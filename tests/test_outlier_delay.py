@@ -100,3 +100,18 @@ def test_outlier_delay_is_off_by_default_and_checked() -> None:
     for key, value in (("outlier_tokens", -1), ("outlier_group", 0), ("outlier_max_delay", 0)):
         with pytest.raises(ConfigError, match=f"data.{key}"):
             load_config("conf/demo.yaml", [f"data.{key}={value}"])
+
+
+def test_batch_fill_leaves_room_under_budget_packing() -> None:
+    lengths = [3] * 40
+    full = _stream(lengths, None, Packing.BUDGET, world=2, capacity=10).next_batch()
+    stream = BatchStream(
+        ListSource(lengths), world=2, tokens_per_rank=10, packing=Packing.BUDGET,
+        max_doc_tokens=None, overlong=Overlong.SPLIT, seed=0, shuffle=False, fill=0.5,
+    )  # fmt: skip
+    assert full.total_tokens == 18 and stream.next_batch().total_tokens == 9
+    assert stream.max_doc == 10
+    with pytest.raises(ConfigError, match=r"data\.batch_fill"):
+        load_config("conf/demo.yaml", ["data.packing=rank", "data.batch_fill=0.8"])
+    with pytest.raises(ConfigError, match=r"data\.batch_fill"):
+        load_config("conf/demo.yaml", ["data.packing=budget", "data.batch_fill=0"])

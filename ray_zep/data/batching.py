@@ -5,7 +5,8 @@ order with `data.shuffle=false`). Each document is cut into pieces of at most
 `max_doc_tokens` (`data.overlong=split`), skipped (`drop`) or refused (`error`)
 when longer. Pieces are admitted into the current batch in order:
 
-- `packing=budget`: while the batch holds at most nodes x GPUs x L tokens;
+- `packing=budget`: while the batch holds at most nodes x GPUs x L tokens (times
+  `data.batch_fill`);
 - `packing=rank`: first-fit into one bin of L tokens per rank.
 
 A whole document (at most `max_doc_tokens`) that fits nowhere closes the
@@ -149,6 +150,7 @@ class BatchStream:
         cursor: where to start (the start of the data by default).
         start_index: number of the first batch produced.
         outliers: outlier delay (module docstring); None: off.
+        fill: share of world x `tokens_per_rank` a batch fills under budget packing.
 
     Raises:
         ConfigError: max_doc_tokens larger than a batch or a rank can hold.
@@ -170,14 +172,15 @@ class BatchStream:
         cursor: Cursor | None = None,
         start_index: int = 0,
         outliers: OutlierDelay | None = None,
+        fill: float = 1.0,
     ) -> None:
         self.source = source
         self.outliers = outliers
         self.world = world
         self.capacity = tokens_per_rank
         self.packing = packing
-        self.budget = world * tokens_per_rank
-        self.max_doc = resolve_max_doc_tokens(max_doc_tokens, packing, world, tokens_per_rank)
+        self.budget = max(1, int(fill * world * tokens_per_rank))
+        self.max_doc = resolve_max_doc_tokens(max_doc_tokens, packing, self.budget, tokens_per_rank)
         self.overlong = overlong
         self.seed = seed
         self.shuffle = shuffle
@@ -211,6 +214,7 @@ class BatchStream:
             cursor=cursor,
             start_index=start_index,
             outliers=OutlierDelay.from_config(data),
+            fill=data.batch_fill,
         )
 
     def next_batch(self) -> GlobalBatch:
@@ -374,13 +378,14 @@ class BatchStream:
 
 
 def resolve_max_doc_tokens(
-    value: int | None, packing: Packing, world: int, tokens_per_rank: int
+    value: int | None, packing: Packing, budget: int, tokens_per_rank: int
 ) -> int:
-    """`data.max_doc_tokens`, defaulted and checked against what a batch can hold."""
+    """`data.max_doc_tokens`, defaulted and checked against what a batch can hold
+    (`budget`: a batch's tokens under budget packing)."""
     if packing is Packing.RANK:
         limit, what = tokens_per_rank, "train.tokens_per_rank (one rank's bin under packing=rank)"
     else:
-        limit, what = world * tokens_per_rank, "the batch budget nodes x GPUs x L"
+        limit, what = budget, "the batch budget nodes x GPUs x L x data.batch_fill"
     if value is None:
         return limit
     if value > limit:
