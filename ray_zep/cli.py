@@ -203,7 +203,11 @@ def _parser() -> argparse.ArgumentParser:
     train_bench = benches.add_parser("train", help="real CPU runs next to the simulator")
     train_bench.add_argument("config", nargs="?", default="conf/zeppelin.yaml", help="YAML config")
     train_bench.add_argument("overrides", nargs="*", help="key=value overrides")
-    train_bench.add_argument("--strategies", help="default: zeppelin,te_cp,llama_cp,hybrid_dp")
+    train_bench.add_argument(
+        "--strategies",
+        help="default: zeppelin,te_cp,llama_cp,hybrid_dp (also zeppelin+work, whole, "
+        "PLACEMENT/WEIGHTS, a weights mode)",
+    )
     train_bench.add_argument("--steps", type=int, default=8, help="steps per mode (2 warm-up)")
     train_bench.add_argument("--calibration", help="calibration.json (default: measure now)")
     train_bench.add_argument("--out", default="runs/bench/train", help="runs, JSON and PNG")

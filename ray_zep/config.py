@@ -169,7 +169,8 @@ class ParallelConfig:
     zone_policy: ZonePolicy = ZonePolicy.COST
     """cost | capacity | work: how zeppelin places sequences: zone thresholds by the cost
     model or by capacity alone (ray_zep.partition.zeppelin), or every rank's modelled
-    work made equal (ray_zep.partition.balance)."""
+    work made equal (ray_zep.partition.balance; `whole` then deals its sequences by
+    work too, ray_zep.partition.work_bins)."""
     ulysses_degree: int = 0
     """Ulysses members per ring position under usp; 0 picks GPUs per node (or the
     largest divisor of it that the head counts allow)."""

@@ -153,3 +153,38 @@ def test_work_policy_steps_faster_in_the_simulator() -> None:
         run = RunModel.create(dataclasses.replace(config, parallel=parallel), hardware)
         steps[policy] = simulate_batch(lengths, run).step_seconds
     assert steps[ZonePolicy.WORK] < 0.95 * steps[ZonePolicy.COST], steps
+
+
+def test_whole_deals_its_sequences_by_work_under_the_work_policy() -> None:
+    """`whole` on one node: the stream's first-fit bins put the long sequence beside
+    short ones; dealt by work, its rank holds nothing else and the work evens out."""
+    from ray_zep.data.batching import Cursor, GlobalBatch, Piece
+    from ray_zep.data.shards import shard_for
+    from ray_zep.partition.work_bins import work_bins
+
+    topology, shape = _cluster(1)
+    lengths = np.asarray([3000, 2000, *([1000] * 14)])
+    first_fit = [[0, 2, 3], [1, 4, 5, 6], [7], [8], [9], [10], [11, 12], [13, 14, 15]]
+    model = WorkModel.create(shape, topology)
+
+    def busiest_over_mean(bins) -> float:
+        work = [model.whole_seconds(lengths[b]).sum() for b in bins]
+        return max(work) / np.mean(work)
+
+    dealt = work_bins(lengths, topology.world_size, L, model)
+    assert sorted(s for b in dealt for s in b) == list(range(len(lengths)))
+    assert max(lengths[b].sum() for b in dealt) <= L
+    assert [0] in dealt  # the longest alone: no rank can do less than it
+    assert busiest_over_mean(dealt) < 0.8 * busiest_over_mean(first_fit)
+    # 600+400, 600+400, 400+300+300 fill three ranks of 1,000; the deal strands a 300
+    assert work_bins(np.asarray([600, 600, 400, 400, 400, 300, 300]), 3, 1000, model) is None
+    pieces = [Piece(i, 0, int(n)) for i, n in enumerate(lengths)]
+    tokens = [np.zeros(int(n), dtype=np.int32) for n in lengths]
+    batch = GlobalBatch(0, pieces, tokens, first_fit, cursor_after=Cursor())
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=1",
+                                "model.preset=7b", f"train.tokens_per_rank={L}",
+                                "parallel.sequence=whole"])  # fmt: skip
+    for policy, bins in ((ZonePolicy.COST, first_fit), (ZonePolicy.WORK, dealt)):
+        parallel = dataclasses.replace(config.parallel, zone_policy=policy)
+        shards = shard_for(batch, dataclasses.replace(config, parallel=parallel), topology)
+        assert [sorted(s.docs.tolist()) for s in shards] == [sorted(b) for b in bins]

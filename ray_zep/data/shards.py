@@ -36,7 +36,7 @@ from ray_zep.errors import PlacementError
 from ray_zep.model.shapes import build_shape
 from ray_zep.moe.gate import RoutingGroups
 from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
-from ray_zep.parallel.step_plan import plan_step
+from ray_zep.parallel.step_plan import plan_step, whole_bins
 from ray_zep.partition.plan import AttentionPlan, Fragment
 from ray_zep.remap.layout import RankRemap, to_linear_layout
 from ray_zep.remap.solver import RemapPlan
@@ -159,6 +159,11 @@ def shard_for(batch: GlobalBatch, config: Config, topology: Topology) -> list[Ra
     placement = config.parallel.sequence
     axis = SEQUENCE_AXES[placement]
     if axis.whole_sequences:
+        if not axis.one_process:
+            bins = whole_bins(
+                batch.lengths, batch.bins, config, topology, build_shape(config.model)
+            )
+            batch = dataclasses.replace(batch, bins=bins)
         shards = shard_batch(batch, placement, 1 if axis.one_process else topology.world_size)
         if axis.one_process and config.parallel.reference_layout is not None:
             shards[0].routing_groups = reference_groups(batch, config, topology)

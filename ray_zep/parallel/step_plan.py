@@ -14,12 +14,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ray_zep.config import Config
+from ray_zep.config import Config, ZonePolicy
 from ray_zep.costmodel import preset_rates
 from ray_zep.model.shapes import ModelShape
 from ray_zep.parallel.axes import SEQUENCE_AXES
 from ray_zep.partition import make_plan
 from ray_zep.partition.plan import AttentionPlan
+from ray_zep.partition.work import WorkModel
+from ray_zep.partition.work_bins import work_bins
 from ray_zep.remap.policy import choose_remap
 from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import RoutingPlan
@@ -48,6 +50,23 @@ class StepPlan:
     @property
     def planned(self) -> bool:
         return self.attention is not None
+
+
+def whole_bins(
+    lengths: np.ndarray,
+    bins: list[list[int]] | None,
+    config: Config,
+    topology: Topology,
+    shape: ModelShape,
+) -> list[list[int]] | None:
+    """The ranks' sequences under a whole-sequence placement: the stream's `bins`, dealt
+    again by modelled work under `parallel.zone_policy=work` where that fits L
+    (`ray_zep.partition.work_bins`)."""
+    if bins is None or config.parallel.zone_policy is not ZonePolicy.WORK:
+        return bins
+    model = WorkModel.create(shape, topology)
+    dealt = work_bins(lengths, topology.world_size, config.train.tokens_per_rank, model)
+    return dealt if dealt is not None else bins
 
 
 def plan_step(

@@ -52,7 +52,7 @@ from ray_zep.model.shapes import ModelShape, build_shape
 from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, WeightsMode
 from ray_zep.parallel.memory import fsdp_units
-from ray_zep.parallel.step_plan import plan_step
+from ray_zep.parallel.step_plan import plan_step, whole_bins
 from ray_zep.partition import greedy_bins, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.remap.solver import RemapPlan
@@ -196,6 +196,7 @@ def plan_batch(
     parallel = config.parallel
     if SEQUENCE_AXES[parallel.sequence].whole_sequences:
         bins = bins if bins is not None else greedy_bins(lengths, topology.world_size)
+        bins = whole_bins(np.asarray(lengths), bins, config, topology, run.shape)
         capacity = config.train.tokens_per_rank
         return plan_from_bins(lengths, bins, topology, capacity, parallel.sequence), None
     step = plan_step(np.asarray(lengths), config, topology, run.shape)
