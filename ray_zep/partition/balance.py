@@ -101,14 +101,15 @@ def balance(
     lengths = np.asarray(lengths, dtype=np.int64)
     work = model.whole_seconds(lengths)
     mean = float(work.sum()) / topology.world_size
+    small = _small_ring_seconds(lengths, topology.gpus_per_node, model)
 
-    def at(factor: float) -> Placed | None:
-        return _place_at(lengths, work, mean * factor, topology, capacity, model)
+    def at(factor: float, force: bool = False) -> Placed | None:
+        return _place_at(lengths, work, small, mean * factor, topology, capacity, model, force)
 
     tried = _scan(at)
     feasible = [(f, p) for f, p in tried if p is not None]
     if not feasible:  # rings want more ranks than there are at every level
-        placed = _place_at(lengths, work, mean * LEVELS[-1], topology, capacity, model, True)
+        placed = at(LEVELS[-1], force=True)
         if placed is None:
             raise PlacementError("zeppelin (zone_policy=work): the rings do not fit the ranks")
         return _placements(lengths, placed)
@@ -144,6 +145,7 @@ def _scan(at) -> list[tuple[float, Placed | None]]:
 def _place_at(
     lengths: np.ndarray,
     work: np.ndarray,
+    small: np.ndarray,
     level: float,
     topology: Topology,
     capacity: int,
@@ -172,7 +174,7 @@ def _place_at(
         _add_ring(placed, seq, int(lengths[seq]), ranks, float(member[i]))
     wholes = np.flatnonzero(~split)
     _fill_whole(placed, wholes[np.argsort(-work[wholes], kind="stable")], lengths, work,
-                level, capacity, topology, model)  # fmt: skip
+                small, level, capacity, topology)  # fmt: skip
     return placed
 
 
@@ -279,10 +281,10 @@ def _fill_whole(
     order: np.ndarray,
     lengths: np.ndarray,
     work: np.ndarray,
+    small: np.ndarray,
     level: float,
     capacity: int,
     topology: Topology,
-    model: WorkModel,
 ) -> None:
     """Best fit decreasing of whole sequences under `level`, token room permitting; one
     that fits under it nowhere becomes a small intra-node ring where that fits."""
@@ -291,7 +293,7 @@ def _fill_whole(
         n, w = int(lengths[seq]), float(work[seq])
         rank, under = _best_rank(load, tokens, capacity - n, level - w)
         worth = not under and w >= SMALL_RING_SHARE * level
-        ring = _small_ring(placed, n, w, level, capacity, topology, model) if worth else None
+        ring = _small_ring(placed, n, w, small[seq], level, capacity, topology) if worth else None
         if ring is not None:
             _add_ring(placed, seq, n, *ring)
         elif rank is None:
@@ -316,17 +318,28 @@ def _best_rank(
     return None, False
 
 
+def _small_ring_seconds(lengths: np.ndarray, gpus: int, model: WorkModel) -> np.ndarray:
+    """Member work of every sequence's intra-node ring of 2 .. `gpus` ranks: S x (G - 1)."""
+    degrees = np.arange(2, gpus + 1)
+    if degrees.size == 0 or lengths.size == 0:
+        return np.zeros((lengths.size, degrees.size))
+    grid_n = np.repeat(lengths, degrees.size)
+    grid_d = np.tile(degrees, lengths.size)
+    return _member_seconds(grid_n, grid_d, gpus, model).reshape(lengths.size, degrees.size)
+
+
 def _small_ring(
     placed: Placed,
     n: int,
     work: float,
+    member: np.ndarray,
     level: float,
     capacity: int,
     topology: Topology,
-    model: WorkModel,
 ) -> tuple[tuple[int, ...], float] | None:
     """The fewest GPUs of one node (2 .. G), in no ring yet, whose work room and token
-    room take a ring over `n` tokens, and its member work; None where no node has them."""
+    room take a ring over `n` tokens (`member`: its member work at each of those
+    sizes), and its member work; None where no node has them."""
     gpus = topology.gpus_per_node
     degrees = np.arange(2, gpus + 1)
     outside = ~placed.in_ring
@@ -334,21 +347,22 @@ def _small_ring(
         return None
     if placed.load[outside].min() + work / gpus > level:
         return None  # no rank outside a ring has room for even a G-th of the work
-    member = _member_seconds(np.full(degrees.size, n), degrees, gpus, model)
     load = placed.load.reshape(topology.nodes, gpus)
     free = (capacity - placed.tokens).reshape(topology.nodes, gpus)
-    in_ring = placed.in_ring.reshape(topology.nodes, gpus)
     need = -(-n // degrees)
-    # per node, its GPUs by load (least first), counting only those with token room
-    for d, seconds, tokens in zip(degrees.tolist(), member.tolist(), need.tolist(), strict=True):
-        ok = (free >= tokens) & (load + seconds <= level) & ~in_ring
-        nodes = np.flatnonzero(ok.sum(axis=1) >= d)
-        if nodes.size:
-            node = int(nodes[np.argmin(load[nodes].sum(axis=1))])
-            candidates = np.flatnonzero(ok[node])
-            chosen = candidates[np.argsort(load[node, candidates], kind="stable")[:d]]
-            return tuple(sorted((node * gpus + chosen).tolist())), float(seconds)
-    return None
+    # every size at once: D x nodes x GPUs of ranks that could take a member
+    ok = (free >= need[:, None, None]) & (load + member[:, None, None] <= level)
+    ok &= outside.reshape(topology.nodes, gpus)
+    enough = ok.sum(axis=2) >= degrees[:, None]
+    sizes = np.flatnonzero(enough.any(axis=1))
+    if sizes.size == 0:
+        return None
+    k = int(sizes[0])
+    nodes = np.flatnonzero(enough[k])
+    node = int(nodes[np.argmin(load[nodes].sum(axis=1))])
+    candidates = np.flatnonzero(ok[k, node])
+    chosen = candidates[np.argsort(load[node, candidates], kind="stable")[: degrees[k]]]
+    return tuple(sorted((node * gpus + chosen).tolist())), float(member[k])
 
 
 def _spill(placed: Placed, n: int, capacity: int) -> tuple[int, ...]:
