@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_zep.config import Config, load_config
-from ray_zep.costmodel import ComputeRates
+from ray_zep.config import Config
 from ray_zep.errors import PlacementError
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import plan_from_bins
@@ -22,37 +19,18 @@ from ray_zep.sim.bytescale import (
     simulate_bytescale,
 )
 from ray_zep.sim.compare import VARIANTS, simulate_strategies
-from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, simulate_plan
-from ray_zep.topology import build_topology
+from tests.helpers.baselines import L, small_config, small_run
 
 pytestmark = pytest.mark.unit
 
-RATES = ComputeRates(
-    4e9, 2e9, 8e9, 1e-5, "test", optimizer_param_seconds=1e-9, step_overhead_s=1e-3
-)
-L = 1000
 
-
-@functools.cache
 def _config(nodes: int, gpus: int) -> Config:
-    overrides = [
-        "parallel.sequence=hybrid_dp",
-        "parallel.routing=false",
-        "parallel.remap=false",
-        f"train.tokens_per_rank={L}",
-        f"topology.nodes={nodes}",
-        f"topology.gpus_per_node={gpus}",
-        "topology.nic_gbits_per_s=8",
-        "topology.intra_node_gbytes_per_s=4",
-    ]
-    return load_config("conf/demo.yaml", overrides)
+    return small_config("hybrid_dp", nodes, gpus)
 
 
 def _run(nodes: int = 2, gpus: int = 4) -> RunModel:
-    config = _config(nodes, gpus)
-    hardware = Hardware(build_topology(config.topology), RATES)
-    return RunModel.create(config, hardware, on_gpu=True).with_te_wire()
+    return small_run("hybrid_dp", nodes, gpus)
 
 
 @settings(max_examples=40, deadline=None)

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_zep.config import Config, load_config
-from ray_zep.costmodel import ComputeRates
+from ray_zep.config import Config
 from ray_zep.errors import ConfigError, PlacementError
 from ray_zep.partition.plan import Zone
 from ray_zep.sim.compare import (
@@ -32,37 +30,20 @@ from ray_zep.sim.megatron_cp import (
 )
 from ray_zep.sim.step import RunModel, plan_batch, simulate_batch, simulate_plan
 from ray_zep.topology import build_topology
+from tests.helpers.baselines import RATES, L, small_config, small_run
 
 pytestmark = pytest.mark.unit
 
-RATES = ComputeRates(
-    4e9, 2e9, 8e9, 1e-5, "test", optimizer_param_seconds=1e-9, step_overhead_s=1e-3
-)
-L = 1000
 MIXED = np.asarray([5000, 3000, 900, 800, 700, 600, 500, 400, 300, 200] * 2)
 """Two sequences of CP 8, two of CP 4 and short ones on 8 ranks: three waves."""
 
 
-@functools.cache
 def _config(nodes: int, gpus: int, weights: str = "replicated") -> Config:
-    overrides = [
-        "parallel.sequence=te_cp",
-        f"parallel.weights={weights}",
-        "parallel.routing=false",
-        "parallel.remap=false",
-        f"train.tokens_per_rank={L}",
-        f"topology.nodes={nodes}",
-        f"topology.gpus_per_node={gpus}",
-        "topology.nic_gbits_per_s=8",
-        "topology.intra_node_gbytes_per_s=4",
-    ]
-    return load_config("conf/demo.yaml", overrides)
+    return small_config("te_cp", nodes, gpus, weights)
 
 
 def _run(nodes: int = 2, gpus: int = 4) -> RunModel:
-    config = _config(nodes, gpus)
-    hardware = Hardware(build_topology(config.topology), RATES)
-    return RunModel.create(config, hardware, on_gpu=True).with_te_wire()
+    return small_run("te_cp", nodes, gpus)
 
 
 @pytest.mark.parametrize(
