@@ -353,7 +353,7 @@ def _small_ring(
     # every size at once: D x nodes x GPUs of ranks that could take a member
     ok = (free >= need[:, None, None]) & (load + member[:, None, None] <= level)
     ok &= outside.reshape(topology.nodes, gpus)
-    enough = ok.sum(axis=2) >= degrees[:, None]
+    enough = np.count_nonzero(ok, axis=2) >= degrees[:, None]
     sizes = np.flatnonzero(enough.any(axis=1))
     if sizes.size == 0:
         return None
