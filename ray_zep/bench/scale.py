@@ -39,10 +39,11 @@ from ray_zep.report.figures import save_figure
 from ray_zep.report.plan_command import plan_memory
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
 from ray_zep.sim.bytescale import bytescale_plans, simulate_schedule
-from ray_zep.sim.compare import VARIANTS, WORK_POLICY, step_function, variant_config
+from ray_zep.sim.compare import VARIANTS, WORK_POLICY, variant_config
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
+from ray_zep.sim.megatron_cp import simulate_hybrid_cp
 from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
 from ray_zep.topology import build_topology
 from ray_zep.traffic import attention_step_traffic
@@ -146,23 +147,14 @@ def _measure(row, config: Config, hardware: Hardware, batches, ideal, capacity: 
     if VARIANTS[variant].te_wire:
         run = run.with_te_wire()
     steps, works, inter, planner, memory = [], [], [], [], []
+    routed = config.parallel.routing
     for lengths in batches:
         if VARIANTS[variant].hybrid_cp:
-            steps.append(step_function(VARIANTS[variant])(lengths, run).step_seconds)
+            steps.append(simulate_hybrid_cp(lengths, run).step_seconds)
             continue
-        started = time.perf_counter()
-        if VARIANTS[variant].bytescale:
-            micro, plans = bytescale_plans(lengths, run)
-            remap = None
-        else:
-            plan, remap = plan_batch(lengths, run)
-            plans = [plan]
-        planner.append(time.perf_counter() - started)
-        routed = config.parallel.routing
-        if VARIANTS[variant].bytescale:
-            steps.append(simulate_schedule(lengths, micro, plans, run).step_seconds)
-        else:
-            steps.append(simulate_plan(plans[0], run, routed, remap).step_seconds)
+        plans, remap, seconds, step = _planned_step(VARIANTS[variant].bytescale, lengths, run)
+        planner.append(seconds)
+        steps.append(step)
         stats = [plan_stats(plan, run.shape) for plan in plans]
         works.append(max_over_mean(sum(one.work_flops for one in stats)))
         inter.append(sum(attention_step_traffic(plan, run.shape, routed, remap).inter_node
@@ -179,6 +171,20 @@ def _measure(row, config: Config, hardware: Hardware, batches, ideal, capacity: 
         row.inter_node_gb = float(np.mean(inter)) / 1e9
         row.planner_ms = float(np.mean(planner)) * 1e3
         row.peak_memory_gb = float(max(memory)) / GB
+
+
+def _planned_step(bytescale: bool, lengths: np.ndarray, run: RunModel):
+    """(the step's plans, its remap, the planner's wall seconds, the simulated step
+    seconds): one plan as the data actor makes it, or ByteScale's rounds."""
+    started = time.perf_counter()
+    if bytescale:
+        micro, plans = bytescale_plans(lengths, run)
+        seconds = time.perf_counter() - started
+        return plans, None, seconds, simulate_schedule(lengths, micro, plans, run).step_seconds
+    plan, remap = plan_batch(lengths, run)
+    seconds = time.perf_counter() - started
+    routed = run.config.parallel.routing
+    return [plan], remap, seconds, simulate_plan(plan, run, routed, remap).step_seconds
 
 
 COLUMNS = (

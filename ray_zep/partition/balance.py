@@ -38,7 +38,7 @@ from ray_zep.errors import PlacementError
 from ray_zep.partition.fill import water_fill
 from ray_zep.partition.plan import SeqPlacement, bounds_for_counts, local_placement
 from ray_zep.partition.work import WorkModel
-from ray_zep.topology import LinkKind, Topology
+from ray_zep.topology import Topology
 
 LEVELS = (1.0, 1.02, 1.05, 1.1, 1.15, 1.25, 1.4, 1.6, 2.0, 3.0)
 """Levels scanned, times the mean work per rank."""
@@ -163,7 +163,7 @@ def _place_at(
         if not force:
             return None
         degrees = _shrink(degrees, np.maximum(2, -(-lengths[seqs] // capacity)), world)
-        member = _member_seconds(lengths[seqs], degrees, gpus, model)
+        member = model.alone_ring_seconds(lengths[seqs], degrees)
     placed = Placed.empty(world)
     slots = _NodeSlots(topology.nodes, gpus)
     for i in np.argsort(-degrees, kind="stable").tolist():
@@ -187,13 +187,13 @@ def _degrees(
     low = np.maximum(2, -(-lengths // capacity))
     guess = np.ceil(model.whole_seconds(lengths) / max(level, 1e-30))
     degree = np.minimum(np.maximum(low, guess), world).astype(np.int64)
-    seconds = _member_seconds(lengths, degree, gpus, model)
+    seconds = model.alone_ring_seconds(lengths, degree)
     for _ in range(DEGREE_ROUNDS):
         over = (seconds > level) & (degree < world)
         if not over.any():
             break
         grown = np.minimum(world, degree + np.maximum(1, degree // 8))
-        trial = _member_seconds(lengths, grown, gpus, model)
+        trial = model.alone_ring_seconds(lengths, grown)
         better = over & (trial < seconds * (1 - MIN_GAIN))
         if not better.any():
             break
@@ -202,7 +202,7 @@ def _degrees(
     # an inter-node ring takes whole nodes: a node it shared with another ring would
     # split its NICs between their boundary hops
     whole_nodes = np.where(degree > gpus, np.minimum(world, -(-degree // gpus) * gpus), degree)
-    return whole_nodes, _member_seconds(lengths, whole_nodes, gpus, model)
+    return whole_nodes, model.alone_ring_seconds(lengths, whole_nodes)
 
 
 def _shrink(degrees: np.ndarray, low: np.ndarray, world: int) -> np.ndarray:
@@ -213,17 +213,6 @@ def _shrink(degrees: np.ndarray, low: np.ndarray, world: int) -> np.ndarray:
             np.int64
         )
     return degrees
-
-
-def _member_seconds(
-    lengths: np.ndarray, degree: np.ndarray, gpus: int, model: WorkModel
-) -> np.ndarray:
-    """Work of a member of each sequence's ring of `degree` ranks (alone on its ring)."""
-    parts = model.ring_parts(lengths, degree)
-    tokens = lengths / degree
-    intra = model.ring_member_seconds(parts, tokens, degree, LinkKind.INTRA_NODE)
-    inter = model.ring_member_seconds(parts, tokens, degree, LinkKind.INTER_NODE)
-    return np.where(degree <= gpus, intra, inter)
 
 
 class _NodeSlots:
@@ -325,7 +314,7 @@ def _small_ring_seconds(lengths: np.ndarray, gpus: int, model: WorkModel) -> np.
         return np.zeros((lengths.size, degrees.size))
     grid_n = np.repeat(lengths, degrees.size)
     grid_d = np.tile(degrees, lengths.size)
-    return _member_seconds(grid_n, grid_d, gpus, model).reshape(lengths.size, degrees.size)
+    return model.alone_ring_seconds(grid_n, grid_d).reshape(lengths.size, degrees.size)
 
 
 def _small_ring(

@@ -157,3 +157,14 @@ class WorkModel:
         steps = np.asarray(degree, dtype=np.float64) - 1
         ring = parts.diagonal_s + steps * (np.maximum(step_f, send_f) + np.maximum(step_b, send_b))
         return self.linear_seconds(tokens) + self.layers * ring
+
+    def alone_ring_seconds(self, lengths: np.ndarray, degree: np.ndarray) -> np.ndarray:
+        """Work of a member of each sequence's ring of `degree` ranks, the sequence alone
+        on it: inside one node up to the topology's GPUs per node, across nodes beyond."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        degree = np.asarray(degree)
+        parts = self.ring_parts(lengths, degree)
+        tokens = lengths / degree
+        intra = self.ring_member_seconds(parts, tokens, degree, LinkKind.INTRA_NODE)
+        inter = self.ring_member_seconds(parts, tokens, degree, LinkKind.INTER_NODE)
+        return np.where(degree <= self.cost.topology.gpus_per_node, intra, inter)

@@ -258,17 +258,15 @@ def item_transfers(
     ring, u_size, topo = item.ring_size, item.ulysses, plan.topology
     if ring < 2 or item.exchange is not Exchange.RING:
         return []
-    if not all_hops and len({topo.node_of(r) for r in item.ranks}) == 1:
-        return []  # a ring inside one node has no inter-node transfer
     crossing = _crossing_hops(item, topo)
+    if not crossing and not all_hops:
+        return []  # a ring inside one node has no inter-node transfer
     # a hop keeps its proxies at every step; only the rows it carries change
     hops = [
         (position, _hop_route(topo, src, dst, routed, crossing))
         for position, src, dst in item.hops()
         if all_hops or topo.node_of(src) != topo.node_of(dst)
     ]
-    if not hops:
-        return []
     position_tokens = plan.position_tokens(item)
     payloads = [Payload.KV] if phase is Phase.FORWARD else [Payload.KV, Payload.DKV]
     key = (item.ranks, u_size)

@@ -36,14 +36,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ray_zep.costmodel import BACKWARD_LINEAR_FACTOR, head_flops_per_token
 from ray_zep.errors import PlacementError
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, even_bounds, local_placement
 from ray_zep.partition.work import WorkModel
 from ray_zep.sim.events import Timeline
-from ray_zep.sim.step import RunModel, StepResult, simulate_plan
-from ray_zep.topology import LinkKind
+from ray_zep.sim.step import RunModel, StepResult, head_seconds, simulate_plan
 
 NAME = "bytescale_hdp"
 """The simulator variant of this module."""
@@ -90,18 +88,16 @@ def micro_batches(lengths: np.ndarray, capacity: int) -> list[tuple[tuple[int, .
 
 
 def estimated_seconds(
-    units: list[tuple[tuple[int, ...], int]], lengths: np.ndarray, model: WorkModel, gpus: int
+    units: list[tuple[tuple[int, ...], int]], lengths: np.ndarray, model: WorkModel
 ) -> np.ndarray:
-    """Each micro-batch's modelled seconds on one of its ranks (the scheduler's T)."""
-    out = np.zeros(len(units))
-    for i, (seqs, ranks) in enumerate(units):
-        n = lengths[list(seqs)]
-        if ranks == 1:
-            out[i] = model.whole_seconds(n).sum()
-            continue
-        kind = LinkKind.INTRA_NODE if ranks <= gpus else LinkKind.INTER_NODE
-        parts = model.ring_parts(n, np.full(n.size, ranks))
-        out[i] = model.ring_member_seconds(parts, float(n.sum()) / ranks, ranks, kind).sum()
+    """Each micro-batch's modelled seconds on one of its ranks (the scheduler's T): a
+    packed one's sequences whole, a split sequence's member of its ring."""
+    width = np.asarray([ranks for _, ranks in units], dtype=np.int64)
+    whole = model.whole_seconds(lengths)
+    out = np.asarray([whole[list(seqs)].sum() for seqs, _ in units])
+    ring = np.flatnonzero(width > 1)
+    firsts = lengths[[units[i][0][0] for i in ring.tolist()]]
+    out[ring] = model.alone_ring_seconds(firsts, width[ring])
     return out
 
 
@@ -125,7 +121,7 @@ def schedule(lengths: np.ndarray, run: RunModel) -> list[MicroBatch]:
             f"train.tokens_per_rank={capacity}; the topology has {world}"
         )
     model = WorkModel.create(run.shape, topology, run.hardware.rates)
-    seconds = estimated_seconds(units, lengths, model, topology.gpus_per_node)
+    seconds = estimated_seconds(units, lengths, model)
     load = np.zeros(world)
     rounds = np.zeros(world, dtype=np.int64)
     out = []
@@ -208,12 +204,11 @@ def simulate_schedule(
     """
     steps = [simulate_plan(plan, run) for plan in plans]
     world, layers = run.hardware.topology.world_size, run.shape.n_layers
-    head_per_token = (1 + BACKWARD_LINEAR_FACTOR) * head_flops_per_token(run.shape)
     layer_ends, heads = [], []
     for plan, step in zip(plans, steps, strict=True):
         forward, backward = rank_ends(step.forward, world), rank_ends(step.backward, world)
         layer_ends.append(layers * (forward + backward) + step.expert_seconds)
-        heads.append(plan.rank_tokens() * head_per_token / run.hardware.rates.matmul)
+        heads.append(head_seconds(plan.rank_tokens(), run.shape, run.hardware.rates))
     finish = np.zeros(world)
     for batch in batches:
         ranks = list(batch.ranks)

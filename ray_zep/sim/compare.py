@@ -184,7 +184,7 @@ def simulate_strategies(
         run = RunModel.create(variant_config(config, name, tokens_per_rank), hardware, on_gpu)
         if VARIANTS[name].te_wire:
             run = run.with_te_wire()
-        step = step_function(VARIANTS[name])
+        step = _step_function(VARIANTS[name])
         result = StrategyResult(name)
         try:
             result.steps = [step(lengths, run) for lengths in batches]
@@ -198,7 +198,7 @@ def simulate_strategies(
     return results
 
 
-def step_function(variant: Variant) -> Callable[[np.ndarray, RunModel], StepResult]:
+def _step_function(variant: Variant) -> Callable[[np.ndarray, RunModel], StepResult]:
     """How a variant's step on a batch is simulated."""
     if variant.bytescale:
         return simulate_bytescale

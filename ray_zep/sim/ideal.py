@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ray_zep.costmodel import BACKWARD_LINEAR_FACTOR, head_flops_per_token
 from ray_zep.partition.work import WorkModel
-from ray_zep.sim.step import RunModel
+from ray_zep.sim.step import RunModel, head_seconds
 
 
 def ideal_step_seconds(lengths: np.ndarray, run: RunModel) -> float:
@@ -25,7 +24,6 @@ def ideal_step_seconds(lengths: np.ndarray, run: RunModel) -> float:
     model = WorkModel.create(shape, hardware.topology, rates)
     lengths = np.asarray(lengths, dtype=np.int64)
     compute = float(model.whole_seconds(lengths).sum())
-    head = (1 + BACKWARD_LINEAR_FACTOR) * int(lengths.sum()) * head_flops_per_token(shape)
-    compute += head / rates.matmul
+    compute += head_seconds(int(lengths.sum()), shape, rates)
     optimizer = shape.param_count() / world * rates.optimizer_param_seconds
     return compute / world + optimizer + rates.step_overhead_s

@@ -47,7 +47,12 @@ import numpy as np
 
 from ray_zep.collectives.switcher import Kind
 from ray_zep.config import Compression, Config, MoEPipeline, Precision
-from ray_zep.costmodel import BACKWARD_LINEAR_FACTOR, BYTES_PER_ELEMENT, head_flops_per_token
+from ray_zep.costmodel import (
+    BACKWARD_LINEAR_FACTOR,
+    BYTES_PER_ELEMENT,
+    ComputeRates,
+    head_flops_per_token,
+)
 from ray_zep.model.shapes import ModelShape, build_shape
 from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, WeightsMode
@@ -249,9 +254,7 @@ def simulate_plans(
     forward = _simulated(layer_graphs(setup, Phase.FORWARD, wires), hw.pool)
     backward = _simulated(layer_graphs(setup, Phase.BACKWARD, wires), hw.pool)
     tokens = setup.linear_tokens()
-    head_tokens = max(tokens, default=0)
-    head_flops = (1 + BACKWARD_LINEAR_FACTOR) * head_tokens * head_flops_per_token(shape)
-    head = head_flops / hw.rates.matmul
+    head = head_seconds(max(tokens, default=0), shape, hw.rates)
     piped = any(r.config.parallel.moe_pipeline is not MoEPipeline.NONE for r in runs)
     lengths = _busiest_sequences(plan, tokens) if piped and remap is None else None
     results = []
@@ -261,6 +264,12 @@ def simulate_plans(
         experts = expert_seconds(run, tokens, lengths)
         results.append(_result(plan, run, layers, head, paid, experts, remap))
     return results
+
+
+def head_seconds(tokens, shape: ModelShape, rates: ComputeRates):
+    """The LM head's forward + backward over `tokens` tokens (a count or an array of
+    counts) at the matmul rate."""
+    return (1 + BACKWARD_LINEAR_FACTOR) * tokens * head_flops_per_token(shape) / rates.matmul
 
 
 def _result(
