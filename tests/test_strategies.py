@@ -171,7 +171,8 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
     layers, and whole sequences under every sharding mode, 3 steps each, one spawn.
 
     On 2 x 4 each placement trains under one weights mode, the modes taking turns, and
-    whole sequences under hsdp (FSDP2's per-projection units on 2 x 2 only): what four
+    whole sequences under hsdp, dealt to ranks by modelled work (`parallel.zone_policy=
+    work`; FSDP2's per-projection units on 2 x 2 only): what four
     GPUs per node change is the plan (zones, Ulysses groups, proxies, hsdp's shard
     groups), while the weights axis composes with every placement the same way on any
     topology (crossed in full on 2 x 2)."""
@@ -196,6 +197,8 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
                              "parallel.zone_policy=work"]  # fmt: skip
     whole_weights = WHOLE_WEIGHTS if crossed else ("hsdp",)
     whole_runs = {f"whole+{w}": [*whole, f"parallel.weights={w}"] for w in whole_weights}
+    if not crossed:  # a plan change: whole sequences dealt by modelled work, not first fit
+        whole_runs["whole+hsdp"].append("parallel.zone_policy=work")
     singles = run_ranks(
         _train_all,
         1,
