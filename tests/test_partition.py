@@ -13,6 +13,7 @@ from ray_zep.errors import ConfigError, PlacementError
 from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import PLANNED, make_plan, plan_from_bins
+from ray_zep.partition import stats as stats_module
 from ray_zep.partition.fill import water_fill
 from ray_zep.partition.plan import Exchange, Zone, bounds_for_counts, even_bounds
 from ray_zep.partition.stats import plan_stats, visible_pairs
@@ -173,6 +174,34 @@ def test_stats_count_causal_pairs_exactly() -> None:
     flops = plan_stats(ring, SHAPE).attention_flops
     assert flops.sum() == visible_pairs(0, 8) * per_pair
     assert flops[0] == flops[1], "zigzag balances causal work"
+
+
+@pytest.mark.parametrize("strategy", PLANNED, ids=lambda s: s.value)
+@settings(max_examples=40, deadline=None)
+@given(batch=batches(), policy=st.sampled_from(list(ZonePolicy)))
+def test_stats_on_arrays_equal_the_member_by_member_sums(strategy, batch, policy) -> None:
+    """Ulysses-free plans are costed all members at once; the figures equal, exactly,
+    the sums over each item's members in turn."""
+    topology, capacity, lengths = batch
+    plan = _planned(strategy, lengths, topology, capacity, policy)
+    items = plan.items() if plan is not None else []
+    if not items or any(item.ulysses > 1 for item in items):
+        return
+    fast = plan_stats(plan, SHAPE)
+    world = plan.world
+    sums = stats_module._Sums(
+        np.zeros(world), np.zeros(world),
+        {kind: np.zeros(world, dtype=np.int64) for kind in LinkKind},
+        {kind: np.zeros(world, dtype=np.int64) for kind in LinkKind},
+    )  # fmt: skip
+    cost = CostModel.create(SHAPE, topology)
+    zones = stats_module._add_items(plan, items, SHAPE, cost, sums)
+    assert fast.zones == zones
+    assert fast.attention_flops.tolist() == sums.flops.tolist()
+    assert fast.seconds.tolist() == sums.seconds.tolist()
+    for kind in LinkKind:
+        assert fast.sent_bytes[kind].tolist() == sums.sent[kind].tolist()
+        assert fast.collective_bytes[kind].tolist() == sums.collective[kind].tolist()
 
 
 def test_modelled_time_overlaps_ring_transfer_with_compute() -> None:

@@ -178,6 +178,30 @@ def test_rank_routing_keeps_what_each_rank_does() -> None:
     assert orders == sorted(orders), "transfers are listed in handling order"
 
 
+@pytest.mark.parametrize("placement", [Placement.ZEPPELIN, Placement.TE_CP], ids=lambda p: p.value)
+def test_a_ranks_transfers_are_the_plans_that_involve_it(placement) -> None:
+    """`for_rank` lists only the rings a rank takes part in; its transfers are exactly
+    the routed ones of the whole plan's lists that involve the rank, in their order."""
+    topo = _topology(nodes=4, gpus=4, nics=2)
+    shape = build_shape(load_config(None, ["model.preset=7b"]).model)
+    lengths = [30000, 9000, 7000, 3000, 800, 600, 500, 40]
+    plan = make_plan(placement, lengths, topo, 4096, shape)
+    routing = RoutingPlan.build(plan)
+    seen = 0
+    for rank in range(topo.world_size):
+        mine = routing.for_rank(rank)
+        for listed, got in ((routing.forward, mine.forward), (routing.backward, mine.backward)):
+            expected = [
+                t
+                for t in listed
+                if not t.route.direct
+                and rank in (t.route.src, t.route.dst, *t.route.send_proxies, *t.route.recv_proxies)
+            ]
+            assert list(got) == expected, f"rank {rank}"
+            seen += len(got)
+    assert seen, "the plan routes something"
+
+
 # -- multi-process: bit-exact delivery ------------------------------------------------
 
 ROUTES = [

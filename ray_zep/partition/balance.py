@@ -36,6 +36,7 @@ import numpy as np
 
 from ray_zep.errors import PlacementError
 from ray_zep.partition.fill import water_fill
+from ray_zep.partition.load_index import LoadIndex
 from ray_zep.partition.plan import SeqPlacement, bounds_for_counts, local_placement
 from ray_zep.partition.work import WorkModel
 from ray_zep.topology import Topology
@@ -52,6 +53,8 @@ DEGREE_ROUNDS = 24
 SMALL_RING_SHARE = 0.25
 """A whole sequence that fits under the level nowhere becomes a small ring only when
 its work is at least this share of the level (a shorter one overshoots by little)."""
+SPILL_CANDIDATES = 64
+"""Ranks with most free tokens sorted first when a sequence spills (all, if they lack room)."""
 MIN_GAIN = 0.03
 """A ring grows only while that lowers its member work by at least this share."""
 
@@ -276,13 +279,28 @@ def _fill_whole(
     topology: Topology,
 ) -> None:
     """Best fit decreasing of whole sequences under `level`, token room permitting; one
-    that fits under it nowhere becomes a small intra-node ring where that fits."""
+    that fits under it nowhere becomes a small intra-node ring where that fits.
+
+    `order` is by work, most first, so once a sequence's work is under
+    `SMALL_RING_SHARE` of the level no later one becomes a ring: from there on the
+    ranks outside rings are no longer tracked."""
     load, tokens = placed.load, placed.tokens
-    for seq in order.tolist():
-        n, w = int(lengths[seq]), float(work[seq])
-        rank, under = _best_rank(load, tokens, capacity - n, level - w)
-        worth = not under and w >= SMALL_RING_SHARE * level
-        ring = _small_ring(placed, n, w, small[seq], level, capacity, topology) if worth else None
+    index = LoadIndex(load, tokens)
+    spare: LoadIndex | None = LoadIndex(load, tokens)  # the ranks in no ring
+    spare.set_bound(capacity)
+    spare.drop(np.flatnonzero(placed.in_ring))
+    smallest_ring = SMALL_RING_SHARE * level
+    sizes, works = lengths[order].tolist(), work[order].tolist()
+    for seq, n, w in zip(order.tolist(), sizes, works, strict=True):
+        index.set_bound(capacity - n)
+        rank = index.fullest_under(level - w)
+        if w < smallest_ring:
+            spare = None
+        ring = None
+        if rank is None:
+            rank = index.least_loaded()
+            if spare is not None:
+                ring = _small_ring(placed, spare, n, w, small[seq], level, capacity, topology)
         if ring is not None:
             _add_ring(placed, seq, n, *ring)
         elif rank is None:
@@ -291,20 +309,13 @@ def _fill_whole(
             load[rank] += w
             tokens[rank] += n
             placed.local[seq] = rank
-
-
-def _best_rank(
-    load: np.ndarray, tokens: np.ndarray, most_tokens: int, room: float
-) -> tuple[int | None, bool]:
-    """(the fullest rank with load <= room and at most `most_tokens` tokens, True), else
-    (the least loaded rank with at most `most_tokens`, False), else (None, False)."""
-    fits = tokens <= most_tokens
-    under = fits & (load <= room)
-    if under.any():
-        return int(np.argmax(np.where(under, load, -np.inf))), True
-    if fits.any():
-        return int(np.argmin(np.where(fits, load, np.inf))), False
-    return None, False
+            index.move(rank)
+            if spare is not None:
+                spare.move(rank)
+            continue
+        index.update(placed.groups[seq][0])
+        if spare is not None:
+            spare.drop(placed.groups[seq][0])
 
 
 def _small_ring_seconds(lengths: np.ndarray, gpus: int, model: WorkModel) -> np.ndarray:
@@ -319,6 +330,7 @@ def _small_ring_seconds(lengths: np.ndarray, gpus: int, model: WorkModel) -> np.
 
 def _small_ring(
     placed: Placed,
+    spare: LoadIndex,
     n: int,
     work: float,
     member: np.ndarray,
@@ -326,40 +338,58 @@ def _small_ring(
     capacity: int,
     topology: Topology,
 ) -> tuple[tuple[int, ...], float] | None:
-    """The fewest GPUs of one node (2 .. G), in no ring yet, whose work room and token
-    room take a ring over `n` tokens (`member`: its member work at each of those
-    sizes), and its member work; None where no node has them."""
+    """The fewest GPUs of one node (2 .. G), in no ring yet (`spare`), whose work room
+    and token room take a ring over `n` tokens (`member`: its member work at each of
+    those sizes), and its member work; None where no node has them."""
     gpus = topology.gpus_per_node
     degrees = np.arange(2, gpus + 1)
-    outside = ~placed.in_ring
-    if degrees.size == 0 or not outside.any():
-        return None
-    if placed.load[outside].min() + work / gpus > level:
+    least = spare.least_load()
+    if degrees.size == 0 or least is None or least + work / gpus > level:
         return None  # no rank outside a ring has room for even a G-th of the work
-    load = placed.load.reshape(topology.nodes, gpus)
-    free = (capacity - placed.tokens).reshape(topology.nodes, gpus)
     need = -(-n // degrees)
+    # nodes with two ranks that could take a member of some size: only they can
+    ranks = np.asarray(spare.at_most(level - member.min()), dtype=np.int64)
+    ranks = ranks[capacity - placed.tokens[ranks] >= need.min()]
+    near = np.flatnonzero(np.bincount(ranks // gpus, minlength=topology.nodes) >= 2)
+    if near.size == 0:
+        return None
+    load = placed.load.reshape(topology.nodes, gpus)[near]
+    free = capacity - placed.tokens.reshape(topology.nodes, gpus)[near]
     # every size at once: D x nodes x GPUs of ranks that could take a member
     ok = (free >= need[:, None, None]) & (load + member[:, None, None] <= level)
-    ok &= outside.reshape(topology.nodes, gpus)
+    ok &= ~placed.in_ring.reshape(topology.nodes, gpus)[near]
     enough = np.count_nonzero(ok, axis=2) >= degrees[:, None]
     sizes = np.flatnonzero(enough.any(axis=1))
     if sizes.size == 0:
         return None
     k = int(sizes[0])
     nodes = np.flatnonzero(enough[k])
-    node = int(nodes[np.argmin(load[nodes].sum(axis=1))])
-    candidates = np.flatnonzero(ok[k, node])
-    chosen = candidates[np.argsort(load[node, candidates], kind="stable")[: degrees[k]]]
-    return tuple(sorted((node * gpus + chosen).tolist())), float(member[k])
+    at = int(nodes[np.argmin(load[nodes].sum(axis=1))])
+    candidates = np.flatnonzero(ok[k, at])
+    chosen = candidates[np.argsort(load[at, candidates], kind="stable")[: degrees[k]]]
+    return tuple(sorted((int(near[at]) * gpus + chosen).tolist())), float(member[k])
 
 
 def _spill(placed: Placed, n: int, capacity: int) -> tuple[int, ...]:
     """Ranks with most free tokens, as many as hold `n` (no rank has room for it whole)."""
     free = capacity - placed.tokens
-    order = np.argsort(-free, kind="stable")
-    count = int(np.searchsorted(np.cumsum(free[order]), n)) + 1
+    order = _most_free_first(free, SPILL_CANDIDATES)
+    held = np.cumsum(free[order])
+    if held[-1] < n and order.size < free.size:  # the top ranks lack room: all of them
+        order = _most_free_first(free, free.size)
+        held = np.cumsum(free[order])
+    count = int(np.searchsorted(held, n)) + 1
     return tuple(sorted(order[:count].tolist()))
+
+
+def _most_free_first(free: np.ndarray, top: int) -> np.ndarray:
+    """The ranks with at least the `top`-th most free tokens (more on ties), most free
+    first, the lowest rank first on ties: the head of a stable sort of all of them."""
+    if top < free.size:
+        order = np.flatnonzero(free >= np.partition(free, free.size - top)[free.size - top])
+    else:
+        order = np.arange(free.size)
+    return order[np.argsort(-free[order], kind="stable")]
 
 
 def _add_spill(

@@ -153,8 +153,9 @@ def _slice_ranges(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple
 def zone_of(ranks: tuple[int, ...], topology: Topology) -> Zone:
     if len(ranks) == 1:
         return Zone.LOCAL
-    nodes = {topology.node_of(r) for r in ranks}
-    return Zone.INTRA_NODE if len(nodes) == 1 else Zone.INTER_NODE
+    node = topology.node_of(ranks[0])
+    crosses = any(topology.node_of(r) != node for r in ranks[1:])
+    return Zone.INTER_NODE if crosses else Zone.INTRA_NODE
 
 
 def link_kind(src: int, dst: int, topology: Topology) -> LinkKind:
@@ -211,6 +212,7 @@ class AttentionPlan:
     """True for `slice_for`'s result, which holds only one rank's placements."""
     _items: list[QueueItem] | None = field(default=None, repr=False, compare=False)
     _by_seq: dict[int, SeqPlacement] | None = field(default=None, repr=False, compare=False)
+    _rank_tokens: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def world(self) -> int:
@@ -273,7 +275,12 @@ class AttentionPlan:
         return fragments
 
     def rank_tokens(self) -> np.ndarray:
-        """Tokens held by every rank."""
+        """Tokens held by every rank (a copy: the plan keeps its own)."""
+        if self._rank_tokens is None:
+            self._rank_tokens = self._count_rank_tokens()
+        return self._rank_tokens.copy()
+
+    def _count_rank_tokens(self) -> np.ndarray:
         counts = [0] * self.world
         for p in self.placements:
             if p.ulysses == 1:  # ring position r holds chunks r and 2R-1-r
@@ -371,4 +378,4 @@ def bounds_for_counts(counts: list[int]) -> tuple[int, ...]:
 
 def local_placement(seq: int, length: int, rank: int) -> SeqPlacement:
     """A whole sequence on one rank."""
-    return SeqPlacement(seq, length, (rank,), even_bounds(length, 1))
+    return SeqPlacement(seq, length, (rank,), (0, length // 2, length))  # even_bounds(length, 1)

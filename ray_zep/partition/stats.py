@@ -34,6 +34,7 @@ from ray_zep.costmodel import (
     q_bytes_per_token,
 )
 from ray_zep.model.shapes import ModelShape
+from ray_zep.partition.member_arrays import plain_members
 from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem, SeqPlacement, link_kind
 from ray_zep.topology import LinkKind
 
@@ -99,9 +100,35 @@ def plan_stats(plan: AttentionPlan, shape: ModelShape) -> PlanStats:
     seconds = np.zeros(world, dtype=np.float64)
     sent = {kind: np.zeros(world, dtype=np.int64) for kind in LinkKind}
     collective = {kind: np.zeros(world, dtype=np.int64) for kind in LinkKind}
-    zones: list[dict[str, int]] = [{} for _ in range(world)]
+    items = plan.items()
+    sums = _Sums(flops, seconds, sent, collective)
+    if items and all(item.ulysses == 1 for item in items):
+        zones = _add_plain_items(plan, items, shape, cost, sums)
+    else:
+        zones = _add_items(plan, items, shape, cost, sums)
+    before, after = linear_flops_per_token(shape)
+    work = 3.0 * shape.n_layers * (tokens * (before + after) + flops)
+    return PlanStats(tokens, flops, sent, zones, seconds, collective, work)
+
+
+@dataclass(frozen=True)
+class _Sums:
+    """The per-rank arrays `plan_stats` adds every item to."""
+
+    flops: np.ndarray
+    seconds: np.ndarray
+    sent: dict[LinkKind, np.ndarray]
+    collective: dict[LinkKind, np.ndarray]
+
+
+def _add_items(
+    plan: AttentionPlan, items: list[QueueItem], shape: ModelShape, cost: CostModel, sums: _Sums
+) -> list[dict[str, int]]:
+    """Adds each item, member by member (any item, Ulysses ones included); returns
+    each rank's tokens per zone."""
+    zones: list[dict[str, int]] = [{} for _ in range(plan.world)]
     pair_flops = 4.0 * shape.n_heads * shape.head_dim
-    for item in plan.items():
+    for item in items:
         placements = [plan.placement(s) for s in item.seqs]
         member_flops = []
         for member, rank in enumerate(item.ranks):
@@ -112,12 +139,77 @@ def plan_stats(plan: AttentionPlan, shape: ModelShape) -> PlanStats:
                 visible_pairs(a, b) for p in placements for a, b in p.position_ranges(position)
             )
             member_flops.append(pair_flops * pairs / item.ulysses)
-        flops[list(item.ranks)] += member_flops
-        exchange_bytes = _add_item_bytes(plan, item, placements, shape, sent, collective)
-        seconds[list(item.ranks)] += _item_seconds(item, cost, max(member_flops), exchange_bytes)
-    before, after = linear_flops_per_token(shape)
-    work = 3.0 * shape.n_layers * (tokens * (before + after) + flops)
-    return PlanStats(tokens, flops, sent, zones, seconds, collective, work)
+        sums.flops[list(item.ranks)] += member_flops
+        exchange_bytes = _add_item_bytes(plan, item, placements, shape, sums.sent, sums.collective)
+        sums.seconds[list(item.ranks)] += _item_seconds(
+            item, cost, max(member_flops), exchange_bytes
+        )
+    return zones
+
+
+def _add_plain_items(
+    plan: AttentionPlan, items: list[QueueItem], shape: ModelShape, cost: CostModel, sums: _Sums
+) -> list[dict[str, int]]:
+    """`_add_items` of Ulysses-free items, all members at once (`member_arrays`): the
+    same sums, added rank by rank in the same order."""
+    members = plain_members(plan, items)
+    item, rank = members.item, members.rank
+    member_flops = 4.0 * shape.n_heads * shape.head_dim * members.pairs
+    np.add.at(sums.flops, rank, member_flops)
+    ring_exchange = np.asarray([it.exchange is Exchange.RING for it in items])
+    node = rank // plan.topology.gpus_per_node
+    after = members.next_member()
+    crosses = node != node[after]
+    widest = members.per_item(members.tokens, np.maximum)
+    total = members.per_item(members.tokens, np.add)
+    ring = members.ring[item]
+    kv_token = kv_bytes_per_token(shape)
+    carried = np.where(
+        ring_exchange[item], total[item] - members.tokens[after], (ring - 1) * widest[item]
+    )
+    for kind, links in ((LinkKind.INTER_NODE, crosses), (LinkKind.INTRA_NODE, ~crosses)):
+        sends = links & (ring > 1)
+        np.add.at(sums.sent[kind], rank[sends], carried[sends] * kv_token)
+        gathers = sends & ~ring_exchange[item]
+        np.add.at(sums.collective[kind], rank[gathers], carried[gathers] * kv_token)
+    inter = members.per_item(node, np.minimum) != members.per_item(node, np.maximum)
+    compute = cost.attention_seconds(members.per_item(member_flops, np.maximum))
+    seconds = _plain_item_seconds(cost, compute, members.ring, widest * kv_token, inter,
+                                  ring_exchange)  # fmt: skip
+    np.add.at(sums.seconds, rank, seconds[item])
+    zones: list[dict[str, int]] = [{} for _ in range(plan.world)]
+    values = [it.zone.value for it in items]
+    for value in dict.fromkeys(values):  # the zones in execution order, as `_add_items`
+        mine = np.asarray([v == value for v in values])[item]
+        held = np.zeros(plan.world, dtype=np.int64)
+        np.add.at(held, rank[mine], members.tokens[mine])
+        for r in np.unique(rank[mine]).tolist():
+            zones[r][value] = int(held[r])
+    return zones
+
+
+def _plain_item_seconds(
+    cost: CostModel,
+    compute: np.ndarray,
+    ring: np.ndarray,
+    step_bytes: np.ndarray,
+    inter: np.ndarray,
+    ring_exchange: np.ndarray,
+) -> np.ndarray:
+    """`_item_seconds` of Ulysses-free items (nothing to exchange between heads), on arrays."""
+
+    def transfer(one_sender_per_nic: bool) -> np.ndarray:
+        kinds = (LinkKind.INTER_NODE, LinkKind.INTRA_NODE)
+        latency = np.where(inter, *(cost.link_latency(k) for k in kinds))
+        bandwidth = np.where(inter, *(cost.link_bandwidth(k, one_sender_per_nic) for k in kinds))
+        return np.where(step_bytes > 0, latency + step_bytes / bandwidth, 0.0)
+
+    steps = ring - 1
+    step = np.where(ring_exchange, transfer(True), transfer(False))
+    share = compute / ring
+    rings = share + steps * np.maximum(share, step)
+    gathers = compute + steps * step
+    return np.where(steps == 0, compute, np.where(ring_exchange, rings, gathers))
 
 
 def _item_seconds(item: QueueItem, cost: CostModel, flops: float, exchange: _Exchanged) -> float:
@@ -137,9 +229,8 @@ def _item_seconds(item: QueueItem, cost: CostModel, flops: float, exchange: _Exc
 
 
 def _slowest_link(item: QueueItem, cost: CostModel) -> LinkKind:
-    topo = cost.topology
-    nodes = {topo.node_of(r) for r in item.ranks}
-    return LinkKind.INTER_NODE if len(nodes) > 1 else LinkKind.INTRA_NODE
+    nodes = np.asarray(item.ranks) // cost.topology.gpus_per_node
+    return LinkKind.INTER_NODE if nodes.min() != nodes.max() else LinkKind.INTRA_NODE
 
 
 @dataclass(frozen=True)

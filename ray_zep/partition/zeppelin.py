@@ -221,27 +221,32 @@ def _place_whole(
     """Bin of each whole sequence (given longest first), or None when one fits nowhere.
 
     Each goes to the bin with the least work (`by_work`) or the most free tokens,
-    lowest index on ties, among those with room. A heap keeps this O(log bins)
-    per sequence: batches hold thousands.
+    lowest index on ties, among those with room. Two heaps keep this O(log bins)
+    per sequence (batches hold tens of thousands): `ready` holds bins keyed for
+    the choice, `short` the bins found too full, by most free tokens first. A bin
+    leaves `ready` when it lacks room for the sequence at hand and comes back once
+    a shorter sequence fits it, so full bins are not searched again and again.
 
     Returns:
         The bins, then every bin's free tokens and attention work after them.
     """
     free, load = [capacity] * bins, [0.0] * bins
-    heap = [(0.0 if by_work else -capacity, b) for b in range(bins)]
+    ready = [(0.0 if by_work else -capacity, b) for b in range(bins)]
+    short: list[tuple[int, int]] = []
     placed = []
     for n in sizes:
-        skipped = []
-        while heap and free[heap[0][1]] < n:
-            skipped.append(heapq.heappop(heap))
-        if not heap:
+        while short and -short[0][0] >= n:
+            b = heapq.heappop(short)[1]
+            heapq.heappush(ready, (load[b] if by_work else -free[b], b))
+        while ready and free[ready[0][1]] < n:
+            b = heapq.heappop(ready)[1]
+            heapq.heappush(short, (-free[b], b))
+        if not ready:
             return None
-        b = heap[0][1]
+        b = ready[0][1]
         free[b] -= n
         load[b] += float(n) * n
-        heapq.heapreplace(heap, (load[b] if by_work else -free[b], b))
-        for entry in skipped:
-            heapq.heappush(heap, entry)
+        heapq.heapreplace(ready, (load[b] if by_work else -free[b], b))
         placed.append(b)
     return placed, np.asarray(free, dtype=np.int64), np.asarray(load)
 

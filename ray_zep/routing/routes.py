@@ -29,6 +29,7 @@ Rows are token rows of a position's K/V (or dK/dV) buffer.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -255,18 +256,38 @@ def item_transfers(
 ) -> list[Transfer]:
     """Inter-node transfers of a ring item in one phase, in handling order (with
     `all_hops`, intra-node hops too, as direct routes: for byte accounting)."""
-    ring, u_size, topo = item.ring_size, item.ulysses, plan.topology
-    if ring < 2 or item.exchange is not Exchange.RING:
+    hops = item_hop_routes(plan.topology, item, routed, all_hops)
+    return listed_transfers(plan, index, item, hops, phase) if hops else []
+
+
+def item_hop_routes(
+    topo: Topology, item: QueueItem, routed: bool, all_hops: bool = False
+) -> list[tuple[int, Route]]:
+    """(position, route of no rows yet) of each listed hop of a ring item: a hop keeps
+    its proxies at every step, only the rows it carries change. Inter-node hops only,
+    unless `all_hops`; none for an item that never sends around a ring."""
+    if item.ring_size < 2 or item.exchange is not Exchange.RING:
         return []
     crossing = _crossing_hops(item, topo)
     if not crossing and not all_hops:
         return []  # a ring inside one node has no inter-node transfer
-    # a hop keeps its proxies at every step; only the rows it carries change
-    hops = [
+    return [
         (position, _hop_route(topo, src, dst, routed, crossing))
         for position, src, dst in item.hops()
         if all_hops or topo.node_of(src) != topo.node_of(dst)
     ]
+
+
+def listed_transfers(
+    plan: AttentionPlan,
+    index: int,
+    item: QueueItem,
+    hops: list[tuple[int, Route]],
+    phase: Phase,
+) -> list[Transfer]:
+    """Every ring step's transfers over `hops` (`item_hop_routes`) in one phase, in
+    handling order: step, then payload, then hop."""
+    ring, u_size = item.ring_size, item.ulysses
     position_tokens = plan.position_tokens(item)
     payloads = [Payload.KV] if phase is Phase.FORWARD else [Payload.KV, Payload.DKV]
     key = (item.ranks, u_size)
@@ -327,11 +348,18 @@ class RankRouting:
 
 @dataclass(frozen=True)
 class RoutingPlan:
-    """Every inter-node ring transfer of one layer's forward and backward."""
+    """Every inter-node ring transfer of one layer's forward and backward.
 
-    topology: Topology
-    forward: tuple[Transfer, ...]
-    backward: tuple[Transfer, ...]
+    `build` decides each hop's route (its proxies) once; the transfers of every ring
+    step are listed on demand, for the whole plan (`forward`, `backward`) or for one
+    rank's items (`for_rank`), so planning a step does not list the transfers of
+    thousands of rings.
+    """
+
+    plan: AttentionPlan
+    hops: tuple[tuple[int, tuple[tuple[int, Route], ...]], ...]
+    """(item index in the plan's execution order, its listed hops (`item_hop_routes`))
+    of every item that has any."""
     routed: bool = True
     """Inter-node hops go through proxies (else direct)."""
 
@@ -346,23 +374,58 @@ class RoutingPlan:
         """Routes for `plan`: through proxies (`routed`) or direct (for comparison);
         `all_hops` adds the intra-node ring hops (direct) for byte accounting; items
         for which `skip` is true are left out (their transfers: `item_transfers`)."""
-        phases = {}
-        for phase in Phase:
-            phases[phase] = tuple(
-                t
-                for index, item in enumerate(plan.items())
-                if skip is None or not skip(item)
-                for t in item_transfers(plan, index, item, phase, routed, all_hops)
-            )
-        return cls(plan.topology, phases[Phase.FORWARD], phases[Phase.BACKWARD], routed)
+        topo = plan.topology
+        hops = []
+        for index, item in enumerate(plan.items()):
+            if skip is not None and skip(item):
+                continue
+            if listed := item_hop_routes(topo, item, routed, all_hops):
+                hops.append((index, tuple(listed)))
+        return cls(plan, tuple(hops), routed)
+
+    @property
+    def topology(self) -> Topology:
+        return self.plan.topology
+
+    @functools.cached_property
+    def forward(self) -> tuple[Transfer, ...]:
+        return self._listed(Phase.FORWARD, self.hops)
+
+    @functools.cached_property
+    def backward(self) -> tuple[Transfer, ...]:
+        return self._listed(Phase.BACKWARD, self.hops)
+
+    def _listed(self, phase: Phase, hops) -> tuple[Transfer, ...]:
+        items = self.plan.items()
+        return tuple(
+            t
+            for index, listed in hops
+            for t in listed_transfers(self.plan, index, items[index], list(listed), phase)
+        )
+
+    @functools.cached_property
+    def _routed_items(self) -> dict[int, list]:
+        """For each rank, the `hops` entries of the items with a routed hop involving it."""
+        out: dict[int, list] = {}
+        for entry in self.hops:
+            involved = set()
+            for _, route in entry[1]:
+                if not route.direct:
+                    involved.update((route.src, route.dst, *route.send_proxies,
+                                     *route.recv_proxies))  # fmt: skip
+            for rank in sorted(involved):
+                out.setdefault(rank, []).append(entry)
+        return out
 
     def for_rank(self, rank: int) -> RankRouting:
         """The transfers `rank` sends, receives or relays (routed ones only)."""
+        mine = self._routed_items.get(rank, ())
 
-        def mine(transfers):
+        def involving(transfers):
             return tuple(t for t in transfers if not t.route.direct and _involves(t.route, rank))
 
-        return RankRouting(rank, mine(self.forward), mine(self.backward))
+        forward = involving(self._listed(Phase.FORWARD, mine))
+        return RankRouting(rank, forward, involving(self._listed(Phase.BACKWARD, mine)))
 
     def link_bytes(self, row_bytes: Callable[[Transfer], int]) -> tuple[int, np.ndarray]:
         """Bytes of one layer's forward + backward: over intra-node links (direct

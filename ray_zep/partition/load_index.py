@@ -1,0 +1,113 @@
+"""Ranks ordered by modelled load, for best-fit queries under a token bound.
+
+The work planner deals whole sequences one by one, each to the fullest rank whose
+load leaves room for it among the ranks with token room (`ray_zep.partition.balance`).
+Scanning every rank's load per sequence costs O(ranks) array work each time: tens of
+thousands of sequences on 4,096 ranks take seconds. This index keeps the ranks with
+token room in a list sorted by (load, -rank), so each query is a bisection, and the
+ranks without room in a heap by tokens, from which they return when the bound rises
+(sequences come longest first, so the bound rarely falls; when it does, the index is
+rebuilt). Answers equal the array scans exactly, ties going to the lowest rank.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+
+import numpy as np
+
+
+class LoadIndex:
+    """Best-fit queries over ranks whose `load` and `tokens` arrays the caller owns
+    (call `move` or `update` after changing a rank's entries)."""
+
+    def __init__(self, load: np.ndarray, tokens: np.ndarray) -> None:
+        self.load, self.tokens = load, tokens
+        self.bound: int | None = None
+        self.ready: list[tuple[float, int]] = []
+        self.waiting: list[tuple[int, int]] = []
+        self.in_ready = [False] * len(load)
+        self.dropped = [False] * len(load)
+        self.filed = [0.0] * len(load)
+        """The load each rank in `ready` was filed under."""
+
+    def set_bound(self, most_tokens: int) -> None:
+        """Only ranks holding at most `most_tokens` tokens answer from now on."""
+        if most_tokens == self.bound:
+            return
+        if self.bound is None or most_tokens < self.bound:
+            self.bound = most_tokens
+            self._rebuild()
+            return
+        self.bound = most_tokens
+        while self.waiting and self.waiting[0][0] <= most_tokens:
+            held, rank = heapq.heappop(self.waiting)
+            fresh = held == int(self.tokens[rank]) and not self.dropped[rank]
+            if fresh and not self.in_ready[rank]:
+                self._insert(rank)
+
+    def fullest_under(self, room: float) -> int | None:
+        """The rank with the most load not above `room` (lowest rank on ties)."""
+        at = bisect.bisect_right(self.ready, (room, math.inf))
+        return -self.ready[at - 1][1] if at else None
+
+    def at_most(self, limit: float) -> list[int]:
+        """The ranks whose load is not above `limit`, least loaded first."""
+        end = bisect.bisect_right(self.ready, (limit, math.inf))
+        return [-rank for _, rank in self.ready[:end]]
+
+    def least_load(self) -> float | None:
+        return self.ready[0][0] if self.ready else None
+
+    def least_loaded(self) -> int | None:
+        """The rank with the least load (lowest rank on ties)."""
+        if not self.ready:
+            return None
+        at = bisect.bisect_right(self.ready, (self.ready[0][0], math.inf))
+        return -self.ready[at - 1][1]
+
+    def move(self, rank: int) -> None:
+        """Re-file `rank` after its load or tokens changed."""
+        if self.dropped[rank]:
+            return
+        if self.in_ready[rank]:
+            del self.ready[bisect.bisect_left(self.ready, (self.filed[rank], -rank))]
+            self.in_ready[rank] = False
+        held = int(self.tokens[rank])
+        if held <= self.bound:
+            self._insert(rank)
+        else:
+            heapq.heappush(self.waiting, (held, rank))
+
+    def update(self, ranks) -> None:
+        """`move` for each of `ranks`."""
+        for rank in ranks:
+            self.move(int(rank))
+
+    def drop(self, ranks) -> None:
+        """Leave `ranks` out of every answer from now on."""
+        for rank in ranks:
+            rank = int(rank)
+            if self.in_ready[rank]:
+                del self.ready[bisect.bisect_left(self.ready, (self.filed[rank], -rank))]
+                self.in_ready[rank] = False
+            self.dropped[rank] = True
+
+    def _rebuild(self) -> None:
+        dropped = np.asarray(self.dropped, dtype=bool)
+        fits = (self.tokens <= self.bound) & ~dropped
+        self.in_ready = fits.tolist()
+        ranks = np.flatnonzero(fits)
+        self.filed = self.load.tolist()
+        self.ready = sorted(zip(self.load[ranks].tolist(), (-ranks).tolist(), strict=True))
+        out = np.flatnonzero(~fits & ~dropped)
+        self.waiting = list(zip(self.tokens[out].tolist(), out.tolist(), strict=True))
+        heapq.heapify(self.waiting)
+
+    def _insert(self, rank: int) -> None:
+        load = float(self.load[rank])
+        bisect.insort(self.ready, (load, -rank))
+        self.filed[rank] = load
+        self.in_ready[rank] = True

@@ -1,0 +1,117 @@
+"""The work planner's fast paths equal the array scans they replace (hypothesis):
+`LoadIndex` best-fit queries, the spill's partial sort and the two-heap whole-sequence
+deal of the cost policy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ray_zep.partition.balance import Placed, _spill
+from ray_zep.partition.load_index import LoadIndex
+from ray_zep.partition.zeppelin import _place_whole
+
+pytestmark = pytest.mark.unit
+
+
+def _fullest_under(load, tokens, bound, dropped, room):
+    ok = (tokens <= bound) & ~dropped & (load <= room)
+    return int(np.argmax(np.where(ok, load, -np.inf))) if ok.any() else None
+
+
+def _least_loaded(load, tokens, bound, dropped):
+    ok = (tokens <= bound) & ~dropped
+    return int(np.argmin(np.where(ok, load, np.inf))) if ok.any() else None
+
+
+# loads from a few values, so that ties are common
+operations = st.lists(
+    st.tuples(
+        st.sampled_from(["bound", "move", "drop"]),
+        st.integers(0, 11),
+        st.integers(0, 6),
+        st.integers(0, 30),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=operations, start=st.lists(st.integers(0, 5), min_size=12, max_size=12))
+def test_load_index_answers_as_the_array_scan_does(ops, start) -> None:
+    load = np.asarray(start, dtype=np.float64)
+    tokens = np.asarray(start, dtype=np.int64) * 3
+    dropped = np.zeros(12, dtype=bool)
+    index = LoadIndex(load, tokens)
+    bound = 10
+    index.set_bound(bound)
+    for op, rank, amount, limit in ops:
+        if op == "bound":  # rises or falls
+            bound = limit
+            index.set_bound(bound)
+        elif op == "move":
+            load[rank] += amount
+            tokens[rank] += amount
+            index.move(rank)
+        else:
+            dropped[rank] = True
+            index.drop([rank])
+        for room in (-1.0, 2.0, 5.5, float(limit), 1e9):
+            assert index.fullest_under(room) == _fullest_under(load, tokens, bound, dropped, room)
+            ok = (tokens <= bound) & ~dropped & (load <= room)
+            assert sorted(index.at_most(room)) == np.flatnonzero(ok).tolist()
+        assert index.least_loaded() == _least_loaded(load, tokens, bound, dropped)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    free=st.lists(st.integers(0, 6), min_size=1, max_size=300),
+    share=st.floats(0.0, 1.0),
+)
+def test_spill_takes_the_ranks_a_full_stable_sort_takes(free, share) -> None:
+    capacity = 6
+    free = np.asarray(free, dtype=np.int64)
+    n = max(1, int(share * free.sum()))
+    placed = Placed.empty(free.size)
+    placed.tokens[:] = capacity - free
+    order = np.argsort(-free, kind="stable")
+    count = int(np.searchsorted(np.cumsum(free[order]), n)) + 1
+    assert _spill(placed, n, capacity) == tuple(sorted(order[:count].tolist()))
+
+
+def _scan_whole(sizes, bins, capacity, by_work):
+    free, load, placed = [capacity] * bins, [0.0] * bins, []
+    for n in sizes:
+        room = [b for b in range(bins) if free[b] >= n]
+        if not room:
+            return None
+        b = min(room, key=lambda b: (load[b] if by_work else -free[b], b))
+        free[b] -= n
+        load[b] += float(n) * n
+        placed.append(b)
+    return placed, free, load
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 40), max_size=40),
+    bins=st.integers(1, 9),
+    capacity=st.integers(1, 60),
+    by_work=st.booleans(),
+    longest_first=st.booleans(),
+)
+def test_whole_sequences_go_where_a_scan_of_every_bin_puts_them(
+    sizes, bins, capacity, by_work, longest_first
+) -> None:
+    if longest_first:
+        sizes = sorted(sizes, reverse=True)
+    expected = _scan_whole(sizes, bins, capacity, by_work)
+    got = _place_whole(sizes, bins, capacity, by_work)
+    if expected is None:
+        assert got is None
+        return
+    assert got[0] == expected[0]
+    assert got[1].tolist() == expected[1]
+    assert got[2].tolist() == expected[2]
