@@ -258,6 +258,9 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("--placements", help="default: " + ",".join(_scale_placements()))
     scale.add_argument("--batches", type=int, default=1, help="sampled batches per case")
     scale.add_argument("--headroom", type=float, default=1.25, help="L / tokens per GPU")
+    scale.add_argument(
+        "--plan-only", action="store_true", help="plan, no simulation: work, bytes, ms, memory"
+    )
     scale.add_argument("--out", default="runs/bench/scale", help="JSON and PNG folder")
     scale.set_defaults(handler=_bench_scale)
     moe = benches.add_parser("moe", help="MoE block latency per FoldMoE schedule")
@@ -853,9 +856,10 @@ def _bench_scale(args: argparse.Namespace) -> int:
         distributions=_names(args.distributions, bench.ScaleBenchSpec.distributions),
         models=_names(args.models, ()),
         tokens_per_gpu=tuple(int(t) for t in parse_lengths(args.tokens, "--tokens")),
-        placements=_names(args.placements, bench.PLACEMENTS),
+        placements=_names(args.placements, bench.planned_placements(args.plan_only)),
         batches=args.batches,
         headroom=args.headroom,
+        plan_only=args.plan_only,
     )
     rows = bench.run_scale_bench(spec, progress=lambda line: print(line, flush=True))
     print(bench.format_table(rows))

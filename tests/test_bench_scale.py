@@ -38,6 +38,19 @@ def test_scale_bench_fills_each_placements_columns(tmp_path: Path, capsys) -> No
     assert (tmp_path / "scale.png").exists() or "skipped" in out
 
 
+def test_plan_only_times_the_plans_without_simulating(tmp_path: Path, capsys) -> None:
+    argv = ["bench", "scale", "--gpus", "64", "--models", "7b", "--tokens", "4k",
+            "--distributions", "chat", "--plan-only", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "scale.json").read_text())["rows"]
+    assert "megatron_hybrid_cp" not in {r["placement"] for r in rows}, "it has no plan"
+    assert {"zeppelin", "zeppelin+work", "bytescale_hdp"} <= {r["placement"] for r in rows}
+    for row in rows:
+        assert row["step_s"] is None and row["tokens_per_s_per_gpu"] is None
+        assert row["planner_ms"] > 0 and row["work_mean"] >= 1.0
+    assert "plan ms" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "bad",
     [
@@ -45,6 +58,7 @@ def test_scale_bench_fills_each_placements_columns(tmp_path: Path, capsys) -> No
         dict(distributions=("nope",)),
         dict(placements=("zeppelin+x",)),
         dict(batches=0),
+        dict(plan_only=True, placements=("megatron_hybrid_cp",)),
     ],
 )
 def test_scale_bench_refuses_bad_options(bad: dict) -> None:

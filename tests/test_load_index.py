@@ -17,11 +17,13 @@ pytestmark = pytest.mark.unit
 
 
 def _fullest_under(load, tokens, bound, dropped, room):
+    load, tokens = np.asarray(load), np.asarray(tokens)
     ok = (tokens <= bound) & ~dropped & (load <= room)
     return int(np.argmax(np.where(ok, load, -np.inf))) if ok.any() else None
 
 
 def _least_loaded(load, tokens, bound, dropped):
+    load, tokens = np.asarray(load), np.asarray(tokens)
     ok = (tokens <= bound) & ~dropped
     return int(np.argmin(np.where(ok, load, np.inf))) if ok.any() else None
 
@@ -41,8 +43,8 @@ operations = st.lists(
 @settings(max_examples=200, deadline=None)
 @given(ops=operations, start=st.lists(st.integers(0, 5), min_size=12, max_size=12))
 def test_load_index_answers_as_the_array_scan_does(ops, start) -> None:
-    load = np.asarray(start, dtype=np.float64)
-    tokens = np.asarray(start, dtype=np.int64) * 3
+    load = [float(v) for v in start]
+    tokens = [3 * v for v in start]
     dropped = np.zeros(12, dtype=bool)
     index = LoadIndex(load, tokens)
     bound = 10
@@ -60,7 +62,7 @@ def test_load_index_answers_as_the_array_scan_does(ops, start) -> None:
             index.drop([rank])
         for room in (-1.0, 2.0, 5.5, float(limit), 1e9):
             assert index.fullest_under(room) == _fullest_under(load, tokens, bound, dropped, room)
-            ok = (tokens <= bound) & ~dropped & (load <= room)
+            ok = (np.asarray(tokens) <= bound) & ~dropped & (np.asarray(load) <= room)
             assert sorted(index.at_most(room)) == np.flatnonzero(ok).tolist()
         assert index.least_loaded() == _least_loaded(load, tokens, bound, dropped)
 

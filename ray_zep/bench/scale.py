@@ -9,7 +9,8 @@ average; L = that x headroom) and placement, on the same sampled batches:
   (`ray_zep.sim.ideal`), and modelled tokens/s per GPU;
 - inter-node bytes per step (`traffic.attention_step_traffic`: every layer's ring,
   collective and remap bytes), the planner's wall time (`plan_step`, as the data
-  actor runs it) and the fullest rank's modelled memory.
+  actor runs it: median and slowest over the batches) and the fullest rank's
+  modelled memory.
 
 Placements are `ray-zep simulate`'s variants: `zeppelin` is the full system with
 `parallel.zone_policy=cost`, `zeppelin+work` with `work`. `bytescale_hdp` runs several
@@ -55,6 +56,13 @@ PLACEMENTS = (
     MEGATRON_HYBRID_CP,
     BYTESCALE_HDP,
 )
+
+
+def planned_placements(plan_only: bool) -> tuple[str, ...]:
+    """The default placements: all of them, or those with a plan to time (`--plan-only`)."""
+    return tuple(p for p in PLACEMENTS if not (plan_only and p == MEGATRON_HYBRID_CP))
+
+
 GPUS_PER_NODE = 8
 """Cluster A's nodes (`topology.preset=cluster_a`)."""
 
@@ -70,6 +78,9 @@ class ScaleBenchSpec:
     placements: tuple[str, ...] = PLACEMENTS
     batches: int = 1
     headroom: float = 1.25
+    plan_only: bool = False
+    """Plan the batches without simulating them: the plan columns only (work, bytes,
+    planner ms, memory), fast at 4,096 GPUs."""
 
     def __post_init__(self) -> None:
         for g in self.gpus:
@@ -81,6 +92,9 @@ class ScaleBenchSpec:
         for name in self.placements:
             if name not in VARIANTS:
                 raise ConfigError(f"--placements: {name!r} is not one of {tuple(VARIANTS)}")
+        if self.plan_only and MEGATRON_HYBRID_CP in self.placements:
+            raise ConfigError(f"--placements: {MEGATRON_HYBRID_CP} has no single plan to time "
+                              "(--plan-only)")  # fmt: skip
         if self.batches < 1 or self.headroom < 1.0:
             raise ConfigError("--batches must be >= 1 and --headroom >= 1")
 
@@ -101,6 +115,9 @@ class ScaleRow:
     work_worst: float | None = None
     inter_node_gb: float | None = None
     planner_ms: float | None = None
+    """`plan_step` wall time, the median over the batches (a full collection of Python's
+    garbage collector can land in any one call)."""
+    planner_ms_max: float | None = None
     peak_memory_gb: float | None = None
     error: str | None = None
 
@@ -128,7 +145,7 @@ def _case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, tokens
     hardware = Hardware.preset(build_topology(config.topology))
     batches = [batch_lengths(distribution, tokens * gpus, seed) for seed in range(spec.batches)]
     run = RunModel.create(config, hardware)
-    ideal = [ideal_step_seconds(b, run) for b in batches]
+    ideal = None if spec.plan_only else [ideal_step_seconds(b, run) for b in batches]
     rows = []
     for name in spec.placements:
         row = ScaleRow(gpus, distribution, model, tokens, name)
@@ -141,6 +158,7 @@ def _case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, tokens
 
 
 def _measure(row, config: Config, hardware: Hardware, batches, ideal, capacity: int) -> None:
+    """Fills `row`; without `ideal` (plan only) its simulated columns stay empty."""
     variant = row.placement
     config = variant_config(config, variant, capacity)
     run = RunModel.create(config, hardware)
@@ -152,7 +170,8 @@ def _measure(row, config: Config, hardware: Hardware, batches, ideal, capacity: 
         if VARIANTS[variant].hybrid_cp:
             steps.append(simulate_hybrid_cp(lengths, run).step_seconds)
             continue
-        plans, remap, seconds, step = _planned_step(VARIANTS[variant].bytescale, lengths, run)
+        bytescale = VARIANTS[variant].bytescale
+        plans, remap, seconds, step = _planned_step(bytescale, lengths, run, ideal is not None)
         planner.append(seconds)
         steps.append(step)
         stats = [plan_stats(plan, run.shape) for plan in plans]
@@ -163,26 +182,33 @@ def _measure(row, config: Config, hardware: Hardware, batches, ideal, capacity: 
             held = plan_memory(config, hardware.topology, one, run.shape)
             memory.append(held.ranks[held.fullest].total)
     tokens = sum(int(b.sum()) for b in batches)
-    row.step_s = float(np.mean(steps))
-    row.step_over_ideal = float(np.mean([s / i for s, i in zip(steps, ideal, strict=True)]))
-    row.tokens_per_s_per_gpu = tokens / sum(steps) / hardware.devices
+    if ideal is not None:
+        row.step_s = float(np.mean(steps))
+        row.step_over_ideal = float(np.mean([s / i for s, i in zip(steps, ideal, strict=True)]))
+        row.tokens_per_s_per_gpu = tokens / sum(steps) / hardware.devices
     if works:
         row.work_mean, row.work_worst = float(np.mean(works)), float(max(works))
         row.inter_node_gb = float(np.mean(inter)) / 1e9
-        row.planner_ms = float(np.mean(planner)) * 1e3
+        row.planner_ms = float(np.median(planner)) * 1e3
+        row.planner_ms_max = float(max(planner)) * 1e3
         row.peak_memory_gb = float(max(memory)) / GB
 
 
-def _planned_step(bytescale: bool, lengths: np.ndarray, run: RunModel):
+def _planned_step(bytescale: bool, lengths: np.ndarray, run: RunModel, simulate: bool = True):
     """(the step's plans, its remap, the planner's wall seconds, the simulated step
-    seconds): one plan as the data actor makes it, or ByteScale's rounds."""
+    seconds or None without `simulate`): one plan as the data actor makes it, or
+    ByteScale's rounds."""
     started = time.perf_counter()
     if bytescale:
         micro, plans = bytescale_plans(lengths, run)
         seconds = time.perf_counter() - started
+        if not simulate:
+            return plans, None, seconds, None
         return plans, None, seconds, simulate_schedule(lengths, micro, plans, run).step_seconds
     plan, remap = plan_batch(lengths, run)
     seconds = time.perf_counter() - started
+    if not simulate:
+        return [plan], remap, seconds, None
     routed = run.config.parallel.routing
     return [plan], remap, seconds, simulate_plan(plan, run, routed, remap).step_seconds
 
@@ -194,6 +220,7 @@ COLUMNS = (
     ("tokens_per_s_per_gpu", "tok/s/GPU", ".0f"),
     ("inter_node_gb", "inter GB", ".1f"),
     ("planner_ms", "plan ms", ".0f"),
+    ("planner_ms_max", "plan max", ".0f"),
     ("peak_memory_gb", "mem GB", ".1f"),
 )
 
@@ -219,25 +246,29 @@ def row_dicts(rows: list[ScaleRow]) -> list[dict[str, Any]]:
 
 
 def draw_scale_chart(rows: list[ScaleRow], path: str | Path) -> Path | None:
-    """Tokens/s per GPU against GPUs, one panel per (model, tokens per GPU, distribution),
-    one line per placement. None when matplotlib is not installed."""
+    """Tokens/s per GPU against GPUs (planner ms for a plan-only run), one panel per
+    (model, tokens per GPU, distribution), one line per placement. None when matplotlib
+    is not installed."""
+    simulated = any(r.tokens_per_s_per_gpu for r in rows)
+    field, label = ("tokens_per_s_per_gpu", "tokens/s per GPU") if simulated else (
+        "planner_ms", "plan_step ms")  # fmt: skip
     panels = list(dict.fromkeys((r.model, r.tokens_per_gpu, r.distribution) for r in rows))
     cols = min(4, len(panels))
     grid = math.ceil(len(panels) / cols)
 
     def draw(figure: Any, axes: Any) -> None:
-        figure.suptitle("modelled tokens/s per GPU (cluster A)")
+        figure.suptitle(f"{'modelled ' if simulated else ''}{label} (cluster A)")
         for ax, (model, tokens, distribution) in zip(axes.flat, panels, strict=False):
             mine = [r for r in rows if (r.model, r.tokens_per_gpu, r.distribution)
-                    == (model, tokens, distribution) and r.tokens_per_s_per_gpu]  # fmt: skip
+                    == (model, tokens, distribution) and getattr(r, field)]  # fmt: skip
             for placement in dict.fromkeys(r.placement for r in mine):
-                line = sorted((r.gpus, r.tokens_per_s_per_gpu) for r in mine
+                line = sorted((r.gpus, getattr(r, field)) for r in mine
                               if r.placement == placement)  # fmt: skip
                 ax.plot(*zip(*line, strict=True), marker="o", label=placement)
             ax.set_xscale("log", base=2)
             ax.set_title(f"{model}, {tokens // 1024}k/GPU, {distribution}", fontsize=9)
             ax.set_xlabel("GPUs")
-            ax.set_ylabel("tokens/s per GPU")
+            ax.set_ylabel(label)
         axes.flat[0].legend(fontsize=7)
         for ax in list(axes.flat)[len(panels) :]:
             ax.set_visible(False)

@@ -284,7 +284,18 @@ def _fill_whole(
     `order` is by work, most first, so once a sequence's work is under
     `SMALL_RING_SHARE` of the level no later one becomes a ring: from there on the
     ranks outside rings are no longer tracked."""
-    load, tokens = placed.load, placed.tokens
+    # one rank at a time: Python lists, written back to the arrays before the array
+    # steps (small rings, spills) read them and at the end
+    load, tokens = placed.load.tolist(), placed.tokens.tolist()
+    moved: list[int] = []
+
+    def write_back() -> None:
+        if moved:
+            ranks = np.unique(moved)
+            placed.load[ranks] = [load[r] for r in ranks.tolist()]
+            placed.tokens[ranks] = [tokens[r] for r in ranks.tolist()]
+            moved.clear()
+
     index = LoadIndex(load, tokens)
     spare: LoadIndex | None = LoadIndex(load, tokens)  # the ranks in no ring
     spare.set_bound(capacity)
@@ -300,22 +311,29 @@ def _fill_whole(
         if rank is None:
             rank = index.least_loaded()
             if spare is not None:
+                write_back()
                 ring = _small_ring(placed, spare, n, w, small[seq], level, capacity, topology)
-        if ring is not None:
-            _add_ring(placed, seq, n, *ring)
-        elif rank is None:
-            _add_spill(placed, seq, n, w, _spill(placed, n, capacity), capacity)
-        else:
+        if rank is not None and ring is None:
             load[rank] += w
             tokens[rank] += n
+            moved.append(rank)
             placed.local[seq] = rank
             index.move(rank)
             if spare is not None:
                 spare.move(rank)
             continue
-        index.update(placed.groups[seq][0])
+        write_back()
+        if ring is not None:
+            _add_ring(placed, seq, n, *ring)
+        else:
+            _add_spill(placed, seq, n, w, _spill(placed, n, capacity), capacity)
+        ranks = placed.groups[seq][0]
+        for r in ranks:
+            load[r], tokens[r] = float(placed.load[r]), int(placed.tokens[r])
+        index.update(ranks)
         if spare is not None:
-            spare.drop(placed.groups[seq][0])
+            spare.drop(ranks)
+    write_back()
 
 
 def _small_ring_seconds(lengths: np.ndarray, gpus: int, model: WorkModel) -> np.ndarray:

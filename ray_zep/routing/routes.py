@@ -474,34 +474,54 @@ def ring_link_bytes(
 def ring_link_bytes_by_payload(
     plan: AttentionPlan, routed: bool, row_bytes: Callable[[Payload, int], int]
 ) -> dict[Payload, tuple[int, np.ndarray]]:
-    """`ring_link_bytes` of each payload (K/V, dK/dV) apart, in one pass over the hops."""
+    """`ring_link_bytes` of each payload (K/V, dK/dV) apart, in one pass over the items:
+    a direct hop's bytes over all its steps in closed form, a routed hop's step by step."""
     topo = plan.topology
-    nic = {p: np.zeros((topo.nodes, topo.nics_per_node), dtype=np.int64) for p in Payload}
+    gpus = topo.gpus_per_node
+    nic_of_gpu = np.asarray(topo.gpu_to_nic, dtype=np.int64)
+    nic = {p: np.zeros(topo.nodes * topo.nics_per_node, dtype=np.int64) for p in Payload}
     intra = dict.fromkeys(Payload, 0)
     for item in plan.items():
         ring, u_size = item.ring_size, item.ulysses
         if ring < 2 or item.exchange is not Exchange.RING:
             continue
         held = np.asarray(plan.position_tokens(item), dtype=np.int64)
-        crossing = _crossing_hops(item, topo)
-        # a hop from position p carries position (p - s)'s rows at step s; K/V is not
-        # sent on at the last step and goes round twice (forward, backward), dK/dV once
+        hops = np.asarray(item.hops(), dtype=np.int64)  # (position, source, destination)
+        position, src, dst = hops[:, 0], hops[:, 1], hops[:, 2]
+        # a hop from position p carries position (p - s)'s rows at step s: every position
+        # once for dK/dV, all but position p + 1 for K/V (not sent on at the last step);
+        # K/V goes round twice (forward, backward)
+        total = int(held.sum())
+        carried = {Payload.KV: total - held[(position + 1) % ring], Payload.DKV: total + 0 * src}
         sizes = {p: row_bytes(p, u_size) * (2 if p is Payload.KV else 1) for p in Payload}
-        for position, src, dst in item.hops():
-            rows = held[(position - np.arange(ring)) % ring]
-            carried = {Payload.KV: rows[:-1], Payload.DKV: rows}
-            route = _hop_route(topo, src, dst, routed, crossing)
-            for payload, steps in carried.items():
+        same = src // gpus == dst // gpus
+        routes = routed and not same.all()
+        direct_out = ~same & (not routed)
+        out_nic = (src // gpus) * topo.nics_per_node + nic_of_gpu[src % gpus]
+        for payload, rows in carried.items():
+            size = sizes[payload]
+            if size == 0:
+                continue
+            intra[payload] += int(rows[same].sum()) * size
+            np.add.at(nic[payload], out_nic[direct_out], rows[direct_out] * size)
+        if not routes:
+            continue
+        crossing = [(int(a), int(b)) for a, b in zip(src[~same], dst[~same], strict=True)]
+        for p, a, b in zip(position[~same].tolist(), src[~same].tolist(), dst[~same].tolist(),
+                           strict=True):  # fmt: skip
+            route = _hop_route(topo, a, b, routed, crossing)
+            steps = held[(p - np.arange(ring)) % ring]
+            for payload, rows in ((Payload.KV, steps[:-1]), (Payload.DKV, steps)):
                 size = sizes[payload]
                 if size == 0:
                     continue
-                if route.direct and topo.node_of(src) == topo.node_of(dst):
-                    intra[payload] += int(steps.sum()) * size
-                elif route.direct:
-                    nic[payload][topo.node_of(src), topo.nic_of(src)] += int(steps.sum()) * size
+                grid = nic[payload].reshape(topo.nodes, topo.nics_per_node)
+                if route.direct:
+                    grid[a // gpus, nic_of_gpu[a % gpus]] += int(rows.sum()) * size
                 else:
-                    intra[payload] += routed_hop_bytes(route, steps, size, nic[payload], topo)
-    return {p: (intra[p], nic[p]) for p in Payload}
+                    intra[payload] += routed_hop_bytes(route, rows, size, grid, topo)
+    shape = (topo.nodes, topo.nics_per_node)
+    return {p: (intra[p], nic[p].reshape(shape)) for p in Payload}
 
 
 def routed_hop_bytes(route: Route, steps: np.ndarray, size: int, nic: np.ndarray, topo) -> int:
