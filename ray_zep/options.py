@@ -9,7 +9,8 @@ from enum import Enum
 
 
 class ZonePolicy(Enum):
-    """How the Zeppelin partitioner chooses zone thresholds and split degrees."""
+    """How the Zeppelin partitioner chooses zone thresholds and split degrees (and what
+    `whole` packing and `hybrid_dp` balance under `work`)."""
 
     COST = "cost"
     """From the cost model: split only where the transfer hides behind compute."""

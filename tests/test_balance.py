@@ -188,3 +188,23 @@ def test_whole_deals_its_sequences_by_work_under_the_work_policy() -> None:
         parallel = dataclasses.replace(config.parallel, zone_policy=policy)
         shards = shard_for(batch, dataclasses.replace(config, parallel=parallel), topology)
         assert [sorted(s.docs.tolist()) for s in shards] == [sorted(b) for b in bins]
+
+
+def test_hybrid_dp_balances_modelled_seconds_under_the_work_policy() -> None:
+    """By attention FLOPs the short sequences all join the rank without the longest one
+    (their n^2 is small) though their linear work is not; by modelled seconds they
+    even the ranks out. Sequences longer than L still take rings on both."""
+    topology = build_topology(load_config(None, ["topology.nodes=1",
+                                                 "topology.gpus_per_node=2"]).topology)  # fmt: skip
+    shape = build_shape(load_config(None, ["model.preset=7b"]).model)
+    lengths = np.asarray([1000, 600, 600, *([100] * 10)])
+    imbalance = {}
+    for policy in (ZonePolicy.COST, ZonePolicy.WORK):
+        parallel = ParallelConfig(sequence=Placement.HYBRID_DP, zone_policy=policy)
+        plan = make_plan(Placement.HYBRID_DP, lengths, topology, 4096, shape, parallel)
+        imbalance[policy] = _flop_imbalance(plan, shape)
+    assert imbalance[ZonePolicy.COST] > 1.3, imbalance  # 2,200 tokens beside 1,000
+    assert imbalance[ZonePolicy.WORK] < 1.1, imbalance
+    parallel = ParallelConfig(sequence=Placement.HYBRID_DP, zone_policy=ZonePolicy.WORK)
+    ring = make_plan(Placement.HYBRID_DP, [5000, 700], topology, 4096, shape, parallel)
+    assert len(ring.placements[0].ranks) == 2

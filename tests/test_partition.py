@@ -87,11 +87,14 @@ def test_every_token_once_and_capacity_respected(strategy, batch) -> None:
     assert layout_tokens == tokens.tolist()
 
 
+@pytest.mark.parametrize(
+    "strategy", [Placement.ZEPPELIN, Placement.HYBRID_DP], ids=lambda p: p.value
+)
 @settings(max_examples=60, deadline=None)
 @given(batch=batches())
-def test_work_policy_places_every_token_once_within_capacity(batch) -> None:
+def test_work_policy_places_every_token_once_within_capacity(strategy, batch) -> None:
     topology, capacity, lengths = batch
-    plan = _planned(Placement.ZEPPELIN, lengths, topology, capacity, ZonePolicy.WORK)
+    plan = _planned(strategy, lengths, topology, capacity, ZonePolicy.WORK)
     _coverage(plan)
     assert plan.rank_tokens().max() <= capacity
 

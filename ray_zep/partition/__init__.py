@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ray_zep.config import ParallelConfig
+from ray_zep.config import ParallelConfig, ZonePolicy
 from ray_zep.costmodel import CostModel
 from ray_zep.errors import PlacementError
 from ray_zep.model.shapes import ModelShape
@@ -20,6 +20,7 @@ from ray_zep.partition.baselines import (
     usp_degree,
 )
 from ray_zep.partition.plan import AttentionPlan, Exchange, local_placement
+from ray_zep.partition.work import WorkModel
 from ray_zep.partition.zeppelin import plan_zeppelin
 from ray_zep.topology import Topology
 
@@ -30,6 +31,13 @@ Planner = Callable[[np.ndarray, Topology, int, ModelShape, ParallelConfig], Atte
 def _zeppelin(lengths, topology, capacity, shape, parallel) -> AttentionPlan:
     cost = CostModel.create(shape, topology)
     return plan_zeppelin(lengths, topology, capacity, cost, parallel.zone_policy, parallel.routing)
+
+
+def _hybrid_dp(lengths, topology, capacity, shape, parallel) -> AttentionPlan:
+    if parallel.zone_policy is ZonePolicy.WORK:
+        model = WorkModel.create(shape, topology, routed=parallel.routing)
+        return plan_hybrid_dp(lengths, topology, capacity, model)
+    return plan_hybrid_dp(lengths, topology, capacity)
 
 
 def _ulysses(lengths, topology, capacity, shape, parallel) -> AttentionPlan:
@@ -46,7 +54,7 @@ PLANNERS: dict[Placement, Planner] = {
     Placement.ZEPPELIN: _zeppelin,
     Placement.TE_CP: lambda n, t, c, s, p: plan_global_ring(n, t, c, Exchange.RING),
     Placement.LLAMA_CP: lambda n, t, c, s, p: plan_global_ring(n, t, c, Exchange.ALL_GATHER),
-    Placement.HYBRID_DP: lambda n, t, c, s, p: plan_hybrid_dp(n, t, c),
+    Placement.HYBRID_DP: _hybrid_dp,
     Placement.ULYSSES: _ulysses,
     Placement.USP: _usp,
 }

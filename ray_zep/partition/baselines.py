@@ -5,9 +5,10 @@
 - `llama_cp` (LLaMA-3 CP): the same split, K and V all-gathered first.
 - `hybrid_dp` (the Zeppelin paper's Hybrid DP baseline, after ByteScale):
   sequences longer than L on ring groups of ceil(s / L) ranks, shorter ones
-  whole on the rank with the least attention FLOPs that has room; a short one
-  that fits nowhere is split over the ranks with most room (where the baseline
-  would open another micro-batch).
+  whole on the rank with the least attention FLOPs that has room (least modelled
+  seconds under `parallel.zone_policy=work`); a short one that fits nowhere is
+  split over the ranks with most room (where the baseline would open another
+  micro-batch).
 - `ulysses`: every sequence split over all ranks, heads exchanged by
   all-to-all; needs H % world == 0, and world % K == 0 when world > K.
 - `usp`: Ulysses inside groups of U consecutive ranks (a node by default),
@@ -35,6 +36,7 @@ from ray_zep.partition.plan import (
     bounds_for_counts,
     local_placement,
 )
+from ray_zep.partition.work import WorkModel
 from ray_zep.topology import Topology
 
 
@@ -62,23 +64,28 @@ def plan_global_ring(
     return _finish(name, topology, tokens_per_rank, placements, started)
 
 
-def plan_hybrid_dp(lengths: np.ndarray, topology: Topology, tokens_per_rank: int) -> AttentionPlan:
-    """Hybrid DP: long sequences on CP rings, short ones balanced by attention FLOPs."""
+def plan_hybrid_dp(
+    lengths: np.ndarray, topology: Topology, tokens_per_rank: int, model: WorkModel | None = None
+) -> AttentionPlan:
+    """Hybrid DP: long sequences on CP rings, short ones balanced by attention FLOPs, or
+    by modelled seconds with `model` (`parallel.zone_policy=work`: linear and attention
+    work at the per-length rates, a ring member its share of its ring's member work)."""
     started = time.perf_counter()
     lengths = np.asarray(lengths, dtype=np.int64)
     world = topology.world_size
     check_total(lengths, world, tokens_per_rank, Placement.HYBRID_DP.value)
     free = np.full(world, tokens_per_rank, dtype=np.int64)
-    flops = np.zeros(world, dtype=np.float64)
+    load = np.zeros(world, dtype=np.float64)
+    whole = lengths.astype(np.float64) ** 2 if model is None else model.whole_seconds(lengths)
     placements: list[SeqPlacement | None] = [None] * len(lengths)
     for seq in np.argsort(-lengths, kind="stable").tolist():
         n = int(lengths[seq])
         fits = free >= n
         if n <= tokens_per_rank and fits.any():
-            rank = int(np.argmin(np.where(fits, flops, np.inf)))
+            rank = int(np.argmin(np.where(fits, load, np.inf)))
             placements[seq] = local_placement(seq, n, rank)
             free[rank] -= n
-            flops[rank] += float(n) * n
+            load[rank] += whole[seq]
             continue
         size = max(2, math.ceil(n / tokens_per_rank))
         chosen = _most_free(size, n, free)
@@ -86,7 +93,11 @@ def plan_hybrid_dp(lengths: np.ndarray, topology: Topology, tokens_per_rank: int
         keep = counts > 0
         chosen, counts = chosen[keep], counts[keep]
         free[chosen] -= counts
-        flops[chosen] += counts.astype(np.float64) * n
+        if model is None:
+            load[chosen] += counts.astype(np.float64) * n
+        else:  # each member's share of a member's work on a ring of equal chunks
+            member = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([chosen.size]))[0])
+            load[chosen] += member * counts * chosen.size / n
         ranks = tuple(int(r) for r in chosen)
         placements[seq] = SeqPlacement(seq, n, ranks, bounds_for_counts(counts.tolist()))
     return _finish(Placement.HYBRID_DP, topology, tokens_per_rank, placements, started)

@@ -51,7 +51,7 @@ class Variant:
         hybrid_cp: Megatron-Core's hybrid DP x CP waves (`ray_zep.sim.megatron_cp`),
             TE CP inside each group.
         bytescale: ByteScale's HDP micro-batches (`ray_zep.sim.bytescale`).
-        zone_policy: Zeppelin's `parallel.zone_policy` (None: the config's).
+        zone_policy: the `parallel.zone_policy` it plans with (None: the config's).
     """
 
     placement: Placement
@@ -75,15 +75,9 @@ ROUTED_PARTITION = f"{REFERENCE}+routing+partition"
 VARIANTS: dict[str, Variant] = {
     Placement.ZEPPELIN.value: Variant(Placement.ZEPPELIN, routed=True, remap=True),
     WORK_POLICY: Variant(Placement.ZEPPELIN, routed=True, remap=True, zone_policy=ZonePolicy.WORK),
-    **{
-        p.value: Variant(p)
-        for p in (
-            Placement.LLAMA_CP,
-            Placement.HYBRID_DP,
-            Placement.ULYSSES,
-            Placement.USP,
-        )
-    },
+    **{p.value: Variant(p) for p in (Placement.LLAMA_CP, Placement.ULYSSES, Placement.USP)},
+    # the Zeppelin paper's baseline balances attention FLOPs, whatever the config's policy
+    Placement.HYBRID_DP.value: Variant(Placement.HYBRID_DP, zone_policy=ZonePolicy.COST),
     REFERENCE: Variant(Placement.TE_CP, te_wire=True, te_padding=True),
     MEGATRON_HYBRID_CP: Variant(Placement.TE_CP, te_wire=True, hybrid_cp=True),
     # dK/dV in the activation dtype (generous: ByteScale's paper does not say).
