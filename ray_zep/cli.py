@@ -467,8 +467,8 @@ def _plan_auto(args: argparse.Namespace) -> int:
     import json
 
     from ray_zep.errors import ConfigError
+    from ray_zep.report.simulate_command import SimulateRequest, batches_of, request_hardware
     from ray_zep.sim.auto import auto_plan, write_best
-    from ray_zep.sim.command import SimulateRequest, batches_of, request_hardware
     from ray_zep.sim.replay import data_batches
 
     if args.batches < 1:
@@ -514,7 +514,7 @@ def _tokens(text: str | None) -> int | None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from ray_zep.sim.command import SimulateRequest, run_simulate, write_outputs
+    from ray_zep.report.simulate_command import SimulateRequest, run_simulate, write_outputs
 
     tokens = _tokens(args.tokens)
     request = SimulateRequest(
@@ -559,7 +559,7 @@ def _bench_validate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--sittings={args.sittings} must be >= 1 (runs of each mode)")
     import workers.bench_validate as bench  # trains through Ray, like `train`
     from ray_zep.bench.calibrate import Calibration
-    from ray_zep.bench.output import write_json
+    from ray_zep.report.output import write_json
 
     if args.steps is None:
         args.steps = bench.QUICK_STEPS if args.quick else bench.STEPS
@@ -589,7 +589,7 @@ def _bench_train(args: argparse.Namespace) -> int:
     if args.compare == "compression":
         return _bench_compression(args)
     import workers.bench_train as bench  # trains through Ray, like `train`
-    from ray_zep.bench.output import write_json
+    from ray_zep.report.output import write_json
     from ray_zep.report.timeline import draw_throughput
 
     names = bench.check_names(_names(args.strategies, bench.DEFAULT_STRATEGIES))
@@ -617,7 +617,7 @@ def _bench_train(args: argparse.Namespace) -> int:
 
 def _bench_compression(args: argparse.Namespace) -> int:
     import workers.bench_compression as bench  # trains through Ray, like `train`
-    from ray_zep.bench.output import write_json
+    from ray_zep.report.output import write_json
     from ray_zep.report.timeline import draw_throughput
 
     cases, modes = bench.check_cases(
@@ -665,8 +665,8 @@ def _bench_moe(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from ray_zep.bench import moe as bench
-    from ray_zep.bench.output import write_json
     from ray_zep.errors import ConfigError
+    from ray_zep.report.output import write_json
     from ray_zep.report.plan_command import parse_lengths
 
     for flag, value in (("--nic-gbps", args.nic_gbps), ("--intra-gbytes", args.intra_gbytes)):
@@ -699,10 +699,10 @@ def _bench_moe(args: argparse.Namespace) -> int:
 
 def _bench_memory(args: argparse.Namespace) -> int:
     from ray_zep.bench import memory as bench
-    from ray_zep.bench.output import write_json
     from ray_zep.config import ActivationCheckpointing
     from ray_zep.errors import ConfigError
     from ray_zep.parallel.axes import WEIGHTS_AXES, Family, WeightsMode
+    from ray_zep.report.output import write_json
 
     if args.config is None and not args.overrides:  # the demo model on a virtual 1 x 8
         whole = ["parallel.sequence=whole", "parallel.routing=false", "parallel.remap=false"]
@@ -739,8 +739,8 @@ def _bench_tawpipe(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from ray_zep.bench import tawpipe as bench
-    from ray_zep.bench.output import write_record
     from ray_zep.errors import ConfigError
+    from ray_zep.report.output import write_record
     from ray_zep.report.plan_command import parse_lengths
 
     if not args.nic_gbps > 0:
@@ -783,9 +783,9 @@ def _bench_zipccl(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from ray_zep.bench import zipccl_report as bench
-    from ray_zep.bench.output import write_record
     from ray_zep.bench.zipccl import Assumptions
     from ray_zep.errors import ConfigError
+    from ray_zep.report.output import write_record
 
     if args.demo_steps < 0:
         raise ConfigError(f"--demo-steps={args.demo_steps}: must be >= 0 (0: no demo run)")
@@ -848,7 +848,7 @@ def _scale_placements() -> tuple[str, ...]:
 
 def _bench_scale(args: argparse.Namespace) -> int:
     from ray_zep.bench import scale as bench
-    from ray_zep.bench.output import write_json
+    from ray_zep.report.output import write_json
     from ray_zep.report.plan_command import parse_lengths
 
     spec = bench.ScaleBenchSpec(
@@ -890,7 +890,7 @@ def _bench_sizes(args: argparse.Namespace, distributions, planners) -> dict:
 
 
 def _write_bench(args: argparse.Namespace, config, spec, name: str, rows: list[dict]) -> None:
-    from ray_zep.bench.output import write_json
+    from ray_zep.report.output import write_json
 
     command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else f"ray-zep bench {name}"
     record = {**spec.__dict__, "topology": config.topology.preset, "model": config.model.preset}

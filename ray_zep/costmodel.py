@@ -296,6 +296,10 @@ class ComputeRates:
             raise ConfigError(f"--calibration {path}: not a calibration file ({exc})") from exc
 
 
+CODEC_DRAM_FRACTION = 0.5
+"""Share of a GPU's DRAM bandwidth the ZipCCL codec kernels reach (assumed: no GPU
+measurement yet); `ray-zep bench zipccl --codec-dram-fraction` varies it."""
+
 ATTENTION_CALL_OVERHEAD_S = 10e-6
 """Launch and metadata cost of one varlen attention call on a GPU (typical CUDA
 launch latencies are 5-10 us; the preset takes the upper end)."""

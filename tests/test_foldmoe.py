@@ -20,7 +20,7 @@ import torch
 from ray_zep.attention.kernels import torch_varlen_attention
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.config import MoEPipeline
-from ray_zep.dist.group import Group
+from ray_zep.distributed.group import Group
 from ray_zep.model.llama import Block, rope_tables
 from ray_zep.model.shapes import ModelShape
 from ray_zep.moe.gate import route

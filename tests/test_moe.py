@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ray_zep.dist.group import Group
+from ray_zep.distributed.group import Group
 from ray_zep.errors import PlacementError
 from ray_zep.moe.gate import expert_capacity, route
 from ray_zep.moe.layer import Dispatch, MoE, shard_experts

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ray_zep.config import load_config
-from ray_zep.dist.placement import WorkerPlace, check_placement
+from ray_zep.distributed.placement import WorkerPlace, check_placement
 from ray_zep.errors import TopologyError
 from ray_zep.topology import build_topology
 

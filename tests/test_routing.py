@@ -18,7 +18,7 @@ import torch
 from ray_zep.collectives.adaptive import AdaptiveCollectives, RingZipper
 from ray_zep.collectives.format import Layout, float_format
 from ray_zep.config import Compression, load_config
-from ray_zep.dist import Comm, GroupNeeds
+from ray_zep.distributed import Comm, GroupNeeds
 from ray_zep.errors import CodecError, CommError
 from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import Placement

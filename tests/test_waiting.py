@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ray_zep.dist.waiting import collectives_of
+from ray_zep.distributed.waiting import collectives_of
 from ray_zep.errors import CommError
 
 pytestmark = pytest.mark.unit

@@ -17,7 +17,7 @@ import torch
 
 from ray_zep.collectives.adaptive import AdaptiveCollectives
 from ray_zep.config import Compression, load_config
-from ray_zep.dist import Comm, GroupNeeds
+from ray_zep.distributed import Comm, GroupNeeds
 from ray_zep.errors import ConfigError
 from ray_zep.model.llama import Transformer
 from ray_zep.model.shapes import build_shape

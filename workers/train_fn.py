@@ -3,7 +3,7 @@
 Ray Train (TorchTrainer) places the workers, creates the process group (gloo
 on CPU, NCCL on GPU) with the configured timeout and restarts the group on
 failure; this function binds that group to the topology, checks that every
-rank runs where the topology puts it (`ray_zep.dist.placement`: Ray numbers the
+rank runs where the topology puts it (`ray_zep.distributed.placement`: Ray numbers the
 workers node by node, in GPU order), and runs the library's rank loop, fetching
 shards from the data actor and sending events to the driver.
 """
@@ -22,7 +22,7 @@ import torch
 
 from ray_zep.config import config_from_dict
 from ray_zep.data.shards import RankShard
-from ray_zep.dist.placement import WorkerPlace, check_placement, gather_places
+from ray_zep.distributed.placement import WorkerPlace, check_placement, gather_places
 from ray_zep.errors import CommError
 from ray_zep.logs import setup_logging
 from ray_zep.topology import Topology

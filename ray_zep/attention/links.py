@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ray_zep.collectives.adaptive import RingZipper
-from ray_zep.dist import Comm
+from ray_zep.distributed import Comm
 from ray_zep.routing.comms import Channels
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ray_zep.dist.launch import free_port
+from ray_zep.distributed.launch import free_port
 
 MESSAGE_BYTES = (1 << 12, 1 << 18, 1 << 21)
 """Sizes of the measured messages (per rank)."""

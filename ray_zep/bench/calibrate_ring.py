@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ray_zep.config import Config
-from ray_zep.dist.launch import free_port
+from ray_zep.distributed.launch import free_port
 from ray_zep.model.shapes import build_shape
 
 CHUNK_TOKENS = (8, 256)
@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, port: int, config: Config, result) -> None:
     from ray_zep.attention.kernels import select_backward, select_kernel
     from ray_zep.attention.links import Links
     from ray_zep.attention.schedule import RankSchedule
-    from ray_zep.dist import Comm
+    from ray_zep.distributed import Comm
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -92,7 +92,7 @@ def model_tensors(config: Config, steps: int) -> dict[str, torch.Tensor]:
     from ray_zep.data.batching import BatchStream
     from ray_zep.data.catalog import open_configured_source
     from ray_zep.data.shards import shard_for
-    from ray_zep.dist import Comm
+    from ray_zep.distributed import Comm
     from ray_zep.topology import build_topology
     from ray_zep.train.trainer import RankTrainer
 

@@ -32,7 +32,7 @@ from ray_zep.config import Config, load_config
 from ray_zep.model.shapes import PRESETS
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
-from ray_zep.sim.command import SimulateRequest, run_simulate
+from ray_zep.report.simulate_command import SimulateRequest, run_simulate
 from ray_zep.sim.compare import ABLATION, REFERENCE, ROUTED_PARTITION, ROUTED_TE_CP
 from ray_zep.sim.events import Lane
 from ray_zep.sim.hardware import Hardware

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ray_zep.config import Config, FsdpUnit, config_from_dict, config_to_dict
-from ray_zep.dist.launch import free_port
+from ray_zep.distributed.launch import free_port
 from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import WeightsMode
 from ray_zep.parallel.memory import FP32, block_params, memory_inputs, state_bytes
@@ -104,7 +104,7 @@ def _rank_main(rank, ranks, port, plain, todo, steps, queue) -> None:
     from ray_zep.data.batching import BatchStream
     from ray_zep.data.catalog import open_configured_source
     from ray_zep.data.shards import shard_for
-    from ray_zep.dist.launch import init_process_group
+    from ray_zep.distributed.launch import init_process_group
     from ray_zep.train.setup import create_comm
     from ray_zep.train.trainer import RankTrainer
 

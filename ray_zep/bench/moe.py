@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ray_zep.config import MoEPipeline
-from ray_zep.dist.launch import free_port
+from ray_zep.distributed.launch import free_port
 from ray_zep.model.shapes import PRESETS, ModelShape
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
@@ -209,7 +209,7 @@ def _time_schedules(spec: MoEBenchSpec) -> list[MoERow]:
     rank's times)."""
     from ray_zep.attention.kernels import torch_varlen_attention
     from ray_zep.attention.varlen import PackedSeqs
-    from ray_zep.dist.group import Group
+    from ray_zep.distributed.group import Group
     from ray_zep.model.llama import Block, rope_tables
     from ray_zep.moe.layer import shard_experts
     from ray_zep.moe.pipeline import FoldedForward

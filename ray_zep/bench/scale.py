@@ -35,9 +35,9 @@ from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
 from ray_zep.parallel.axes import Placement
 from ray_zep.parallel.memory import GB
+from ray_zep.partition.plan_memory import plan_memory
 from ray_zep.partition.stats import max_over_mean, plan_stats
 from ray_zep.report.figures import save_figure
-from ray_zep.report.plan_command import plan_memory
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
 from ray_zep.sim.bytescale import bytescale_plans, simulate_schedule
 from ray_zep.sim.compare import VARIANTS, WORK_POLICY, variant_config

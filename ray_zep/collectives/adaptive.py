@@ -22,7 +22,7 @@ from ray_zep.collectives.format import FORMATS
 from ray_zep.collectives.switcher import Kind, Profile, Switcher, profile_group
 from ray_zep.collectives.tally import StreamTally
 from ray_zep.config import Compression
-from ray_zep.dist.group import Group
+from ray_zep.distributed.group import Group
 from ray_zep.options import COMPRESSION_STREAMS
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from ray_zep.collectives.codec import (
     split_packed,
 )
 from ray_zep.collectives.format import static_bytes
-from ray_zep.dist.group import Group
+from ray_zep.distributed.group import Group
 from ray_zep.errors import CodecError
 
 

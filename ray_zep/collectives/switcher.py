@@ -29,7 +29,7 @@ from ray_zep.collectives import comms
 from ray_zep.collectives.codec import compress, decompress
 from ray_zep.collectives.comms import AllToAllDesign, Sizes
 from ray_zep.config import Compression
-from ray_zep.dist.group import Group
+from ray_zep.distributed.group import Group
 
 PROFILE_BYTES = (1 << 14, 1 << 20)
 """Sizes (bytes per rank) of the plain-collective fit."""

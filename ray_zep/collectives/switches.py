@@ -12,8 +12,8 @@ from __future__ import annotations
 from ray_zep.collectives.adaptive import AdaptiveCollectives
 from ray_zep.collectives.tally import StreamTally
 from ray_zep.config import Compression, Config
-from ray_zep.dist import Comm
-from ray_zep.dist.group import Group
+from ray_zep.distributed import Comm
+from ray_zep.distributed.group import Group
 
 
 class CompressionSwitches:

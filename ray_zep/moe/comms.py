@@ -30,7 +30,7 @@ from ray_zep.collectives.comms import (
     all_gather_ints,
     post_plain_all_to_all,
 )
-from ray_zep.dist.group import Group
+from ray_zep.distributed.group import Group
 from ray_zep.options import CompressionStream
 
 ExpertFn = Callable[[torch.Tensor, list[int]], torch.Tensor]

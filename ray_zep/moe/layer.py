@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ray_zep.config import MoEDispatch as Dispatch
-from ray_zep.dist.group import Group
+from ray_zep.distributed.group import Group
 from ray_zep.errors import ConfigError, PlacementError
 from ray_zep.moe import comms
 from ray_zep.moe.gate import Balance, Routing, RoutingGroups, expert_capacity, route

@@ -23,8 +23,8 @@ from ray_zep.collectives.comms import (
 )
 from ray_zep.collectives.switches import CompressionSwitches
 from ray_zep.config import Config, MoEDispatch, MoEPipeline
-from ray_zep.dist import Comm
-from ray_zep.dist.group import Group
+from ray_zep.distributed import Comm
+from ray_zep.distributed.group import Group
 from ray_zep.errors import ConfigError
 from ray_zep.moe.comms import ExpertLink
 from ray_zep.moe.gate import Balance

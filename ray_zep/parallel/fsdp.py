@@ -2,8 +2,8 @@
 
 `shard_model` applies `fully_shard` to the embedding, to every transformer block,
 to the head (final norm and output) and then to the whole model, over a DeviceMesh
-that is a view of the groups `ray_zep.dist` built: `fsdp` shards over all ranks, `hsdp` over the
-GPUs of a node with replicas across nodes. Gradients are summed, not averaged
+that is a view of the groups `ray_zep.distributed` built: `fsdp` shards over all ranks,
+`hsdp` over the GPUs of a node with replicas across nodes. Gradients are summed, not averaged
 (the loss is already normalised by the global token count), with a plain SUM
 reduction because gloo has no pre-multiplied one. On GPU with bf16, parameters
 are gathered in bf16 and gradients reduced in fp32 (`MixedPrecisionPolicy`).
@@ -34,7 +34,7 @@ from torch.distributed.tensor import Shard
 
 from ray_zep.collectives.adaptive import AdaptiveCollectives
 from ray_zep.config import FsdpUnit, ParallelConfig
-from ray_zep.dist import Comm, MeshShape
+from ray_zep.distributed import Comm, MeshShape
 from ray_zep.moe.layer import MoE
 from ray_zep.parallel.axes import Sharding
 from ray_zep.parallel.fsdp_comms import switch_collectives

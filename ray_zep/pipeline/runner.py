@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.collectives.adaptive import RingZipper
 from ray_zep.constants import IGNORE_INDEX
-from ray_zep.dist import Comm
+from ray_zep.distributed import Comm
 from ray_zep.errors import ConfigError
 from ray_zep.model.llama import Transformer, rope_tables
 from ray_zep.parallel.axes import WEIGHTS_AXES, WeightsMode

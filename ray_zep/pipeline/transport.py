@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ray_zep.collectives.adaptive import RingZipper
-from ray_zep.dist import Comm
+from ray_zep.distributed import Comm
 from ray_zep.errors import CommError
 from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import Passing

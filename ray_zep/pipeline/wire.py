@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ray_zep.collectives.adaptive import RingZipper
 from ray_zep.collectives.codec import blamed_on, compress, decode_exactly, read_header
 from ray_zep.collectives.format import static_bytes
-from ray_zep.dist import Comm
+from ray_zep.distributed import Comm
 
 DYNAMIC_TAG_OFFSET = 2
 """A zipped message's dynamic part travels under its stream's tag plus this."""

@@ -7,15 +7,14 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from ray_zep.config import Config, Precision
-from ray_zep.errors import ConfigError, MemoryPlanError
-from ray_zep.model.shapes import ModelShape, build_shape
-from ray_zep.parallel.axes import SEQUENCE_AXES, Placement, WeightsMode
-from ray_zep.parallel.memory import GB, RankMemory, memory_inputs, model_memory
+from ray_zep.config import Config
+from ray_zep.errors import ConfigError
+from ray_zep.model.shapes import build_shape
+from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
 from ray_zep.partition import PLANNED, greedy_bins, make_plan, plan_from_bins
-from ray_zep.partition.plan import AttentionPlan, Zone
+from ray_zep.partition.plan import AttentionPlan
+from ray_zep.partition.plan_memory import PlanMemory, plan_memory
 from ray_zep.partition.stats import PlanStats, plan_stats
 from ray_zep.report.layers import LayerReport
 from ray_zep.report.placement import draw_placement, plan_record, rank_table
@@ -41,57 +40,6 @@ class PlanResult:
     memory: PlanMemory
 
 
-@dataclasses.dataclass(frozen=True)
-class PlanMemory:
-    """The modelled per-rank memory of a plan, and the GPU it must fit."""
-
-    ranks: list[RankMemory]
-    tokens: list[int]
-    gpu_bytes: float
-    gpu_model: str
-    how: str
-    """Compute dtype and kernel the model assumed."""
-    weights: str
-    alternative: tuple[str, RankMemory] | None = None
-    """Another weights mode's figure for the fullest rank, when this one does not fit."""
-
-    @property
-    def fullest(self) -> int:
-        return max(range(len(self.ranks)), key=lambda r: self.ranks[r].total)
-
-    @property
-    def fits(self) -> bool:
-        return not self.gpu_bytes or self.ranks[self.fullest].total <= self.gpu_bytes
-
-    def table(self) -> str:
-        r = self.fullest
-        gpu = f"{self.gpu_bytes / GB:.0f} GB ({self.gpu_model})" if self.gpu_bytes else "unknown"
-        return (
-            f"per-rank memory, modelled ({self.how}), parallel.weights={self.weights}: "
-            f"fullest rank {r} ({self.tokens[r]} tokens) {self.ranks[r].describe()}; "
-            f"GPU memory {gpu}: {'fits' if self.fits else 'DOES NOT FIT'}"
-        )
-
-    def check(self) -> None:
-        """Raises MemoryPlanError naming the figure and the axis to change."""
-        if self.fits:
-            return
-        r = self.fullest
-        advice = (
-            "set parallel.weights=fsdp or hsdp, train.activation_checkpointing=full, or "
-            "lower train.tokens_per_rank"
-        )
-        if self.alternative is not None:
-            name, other = self.alternative
-            fits = "fits" if other.total <= self.gpu_bytes else "does not fit either"
-            advice = f"parallel.weights={name} models {other.total / GB:.1f} GB ({fits}); " + advice
-        raise MemoryPlanError(
-            f"per-rank memory {self.ranks[r].total / GB:.1f} GB (rank {r}, {self.tokens[r]} "
-            f"tokens, parallel.weights={self.weights}) exceeds the {self.gpu_bytes / GB:.0f} GB "
-            f"of one {self.gpu_model}: {advice}"
-        )
-
-
 def run_plan(config: Config, request: PlanRequest) -> PlanResult:
     """Place the requested batch with the configured placement (`parallel.sequence`).
 
@@ -114,36 +62,6 @@ def run_plan(config: Config, request: PlanRequest) -> PlanResult:
     memory = plan_memory(config, topology, stats, shape)
     table = rank_table(plan, stats) + "\n\n" + layers.table() + "\n\n" + memory.table()
     return PlanResult(plan, stats, table, layers, memory)
-
-
-def plan_memory(
-    config: Config, topology: Topology, stats: PlanStats, shape: ModelShape
-) -> PlanMemory:
-    """Every rank's modelled memory for the plan's tokens (GPU presets: bf16, flash-attn)."""
-    on_gpu = topology.gpu_memory_bytes > 0
-    bf16 = on_gpu and config.train.precision is not Precision.FP32
-    flash = on_gpu and bf16 and config.model.attention_kernel != "torch"
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    how = ("bf16" if bf16 else "fp32") + (", flash-attn" if flash else ", torch attention")
-    tokens = [int(t) for t in stats.tokens]
-
-    def ranks_of(cfg: Config) -> list[RankMemory]:
-        out = []
-        for rank, held in enumerate(tokens):
-            ring = sum(n for zone, n in stats.zones[rank].items() if zone != Zone.LOCAL.value)
-            inputs = memory_inputs(cfg, topology, held, ring, dtype, flash, not on_gpu)
-            out.append(model_memory(shape, inputs))
-        return out
-
-    weights = config.parallel.weights
-    memory = PlanMemory(ranks_of(config), tokens, topology.gpu_memory_bytes,
-                        topology.gpu_model, how, weights.value)  # fmt: skip
-    if memory.fits or weights is WeightsMode.FSDP:
-        return memory
-    parallel = dataclasses.replace(config.parallel, weights=WeightsMode.FSDP)
-    other = ranks_of(dataclasses.replace(config, parallel=parallel))
-    alternative = (WeightsMode.FSDP.value, other[memory.fullest])
-    return dataclasses.replace(memory, alternative=alternative)
 
 
 def write_outputs(result: PlanResult, png: str | None, json_path: str | None) -> list[Path]:

@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 from ray_zep.collectives.adaptive import RingZipper
-from ray_zep.dist import Comm
-from ray_zep.dist.waiting import wait_all
+from ray_zep.distributed import Comm
+from ray_zep.distributed.waiting import wait_all
 from ray_zep.errors import CodecError, CommError
 from ray_zep.options import CompressionStream
 from ray_zep.routing.frames import Framed, FramedRecv, Mailbox, frame

@@ -12,7 +12,7 @@ refuses (`ray_zep.parallel.axes.refusal`, the placements' own rules).
 Each plays the same batches through the simulator (`ray_zep.sim.step`; the
 compositions that differ only in compression and pipeline share one placement of
 each batch, as their data actors would make the same) and gets its per-rank memory
-modelled (`ray_zep.report.plan_command.plan_memory`; neither switch changes it);
+modelled (`ray_zep.partition.plan_memory.plan_memory`; neither switch changes it);
 the fastest that fits every rank in the GPU's memory wins, of equally fast ones
 the one with the fewest switches on.
 """
@@ -40,8 +40,8 @@ from ray_zep.parallel.axes import (
     refusal,
 )
 from ray_zep.parallel.memory import GB
+from ray_zep.partition.plan_memory import plan_memory
 from ray_zep.partition.stats import plan_stats
-from ray_zep.report.plan_command import plan_memory
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, StepResult, plan_batch, simulate_batch, simulate_plans
 

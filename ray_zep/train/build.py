@@ -16,7 +16,7 @@ import torch
 from ray_zep.attention.kernels import AttentionFn, select_kernel
 from ray_zep.collectives.switches import CompressionSwitches
 from ray_zep.config import Config, Device, Precision
-from ray_zep.dist import Comm, GroupNeeds
+from ray_zep.distributed import Comm, GroupNeeds
 from ray_zep.errors import ConfigError
 from ray_zep.model.hf import load_hf_weights
 from ray_zep.model.llama import Transformer

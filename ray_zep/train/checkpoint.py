@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ray_zep import constants
 from ray_zep.config import ResumeMode
-from ray_zep.dist import Comm
+from ray_zep.distributed import Comm
 from ray_zep.errors import CheckpointError
 
 log = logging.getLogger(__name__)

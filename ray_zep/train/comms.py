@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from ray_zep.collectives.adaptive import AdaptiveCollectives
 from ray_zep.collectives.comms import gradients_or_zeros, reduce_in_one_buffer_
-from ray_zep.dist import Comm
+from ray_zep.distributed import Comm
 
 
 def all_reduce_sum_(tensor: torch.Tensor, comm: Comm, what: str) -> torch.Tensor:

@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from ray_zep.config import Config
 from ray_zep.data.shards import RankShard
-from ray_zep.dist import Comm
-from ray_zep.dist.waiting import collectives_of
+from ray_zep.distributed import Comm
+from ray_zep.distributed.waiting import collectives_of
 from ray_zep.errors import CheckpointError, ConfigError, ZepError
 from ray_zep.train import checkpoint
 from ray_zep.train.ledger import SampleLedger

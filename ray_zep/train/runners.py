@@ -31,7 +31,7 @@ from ray_zep.collectives.comms import all_reduce_sum_ as group_all_reduce_sum_
 from ray_zep.config import Config
 from ray_zep.constants import IGNORE_INDEX
 from ray_zep.data.shards import RankShard
-from ray_zep.dist import Comm
+from ray_zep.distributed import Comm
 from ray_zep.model.llama import Transformer
 from ray_zep.moe.parallel import balance_loss
 from ray_zep.parallel.axes import Family, Sharding

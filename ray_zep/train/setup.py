@@ -17,7 +17,7 @@ from pathlib import Path
 from ray_zep.config import Config, write_resolved_config
 from ray_zep.data.batching import BatchStream
 from ray_zep.data.catalog import open_configured_source
-from ray_zep.dist import Comm
+from ray_zep.distributed import Comm
 from ray_zep.errors import ConfigError, TopologyError
 from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import Family

@@ -20,7 +20,7 @@ from ray_zep.collectives.switches import CompressionSwitches
 from ray_zep.collectives.tally import per_stream
 from ray_zep.config import Config
 from ray_zep.data.shards import RankShard
-from ray_zep.dist import Comm
+from ray_zep.distributed import Comm
 from ray_zep.routing.comms import open_channels
 from ray_zep.train import checkpoint
 from ray_zep.train.accounting import (

@@ -11,7 +11,7 @@ from ray_zep.attention.links import Links
 from ray_zep.attention.schedule import RankSchedule, expected_ops
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.config import load_config
-from ray_zep.dist import Comm, GroupNeeds
+from ray_zep.distributed import Comm, GroupNeeds
 from ray_zep.model.shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan

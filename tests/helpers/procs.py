@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ray_zep.dist.launch import free_port, init_process_group
+from ray_zep.distributed.launch import free_port, init_process_group
 
 INIT_TIMEOUT_S = 60.0
 COLLECTIVE_TIMEOUT_S = 60.0

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ray_zep.dist.waiting import wait_all
+from ray_zep.distributed.waiting import wait_all
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ topology (`Comm.create` for the world group, `Comm.with_groups` for the rest);
 the rest of the package asks the Comm for them instead of creating its own.
 """
 
-from ray_zep.dist.comm import Comm
-from ray_zep.dist.group import Group
-from ray_zep.dist.groups import GroupNeeds, MeshShape, RankGroups
+from ray_zep.distributed.comm import Comm
+from ray_zep.distributed.group import Group
+from ray_zep.distributed.groups import GroupNeeds, MeshShape, RankGroups
 
 __all__ = ["Comm", "Group", "GroupNeeds", "MeshShape", "RankGroups"]

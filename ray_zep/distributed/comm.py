@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ray_zep.dist.group import Group
-from ray_zep.dist.groups import GroupNeeds, RankGroups, build_groups
-from ray_zep.dist.waiting import wait_all
+from ray_zep.distributed.group import Group
+from ray_zep.distributed.groups import GroupNeeds, RankGroups, build_groups
+from ray_zep.distributed.waiting import wait_all
 from ray_zep.errors import CommError, TopologyError
 from ray_zep.topology import Topology
 

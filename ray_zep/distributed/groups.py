@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ray_zep.dist.group import Group
+from ray_zep.distributed.group import Group
 from ray_zep.errors import CommError
 from ray_zep.topology import Topology
 
@@ -165,4 +165,3 @@ def build_groups(
     if needs.fsdp is not None and ep > 1:
         out.fsdp_expert_replicas = mine([list(range(o, world, ep)) for o in range(ep)])
     return out
-

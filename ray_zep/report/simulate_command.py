@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ray_zep.bench.output import write_record
 from ray_zep.config import Config
 from ray_zep.costmodel import ComputeRates
 from ray_zep.errors import ConfigError
 from ray_zep.model.shapes import build_shape
+from ray_zep.report.output import write_record
 from ray_zep.report.plan_command import PlanRequest, request_lengths
 from ray_zep.report.timeline import draw_throughput, draw_timelines
 from ray_zep.sim.compare import StrategyResult, simulate_strategies, strategy_names

@@ -10,11 +10,12 @@ topology) are fine.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ray_zep.dist.comm import Comm
+from ray_zep.distributed.comm import Comm
 from ray_zep.errors import TopologyError
 from ray_zep.topology import Topology
 
@@ -65,7 +66,7 @@ def check_placement(places: list[WorkerPlace], topology: Topology) -> None:
     for machine in dict.fromkeys(p.machine for p in places):
         ranks = [r for r, p in enumerate(places) if p.machine == machine]
         indices = [places[r].local_index for r in ranks]
-        if any(b <= a for a, b in zip(indices, indices[1:])):
+        if any(b <= a for a, b in itertools.pairwise(indices)):
             raise TopologyError(
                 f"ranks {ranks} on machine {machine[:SHOWN_ID_CHARS]} have local indices "
                 f"{indices}; rank r must use its machine's GPUs in increasing order"

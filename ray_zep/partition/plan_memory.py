@@ -1,0 +1,102 @@
+"""The modelled per-rank memory of a plan, against the GPU it must fit.
+
+`ray-zep plan` prints it, `plan --auto` drops the compositions that do not fit, and
+`bench scale` reports the fullest rank: the memory model of `ray_zep.parallel.memory`
+applied to each rank's tokens under a plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ray_zep.config import Config, Precision
+from ray_zep.errors import MemoryPlanError
+from ray_zep.model.shapes import ModelShape
+from ray_zep.parallel.axes import WeightsMode
+from ray_zep.parallel.memory import GB, RankMemory, memory_inputs, model_memory
+from ray_zep.partition.plan import Zone
+from ray_zep.partition.stats import PlanStats
+from ray_zep.topology import Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanMemory:
+    """The modelled per-rank memory of a plan, and the GPU it must fit."""
+
+    ranks: list[RankMemory]
+    tokens: list[int]
+    gpu_bytes: float
+    gpu_model: str
+    how: str
+    """Compute dtype and kernel the model assumed."""
+    weights: str
+    alternative: tuple[str, RankMemory] | None = None
+    """Another weights mode's figure for the fullest rank, when this one does not fit."""
+
+    @property
+    def fullest(self) -> int:
+        return max(range(len(self.ranks)), key=lambda r: self.ranks[r].total)
+
+    @property
+    def fits(self) -> bool:
+        return not self.gpu_bytes or self.ranks[self.fullest].total <= self.gpu_bytes
+
+    def table(self) -> str:
+        r = self.fullest
+        gpu = f"{self.gpu_bytes / GB:.0f} GB ({self.gpu_model})" if self.gpu_bytes else "unknown"
+        return (
+            f"per-rank memory, modelled ({self.how}), parallel.weights={self.weights}: "
+            f"fullest rank {r} ({self.tokens[r]} tokens) {self.ranks[r].describe()}; "
+            f"GPU memory {gpu}: {'fits' if self.fits else 'DOES NOT FIT'}"
+        )
+
+    def check(self) -> None:
+        """Raises MemoryPlanError naming the figure and the axis to change."""
+        if self.fits:
+            return
+        r = self.fullest
+        advice = (
+            "set parallel.weights=fsdp or hsdp, train.activation_checkpointing=full, or "
+            "lower train.tokens_per_rank"
+        )
+        if self.alternative is not None:
+            name, other = self.alternative
+            fits = "fits" if other.total <= self.gpu_bytes else "does not fit either"
+            advice = f"parallel.weights={name} models {other.total / GB:.1f} GB ({fits}); " + advice
+        raise MemoryPlanError(
+            f"per-rank memory {self.ranks[r].total / GB:.1f} GB (rank {r}, {self.tokens[r]} "
+            f"tokens, parallel.weights={self.weights}) exceeds the {self.gpu_bytes / GB:.0f} GB "
+            f"of one {self.gpu_model}: {advice}"
+        )
+
+
+def plan_memory(
+    config: Config, topology: Topology, stats: PlanStats, shape: ModelShape
+) -> PlanMemory:
+    """Every rank's modelled memory for the plan's tokens (GPU presets: bf16, flash-attn)."""
+    on_gpu = topology.gpu_memory_bytes > 0
+    bf16 = on_gpu and config.train.precision is not Precision.FP32
+    flash = on_gpu and bf16 and config.model.attention_kernel != "torch"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    how = ("bf16" if bf16 else "fp32") + (", flash-attn" if flash else ", torch attention")
+    tokens = [int(t) for t in stats.tokens]
+
+    def ranks_of(cfg: Config) -> list[RankMemory]:
+        out = []
+        for rank, held in enumerate(tokens):
+            ring = sum(n for zone, n in stats.zones[rank].items() if zone != Zone.LOCAL.value)
+            inputs = memory_inputs(cfg, topology, held, ring, dtype, flash, not on_gpu)
+            out.append(model_memory(shape, inputs))
+        return out
+
+    weights = config.parallel.weights
+    memory = PlanMemory(ranks_of(config), tokens, topology.gpu_memory_bytes,
+                        topology.gpu_model, how, weights.value)  # fmt: skip
+    if memory.fits or weights is WeightsMode.FSDP:
+        return memory
+    parallel = dataclasses.replace(config.parallel, weights=WeightsMode.FSDP)
+    other = ranks_of(dataclasses.replace(config, parallel=parallel))
+    alternative = (WeightsMode.FSDP.value, other[memory.fullest])
+    return dataclasses.replace(memory, alternative=alternative)
