@@ -20,10 +20,10 @@ from ray_zep.bench.calibrate_links import (
 from ray_zep.config import Compression, Config, load_config
 from ray_zep.costmodel import ComputeRates
 from ray_zep.parallel.axes import Placement, WeightsMode
-from ray_zep.parallel.step_plan import plan_step
 from ray_zep.sim.events import CorePool
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, greedy_bins, plan_batch, simulate_batch, simulate_plan
+from ray_zep.step_plan import plan_step
 from ray_zep.topology import build_topology
 
 pytestmark = pytest.mark.unit

@@ -8,7 +8,7 @@ vectorised numpy, never per document.
 Placement by `parallel.sequence` (ray_zep.parallel.axes):
 - the one-process reference: one shard holding the whole batch.
 - whole sequences: rank r holds bin r of a rank-packed batch, at most L tokens.
-- every planned placement: the step's plan (`ray_zep.parallel.step_plan`) places
+- every planned placement: the step's plan (`ray_zep.step_plan`) places
   the batch and rank r holds the fragments of its plan layout, with explicit positions and
   next-token labels taken from the whole sequences (a fragment's last label is
   the first token of the next fragment, wherever that lives), and its slice of
@@ -36,11 +36,11 @@ from ray_zep.errors import PlacementError
 from ray_zep.model.shapes import build_shape
 from ray_zep.moe.gate import RoutingGroups
 from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
-from ray_zep.parallel.step_plan import plan_step, whole_bins
 from ray_zep.partition.plan import AttentionPlan, Fragment
 from ray_zep.remap.layout import RankRemap, to_linear_layout
 from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import RankRouting
+from ray_zep.step_plan import plan_step, whole_bins
 from ray_zep.topology import Topology
 from ray_zep.traffic import Traffic
 

@@ -13,7 +13,7 @@ the package needs (`SEQUENCE_AXES`, `WEIGHTS_AXES`); the config checks a run
 against `refusal`; the planners, step runners, traffic and memory models look
 a value's traits up instead of branching on names. What each value does is
 implemented where its concern lives: `ray_zep.partition.PLANNERS` maps every
-placement to its planner, `ray_zep.parallel.fsdp` shards the FSDP2 modes,
+placement to its planner, `ray_zep.train.fsdp` shards the FSDP2 modes,
 `ray_zep.pipeline` runs the weight-passing family, and `ray_zep.parallel.memory`
 models each mode's per-rank memory.
 """

@@ -178,7 +178,7 @@ def _working_set(shape: ModelShape, m: MemoryInputs) -> _WorkingSet:
 
 
 def fsdp_units(shape: ModelShape, unit: FsdpUnit) -> list[int]:
-    """Parameters of each FSDP2 unit (`ray_zep.parallel.fsdp.shard_model`)."""
+    """Parameters of each FSDP2 unit (`ray_zep.train.fsdp.shard_model`)."""
     units = model_units(shape)
     if unit is FsdpUnit.BLOCK:
         return units

@@ -1,6 +1,6 @@
 """A whole training step of any composition the trainer runs, from the plan it executes.
 
-`simulate_batch` places a batch as the data actor does (`ray_zep.parallel.step_plan.
+`simulate_batch` places a batch as the data actor does (`ray_zep.step_plan.
 plan_step`: the planner, the routing and the remap decision of the configured
 axes; whole-sequence placements keep the rank-packed bins) and plays it:
 
@@ -57,7 +57,6 @@ from ray_zep.model.shapes import ModelShape, build_shape
 from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, WeightsMode
 from ray_zep.parallel.memory import fsdp_units
-from ray_zep.parallel.step_plan import plan_step, whole_bins
 from ray_zep.partition import greedy_bins, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.remap.solver import RemapPlan
@@ -71,6 +70,7 @@ from ray_zep.sim.weight_passing import ShardWire, Workload
 from ray_zep.sim.weight_passing import simulate_step as weight_passing_step
 from ray_zep.sim.weights import WeightsCost, weights_cost
 from ray_zep.sim.wire import Stream, WireCodec, codec_bytes_s
+from ray_zep.step_plan import plan_step, whole_bins
 
 
 @dataclass(frozen=True)

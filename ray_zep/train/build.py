@@ -23,8 +23,8 @@ from ray_zep.model.llama import Transformer
 from ray_zep.model.shapes import build_shape
 from ray_zep.moe.parallel import ExpertParallel, parallelize_experts
 from ray_zep.parallel.axes import Family, Passing
-from ray_zep.parallel.fsdp import mesh_shape, shard_model
 from ray_zep.pipeline.runner import WeightPipeline
+from ray_zep.train.fsdp import mesh_shape, shard_model
 
 
 def resolve_device(device: Device) -> torch.device:

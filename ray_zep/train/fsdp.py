@@ -37,7 +37,7 @@ from ray_zep.config import FsdpUnit, ParallelConfig
 from ray_zep.distributed import Comm, MeshShape
 from ray_zep.moe.layer import MoE
 from ray_zep.parallel.axes import Sharding
-from ray_zep.parallel.fsdp_comms import switch_collectives
+from ray_zep.train.fsdp_comms import switch_collectives
 
 MESH_SHAPES = {Sharding.ALL_RANKS: MeshShape.FLAT, Sharding.NODE: MeshShape.NODE}
 
@@ -62,7 +62,7 @@ def shard_model(
         expert_modules: modules holding only expert-parallel weights.
         collectives: the shard group's compression switch (`comm.compression`
             on): the units' all-gathers and reduce-scatters go through it
-            (`ray_zep.parallel.fsdp_comms`).
+            (`ray_zep.train.fsdp_comms`).
 
     Returns:
         The FSDP modules in forward order (embedding, each block followed by its
