@@ -30,7 +30,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from ray_zep import constants
 from ray_zep.errors import ConfigError
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.options import (  # the enums are part of the schema: re-exported
     COMPRESSION_STREAMS as COMPRESSION_STREAMS,
 )

@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from ray_zep.errors import ConfigError
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.topology import LinkKind, Topology
 
 BYTES_PER_ELEMENT = 2

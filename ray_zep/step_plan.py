@@ -16,7 +16,7 @@ import numpy as np
 
 from ray_zep.config import Config, ZonePolicy
 from ray_zep.costmodel import preset_rates
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.parallel.axes import SEQUENCE_AXES
 from ray_zep.partition import make_plan
 from ray_zep.partition.plan import AttentionPlan

@@ -38,10 +38,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ray_zep.config import TopologyConfig
 from ray_zep.errors import TopologyError
+
+if TYPE_CHECKING:  # annotations only: the config sits above the topology it describes
+    from ray_zep.config import TopologyConfig
 
 GB = 1e9
 GBIT = 1e9 / 8

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ray_zep.costmodel import BYTES_PER_ELEMENT
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.partition.plan import AttentionPlan, Exchange
 from ray_zep.partition.stats import plan_stats
 from ray_zep.remap.solver import RemapPlan

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from ray_zep.attention.rope import rope_tables
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.config import ActivationCheckpointing, load_config
-from ray_zep.model.llama import Transformer, rope_tables
-from ray_zep.model.shapes import build_shape
+from ray_zep.model.llama import Transformer
+from ray_zep.model_shapes import build_shape
 from tests.helpers.procs import run_ranks
 from tests.helpers.training import SMALL_RUN, train_rank_each
 

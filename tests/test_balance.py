@@ -10,7 +10,7 @@ import pytest
 from ray_zep.config import ParallelConfig, ZonePolicy, load_config
 from ray_zep.costmodel import linear_flops_per_token, preset_rates
 from ray_zep.data.synthetic import batch_lengths
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.partition.stats import plan_stats

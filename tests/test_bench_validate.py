@@ -169,7 +169,7 @@ def test_share_probe_times_the_models_step_against_its_alone_seconds(monkeypatch
     import ray_zep.bench.core_share as core_share
     from ray_zep.bench.calibrate import Calibration
     from ray_zep.costmodel import ComputeRates
-    from ray_zep.model.shapes import ModelShape
+    from ray_zep.model_shapes import ModelShape
 
     shape = ModelShape(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=64)
     alone, together = core_share.step_seconds(shape, 2, rounds=1, alone=True)  # real processes

@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from ray_zep.attention.kernels import torch_varlen_attention
+from ray_zep.attention.rope import rope_tables
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.config import MoEPipeline
 from ray_zep.distributed.group import Group
-from ray_zep.model.llama import Block, rope_tables
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model.llama import Block
+from ray_zep.model_shapes import ModelShape
 from ray_zep.moe.gate import route
 from ray_zep.moe.layer import shard_experts
 from ray_zep.moe.pipeline import FoldedForward

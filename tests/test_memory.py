@@ -13,7 +13,7 @@ import pytest
 
 from ray_zep.config import FsdpUnit, load_config
 from ray_zep.errors import MemoryPlanError
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import WEIGHTS_AXES, WeightsMode
 from ray_zep.parallel.memory import activation_bytes, fsdp_units, memory_inputs, state_bytes
 from ray_zep.report.plan_command import PlanRequest, run_plan

@@ -13,7 +13,7 @@ import pytest
 from ray_zep import metrics, steplog
 from ray_zep.config import TopologyConfig, load_config
 from ray_zep.errors import ConfigError
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.topology import build_topology
 from ray_zep.traffic import gradient_traffic
 from tests.helpers.procs import run_ranks

@@ -21,7 +21,7 @@ from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.config import ModelConfig
 from ray_zep.errors import ConfigError, PlacementError
 from ray_zep.model.llama import Transformer
-from ray_zep.model.shapes import PRESETS, build_shape
+from ray_zep.model_shapes import PRESETS, build_shape
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from ray_zep.bench.moe import MoEBenchSpec, format_table, simulate_rows, speedup
 from ray_zep.config import MoEPipeline
-from ray_zep.model.shapes import PRESETS
+from ray_zep.model_shapes import PRESETS
 from ray_zep.moe.schedule import Kind, build_program
 from ray_zep.moe.slicing import micro_batch_sizes, slice_costs, time_uniform_slices
 from ray_zep.sim.moe_block import play, stage_times

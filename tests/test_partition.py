@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from ray_zep.config import ParallelConfig, ZonePolicy, load_config
 from ray_zep.costmodel import CostModel, kv_bytes_per_token
 from ray_zep.errors import ConfigError, PlacementError
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import PLANNED, make_plan, plan_from_bins
 from ray_zep.partition import stats as stats_module

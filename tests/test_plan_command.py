@@ -12,7 +12,7 @@ import pytest
 from ray_zep.cli import main
 from ray_zep.config import load_config
 from ray_zep.costmodel import linear_flops_per_token
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.report.placement import ZONE_COLORS
 from tests.helpers.pictures import read_png
 

@@ -20,7 +20,7 @@ from ray_zep.collectives.format import Layout, float_format
 from ray_zep.config import Compression, load_config
 from ray_zep.distributed import Comm, GroupNeeds
 from ray_zep.errors import CodecError, CommError
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.routing import comms as routing_comms

@@ -14,7 +14,7 @@ from ray_zep.attention.schedule import position_layout, step_segments
 from ray_zep.config import Config, TopologyConfig, load_config
 from ray_zep.costmodel import ComputeRates, CostModel, linear_flops_per_token
 from ray_zep.data.synthetic import batch_lengths
-from ray_zep.model.shapes import PRESETS, ModelShape
+from ray_zep.model_shapes import PRESETS, ModelShape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.remap.solver import solve_remap

@@ -20,9 +20,9 @@ from ray_zep.config import Compression, load_config
 from ray_zep.distributed import Comm, GroupNeeds
 from ray_zep.errors import ConfigError
 from ray_zep.model.llama import Transformer
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Passing
-from ray_zep.pipeline.layout import WeightLayout, cut_shards
+from ray_zep.parallel.pipeline_layout import WeightLayout, cut_shards
 from ray_zep.pipeline.transport import Transport
 from ray_zep.pipeline.weights import ShardedWeights
 from ray_zep.topology import build_topology

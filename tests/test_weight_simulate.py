@@ -22,7 +22,7 @@ from ray_zep.bench.tawpipe import (
 from ray_zep.cli import main
 from ray_zep.config import load_config
 from ray_zep.parallel.axes import Passing, WeightsMode
-from ray_zep.pipeline.layout import WeightLayout
+from ray_zep.parallel.pipeline_layout import WeightLayout
 from ray_zep.pipeline.messages import step_traffic
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.weight_passing import (

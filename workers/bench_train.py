@@ -40,7 +40,7 @@ from ray_zep.bench.core_share import run_share
 from ray_zep.config import Config, load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import ConfigError
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.sim.compare import VARIANTS
 from ray_zep.sim.replay import replay

@@ -40,7 +40,7 @@ from ray_zep import steplog
 from ray_zep.bench.calibrate import Calibration
 from ray_zep.config import load_config
 from ray_zep.constants import METRICS_FILE_NAME
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import WeightsMode
 from ray_zep.parallel.memory import fsdp_units
 from ray_zep.sim.replay import replay

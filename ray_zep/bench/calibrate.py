@@ -49,7 +49,7 @@ from ray_zep.bench.core_share import ShareProbe
 from ray_zep.config import Config, TopologyConfig
 from ray_zep.costmodel import ComputeRates
 from ray_zep.errors import ConfigError
-from ray_zep.model.shapes import ModelShape, build_shape
+from ray_zep.model_shapes import ModelShape, build_shape
 from ray_zep.sim.events import CorePool
 from ray_zep.sim.hardware import Hardware
 from ray_zep.topology import build_topology

@@ -43,7 +43,7 @@ from ray_zep.costmodel import (
     linear_flops_per_token,
     pointwise_elements_per_token,
 )
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 
 ATTENTION_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 """Sequence lengths of the packed attention batches."""

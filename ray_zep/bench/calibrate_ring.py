@@ -30,7 +30,7 @@ import torch
 
 from ray_zep.config import Config
 from ray_zep.distributed.launch import free_port
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 
 CHUNK_TOKENS = (8, 256)
 """Tokens of each zigzag chunk in the two measurements (a rank holds two chunks)."""

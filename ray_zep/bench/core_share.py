@@ -57,7 +57,7 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 
 T = TypeVar("T")
 

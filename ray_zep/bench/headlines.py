@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ray_zep.config import Config, load_config
-from ray_zep.model.shapes import PRESETS
+from ray_zep.model_shapes import PRESETS
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.report.simulate_command import SimulateRequest, run_simulate

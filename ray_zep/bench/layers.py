@@ -30,7 +30,7 @@ from ray_zep.bench.partition import synthetic_lengths
 from ray_zep.config import Config
 from ray_zep.data.synthetic import TABLE_2
 from ray_zep.errors import ConfigError, ZepError
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.remap.solver import remap_token_bytes, solve_remap

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from ray_zep.config import Config, FsdpUnit, config_from_dict, config_to_dict
 from ray_zep.distributed.launch import free_port
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import WeightsMode
 from ray_zep.parallel.memory import FP32, block_params, memory_inputs, state_bytes
 from ray_zep.report.charts import grouped_bars

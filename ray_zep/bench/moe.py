@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 from ray_zep.config import MoEPipeline
 from ray_zep.distributed.launch import free_port
-from ray_zep.model.shapes import PRESETS, ModelShape
+from ray_zep.model_shapes import PRESETS, ModelShape
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
 from ray_zep.sim.hardware import Hardware
@@ -208,9 +208,10 @@ def _time_schedules(spec: MoEBenchSpec) -> list[MoERow]:
     """This rank's part of `measure_rows` (best of `repeats` per schedule, the slowest
     rank's times)."""
     from ray_zep.attention.kernels import torch_varlen_attention
+    from ray_zep.attention.rope import rope_tables
     from ray_zep.attention.varlen import PackedSeqs
     from ray_zep.distributed.group import Group
-    from ray_zep.model.llama import Block, rope_tables
+    from ray_zep.model.llama import Block
     from ray_zep.moe.layer import shard_experts
     from ray_zep.moe.pipeline import FoldedForward
 

@@ -32,7 +32,7 @@ import numpy as np
 from ray_zep.config import Config, ParallelConfig, ZonePolicy
 from ray_zep.data.synthetic import TABLE_2, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
-from ray_zep.model.shapes import ModelShape, build_shape
+from ray_zep.model_shapes import ModelShape, build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.partition.stats import plan_stats

@@ -20,7 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.parallel.axes import WeightsMode
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure

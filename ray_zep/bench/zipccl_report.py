@@ -21,7 +21,7 @@ from ray_zep.bench.zipccl_model import codec_bytes_s, model_step
 from ray_zep.collectives import compress
 from ray_zep.errors import ConfigError
 from ray_zep.model.llama import INIT_STD, Block
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
 

@@ -8,7 +8,7 @@ from ray_zep.config import Config
 from ray_zep.data.builder import stdlib_dataset
 from ray_zep.data.source import ParquetSource, TokenSource
 from ray_zep.data.synthetic import SyntheticSource
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 
 STDLIB = "stdlib"
 SYNTHETIC_PREFIX = "synthetic:"

@@ -33,7 +33,7 @@ from ray_zep.config import Config
 from ray_zep.constants import IGNORE_INDEX
 from ray_zep.data.batching import GlobalBatch
 from ray_zep.errors import PlacementError
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.moe.gate import RoutingGroups
 from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
 from ray_zep.partition.plan import AttentionPlan, Fragment

@@ -2,7 +2,7 @@
 
 `load_hf_weights` fills a `Transformer` from a checkpoint directory
 (`model.init_from`); `export_hf` writes a model's weights as one (`ray-zep
-export`). The shape comes from config.json through `ray_zep.model.hf_config`.
+export`). The shape comes from config.json through `ray_zep.hf_config`.
 
 Names. HF's `model.embed_tokens`, `model.layers.<i>.self_attn.{q,k,v,o}_proj`,
 `mlp.{gate,up,down}_proj`, `input_layernorm`, `post_attention_layernorm`,
@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from ray_zep.errors import ConfigError
-from ray_zep.model.hf_config import INIT_KEY, architecture, read_hf_config, tied
-from ray_zep.model.shapes import ModelShape
+from ray_zep.hf_config import INIT_KEY, architecture, read_hf_config, tied
+from ray_zep.model_shapes import ModelShape
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

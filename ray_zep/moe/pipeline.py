@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ray_zep.attention.rope import apply_rope
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.config import MoEPipeline
 from ray_zep.errors import ConfigError
-from ray_zep.model.llama import apply_rope
 from ray_zep.moe import comms
 from ray_zep.moe.gate import Balance, route
 from ray_zep.moe.layer import MoE, SortedChoices

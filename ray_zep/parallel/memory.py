@@ -43,15 +43,18 @@ output). `selective` keeps the attention half and the feed-forward's input (D);
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from ray_zep.config import Config
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.options import ActivationCheckpointing, FsdpUnit
 from ray_zep.parallel.axes import Family, Sharding, WeightsAxis
-from ray_zep.pipeline.layout import cut_shards
+from ray_zep.parallel.pipeline_layout import cut_shards
 from ray_zep.topology import Topology
+
+if TYPE_CHECKING:  # annotations only: the config imports the axes this model reads
+    from ray_zep.config import Config
 
 FP32 = 4
 ADAM_MOMENTS = 2

@@ -10,7 +10,7 @@ import numpy as np
 from ray_zep.config import ParallelConfig, ZonePolicy
 from ray_zep.costmodel import CostModel
 from ray_zep.errors import PlacementError
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
 from ray_zep.partition.baselines import (
     check_ulysses_degree,

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from ray_zep.errors import ConfigError
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition.fill import check_total, water_fill
 from ray_zep.partition.plan import (

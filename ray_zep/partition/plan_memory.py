@@ -13,7 +13,7 @@ import torch
 
 from ray_zep.config import Config, Precision
 from ray_zep.errors import MemoryPlanError
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.parallel.axes import WeightsMode
 from ray_zep.parallel.memory import GB, RankMemory, memory_inputs, model_memory
 from ray_zep.partition.plan import Zone

@@ -33,7 +33,7 @@ from ray_zep.costmodel import (
     linear_flops_per_token,
     q_bytes_per_token,
 )
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.partition.member_arrays import plain_members
 from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem, SeqPlacement, link_kind
 from ray_zep.topology import LinkKind

@@ -37,7 +37,7 @@ from ray_zep.costmodel import (
     pointwise_elements_per_token,
     preset_rates,
 )
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.topology import LinkKind, Topology
 
 DKV_WIRE_FACTOR = 3.0

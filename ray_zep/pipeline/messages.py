@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from ray_zep.parallel.axes import Passing
-from ray_zep.pipeline.layout import WeightLayout
+from ray_zep.parallel.pipeline_layout import WeightLayout
 from ray_zep.topology import Topology
 from ray_zep.traffic import Traffic
 

@@ -20,14 +20,15 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from ray_zep.attention.rope import rope_tables
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.collectives.adaptive import RingZipper
 from ray_zep.constants import IGNORE_INDEX
 from ray_zep.distributed import Comm
 from ray_zep.errors import ConfigError
-from ray_zep.model.llama import Transformer, rope_tables
+from ray_zep.model.llama import Transformer
 from ray_zep.parallel.axes import WEIGHTS_AXES, WeightsMode
-from ray_zep.pipeline.layout import WeightLayout, model_units
+from ray_zep.parallel.pipeline_layout import WeightLayout, model_units
 from ray_zep.pipeline.messages import step_traffic
 from ray_zep.pipeline.transport import Pending, Transport
 from ray_zep.pipeline.weights import ShardedWeights

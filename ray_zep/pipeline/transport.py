@@ -38,7 +38,7 @@ from ray_zep.distributed import Comm
 from ray_zep.errors import CommError
 from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import Passing
-from ray_zep.pipeline.layout import WeightLayout
+from ray_zep.parallel.pipeline_layout import WeightLayout
 from ray_zep.pipeline.messages import chain_order
 from ray_zep.pipeline.wire import Incoming, Wire
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ray_zep.pipeline.layout import WeightLayout, model_units
+from ray_zep.parallel.pipeline_layout import WeightLayout, model_units
 
 
 @dataclass

@@ -32,7 +32,7 @@ from ray_zep.costmodel import (
     linear_flops_per_token,
     q_bytes_per_token,
 )
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.partition.stats import plan_stats
 from ray_zep.remap.solver import RemapPlan, remap_token_bytes, solve_remap, token_costs

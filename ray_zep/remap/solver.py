@@ -34,7 +34,7 @@ from ortools.graph.python import max_flow
 
 from ray_zep.costmodel import kv_bytes_per_token, q_bytes_per_token
 from ray_zep.errors import PlacementError
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.topology import Topology
 
 UNBOUNDED = 1 << 40
@@ -83,7 +83,8 @@ def balanced_counts(counts: np.ndarray) -> np.ndarray:
 
 
 def remap_token_bytes(shape: ModelShape) -> int:
-    """Bytes a moved token carries into attention: its q, k and v (see `ray_zep.remap.comms`)."""
+    """Bytes a moved token carries into attention: its q, k and v (see
+    `ray_zep.attention.remap_exchange`)."""
     return q_bytes_per_token(shape) + kv_bytes_per_token(shape)
 
 

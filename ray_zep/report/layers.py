@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.remap.solver import RemapPlan, remap_token_bytes, solve_remap
 from ray_zep.traffic import Traffic, collective_traffic, ring_traffic

@@ -10,7 +10,7 @@ import numpy as np
 
 from ray_zep.config import Config
 from ray_zep.errors import ConfigError
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
 from ray_zep.partition import PLANNED, greedy_bins, make_plan, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan

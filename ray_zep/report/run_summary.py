@@ -19,7 +19,7 @@ from ray_zep.config import Config
 from ray_zep.costmodel import preset_gpu, preset_rates
 from ray_zep.data.batching import BatchStream
 from ray_zep.data.catalog import open_configured_source
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.remap.policy import choose_remap

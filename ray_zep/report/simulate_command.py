@@ -18,7 +18,7 @@ import numpy as np
 from ray_zep.config import Config
 from ray_zep.costmodel import ComputeRates
 from ray_zep.errors import ConfigError
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.report.output import write_record
 from ray_zep.report.plan_command import PlanRequest, request_lengths
 from ray_zep.report.timeline import draw_throughput, draw_timelines
@@ -140,6 +140,7 @@ def request_hardware(config: Config, calibration: str | None) -> tuple[Hardware,
     topology = build_topology(config.topology)
     if calibration is None:
         return Hardware.preset(topology), True
+    # up a floor: the calibration file is `bench calibrate`'s record, read back here
     from ray_zep.bench.calibrate import Calibration
 
     measured = Calibration.load(calibration)

@@ -29,7 +29,7 @@ import numpy as np
 
 from ray_zep.config import Compression, Config, MoEPipeline, Packing, config_to_yaml
 from ray_zep.errors import MemoryPlanError, ZepError
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.options import ZonePolicy
 from ray_zep.parallel.axes import (
     SEQUENCE_AXES,

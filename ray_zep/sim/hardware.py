@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ray_zep.costmodel import ComputeRates, CostModel, preset_rates
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.sim.events import CorePool
 from ray_zep.topology import GB, GBIT, Topology
 

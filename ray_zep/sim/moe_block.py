@@ -36,7 +36,7 @@ from ray_zep.costmodel import (
     BYTES_PER_ELEMENT,
     ComputeRates,
 )
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.moe.schedule import Kind, Step, attention_slices, build_program
 from ray_zep.moe.slicing import (
     micro_batch_sizes,

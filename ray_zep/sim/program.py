@@ -55,7 +55,7 @@ from ray_zep.costmodel import (
     linear_flops_per_token,
     pointwise_elements_per_token,
 )
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES
 from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem

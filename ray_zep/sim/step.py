@@ -53,7 +53,7 @@ from ray_zep.costmodel import (
     ComputeRates,
     head_flops_per_token,
 )
-from ray_zep.model.shapes import ModelShape, build_shape
+from ray_zep.model_shapes import ModelShape, build_shape
 from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, WeightsMode
 from ray_zep.parallel.memory import fsdp_units

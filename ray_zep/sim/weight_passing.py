@@ -54,10 +54,10 @@ from ray_zep.costmodel import (
     linear_flops_per_token,
     pointwise_elements_per_token,
 )
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import WEIGHTS_AXES, Passing, WeightsMode
-from ray_zep.pipeline.layout import WeightLayout
+from ray_zep.parallel.pipeline_layout import WeightLayout
 from ray_zep.pipeline.messages import Message, fetch_messages, reduce_messages
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.wire import PLAIN, Stream, WireCodec

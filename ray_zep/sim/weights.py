@@ -33,7 +33,7 @@ import numpy as np
 
 from ray_zep.collectives.switcher import Kind
 from ray_zep.costmodel import GRAD_BYTES_PER_ELEMENT, CostModel
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import WEIGHTS_AXES, Sharding, WeightsMode
 from ray_zep.parallel.memory import block_params

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ray_zep.model.shapes import ModelShape
+from ray_zep.model_shapes import ModelShape
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.weight_passing import (
     ACTIVATION_BYTES_PER_TOKEN_LAYER,

@@ -20,7 +20,7 @@ from ray_zep.distributed import Comm, GroupNeeds
 from ray_zep.errors import ConfigError
 from ray_zep.model.hf import load_hf_weights
 from ray_zep.model.llama import Transformer
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.moe.parallel import ExpertParallel, parallelize_experts
 from ray_zep.parallel.axes import Family, Passing
 from ray_zep.pipeline.runner import WeightPipeline

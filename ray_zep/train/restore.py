@@ -17,10 +17,10 @@ import torch
 from ray_zep import constants
 from ray_zep.config import Config, load_config, renamed_overrides
 from ray_zep.errors import ConfigError
+from ray_zep.hf_config import read_hf_config
 from ray_zep.model.hf import export_hf, load_hf_weights
-from ray_zep.model.hf_config import read_hf_config
 from ray_zep.model.llama import Transformer
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.train import checkpoint
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ray_zep.attention.engine import run_attention
 from ray_zep.attention.kernels import AttentionFn, select_backward
 from ray_zep.attention.links import Links
+from ray_zep.attention.remap_exchange import to_attention, to_linear
 from ray_zep.attention.schedule import RankSchedule
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.collectives.adaptive import AdaptiveCollectives
@@ -35,7 +36,6 @@ from ray_zep.distributed import Comm
 from ray_zep.model.llama import Transformer
 from ray_zep.moe.parallel import balance_loss
 from ray_zep.parallel.axes import Family, Sharding
-from ray_zep.remap.comms import to_attention, to_linear
 from ray_zep.remap.layout import RankRemap
 from ray_zep.traffic import Traffic, gradient_traffic, sharded_weights_traffic
 from ray_zep.train.build import AppliedAxes

@@ -19,7 +19,7 @@ from ray_zep.data.batching import BatchStream
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.distributed import Comm
 from ray_zep.errors import ConfigError, TopologyError
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Family
 from ray_zep.topology import Topology, build_topology
 from ray_zep.train.checkpoint import resume_checkpoint

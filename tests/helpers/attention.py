@@ -12,7 +12,7 @@ from ray_zep.attention.schedule import RankSchedule, expected_ops
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.config import load_config
 from ray_zep.distributed import Comm, GroupNeeds
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.routing.comms import open_channels

@@ -22,7 +22,7 @@ from ray_zep.data.builder import write_token_parquet
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.data.shards import shard_for
 from ray_zep.model.llama import Transformer
-from ray_zep.model.shapes import build_shape
+from ray_zep.model_shapes import build_shape
 from ray_zep.topology import Topology, build_topology
 from ray_zep.train.checkpoint import Progress, read_model_state
 from ray_zep.train.loop import run_rank

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 from ray_zep.errors import ConfigError
-from ray_zep.model.hf_config import SHAPE_KEYS, hf_shape_fields
+from ray_zep.hf_config import SHAPE_KEYS, hf_shape_fields
 
 
 @dataclass(frozen=True)
