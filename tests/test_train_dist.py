@@ -26,7 +26,7 @@ from ray_zep.config import load_config
 from ray_zep.data.builder import write_token_parquet
 from ray_zep.errors import CommError, TopologyError
 from ray_zep.topology import build_topology
-from ray_zep.train.comms import all_reduce_sum_
+from ray_zep.train.comms import sum_over_ranks_
 from ray_zep.train.ledger import ledger_path, read_ledger
 from ray_zep.train.setup import create_comm
 from tests.helpers.procs import run_fresh_ranks, run_ranks
@@ -142,7 +142,7 @@ def _stall(rank: int, world: int) -> list[tuple[float, str]] | None:
         return None
     outcomes = []
     for name, collective in [
-        ("all-reduce", lambda: all_reduce_sum_(torch.ones(4), comm, "the test tensor")),
+        ("all-reduce", lambda: sum_over_ranks_(torch.ones(4), comm, "the test tensor")),
         ("barrier", lambda: dist.barrier(group=comm.group)),  # blocking, as in checkpoints
     ]:
         started = time.perf_counter()

@@ -8,21 +8,20 @@ config key sets the limit.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ray_zep.collectives.adaptive import AdaptiveCollectives
-from ray_zep.collectives.comms import gradients_or_zeros, reduce_in_one_buffer_
+from ray_zep.collectives.comms import (
+    all_reduce_sum_,
+    gradients_or_zeros,
+    reduce_in_one_buffer_,
+)
 from ray_zep.distributed import Comm
 
 
-def all_reduce_sum_(tensor: torch.Tensor, comm: Comm, what: str) -> torch.Tensor:
-    """Sum `tensor` over the group in place (no-op for a single process)."""
-    if not comm.distributed:
-        return tensor
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=comm.group, async_op=True)
-    comm.wait([work], f"all-reduce of {what}")
-    return tensor
+def sum_over_ranks_(tensor: torch.Tensor, comm: Comm, what: str) -> torch.Tensor:
+    """Sum `tensor` over the job's ranks in place (no-op for a single process)."""
+    return all_reduce_sum_(tensor, comm.world, what) if comm.distributed else tensor
 
 
 def all_reduce_gradients_(
@@ -41,7 +40,7 @@ def all_reduce_gradients_(
     if not comm.distributed:
         return 0
     if zipped is None:
-        return reduce_in_one_buffer_(grads, lambda flat: all_reduce_sum_(flat, comm, "gradients"))
+        return reduce_in_one_buffer_(grads, lambda flat: sum_over_ranks_(flat, comm, "gradients"))
     return reduce_in_one_buffer_(grads, lambda flat: zipped.all_reduce_sum_(flat, "gradients"))
 
 

@@ -28,7 +28,7 @@ from ray_zep.attention.remap_exchange import to_attention, to_linear
 from ray_zep.attention.schedule import RankSchedule
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.collectives.adaptive import AdaptiveCollectives
-from ray_zep.collectives.comms import all_reduce_sum_ as group_all_reduce_sum_
+from ray_zep.collectives.comms import all_reduce_sum_
 from ray_zep.config import Config
 from ray_zep.constants import IGNORE_INDEX
 from ray_zep.data.shards import RankShard
@@ -39,7 +39,7 @@ from ray_zep.parallel.axes import Family, Sharding
 from ray_zep.remap.layout import RankRemap
 from ray_zep.traffic import Traffic, gradient_traffic, sharded_weights_traffic
 from ray_zep.train.build import AppliedAxes
-from ray_zep.train.comms import all_reduce_gradients_, all_reduce_sum_, square_norm
+from ray_zep.train.comms import all_reduce_gradients_, square_norm, sum_over_ranks_
 
 Losses = tuple[tuple[float, float], int]
 """(this rank's sum of token losses, its share of the balance loss), bytes all-reduced."""
@@ -118,7 +118,7 @@ class AutogradRunner(StepRunner):
         if experts:
             # each EP rank holds other experts: their squares add up over the EP group
             split = square_norm(experts).reshape(1)
-            group_all_reduce_sum_(split, axes.experts.groups.ep, "the expert gradient norm")
+            all_reduce_sum_(split, axes.experts.groups.ep, "the expert gradient norm")
             squares = squares + split[0]
         return scale_to_norm([*axes.params, *experts], float(squares.sqrt()), max_norm)
 
@@ -204,7 +204,7 @@ class WeightPassingRunner(StepRunner):
         params = self.ctx.axes.params
         max_norm = self.ctx.config.train.grad_clip or float("inf")
         squares = square_norm(params).reshape(1)
-        all_reduce_sum_(squares, self.ctx.comm, "the gradient norm")
+        sum_over_ranks_(squares, self.ctx.comm, "the gradient norm")
         return scale_to_norm(params, float(squares.sqrt()), max_norm)
 
     def traffic(self, shard: RankShard, grad_bytes: int) -> Traffic:

@@ -38,7 +38,7 @@ from ray_zep.train.build import (
     resolve_device,
     resolve_dtype,
 )
-from ray_zep.train.comms import all_reduce_sum_
+from ray_zep.train.comms import sum_over_ranks_
 from ray_zep.train.memory_probe import PeakProbe
 from ray_zep.train.optim import build_optimizer, lr_at, set_lr
 from ray_zep.train.runners import RUNNERS, StepContext
@@ -135,7 +135,7 @@ class RankTrainer:
         totals = torch.tensor(
             [loss_sum, aux_loss, *led_work(shard, ctx), *streams, *memory], dtype=torch.float64
         )
-        all_reduce_sum_(totals, self.comm, "the step loss")
+        sum_over_ranks_(totals, self.comm, "the step loss")
         zone_tokens, attention_flops = totals[2:5].tolist(), float(totals[5])
         end = 6 + len(streams)
         job_streams, per_rank = totals[6:end].tolist(), totals[end:].view(3, -1).tolist()
