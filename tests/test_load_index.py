@@ -1,6 +1,6 @@
 """The work planner's fast paths equal the array scans they replace (hypothesis):
 `LoadIndex` best-fit queries, the spill's partial sort and the two-heap whole-sequence
-deal of the cost policy."""
+deal (`place_whole`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_zep.partition.balance import Placed, _spill
+from ray_zep.partition.fill import place_whole
 from ray_zep.partition.load_index import LoadIndex
-from ray_zep.partition.zeppelin import _place_whole
 
 pytestmark = pytest.mark.unit
 
@@ -110,7 +110,7 @@ def test_whole_sequences_go_where_a_scan_of_every_bin_puts_them(
     if longest_first:
         sizes = sorted(sizes, reverse=True)
     expected = _scan_whole(sizes, bins, capacity, by_work)
-    got = _place_whole(sizes, bins, capacity, by_work)
+    got = place_whole(sizes, bins, capacity, [float(n) * n for n in sizes], by_work)
     if expected is None:
         assert got is None
         return

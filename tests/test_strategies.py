@@ -195,6 +195,9 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
     # work-balanced placement: token counts differ between ranks
     runs["zeppelin+work"] = [*planned, "parallel.sequence=zeppelin", "parallel.weights=fsdp",
                              "parallel.zone_policy=work"]  # fmt: skip
+    runs["hybrid_dp+work"] = [*planned, "parallel.sequence=hybrid_dp",
+                              "parallel.zone_policy=work"]  # fmt: skip
+    _assert_places_apart(planned, "parallel.sequence=hybrid_dp", "parallel.zone_policy=work")
     whole_weights = WHOLE_WEIGHTS if crossed else ("hsdp",)
     whole_runs = {f"whole+{w}": [*whole, f"parallel.weights={w}"] for w in whole_weights}
     if not crossed:  # a plan change: whole sequences dealt by modelled work, not first fit
@@ -217,6 +220,18 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
     )[0]
     _assert_trains_like(singles["single"], {name: trained[name] for name in runs})
     _assert_trains_like(singles["single_rank_packed"], {n: trained[n] for n in whole_runs})
+
+
+def _assert_places_apart(base: list[str], placement: str, policy: str) -> None:
+    """The policy changes where the first batches' tokens go (else its run proves nothing)."""
+    docs = []
+    for extra in ([placement], [placement, policy]):
+        config = load_config(None, [*base, *extra])
+        topology = build_topology(config.topology)
+        stream = make_stream(config, topology, Progress(0, {}))
+        shards = [s for _ in range(2) for s in shard_for(stream.next_batch(), config, topology)]
+        docs.append([s.tokens.tolist() for s in shards])
+    assert docs[0] != docs[1], f"{policy} places {placement} as the default does"
 
 
 def _assert_layers_act(config, name: str) -> None:

@@ -201,16 +201,17 @@ def _planned_step(bytescale: bool, lengths: np.ndarray, run: RunModel, simulate:
     started = time.perf_counter()
     if bytescale:
         micro, plans = bytescale_plans(lengths, run)
-        seconds = time.perf_counter() - started
-        if not simulate:
-            return plans, None, seconds, None
-        return plans, None, seconds, simulate_schedule(lengths, micro, plans, run).step_seconds
-    plan, remap = plan_batch(lengths, run)
+        remap = None
+    else:
+        plan, remap = plan_batch(lengths, run)
+        plans = [plan]
     seconds = time.perf_counter() - started
     if not simulate:
-        return [plan], remap, seconds, None
-    routed = run.config.parallel.routing
-    return [plan], remap, seconds, simulate_plan(plan, run, routed, remap).step_seconds
+        return plans, remap, seconds, None
+    if bytescale:
+        return plans, remap, seconds, simulate_schedule(lengths, micro, plans, run).step_seconds
+    step = simulate_plan(plans[0], run, run.config.parallel.routing, remap).step_seconds
+    return plans, remap, seconds, step
 
 
 COLUMNS = (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from ray_zep.errors import PlacementError
@@ -37,6 +39,43 @@ def water_fill(total: int, free: np.ndarray) -> np.ndarray:
         shares[index] = take
         remaining -= take
     return shares
+
+
+def place_whole(
+    sizes: list[int], bins: int, capacity: int, work: list[float], by_work: bool = True
+) -> tuple[list[int], np.ndarray, np.ndarray] | None:
+    """Bin of each whole sequence, in the order given, or None when one fits nowhere.
+
+    Each goes to the bin with the least summed `work` (one figure per sequence), or
+    unless `by_work` to the bin with the most free tokens, lowest index on ties, among
+    those with room. Two heaps keep this O(log bins) per sequence (batches hold tens of
+    thousands): `ready` holds bins keyed for the choice, `short` the bins found too
+    full, by most free tokens first. A bin leaves `ready` when it lacks room for the
+    sequence at hand and comes back once a shorter one fits it, so full bins are not
+    searched again and again.
+
+    Returns:
+        The bins, then every bin's free tokens and summed work after them.
+    """
+    free, load = [capacity] * bins, [0.0] * bins
+    ready = [(0.0 if by_work else -capacity, b) for b in range(bins)]
+    short: list[tuple[int, int]] = []
+    placed = []
+    for i, n in enumerate(sizes):
+        while short and -short[0][0] >= n:
+            b = heapq.heappop(short)[1]
+            heapq.heappush(ready, (load[b] if by_work else -free[b], b))
+        while ready and free[ready[0][1]] < n:
+            b = heapq.heappop(ready)[1]
+            heapq.heappush(short, (-free[b], b))
+        if not ready:
+            return None
+        b = ready[0][1]
+        free[b] -= n
+        load[b] += work[i]
+        heapq.heapreplace(ready, (load[b] if by_work else -free[b], b))
+        placed.append(b)
+    return placed, np.asarray(free, dtype=np.int64), np.asarray(load)
 
 
 def check_total(lengths: np.ndarray, world: int, tokens_per_rank: int, planner: str) -> None:

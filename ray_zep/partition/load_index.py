@@ -74,8 +74,7 @@ class LoadIndex:
         if self.dropped[rank]:
             return
         if self.in_ready[rank]:
-            del self.ready[bisect.bisect_left(self.ready, (self.filed[rank], -rank))]
-            self.in_ready[rank] = False
+            self._remove(rank)
         held = self.tokens[rank]
         if held <= self.bound:
             self._insert(rank)
@@ -92,8 +91,7 @@ class LoadIndex:
         for rank in ranks:
             rank = int(rank)
             if self.in_ready[rank]:
-                del self.ready[bisect.bisect_left(self.ready, (self.filed[rank], -rank))]
-                self.in_ready[rank] = False
+                self._remove(rank)
             self.dropped[rank] = True
 
     def _rebuild(self) -> None:
@@ -113,3 +111,8 @@ class LoadIndex:
         bisect.insort(self.ready, (load, -rank))
         self.filed[rank] = load
         self.in_ready[rank] = True
+
+    def _remove(self, rank: int) -> None:
+        """Takes `rank` out of `ready`, where it stands under the load it was filed with."""
+        del self.ready[bisect.bisect_left(self.ready, (self.filed[rank], -rank))]
+        self.in_ready[rank] = False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ray_zep.partition.fill import place_whole
 from ray_zep.partition.work import WorkModel
 
 
@@ -23,15 +24,11 @@ def work_bins(
     the deal cannot fit them all."""
     lengths = np.asarray(lengths, dtype=np.int64)
     seconds = model.whole_seconds(lengths)
-    tokens = np.zeros(world, dtype=np.int64)
-    work = np.zeros(world)
+    order = np.argsort(-seconds, kind="stable")
+    dealt = place_whole(lengths[order].tolist(), world, capacity, seconds[order].tolist())
+    if dealt is None:
+        return None
     bins: list[list[int]] = [[] for _ in range(world)]
-    for seq in np.argsort(-seconds, kind="stable").tolist():
-        room = np.flatnonzero(tokens + lengths[seq] <= capacity)
-        if room.size == 0:
-            return None
-        rank = int(room[np.argmin(work[room])])
+    for seq, rank in zip(order.tolist(), dealt[0], strict=True):
         bins[rank].append(seq)
-        tokens[rank] += lengths[seq]
-        work[rank] += seconds[seq]
     return bins

@@ -47,7 +47,6 @@ Zone policies (`parallel.zone_policy`):
 
 from __future__ import annotations
 
-import heapq
 import time
 from dataclasses import dataclass
 
@@ -58,7 +57,7 @@ from ray_zep.costmodel import CostModel
 from ray_zep.errors import PlacementError
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition.balance import balance
-from ray_zep.partition.fill import check_total, water_fill
+from ray_zep.partition.fill import check_total, place_whole, water_fill
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts
 from ray_zep.partition.work import WorkModel
 from ray_zep.topology import LinkKind, Topology
@@ -215,42 +214,6 @@ def _search(run_round, initial: int, lengths: np.ndarray):
     return best
 
 
-def _place_whole(
-    sizes: list[int], bins: int, capacity: int, by_work: bool
-) -> tuple[list[int], np.ndarray, np.ndarray] | None:
-    """Bin of each whole sequence (given longest first), or None when one fits nowhere.
-
-    Each goes to the bin with the least work (`by_work`) or the most free tokens,
-    lowest index on ties, among those with room. Two heaps keep this O(log bins)
-    per sequence (batches hold tens of thousands): `ready` holds bins keyed for
-    the choice, `short` the bins found too full, by most free tokens first. A bin
-    leaves `ready` when it lacks room for the sequence at hand and comes back once
-    a shorter sequence fits it, so full bins are not searched again and again.
-
-    Returns:
-        The bins, then every bin's free tokens and attention work after them.
-    """
-    free, load = [capacity] * bins, [0.0] * bins
-    ready = [(0.0 if by_work else -capacity, b) for b in range(bins)]
-    short: list[tuple[int, int]] = []
-    placed = []
-    for n in sizes:
-        while short and -short[0][0] >= n:
-            b = heapq.heappop(short)[1]
-            heapq.heappush(ready, (load[b] if by_work else -free[b], b))
-        while ready and free[ready[0][1]] < n:
-            b = heapq.heappop(ready)[1]
-            heapq.heappush(short, (-free[b], b))
-        if not ready:
-            return None
-        b = ready[0][1]
-        free[b] -= n
-        load[b] += float(n) * n
-        heapq.heapreplace(ready, (load[b] if by_work else -free[b], b))
-        placed.append(b)
-    return placed, np.asarray(free, dtype=np.int64), np.asarray(load)
-
-
 def _split_over_nodes(
     lengths: np.ndarray, order: np.ndarray, rules: _Rules
 ) -> tuple[list[list[int]], dict[int, list[tuple[int, int]]]]:
@@ -260,11 +223,15 @@ def _split_over_nodes(
     sizes = lengths[order]
     wanted = rules.node_counts(sizes, node_work)
     by_work = rules.policy is ZonePolicy.COST
+    squares = np.square(sizes.astype(np.float64))  # what the cost policy balances
 
     def run_round(threshold: int):
         spreads = ((sizes >= threshold) | (wanted > 1)) & (nodes > 1)
         kept = np.flatnonzero(~spreads)
-        if (placed := _place_whole(sizes[kept].tolist(), nodes, node_capacity, by_work)) is None:
+        placed = place_whole(
+            sizes[kept].tolist(), nodes, node_capacity, squares[kept].tolist(), by_work
+        )
+        if placed is None:
             return None
         bins, free_left, load_now = placed
         whole: list[list[int]] = [[] for _ in range(nodes)]
@@ -314,17 +281,21 @@ def _split_over_gpus(
     gpus = rules.gpus
     seqs = np.asarray(whole, dtype=np.int64)
     sizes = lengths[seqs]
-    whole_squares = float(np.square(sizes.astype(np.float64)).sum())
-    squares = whole_squares + float(sum(share * share for _, share in portions))
+    squares = np.square(sizes.astype(np.float64))  # what the cost policy balances
+    whole_squares = float(squares.sum())
+    all_squares = whole_squares + float(sum(share * share for _, share in portions))
     portion_work = float(sum(share * int(lengths[seq]) for seq, share in portions))
     gpu_work = (whole_squares + portion_work) / gpus
-    wanted = rules.gpu_counts(sizes, gpu_work, squares)
+    wanted = rules.gpu_counts(sizes, gpu_work, all_squares)
     by_work = rules.policy is ZonePolicy.COST
 
     def run_round(threshold: int):
         rings = ((sizes >= threshold) | (wanted > 1)) & (gpus > 1)
         kept = np.flatnonzero(~rings)
-        if (placed := _place_whole(sizes[kept].tolist(), gpus, rules.capacity, by_work)) is None:
+        placed = place_whole(
+            sizes[kept].tolist(), gpus, rules.capacity, squares[kept].tolist(), by_work
+        )
+        if placed is None:
             return None
         bins, free_left, load_now = placed
         local = dict(zip(seqs[kept].tolist(), bins, strict=True))

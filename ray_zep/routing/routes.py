@@ -479,7 +479,7 @@ def ring_link_bytes_by_payload(
     topo = plan.topology
     gpus = topo.gpus_per_node
     nic_of_gpu = np.asarray(topo.gpu_to_nic, dtype=np.int64)
-    nic = {p: np.zeros(topo.nodes * topo.nics_per_node, dtype=np.int64) for p in Payload}
+    nic = {p: np.zeros((topo.nodes, topo.nics_per_node), dtype=np.int64) for p in Payload}
     intra = dict.fromkeys(Payload, 0)
     for item in plan.items():
         ring, u_size = item.ring_size, item.ulysses
@@ -492,36 +492,35 @@ def ring_link_bytes_by_payload(
         # once for dK/dV, all but position p + 1 for K/V (not sent on at the last step);
         # K/V goes round twice (forward, backward)
         total = int(held.sum())
-        carried = {Payload.KV: total - held[(position + 1) % ring], Payload.DKV: total + 0 * src}
+        carried = {
+            Payload.KV: total - held[(position + 1) % ring],
+            Payload.DKV: np.full(len(hops), total, dtype=np.int64),
+        }
         sizes = {p: row_bytes(p, u_size) * (2 if p is Payload.KV else 1) for p in Payload}
         same = src // gpus == dst // gpus
-        routes = routed and not same.all()
         direct_out = ~same & (not routed)
-        out_nic = (src // gpus) * topo.nics_per_node + nic_of_gpu[src % gpus]
+        out_nic = (src // gpus, nic_of_gpu[src % gpus])
         for payload, rows in carried.items():
-            size = sizes[payload]
-            if size == 0:
+            if (size := sizes[payload]) == 0:
                 continue
             intra[payload] += int(rows[same].sum()) * size
-            np.add.at(nic[payload], out_nic[direct_out], rows[direct_out] * size)
-        if not routes:
+            np.add.at(nic[payload], (out_nic[0][direct_out], out_nic[1][direct_out]),
+                      rows[direct_out] * size)  # fmt: skip
+        if not routed or same.all():
             continue
-        crossing = [(int(a), int(b)) for a, b in zip(src[~same], dst[~same], strict=True)]
-        for p, a, b in zip(position[~same].tolist(), src[~same].tolist(), dst[~same].tolist(),
-                           strict=True):  # fmt: skip
-            route = _hop_route(topo, a, b, routed, crossing)
-            steps = held[(p - np.arange(ring)) % ring]
+        crossing = _crossing_hops(item, topo)
+        for i in np.flatnonzero(~same).tolist():
+            a = int(src[i])
+            route = _hop_route(topo, a, int(dst[i]), routed, crossing)
+            steps = held[(position[i] - np.arange(ring)) % ring]
             for payload, rows in ((Payload.KV, steps[:-1]), (Payload.DKV, steps)):
-                size = sizes[payload]
-                if size == 0:
+                if (size := sizes[payload]) == 0:
                     continue
-                grid = nic[payload].reshape(topo.nodes, topo.nics_per_node)
                 if route.direct:
-                    grid[a // gpus, nic_of_gpu[a % gpus]] += int(rows.sum()) * size
+                    nic[payload][a // gpus, nic_of_gpu[a % gpus]] += int(rows.sum()) * size
                 else:
-                    intra[payload] += routed_hop_bytes(route, rows, size, grid, topo)
-    shape = (topo.nodes, topo.nics_per_node)
-    return {p: (intra[p], nic[p].reshape(shape)) for p in Payload}
+                    intra[payload] += routed_hop_bytes(route, rows, size, nic[payload], topo)
+    return {p: (intra[p], nic[p]) for p in Payload}
 
 
 def routed_hop_bytes(route: Route, steps: np.ndarray, size: int, nic: np.ndarray, topo) -> int:
