@@ -40,9 +40,13 @@ def test_rows_leave_out_the_first_step_and_sum_streams(tmp_path: Path) -> None:
     }  # fmt: skip
     assert row.profile == PROFILE
     off = bench._row("fsdp", "off", _metrics(tmp_path / "o.jsonl", [_step(1, 9, 0)] * 2), 2.5)
-    table = bench.format_table([off, row])
-    assert "fsdp_all_gather" in table and "1.111" in table
-    assert "all_gather 200 us + bytes / 1.00 GB/s" in table and "compress 0.50 GB/s" in table
+    printed = bench.bench_result([off, row], {})
+    assert printed.name == "compression"
+    assert [r["raw_bytes"] for r in printed.rows] == [1000, 2000]  # the record's totals
+    line = next(t for t in printed.table.splitlines() if "| auto " in t)
+    assert "fsdp_all_gather" in line and "1.111" in line and "9.00x" in line  # 9 s off, 1 s
+    footer = "\n".join(printed.footer)
+    assert "all_gather 200 us + bytes / 1.00 GB/s" in footer and "compress 0.50 GB/s" in footer
 
 
 @pytest.mark.unit
@@ -52,3 +56,29 @@ def test_unknown_cases_and_modes_are_config_errors() -> None:
         bench.check_cases(["fdsp"], ["off"])
     with pytest.raises(ConfigError, match="--modes: 'on'"):
         bench.check_cases(["fsdp"], ["on"])
+
+
+@pytest.mark.unit
+def test_bench_train_compare_compression_writes_its_own_record(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    from ray_zep.cli import main
+
+    off = bench._row("fsdp", "off", _metrics(tmp_path / "o.jsonl", [_step(1, 9, 0)] * 2), 2.5)
+    asked = []
+
+    def fake_bench(config, overrides, cases, modes, steps, out):
+        asked.append((cases, modes, steps))
+        return [off]
+
+    monkeypatch.setattr(bench, "run_compression_bench", fake_bench)
+    args = ["bench", "train", "--compare", "compression", "--steps", "3", "--modes", "off"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    assert asked == [(bench.DEFAULT_CASES, ("off",), 3)]
+    assert "| fsdp | off " in capsys.readouterr().out
+    record = json.loads((tmp_path / "out" / "compression.json").read_text())
+    assert record["spec"] == {"config": "conf/zeppelin.yaml", "overrides": [], "steps": 3}
+    assert record["rows"][0]["wire_bytes"] == 1000
+    assert (tmp_path / "out" / "compression.png").is_file()
+    assert main([*args, "--cases", "fdsp", "--out", str(tmp_path / "out")]) == 2
+    assert "--cases: 'fdsp'" in capsys.readouterr().err and len(asked) == 1

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from ray_zep.bench.scale import ScaleBenchSpec, format_table, run_scale_bench
+from ray_zep.bench.scale import COLUMNS, ScaleBenchSpec, run_scale_bench
 from ray_zep.cli import main
 from ray_zep.errors import ConfigError
+from ray_zep.report.text_table import render_table
 
 pytestmark = pytest.mark.unit
 
@@ -22,6 +23,7 @@ def test_scale_bench_fills_each_placements_columns(tmp_path: Path, capsys) -> No
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "zeppelin+work" in out and "x ideal" in out
+    assert "64 GPUs prolong64k 7b 4k/GPU: " in out  # progress while it runs
     rows = {r["placement"]: r for r in json.loads((tmp_path / "scale.json").read_text())["rows"]}
     for name in ("zeppelin", "zeppelin+work"):
         row = rows[name]
@@ -72,5 +74,6 @@ def test_scale_table_marks_missing_columns() -> None:
                        tokens_per_gpu=(4096,), placements=("megatron_hybrid_cp",)),
         progress=lambda line: None,
     )  # fmt: skip
-    line = format_table(rows).splitlines()[1]
-    assert line.split()[-1] == "-" and "megatron_hybrid_cp" in line
+    header, _rule, line = render_table(rows, COLUMNS).splitlines()
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert "mem GB" in header and cells[-1] == "-" and "megatron_hybrid_cp" in cells

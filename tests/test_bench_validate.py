@@ -28,7 +28,7 @@ def test_rows_and_ranking_of_the_cpu_runs() -> None:
     from ray_zep.bench.calibrate import Calibration
     from ray_zep.costmodel import ComputeRates
     from workers.bench_train import TrainBenchRow
-    from workers.bench_validate import Validation
+    from workers.bench_validate import Validation, bench_result
 
     runs = [
         TrainBenchRow("whole/replicated", 10e3, 11e3, 0.4, 0.36, 4.0, probed_shares=(0.4, 0.5)),
@@ -48,13 +48,20 @@ def test_rows_and_ranking_of_the_cpu_runs() -> None:
     }
     assert rows[1]["kind"] == "cpu" and rows[1]["predicted_over_measured"] == pytest.approx(1.5)
     assert result.misordered() == [("zeppelin/replicated", "te_cp/replicated")]
-    table = result.table()
-    assert "off by > 20%" in table.splitlines()[2]
+    printed = bench_result(result, {}, [])
+    assert printed.name == "validate" and printed.rows == rows
+    lines = printed.table.splitlines()  # header, rule, then a line per mode
+    assert "te_cp/replicated" in lines[3] and "off by > 20%" in lines[3]
+    assert "whole/replicated" in lines[2] and "off by" not in lines[2]
+    footer = "\n".join(printed.footer)
     # 2.5k over 2.0k measured, 2.6k over 3.0k predicted
-    assert "zeppelin/replicated > te_cp/replicated (measured +25%, predicted -13.3%)" in table
-    assert "0.63, 0.80, 0.85 in its pairs of job runs" in table and "median, 0.80" in table
+    assert "zeppelin/replicated > te_cp/replicated (measured +25%, predicted -13.3%)" in footer
+    assert "0.63, 0.80, 0.85 in its pairs of job runs" in footer and "median, 0.80" in footer
     even = dataclasses.replace(uneven, job_shares=(0.8, 0.85, 0.9))
-    assert "in its pairs of job runs" not in Validation(runs, [], even).table()
+    assert "in its pairs of job runs" not in "\n".join(Validation(runs, [], even).footer())
+    headline = paper_rows(quick=True)[0]
+    paper_table = Validation(runs, [headline], even).footer()[-1]
+    assert "paper headline" in paper_table and headline.name in paper_table
 
 
 def test_ranking_holds_the_prediction_to_the_orders_the_runs_resolve() -> None:
@@ -85,7 +92,8 @@ def test_ranking_holds_the_prediction_to_the_orders_the_runs_resolve() -> None:
         "swapped_resolved": [],
         "swapped_unresolved": [["zeppelin/replicated", "te_cp/replicated"]],
     }
-    assert "2 of 3 pairs resolved" in loose.table() and "all predicted in order" in loose.table()
+    footer = "\n".join(loose.footer())
+    assert "2 of 3 pairs resolved" in footer and "all predicted in order" in footer
     tight = Validation(runs(0.04), [], calibration)
     assert tight.misordered(resolved=True) == [("zeppelin/replicated", "te_cp/replicated")]
     assert tight.resolved_pairs() == (3, 3)
@@ -135,6 +143,50 @@ def test_validate_rejects_bad_options_before_starting_anything(capsys) -> None:
     assert "--steps=2" in capsys.readouterr().err
     assert main(["bench", "validate", "conf/demo.yaml", "--sittings", "0"]) == 2
     assert "--sittings=0" in capsys.readouterr().err
+
+
+def test_calibrate_validate_and_train_write_their_records(monkeypatch, tmp_path, capsys) -> None:
+    """The three benches that train through Ray, with the training stubbed: each saves
+    calibration.json where it measured one, and its record under its own name."""
+    import json
+
+    import workers.bench_calibrate as calibrate_bench
+    import workers.bench_train as train_bench
+    import workers.bench_validate as validate_bench
+    from ray_zep.bench.calibrate import Calibration
+    from ray_zep.cli import main
+    from ray_zep.costmodel import ComputeRates
+
+    measured = Calibration(ComputeRates(1e9, 2e9, 3e9), 1e-3, 1e9, 2e-3, 2e9, ranks=4, cores=2)
+    monkeypatch.setattr(calibrate_bench, "calibrate", lambda config, device, repeats: measured)
+    monkeypatch.setattr(calibrate_bench, "measure_step_overhead", lambda *args: measured)
+    runs = [train_bench.TrainBenchRow("whole", 2e3, 2.2e3, 0.5, 0.45, 4.0, 0.5)]
+    monkeypatch.setattr(train_bench, "run_train_bench", lambda *args: (runs, measured))
+    validation = validate_bench.Validation(runs, [], measured)
+    monkeypatch.setattr(validate_bench, "run_validate", lambda *args: validation)
+
+    def record(name: str, *args: str) -> dict:
+        out = tmp_path / name
+        assert main(["bench", name, *args, "--out", str(out)]) == 0
+        printed = capsys.readouterr().out
+        for path in out.iterdir():
+            assert f"wrote {path}" in printed
+        return json.loads((out / f"{name}.json").read_text())
+
+    calibrated = record("calibrate", "--repeats", "1")
+    (rates,) = calibrated["rows"]
+    assert rates.keys() == dataclasses.asdict(measured.rates).keys() and rates["matmul"] == 3e9
+    assert calibrated["spec"]["repeats"] == 1
+    assert Calibration.load(tmp_path / "calibrate" / "calibration.json").rates.matmul == 3e9
+    validated = record("validate", "--quick")
+    assert validated["spec"] == {"config": "conf/demo.yaml", "overrides": [], "steps": 8,
+                                 "quick": True, "sittings": 1}  # fmt: skip
+    assert validated["rows"][0]["mode"] == "whole"
+    assert (tmp_path / "validate" / "calibration.json").is_file()
+    trained = record("train", "--steps", "3")
+    assert set(trained) >= {"command", "date", "machine", "spec", "rows"}
+    assert trained["spec"]["rates"]["matmul"] == 3e9 and trained["spec"]["link"]["bandwidth"] == 1e9
+    assert trained["rows"][0]["predicted_over_measured"] == pytest.approx(1.1)
 
 
 def test_plan_auto_searches_compositions_and_keeps_only_what_fits(tmp_path) -> None:
@@ -227,7 +279,7 @@ def test_fsdp_units_are_timed_against_their_replicated_twins(monkeypatch, tmp_pa
     a unit's cost is the median excess over the model, split over the units."""
     import numpy as np
 
-    import workers.calibrate_step as step
+    import workers.bench_calibrate as step
     from ray_zep.bench.calibrate import Calibration
     from ray_zep.costmodel import ComputeRates
 
@@ -282,8 +334,8 @@ def test_job_pairs_spread_over_the_runs_and_every_run_is_predicted_at_their_medi
     last; the prediction of every run, the first too, uses the median of the three. A
     ring sitting goes beside each pair after the first (the calibration's was the
     first), and the ring costs are the median of the three sittings'."""
+    import workers.bench_calibrate as step
     import workers.bench_train as bench
-    import workers.calibrate_step as step
     from ray_zep.bench import calibrate_ring
     from ray_zep.bench.calibrate import Calibration
     from ray_zep.costmodel import ComputeRates

@@ -134,9 +134,33 @@ def test_interrupt_is_one_line(capsys, monkeypatch) -> None:
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("ray_zep.cli._config", interrupted)
+    monkeypatch.setattr("ray_zep.cli.training._config", interrupted)
     code, _, err = _run(capsys, "config", DEMO)
     assert code == 130
     assert err.strip() == (
         "ray-zep: interrupted; rerun the same command to resume from the last checkpoint"
     )
+
+
+def test_bench_help_lists_every_bench_and_other_commands_import_none(capsys) -> None:
+    """One runner: `ray-zep bench --help` names every registered bench with its help line,
+    each bench module declares the NAME it is registered under, and a command that is not
+    a bench imports no bench module (and no Ray)."""
+    from ray_zep.cli.bench import BENCHES, bench_modules
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    listed = capsys.readouterr().out
+    for module in bench_modules():
+        assert re.search(rf"^\s+{module.NAME}\s+{re.escape(module.HELP)}", listed, re.M), module
+    assert [m.NAME for m in bench_modules()] == list(BENCHES)
+    probe = (
+        "import sys; from ray_zep.cli import main; main(['config', sys.argv[1]]); "
+        "from ray_zep.cli.bench import BENCHES; "
+        "print(sorted({*BENCHES.values(), 'ray'} & set(sys.modules)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, DEMO], capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip().endswith("[]"), done.stdout[-300:]

@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from ray_zep.collectives import compress
 from ray_zep.collectives.codec import read_header
-from ray_zep.collectives.comms import (
+from ray_zep.collectives.format import float_format
+from ray_zep.collectives.ops import (
     AllToAllDesign,
     Group,
     all_gather_ints,
@@ -20,7 +21,6 @@ from ray_zep.collectives.comms import (
     zipped_all_to_all,
     zipped_reduce_scatter,
 )
-from ray_zep.collectives.format import float_format
 from ray_zep.errors import CodecError
 from tests.helpers.procs import run_ranks
 
@@ -115,9 +115,9 @@ def test_zipped_reduce_scatter_is_close_to_the_native_one(world):
 
 def _damaged_all_to_all(rank: int, world: int, design: str) -> str:
     """Rank 2 flips one bit of the chunk it sends rank 0; what each rank raises."""
-    import ray_zep.collectives.comms as comms
+    from ray_zep.collectives import ops
 
-    honest = comms.compress
+    honest = ops.compress
 
     def compress_damaged(tensor, splits=None, backend="auto"):
         out = honest(tensor, splits, backend)
@@ -128,13 +128,13 @@ def _damaged_all_to_all(rank: int, world: int, design: str) -> str:
     g = Group(dist.group.WORLD, 60.0)
     tensor = torch.randn(world * 64, WIDTH, generator=torch.Generator().manual_seed(rank))
     rows = [64] * world
-    comms.compress = compress_damaged  # pooled ranks serve later tests: put it back
+    ops.compress = compress_damaged  # pooled ranks serve later tests: put it back
     try:
         zipped_all_to_all(tensor.bfloat16(), rows, rows, g, AllToAllDesign(design), what="moe")
     except CodecError as exc:
         return str(exc)
     finally:
-        comms.compress = honest
+        ops.compress = honest
     return "no error"
 
 

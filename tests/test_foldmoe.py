@@ -129,7 +129,7 @@ def test_pipelined_block_equals_plain_block_under_expert_parallelism(ep: int):
 def _tickets_left_after_steps(rank: int, world: int) -> int:
     import gc
 
-    from ray_zep.moe.comms import Ticket
+    from ray_zep.moe.dispatch import Ticket
 
     shape = _shape(1, 0.0)
     x, rope, seqs = _inputs(rank, shape)

@@ -100,6 +100,7 @@ def test_bench_memory_writes_table_json_png_and_goal_verdicts(tmp_path: Path, ca
     assert {g["goal"] for g in goals} == {
         "model within 10% of measured", "fsdp state <= replicated / ranks + one block"
     }  # fmt: skip
+    assert "| replicated/none " in out and "goal met: model within 10% of measured" in out
     assert "met" in out and (tmp_path / "memory.png").stat().st_size > 0
 
 

@@ -11,11 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_zep.bench.moe import MoEBenchSpec, format_table, simulate_rows, speedup
+from ray_zep.bench.moe import COLUMNS, MoEBenchSpec, paper_footer, simulate_rows, speedup
 from ray_zep.config import MoEPipeline
 from ray_zep.model_shapes import PRESETS
 from ray_zep.moe.schedule import Kind, build_program
 from ray_zep.moe.slicing import micro_batch_sizes, slice_costs, time_uniform_slices
+from ray_zep.report.text_table import render_table
 from ray_zep.sim.moe_block import play, stage_times
 
 pytestmark = pytest.mark.unit
@@ -66,7 +67,10 @@ def test_simulated_schedules_order_as_the_paper_reports():
     total = {r.schedule: r.total_ms for r in rows}
     assert total["none"] > total["moe_only"] > total["aaam"] > total["1a1m"]
     assert speedup(rows, "gpt_moe_m", 16384) > 1.1
-    assert "1a1m+uniform" in format_table(rows)
+    assert "1a1m+uniform" in render_table(rows, COLUMNS)
+    paper = paper_footer(rows)[-1].splitlines()[-1]  # Table 2's latencies, then our speedup
+    assert paper.split("|")[1].strip() == "gpt_moe_m 16384" and "2750" in paper
+    assert f"{speedup(rows, 'gpt_moe_m', 16384):.2f}" in paper
 
 
 def test_attention_steps_carry_the_tensor_parallel_collectives():

@@ -23,9 +23,9 @@ from ray_zep.errors import CodecError, CommError
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
-from ray_zep.routing import comms as routing_comms
-from ray_zep.routing.comms import RowFormat, open_channels, post_recv, post_send
+from ray_zep.routing import relay as routing_comms
 from ray_zep.routing.frames import HEAD_BYTES
+from ray_zep.routing.relay import RowFormat, open_channels, post_recv, post_send
 from ray_zep.routing.routes import (
     Payload,
     Phase,

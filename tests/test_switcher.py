@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ray_zep.collectives.comms import Sizes
+from ray_zep.collectives.ops import Sizes
 from ray_zep.collectives.switcher import Kind, LinearCost, Profile, Switcher
 from ray_zep.config import Compression
 

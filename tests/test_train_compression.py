@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_zep.collectives import comms
+from ray_zep.collectives import ops
 from ray_zep.collectives.codec import Compressed
 from ray_zep.errors import CodecError
 from tests.helpers.procs import run_ranks
@@ -154,8 +154,8 @@ FSDP_ALWAYS = [*SMALL_RUN, *TWO_BY_TWO, "parallel.weights=fsdp", *ALWAYS]
 
 
 def _damaged(how: str, rank: int):
-    """`comms.compress`, with the bytes this rank sends damaged as `how` says."""
-    honest = comms.compress
+    """`ops.compress`, with the bytes this rank sends damaged as `how` says."""
+    honest = ops.compress
 
     def compress(tensor, splits=None, backend="auto") -> Compressed:
         out = honest(tensor, splits, backend)
@@ -183,14 +183,14 @@ def _damaged(how: str, rank: int):
 
 
 def _error_of_damaged_run(rank: int, world: int, how: str) -> str:
-    honest = comms.compress
-    comms.compress = _damaged(how, rank)  # pooled ranks serve later tests: put it back
+    honest = ops.compress
+    ops.compress = _damaged(how, rank)  # pooled ranks serve later tests: put it back
     try:
         first_gradients(rank, FSDP_ALWAYS)
     except CodecError as exc:
         return str(exc)
     finally:
-        comms.compress = honest
+        ops.compress = honest
     return "no error"
 
 

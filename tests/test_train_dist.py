@@ -26,8 +26,8 @@ from ray_zep.config import load_config
 from ray_zep.data.builder import write_token_parquet
 from ray_zep.errors import CommError, TopologyError
 from ray_zep.topology import build_topology
-from ray_zep.train.comms import sum_over_ranks_
 from ray_zep.train.ledger import ledger_path, read_ledger
+from ray_zep.train.reductions import sum_over_ranks_
 from ray_zep.train.setup import create_comm
 from tests.helpers.procs import run_fresh_ranks, run_ranks
 from tests.helpers.samples import assert_each_token_once_per_epoch

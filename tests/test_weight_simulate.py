@@ -129,13 +129,46 @@ def test_bench_tawpipe_writes_table_json_and_chart(tmp_path: Path, capsys) -> No
     args = ["bench", "tawpipe", "--hidden", "1024", "--seq-lens", "4k", "--cpu-steps", "0"]
     assert main([*args, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "tawpipe/weipipe" in out and "tawpipe/ring_relay" in out and "13629" in out
+    assert "tawpipe/weipipe" in out and "tawpipe/ring_relay" in out
+    assert "13629" in next(line for line in out.splitlines() if "| tawpipe " in line)
     record = json.loads((tmp_path / "tawpipe.json").read_text())
     assert [r["mode"] for r in record["rows"]] == [TAW, WEI, RELAY, FSDP]
     assert (tmp_path / "tawpipe.png").stat().st_size > 1000
+    assert "goals" not in record  # the headline case was not asked for
+    headline = ["bench", "tawpipe", "--hidden", "4096", "--seq-lens", "16k", "--cpu-steps", "0"]
+    assert main([*headline, "--out", str(tmp_path / "headline")]) == 0
+    goals = json.loads((tmp_path / "headline" / "tawpipe.json").read_text())["goals"]
+    assert [g["goal"].split(":")[0] for g in goals] == [
+        "tawpipe / weipipe at H=4096 S=16384 on 24 GPUs"
+    ]
     for bad, flag in (("--nic-gbps", "0"), ("--hidden", "1000"), ("--cpu-steps", "1")):
         assert main([*args, bad, flag, "--out", str(tmp_path)]) == 2
         assert bad in capsys.readouterr().err
+
+
+def test_bench_tawpipe_trains_the_executors_modes_on_cpu(tmp_path: Path, monkeypatch, capsys):
+    """The CPU runs (stubbed here: they train through Ray) go under the simulated table
+    and into the record's `cpu`, apart from the simulated `rows`."""
+    import workers.bench_train as train_bench
+
+    trained = []
+
+    def fake_runs(config, overrides, modes, steps, out):
+        trained.append((config, modes, steps, out.name))
+        rows = [train_bench.TrainBenchRow(mode, 1e3, 1.1e3, 1.0, 0.9, 4.0) for mode in modes]
+        return rows, None
+
+    monkeypatch.setattr(train_bench, "run_train_bench", fake_runs)
+    args = ["bench", "tawpipe", "--hidden", "1024", "--seq-lens", "4k", "--cpu-steps", "3"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    assert trained == [("conf/demo.yaml", (TAW, RELAY, FSDP), 3, "cpu")]
+    out = capsys.readouterr().out
+    assert "real CPU runs (conf/demo.yaml, 3 steps each):" in out
+    assert out.index("| 1024 |") < out.index("real CPU runs") < out.index("| strategy ")
+    record = json.loads((tmp_path / "tawpipe.json").read_text())
+    assert [r["name"] for r in record["cpu"]] == [TAW, RELAY, FSDP]
+    assert record["cpu"][0]["predicted_over_measured"] == pytest.approx(1.1)
+    assert [r["mode"] for r in record["rows"]] == [TAW, WEI, RELAY, FSDP]
 
 
 def test_step_traffic_counts_every_message_of_the_transports() -> None:

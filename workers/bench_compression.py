@@ -9,20 +9,28 @@ step left out), and per stream the raw and wire bytes and the calls that went
 zipped or plain. The link's α and β measured by `ray_zep.bench.calibrate` go with
 the table: on a CPU over loopback, a link faster than the codec makes the
 switcher rightly choose plain, and the table says so rather than forcing a win.
+`ray-zep bench train` hands `--compare compression` over to `run` here; the record is
+OUT/compression.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import shutil
+from functools import partial
 from pathlib import Path
 
 from ray_zep import steplog
+from ray_zep.command_args import names
 from ray_zep.config import Compression, load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import ConfigError
 from ray_zep.parallel.axes import Placement, WeightsMode
-from workers.bench_train import TIMING_OVERRIDES, steady_totals
+from ray_zep.report.output import BenchResult
+from ray_zep.report.text_table import Column, render_table
+from ray_zep.report.timeline import draw_throughput
+from workers.steady_state import TIMING_OVERRIDES, steady_totals
 
 FSDP, WHOLE, ZEPPELIN = WeightsMode.FSDP.value, Placement.WHOLE.value, Placement.ZEPPELIN.value
 TAWPIPE = WeightsMode.TAWPIPE.value
@@ -52,6 +60,31 @@ the routing and remapping layers where the config turns them on), an EP MoE mode
 with FoldMoE's 1a1m pipeline, and TawPipe's weight passing (on request)."""
 DEFAULT_CASES = (FSDP, f"{ZEPPELIN}+{FSDP}", "moe_ep2_1a1m")
 MODES = tuple(m.value for m in Compression)
+NAME = "compression"
+"""The stem of the record: `bench train --compare compression` writes OUT/compression.json."""
+
+
+def run(args: argparse.Namespace) -> BenchResult:
+    """`bench train --compare compression` (its flags: `workers.bench_train.add_arguments`)."""
+    cases, modes = check_cases(names(args.cases, DEFAULT_CASES), names(args.modes, MODES))
+    out = Path(args.out).resolve()
+    rows = run_compression_bench(args.config, args.overrides, cases, modes, args.steps, out)
+    spec = {"config": args.config, "overrides": args.overrides, "steps": args.steps}
+    return bench_result(rows, spec)
+
+
+def bench_result(rows: list[CompressionRow], spec: dict) -> BenchResult:
+    """One table line per case, mode and stream; the switch's costs under it."""
+    series = [f"{r.case} {r.mode}" for r in rows]
+    speeds = [r.tokens_per_second for r in rows]
+    return BenchResult(
+        NAME,
+        spec,
+        row_dicts(rows),
+        render_table(table_rows(rows), COLUMNS),
+        footer=[f"{r.case} switch: {describe_profile(r.profile)}" for r in rows if r.profile],
+        draw=partial(draw_throughput, "measured on this CPU", series, speeds),
+    )
 
 
 @dataclasses.dataclass
@@ -77,19 +110,19 @@ class CompressionRow:
         return sum(s["wire_bytes"] for s in self.streams.values())
 
 
-def check_cases(names, modes) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """`names` and `modes` if each is known.
+def check_cases(cases, modes) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """`cases` and `modes` if each is known.
 
     Raises:
         ConfigError: naming the first unknown one and the choices.
     """
-    for name in names:
+    for name in cases:
         if name not in CASES:
             raise ConfigError(f"--cases: {name!r} is not one of {', '.join(CASES)}")
     for mode in modes:
         if mode not in MODES:
             raise ConfigError(f"--modes: {mode!r} is not one of {', '.join(MODES)}")
-    return tuple(names), tuple(modes)
+    return tuple(cases), tuple(modes)
 
 
 def run_compression_bench(
@@ -142,33 +175,43 @@ def _row(case: str, mode: str, metrics: Path, final_loss: float | None) -> Compr
     )
 
 
-def format_table(rows: list[CompressionRow]) -> str:
-    """Step time per case and mode, then bytes and calls per stream."""
-    mb = 1e6
+def table_rows(rows: list[CompressionRow]) -> list[dict]:
+    """A line per case, mode and stream (one with no stream when nothing went through
+    the switch), with its step time against the case's run without compression."""
     off = {r.case: r.step_seconds for r in rows if r.mode == Compression.OFF.value}
-    lines = [
-        f"{'case':<16}{'compression':>12}{'s/step':>9}{'vs off':>8}{'k tok/s':>9}"
-        f"{'final loss':>12}  {'stream':<20}{'raw MB':>9}{'wire MB':>9}{'ratio':>7}"
-        f"{'zipped':>8}{'plain':>7}"
-    ]
+    out = []
     for r in rows:
         base = off.get(r.case)
-        speed = f"{base / r.step_seconds:.2f}x" if base and r.step_seconds else "-"
-        head = (
-            f"{r.case:<16}{r.mode:>12}{_num(r.step_seconds, 1, 3):>9}{speed:>8}"
-            f"{_num(r.tokens_per_second, 1e3, 2):>9}{_num(r.final_loss, 1, 4):>12}  "
-        )
+        head = {
+            "case": r.case,
+            "mode": r.mode,
+            "step_seconds": r.step_seconds,
+            "vs_off": base / r.step_seconds if base and r.step_seconds else None,
+            "tokens_per_second": r.tokens_per_second,
+            "final_loss": r.final_loss,
+        }
         if not r.streams:
-            lines.append(head + "(nothing through the switch)")
-        for i, (name, s) in enumerate(sorted(r.streams.items())):
-            ratio = s["raw_bytes"] / s["wire_bytes"] if s["wire_bytes"] else float("nan")
-            lines.append(
-                (head if i == 0 else " " * len(head))
-                + f"{name:<20}{s['raw_bytes'] / mb:>9.2f}{s['wire_bytes'] / mb:>9.2f}"
-                f"{ratio:>7.3f}{s.get('zipped_calls', 0):>8}{s.get('plain_calls', 0):>7}"
-            )
-    lines += [f"{r.case} switch: {describe_profile(r.profile)}" for r in rows if r.profile]
-    return "\n".join(lines)
+            out.append({**head, "stream": "(nothing through the switch)"})
+        for name, s in sorted(r.streams.items()):
+            ratio = s["raw_bytes"] / s["wire_bytes"] if s["wire_bytes"] else None
+            out.append({**head, "stream": name, **s, "ratio": ratio})
+    return out
+
+
+COLUMNS = (
+    Column("case", "case"),
+    Column("compression", "mode"),
+    Column("s/step", "step_seconds", ".3f"),
+    Column("vs off", lambda r: None if r["vs_off"] is None else f"{r['vs_off']:.2f}x"),
+    Column("k tok/s", "tokens_per_second", ".2f", 1e3),
+    Column("final loss", "final_loss", ".4f"),
+    Column("stream", "stream"),
+    Column("raw MB", "raw_bytes", ".2f", 1e6),
+    Column("wire MB", "wire_bytes", ".2f", 1e6),
+    Column("ratio", "ratio", ".3f"),
+    Column("zipped", lambda r: r.get("zipped_calls", 0) if "raw_bytes" in r else None),
+    Column("plain", lambda r: r.get("plain_calls", 0) if "raw_bytes" in r else None),
+)
 
 
 def describe_profile(profile: dict) -> str:
@@ -185,10 +228,6 @@ def describe_profile(profile: dict) -> str:
 
 def _rate(seconds_per_byte: float) -> str:
     return f"{1 / seconds_per_byte / 1e9:.2f} GB/s" if seconds_per_byte > 0 else "unbounded"
-
-
-def _num(value: float | None, scale: float, digits: int) -> str:
-    return "-" if value is None else f"{value / scale:.{digits}f}"
 
 
 def row_dicts(rows: list[CompressionRow]) -> list[dict]:

@@ -17,11 +17,13 @@ calibration (`Calibration.hardware`: one virtual GPU is one single-threaded
 process at its share of the cores, probed just before and just after the run
 (`ray_zep.bench.core_share`: a virtual machine's cores come and go with its host's
 load); every link takes the measured message cost among that many processes; the
-trainer's fixed step cost measured on tiny steps, `workers.calibrate_step`).
+trainer's fixed step cost measured on tiny steps, `workers.bench_calibrate`).
+`--compare compression` hands over to `workers.bench_compression`.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import shutil
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ray_zep import steplog
+from ray_zep import command_args, steplog
 from ray_zep.bench.calibrate import Calibration, calibrate
 from ray_zep.bench.calibrate_links import ROUNDS as LINK_ROUNDS
 from ray_zep.bench.calibrate_ring import RingSittings
@@ -42,21 +44,78 @@ from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement, WeightsMode
+from ray_zep.report.output import BenchResult
+from ray_zep.report.text_table import Column, render_table
+from ray_zep.report.timeline import draw_throughput
 from ray_zep.sim.compare import VARIANTS
 from ray_zep.sim.replay import replay
-from workers.calibrate_step import JOB_RUNS, JobSittings, spread, uneven
+from workers.bench_calibrate import JOB_RUNS, JobSittings, spread, uneven
+from workers.steady_state import TIMING_OVERRIDES, WARM_UP_STEPS, steady_totals
 
 if TYPE_CHECKING:
     from workers.driver import RunSummary
 
 log = logging.getLogger(__name__)
 
-TIMING_OVERRIDES = ("metrics.memory_every=0",)
-"""Timed runs measure no memory: on CPU a measured step runs 2-3x slower (MemTracker
-follows every tensor), which would bias the steady-state step time."""
 DEFAULT_STRATEGIES = tuple(
     p.value for p in (Placement.ZEPPELIN, Placement.TE_CP, Placement.LLAMA_CP, Placement.HYBRID_DP)
 )
+NAME = "train"
+HELP = "real CPU runs next to the simulator"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", default="conf/zeppelin.yaml", help="YAML config")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser.add_argument(
+        "--strategies",
+        help="default: zeppelin,te_cp,llama_cp,hybrid_dp (also zeppelin+work, whole, "
+        "PLACEMENT/WEIGHTS, a weights mode)",
+    )
+    parser.add_argument("--steps", type=int, default=8, help="steps per mode (2 warm-up)")
+    parser.add_argument("--calibration", help="calibration.json (default: measure now)")
+    parser.add_argument(
+        "--compare",
+        choices=["compression"],
+        help="compression: each of --cases with comm.compression off and on, side by side",
+    )
+    parser.add_argument(
+        "--cases", help="--compare compression: fsdp,zeppelin+fsdp,moe_ep2_1a1m (also tawpipe)"
+    )
+    parser.add_argument("--modes", help="--compare compression: off,auto,always")
+
+
+def run(args: argparse.Namespace) -> BenchResult:
+    command_args.at_least("--steps", args.steps, 3, "the first two are warm-up")
+    if args.compare == "compression":
+        from workers import bench_compression
+
+        return bench_compression.run(args)
+    strategies = check_names(command_args.names(args.strategies, DEFAULT_STRATEGIES))
+    calibration = Calibration.load(args.calibration) if args.calibration else None
+    rows, calibration = run_train_bench(
+        args.config, args.overrides, strategies, args.steps, Path(args.out).resolve(), calibration
+    )
+    spec = {"config": args.config, "overrides": args.overrides, "steps": args.steps}
+    return bench_result(rows, calibration, spec)
+
+
+def bench_result(rows: list[TrainBenchRow], calibration: Calibration, spec: dict) -> BenchResult:
+    """The modes' table, and the calibration's rates and links in the spec."""
+    link = {
+        "latency_s": calibration.link_latency_s,
+        "bandwidth": calibration.link_bandwidth,
+        "core_share": calibration.core_share,
+    }
+    measured = [r.measured_tokens_per_second for r in rows]
+    chart = partial(draw_throughput, "measured on this CPU", [r.name for r in rows], measured)
+    return BenchResult(
+        NAME,
+        {**spec, "rates": calibration.rates.__dict__, "link": link},
+        row_dicts(rows),
+        render_table(rows, COLUMNS),
+        draw=chart,
+    )
 
 
 @dataclasses.dataclass
@@ -92,9 +151,6 @@ class TrainBenchRow:
 WEIGHTS_NAMES = tuple(m.value for m in WeightsMode if m is not WeightsMode.REPLICATED)
 """Weights modes named alone: trained with whole sequences."""
 WHOLE = Placement.WHOLE.value
-WARM_UP_STEPS = 2
-"""Steps left out of the steady state: process groups, the first plans, the first
-backward of each shape."""
 
 
 def check_names(names) -> tuple[str, ...]:
@@ -159,7 +215,7 @@ def run_train_bench(
     """Train each mode `steps` steps and predict the same steps (module docstring);
     without a `calibration`, calibrate first: the links from `link_rounds` measurements,
     the job share from `job_runs` pairs of runs spread over the modes' runs
-    (`workers.calibrate_step.JobSittings`) and the ring step from sittings beside every
+    (`workers.bench_calibrate.JobSittings`) and the ring step from sittings beside every
     pair after the first (`ray_zep.bench.calibrate_ring.RingSittings`), so every mode is
     predicted once all ran.
     With `sittings` > 1 every mode runs that many times, in passes over the modes
@@ -319,31 +375,17 @@ def relative_error(measured: list[float], predicted: list[float]) -> float | Non
     return statistics.stdev(ratios) / mean / len(ratios) ** 0.5 if mean > 0 else None
 
 
-def steady_totals(rows: list[dict], warm_up: int = WARM_UP_STEPS) -> tuple[float, int]:
-    """Seconds and tokens of every step row after the first `warm_up`."""
-    steady = rows[warm_up:]
-    return sum(r["step_seconds"] for r in steady), sum(r["tokens"] for r in steady)
-
-
-def format_table(rows: list[TrainBenchRow]) -> str:
-    lines = [
-        f"{'strategy':<26}{'measured k tok/s':>18}{'predicted k tok/s':>19}{'pred/meas':>11}"
-        f"{'meas s/step':>13}{'pred s/step':>13}{'final loss':>12}{'core share':>12}"
-        f"{'FLOPs max/mean':>16}"
-    ]
-
-    def fmt(value, scale=1.0, digits=2):
-        return "-" if value is None else f"{value / scale:.{digits}f}"
-
-    for r in rows:
-        lines.append(
-            f"{r.name:<26}{fmt(r.measured_tokens_per_second, 1e3):>18}"
-            f"{fmt(r.predicted_tokens_per_second, 1e3):>19}{fmt(r.predicted_over_measured):>11}"
-            f"{fmt(r.measured_step_seconds, 1, 3):>13}{fmt(r.predicted_step_seconds, 1, 3):>13}"
-            f"{fmt(r.final_loss, 1, 4):>12}{fmt(r.core_share):>12}"
-            f"{fmt(r.flops_max_over_mean):>16}"
-        )
-    return "\n".join(lines)
+COLUMNS = (
+    Column("strategy", "name"),
+    Column("measured k tok/s", "measured_tokens_per_second", ".2f", 1e3),
+    Column("predicted k tok/s", "predicted_tokens_per_second", ".2f", 1e3),
+    Column("pred/meas", "predicted_over_measured", ".2f"),
+    Column("meas s/step", "measured_step_seconds", ".3f"),
+    Column("pred s/step", "predicted_step_seconds", ".3f"),
+    Column("final loss", "final_loss", ".4f"),
+    Column("core share", "core_share", ".2f"),
+    Column("FLOPs max/mean", "flops_max_over_mean", ".2f"),
+)
 
 
 def row_dicts(rows: list[TrainBenchRow]) -> list[dict]:

@@ -24,6 +24,7 @@ with sittings also run to run) and
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 from dataclasses import dataclass
@@ -32,9 +33,15 @@ from pathlib import Path
 from ray_zep.bench.calibrate import Calibration
 from ray_zep.bench.calibrate_links import ROUNDS as LINK_ROUNDS
 from ray_zep.bench.headlines import PaperRow, paper_rows
+from ray_zep.command_args import at_least
 from ray_zep.parallel.axes import Placement, WeightsMode
+from ray_zep.report.output import BenchResult
+from ray_zep.report.text_table import Column, render_table
+from workers.bench_calibrate import JOB_RUNS, uneven
 from workers.bench_train import TrainBenchRow, run_train_bench
-from workers.calibrate_step import JOB_RUNS, uneven
+
+NAME = "validate"
+HELP = "the simulator against real CPU runs"
 
 PLACEMENTS = (
     Placement.WHOLE,
@@ -61,7 +68,7 @@ QUICK_STEPS = 8
 """Steps per mode of `--quick`, which stays under 10 minutes on 2 cores."""
 QUICK_JOB_RUNS = 1
 """`--quick` calibrates the job share and FSDP2's units on one pair of runs, not
-`workers.calibrate_step.JOB_RUNS`: about 2.5 minutes less, so `--quick` stays under 10
+`workers.bench_calibrate.JOB_RUNS`: about 2.5 minutes less, so `--quick` stays under 10
 minutes on 2 cores, for a noisier calibration."""
 QUICK_LINK_ROUNDS = 1
 """`--quick` measures the links once, not `ray_zep.bench.calibrate_links.ROUNDS` times
@@ -177,18 +184,10 @@ class Validation:
         predicted = a.predicted_tokens_per_second / b.predicted_tokens_per_second - 1
         return f"{faster} > {slower} (measured {measured:+.0%}, predicted {predicted:+.1%})"
 
-    def table(self) -> str:
-        lines = [f"{'mode':<22}{'measured k tok/s':>18}{'+-':>7}{'predicted':>11}{'pred/meas':>11}"]
-        for r in self.cpu:
-            ratio = r.predicted_over_measured
-            flag = "" if ratio is None or abs(ratio - 1) <= GOAL else "  off by > 20%"
-            error = "-" if r.measured_error is None else f"{r.measured_error:.0%}"
-            lines.append(
-                f"{r.name:<22}{(r.measured_tokens_per_second or 0) / 1e3:>18.2f}{error:>7}"
-                f"{(r.predicted_tokens_per_second or 0) / 1e3:>11.2f}"
-                f"{ratio or float('nan'):>11.2f}{flag}"
-            )
-        lines.extend(self._ranking_lines())
+    def footer(self) -> list[str]:
+        """The lines under the modes' table: the ranking, a calibration whose pairs
+        disagree, the simulator's choice, then the paper headlines' table."""
+        lines = self._ranking_lines()
         if (warning := uneven(self.calibration.job_shares)) is not None:
             lines.append(f"calibration: {warning}")
         picked = self.chosen()
@@ -199,13 +198,7 @@ class Validation:
                 f"chosen by the simulator: {chosen.name}, measured at {share:.0%} of the "
                 f"fastest measured ({best.name})"
             )
-        lines.append("")
-        lines.append(f"{'paper headline':<44}{'paper':>10}{'simulated':>11}  explained")
-        for row in self.paper:
-            lines.append(
-                f"{row.name:<44}{row.paper:>10.3g}{row.simulated:>11.3g}  {row.explained or '-'}"
-            )
-        return "\n".join(lines)
+        return [*lines, "", render_table(self.paper, PAPER_COLUMNS)]
 
 
 def resolves(a: TrainBenchRow, b: TrainBenchRow) -> bool:
@@ -217,6 +210,74 @@ def resolves(a: TrainBenchRow, b: TrainBenchRow) -> bool:
     ma, mb = a.measured_tokens_per_second, b.measured_tokens_per_second
     spread = math.hypot(ma * a.measured_error, mb * b.measured_error)
     return abs(ma - mb) > RESOLVED_SIGMAS * spread
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", default="conf/demo.yaml", help="YAML config")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser.add_argument("--quick", action="store_true", help="6 of the 14 modes (all headlines)")
+    parser.add_argument(
+        "--steps", type=int, help="steps per mode (2 warm-up; default 12, with --quick 8)"
+    )
+    parser.add_argument(
+        "--sittings",
+        type=int,
+        default=1,
+        help="runs of each mode, in passes over the modes (every second pass in reverse "
+        "order); a mode's figures are over all its runs (default 1)",
+    )
+    parser.add_argument("--calibration", help="calibration.json (default: measure now)")
+
+
+def run(args: argparse.Namespace) -> BenchResult:
+    if args.steps is not None:
+        at_least("--steps", args.steps, 3, "the first two are warm-up")
+    at_least("--sittings", args.sittings, 1, "runs of each mode")
+    steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
+    calibration = Calibration.load(args.calibration) if args.calibration else None
+    out = Path(args.out)
+    validation = run_validate(
+        args.config, args.overrides, args.quick, steps, out.resolve(), calibration, args.sittings
+    )
+    spec = {"config": args.config, "overrides": args.overrides, "steps": steps,
+            "quick": args.quick, "sittings": args.sittings}  # fmt: skip
+    return bench_result(validation, spec, [validation.calibration.save(out / "calibration.json")])
+
+
+def bench_result(validation: Validation, spec: dict, written: list[Path]) -> BenchResult:
+    """What the writer prints and saves of a validation: its rows, the modes' table with
+    the ranking and the headlines under it, and the calibration saved beside."""
+    return BenchResult(
+        NAME,
+        spec,
+        validation.rows(),
+        render_table(validation.cpu, COLUMNS),
+        footer=validation.footer(),
+        written=written,
+    )
+
+
+def _goal(row: TrainBenchRow) -> str | None:
+    ratio = row.predicted_over_measured
+    if ratio is None:
+        return None
+    return "met" if abs(ratio - 1) <= GOAL else f"off by > {GOAL:.0%}"
+
+
+COLUMNS = (
+    Column("mode", "name"),
+    Column("measured k tok/s", "measured_tokens_per_second", ".2f", 1e3),
+    Column("+-", "measured_error", ".0%"),
+    Column("predicted k tok/s", "predicted_tokens_per_second", ".2f", 1e3),
+    Column("pred/meas", "predicted_over_measured", ".2f"),
+    Column(f"within {GOAL:.0%}", _goal),
+)
+PAPER_COLUMNS = (
+    Column("paper headline", "name"),
+    Column("paper", "paper", ".3g"),
+    Column("simulated", "simulated", ".3g"),
+    Column("explained", lambda row: row.explained or None),
+)
 
 
 def run_validate(

@@ -33,13 +33,13 @@ from dataclasses import dataclass
 import torch
 
 from ray_zep.attention import ring
-from ray_zep.attention.comms import all_gather_rows, exchange, reduce_scatter_rows
+from ray_zep.attention.kv_exchange import all_gather_rows, exchange, reduce_scatter_rows
 from ray_zep.attention.links import Links
 from ray_zep.attention.schedule import ItemSchedule, RankSchedule
 from ray_zep.errors import CommError
 from ray_zep.options import CompressionStream
 from ray_zep.partition.plan import Exchange
-from ray_zep.routing.comms import Channels, RowFormat, post_recv, post_send
+from ray_zep.routing.relay import Channels, RowFormat, post_recv, post_send
 from ray_zep.routing.routes import Payload, Phase
 
 

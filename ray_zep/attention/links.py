@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from ray_zep.collectives.adaptive import RingZipper
 from ray_zep.distributed import Comm
-from ray_zep.routing.comms import Channels
+from ray_zep.routing.relay import Channels
 
 
 @dataclass(frozen=True)

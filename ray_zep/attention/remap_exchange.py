@@ -25,7 +25,7 @@ from collections import Counter
 
 import torch
 
-from ray_zep.attention.comms import exchange
+from ray_zep.attention.kv_exchange import exchange
 from ray_zep.attention.links import Links
 from ray_zep.options import CompressionStream
 from ray_zep.remap.layout import RankRemap

@@ -16,6 +16,7 @@ takes at least `MIN_RUN_S` (so that small messages are timed reliably).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib
 import math
@@ -30,11 +31,14 @@ import torch
 
 from ray_zep.collectives import compress, decompress, native
 from ray_zep.collectives.format import float_format
+from ray_zep.command_args import names, optional_config, optional_config_args
 from ray_zep.config import Config, Packing
 from ray_zep.errors import ConfigError
 from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
+from ray_zep.report.output import BenchResult
+from ray_zep.report.text_table import Column, render_table
 
 SIGMAS = (1e-3, 0.02, 1.0, 1e3)
 CODECS = ("zipccl", "zipccl-torch", "zstd-3", "lz4", "blosc2")
@@ -43,6 +47,34 @@ MESSAGE_CODECS = ("zipccl", "zstd-3")
 """Codecs timed on the message sizes: ours on its public path against the goal's zstd-3."""
 MESSAGE_PREFIX = "message "
 MIN_RUN_S = 0.02
+NAME = "codec"
+HELP = "ZipCCL codec vs zstd, lz4, blosc2: ratio, GB/s"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    optional_config_args(parser)
+    parser.add_argument("--values", type=int, default=1 << 22, help="values per synthetic tensor")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs (best is kept)")
+    parser.add_argument("--train-steps", type=int, default=3, help="steps before real tensors")
+    parser.add_argument("--codecs", help="default: " + ",".join(CODECS))
+
+
+def run(args: argparse.Namespace) -> BenchResult:
+    codecs = names(args.codecs, CODECS)
+    spec = CodecBenchSpec(args.values, args.repeats, args.train_steps, codecs)
+    config = optional_config(args)
+    skipped = [f"skipping {c}: {why}" for c, why in available_codecs(codecs).items() if why]
+    tensors = {**synthetic_tensors(spec.values), **model_tensors(config, spec.train_steps)}
+    rows = run_codec_bench(tensors, spec)
+    return BenchResult(
+        NAME,
+        {**asdict(spec), "topology": config.topology.preset, "model": config.model.preset},
+        [asdict(r) for r in rows],
+        render_table(rows, COLUMNS),
+        notes=skipped,
+        goals=goals(rows),
+        draw=partial(draw_codec_chart, rows),
+    )
 
 
 @dataclass(frozen=True)
@@ -306,21 +338,18 @@ def _message_goals(ours: dict[str, CodecRow], zstd: dict[str, CodecRow]) -> list
     ]
 
 
-def format_table(rows: list[CodecRow]) -> str:
-    head = f"{'data':<22} {'dtype':<9} {'codec':<13} {'dev':<4} {'MB':>7} {'ratio':>6} "
-    head += f"{'comp GB/s':>9} {'dec GB/s':>9} {'c+d GB/s':>9} exact"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r.data:<22} {r.dtype:<9} {r.codec:<13} {r.device:<4} {r.mbytes:>7.1f} "
-            f"{r.ratio:>6.3f} {r.compress_gbps:>9.3f} {r.decompress_gbps:>9.3f} "
-            f"{r.both_gbps:>9.3f} {'yes' if r.exact else 'NO'}"
-        )
-    return "\n".join(lines)
-
-
-def row_dicts(rows: list[CodecRow]) -> list[dict]:
-    return [asdict(r) for r in rows]
+COLUMNS = (
+    Column("data", "data"),
+    Column("dtype", "dtype"),
+    Column("codec", "codec"),
+    Column("dev", "device"),
+    Column("MB", "mbytes", ".1f"),
+    Column("ratio", "ratio", ".3f"),
+    Column("comp GB/s", "compress_gbps", ".3f"),
+    Column("dec GB/s", "decompress_gbps", ".3f"),
+    Column("c+d GB/s", "both_gbps", ".3f"),
+    Column("exact", lambda r: "yes" if r.exact else "NO"),
+)
 
 
 def draw_codec_chart(rows: list[CodecRow], path: Path) -> Path | None:

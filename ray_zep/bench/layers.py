@@ -15,6 +15,7 @@ Byte counts come from the same transfer lists the engine executes
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 import time
@@ -26,7 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from ray_zep.bench.partition import synthetic_lengths
+from ray_zep.bench.partition import (
+    add_case_grid_arguments,
+    bench_spec,
+    case_grid,
+    synthetic_lengths,
+)
+from ray_zep.command_args import cluster_a_config
 from ray_zep.config import Config
 from ray_zep.data.synthetic import TABLE_2
 from ray_zep.errors import ConfigError, ZepError
@@ -36,12 +43,33 @@ from ray_zep.partition import make_plan
 from ray_zep.remap.solver import remap_token_bytes, solve_remap
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
+from ray_zep.report.output import BenchResult
+from ray_zep.report.text_table import Column, render_table
 from ray_zep.topology import build_topology
 from ray_zep.traffic import collective_traffic, ring_traffic
 
 PLANNERS = tuple(
     p.value for p in (Placement.TE_CP, Placement.ZEPPELIN, Placement.HYBRID_DP, Placement.USP)
 )
+NAME = "layers"
+HELP = "routing (NIC bytes) and remap (solver) on plans"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_case_grid_arguments(parser, "256k", tuple(TABLE_2), ",".join(PLANNERS), 20)
+
+
+def run(args: argparse.Namespace) -> BenchResult:
+    config = cluster_a_config(args)
+    spec = LayersBenchSpec(**case_grid(args, tuple(TABLE_2), PLANNERS))
+    rows = run_layers_bench(config, spec)
+    return BenchResult(
+        NAME,
+        bench_spec(spec, config),
+        [asdict(r) for r in rows],
+        render_table(rows, COLUMNS, key_columns=4),
+        draw=partial(draw_layers_chart, rows),
+    )
 
 
 @dataclass(frozen=True)
@@ -140,29 +168,21 @@ def _measure(row, batches, topology, capacity, shape, config, spec) -> None:
     row.solve_p99_ms = float(np.percentile(times, 99) * 1e3)
 
 
-def format_table(rows: list[LayersRow]) -> str:
-    header = (
-        f"{'dist':<10} {'nodes':>5} {'tokens':>7} {'planner':<9} {'NIC MB':>9} {'routed':>9} "
-        f"{'ratio':>5} {'intra MB':>9} {'routed':>9} {'moved':>6} {'cost us':>8} "
-        f"{'p50 ms':>6} {'p99 ms':>6}"
-    )
-    lines = [header]
-    for r in rows:
-        case = f"{r.distribution:<10} {r.nodes:>5} {r.tokens:>7} {r.planner:<9}"
-        if r.error:
-            lines.append(f"{case} {r.error}")
-            continue
-        ratio = f"{r.busiest_ratio:.2f}" if r.busiest_ratio is not None else "-"
-        lines.append(
-            f"{case} {r.busiest_nic_direct_mb:>9.1f} {r.busiest_nic_routed_mb:>9.1f} {ratio:>5} "
-            f"{r.intra_direct_mb:>9.1f} {r.intra_routed_mb:>9.1f} {r.remap_moved_share:>6.3f} "
-            f"{r.remap_cost_us:>8.1f} {r.solve_p50_ms:>6.2f} {r.solve_p99_ms:>6.2f}"
-        )
-    return "\n".join(lines)
-
-
-def row_dicts(rows: list[LayersRow]) -> list[dict]:
-    return [asdict(r) for r in rows]
+COLUMNS = (
+    Column("dist", "distribution"),
+    Column("nodes", "nodes"),
+    Column("tokens", "tokens"),
+    Column("planner", "planner"),
+    Column("NIC MB", "busiest_nic_direct_mb", ".1f"),
+    Column("NIC routed", "busiest_nic_routed_mb", ".1f"),
+    Column("ratio", "busiest_ratio", ".2f"),
+    Column("intra MB", "intra_direct_mb", ".1f"),
+    Column("intra routed", "intra_routed_mb", ".1f"),
+    Column("moved", "remap_moved_share", ".3f"),
+    Column("cost us", "remap_cost_us", ".1f"),
+    Column("p50 ms", "solve_p50_ms", ".2f"),
+    Column("p99 ms", "solve_p99_ms", ".2f"),
+)
 
 
 def draw_layers_chart(rows: list[LayersRow], path: Path) -> Path | None:

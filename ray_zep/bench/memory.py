@@ -16,6 +16,7 @@ are checked and reported, met or not:
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -25,19 +26,71 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ray_zep.config import Config, FsdpUnit, config_from_dict, config_to_dict
+from ray_zep.command_args import names, optional_config, optional_config_args
+from ray_zep.config import (
+    ActivationCheckpointing,
+    Config,
+    FsdpUnit,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+)
 from ray_zep.distributed.launch import free_port
+from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
-from ray_zep.parallel.axes import WeightsMode
+from ray_zep.parallel.axes import WEIGHTS_AXES, Family, WeightsMode
 from ray_zep.parallel.memory import FP32, block_params, memory_inputs, state_bytes
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
+from ray_zep.report.output import BenchResult
+from ray_zep.report.text_table import Column, render_table
 from ray_zep.topology import build_topology
 
+NAME = "memory"
+HELP = "per-rank memory, modelled and measured"
 REPLICATED, FSDP = WeightsMode.REPLICATED.value, WeightsMode.FSDP.value
 BLOCK, LINEAR = FsdpUnit.BLOCK.value, FsdpUnit.LINEAR.value
 MODEL_TOLERANCE = 0.10
 """The model must be within 10% of the measured peak."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    optional_config_args(parser)
+    parser.add_argument("--weights", default="replicated,fsdp", help="weights modes to run")
+    parser.add_argument(
+        "--checkpointing", default="none,full", help="train.activation_checkpointing values"
+    )
+    parser.add_argument("--steps", type=int, default=3, help="steps per case; the last is measured")
+
+
+def run(args: argparse.Namespace) -> BenchResult:
+    if args.config is None and not args.overrides:  # the demo model on a virtual 1 x 8
+        whole = ["parallel.sequence=whole", "parallel.routing=false", "parallel.remap=false"]
+        sizes = ["topology.nodes=1", "topology.gpus_per_node=8", "data.packing=rank"]
+        config = load_config(Path("conf/demo.yaml"), [*sizes, *whole])
+    else:
+        config = optional_config(args)
+    if args.steps < 2:
+        raise ConfigError(f"--steps={args.steps}: at least 2 (the first has no optimizer state)")
+    weights, checkpointing = list(names(args.weights, ())), list(names(args.checkpointing, ()))
+    known = [m.value for m in WeightsMode if WEIGHTS_AXES[m].family is Family.AUTOGRAD]
+    for name in weights:
+        if name not in known:
+            raise ConfigError(f"--weights item {name!r}: choose from {', '.join(known)}")
+    for name in checkpointing:
+        if name not in [m.value for m in ActivationCheckpointing]:
+            raise ConfigError(f"--checkpointing item {name!r}: none, full or selective")
+    rows = run_cases(config, cases(weights, checkpointing), args.steps)
+    checks = goals(rows, config)
+    spec = {"weights": weights, "checkpointing": checkpointing, "steps": args.steps}
+    return BenchResult(
+        NAME,
+        spec | {"goals": checks},
+        row_dicts(rows),
+        render_table(rows, COLUMNS),
+        goals=verdicts(checks),
+        draw=partial(draw, rows),
+    )
 
 
 @dataclass(frozen=True)
@@ -193,25 +246,23 @@ def row_dicts(rows: list[MemoryRow]) -> list[dict]:
     return [{**asdict(r), "model_error": r.model_error} for r in rows]
 
 
-def table(rows: list[MemoryRow], checks: list[dict]) -> str:
-    mib = 2**20
-    lines = [
-        f"{'case':<30}{'ranks':>6}{'tokens':>8}{'modelled MiB':>14}"
-        f"{'measured MiB':>14}{'error':>8}{'state MiB':>11}",
+MIB = 2**20
+COLUMNS = (
+    Column("case", "case"),
+    Column("ranks", "ranks"),
+    Column("tokens", "tokens"),
+    Column("modelled MiB", "modelled", ".2f", MIB),
+    Column("measured MiB", "measured", ".2f", MIB),
+    Column("error", "model_error", "+.1%"),
+    Column("state MiB", "state_measured", ".2f", MIB),
+)
+
+
+def verdicts(checks: list[dict]) -> list[tuple[str, bool]]:
+    """Each check as a (goal, met) line: the goal, its case, the figure and its limit."""
+    return [
+        (f"{c['goal']}: {c['case']} {c['value']:.4g} vs {c['limit']:.4g}", c["met"]) for c in checks
     ]
-    for r in rows:
-        lines.append(
-            f"{r.case:<30}{r.ranks:>6}{r.tokens:>8}"
-            f"{r.modelled / mib:>14.2f}{r.measured / mib:>14.2f}{r.model_error:>+8.1%}"
-            f"{r.state_measured / mib:>11.2f}"
-        )
-    lines.append("")
-    for c in checks:
-        verdict = "met" if c["met"] else "NOT MET"
-        lines.append(
-            f"{c['goal']:<46}{c['case']:<30}{c['value']:>14.4g} vs {c['limit']:.4g}  {verdict}"
-        )
-    return "\n".join(lines)
 
 
 def draw(rows: list[MemoryRow], path: Path) -> Path | None:
@@ -224,9 +275,8 @@ def draw(rows: list[MemoryRow], path: Path) -> Path | None:
 
 
 def _draw(rows: list[MemoryRow], figure: Any, axes: Any) -> None:
-    mib = 2**20
     groups = [r.case for r in rows]
-    values = [[r.modelled / mib, r.measured / mib, r.state_measured / mib] for r in rows]
+    values = [[r.modelled / MIB, r.measured / MIB, r.state_measured / MIB] for r in rows]
     title = f"per-rank peak memory on {rows[0].ranks} CPU ranks" if rows else "no rows"
     series = ["modelled peak", "measured peak", "measured state"]
     grouped_bars(

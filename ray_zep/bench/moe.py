@@ -4,14 +4,16 @@ Two parts, printed side by side:
 
 - simulated: per-block forward + backward latency of GPT-MoE-S/M/L at 4k-32k
   on the FoldMoE testbed model (`ray_zep.sim.moe_block`), each schedule at its
-  best overlap degree, next to the latencies the paper reports (Table 2:
-  Megatron-MoE, Tutel at its best d, FoldMoE at its best d);
+  best overlap degree; a second table puts the latencies the paper reports
+  (Table 2: Megatron-MoE, Tutel at its best d, FoldMoE at its best d) beside
+  our speedup on each case;
 - measured: the real pipelined block (`ray_zep.moe.pipeline`) on this machine,
   one gloo process per virtual GPU with the experts spread over all of them.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import time
 from dataclasses import asdict, dataclass
@@ -23,11 +25,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ray_zep.command_args import counts, names, positive
 from ray_zep.config import MoEPipeline
 from ray_zep.distributed.launch import free_port
 from ray_zep.model_shapes import PRESETS, ModelShape
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
+from ray_zep.report.output import BenchResult
+from ray_zep.report.text_table import Column, render_table
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.moe_block import block_seconds, foldmoe_testbed
 
@@ -55,6 +60,52 @@ PAPER_BLOCK_MS: dict[tuple[str, int], tuple[float, float, float]] = {
 """FoldMoE Table 2, ms per block: (Megatron-MoE, Tutel best d, FoldMoE best d)."""
 GOAL = ("gpt_moe_m", 16384, 1.3)
 """Simulated 1a1m+uniform over moe_only on GPT-MoE-M at 16k (the paper: 1.49x)."""
+NAME = "moe"
+HELP = "MoE block latency per FoldMoE schedule"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default="gpt_moe_s,gpt_moe_m,gpt_moe_l", help="MoE presets")
+    parser.add_argument("--seq-lens", default="4k,8k,16k,32k", help="sequence lengths")
+    parser.add_argument("--degrees", default="2,4,8,16", help="overlap degrees to search")
+    parser.add_argument(
+        "--cpu-ranks", type=int, default=4, help="processes of the real runs (0: none)"
+    )
+    parser.add_argument("--cpu-tokens", type=int, default=2048, help="tokens per process")
+    parser.add_argument("--cpu-degree", type=int, default=4, help="overlap degree of the real runs")
+    parser.add_argument(
+        "--nic-gbps", type=float, default=40.0, help="achieved Gb/s between nodes (default 40)"
+    )
+    parser.add_argument(
+        "--intra-gbytes", type=float, default=5.0, help="achieved GB/s per GPU in a node (5)"
+    )
+
+
+def run(args: argparse.Namespace) -> BenchResult:
+    positive("--nic-gbps", args.nic_gbps)
+    positive("--intra-gbytes", args.intra_gbytes)
+    spec = MoEBenchSpec(
+        models=names(args.models, ()),
+        seq_lens=counts(args.seq_lens, "--seq-lens"),
+        degrees=counts(args.degrees, "--degrees"),
+        cpu_ranks=args.cpu_ranks,
+        cpu_tokens=args.cpu_tokens,
+        cpu_degree=args.cpu_degree,
+        nic_gbps=args.nic_gbps,
+        intra_gbytes=args.intra_gbytes,
+    )
+    rows = simulate_rows(spec)
+    if spec.cpu_ranks > 1:
+        rows += measure_rows(spec)
+    return BenchResult(
+        NAME,
+        asdict(spec),
+        row_dicts(rows),
+        render_table(rows, COLUMNS),
+        footer=paper_footer(rows),
+        goals=goals(rows),
+        draw=partial(draw_moe_chart, rows),
+    )
 
 
 @dataclass(frozen=True)
@@ -117,27 +168,57 @@ def speedup(rows: list[MoERow], model: str, seq_len: int, over: str = "moe_only"
 
 
 def goals(rows: list[MoERow]) -> list[tuple[str, bool]]:
+    """The speedup goal, where the rows simulate its case."""
     model, seq_len, target = GOAL
+    if (model, seq_len) not in {(r.model, r.seq_len) for r in rows}:
+        return []
     got = speedup(rows, model, seq_len)
     return [
         (f"1a1m+uniform / moe_only on {model} {seq_len}: {got:.2f}x >= {target}x", got >= target)
     ]
 
 
-def format_table(rows: list[MoERow]) -> str:
-    header = f"{'source':<10} {'model':<10} {'seq':>6} {'schedule':<13} {'d':>3} {'fwd ms':>9} "
-    header += f"{'bwd ms':>9} {'total ms':>9}  paper (Megatron / Tutel / FoldMoE ms, Tutel/FoldMoE)"
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        line = f"{r.source:<10} {r.model:<10} {r.seq_len:>6} {r.schedule:<13} {r.degree:>3} "
-        line += f"{r.forward_ms:>9.3f} {r.backward_ms:>9.3f} {r.total_ms:>9.3f}"
-        paper = PAPER_BLOCK_MS.get((r.model, r.seq_len))
-        if paper and r.schedule == "1a1m+uniform" and r.source == "simulated":
-            ours = speedup(rows, r.model, r.seq_len)
-            line += f"  {paper[0]:.0f} / {paper[1]:.0f} / {paper[2]:.0f}, "
-            line += f"{paper[1] / paper[2]:.2f}x (ours {ours:.2f}x)"
-        lines.append(line)
-    return "\n".join(lines)
+COLUMNS = (
+    Column("source", "source"),
+    Column("model", "model"),
+    Column("seq", "seq_len"),
+    Column("schedule", "schedule"),
+    Column("d", "degree"),
+    Column("fwd ms", "forward_ms", ".3f"),
+    Column("bwd ms", "backward_ms", ".3f"),
+    Column("total ms", "total_ms", ".3f"),
+)
+PAPER_COLUMNS = (
+    Column("paper case", lambda r: f"{r['model']} {r['seq_len']}"),
+    Column("Megatron ms", "megatron_ms", ".0f"),
+    Column("Tutel ms", "tutel_ms", ".0f"),
+    Column("FoldMoE ms", "foldmoe_ms", ".0f"),
+    Column("paper Tutel/FoldMoE", "paper_speedup", ".2f"),
+    Column("ours moe_only/1a1m+uniform", "our_speedup", ".2f"),
+)
+
+
+def paper_rows(rows: list[MoERow]) -> list[dict[str, Any]]:
+    """Each simulated case of FoldMoE's Table 2: the paper's ms next to our speedup."""
+    cases = dict.fromkeys((r.model, r.seq_len) for r in rows if r.source == "simulated")
+    out = []
+    for model, seq_len in cases:
+        paper = PAPER_BLOCK_MS.get((model, seq_len))
+        if paper is None:
+            continue
+        megatron, tutel, foldmoe = paper
+        out.append(
+            {"model": model, "seq_len": seq_len, "megatron_ms": megatron, "tutel_ms": tutel,
+             "foldmoe_ms": foldmoe, "paper_speedup": tutel / foldmoe,
+             "our_speedup": speedup(rows, model, seq_len)}
+        )  # fmt: skip
+    return out
+
+
+def paper_footer(rows: list[MoERow]) -> list[str]:
+    """The paper's latencies (FoldMoE Table 2, best d) beside our simulated speedup."""
+    paper = paper_rows(rows)
+    return ["", render_table(paper, PAPER_COLUMNS)] if paper else []
 
 
 def row_dicts(rows: list[MoERow]) -> list[dict]:

@@ -18,17 +18,18 @@ thousands of sequences per batch.
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ray_zep.command_args import cluster_a_config, counts, names, optional_config_args
 from ray_zep.config import Config, ParallelConfig, ZonePolicy
 from ray_zep.data.synthetic import TABLE_2, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
@@ -38,6 +39,8 @@ from ray_zep.partition import make_plan
 from ray_zep.partition.stats import plan_stats
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
+from ray_zep.report.output import BenchResult
+from ray_zep.report.text_table import Column, render_table
 from ray_zep.topology import LinkKind, Topology, build_topology
 
 ZEPPELIN, TE_CP = Placement.ZEPPELIN.value, Placement.TE_CP.value
@@ -54,6 +57,63 @@ PLANNERS = (
 )
 DISTRIBUTIONS = (*TABLE_2, "short")
 SHORT_MAX_TOKENS = 256
+NAME = "partition"
+HELP = "planner latency and plan quality"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_case_grid_arguments(parser, "64k,128k,256k", DISTRIBUTIONS, "every planner", 5)
+    parser.add_argument("--headroom", type=float, default=1.25, help="L / tokens per rank")
+
+
+def add_case_grid_arguments(
+    parser: argparse.ArgumentParser,
+    tokens: str,
+    distributions: tuple[str, ...],
+    planners: str,
+    repeats: int,
+) -> None:
+    """[CONFIG], overrides and the case flags `partition` and `layers` share."""
+    optional_config_args(parser)
+    parser.add_argument("--nodes", default="2,4,8", help="cluster sizes (default 2,4,8)")
+    parser.add_argument("--tokens", default=tokens, help=f"tokens per batch (default {tokens})")
+    parser.add_argument("--distributions", help="default: " + ",".join(distributions))
+    parser.add_argument("--planners", help=f"default: {planners}")
+    parser.add_argument("--batches", type=int, default=3, help="batches per case")
+    parser.add_argument("--repeats", type=int, default=repeats, help="timed runs per batch")
+
+
+def run(args: argparse.Namespace) -> BenchResult:
+    config = cluster_a_config(args)
+    grid = case_grid(args, DISTRIBUTIONS, PLANNERS)
+    spec = PartitionBenchSpec(**grid, headroom=args.headroom)
+    rows = run_partition_bench(config, spec)
+    return BenchResult(
+        NAME,
+        bench_spec(spec, config),
+        [asdict(r) for r in rows],
+        render_table(rows, COLUMNS, key_columns=4),
+        draw=partial(draw_partition_chart, rows),
+    )
+
+
+def case_grid(
+    args: argparse.Namespace, distributions: tuple[str, ...], planners: tuple[str, ...]
+) -> dict[str, Any]:
+    """The spec's cases from the flags `partition` and `layers` share."""
+    return dict(
+        nodes=counts(args.nodes, "--nodes"),
+        tokens=counts(args.tokens, "--tokens"),
+        distributions=names(args.distributions, distributions),
+        planners=names(args.planners, planners),
+        batches=args.batches,
+        repeats=args.repeats,
+    )
+
+
+def bench_spec(spec: Any, config: Config) -> dict[str, Any]:
+    """The JSON's spec: the grid and the config's presets."""
+    return {**asdict(spec), "topology": config.topology.preset, "model": config.model.preset}
 
 
 @dataclass(frozen=True)
@@ -211,31 +271,20 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def format_table(rows: list[PartitionRow]) -> str:
-    header = (
-        f"{'distribution':<12} {'nodes':>5} {'tokens':>6} {'planner':<17} {'seqs':>6} "
-        f"{'p50 ms':>7} {'p99 ms':>7} {'flops max/mean':>14} {'tokens/L':>8} "
-        f"{'inter GB':>8} {'vs te_cp':>8} {'model ms':>8}"
-    )
-    lines = [header]
-    for r in rows:
-        if r.error:
-            lines.append(
-                f"{r.distribution:<12} {r.nodes:>5} {r.tokens // 1024:>5}k {r.planner:<17} "
-                f"n/a: {r.error}"
-            )
-            continue
-        lines.append(
-            f"{r.distribution:<12} {r.nodes:>5} {r.tokens // 1024:>5}k {r.planner:<17} "
-            f"{r.sequences:>6.0f} {_fmt(r.planner_p50_ms):>7} {_fmt(r.planner_p99_ms):>7} "
-            f"{_fmt(r.flops_max_over_mean):>14} {_fmt(r.max_tokens_over_l):>8} "
-            f"{_fmt(r.inter_node_gb):>8} {_fmt(r.inter_vs_te_cp):>8} {_fmt(r.modelled_ms):>8}"
-        )
-    return "\n".join(lines)
-
-
-def row_dicts(rows: list[PartitionRow]) -> list[dict]:
-    return [dataclasses.asdict(r) for r in rows]
+COLUMNS = (
+    Column("distribution", "distribution"),
+    Column("nodes", "nodes"),
+    Column("tokens", lambda r: f"{r.tokens // 1024}k"),
+    Column("planner", "planner"),
+    Column("seqs", "sequences", ".0f"),
+    Column("p50 ms", "planner_p50_ms", ".2f"),
+    Column("p99 ms", "planner_p99_ms", ".2f"),
+    Column("flops max/mean", "flops_max_over_mean", ".2f"),
+    Column("tokens/L", "max_tokens_over_l", ".2f"),
+    Column("inter GB", "inter_node_gb", ".2f"),
+    Column("vs te_cp", "inter_vs_te_cp", ".2f"),
+    Column("model ms", "modelled_ms", ".2f"),
+)
 
 
 def draw_partition_chart(rows: list[PartitionRow], path: str | Path) -> Path | None:

@@ -21,15 +21,17 @@ memory is its fullest round's, and its planner time is its schedule's.
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ray_zep.command_args import counts, names
 from ray_zep.config import Config, load_config
 from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
@@ -38,6 +40,8 @@ from ray_zep.parallel.memory import GB
 from ray_zep.partition.plan_memory import plan_memory
 from ray_zep.partition.stats import max_over_mean, plan_stats
 from ray_zep.report.figures import save_figure
+from ray_zep.report.output import BenchResult
+from ray_zep.report.text_table import Column, render_table
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
 from ray_zep.sim.bytescale import bytescale_plans, simulate_schedule
 from ray_zep.sim.compare import VARIANTS, WORK_POLICY, variant_config
@@ -56,6 +60,43 @@ PLACEMENTS = (
     MEGATRON_HYBRID_CP,
     BYTESCALE_HDP,
 )
+NAME = "scale"
+HELP = "placements from 64 to 4,096 GPUs, modelled"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpus", default="64,256,1024,4096", help="cluster sizes (8 per node)")
+    distributions = ",".join(ScaleBenchSpec.distributions)
+    parser.add_argument("--distributions", help=f"default: {distributions}")
+    parser.add_argument("--models", default="7b,13b", help="model presets (default 7b,13b)")
+    parser.add_argument("--tokens", default="4k,16k", help="tokens per GPU on average")
+    parser.add_argument("--placements", help="default: " + ",".join(PLACEMENTS))
+    parser.add_argument("--batches", type=int, default=1, help="sampled batches per case")
+    parser.add_argument("--headroom", type=float, default=1.25, help="L / tokens per GPU")
+    parser.add_argument(
+        "--plan-only", action="store_true", help="plan, no simulation: work, bytes, ms, memory"
+    )
+
+
+def run(args: argparse.Namespace) -> BenchResult:
+    spec = ScaleBenchSpec(
+        gpus=counts(args.gpus, "--gpus"),
+        distributions=names(args.distributions, ScaleBenchSpec.distributions),
+        models=names(args.models, ()),
+        tokens_per_gpu=counts(args.tokens, "--tokens"),
+        placements=names(args.placements, planned_placements(args.plan_only)),
+        batches=args.batches,
+        headroom=args.headroom,
+        plan_only=args.plan_only,
+    )
+    rows = run_scale_bench(spec, progress=lambda line: print(line, flush=True))
+    return BenchResult(
+        NAME,
+        asdict(spec),
+        [asdict(r) for r in rows],
+        render_table(rows, COLUMNS, key_columns=5),
+        draw=partial(draw_scale_chart, rows),
+    )
 
 
 def planned_placements(plan_only: bool) -> tuple[str, ...]:
@@ -215,35 +256,20 @@ def _planned_step(bytescale: bool, lengths: np.ndarray, run: RunModel, simulate:
 
 
 COLUMNS = (
-    ("work_mean", "work m/m", ".2f"),
-    ("work_worst", "worst", ".2f"),
-    ("step_over_ideal", "x ideal", ".2f"),
-    ("tokens_per_s_per_gpu", "tok/s/GPU", ".0f"),
-    ("inter_node_gb", "inter GB", ".1f"),
-    ("planner_ms", "plan ms", ".0f"),
-    ("planner_ms_max", "plan max", ".0f"),
-    ("peak_memory_gb", "mem GB", ".1f"),
+    Column("GPUs", "gpus"),
+    Column("data", "distribution"),
+    Column("model", "model"),
+    Column("tok/GPU", lambda r: f"{r.tokens_per_gpu // 1024}k"),
+    Column("placement", "placement"),
+    Column("work m/m", "work_mean", ".2f"),
+    Column("worst", "work_worst", ".2f"),
+    Column("x ideal", "step_over_ideal", ".2f"),
+    Column("tok/s/GPU", "tokens_per_s_per_gpu", ".0f"),
+    Column("inter GB", "inter_node_gb", ".1f"),
+    Column("plan ms", "planner_ms", ".0f"),
+    Column("plan max", "planner_ms_max", ".0f"),
+    Column("mem GB", "peak_memory_gb", ".1f"),
 )
-
-
-def format_table(rows: list[ScaleRow]) -> str:
-    head = f"{'GPUs':>5} {'data':<10} {'model':<5} {'tok/GPU':>7} {'placement':<19}"
-    lines = [head + "".join(f"{label:>10}" for _, label, _ in COLUMNS)]
-    for r in rows:
-        line = (f"{r.gpus:>5} {r.distribution:<10} {r.model:<5} {r.tokens_per_gpu // 1024:>6}k "
-                f"{r.placement:<19}")  # fmt: skip
-        if r.error:
-            lines.append(f"{line}  cannot place: {r.error}")
-            continue
-        for field, _, fmt in COLUMNS:
-            value = getattr(r, field)
-            line += f"{'-' if value is None else format(value, fmt):>10}"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def row_dicts(rows: list[ScaleRow]) -> list[dict[str, Any]]:
-    return [dataclasses.asdict(r) for r in rows]
 
 
 def draw_scale_chart(rows: list[ScaleRow], path: str | Path) -> Path | None:

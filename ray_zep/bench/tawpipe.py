@@ -10,12 +10,13 @@ fastest among those that fit. Each row gives tokens/GPU/s, the share of the step
 the GPU waits (bubble), the bytes per step on each link kind and the elements
 sent per GPU per layer (in H^2), next to the paper's throughput (Table 1,
 Table 2, the ablation's full TawPipe) and its bubble formulas. Real CPU runs
-of the executor's modes come from `workers.bench_train` (through Ray).
+of the executor's modes come from `workers.bench_train` (through Ray): the bench
+itself is `workers.bench_tawpipe`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from ray_zep.model_shapes import ModelShape
 from ray_zep.parallel.axes import WeightsMode
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
+from ray_zep.report.text_table import Column
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.weight_passing import (
     WEIGHT_BYTES,
@@ -40,7 +42,8 @@ MODES = (WeightsMode.TAWPIPE, WeightsMode.RING_RELAY, WeightsMode.FSDP)
 TAW, RELAY, FSDP = (m.value for m in MODES)
 WEI = "weipipe"
 """The column of WeiPipe's staggered schedule, the paper's baseline (simulated only)."""
-COLUMNS = (TAW, WEI, RELAY, FSDP)
+SCHEDULES = (TAW, WEI, RELAY, FSDP)
+"""Every row's `mode`, in the order of the table and the chart."""
 PAPER_TOKENS: dict[tuple[int, int], dict[str, float]] = {
     (1024, 4096): {TAW: 13629, WEI: 12055, FSDP: 10559, "1f1b": 7212},
     (1024, 8192): {TAW: 11738, WEI: 10663, FSDP: 8826, "1f1b": 6636},
@@ -81,7 +84,7 @@ class TawPipeRow:
     """One weights mode (or the WeiPipe model) on one (H, S) case, simulated.
 
     Attributes:
-        mode: a `COLUMNS` name.
+        mode: a `SCHEDULES` name.
         sequences: per GPU per step: as many as fit, at most the paper's 64, for the
             executor's modes; the paper's 1536 / 24 GPUs for WeiPipe.
         micro_batch: sequences per micro-batch (the executor computes a step's
@@ -145,7 +148,7 @@ def _row(
 
 
 def case_rows(spec: TawPipeBenchSpec, hidden: int, seq_len: int) -> list[TawPipeRow]:
-    """The `COLUMNS` that fit in memory on one case."""
+    """The `SCHEDULES` that fit in memory on one case."""
     cluster, case = spec.cluster(), (hidden, seq_len)
     shape = llama_shape(hidden, spec.layers)
     rows: dict[str, TawPipeRow] = {}
@@ -163,7 +166,7 @@ def case_rows(spec: TawPipeBenchSpec, hidden: int, seq_len: int) -> list[TawPipe
     if fastest is not None:
         batches, step = fastest
         rows[WEI] = _row(spec, case, WEI, step, per_gpu // batches)
-    return [rows[name] for name in COLUMNS if name in rows]
+    return [rows[name] for name in SCHEDULES if name in rows]
 
 
 def simulate_rows(spec: TawPipeBenchSpec) -> list[TawPipeRow]:
@@ -187,39 +190,40 @@ def goals(rows: list[TawPipeRow]) -> list[tuple[str, bool]]:
         return []
     got = ratio(rows, hidden, seq_len)
     text = f"tawpipe / weipipe at H={hidden} S={seq_len} on 24 GPUs: {got:.2f}x >= {target}x"
-    return [(text, got >= target)]
+    return [(text, bool(got >= target))]
 
 
-def format_table(rows: list[TawPipeRow]) -> str:
-    header = f"{'H':>5} {'S':>6} {'weights':<10} {'seqs':>4} {'mb':>3} {'tok/GPU/s':>10} "
-    header += f"{'bubble':>6} {'NIC GB':>7} {'intra GB':>8} {'xH^2':>5} {'paper tok':>9} "
-    header += f"{'paper bub':>9}"
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        paper = f"{r.paper_tokens:>9.0f}" if r.paper_tokens else f"{'-':>9}"
-        bubble = f"{r.paper_bubble:>9.2f}" if r.paper_bubble is not None else f"{'-':>9}"
-        lines.append(
-            f"{r.hidden:>5} {r.seq_len:>6} {r.mode:<10} {r.sequences:>4} {r.micro_batch:>3} "
-            f"{r.tokens_per_gpu_s:>10.0f} {r.bubble:>6.2f} {r.nic_gb:>7.2f} {r.intra_gb:>8.2f} "
-            f"{r.per_layer_h2:>5.1f} {paper} {bubble}"
-        )
-    lines.append(
+COLUMNS = (
+    Column("H", "hidden"),
+    Column("S", "seq_len"),
+    Column("weights", "mode"),
+    Column("seqs", "sequences"),
+    Column("mb", "micro_batch"),
+    Column("tok/GPU/s", "tokens_per_gpu_s", ".0f"),
+    Column("bubble", "bubble", ".2f"),
+    Column("NIC GB", "nic_gb", ".2f"),
+    Column("intra GB", "intra_gb", ".2f"),
+    Column("xH^2", "per_layer_h2", ".1f"),
+    Column("paper tok", lambda r: r.paper_tokens or None, ".0f"),
+    Column("paper bub", "paper_bubble", ".2f"),
+)
+
+
+def footer(rows: list[TawPipeRow]) -> list[str]:
+    """The lines under the table: what its columns mean, then per case tawpipe over each
+    other schedule, next to the paper's ratios."""
+    lines = [
         f"seqs: sequences per GPU per step; mb: per micro-batch. {WEI}: WeiPipe's staggered "
         f"schedule (the paper's baseline, simulated only); {RELAY}: the executor's lockstep ring"
-    )
-    cases = list(dict.fromkeys((r.hidden, r.seq_len) for r in rows))
-    for hidden, seq_len in cases:
+    ]
+    for hidden, seq_len in dict.fromkeys((r.hidden, r.seq_len) for r in rows):
         paper = PAPER_TOKENS.get((hidden, seq_len), {})
         over = [(name, ratio(rows, hidden, seq_len, name)) for name in (WEI, RELAY, FSDP)]
         line = f"H={hidden} S={seq_len}: " + ", ".join(f"tawpipe/{n} {x:.2f}x" for n, x in over)
         if WEI in paper:
             line += f" (paper {paper[TAW] / paper[WEI]:.2f}x, -, {paper[TAW] / paper[FSDP]:.2f}x)"
         lines.append(line)
-    return "\n".join(lines)
-
-
-def row_dicts(rows: list[TawPipeRow]) -> list[dict]:
-    return [asdict(r) for r in rows]
+    return lines
 
 
 def draw_tawpipe_chart(rows: list[TawPipeRow], path: Path) -> Path | None:
@@ -234,7 +238,7 @@ def draw_tawpipe_chart(rows: list[TawPipeRow], path: Path) -> Path | None:
 def _draw_tawpipe(rows: list[TawPipeRow], figure: Any, axes: Any) -> None:
     cases = list(dict.fromkeys((r.hidden, r.seq_len) for r in rows))
     table = {(r.hidden, r.seq_len, r.mode): r.tokens_per_gpu_s for r in rows}
-    names = list(COLUMNS)
+    names = list(SCHEDULES)
     values = [[table.get((h, s, name)) for name in names] for h, s in cases]
     groups = [f"H{h // 1024}k S{s // 1024}k" for h, s in cases]
     title = "simulated throughput, 3 x 8 GPUs, 10 GbE"

@@ -8,6 +8,7 @@ training steps (the tensors of `ray-zep bench codec`'s model rows).
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -19,11 +20,60 @@ import torch
 from ray_zep.bench.zipccl import LLAMA3_8B, SETUPS, Assumptions, DenseModel, Ratios, Setup
 from ray_zep.bench.zipccl_model import codec_bytes_s, model_step
 from ray_zep.collectives import compress
+from ray_zep.config import load_config
 from ray_zep.errors import ConfigError
 from ray_zep.model.llama import INIT_STD, Block
 from ray_zep.model_shapes import ModelShape
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
+from ray_zep.report.output import BenchResult
+from ray_zep.report.text_table import Column, render_table
+
+NAME = "zipccl"
+HELP = "ZipCCL's paper setups, modelled off and on"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mfu", type=float, default=0.58, help="model FLOPs / peak (0.58)")
+    parser.add_argument(
+        "--codec-dram-fraction", type=float, default=0.5, help="codec rate / DRAM rate (0.5)"
+    )
+    parser.add_argument("--latency-us", type=float, default=10.0, help="alpha per ring step")
+    parser.add_argument(
+        "--weights-sample", type=int, default=0, help="values per weight tensor measured (0: all)"
+    )
+    parser.add_argument("--demo-config", default="conf/demo.yaml", help="model of the demo ratios")
+    parser.add_argument(
+        "--demo-steps", type=int, default=3, help="demo training steps (0: weights' ratio only)"
+    )
+
+
+def run(args: argparse.Namespace) -> BenchResult:
+    if args.demo_steps < 0:
+        raise ConfigError(f"--demo-steps={args.demo_steps}: must be >= 0 (0: no demo run)")
+    assumptions = Assumptions(args.mfu, args.codec_dram_fraction, args.latency_us)
+    weights = layer_weights(sample=args.weights_sample)
+    demo = None
+    if args.demo_steps:
+        from ray_zep.bench.codec import model_tensors
+
+        demo = model_tensors(load_config(Path(args.demo_config), []), args.demo_steps)
+    ratios = measure_ratios(weights, demo)
+    rows = model_rows(assumptions, ratios)
+    spec = {key: getattr(args, key) for key in ("weights_sample", "demo_config", "demo_steps")}
+    return BenchResult(
+        NAME,
+        spec,
+        [asdict(r) for r in rows],
+        render_table(rows, COLUMNS),
+        notes=[f"measured ratios (our codec, this machine): {asdict(ratios)}"],
+        record={
+            "assumptions": asdict(assumptions),
+            "ratios": asdict(ratios)
+            | {"weights_values": weights.numel(), "demo_steps": args.demo_steps},
+        },
+        draw=partial(draw_zipccl_chart, rows),
+    )
 
 
 def layer_weights(model: DenseModel = LLAMA3_8B, sample: int = 0) -> torch.Tensor:
@@ -113,40 +163,29 @@ def model_rows(spec: Assumptions, ratios: Ratios, setups=SETUPS) -> list[ZipCCLR
     return [model_row(setup, spec, ratios) for setup in setups]
 
 
-def _x(value: float | None, approximate: bool = False) -> str:
+def _x(value: float | None, approximate: bool = False) -> str | None:
     if value is None:
-        return "-"
+        return None
     return f"{'~' if approximate else ''}{value:.2f}x"
 
 
-def _signed(value: float | None) -> str:
-    return "-" if value is None else f"{value:+.2f}"
-
-
-def format_table(rows: list[ZipCCLRow]) -> str:
-    """Modelled step off/on and speedups next to the paper's (~: "around" in the paper).
-
-    `other s`: the collectives outside the paper's communication figure, NCCL (FSDP
-    reduce-scatters, MoE gradient all-reduce)."""
-    head = f"{'setup (modelled)':<24} {'GPUs':>4} {'compute s':>9} {'other s':>7} "
-    head += f"{'step off s':>10} "
-    head += f"{'step on s':>9} {'e2e':>6} {'comm':>6} {'paper e2e':>9} {'paper comm':>10} "
-    head += f"{'d e2e':>6} {'d comm':>6}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r.setup:<24} {r.gpus:>4} {r.compute_s:>9.3f} {r.other_comm_off_s:>7.3f} "
-            f"{r.step_off_s:>10.3f} "
-            f"{r.step_on_s:>9.3f} {_x(r.e2e_speedup):>6} {_x(r.comm_speedup):>6} "
-            f"{_x(r.paper_e2e, r.paper_approximate):>9} "
-            f"{_x(r.paper_comm, r.paper_approximate):>10} "
-            f"{_signed(r.e2e_diff):>6} {_signed(r.comm_diff):>6}"
-        )
-    return "\n".join(lines)
-
-
-def row_dicts(rows: list[ZipCCLRow]) -> list[dict]:
-    return [asdict(r) for r in rows]
+COLUMNS = (
+    Column("setup (modelled)", "setup"),
+    Column("GPUs", "gpus"),
+    Column("compute s", "compute_s", ".3f"),
+    Column("other s", "other_comm_off_s", ".3f"),
+    Column("step off s", "step_off_s", ".3f"),
+    Column("step on s", "step_on_s", ".3f"),
+    Column("e2e", lambda r: _x(r.e2e_speedup)),
+    Column("comm", lambda r: _x(r.comm_speedup)),
+    Column("paper e2e", lambda r: _x(r.paper_e2e, r.paper_approximate)),
+    Column("paper comm", lambda r: _x(r.paper_comm, r.paper_approximate)),
+    Column("d e2e", "e2e_diff", "+.2f"),
+    Column("d comm", "comm_diff", "+.2f"),
+)
+"""Modelled step off/on and speedups next to the paper's (~: "around" in the paper).
+`other s`: the collectives outside the paper's communication figure, NCCL (FSDP
+reduce-scatters, MoE gradient all-reduce)."""
 
 
 def draw_zipccl_chart(rows: list[ZipCCLRow], path: Path) -> Path | None:

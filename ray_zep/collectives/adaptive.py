@@ -16,9 +16,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from ray_zep.collectives import comms
-from ray_zep.collectives.comms import Sizes
+from ray_zep.collectives import ops
 from ray_zep.collectives.format import FORMATS
+from ray_zep.collectives.ops import Sizes
 from ray_zep.collectives.switcher import Kind, Profile, Switcher, profile_group
 from ray_zep.collectives.tally import StreamTally
 from ray_zep.config import Compression
@@ -63,7 +63,7 @@ class AdaptiveCollectives:
         """Sum a 1-D tensor over the group in place, zipped when that is faster."""
 
         def zipped() -> Sizes:
-            total, sizes = comms.zipped_all_reduce(flat, self.g, what=stream)
+            total, sizes = ops.zipped_all_reduce(flat, self.g, what=stream)
             flat.copy_(total)
             return sizes
 
@@ -74,7 +74,7 @@ class AdaptiveCollectives:
         """`out` = every rank's equal-sized 1-D `shard`, in rank order (a move: same bits)."""
 
         def zipped() -> Sizes:
-            gathered, sizes = comms.zipped_all_gather(shard, self.g, what=stream)
+            gathered, sizes = ops.zipped_all_gather(shard, self.g, what=stream)
             torch.cat(gathered, out=out)
             return sizes
 
@@ -85,7 +85,7 @@ class AdaptiveCollectives:
         """`out` = the sum over ranks of block `rank` of the 1-D `full` (size x out)."""
 
         def zipped() -> Sizes:
-            reduced, sizes = comms.zipped_reduce_scatter(full, self.g, what=stream)
+            reduced, sizes = ops.zipped_reduce_scatter(full, self.g, what=stream)
             out.copy_(reduced)
             return sizes
 
@@ -100,7 +100,7 @@ class AdaptiveCollectives:
         stream: str,
         what: str,
         agreed_bytes: int,
-    ) -> comms.PlainAllToAll | comms.ZippedAllToAll:
+    ) -> ops.PlainAllToAll | ops.ZippedAllToAll:
         """Start an all-to-all of rows (send_rows[r] to rank r, recv_rows[r] from r);
         `.wait()` on the result gives the received rows. A move: same bits either way.
 
@@ -111,10 +111,10 @@ class AdaptiveCollectives:
         """
         if not self._zipped(Kind.ALL_TO_ALL, stream, x, agreed_bytes):
             self._count_plain(stream, agreed_bytes)
-            return comms.post_plain_all_to_all(x, send_rows, recv_rows, self.g, what)
+            return ops.post_plain_all_to_all(x, send_rows, recv_rows, self.g, what)
         design = self.switcher.all_to_all_design(agreed_bytes, stream)
         out = x.new_empty((sum(recv_rows), *x.shape[1:]))
-        posted = comms.post_zipped_all_to_all(x, send_rows, recv_rows, self.g, design, what, out)
+        posted = ops.post_zipped_all_to_all(x, send_rows, recv_rows, self.g, design, what, out)
         self._record(stream, posted.sizes)
         return posted
 

@@ -25,9 +25,9 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from ray_zep.collectives import comms
+from ray_zep.collectives import ops
 from ray_zep.collectives.codec import compress, decompress
-from ray_zep.collectives.comms import AllToAllDesign, Sizes
+from ray_zep.collectives.ops import AllToAllDesign, Sizes
 from ray_zep.config import Compression
 from ray_zep.distributed.group import Group
 
@@ -190,18 +190,18 @@ def _runners(g: Group) -> list[tuple[Kind, Callable, Callable]]:
     return [
         (
             Kind.ALL_GATHER,
-            lambda x: comms.all_gather_v(x, g),
-            lambda x: comms.zipped_all_gather(x, g),
+            lambda x: ops.all_gather_v(x, g),
+            lambda x: ops.zipped_all_gather(x, g),
         ),
         (
             Kind.ALL_TO_ALL,
-            lambda x: comms.all_to_all_v(x, rows(x), rows(x), g),
-            lambda x: comms.zipped_all_to_all(x, rows(x), rows(x), g),
+            lambda x: ops.all_to_all_v(x, rows(x), rows(x), g),
+            lambda x: ops.zipped_all_to_all(x, rows(x), rows(x), g),
         ),
         (
             Kind.REDUCE_SCATTER,
-            lambda x: comms.native_reduce_scatter(x, g),
-            lambda x: comms.zipped_reduce_scatter(x, g),
+            lambda x: ops.native_reduce_scatter(x, g),
+            lambda x: ops.zipped_reduce_scatter(x, g),
         ),
     ]
 

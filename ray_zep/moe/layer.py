@@ -2,7 +2,7 @@
 
 Plain PyTorch; runs in one process with all experts. `shard_experts` turns it
 into one rank's part under expert parallelism: the rank keeps its experts'
-weights and moves tokens with `moe.comms`. The result per token is the same
+weights and moves tokens with `moe.dispatch`. The result per token is the same
 either way, because gating and capacity are decided per rank (one routing
 group) before anything moves.
 
@@ -21,7 +21,7 @@ from torch import nn
 from ray_zep.config import MoEDispatch as Dispatch
 from ray_zep.distributed.group import Group
 from ray_zep.errors import ConfigError, PlacementError
-from ray_zep.moe import comms
+from ray_zep.moe import dispatch
 from ray_zep.moe.gate import Balance, Routing, RoutingGroups, expert_capacity, route
 
 
@@ -88,7 +88,7 @@ class MoE(nn.Module):
         self.dispatch, self.capacity_tokens = dispatch, capacity_tokens
         self.gate = nn.Linear(dim, experts, bias=False)
         self.experts = Experts(experts, hidden, dim)
-        self.ep: comms.ExpertLink | None = None
+        self.ep: dispatch.ExpertLink | None = None
         self.first_expert = 0
         self.balance: Balance | None = None
         """Load-balancing statistics of the last forward (its routing groups)."""
@@ -154,7 +154,7 @@ class MoE(nn.Module):
             sizes = [capacity] * self.num_experts
             out_XCD = self.experts(buf_XCD.flatten(0, 1), sizes).view(buf_XCD.shape)
         else:
-            out_XCD = comms.padded_experts(buf_XCD, self.experts, self.ep)
+            out_XCD = dispatch.padded_experts(buf_XCD, self.experts, self.ep)
         picked_TKD = out_XCD[routing.expert_TK, routing.slot_TK.clamp_min(0)]
         return (picked_TKD * routing.weight_TK.unsqueeze(-1).to(x_TD.dtype)).sum(1)
 
@@ -164,7 +164,7 @@ class MoE(nn.Module):
         if self.ep is None:
             out_ND = self.all_experts(rows_ND, routing.counts_X)
         else:
-            out_ND = comms.varlen_experts(rows_ND, routing.counts_X, self.experts, self.ep)
+            out_ND = dispatch.varlen_experts(rows_ND, routing.counts_X, self.experts, self.ep)
         return choices.combine(out_ND, x_TD)
 
     def all_experts(self, rows_ND: torch.Tensor, counts_X: torch.Tensor) -> torch.Tensor:
@@ -203,7 +203,7 @@ def _kept_tokens(routing: Routing) -> torch.Tensor:
     return token_T.unsqueeze(1).expand_as(kept)[kept]
 
 
-def shard_experts(moe: MoE, link: comms.ExpertLink | Group) -> None:
+def shard_experts(moe: MoE, link: dispatch.ExpertLink | Group) -> None:
     """Keep only this rank's experts (contiguous block) and route tokens over the
     link's EP group (a bare group: uncompressed).
 
@@ -211,7 +211,7 @@ def shard_experts(moe: MoE, link: comms.ExpertLink | Group) -> None:
         ConfigError: the experts do not divide evenly over the group, or padded
             dispatch has no fixed capacity.
     """
-    link = link if isinstance(link, comms.ExpertLink) else comms.ExpertLink(link)
+    link = link if isinstance(link, dispatch.ExpertLink) else dispatch.ExpertLink(link)
     ep = link.g
     if moe.num_experts % ep.size:
         raise ConfigError(

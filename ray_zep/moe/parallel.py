@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ray_zep.collectives.comms import (
+from ray_zep.collectives.ops import (
     all_reduce_sum_,
     gradients_or_zeros,
     reduce_in_one_buffer_,
@@ -26,7 +26,7 @@ from ray_zep.config import Config, MoEDispatch, MoEPipeline
 from ray_zep.distributed import Comm
 from ray_zep.distributed.group import Group
 from ray_zep.errors import ConfigError
-from ray_zep.moe.comms import ExpertLink
+from ray_zep.moe.dispatch import ExpertLink
 from ray_zep.moe.gate import Balance
 from ray_zep.moe.layer import MoE, shard_experts
 from ray_zep.moe.pipeline import FoldedForward
@@ -96,7 +96,7 @@ def parallelize_experts(
     """Configure every MoE block of `model` for this run (collective when ep > 1).
 
     With `switches` (`comm.compression` on), the dispatch and combine go through the
-    EP group's switch (`ray_zep.moe.comms.ExpertLink`).
+    EP group's switch (`ray_zep.moe.dispatch.ExpertLink`).
 
     Sets the dispatch and the capacity (`train.tokens_per_rank` tokens per
     routing group), splits the experts over `parallel.ep` ranks, and gives the

@@ -15,7 +15,7 @@ Transfers always use variable splits (one small count exchange per
 micro-batch), whatever `model.moe.dispatch` says for the plain block.
 
 All transfers of a block are chained by an `order` tensor (see
-`comms.post_rows`), so backward runs them in the reverse of the forward
+`dispatch.post_rows`), so backward runs them in the reverse of the forward
 order on every rank.
 
 Legend: T tokens of the rank, D model dim, H query heads, K key/value heads,
@@ -34,7 +34,7 @@ from ray_zep.attention.rope import apply_rope
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.config import MoEPipeline
 from ray_zep.errors import ConfigError
-from ray_zep.moe import comms
+from ray_zep.moe import dispatch
 from ray_zep.moe.gate import Balance, route
 from ray_zep.moe.layer import MoE, SortedChoices
 from ray_zep.moe.schedule import Kind, Step, attention_slices, build_program
@@ -80,8 +80,8 @@ class _MicroBatch:
     choices: SortedChoices
     counts_X: torch.Tensor
     in_flight: torch.Tensor | None = None
-    ticket: comms.Ticket | None = None
-    splits: comms.Splits | None = None
+    ticket: dispatch.Ticket | None = None
+    splits: dispatch.Splits | None = None
 
 
 @dataclass
@@ -156,8 +156,8 @@ class _Run:
         if moe.ep is None:
             batch.in_flight = rows_ND
         else:
-            batch.splits = comms.Splits.exchange(routing.counts_X, moe.ep.g)
-            batch.in_flight, batch.ticket, self.order = comms.post_rows(
+            batch.splits = dispatch.Splits.exchange(routing.counts_X, moe.ep.g)
+            batch.in_flight, batch.ticket, self.order = dispatch.post_rows(
                 rows_ND,
                 batch.splits.send_rows,
                 batch.splits.recv_rows,
@@ -173,10 +173,10 @@ class _Run:
         if moe.ep is None:
             batch.in_flight = moe.all_experts(batch.in_flight, batch.counts_X)
             return
-        got_ND, self.order = comms.wait_rows(batch.in_flight, batch.ticket, self.order)
-        out_ND = comms.run_local_experts(got_ND, batch.splits, moe.experts)
+        got_ND, self.order = dispatch.wait_rows(batch.in_flight, batch.ticket, self.order)
+        out_ND = dispatch.run_local_experts(got_ND, batch.splits, moe.experts)
         splits = batch.splits
-        batch.in_flight, batch.ticket, self.order = comms.post_rows(
+        batch.in_flight, batch.ticket, self.order = dispatch.post_rows(
             out_ND,
             splits.recv_rows,
             splits.send_rows,
@@ -190,7 +190,7 @@ class _Run:
         batch = self.batches.pop(j)
         out_ND = batch.in_flight
         if batch.ticket is not None:
-            out_ND, self.order = comms.wait_rows(out_ND, batch.ticket, self.order)
+            out_ND, self.order = dispatch.wait_rows(out_ND, batch.ticket, self.order)
         self.outputs[j] = batch.h_TD + batch.choices.combine(out_ND, batch.z_TD)
 
 
@@ -267,7 +267,7 @@ class FoldedForward:
             slices=self.slices(lengths, attn.n_heads * attn.head_dim, attn.n_heads),
             micro=micro_batch_sizes(tokens, self.degree),
             capacity=moe.capacity(tokens),
-            order=comms.new_order(x_TD),
+            order=dispatch.new_order(x_TD),
         )
         self.last_slices = run.slices
         if not sliced:

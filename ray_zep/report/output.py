@@ -1,4 +1,5 @@
-"""Where benchmark results go: a JSON record with the machine and command, and a PNG."""
+"""Where benchmark results go: the table printed, a JSON record with the machine and
+command, and a PNG; one writer (`publish`) for every `ray-zep bench`."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import datetime
 import json
 import os
 import platform
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +44,53 @@ def write_record(path: Path, command: str, record: dict[str, Any]) -> Path:
     }
     path.write_text(json.dumps(stamped, indent=1) + "\n")
     return path
+
+
+@dataclass
+class BenchResult:
+    """What a bench returns: the one writer (`publish`) prints and saves it."""
+
+    name: str
+    """The stem of its JSON and PNG files (`<out>/<name>.json`)."""
+    spec: dict[str, Any]
+    """What was asked: flags and the config's presets, recorded in the JSON."""
+    rows: list[dict[str, Any]]
+    table: str
+    notes: list[str] = field(default_factory=list)
+    """Lines printed before the table (what it was simulated on, skipped codecs)."""
+    footer: list[str] = field(default_factory=list)
+    """Lines printed after the table (per-case ratios, the switch's costs)."""
+    goals: list[tuple[str, bool]] = field(default_factory=list)
+    """(goal, met) pairs, printed and recorded."""
+    record: dict[str, Any] = field(default_factory=dict)
+    """More keys for the JSON record (measured ratios, CPU runs beside the model)."""
+    draw: Callable[[Path], Path | None] | None = None
+    """Draws the PNG at the path given; returns None when matplotlib is missing."""
+    written: list[Path] = field(default_factory=list)
+    """Files the bench saved itself (a calibration.json)."""
+
+
+def publish(
+    result: BenchResult, out: Path, command: str, json_path: Path | None = None
+) -> list[Path]:
+    """Print the result's table with its notes and goals; write its JSON record and PNG.
+
+    Returns:
+        Every file written, in the order printed.
+    """
+    for line in [*result.notes, result.table, *result.footer]:
+        print(line)
+    for goal, met in result.goals:
+        print(f"goal {'met' if met else 'MISSED'}: {goal}")
+    record = {"spec": result.spec, "rows": result.rows, **result.record}
+    if result.goals:
+        record["goals"] = [{"goal": goal, "met": bool(met)} for goal, met in result.goals]
+    json_path = json_path or out / f"{result.name}.json"
+    paths = [*result.written, write_record(json_path, command, record)]
+    if result.draw is not None:
+        picture = result.draw(out / f"{result.name}.png")
+        if picture is not None:
+            paths.append(picture)
+    for path in paths:
+        print(f"wrote {path}")
+    return paths

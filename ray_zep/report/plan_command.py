@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ray_zep.command_args import parse_lengths
 from ray_zep.config import Config
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
@@ -75,21 +76,6 @@ def write_outputs(result: PlanResult, png: str | None, json_path: str | None) ->
         path.write_text(json.dumps(record, indent=1) + "\n")
         written.append(path)
     return written
-
-
-def parse_lengths(text: str, flag: str = "--lengths") -> np.ndarray:
-    """'9000,300,64k' -> positive token counts (k = 1024); errors name `flag`."""
-    values = []
-    for item in text.replace(" ", "").split(","):
-        scale = 1024 if item.lower().endswith("k") else 1
-        digits = item[:-1] if scale > 1 else item
-        if not digits.isdigit() or int(digits) < 1:
-            raise ConfigError(
-                f"{flag} item {item!r} must be a positive integer (optionally with k), "
-                f"e.g. {flag} 9000,300,64k"
-            )
-        values.append(int(digits) * scale)
-    return np.asarray(values, dtype=np.int64)
 
 
 def request_lengths(config: Config, topology: Topology, request: PlanRequest) -> np.ndarray:

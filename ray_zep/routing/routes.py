@@ -15,7 +15,7 @@ With x1 == x2 (the planner's rule) the ranges coincide and proxy k pairs with
 proxy j = k; unequal counts are supported, the inter-node pieces then being
 the non-empty intersections of the two splits. Any GPU of a node may proxy,
 also one busy with local or intra-node work: its relay thread forwards while
-it computes (`ray_zep.routing.comms`).
+it computes (`ray_zep.routing.relay`).
 
 Proxy rule (Zeppelin §3.3): x = min(GPUs of the source node, GPUs of the
 destination node) proxies per side, taken NIC by NIC (the first proxies sit on

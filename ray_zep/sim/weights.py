@@ -1,6 +1,6 @@
 """What the weights axis adds to a simulated step: collectives, their overlap, the optimizer.
 
-As the trainer runs each mode (`ray_zep.train.fsdp`, `ray_zep.train.comms`):
+As the trainer runs each mode (`ray_zep.train.fsdp`, `ray_zep.train.reductions`):
 
 - replicated: every rank holds every parameter; the gradients are all-reduced in
   float32 once after backward (not overlapped), and every rank updates all of them.

@@ -28,7 +28,7 @@ from ray_zep.attention.remap_exchange import to_attention, to_linear
 from ray_zep.attention.schedule import RankSchedule
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.collectives.adaptive import AdaptiveCollectives
-from ray_zep.collectives.comms import all_reduce_sum_
+from ray_zep.collectives.ops import all_reduce_sum_
 from ray_zep.config import Config
 from ray_zep.constants import IGNORE_INDEX
 from ray_zep.data.shards import RankShard
@@ -39,7 +39,7 @@ from ray_zep.parallel.axes import Family, Sharding
 from ray_zep.remap.layout import RankRemap
 from ray_zep.traffic import Traffic, gradient_traffic, sharded_weights_traffic
 from ray_zep.train.build import AppliedAxes
-from ray_zep.train.comms import all_reduce_gradients_, square_norm, sum_over_ranks_
+from ray_zep.train.reductions import all_reduce_gradients_, square_norm, sum_over_ranks_
 
 Losses = tuple[tuple[float, float], int]
 """(this rank's sum of token losses, its share of the balance loss), bytes all-reduced."""

@@ -21,7 +21,7 @@ from ray_zep.collectives.tally import per_stream
 from ray_zep.config import Config
 from ray_zep.data.shards import RankShard
 from ray_zep.distributed import Comm
-from ray_zep.routing.comms import open_channels
+from ray_zep.routing.relay import open_channels
 from ray_zep.train import checkpoint
 from ray_zep.train.accounting import (
     ZONES,
@@ -38,9 +38,9 @@ from ray_zep.train.build import (
     resolve_device,
     resolve_dtype,
 )
-from ray_zep.train.comms import sum_over_ranks_
 from ray_zep.train.memory_probe import PeakProbe
 from ray_zep.train.optim import build_optimizer, lr_at, set_lr
+from ray_zep.train.reductions import sum_over_ranks_
 from ray_zep.train.runners import RUNNERS, StepContext
 
 __all__ = ["RankTrainer", "StepStats", "resolve_device", "resolve_dtype"]

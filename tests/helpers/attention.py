@@ -15,7 +15,7 @@ from ray_zep.distributed import Comm, GroupNeeds
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
-from ray_zep.routing.comms import open_channels
+from ray_zep.routing.relay import open_channels
 from ray_zep.routing.routes import RoutingPlan
 from ray_zep.topology import build_topology
 

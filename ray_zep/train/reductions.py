@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ray_zep.collectives.adaptive import AdaptiveCollectives
-from ray_zep.collectives.comms import (
+from ray_zep.collectives.ops import (
     all_reduce_sum_,
     gradients_or_zeros,
     reduce_in_one_buffer_,

@@ -1,4 +1,6 @@
-"""The fixed cost of a training step on a CPU virtual cluster, measured through Ray.
+"""`ray-zep bench calibrate`: this device's rates (`ray_zep.bench.calibrate`) and, on a
+CPU virtual cluster, the fixed cost of a training step, measured through Ray; it saves
+OUT/calibration.json, which `simulate`, `plan --auto` and the other benches load.
 
 Besides its layers, a step on every rank fetches its shard from the data actor,
 clips the gradients (an all-reduce of their norm), updates, accounts the step
@@ -29,6 +31,7 @@ These runs train on synthetic lengths with whole sequences only, so the modes
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import shutil
 from functools import partial
@@ -37,13 +40,18 @@ from pathlib import Path
 import numpy as np
 
 from ray_zep import steplog
-from ray_zep.bench.calibrate import Calibration
+from ray_zep.bench.calibrate import Calibration, calibrate
+from ray_zep.command_args import optional_config, optional_config_args
 from ray_zep.config import load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import WeightsMode
 from ray_zep.parallel.memory import fsdp_units
+from ray_zep.report.output import BenchResult
 from ray_zep.sim.replay import replay
+
+NAME = "calibrate"
+HELP = "measure this device's compute rates"
 
 TINY_STEPS = (
     "parallel.sequence=whole",
@@ -85,6 +93,31 @@ UNEVEN_SHARES = 1.15
 back to back agreed within 5%, pairs spread over a 20-minute validate within 7% and 14%
 (runs 17 and 18 of `BENCHMARKS.md`); run 15's slow sitting measured 0.63 against the
 usual 0.82-0.88."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    optional_config_args(parser)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per size")
+
+
+def run(args: argparse.Namespace) -> BenchResult:
+    """Calibrate the configured device; on CPU add the trainer's fixed step cost."""
+    from ray_zep.train.build import resolve_device
+
+    config = optional_config(args)
+    device = resolve_device(config.train.device)
+    calibration = calibrate(config, device, args.repeats)
+    out = Path(args.out)
+    if device.type == "cpu":  # the trainer's fixed step cost on this virtual cluster
+        calibration = measure_step_overhead(args.config, args.overrides, calibration, out.resolve())
+    spec = {"config": args.config, "overrides": args.overrides, "repeats": args.repeats}
+    return BenchResult(
+        NAME,
+        {**spec, "device": device.type},
+        [dataclasses.asdict(calibration.rates)],
+        calibration.table(),
+        written=[calibration.save(out / "calibration.json")],
+    )
 
 
 def measure_step_overhead(

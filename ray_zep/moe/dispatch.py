@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ray_zep.collectives.adaptive import AdaptiveCollectives
-from ray_zep.collectives.comms import (
+from ray_zep.collectives.ops import (
     PlainAllToAll,
     ZippedAllToAll,
     all_gather_ints,
