@@ -9,7 +9,7 @@ from typing import TextIO
 
 from ray_zep.constants import LOG_LEVEL_ENV_VAR
 
-LOGGERS = ("ray_zep", "workers")
+LOGGERS = ("ray_zep", "ray_zep_workers")
 
 
 class CurrentStderrHandler(logging.StreamHandler):
@@ -33,7 +33,7 @@ class CurrentStderrHandler(logging.StreamHandler):
 
 
 def setup_logging(rank: int | None = None, role: str = "driver") -> None:
-    """Configure the ray_zep and workers loggers for this process.
+    """Configure the ray_zep and ray_zep_workers loggers for this process.
 
     Idempotent: a second call replaces the handler an earlier call installed and leaves
     every other handler (a user's file handler, a test runner's capture) where it is.

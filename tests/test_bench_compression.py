@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ray_zep.errors import ConfigError
-from workers import bench_compression as bench
+from ray_zep_workers import bench_compression as bench
 
 PROFILE = {
     "plain": {"all_gather": {"alpha_s": 2e-4, "beta_s_per_byte": 1e-9}},

@@ -27,8 +27,8 @@ def test_headlines_name_the_paper_figure_and_explain_every_gap() -> None:
 def test_rows_and_ranking_of_the_cpu_runs() -> None:
     from ray_zep.bench.calibrate import Calibration
     from ray_zep.costmodel import ComputeRates
-    from workers.bench_train import TrainBenchRow
-    from workers.bench_validate import Validation, bench_result
+    from ray_zep_workers.bench_train import TrainBenchRow
+    from ray_zep_workers.bench_validate import Validation, bench_result
 
     runs = [
         TrainBenchRow("whole/replicated", 10e3, 11e3, 0.4, 0.36, 4.0, probed_shares=(0.4, 0.5)),
@@ -70,8 +70,8 @@ def test_ranking_holds_the_prediction_to_the_orders_the_runs_resolve() -> None:
     pair measured +-4% is resolved, and the swap counts against the ranking."""
     from ray_zep.bench.calibrate import Calibration
     from ray_zep.costmodel import ComputeRates
-    from workers.bench_train import TrainBenchRow, relative_error
-    from workers.bench_validate import Validation, resolves
+    from ray_zep_workers.bench_train import TrainBenchRow, relative_error
+    from ray_zep_workers.bench_validate import Validation, resolves
 
     calibration = Calibration(ComputeRates(1e9, 1e9, 1e9))
 
@@ -104,7 +104,7 @@ def test_ranking_holds_the_prediction_to_the_orders_the_runs_resolve() -> None:
 
 
 def test_mode_names_and_their_overrides() -> None:
-    from workers.bench_train import check_names, variant_overrides
+    from ray_zep_workers.bench_train import check_names, variant_overrides
 
     assert check_names(["te_cp/fsdp", "whole", "tawpipe", "zeppelin"])
     assert "parallel.weights=fsdp" in variant_overrides("te_cp/fsdp")
@@ -124,7 +124,7 @@ def test_mode_names_and_their_overrides() -> None:
 
 
 def test_bench_train_reports_the_steady_steps_flop_balance() -> None:
-    from workers.bench_train import TrainBenchRow, combine_sittings, steady_flop_imbalance
+    from ray_zep_workers.bench_train import TrainBenchRow, combine_sittings, steady_flop_imbalance
 
     rows = [{"rank_flop_imbalance": x} for x in (3.0, 2.0, 1.2, 1.4)]
     assert steady_flop_imbalance(rows) == pytest.approx(1.3)  # the warm-up left out
@@ -150,9 +150,9 @@ def test_calibrate_validate_and_train_write_their_records(monkeypatch, tmp_path,
     calibration.json where it measured one, and its record under its own name."""
     import json
 
-    import workers.bench_calibrate as calibrate_bench
-    import workers.bench_train as train_bench
-    import workers.bench_validate as validate_bench
+    import ray_zep_workers.bench_calibrate as calibrate_bench
+    import ray_zep_workers.bench_train as train_bench
+    import ray_zep_workers.bench_validate as validate_bench
     from ray_zep.bench.calibrate import Calibration
     from ray_zep.cli import main
     from ray_zep.costmodel import ComputeRates
@@ -279,7 +279,7 @@ def test_fsdp_units_are_timed_against_their_replicated_twins(monkeypatch, tmp_pa
     a unit's cost is the median excess over the model, split over the units."""
     import numpy as np
 
-    import workers.bench_calibrate as step
+    import ray_zep_workers.bench_calibrate as step
     from ray_zep.bench.calibrate import Calibration
     from ray_zep.costmodel import ComputeRates
 
@@ -334,8 +334,8 @@ def test_job_pairs_spread_over_the_runs_and_every_run_is_predicted_at_their_medi
     last; the prediction of every run, the first too, uses the median of the three. A
     ring sitting goes beside each pair after the first (the calibration's was the
     first), and the ring costs are the median of the three sittings'."""
-    import workers.bench_calibrate as step
-    import workers.bench_train as bench
+    import ray_zep_workers.bench_calibrate as step
+    import ray_zep_workers.bench_train as bench
     from ray_zep.bench import calibrate_ring
     from ray_zep.bench.calibrate import Calibration
     from ray_zep.costmodel import ComputeRates
@@ -385,7 +385,7 @@ def test_job_pairs_spread_over_the_runs_and_every_run_is_predicted_at_their_medi
     monkeypatch.setattr(bench, "JobSittings", FakeSittings)
     monkeypatch.setattr(Calibration, "share_probe", lambda self, shape: FakeProbe())
     monkeypatch.setattr(bench, "_predicted", fake_predicted)
-    import workers.driver as driver
+    import ray_zep_workers.driver as driver
 
     monkeypatch.setattr(driver, "train", lambda config: events.append(config.train.out_dir))
     modes = ("whole", "zeppelin", "te_cp", "ulysses", "usp")
@@ -405,7 +405,7 @@ def test_job_pairs_spread_over_the_runs_and_every_run_is_predicted_at_their_medi
 def test_sittings_run_every_mode_in_passes_and_combine_its_runs(monkeypatch, tmp_path) -> None:
     """Two sittings: the modes forward, then backward, each run in its own folder; a
     mode's row is over both runs, its error widened by how far the runs disagree."""
-    import workers.bench_train as bench
+    import ray_zep_workers.bench_train as bench
     from ray_zep.bench.calibrate import Calibration
     from ray_zep.costmodel import ComputeRates
 
@@ -428,7 +428,7 @@ def test_sittings_run_every_mode_in_passes_and_combine_its_runs(monkeypatch, tmp
             name, next(measured), 1500.0, 1.0, 1.0, 4.0, 0.5, 0.01, (before, after)
         )
 
-    import workers.driver as driver
+    import ray_zep_workers.driver as driver
 
     calibration = Calibration(ComputeRates(1e9, 1e9, 1e9), 1e-3, 1e9, ranks=4, cores=2)
     monkeypatch.setattr(Calibration, "share_probe", lambda self, shape: FakeProbe())

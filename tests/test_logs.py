@@ -33,7 +33,7 @@ def test_a_command_run_twice_with_its_stderr_closed_between_logs_no_error(
     monkeypatch.setattr(sys, "stderr", second)
     logging.getLogger("ray_zep.report").warning("between the two commands")
     assert main(["report", str(tmp_path)]) == 2
-    logging.getLogger("workers.driver").warning("after the second command")
+    logging.getLogger("ray_zep_workers.driver").warning("after the second command")
     text = second.getvalue()
     assert "Logging error" not in text and "closed file" not in text, text
     assert "between the two commands" in text and "after the second command" in text, text

@@ -16,9 +16,9 @@ from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
 from ray_zep.topology import build_topology
 from ray_zep.traffic import gradient_traffic
+from ray_zep_workers.metrics_export import MetricsExporter
 from tests.helpers.procs import run_ranks
 from tests.helpers.training import SMALL_RUN, train_rank
-from workers.metrics_export import MetricsExporter
 
 pytestmark = pytest.mark.unit
 

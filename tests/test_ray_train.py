@@ -17,6 +17,8 @@ from ray_zep.errors import OverlongDocumentError, TopologyError
 from ray_zep.topology import build_topology
 from ray_zep.train.checkpoint import checkpoint_path
 from ray_zep.train.ledger import read_ledger
+from ray_zep_workers.data_actor import DataActor
+from ray_zep_workers.driver import RunSummary, train
 from tests.helpers.procs import free_port, run_ranks
 from tests.helpers.prometheus import (
     PrometheusServer,
@@ -31,8 +33,6 @@ from tests.helpers.training import (
     max_relative_error,
     train_rank,
 )
-from workers.data_actor import DataActor
-from workers.driver import RunSummary, train
 
 pytestmark = pytest.mark.ray
 

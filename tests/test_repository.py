@@ -116,7 +116,7 @@ def test_library_never_imports_ray() -> None:
     such a bench is run."""
     from ray_zep.cli.bench import BENCHES
 
-    module_name = re.compile(r"workers(\.\w+)+")  # a module of it, not the logger "workers"
+    module_name = re.compile(r"ray_zep_workers(\.\w+)+")  # a module of the Ray layer
     for path in (REPO / "ray_zep").rglob("*.py"):
         rel = path.relative_to(REPO).as_posix()
         command_line = rel.startswith("ray_zep/cli/")
@@ -124,16 +124,17 @@ def test_library_never_imports_ray() -> None:
         for name, top_level in _imports(tree):
             root = name.split(".")[0]
             assert root != "ray", f"{rel} imports {name}"
-            if root == "workers":
+            if root == "ray_zep_workers":
                 assert command_line and not top_level, f"{rel} imports {name}"
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 named = module_name.fullmatch(node.value)
                 assert not named or command_line, f"{rel} names the module {node.value}"
-    workers = [module for module in BENCHES.values() if module.startswith("workers.")]
+    workers = [module for module in BENCHES.values() if module.startswith("ray_zep_workers.")]
     assert workers, "the benches that train through Ray live in workers/"
     for module in workers:
-        assert (REPO / (module.replace(".", "/") + ".py")).is_file(), module
+        file = module.replace("ray_zep_workers.", "workers/", 1).replace(".", "/") + ".py"
+        assert (REPO / file).is_file(), module
 
 
 def test_no_import_circle_inside_the_library() -> None:
@@ -214,3 +215,15 @@ def test_every_planned_placement_has_a_planner_and_every_value_a_description() -
     assert set(PLANNERS) == set(PLANNED)
     for axis in (*SEQUENCE_AXES.values(), *WEIGHTS_AXES.values()):
         assert axis.summary and axis.name in README, f"{axis.name} is not in the README"
+
+
+def test_the_ray_layer_is_imported_under_the_project_name() -> None:
+    """workers/ installs as `ray_zep_workers`: a bare `workers` import would find another
+    distribution's package, or nothing, on a user's machine."""
+    for path in [
+        *REPO.glob("ray_zep/**/*.py"),
+        *REPO.glob("workers/*.py"),
+        *REPO.glob("tests/**/*.py"),
+    ]:
+        for name, _ in _imports(ast.parse(path.read_text())):
+            assert name.split(".")[0] != "workers", f"{path.relative_to(REPO)} imports {name}"

@@ -149,7 +149,7 @@ def test_bench_tawpipe_writes_table_json_and_chart(tmp_path: Path, capsys) -> No
 def test_bench_tawpipe_trains_the_executors_modes_on_cpu(tmp_path: Path, monkeypatch, capsys):
     """The CPU runs (stubbed here: they train through Ray) go under the simulated table
     and into the record's `cpu`, apart from the simulated `rows`."""
-    import workers.bench_train as train_bench
+    import ray_zep_workers.bench_train as train_bench
 
     trained = []
 

@@ -233,7 +233,7 @@ def _steps(
     config_path: str | None, overrides: list[str], calibration: Calibration, out: Path
 ) -> tuple[float, float]:
     """(measured, simulated) mean seconds of the steps after the warm-up of a run."""
-    from workers.driver import train
+    from ray_zep_workers.driver import train
 
     shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resume
     extra = [f"train.steps={STEPS}", f"train.out_dir={out}"]

@@ -30,7 +30,7 @@ from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.report.output import BenchResult
 from ray_zep.report.text_table import Column, render_table
 from ray_zep.report.timeline import draw_throughput
-from workers.steady_state import TIMING_OVERRIDES, steady_totals
+from ray_zep_workers.steady_state import TIMING_OVERRIDES, steady_totals
 
 FSDP, WHOLE, ZEPPELIN = WeightsMode.FSDP.value, Placement.WHOLE.value, Placement.ZEPPELIN.value
 TAWPIPE = WeightsMode.TAWPIPE.value
@@ -65,7 +65,7 @@ NAME = "compression"
 
 
 def run(args: argparse.Namespace) -> BenchResult:
-    """`bench train --compare compression` (its flags: `workers.bench_train.add_arguments`)."""
+    """`bench train --compare compression` (its flags: `bench_train.add_arguments`)."""
     cases, modes = check_cases(names(args.cases, DEFAULT_CASES), names(args.modes, MODES))
     out = Path(args.out).resolve()
     rows = run_compression_bench(args.config, args.overrides, cases, modes, args.steps, out)
@@ -134,7 +134,7 @@ def run_compression_bench(
     out: Path,
 ) -> list[CompressionRow]:
     """Train every case under every mode, `steps` steps each, side by side."""
-    from workers.driver import train
+    from ray_zep_workers.driver import train
 
     rows = []
     for case in cases:

@@ -1,6 +1,6 @@
 """`ray-zep bench tawpipe`: the weight-passing modes simulated on TawPipe's testbed
 (`ray_zep.bench.tawpipe`), then, unless `--cpu-steps 0`, the executor's modes trained
-for real on the CPU virtual cluster through Ray (`workers.bench_train`). The record
+for real on the CPU virtual cluster through Ray (`ray_zep_workers.bench_train`). The record
 keeps the simulated rows and the CPU runs' rows apart (`rows`, `cpu`).
 """
 
@@ -69,7 +69,7 @@ def hidden_sizes(text: str) -> tuple[int, ...]:
 def cpu_runs(config: str, steps: int, out: Path) -> tuple[list[str], list[dict]]:
     """(the lines of their table, their rows) of the executor's modes trained `steps`
     steps each from `config` on the CPU virtual cluster, in OUT/cpu."""
-    from workers import bench_train  # trains through Ray, like `bench train`
+    from ray_zep_workers import bench_train  # trains through Ray, like `bench train`
 
     modes = tuple(m.value for m in tawpipe.MODES)
     rows, _ = bench_train.run_train_bench(config, [], modes, steps, out / "cpu")

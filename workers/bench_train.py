@@ -17,8 +17,8 @@ calibration (`Calibration.hardware`: one virtual GPU is one single-threaded
 process at its share of the cores, probed just before and just after the run
 (`ray_zep.bench.core_share`: a virtual machine's cores come and go with its host's
 load); every link takes the measured message cost among that many processes; the
-trainer's fixed step cost measured on tiny steps, `workers.bench_calibrate`).
-`--compare compression` hands over to `workers.bench_compression`.
+trainer's fixed step cost measured on tiny steps, `ray_zep_workers.bench_calibrate`).
+`--compare compression` hands over to `ray_zep_workers.bench_compression`.
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ from ray_zep.report.text_table import Column, render_table
 from ray_zep.report.timeline import draw_throughput
 from ray_zep.sim.compare import VARIANTS
 from ray_zep.sim.replay import replay
-from workers.bench_calibrate import JOB_RUNS, JobSittings, spread, uneven
-from workers.steady_state import TIMING_OVERRIDES, WARM_UP_STEPS, steady_totals
+from ray_zep_workers.bench_calibrate import JOB_RUNS, JobSittings, spread, uneven
+from ray_zep_workers.steady_state import TIMING_OVERRIDES, WARM_UP_STEPS, steady_totals
 
 if TYPE_CHECKING:
-    from workers.driver import RunSummary
+    from ray_zep_workers.driver import RunSummary
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> BenchResult:
     command_args.at_least("--steps", args.steps, 3, "the first two are warm-up")
     if args.compare == "compression":
-        from workers import bench_compression
+        from ray_zep_workers import bench_compression
 
         return bench_compression.run(args)
     strategies = check_names(command_args.names(args.strategies, DEFAULT_STRATEGIES))
@@ -215,12 +215,12 @@ def run_train_bench(
     """Train each mode `steps` steps and predict the same steps (module docstring);
     without a `calibration`, calibrate first: the links from `link_rounds` measurements,
     the job share from `job_runs` pairs of runs spread over the modes' runs
-    (`workers.bench_calibrate.JobSittings`) and the ring step from sittings beside every
+    (`ray_zep_workers.bench_calibrate.JobSittings`) and the ring step from sittings beside every
     pair after the first (`ray_zep.bench.calibrate_ring.RingSittings`), so every mode is
     predicted once all ran.
     With `sittings` > 1 every mode runs that many times, in passes over the modes
     (`sitting_order`), and its row combines its runs (`combine_sittings`)."""
-    from workers.driver import train
+    from ray_zep_workers.driver import train
 
     base = load_config(config_path, overrides)
     job_sittings, ring_sittings, pairs_before = None, None, []

@@ -6,7 +6,7 @@
    configured virtual cluster (`ray-zep bench train`'s runs; `--quick`: a subset,
    and a calibration on one pair of job runs and one round of link measurements,
    `QUICK_JOB_RUNS`, `QUICK_LINK_ROUNDS`; `--sittings N`: each mode N times, in passes
-   over the modes, its row over all its runs, `workers.bench_train.combine_sittings`);
+   over the modes, its row over all its runs, `ray_zep_workers.bench_train.combine_sittings`);
 3. replays the same batches through the simulator on the calibration, with each
    run's share of the cores probed around it (`ray_zep.bench.core_share`);
 4. simulates the papers' headline setups (`ray_zep.bench.headlines`).
@@ -37,8 +37,8 @@ from ray_zep.command_args import at_least
 from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.report.output import BenchResult
 from ray_zep.report.text_table import Column, render_table
-from workers.bench_calibrate import JOB_RUNS, uneven
-from workers.bench_train import TrainBenchRow, run_train_bench
+from ray_zep_workers.bench_calibrate import JOB_RUNS, uneven
+from ray_zep_workers.bench_train import TrainBenchRow, run_train_bench
 
 NAME = "validate"
 HELP = "the simulator against real CPU runs"
@@ -68,7 +68,7 @@ QUICK_STEPS = 8
 """Steps per mode of `--quick`, which stays under 10 minutes on 2 cores."""
 QUICK_JOB_RUNS = 1
 """`--quick` calibrates the job share and FSDP2's units on one pair of runs, not
-`workers.bench_calibrate.JOB_RUNS`: about 2.5 minutes less, so `--quick` stays under 10
+`ray_zep_workers.bench_calibrate.JOB_RUNS`: about 2.5 minutes less, so `--quick` stays under 10
 minutes on 2 cores, for a noisier calibration."""
 QUICK_LINK_ROUNDS = 1
 """`--quick` measures the links once, not `ray_zep.bench.calibrate_links.ROUNDS` times
@@ -291,7 +291,7 @@ def run_validate(
 ) -> Validation:
     """Calibrate, train, predict and simulate the headlines (module docstring);
     `sittings`: runs of each mode, in passes over the modes
-    (`workers.bench_train.sitting_order`)."""
+    (`ray_zep_workers.bench_train.sitting_order`)."""
     modes, job_runs = (QUICK_MODES, QUICK_JOB_RUNS) if quick else (MODES, JOB_RUNS)
     link_rounds = QUICK_LINK_ROUNDS if quick else LINK_ROUNDS
     cpu, calibration = run_train_bench(

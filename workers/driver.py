@@ -31,11 +31,11 @@ from ray_zep.errors import TopologyError, find_zep_error
 from ray_zep.report.run_plots import draw_run
 from ray_zep.topology_resolve import resolve_topology
 from ray_zep.train.setup import RunPlan, prepare_run
-from workers.data_actor import DataActor
-from workers.metrics_export import MetricsExporter
-from workers.probe import probe_cluster
-from workers.progress import ProgressBar
-from workers.train_fn import train_loop
+from ray_zep_workers.data_actor import DataActor
+from ray_zep_workers.metrics_export import MetricsExporter
+from ray_zep_workers.probe import probe_cluster
+from ray_zep_workers.progress import ProgressBar
+from ray_zep_workers.train_fn import train_loop
 
 log = logging.getLogger(__name__)
 

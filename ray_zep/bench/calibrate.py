@@ -110,7 +110,7 @@ class Calibration:
         alone_step_s: the model's training step in one process alone, the reference
             of every probe of the share (`ShareProbe`; None: not measured).
         job_share: what share of the compute rate a rank keeps inside a training job
-            (measured by `workers.bench_calibrate` on steps through Ray: the raylet, the
+            (measured by `ray_zep_workers.bench_calibrate` on steps through Ray: the raylet, the
             driver and the data actor share the same cores; None: not measured): the
             median of `job_shares`, the pairs of job runs that measured it.
         run_share: share of a core each rank gets in the run being predicted (probed

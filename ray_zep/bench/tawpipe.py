@@ -10,8 +10,8 @@ fastest among those that fit. Each row gives tokens/GPU/s, the share of the step
 the GPU waits (bubble), the bytes per step on each link kind and the elements
 sent per GPU per layer (in H^2), next to the paper's throughput (Table 1,
 Table 2, the ablation's full TawPipe) and its bubble formulas. Real CPU runs
-of the executor's modes come from `workers.bench_train` (through Ray): the bench
-itself is `workers.bench_tawpipe`.
+of the executor's modes come from `ray_zep_workers.bench_train` (through Ray): the bench
+itself is `ray_zep_workers.bench_tawpipe`.
 """
 
 from __future__ import annotations

@@ -20,15 +20,15 @@ from ray_zep.parallel.axes import WeightsMode
 from ray_zep.report.output import publish
 
 BENCHES = {
-    "calibrate": "workers.bench_calibrate",
-    "validate": "workers.bench_validate",
-    "train": "workers.bench_train",
+    "calibrate": "ray_zep_workers.bench_calibrate",
+    "validate": "ray_zep_workers.bench_validate",
+    "train": "ray_zep_workers.bench_train",
     "codec": "ray_zep.bench.codec",
     "partition": "ray_zep.bench.partition",
     "layers": "ray_zep.bench.layers",
     "scale": "ray_zep.bench.scale",
     "moe": "ray_zep.bench.moe",
-    WeightsMode.TAWPIPE.value: "workers.bench_tawpipe",
+    WeightsMode.TAWPIPE.value: "ray_zep_workers.bench_tawpipe",
     "zipccl": "ray_zep.bench.zipccl_report",
     "memory": "ray_zep.bench.memory",
 }

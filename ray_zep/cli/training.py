@@ -39,7 +39,7 @@ def add_commands(commands: argparse._SubParsersAction, argv: Sequence[str] = ())
 
 def _train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
-    from workers.driver import train  # the only command here that needs Ray
+    from ray_zep_workers.driver import train  # the only command here that needs Ray
 
     summary = train(config)
     if summary.final_loss is not None:
