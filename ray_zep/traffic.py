@@ -17,7 +17,7 @@ import numpy as np
 
 from ray_zep.costmodel import BYTES_PER_ELEMENT
 from ray_zep.model_shapes import ModelShape
-from ray_zep.partition.plan import AttentionPlan, Exchange
+from ray_zep.partition.plan import AttentionPlan
 from ray_zep.partition.stats import plan_stats
 from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import Payload, ring_link_bytes, ring_link_bytes_by_payload
@@ -95,7 +95,7 @@ def collective_traffic(
     """All-gather and Ulysses bytes of one layer, forward + backward."""
     topo = plan.topology
     out = Traffic.zero(topo)
-    if not any(i.ulysses > 1 or i.exchange is Exchange.ALL_GATHER for i in plan.items()):
+    if not any(i.ulysses > 1 or i.exchange_kind.collective for i in plan.items()):
         return out  # rings and local items only: nothing is gathered or exchanged
     stats = plan_stats(plan, shape)
     scale = 2 * element_bytes / BYTES_PER_ELEMENT  # forward and backward

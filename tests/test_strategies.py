@@ -19,6 +19,7 @@ import torch
 
 from ray_zep.config import load_config
 from ray_zep.data.shards import shard_for
+from ray_zep.partition import PLANNED
 from ray_zep.topology import build_topology
 from ray_zep.train.checkpoint import Progress
 from tests.helpers.attention import reference, ring_rank
@@ -33,7 +34,7 @@ from tests.helpers.training import (
 
 pytestmark = pytest.mark.dist
 
-STRATEGIES = ["zeppelin", "te_cp", "llama_cp", "hybrid_dp", "ulysses", "usp"]
+STRATEGIES = [p.value for p in PLANNED]  # every planned placement of the axes table
 ROUTED = ["zeppelin", "te_cp", "usp"]
 """Strategies whose plans have ring transfers between nodes (usp's U parallel rings
 already use every GPU's NIC, so its transfers stay direct: the engine must agree)."""

@@ -8,11 +8,12 @@ peers. Per item:
 
 1. Ulysses (U > 1): members swap token rows for head slices (Q, and K/V with
    their own head count: a member gets the K/V heads its query heads use);
-2. ring positions exchange K and V: rotated step by step with the next step's
-   transfer posted before the current step's compute (ring), or all-gathered;
-   outputs and LSEs merge in fp32; backward rotates K/V again and passes the
-   dK/dV accumulators around the ring back to their owners (ring), or
-   reduce-scatters them (all-gather);
+2. ring positions exchange K and V as the item's exchange kind plays it
+   (`ray_zep.partition.exchange.Play`; `_FORWARD` and `_BACKWARD` hold each
+   play's path): rotated step by step with the next step's transfer posted
+   before the current step's compute, or all-gathered; outputs and LSEs merge
+   in fp32; backward rotates K/V again and passes the dK/dV accumulators around
+   the ring back to their owners, or reduce-scatters them;
 3. Ulysses: outputs (and in backward the gradients) go back to the token owners.
 
 A local item (one rank) is a single causal varlen call with no communication.
@@ -38,7 +39,7 @@ from ray_zep.attention.links import Links
 from ray_zep.attention.schedule import ItemSchedule, RankSchedule
 from ray_zep.errors import CommError
 from ray_zep.options import CompressionStream
-from ray_zep.partition.plan import Exchange
+from ray_zep.partition.exchange import Play
 from ray_zep.routing.relay import Channels, RowFormat, post_recv, post_send
 from ray_zep.routing.routes import Payload, Phase
 
@@ -176,14 +177,8 @@ def _item_forward(q, k, v, item: ItemSchedule, schedule: RankSchedule, links: Li
     lse_pos = torch.full(
         (q_pos.shape[1], q_pos.shape[0]), float("-inf"), dtype=torch.float32, device=q.device
     )
-    gathered = None
-    if item.item.exchange is Exchange.ALL_GATHER and item.item.ring_size > 1:
-        gathered = all_gather_rows(kv_pos, max(item.position_tokens), links, schedule.ops)
-        for step in item.steps:
-            source = gathered[item.item.ranks[step.source * u_size + item.part]]
-            ring.step_forward(q_pos, source, step, out_pos, lse_pos, kernel)
-    else:
-        _ring_forward(q_pos, kv_pos, item, schedule, links, out_pos, lse_pos, kernel)
+    play = _FORWARD[item.play]
+    gathered = play(q_pos, kv_pos, item, schedule, links, out_pos, lse_pos, kernel)
     state = _Saved(q_pos, kv_pos, out_pos, lse_pos, gathered, heads, k.shape[1])
     if u_size > 1:
         return _gather_out(out_pos.to(q.dtype), item, heads, schedule, links), state
@@ -201,6 +196,7 @@ def _rotate(current, item: ItemSchedule, step: int, schedule, links, what: str):
 
 
 def _ring_forward(q_pos, kv_pos, item, schedule, links, out_pos, lse_pos, kernel) -> None:
+    """`Play.ROTATE` forward (nothing kept for backward)."""
     current = kv_pos
     for s, step in enumerate(item.steps):
         buf, pending = _rotate(current, item, s, schedule, links, "ring K/V exchange")
@@ -210,6 +206,15 @@ def _ring_forward(q_pos, kv_pos, item, schedule, links, out_pos, lse_pos, kernel
             current = buf
 
 
+def _gathered_forward(q_pos, kv_pos, item, schedule, links, out_pos, lse_pos, kernel):
+    """`Play.GATHER` forward; returns every position's K/V (rows of the largest), by rank."""
+    gathered = all_gather_rows(kv_pos, max(item.position_tokens), links, schedule.ops)
+    for step in item.steps:
+        source = gathered[item.item.ranks[step.source * item.item.ulysses + item.part]]
+        ring.step_forward(q_pos, source, step, out_pos, lse_pos, kernel)
+    return gathered
+
+
 def _item_backward(dout, item: ItemSchedule, state: _Saved, schedule, links, backward):
     u_size = item.item.ulysses
     if u_size > 1:
@@ -217,16 +222,16 @@ def _item_backward(dout, item: ItemSchedule, state: _Saved, schedule, links, bac
     else:
         dout_pos = dout
     dq_pos = torch.zeros(state.q_PHE.shape, dtype=torch.float32, device=dout.device)
-    if state.gathered is not None:
-        dkv_pos = _all_gather_backward(dout_pos, state, item, schedule, links, dq_pos, backward)
-    else:
-        dkv_pos = _ring_backward(dout_pos, state, item, schedule, links, dq_pos, backward)
+    play = _BACKWARD[item.play]
+    dkv_pos = play(dout_pos, state, item, schedule, links, dq_pos, backward)
     if u_size > 1:
         return _return_grads(dq_pos, dkv_pos, item, state, schedule, links)
     return dq_pos, dkv_pos[:, 0], dkv_pos[:, 1]
 
 
 def _ring_backward(dout_pos, state, item, schedule, links, dq_pos, backward):
+    """`Play.ROTATE` backward: this position's dK/dV."""
+
     def contribute(kv_P2KE, step):
         dkv = torch.zeros(kv_P2KE.shape, dtype=torch.float32, device=kv_P2KE.device)
         ring.step_backward(
@@ -271,7 +276,8 @@ def _ring_backward(dout_pos, state, item, schedule, links, dq_pos, backward):
     return incoming
 
 
-def _all_gather_backward(dout_pos, state, item, schedule, links, dq_pos, backward):
+def _gathered_backward(dout_pos, state, item, schedule, links, dq_pos, backward):
+    """`Play.GATHER` backward: this position's dK/dV."""
     gathered = state.gathered
     u_size = item.item.ulysses
     dkv_all = torch.zeros(gathered.shape, dtype=torch.float32, device=gathered.device)
@@ -290,6 +296,14 @@ def _all_gather_backward(dout_pos, state, item, schedule, links, dq_pos, backwar
         )
     mine = reduce_scatter_rows(dkv_all, links, schedule.ops)
     return mine[: state.kv_P2KE.shape[0]]
+
+
+_FORWARD = {Play.ROTATE: _ring_forward, Play.GATHER: _gathered_forward}
+"""Each play's forward: (q_pos, kv_pos, item, schedule, links, out_pos, lse_pos, kernel)
+-> what backward needs kept (the gathered K/V, or None)."""
+_BACKWARD = {Play.ROTATE: _ring_backward, Play.GATHER: _gathered_backward}
+"""Each play's backward: (dout_pos, state, item, schedule, links, dq_pos, backward kernel)
+-> dK/dV of this position, float32."""
 
 
 def _scatter_heads(q, k, v, item, heads: _Heads, schedule, links):

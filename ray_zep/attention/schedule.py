@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from ray_zep.attention.varlen import PackedSeqs
-from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem
+from ray_zep.partition.exchange import Play
+from ray_zep.partition.plan import AttentionPlan, QueueItem
 from ray_zep.routing.routes import Phase, RankRouting
 
 
@@ -69,6 +70,11 @@ class ItemSchedule:
     ring_next: int
     ring_prev: int
     steps: tuple[StepMeta, ...]
+
+    @property
+    def play(self) -> Play:
+        """How the engine runs the item's exchange (`ExchangeKind.play_for`)."""
+        return self.item.exchange_kind.play_for(self.item.ring_size)
 
     @property
     def ulysses_peers(self) -> tuple[int, ...]:
@@ -238,21 +244,15 @@ def _step_meta(mine, theirs, step: int, source: int, position: int, device) -> S
 def expected_ops(plan: AttentionPlan, rank: int, routing: RankRouting | None = None) -> Counter:
     """Communication calls one forward and backward of a layer issue on `rank`'s main thread.
 
-    Ring items: R - 1 K/V sends and receives forward; backward rotates K/V again
-    (R - 1 each way) and the dK/dV accumulators (R each way). All-gather items:
-    one all-gather forward, one reduce-scatter backward. Ulysses: four exchanges
-    (Q/K/V and output forward, their gradients backward) of U - 1 sends and
-    receives each. A routed send or receive replaces one `p2p` by the `routed`
-    messages of its route.
+    Each item's exchange kind issues its `ExchangeKind.calls_per_layer`. Ulysses:
+    four exchanges (Q/K/V and output forward, their gradients backward) of U - 1
+    sends and receives each. A routed send or receive replaces one `p2p` by the
+    `routed` messages of its route.
     """
     ops: Counter = Counter()
     for item in plan.rank_items(rank):
-        ring, u_size = item.ring_size, item.ulysses
-        if ring > 1 and item.exchange is Exchange.RING:
-            ops["p2p"] += 2 * (ring - 1) * 2 + 2 * ring
-        elif ring > 1:
-            ops["all_gather"] += 1
-            ops["reduce_scatter"] += 1
+        u_size = item.ulysses
+        ops.update(item.exchange_kind.calls_per_layer(item.ring_size))
         if u_size > 1:
             ops["p2p"] += 4 * 2 * (u_size - 1)
     for t in (routing.forward + routing.backward) if routing else ():

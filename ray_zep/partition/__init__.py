@@ -50,10 +50,16 @@ def _usp(lengths, topology, capacity, shape, parallel) -> AttentionPlan:
     return plan_ulysses_ring(lengths, topology, capacity, degree)
 
 
+def _global_ring(exchange: Exchange, name: Placement) -> Planner:
+    """The planner of `name`: every sequence on one ring of all ranks, K/V exchanged by
+    `exchange`."""
+    return lambda n, t, c, s, p: plan_global_ring(n, t, c, exchange, name)
+
+
 PLANNERS: dict[Placement, Planner] = {
     Placement.ZEPPELIN: _zeppelin,
-    Placement.TE_CP: lambda n, t, c, s, p: plan_global_ring(n, t, c, Exchange.RING),
-    Placement.LLAMA_CP: lambda n, t, c, s, p: plan_global_ring(n, t, c, Exchange.ALL_GATHER),
+    Placement.TE_CP: _global_ring(Exchange.RING, Placement.TE_CP),
+    Placement.LLAMA_CP: _global_ring(Exchange.ALL_GATHER, Placement.LLAMA_CP),
     Placement.HYBRID_DP: _hybrid_dp,
     Placement.ULYSSES: _ulysses,
     Placement.USP: _usp,

@@ -45,10 +45,11 @@ def plan_global_ring(
     topology: Topology,
     tokens_per_rank: int,
     exchange: Exchange = Exchange.RING,
+    name: Placement = Placement.TE_CP,
 ) -> AttentionPlan:
-    """te_cp (ring exchange) or llama_cp (all-gather exchange)."""
+    """One ring of all ranks exchanging by `exchange`, planned as placement `name`: te_cp
+    (ring exchange) or llama_cp (all-gather exchange)."""
     started = time.perf_counter()
-    name = Placement.TE_CP if exchange is Exchange.RING else Placement.LLAMA_CP
     lengths = np.asarray(lengths, dtype=np.int64)
     world = topology.world_size
     check_total(lengths, world, tokens_per_rank, name.value)

@@ -36,6 +36,7 @@ import numpy as np
 
 from ray_zep.errors import PlacementError
 from ray_zep.parallel.axes import Placement
+from ray_zep.partition.exchange import EXCHANGES, Exchange, ExchangeKind
 from ray_zep.topology import LinkKind, Topology
 
 
@@ -49,15 +50,6 @@ class Zone(Enum):
 
 ZONE_ORDER = (Zone.INTER_NODE, Zone.INTRA_NODE, Zone.LOCAL)
 """Execution order of the engine's queues."""
-
-
-class Exchange(Enum):
-    """How the K and V of a ring position reach the other positions."""
-
-    RING = "ring"
-    """Rotated rank to rank, overlapped with the compute of the current step."""
-    ALL_GATHER = "all_gather"
-    """Gathered from every position before attention (LLaMA-3 style)."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +168,10 @@ class QueueItem:
     @property
     def ring_size(self) -> int:
         return len(self.ranks) // self.ulysses
+
+    @property
+    def exchange_kind(self) -> ExchangeKind:
+        return EXCHANGES[self.exchange]
 
     def order_key(self) -> tuple:
         return (ZONE_ORDER.index(self.zone), self.ranks, self.ulysses, self.exchange.value)
@@ -352,8 +348,10 @@ def _check_placement(index: int, p: SeqPlacement, world: int) -> None:
         expected = [p.position_tokens(r) for r in range(p.ring_size)]
         if len(p.parts) != len(p.ranks) or min(p.parts) < 0 or sums != expected:
             raise PlacementError(f"{where}: member parts {p.parts} do not split its positions")
-    if p.exchange is Exchange.ALL_GATHER and sorted(p.ranks) != list(range(world)):
-        raise PlacementError(f"{where}: an all-gather group must span all {world} ranks")
+    if EXCHANGES[p.exchange].spans_world and sorted(p.ranks) != list(range(world)):
+        raise PlacementError(
+            f"{where}: a group exchanging by {p.exchange.value} must span all {world} ranks"
+        )
 
 
 def even_bounds(length: int, ring_size: int) -> tuple[int, ...]:

@@ -8,7 +8,8 @@ position's heads.
 Bytes are what each rank sends: ring exchange sends the K and V buffer it holds
 at each of the R - 1 steps; all-gather moves R - 1 padded buffers per rank (ring
 algorithm); Ulysses sends Q, K, V to the other members before attention and the
-output back after it.
+output back after it. Each exchange kind's rows and time are its own
+(`ExchangeKind.carried_tokens` and `layer_seconds`, `ray_zep.partition.exchange`).
 
 `seconds` is a first-order model of one layer's forward attention time per
 rank: the ranks of a queue item wait for its slowest member; a ring member
@@ -34,8 +35,9 @@ from ray_zep.costmodel import (
     q_bytes_per_token,
 )
 from ray_zep.model_shapes import ModelShape
+from ray_zep.partition.exchange import ExchangeKind
 from ray_zep.partition.member_arrays import plain_members
-from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem, SeqPlacement, link_kind
+from ray_zep.partition.plan import AttentionPlan, QueueItem, SeqPlacement, link_kind
 from ray_zep.topology import LinkKind
 
 
@@ -156,7 +158,7 @@ def _add_plain_items(
     item, rank = members.item, members.rank
     member_flops = 4.0 * shape.n_heads * shape.head_dim * members.pairs
     np.add.at(sums.flops, rank, member_flops)
-    ring_exchange = np.asarray([it.exchange is Exchange.RING for it in items])
+    kinds = [it.exchange_kind for it in items]
     node = rank // plan.topology.gpus_per_node
     after = members.next_member()
     crosses = node != node[after]
@@ -164,18 +166,22 @@ def _add_plain_items(
     total = members.per_item(members.tokens, np.add)
     ring = members.ring[item]
     kv_token = kv_bytes_per_token(shape)
-    carried = np.where(
-        ring_exchange[item], total[item] - members.tokens[after], (ring - 1) * widest[item]
-    )
+    carried = np.zeros(len(item), dtype=np.int64)
+    for exchange, has_it in _kind_masks(kinds):
+        carried = np.where(
+            has_it[item],
+            exchange.carried_tokens(total[item], widest[item], members.tokens[after], ring),
+            carried,
+        )
+    collective = np.asarray([exchange.collective for exchange in kinds])
     for kind, links in ((LinkKind.INTER_NODE, crosses), (LinkKind.INTRA_NODE, ~crosses)):
         sends = links & (ring > 1)
         np.add.at(sums.sent[kind], rank[sends], carried[sends] * kv_token)
-        gathers = sends & ~ring_exchange[item]
+        gathers = sends & collective[item]
         np.add.at(sums.collective[kind], rank[gathers], carried[gathers] * kv_token)
     inter = members.per_item(node, np.minimum) != members.per_item(node, np.maximum)
     compute = cost.attention_seconds(members.per_item(member_flops, np.maximum))
-    seconds = _plain_item_seconds(cost, compute, members.ring, widest * kv_token, inter,
-                                  ring_exchange)  # fmt: skip
+    seconds = _plain_item_seconds(cost, compute, members.ring, widest * kv_token, inter, kinds)
     np.add.at(sums.seconds, rank, seconds[item])
     zones: list[dict[str, int]] = [{} for _ in range(plan.world)]
     values = [it.zone.value for it in items]
@@ -194,22 +200,27 @@ def _plain_item_seconds(
     ring: np.ndarray,
     step_bytes: np.ndarray,
     inter: np.ndarray,
-    ring_exchange: np.ndarray,
+    kinds: list[ExchangeKind],
 ) -> np.ndarray:
     """`_item_seconds` of Ulysses-free items (nothing to exchange between heads), on arrays."""
 
     def transfer(one_sender_per_nic: bool) -> np.ndarray:
-        kinds = (LinkKind.INTER_NODE, LinkKind.INTRA_NODE)
-        latency = np.where(inter, *(cost.link_latency(k) for k in kinds))
-        bandwidth = np.where(inter, *(cost.link_bandwidth(k, one_sender_per_nic) for k in kinds))
+        links = (LinkKind.INTER_NODE, LinkKind.INTRA_NODE)
+        latency = np.where(inter, *(cost.link_latency(k) for k in links))
+        bandwidth = np.where(inter, *(cost.link_bandwidth(k, one_sender_per_nic) for k in links))
         return np.where(step_bytes > 0, latency + step_bytes / bandwidth, 0.0)
 
-    steps = ring - 1
-    step = np.where(ring_exchange, transfer(True), transfer(False))
-    share = compute / ring
-    rings = share + steps * np.maximum(share, step)
-    gathers = compute + steps * step
-    return np.where(steps == 0, compute, np.where(ring_exchange, rings, gathers))
+    seconds = compute
+    for exchange, has_it in _kind_masks(kinds):
+        step = transfer(exchange.one_sender_per_nic)
+        seconds = np.where(has_it, exchange.layer_seconds(compute, step, ring), seconds)
+    return np.where(ring == 1, compute, seconds)
+
+
+def _kind_masks(kinds: list[ExchangeKind]):
+    """(kind, which items have it) of every kind among the items' `kinds`."""
+    for kind in dict.fromkeys(kinds):
+        yield kind, np.asarray([k is kind for k in kinds])
 
 
 def _item_seconds(item: QueueItem, cost: CostModel, flops: float, exchange: _Exchanged) -> float:
@@ -217,15 +228,13 @@ def _item_seconds(item: QueueItem, cost: CostModel, flops: float, exchange: _Exc
     compute = cost.attention_seconds(flops)
     kind = _slowest_link(item, cost)
     heads = cost.transfer_seconds(exchange.all_to_all_bytes, kind)
-    steps = item.ring_size - 1
-    if steps == 0:
+    if item.ring_size == 1:
         return compute + heads
-    ring = item.exchange is Exchange.RING
-    step = cost.transfer_seconds(exchange.step_bytes, kind, one_sender_per_nic=ring)
-    if ring:
-        share = compute / item.ring_size
-        return share + steps * max(share, step) + heads
-    return compute + steps * step + heads
+    exchange_kind = item.exchange_kind
+    step = cost.transfer_seconds(
+        exchange.step_bytes, kind, one_sender_per_nic=exchange_kind.one_sender_per_nic
+    )
+    return exchange_kind.layer_seconds(compute, step, item.ring_size, heads)
 
 
 def _slowest_link(item: QueueItem, cost: CostModel) -> LinkKind:
@@ -259,18 +268,18 @@ def _add_item_bytes(
         if u_size <= shape.n_kv_heads
         else (2 * shape.head_dim * BYTES_PER_ELEMENT)
     )
+    exchange = item.exchange_kind
+    total, widest = sum(position_tokens), max(position_tokens)
     busiest = 0
     for member, rank in enumerate(item.ranks):
         position, part = divmod(member, u_size)
         if ring > 1:
-            nxt = item.ranks[((position + 1) % ring) * u_size + part]
-            kind = link_kind(rank, nxt, topo)
-            if item.exchange is Exchange.RING:
-                carried = sum(position_tokens[(position - s) % ring] for s in range(ring - 1))
-            else:
-                carried = (ring - 1) * max(position_tokens)
-                collective[kind][rank] += carried * kv_token
-            sent[kind][rank] += carried * kv_token
+            following = (position + 1) % ring
+            link = link_kind(rank, item.ranks[following * u_size + part], topo)
+            carried = exchange.carried_tokens(total, widest, position_tokens[following], ring)
+            if exchange.collective:
+                collective[link][rank] += carried * kv_token
+            sent[link][rank] += carried * kv_token
         if u_size > 1:
             held = sum(p.member_tokens(member) for p in placements)
             per_peer = held * (2 * q_bytes_per_token(shape) + u_size * kv_token) // u_size
@@ -280,4 +289,4 @@ def _add_item_bytes(
                     peer = item.ranks[position * u_size + other]
                     sent[link_kind(rank, peer, topo)][rank] += per_peer
                     collective[link_kind(rank, peer, topo)][rank] += per_peer
-    return _Exchanged(max(position_tokens) * kv_token, busiest)
+    return _Exchanged(widest * kv_token, busiest)

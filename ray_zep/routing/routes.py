@@ -37,7 +37,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem
+from ray_zep.partition.plan import AttentionPlan, QueueItem
 from ray_zep.topology import Topology
 
 
@@ -265,8 +265,9 @@ def item_hop_routes(
 ) -> list[tuple[int, Route]]:
     """(position, route of no rows yet) of each listed hop of a ring item: a hop keeps
     its proxies at every step, only the rows it carries change. Inter-node hops only,
-    unless `all_hops`; none for an item that never sends around a ring."""
-    if item.ring_size < 2 or item.exchange is not Exchange.RING:
+    unless `all_hops`; none for an item that never sends around a ring (one position,
+    or an exchange kind that is not `routable`)."""
+    if item.ring_size < 2 or not item.exchange_kind.routable:
         return []
     crossing = _crossing_hops(item, topo)
     if not crossing and not all_hops:
@@ -483,7 +484,7 @@ def ring_link_bytes_by_payload(
     intra = dict.fromkeys(Payload, 0)
     for item in plan.items():
         ring, u_size = item.ring_size, item.ulysses
-        if ring < 2 or item.exchange is not Exchange.RING:
+        if ring < 2 or not item.exchange_kind.routable:
             continue
         held = np.asarray(plan.position_tokens(item), dtype=np.int64)
         hops = np.asarray(item.hops(), dtype=np.int64)  # (position, source, destination)

@@ -16,9 +16,10 @@ Backward adds the dK/dV accumulator pass: it leaves after the step's compute and
 after the previous accumulator has arrived. A routed transfer is dispatched to
 the send proxies, crosses nodes piece by piece, each proxy through its own NIC,
 and is combined at the destination; relay threads forward as soon as data
-arrives, without using the compute stream. All-gathers and reduce-scatters
-(llama_cp) hold every member's links for the collective's modelled time
-(`CostModel.all_gather_seconds`). Ulysses exchanges are point-to-point
+arrives, without using the compute stream. An item's K/V exchange is built as
+its kind plays it (`PLAYS`, one builder per `ray_zep.partition.exchange.Play`).
+All-gathers and reduce-scatters (llama_cp) hold every member's links for the
+collective's modelled time (`CostModel.all_gather_seconds`). Ulysses exchanges are point-to-point
 transfers between the members of a ring position.
 
 With `comm.compression` (`ray_zep.sim.wire.WireCodec`), the ring K/V and dK/dV
@@ -58,7 +59,8 @@ from ray_zep.costmodel import (
 from ray_zep.model_shapes import ModelShape
 from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES
-from ray_zep.partition.plan import AttentionPlan, Exchange, QueueItem
+from ray_zep.partition.exchange import Play
+from ray_zep.partition.plan import AttentionPlan, QueueItem
 from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import Payload, Phase, RoutingPlan, Transfer, item_transfers
 from ray_zep.sim.events import Lane, Task, TaskGraph
@@ -346,10 +348,14 @@ class _Builder:
         return 2 * heads * shape.head_dim * size
 
     def ring_item(self, index: int, item: QueueItem) -> None:
+        """The item's K/V exchange and attention, as its exchange kind plays it (`PLAYS`)."""
         layouts = [position_layout(self.setup.plan, item, r) for r in range(item.ring_size)]
-        if item.exchange is Exchange.ALL_GATHER and item.ring_size > 1:
-            self.gathered_item(item, layouts)
-        elif self._plays_on_arrays(index, item):
+        play = PLAYS[item.exchange_kind.play_for(item.ring_size)]
+        play(self, index, item, layouts)
+
+    def rotated_item(self, index: int, item: QueueItem, layouts) -> None:
+        """`Play.ROTATE`: step by step, on arrays where `ring_form` allows it."""
+        if self._plays_on_arrays(index, item):
             self.ring_on_arrays(index, item, layouts)
         elif self.phase is Phase.FORWARD:
             self.ring_forward(index, item, layouts)
@@ -475,8 +481,9 @@ class _Builder:
                             for m, r in enumerate(ranks)])  # fmt: skip
         return hop_seconds(self.setup.cost, nbytes, inter, overlapped)
 
-    def gathered_item(self, item: QueueItem, layouts) -> None:
-        """All-gather K/V, compute every step; backward: compute, reduce-scatter dK/dV."""
+    def gathered_item(self, index: int, item: QueueItem, layouts) -> None:
+        """`Play.GATHER`: all-gather K/V, compute every step; backward: compute,
+        reduce-scatter dK/dV (`index` unused: collectives need no transfer list)."""
         ring, cost = item.ring_size, self.setup.cost
         rows = max(sum(e + late for e, late in lay) for lay in layouts)
         forward = self.phase is Phase.FORWARD
@@ -582,6 +589,9 @@ class _Builder:
             if self.record:
                 self.recipes.append(("linear", task, alone))
 
+
+PLAYS = {Play.ROTATE: _Builder.rotated_item, Play.GATHER: _Builder.gathered_item}
+"""Each play's builder of one queue item: (builder, item index, item, position layouts)."""
 
 POINTWISE_SHARES = ((1 / 6, 1 / 6), (1 / 3, 1 / 3))
 """Shares of a layer's element-wise work (forward and backward together) each linear

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from ray_zep.costmodel import CostModel
-from ray_zep.partition.plan import Exchange, QueueItem
+from ray_zep.partition.plan import QueueItem
 from ray_zep.topology import LinkKind, Topology
 
 ARRAY_RING = 64
@@ -41,9 +41,12 @@ allows it (`array_ring`): R^2 tasks per layer would dominate the simulation."""
 
 def array_ring(item: QueueItem, topology: Topology, routed: bool) -> bool:
     """A ring whose schedule `ray_zep.sim.ring_form` plays on arrays: at least
-    `ARRAY_RING` members without Ulysses, its hops direct (unrouted, or none crosses
-    nodes) and each on links of its own (no two hops share a NIC direction)."""
-    if item.ring_size < ARRAY_RING or item.ulysses > 1 or item.exchange is not Exchange.RING:
+    `ARRAY_RING` members without Ulysses, of an exchange kind that `plays_on_arrays`,
+    its hops direct (unrouted, or none crosses nodes) and each on links of its own (no
+    two hops share a NIC direction)."""
+    if item.ring_size < ARRAY_RING or item.ulysses > 1:
+        return False
+    if not item.exchange_kind.plays_on_arrays:
         return False
     ring = item.ranks
     links = []

@@ -1,0 +1,204 @@
+"""The exchange kinds table: every kind described once, and the engine, the schedule, the
+plan statistics, routing, traffic and the simulator each doing what the kind says."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from ray_zep.attention import engine
+from ray_zep.attention.schedule import expected_ops
+from ray_zep.config import load_config
+from ray_zep.costmodel import ComputeRates, CostModel, kv_bytes_per_token
+from ray_zep.errors import PlacementError
+from ray_zep.model_shapes import build_shape
+from ray_zep.parallel.axes import Placement
+from ray_zep.partition import make_plan
+from ray_zep.partition import plan as plan_module
+from ray_zep.partition.exchange import EXCHANGES, Exchange, Play
+from ray_zep.partition.plan import AttentionPlan, QueueItem, SeqPlacement, Zone, even_bounds
+from ray_zep.partition.stats import plan_stats
+from ray_zep.routing.routes import Phase, RoutingPlan
+from ray_zep.sim import program
+from ray_zep.sim.program import LayerSetup, attention_graph
+from ray_zep.sim.ring_form import ARRAY_RING, array_ring
+from ray_zep.topology import LinkKind, build_topology
+from ray_zep.traffic import collective_traffic, ring_traffic
+from tests.helpers.attention import ring_rank
+from tests.helpers.procs import run_ranks
+
+SHAPE = build_shape(load_config(None, ["model.n_heads=8", "model.n_kv_heads=2"]).model)
+RATES = ComputeRates(1e9, 0.8e9, 2e9, call_overhead_s=1e-6, source="test")
+GLOBAL_RING = {Exchange.RING: Placement.TE_CP, Exchange.ALL_GATHER: Placement.LLAMA_CP}
+"""The placement whose planner puts the batch on one ring of all ranks with each kind."""
+LENGTHS = [1, 3, 7, 100, 41, 2]
+CARRIED_BY_HAND = {
+    Exchange.RING: lambda held, p: sum(held[(p - s) % len(held)] for s in range(len(held) - 1)),
+    Exchange.ALL_GATHER: lambda held, p: (len(held) - 1) * max(held),
+}
+"""Rows member p of a ring sends forward, from the positions' tokens `held`: every
+position but its successor's (R - 1 steps), or R - 1 padded blocks of the all-gather."""
+
+
+def _topology(nodes: int, gpus: int):
+    return build_topology(
+        load_config(None, [f"topology.nodes={nodes}", f"topology.gpus_per_node={gpus}"]).topology
+    )
+
+
+def _global_ring(exchange: Exchange, nodes: int = 2, gpus: int = 2):
+    """The batch on one ring of all ranks exchanging by `exchange`, and its one item."""
+    plan = make_plan(GLOBAL_RING[exchange], LENGTHS, _topology(nodes, gpus), 64, SHAPE)
+    (item,) = plan.items()
+    assert item.exchange is exchange
+    return plan, item
+
+
+@pytest.mark.unit
+def test_every_exchange_has_one_kind_and_every_play_a_path() -> None:
+    assert set(EXCHANGES) == set(Exchange) == set(GLOBAL_RING) == set(CARRIED_BY_HAND)
+    assert all(kind.exchange is exchange for exchange, kind in EXCHANGES.items())
+    assert plan_module.Exchange is Exchange  # still importable from the plan
+    assert set(engine._FORWARD) == set(engine._BACKWARD) == set(program.PLAYS) == set(Play)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("exchange", list(Exchange))
+def test_a_member_sends_the_rows_its_kind_carries(exchange: Exchange) -> None:
+    plan, item = _global_ring(exchange)
+    kind, ring = item.exchange_kind, item.ring_size
+    held = plan.position_tokens(item)
+    stats = plan_stats(plan, SHAPE)
+    sent = sum(stats.sent_bytes.values())
+    collective = sum(stats.collective_bytes.values())
+    for position, rank in enumerate(item.ranks):
+        rows = kind.carried_tokens(sum(held), max(held), held[(position + 1) % ring], ring)
+        assert rows == CARRIED_BY_HAND[exchange](held, position) > 0
+        assert sent[rank] == rows * kv_bytes_per_token(SHAPE), f"rank {rank}"
+        assert collective[rank] == (sent[rank] if kind.collective else 0), f"rank {rank}"
+    moved = collective_traffic(plan, SHAPE)
+    assert (moved.intra_node + moved.inter_node > 0) == kind.collective
+    rotated = ring_traffic(plan, SHAPE, routed=False)
+    assert (rotated.intra_node + rotated.inter_node > 0) == kind.rotates
+
+
+@pytest.mark.unit
+def test_rotating_rows_are_the_ring_transfers_forward() -> None:
+    """The rows of `carried_tokens` are what routing lists hop by hop, step by step."""
+    plan, item = _global_ring(Exchange.RING)
+    ring, held = item.ring_size, plan.position_tokens(item)
+    listed: Counter = Counter()
+    for t in RoutingPlan.build(plan, routed=False, all_hops=True).forward:
+        listed[t.route.src] += t.route.rows
+    for position, rank in enumerate(item.ranks):
+        following = held[(position + 1) % ring]
+        assert listed[rank] == item.exchange_kind.carried_tokens(
+            sum(held), max(held), following, ring
+        )
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("exchange", list(Exchange))
+def test_layer_seconds_are_the_kinds_formula(exchange: Exchange) -> None:
+    """The plan statistics (on arrays) time a layer as the kind's scalar formula does."""
+    plan, item = _global_ring(exchange)
+    kind = item.exchange_kind
+    stats = plan_stats(plan, SHAPE)
+    cost = CostModel.create(SHAPE, plan.topology)
+    compute = cost.attention_seconds(float(stats.attention_flops.max()))
+    step_bytes = max(plan.position_tokens(item)) * kv_bytes_per_token(SHAPE)
+    step = cost.transfer_seconds(
+        step_bytes, LinkKind.INTER_NODE, one_sender_per_nic=kind.one_sender_per_nic
+    )
+    expected = kind.layer_seconds(compute, step, item.ring_size)
+    assert stats.seconds == pytest.approx(np.full(plan.world, expected), rel=1e-12)
+    assert compute < expected
+
+
+@pytest.mark.unit
+def test_rotating_overlaps_what_gathering_waits_for() -> None:
+    ring, gather = EXCHANGES[Exchange.RING], EXCHANGES[Exchange.ALL_GATHER]
+    assert ring.layer_seconds(8.0, 1.0, 4) == 2.0 + 3 * 2.0
+    assert gather.layer_seconds(8.0, 1.0, 4) == 8.0 + 3 * 1.0
+    assert ring.layer_seconds(8.0, 1.0, 4, heads=0.5) == 8.5
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("exchange", list(Exchange))
+def test_schedule_and_simulator_issue_the_kinds_calls(exchange: Exchange) -> None:
+    """`expected_ops` tallies the kind's calls, and the simulated layer has as many
+    messages (a message is one member's send and another's receive) or collectives."""
+    plan, item = _global_ring(exchange, 1, 4)
+    ring = item.ring_size
+    calls = item.exchange_kind.calls_per_layer(ring)
+    assert all(expected_ops(plan, rank) == calls for rank in range(plan.world))
+    cost = CostModel(SHAPE, plan.topology, RATES.attention_forward)
+    routing = RoutingPlan.build(plan, routed=False, all_hops=True)
+    setup = LayerSetup(plan, SHAPE, cost, RATES, routing)
+    names = Counter(t.name for phase in Phase for t in attention_graph(setup, phase).tasks)
+    assert 2 * (names["K/V"] + names["dK/dV"]) == ring * calls["p2p"]
+    assert names["K/V all-gather"] == calls["all_gather"]
+    assert names["dK/dV reduce-scatter"] == calls["reduce_scatter"]
+
+
+@pytest.mark.unit
+def test_one_position_exchanges_nothing() -> None:
+    for kind in EXCHANGES.values():
+        assert kind.calls_per_layer(1) == Counter()
+        assert kind.play_for(1) is Play.ROTATE
+        assert kind.play_for(2) is kind.play
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("exchange", list(Exchange))
+def test_routing_and_array_rings_take_only_their_kinds(exchange: Exchange) -> None:
+    plan, item = _global_ring(exchange)
+    kind = item.exchange_kind
+    assert bool(RoutingPlan.build(plan, routed=True).forward) == kind.routable
+    big = _topology(1, ARRAY_RING)
+    ranks = tuple(range(ARRAY_RING))
+    assert array_ring(QueueItem(Zone.INTRA_NODE, ranks, 1, exchange, (0,)), big, False) == (
+        kind.plays_on_arrays
+    )
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("exchange", list(Exchange))
+def test_a_world_spanning_kind_refuses_a_smaller_group(exchange: Exchange) -> None:
+    placement = SeqPlacement(0, 8, (0, 1), even_bounds(8, 2), exchange=exchange)
+    plan = AttentionPlan(Placement.ZEPPELIN, _topology(1, 4), 64, (placement,))
+    if EXCHANGES[exchange].spans_world:
+        with pytest.raises(PlacementError, match="span all 4 ranks"):
+            plan.validate()
+    else:
+        plan.validate()
+
+
+def _ring_all(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    return [ring_rank(rank, world, case) for case in cases]
+
+
+@pytest.mark.dist
+def test_engine_issues_the_kinds_calls() -> None:
+    """What the engine tallies on each rank for a layer is its kind's `calls_per_layer`."""
+    cases = [
+        dict(
+            strategy=GLOBAL_RING[exchange].value,
+            nodes=1,
+            gpus=2,
+            heads=8,
+            kv_heads=2,
+            dim=4,
+            lengths=[1, 7, 3, 12],
+            capacity=16,
+        )
+        for exchange in Exchange
+    ]
+    results = run_ranks(_ring_all, 2, cases)
+    for index, exchange in enumerate(Exchange):
+        calls = dict(EXCHANGES[exchange].calls_per_layer(2))
+        assert calls
+        for rank, per_rank in enumerate(results):
+            assert per_rank[index]["ops"] == calls, f"{exchange.value} rank {rank}"
