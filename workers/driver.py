@@ -149,6 +149,7 @@ def _run(plan: RunPlan, use_gpu: bool, exporter: MetricsExporter) -> RunSummary:
     while thread.is_alive():
         watcher.drain(events, block=True)
     watcher.drain(events, block=False)
+    progress.close()
     ray.kill(data_actor)
     if "error" in outcome:
         raise outcome["error"]

@@ -1,25 +1,23 @@
-"""Progress bar of `ray-zep train`: step, loss, tokens/s, time left.
+"""Progress of `ray-zep train`: step, loss, tokens/s, time left.
 
-On a terminal the bar redraws in place; otherwise (logs of `ray job submit`)
-it prints a line about every 5% of the run and at the end.
+On a terminal a bar redraws in place; otherwise (logs of `ray job submit`) a line
+is printed about every 5% of the run and at the end (`ray_zep.report.progress`).
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any, TextIO
 
-BAR_WIDTH = 24
+from ray_zep.report.progress import ProgressLine
 
 
 class ProgressBar:
     def __init__(self, total_steps: int, enabled: bool = True, stream: TextIO | None = None):
         self.total = total_steps
         self.enabled = enabled
-        self.stream = stream or sys.stderr
-        self.interactive = self.stream.isatty()
-        self.every = max(1, total_steps // 20)
+        self.stream = stream
+        self._line: ProgressLine | None = None
         self._first_step = 0
         self._started = time.perf_counter()
         self._tokens = 0
@@ -28,17 +26,26 @@ class ProgressBar:
         self._first_step = step
         self._started = time.perf_counter()
         self._tokens = 0
-        if self.enabled and step:
-            self._write(f"resuming after step {step}/{self.total}", newline=True)
+        if not self.enabled:
+            return
+        if self._line is None:
+            every = max(1, self.total // 20)
+            self._line = ProgressLine(self.total, "step", self.stream, every)
+        if step:
+            self._line.note(f"resuming after step {step}/{self.total}")
 
     def update(self, row: dict[str, Any]) -> None:
         self._tokens += row["tokens"]
-        if not self.enabled:
+        if self._line is None:
             return
-        step = row["step"]
-        if not self.interactive and step % self.every and step != self.total:
-            return
-        self._write(self._line(row), newline=not self.interactive or step == self.total)
+        self._line.update(row["step"], self._status(row))
+        if row["step"] == self.total:
+            self._line.close()
+
+    def close(self) -> None:
+        """Stop the bar (a run that ends early or fails leaves no bar drawn)."""
+        if self._line is not None:
+            self._line.close()
 
     @property
     def tokens(self) -> int:
@@ -48,24 +55,16 @@ class ProgressBar:
     def average_tokens_per_second(self) -> float:
         return self._tokens / max(1e-9, time.perf_counter() - self._started)
 
-    def _line(self, row: dict[str, Any]) -> str:
+    def _status(self, row: dict[str, Any]) -> str:
         step = row["step"]
-        filled = round(BAR_WIDTH * step / self.total)
         done = step - self._first_step
-        elapsed = time.perf_counter() - self._started
-        eta = elapsed / max(1, done) * (self.total - step)
+        eta = (time.perf_counter() - self._started) / max(1, done) * (self.total - step)
         return (
             f"step {step:>{len(str(self.total))}}/{self.total} "
-            f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] "
             f"loss {row['loss']:.4f} | {row['tokens_per_second'] / 1e3:.1f}k tok/s "
             f"(avg {self.average_tokens_per_second() / 1e3:.1f}k) | "
             f"{row['step_seconds']:.2f} s/step | eta {_clock(eta)}"
         )
-
-    def _write(self, text: str, newline: bool) -> None:
-        prefix = "\r\x1b[2K" if self.interactive else ""
-        self.stream.write(prefix + text + ("\n" if newline else ""))
-        self.stream.flush()
 
 
 def _clock(seconds: float) -> str:

@@ -44,6 +44,7 @@ from ray_zep.remap.solver import remap_token_bytes, solve_remap
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
+from ray_zep.report.progress import ProgressLine
 from ray_zep.report.text_table import Column, render_table
 from ray_zep.topology import build_topology
 from ray_zep.traffic import collective_traffic, ring_traffic
@@ -62,7 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> BenchResult:
     config = cluster_a_config(args)
     spec = LayersBenchSpec(**case_grid(args, tuple(TABLE_2), PLANNERS))
-    rows = run_layers_bench(config, spec)
+    bar = ProgressLine(len(spec.distributions) * len(spec.nodes) * len(spec.tokens), "cases")
+    rows = run_layers_bench(config, spec, bar.counter())
+    bar.close()
     return BenchResult(
         NAME,
         bench_spec(spec, config),

@@ -40,6 +40,7 @@ from ray_zep.partition.stats import plan_stats
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
+from ray_zep.report.progress import ProgressLine
 from ray_zep.report.text_table import Column, render_table
 from ray_zep.topology import LinkKind, Topology, build_topology
 
@@ -87,7 +88,9 @@ def run(args: argparse.Namespace) -> BenchResult:
     config = cluster_a_config(args)
     grid = case_grid(args, DISTRIBUTIONS, PLANNERS)
     spec = PartitionBenchSpec(**grid, headroom=args.headroom)
-    rows = run_partition_bench(config, spec)
+    bar = ProgressLine(len(spec.distributions) * len(spec.nodes) * len(spec.tokens), "cases")
+    rows = run_partition_bench(config, spec, bar.counter())
+    bar.close()
     return BenchResult(
         NAME,
         bench_spec(spec, config),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -41,6 +42,7 @@ from ray_zep.partition.plan_memory import plan_memory
 from ray_zep.partition.stats import max_over_mean, plan_stats
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
+from ray_zep.report.progress import ProgressLine
 from ray_zep.report.text_table import Column, render_table
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
 from ray_zep.sim.bytescale import bytescale_plans, simulate_schedule
@@ -89,7 +91,10 @@ def run(args: argparse.Namespace) -> BenchResult:
         headroom=args.headroom,
         plan_only=args.plan_only,
     )
-    rows = run_scale_bench(spec, progress=lambda line: print(line, flush=True))
+    cases = len(spec.models) * len(spec.tokens_per_gpu) * len(spec.gpus) * len(spec.distributions)
+    bar = ProgressLine(cases, "cases", sys.stdout)
+    rows = run_scale_bench(spec, progress=bar.counter())
+    bar.close()
     return BenchResult(
         NAME,
         asdict(spec),

@@ -1,0 +1,37 @@
+"""Progress off a terminal: a line every `every` units, the first and the last; the
+training bar's lines carry step, loss and throughput."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from ray_zep.report.progress import ProgressLine
+from ray_zep_workers.progress import ProgressBar
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_log_gets_every_nth_line_and_the_first_and_last() -> None:
+    stream = io.StringIO()
+    line = ProgressLine(10, "cases", stream, every=4)
+    report = line.counter()
+    for i in range(10):
+        report(f"case {i + 1}")
+    line.close()
+    assert stream.getvalue().splitlines() == ["case 1", "case 4", "case 8", "case 10"]
+
+
+def test_training_progress_in_a_log() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(40, stream=stream)
+    bar.start(20)
+    for step in range(21, 41):
+        bar.update({"step": step, "tokens": 100, "loss": 2.5, "tokens_per_second": 4e3,
+                    "step_seconds": 0.5})  # fmt: skip
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "resuming after step 20/40"
+    assert lines[1].startswith("step 22/40 loss 2.5000 | 4.0k tok/s") and "eta " in lines[1]
+    assert lines[-1].startswith("step 40/40") and len(lines) == 11  # every 2nd step
+    assert bar.tokens == 2000
