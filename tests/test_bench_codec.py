@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from ray_zep.bench.codec import CodecBenchSpec, goals, run_codec_bench, synthetic_tensors
 from ray_zep.cli import main
@@ -54,3 +55,12 @@ def test_goals_compare_against_zstd_on_the_same_data() -> None:
 def test_bad_bench_options_are_config_errors(kwargs, message) -> None:
     with pytest.raises(ConfigError, match=message):
         CodecBenchSpec(**kwargs)
+
+
+def test_device_cuda_without_a_gpu_is_a_config_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda runs there")
+    with pytest.raises(ConfigError, match="--device=cuda: torch sees no CUDA GPU"):
+        CodecBenchSpec(device="cuda")
+    with pytest.raises(ConfigError, match="--device=tpu"):
+        CodecBenchSpec(device="tpu")

@@ -57,13 +57,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs (best is kept)")
     parser.add_argument("--train-steps", type=int, default=3, help="steps before real tensors")
     parser.add_argument("--codecs", help="default: " + ",".join(CODECS))
+    parser.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda"), help="where our codec runs (cpu)"
+    )
 
 
 def run(args: argparse.Namespace) -> BenchResult:
     codecs = names(args.codecs, CODECS)
-    spec = CodecBenchSpec(args.values, args.repeats, args.train_steps, codecs)
+    spec = CodecBenchSpec(args.values, args.repeats, args.train_steps, codecs, device=args.device)
     config = optional_config(args)
-    skipped = [f"skipping {c}: {why}" for c, why in available_codecs(codecs).items() if why]
+    available = available_codecs(codecs, spec.device)
+    skipped = [f"skipping {c}: {why}" for c, why in available.items() if why]
     tensors = {**synthetic_tensors(spec.values), **model_tensors(config, spec.train_steps)}
     rows = run_codec_bench(tensors, spec)
     return BenchResult(
@@ -100,6 +104,9 @@ class CodecBenchSpec:
     codecs: tuple[str, ...] = CODECS
     messages: tuple[int, ...] = MESSAGE_BYTES
     """Message sizes in bytes (Gaussian BF16) timed with `MESSAGE_CODECS`."""
+    device: str = "cpu"
+    """Where our codec's tensors live: "cpu", or "cuda" (the CUDA kernel and the torch
+    reference on the GPU); the general-purpose codecs always code a host copy."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.codecs) - set(CODECS))
@@ -109,6 +116,10 @@ class CodecBenchSpec:
             if getattr(self, key) < 1:
                 flag = key.replace("_", "-")
                 raise ConfigError(f"bench codec --{flag}={getattr(self, key)}: must be >= 1")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"bench codec --device={self.device}: expected cpu | cuda")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("bench codec --device=cuda: torch sees no CUDA GPU")
 
 
 def synthetic_tensors(values: int) -> dict[str, torch.Tensor]:
@@ -183,8 +194,9 @@ def run_codec_bench(tensors: dict[str, torch.Tensor], spec: CodecBenchSpec) -> l
     """
     message_codecs = tuple(c for c in spec.codecs if c in MESSAGE_CODECS)
     with _one_thread():
-        rows = _run(tensors, spec.codecs, spec.repeats)
-        return rows + _run(message_tensors(spec.messages), message_codecs, spec.repeats)
+        rows = _run(tensors, spec.codecs, spec.repeats, spec.device)
+        messages = message_tensors(spec.messages)
+        return rows + _run(messages, message_codecs, spec.repeats, spec.device)
 
 
 @contextlib.contextmanager
@@ -197,25 +209,33 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _run(tensors: dict[str, torch.Tensor], codecs: tuple[str, ...], repeats: int) -> list[CodecRow]:
+def _run(
+    tensors: dict[str, torch.Tensor], codecs: tuple[str, ...], repeats: int, device: str = "cpu"
+) -> list[CodecRow]:
     rows = []
-    for name, tensor in tensors.items():
+    for name, host in tensors.items():
+        placed = host.to(device)
         for codec in codecs:
+            tensor = placed if codec.startswith("zipccl") else host
             pair = _codec(codec, tensor)
             if pair is not None:
                 rows.append(_measure(name, tensor, codec, *pair, repeats))
     return rows
 
 
-def available_codecs(codecs: tuple[str, ...]) -> dict[str, str | None]:
+def available_codecs(codecs: tuple[str, ...], device: str = "cpu") -> dict[str, str | None]:
     """Each codec and why it cannot run here (None: it can)."""
     probe = torch.zeros(8, dtype=torch.bfloat16)
-    return {c: None if _codec(c, probe) is not None else _missing(c) for c in codecs}
+    out = {}
+    for c in codecs:
+        tensor = probe.to(device) if c.startswith("zipccl") else probe
+        out[c] = None if _codec(c, tensor) is not None else _missing(c, tensor.device)
+    return out
 
 
-def _missing(codec: str) -> str:
+def _missing(codec: str, device: torch.device) -> str:
     if codec == "zipccl":
-        return native.unavailable_reason(torch.device("cpu"), float_format(torch.bfloat16)) or ""
+        return native.unavailable_reason(device, float_format(torch.bfloat16)) or ""
     return f"module {_MODULES.get(codec)} not installed (pip install 'ray-zep[bench]')"
 
 
@@ -236,7 +256,7 @@ def _codec(name: str, tensor: torch.Tensor) -> tuple[Callable, Callable] | None:
         module = importlib.import_module(_MODULES[name])
     except ImportError:
         return None
-    raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    raw = tensor.contiguous().view(torch.uint8).cpu().numpy().tobytes()
     if name == "zstd-3":
         zc, zd = module.ZstdCompressor(level=3), module.ZstdDecompressor()
         return (lambda: zc.compress(raw)), zd.decompress
@@ -275,8 +295,11 @@ def _measure(data, tensor, codec, encode, decode, repeats) -> CodecRow:
 
 def _same_bits(tensor: torch.Tensor, restored) -> bool:
     if isinstance(restored, torch.Tensor):
-        restored = restored.contiguous().view(torch.uint8).numpy().tobytes()
-    return bytes(restored) == tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        if restored.device != tensor.device:  # the decoder left the tensor's device
+            return False
+        got, want = (t.contiguous().reshape(-1).view(torch.uint8) for t in (restored, tensor))
+        return torch.equal(got, want)
+    return bytes(restored) == tensor.contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
 def _best(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -323,6 +346,15 @@ def goals(rows: list[CodecRow]) -> list[tuple[str, bool]]:
             )
         )
     out += _message_goals(ours, zstd)
+    gpu = [r for r in rows if r.codec == "zipccl" and r.device == "cuda"]
+    if gpu:
+        big = max(gpu, key=lambda r: r.mbytes)
+        out.append(
+            (
+                f"CUDA codec compresses >= 500 GB/s ({big.data}: {big.compress_gbps:.1f} GB/s)",
+                big.compress_gbps >= 500,
+            )
+        )
     return out
 
 

@@ -29,15 +29,23 @@ import itertools
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
 from torch.distributed.tensor import Shard
 
 from ray_zep.collectives.adaptive import AdaptiveCollectives
 from ray_zep.config import FsdpUnit, ParallelConfig
 from ray_zep.distributed import Comm, MeshShape
+from ray_zep.errors import ConfigError
 from ray_zep.moe.layer import MoE
 from ray_zep.parallel.axes import Sharding
 from ray_zep.train.fsdp_comms import switch_collectives
+
+try:  # a per-parameter mesh for `shard_placement_fn`: torch > 2.11 (absent from 2.11.0)
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+except ImportError:  # older torch: fsdp / hsdp train, expert-sharded FSDP units do not
+    FSDPMeshInfo = ShardPlacementResult = None
 
 MESH_SHAPES = {Sharding.ALL_RANKS: MeshShape.FLAT, Sharding.NODE: MeshShape.NODE}
 
@@ -83,6 +91,12 @@ def shard_model(
     if expert_ids and expert_mesh is None:
         ignored = {p for m in expert_modules for p in m.parameters()}
     elif expert_ids:
+        if ShardPlacementResult is None:
+            raise ConfigError(
+                f"config key parallel.ep with parallel.weights={parallel.weights.value}: sharding "
+                f"experts over their own mesh needs a newer torch than {torch.__version__} "
+                "(fully_shard's per-parameter mesh, ShardPlacementResult)"
+            )
         # the per-parameter mesh of fully_shard (documented there for MoE experts)
         on_replicas = ShardPlacementResult(Shard(0), FSDPMeshInfo(expert_mesh, shard_mesh_dim=0))
 
