@@ -246,6 +246,8 @@ def test_kernel_selection_on_cpu() -> None:
     assert select_kernel("torch", cpu, torch.float32) is torch_varlen_attention
     with pytest.raises(ConfigError, match="flash-attn needs a CUDA device"):
         select_kernel("flash", cpu, torch.bfloat16)
+    with pytest.raises(ConfigError, match="torch's flash kernels need a CUDA device"):
+        select_kernel("torch_flash", cpu, torch.bfloat16)
     with pytest.raises(ConfigError, match=re.escape("expected auto | torch | flash")):
         select_kernel("xformers", cpu, torch.float32)
 

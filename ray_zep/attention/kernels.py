@@ -10,6 +10,11 @@ bottom-right corner (query i of a block of Sq sees key j iff j <= i + Sk - Sq).
 A query row that sees no key gets out = 0 and lse = -inf.
 
 - `flash`: flash-attn's varlen kernel, for CUDA tensors in fp16/bf16.
+- `torch_flash`: the FlashAttention-2 kernels built into torch (`aten._flash_attention_*`,
+  varlen, with the LSE), for CUDA tensors in fp16/bf16 on sm_80+ when flash-attn is not
+  installed. They draw the reference's mask on the same blocks as the fused CPU op below
+  (a square block, causal or not, and any non-causal block); a causal block whose query and
+  key lengths differ keeps the reference's explicit mask, forward and backward.
 - `torch`: a reference in plain torch ops that accumulates in fp32; runs
   anywhere and is differentiable through autograd. On CPU, every block whose mask
   PyTorch's fused CPU flash-attention op draws the same way (a square block, causal
@@ -25,14 +30,16 @@ import logging
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
+from ray_zep.attention import torch_flash
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("auto", "torch", "flash")
+KERNELS = ("auto", "torch", "flash", "torch_flash")
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -82,7 +89,7 @@ def torch_varlen_attention(
         q_HSE = q_THE[qo : qo + sq].transpose(0, 1).float()
         k_HSE = k_TKE[ko : ko + sk].transpose(0, 1).float().repeat_interleave(heads // kv_heads, 0)
         v_HSE = v_TKE[ko : ko + sk].transpose(0, 1).float().repeat_interleave(heads // kv_heads, 0)
-        if fused and _cpu_flash_draws_the_mask(sq, sk, causal):
+        if fused and _fused_op_draws_the_mask(sq, sk, causal):
             out, lse = _cpu_flash(q_HSE, k_HSE, v_HSE, causal, scale)
         else:
             scores = torch.matmul(q_HSE, k_HSE.transpose(1, 2)) * scale
@@ -98,9 +105,10 @@ def torch_varlen_attention(
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
-def _cpu_flash_draws_the_mask(sq: int, sk: int, causal: bool) -> bool:
-    """Whether the fused CPU op's mask is this block's: its causal mask is aligned top-left,
-    which agrees with the bottom-right one only on a square block."""
+def _fused_op_draws_the_mask(sq: int, sk: int, causal: bool) -> bool:
+    """Whether a fused op's mask is this block's (the CPU op and `torch_flash` alike): the
+    CPU op's causal mask is aligned top-left, which agrees with the bottom-right one only on
+    a square block; `torch_flash` is held to the same rule."""
     return sq > 0 and sk > 0 and (sq == sk or not causal)
 
 
@@ -173,18 +181,103 @@ def flash_varlen_attention(
     return out, lse
 
 
+def torch_flash_varlen_attention(
+    q_THE: torch.Tensor,
+    k_TKE: torch.Tensor,
+    v_TKE: torch.Tensor,
+    seqs_q: PackedSeqs,
+    seqs_k: PackedSeqs | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's built-in flash kernels behind the reference's interface, differentiable
+    through autograd (out; the LSE is not, as with flash-attn).
+
+    Every block whose mask they draw (`_fused_op_draws_the_mask`) goes through one varlen
+    launch; the others (causal, query and key lengths differ) through the reference. Tensors
+    the kernels do not take (CPU, fp32, an odd head dim) go through the reference whole.
+    """
+    seqs_k = seqs_k or seqs_q
+    if seqs_q.num_seqs != seqs_k.num_seqs:
+        raise ValueError(f"{seqs_q.num_seqs} query sequences but {seqs_k.num_seqs} key sequences")
+    drawn = [_fused_op_draws_the_mask(sq, sk, causal) for sq, sk in _pairs(seqs_q, seqs_k)]
+    if not any(drawn) or not torch_flash.runs(q_THE, k_TKE):
+        return torch_varlen_attention(q_THE, k_TKE, v_TKE, seqs_q, seqs_k, causal, softmax_scale)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THE.shape[-1])
+    q_THE, k_TKE, v_TKE = _packed(q_THE, k_TKE, v_TKE, seqs_q, seqs_k)
+    if all(drawn):
+        return _flash_apply(q_THE, k_TKE, v_TKE, seqs_q, seqs_k, causal, scale)
+    # a mix: the drawn sequences in one launch, the others through the reference, each on
+    # its own gathered rows, placed back (differentiably) at those rows
+    out = q_THE.new_zeros(q_THE.shape)
+    lse = q_THE.new_zeros((q_THE.shape[1], q_THE.shape[0]), dtype=torch.float32)
+    for keep, kernel in ((drawn, _flash_apply), ([not d for d in drawn], torch_varlen_attention)):
+        rows_q, sub_q = _subset(seqs_q, keep, q_THE.device)
+        rows_k, sub_k = _subset(seqs_k, keep, q_THE.device)
+        o, lse_sub = kernel(
+            q_THE.index_select(0, rows_q),
+            k_TKE.index_select(0, rows_k),
+            v_TKE.index_select(0, rows_k),
+            sub_q,
+            sub_k,
+            causal,
+            scale,
+        )
+        out = out.index_copy(0, rows_q, o.to(out.dtype))
+        lse = lse.index_copy(1, rows_q, lse_sub)
+    return out, lse
+
+
+def _flash_apply(q_THE, k_TKE, v_TKE, seqs_q, seqs_k, causal, scale):
+    return torch_flash.FlashVarlen.apply(
+        q_THE,
+        k_TKE,
+        v_TKE,
+        seqs_q.cu_seqlens,
+        seqs_k.cu_seqlens,
+        seqs_q.max_seqlen,
+        seqs_k.max_seqlen,
+        causal,
+        scale,
+    )
+
+
+def _pairs(seqs_q: PackedSeqs, seqs_k: PackedSeqs):
+    return zip(seqs_q.lengths, seqs_k.lengths, strict=True)
+
+
+def _packed(q_THE, k_TKE, v_TKE, seqs_q, seqs_k):
+    """The rows the sequences cover (the reference's output has as many rows)."""
+    tq, tk = seqs_q.total_tokens, seqs_k.total_tokens
+    return q_THE[:tq], k_TKE[:tk], v_TKE[:tk]
+
+
+def _subset(
+    seqs: PackedSeqs, keep: list[bool], device: torch.device
+) -> tuple[torch.Tensor, PackedSeqs]:
+    """The packed rows of the kept sequences (int64, on `device`) and their boundaries."""
+    kept = [(o, n) for o, n, k in zip(seqs.offsets, seqs.lengths, keep, strict=True) if k]
+    rows = np.concatenate([np.arange(o, o + n, dtype=np.int64) for o, n in kept])
+    seqs = PackedSeqs.from_lengths([n for _, n in kept], device)
+    return torch.as_tensor(rows, device=device), seqs
+
+
 def select_kernel(name: str, device: torch.device, dtype: torch.dtype) -> AttentionFn:
     """The kernel to use for `model.attention_kernel` on this device and dtype.
 
     `auto` takes flash-attn when it is importable, the device is CUDA and the
-    compute dtype is fp16/bf16, else the torch reference; the choice is logged.
+    compute dtype is fp16/bf16; else, on such a device and dtype, torch's built-in flash
+    kernels where torch has them for the GPU (`torch_flash`, sm_80+); else the torch
+    reference. The choice is logged.
 
     Raises:
-        ConfigError: unknown name, or `flash` where flash-attn cannot run.
+        ConfigError: unknown name, `flash` where flash-attn cannot run, or `torch_flash`
+            where torch's flash kernels cannot.
     """
     if name not in KERNELS:
         raise ConfigError(
             f"config key model.attention_kernel={name!r}: expected auto | torch | flash"
+            " | torch_flash"
         )
     flash_ok = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     if name == "flash" and not (flash_ok and flash_attn_available()):
@@ -192,14 +285,32 @@ def select_kernel(name: str, device: torch.device, dtype: torch.dtype) -> Attent
             "config key model.attention_kernel='flash': flash-attn needs a CUDA device, "
             "fp16/bf16 compute and the flash-attn package (pip install 'ray-zep[gpu]')"
         )
-    use_flash = name == "flash" or (name == "auto" and flash_ok and flash_attn_available())
-    log.info(
-        "attention kernel: %s (device %s, %s)",
-        "flash" if use_flash else "torch",
-        device.type,
-        dtype,
-    )
-    return flash_varlen_attention if use_flash else torch_varlen_attention
+    torch_flash_ok = flash_ok and torch_flash.available(device)
+    if name == "torch_flash" and not torch_flash_ok:
+        raise ConfigError(
+            "config key model.attention_kernel='torch_flash': torch's flash kernels need a "
+            "CUDA device of compute capability 8.0 or newer, a torch built with them and "
+            "fp16/bf16 compute"
+        )
+    chosen = name
+    if name == "auto":
+        if flash_ok and flash_attn_available():
+            chosen = "flash"
+        else:
+            chosen = "torch_flash" if torch_flash_ok else "torch"
+    log.info("attention kernel: %s (device %s, %s)", chosen, device.type, dtype)
+    return {
+        "flash": flash_varlen_attention,
+        "torch_flash": torch_flash_varlen_attention,
+        "torch": torch_varlen_attention,
+    }[chosen]
+
+
+def tiled(kernel: AttentionFn) -> bool:
+    """Whether a kernel from `select_kernel` works in tiles (flash-attn, torch's flash
+    kernels: memory and rate follow the length) rather than materialising each block's
+    scores (the torch reference on a GPU)."""
+    return kernel in (flash_varlen_attention, torch_flash_varlen_attention)
 
 
 def torch_varlen_attention_backward(
@@ -240,7 +351,7 @@ def torch_varlen_attention_backward(
         o_HSE = out_THE[qo : qo + sq].transpose(0, 1).float()
         lse = lse_HT[:, qo : qo + sq]
         # a row that saw no key anywhere (lse = -inf) gets zero gradients: explicit path
-        if fused and _cpu_flash_draws_the_mask(sq, sk, causal) and torch.isfinite(lse).all():
+        if fused and _fused_op_draws_the_mask(sq, sk, causal) and torch.isfinite(lse).all():
             dq_HSE, dk_HSE, dv_HSE = _cpu_flash_backward(
                 do_HSE, q_HSE, k_HSE, v_HSE, o_HSE, lse, causal, scale
             )
@@ -316,8 +427,88 @@ def flash_varlen_attention_backward(
     return dq.float(), dk.float(), dv.float()
 
 
+def torch_flash_varlen_attention_backward(
+    dout_THE: torch.Tensor,
+    q_THE: torch.Tensor,
+    k_TKE: torch.Tensor,
+    v_TKE: torch.Tensor,
+    out_THE: torch.Tensor,
+    lse_HT: torch.Tensor,
+    seqs_q: PackedSeqs,
+    seqs_k: PackedSeqs,
+    causal: bool,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch's flash backward behind the reference's interface: the drawn blocks in one
+    launch from the *final* output and LSE of their queries, the others through the
+    reference's backward (see `torch_flash_varlen_attention`).
+
+    Returns:
+        dq_THE, dk_TKE, dv_TKE in float32 (the drawn blocks' computed in q's dtype).
+    """
+    drawn = [_fused_op_draws_the_mask(sq, sk, causal) for sq, sk in _pairs(seqs_q, seqs_k)]
+    if not any(drawn) or not torch_flash.runs(q_THE, k_TKE):
+        return torch_varlen_attention_backward(
+            dout_THE, q_THE, k_TKE, v_TKE, out_THE, lse_HT, seqs_q, seqs_k, causal, softmax_scale
+        )
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THE.shape[-1])
+    dq = torch.zeros(q_THE.shape, dtype=torch.float32, device=q_THE.device)
+    dk = torch.zeros(k_TKE.shape, dtype=torch.float32, device=k_TKE.device)
+    dv = torch.zeros(v_TKE.shape, dtype=torch.float32, device=v_TKE.device)
+    tq, tk = seqs_q.total_tokens, seqs_k.total_tokens
+    if all(drawn):
+        grads = _flash_backward(
+            dout_THE[:tq], q_THE[:tq], k_TKE[:tk], v_TKE[:tk], out_THE[:tq], lse_HT[:, :tq],
+            seqs_q, seqs_k, causal, scale,
+        )  # fmt: skip
+        for full, g in zip((dq, dk, dv), grads, strict=True):
+            full[: g.shape[0]] = g
+        return dq, dk, dv
+    for keep, backward in (
+        (drawn, _flash_backward),
+        ([not d for d in drawn], torch_varlen_attention_backward),
+    ):
+        rows_q, sub_q = _subset(seqs_q, keep, q_THE.device)
+        rows_k, sub_k = _subset(seqs_k, keep, q_THE.device)
+        gq, gk, gv = backward(
+            dout_THE.index_select(0, rows_q),
+            q_THE.index_select(0, rows_q),
+            k_TKE.index_select(0, rows_k),
+            v_TKE.index_select(0, rows_k),
+            out_THE.index_select(0, rows_q),
+            lse_HT.index_select(1, rows_q),
+            sub_q,
+            sub_k,
+            causal,
+            scale,
+        )
+        dq.index_copy_(0, rows_q, gq.float())
+        dk.index_copy_(0, rows_k, gk.float())
+        dv.index_copy_(0, rows_k, gv.float())
+    return dq, dk, dv
+
+
+def _flash_backward(dout, q, k, v, out, lse, seqs_q, seqs_k, causal, scale):
+    return torch_flash.backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        seqs_q.cu_seqlens,
+        seqs_k.cu_seqlens,
+        seqs_q.max_seqlen,
+        seqs_k.max_seqlen,
+        causal,
+        scale,
+    )
+
+
 def select_backward(forward: AttentionFn) -> Callable[..., tuple[torch.Tensor, ...]]:
     """The backward that pairs with a forward kernel from `select_kernel`."""
     if forward is flash_varlen_attention:
         return flash_varlen_attention_backward
+    if forward is torch_flash_varlen_attention:
+        return torch_flash_varlen_attention_backward
     return torch_varlen_attention_backward

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ray_zep.attention import ring
-from ray_zep.attention.kernels import flash_varlen_attention, select_backward, select_kernel
+from ray_zep.attention.kernels import select_backward, select_kernel, tiled
 from ray_zep.attention.schedule import StepMeta
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.costmodel import (
@@ -181,7 +181,7 @@ def curve_heads(shape: ModelShape, device: torch.device) -> int:
     query heads where the kernel training selects materializes the score tensor (the
     torch reference: its rate falls as the tensor outgrows the caches), 0 for
     flash-attn (tiles: its rate follows the length)."""
-    flash = select_kernel("auto", device, calibration_dtype(device)) is flash_varlen_attention
+    flash = tiled(select_kernel("auto", device, calibration_dtype(device)))
     return 0 if flash else shape.n_heads
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ray_zep.attention.kernels import flash_varlen_attention
+from ray_zep.attention.kernels import tiled
 from ray_zep.data.shards import RankShard
 from ray_zep.parallel.memory import RankMemory, memory_inputs, model_memory
 from ray_zep.partition.plan import Zone, zone_of
@@ -114,7 +114,7 @@ def modelled_memory(shard: RankShard, ctx: StepContext) -> RankMemory:
     if shard.plan is not None:
         layout = shard.plan.layout(ctx.comm.rank)
         ring = sum(f.end - f.start for f in layout if f.zone is not Zone.LOCAL)
-    flash = ctx.kernel is flash_varlen_attention
+    flash = tiled(ctx.kernel)
     cpu = ctx.device.type == "cpu"
     topology = ctx.comm.topology
     inputs = memory_inputs(ctx.config, topology, shard.num_tokens, ring, ctx.dtype, flash, cpu)

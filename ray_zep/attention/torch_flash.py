@@ -1,0 +1,164 @@
+"""PyTorch's built-in flash attention (varlen, with the log-sum-exp) on CUDA.
+
+The ops `aten._flash_attention_forward` / `aten._flash_attention_backward` are the
+FlashAttention-2 kernels that ship inside torch (the ones `F.scaled_dot_product_attention`
+and `torch.nn.attention.varlen` call). Given cumulative sequence lengths they take a packed
+batch in one launch, return the LSE as (H, T_q) float32, take fewer K/V heads than query
+heads (GQA) natively and sum dk/dv over each group in their backward. No dropout here, so
+the RNG state the backward takes is never read.
+
+Only the pieces that call the ops live here; `ray_zep.attention.kernels` decides which
+blocks they may take (their causal mask is the same as the reference's only on a square
+block) and keeps the reference for the rest.
+
+Shapes: q_THE (T_q, H, E), k_TKE / v_TKE (T_k, K, E) with H % K == 0, lse_HT float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _ops_present() -> bool:
+    aten = torch.ops.aten
+    try:
+        present = hasattr(aten, "_flash_attention_forward") and hasattr(
+            aten, "_flash_attention_backward"
+        )
+    except Exception:  # an op registry that raises on lookup
+        return False
+    check = getattr(torch.backends.cuda, "is_flash_attention_available", None)
+    return present and (check is None or bool(check()))
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def available(device: torch.device) -> bool:
+    """Whether torch's flash kernels can run on `device`: a CUDA build that has them and an
+    Ampere or newer GPU (sm_80+; torch builds them for no older chip)."""
+    if device.type != "cuda" or not torch.cuda.is_available() or not _ops_present():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (8, 0)
+
+
+def runs(q_THE: torch.Tensor, k_TKE: torch.Tensor) -> bool:
+    """Whether this call's tensors suit the kernels: CUDA, fp16/bf16, a head dim that is a
+    multiple of 8 up to 256 (over 192 the backward needs an A100/H100-sized shared memory),
+    and whole groups of query heads per K/V head."""
+    dim, heads, kv_heads = q_THE.shape[-1], q_THE.shape[1], k_TKE.shape[1]
+    if q_THE.dtype not in DTYPES or not available(q_THE.device):
+        return False
+    if dim % 8 or dim > 256 or heads % kv_heads:
+        return False
+    if dim > 192:
+        index = q_THE.device.index
+        index = index if index is not None else torch.cuda.current_device()
+        return _capability(index) in ((8, 0), (9, 0))
+    return True
+
+
+def forward(
+    q_THE: torch.Tensor,
+    k_TKE: torch.Tensor,
+    v_TKE: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out_THE (q's dtype) and lse_HT (float32) of a packed batch, no autograd."""
+    out, lse = torch.ops.aten._flash_attention_forward(
+        q_THE.contiguous(),
+        k_TKE.contiguous(),
+        v_TKE.contiguous(),
+        cu_q.to(q_THE.device, torch.int32),
+        cu_k.to(q_THE.device, torch.int32),
+        max_q,
+        max_k,
+        0.0,
+        causal,
+        False,
+        scale=scale,
+    )[:2]
+    if lse.shape != (q_THE.shape[1], q_THE.shape[0]):
+        raise RuntimeError(
+            f"torch {torch.__version__}'s flash kernel returned an LSE of shape "
+            f"{tuple(lse.shape)}, not (heads, tokens): use model.attention_kernel=torch"
+        )
+    return out, lse
+
+
+def backward(
+    dout_THE: torch.Tensor,
+    q_THE: torch.Tensor,
+    k_TKE: torch.Tensor,
+    v_TKE: torch.Tensor,
+    out_THE: torch.Tensor,
+    lse_HT: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (in q's dtype; dk and dv summed over each group of query heads) of a
+    packed batch, given the output and LSE the probabilities are formed with.
+
+    A row whose LSE is -inf (it saw no key) is given +inf, the kernels' own mark for such
+    a row: its probabilities are exp(S - inf) = 0, so its gradients are zero, as the
+    reference's."""
+    dtype = q_THE.dtype
+    lse = lse_HT.float()
+    lse = torch.where(lse == float("-inf"), float("inf"), lse).contiguous()
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q_THE.device)  # dropout 0: unread
+    unused = torch.empty(0, device=q_THE.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout_THE.to(dtype).contiguous(),
+        q_THE.contiguous(),
+        k_TKE.contiguous(),
+        v_TKE.contiguous(),
+        out_THE.to(dtype).contiguous(),
+        lse,
+        cu_q.to(q_THE.device, torch.int32),
+        cu_k.to(q_THE.device, torch.int32),
+        max_q,
+        max_k,
+        0.0,
+        causal,
+        rng_state,
+        unused,
+        scale=scale,
+    )
+    return dq, dk, dv
+
+
+class FlashVarlen(torch.autograd.Function):
+    """`forward` with autograd: the gradient of out through `backward` (the LSE is not
+    differentiable, as with flash-attn's own function)."""
+
+    @staticmethod
+    def forward(ctx, q_THE, k_TKE, v_TKE, cu_q, cu_k, max_q, max_k, causal, scale):
+        q_THE, k_TKE, v_TKE = q_THE.contiguous(), k_TKE.contiguous(), v_TKE.contiguous()
+        out, lse = forward(q_THE, k_TKE, v_TKE, cu_q, cu_k, max_q, max_k, causal, scale)
+        ctx.save_for_backward(q_THE, k_TKE, v_TKE, out, lse, cu_q, cu_k)
+        ctx.args = (max_q, max_k, causal, scale)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
