@@ -98,6 +98,11 @@ class TrainConfig:
     """Run directory: resolved config, metrics.jsonl, checkpoints. Shared by all nodes."""
     tokens_per_rank: int = 1024
     """L, the token capacity of one GPU per step; a global batch holds nodes x GPUs x L."""
+    micro_batches: int = 1
+    """Global batches per optimizer step (gradient accumulation): a step trains on k
+    consecutive batches of the stream, one after the other, and updates once with the
+    gradient of the mean token loss over all of them (as one process training on their
+    union would). k > 1 keeps one more copy of the gradients."""
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.1
@@ -130,6 +135,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
+        _require(self.micro_batches >= 1, "train.micro_batches", self.micro_batches, "must be >= 1")
         _require(self.eval_every >= 0, "train.eval_every", self.eval_every, "must be >= 0")
         _require(self.eval_batches >= 0, "train.eval_batches", self.eval_batches, "must be >= 0")
         _require(
@@ -331,7 +337,8 @@ class ModelConfig:
     ffn_dim: int | None = None
     rope_theta: float | None = None
     attention_kernel: str = "auto"
-    """auto (flash-attn on GPU when installed, else torch) | torch | flash."""
+    """auto (on a GPU: flash-attn when installed, else torch's flash kernel for fp16/bf16;
+    else torch) | torch | flash | torch_flash."""
     init_from: str | None = None
     """A local Hugging Face checkpoint directory (config.json + model.safetensors, or
     shards with model.safetensors.index.json) of a LlamaForCausalLM or

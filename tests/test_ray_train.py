@@ -180,10 +180,10 @@ def test_a_data_error_fails_every_restart_at_once() -> None:
     actor.start(0, None)
     with pytest.raises(OverlongDocumentError) as first:
         for step in range(config.train.steps):
-            actor.get_shard(step, 0, timeout_s=60)
+            actor.get_shards(step, 0, timeout_s=60)
     actor.start(0, None)  # what rank 0 does after Ray Train restarts the workers
     started = time.perf_counter()
     with pytest.raises(OverlongDocumentError) as again:
-        actor.get_shard(0, 0, timeout_s=60)
+        actor.get_shards(0, 0, timeout_s=60)
     assert str(again.value) == str(first.value)
     assert time.perf_counter() - started < 5

@@ -157,6 +157,7 @@ LAYER_RUNS = {
 already hold balanced token counts, so remapping would move nothing); they need
 more than one node."""
 WEIGHTS = ("replicated", "fsdp")
+MICRO_2 = "train.micro_batches=2"
 WHOLE_WEIGHTS = ("replicated", "fsdp", "hsdp")
 """Whole sequences with every sharding mode (the weight-passing modes are tested in
 test_weight_pipeline)."""
@@ -203,12 +204,20 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
     whole_runs = {f"whole+{w}": [*whole, f"parallel.weights={w}"] for w in whole_weights}
     if not crossed:  # a plan change: whole sequences dealt by modelled work, not first fit
         whole_runs["whole+hsdp"].append("parallel.zone_policy=work")
+    # gradient accumulation: two global batches a step, against one process doing the same
+    zeppelin_fsdp = [*planned, "parallel.sequence=zeppelin", "parallel.weights=fsdp"]
+    micro = {"zeppelin+fsdp 2 micro-batches": [*zeppelin_fsdp, MICRO_2]}
+    if crossed:
+        micro["whole+replicated 2 micro-batches"] = [*whole, MICRO_2]
+    single_runs = {"single": planned, "single_rank_packed": whole, "single micro 2": planned}
+    single_runs["single_rank_packed micro 2"] = [*whole, MICRO_2]
+    single_runs["single micro 2"] = [*planned, MICRO_2]
     singles = run_ranks(
         _train_all,
         1,
         {
             name: [*base, "parallel.sequence=single", f"train.out_dir={tmp_path / name}"]
-            for name, base in (("single", planned), ("single_rank_packed", whole))
+            for name, base in single_runs.items()
         },
     )[0]
     trained = run_ranks(
@@ -216,11 +225,16 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
         nodes * gpus,
         {
             name: [*overrides, f"train.out_dir={tmp_path / name}"]
-            for name, overrides in (runs | whole_runs).items()
+            for name, overrides in (runs | whole_runs | micro).items()
         },
     )[0]
     _assert_trains_like(singles["single"], {name: trained[name] for name in runs})
     _assert_trains_like(singles["single_rank_packed"], {n: trained[n] for n in whole_runs})
+    zeppelin_micro = {n: trained[n] for n in micro if n.startswith("zeppelin")}
+    _assert_trains_like(singles["single micro 2"], zeppelin_micro)
+    whole_micro = {n: trained[n] for n in micro if n.startswith("whole")}
+    _assert_trains_like(singles["single_rank_packed micro 2"], whole_micro)
+    assert len(singles["single micro 2"]["samples"]) == 6, "3 steps of 2 batches"
 
 
 def _assert_places_apart(base: list[str], placement: str, policy: str) -> None:

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 
 class DataActor:
-    """Produces shards for steps [start, train.steps).
+    """Produces shards for the batches of steps [start, train.steps), `train.micro_batches`
+    batches a step.
 
     Args:
         config: the run's config as plain data (`config_to_dict`).
@@ -59,7 +60,8 @@ class DataActor:
         return True
 
     def start(self, step: int, cursor: dict[str, Any] | None) -> None:
-        """Produce from batch `step` on, with the data cursor of the checkpoint before it."""
+        """Produce the batches of step `step` on, with the data cursor of the checkpoint
+        before it."""
         with self._cond:
             self._generation += 1
             self._ready.clear()
@@ -75,7 +77,7 @@ class DataActor:
             self.config,
             self.topology.world_size,
             cursor=Cursor.from_dict(cursor) if cursor else None,
-            start_index=step,
+            start_index=step * self.config.train.micro_batches,
         )
         threading.Thread(
             target=self._produce,
@@ -85,9 +87,9 @@ class DataActor:
         ).start()
         log.info("data stream starts at step %d (cursor %s)", step, cursor or "start")
 
-    def get_shard(self, step: int, rank: int, timeout_s: float) -> list[ray.ObjectRef]:
-        """Reference to rank `rank`'s shard of step `step` (in a list, so Ray passes the
-        reference itself rather than resolving it)."""
+    def get_shards(self, step: int, rank: int, timeout_s: float) -> list[ray.ObjectRef]:
+        """References to rank `rank`'s shards of step `step`, one per micro-batch (in a
+        list, so Ray passes the references themselves rather than resolving them)."""
         with self._cond:
             arrived = self._cond.wait_for(
                 lambda: step in self._ready or self._error is not None, timeout=timeout_s
@@ -99,18 +101,19 @@ class DataActor:
                     f"the data actor had no shard for step {step} after comm.timeout_s="
                     f"{timeout_s:g}; the dataset may be too slow to read"
                 )
-            ref = self._ready[step][rank]
+            refs = self._ready[step][rank]
             taken = self._fetched.setdefault(step, set())
             taken.add(rank)
             if len(taken) == self.num_ranks:
                 del self._ready[step]
                 del self._fetched[step]
                 self._cond.notify_all()
-            return [ref]
+            return refs
 
     def _produce(self, stream: BatchStream, generation: int) -> None:
         prefetch = self.config.data.prefetch
-        while stream.next_index < self.config.train.steps:
+        micro = self.config.train.micro_batches
+        while stream.next_index < self.config.train.steps * micro:
             with self._cond:
                 self._cond.wait_for(
                     lambda: len(self._ready) < prefetch or self._generation != generation
@@ -118,10 +121,12 @@ class DataActor:
                 if self._generation != generation:
                     return
             try:
-                batch = stream.next_batch()
-                shards = shard_for(batch, self.config, self.topology)
-                refs = [ray.put(shard) for shard in shards]
-            except BaseException as exc:  # surfaced to the workers by get_shard
+                step = stream.next_index // micro
+                batches = [stream.next_batch() for _ in range(micro)]
+                per_batch = [shard_for(b, self.config, self.topology) for b in batches]
+                refs = [[ray.put(shards[rank]) for shards in per_batch] for rank in
+                        range(self.num_ranks)]  # fmt: skip
+            except BaseException as exc:  # surfaced to the workers by get_shards
                 with self._cond:
                     if self._generation == generation:
                         self._error = exc
@@ -132,5 +137,5 @@ class DataActor:
             with self._cond:
                 if self._generation != generation:
                     return
-                self._ready[batch.index] = refs
+                self._ready[step] = refs
                 self._cond.notify_all()

@@ -65,8 +65,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             timeout=EVENT_PUT_TIMEOUT_S,
         )
 
-    def fetch(step: int) -> RankShard:
-        return fetch_shard(data_actor, step, rank, timeout_s)
+    def fetch(step: int) -> list[RankShard]:
+        return fetch_shards(data_actor, step, rank, timeout_s)
 
     def start_data(progress: Progress) -> None:
         if rank != 0:  # one data actor serves every rank
@@ -79,11 +79,11 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     run_rank(config, comm, device, Path(config.train.out_dir), fetch, start_data, report)
 
 
-def fetch_shard(data_actor: Any, step: int, rank: int, timeout_s: float) -> RankShard:
-    """This rank's shard of `step`, read from the object store."""
+def fetch_shards(data_actor: Any, step: int, rank: int, timeout_s: float) -> list[RankShard]:
+    """This rank's shards of `step` (one per micro-batch), read from the object store."""
     try:
-        (ref,) = ray.get(data_actor.get_shard.remote(step, rank, timeout_s), timeout=timeout_s + 10)
-        return ray.get(ref, timeout=timeout_s)
+        refs = ray.get(data_actor.get_shards.remote(step, rank, timeout_s), timeout=timeout_s + 10)
+        return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         raise CommError(
             f"rank {rank} got no shard for step {step} within comm.timeout_s={timeout_s:g}"

@@ -36,11 +36,13 @@ from ray_zep.train.trainer import RankTrainer
 
 log = logging.getLogger(__name__)
 
-FetchShard = Callable[[int], RankShard]
-"""Returns this rank's shard of the given step (0-based)."""
+FetchShards = Callable[[int], list[RankShard]]
+"""Returns this rank's shards of the given step (0-based), one per micro-batch: step s
+trains batches s x k ... s x k + k - 1 of the stream, k = `train.micro_batches`."""
 StartData = Callable[[checkpoint.Progress], None]
 """Positions this rank's data source right after the given progress (every rank calls it
-before the first step; a source shared by all ranks acts on rank 0's call)."""
+before the first step; a source shared by all ranks acts on rank 0's call): its next
+batch is number progress.step x `train.micro_batches`."""
 Report = Callable[[dict], None]
 
 
@@ -49,7 +51,7 @@ def run_rank(
     comm: Comm,
     device: torch.device,
     run_dir: Path,
-    fetch_shard: FetchShard,
+    fetch_shards: FetchShards,
     start_data: StartData | None = None,
     report: Report | None = None,
 ) -> RankTrainer:
@@ -73,19 +75,20 @@ def run_rank(
     every = config.train.checkpoint_every
     for step in range(progress.step, config.train.steps):
         started = time.perf_counter()
-        shard = fetch_shard(step)
+        shards = fetch_shards(step)
         fetched = time.perf_counter()
         with collectives_of(f"step {step + 1}", comm.timeout_s, comm.rank):
-            stats = trainer.train_step(shard)
+            stats = trainer.train_step(shards)
         stats.step_seconds = time.perf_counter() - started
         if ledger:
-            ledger.record(trainer.steps_done, shard)
+            for shard in shards:
+                ledger.record(trainer.steps_done, shard)
         if report and comm.rank == 0:
             report({"event": "step", "data_seconds": fetched - started, **stats.to_dict()})
         last = trainer.steps_done == config.train.steps
         evaluate = _due(trainer.steps_done, config.train.eval_every)
         if last or evaluate or _due(trainer.steps_done, every):
-            path = trainer.save(run_dir, shard.cursor_after)
+            path = trainer.save(run_dir, shards[-1].cursor_after)
             if report and comm.rank == 0:
                 report({"event": "checkpoint", "step": trainer.steps_done, "path": str(path)})
             if evaluate:

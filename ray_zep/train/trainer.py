@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from ray_zep.train.accounting import (
     rank_model_flops,
     rank_slots,
 )
+from ray_zep.train.accumulate import GradientSum
 from ray_zep.train.build import (
     apply_axes,
     build_model,
@@ -117,39 +119,65 @@ class RankTrainer:
         profile = self.zipped.switcher.profile if self.zipped is not None else None
         return profile.to_dict() if profile is not None and self.steps_done == 1 else {}
 
-    def train_step(self, shard: RankShard) -> StepStats:
-        """Forward, backward, gradient sync, clip and update on this rank's shard."""
+    def train_step(self, shards: RankShard | Sequence[RankShard]) -> StepStats:
+        """Forward, backward, gradient sync, clip and update on this rank's shard, or
+        on its shards of several micro-batches (`train.micro_batches`), one update."""
+        shards = [shards] if isinstance(shards, RankShard) else list(shards)
         started = time.perf_counter()
         lr = lr_at(self.steps_done, self.config.train)
         set_lr(self.optimizer, lr)
+        label_tokens = sum(s.global_label_tokens for s in shards)
+        gradients = GradientSum(self.params) if len(shards) > 1 else None
+        losses, grad_bytes = [], []
         with self.memory_probe.step(self.steps_done + 1):
-            (loss_sum, aux_loss), grad_bytes = self.compute_gradients(shard)
+            for shard in shards:
+                loss, sent = self.compute_gradients(shard)
+                losses.append(loss)
+                grad_bytes.append(sent)
+                if gradients is not None:
+                    gradients.add(shard.global_label_tokens / max(1, label_tokens))
+            if gradients is not None:
+                gradients.restore()
             grad_norm = self.runner.clip()
             self.optimizer.step()
         self.steps_done += 1
+        return self._stats(shards, losses, grad_bytes, grad_norm, lr, started)
+
+    def _stats(self, shards, losses, grad_bytes, grad_norm, lr, started) -> StepStats:
+        """The step's whole-job figures: micro-batches add up (the memory peak is the
+        largest), the loss is their label-token-weighted mean."""
         ctx = self.ctx
-        model = modelled_memory(shard, ctx)
+        label_tokens = sum(s.global_label_tokens for s in shards)
+        weights = [s.global_label_tokens / max(1, label_tokens) for s in shards]
+        models = [modelled_memory(s, ctx) for s in shards]
+        model = max(models, key=lambda m: m.total)
         peak = self.memory_probe.last.get("peak", 0.0)
-        memory = rank_slots(ctx, model.total, peak, rank_model_flops(shard, ctx))
+        flops = sum(rank_model_flops(s, ctx) for s in shards)
+        memory = rank_slots(ctx, model.total, peak, flops)
         streams = self.switches.tally.vector()
-        totals = torch.tensor(
-            [loss_sum, aux_loss, *led_work(shard, ctx), *streams, *memory], dtype=torch.float64
-        )
+        led = [sum(values) for values in zip(*(led_work(s, ctx) for s in shards), strict=True)]
+        loss_sum = sum(loss for loss, _ in losses)
+        aux = sum(w * a for w, (_, a) in zip(weights, losses, strict=True))
+        totals = torch.tensor([loss_sum, aux, *led, *streams, *memory], dtype=torch.float64)
         sum_over_ranks_(totals, self.comm, "the step loss")
         zone_tokens, attention_flops = totals[2:5].tolist(), float(totals[5])
         end = 6 + len(streams)
         job_streams, per_rank = totals[6:end].tolist(), totals[end:].view(3, -1).tolist()
-        traffic = self.runner.traffic(shard, grad_bytes)
-        linear_flops = self.shape.linear_flops_per_token() * shard.global_tokens
+        traffic = self.runner.traffic(shards[0], grad_bytes[0])
+        for shard, sent in zip(shards[1:], grad_bytes[1:], strict=True):
+            traffic = traffic + self.runner.traffic(shard, sent)
+        tokens = sum(s.global_tokens for s in shards)
+        linear_flops = self.shape.linear_flops_per_token() * tokens
+        rank_tokens = [sum(n) for n in zip(*(s.rank_tokens for s in shards), strict=True)]
         return StepStats(
             step=self.steps_done,
-            loss=float(totals[0]) / max(1, shard.global_label_tokens) + float(totals[1]),
-            tokens=shard.global_tokens,
-            label_tokens=shard.global_label_tokens,
+            loss=float(totals[0]) / max(1, label_tokens) + float(totals[1]),
+            tokens=tokens,
+            label_tokens=label_tokens,
             grad_norm=grad_norm,
             lr=lr,
             step_seconds=time.perf_counter() - started,
-            rank_tokens=list(shard.rank_tokens),
+            rank_tokens=rank_tokens,
             comm_bytes={"intra_node": traffic.intra_node, "inter_node": traffic.inter_node},
             nic_bytes=traffic.nic.tolist(),
             compression=per_stream(job_streams),

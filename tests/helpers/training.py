@@ -67,7 +67,7 @@ def make_stream(config: Config, topology: Topology, progress: Progress) -> Batch
         config,
         topology.world_size,
         cursor=Cursor.from_dict(progress.cursor) if progress.cursor else None,
-        start_index=progress.step,
+        start_index=progress.step * config.train.micro_batches,
     )
 
 
@@ -84,8 +84,9 @@ def train_rank(
         state["stream"] = make_stream(config, topology, progress)
 
     def fetch(step: int):
-        batch = _batch(state, step)
-        return shard_for(batch, config, topology)[rank]
+        micro = config.train.micro_batches
+        batches = [_batch(state, step * micro + m) for m in range(micro)]
+        return [shard_for(batch, config, topology)[rank] for batch in batches]
 
     events: list[dict] = []
     trainer = run_rank(
