@@ -37,7 +37,7 @@ from tests.helpers.training import SMALL_RUN, checkpoint_params, jsonl_losses, t
 pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 14
+STEPS = 12
 TIMEOUT_S = 5
 RUN = [
     *SMALL_RUN,
@@ -62,6 +62,8 @@ RUNTIME_ENV = json.dumps(
         "env_vars": {
             "GLOO_SOCKET_IFNAME": "lo",
             "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": str(TIMEOUT_S),
+            # the controller notices failures and restarts sooner (tests/conftest.py)
+            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"],
         }
     }
 )
