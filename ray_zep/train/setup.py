@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from ray_zep.config import Config, write_resolved_config
+from ray_zep.config import Config, Packing, write_resolved_config
 from ray_zep.data.batching import BatchStream
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.distributed import Comm
@@ -108,6 +108,39 @@ def check_sizes(config: Config, topology: Topology) -> None:
             f"gives each of the {ranks} ranks a shard of whole units, but the model has "
             f"{units} (embedding, {shape.n_layers} blocks, output); use at least "
             f"{ranks - 2} layers or fewer ranks"
+        )
+
+
+def check_live_sizes(config: Config, topology: Topology, least: int) -> None:
+    """Every composition a run may continue on, with `least` to `topology.nodes` nodes
+    left (an elastic worker group), holds; for a check before such a run starts.
+
+    Raises:
+        ConfigError: `least` exceeds `topology.nodes`, the reference placement (one
+            process) cannot shrink, a size rule fails on fewer nodes, or under budget
+            packing a sequence may not fit the fewest nodes' budget.
+    """
+    if not 1 <= least <= topology.nodes:
+        raise ConfigError(
+            f"{least} node(s) to continue on: must be in 1..topology.nodes={topology.nodes}"
+        )
+    if config.parallel.sequence_axis.one_process:
+        raise ConfigError(
+            f"parallel.sequence={config.parallel.sequence.value} runs one process, which "
+            "cannot continue on fewer nodes"
+        )
+    for nodes in range(least, topology.nodes + 1):
+        try:
+            check_sizes(config, topology.with_nodes(nodes))
+        except ConfigError as exc:
+            raise ConfigError(f"on {nodes} node(s): {exc}") from None
+    budget = config.data.batch_fill * least * topology.gpus_per_node * config.train.tokens_per_rank
+    longest = config.data.max_doc_tokens
+    if config.data.packing is Packing.BUDGET and (longest is None or longest > budget):
+        raise ConfigError(
+            f"config key data.max_doc_tokens={longest}: on {least} node(s) a sequence must "
+            f"fit their budget of {int(budget)} tokens (set data.max_doc_tokens <= "
+            f"{int(budget)}, or data.packing=rank)"
         )
 
 

@@ -20,6 +20,7 @@ from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.data.batching import BatchStream, Cursor, GlobalBatch
 from ray_zep.data.builder import write_token_parquet
 from ray_zep.data.catalog import open_configured_source
+from ray_zep.data.regroup import regroup
 from ray_zep.data.shards import shard_for
 from ray_zep.model.llama import Transformer
 from ray_zep.model_shapes import build_shape
@@ -71,33 +72,54 @@ def make_stream(config: Config, topology: Topology, progress: Progress) -> Batch
     )
 
 
+class Stopped(Exception):
+    """Raised on every rank at once to end a run after a given step (a lost node)."""
+
+
 def train_rank(
-    rank: int, world: int, overrides: list[str], config_path: Path | None = None
+    rank: int,
+    world: int,
+    overrides: list[str],
+    config_path: Path | None = None,
+    live_nodes: int | None = None,
+    stop_after: int | None = None,
 ) -> dict[str, Any]:
-    """Train this rank; return losses, final parameters and the samples of each step."""
+    """Train this rank; return losses, final parameters and the samples of each step.
+
+    `live_nodes`: run on that many of the configured nodes, each step still training the
+    configured global batch (as an elastic run does, in micro-batches); `stop_after`:
+    end the run after that step, as a lost node would (its checkpoint must be saved)."""
     config = load_config(config_path, overrides)
-    topology = build_topology(config.topology)
+    configured = build_topology(config.topology)
+    topology = configured if live_nodes is None else configured.with_nodes(live_nodes)
     comm = create_comm(config, topology, TIMEOUT_S)
     state: dict[str, Any] = {"batches": {}}
 
     def start_data(progress: Progress) -> None:
-        state["stream"] = make_stream(config, topology, progress)
+        state["stream"] = make_stream(config, configured, progress)
 
     def fetch(step: int):
+        if stop_after is not None and step >= stop_after:
+            raise Stopped(step)
         micro = config.train.micro_batches
         batches = [_batch(state, step * micro + m) for m in range(micro)]
-        return [shard_for(batch, config, topology)[rank] for batch in batches]
+        parts = [p for b in batches for p in
+                 regroup(b, config, configured.world_size, topology.world_size)]  # fmt: skip
+        return [shard_for(part, config, topology)[rank] for part in parts]
 
     events: list[dict] = []
-    trainer = run_rank(
-        config,
-        comm,
-        torch.device("cpu"),
-        Path(config.train.out_dir),
-        fetch,
-        start_data,
-        events.append,
-    )
+    try:
+        trainer = run_rank(
+            config,
+            comm,
+            torch.device("cpu"),
+            Path(config.train.out_dir),
+            fetch,
+            start_data,
+            events.append,
+        )
+    except Stopped:
+        return {"losses": {e["step"]: e["loss"] for e in events if e["event"] == "step"}}
     return {
         "losses": {e["step"]: e["loss"] for e in events if e["event"] == "step"},
         # weight-passing modes hold only their own shard: its names, full-model keys;

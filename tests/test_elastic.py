@@ -1,0 +1,114 @@
+"""Fewer nodes, the same training run: a step on the live nodes trains the configured
+global batch in micro-batches (ray_zep.data.regroup) and equals the uninterrupted run;
+a run that loses a node and gets it back continues from its checkpoints unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ray_zep.config import load_config
+from ray_zep.data.batching import BatchStream
+from ray_zep.data.catalog import open_configured_source
+from ray_zep.data.regroup import regroup
+from ray_zep.errors import ConfigError
+from ray_zep.topology import build_topology
+from ray_zep.train.ledger import read_ledger
+from ray_zep.train.setup import check_live_sizes
+from tests.helpers.procs import run_ranks
+from tests.helpers.training import SMALL_RUN, max_relative_error, mixed_dataset, train_rank
+
+pytestmark = pytest.mark.dist
+
+STEPS = 6
+
+
+def _base(data: Path, packing: str) -> list[str]:
+    return [*SMALL_RUN, "topology.nodes=2", "topology.gpus_per_node=2",
+            "train.tokens_per_rank=64", f"train.steps={STEPS}", "train.checkpoint_every=2",
+            f"data.source={data}", f"data.packing={packing}", "data.shuffle=false"]  # fmt: skip
+
+
+ZEPPELIN = ["parallel.sequence=zeppelin", "parallel.weights=fsdp", "data.max_doc_tokens=128"]
+WHOLE = ["parallel.sequence=whole", "parallel.weights=replicated", "parallel.routing=false",
+         "parallel.remap=false"]  # fmt: skip
+RUNS = {"zeppelin+fsdp": ("budget", ZEPPELIN), "whole+replicated": ("rank", WHOLE)}
+
+
+def _phases(rank: int, world: int, phases: list[tuple[list[str], int | None, int | None]]):
+    """Each (overrides, live nodes, stop after) run on this rank, in turn."""
+    return [train_rank(rank, world, o, live_nodes=n, stop_after=stop) for o, n, stop in phases]
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_shrink_and_regrow_trains_like_the_uninterrupted_run(name: str, tmp_path: Path) -> None:
+    """2 x 2 for steps 1-2, one node for 3-4, both again for 5-6; then the same run
+    without interruption. Losses, parameters and the tokens of every step agree."""
+    packing, extra = RUNS[name]
+    base = [*_base(mixed_dataset(tmp_path / "mixed.parquet"), packing), *extra]
+    elastic, whole = [*base, f"train.out_dir={tmp_path / 'elastic'}"], [
+        *base, f"train.out_dir={tmp_path / 'whole'}"]  # fmt: skip
+    first = run_ranks(_phases, 4, [(elastic, None, 2)])[0][0]
+    shrunk = run_ranks(_phases, 2, [(elastic, 1, 4)])[0][0]
+    grown, uninterrupted = run_ranks(_phases, 4, [(elastic, None, None), (whole, None, None)])[0]
+    losses = first["losses"] | shrunk["losses"] | grown["losses"]
+    assert sorted(losses) == list(range(1, STEPS + 1)), losses
+    assert sorted(shrunk["losses"]) == [3, 4], "the shrunk run resumed after step 2"
+    for step, loss in uninterrupted["losses"].items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), (name, step)
+    err, param = max_relative_error(grown["params"], uninterrupted["params"])
+    assert err <= 1e-5, f"{name}: {param} relative error {err:.2e}"
+    ledger, reference = read_ledger(tmp_path / "elastic"), read_ledger(tmp_path / "whole")
+    assert _tokens_per_step(ledger) == _tokens_per_step(reference), "other samples trained"
+
+
+def _tokens_per_step(ledger: dict) -> dict[int, list[tuple[int, int]]]:
+    """Each step's (document, token) positions, none twice in a step: ranks hold a
+    sequence's fragments differently on 2 and 4 ranks, the tokens trained are the same
+    (a document comes again in the next epoch, so steps may repeat one another)."""
+    steps = {}
+    for step, pieces in ledger.items():
+        tokens = [(doc, t) for doc, start, length in pieces for t in range(start, start + length)]
+        assert len(set(tokens)) == len(tokens), f"step {step} trained a token twice"
+        steps[step] = sorted(tokens)
+    return steps
+
+
+def test_a_batch_regroups_into_micro_batches_that_fit_the_live_ranks() -> None:
+    config = load_config(None, [*SMALL_RUN, "topology.nodes=4", "topology.gpus_per_node=2",
+                                "data.packing=budget", "data.max_doc_tokens=300",
+                                "parallel.sequence=zeppelin"])  # fmt: skip
+    stream = BatchStream.from_config(open_configured_source(config), config, 8)
+    batch = stream.next_batch()
+    parts = regroup(batch, config, 8, 2)
+    budget = config.train.tokens_per_rank * 2
+    assert len(parts) >= 4 and all(p.total_tokens <= budget for p in parts)
+    assert [p for part in parts for p in part.pieces] == batch.pieces
+    assert sum(p.label_tokens for p in parts) == batch.label_tokens
+    assert regroup(batch, config, 8, 8) == [batch]
+
+
+@pytest.mark.parametrize(
+    "extra, least, message",
+    [
+        ([], 3, r"3 node\(s\) to continue on: must be in 1\.\.topology\.nodes=2"),
+        (["parallel.sequence=single"], 1, "runs one process"),
+        (
+            ["model.preset=tiny_moe", "parallel.ep=4"],
+            1,
+            r"on 1 node\(s\): config key parallel\.ep=4",
+        ),
+        (
+            ["data.packing=budget", "parallel.sequence=zeppelin"],
+            1,
+            r"data\.max_doc_tokens=None",
+        ),
+    ],
+)
+def test_a_run_that_cannot_continue_on_fewer_nodes_is_refused(extra, least, message) -> None:
+    config = load_config(None, ["topology.nodes=2", "topology.gpus_per_node=2", *extra])
+    with pytest.raises(ConfigError, match=message):
+        check_live_sizes(config, build_topology(config.topology), least)
+    if not extra:  # the same config may continue on one node
+        check_live_sizes(config, build_topology(config.topology), 1)
