@@ -18,6 +18,13 @@ from tests.helpers.procs import close_pools
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The Ray tests run last, in their files' order: the gloo pools then start once and
+    serve every multi-process test before them, instead of being ended before each Ray
+    file and started again after it."""
+    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Ray tests start clusters of their own: give the idle gloo pools' memory back first."""
     if item.get_closest_marker("ray") is not None:

@@ -204,14 +204,15 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
     whole_runs = {f"whole+{w}": [*whole, f"parallel.weights={w}"] for w in whole_weights}
     if not crossed:  # a plan change: whole sequences dealt by modelled work, not first fit
         whole_runs["whole+hsdp"].append("parallel.zone_policy=work")
-    # gradient accumulation: two global batches a step, against one process doing the same
+    # gradient accumulation (2 x 2): two global batches a step, against one process doing
+    # the same; tests/test_elastic.py covers it on fewer nodes than configured
     zeppelin_fsdp = [*planned, "parallel.sequence=zeppelin", "parallel.weights=fsdp"]
-    micro = {"zeppelin+fsdp 2 micro-batches": [*zeppelin_fsdp, MICRO_2]}
+    micro = {"zeppelin+fsdp 2 micro-batches": [*zeppelin_fsdp, MICRO_2],
+             "whole+replicated 2 micro-batches": [*whole, MICRO_2]} if crossed else {}  # fmt: skip
+    single_runs = {"single": planned, "single_rank_packed": whole}
     if crossed:
-        micro["whole+replicated 2 micro-batches"] = [*whole, MICRO_2]
-    single_runs = {"single": planned, "single_rank_packed": whole, "single micro 2": planned}
-    single_runs["single_rank_packed micro 2"] = [*whole, MICRO_2]
-    single_runs["single micro 2"] = [*planned, MICRO_2]
+        single_runs["single_rank_packed micro 2"] = [*whole, MICRO_2]
+        single_runs["single micro 2"] = [*planned, MICRO_2]
     singles = run_ranks(
         _train_all,
         1,
@@ -230,11 +231,12 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
     )[0]
     _assert_trains_like(singles["single"], {name: trained[name] for name in runs})
     _assert_trains_like(singles["single_rank_packed"], {n: trained[n] for n in whole_runs})
-    zeppelin_micro = {n: trained[n] for n in micro if n.startswith("zeppelin")}
-    _assert_trains_like(singles["single micro 2"], zeppelin_micro)
-    whole_micro = {n: trained[n] for n in micro if n.startswith("whole")}
-    _assert_trains_like(singles["single_rank_packed micro 2"], whole_micro)
-    assert len(singles["single micro 2"]["samples"]) == 6, "3 steps of 2 batches"
+    if crossed:
+        zeppelin_micro = {n: trained[n] for n in micro if n.startswith("zeppelin")}
+        _assert_trains_like(singles["single micro 2"], zeppelin_micro)
+        whole_micro = {n: trained[n] for n in micro if n.startswith("whole")}
+        _assert_trains_like(singles["single_rank_packed micro 2"], whole_micro)
+        assert len(singles["single micro 2"]["samples"]) == 6, "3 steps of 2 batches"
 
 
 def _assert_places_apart(base: list[str], placement: str, policy: str) -> None:

@@ -37,8 +37,9 @@ INIT_TIMEOUT_S = 60.0
 COLLECTIVE_TIMEOUT_S = 60.0
 CALL_TIMEOUT_S = 540.0
 """A pooled call that has not returned by then fails (below pytest's own 600 s)."""
-POOL_WORLDS_KEPT = 3
-"""Pools kept alive at once (each process holds a few hundred MB of imports)."""
+POOL_WORLDS_KEPT = 4
+"""Pools kept alive at once (each process holds a few hundred MB of imports): the suite's
+worlds of 1, 2, 4 and 8 ranks, about 15 processes."""
 
 
 def run_ranks(
