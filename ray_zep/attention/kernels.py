@@ -313,6 +313,11 @@ def tiled(kernel: AttentionFn) -> bool:
     return kernel in (flash_varlen_attention, torch_flash_varlen_attention)
 
 
+def _float32_zeros(*like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Gradient accumulators of the tensors' shapes, on their device, in float32."""
+    return tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in like)
+
+
 def torch_varlen_attention_backward(
     dout_THE: torch.Tensor,
     q_THE: torch.Tensor,
@@ -338,9 +343,7 @@ def torch_varlen_attention_backward(
     group = heads // kv_heads
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THE.shape[-1])
     fused = q_THE.device.type == "cpu"
-    dq = torch.zeros(q_THE.shape, dtype=torch.float32, device=q_THE.device)
-    dk = torch.zeros(k_TKE.shape, dtype=torch.float32, device=k_TKE.device)
-    dv = torch.zeros(v_TKE.shape, dtype=torch.float32, device=v_TKE.device)
+    dq, dk, dv = _float32_zeros(q_THE, k_TKE, v_TKE)
     for qo, sq, ko, sk in zip(
         seqs_q.offsets, seqs_q.lengths, seqs_k.offsets, seqs_k.lengths, strict=True
     ):
@@ -452,9 +455,7 @@ def torch_flash_varlen_attention_backward(
             dout_THE, q_THE, k_TKE, v_TKE, out_THE, lse_HT, seqs_q, seqs_k, causal, softmax_scale
         )
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THE.shape[-1])
-    dq = torch.zeros(q_THE.shape, dtype=torch.float32, device=q_THE.device)
-    dk = torch.zeros(k_TKE.shape, dtype=torch.float32, device=k_TKE.device)
-    dv = torch.zeros(v_TKE.shape, dtype=torch.float32, device=v_TKE.device)
+    dq, dk, dv = _float32_zeros(q_THE, k_TKE, v_TKE)
     tq, tk = seqs_q.total_tokens, seqs_k.total_tokens
     if all(drawn):
         grads = _flash_backward(
