@@ -80,7 +80,7 @@ def torch_varlen_attention(
     if seqs_q.num_seqs != seqs_k.num_seqs:
         raise ValueError(f"{seqs_q.num_seqs} query sequences but {seqs_k.num_seqs} key sequences")
     heads, kv_heads = q_THE.shape[1], k_TKE.shape[1]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THE.shape[-1])
+    scale = _scale(q_THE, softmax_scale)
     fused = q_THE.device.type == "cpu"
     outs, lses = [], []
     for qo, sq, ko, sk in zip(
@@ -203,7 +203,7 @@ def torch_flash_varlen_attention(
     drawn = [_fused_op_draws_the_mask(sq, sk, causal) for sq, sk in _pairs(seqs_q, seqs_k)]
     if not any(drawn) or not torch_flash.runs(q_THE, k_TKE):
         return torch_varlen_attention(q_THE, k_TKE, v_TKE, seqs_q, seqs_k, causal, softmax_scale)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THE.shape[-1])
+    scale = _scale(q_THE, softmax_scale)
     q_THE, k_TKE, v_TKE = _packed(q_THE, k_TKE, v_TKE, seqs_q, seqs_k)
     if all(drawn):
         return _flash_apply(q_THE, k_TKE, v_TKE, seqs_q, seqs_k, causal, scale)
@@ -313,6 +313,11 @@ def tiled(kernel: AttentionFn) -> bool:
     return kernel in (flash_varlen_attention, torch_flash_varlen_attention)
 
 
+def _scale(q_THE: torch.Tensor, softmax_scale: float | None) -> float:
+    """The softmax scale: the one given, else 1 / sqrt(head dim)."""
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THE.shape[-1])
+
+
 def _float32_zeros(*like: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Gradient accumulators of the tensors' shapes, on their device, in float32."""
     return tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in like)
@@ -341,7 +346,7 @@ def torch_varlen_attention_backward(
     """
     heads, kv_heads = q_THE.shape[1], k_TKE.shape[1]
     group = heads // kv_heads
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THE.shape[-1])
+    scale = _scale(q_THE, softmax_scale)
     fused = q_THE.device.type == "cpu"
     dq, dk, dv = _float32_zeros(q_THE, k_TKE, v_TKE)
     for qo, sq, ko, sk in zip(
@@ -402,7 +407,7 @@ def flash_varlen_attention_backward(
     """flash-attn's varlen backward behind the reference's interface (GPU only)."""
     from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THE.shape[-1])
+    scale = _scale(q_THE, softmax_scale)
     dq, dk, dv = torch.empty_like(q_THE), torch.empty_like(k_TKE), torch.empty_like(v_TKE)
     _flash_attn_varlen_backward(
         dout_THE.to(q_THE.dtype).contiguous(),
@@ -454,7 +459,7 @@ def torch_flash_varlen_attention_backward(
         return torch_varlen_attention_backward(
             dout_THE, q_THE, k_TKE, v_TKE, out_THE, lse_HT, seqs_q, seqs_k, causal, softmax_scale
         )
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_THE.shape[-1])
+    scale = _scale(q_THE, softmax_scale)
     dq, dk, dv = _float32_zeros(q_THE, k_TKE, v_TKE)
     tq, tk = seqs_q.total_tokens, seqs_k.total_tokens
     if all(drawn):

@@ -29,10 +29,6 @@ def machine() -> dict[str, Any]:
     return {"cpu": cpu, "cpu_count": os.cpu_count(), "gpu": gpu, "torch": torch.__version__}
 
 
-def write_json(path: Path, command: str, spec: dict, rows: list[dict]) -> Path:
-    return write_record(path, command, {"spec": spec, "rows": rows})
-
-
 def write_record(path: Path, command: str, record: dict[str, Any]) -> Path:
     """`record` with the command, date and machine added, as indented JSON."""
     path.parent.mkdir(parents=True, exist_ok=True)

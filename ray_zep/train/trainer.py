@@ -127,28 +127,28 @@ class RankTrainer:
         lr = lr_at(self.steps_done, self.config.train)
         set_lr(self.optimizer, lr)
         label_tokens = sum(s.global_label_tokens for s in shards)
+        weights = [s.global_label_tokens / max(1, label_tokens) for s in shards]
         gradients = GradientSum(self.params) if len(shards) > 1 else None
         losses, grad_bytes = [], []
         with self.memory_probe.step(self.steps_done + 1):
-            for shard in shards:
+            for shard, weight in zip(shards, weights, strict=True):
                 loss, sent = self.compute_gradients(shard)
                 losses.append(loss)
                 grad_bytes.append(sent)
                 if gradients is not None:
-                    gradients.add(shard.global_label_tokens / max(1, label_tokens))
+                    gradients.add(weight)
             if gradients is not None:
                 gradients.restore()
             grad_norm = self.runner.clip()
             self.optimizer.step()
         self.steps_done += 1
-        return self._stats(shards, losses, grad_bytes, grad_norm, lr, started)
+        return self._stats(shards, weights, losses, grad_bytes, grad_norm, lr, started)
 
-    def _stats(self, shards, losses, grad_bytes, grad_norm, lr, started) -> StepStats:
+    def _stats(self, shards, weights, losses, grad_bytes, grad_norm, lr, started) -> StepStats:
         """The step's whole-job figures: micro-batches add up (the memory peak is the
-        largest), the loss is their label-token-weighted mean."""
+        largest), the loss is their label-token-weighted mean (`weights`)."""
         ctx = self.ctx
         label_tokens = sum(s.global_label_tokens for s in shards)
-        weights = [s.global_label_tokens / max(1, label_tokens) for s in shards]
         models = [modelled_memory(s, ctx) for s in shards]
         model = max(models, key=lambda m: m.total)
         peak = self.memory_probe.last.get("peak", 0.0)
