@@ -81,7 +81,7 @@ def test_bench_memory_writes_table_json_png_and_goal_verdicts(tmp_path: Path, ca
     from ray_zep.cli import main
 
     code = main(
-        ["bench", "memory", "conf/demo.yaml", "topology.gpus_per_node=2",
+        ["bench", "memory", "conf/demo.yaml", "topology.nodes=1", "topology.gpus_per_node=2",
          "parallel.sequence=whole", "parallel.routing=false", "parallel.remap=false",
          "data.packing=rank", "train.tokens_per_rank=256", "--checkpointing", "none",
          "--steps", "2", "--out", str(tmp_path)]
