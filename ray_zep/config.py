@@ -477,6 +477,15 @@ class RayConfig:
     max_failures: int = 2
     """Times Ray Train restarts a failed worker group (from the last checkpoint);
     0 fails the job at the first error, -1 restarts without limit."""
+    min_nodes: int | None = None
+    """An elastic run: the fewest nodes of the topology training goes on with. Ray Train
+    then runs on the whole nodes it can get, from this many to topology.nodes: it shrinks
+    the worker group when a node is lost and grows it back when nodes return, and every
+    step still trains the configured global batch (in micro-batches). Unset: the run
+    needs all topology.nodes."""
+    resize_interval_s: float = 60.0
+    """An elastic run: how often Ray Train looks for returned nodes to grow the group
+    (a grown group resumes from the newest checkpoint)."""
 
     def __post_init__(self) -> None:
         _require(
@@ -499,6 +508,18 @@ class RayConfig:
             "ray.max_failures",
             self.max_failures,
             "must be >= 0, or -1 for unlimited",
+        )
+        _require(
+            self.min_nodes is None or self.min_nodes >= 1,
+            "ray.min_nodes",
+            self.min_nodes,
+            "must be >= 1 (or unset: no elastic worker group)",
+        )
+        _require(
+            self.resize_interval_s > 0,
+            "ray.resize_interval_s",
+            self.resize_interval_s,
+            "must be > 0",
         )
 
 

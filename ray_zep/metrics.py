@@ -81,7 +81,21 @@ COMPRESSION_WIRE_BYTES = MetricSpec(
     ("stream",),
 )
 CHECKPOINTS = MetricSpec("ray_zep_checkpoints_total", Kind.COUNTER, "Checkpoints written.")
-RANKS = MetricSpec("ray_zep_ranks", Kind.GAUGE, "Training processes (GPUs) of the job.")
+RANKS = MetricSpec(
+    "ray_zep_ranks", Kind.GAUGE, "Training processes (GPUs) of the job, as configured."
+)
+WORLD_SIZE = MetricSpec(
+    "ray_zep_world_size",
+    Kind.GAUGE,
+    "Ranks training now (fewer than ray_zep_ranks while an elastic run has lost nodes).",
+)
+LIVE_NODES = MetricSpec("ray_zep_live_nodes", Kind.GAUGE, "Topology nodes training now.")
+RESIZES = MetricSpec(
+    "ray_zep_resizes_total",
+    Kind.COUNTER,
+    "Times an elastic run's worker group changed size, by reason (node_lost, nodes_returned).",
+    ("reason",),
+)
 CHECKPOINT_STEP = MetricSpec(
     "ray_zep_checkpoint_step", Kind.GAUGE, "Step of the newest checkpoint."
 )
@@ -145,6 +159,9 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     MFU,
     RANK_MEMORY,
     RESTARTS,
+    WORLD_SIZE,
+    LIVE_NODES,
+    RESIZES,
 )
 
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)

@@ -11,6 +11,8 @@ import pytest
 import yaml
 
 from ray_zep.config import load_config
+from ray_zep.topology import build_topology
+from ray_zep.train.setup import check_live_sizes, least_nodes
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +40,7 @@ def _stored_schema(kind: str) -> dict:
     return version["schema"]["openAPIV3Schema"]
 
 
-@pytest.mark.parametrize("name", ["raycluster.yaml", "rayjob.yaml"])
+@pytest.mark.parametrize("name", ["raycluster.yaml", "rayjob.yaml", "rayjob-elastic.yaml"])
 def test_manifest_validates_against_its_crd(name: str) -> None:
     manifest = _manifest(name)
     schema = _schema(manifest["kind"])
@@ -105,3 +107,21 @@ def test_container_recipe_installs_the_package() -> None:
     for folder in ("ray_zep", "workers", "conf"):
         assert f"COPY --chown=ray:users {folder} {folder}" in recipe
         assert (REPO / folder).is_dir()
+
+
+def test_elastic_job_keeps_its_worker_group_between_the_minimum_and_the_topology() -> None:
+    job = _manifest("rayjob-elastic.yaml")["spec"]
+    cluster = job["rayClusterSpec"]
+    assert cluster["enableInTreeAutoscaling"] is True, "lost pods are replaced"
+    assert job["shutdownAfterJobFinishes"] is True
+    (group,) = cluster["workerGroupSpecs"]
+    words = shlex.split(job["entrypoint"])
+    assert words[:2] == ["ray-zep", "train"]
+    config = load_config(str(REPO / words[2]), words[3:])
+    assert group["minReplicas"] == config.ray.min_nodes < config.topology.nodes
+    assert group["replicas"] == group["maxReplicas"] == config.topology.nodes
+    topology = build_topology(config.topology)
+    check_live_sizes(config, topology, least_nodes(config, topology))  # what the driver checks
+    (worker,) = _containers(group["template"])
+    assert int(worker["resources"]["limits"]["nvidia.com/gpu"]) == config.topology.gpus_per_node
+    assert config.metrics.port == 9450 and config.metrics.host == "0.0.0.0"

@@ -8,16 +8,24 @@ from pathlib import Path
 
 import pytest
 
+from ray_zep import steplog
 from ray_zep.config import load_config
 from ray_zep.data.batching import BatchStream
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.data.regroup import regroup
-from ray_zep.errors import ConfigError
+from ray_zep.errors import ConfigError, TopologyError
 from ray_zep.topology import build_topology
-from ray_zep.train.ledger import read_ledger
-from ray_zep.train.setup import check_live_sizes
+from ray_zep.train.ledger import ledger_path, read_ledger, rewind_departed
+from ray_zep.train.setup import check_live_sizes, prepare_run
+from ray_zep_workers.elastic import RoomWatch
 from tests.helpers.procs import run_ranks
-from tests.helpers.training import SMALL_RUN, max_relative_error, mixed_dataset, train_rank
+from tests.helpers.training import (
+    SMALL_RUN,
+    max_relative_error,
+    mixed_dataset,
+    tokens_per_step,
+    train_rank,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -33,7 +41,12 @@ def _base(data: Path, packing: str) -> list[str]:
 ZEPPELIN = ["parallel.sequence=zeppelin", "parallel.weights=fsdp", "data.max_doc_tokens=128"]
 WHOLE = ["parallel.sequence=whole", "parallel.weights=replicated", "parallel.routing=false",
          "parallel.remap=false"]  # fmt: skip
-RUNS = {"zeppelin+fsdp": ("budget", ZEPPELIN), "whole+replicated": ("rank", WHOLE)}
+TAWPIPE = [*WHOLE[:1], "parallel.weights=tawpipe", *WHOLE[2:]]
+RUNS = {
+    "zeppelin+fsdp": ("budget", ZEPPELIN),
+    "whole+replicated": ("rank", WHOLE),
+    "whole+tawpipe": ("rank", TAWPIPE),
+}
 
 
 def _phases(rank: int, world: int, phases: list[tuple[list[str], int | None, int | None]]):
@@ -60,19 +73,7 @@ def test_shrink_and_regrow_trains_like_the_uninterrupted_run(name: str, tmp_path
     err, param = max_relative_error(grown["params"], uninterrupted["params"])
     assert err <= 1e-5, f"{name}: {param} relative error {err:.2e}"
     ledger, reference = read_ledger(tmp_path / "elastic"), read_ledger(tmp_path / "whole")
-    assert _tokens_per_step(ledger) == _tokens_per_step(reference), "other samples trained"
-
-
-def _tokens_per_step(ledger: dict) -> dict[int, list[tuple[int, int]]]:
-    """Each step's (document, token) positions, none twice in a step: ranks hold a
-    sequence's fragments differently on 2 and 4 ranks, the tokens trained are the same
-    (a document comes again in the next epoch, so steps may repeat one another)."""
-    steps = {}
-    for step, pieces in ledger.items():
-        tokens = [(doc, t) for doc, start, length in pieces for t in range(start, start + length)]
-        assert len(set(tokens)) == len(tokens), f"step {step} trained a token twice"
-        steps[step] = sorted(tokens)
-    return steps
+    assert tokens_per_step(ledger) == tokens_per_step(reference), "other samples trained"
 
 
 def test_a_batch_regroups_into_micro_batches_that_fit_the_live_ranks() -> None:
@@ -112,3 +113,46 @@ def test_a_run_that_cannot_continue_on_fewer_nodes_is_refused(extra, least, mess
         check_live_sizes(config, build_topology(config.topology), least)
     if not extra:  # the same config may continue on one node
         check_live_sizes(config, build_topology(config.topology), 1)
+
+
+@pytest.mark.unit
+def test_an_elastic_config_is_checked_for_its_fewest_nodes_when_it_loads(tmp_path) -> None:
+    base = ["topology.nodes=2", "topology.gpus_per_node=2", f"train.out_dir={tmp_path}"]
+    prepare_run(load_config(None, [*base, "ray.min_nodes=1"]), write_config=False)
+    with pytest.raises(ConfigError, match=r"^config key ray\.min_nodes=3: must be at most"):
+        prepare_run(load_config(None, [*base, "ray.min_nodes=3"]), write_config=False)
+    moe = [*base, "ray.min_nodes=1", "model.preset=tiny_moe", "parallel.ep=4"]
+    with pytest.raises(ConfigError, match=r"^config key ray\.min_nodes=1: on 1 node\(s\)"):
+        prepare_run(load_config(None, moe), write_config=False)
+    with pytest.raises(ConfigError, match=r"ray\.min_nodes=0"):
+        load_config(None, [*base, "ray.min_nodes=0"])
+
+
+@pytest.mark.unit
+def test_the_room_watch_stops_a_run_only_after_the_init_timeout() -> None:
+    room = [3]
+    watch = RoomWatch(lambda: room[0], least=2, timeout_s=10)
+    watch.check(now=0)
+    room[0] = 1
+    watch.check(now=1)  # short since t=1
+    watch.check(now=10.5)
+    room[0] = 2
+    watch.check(now=12)  # back: the clock starts over
+    room[0] = 1
+    watch.check(now=13)
+    with pytest.raises(TopologyError, match=r"ray\.min_nodes=2: .* room for 1 node\(s\)"):
+        watch.check(now=23.5, what="training cannot go on after step 4")
+
+
+@pytest.mark.unit
+def test_a_smaller_group_rewinds_the_ledger_of_ranks_it_no_longer_has(tmp_path: Path) -> None:
+    """Six ranks trained steps 1-2 but the checkpoint of step 2 was lost with a node: four
+    ranks resume after step 0, so ranks 4 and 5's lines of steps 1-2 must go too."""
+    ledger_path(tmp_path, 0).parent.mkdir()
+    for rank in range(6):
+        for step in (1, 2):
+            row = {"step": step, "docs": [rank], "starts": [0], "lengths": [1]}
+            steplog.append_row(ledger_path(tmp_path, rank), row)
+    rewind_departed(tmp_path, 4, 0)
+    assert steplog.read_rows(ledger_path(tmp_path, 3)), "the live ranks rewind their own files"
+    assert steplog.read_rows(ledger_path(tmp_path, 5)) == []

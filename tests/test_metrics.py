@@ -35,6 +35,8 @@ UNITS = (
     "_imbalance",
     "_ranks",
     "_ratio",
+    "_size",
+    "_nodes",
 )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ray_zep.config import load_config
-from ray_zep.distributed.placement import WorkerPlace, check_placement
+from ray_zep.distributed.placement import WorkerPlace, check_placement, whole_node_ranks
 from ray_zep.errors import TopologyError
 from ray_zep.topology import build_topology
 
@@ -53,3 +53,21 @@ def test_three_workers_on_one_machine_split_a_node_and_are_refused() -> None:
 def test_ranks_must_follow_the_gpu_order_of_their_machine() -> None:
     with pytest.raises(TopologyError, match=r"local indices \[1, 0\]"):
         check_placement(_places("AABB", [1, 0, 0, 1]), TWO_BY_TWO)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "machines,most,chosen",
+    [
+        ("AABBCC", 3, [0, 1, 2, 3, 4, 5]),
+        ("AABBC", 3, [0, 1, 2, 3]),  # C holds part of a node: its worker idles
+        ("ABBCC", 3, [1, 2, 3, 4]),  # so does A's, even as rank 0
+        ("AAAABB", 2, [0, 1, 2, 3]),  # two nodes on one machine; no more than `most`
+        ("AAAB", 2, [0, 1]),
+    ],
+)
+def test_an_elastic_group_trains_on_its_whole_nodes(machines, most, chosen) -> None:
+    places = _places(machines, [machines[:i].count(m) for i, m in enumerate(machines)])
+    assert whole_node_ranks(places, 2, most) == chosen
+    topology = TWO_BY_TWO.with_nodes(len(chosen) // 2)
+    check_placement([places[r] for r in chosen], topology)

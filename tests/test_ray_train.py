@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +14,9 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from ray_zep import steplog
 from ray_zep.config import config_to_dict, load_config
+from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import OverlongDocumentError, TopologyError
 from ray_zep.topology import build_topology
 from ray_zep.train.checkpoint import checkpoint_path
@@ -31,6 +35,7 @@ from tests.helpers.training import (
     checkpoint_params,
     jsonl_losses,
     max_relative_error,
+    tokens_per_step,
     train_rank,
 )
 
@@ -55,21 +60,41 @@ BASE = [
 ]
 
 
+NODE = {"num_cpus": 2, "object_store_memory": 96 * 1024 * 1024}
+
+
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
     """Three Ray nodes on this machine with two CPUs each: wherever Ray packs the four
     workers of a 2 x 2 run, each node holds two of them (one topology node)."""
-    store = 96 * 1024 * 1024
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": store}
-    )
+    cluster = Cluster(initialize_head=True, head_node_args=NODE)
     for _ in range(2):
-        cluster.add_node(num_cpus=2, object_store_memory=store)
+        cluster.add_node(**NODE)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
-    yield
+    _fast_resource_view()
+    yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+def _fast_resource_view() -> None:
+    """Ray Train's elastic policy sees the cluster through Ray's AutoscalingCoordinator, a
+    detached actor that refreshes its view every 20 s, so a returned node is noticed up to
+    20 s late (README, "Elastic runs"). The tests start that actor first, by its name,
+    refreshing every second: whether a group grows back then does not hang on how long
+    the smaller group happens to train."""
+    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as ac
+
+    class EverySecond(ac._AutoscalingCoordinatorActor):
+        TICK_INTERVAL_S = 1
+
+    ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(EverySecond).options(
+        name="AutoscalingCoordinator",
+        namespace="AutoscalingCoordinator",
+        get_if_exists=True,
+        lifetime="detached",
+    ).remote()
 
 
 def _train(out: Path, *overrides: str):
@@ -187,3 +212,98 @@ def test_a_data_error_fails_every_restart_at_once() -> None:
         actor.get_shards(0, 0, timeout_s=60)
     assert str(again.value) == str(first.value)
     assert time.perf_counter() - started < 5
+
+
+ELASTIC_STEPS = 20
+ELASTIC = [
+    *SMALL_RUN,
+    "topology.nodes=3",
+    "topology.gpus_per_node=2",
+    "metrics.port=-1",
+    "parallel.sequence=zeppelin",
+    "parallel.weights=fsdp",
+    "parallel.routing=true",
+    "parallel.remap=true",
+    "data.packing=budget",
+    "data.max_doc_tokens=256",  # a sequence fits two nodes' budget
+    "train.checkpoint_every=2",
+    f"train.steps={ELASTIC_STEPS}",
+    # right after a loss Ray Train may try the old size once: it waits this long for it
+    "comm.init_timeout_s=20",
+]
+
+
+def test_an_elastic_run_loses_a_node_and_grows_back_as_one_run(
+    local_ray: Cluster, tmp_path: Path
+) -> None:
+    """zeppelin + fsdp (routing and remapping on) on 3 x 2 with ray.min_nodes=2: a node
+    is removed after step 2, the run goes on with two nodes, the node comes back and the
+    group grows to three. Losses, parameters and the tokens of every step equal one
+    process training the same global batches without interruption."""
+    out = tmp_path / "elastic"
+    elastic = [*ELASTIC, f"train.out_dir={out}", "ray.min_nodes=2", "ray.resize_interval_s=1"]
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["summary"] = train(load_config(REPO / "conf" / "demo.yaml", elastic))
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    fit = threading.Thread(target=run, daemon=True)
+    fit.start()
+    timeline = [time.monotonic()]
+    _wait_for(lambda: max(jsonl_losses(out), default=0) >= 2, fit, outcome, "step 2")
+    local_ray.remove_node(next(iter(local_ray.worker_nodes)))
+    timeline.append(time.monotonic())
+    _wait_for(lambda: _world_sizes(out)[-1:] == [4], fit, outcome, "a step on two nodes")
+    timeline.append(time.monotonic())
+    local_ray.add_node(**NODE)
+    _wait_for(lambda: not fit.is_alive(), fit, outcome, "the end of the run", timeout_s=300)
+    timeline.append(time.monotonic())
+    print("elastic timeline (s):", [round(b - a, 1) for a, b in itertools.pairwise(timeline)])
+    if "error" in outcome:
+        raise outcome["error"]
+    summary = outcome["summary"]
+    assert summary.world_sizes[0] == 6 and 4 in summary.world_sizes, summary.world_sizes
+    assert summary.world_sizes[-1] == 6, f"the group did not grow back: {summary.world_sizes}"
+
+    single_dir = tmp_path / "single"
+    single = [*ELASTIC, "parallel.sequence=single", "parallel.weights=replicated",
+              "parallel.routing=false", "parallel.remap=false",
+              f"train.out_dir={single_dir}"]  # fmt: skip
+    run_ranks(train_rank, 1, single, REPO / "conf" / "demo.yaml")
+    losses, reference = jsonl_losses(out), jsonl_losses(single_dir)
+    assert sorted(losses) == list(range(1, ELASTIC_STEPS + 1))
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, rel=REL_TOL), f"loss of step {step}"
+    ours = checkpoint_params(checkpoint_path(out, ELASTIC_STEPS), ELASTIC)
+    theirs = checkpoint_params(checkpoint_path(single_dir, ELASTIC_STEPS), ELASTIC)
+    err, name = max_relative_error(ours, theirs)
+    assert err <= REL_TOL, f"parameter {name}: relative error {err:.2e}"
+    assert tokens_per_step(read_ledger(out)) == tokens_per_step(read_ledger(single_dir))
+
+
+def _world_sizes(run_dir: Path) -> list[int]:
+    rows = steplog.read_rows(run_dir / METRICS_FILE_NAME)
+    return [row["world_size"] for row in rows if "step_seconds" in row]
+
+
+def _wait_for(done, fit: threading.Thread, outcome: dict, what: str, timeout_s: float = 180):
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if "error" in outcome:
+            raise outcome["error"]
+        assert fit.is_alive() or done(), f"the run ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
+        time.sleep(0.2)
+
+
+def test_an_elastic_run_without_room_for_its_minimum_stops_with_one_line(tmp_path: Path) -> None:
+    """Three Ray nodes of two workers and ray.min_nodes=4: after comm.init_timeout_s the
+    driver stops, naming the key, instead of waiting for Ray Train without end."""
+    four = ["topology.nodes=5", "ray.min_nodes=4", "comm.init_timeout_s=2"]
+    started = time.monotonic()
+    with pytest.raises(TopologyError, match=r"^config key ray\.min_nodes=4: .*room for 3 node"):
+        _train(tmp_path, "train.steps=1", *four)
+    assert time.monotonic() - started < 30

@@ -24,6 +24,7 @@ import ray
 from ray_zep.config import Config, config_from_dict
 from ray_zep.data.batching import BatchStream, Cursor
 from ray_zep.data.catalog import open_configured_source
+from ray_zep.data.regroup import regroup
 from ray_zep.data.shards import shard_for
 from ray_zep.errors import CommError, ZepError
 from ray_zep.logs import setup_logging
@@ -35,7 +36,8 @@ log = logging.getLogger(__name__)
 
 class DataActor:
     """Produces shards for the batches of steps [start, train.steps), `train.micro_batches`
-    batches a step.
+    batches a step, each cut into micro-batches for the live nodes if there are fewer
+    than configured (`ray_zep.data.regroup`).
 
     Args:
         config: the run's config as plain data (`config_to_dict`).
@@ -59,10 +61,12 @@ class DataActor:
     def ready(self) -> bool:
         return True
 
-    def start(self, step: int, cursor: dict[str, Any] | None) -> None:
+    def start(self, step: int, cursor: dict[str, Any] | None, nodes: int | None = None) -> None:
         """Produce the batches of step `step` on, with the data cursor of the checkpoint
-        before it."""
+        before it, for training on `nodes` of the topology's nodes (default: all)."""
         with self._cond:
+            live = self.topology.with_nodes(nodes or self.topology.nodes)
+            self.num_ranks = num_ranks(self.config, live)
             self._generation += 1
             self._ready.clear()
             self._fetched.clear()
@@ -81,11 +85,14 @@ class DataActor:
         )
         threading.Thread(
             target=self._produce,
-            args=(stream, generation),
+            args=(stream, generation, live),
             daemon=True,
             name=f"data-producer-{generation}",
         ).start()
-        log.info("data stream starts at step %d (cursor %s)", step, cursor or "start")
+        log.info(
+            "data stream starts at step %d (cursor %s) for %d of %d nodes",
+            step, cursor or "start", live.nodes, self.topology.nodes,
+        )  # fmt: skip
 
     def get_shards(self, step: int, rank: int, timeout_s: float) -> list[ray.ObjectRef]:
         """References to rank `rank`'s shards of step `step`, one per micro-batch (in a
@@ -110,7 +117,7 @@ class DataActor:
                 self._cond.notify_all()
             return refs
 
-    def _produce(self, stream: BatchStream, generation: int) -> None:
+    def _produce(self, stream: BatchStream, generation: int, live: Topology) -> None:
         prefetch = self.config.data.prefetch
         micro = self.config.train.micro_batches
         while stream.next_index < self.config.train.steps * micro:
@@ -122,10 +129,15 @@ class DataActor:
                     return
             try:
                 step = stream.next_index // micro
-                batches = [stream.next_batch() for _ in range(micro)]
-                per_batch = [shard_for(b, self.config, self.topology) for b in batches]
-                refs = [[ray.put(shards[rank]) for shards in per_batch] for rank in
-                        range(self.num_ranks)]  # fmt: skip
+                world = self.topology.world_size
+                parts = [
+                    part
+                    for _ in range(micro)
+                    for part in regroup(stream.next_batch(), self.config, world, live.world_size)
+                ]
+                per_part = [shard_for(part, self.config, live) for part in parts]
+                refs = [[ray.put(shards[rank]) for shards in per_part] for rank in
+                        range(num_ranks(self.config, live))]  # fmt: skip
             except BaseException as exc:  # surfaced to the workers by get_shards
                 with self._cond:
                     if self._generation == generation:

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,15 +25,17 @@ import ray
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.queue import Empty, Queue
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_zep.config import Config, Device, config_to_dict
 from ray_zep.costmodel import datasheet_peak_flops
 from ray_zep.errors import TopologyError, find_zep_error
 from ray_zep.report.run_plots import draw_run
 from ray_zep.topology_resolve import resolve_topology
-from ray_zep.train.setup import RunPlan, prepare_run
+from ray_zep.train.setup import RunPlan, least_nodes, prepare_run
 from ray_zep_workers.data_actor import DataActor
-from ray_zep_workers.metrics_export import MetricsExporter
+from ray_zep_workers.elastic import RoomWatch, node_room
+from ray_zep_workers.metrics_export import RESIZE_LOST, RESIZE_RETURNED, MetricsExporter
 from ray_zep_workers.probe import probe_cluster
 from ray_zep_workers.progress import ProgressBar
 from ray_zep_workers.train_fn import train_loop
@@ -62,6 +65,9 @@ class RunSummary:
     """Times Ray Train restarted the workers from the last checkpoint."""
     machines: tuple[str, ...] = ()
     """The Ray node id each rank ran on (rank order), as the last worker group reported."""
+    world_sizes: tuple[int, ...] = ()
+    """The ranks of each worker group that trained, in start order (an elastic run's
+    groups shrink and grow)."""
 
 
 def train(config: Config) -> RunSummary:
@@ -79,15 +85,20 @@ def train(config: Config) -> RunSummary:
         )
         log.info("topology: %s", origin)
         plan = dataclasses.replace(plan, topology=topology)
-        use_gpu = _use_gpu(plan.config, plan.num_workers)
+        elastic = least_nodes(plan.config, topology) < topology.nodes
+        # an elastic run waits for room below (an autoscaling cluster may be growing)
+        use_gpu = _use_gpu(plan.config, 0 if elastic else plan.num_workers)
         metrics = plan.config.metrics
         peak = metrics.peak_tflops * 1e12 or (
             datasheet_peak_flops(topology.gpu_model) if use_gpu else None
         )
         exporter = MetricsExporter(plan.run_dir, metrics.port, metrics.host, peak)
         exporter.set_ranks(plan.num_workers)
+        watch = _room_watch(plan, use_gpu)
+        if watch is not None:
+            watch.wait("training cannot start")
         try:
-            return _run(plan, use_gpu, exporter)
+            return _run(plan, use_gpu, exporter, watch)
         finally:
             exporter.close()
     except Exception as exc:
@@ -100,19 +111,25 @@ def train(config: Config) -> RunSummary:
             ray.shutdown()
 
 
-def _run(plan: RunPlan, use_gpu: bool, exporter: MetricsExporter) -> RunSummary:
+def _run(
+    plan: RunPlan, use_gpu: bool, exporter: MetricsExporter, watch: RoomWatch | None
+) -> RunSummary:
     config = plan.config
     config_data = config_to_dict(config)
+    # The data actor and the event queue live beside the driver: a lost worker node
+    # takes neither with it (and the job ends with the driver's node anyway).
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     data_actor = (
         ray.remote(DataActor)
         .options(
             num_cpus=0,  # I/O-light; must never take a CPU slot a training worker needs
             max_concurrency=plan.num_workers + 4,
+            scheduling_strategy=here,
         )
         .remote(config_data, plan.topology.to_dict())
     )
     ray.get(data_actor.ready.remote(), timeout=config.comm.init_timeout_s)
-    events = Queue(actor_options={"num_cpus": 0})
+    events = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
     os.environ.setdefault(WORKER_GROUP_START_TIMEOUT_ENV_VAR, str(config.comm.init_timeout_s))
     trainer = TorchTrainer(
         train_loop,
@@ -123,7 +140,7 @@ def _run(plan: RunPlan, use_gpu: bool, exporter: MetricsExporter) -> RunSummary:
             "events": events,
             "use_gpu": use_gpu,
         },
-        scaling_config=ScalingConfig(num_workers=plan.num_workers, use_gpu=use_gpu),
+        scaling_config=_scaling(plan, use_gpu),
         torch_config=TorchConfig(
             backend="nccl" if use_gpu else "gloo",
             timeout_s=int(max(config.comm.init_timeout_s, config.comm.timeout_s)),
@@ -135,7 +152,7 @@ def _run(plan: RunPlan, use_gpu: bool, exporter: MetricsExporter) -> RunSummary:
         ),
     )
     progress = ProgressBar(config.train.steps, enabled=config.metrics.progress)
-    watcher = _Watcher(exporter, progress)
+    watcher = _Watcher(exporter, progress, plan.topology.nodes)
     outcome: dict[str, Any] = {}
 
     def fit() -> None:
@@ -148,6 +165,8 @@ def _run(plan: RunPlan, use_gpu: bool, exporter: MetricsExporter) -> RunSummary:
     thread.start()
     while thread.is_alive():
         watcher.drain(events, block=True)
+        if watch is not None:
+            watch.check(what=f"training cannot go on after step {watcher.last_step}")
     watcher.drain(events, block=False)
     progress.close()
     ray.kill(data_actor)
@@ -155,6 +174,30 @@ def _run(plan: RunPlan, use_gpu: bool, exporter: MetricsExporter) -> RunSummary:
         raise outcome["error"]
     _draw_pictures(plan.run_dir)
     return watcher.summary(plan.run_dir, exporter.port)
+
+
+def _scaling(plan: RunPlan, use_gpu: bool) -> ScalingConfig:
+    """A fixed worker group, or for an elastic run whole nodes' worth of workers from
+    ray.min_nodes to topology.nodes (a run on fewer cuts each global batch into
+    micro-batches; the workers of a partial node stay idle)."""
+    least = least_nodes(plan.config, plan.topology)
+    if least == plan.topology.nodes:
+        return ScalingConfig(num_workers=plan.num_workers, use_gpu=use_gpu)
+    gpus = plan.topology.gpus_per_node
+    return ScalingConfig(
+        num_workers=(least * gpus, plan.num_workers),
+        use_gpu=use_gpu,
+        elastic_resize_monitor_interval_s=plan.config.ray.resize_interval_s,
+    )
+
+
+def _room_watch(plan: RunPlan, use_gpu: bool) -> RoomWatch | None:
+    """For an elastic run, the watch on the cluster's room for ray.min_nodes nodes."""
+    least = least_nodes(plan.config, plan.topology)
+    if least == plan.topology.nodes:
+        return None
+    gpus = plan.topology.gpus_per_node
+    return RoomWatch(lambda: node_room(gpus, use_gpu), least, plan.config.comm.init_timeout_s)
 
 
 def _draw_pictures(run_dir: Path) -> None:
@@ -173,7 +216,7 @@ def _draw_pictures(run_dir: Path) -> None:
 class _Watcher:
     """Turns rank 0's events into progress, metrics and a run summary."""
 
-    def __init__(self, exporter: MetricsExporter, progress: ProgressBar) -> None:
+    def __init__(self, exporter: MetricsExporter, progress: ProgressBar, nodes: int) -> None:
         self.exporter = exporter
         self.progress = progress
         self.started = False
@@ -183,6 +226,12 @@ class _Watcher:
         self.first_loss: float | None = None
         self.final_loss: float | None = None
         self.machines: tuple[str, ...] = ()
+        self.nodes = nodes
+        """The nodes the workers train on now."""
+        self.world_sizes: list[int] = []
+        """The ranks of each worker group, in start order."""
+        self.heard = time.monotonic()
+        """When the workers last reported a step (or anything but a start)."""
 
     def drain(self, events: Queue, block: bool) -> None:
         while True:
@@ -195,16 +244,32 @@ class _Watcher:
 
     def handle(self, event: dict[str, Any]) -> None:
         kind = event["event"]
+        if kind != "start":
+            self.heard = time.monotonic()
         if kind == "start":
+            nodes = event.get("nodes", self.nodes)
             if self.started:  # Ray Train restarted the workers from the last checkpoint
                 self.exporter.on_restart()
                 self.restarts += 1
-                log.warning("workers restarted from the checkpoint of step %d", event["step"])
+                idle = time.monotonic() - self.heard
+                log.warning(
+                    "workers restarted from the checkpoint of step %d (%.0f s without a step)",
+                    event["step"], idle,
+                )  # fmt: skip
+                if nodes != self.nodes:
+                    reason = RESIZE_LOST if nodes < self.nodes else RESIZE_RETURNED
+                    self.exporter.on_resize(reason)
+                    log.warning(
+                        "resize: from %d to %d nodes (%s), resuming after step %d",
+                        self.nodes, nodes, reason.replace("_", " "), event["step"],
+                    )  # fmt: skip
             else:
                 self.first_step = event["step"]
             self.started = True
+            self.nodes = nodes
+            self.world_sizes.append(event.get("world_size", self.exporter.ranks))
+            self.exporter.on_start(event["step"], nodes, self.world_sizes[-1])
             self.last_step = event["step"]
-            self.exporter.on_start(event["step"])
             self.progress.start(event["step"])
         elif kind == "step":
             row = self.exporter.on_step(event)
@@ -237,6 +302,7 @@ class _Watcher:
             port,
             self.restarts,
             self.machines,
+            tuple(self.world_sizes),
         )
 
 

@@ -22,6 +22,10 @@ from ray_zep.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+RESIZE_LOST = "node_lost"
+RESIZE_RETURNED = "nodes_returned"
+RESIZE_REASONS = (RESIZE_LOST, RESIZE_RETURNED)
+
 
 class MetricsExporter:
     """Serves metrics on `host`:`port` (0: any free port, -1: off) and appends metrics.jsonl."""
@@ -36,6 +40,11 @@ class MetricsExporter:
         self.peak_flops = peak_flops
         """One GPU's peak FLOP/s for MFU (None: no MFU)."""
         self.ranks = 1
+        """Ranks training now (MFU divides by them)."""
+        self.nodes: int | None = None
+        """Topology nodes training now (None until the workers start)."""
+        for reason in RESIZE_REASONS:  # every reason answers a query from the start, as 0
+            self.metrics[m.RESIZES.name].labels(reason=reason)
         self.address: tuple[str, int] | None = None
         self._server = None
         if port >= 0:
@@ -53,16 +62,29 @@ class MetricsExporter:
             log.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
 
     def set_ranks(self, ranks: int) -> None:
+        """The job's configured ranks (and, until the workers say otherwise, the live ones)."""
         self.ranks = ranks
         self.metrics[m.RANKS.name].set(ranks)
+        self.metrics[m.WORLD_SIZE.name].set(ranks)
 
     def on_restart(self) -> None:
         """The workers started again from a checkpoint (Ray Train's failure handling)."""
         self.metrics[m.RESTARTS.name].inc()
 
-    def on_start(self, step: int) -> None:
-        """Training (re)starts after `step`: drop jsonl lines of later steps."""
+    def on_resize(self, reason: str) -> None:
+        """An elastic run's worker group came back with another size (a RESIZE_REASONS)."""
+        self.metrics[m.RESIZES.name].labels(reason=reason).inc()
+
+    def on_start(self, step: int, nodes: int | None = None, world_size: int | None = None) -> None:
+        """Training (re)starts after `step` on `nodes` nodes of `world_size` ranks: drop
+        jsonl lines of later steps."""
         steplog.rewind(self.jsonl_path, step)
+        if nodes is not None:
+            self.nodes = nodes
+            self.metrics[m.LIVE_NODES.name].set(nodes)
+        if world_size is not None:
+            self.ranks = world_size
+            self.metrics[m.WORLD_SIZE.name].set(world_size)
 
     def on_step(self, event: dict[str, Any]) -> dict[str, Any]:
         """Record one step; returns the row written to metrics.jsonl."""
@@ -90,6 +112,8 @@ class MetricsExporter:
             "zone_tokens": event.get("zone_tokens", {}),
             "model_flops_per_second": event.get("model_flops", 0.0) / seconds,
             "memory": event.get("memory", {}),
+            "world_size": self.ranks,
+            "nodes": self.nodes,
             "time": time.time(),
         }
         if event.get("switcher"):  # the first step with comm.compression=auto

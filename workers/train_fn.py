@@ -10,6 +10,7 @@ shards from the data actor and sending events to the driver.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from pathlib import Path
@@ -19,16 +20,23 @@ import ray
 import ray.train
 import ray.train.torch
 import torch
+import torch.distributed as dist
 
-from ray_zep.config import config_from_dict
+from ray_zep.config import Config, config_from_dict
 from ray_zep.data.shards import RankShard
-from ray_zep.distributed.placement import WorkerPlace, check_placement, gather_places
-from ray_zep.errors import CommError
+from ray_zep.distributed import Comm
+from ray_zep.distributed.placement import (
+    WorkerPlace,
+    check_placement,
+    gather_places,
+    whole_node_ranks,
+)
+from ray_zep.errors import CommError, TopologyError
 from ray_zep.logs import setup_logging
 from ray_zep.topology import Topology
 from ray_zep.train.checkpoint import Progress
 from ray_zep.train.loop import run_rank
-from ray_zep.train.setup import create_comm
+from ray_zep.train.setup import create_comm, least_nodes, num_ranks
 
 log = logging.getLogger(__name__)
 
@@ -41,27 +49,32 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     """Entry point of a Ray Train worker.
 
     Args:
-        loop_config: `config` and `topology` as plain data, the `data_actor`
-            handle, the driver's `events` queue and `use_gpu`.
+        loop_config: `config` and `topology` (the configured one) as plain data, the
+            `data_actor` handle, the driver's `events` queue and `use_gpu`.
     """
     config = config_from_dict(loop_config["config"])
-    topology = Topology.from_dict(loop_config["topology"])
-    rank = ray.train.get_context().get_world_rank()
-    setup_logging(rank)
-    if rank == 0:
-        log.info("communication environment: %s", comm_environment())
-    comm = create_comm(config, topology)
+    configured = Topology.from_dict(loop_config["topology"])
     context = ray.train.get_context()
+    setup_logging(context.get_world_rank())
+    if context.get_world_rank() == 0:
+        log.info("communication environment: %s", comm_environment())
     here = WorkerPlace(ray.get_runtime_context().get_node_id(), context.get_local_rank())
-    places = gather_places(comm, here)
-    check_placement(places, topology)
+    places = gather_places(here)
+    joined = _live_comm(config, configured, places)
+    if joined is None:
+        return  # a worker of a partial node: it idles until the group ends
+    comm, chosen = joined
+    live = [places[r] for r in chosen]
+    check_placement(live, comm.topology)
     device = ray.train.torch.get_device() if loop_config["use_gpu"] else torch.device("cpu")
     data_actor = loop_config["data_actor"]
     events = loop_config["events"]
     timeout_s = config.comm.timeout_s
+    rank = comm.rank
+    nodes = comm.topology.nodes
     if rank == 0:
         events.put(
-            {"event": "placement", "machines": [p.machine for p in places]},
+            {"event": "placement", "machines": [p.machine for p in live]},
             timeout=EVENT_PUT_TIMEOUT_S,
         )
 
@@ -71,12 +84,58 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     def start_data(progress: Progress) -> None:
         if rank != 0:  # one data actor serves every rank
             return
-        ray.get(data_actor.start.remote(progress.step, progress.cursor or None), timeout=timeout_s)
+        started = data_actor.start.remote(progress.step, progress.cursor or None, nodes)
+        ray.get(started, timeout=timeout_s)
 
     def report(event: dict) -> None:
+        if event["event"] == "start":
+            event = {**event, "nodes": nodes, "world_size": comm.world_size}
         events.put(event, timeout=EVENT_PUT_TIMEOUT_S)
 
     run_rank(config, comm, device, Path(config.train.out_dir), fetch, start_data, report)
+
+
+def _live_comm(
+    config: Config, configured: Topology, places: list[WorkerPlace]
+) -> tuple[Comm, list[int]] | None:
+    """This worker's Comm on the nodes it trains on and the worker ranks that train, or
+    None for a worker left out.
+
+    A fixed run trains on every worker. An elastic run (`ray.min_nodes`) trains on the
+    whole topology nodes among its workers: Ray Train gives it between ray.min_nodes and
+    topology.nodes nodes' worth, and a machine may hold part of a node.
+
+    Raises:
+        TopologyError: an elastic group holds fewer whole nodes than ray.min_nodes.
+    """
+    least = least_nodes(config, configured)
+    gpus = configured.gpus_per_node
+    if least == configured.nodes:
+        return create_comm(config, configured), list(range(len(places)))
+    chosen = whole_node_ranks(places, gpus, configured.nodes)
+    nodes = len(chosen) // gpus
+    if nodes < least:
+        raise TopologyError(
+            f"config key ray.min_nodes={least}: Ray placed {len(places)} workers, which hold "
+            f"{nodes} whole node(s) of topology.gpus_per_node={gpus} workers"
+        )
+    rank = ray.train.get_context().get_world_rank()
+    if rank == 0:
+        log.info(
+            "elastic run: training on %d of topology.nodes=%d nodes (%d ranks)%s",
+            nodes, configured.nodes, len(chosen),
+            "" if len(chosen) == len(places) else
+            f"; {len(places) - len(chosen)} worker(s) of a partial node stay idle",
+        )  # fmt: skip
+    topology = configured.with_nodes(nodes)
+    if len(chosen) == len(places):
+        return create_comm(config, topology), chosen
+    # every worker of the default group takes part in creating the subgroup
+    group = dist.new_group(ranks=chosen, timeout=datetime.timedelta(seconds=config.comm.timeout_s))
+    if rank not in chosen:
+        log.info("worker %d is on a partial node: it does not train", rank)
+        return None
+    return Comm.create(topology, num_ranks(config, topology), config.comm.timeout_s, group), chosen
 
 
 def fetch_shards(data_actor: Any, step: int, rank: int, timeout_s: float) -> list[RankShard]:

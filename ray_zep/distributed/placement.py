@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ray_zep.distributed.comm import Comm
 from ray_zep.errors import TopologyError
 from ray_zep.topology import Topology
 
@@ -30,13 +29,32 @@ class WorkerPlace:
     local_index: int
 
 
-def gather_places(comm: Comm, here: WorkerPlace) -> list[WorkerPlace]:
-    """Every rank's place, in rank order (collective over the Comm's group)."""
-    if comm.group is None:
+def gather_places(here: WorkerPlace, group: dist.ProcessGroup | None = None) -> list[WorkerPlace]:
+    """Every rank's place, in rank order (collective over `group`, by default the default
+    group; one process without a process group: its own place)."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
         return [here]
-    places: list[WorkerPlace | None] = [None] * comm.world_size
-    dist.all_gather_object(places, here, group=comm.group)
+    places: list[WorkerPlace | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(places, here, group=group)
     return places  # type: ignore[return-value]
+
+
+def whole_node_ranks(places: list[WorkerPlace], gpus_per_node: int, most_nodes: int) -> list[int]:
+    """The ranks that form whole topology nodes, at most `most_nodes` of them: on each
+    machine (in rank order) its first ranks, a multiple of `gpus_per_node` of them. The
+    ranks left over (a machine holding part of a node's workers) take no part.
+
+    An elastic worker group holds as many workers as Ray had room for, which need not
+    fill whole nodes; `check_placement` then checks the chosen ranks.
+    """
+    by_machine: dict[str, list[int]] = {}
+    for rank, place in enumerate(places):
+        by_machine.setdefault(place.machine, []).append(rank)
+    chosen: list[int] = []
+    for ranks in by_machine.values():
+        whole = len(ranks) - len(ranks) % gpus_per_node
+        chosen += ranks[:whole]
+    return sorted(chosen)[: most_nodes * gpus_per_node]
 
 
 def check_placement(places: list[WorkerPlace], topology: Topology) -> None:

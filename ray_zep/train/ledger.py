@@ -8,7 +8,8 @@ Each rank appends one line per finished step to
 `step` is 1-based, as in metrics.jsonl; piece i is tokens
 [starts[i], starts[i] + lengths[i]) of document docs[i]. When training
 (re)starts after step k, every rank first drops its lines of later steps
-(`ray_zep.steplog`), so the ledger always describes exactly the batches behind
+(`ray_zep.steplog`), and rank 0 does the same for the files of ranks an elastic
+run no longer has, so the ledger always describes exactly the batches behind
 the newest parameters: after a restart, nothing is listed twice and nothing
 trained is missing.
 """
@@ -49,6 +50,15 @@ class SampleLedger:
             "lengths": shard.lengths.tolist(),
         }
         steplog.append_row(self.path, row)
+
+
+def rewind_departed(run_dir: Path, world_size: int, step: int) -> None:
+    """Rewind the files of ranks >= `world_size` to `step`: an elastic run that resumes on
+    fewer ranks than wrote the ledger before (rank 0 calls it; the live ranks rewind
+    their own files)."""
+    for path in sorted((run_dir / LEDGER_DIR_NAME).glob("rank_*.jsonl")):
+        if int(path.stem.removeprefix("rank_")) >= world_size:
+            steplog.rewind(path, step)
 
 
 def read_ledger(run_dir: Path) -> dict[int, list[Piece]]:

@@ -31,7 +31,7 @@ from ray_zep.distributed import Comm
 from ray_zep.distributed.waiting import collectives_of
 from ray_zep.errors import CheckpointError, ConfigError, ZepError
 from ray_zep.train import checkpoint
-from ray_zep.train.ledger import SampleLedger
+from ray_zep.train.ledger import SampleLedger, rewind_departed
 from ray_zep.train.trainer import RankTrainer
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,8 @@ def run_rank(
     ledger = SampleLedger(run_dir, comm.rank) if config.train.sample_ledger else None
     if ledger:
         ledger.rewind(progress.step)
+        if comm.rank == 0:
+            rewind_departed(run_dir, comm.world_size, progress.step)
     if start_data is not None:
         start_data(progress)
     if report and comm.rank == 0:

@@ -47,6 +47,22 @@ def num_ranks(config: Config, topology: Topology) -> int:
     return config.parallel.sequence_axis.processes(topology.world_size)
 
 
+def least_nodes(config: Config, topology: Topology) -> int:
+    """The fewest nodes the run trains on: `ray.min_nodes` for an elastic run, else all.
+
+    Raises:
+        ConfigError: `ray.min_nodes` exceeds `topology.nodes`.
+    """
+    least = config.ray.min_nodes
+    if least is None:
+        return topology.nodes
+    if least > topology.nodes:
+        raise ConfigError(
+            f"config key ray.min_nodes={least}: must be at most topology.nodes={topology.nodes}"
+        )
+    return least
+
+
 def create_comm(config: Config, topology: Topology, timeout_s: float | None = None) -> Comm:
     """This process's Comm for the run (checks the number of processes it needs)."""
     return Comm.create(
@@ -73,6 +89,12 @@ def prepare_run(config: Config, write_config: bool = True) -> RunPlan:
             f"topology.gpus_per_node={topology.gpus_per_node} runs {expected} worker(s)"
         )
     check_sizes(config, topology)
+    least = least_nodes(config, topology)
+    if least < topology.nodes:
+        try:
+            check_live_sizes(config, topology, least)
+        except ConfigError as exc:
+            raise ConfigError(f"config key ray.min_nodes={least}: {exc}") from None
     run_dir = Path(config.train.out_dir).expanduser().resolve()
     config = dataclasses.replace(
         config, train=dataclasses.replace(config.train, out_dir=str(run_dir))

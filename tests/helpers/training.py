@@ -165,6 +165,18 @@ def _batch(state: dict[str, Any], step: int) -> GlobalBatch:
     return state["batches"][step]
 
 
+def tokens_per_step(ledger: dict) -> dict[int, list[tuple[int, int]]]:
+    """Each step's (document, token) positions, none twice in a step: ranks hold a
+    sequence's fragments differently on 2 and 4 ranks, the tokens trained are the same
+    (a document comes again in the next epoch, so steps may repeat one another)."""
+    steps = {}
+    for step, pieces in ledger.items():
+        tokens = [(doc, t) for doc, start, length in pieces for t in range(start, start + length)]
+        assert len(set(tokens)) == len(tokens), f"step {step} trained a token twice"
+        steps[step] = sorted(tokens)
+    return steps
+
+
 def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
     """Largest ||a - b|| / ||b|| over tensors, and the tensor's name."""
     worst = (0.0, "")
