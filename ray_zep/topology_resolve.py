@@ -58,8 +58,13 @@ def report_local_node(host: str) -> NodeReport:
         return NodeReport(host, gpus, error=str(exc))
 
 
-def resolve_topology(reports: list[NodeReport], configured: Topology) -> tuple[Topology, str]:
-    """The topology to run on and one line saying where it came from (module docstring)."""
+def resolve_topology(
+    reports: list[NodeReport], configured: Topology, least: int | None = None
+) -> tuple[Topology, str]:
+    """The topology to run on and one line saying where it came from (module docstring).
+
+    `least`: an elastic run (`ray.min_nodes`) probes the nodes it starts with, which may
+    be fewer than `topology.nodes` but no fewer than this."""
     hosts = len(reports)
     shape = f"{configured.nodes} x {configured.gpus_per_node}"
     gpu_nodes = [r for r in reports if r.gpus]
@@ -77,7 +82,7 @@ def resolve_topology(reports: list[NodeReport], configured: Topology) -> tuple[T
         return configured, f"probe could not read every node ({reasons}); using {shape} virtual"
     probed = [Topology.from_dict(r.topology) for r in gpu_nodes]
     matching = [t for t in probed if t.gpus_per_node == configured.gpus_per_node]
-    if len(matching) < configured.nodes or len({_hardware(t) for t in matching}) > 1:
+    if len(matching) < (least or configured.nodes) or len({_hardware(t) for t in matching}) > 1:
         return configured, (
             f"probe found {found}, which does not give topology.nodes={configured.nodes} "
             f"alike nodes of topology.gpus_per_node={configured.gpus_per_node}; "

@@ -1,9 +1,9 @@
 """Ranks must run where the topology puts them (rank r on node r // G, in GPU order).
 
 Unit cases of `check_placement`. A real placement by Ray Train is in
-tests/test_ray_train.py: two workers per Ray node train with ranks 0, 1 on one node
-and 2, 3 on the other, and a topology node that Ray has to split over machines is
-refused.
+tests/test_ray_train.py: two workers per Ray node train with ranks 0, 1 on one node,
+2, 3 on the next and 4, 5 on the third, and a topology node that Ray has to split over
+machines is refused.
 """
 
 from __future__ import annotations

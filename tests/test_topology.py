@@ -171,6 +171,8 @@ def test_probe_that_contradicts_the_config_keeps_the_config_and_says_why(
     topology, origin = resolve_topology(reports, configured)
     assert topology is configured
     assert "does not give topology.nodes=3" in origin
+    elastic, _ = resolve_topology(reports, configured, least=2)  # ray.min_nodes=2: two will do
+    assert (elastic.name, elastic.nodes) == ("probed", 3)
     failed = [NodeReport("n0", 8, error="no active RDMA NIC found")]
     assert "n0: no active RDMA NIC found" in resolve_topology(failed, configured)[1]
     preset = build_topology(TopologyConfig(preset="cluster_a", nodes=2))

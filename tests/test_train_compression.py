@@ -17,7 +17,10 @@ import torch
 
 from ray_zep.collectives import ops
 from ray_zep.collectives.codec import Compressed
-from ray_zep.errors import CodecError
+from ray_zep.config import load_config
+from ray_zep.errors import CodecError, ConfigError
+from ray_zep.topology import build_topology
+from ray_zep.train.setup import check_sizes
 from tests.helpers.procs import run_ranks
 from tests.helpers.training import (
     SMALL_RUN,
@@ -201,3 +204,17 @@ def test_a_damaged_compressed_buffer_is_a_typed_error_naming_stream_and_peer(how
     errors = run_ranks(_error_of_damaged_run, 4, how)
     for rank, message in enumerate(errors):
         assert "fsdp_all_gather" in message and "from rank 1" in message, (rank, message)
+
+
+def test_routed_kv_compressed_beyond_two_nodes_is_refused_when_the_config_loads() -> None:
+    """A known deadlock of the framed relay on three nodes (zeppelin, routing on, every
+    stream compressed: six processes hang in the routed exchange); refused until fixed."""
+    on = ["topology.nodes=3", "topology.gpus_per_node=2", "parallel.sequence=zeppelin",
+          "parallel.routing=true", "comm.compression=always"]  # fmt: skip
+    config = load_config(None, on)
+    with pytest.raises(ConfigError, match=r"^config key comm\.compression_streams: .*routed_kv"):
+        check_sizes(config, build_topology(config.topology))
+    kept = load_config(None, [*on, "comm.compression_streams=[kv,fsdp_all_gather]"])
+    check_sizes(kept, build_topology(kept.topology))
+    two = load_config(None, [*on, "topology.nodes=2"])
+    check_sizes(two, build_topology(two.topology))

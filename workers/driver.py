@@ -81,7 +81,9 @@ def train(config: Config) -> RunSummary:
     started_ray = _connect(plan.config, plan.num_workers)
     try:
         topology, origin = resolve_topology(
-            probe_cluster(plan.config.comm.init_timeout_s), plan.topology
+            probe_cluster(plan.config.comm.init_timeout_s),
+            plan.topology,
+            least_nodes(plan.config, plan.topology),
         )
         log.info("topology: %s", origin)
         plan = dataclasses.replace(plan, topology=topology)
@@ -231,7 +233,7 @@ class _Watcher:
         self.world_sizes: list[int] = []
         """The ranks of each worker group, in start order."""
         self.heard = time.monotonic()
-        """When the workers last reported a step (or anything but a start)."""
+        """When the workers last reported progress (a step, checkpoint or evaluation)."""
 
     def drain(self, events: Queue, block: bool) -> None:
         while True:
@@ -244,7 +246,7 @@ class _Watcher:
 
     def handle(self, event: dict[str, Any]) -> None:
         kind = event["event"]
-        if kind != "start":
+        if kind in ("step", "checkpoint", "eval"):
             self.heard = time.monotonic()
         if kind == "start":
             nodes = event.get("nodes", self.nodes)

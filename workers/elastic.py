@@ -46,7 +46,7 @@ class RoomWatch:
         self._short_since: float | None = None
         self._checked = float("-inf")
 
-    def check(self, now: float | None = None, what: str = "training goes on") -> None:
+    def check(self, now: float | None = None, what: str = "training cannot go on") -> None:
         """Look at the room (at most every POLL_S seconds).
 
         Raises:
@@ -65,8 +65,8 @@ class RoomWatch:
         if now - self._short_since >= self.timeout_s:
             raise TopologyError(
                 f"config key ray.min_nodes={self.least}: the Ray cluster has had room for "
-                f"{room} node(s) for comm.init_timeout_s={self.timeout_s:g} s, so {what} "
-                "cannot; add nodes, or lower ray.min_nodes"
+                f"{room} node(s) for comm.init_timeout_s={self.timeout_s:g} s, {what}; add "
+                "nodes, or lower ray.min_nodes"
             )
 
     def wait(self, what: str) -> None:

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from ray_zep.config import Config, Packing, write_resolved_config
+from ray_zep.config import Compression, Config, Packing, write_resolved_config
 from ray_zep.data.batching import BatchStream
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.distributed import Comm
@@ -111,7 +111,8 @@ def check_sizes(config: Config, topology: Topology) -> None:
 
     Raises:
         ConfigError: `parallel.ep` does not divide the ranks or the experts; a
-            weight-passing mode has fewer model units than ranks.
+            weight-passing mode has fewer model units than ranks; routed K/V would travel
+            compressed on more than two nodes.
     """
     ranks = num_ranks(config, topology)
     shape = build_shape(config.model)
@@ -130,6 +131,20 @@ def check_sizes(config: Config, topology: Topology) -> None:
             f"gives each of the {ranks} ranks a shard of whole units, but the model has "
             f"{units} (embedding, {shape.n_layers} blocks, output); use at least "
             f"{ranks - 2} layers or fewer ranks"
+        )
+
+    comm = config.comm
+    if (
+        topology.nodes > 2
+        and config.parallel.routing
+        and comm.compression is not Compression.OFF
+        and "routed_kv" in comm.compression_streams
+    ):
+        raise ConfigError(
+            f"config key comm.compression_streams: compressing routed_kv with "
+            f"parallel.routing=true on topology.nodes={topology.nodes} can deadlock (a known "
+            "defect of the framed relay beyond two nodes); leave routed_kv out of "
+            "comm.compression_streams, or set parallel.routing=false"
         )
 
 

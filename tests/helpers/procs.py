@@ -174,10 +174,11 @@ def _pool(world: int) -> RankPool:
 
 
 @atexit.register
-def close_pools() -> None:
-    """End every pooled process (the next `run_ranks` starts new ones)."""
+def close_pools(kill: bool = False) -> None:
+    """End every pooled process (the next `run_ranks` starts new ones); `kill`: at once,
+    without letting them leave their process groups."""
     while _POOLS:
-        _POOLS.popitem()[1].close()
+        _POOLS.popitem()[1].close(kill=kill)
 
 
 def _serve(rank: int, world: int, port: int, conn: multiprocessing.connection.Connection) -> None:
