@@ -13,6 +13,7 @@ metrics.jsonl; when training ends, the driver draws the run's pictures next to i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -80,14 +81,13 @@ def train(config: Config) -> RunSummary:
     plan = prepare_run(config)
     started_ray = _connect(plan.config, plan.num_workers)
     try:
+        least = least_nodes(plan.config, plan.topology)
         topology, origin = resolve_topology(
-            probe_cluster(plan.config.comm.init_timeout_s),
-            plan.topology,
-            least_nodes(plan.config, plan.topology),
+            probe_cluster(plan.config.comm.init_timeout_s), plan.topology, least
         )
         log.info("topology: %s", origin)
         plan = dataclasses.replace(plan, topology=topology)
-        elastic = least_nodes(plan.config, topology) < topology.nodes
+        elastic = least < topology.nodes
         # an elastic run waits for room below (an autoscaling cluster may be growing)
         use_gpu = _use_gpu(plan.config, 0 if elastic else plan.num_workers)
         metrics = plan.config.metrics
@@ -96,11 +96,13 @@ def train(config: Config) -> RunSummary:
         )
         exporter = MetricsExporter(plan.run_dir, metrics.port, metrics.host, peak)
         exporter.set_ranks(plan.num_workers)
-        watch = _room_watch(plan, use_gpu)
-        if watch is not None:
+        watch = None
+        if elastic:
+            room = functools.partial(node_room, topology.gpus_per_node, use_gpu)
+            watch = RoomWatch(room, least, plan.config.comm.init_timeout_s)
             watch.wait("training cannot start")
         try:
-            return _run(plan, use_gpu, exporter, watch)
+            return _run(plan, use_gpu, exporter, least, watch)
         finally:
             exporter.close()
     except Exception as exc:
@@ -114,7 +116,7 @@ def train(config: Config) -> RunSummary:
 
 
 def _run(
-    plan: RunPlan, use_gpu: bool, exporter: MetricsExporter, watch: RoomWatch | None
+    plan: RunPlan, use_gpu: bool, exporter: MetricsExporter, least: int, watch: RoomWatch | None
 ) -> RunSummary:
     config = plan.config
     config_data = config_to_dict(config)
@@ -142,7 +144,7 @@ def _run(
             "events": events,
             "use_gpu": use_gpu,
         },
-        scaling_config=_scaling(plan, use_gpu),
+        scaling_config=_scaling(plan, use_gpu, least),
         torch_config=TorchConfig(
             backend="nccl" if use_gpu else "gloo",
             timeout_s=int(max(config.comm.init_timeout_s, config.comm.timeout_s)),
@@ -178,28 +180,17 @@ def _run(
     return watcher.summary(plan.run_dir, exporter.port)
 
 
-def _scaling(plan: RunPlan, use_gpu: bool) -> ScalingConfig:
+def _scaling(plan: RunPlan, use_gpu: bool, least: int) -> ScalingConfig:
     """A fixed worker group, or for an elastic run whole nodes' worth of workers from
-    ray.min_nodes to topology.nodes (a run on fewer cuts each global batch into
+    `least` (ray.min_nodes) to topology.nodes (a run on fewer cuts each global batch into
     micro-batches; the workers of a partial node stay idle)."""
-    least = least_nodes(plan.config, plan.topology)
     if least == plan.topology.nodes:
         return ScalingConfig(num_workers=plan.num_workers, use_gpu=use_gpu)
-    gpus = plan.topology.gpus_per_node
     return ScalingConfig(
-        num_workers=(least * gpus, plan.num_workers),
+        num_workers=(least * plan.topology.gpus_per_node, plan.num_workers),
         use_gpu=use_gpu,
         elastic_resize_monitor_interval_s=plan.config.ray.resize_interval_s,
     )
-
-
-def _room_watch(plan: RunPlan, use_gpu: bool) -> RoomWatch | None:
-    """For an elastic run, the watch on the cluster's room for ray.min_nodes nodes."""
-    least = least_nodes(plan.config, plan.topology)
-    if least == plan.topology.nodes:
-        return None
-    gpus = plan.topology.gpus_per_node
-    return RoomWatch(lambda: node_room(gpus, use_gpu), least, plan.config.comm.init_timeout_s)
 
 
 def _draw_pictures(run_dir: Path) -> None:

@@ -36,7 +36,7 @@ from ray_zep.logs import setup_logging
 from ray_zep.topology import Topology
 from ray_zep.train.checkpoint import Progress
 from ray_zep.train.loop import run_rank
-from ray_zep.train.setup import create_comm, least_nodes, num_ranks
+from ray_zep.train.setup import create_comm, least_nodes
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def _live_comm(
     if rank not in chosen:
         log.info("worker %d is on a partial node: it does not train", rank)
         return None
-    return Comm.create(topology, num_ranks(config, topology), config.comm.timeout_s, group), chosen
+    return create_comm(config, topology, group=group), chosen
 
 
 def fetch_shards(data_actor: Any, step: int, rank: int, timeout_s: float) -> list[RankShard]:

@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed as dist
+
 from ray_zep.config import Compression, Config, Packing, write_resolved_config
 from ray_zep.data.batching import BatchStream
 from ray_zep.data.catalog import open_configured_source
@@ -63,12 +65,19 @@ def least_nodes(config: Config, topology: Topology) -> int:
     return least
 
 
-def create_comm(config: Config, topology: Topology, timeout_s: float | None = None) -> Comm:
-    """This process's Comm for the run (checks the number of processes it needs)."""
+def create_comm(
+    config: Config,
+    topology: Topology,
+    timeout_s: float | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> Comm:
+    """This process's Comm for the run (checks the number of processes it needs), over the
+    default group or `group` (made with the run's timeout)."""
     return Comm.create(
         topology,
         num_ranks(config, topology),
         config.comm.timeout_s if timeout_s is None else timeout_s,
+        group,
         why=f"parallel.sequence={config.parallel.sequence.value}",
     )
 
