@@ -4,7 +4,8 @@
   kernel training selects, flash-attn on a GPU in bf16, the torch reference
   otherwise; the merge of the partial output; the gradients' accumulation),
   forward and backward, on packed batches of `TOKENS` tokens cut into sequences
-  of one length, for every length of `ATTENTION_LENGTHS`: the diagonal (causal)
+  of one length, for every length of `ATTENTION_LENGTHS` (on a GPU
+  `GPU_TOKENS` and `GPU_ATTENTION_LENGTHS`, up to 64k): the diagonal (causal)
   blocks of a ring's first step, and the unmasked blocks of its other steps,
   whose queries and keys are a zigzag chunk and half of one; and the backward of
   local causal attention through autograd, as whole-sequence placements run it.
@@ -46,9 +47,13 @@ from ray_zep.costmodel import (
 from ray_zep.model_shapes import ModelShape
 
 ATTENTION_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-"""Sequence lengths of the packed attention batches."""
+"""Sequence lengths of the packed attention batches on CPU."""
 TOKENS = 4096
-"""Query tokens of every packed attention batch."""
+"""Query tokens of every packed attention batch on CPU."""
+GPU_ATTENTION_LENGTHS = tuple(128 << i for i in range(10))
+"""On a GPU: 128 ... 65,536 (a tiled kernel's rate still climbs past 4k)."""
+GPU_TOKENS = 65536
+"""On a GPU: query tokens of every packed batch (one sequence at the longest length)."""
 MATMUL_TOKENS = (256, 512, 1024, 2048)
 MODEL_TOKENS = (512, 2048)
 """Packed tokens of the two model measurements the element-wise rate is fitted on."""
@@ -89,8 +94,8 @@ def _block(shape: ModelShape, q_len: int, k_len: int, count: int, device, dtype,
     """A ring step of `count` sequences of q_len queries and k_len keys: the queries,
     packed K/V, and the step's metadata as the engine builds it."""
 
-    def rand(*size: int) -> torch.Tensor:
-        return torch.randn(size, generator=generator).to(device, dtype)
+    def rand(*size: int) -> torch.Tensor:  # drawn where the generator lives (the device)
+        return torch.randn(size, generator=generator, device=generator.device).to(device, dtype)
 
     q = rand(q_len * count, shape.n_heads, shape.head_dim)
     kv = rand(k_len * count, 2, shape.n_kv_heads, shape.head_dim)
@@ -149,11 +154,12 @@ def measure_attention(
     step, and the autograd backward of local causal attention (module docstring)."""
     kernel = select_kernel("auto", device, dtype)
     backward = select_backward(kernel)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device).manual_seed(0)
     per_pair = 4.0 * shape.n_heads * shape.head_dim
+    lengths, tokens = attention_lengths(device)
     out = []
-    for length in ATTENTION_LENGTHS:
-        count = max(1, TOKENS // length)
+    for length in lengths:
+        count = max(1, tokens // length)
         for causal in (True, False):
             k_len = length if causal else max(1, length // 2)
             q, kv, meta = _block(shape, length, k_len, count, device, dtype, generator)
@@ -169,6 +175,13 @@ def measure_attention(
                 seconds = _autograd_backward(q, kv, meta, kernel, repeats)
                 out.append(Measurement("backward_autograd", size, flops, seconds))
     return out
+
+
+def attention_lengths(device: torch.device) -> tuple[tuple[int, ...], int]:
+    """(sequence lengths, tokens per packed batch) of the attention measurements."""
+    if device.type == "cuda":
+        return GPU_ATTENTION_LENGTHS, GPU_TOKENS
+    return ATTENTION_LENGTHS, TOKENS
 
 
 def calibration_dtype(device: torch.device) -> torch.dtype:
@@ -189,7 +202,7 @@ def measure_call(shape: ModelShape, device: torch.device, dtype: torch.dtype, re
     """Seconds of a forward call on one 8-token sequence: the fixed cost of a call, over
     `CALLS_PER_REPEAT` x `repeats` calls."""
     kernel = select_kernel("auto", device, dtype)
-    q, kv, meta = _block(shape, 8, 8, 1, device, dtype, torch.Generator().manual_seed(1))
+    q, kv, meta = _block(shape, 8, 8, 1, device, dtype, torch.Generator(device).manual_seed(1))
     k, v, seqs = kv[:, 0], kv[:, 1], meta.seqs_q
     seconds = timed(CALLS_PER_REPEAT * repeats, kernel, q, k, v, seqs, seqs)
     return Measurement("attention_call", 8, 0.0, seconds)

@@ -60,11 +60,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", default="cpu", choices=("cpu", "cuda"), help="where our codec runs (cpu)"
     )
+    parser.add_argument(
+        "--messages",
+        help="message sizes in KiB, comma-separated (default "
+        + ",".join(str(b >> 10) for b in MESSAGE_BYTES)
+        + ")",
+    )
+
+
+def message_sizes(text: str | None) -> tuple[int, ...]:
+    """`--messages` in bytes (`MESSAGE_BYTES` when not given).
+
+    Raises:
+        ConfigError: not a list of positive whole KiB.
+    """
+    if not text:
+        return MESSAGE_BYTES
+    try:
+        sizes = tuple(int(x) << 10 for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise ConfigError(f"--messages {text!r}: comma-separated KiB, such as 64,1024") from exc
+    if not sizes or min(sizes) <= 0:
+        raise ConfigError(f"--messages {text!r}: every size must be at least 1 KiB")
+    return sizes
 
 
 def run(args: argparse.Namespace) -> BenchResult:
     codecs = names(args.codecs, CODECS)
-    spec = CodecBenchSpec(args.values, args.repeats, args.train_steps, codecs, device=args.device)
+    spec = CodecBenchSpec(args.values, args.repeats, args.train_steps, codecs,
+                          message_sizes(args.messages), args.device)  # fmt: skip
     config = optional_config(args)
     available = available_codecs(codecs, spec.device)
     skipped = [f"skipping {c}: {why}" for c, why in available.items() if why]

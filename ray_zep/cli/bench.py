@@ -31,6 +31,7 @@ BENCHES = {
     WeightsMode.TAWPIPE.value: "ray_zep_workers.bench_tawpipe",
     "zipccl": "ray_zep.bench.zipccl_report",
     "memory": "ray_zep.bench.memory",
+    "step": "ray_zep.bench.step",
 }
 """Every bench's name and module, in the order `ray-zep bench --help` lists them."""
 

@@ -2,12 +2,14 @@
 
 Built on first use when torch sees a GPU and nvcc is found; BF16 only (FP16 and
 FP32 tensors on a GPU use the torch reference, which `unavailable_reason` says).
-Torch ops choose each block's table (`table.py`'s histogram and top seven, the
-same code as the reference's); encoding then takes two launches: one counts
-the escapes of each 1024-value tile, torch turns the counts into the tile
-index (an exclusive prefix sum), and the second writes the planes and the
-escapes at their tile's offset, so the bytes are deterministic and equal to
-the reference's.
+Encoding takes two launches: the first picks each block's table (the rule of
+`table.py`), writes it into the chunk, counts the escapes of each 1024-value
+tile and adds up each block's share of the checksum; torch turns the counts
+into the tile index (an exclusive prefix sum), and the second launch writes the
+planes and the escapes at their tile's offset, so the bytes are deterministic
+and equal to the reference's. The escape count and the checksum reach the host
+in one wait (the header needs them). Decoding is one launch, which also adds up
+each tile's share of the checksum of what it decoded.
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ from ray_zep.collectives.format import (
     Layout,
     dynamic_bytes,
 )
-from ray_zep.collectives.reference import checksum, code_lookup, split_fields, table_bytes
-from ray_zep.collectives.table import block_tables
+from ray_zep.collectives.reference import CHECKSUM_MASK, check_total
 from ray_zep.errors import CodecError
 
 SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "zipccl.cu"
@@ -60,21 +61,19 @@ def encode_chunk(
     """
     ext, n = kernels or _extension(), flat_N.numel()
     layout = Layout.of(n, fmt)
-    tables_K7 = block_tables(split_fields(flat_N, fmt)[0], fmt)
-    code_of_KE = code_lookup(tables_K7, fmt).to(torch.uint8)
-    counts_T = ext.count_escapes(flat_N.view(torch.int16), code_of_KE, layout.tiles)
-    index_T = (torch.cumsum(counts_T, 0) - counts_T).to(torch.int32)
-    n_escapes = int(counts_T.sum()) if layout.tiles else 0
+    values = flat_N.view(torch.int16)
     static = torch.zeros(layout.static_bytes, dtype=torch.uint8, device=flat_N.device)
+    tables = static[layout.tables : layout.tables + TABLE_BYTES * layout.blocks]
+    code_of_KE, counts_T, sums_K = ext.tables(values, layout.tiles, tables)
+    index_T = (torch.cumsum(counts_T, 0) - counts_T).to(torch.int32)
+    n_escapes, total = (int(x) for x in torch.stack([counts_T.sum(), sums_K.sum()]).tolist())
     dynamic = torch.zeros(dynamic_bytes(n_escapes), dtype=torch.uint8, device=flat_N.device)
-    header = Header(fmt, n, n_escapes, checksum(flat_N, fmt))
+    header = Header(fmt, n, n_escapes, total & CHECKSUM_MASK)
     header = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
     static[:HEADER_BYTES] = header.to(flat_N.device)
-    tables = table_bytes(tables_K7)
-    static[layout.tables : layout.tables + tables.numel()] = tables
     static[layout.tile_index : layout.tile_index + 4 * layout.tiles] = index_T.view(torch.uint8)
     ext.encode(
-        flat_N.view(torch.int16),
+        values,
         code_of_KE,
         index_T,
         static,
@@ -88,12 +87,18 @@ def encode_chunk(
 def decode_chunk(
     static: torch.Tensor, dynamic: torch.Tensor, header: Header, kernels=None
 ) -> torch.Tensor:
-    """Same contract as `reference.decode_chunk`, on the GPU that holds `static`."""
+    """Same contract as `reference.decode_chunk`, on the GPU that holds `static`, and the
+    decoded values' checksum checked against the header's.
+
+    Raises:
+        CodecError: the checksums differ.
+    """
     layout = header.layout
     tables_K8 = static[layout.tables : layout.tables + TABLE_BYTES * layout.blocks]
     table8_K8 = tables_K8.view(-1, TABLE_BYTES).roll(1, dims=1).contiguous()
     table8_K8[:, 0] = 0  # code 0 is an escape (its field comes from the dynamic part)
     out = torch.empty(header.n_values, dtype=torch.int16, device=static.device)
+    sums_T = torch.zeros(layout.tiles, dtype=torch.int64, device=static.device)
     index_bytes = static[layout.tile_index : layout.tile_index + 4 * layout.tiles]
     (kernels or _extension()).decode(
         static.contiguous(),
@@ -103,7 +108,9 @@ def decode_chunk(
         dynamic.contiguous(),
         table8_K8,
         out,
+        sums_T,
     )
+    check_total(int(sums_T.sum()), header)
     return out.view(torch.bfloat16)
 
 

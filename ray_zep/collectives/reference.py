@@ -29,6 +29,9 @@ from ray_zep.collectives.format import (
 from ray_zep.collectives.table import block_tables
 from ray_zep.errors import CodecError
 
+CHECKSUM_MASK = (1 << 32) - 1
+"""Checksums are sums modulo 2^32 (`format.py`)."""
+
 
 def split_fields(flat_N: torch.Tensor, fmt: FloatFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """(exponent field, sm = sign << man_bits | mantissa) of each value, as int64."""
@@ -231,7 +234,12 @@ def check_whole(static: torch.Tensor, dynamic: torch.Tensor, header: Header) -> 
 
 def check_sum(values_N: torch.Tensor, header: Header) -> None:
     """Raise a CodecError unless the decoded values have the header's checksum."""
-    if checksum(values_N, header.fmt) != header.checksum:
+    check_total(checksum(values_N, header.fmt), header)
+
+
+def check_total(total: int, header: Header) -> None:
+    """Raise a CodecError unless `total` (modulo 2^32) is the header's checksum."""
+    if total & CHECKSUM_MASK != header.checksum:
         raise CodecError(
             f"corrupt chunk: the checksum of its {header.n_values} decoded values does not "
             "match its header"
@@ -256,7 +264,7 @@ def checksum(flat_N: torch.Tensor, fmt: FloatFormat) -> int:
     Computed in int64 without overflow: each product is split into 16-bit halves
     of the bits and reduced modulo 2^32 before the sum (chunks hold < 2^31 values).
     """
-    mask32 = (1 << 32) - 1
+    mask32 = CHECKSUM_MASK
     bits_N = flat_N.view(fmt.int_dtype).to(torch.int64) & ((1 << (8 * fmt.value_bytes)) - 1)
     weight_N = (2 * torch.arange(bits_N.numel(), device=bits_N.device) + 1) & mask32
     low_N = ((bits_N & 0xFFFF) * weight_N) & mask32

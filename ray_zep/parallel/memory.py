@@ -19,12 +19,17 @@ The model counts the tensors ray_zep's own step keeps, category by category:
   K/V receive buffers (placements that spread sequences), an FSDP2 unit's unsharded
   gradients before its reduce-scatter.
 
-A step's peak is the larger of two moments: the first block's backward in
-reverse order (parameters, optimizer state, every kept activation, the logits, the
-gradients that block's backward computes, the weights gathered or borrowed for it)
-and the end of backward (parameters, optimizer state, every gradient, the reduction
-buffers). Optimizer
-state exists from the second step on; the model describes that steady state.
+A step's peak is the largest of three moments: the loss's backward (parameters,
+optimizer state, every kept activation, the head's, the logits and the loss's two
+vocabulary-wide fp32 gradients: with a large vocabulary the peak, measured on one
+H200 within 1%), the first block's backward in reverse order (parameters, optimizer
+state, every kept activation, the logits, the gradients that block's backward
+computes, the weights gathered or borrowed for it) and the end of backward
+(parameters, optimizer state, every gradient, the reduction buffers). Optimizer
+state exists from the second step on; the model describes that steady state. Under
+bf16 autocast with unsharded weights, each matmul keeps a bf16 copy of its fp32
+weight for backward, so the copies of every projection and of the head count with
+the parameters.
 
 Activations per token and block, in elements, as the block computes them (D model
 dim, H heads, K KV heads, E head dim, F SwiGLU dim): the attention half keeps
@@ -37,7 +42,9 @@ them once (2·H·E + 2·K·E + H). The feed-forward half keeps 3D + 1 for its no
 expert, 2D + 4F' (an estimate: the gathered rows, the expert's SwiGLU and its
 output). `selective` keeps the attention half and the feed-forward's input (D);
 `full` keeps the block input (D). In bf16 the residual stream and norms stay fp32
-(4 bytes), matmul and attention results take 2 bytes.
+(4 bytes), matmul and attention results take 2 bytes, a norm keeps 2D + 1 in fp32
+(its output is not kept) and every projection reading it keeps its own bf16 copy of
+it (3D for q, k and v, 2D for w1 and w3).
 """
 
 from __future__ import annotations
@@ -168,7 +175,7 @@ def _working_set(shape: ModelShape, m: MemoryInputs) -> _WorkingSet:
         borrowed = 2 * owned_params(shape, m) * FP32  # the shard computing and the next
         return _WorkingSet(borrowed)
     if not m.weights.fsdp:
-        return _WorkingSet()
+        return _WorkingSet(autocast_weight_copies(shape, m))
     # backward gathers one unit at a time, two with prefetch
     units = fsdp_units(shape, m.fsdp_unit)
     largest = max(units)
@@ -178,6 +185,18 @@ def _working_set(shape: ModelShape, m: MemoryInputs) -> _WorkingSet:
         # them until their own backward (FSDP2 does not reshard in backward)
         gathered = max(gathered, _recompute_gathered(shape, m.checkpointing))
     return _WorkingSet(gathered * m.compute_bytes, largest * FP32)
+
+
+def autocast_weight_copies(shape: ModelShape, m: MemoryInputs) -> float:
+    """Bytes of the compute-dtype copies autocast makes of the fp32 weights a rank's matmuls
+    read (every projection and the output head; not the embedding, which is looked up,
+    nor the norms' scales): each matmul keeps its copy for backward, so all of them are
+    held at the start of backward. None in fp32, nor under FSDP2, which gathers its
+    weights in the compute dtype already."""
+    if m.compute_bytes == FP32:
+        return 0.0
+    norms = (2 * shape.n_layers + 1) * shape.dim
+    return (owned_params(shape, m) - shape.vocab_size * shape.dim - norms) * m.compute_bytes
 
 
 def fsdp_units(shape: ModelShape, unit: FsdpUnit) -> list[int]:
@@ -255,7 +274,10 @@ def block_params(shape: ModelShape, index: int) -> int:
 
 
 def activation_bytes(shape: ModelShape, m: MemoryInputs) -> float:
-    """Bytes autograd keeps for the rank's tokens at the end of forward."""
+    """Bytes of activations at the fuller of two moments of backward: the loss's backward
+    (every kept activation, the head's, the logits and the loss's two vocabulary-wide
+    gradients) and a block's backward (every kept activation, the logits, that block's
+    recomputed activations and the gradients it computes)."""
     kept, recomputed = 0.0, 0.0
     for index in range(shape.n_layers):
         attention, feed_forward = _block_halves(shape, index, m)
@@ -268,10 +290,12 @@ def activation_bytes(shape: ModelShape, m: MemoryInputs) -> float:
         else:
             kept += shape.dim * FP32
             recomputed = max(recomputed, attention + feed_forward)
-    # the head's norm and projection input, and the logits the step holds until its end
-    head = (3 * shape.dim + 1) * FP32 + shape.vocab_size * FP32
-    if m.compute_bytes != FP32:
-        head += shape.vocab_size * m.compute_bytes  # the bf16 logits before their fp32 copy
+    c, vocab = m.compute_bytes, shape.vocab_size
+    logits = vocab * c  # the model's logits, which the step holds until its end
+    # the head: its norm, its projection's input (a cast under autocast), and the
+    # log-softmax output the loss keeps
+    head = _norm_kept(shape, m) + _casts(shape, 1, m) + vocab * FP32
+    loss_grads = 2 * vocab * FP32  # the loss's backward: its output's and input's gradients
     # a block's backward: gradients of its widest intermediate and of its input
     widest = max(
         shape.moe_top_k * shape.expert_hidden if shape.is_moe_block(i) else shape.ffn_dim
@@ -283,7 +307,26 @@ def activation_bytes(shape: ModelShape, m: MemoryInputs) -> float:
         # the torch kernel's backward of a ring block: scores, probabilities and their
         # gradient, H x chunk x chunk in fp32 (the rank's ring tokens bound the chunk)
         scores = SCORE_MATRICES * shape.n_heads * float(m.ring_tokens) ** 2 * FP32
-    return m.tokens * (kept + recomputed + head + working) + scores
+    # while blocks run backward: as measured on CPU, the head's norm and the logits in
+    # fp32 (and in the compute dtype) still count
+    held = _norm_kept(shape, m) + vocab * FP32 + (logits if c != FP32 else 0.0)
+    at_loss = kept + head + logits + loss_grads
+    in_blocks = kept + recomputed + held + working
+    return m.tokens * max(at_loss, in_blocks) + scores
+
+
+def _norm_kept(shape: ModelShape, m: MemoryInputs) -> float:
+    """Bytes per token an RMSNorm keeps: its fp32 input and inverse RMS, and in fp32 its
+    output, which the next matmuls keep as their input (under autocast they keep their
+    own bf16 casts instead, `_casts`)."""
+    outputs = 3 if m.compute_bytes == FP32 else 2
+    return (outputs * shape.dim + 1) * FP32
+
+
+def _casts(shape: ModelShape, matmuls: int, m: MemoryInputs) -> float:
+    """Bytes per token of the compute-dtype copies autocast makes of a norm's output for
+    `matmuls` projections reading it (each casts its own; none in fp32)."""
+    return 0.0 if m.compute_bytes == FP32 else matmuls * shape.dim * m.compute_bytes
 
 
 def _block_halves(shape: ModelShape, index: int, m: MemoryInputs) -> tuple[float, float]:
@@ -291,16 +334,18 @@ def _block_halves(shape: ModelShape, index: int, m: MemoryInputs) -> tuple[float
     c = m.compute_bytes
     d, heads, he = shape.dim, shape.n_heads, shape.n_heads * shape.head_dim
     ke = shape.n_kv_heads * shape.head_dim
-    norm = (3 * d + 1) * FP32
+    norm = _norm_kept(shape, m)
     if m.flash_kernel:
         attention = norm + (2 * he + 2 * ke) * c + heads * FP32
     else:
         attention = norm + 5 * he * c + heads * FP32
+    attention += _casts(shape, 3, m)  # q, k and v
     if shape.is_moe_block(index):
         per_choice = 2 * d + 4 * shape.expert_hidden
-        ffn = norm + 2 * shape.moe_experts * FP32 + shape.moe_top_k * per_choice * c
+        ffn = norm + _casts(shape, 1, m) + 2 * shape.moe_experts * FP32
+        ffn += shape.moe_top_k * per_choice * c
     else:
-        ffn = norm + 4 * shape.ffn_dim * c
+        ffn = norm + _casts(shape, 2, m) + 4 * shape.ffn_dim * c  # w1 and w3
     return attention, ffn
 
 

@@ -2,11 +2,13 @@
 // std::thread per CUDA thread, so their logic can be checked byte for byte
 // against the torch reference on machines without a GPU. Only what the
 // kernels use is emulated: thread and block indices, __syncthreads (a barrier
-// of the block's threads), __shfl_up_sync (through a block-wide exchange
-// array; the kernels call it with every thread of the block), __shared__
-// (function-static storage, shared by the block's threads as one block runs
-// at a time).
+// of the block's threads), the warp shuffles and __match_any_sync (through a
+// block-wide exchange array; the kernels call them with every thread of the
+// block), atomicAdd (std::atomic_ref), __shared__ (function-static storage,
+// shared by the block's threads as one block runs at a time).
+#include <atomic>
 #include <barrier>
+#include <bit>
 #include <cstdint>
 #include <functional>
 #include <thread>
@@ -25,6 +27,8 @@ static int exchange[1024];
 
 static inline void __syncthreads() { block_barrier->arrive_and_wait(); }
 
+struct uint4 { unsigned x, y, z, w; };
+
 static inline int __shfl_up_sync(unsigned, int value, int delta) {
     const int me = (int)threadIdx.x, lane = me & 31;
     exchange[me] = value;
@@ -32,6 +36,31 @@ static inline int __shfl_up_sync(unsigned, int value, int delta) {
     const int out = lane >= delta ? exchange[me - delta] : value;
     __syncthreads();
     return out;
+}
+
+static inline int __shfl_xor_sync(unsigned, int value, int mask) {
+    const int me = (int)threadIdx.x;
+    exchange[me] = value;
+    __syncthreads();
+    const int out = exchange[(me & ~31) | ((me & 31) ^ mask)];
+    __syncthreads();
+    return out;
+}
+
+static inline unsigned __match_any_sync(unsigned, int value) {
+    const int me = (int)threadIdx.x, warp = me & ~31;
+    exchange[me] = value;
+    __syncthreads();
+    unsigned same = 0;
+    for (int lane = 0; lane < 32; ++lane) same |= (exchange[warp + lane] == value) << lane;
+    __syncthreads();
+    return same;
+}
+
+static inline int __ffs(unsigned x) { return x ? std::countr_zero(x) + 1 : 0; }
+static inline int __popc(unsigned x) { return std::popcount(x); }
+static inline int atomicAdd(int *address, int value) {
+    return std::atomic_ref<int>(*address).fetch_add(value);
 }
 
 #include "zipccl_kernels.cuh"
@@ -54,9 +83,9 @@ static void launch(int64_t blocks, const std::function<void()> &kernel) {
 
 extern "C" {
 
-void emu_count_escapes(const uint16_t *values, int64_t n, const uint8_t *code_of, int64_t *counts,
-                       int64_t tiles) {
-    launch(tiles, [&] { zc_count_escapes_kernel(values, n, code_of, counts); });
+void emu_tables(const uint16_t *values, int64_t n, int64_t tiles, uint8_t *code_of,
+                uint8_t *table_bytes, int64_t *counts, int64_t *sums, int64_t blocks) {
+    launch(blocks, [&] { zc_tables_kernel(values, n, tiles, code_of, table_bytes, counts, sums); });
 }
 
 void emu_encode(const uint16_t *values, int64_t n, const uint8_t *code_of,
@@ -67,7 +96,9 @@ void emu_encode(const uint16_t *values, int64_t n, const uint8_t *code_of,
 
 void emu_decode(const uint8_t *raw, const uint8_t *p0, const uint8_t *p1, const uint8_t *p2,
                 const int32_t *tile_index, const uint8_t *escapes, const uint8_t *table8, int64_t n,
-                uint16_t *values, int64_t tiles) {
-    launch(tiles, [&] { zc_decode_kernel(raw, p0, p1, p2, tile_index, escapes, table8, n, values); });
+                uint16_t *values, int64_t *sums, int64_t tiles) {
+    launch(tiles, [&] {
+        zc_decode_kernel(raw, p0, p1, p2, tile_index, escapes, table8, n, values, sums);
+    });
 }
 }

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from ray_zep.collectives.format import BLOCK_VALUES
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -38,16 +40,16 @@ class EmulatedKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
 
-    def count_escapes(self, values, code_of, tiles):
+    def tables(self, values, tiles, table_bytes):
+        blocks = -(-values.numel() // BLOCK_VALUES)
+        code_of = torch.zeros((blocks, 256), dtype=torch.uint8)
         counts = torch.zeros(tiles, dtype=torch.int64)
-        self.lib.emu_count_escapes(
-            _p(values),
-            ctypes.c_int64(values.numel()),
-            _p(code_of),
-            _p(counts),
-            ctypes.c_int64(tiles),
-        )
-        return counts
+        sums = torch.zeros(blocks, dtype=torch.int64)
+        self.lib.emu_tables(
+            _p(values), ctypes.c_int64(values.numel()), ctypes.c_int64(tiles), _p(code_of),
+            _p(table_bytes), _p(counts), _p(sums), ctypes.c_int64(blocks),
+        )  # fmt: skip
+        return code_of, counts, sums
 
     def encode(self, values, code_of, tile_index, static, raw_offset, code_offsets, dynamic):
         tiles = tile_index.numel()
@@ -57,9 +59,9 @@ class EmulatedKernels:
             _p(static, raw_offset), *planes, _p(dynamic), ctypes.c_int64(tiles),
         )  # fmt: skip
 
-    def decode(self, static, raw_offset, code_offsets, tile_index, dynamic, table8, out):
+    def decode(self, static, raw_offset, code_offsets, tile_index, dynamic, table8, out, sums):
         planes = [_p(static, off) for off in code_offsets]
         self.lib.emu_decode(
             _p(static, raw_offset), *planes, _p(tile_index), _p(dynamic), _p(table8),
-            ctypes.c_int64(out.numel()), _p(out), ctypes.c_int64(tile_index.numel()),
+            ctypes.c_int64(out.numel()), _p(out), _p(sums), ctypes.c_int64(tile_index.numel()),
         )  # fmt: skip

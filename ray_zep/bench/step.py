@@ -1,0 +1,278 @@
+"""`ray-zep bench step`: one rank's training step on this process's device.
+
+For every tokens-per-step of `--tokens` and batch shape of `--batches`, the
+configured model trains `--steps` steps on one rank through the trainer's step
+(`RankTrainer.train_step`: the step every Ray worker of `ray-zep train` runs;
+bf16 autocast on a GPU, fp32 on CPU), on batches drawn as the data actor draws
+them (`BatchStream`, `shard_for`). Batch shapes:
+
+- `packed`: synthetic documents of the ArXiv row of the Zeppelin paper's Table 2,
+  their lengths scaled so that the longest bin fills a step, rank-packed into the
+  step's tokens (longer documents split at L);
+- `long`: one sequence per step: documents of at least 64 x L tokens (ArXiv
+  lengths x 64 L / 1024), cut into L-token pieces, each trained as one sequence.
+
+Reported per case: the mean sequences per step, the steady seconds per step (after
+`WARM_UP` steps, synchronised), tokens/s, MFU (the trainer's model FLOPs, 3 x forward
+with causal attention, over the device's dense BF16 peak: `metrics.peak_tflops` or the
+datasheet of a known GPU), the allocator's peak against the memory model's prediction
+for the same shard. A case that runs out of memory is a row saying so, with the
+model's prediction.
+
+Not the Ray path itself: no data actor, no checkpoint, no process group (one rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ray_zep.command_args import optional_config, optional_config_args
+from ray_zep.config import Config, config_from_dict, config_to_dict, load_config
+from ray_zep.costmodel import datasheet_peak_flops
+from ray_zep.errors import ConfigError
+from ray_zep.parallel.axes import Placement, WeightsMode
+from ray_zep.report.charts import grouped_bars
+from ray_zep.report.figures import save_figure
+from ray_zep.report.output import BenchResult
+from ray_zep.report.text_table import Column, render_table
+
+NAME = "step"
+HELP = "time one rank's training step on this device"
+BATCHES = ("packed", "long")
+WARM_UP = 2
+"""Steps left out of the timing (allocator, kernel selection, autotuning)."""
+GPU_MODEL = (
+    "model.preset=3b",
+    "model.n_layers=4",
+    "model.n_heads=25",
+    "model.n_kv_heads=5",
+)
+"""The default model on a GPU: the 3B preset's width (dim 3200, FFN 8640, vocab 32k)
+with heads of 128 (its 32 heads of 100 have no flash kernel: head dims must be
+multiples of 8) and 4 of its 26 layers, so that 64k tokens per step fit one GPU
+without activation checkpointing."""
+GPU_TOKENS = (8192, 16384, 32768, 65536)
+CPU_TOKENS = (256, 512)
+LONG_SCALE = 64
+"""`long` batches: document lengths x 64 L / 1024 (every document spans many steps)."""
+GiB = float(1 << 30)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    optional_config_args(parser)
+    parser.add_argument("--tokens", help="tokens per step, comma-separated (default by device)")
+    parser.add_argument("--batches", default=",".join(BATCHES), help="packed and/or long")
+    parser.add_argument("--steps", type=int, default=6, help=f"steps per case ({WARM_UP} warm-up)")
+
+
+@dataclass(frozen=True)
+class StepRow:
+    device: str
+    batch: str
+    tokens: int
+    sequences: float
+    seconds: float
+    tokens_per_s: float
+    mfu: float
+    measured_gib: float
+    modelled_gib: float
+    loss: float
+    error: str = ""
+
+    @property
+    def model_error(self) -> float:
+        if not self.measured_gib:
+            return float("nan")
+        return self.modelled_gib / self.measured_gib - 1.0
+
+
+COLUMNS = [
+    Column("batch", "batch", "<8"),
+    Column("tokens/step", "tokens", ">12"),
+    Column("seqs/step", "sequences", ">10.1f"),
+    Column("s/step", "seconds", ">9.3f"),
+    Column("tokens/s", "tokens_per_s", ">11.0f"),
+    Column("MFU", "mfu", ">7.1%"),
+    Column("peak GiB", "measured_gib", ">9.2f"),
+    Column("model GiB", "modelled_gib", ">10.2f"),
+    Column("model err", "model_error", ">10.1%"),
+    Column("note", "error", "<"),
+]
+
+
+def run(args: argparse.Namespace) -> BenchResult:
+    from ray_zep.train.build import resolve_device
+
+    base = _base_config(args)
+    device = resolve_device(base.train.device)
+    tokens = _sizes(args.tokens, GPU_TOKENS if device.type == "cuda" else CPU_TOKENS)
+    batches = [b.strip() for b in args.batches.split(",") if b.strip()]
+    for batch in batches:
+        if batch not in BATCHES:
+            raise ConfigError(f"--batches item {batch!r}: choose from {', '.join(BATCHES)}")
+    if args.steps <= WARM_UP:
+        raise ConfigError(f"--steps={args.steps}: more than the {WARM_UP} warm-up steps")
+    peak = _peak_flops(base, device)
+    rows = [
+        run_case(_case_config(base, batch, n, args.steps), device, batch, peak)
+        for n in tokens
+        for batch in batches
+    ]
+    name = _name(device)
+    note = (
+        f"device: {name}; peak {peak / 1e12:.0f} TFLOP/s dense BF16"
+        if peak
+        else f"device: {name}; no known peak (set metrics.peak_tflops): MFU not computed"
+    )
+    spec = {"device": name, "tokens": tokens, "batches": batches, "steps": args.steps,
+            "peak_flops": peak, "model": config_to_dict(base)["model"]}  # fmt: skip
+    return BenchResult(
+        NAME,
+        spec,
+        [asdict(r) | {"model_error": r.model_error} for r in rows],
+        render_table(rows, COLUMNS),
+        notes=[note],
+        draw=partial(draw, rows),
+    )
+
+
+def _base_config(args: argparse.Namespace) -> Config:
+    """The user's config; without one, the demo config with `GPU_MODEL` on a GPU."""
+    if args.config is None and not args.overrides and torch.cuda.is_available():
+        return load_config(None, list(GPU_MODEL))
+    return optional_config(args)
+
+
+def _sizes(text: str | None, default: tuple[int, ...]) -> list[int]:
+    if not text:
+        return list(default)
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"--tokens {text!r}: comma-separated integers") from exc
+    if not sizes or min(sizes) < 2:
+        raise ConfigError(f"--tokens {text!r}: every size must be >= 2")
+    return sizes
+
+
+def _peak_flops(config: Config, device: torch.device) -> float:
+    if config.metrics.peak_tflops:
+        return config.metrics.peak_tflops * 1e12
+    if device.type != "cuda":
+        return 0.0
+    return datasheet_peak_flops(torch.cuda.get_device_name(device)) or 0.0
+
+
+def _case_config(base: Config, batch: str, tokens: int, steps: int) -> Config:
+    plain = config_to_dict(base)
+    plain["topology"].update(nodes=1, gpus_per_node=1)
+    plain["parallel"].update(sequence=Placement.WHOLE.value, weights=WeightsMode.REPLICATED.value,
+                             routing=False, remap=False)  # fmt: skip
+    plain["comm"]["compression"] = "off"
+    plain["data"].update(source="synthetic:arxiv", packing="rank", overlong="split",
+                         max_doc_tokens=None)  # fmt: skip
+    longest = 64 * 1024  # Table 2's longest ArXiv bin, in tokens
+    scale = LONG_SCALE * tokens / 1024 if batch == "long" else tokens / longest
+    plain["data"]["length_scale"] = scale
+    plain["train"].update(tokens_per_rank=tokens, steps=steps, micro_batches=1,
+                          checkpoint_every=0)  # fmt: skip
+    plain["metrics"].update(memory_every=1, progress=False)
+    return config_from_dict(plain)
+
+
+def run_case(config: Config, device: torch.device, batch: str, peak: float) -> StepRow:
+    """Train `config.train.steps` steps of one rank; the row of its steady steps."""
+    from ray_zep.data.batching import BatchStream
+    from ray_zep.data.catalog import open_configured_source
+    from ray_zep.data.shards import shard_for
+    from ray_zep.topology import build_topology
+    from ray_zep.train.accounting import modelled_memory
+    from ray_zep.train.setup import create_comm
+    from ray_zep.train.trainer import RankTrainer
+
+    topology = build_topology(config.topology)
+    comm = create_comm(config, topology)
+    stream = BatchStream.from_config(open_configured_source(config), config, 1)
+    tokens = config.train.tokens_per_rank
+    trainer, shard = None, None
+    seconds, sequences, peaks, flops, losses = [], [], [], [], []
+    try:
+        trainer = RankTrainer(config, comm, device)
+        for _ in range(config.train.steps):
+            shard = shard_for(stream.next_batch(), config, topology)[0]
+            _sync(device)
+            started = time.perf_counter()
+            stats = trainer.train_step(shard)
+            _sync(device)
+            seconds.append(time.perf_counter() - started)
+            sequences.append(len(shard.lengths))
+            peaks.append(float(stats.memory["measured"][0]))
+            flops.append(stats.model_flops)
+            losses.append(stats.loss)
+    except torch.OutOfMemoryError:
+        modelled = modelled_memory(shard, trainer.ctx).total if trainer and shard else 0.0
+        del trainer
+        _release(device)
+        nan = float("nan")
+        return StepRow(_name(device), batch, tokens, nan, nan, nan, nan, 0.0, modelled / GiB, nan,
+                       "out of memory")  # fmt: skip
+    modelled = modelled_memory(shard, trainer.ctx).total
+    del trainer
+    _release(device)
+    steady = slice(WARM_UP, None)
+    step_s = statistics.mean(seconds[steady])
+    mean_flops = statistics.mean(flops[steady])
+    return StepRow(
+        _name(device),
+        batch,
+        tokens,
+        statistics.mean(sequences[steady]),
+        step_s,
+        tokens / step_s,
+        mean_flops / step_s / peak if peak else float("nan"),
+        max(peaks[steady]) / GiB,
+        modelled / GiB,
+        losses[-1],
+    )
+
+
+def _name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def draw(rows: list[StepRow], path: Path) -> Path | None:
+    """Tokens/s per tokens-per-step, one bar per batch shape (None: no matplotlib)."""
+    return save_figure(path, partial(_draw, rows), size=(10.0, 4.4))
+
+
+def _draw(rows: list[StepRow], figure: Any, axes: Any) -> None:
+    sizes = sorted({r.tokens for r in rows})
+    shapes = sorted({r.batch for r in rows})
+    by_case = {(r.tokens, r.batch): r for r in rows}
+    values = [
+        [None if by_case[n, b].error else by_case[n, b].tokens_per_s / 1e3 for b in shapes]
+        for n in sizes
+    ]
+    title = f"one rank's training step, {rows[0].device}" if rows else "no rows"
+    grouped_bars(axes[0, 0], [f"{n:,}" for n in sizes], shapes, values, title=title,
+                 ylabel="k tokens/s", xlabel="tokens per step")  # fmt: skip
