@@ -13,15 +13,16 @@
 //
 // Compressing takes two launches. The first (zc_tables_kernel, one thread block
 // per block of ZC_BLOCK_VALUES values, one warp per tile) counts the block's
-// exponent fields, picks its table (the seven most frequent fields, ties to the
-// smaller field: ray_zep/collectives/table.py), writes the field -> code lookup
-// and the table bytes, counts each tile's escapes and adds up the block's share
-// of the checksum (sum of bits_i x (2i + 1) modulo 2^32, format.py). The host
-// turns the escape counts into the tile index (exclusive prefix sum, stored in
-// the chunk) and the encoder places a thread's escapes at tile index + the
-// exclusive scan of the escape counts of the threads before it in the tile.
-// The decoder recomputes the same scan from the codes and adds up each tile's
-// share of the checksum of what it decoded.
+// exponent fields (a histogram per warp in shared memory, then their sum), picks
+// its table (the seven most frequent fields, ties to the smaller field:
+// ray_zep/collectives/table.py), writes the field -> code lookup and the table
+// bytes, counts each tile's escapes and adds up the block's share of the checksum
+// (sum of bits_i x (2i + 1) modulo 2^32, format.py). The host turns the escape
+// counts into the tile index (exclusive prefix sum, stored in the chunk) and the
+// encoder places a thread's escapes at tile index + the exclusive scan of the
+// escape counts of the threads before it in the tile. The decoder recomputes the
+// same scan from the codes and adds up each tile's share of the checksum of what
+// it decoded.
 #pragma once
 #include <stdint.h>
 
@@ -134,8 +135,9 @@ __global__ void zc_tables_kernel(const uint16_t *values, int64_t n, int64_t tile
                                  uint8_t *code_of, uint8_t *table_bytes, int64_t *counts,
                                  int64_t *sums) {
     __shared__ int histogram[ZC_FIELDS];
+    __shared__ int per_warp[ZC_WARPS][ZC_FIELDS];  // each warp counts its own tile
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int f = threadIdx.x; f < ZC_FIELDS; f += ZC_THREADS) histogram[f] = 0;
+    for (int f = lane; f < ZC_FIELDS; f += 32) per_warp[warp][f] = 0;
     __syncthreads();
     const int64_t tile = (int64_t)blockIdx.x * ZC_TILES_PER_BLOCK + warp;
     const int rounds = ZC_TILE_VALUES / (32 * ZC_VALUES_PER_THREAD);
@@ -148,9 +150,14 @@ __global__ void zc_tables_kernel(const uint16_t *values, int64_t n, int64_t tile
         for (int k = 0; k < ZC_VALUES_PER_THREAD; ++k) {
             const int field = (eight[k] >> 7) & 0xFF;
             if (first + k < n) checksum += zc_checksum_term(eight[k], first + k);
-            const unsigned same = __match_any_sync(0xffffffffu, field);
-            if (lane == __ffs(same) - 1) atomicAdd(&histogram[field], __popc(same));
+            atomicAdd(&per_warp[warp][field], 1);
         }
+    }
+    __syncthreads();
+    for (int f = threadIdx.x; f < ZC_FIELDS; f += ZC_THREADS) {
+        int total = 0;
+        for (int w = 0; w < ZC_WARPS; ++w) total += per_warp[w][f];
+        histogram[f] = total;
     }
     __syncthreads();
     // Every warp picks the same table: key = count x 255 + (254 - field) is unique per

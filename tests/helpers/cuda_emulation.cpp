@@ -2,13 +2,12 @@
 // std::thread per CUDA thread, so their logic can be checked byte for byte
 // against the torch reference on machines without a GPU. Only what the
 // kernels use is emulated: thread and block indices, __syncthreads (a barrier
-// of the block's threads), the warp shuffles and __match_any_sync (through a
-// block-wide exchange array; the kernels call them with every thread of the
-// block), atomicAdd (std::atomic_ref), __shared__ (function-static storage,
-// shared by the block's threads as one block runs at a time).
+// of the block's threads), the warp shuffles (through a block-wide exchange
+// array; the kernels call them with every thread of the block), atomicAdd
+// (std::atomic_ref), __shared__ (function-static storage, shared by the block's
+// threads as one block runs at a time).
 #include <atomic>
 #include <barrier>
-#include <bit>
 #include <cstdint>
 #include <functional>
 #include <thread>
@@ -47,18 +46,6 @@ static inline int __shfl_xor_sync(unsigned, int value, int mask) {
     return out;
 }
 
-static inline unsigned __match_any_sync(unsigned, int value) {
-    const int me = (int)threadIdx.x, warp = me & ~31;
-    exchange[me] = value;
-    __syncthreads();
-    unsigned same = 0;
-    for (int lane = 0; lane < 32; ++lane) same |= (exchange[warp + lane] == value) << lane;
-    __syncthreads();
-    return same;
-}
-
-static inline int __ffs(unsigned x) { return x ? std::countr_zero(x) + 1 : 0; }
-static inline int __popc(unsigned x) { return std::popcount(x); }
 static inline int atomicAdd(int *address, int value) {
     return std::atomic_ref<int>(*address).fetch_add(value);
 }
