@@ -10,11 +10,13 @@ import pytest
 
 from ray_zep import steplog
 from ray_zep.config import load_config
+from ray_zep.constants import CHECKPOINT_COMPLETE_MARKER
 from ray_zep.data.batching import BatchStream
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.data.regroup import regroup
 from ray_zep.errors import ConfigError, TopologyError
 from ray_zep.topology import build_topology
+from ray_zep.train.checkpoint import checkpoint_path
 from ray_zep.train.ledger import ledger_path, read_ledger, rewind_departed
 from ray_zep.train.setup import check_live_sizes, prepare_run
 from ray_zep_workers.elastic import RoomWatch
@@ -43,10 +45,12 @@ WHOLE = ["parallel.sequence=whole", "parallel.weights=replicated", "parallel.rou
          "parallel.remap=false"]  # fmt: skip
 TAWPIPE = [*WHOLE[:1], "parallel.weights=tawpipe", *WHOLE[2:]]
 RUNS = {
-    "zeppelin+fsdp": ("budget", ZEPPELIN),
-    "whole+replicated": ("rank", WHOLE),
-    "whole+tawpipe": ("rank", TAWPIPE),
+    "zeppelin+fsdp": ("budget", ZEPPELIN, True),
+    "whole+replicated": ("rank", WHOLE, False),
+    "whole+tawpipe": ("rank", TAWPIPE, False),
 }
+"""name: (data.packing, overrides, whether the shrunk group loses a node while it saves
+its last checkpoint)."""
 
 
 def _phases(rank: int, world: int, phases: list[tuple[list[str], int | None, int | None]]):
@@ -57,19 +61,26 @@ def _phases(rank: int, world: int, phases: list[tuple[list[str], int | None, int
 @pytest.mark.parametrize("name", list(RUNS))
 def test_shrink_and_regrow_trains_like_the_uninterrupted_run(name: str, tmp_path: Path) -> None:
     """2 x 2 for steps 1-2, one node for 3-4, both again for 5-6; then the same run
-    without interruption. Losses, parameters and the tokens of every step agree."""
-    packing, extra = RUNS[name]
+    without interruption. Losses, parameters and the tokens of every step agree. Where
+    the shrunk group loses its node while it saves step 4 (its checkpoint has no
+    COMPLETE marker), the grown group goes back to step 2 and trains 3-6."""
+    packing, extra, torn = RUNS[name]
     base = [*_base(mixed_dataset(tmp_path / "mixed.parquet"), packing), *extra]
     elastic, whole = [*base, f"train.out_dir={tmp_path / 'elastic'}"], [
         *base, f"train.out_dir={tmp_path / 'whole'}"]  # fmt: skip
     first = run_ranks(_phases, 4, [(elastic, None, 2)])[0][0]
     shrunk = run_ranks(_phases, 2, [(elastic, 1, 4)])[0][0]
+    if torn:
+        (checkpoint_path(tmp_path / "elastic", 4) / CHECKPOINT_COMPLETE_MARKER).unlink()
     grown, uninterrupted = run_ranks(_phases, 4, [(elastic, None, None), (whole, None, None)])[0]
     losses = first["losses"] | shrunk["losses"] | grown["losses"]
     assert sorted(losses) == list(range(1, STEPS + 1)), losses
     assert sorted(shrunk["losses"]) == [3, 4], "the shrunk run resumed after step 2"
+    assert sorted(grown["losses"]) == ([3, 4, 5, 6] if torn else [5, 6]), "resumed elsewhere"
     for step, loss in uninterrupted["losses"].items():
         assert losses[step] == pytest.approx(loss, rel=1e-5), (name, step)
+        if step in shrunk["losses"]:
+            assert shrunk["losses"][step] == pytest.approx(loss, rel=1e-5), (name, step)
     err, param = max_relative_error(grown["params"], uninterrupted["params"])
     assert err <= 1e-5, f"{name}: {param} relative error {err:.2e}"
     ledger, reference = read_ledger(tmp_path / "elastic"), read_ledger(tmp_path / "whole")
