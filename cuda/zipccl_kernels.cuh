@@ -123,6 +123,16 @@ __device__ __forceinline__ void zc_load8(const uint16_t *values, int64_t n, int6
         out[k] = first + k < n ? values[first + k] : (uint16_t)0x7F80u;
 }
 
+// Round r of a warp reading `tile`: this lane's eight values (`zc_load8`); returns the
+// index of the first.
+__device__ __forceinline__ int64_t zc_load_round(const uint16_t *values, int64_t n, int64_t tile,
+                                                 int r, uint16_t out[ZC_VALUES_PER_THREAD]) {
+    const int lane = threadIdx.x & 31;
+    const int64_t first = tile * ZC_TILE_VALUES + (r * 32 + lane) * ZC_VALUES_PER_THREAD;
+    zc_load8(values, n, first, out);
+    return first;
+}
+
 __device__ __forceinline__ uint8_t zc_plane_byte(uint64_t codes, int bit) {
     return (uint8_t)((((codes >> bit) & 0x0101010101010101ULL) * 0x0102040810204080ULL) >> 56);
 }
@@ -143,9 +153,8 @@ __global__ void zc_tables_kernel(const uint16_t *values, int64_t n, int64_t tile
     const int rounds = ZC_TILE_VALUES / (32 * ZC_VALUES_PER_THREAD);
     uint32_t checksum = 0;
     for (int r = 0; r < rounds; ++r) {
-        const int64_t first = tile * ZC_TILE_VALUES + (r * 32 + lane) * ZC_VALUES_PER_THREAD;
         uint16_t eight[ZC_VALUES_PER_THREAD];
-        zc_load8(values, n, first, eight);
+        const int64_t first = zc_load_round(values, n, tile, r, eight);
 #pragma unroll
         for (int k = 0; k < ZC_VALUES_PER_THREAD; ++k) {
             const int field = (eight[k] >> 7) & 0xFF;
@@ -191,9 +200,8 @@ __global__ void zc_tables_kernel(const uint16_t *values, int64_t n, int64_t tile
             threadIdx.x < ZC_TABLE ? (uint8_t)table[threadIdx.x] : 0;
     uint32_t escaped = 0;
     for (int r = 0; r < rounds; ++r) {  // the tile again, from the cache
-        const int64_t first = tile * ZC_TILE_VALUES + (r * 32 + lane) * ZC_VALUES_PER_THREAD;
         uint16_t eight[ZC_VALUES_PER_THREAD];
-        zc_load8(values, n, first, eight);
+        const int64_t first = zc_load_round(values, n, tile, r, eight);
 #pragma unroll
         for (int k = 0; k < ZC_VALUES_PER_THREAD; ++k) {
             const int field = (eight[k] >> 7) & 0xFF;
