@@ -69,8 +69,15 @@ GiB = float(1 << 30)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     optional_config_args(parser)
-    parser.add_argument("--tokens", help="tokens per step, comma-separated (default by device)")
-    parser.add_argument("--batches", default=",".join(BATCHES), help="packed and/or long")
+    parser.add_argument(
+        "--tokens",
+        help="tokens per step, comma-separated (default: "
+        + ",".join(map(str, GPU_TOKENS)) + " on a GPU, " + ",".join(map(str, CPU_TOKENS))
+        + " on CPU)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--batches", default=",".join(BATCHES), help="packed (several documents) and/or long"
+    )
     parser.add_argument("--steps", type=int, default=6, help=f"steps per case ({WARM_UP} warm-up)")
 
 
