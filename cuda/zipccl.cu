@@ -32,8 +32,9 @@ std::vector<torch::Tensor> tables(torch::Tensor values, int64_t tiles, torch::Te
     TORCH_CHECK(tiles == tiles_of(n), "tile count does not match the values");
     TORCH_CHECK(table_bytes.numel() == ZC_TABLE_BYTES * blocks, "8 table bytes per block expected");
     auto code_of = torch::empty({blocks, ZC_FIELDS}, values.options().dtype(torch::kUInt8));
-    auto counts = torch::zeros({tiles}, values.options().dtype(torch::kInt64));
-    auto sums = torch::zeros({blocks}, values.options().dtype(torch::kInt64));
+    // every tile's count and every block's share are written by the kernel
+    auto counts = torch::empty({tiles}, values.options().dtype(torch::kInt64));
+    auto sums = torch::empty({blocks}, values.options().dtype(torch::kInt64));
     if (blocks > 0) {
         zc_tables_kernel<<<blocks, ZC_THREADS, 0, c10::cuda::getCurrentCUDAStream()>>>(
             reinterpret_cast<const uint16_t *>(values.data_ptr<int16_t>()), n, tiles,

@@ -31,7 +31,7 @@ import torch
 
 from ray_zep.collectives import compress, decompress, native
 from ray_zep.collectives.format import float_format
-from ray_zep.command_args import names, optional_config, optional_config_args
+from ray_zep.command_args import counts, names, optional_config, optional_config_args
 from ray_zep.config import Config, Packing
 from ray_zep.errors import ConfigError
 from ray_zep.parallel.axes import Placement, WeightsMode
@@ -72,17 +72,11 @@ def message_sizes(text: str | None) -> tuple[int, ...]:
     """`--messages` in bytes (`MESSAGE_BYTES` when not given).
 
     Raises:
-        ConfigError: not a list of positive whole KiB.
+        ConfigError: not a list of positive counts of KiB (`counts`).
     """
     if not text:
         return MESSAGE_BYTES
-    try:
-        sizes = tuple(int(x) << 10 for x in text.split(",") if x.strip())
-    except ValueError as exc:
-        raise ConfigError(f"--messages {text!r}: comma-separated KiB, such as 64,1024") from exc
-    if not sizes or min(sizes) <= 0:
-        raise ConfigError(f"--messages {text!r}: every size must be at least 1 KiB")
-    return sizes
+    return tuple(kib << 10 for kib in counts(text, "--messages"))
 
 
 def run(args: argparse.Namespace) -> BenchResult:

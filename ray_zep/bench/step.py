@@ -35,7 +35,13 @@ from typing import Any
 
 import torch
 
-from ray_zep.command_args import optional_config, optional_config_args
+from ray_zep.command_args import (
+    at_least,
+    counts,
+    names,
+    optional_config,
+    optional_config_args,
+)
 from ray_zep.config import Config, config_from_dict, config_to_dict, load_config
 from ray_zep.costmodel import datasheet_peak_flops
 from ray_zep.errors import ConfigError
@@ -121,8 +127,10 @@ def run(args: argparse.Namespace) -> BenchResult:
 
     base = _base_config(args)
     device = resolve_device(base.train.device)
-    tokens = _sizes(args.tokens, GPU_TOKENS if device.type == "cuda" else CPU_TOKENS)
-    batches = [b.strip() for b in args.batches.split(",") if b.strip()]
+    default = GPU_TOKENS if device.type == "cuda" else CPU_TOKENS
+    tokens = list(counts(args.tokens, "--tokens") if args.tokens else default)
+    at_least("--tokens", min(tokens), 2, "train.tokens_per_rank")
+    batches = names(args.batches, BATCHES)
     for batch in batches:
         if batch not in BATCHES:
             raise ConfigError(f"--batches item {batch!r}: choose from {', '.join(BATCHES)}")
@@ -157,18 +165,6 @@ def _base_config(args: argparse.Namespace) -> Config:
     if args.config is None and not args.overrides and torch.cuda.is_available():
         return load_config(None, list(GPU_MODEL))
     return optional_config(args)
-
-
-def _sizes(text: str | None, default: tuple[int, ...]) -> list[int]:
-    if not text:
-        return list(default)
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise ConfigError(f"--tokens {text!r}: comma-separated integers") from exc
-    if not sizes or min(sizes) < 2:
-        raise ConfigError(f"--tokens {text!r}: every size must be >= 2")
-    return sizes
 
 
 def _peak_flops(config: Config, device: torch.device) -> float:

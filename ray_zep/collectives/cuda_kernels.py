@@ -98,7 +98,7 @@ def decode_chunk(
     table8_K8 = tables_K8.view(-1, TABLE_BYTES).roll(1, dims=1).contiguous()
     table8_K8[:, 0] = 0  # code 0 is an escape (its field comes from the dynamic part)
     out = torch.empty(header.n_values, dtype=torch.int16, device=static.device)
-    sums_T = torch.zeros(layout.tiles, dtype=torch.int64, device=static.device)
+    sums_T = torch.empty(layout.tiles, dtype=torch.int64, device=static.device)  # all written
     index_bytes = static[layout.tile_index : layout.tile_index + 4 * layout.tiles]
     (kernels or _extension()).decode(
         static.contiguous(),

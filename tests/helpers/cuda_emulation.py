@@ -42,9 +42,9 @@ class EmulatedKernels:
 
     def tables(self, values, tiles, table_bytes):
         blocks = -(-values.numel() // BLOCK_VALUES)
-        code_of = torch.zeros((blocks, 256), dtype=torch.uint8)
-        counts = torch.zeros(tiles, dtype=torch.int64)
-        sums = torch.zeros(blocks, dtype=torch.int64)
+        code_of = torch.empty((blocks, 256), dtype=torch.uint8)
+        counts = torch.empty(tiles, dtype=torch.int64)  # as the extension: the kernel fills
+        sums = torch.empty(blocks, dtype=torch.int64)
         self.lib.emu_tables(
             _p(values), ctypes.c_int64(values.numel()), ctypes.c_int64(tiles), _p(code_of),
             _p(table_bytes), _p(counts), _p(sums), ctypes.c_int64(blocks),
