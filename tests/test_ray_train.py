@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -18,7 +19,7 @@ from ray_zep.config import config_to_dict, load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import OverlongDocumentError, TopologyError
 from ray_zep.topology import build_topology
-from ray_zep.train.checkpoint import checkpoint_path
+from ray_zep.train.checkpoint import checkpoint_path, latest_checkpoint
 from ray_zep.train.ledger import read_ledger
 from ray_zep_workers.data_actor import DataActor
 from ray_zep_workers.driver import RunSummary, train
@@ -103,6 +104,8 @@ def _train(out: Path, *overrides: str):
 
 
 ELASTIC_STEPS = 20
+TORN_STEP = 4
+"""The elastic run loses a node while this step's checkpoint is being written."""
 ELASTIC = [
     *SMALL_RUN,
     "topology.nodes=3",
@@ -134,9 +137,13 @@ class ScrapedRun:
 def elastic_run(local_ray: Cluster, tmp_path_factory: pytest.TempPathFactory):
     """zeppelin + fsdp (routing and remapping on, compressed but for routed_kv, which
     three nodes refuse: tests/test_train_compression.py) on 3 x 2 with
-    ray.min_nodes=2, its metrics scraped by a real Prometheus server: a node is removed
-    after step 2, the run goes on with two nodes, the node comes back and the group grows
-    to three again."""
+    ray.min_nodes=2, its metrics scraped by a real Prometheus server. A node is removed
+    while the checkpoint of step 4 is being written, the run goes on with two nodes from
+    step 2's checkpoint, the node comes back and the group grows to three again.
+
+    The save is caught in the middle for certain: each rank's data file of step 4 is a
+    named pipe before the run starts, so every rank blocks opening it (no reader) until
+    its node is gone or its group is stopped."""
     binary = shutil.which("prometheus")
     out = tmp_path_factory.mktemp("ray_train")
     port = free_port()
@@ -155,15 +162,20 @@ def elastic_run(local_ray: Cluster, tmp_path_factory: pytest.TempPathFactory):
         except BaseException as exc:
             outcome["error"] = exc
 
+    torn = _pipes_in_place_of_rank_files(checkpoint_path(run_dir, TORN_STEP), world=6)
     try:
         started = time.time()
         fit = threading.Thread(target=run, daemon=True)
         fit.start()
-        _wait_for(lambda: max(jsonl_losses(run_dir), default=0) >= 2, fit, outcome, "step 2")
+        _wait_for(lambda: _last_step(run_dir) >= TORN_STEP, fit, outcome, f"step {TORN_STEP}")
         local_ray.remove_node(next(iter(local_ray.worker_nodes)))
-        shrunk = "a step on two nodes"
+        for pipe in torn:  # the smaller group writes step 4's checkpoint as files
+            pipe.unlink()
+        # the node returns once the smaller group has checkpointed a step of its own: the
+        # grown group resumes from there, so the rows of two nodes' steps stay in the file
+        shrunk = "a checkpoint of a step on two nodes"
         try:
-            _wait_for(lambda: _world_sizes(run_dir)[-1:] == [4], fit, outcome, shrunk)
+            _wait_for(lambda: _checkpointed_on(run_dir, 4), fit, outcome, shrunk)
         finally:  # the module's other tests need three nodes
             local_ray.add_node(**NODE)
         _wait_for(lambda: not fit.is_alive(), fit, outcome, "the end of the run", timeout_s=300)
@@ -203,8 +215,11 @@ def test_an_elastic_run_loses_a_node_and_grows_back_as_one_run(
     err, name = max_relative_error(ours, theirs)
     assert err <= REL_TOL, f"parameter {name}: relative error {err:.2e}"
     assert tokens_per_step(read_ledger(out)) == tokens_per_step(read_ledger(single_dir))
-    rows = steplog.read_rows(out / METRICS_FILE_NAME)
-    assert {(r["nodes"], r["world_size"]) for r in rows if "step_seconds" in r} == {(3, 6), (2, 4)}
+    rows = steplog.step_rows(out / METRICS_FILE_NAME)
+    assert {(r["nodes"], r["world_size"]) for r in rows} == {(3, 6), (2, 4)}
+    # the torn checkpoint was passed over: two nodes trained again from step 2's on
+    world_of_step = {row["step"]: row["world_size"] for row in rows}
+    assert [world_of_step[s] for s in range(1, TORN_STEP + 1)] == [6, 6, 4, 4], world_of_step
 
 
 def test_every_dashboard_panel_query_answers(elastic_run: ScrapedRun) -> None:
@@ -226,9 +241,32 @@ def test_every_dashboard_panel_query_answers(elastic_run: ScrapedRun) -> None:
         assert max(float(v) for s in series for _, v in s["values"]) == 1, reason
 
 
-def _world_sizes(run_dir: Path) -> list[int]:
-    rows = steplog.read_rows(run_dir / METRICS_FILE_NAME)
-    return [row["world_size"] for row in rows if "step_seconds" in row]
+def _pipes_in_place_of_rank_files(checkpoint: Path, world: int) -> list[Path]:
+    """Named pipes where each rank's distributed-checkpoint data file goes (DCP names the
+    file of rank r `__r_0.distcp`: one file per rank): opening one to write blocks."""
+    checkpoint.mkdir(parents=True)
+    pipes = [checkpoint / f"__{rank}_0.distcp" for rank in range(world)]
+    for pipe in pipes:
+        os.mkfifo(pipe)
+    return pipes
+
+
+def _last_step(run_dir: Path) -> int:
+    try:
+        return max(jsonl_losses(run_dir), default=0)
+    except json.JSONDecodeError:  # a row still being written
+        return 0
+
+
+def _checkpointed_on(run_dir: Path, world_size: int) -> bool:
+    """Whether the newest complete checkpoint is of a step a group of `world_size` trained."""
+    newest = latest_checkpoint(run_dir)
+    try:
+        rows = steplog.step_rows(run_dir / METRICS_FILE_NAME)
+    except json.JSONDecodeError:  # a row still being written
+        return False
+    trained = {row["step"] for row in rows if row["world_size"] == world_size}
+    return newest is not None and int(newest.name.rsplit("_", 1)[1]) in trained
 
 
 def _wait_for(done, fit: threading.Thread, outcome: dict, what: str, timeout_s: float = 180):
