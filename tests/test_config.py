@@ -193,3 +193,16 @@ def test_a_saved_run_config_with_the_former_name_reads_as_ring_relay(tmp_path: P
     assert renamed == ["parallel.weights=ring_relay"]
     assert load_config(written, renamed).parallel.weights is WeightsMode.RING_RELAY
     assert renamed_overrides(tmp_path / "missing.yaml") == []
+
+
+def test_each_load_starts_from_the_defaults() -> None:
+    """The typed defaults are built once per process; no load (nor a change to what a load
+    returned) reaches the next."""
+    changed = load_config(None, ["train.steps=7", "topology.nodes=3"])
+    changed.train.steps = 9
+    fresh = load_config(None)
+    assert (fresh.train.steps, fresh.topology.nodes) == (
+        Config().train.steps,
+        Config().topology.nodes,
+    )
+    assert load_config(None, ["train.steps=7"]).train.steps == 7
