@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,18 @@ def cluster_a_config(args: argparse.Namespace) -> Config:
 def names(text: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
     """A comma list ('a, b'), or `default` when the flag was not given."""
     return default if text is None else tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def known(flag: str, given: Iterable[str], choices: Iterable[str]) -> None:
+    """Each of `given` is one of `choices`; the first that is not is named, with the choices.
+
+    Raises:
+        ConfigError: naming `flag`, the unknown name and the choices.
+    """
+    allowed = tuple(choices)
+    for name in given:
+        if name not in allowed:
+            raise ConfigError(f"{flag}: {name!r} is not one of {', '.join(allowed)}")
 
 
 def parse_lengths(text: str, flag: str = "--lengths") -> np.ndarray:

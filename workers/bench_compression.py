@@ -22,10 +22,9 @@ from functools import partial
 from pathlib import Path
 
 from ray_zep import steplog
-from ray_zep.command_args import names
+from ray_zep.command_args import known, names
 from ray_zep.config import Compression, load_config
 from ray_zep.constants import METRICS_FILE_NAME
-from ray_zep.errors import ConfigError
 from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.report.output import BenchResult
 from ray_zep.report.text_table import Column, render_table
@@ -116,12 +115,8 @@ def check_cases(cases, modes) -> tuple[tuple[str, ...], tuple[str, ...]]:
     Raises:
         ConfigError: naming the first unknown one and the choices.
     """
-    for name in cases:
-        if name not in CASES:
-            raise ConfigError(f"--cases: {name!r} is not one of {', '.join(CASES)}")
-    for mode in modes:
-        if mode not in MODES:
-            raise ConfigError(f"--modes: {mode!r} is not one of {', '.join(MODES)}")
+    known("--cases", cases, CASES)
+    known("--modes", modes, MODES)
     return tuple(cases), tuple(modes)
 
 

@@ -33,7 +33,7 @@ from ray_zep.bench.partition import (
     case_grid,
     synthetic_lengths,
 )
-from ray_zep.command_args import cluster_a_config
+from ray_zep.command_args import cluster_a_config, known
 from ray_zep.config import Config
 from ray_zep.data.synthetic import TABLE_2
 from ray_zep.errors import ConfigError, ZepError
@@ -86,12 +86,8 @@ class LayersBenchSpec:
     headroom: float = 1.25
 
     def __post_init__(self) -> None:
-        for name in self.distributions:
-            if name not in TABLE_2:
-                raise ConfigError(f"--distributions: {name!r} is not one of {tuple(TABLE_2)}")
-        for name in self.planners:
-            if name not in PLANNERS:
-                raise ConfigError(f"--planners: {name!r} is not one of {PLANNERS}")
+        known("--distributions", self.distributions, TABLE_2)
+        known("--planners", self.planners, PLANNERS)
         if min(self.nodes, default=0) < 1 or min(self.tokens, default=0) < 1:
             raise ConfigError("--nodes and --tokens need positive values")
         if self.batches < 1 or self.repeats < 1 or self.headroom < 1.0:

@@ -29,7 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from ray_zep.command_args import cluster_a_config, counts, names, optional_config_args
+from ray_zep.command_args import (
+    cluster_a_config,
+    counts,
+    known,
+    names,
+    optional_config_args,
+)
 from ray_zep.config import Config, ParallelConfig, ZonePolicy
 from ray_zep.data.synthetic import TABLE_2, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
@@ -132,12 +138,8 @@ class PartitionBenchSpec:
     """Stop repeating a slow planner once one case has spent this long on it."""
 
     def __post_init__(self) -> None:
-        for name in self.distributions:
-            if name not in DISTRIBUTIONS:
-                raise ConfigError(f"--distributions: {name!r} is not one of {DISTRIBUTIONS}")
-        for name in self.planners:
-            if name not in PLANNERS:
-                raise ConfigError(f"--planners: {name!r} is not one of {PLANNERS}")
+        known("--distributions", self.distributions, DISTRIBUTIONS)
+        known("--planners", self.planners, PLANNERS)
         if min(self.nodes, default=0) < 1 or min(self.tokens, default=0) < 1:
             raise ConfigError("--nodes and --tokens need positive values")
         if self.batches < 1 or self.repeats < 1:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_zep.command_args import counts, names
+from ray_zep.command_args import counts, known, names
 from ray_zep.config import Config, load_config
 from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
@@ -132,12 +132,8 @@ class ScaleBenchSpec:
         for g in self.gpus:
             if g < GPUS_PER_NODE or g % GPUS_PER_NODE:
                 raise ConfigError(f"--gpus {g}: a multiple of {GPUS_PER_NODE} (cluster A nodes)")
-        for name in self.distributions:
-            if name not in DISTRIBUTIONS:
-                raise ConfigError(f"--distributions: {name!r} is not one of {tuple(DISTRIBUTIONS)}")
-        for name in self.placements:
-            if name not in VARIANTS:
-                raise ConfigError(f"--placements: {name!r} is not one of {tuple(VARIANTS)}")
+        known("--distributions", self.distributions, DISTRIBUTIONS)
+        known("--placements", self.placements, VARIANTS)
         if self.plan_only and MEGATRON_HYBRID_CP in self.placements:
             raise ConfigError(f"--placements: {MEGATRON_HYBRID_CP} has no single plan to time "
                               "(--plan-only)")  # fmt: skip
