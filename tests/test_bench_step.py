@@ -33,6 +33,6 @@ def test_bench_step_times_both_batch_shapes_and_checks_the_memory_model(tmp_path
 
 def test_bench_step_names_a_bad_flag(capsys) -> None:
     assert main(["bench", "step", "--batches", "short"]) != 0
-    assert "--batches item 'short'" in capsys.readouterr().err
+    assert "--batches: 'short' is not one of packed, long" in capsys.readouterr().err
     assert main(["bench", "step", "--steps", "2"]) != 0
     assert "--steps=2" in capsys.readouterr().err

@@ -38,6 +38,7 @@ import torch
 from ray_zep.command_args import (
     at_least,
     counts,
+    known,
     names,
     optional_config,
     optional_config_args,
@@ -131,9 +132,7 @@ def run(args: argparse.Namespace) -> BenchResult:
     tokens = list(counts(args.tokens, "--tokens") if args.tokens else default)
     at_least("--tokens", min(tokens), 2, "train.tokens_per_rank")
     batches = names(args.batches, BATCHES)
-    for batch in batches:
-        if batch not in BATCHES:
-            raise ConfigError(f"--batches item {batch!r}: choose from {', '.join(BATCHES)}")
+    known("--batches", batches, BATCHES)
     if args.steps <= WARM_UP:
         raise ConfigError(f"--steps={args.steps}: more than the {WARM_UP} warm-up steps")
     peak = _peak_flops(base, device)
