@@ -19,7 +19,7 @@ from ray_zep.topology import build_topology
 from ray_zep.train.checkpoint import checkpoint_path
 from ray_zep.train.ledger import ledger_path, read_ledger, rewind_departed
 from ray_zep.train.setup import check_live_sizes, prepare_run
-from ray_zep_workers.elastic import RoomWatch
+from ray_zep_workers.elastic import STALE_VIEW_RETRY_S, RoomWatch, placement_wait_s
 from tests.helpers.procs import run_ranks
 from tests.helpers.training import (
     SMALL_RUN,
@@ -153,6 +153,15 @@ def test_the_room_watch_stops_a_run_only_after_the_init_timeout() -> None:
     watch.check(now=13)
     with pytest.raises(TopologyError, match=r"ray\.min_nodes=2: .* room for 1 node\(s\)"):
         watch.check(now=23.5, what="training cannot go on after step 4")
+
+
+@pytest.mark.unit
+def test_an_elastic_group_waits_for_its_placement_only_as_long_as_a_stale_size_takes() -> None:
+    """A fixed group may wait for an autoscaling cluster's nodes; an elastic one is only
+    started at a size the cluster has room for, so a long wait is a stale size."""
+    assert placement_wait_s(300, elastic=False) == 300
+    assert placement_wait_s(300, elastic=True) == STALE_VIEW_RETRY_S < 300
+    assert placement_wait_s(5, elastic=True) == 5
 
 
 @pytest.mark.unit

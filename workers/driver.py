@@ -12,6 +12,7 @@ metrics.jsonl; when training ends, the driver draws the run's pictures next to i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -35,7 +36,7 @@ from ray_zep.report.run_plots import draw_run
 from ray_zep.topology_resolve import resolve_topology
 from ray_zep.train.setup import RunPlan, least_nodes, prepare_run
 from ray_zep_workers.data_actor import DataActor
-from ray_zep_workers.elastic import RoomWatch, node_room
+from ray_zep_workers.elastic import RoomWatch, node_room, placement_wait_s
 from ray_zep_workers.metrics_export import RESIZE_LOST, RESIZE_RETURNED, MetricsExporter
 from ray_zep_workers.probe import probe_cluster
 from ray_zep_workers.progress import ProgressBar
@@ -101,8 +102,10 @@ def train(config: Config) -> RunSummary:
             room = functools.partial(node_room, topology.gpus_per_node, use_gpu)
             watch = RoomWatch(room, least, plan.config.comm.init_timeout_s)
             watch.wait("training cannot start")
+        wait_s = placement_wait_s(plan.config.comm.init_timeout_s, elastic)
         try:
-            return _run(plan, use_gpu, exporter, least, watch)
+            with _placement_wait(wait_s):
+                return _run(plan, use_gpu, exporter, least, watch)
         finally:
             exporter.close()
     except Exception as exc:
@@ -134,7 +137,6 @@ def _run(
     )
     ray.get(data_actor.ready.remote(), timeout=config.comm.init_timeout_s)
     events = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
-    os.environ.setdefault(WORKER_GROUP_START_TIMEOUT_ENV_VAR, str(config.comm.init_timeout_s))
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={
@@ -178,6 +180,20 @@ def _run(
         raise outcome["error"]
     _draw_pictures(plan.run_dir)
     return watcher.summary(plan.run_dir, exporter.port)
+
+
+@contextlib.contextmanager
+def _placement_wait(seconds: float):
+    """Ray Train's wait for a worker group's placement, for one run: its controller reads
+    the variable when the run starts. A value exported before the run is kept."""
+    if WORKER_GROUP_START_TIMEOUT_ENV_VAR in os.environ:
+        yield
+        return
+    os.environ[WORKER_GROUP_START_TIMEOUT_ENV_VAR] = f"{seconds:g}"
+    try:
+        yield
+    finally:
+        del os.environ[WORKER_GROUP_START_TIMEOUT_ENV_VAR]
 
 
 def _scaling(plan: RunPlan, use_gpu: bool, least: int) -> ScalingConfig:

@@ -17,6 +17,19 @@ import ray
 from ray_zep.errors import TopologyError
 
 POLL_S = 1.0
+STALE_VIEW_RETRY_S = 5.0
+"""The longest an elastic group's start waits for its placement. Ray Train starts an
+elastic group only at a size its view of the cluster has room for, and that view is
+refreshed about every 20 s: right after a node is lost it may still count the lost node.
+A placement that takes longer than this is that stale size; Ray Train then gives up and
+decides again on a fresh view (a controller retry, not one of `ray.max_failures`)."""
+
+
+def placement_wait_s(init_timeout_s: float, elastic: bool) -> float:
+    """How long Ray Train waits to place a worker group: `comm.init_timeout_s` for a
+    fixed group (an autoscaling cluster may be adding its nodes), at most
+    STALE_VIEW_RETRY_S for an elastic one."""
+    return min(init_timeout_s, STALE_VIEW_RETRY_S) if elastic else init_timeout_s
 
 
 def node_room(gpus_per_node: int, use_gpu: bool) -> int:
