@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ray_zep.bench.local_ranks import start_ranks
 from ray_zep.distributed.launch import free_port
 
 MESSAGE_BYTES = (1 << 12, 1 << 18, 1 << 21)
@@ -166,7 +167,7 @@ def measure_links(ranks: int, iterations: int = 30, rounds: int = ROUNDS) -> lis
         with mp.Manager() as manager:
             result = manager.list()
             args = (ranks, free_port(), iterations, result)
-            mp.spawn(_worker, args=args, nprocs=ranks, join=True)
+            start_ranks(_worker, args, ranks)
             measured.extend(LinkPoint(*row) for row in result)
     return median_points(measured)
 

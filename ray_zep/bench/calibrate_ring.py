@@ -28,6 +28,7 @@ import time
 import numpy as np
 import torch
 
+from ray_zep.bench.local_ranks import start_ranks
 from ray_zep.config import Config
 from ray_zep.distributed.launch import free_port
 from ray_zep.model_shapes import build_shape
@@ -104,7 +105,7 @@ def measure_layers(config: Config) -> list[list[float]]:
     world = _plan(config, CHUNK_TOKENS[0]).topology.world_size
     with mp.Manager() as manager:
         result = manager.list()
-        mp.spawn(_worker, args=(world, free_port(), config, result), nprocs=world, join=True)
+        start_ranks(_worker, (world, free_port(), config, result), world)
         return [list(r) for r in result]
 
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from ray_zep.bench.local_ranks import rank_context, start_ranks
 from ray_zep.command_args import names, optional_config, optional_config_args
 from ray_zep.config import (
     ActivationCheckpointing,
@@ -145,11 +145,9 @@ def run_cases(config: Config, todo: list[MemoryCase], steps: int) -> list[Memory
     """Train every case on `topology.nodes x topology.gpus_per_node` gloo processes."""
     ranks = build_topology(config.topology).world_size
     port = free_port()
-    queue = mp.get_context("spawn").SimpleQueue()
+    queue = rank_context().SimpleQueue()
     plain = config_to_dict(config)
-    mp.start_processes(
-        _rank_main, (ranks, port, plain, todo, steps, queue), nprocs=ranks, start_method="spawn"
-    )
+    start_ranks(_rank_main, (ranks, port, plain, todo, steps, queue), ranks)
     return queue.get()
 
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from ray_zep.bench.local_ranks import rank_context, start_ranks
 from ray_zep.command_args import counts, names, positive
 from ray_zep.config import MoEPipeline
 from ray_zep.distributed.launch import free_port
@@ -254,10 +254,8 @@ def _draw_moe(rows: list[MoERow], figure: Any, axes: Any) -> None:
 def measure_rows(spec: MoEBenchSpec) -> list[MoERow]:
     """The real block on `cpu_ranks` gloo processes, every schedule (best of `repeats`)."""
     port = free_port()
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(
-        _measure_rank, (spec, port, queue), nprocs=spec.cpu_ranks, start_method="spawn"
-    )
+    queue = rank_context().SimpleQueue()
+    start_ranks(_measure_rank, (spec, port, queue), spec.cpu_ranks)
     return queue.get()
 
 

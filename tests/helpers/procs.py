@@ -5,13 +5,14 @@ back in rank order. A process that raises fails the whole call with that rank's
 traceback.
 
 `run_ranks` reuses one pool of N processes per world size for the whole test
-session: starting a process costs seconds of imports (about 5 s for 4 ranks and
-10 s for 8 on two cores), far more than most tests' work. Between two calls a
+session, and forks each pooled process from the server that imported torch and the
+trainer once (`ray_zep.bench.local_ranks`, as the benches' ranks are): a spawned
+process spends seconds on those imports, more than most tests' work. Between two calls a
 pool destroys every process group but the default one and restores the global
 RNG state a fresh process starts with, so a call sees what a new process would.
 A pool whose call fails (an error on any rank, a dead process, a timeout) is
-killed, and the next call starts a new one. `run_fresh_ranks` spawns new
-processes for tests that break their process group on purpose (stopped peers).
+killed, and the next call starts a new one. `run_fresh_ranks` forks new processes
+for tests that break their process group on purpose (stopped peers).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from ray_zep.bench.local_ranks import rank_context, start_ranks
 from ray_zep.distributed.launch import free_port, init_process_group
 
 INIT_TIMEOUT_S = 60.0
@@ -60,16 +61,10 @@ def run_ranks(
 def run_fresh_ranks(
     fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = COLLECTIVE_TIMEOUT_S
 ) -> list[Any]:
-    """Run `fn` on `world` newly spawned processes, ended after the call."""
+    """Run `fn` on `world` new processes, ended after the call."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(
-            _fresh_entry,
-            args=(world, port, Path(tmp), fn, args, timeout_s),
-            nprocs=world,
-            join=True,
-            start_method="spawn",
-        )
+        start_ranks(_fresh_entry, (world, port, Path(tmp), fn, args, timeout_s), world)
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -96,11 +91,11 @@ def _fresh_entry(
 
 
 class RankPool:
-    """`world` spawned processes in one gloo group, serving calls one at a time."""
+    """`world` processes in one gloo group, serving calls one at a time."""
 
     def __init__(self, world: int) -> None:
         self.world = world
-        context = mp.get_context("spawn")
+        context = rank_context()
         port = free_port()
         self.conns: list[multiprocessing.connection.Connection] = []
         self.procs = []
