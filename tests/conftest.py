@@ -16,6 +16,9 @@ from tests.helpers.procs import close_pools
 # every 0.5 s saves the suite a few seconds a run and changes nothing they check. Set
 # here, before any Ray process starts, so every cluster the tests start inherits it.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# No node of the tests' Ray clusters is preemptible: Ray Train's preemption watcher would be
+# one more process to start with every worker group, and watch nothing.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

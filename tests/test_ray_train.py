@@ -19,10 +19,12 @@ from ray_zep.config import config_to_dict, load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import OverlongDocumentError, TopologyError
 from ray_zep.topology import build_topology
+from ray_zep.topology_resolve import resolve_topology
 from ray_zep.train.checkpoint import checkpoint_path, latest_checkpoint
 from ray_zep.train.ledger import read_ledger
 from ray_zep_workers.data_actor import DataActor
 from ray_zep_workers.driver import RunSummary, train
+from ray_zep_workers.probe import probe_cluster
 from tests.helpers.procs import free_port, run_ranks
 from tests.helpers.prometheus import (
     PrometheusServer,
@@ -112,7 +114,7 @@ THREE_NODES = [
     "topology.gpus_per_node=2",
     "train.checkpoint_every=2",
     f"train.steps={ELASTIC_STEPS}",
-    # right after a loss Ray Train may try the old size once: it waits this long for it
+    # a group start, or room for ray.min_nodes, that takes longer fails the test
     "comm.init_timeout_s=25",
 ]
 ELASTIC = [
@@ -219,12 +221,6 @@ def test_an_elastic_run_loses_a_node_and_grows_back_as_one_run(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    os.environ.get("RAY_ZEP_ALL_ELASTIC_RUNS") != "1",
-    reason="a second elastic Ray run (about 90 s on two cores) is kept out of the "
-    "10-minute suite: RAY_ZEP_ALL_ELASTIC_RUNS=1 runs it (whole + tawpipe shrinks and "
-    "regrows in every run of tests/test_elastic.py, on processes)",
-)
 def test_weight_passing_loses_a_node_and_grows_back_as_one_run(
     local_ray: Cluster, tmp_path: Path
 ) -> None:
@@ -350,6 +346,15 @@ def test_a_topology_node_that_ray_splits_over_machines_is_refused(tmp_path: Path
     split = r"topology node 0 \(ranks 0\.\.2\) spans [23] machines"
     with pytest.raises(TopologyError, match=split):
         _train(tmp_path, "train.steps=1", *three_on_one)
+
+
+def test_a_cluster_without_gpus_is_reported_without_a_probe_on_each_node() -> None:
+    """No Ray node offers a GPU, so no worker can take one: every node is reported as
+    such at once (a probe actor per node would only find the same)."""
+    reports = probe_cluster(timeout_s=5)
+    assert len(reports) == 3 and all(r.gpus == 0 and r.topology is None for r in reports)
+    topology = build_topology(load_config(None, ["topology.nodes=3"]).topology)
+    assert resolve_topology(reports, topology)[1].startswith("no GPU on the 3 Ray node(s)")
 
 
 def test_a_data_error_fails_every_restart_at_once() -> None:

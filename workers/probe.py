@@ -22,12 +22,19 @@ class TopologyProbe:
 
 
 def probe_cluster(timeout_s: float) -> list[NodeReport]:
-    """Every alive node's report.
+    """Every alive node's report. Where no node offers Ray a GPU, the workers cannot take
+    one, and every report says so without starting a probe on each node.
 
     Raises:
         TopologyError: a node did not answer within `timeout_s`.
     """
-    nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
+    alive = [node for node in ray.nodes() if node.get("Alive")]
+    if not any(node["Resources"].get("GPU") for node in alive):
+        return [
+            NodeReport(node.get("NodeManagerHostname", ""), 0, error="the Ray node offers no GPU")
+            for node in alive
+        ]
+    nodes = [node["NodeID"] for node in alive]
     probes = [
         TopologyProbe.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)

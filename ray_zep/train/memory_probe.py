@@ -26,19 +26,27 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.utils._python_dispatch import TorchDispatchMode
 
-CATEGORIES = {
-    _MemRefType.PARAM: "params",
-    _MemRefType.GRAD: "grads",
-    _MemRefType.OPT: "optimizer",
-    _MemRefType.ACT: "activations",
-    _MemRefType.TEMP: "activations",
-    _MemRefType.BUFFER: "buffers",
-    _MemRefType.OTH: "buffers",
-}
-"""MemTracker's categories in the model's terms (TEMP: backward's transient tensors)."""
+MODEL_TERMS = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+def _categories() -> dict:
+    """MemTracker's categories in the model's terms (TEMP: backward's transient tensors).
+
+    torch's memory tracker imports its compiler (half a second in every process), so only
+    a measured CPU step imports it."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    return {
+        _MemRefType.PARAM: "params",
+        _MemRefType.GRAD: "grads",
+        _MemRefType.OPT: "optimizer",
+        _MemRefType.ACT: "activations",
+        _MemRefType.TEMP: "activations",
+        _MemRefType.BUFFER: "buffers",
+        _MemRefType.OTH: "buffers",
+    }
 
 
 @dataclass
@@ -77,13 +85,15 @@ class PeakProbe:
                 yield
             self.last = {"state_peak": float(sampler.peak)}
             return
+        from torch.distributed._tools.mem_tracker import MemTracker
+
         tracker = MemTracker()
         tracker.track_external(*self.modules)
         with tracker, sampler:
             yield
         peak = tracker.get_tracker_snapshot("peak").get(self.device, {})
-        parts = dict.fromkeys(CATEGORIES.values(), 0.0)
-        for kind, name in CATEGORIES.items():
+        parts = dict.fromkeys(MODEL_TERMS, 0.0)
+        for kind, name in _categories().items():
             parts[name] += float(peak.get(kind, 0))
         total = float(peak.get("Total", sum(parts.values())))
         self.last = {"peak": total, **parts, "state_peak": float(sampler.peak)}
