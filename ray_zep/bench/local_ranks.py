@@ -1,8 +1,11 @@
-"""The gloo processes a bench measures on this machine, started quickly.
+"""The gloo processes a bench measures on this machine.
 
 Each rank is forked from a server process that imported torch and the trainer once
-(multiprocessing's `forkserver`): a spawned rank imports them itself, seconds per rank
-on a small machine (15 processes: 19 s spawned, 2 s forked, on two cores). The server
+(multiprocessing's `forkserver`), where a spawned rank imports them itself: seconds per
+rank. Once the server runs, 15 processes started in 2 s instead of 19 s on two cores; a
+single bench of 2 or 4 ranks takes as long either way (`bench memory`: 10.9 vs 11.3 s,
+19.8 vs 20.3 s), as the server's own imports cost what the ranks' did in parallel. What
+gains is a process that starts ranks again and again, as the test suite does. The server
 never touches CUDA, so a rank may still use a GPU.
 """
 
