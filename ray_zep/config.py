@@ -118,6 +118,9 @@ class TrainConfig:
     """Clip the global gradient norm to this value; 0 turns clipping off."""
     checkpoint_every: int = 0
     """Save a checkpoint every k steps; 0 saves only at the end of the run."""
+    save_last: bool = True
+    """Save a checkpoint after the last step. False: a throwaway run (a smoke test, a
+    timing) ends without one; `checkpoint_every` and `eval_every` still save theirs."""
     resume: ResumeMode = ResumeMode.AUTO
     sample_ledger: bool = True
     """Every rank records the document pieces it trains on, step by step, in

@@ -38,6 +38,7 @@ BASE = [
     "train.steps=1",
     "train.tokens_per_rank=128",
     "train.sample_ledger=false",
+    "train.save_last=false",  # no cell's checkpoint is read
     "comm.timeout_s=20",
 ]
 

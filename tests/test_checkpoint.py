@@ -111,3 +111,12 @@ def test_topology_of_single_is_only_the_batch_size() -> None:
     )
     comm = create_comm(config, build_topology(config.topology), 10.0)
     assert (comm.world_size, comm.distributed) == (1, False)
+
+
+def test_a_run_without_save_last_keeps_only_its_periodic_checkpoints(tmp_path: Path) -> None:
+    from tests.helpers.training import SMALL_RUN, train_rank
+
+    run = [*SMALL_RUN, "parallel.sequence=single", "train.steps=3", "train.checkpoint_every=2",
+           "train.save_last=false", f"train.out_dir={tmp_path}"]  # fmt: skip
+    assert sorted(train_rank(0, 1, run)["losses"]) == [1, 2, 3]
+    assert checkpoint.latest_checkpoint(tmp_path) == checkpoint.checkpoint_path(tmp_path, 2)

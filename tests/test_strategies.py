@@ -124,6 +124,7 @@ def _base(nodes: int, gpus: int, data: Path, packing: str = "budget") -> list[st
         f"topology.gpus_per_node={gpus}",
         "train.tokens_per_rank=64",
         "train.steps=3",
+        "train.save_last=false",  # the trainers' own parameters are compared
         f"data.source={data}",
         f"data.packing={packing}",
         "data.shuffle=false",

@@ -89,7 +89,7 @@ def run_rank(
             report({"event": "step", "data_seconds": fetched - started, **stats.to_dict()})
         last = trainer.steps_done == config.train.steps
         evaluate = _due(trainer.steps_done, config.train.eval_every)
-        if last or evaluate or _due(trainer.steps_done, every):
+        if (last and config.train.save_last) or evaluate or _due(trainer.steps_done, every):
             path = trainer.save(run_dir, shards[-1].cursor_after)
             if report and comm.rank == 0:
                 report({"event": "checkpoint", "step": trainer.steps_done, "path": str(path)})
