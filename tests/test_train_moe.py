@@ -160,6 +160,7 @@ def test_expert_parallelism_composes_with_placement_and_sharding(
         f"topology.nodes={nodes}",
         f"topology.gpus_per_node={gpus}",
         "train.steps=3",
+        "train.save_last=false",  # the trainers' own parameters are compared
         "parallel.ep=2",
         "parallel.moe_overlap_degree=2",
     ]
