@@ -28,8 +28,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-MODEL_TERMS = ("params", "grads", "optimizer", "activations", "buffers")
-
 
 def _categories() -> dict:
     """MemTracker's categories in the model's terms (TEMP: backward's transient tensors).
@@ -92,8 +90,9 @@ class PeakProbe:
         with tracker, sampler:
             yield
         peak = tracker.get_tracker_snapshot("peak").get(self.device, {})
-        parts = dict.fromkeys(MODEL_TERMS, 0.0)
-        for kind, name in _categories().items():
+        categories = _categories()
+        parts = dict.fromkeys(categories.values(), 0.0)
+        for kind, name in categories.items():
             parts[name] += float(peak.get(kind, 0))
         total = float(peak.get("Total", sum(parts.values())))
         self.last = {"peak": total, **parts, "state_peak": float(sampler.peak)}
