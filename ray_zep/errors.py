@@ -7,9 +7,16 @@ Ray's object store and process boundaries unchanged.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class ZepError(Exception):
     """Base class of every error ray_zep raises on purpose."""
+
+    retryable: ClassVar[bool] = True
+    """Whether starting the workers again may get past it (a lost peer, a timeout). Bad
+    input is not: a wrong config, dataset or model file is as wrong on every retry, so a
+    worker that meets one stops the run at once instead of restarting it."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -22,9 +29,15 @@ class ZepError(Exception):
 class ConfigError(ZepError, ValueError):
     """A config key is unknown, has the wrong type, or holds a value out of range."""
 
+    retryable = False
+
 
 class TopologyError(ZepError, ValueError):
     """The topology is inconsistent, or does not match the processes that run it."""
+
+
+class ClusterError(TopologyError):
+    """The Ray cluster a run would join cannot be reached, or lacks the run's resources."""
 
 
 class ProbeError(TopologyError):
@@ -33,6 +46,8 @@ class ProbeError(TopologyError):
 
 class DataError(ZepError):
     """Base class of dataset problems."""
+
+    retryable = False
 
 
 class DatasetNotFoundError(DataError, FileNotFoundError):
@@ -61,6 +76,8 @@ class MemoryPlanError(ConfigError):
 
 class PlacementError(ZepError):
     """A batch cannot be placed on the ranks under the chosen strategy."""
+
+    retryable = False
 
 
 class CommError(ZepError):
@@ -91,7 +108,8 @@ def find_zep_error(exc: BaseException | None, _depth: int = 0) -> ZepError | Non
     if exc is None or _depth > 8:
         return None
     if isinstance(exc, ZepError):
-        return exc
+        cause = getattr(exc, "cause", None)  # Ray's copy of it carries the remote traceback
+        return cause if isinstance(cause, ZepError) else exc
     linked: list[object] = [getattr(exc, "cause", None), exc.__cause__, exc.__context__]
     for attr in ("worker_failures", "errors"):
         failures = getattr(exc, attr, None)

@@ -10,6 +10,7 @@ import pytest
 
 from ray_zep.logs import LOGGERS
 from tests.helpers.procs import close_pools
+from tests.helpers.ray_head import RayHead, shared_head, stop_shared_head
 
 # Ray Train's controller polls its workers every 2 s: a run's end, a failure and a
 # restart are each noticed up to 2 s late. The Ray tests start many short runs; polling
@@ -30,9 +31,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Ray tests start clusters of their own: end the idle gloo pools first (kept, their
-    memory slows every Ray worker start by a third on two cores)."""
+    memory slows every Ray worker start by a third on two cores), and the shared
+    `ray start` head once the tests that use it are done."""
     if item.get_closest_marker("ray") is not None:
         close_pools(kill=True)
+        if "ray_head" not in getattr(item, "fixturenames", ()):
+            stop_shared_head()
+
+
+@pytest.fixture
+def ray_head() -> RayHead:
+    """One `ray start --head` (token authentication, job API on loopback, six CPUs) for
+    the tests that meet a cluster already running on the machine: the demo runs beside
+    it, `ray job submit` and a driver that names no cluster use it. Started by the first
+    test that asks, kept for the next."""
+    return shared_head(num_cpus=6, object_store_mb=300)
+
+
+def pytest_sessionfinish() -> None:
+    stop_shared_head()
 
 
 _PROJECT_LOGGERS = [logging.getLogger(name) for name in LOGGERS]

@@ -10,6 +10,7 @@ order differs).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -233,3 +234,58 @@ def test_eval_gives_transformers_document_losses(tmp_path) -> None:
     assert abs(result["loss"] - total / labels) <= TOLERANCE * result["loss"]
     assert main(["eval", str(config_file), "--batches", "2", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["batches"] == 2
+
+
+def _damaged_copies(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """Checkpoints that load_config accepts (config.json is fine) but whose weights are
+    not what it promises, each with the message `ray-zep train` must end in."""
+    tiny_hf(tmp_path / "good")
+    good = tmp_path / "good" / hf.SINGLE_FILE
+    tensors = hf.read_safetensors(good)
+    cases = {}
+
+    def copy(name: str) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text((tmp_path / "good" / "config.json").read_text())
+        return folder / hf.SINGLE_FILE
+
+    data = good.read_bytes()
+    copy("truncated").write_bytes(data[: len(data) // 2])
+    cases["truncated"] = "not a readable safetensors file: .*not fully covered"
+    copy("garbage").write_bytes(b"\x00" * 64)
+    cases["garbage"] = "not a readable safetensors file"
+    missing = dict(tensors)
+    del missing["model.layers.1.mlp.up_proj.weight"]
+    hf.write_safetensors(missing, copy("missing"))
+    cases["missing"] = r"missing \['model\.layers\.1\.mlp\.up_proj\.weight'\]"
+    reshaped = {**tensors, "model.norm.weight": torch.zeros(63)}
+    hf.write_safetensors(reshaped, copy("reshaped"))
+    cases["reshaped"] = r"norm\.weight .* has shape \(63,\), config\.json implies \(64,\)"
+    return {name: (tmp_path / name, pattern) for name, pattern in cases.items()}
+
+
+def test_a_damaged_checkpoint_is_refused_in_one_line_before_any_worker_starts(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """What each rank's load would refuse, `ray-zep train` refuses from the headers
+    alone, before Ray starts: no worker tracebacks, no retries."""
+    from ray_zep_workers import driver
+
+    def no_cluster(*_args, **_kwargs):
+        raise AssertionError("the driver connected to Ray for a run it should refuse")
+
+    monkeypatch.setattr(driver, "connect", no_cluster)
+    demo = str(Path(__file__).resolve().parents[1] / "conf" / "demo.yaml")
+    for name, (folder, pattern) in _damaged_copies(tmp_path).items():
+        out = tmp_path / f"run_{name}"
+        capsys.readouterr()  # what saving and loading models printed before
+        code = main(["train", demo, f"model.init_from={folder}", f"train.out_dir={out}"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2, f"{name}: {err}"
+        assert len(err.splitlines()) == 1, f"{name}: {err}"
+        assert re.search(rf"^ray-zep: error: config key model\.init_from: .*{pattern}", err), err
+        # every rank's own load refuses the same file the same way
+        config = load_config(None, [f"model.init_from={folder}"])
+        with pytest.raises(ConfigError, match=pattern):
+            build_model(config, torch.device("cpu"), torch.float32)

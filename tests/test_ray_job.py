@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,13 +27,7 @@ import torch
 from ray_zep.train.checkpoint import checkpoint_path
 from ray_zep.train.ledger import read_ledger
 from tests.helpers.procs import run_ranks
-from tests.helpers.ray_head import (
-    RayHead,
-    pids_matching,
-    process_table,
-    start_ray_head,
-    stop_ray_head,
-)
+from tests.helpers.ray_head import RayHead, pids_matching, process_table
 from tests.helpers.training import SMALL_RUN, checkpoint_params, jsonl_losses, train_rank
 
 pytestmark = pytest.mark.ray
@@ -75,11 +71,9 @@ WORKER_TITLE = "ray::RayTrainWorker"
 RESTARTED = "workers restarted from the checkpoint of step"
 
 
-@pytest.fixture(scope="module")
-def head():
-    started = start_ray_head(num_cpus=6, object_store_mb=300)
-    yield started
-    stop_ray_head(started)
+@pytest.fixture
+def head(ray_head: RayHead) -> RayHead:
+    return ray_head
 
 
 def test_job_api_refuses_a_client_without_the_token(head: RayHead) -> None:
@@ -155,6 +149,61 @@ def test_job_survives_a_silent_peer_a_killed_worker_and_a_killed_driver(
     assert sorted(samples) == list(range(1, STEPS + 1))
     pieces = [piece for step in samples.values() for piece in step]
     assert len(set(pieces)) == len(pieces), f"a sample was trained twice {where}"
+
+
+def test_a_driver_that_names_no_cluster_joins_the_one_ray_start_runs(
+    head: RayHead, tmp_path: Path
+) -> None:
+    """`ray-zep train` with neither RAY_ADDRESS nor ray.address, on a machine where
+    `ray start --head` runs: it trains on that cluster, as `ray.init()` would join it."""
+    out = tmp_path / "joined"
+    done = _ray_zep(head.local_env(), "train", "conf/demo.yaml", *RUN, "train.steps=2",
+                    f"train.out_dir={out}")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    port = head.gcs_address.rsplit(":", 1)[1]  # Ray records the head by the machine's IP
+    joined = r"joined the Ray cluster that `ray start` runs on this machine \([\d.]+:(\d+)\)"
+    found = re.search(joined, done.stderr)
+    assert found and found.group(1) == port, done.stderr[-3000:]
+    assert sorted(jsonl_losses(out)) == [1, 2]
+    for noise in ("Traceback", "PreemptionWatcher"):
+        assert noise not in done.stderr, done.stderr[-3000:]
+
+
+ROOMLESS = [*RUN, "topology.nodes=2", "topology.gpus_per_node=4"]
+"""Eight workers, and the head has six CPUs."""
+
+
+@pytest.mark.parametrize("found_by", ["ray start", "RAY_ADDRESS", "ray.address=local"])
+def test_a_cluster_without_room_for_the_workers_is_refused_in_one_line(
+    head: RayHead, tmp_path: Path, found_by: str
+) -> None:
+    """The running cluster, found through Ray's record of `ray start` or through
+    RAY_ADDRESS, lacks CPUs for the run: one line says so and how to go on. With
+    ray.address=local the run starts a Ray of its own beside it instead (here sized by
+    ray.num_cpus=1, so it is refused the same way, naming that Ray)."""
+    env, extra = head.local_env(), [f"train.out_dir={tmp_path}"]
+    port = head.gcs_address.rsplit(":", 1)[1]  # Ray records the head by the machine's IP
+    where = rf"the Ray cluster at [\d.]+:{port} \(ray start on this machine\) has 6"
+    fix = "add CPUs to that cluster (`ray start --num-cpus=...`)"
+    if found_by == "RAY_ADDRESS":
+        env = {**head.client_env(), "RAY_ADDRESS": head.gcs_address}
+        where = rf"the Ray cluster at {re.escape(head.gcs_address)} \(RAY_ADDRESS\) has 6"
+    elif found_by == "ray.address=local":
+        extra += ["ray.address=local", "ray.num_cpus=1"]
+        where, fix = "the local Ray this run started has 1", "shrink topology.nodes"
+    done = _ray_zep(env, "train", "conf/demo.yaml", *ROOMLESS, *extra)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.match(rf"ray-zep: error: 8 worker\(s\) need one CPU each but {where}; ", last), last
+    assert fix in last, last
+
+
+def _ray_zep(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["ray-zep", *args], env=env, cwd=REPO, capture_output=True, text=True,
+        timeout=JOB_TIMEOUT_S,
+    )  # fmt: skip
 
 
 def _entrypoint(out: Path) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import threading
@@ -332,11 +333,20 @@ OVERLONG = [
 ]
 
 
-def test_a_data_error_during_training_reaches_the_driver_typed(tmp_path: Path) -> None:
-    """One worker is enough: the error travels from the data actor through a worker and
-    Ray Train to the driver the same way for any number."""
-    with pytest.raises(OverlongDocumentError, match=r"data\.overlong=error"):
-        _train(tmp_path, *OVERLONG, "ray.max_failures=0", "parallel.sequence=single")
+def test_a_data_error_during_training_stops_the_run_at_once_typed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bad input met by the workers (here every rank's shard request fails with the data
+    actor's typed error) ends the run with its one line: Ray Train does not restart the
+    group to meet it again, though ray.max_failures would allow two restarts."""
+    caplog.set_level(logging.WARNING, logger="ray_zep_workers")
+    two_workers = ["topology.nodes=1", "topology.gpus_per_node=2", "ray.max_failures=2"]
+    with pytest.raises(OverlongDocumentError) as raised:
+        _train(tmp_path, *OVERLONG, *two_workers)
+    assert str(raised.value).startswith("document "), "a remote traceback in the message"
+    assert "\n" not in str(raised.value) and "data.overlong=error" in str(raised.value)
+    noted = [r.getMessage() for r in caplog.records]
+    assert not any("restarted" in line or "group failed" in line for line in noted), noted
 
 
 def test_a_topology_node_that_ray_splits_over_machines_is_refused(tmp_path: Path) -> None:

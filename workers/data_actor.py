@@ -11,6 +11,15 @@ buffer while worker calls wait on it. `start` rewinds it to a checkpoint's
 cursor; rank 0 calls it whenever training (re)starts. A typed data error (say
 an overlong document under `data.overlong=error`) stays: after a restart every
 shard request fails with it at once, so retries do not replay the data.
+
+The driver creates it with `max_restarts`: when its process dies, Ray starts it again
+on the driver's node, and the new process reads the dataset again (a source is read
+whole when it opens, so a file that becomes unreadable later does not disturb a running
+actor). Until rank 0 calls `start` (which it does before any rank asks for a shard), a
+restarted actor answers every shard request with a CommError: the workers restart at
+once from the newest complete checkpoint and train exactly the batches that follow it.
+If the dataset cannot be read any more, the answer is the typed error naming the file,
+which ends the run.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from ray_zep.data.batching import BatchStream, Cursor
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.data.regroup import regroup
 from ray_zep.data.shards import shard_for
+from ray_zep.data.source import TokenSource
 from ray_zep.errors import CommError, ZepError
 from ray_zep.logs import setup_logging
 from ray_zep.topology import Topology
@@ -48,7 +58,6 @@ class DataActor:
         setup_logging(role="data")
         self.config: Config = config_from_dict(config)
         self.topology = Topology.from_dict(topology)
-        self.source = open_configured_source(self.config)
         self.num_ranks = num_ranks(self.config, self.topology)
         self._cond = threading.Condition()
         self._ready: dict[int, list[ray.ObjectRef]] = {}
@@ -57,6 +66,12 @@ class DataActor:
         self._data_error: ZepError | None = None
         """A typed error of the data itself: it would recur on every restart."""
         self._generation = 0
+        self.source: TokenSource | None = None
+        try:
+            self.source = open_configured_source(self.config)
+        except ZepError as exc:  # a file that became unreadable since the run started
+            log.error("%s", exc)
+            self._data_error = exc
 
     def ready(self) -> bool:
         return True
@@ -76,6 +91,7 @@ class DataActor:
         if self._data_error is not None:
             log.error("data stream not restarted: %s", self._data_error)
             return
+        assert self.source is not None  # opened, or _data_error holds why not
         stream = BatchStream.from_config(
             self.source,
             self.config,
@@ -98,6 +114,11 @@ class DataActor:
         """References to rank `rank`'s shards of step `step`, one per micro-batch (in a
         list, so Ray passes the references themselves rather than resolving them)."""
         with self._cond:
+            if self._generation == 0:  # rank 0 starts a stream before any rank asks for one
+                raise self._data_error or CommError(
+                    "the data actor's process died and Ray started it again; the workers "
+                    "start again from the newest complete checkpoint"
+                )
             arrived = self._cond.wait_for(
                 lambda: step in self._ready or self._error is not None, timeout=timeout_s
             )

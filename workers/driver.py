@@ -1,11 +1,10 @@
 """The driver of `ray-zep train`.
 
-It validates the run (before touching a cluster), joins the Ray cluster named
-by `ray.address` / RAY_ADDRESS (as under `ray job submit`) or starts a local
-one, starts the data actor, and runs the training workers through Ray Train's
-TorchTrainer, which places them, builds the process group (gloo on CPU, NCCL on
-GPU) and restarts them from the last checkpoint on failure
-(`ray.max_failures`). While training runs, rank 0's per-step events arrive on
+It validates the run (before touching a cluster), joins a Ray cluster or starts
+a local one (`ray_zep_workers.cluster`), starts the data actor, and runs the
+training workers through Ray Train's TorchTrainer, which places them, builds the
+process group (gloo on CPU, NCCL on GPU) and restarts them from the last checkpoint
+on failure (`ray.max_failures`). While training runs, rank 0's per-step events arrive on
 a Ray queue and feed the progress bar, the Prometheus endpoint and
 metrics.jsonl; when training ends, the driver draws the run's pictures next to it.
 """
@@ -24,30 +23,29 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_zep.config import Config, Device, config_to_dict
+from ray_zep.config import Config, config_to_dict
 from ray_zep.costmodel import datasheet_peak_flops
-from ray_zep.errors import TopologyError, find_zep_error
+from ray_zep.errors import ZepError, find_zep_error
 from ray_zep.report.run_plots import draw_run
 from ray_zep.topology_resolve import resolve_topology
 from ray_zep.train.setup import RunPlan, least_nodes, prepare_run
+from ray_zep_workers.cluster import check_room, connect, disconnect
 from ray_zep_workers.data_actor import DataActor
 from ray_zep_workers.elastic import RoomWatch, node_room, placement_wait_s
+from ray_zep_workers.failure_notes import FAILURE_EVENT, FailureNotes, ray_train_console_level
 from ray_zep_workers.metrics_export import RESIZE_LOST, RESIZE_RETURNED, MetricsExporter
 from ray_zep_workers.probe import probe_cluster
 from ray_zep_workers.progress import ProgressBar
-from ray_zep_workers.train_fn import train_loop
+from ray_zep_workers.train_fn import INPUT_ERROR_EVENT, train_loop
 
 log = logging.getLogger(__name__)
 
 WORKER_GROUP_START_TIMEOUT_ENV_VAR = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
-PREEMPTION_WATCHER_ENV_VAR = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
-"""Ray Train's watcher of preemptible nodes; off on a local Ray, where no node is
-preemptible and starting it prints a Ray-internal error line that is not a failure."""
 EVENT_POLL_S = 0.5
 
 
@@ -80,7 +78,7 @@ def train(config: Config) -> RunSummary:
         lost peers and timeouts.
     """
     plan = prepare_run(config)
-    started_ray = _connect(plan.config, plan.num_workers)
+    connection = connect(plan.config, plan.num_workers)
     try:
         least = least_nodes(plan.config, plan.topology)
         topology, origin = resolve_topology(
@@ -90,7 +88,7 @@ def train(config: Config) -> RunSummary:
         plan = dataclasses.replace(plan, topology=topology)
         elastic = least < topology.nodes
         # an elastic run waits for room below (an autoscaling cluster may be growing)
-        use_gpu = _use_gpu(plan.config, 0 if elastic else plan.num_workers)
+        use_gpu = check_room(plan.config, 0 if elastic else plan.num_workers, connection)
         metrics = plan.config.metrics
         peak = metrics.peak_tflops * 1e12 or (
             datasheet_peak_flops(topology.gpu_model) if use_gpu else None
@@ -114,8 +112,7 @@ def train(config: Config) -> RunSummary:
             raise found from None
         raise
     finally:
-        if started_ray:
-            ray.shutdown()
+        disconnect(connection)
 
 
 def _run(
@@ -131,6 +128,7 @@ def _run(
         .options(
             num_cpus=0,  # I/O-light; must never take a CPU slot a training worker needs
             max_concurrency=plan.num_workers + 4,
+            max_restarts=-1,  # each restart fails the workers' step: ray.max_failures bounds it
             scheduling_strategy=here,
         )
         .remote(config_data, plan.topology.to_dict())
@@ -155,6 +153,8 @@ def _run(
             name="ray_zep",
             storage_path=str(plan.run_dir / "ray_train"),
             failure_config=FailureConfig(max_failures=config.ray.max_failures),
+            callbacks=[FailureNotes(events)],
+            logging_config=LoggingConfig(log_level=ray_train_console_level()),
         ),
     )
     progress = ProgressBar(config.train.steps, enabled=config.metrics.progress)
@@ -169,13 +169,15 @@ def _run(
 
     thread = threading.Thread(target=fit, name="ray-zep-fit", daemon=True)
     thread.start()
-    while thread.is_alive():
+    while thread.is_alive() and watcher.input_error is None:
         watcher.drain(events, block=True)
         if watch is not None:
             watch.check(what=f"training cannot go on after step {watcher.last_step}")
     watcher.drain(events, block=False)
     progress.close()
     ray.kill(data_actor)
+    if watcher.input_error is not None:  # no restart gets past bad input
+        raise watcher.input_error
     if "error" in outcome:
         raise outcome["error"]
     _draw_pictures(plan.run_dir)
@@ -241,6 +243,8 @@ class _Watcher:
         """The ranks of each worker group, in start order."""
         self.heard = time.monotonic()
         """When the workers last reported progress (a step, checkpoint or evaluation)."""
+        self.input_error: ZepError | None = None
+        """The bad input a worker met first (`INPUT_ERROR_EVENT`): the run ends with it."""
 
     def drain(self, events: Queue, block: bool) -> None:
         while True:
@@ -295,6 +299,15 @@ class _Watcher:
                 "step %d: validation loss %.4f on %d label tokens of data.eval_source (%.1f s)",
                 row["step"], row["eval_loss"], row["eval_label_tokens"], row["eval_seconds"],
             )  # fmt: skip
+        elif kind == FAILURE_EVENT:
+            errors = event["errors"]
+            rank, first = next(iter(errors.items()))
+            others = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
+            log.warning("worker group failed after step %d: rank %d: %s%s",
+                        self.last_step, rank, first, others)  # fmt: skip
+        elif kind == INPUT_ERROR_EVENT:
+            if self.input_error is None:
+                self.input_error = event["error"]
         elif kind == "placement":
             self.machines = tuple(event["machines"])
             log.info("ranks run on Ray nodes %s", [m[:12] for m in self.machines])
@@ -313,40 +326,3 @@ class _Watcher:
             self.machines,
             tuple(self.world_sizes),
         )
-
-
-def _connect(config: Config, num_workers: int) -> bool:
-    """Join or start Ray; True when this call started a local Ray."""
-    if ray.is_initialized():
-        return False
-    address = config.ray.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return True
-    cpus = config.ray.num_cpus or max(num_workers + 2, os.cpu_count() or 1)
-    os.environ.setdefault(PREEMPTION_WATCHER_ENV_VAR, "0")  # the local Ray inherits it
-    ray.init(
-        num_cpus=cpus,
-        object_store_memory=config.ray.object_store_mb * 1024 * 1024,
-        log_to_driver=True,
-    )
-    return True
-
-
-def _use_gpu(config: Config, num_workers: int) -> bool:
-    """Whether workers take a GPU each, checked against the cluster's resources."""
-    resources = ray.cluster_resources()
-    gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
-    device = config.train.device
-    use_gpu = device is Device.CUDA or (device is Device.AUTO and gpus > 0)
-    if use_gpu and gpus < num_workers:
-        raise TopologyError(
-            f"{num_workers} worker(s) need one GPU each but the Ray cluster has {gpus}; "
-            "shrink topology.nodes / topology.gpus_per_node or set train.device=cpu"
-        )
-    if not use_gpu and cpus < num_workers:
-        raise TopologyError(
-            f"{num_workers} worker(s) need one CPU each but the Ray cluster has {cpus}; "
-            "shrink the topology or raise ray.num_cpus"
-        )
-    return use_gpu

@@ -31,7 +31,7 @@ from ray_zep.distributed.placement import (
     gather_places,
     whole_node_ranks,
 )
-from ray_zep.errors import CommError, TopologyError
+from ray_zep.errors import CommError, TopologyError, ZepError, find_zep_error
 from ray_zep.logs import setup_logging
 from ray_zep.topology import Topology
 from ray_zep.train.checkpoint import Progress
@@ -41,6 +41,12 @@ from ray_zep.train.setup import create_comm, least_nodes
 log = logging.getLogger(__name__)
 
 EVENT_PUT_TIMEOUT_S = 30.0
+LOST_DATA_ACTOR = (
+    "rank {rank} lost the data actor while {what}: its process died, and Ray starts it "
+    "again; the workers restart from the newest complete checkpoint"
+)
+INPUT_ERROR_EVENT = "input_error"
+"""A worker met bad input (`ZepError.retryable` false): `{"event", "rank", "error"}`."""
 COMM_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TP_SOCKET_IFNAME")
 """Environment variables that steer the collectives (set them through `runtime_env`)."""
 
@@ -85,14 +91,41 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         if rank != 0:  # one data actor serves every rank
             return
         started = data_actor.start.remote(progress.step, progress.cursor or None, nodes)
-        ray.get(started, timeout=timeout_s)
+        try:
+            ray.get(started, timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            raise CommError(LOST_DATA_ACTOR.format(rank=rank, what="starting the data")) from None
 
     def report(event: dict) -> None:
         if event["event"] == "start":
             event = {**event, "nodes": nodes, "world_size": comm.world_size}
         events.put(event, timeout=EVENT_PUT_TIMEOUT_S)
 
-    run_rank(config, comm, device, Path(config.train.out_dir), fetch, start_data, report)
+    try:
+        run_rank(config, comm, device, Path(config.train.out_dir), fetch, start_data, report)
+    except Exception as exc:
+        found = find_zep_error(exc)
+        if found is None or found.retryable:
+            raise  # Ray Train restarts the group from the last checkpoint
+        stop_the_run(events, found, rank)
+
+
+def stop_the_run(events: Any, error: ZepError, rank: int) -> None:
+    """Hand bad input met in a worker to the driver, which ends the run with its one line.
+
+    Raising it would make Ray Train start the group again, `ray.max_failures` times, to
+    meet the same error each time. The worker returns instead: when every rank meets
+    it (a model file or a data error reaches them all) the group ends at once and the
+    driver raises it; when only some do, the driver ends the run on the first report.
+    """
+    log.info("rank %d stops the run: %s", rank, error)
+    try:
+        events.put(
+            {"event": INPUT_ERROR_EVENT, "rank": rank, "error": error},
+            timeout=EVENT_PUT_TIMEOUT_S,
+        )
+    except Exception:  # the driver is gone: let Ray Train see the error itself
+        raise error from None
 
 
 def _live_comm(
@@ -147,6 +180,10 @@ def fetch_shards(data_actor: Any, step: int, rank: int, timeout_s: float) -> lis
         raise CommError(
             f"rank {rank} got no shard for step {step} within comm.timeout_s={timeout_s:g}"
         ) from None
+    except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
+        # the actor's process died (a shard it stored dies with it); Ray starts it again
+        what = f"fetching its shard of step {step + 1}"
+        raise CommError(LOST_DATA_ACTOR.format(rank=rank, what=what)) from None
 
 
 def comm_environment() -> str:

@@ -34,6 +34,7 @@ extra). Export writes float32.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -147,27 +148,58 @@ def load_hf_weights(model: torch.nn.Module, directory: str | Path) -> None:
         ConfigError: missing files, or tensors that do not match the shape; the
             message names `model.init_from` and the path.
     """
-    config = read_hf_config(directory)
-    architecture(config, str(Path(directory) / "config.json"))
-    tensors = read_checkpoint_tensors(directory)
-    state = hf_to_ours(tensors, model.shape, tied(config), str(directory))
     params = model.state_dict()
+    state = _matched_state(directory, model.shape, params, read_safetensors)
     with torch.no_grad():
         for name, tensor in state.items():
-            if params[name].shape != tensor.shape:
-                raise ConfigError(
-                    f"config key {INIT_KEY}: tensor for {name} in {directory} has shape "
-                    f"{tuple(tensor.shape)}, config.json implies {tuple(params[name].shape)}"
-                )
             params[name].copy_(tensor.to(params[name].dtype))
 
 
-def read_checkpoint_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+def check_hf_checkpoint(directory: str | Path, shape: ModelShape) -> None:
+    """Refuse what `load_hf_weights` would refuse, from config.json and the safetensors
+    headers alone (no tensor data is read): unreadable or truncated files, missing or
+    unexpected tensors, tensors of the wrong shape. The driver calls it before any
+    worker starts.
+
+    Raises:
+        ConfigError: naming `model.init_from` and the file or tensor to fix.
+    """
+    from ray_zep.model.llama import Transformer  # the model's names and shapes, on meta
+
+    with torch.device("meta"):
+        params = Transformer(shape).state_dict()
+    _matched_state(directory, shape, params, read_safetensors_header)
+
+
+def _matched_state(
+    directory: str | Path,
+    shape: ModelShape,
+    params: dict[str, torch.Tensor],
+    read: Callable[[Path], dict[str, torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under our names, each checked against `params`' shape."""
+    config = read_hf_config(directory)
+    architecture(config, str(Path(directory) / "config.json"))
+    tensors = read_checkpoint_tensors(directory, read)
+    state = hf_to_ours(tensors, shape, tied(config), str(directory))
+    for name, tensor in state.items():
+        if params[name].shape != tensor.shape:
+            raise ConfigError(
+                f"config key {INIT_KEY}: tensor for {name} in {directory} has shape "
+                f"{tuple(tensor.shape)}, config.json implies {tuple(params[name].shape)}"
+            )
+    return state
+
+
+def read_checkpoint_tensors(
+    directory: str | Path, read: Callable[[Path], dict[str, torch.Tensor]] | None = None
+) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint directory: model.safetensors, or the shards its
-    model.safetensors.index.json lists."""
+    model.safetensors.index.json lists, each read by `read` (default `read_safetensors`)."""
+    read = read or read_safetensors
     root = Path(directory)
     if (root / SINGLE_FILE).is_file():
-        return read_safetensors(root / SINGLE_FILE)
+        return read(root / SINGLE_FILE)
     if not (root / INDEX_FILE).is_file():
         raise ConfigError(
             f"config key {INIT_KEY}={str(directory)!r}: neither {SINGLE_FILE} nor {INDEX_FILE} "
@@ -185,7 +217,7 @@ def read_checkpoint_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
             raise ConfigError(
                 f"config key {INIT_KEY}: shard {root / file} listed in {INDEX_FILE} is missing"
             )
-        tensors.update(read_safetensors(root / file))
+        tensors.update(read(root / file))
     return tensors
 
 
@@ -199,7 +231,48 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except Exception as exc:  # the library's own error types vary by version
-        raise ConfigError(f"{path} is not a readable safetensors file: {exc}") from None
+        raise _unreadable(path, exc) from None
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors one safetensors file declares, as meta tensors of their shape and dtype.
+    The library checks that the header is whole and that its tensors cover the file."""
+    _safetensors()
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            declared = {
+                name: (part.get_shape(), part.get_dtype())
+                for name in handle.keys()  # noqa: SIM118 (a file handle, not a dict)
+                for part in [handle.get_slice(name)]
+            }
+    except Exception as exc:  # the library's own error types vary by version
+        raise _unreadable(path, exc) from None
+    return {
+        name: torch.empty(shape, dtype=_HEADER_DTYPES.get(kind, torch.float32), device="meta")
+        for name, (shape, kind) in declared.items()
+    }
+
+
+_HEADER_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+"""safetensors' dtype names (the header's); the check needs shapes, the dtype is kept
+where torch has it."""
+
+
+def _unreadable(path: str | Path, exc: Exception) -> ConfigError:
+    return ConfigError(f"config key {INIT_KEY}: {path} is not a readable safetensors file: {exc}")
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path) -> Path:

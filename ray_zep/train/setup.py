@@ -21,6 +21,7 @@ from ray_zep.data.batching import BatchStream
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.distributed import Comm
 from ray_zep.errors import ConfigError, TopologyError
+from ray_zep.model.hf import check_hf_checkpoint
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Family
 from ray_zep.topology import Topology, build_topology
@@ -109,6 +110,8 @@ def prepare_run(config: Config, write_config: bool = True) -> RunPlan:
         config, train=dataclasses.replace(config.train, out_dir=str(run_dir))
     )
     _check_data(config, topology)
+    if config.model.init_from:
+        check_hf_checkpoint(config.model.init_from, build_shape(config.model))
     resume_checkpoint(run_dir, config.train.resume, config.parallel.ep)
     if write_config:
         write_resolved_config(config, run_dir)

@@ -28,11 +28,24 @@ CLI_TIMEOUT_S = 120.0
 
 @dataclass
 class RayHead:
-    temp_dir: Path
+    root: Path
+    """Stands for /tmp on this machine: the head's temp dir is ROOT/ray, where Ray
+    records the cluster of the last `ray start` (a driver with RAY_TMPDIR=ROOT finds it)."""
     job_api: str
     """http://127.0.0.1:<dashboard port>"""
+    gcs_address: str
+    """127.0.0.1:<port>, the address `ray.init` and RAY_ADDRESS take."""
     token_path: Path
     pids: set[int] = field(default_factory=set)
+
+    @property
+    def temp_dir(self) -> Path:
+        return self.root / "ray"
+
+    def local_env(self) -> dict[str, str]:
+        """A client on this machine that names no cluster: Ray's record of the last
+        `ray start` leads it to this head (with the token the head requires)."""
+        return {**self.client_env(), "RAY_TMPDIR": str(self.root)}
 
     def client_env(self, with_token: bool = True) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
@@ -104,14 +117,31 @@ class RayHead:
             return ""
 
 
+_SHARED: list[RayHead] = []
+
+
+def shared_head(num_cpus: int, object_store_mb: int) -> RayHead:
+    """The session's one head (started on first use)."""
+    if not _SHARED:
+        _SHARED.append(start_ray_head(num_cpus, object_store_mb))
+    return _SHARED[0]
+
+
+def stop_shared_head() -> None:
+    """Stop the session's head if it runs (its idle processes slow other clusters' starts)."""
+    while _SHARED:
+        stop_ray_head(_SHARED.pop())
+
+
 def start_ray_head(num_cpus: int, object_store_mb: int) -> RayHead:
     """Start a head whose job API listens on 127.0.0.1 and requires a token."""
     # Unix socket paths must stay short, so not under pytest's long tmp paths.
-    temp_dir = Path(tempfile.mkdtemp(prefix="rzh"))
-    token_path = temp_dir / "auth_token"
+    root = Path(tempfile.mkdtemp(prefix="rzh"))
+    token_path = root / "auth_token"
     token_path.write_text(secrets.token_hex(32))
     token_path.chmod(0o600)
-    head = RayHead(temp_dir, f"http://127.0.0.1:{free_port()}", token_path)
+    gcs_address = f"127.0.0.1:{free_port()}"
+    head = RayHead(root, f"http://127.0.0.1:{free_port()}", gcs_address, token_path)
     before = _ray_pids()
     started = subprocess.run(
         [
@@ -119,13 +149,13 @@ def start_ray_head(num_cpus: int, object_store_mb: int) -> RayHead:
             "start",
             "--head",
             "--node-ip-address=127.0.0.1",
-            f"--port={free_port()}",
+            f"--port={gcs_address.rsplit(':', 1)[1]}",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={head.job_api.rsplit(':', 1)[1]}",
             f"--ray-client-server-port={free_port()}",
             f"--num-cpus={num_cpus}",
             f"--object-store-memory={object_store_mb * 1024 * 1024}",
-            f"--temp-dir={temp_dir}",
+            f"--temp-dir={head.temp_dir}",
             "--disable-usage-stats",
         ],
         env=head.client_env(),
@@ -142,13 +172,13 @@ def start_ray_head(num_cpus: int, object_store_mb: int) -> RayHead:
 
 def stop_ray_head(head: RayHead) -> None:
     """Stop only this head's processes (never other Ray clusters on the machine)."""
-    mine = head.pids | {pid for pid, cmd in process_table().items() if str(head.temp_dir) in cmd}
+    mine = head.pids | {pid for pid, cmd in process_table().items() if str(head.root) in cmd}
     for pid in mine:  # nothing of a test cluster needs a graceful end
         _signal(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(pid) for pid in mine):
         time.sleep(0.2)
-    shutil.rmtree(head.temp_dir, ignore_errors=True)
+    shutil.rmtree(head.root, ignore_errors=True)
 
 
 def process_table() -> dict[int, str]:
