@@ -543,8 +543,22 @@ class MetricsConfig:
     """On CPU, measure a step's peak tensor memory every k steps, from the second on
     (the tracker slows that step by about half); 0 never. GPUs read the allocator's
     peak every step."""
+    tensorboard: str | None = None
+    """Directory of TensorBoard event files (relative: under train.out_dir); null: none.
+    Every scalar of metrics.jsonl, per step. Needs `pip install 'ray-zep[tensorboard]'`."""
+    wandb: str | None = None
+    """Weights & Biases project to log every scalar of metrics.jsonl to; null: none.
+    WANDB_MODE=offline writes the run under train.out_dir/wandb with no network. Needs
+    `pip install 'ray-zep[wandb]'`."""
+    wandb_run: str | None = None
+    """The W&B run's name; null: the run directory's name. A resumed run logs to the
+    same W&B run (its id comes from the run directory)."""
 
     def __post_init__(self) -> None:
+        for key in ("tensorboard", "wandb", "wandb_run"):
+            value = getattr(self, key)
+            _require(value is None or bool(value.strip()), f"metrics.{key}", value,
+                     "must be a non-empty name, or null")  # fmt: skip
         _require(self.memory_every >= 0, "metrics.memory_every", self.memory_every, "must be >= 0")
         _require(-1 <= self.port <= 65535, "metrics.port", self.port, "must be -1, 0 or a port")
         _require(bool(self.host.strip()), "metrics.host", self.host, "must be an address")

@@ -133,6 +133,19 @@ RESTARTS = MetricSpec(
     "Times the training workers restarted from a checkpoint during this job.",
 )
 
+PROCESS_RESIDENT_BYTES = MetricSpec(
+    "ray_zep_process_resident_bytes",
+    Kind.GAUGE,
+    "Resident memory after the last step: the driver, the data actor, the largest rank.",
+    ("process",),
+)
+PROCESS_OPEN_FDS = MetricSpec(
+    "ray_zep_process_open_fds",
+    Kind.GAUGE,
+    "Open file descriptors after the last step: the driver, the data actor, the most of a rank.",
+    ("process",),
+)
+
 ALL_METRICS: tuple[MetricSpec, ...] = (
     EVAL_LOSS,
     TOKENS,
@@ -162,6 +175,8 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     WORLD_SIZE,
     LIVE_NODES,
     RESIZES,
+    PROCESS_RESIDENT_BYTES,
+    PROCESS_OPEN_FDS,
 )
 
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)

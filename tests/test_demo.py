@@ -1,4 +1,5 @@
-"""`ray-zep train conf/demo.yaml` as a user runs it, against the golden loss curve.
+"""`ray-zep train conf/demo.yaml` as a user runs it, against the golden loss curve, with
+TensorBoard and offline W&B recording it.
 
 Set RAY_ZEP_UPDATE_GOLDEN=1 to re-record tests/golden/demo_losses.json after a
 change that is meant to change results (say why in the commit).
@@ -15,8 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from ray_zep import steplog
+from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.data.builder import stdlib_dataset
+from ray_zep.tracking import row_scalars
 from tests.helpers.ray_head import RayHead
+from tests.helpers.trackers import tensorboard_scalars, wandb_history
 from tests.helpers.training import jsonl_losses
 
 pytestmark = pytest.mark.ray
@@ -26,6 +31,8 @@ GOLDEN = REPO / "tests" / "golden" / "demo_losses.json"
 STEPS = 21
 """The demo trains 40 steps; the test stops it at 21 (the suite's time on 2 cores): every
 part of the run, the checkpoint of step 20 included, has happened by then."""
+TRACKED = ["metrics.tensorboard=tb", "metrics.wandb=ray-zep-demo", "metrics.peak_tflops=1"]
+"""TensorBoard and (offline) W&B beside metrics.jsonl; a nominal peak, so rows carry MFU."""
 # The first steps are compared tightly; later ones loosely, since fp32 rounding
 # differences between CPU kernels (AVX2 vs AVX-512 paths) compound over steps.
 EARLY_STEPS, EARLY_REL, LATE_REL = 10, 1e-3, 5e-2
@@ -49,12 +56,16 @@ def test_demo_trains_with_falling_loss_and_matches_golden(
             str(REPO / "conf" / "demo.yaml"),
             f"train.out_dir={out}",
             f"train.steps={STEPS}",
+            *TRACKED,
         ],
         capture_output=True,
         text=True,
         timeout=900,
         cwd=tmp_path,
-        env=_without(os.environ, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"),  # the driver's own choice
+        env={
+            **_without(os.environ, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"),  # the driver's choice
+            "WANDB_MODE": "offline",
+        },
     )
     elapsed = time.perf_counter() - started
     assert done.returncode == 0, done.stderr[-4000:]
@@ -70,6 +81,7 @@ def test_demo_trains_with_falling_loss_and_matches_golden(
     for picture in ("loss.png", "throughput.png", "load.png"):
         assert (out / picture).read_bytes().startswith(b"\x89PNG"), picture
 
+    _assert_tracked_as_in_metrics_jsonl(out)
     losses = jsonl_losses(out)
     assert sorted(losses) == list(range(1, STEPS + 1))
     first = sum(losses[s] for s in range(1, 6)) / 5
@@ -81,6 +93,20 @@ def test_demo_trains_with_falling_loss_and_matches_golden(
     # ~55 s), not a benchmark: it only catches a demo that stopped being a few-minute run.
     assert elapsed < 240, f"the demo took {elapsed:.0f} s"
     _compare_with_golden(losses)
+
+
+def _assert_tracked_as_in_metrics_jsonl(out: Path) -> None:
+    """TensorBoard's reader and the offline W&B run hold every per-step scalar of
+    metrics.jsonl, with its value; the rows carry MFU and every process's host usage."""
+    rows = steplog.step_rows(out / METRICS_FILE_NAME)
+    board, logged = tensorboard_scalars(out / "tb"), wandb_history(out)
+    by_step = {row["step"]: row for row in logged}
+    for row in rows:
+        assert row["mfu"] > 0 and row["rss_bytes"]["driver"] > 0 and row["open_fds"]["data"] > 0
+        assert len(row["rss_bytes"]["ranks"]) == 4 and min(row["rss_bytes"]["ranks"]) > 0
+        for name, value in row_scalars(row).items():
+            assert board[name][row["step"]] == pytest.approx(value), (name, row["step"])
+            assert by_step[row["step"]][name] == pytest.approx(value), (name, row["step"])
 
 
 def _without(env, name: str) -> dict[str, str]:

@@ -13,11 +13,14 @@ import pytest
 from ray_zep import metrics, steplog
 from ray_zep.config import TopologyConfig, load_config
 from ray_zep.errors import ConfigError
+from ray_zep.host_usage import HostUsage
 from ray_zep.model_shapes import build_shape
 from ray_zep.topology import build_topology
+from ray_zep.tracking import open_trackers, row_scalars
 from ray_zep.traffic import gradient_traffic
 from ray_zep_workers.metrics_export import MetricsExporter
 from tests.helpers.procs import run_ranks
+from tests.helpers.trackers import tensorboard_scalars, wandb_history
 from tests.helpers.training import SMALL_RUN, train_rank
 
 pytestmark = pytest.mark.unit
@@ -37,6 +40,7 @@ UNITS = (
     "_ratio",
     "_size",
     "_nodes",
+    "_fds",  # as the standard process collector's process_open_fds
 )
 
 
@@ -60,6 +64,7 @@ def _event(step: int, loss: float = 2.0) -> dict:
         },
         "zone_tokens": {"local": 3000, "intra_node": 600, "inter_node": 400},
         "model_flops": 2e12,
+        "host": {"rss_bytes": [5_000_000, 6_000_000, 5_500_000, 7_000_000], "open_fds": [9] * 4},
     }
 
 
@@ -191,3 +196,72 @@ def test_step_events_carry_zone_tokens_and_model_flops_per_rank(tmp_path: Path) 
         # each rank's share: its tokens' layers and its part of each sequence's attention
         assert len(event["rank_flops"]) == 4 and min(event["rank_flops"]) > 0
         assert sum(event["rank_flops"]) == pytest.approx(expected, rel=1e-9)
+
+
+def test_row_scalars_keep_every_number_of_a_row_under_its_key() -> None:
+    row = {
+        "step": 7,
+        "time": 1.0e9,
+        "loss": 2.5,
+        "tokens": 4000,
+        "comm_bytes": {"intra_node": 300, "inter_node": 100},
+        "compression": {"kv": {"raw_bytes": 500, "wire_bytes": 400}},
+        "rank_tokens": [1000, 900, 1100, 1000],
+        "nic_bytes": [[60, 40], [0, 20]],
+        "memory": {"modelled": [4.0, 6.0], "measured_by": "tracker"},
+        "rss_bytes": {"driver": 10, "ranks": [30, 50]},
+    }
+    assert row_scalars(row) == {
+        "loss": 2.5,
+        "tokens": 4000.0,
+        "comm_bytes/intra_node": 300.0,
+        "comm_bytes/inter_node": 100.0,
+        "compression/kv/raw_bytes": 500.0,
+        "compression/kv/wire_bytes": 400.0,
+        "rank_tokens/max": 1100.0,
+        "rank_tokens/mean": 1000.0,
+        "nic_bytes/max": 60.0,
+        "nic_bytes/mean": 30.0,
+        "memory/modelled/max": 6.0,
+        "memory/modelled/mean": 5.0,
+        "rss_bytes/driver": 10.0,
+        "rss_bytes/ranks/max": 50.0,
+        "rss_bytes/ranks/mean": 40.0,
+    }
+
+
+def test_tensorboard_and_offline_wandb_hold_every_row_as_metrics_jsonl_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One record, three sinks, across a restart from step 2: TensorBoard ends with one
+    history (the steps after 2 trained again replace the first try's), W&B keeps every
+    point it was sent, metrics.jsonl the newest history."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    metrics_config = load_config(
+        None, ["metrics.tensorboard=tb", "metrics.wandb=ray-zep-tests", "metrics.wandb_run=t"]
+    ).metrics
+    trackers = open_trackers(metrics_config, tmp_path, {"train": {"steps": 4}})
+    exporter = MetricsExporter(tmp_path, port=-1, trackers=trackers)
+    beside = {"driver": HostUsage(3_000_000, 20), "data": HostUsage(2_000_000, 12)}
+    exporter.on_start(0)
+    for step in (1, 2, 3):
+        exporter.on_step(_event(step, loss=9.0), beside)
+    exporter.on_start(2)  # a restart from step 2's checkpoint
+    for step in (3, 4):
+        exporter.on_step(_event(step, loss=float(step)), beside)
+    exporter.on_eval({"step": 4, "loss": 2.5, "label_tokens": 9, "documents": 1, "seconds": 0.1})
+    exporter.close()
+
+    rows = steplog.read_rows(tmp_path / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 4]
+    board = tensorboard_scalars(tmp_path / "tb")
+    wandb_rows = wandb_history(tmp_path)
+    assert [r["step"] for r in wandb_rows] == [1, 2, 3, 3, 4, 4]
+    for row in rows:
+        for name, value in row_scalars(row).items():
+            assert board[name][row["step"]] == pytest.approx(value), (name, row["step"])
+            logged = [r for r in wandb_rows if r["step"] == row["step"] and name in r]
+            assert logged and logged[-1][name] == pytest.approx(value), (name, row["step"])
+    assert board["loss"] == {1: 9.0, 2: 9.0, 3: 3.0, 4: 4.0}, "step 3's first try was purged"
+    assert {"rss_bytes/driver", "rss_bytes/ranks/max", "lr", "grad_norm"} <= set(board)
+    assert "tokens_per_second" in board and "rank_token_imbalance" in board

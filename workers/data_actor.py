@@ -37,6 +37,7 @@ from ray_zep.data.regroup import regroup
 from ray_zep.data.shards import shard_for
 from ray_zep.data.source import TokenSource
 from ray_zep.errors import CommError, ZepError
+from ray_zep.host_usage import HostUsage, host_usage
 from ray_zep.logs import setup_logging
 from ray_zep.topology import Topology
 from ray_zep.train.setup import num_ranks
@@ -75,6 +76,10 @@ class DataActor:
 
     def ready(self) -> bool:
         return True
+
+    def host_usage(self) -> HostUsage:
+        """This process's resident memory and open file descriptors."""
+        return host_usage()
 
     def start(self, step: int, cursor: dict[str, Any] | None, nodes: int | None = None) -> None:
         """Produce the batches of step `step` on, with the data cursor of the checkpoint

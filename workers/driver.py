@@ -33,6 +33,7 @@ from ray_zep.costmodel import datasheet_peak_flops
 from ray_zep.errors import ZepError, find_zep_error
 from ray_zep.report.run_plots import draw_run
 from ray_zep.topology_resolve import resolve_topology
+from ray_zep.tracking import open_trackers
 from ray_zep.train.setup import RunPlan, least_nodes, prepare_run
 from ray_zep_workers.cluster import check_room, connect, disconnect
 from ray_zep_workers.data_actor import DataActor
@@ -42,6 +43,7 @@ from ray_zep_workers.metrics_export import RESIZE_LOST, RESIZE_RETURNED, Metrics
 from ray_zep_workers.probe import probe_cluster
 from ray_zep_workers.progress import ProgressBar
 from ray_zep_workers.train_fn import INPUT_ERROR_EVENT, train_loop
+from ray_zep_workers.usage import UsagePoll
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +95,8 @@ def train(config: Config) -> RunSummary:
         peak = metrics.peak_tflops * 1e12 or (
             datasheet_peak_flops(topology.gpu_model) if use_gpu else None
         )
-        exporter = MetricsExporter(plan.run_dir, metrics.port, metrics.host, peak)
+        trackers = open_trackers(metrics, plan.run_dir, config_to_dict(plan.config))
+        exporter = MetricsExporter(plan.run_dir, metrics.port, metrics.host, peak, trackers)
         exporter.set_ranks(plan.num_workers)
         watch = None
         if elastic:
@@ -158,7 +161,7 @@ def _run(
         ),
     )
     progress = ProgressBar(config.train.steps, enabled=config.metrics.progress)
-    watcher = _Watcher(exporter, progress, plan.topology.nodes)
+    watcher = _Watcher(exporter, progress, plan.topology.nodes, UsagePoll(data_actor))
     outcome: dict[str, Any] = {}
 
     def fit() -> None:
@@ -227,8 +230,11 @@ def _draw_pictures(run_dir: Path) -> None:
 class _Watcher:
     """Turns rank 0's events into progress, metrics and a run summary."""
 
-    def __init__(self, exporter: MetricsExporter, progress: ProgressBar, nodes: int) -> None:
+    def __init__(
+        self, exporter: MetricsExporter, progress: ProgressBar, nodes: int, usage: UsagePoll
+    ) -> None:
         self.exporter = exporter
+        self.usage = usage
         self.progress = progress
         self.started = False
         self.restarts = 0
@@ -285,7 +291,7 @@ class _Watcher:
             self.last_step = event["step"]
             self.progress.start(event["step"])
         elif kind == "step":
-            row = self.exporter.on_step(event)
+            row = self.exporter.on_step(event, self.usage.sample())
             self.progress.update(row)
             self.last_step = row["step"]
             self.final_loss = row["loss"]

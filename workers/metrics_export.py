@@ -1,6 +1,7 @@
 """The driver's metrics: a Prometheus endpoint and `<train.out_dir>/metrics.jsonl`.
 
-Both are fed from the events rank 0 sends after every step. metrics.jsonl gets
+Both are fed from the events rank 0 sends after every step, and so are the trackers
+(`metrics.tensorboard`, `metrics.wandb`): one row, every sink. metrics.jsonl gets
 one JSON object per step with at least `step`, `loss`, `tokens`,
 `step_seconds`; when a run resumes from step k, lines after step k (steps that
 will be trained again) are removed first, so the file always tells one history.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,8 @@ from ray_zep import metrics as m
 from ray_zep import steplog
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.errors import ConfigError
+from ray_zep.host_usage import HostUsage
+from ray_zep.tracking import Tracker, row_scalars
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +35,15 @@ class MetricsExporter:
     """Serves metrics on `host`:`port` (0: any free port, -1: off) and appends metrics.jsonl."""
 
     def __init__(
-        self, run_dir: Path, port: int, host: str = "127.0.0.1", peak_flops: float | None = None
+        self,
+        run_dir: Path,
+        port: int,
+        host: str = "127.0.0.1",
+        peak_flops: float | None = None,
+        trackers: Sequence[Tracker] = (),
     ) -> None:
+        self.trackers = list(trackers)
+        """TensorBoard / W&B: each gets every row's scalars (`ray_zep.tracking`)."""
         self.registry = CollectorRegistry()
         self.metrics = m.create_metrics(self.registry)
         self.jsonl_path = run_dir / METRICS_FILE_NAME
@@ -79,6 +90,7 @@ class MetricsExporter:
         """Training (re)starts after `step` on `nodes` nodes of `world_size` ranks: drop
         jsonl lines of later steps."""
         steplog.rewind(self.jsonl_path, step)
+        self._track(lambda tracker: tracker.start(step))
         if nodes is not None:
             self.nodes = nodes
             self.metrics[m.LIVE_NODES.name].set(nodes)
@@ -86,8 +98,16 @@ class MetricsExporter:
             self.ranks = world_size
             self.metrics[m.WORLD_SIZE.name].set(world_size)
 
-    def on_step(self, event: dict[str, Any]) -> dict[str, Any]:
-        """Record one step; returns the row written to metrics.jsonl."""
+    def on_step(
+        self, event: dict[str, Any], processes: dict[str, HostUsage] | None = None
+    ) -> dict[str, Any]:
+        """Record one step; returns the row written to metrics.jsonl.
+
+        Args:
+            event: rank 0's step event.
+            processes: the host usage of the processes beside the ranks (`driver`,
+                `data`), as last sampled; the ranks' own come with the event.
+        """
         seconds = max(event["step_seconds"], 1e-9)
         rank_tokens, rank_flops = event["rank_tokens"], event.get("rank_flops", [])
         mean = sum(rank_tokens) / max(1, len(rank_tokens))
@@ -116,12 +136,16 @@ class MetricsExporter:
             "nodes": self.nodes,
             "time": time.time(),
         }
+        host, processes = event.get("host", {}), processes or {}
+        for figure in ("rss_bytes", "open_fds"):
+            row[figure] = {name: getattr(use, figure) for name, use in processes.items()}
+            row[figure]["ranks"] = host.get(figure, [])
         if event.get("switcher"):  # the first step with comm.compression=auto
             row["switcher"] = event["switcher"]
         if self.peak_flops:
             row["mfu"] = row["model_flops_per_second"] / (self.ranks * self.peak_flops)
         self._update_prometheus(row)
-        steplog.append_row(self.jsonl_path, row)
+        self._record(row)
         return row
 
     def on_eval(self, event: dict[str, Any]) -> dict[str, Any]:
@@ -136,14 +160,34 @@ class MetricsExporter:
             "time": time.time(),
         }
         self.metrics[m.EVAL_LOSS.name].set(row["eval_loss"])
-        steplog.append_row(self.jsonl_path, row)
+        self._record(row)
         return row
 
     def on_checkpoint(self, step: int) -> None:
         self.metrics[m.CHECKPOINTS.name].inc()
         self.metrics[m.CHECKPOINT_STEP.name].set(step)
 
+    def _record(self, row: dict[str, Any]) -> None:
+        """One row, every sink: metrics.jsonl and the trackers."""
+        steplog.append_row(self.jsonl_path, row)
+        scalars = row_scalars(row)
+        self._track(lambda tracker: tracker.log(row["step"], scalars))
+
+    def _track(self, call: Callable[[Tracker], None]) -> None:
+        """`call` on every tracker; one that fails is dropped with a warning (metrics.jsonl
+        and the endpoint go on: a tracker is not worth a training run)."""
+        for tracker in list(self.trackers):
+            try:
+                call(tracker)
+            except Exception as exc:
+                self.trackers.remove(tracker)
+                log.warning(
+                    "metrics.%s stops recording: %s: %s", tracker.name, type(exc).__name__, exc
+                )
+
     def close(self) -> None:
+        self._track(lambda tracker: tracker.close())
+        self.trackers.clear()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -175,6 +219,12 @@ class MetricsExporter:
             peak = max(row["memory"].get(kind) or [0.0])
             if peak > 0:  # ranks measure on some steps only (CPU: metrics.memory_every)
                 get(m.RANK_MEMORY.name).labels(kind=kind).set(peak)
+        for figure, spec in (("rss_bytes", m.PROCESS_RESIDENT_BYTES),
+                             ("open_fds", m.PROCESS_OPEN_FDS)):  # fmt: skip
+            for process, value in row[figure].items():
+                if process == "ranks":
+                    process, value = "rank_max", max(value, default=0)
+                get(spec.name).labels(process=process).set(value)
         for zone, tokens in row["zone_tokens"].items():
             get(m.ZONE_TOKENS.name).labels(zone=zone).inc(tokens)
         for link, nbytes in row["comm_bytes"].items():

@@ -58,6 +58,9 @@ class StepStats:
     memory: dict[str, object] = field(default_factory=dict)
     """Per-rank peak bytes: `modelled` (every step) and `measured` (0 where the step
     was not measured), `measured_by`, and rank 0's modelled and measured `parts`."""
+    host: dict[str, list[int]] = field(default_factory=dict)
+    """Per rank, at the end of the step: resident memory (`rss_bytes`) and open file
+    descriptors (`open_fds`) of its process (`ray_zep.host_usage`)."""
     switcher: dict[str, object] = field(default_factory=dict)
     """First step with `comm.compression=auto`: the costs the job's switch measured at
     start-up and decides on (α and β per collective, codec seconds per byte)."""

@@ -25,6 +25,7 @@ from ray_zep.model.hf import check_hf_checkpoint
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Family
 from ray_zep.topology import Topology, build_topology
+from ray_zep.tracking import check_trackers
 from ray_zep.train.checkpoint import resume_checkpoint
 
 
@@ -110,6 +111,7 @@ def prepare_run(config: Config, write_config: bool = True) -> RunPlan:
         config, train=dataclasses.replace(config.train, out_dir=str(run_dir))
     )
     _check_data(config, topology)
+    check_trackers(config.metrics)
     if config.model.init_from:
         check_hf_checkpoint(config.model.init_from, build_shape(config.model))
     resume_checkpoint(run_dir, config.train.resume, config.parallel.ep)

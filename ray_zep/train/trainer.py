@@ -22,6 +22,7 @@ from ray_zep.collectives.tally import per_stream
 from ray_zep.config import Config
 from ray_zep.data.shards import RankShard
 from ray_zep.distributed import Comm
+from ray_zep.host_usage import host_usage
 from ray_zep.routing.relay import open_channels
 from ray_zep.train import checkpoint
 from ray_zep.train.accounting import (
@@ -153,7 +154,8 @@ class RankTrainer:
         model = max(models, key=lambda m: m.total)
         peak = self.memory_probe.last.get("peak", 0.0)
         flops = sum(rank_model_flops(s, ctx) for s in shards)
-        memory = rank_slots(ctx, model.total, peak, flops)
+        usage = host_usage()
+        memory = rank_slots(ctx, model.total, peak, flops, usage.rss_bytes, usage.open_fds)
         streams = self.switches.tally.vector()
         led = [sum(values) for values in zip(*(led_work(s, ctx) for s in shards), strict=True)]
         loss_sum = sum(loss for loss, _ in losses)
@@ -162,7 +164,7 @@ class RankTrainer:
         sum_over_ranks_(totals, self.comm, "the step loss")
         zone_tokens, attention_flops = totals[2:5].tolist(), float(totals[5])
         end = 6 + len(streams)
-        job_streams, per_rank = totals[6:end].tolist(), totals[end:].view(3, -1).tolist()
+        job_streams, per_rank = totals[6:end].tolist(), totals[end:].view(5, -1).tolist()
         traffic = self.runner.traffic(shards[0], grad_bytes[0])
         for shard, sent in zip(shards[1:], grad_bytes[1:], strict=True):
             traffic = traffic + self.runner.traffic(shard, sent)
@@ -192,6 +194,7 @@ class RankTrainer:
                 "measured_by": self.memory_probe.method,
                 "parts": {"modelled": model.to_dict(), "measured": self.memory_probe.last},
             },
+            host={"rss_bytes": _ints(per_rank[3]), "open_fds": _ints(per_rank[4])},
         )
 
     def save(self, run_dir: Path, cursor: dict[str, Any]) -> Path:
@@ -216,3 +219,7 @@ class RankTrainer:
         )
         self.steps_done = progress.step
         return progress
+
+
+def _ints(values: list[float]) -> list[int]:
+    return [round(v) for v in values]
