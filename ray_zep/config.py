@@ -121,6 +121,9 @@ class TrainConfig:
     save_last: bool = True
     """Save a checkpoint after the last step. False: a throwaway run (a smoke test, a
     timing) ends without one; `checkpoint_every` and `eval_every` still save theirs."""
+    keep_checkpoints: int = 0
+    """Complete checkpoints kept: after each save, older ones beyond the newest k are
+    deleted (with interrupted saves older than the newest); 0 keeps every one."""
     resume: ResumeMode = ResumeMode.AUTO
     sample_ledger: bool = True
     """Every rank records the document pieces it trains on, step by step, in
@@ -166,6 +169,12 @@ class TrainConfig:
             "must be >= 0",
         )
         _require(bool(self.out_dir), "train.out_dir", self.out_dir, "must not be empty")
+        _require(
+            self.keep_checkpoints >= 0,
+            "train.keep_checkpoints",
+            self.keep_checkpoints,
+            "must be >= 0 (0 keeps every checkpoint)",
+        )
 
 
 @dataclass

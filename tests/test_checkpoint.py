@@ -120,3 +120,30 @@ def test_a_run_without_save_last_keeps_only_its_periodic_checkpoints(tmp_path: P
            "train.save_last=false", f"train.out_dir={tmp_path}"]  # fmt: skip
     assert sorted(train_rank(0, 1, run)["losses"]) == [1, 2, 3]
     assert checkpoint.latest_checkpoint(tmp_path) == checkpoint.checkpoint_path(tmp_path, 2)
+
+
+def test_keep_checkpoints_deletes_the_oldest_complete_ones_and_older_torn_saves(
+    tmp_path: Path,
+) -> None:
+    root = checkpoint.checkpoint_root(tmp_path)
+    for step in (2, 4, 5, 6, 8, 9):
+        folder = checkpoint.checkpoint_path(tmp_path, step)
+        folder.mkdir(parents=True)
+        if step not in (5, 9):  # 5 and 9 are interrupted saves
+            (folder / "COMPLETE").write_text("{}")
+    assert checkpoint.prune_checkpoints(tmp_path, keep=0) == []
+    deleted = checkpoint.prune_checkpoints(tmp_path, keep=2)
+    assert [p.name for p in deleted] == ["step_00000002", "step_00000004", "step_00000005"]
+    left = sorted(p.name for p in root.iterdir())
+    assert left == ["step_00000006", "step_00000008", "step_00000009"], "9 may be being written"
+    assert checkpoint.latest_checkpoint(tmp_path) == checkpoint.checkpoint_path(tmp_path, 8)
+
+
+def test_a_run_keeps_its_newest_checkpoints_and_resumes_from_them(tmp_path: Path) -> None:
+    from tests.helpers.training import SMALL_RUN, train_rank
+
+    run = [*SMALL_RUN, "parallel.sequence=single", "train.steps=5", "train.checkpoint_every=1",
+           "train.keep_checkpoints=2", f"train.out_dir={tmp_path}"]  # fmt: skip
+    assert sorted(train_rank(0, 1, run)["losses"]) == [1, 2, 3, 4, 5]
+    left = sorted(p.name for p in checkpoint.checkpoint_root(tmp_path).iterdir())
+    assert left == ["step_00000004", "step_00000005"]

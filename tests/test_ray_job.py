@@ -1,12 +1,17 @@
 """`ray job submit` against a real Ray head with token authentication, and failures.
 
 One head (`ray start --head`, job API on 127.0.0.1, `RAY_AUTH_MODE=token`) serves
-the module. A job meets three failures at random steps: a worker that stops
-answering (SIGSTOP), a worker killed outright (SIGKILL), and then its driver
-killed; submitted again with the same `train.out_dir`, it finishes. It must end
-in the state of an uninterrupted reference run, bit for bit, with every sample
-trained exactly once (the sample ledger). The reference trains the same config
-through the library's rank loop on gloo processes, the code every Ray worker runs.
+the module (`tests/conftest.py`). A job meets five failures at random steps: a worker
+that stops answering (SIGSTOP), a worker killed outright (SIGKILL), the data actor
+killed, one of its dataset's Parquet files turned to garbage, and then its driver
+killed. Submitted again, it stops in one line naming the file and keeps every
+checkpoint; with the file mended and submitted once more, it finishes. It must end in
+the state of an uninterrupted reference run, bit for bit, with every sample trained
+exactly once (the sample ledger). The reference trains the same config through the
+library's rank loop on gloo processes, the code every Ray worker runs.
+
+The same head is the cluster a driver that names none joins, and one without room for
+a run's workers.
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_zep.train.checkpoint import checkpoint_path
+from ray_zep.config import load_config
+from ray_zep.data.builder import write_token_parquet
+from ray_zep.data.catalog import open_configured_source
+from ray_zep.train.checkpoint import checkpoint_path, checkpoint_root
 from ray_zep.train.ledger import read_ledger
 from tests.helpers.procs import run_ranks
 from tests.helpers.ray_head import RayHead, pids_matching, process_table
@@ -33,7 +41,7 @@ from tests.helpers.training import SMALL_RUN, checkpoint_params, jsonl_losses, t
 pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 12
+STEPS = 16
 TIMEOUT_S = 5
 RUN = [
     *SMALL_RUN,
@@ -45,7 +53,7 @@ RUN = [
     "train.warmup_steps=2",
     "metrics.port=-1",
     f"comm.timeout_s={TIMEOUT_S}",
-    "ray.max_failures=2",
+    "ray.max_failures=3",
     # data parallel: whole sequences packed per rank, replicated weights
     "parallel.sequence=whole",
     "parallel.weights=replicated",
@@ -68,6 +76,7 @@ RUNTIME_ENV = json.dumps(
 )
 JOB_TIMEOUT_S = 300.0
 WORKER_TITLE = "ray::RayTrainWorker"
+DATA_ACTOR_TITLE = "ray::DataActor"
 RESTARTED = "workers restarted from the checkpoint of step"
 
 
@@ -84,16 +93,18 @@ def test_job_api_refuses_a_client_without_the_token(head: RayHead) -> None:
 
 
 @pytest.mark.slow
-def test_job_survives_a_silent_peer_a_killed_worker_and_a_killed_driver(
+def test_job_survives_failed_peers_a_lost_data_actor_a_broken_file_and_a_killed_driver(
     head: RayHead, tmp_path: Path
 ) -> None:
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     where = f"(failure steps drawn with seed {seed})"
+    dataset, files = _sharded_dataset(tmp_path / "data")
+    run = [*RUN, f"data.source={dataset}"]
 
     reference = tmp_path / "reference"
     demo = REPO / "conf" / "demo.yaml"
-    expected = run_ranks(train_rank, 2, [*RUN, f"train.out_dir={reference}"], demo)[0]
+    expected = run_ranks(train_rank, 2, [*run, f"train.out_dir={reference}"], demo)[0]
 
     def log() -> str:
         return head.driver_log("failing")
@@ -102,7 +113,9 @@ def test_job_survives_a_silent_peer_a_killed_worker_and_a_killed_driver(
         return log()[-4000:]
 
     out = tmp_path / "failing"
-    job = head.submit("failing", REPO, RUNTIME_ENV, _entrypoint(out))
+    job = head.submit("failing", REPO, RUNTIME_ENV, _entrypoint(out, run))
+    broken = rng.choice(files)
+    intact = broken.read_bytes()
     try:
         # 1. a peer stops answering: the others fail within comm.timeout_s, Ray restarts all
         _wait_for_step(out, first := rng.randint(1, 3), head, "failing")
@@ -120,8 +133,18 @@ def test_job_survives_a_silent_peer_a_killed_worker_and_a_killed_driver(
         os.kill(rng.choice(_workers()), signal.SIGKILL)
         _wait_until(lambda: log().count(RESTARTED) == 2, "the second restart", tail)
 
-        # 3. the driver dies; freeze the workers first so that no step runs past this point
-        _wait_for_step(out, rng.randint(second + 2, second + 3), head, "failing")
+        # 3. the data actor dies: Ray starts it again, the workers resume from a checkpoint
+        _wait_for_step(out, third := rng.randint(second + 2, second + 3), head, "failing")
+        os.kill(_single(pids_matching(DATA_ACTOR_TITLE)), signal.SIGKILL)
+        _wait_until(lambda: log().count(RESTARTED) == 3, "the third restart", tail)
+        assert "lost the data actor" in log(), tail()
+
+        # 4. a dataset file turns to garbage: the running data actor read it at its start
+        _wait_for_step(out, fourth := rng.randint(third + 1, third + 2), head, "failing")
+        broken.write_bytes(b"\0" * 64)
+
+        # 5. the driver dies; freeze the workers first so that no step runs past this point
+        _wait_for_step(out, rng.randint(fourth + 1, fourth + 2), head, "failing")
         workers = _workers()
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
@@ -135,20 +158,43 @@ def test_job_survives_a_silent_peer_a_killed_worker_and_a_killed_driver(
     assert head.status("failing") == "FAILED"
     killed_at = max(jsonl_losses(out))
     assert killed_at < STEPS, f"the first driver finished before it was killed {where}"
+    assert "Traceback" not in log(), tail()
 
-    # 4. the same run submitted again resumes from its newest checkpoint and finishes
-    logs = _run_to_end(head, "failing-again", out)
+    # 6. submitted again with the file still broken: one line names it, nothing is lost
+    saved = sorted(p.name for p in checkpoint_root(out).iterdir())
+    refused = _run_to_end(head, "failing-refused", out, run, "FAILED")
+    assert (
+        refused.strip()
+        .splitlines()[-1]
+        .startswith(f"ray-zep: error: {str(broken)!r} is not a readable Parquet file")
+    ), refused[-3000:]
+    assert "Traceback" not in refused, refused[-3000:]
+    assert sorted(p.name for p in checkpoint_root(out).iterdir()) == saved
+
+    # 7. with the file mended, the same run resumes from its newest checkpoint and finishes
+    broken.write_bytes(intact)
+    logs = _run_to_end(head, "failing-again", out, run)
     assert "resuming from" in logs and f"..{STEPS}:" in logs
 
     assert jsonl_losses(out) == expected["losses"], f"losses differ {where}"
-    ours = checkpoint_params(checkpoint_path(out, STEPS), RUN)
-    for name, value in checkpoint_params(checkpoint_path(reference, STEPS), RUN).items():
+    ours = checkpoint_params(checkpoint_path(out, STEPS), run)
+    for name, value in checkpoint_params(checkpoint_path(reference, STEPS), run).items():
         assert torch.equal(ours[name], value), f"parameter {name} differs {where}"
     samples = read_ledger(out)
     assert samples == read_ledger(reference), f"the trained samples differ {where}"
     assert sorted(samples) == list(range(1, STEPS + 1))
     pieces = [piece for step in samples.values() for piece in step]
     assert len(set(pieces)) == len(pieces), f"a sample was trained twice {where}"
+
+
+def _sharded_dataset(folder: Path) -> tuple[Path, list[Path]]:
+    """The run's synthetic documents as a folder of four Parquet files (enough for every
+    step: the run reads a few dozen)."""
+    config = load_config(None, RUN)
+    source = open_configured_source(config)
+    docs = [source.tokens(i) for i in range(400)]
+    files = [write_token_parquet(docs[i::4], folder / f"part_{i}.parquet").path for i in range(4)]
+    return folder, files
 
 
 def test_a_driver_that_names_no_cluster_joins_the_one_ray_start_runs(
@@ -173,30 +219,25 @@ ROOMLESS = [*RUN, "topology.nodes=2", "topology.gpus_per_node=4"]
 """Eight workers, and the head has six CPUs."""
 
 
-@pytest.mark.parametrize("found_by", ["ray start", "RAY_ADDRESS", "ray.address=local"])
+@pytest.mark.parametrize("found_by", ["ray start", "RAY_ADDRESS"])
 def test_a_cluster_without_room_for_the_workers_is_refused_in_one_line(
     head: RayHead, tmp_path: Path, found_by: str
 ) -> None:
     """The running cluster, found through Ray's record of `ray start` or through
-    RAY_ADDRESS, lacks CPUs for the run: one line says so and how to go on. With
-    ray.address=local the run starts a Ray of its own beside it instead (here sized by
-    ray.num_cpus=1, so it is refused the same way, naming that Ray)."""
-    env, extra = head.local_env(), [f"train.out_dir={tmp_path}"]
+    RAY_ADDRESS, lacks CPUs for the run: one line says so and how to go on."""
+    env = head.local_env()
     port = head.gcs_address.rsplit(":", 1)[1]  # Ray records the head by the machine's IP
     where = rf"the Ray cluster at [\d.]+:{port} \(ray start on this machine\) has 6"
-    fix = "add CPUs to that cluster (`ray start --num-cpus=...`)"
     if found_by == "RAY_ADDRESS":
         env = {**head.client_env(), "RAY_ADDRESS": head.gcs_address}
         where = rf"the Ray cluster at {re.escape(head.gcs_address)} \(RAY_ADDRESS\) has 6"
-    elif found_by == "ray.address=local":
-        extra += ["ray.address=local", "ray.num_cpus=1"]
-        where, fix = "the local Ray this run started has 1", "shrink topology.nodes"
-    done = _ray_zep(env, "train", "conf/demo.yaml", *ROOMLESS, *extra)
+    done = _ray_zep(env, "train", "conf/demo.yaml", *ROOMLESS, f"train.out_dir={tmp_path}")
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
     assert re.match(rf"ray-zep: error: 8 worker\(s\) need one CPU each but {where}; ", last), last
-    assert fix in last, last
+    assert "add CPUs to that cluster (`ray start --num-cpus=...`)" in last, last
+    assert "or set ray.address=local" in last, last
 
 
 def _ray_zep(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
@@ -206,20 +247,27 @@ def _ray_zep(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def _entrypoint(out: Path) -> list[str]:
-    return ["ray-zep", "train", "conf/demo.yaml", *RUN, f"train.out_dir={out}"]
+def _entrypoint(out: Path, run: list[str]) -> list[str]:
+    return ["ray-zep", "train", "conf/demo.yaml", *run, f"train.out_dir={out}"]
 
 
-def _run_to_end(head: RayHead, job_id: str, out: Path) -> str:
-    job = head.submit(job_id, REPO, RUNTIME_ENV, _entrypoint(out))
+def _run_to_end(
+    head: RayHead, job_id: str, out: Path, run: list[str], expect: str = "SUCCEEDED"
+) -> str:
+    job = head.submit(job_id, REPO, RUNTIME_ENV, _entrypoint(out, run))
     try:
         output, _ = job.communicate(timeout=JOB_TIMEOUT_S)
     finally:
         job.kill()
     status = head.status(job_id)
     logs = head.logs(job_id)
-    assert status == "SUCCEEDED", f"job {job_id}: {status}\n{output[-3000:]}"
+    assert status == expect, f"job {job_id}: {status}\n{output[-3000:]}"
     return logs
+
+
+def _single(found: list[int]) -> int:
+    assert len(found) == 1, f"expected one process, found {found}"
+    return found[0]
 
 
 def _workers() -> list[int]:

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -18,7 +19,8 @@ from ray.cluster_utils import Cluster
 from ray_zep import steplog
 from ray_zep.config import config_to_dict, load_config
 from ray_zep.constants import METRICS_FILE_NAME
-from ray_zep.errors import OverlongDocumentError, TopologyError
+from ray_zep.data.builder import write_token_parquet
+from ray_zep.errors import CommError, CorruptDatasetError, OverlongDocumentError, TopologyError
 from ray_zep.topology import build_topology
 from ray_zep.topology_resolve import resolve_topology
 from ray_zep.train.checkpoint import checkpoint_path, latest_checkpoint
@@ -381,6 +383,29 @@ def test_a_data_error_fails_every_restart_at_once() -> None:
         actor.get_shards(0, 0, timeout_s=60)
     assert str(again.value) == str(first.value)
     assert time.perf_counter() - started < 5
+
+
+def test_a_data_actor_started_again_sends_the_workers_back_to_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Ray starts the data actor again after its process died: until rank 0 starts a
+    stream, shard requests fail at once (the workers then restart from a checkpoint);
+    if its dataset became unreadable meanwhile, they fail with the typed error naming the
+    file, before and after a start, which ends the run."""
+    data = write_token_parquet([np.arange(50, dtype=np.int32)] * 40, tmp_path / "d.parquet")
+    config = load_config(None, [*BASE, f"data.source={data.path}"])
+    topology = build_topology(config.topology).to_dict()
+    restarted = DataActor(config_to_dict(config), topology)
+    with pytest.raises(CommError, match="data actor's process died and Ray started it again"):
+        restarted.get_shards(3, 0, timeout_s=60)
+    restarted.start(3, None)
+    assert len(restarted.get_shards(3, 0, timeout_s=60)) == 1
+    data.path.write_bytes(b"\0" * 64)
+    broken = DataActor(config_to_dict(config), topology)
+    for _ in range(2):
+        with pytest.raises(CorruptDatasetError, match=r"d\.parquet' is not a readable Parquet"):
+            broken.get_shards(3, 0, timeout_s=60)
+        broken.start(3, None)
 
 
 def test_an_elastic_run_without_room_for_its_minimum_stops_with_one_line(tmp_path: Path) -> None:

@@ -32,6 +32,8 @@ LOCAL = "local"
 """`ray.address=local`: start a Ray of the run's own, even beside a running one."""
 AUTO = "auto"
 """Ray's own `auto`: any cluster found on this machine."""
+STARTED = "started"
+"""The origin of a local Ray the driver starts for the run."""
 RECORDED = "ray start on this machine"
 """How a cluster found through Ray's record of `ray start` is named in messages."""
 CLIENT_SCHEME = "ray://"
@@ -56,10 +58,14 @@ class Connection:
     `started` (a local Ray of the run's own)."""
     started: bool
     """Whether the driver started (and must shut down) this Ray connection."""
+    env: tuple[str, ...] = ()
+    """Environment variables set for this connection (removed again by `disconnect`)."""
 
     def describe(self) -> str:
-        if self.address is None:
+        if self.origin == STARTED:
             return "the local Ray this run started"
+        if self.address is None:
+            return "the Ray cluster this process is connected to"
         return f"the Ray cluster at {self.address} ({self.origin})"
 
 
@@ -74,8 +80,7 @@ def connect(config: Config, num_workers: int) -> Connection:
         return Connection(None, "the caller's", started=False)
     address, origin = _chosen_address(config)
     if address is None:
-        _start_local(config, num_workers)
-        return Connection(None, "started", started=True)
+        return Connection(None, STARTED, started=True, env=_start_local(config, num_workers))
     if config.ray.num_cpus is not None:
         log.warning(
             "ray.num_cpus=%d is not used: it sizes a Ray the run starts, and the run joins "
@@ -91,40 +96,59 @@ def connect(config: Config, num_workers: int) -> Connection:
         raise ClusterError(
             f"cannot join the Ray cluster at {address} ({origin}): {reason}"
         ) from None
-    if _all_on_this_machine():
-        os.environ.setdefault(PREEMPTION_WATCHER_ENV_VAR, "0")  # Ray Train passes it on
+    # Ray Train passes the variable on to its controller
+    env = _set_unset({PREEMPTION_WATCHER_ENV_VAR: "0"}) if _all_on_this_machine() else ()
     if origin == RECORDED:
         log.info(
             "joined the Ray cluster that `ray start` runs on this machine (%s); "
             "ray.address=local starts a Ray of this run's own instead", address,
         )  # fmt: skip
-    return Connection(address, origin, started=True)
+    return Connection(address, origin, started=True, env=env)
 
 
 def disconnect(connection: Connection) -> None:
-    """End the driver's Ray connection if `connect` made it (a Ray it started stops)."""
+    """End the driver's Ray connection if `connect` made it (a Ray it started stops), and
+    remove the environment variables set for it."""
     if connection.started:
         ray.shutdown()
-    if connection.address is None and connection.origin == "started":
-        os.environ.pop(API_SERVER_ENV_VAR, None)
+    for name in connection.env:
+        os.environ.pop(name, None)
 
 
-def _start_local(config: Config, num_workers: int) -> None:
-    """A local Ray for this run. Its processes inherit this process's environment: no
-    preemption watcher, and the address of its own dashboard, which Ray Train's helpers
-    would otherwise look for among every Ray on the machine (and fail to choose when
-    another one runs beside it)."""
+def _start_local(config: Config, num_workers: int) -> tuple[str, ...]:
+    """Start a local Ray for this run; returns the environment variables set for it.
+
+    Its processes inherit this process's environment: no preemption watcher, and the
+    address of its own dashboard, which Ray Train's helpers would otherwise look for
+    among every Ray on the machine (and fail to choose when another one runs beside it).
+    A variable the user set is left as it is.
+    """
     cpus = config.ray.num_cpus or max(num_workers + 2, os.cpu_count() or 1)
-    os.environ.setdefault(PREEMPTION_WATCHER_ENV_VAR, "0")
     port = _free_port()
-    os.environ[API_SERVER_ENV_VAR] = f"http://127.0.0.1:{port}"
-    ray.init(
-        address=LOCAL,
-        num_cpus=cpus,
-        object_store_memory=config.ray.object_store_mb * 1024 * 1024,
-        dashboard_port=port,
-        log_to_driver=True,
+    env = _set_unset(
+        {PREEMPTION_WATCHER_ENV_VAR: "0", API_SERVER_ENV_VAR: f"http://127.0.0.1:{port}"}
     )
+    try:
+        ray.init(
+            address=LOCAL,
+            num_cpus=cpus,
+            object_store_memory=config.ray.object_store_mb * 1024 * 1024,
+            dashboard_port=port,
+            log_to_driver=True,
+        )
+    except BaseException:
+        for name in env:
+            os.environ.pop(name, None)
+        raise
+    return env
+
+
+def _set_unset(values: dict[str, str]) -> tuple[str, ...]:
+    """Set each variable that is not set yet; returns the ones set."""
+    fresh = tuple(name for name in values if name not in os.environ)
+    for name in fresh:
+        os.environ[name] = values[name]
+    return fresh
 
 
 def _free_port() -> int:
@@ -141,9 +165,9 @@ def _chosen_address(config: Config) -> tuple[str | None, str]:
         given, origin = os.environ["RAY_ADDRESS"].strip(), "RAY_ADDRESS"
     else:
         recorded = recorded_cluster()
-        return (recorded, RECORDED) if recorded else (None, "started")
+        return (recorded, RECORDED) if recorded else (None, STARTED)
     if given == LOCAL:
-        return None, "started"
+        return None, STARTED
     if "://" in given and not given.startswith(CLIENT_SCHEME):
         raise ConfigError(
             f"config key ray.address: {origin}={given!r} is not a Ray cluster address; give "

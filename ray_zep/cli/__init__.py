@@ -54,6 +54,9 @@ bench, data), each declaring its arguments next to its handlers.
                                              placements from 64 to 4,096 GPUs, modelled
     ray-zep bench memory [CONFIG] [--weights ...] [--checkpointing ...] [--out DIR]
                                              per-rank memory, modelled and measured
+    ray-zep bench soak [CONFIG] [--steps 2000] [--warm-up N] [--out DIR]
+                                             a long run: memory, descriptors and step time of
+                                             the driver, the data actor and every rank
     ray-zep bench --help                     every bench; each writes OUT/NAME.json and a PNG
 
 Errors on bad input are one line on stderr and exit status 2.

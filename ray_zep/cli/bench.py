@@ -32,6 +32,7 @@ BENCHES = {
     "zipccl": "ray_zep.bench.zipccl_report",
     "memory": "ray_zep.bench.memory",
     "step": "ray_zep.bench.step",
+    "soak": "ray_zep_workers.bench_soak",
 }
 """Every bench's name and module, in the order `ray-zep bench --help` lists them."""
 

@@ -34,6 +34,7 @@ import contextlib
 import json
 import logging
 import re
+import shutil
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,6 +92,37 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         if (m := STEP_DIR.match(p.name)) and (p / constants.CHECKPOINT_COMPLETE_MARKER).is_file()
     ]
     return max(steps)[1] if steps else None
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
+    """Delete the complete checkpoints older than the newest `keep`, and interrupted saves
+    older than the newest complete one (no run resumes from either); `keep` 0 deletes
+    nothing. Rank 0 calls it after a save.
+
+    Returns:
+        The folders deleted, oldest first.
+    """
+    root = checkpoint_root(run_dir)
+    if keep <= 0 or not root.is_dir():
+        return []
+    found = sorted(
+        (int(m.group(1)), p.is_dir() and (p / constants.CHECKPOINT_COMPLETE_MARKER).is_file(), p)
+        for p in root.iterdir()
+        if (m := STEP_DIR.match(p.name))
+    )
+    complete = [step for step, done, _ in found if done]
+    if not complete:
+        return []
+    kept = set(complete[-keep:])
+    newest = complete[-1]
+    doomed = [p for step, done, p in found if (done and step not in kept) or
+              (not done and step < newest)]  # fmt: skip
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    if doomed:
+        log.info("deleted %d checkpoint(s) before step %d (train.keep_checkpoints=%d)",
+                 len(doomed), min(kept), keep)  # fmt: skip
+    return doomed
 
 
 def resume_checkpoint(run_dir: Path, resume: ResumeMode, ep: int) -> Path | None:

@@ -91,6 +91,8 @@ def run_rank(
         evaluate = _due(trainer.steps_done, config.train.eval_every)
         if (last and config.train.save_last) or evaluate or _due(trainer.steps_done, every):
             path = trainer.save(run_dir, shards[-1].cursor_after)
+            if comm.rank == 0:
+                checkpoint.prune_checkpoints(run_dir, config.train.keep_checkpoints)
             if report and comm.rank == 0:
                 report({"event": "checkpoint", "step": trainer.steps_done, "path": str(path)})
             if evaluate:
