@@ -1,11 +1,10 @@
 """`ray job submit` against a real Ray head with token authentication, and failures.
 
 One head (`ray start --head`, job API on 127.0.0.1, `RAY_AUTH_MODE=token`) serves
-the module (`tests/conftest.py`). A job meets five failures at random steps: a worker
-that stops answering (SIGSTOP), a worker killed outright (SIGKILL), the data actor
-killed, one of its dataset's Parquet files turned to garbage, and then its driver
-killed. Submitted again, it stops in one line naming the file and keeps every
-checkpoint; with the file mended and submitted once more, it finishes. It must end in
+the module (`tests/conftest.py`). A job meets four failures at random steps: a worker
+that stops answering (SIGSTOP), a worker killed outright (SIGKILL) with the data actor,
+one of its dataset's Parquet files turned to garbage, and then its driver killed.
+Submitted again, it stops in one line naming the file and keeps every checkpoint; with the file mended and submitted once more, it finishes. It must end in
 the state of an uninterrupted reference run, bit for bit, with every sample trained
 exactly once (the sample ledger). The reference trains the same config through the
 library's rank loop on gloo processes, the code every Ray worker runs.
@@ -41,7 +40,7 @@ from tests.helpers.training import SMALL_RUN, checkpoint_params, jsonl_losses, t
 pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 16
+STEPS = 12
 TIMEOUT_S = 5
 RUN = [
     *SMALL_RUN,
@@ -53,7 +52,7 @@ RUN = [
     "train.warmup_steps=2",
     "metrics.port=-1",
     f"comm.timeout_s={TIMEOUT_S}",
-    "ray.max_failures=3",
+    "ray.max_failures=2",
     # data parallel: whole sequences packed per rank, replicated weights
     "parallel.sequence=whole",
     "parallel.weights=replicated",
@@ -128,23 +127,21 @@ def test_job_survives_failed_peers_a_lost_data_actor_a_broken_file_and_a_killed_
         assert noticed < TIMEOUT_S + 20, f"a silent peer noticed after {noticed:.0f} s {where}"
         _wait_until(lambda: log().count(RESTARTED) == 1, "the first restart", tail)
 
-        # 2. a worker dies (a step beyond any the stopped run could have reached)
+        # 2. a worker dies (a step beyond any the stopped run could have reached), and the
+        # data actor with it: Ray starts the actor again, the new group's data comes from it
         _wait_for_step(out, second := rng.randint(first + 2, first + 4), head, "failing")
+        data_actor = _single(pids_matching(DATA_ACTOR_TITLE))
         os.kill(rng.choice(_workers()), signal.SIGKILL)
+        os.kill(data_actor, signal.SIGKILL)
         _wait_until(lambda: log().count(RESTARTED) == 2, "the second restart", tail)
+        assert _single(pids_matching(DATA_ACTOR_TITLE)) != data_actor
 
-        # 3. the data actor dies: Ray starts it again, the workers resume from a checkpoint
-        _wait_for_step(out, third := rng.randint(second + 2, second + 3), head, "failing")
-        os.kill(_single(pids_matching(DATA_ACTOR_TITLE)), signal.SIGKILL)
-        _wait_until(lambda: log().count(RESTARTED) == 3, "the third restart", tail)
-        assert "lost the data actor" in log(), tail()
-
-        # 4. a dataset file turns to garbage: the running data actor read it at its start
-        _wait_for_step(out, fourth := rng.randint(third + 1, third + 2), head, "failing")
+        # 3. a dataset file turns to garbage: the running data actor read it at its start
+        _wait_for_step(out, third := rng.randint(second + 1, second + 2), head, "failing")
         broken.write_bytes(b"\0" * 64)
 
-        # 5. the driver dies; freeze the workers first so that no step runs past this point
-        _wait_for_step(out, rng.randint(fourth + 1, fourth + 2), head, "failing")
+        # 4. the driver dies; freeze the workers first so that no step runs past this point
+        _wait_for_step(out, rng.randint(third + 1, third + 2), head, "failing")
         workers = _workers()
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
@@ -160,7 +157,7 @@ def test_job_survives_failed_peers_a_lost_data_actor_a_broken_file_and_a_killed_
     assert killed_at < STEPS, f"the first driver finished before it was killed {where}"
     assert "Traceback" not in log(), tail()
 
-    # 6. submitted again with the file still broken: one line names it, nothing is lost
+    # 5. submitted again with the file still broken: one line names it, nothing is lost
     saved = sorted(p.name for p in checkpoint_root(out).iterdir())
     refused = _run_to_end(head, "failing-refused", out, run, "FAILED")
     assert (
@@ -171,7 +168,7 @@ def test_job_survives_failed_peers_a_lost_data_actor_a_broken_file_and_a_killed_
     assert "Traceback" not in refused, refused[-3000:]
     assert sorted(p.name for p in checkpoint_root(out).iterdir()) == saved
 
-    # 7. with the file mended, the same run resumes from its newest checkpoint and finishes
+    # 6. with the file mended, the same run resumes from its newest checkpoint and finishes
     broken.write_bytes(intact)
     logs = _run_to_end(head, "failing-again", out, run)
     assert "resuming from" in logs and f"..{STEPS}:" in logs
@@ -203,14 +200,14 @@ def test_a_driver_that_names_no_cluster_joins_the_one_ray_start_runs(
     """`ray-zep train` with neither RAY_ADDRESS nor ray.address, on a machine where
     `ray start --head` runs: it trains on that cluster, as `ray.init()` would join it."""
     out = tmp_path / "joined"
-    done = _ray_zep(head.local_env(), "train", "conf/demo.yaml", *RUN, "train.steps=2",
-                    f"train.out_dir={out}")  # fmt: skip
+    one = ["train.steps=1", "parallel.sequence=single", "topology.gpus_per_node=1"]
+    done = _ray_zep(head.local_env(), "train", "conf/demo.yaml", *RUN, *one, f"train.out_dir={out}")
     assert done.returncode == 0, done.stderr[-3000:]
     port = head.gcs_address.rsplit(":", 1)[1]  # Ray records the head by the machine's IP
     joined = r"joined the Ray cluster that `ray start` runs on this machine \([\d.]+:(\d+)\)"
     found = re.search(joined, done.stderr)
     assert found and found.group(1) == port, done.stderr[-3000:]
-    assert sorted(jsonl_losses(out)) == [1, 2]
+    assert sorted(jsonl_losses(out)) == [1]
     for noise in ("Traceback", "PreemptionWatcher"):
         assert noise not in done.stderr, done.stderr[-3000:]
 

@@ -30,7 +30,7 @@ from ray_zep.report.text_table import Column, render_table
 from ray_zep_workers.steady_state import TIMING_OVERRIDES
 
 NAME = "soak"
-HELP = "a long run of the demo: memory, descriptors and step time of every process"
+HELP = "a long run: memory, descriptors and step time per process"
 SOAK_OVERRIDES = ("train.keep_checkpoints=2", *TIMING_OVERRIDES)
 COLUMNS = [
     Column("process", "process"),

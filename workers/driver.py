@@ -136,7 +136,7 @@ def _run(
         )
         .remote(config_data, plan.topology.to_dict())
     )
-    ray.get(data_actor.ready.remote(), timeout=config.comm.init_timeout_s)
+    data_ready = data_actor.ready.remote()  # awaited once Ray Train's controller is starting
     events = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
     trainer = TorchTrainer(
         train_loop,
@@ -172,6 +172,9 @@ def _run(
 
     thread = threading.Thread(target=fit, name="ray-zep-fit", daemon=True)
     thread.start()
+    # the data actor (imports, the dataset read whole) starts while the controller does;
+    # one that cannot start ends the run here
+    ray.get(data_ready, timeout=config.comm.init_timeout_s)
     while thread.is_alive() and watcher.input_error is None:
         watcher.drain(events, block=True)
         if watch is not None:
