@@ -4,10 +4,11 @@ One head (`ray start --head`, job API on 127.0.0.1, `RAY_AUTH_MODE=token`) serve
 the module (`tests/conftest.py`). A job meets four failures at random steps: a worker
 that stops answering (SIGSTOP), a worker killed outright (SIGKILL) with the data actor,
 one of its dataset's Parquet files turned to garbage, and then its driver killed.
-Submitted again, it stops in one line naming the file and keeps every checkpoint; with the file mended and submitted once more, it finishes. It must end in
-the state of an uninterrupted reference run, bit for bit, with every sample trained
-exactly once (the sample ledger). The reference trains the same config through the
-library's rank loop on gloo processes, the code every Ray worker runs.
+Submitted again, it stops in one line naming the file and keeps every checkpoint; with
+the file mended and submitted once more, it finishes. It must end in the state of an
+uninterrupted reference run, bit for bit, with every sample trained exactly once (the
+sample ledger). The reference trains the same config through the library's rank loop
+on gloo processes, the code every Ray worker runs.
 
 The same head is the cluster a driver that names none joins, and one without room for
 a run's workers.
