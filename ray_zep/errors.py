@@ -92,6 +92,12 @@ class CheckpointError(ZepError):
     """A checkpoint is missing, incomplete or does not match the run."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (its type's name when it has none): what a
+    one-line report of someone else's error (a library's, Ray's) quotes."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def find_zep_error(exc: BaseException | None, _depth: int = 0) -> ZepError | None:
     """Find the ZepError at the root of an exception wrapped by Ray or torch.
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ray_zep.config import MetricsConfig
-from ray_zep.errors import ConfigError
+from ray_zep.errors import ConfigError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class WandbTracker:
                 settings=wandb.Settings(console="off", silent=True),
             )
         except Exception as exc:  # W&B's own errors vary: no login, no network, bad project
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            reason = first_line(exc)
             raise ConfigError(
                 f"config key metrics.wandb={project!r}: W&B did not start ({reason}); log in "
                 "(`wandb login` or WANDB_API_KEY), or set WANDB_MODE=offline"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import ray
 
 from ray_zep.config import Config, Device
-from ray_zep.errors import ClusterError, ConfigError
+from ray_zep.errors import ClusterError, ConfigError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def connect(config: Config, num_workers: int) -> Connection:
         # head made (a head started with `ray start` enables token authentication)
         ray.init(address=None if origin == RECORDED else address, log_to_driver=True)
     except Exception as exc:  # Ray's own errors vary by cause and version
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        reason = first_line(exc)
         raise ClusterError(
             f"cannot join the Ray cluster at {address} ({origin}): {reason}"
         ) from None

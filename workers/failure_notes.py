@@ -17,7 +17,7 @@ from typing import Any
 from ray.train import UserCallback
 
 from ray_zep.constants import LOG_LEVEL_ENV_VAR
-from ray_zep.errors import find_zep_error
+from ray_zep.errors import find_zep_error, first_line
 
 FAILURE_EVENT = "worker_failure"
 """`{"event", "errors": {rank: "Type: first line"}}`: workers raised, Ray Train decides."""
@@ -30,11 +30,10 @@ def ray_train_console_level() -> str:
     return "INFO" if debug else "CRITICAL"
 
 
-def first_line(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     """`Type: first line of the message` of the error at the root of `exc`."""
     root = find_zep_error(exc) or getattr(exc, "cause", None) or exc
-    lines = str(root).strip().splitlines()
-    return f"{type(root).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return f"{type(root).__name__}: {first_line(root)}"
 
 
 class FailureNotes(UserCallback):
@@ -48,5 +47,5 @@ class FailureNotes(UserCallback):
         self.events = events
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
-        errors = {rank: first_line(exc) for rank, exc in sorted(worker_exceptions.items())}
+        errors = {rank: describe(exc) for rank, exc in sorted(worker_exceptions.items())}
         self.events.actor.put_nowait.remote({"event": FAILURE_EVENT, "errors": errors})

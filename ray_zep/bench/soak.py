@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_zep.errors import ConfigError
 from ray_zep.report.figures import save_figure
 
 RSS_GROWTH_GOAL = 0.05
@@ -97,11 +98,14 @@ def soak_report(rows: Sequence[dict[str, Any]], warm_up: int) -> SoakReport:
     """How flat a run stayed after its first `warm_up` steps.
 
     Raises:
-        ValueError: too few steps after the warm-up for two windows.
+        ConfigError: too few steps after the warm-up for two windows of 10.
     """
     steady = len(rows) - warm_up
     if steady < 20:
-        raise ValueError(f"{len(rows)} steps leave {steady} after a warm-up of {warm_up}; need 20")
+        raise ConfigError(
+            f"--warm-up={warm_up}: {len(rows)} steps leave {steady} after it; two windows "
+            "of 10 steps need 20"
+        )
     window = max(10, steady // 10)
 
     def ends(values: Sequence[float]) -> tuple[float, float]:

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ray_zep import constants
 from ray_zep.config import ResumeMode
 from ray_zep.distributed import Comm
-from ray_zep.errors import CheckpointError
+from ray_zep.errors import CheckpointError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ def save_checkpoint(
         if comm.distributed:
             dist.barrier(group=comm.group)
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first_line(exc)
         raise CheckpointError(
             f"saving the checkpoint of step {progress.step} to {path} on rank {comm.rank} "
             f"failed or exceeded comm.timeout_s={comm.timeout_s:g}: {first}"
