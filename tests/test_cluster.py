@@ -88,3 +88,23 @@ def test_a_cluster_without_room_is_refused_in_one_line(
     assert str(refused.value).startswith(message), refused.value
     assert ("ray.address=local" in str(refused.value)) == joined
     assert cluster.check_room(config, 2, connection) == (resources.get("GPU", 0) > 0)
+
+
+def test_a_worker_failure_is_told_in_one_line() -> None:
+    """What the driver logs for each failed rank: the root error's type and first line,
+    whether Ray Train hands it over wrapped with its traceback or Ray wraps it in a task
+    error."""
+    from ray.exceptions import RayTaskError
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+    from ray_zep.errors import CommError
+    from ray_zep_workers.failure_notes import describe
+
+    traceback = "Traceback (most recent call last):\n  File ..."
+    gloo = RuntimeError("Connection closed by peer [127.0.0.1]:4242\nsecond line")
+    assert describe(UserExceptionWithTraceback(gloo, traceback)) == (
+        "RuntimeError: Connection closed by peer [127.0.0.1]:4242"
+    )
+    lost = CommError("rank 1 lost the data actor while starting the data")
+    remote = RayTaskError("fetch", traceback, lost).as_instanceof_cause()
+    assert describe(UserExceptionWithTraceback(remote, traceback)) == f"CommError: {lost}"

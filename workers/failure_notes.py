@@ -31,7 +31,9 @@ def ray_train_console_level() -> str:
 
 
 def describe(exc: BaseException) -> str:
-    """`Type: first line of the message` of the error at the root of `exc`."""
+    """`Type: first line of the message` of the error at the root of `exc` (Ray Train
+    hands a worker's error over wrapped with its traceback as the message)."""
+    exc = getattr(exc, "_base_exc", exc)
     root = find_zep_error(exc) or getattr(exc, "cause", None) or exc
     return f"{type(root).__name__}: {first_line(root)}"
 
