@@ -20,9 +20,6 @@ class HostUsage:
     open_fds: int
     """Open file descriptors (handles on Windows)."""
 
-    def to_dict(self) -> dict[str, int]:
-        return {"rss_bytes": self.rss_bytes, "open_fds": self.open_fds}
-
 
 _PROCESS: dict[int, psutil.Process] = {}
 """This process's handle, by pid (a forked child must not read its parent's)."""

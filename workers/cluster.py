@@ -86,7 +86,8 @@ def connect(config: Config, num_workers: int) -> Connection:
             "ray.num_cpus=%d is not used: it sizes a Ray the run starts, and the run joins "
             "the Ray cluster at %s (%s)", config.ray.num_cpus, address, origin,
         )  # fmt: skip
-    _check_reachable(address, origin)
+    if origin != RECORDED:  # recorded_cluster found the recorded one answering
+        _check_reachable(address, origin)
     try:
         # Ray finds the recorded cluster itself, and only then takes up the token its
         # head made (a head started with `ray start` enables token authentication)

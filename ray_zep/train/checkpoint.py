@@ -81,17 +81,22 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
     return checkpoint_root(run_dir) / f"step_{step:08d}"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint under `run_dir`, or None."""
+def _step_folders(run_dir: Path) -> list[tuple[int, bool, Path]]:
+    """(step, complete, folder) of every checkpoint folder under `run_dir`, by step."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
-        return None
-    steps = [
-        (int(m.group(1)), p)
+        return []
+    return sorted(
+        (int(m.group(1)), (p / constants.CHECKPOINT_COMPLETE_MARKER).is_file(), p)
         for p in root.iterdir()
-        if (m := STEP_DIR.match(p.name)) and (p / constants.CHECKPOINT_COMPLETE_MARKER).is_file()
-    ]
-    return max(steps)[1] if steps else None
+        if (m := STEP_DIR.match(p.name))
+    )
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint under `run_dir`, or None."""
+    complete = [p for _, done, p in _step_folders(run_dir) if done]
+    return complete[-1] if complete else None
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
@@ -102,14 +107,7 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
     Returns:
         The folders deleted, oldest first.
     """
-    root = checkpoint_root(run_dir)
-    if keep <= 0 or not root.is_dir():
-        return []
-    found = sorted(
-        (int(m.group(1)), p.is_dir() and (p / constants.CHECKPOINT_COMPLETE_MARKER).is_file(), p)
-        for p in root.iterdir()
-        if (m := STEP_DIR.match(p.name))
-    )
+    found = _step_folders(run_dir) if keep > 0 else []
     complete = [step for step, done, _ in found if done]
     if not complete:
         return []
