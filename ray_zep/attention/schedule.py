@@ -4,14 +4,11 @@ Every layer reuses it: the engine never loops over documents to find boundaries
 and never reads sizes back from the device.
 
 Terms (see `ray_zep.partition.plan`): a queue item's ring position r holds, per
-sequence, chunk r then chunk 2R-1-r (the *position layout*); Ulysses member u
+sequence, the chunks its layout gives it (the *position layout*); Ulysses member u
 holds a contiguous part of it (the *member layout*, which is this rank's rows).
 At ring step s position r computes its queries against the K and V of position
-(r - s) mod R, in one of three sections:
-
-- diagonal (s = 0): each sequence's own chunks, causal over their concatenation;
-- lower (source before r): all queries against the source's early chunk, no mask;
-- upper (source after r): the late chunk's queries against all of the source, no mask.
+(r - s) mod R: step 0 causal over each sequence's own chunks, later steps the one
+unmasked block per sequence the layout selects (`ray_zep.partition.layout`).
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ import torch
 
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.partition.exchange import Play
+from ray_zep.partition.layout import ZIGZAG
 from ray_zep.partition.plan import AttentionPlan, QueueItem
 from ray_zep.routing.routes import Phase, RankRouting
 
@@ -126,15 +124,8 @@ class RankSchedule:
 
 
 def position_layout(plan: AttentionPlan, item: QueueItem, position: int):
-    """Per sequence of the item: (early, late) token counts at `position`."""
-    out = []
-    for seq in item.seqs:
-        p = plan.placement(seq)
-        last = 2 * p.ring_size - 1 - position
-        early = p.bounds[position + 1] - p.bounds[position]
-        late = p.bounds[last + 1] - p.bounds[last]
-        out.append((early, late))
-    return out
+    """Per sequence of the item: the tokens of each layout slot at `position`."""
+    return [plan.placement(seq).slot_tokens(position) for seq in item.seqs]
 
 
 def _item_schedule(
@@ -144,7 +135,7 @@ def _item_schedule(
     u_size, ring = item.ulysses, item.ring_size
     position, part = divmod(member, u_size)
     layouts = [position_layout(plan, item, r) for r in range(ring)]
-    position_tokens = tuple(sum(early + late for early, late in lay) for lay in layouts)
+    position_tokens = tuple(sum(sum(slots) for slots in lay) for lay in layouts)
     placements = [plan.placement(s) for s in item.seqs]
     members = range(position * u_size, (position + 1) * u_size)
     member_tokens = tuple(sum(p.member_tokens(m) for p in placements) for m in members)
@@ -156,6 +147,7 @@ def _item_schedule(
             s,
             (position - s) % ring,
             position,
+            item.layout,
             device,
         )
         for s in range(ring)
@@ -196,35 +188,27 @@ def _rows_in_position(ranges: list[tuple[int, int]], a: int, b: int) -> np.ndarr
     raise ValueError(f"tokens [{a}, {b}) are not at this position")
 
 
-def step_segments(mine, theirs, step: int, source: int, position: int) -> list:
+def step_segments(mine, theirs, step: int, source: int, position: int, layout=ZIGZAG) -> list:
     """The (q_offset, q_len, k_offset, k_len) segments ring step `step` computes.
 
-    `mine` and `theirs` are the (early, late) token counts per sequence of this
-    position and of the source position (see the module docstring for the three
-    sections); empty segments are left out. The engine builds its row indices
-    from these and the simulator costs them, so both see the same work.
+    `mine` and `theirs` are the slot token counts per sequence of this position and
+    of the source position; each sequence's block is its layout's (`Layout.block`);
+    empty segments are left out. The engine builds its row indices from these and the
+    simulator costs them, so both see the same work.
     """
     segments = []
     q_off = k_off = 0
-    for (early, late), (src_early, src_late) in zip(mine, theirs, strict=True):
-        if step == 0:
-            q = (q_off, early + late)
-            k = (k_off, src_early + src_late)
-        elif source < position:
-            q = (q_off, early + late)
-            k = (k_off, src_early)
-        else:
-            q = (q_off + early, late)
-            k = (k_off, src_early + src_late)
-        if q[1] > 0 and k[1] > 0:
-            segments.append((*q, *k))
-        q_off += early + late
-        k_off += src_early + src_late
+    for slots, src_slots in zip(mine, theirs, strict=True):
+        block = layout.block(slots, src_slots, step, source < position)
+        if block is not None and block[1] > 0 and block[3] > 0:
+            segments.append((q_off + block[0], block[1], k_off + block[2], block[3]))
+        q_off += sum(slots)
+        k_off += sum(src_slots)
     return segments
 
 
-def _step_meta(mine, theirs, step: int, source: int, position: int, device) -> StepMeta:
-    segments = step_segments(mine, theirs, step, source, position)
+def _step_meta(mine, theirs, step: int, source: int, position: int, layout, device) -> StepMeta:
+    segments = step_segments(mine, theirs, step, source, position, layout)
 
     def rows(offset: int, length: int):
         parts = [np.arange(seg[offset], seg[offset] + seg[length]) for seg in segments]

@@ -57,7 +57,10 @@ def plain_members(plan: AttentionPlan, items: list[QueueItem]) -> Members:
     rank = np.fromiter(itertools.chain.from_iterable(item.ranks for item in items), np.int64)
     member_item = np.repeat(np.arange(len(items)), ring)
     position = np.arange(rank.size) - starts[member_item]
-    # every sequence of every item, each cut at its 2R + 1 bounds
+    # every sequence of every item, each cut at its R x C + 1 bounds
+    layouts = list(dict.fromkeys(item.layout for item in items))
+    item_layout = np.asarray([layouts.index(item.layout) for item in items], dtype=np.int64)
+    slots = np.asarray([lay.slots for lay in layouts], dtype=np.int64)[item_layout]
     counts = np.asarray([len(item.seqs) for item in items], dtype=np.int64)
     seq_item = np.repeat(np.arange(len(items)), counts)
     seqs = itertools.chain.from_iterable(item.seqs for item in items)
@@ -65,21 +68,22 @@ def plain_members(plan: AttentionPlan, items: list[QueueItem]) -> Members:
         itertools.chain.from_iterable(plan.placement(s).bounds for s in seqs), np.int64
     )
     seq_ring = ring[seq_item]
-    first_bound = _starts(2 * seq_ring + 1)
+    first_bound = _starts(slots[seq_item] * seq_ring + 1)
     # one row per (sequence, ring position)
     row_seq = np.repeat(np.arange(seq_item.size), seq_ring)
-    row_ring = seq_ring[row_seq]
     row_position = np.arange(row_seq.size) - _starts(seq_ring)[row_seq]
-    at = first_bound[row_seq]
-    early = at + row_position
-    late = at + 2 * row_ring - 1 - row_position
+    row_item = seq_item[row_seq]
+    member = starts[row_item] + row_position
     tokens = np.zeros(rank.size, dtype=np.int64)
     pairs = np.zeros(rank.size, dtype=np.int64)
-    member = starts[seq_item[row_seq]] + row_position
-    for chunk in (early, late):
-        start, end = bounds[chunk], bounds[chunk + 1]
-        np.add.at(tokens, member, end - start)
-        np.add.at(pairs, member, (end * (end + 1) - start * (start + 1)) // 2)
+    for index, layout in enumerate(layouts):
+        rows = slice(None) if len(layouts) == 1 else item_layout[row_item] == index
+        ring_of, position_of = ring[row_item[rows]], row_position[rows]
+        for slot in range(layout.slots):
+            chunk = first_bound[row_seq[rows]] + layout.chunk_index(ring_of, position_of, slot)
+            start, end = bounds[chunk], bounds[chunk + 1]
+            np.add.at(tokens, member[rows], end - start)
+            np.add.at(pairs, member[rows], (end * (end + 1) - start * (start + 1)) // 2)
     return Members(member_item, rank, position, tokens, pairs, starts, ring)
 
 

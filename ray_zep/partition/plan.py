@@ -7,9 +7,10 @@ disagree about a strategy.
 A sequence is placed on a group of ranks laid out as R ring positions x U
 Ulysses members, `ranks[r * U + u]`:
 
-- its tokens are cut into 2R zigzag chunks at `bounds` (2R + 1 offsets); ring
-  position r holds chunks r and 2R-1-r, which balances causal work;
-- the tokens of ring position r (chunk r, then chunk 2R-1-r) are cut into U
+- its tokens are cut into chunks at `bounds` by its `layout`
+  (`ray_zep.partition.layout`: zigzag, 2R chunks with ring position r holding chunks
+  r and 2R-1-r, unless a placement chooses another);
+- the tokens of ring position r (its chunks one after the other) are cut into U
   contiguous parts, member u holding part u. Before attention the Ulysses
   members exchange heads for tokens, so each computes H/U heads over all of the
   position's tokens; R = 1 then means plain Ulysses and U = 1 plain ring.
@@ -37,6 +38,7 @@ import numpy as np
 from ray_zep.errors import PlacementError
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition.exchange import EXCHANGES, Exchange, ExchangeKind
+from ray_zep.partition.layout import ZIGZAG, Layout
 from ray_zep.topology import LinkKind, Topology
 
 
@@ -73,11 +75,13 @@ class SeqPlacement(NamedTuple):
         seq: index of the sequence in the batch.
         length: its tokens (>= 1).
         ranks: its group, ring-position major (R x U ranks, all distinct).
-        bounds: 2R + 1 non-decreasing zigzag chunk offsets from 0 to `length`.
+        bounds: R x C + 1 non-decreasing chunk offsets from 0 to `length` (C: the
+            layout's slots).
         ulysses: U, Ulysses members per ring position.
         exchange: how K and V move between ring positions.
         parts: tokens of each member (R x U entries) when U > 1; None splits each
             ring position's tokens evenly over its members.
+        layout: how the chunks are laid out over the ring positions.
     """
 
     seq: int
@@ -87,19 +91,22 @@ class SeqPlacement(NamedTuple):
     ulysses: int = 1
     exchange: Exchange = Exchange.RING
     parts: tuple[int, ...] | None = None
+    layout: Layout = ZIGZAG
 
     @property
     def ring_size(self) -> int:
         return len(self.ranks) // self.ulysses
 
     def position_ranges(self, position: int) -> list[tuple[int, int]]:
-        """Non-empty token ranges of ring position `position`: chunk r, then chunk 2R-1-r."""
-        last = 2 * self.ring_size - 1 - position
-        ranges = [
-            (self.bounds[position], self.bounds[position + 1]),
-            (self.bounds[last], self.bounds[last + 1]),
-        ]
+        """Non-empty token ranges of ring position `position`: its chunks in order."""
+        chunks = self.layout.position_chunks(self.ring_size, position)
+        ranges = [(self.bounds[c], self.bounds[c + 1]) for c in chunks]
         return _merge([(a, b) for a, b in ranges if b > a])
+
+    def slot_tokens(self, position: int) -> tuple[int, ...]:
+        """Tokens of each of the layout's slots at ring position `position`."""
+        chunks = self.layout.position_chunks(self.ring_size, position)
+        return tuple(self.bounds[c + 1] - self.bounds[c] for c in chunks)
 
     def position_tokens(self, position: int) -> int:
         return sum(b - a for a, b in self.position_ranges(position))
@@ -164,6 +171,7 @@ class QueueItem:
     ulysses: int
     exchange: Exchange
     seqs: tuple[int, ...]
+    layout: Layout = ZIGZAG
 
     @property
     def ring_size(self) -> int:
@@ -174,7 +182,13 @@ class QueueItem:
         return EXCHANGES[self.exchange]
 
     def order_key(self) -> tuple:
-        return (ZONE_ORDER.index(self.zone), self.ranks, self.ulysses, self.exchange.value)
+        return (
+            ZONE_ORDER.index(self.zone),
+            self.ranks,
+            self.ulysses,
+            self.exchange.value,
+            self.layout.name,
+        )
 
     def hops(self) -> list[tuple[int, int, int]]:
         """(position, sender, receiver) of every ring hop: member u of position p sends
@@ -244,10 +258,11 @@ class AttentionPlan:
         if self._items is None:
             groups: dict[tuple, list[int]] = {}
             for p in self.placements:
-                groups.setdefault((p.ranks, p.ulysses, p.exchange), []).append(p.seq)
+                key = (p.ranks, p.ulysses, p.exchange, p.layout)
+                groups.setdefault(key, []).append(p.seq)
             items = [
-                QueueItem(zone_of(ranks, self.topology), ranks, ulysses, exchange, tuple(seqs))
-                for (ranks, ulysses, exchange), seqs in groups.items()
+                QueueItem(zone_of(ranks, self.topology), ranks, ulysses, exchange, tuple(seqs), lay)
+                for (ranks, ulysses, exchange, lay), seqs in groups.items()
             ]
             self._items = sorted(items, key=QueueItem.order_key)
         return self._items
@@ -279,7 +294,7 @@ class AttentionPlan:
     def _count_rank_tokens(self) -> np.ndarray:
         counts = [0] * self.world
         for p in self.placements:
-            if p.ulysses == 1:  # ring position r holds chunks r and 2R-1-r
+            if p.ulysses == 1 and p.layout is ZIGZAG:  # position r: chunks r and 2R-1-r
                 b, last = p.bounds, 2 * len(p.ranks) - 1
                 for r, rank in enumerate(p.ranks):
                     counts[rank] += b[r + 1] - b[r] + b[last - r + 1] - b[last - r]
@@ -337,12 +352,15 @@ def _check_placement(index: int, p: SeqPlacement, world: int) -> None:
         raise PlacementError(f"{where}: {len(p.ranks)} ranks are not a multiple of U={p.ulysses}")
     bounds = p.bounds
     if (
-        len(bounds) != 2 * p.ring_size + 1
+        len(bounds) != p.layout.chunks(p.ring_size) + 1
         or bounds[0] != 0
         or bounds[-1] != p.length
         or any(b < a for a, b in itertools.pairwise(bounds))
     ):
-        raise PlacementError(f"{where}: chunk bounds {p.bounds} do not tile it in 2R chunks")
+        raise PlacementError(
+            f"{where}: chunk bounds {p.bounds} do not tile it in the "
+            f"{p.layout.chunks(p.ring_size)} chunks of its {p.layout.name} layout"
+        )
     if p.parts is not None:
         sums = [sum(p.parts[r * p.ulysses : (r + 1) * p.ulysses]) for r in range(p.ring_size)]
         expected = [p.position_tokens(r) for r in range(p.ring_size)]
@@ -356,8 +374,7 @@ def _check_placement(index: int, p: SeqPlacement, world: int) -> None:
 
 def even_bounds(length: int, ring_size: int) -> tuple[int, ...]:
     """2R + 1 offsets cutting `length` tokens into 2R zigzag chunks within one token."""
-    chunks = 2 * ring_size
-    return tuple(length * c // chunks for c in range(chunks + 1))
+    return ZIGZAG.even_bounds(length, ring_size)
 
 
 def bounds_for_counts(counts: list[int]) -> tuple[int, ...]:
@@ -366,12 +383,7 @@ def bounds_for_counts(counts: list[int]) -> tuple[int, ...]:
     Position r takes floor(counts[r] / 2) tokens in its early chunk and the rest
     in its late chunk.
     """
-    ring = len(counts)
-    sizes = [0] * (2 * ring)
-    for r, n in enumerate(counts):
-        sizes[r] = n // 2
-        sizes[2 * ring - 1 - r] = n - n // 2
-    return (0, *itertools.accumulate(sizes))
+    return ZIGZAG.bounds_for_counts(counts)
 
 
 def local_placement(seq: int, length: int, rank: int) -> SeqPlacement:

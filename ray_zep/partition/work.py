@@ -6,9 +6,10 @@ forward and backward of every layer for the tokens it holds:
 - linear modules: tokens x their FLOPs per token at the matmul rate;
 - attention of a whole sequence of n tokens on the rank: n (n + 1) / 2 causal pairs
   at the causal kernel's rate for blocks of n tokens;
-- a ring member holding c tokens of each of a ring's sequences (equal chunks):
-  its diagonal step (about c^2 / 2 causal pairs of its own zigzag chunks) and R - 1
-  steps of c x c / 2 unmasked pairs at the rate of blocks of c / 2 tokens, each step
+- a ring member holding c tokens of each of a ring's sequences (equal shares): its
+  diagonal step (about c^2 / 2 causal pairs) and R - 1 later steps of the unmasked
+  block its layout gives the busiest member (`Layout.busiest_member_blocks`; zigzag:
+  c x c / 2 pairs at the rate of blocks of c / 2 tokens), each step
   lasting the longer of its compute and the transfer of the K and V it forwards
   (backward: K, V and the float32 dK/dV accumulators); every member waits for the
   slowest at every step, so the ring takes the same time on all of them.
@@ -38,6 +39,7 @@ from ray_zep.costmodel import (
     preset_rates,
 )
 from ray_zep.model_shapes import ModelShape
+from ray_zep.partition.layout import ZIGZAG, Layout
 from ray_zep.topology import LinkKind, Topology
 
 DKV_WIRE_FACTOR = 3.0
@@ -69,12 +71,14 @@ class WorkModel:
         cost: links and latencies.
         routed: inter-node ring hops go through proxies over every NIC of the node
             (`parallel.routing`); otherwise through the sender's own NIC.
+        layout: how rings cut their sequences.
     """
 
     shape: ModelShape
     rates: ComputeRates
     cost: CostModel
     routed: bool = False
+    layout: Layout = ZIGZAG
 
     @classmethod
     def create(
@@ -138,8 +142,9 @@ class WorkModel:
         """Parts of a member of a ring of `degree` ranks over each sequence (degree >= 2)."""
         n = np.asarray(lengths, dtype=np.float64)
         c = n / np.asarray(degree, dtype=np.float64)
-        diagonal = self._pair_seconds(c * c / 2, c, causal=True)
-        step = self._pair_seconds(c * c / 2, c / 2, causal=False)
+        diagonal_pairs, diagonal_length, pairs, length = self.layout.busiest_member_blocks(c)
+        diagonal = self._pair_seconds(diagonal_pairs, diagonal_length, causal=True)
+        step = self._pair_seconds(pairs, length, causal=False)
         send = c * kv_bytes_per_token(self.shape)
         return RingParts(diagonal, step, send)
 

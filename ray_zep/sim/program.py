@@ -329,8 +329,9 @@ class _Builder:
         return self.step_costs[key]
 
     def _new_step_table(self, item: QueueItem, layouts) -> np.ndarray:
-        early = np.asarray([[e for e, _ in lay] for lay in layouts], dtype=np.float64)
-        late = np.asarray([[n for _, n in lay] for lay in layouts], dtype=np.float64)
+        sizes = np.asarray(layouts, dtype=np.float64).reshape(
+            item.ring_size, len(item.seqs), item.layout.slots
+        )
         shape = self.setup.shape
         backward = self.phase is Phase.BACKWARD
         # whole-sequence placements call the kernel in the model: autograd differentiates it
@@ -339,7 +340,8 @@ class _Builder:
         per_pair = 4.0 * heads * shape.head_dim
         if backward:
             per_pair *= BACKWARD_ATTENTION_FACTOR
-        return step_table(early, late, self.setup.rates, per_pair, backward, autograd, heads)
+        rates = self.setup.rates
+        return step_table(sizes, item.layout, rates, per_pair, backward, autograd, heads)
 
     def kv_row_bytes(self, item: QueueItem, payload: Payload) -> int:
         shape = self.setup.shape
@@ -485,7 +487,7 @@ class _Builder:
         """`Play.GATHER`: all-gather K/V, compute every step; backward: compute,
         reduce-scatter dK/dV (`index` unused: collectives need no transfer list)."""
         ring, cost = item.ring_size, self.setup.cost
-        rows = max(sum(e + late for e, late in lay) for lay in layouts)
+        rows = max(sum(sum(slots) for slots in lay) for lay in layouts)
         forward = self.phase is Phase.FORWARD
         block = rows * self.kv_row_bytes(item, Payload.KV if forward else Payload.DKV)
         seconds = cost.all_gather_seconds(block, item.ranks)

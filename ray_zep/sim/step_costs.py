@@ -2,9 +2,9 @@
 
 Ring step s of position p computes against source position (p - s) mod R
 (`attention.schedule.step_segments`: step 0 causal blocks over the position's
-own rows; later, all its rows against the source's early chunks when the source
-comes before it, else its late rows against all the source's rows), one call
-per sequence at the rate of that block's length (`ComputeRates.attention_rate`).
+own rows; later, the query and key slots the item's layout selects for a source
+before or after the position, `ray_zep.partition.layout`), one call per sequence
+at the rate of that block's length (`ComputeRates.attention_rate`).
 
 Costed step by step this is R steps of R x S blocks. Where the rate has the
 half-rate form (no measured curve for unmasked blocks), a block of q x k pairs
@@ -12,19 +12,22 @@ costs per_pair / rate_long x (q k + L_half sqrt(q k)), so summing it over the
 sequences is two matrix products over every (position, source) pair at once,
 which is what a thousand-member ring needs.
 
-Shapes: R positions, S sequences of the item.
+Shapes: R positions, S sequences of the item, C layout slots.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ray_zep.costmodel import ComputeRates
+from ray_zep.partition.layout import Layout
 
 
 def step_table(
-    early_RS: np.ndarray,
-    late_RS: np.ndarray,
+    sizes_RSC: np.ndarray,
+    layout: Layout,
     rates: ComputeRates,
     per_pair: float,
     backward: bool,
@@ -34,8 +37,8 @@ def step_table(
     """Seconds of every (position, step) of a ring item (positions x steps).
 
     Args:
-        early_RS, late_RS: tokens of each sequence in each position's early and late
-            zigzag chunk.
+        sizes_RSC: tokens of each sequence in each slot of each position.
+        layout: the item's layout.
         rates: the device's rates.
         per_pair: FLOPs of one (query, key) pair (backward factor included).
         backward: backward rates.
@@ -43,31 +46,50 @@ def step_table(
             placements): its curve, and none of the engine's per-row costs.
         heads: query heads per call (`ComputeRates.curve_heads`).
     """
-    ring = early_RS.shape[0]
+    ring = sizes_RSC.shape[0]
+    blocks = _Blocks.of(sizes_RSC, layout)
     args = (rates, per_pair, backward, autograd, heads)
     curve, scale = rates.rate_curve(False, backward, autograd, heads)
     if curve is not None or scale != 1.0:
-        return np.stack([_step(early_RS, late_RS, s, *args) for s in range(ring)], axis=1)
-    by_source = _by_source(early_RS, late_RS, *args)
+        return np.stack([_step(blocks, s, *args) for s in range(ring)], axis=1)
+    by_source = _by_source(blocks, *args)
     positions = np.arange(ring)
     source = (positions[:, None] - positions[None, :]) % ring
     table = np.take_along_axis(by_source, source, axis=1)
-    table[:, 0] = _step(early_RS, late_RS, 0, *args)
+    table[:, 0] = _step(blocks, 0, *args)
     return table
 
 
-def _step(early, late, step, rates, per_pair, backward, autograd, heads) -> np.ndarray:
+@dataclass(frozen=True)
+class _Blocks:
+    """Tokens (R x S) of every position: all of them, and the query and key slots its
+    layout selects against a source before it and after it."""
+
+    whole: np.ndarray
+    q_before: np.ndarray
+    k_before: np.ndarray
+    q_after: np.ndarray
+    k_after: np.ndarray
+
+    @classmethod
+    def of(cls, sizes_RSC: np.ndarray, layout: Layout) -> _Blocks:
+        picks = [layout.selected(sizes_RSC, before, keys)
+                 for before in (True, False) for keys in (False, True)]  # fmt: skip
+        return cls(sizes_RSC.sum(axis=2), *picks)
+
+
+def _step(blocks: _Blocks, step, rates, per_pair, backward, autograd, heads) -> np.ndarray:
     """Every position's seconds of one step, block by block."""
-    ring = early.shape[0]
+    ring = blocks.whole.shape[0]
     positions = np.arange(ring)
     source = (positions - step) % ring
     if step == 0:
-        q = k = early + late
+        q = k = blocks.whole
         flops, length, causal = per_pair * q * (q + 1) / 2, q, True
     else:
         before = (source < positions)[:, None]
-        q = np.where(before, early + late, late)
-        k = np.where(before, early[source], early[source] + late[source])
+        q = np.where(before, blocks.q_before, blocks.q_after)
+        k = np.where(before, blocks.k_before[source], blocks.k_after[source])
         flops, length, causal = per_pair * q * k, np.sqrt(q * k), False
     used = (q > 0) & (k > 0)
     rate = rates.attention_rates(length, causal, backward, autograd, heads)
@@ -77,12 +99,11 @@ def _step(early, late, step, rates, per_pair, backward, autograd, heads) -> np.n
     return np.where(used.any(axis=1), seconds + rates.call_overhead_s, 0.0)
 
 
-def _by_source(early, late, rates, per_pair, backward, autograd, heads) -> np.ndarray:
+def _by_source(blocks: _Blocks, rates, per_pair, backward, autograd, heads) -> np.ndarray:
     """Seconds of position p against source position j (positions x sources), unmasked
     blocks at the half-rate form: sums over sequences as matrix products."""
-    whole = early + late
 
-    def blocks(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    def seconds_of(q: np.ndarray, k: np.ndarray) -> np.ndarray:
         rate = rates.attention_backward if backward else rates.attention_forward
         pairs = q @ k.T
         roots = np.sqrt(q) @ np.sqrt(k).T
@@ -92,6 +113,7 @@ def _by_source(early, late, rates, per_pair, backward, autograd, heads) -> np.nd
         calls = (q > 0).astype(np.float64) @ (k > 0).astype(np.float64).T
         return np.where(calls > 0, seconds + rates.call_overhead_s, 0.0)
 
-    ring = early.shape[0]
+    ring = blocks.whole.shape[0]
     earlier = np.arange(ring)[None, :] < np.arange(ring)[:, None]  # source before position
-    return np.where(earlier, blocks(whole, early), blocks(late, whole))
+    before = seconds_of(blocks.q_before, blocks.k_before)
+    return np.where(earlier, before, seconds_of(blocks.q_after, blocks.k_after))
