@@ -193,8 +193,8 @@ def test_plan_auto_searches_compositions_and_keeps_only_what_fits(tmp_path) -> N
     """7B on 16 GPUs of cluster A: replicated weights need 16 B per parameter on every GPU
     (112 GB), more than an 80 GB A800 holds; the winner must fit, and its YAML loads."""
     from ray_zep.config import load_config
-    from ray_zep.report.simulate_command import SimulateRequest, batches_of, request_hardware
     from ray_zep.sim.auto import auto_plan, compositions, write_best
+    from ray_zep.sim.request import SimulateRequest, batches_of, request_hardware
 
     config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=2", "model.preset=7b"])
     every = compositions(config, 16)

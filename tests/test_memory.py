@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from ray_zep.cli.plan_run import run_plan
 from ray_zep.config import FsdpUnit, load_config
 from ray_zep.errors import MemoryPlanError
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import WEIGHTS_AXES, WeightsMode
 from ray_zep.parallel.memory import activation_bytes, fsdp_units, memory_inputs, state_bytes
-from ray_zep.report.plan_command import PlanRequest, run_plan
+from ray_zep.sim.request import BatchRequest
 from ray_zep.topology import build_topology
 from tests.helpers.procs import run_ranks
 from tests.helpers.training import SMALL_RUN, train_rank_each
@@ -34,7 +35,7 @@ PLAN_7B = [
 
 @pytest.mark.unit
 def test_plan_refuses_replicated_7b_at_256k_and_accepts_fsdp() -> None:
-    request = PlanRequest(lengths="256k")
+    request = BatchRequest(lengths="256k")
     replicated = run_plan(load_config(None, [*PLAN_7B, "parallel.weights=replicated"]), request)
     fsdp = run_plan(load_config(None, [*PLAN_7B, "parallel.weights=fsdp"]), request)
     assert "per-rank memory" in replicated.table and "DOES NOT FIT" in replicated.table

@@ -32,10 +32,10 @@ from ray_zep.config import Config, load_config
 from ray_zep.model_shapes import PRESETS
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
-from ray_zep.report.simulate_command import SimulateRequest, run_simulate
 from ray_zep.sim.compare import ABLATION, REFERENCE, ROUTED_PARTITION, ROUTED_TE_CP
 from ray_zep.sim.events import Lane
 from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.request import SimulateRequest, run_simulate
 from ray_zep.sim.step import RunModel, simulate_plan
 from ray_zep.topology import build_topology
 

@@ -1,5 +1,6 @@
 """The `ray-zep` command line: one module per command family (training, planning,
-bench, data), each declaring its arguments next to its handlers.
+bench, data), each declaring its arguments next to its handlers; `plan_run` and
+`simulate_run` run and show `ray-zep plan` and `ray-zep simulate` for `planning`.
 
     ray-zep train CONFIG [key=value ...]     train (starts a local Ray unless one is given)
     ray-zep config CONFIG [key=value ...]    print the resolved config

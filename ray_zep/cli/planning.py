@@ -79,13 +79,14 @@ def _topology(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from ray_zep.report.plan_command import PlanRequest, run_plan, write_outputs
+    from ray_zep.cli.plan_run import run_plan, write_outputs
+    from ray_zep.sim.request import BatchRequest
 
     if args.auto:
         return _plan_auto(args)
     if args.sequence is not None:  # one more override: validated with the others
         args.overrides = [*args.overrides, f"parallel.sequence={args.sequence}"]
-    request = PlanRequest(args.lengths, args.distribution, tokens(args.tokens), args.batch)
+    request = BatchRequest(args.lengths, args.distribution, tokens(args.tokens), args.batch)
     result = run_plan(optional_config(args), request)
     print(result.table)
     for path in write_outputs(result, args.png, args.json_path):
@@ -98,9 +99,9 @@ def _plan_auto(args: argparse.Namespace) -> int:
     import json
 
     from ray_zep.errors import ConfigError
-    from ray_zep.report.simulate_command import SimulateRequest, batches_of, request_hardware
     from ray_zep.sim.auto import auto_plan, write_best
     from ray_zep.sim.replay import data_batches
+    from ray_zep.sim.request import SimulateRequest, batches_of, request_hardware
 
     if args.batches < 1:
         raise ConfigError(f"--batches={args.batches} must be >= 1")
@@ -132,7 +133,8 @@ def _plan_auto(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from ray_zep.report.simulate_command import SimulateRequest, run_simulate, write_outputs
+    from ray_zep.cli.simulate_run import result_table, write_outputs
+    from ray_zep.sim.request import SimulateRequest, run_simulate
 
     request = SimulateRequest(
         args.strategies,
@@ -144,7 +146,7 @@ def _simulate(args: argparse.Namespace) -> int:
         args.calibration,
     )
     result = run_simulate(optional_config(args), request)
-    print(result.table())
+    print(result_table(result))
     for path in write_outputs(result, args.json_path, args.out):
         print(f"wrote {path}")
     return 0

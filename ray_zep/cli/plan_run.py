@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ray_zep.command_args import parse_lengths
 from ray_zep.config import Config
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
@@ -19,17 +18,8 @@ from ray_zep.partition.plan_memory import PlanMemory, plan_memory
 from ray_zep.partition.stats import PlanStats, plan_stats
 from ray_zep.report.layers import LayerReport
 from ray_zep.report.placement import draw_placement, plan_record, rank_table
+from ray_zep.sim.request import BatchRequest, request_lengths
 from ray_zep.topology import Topology, build_topology
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanRequest:
-    """What to place: explicit lengths, a synthetic distribution, or a batch of the data."""
-
-    lengths: str | None = None
-    distribution: str | None = None
-    tokens: int | None = None
-    batch: int = 0
 
 
 @dataclasses.dataclass
@@ -41,7 +31,7 @@ class PlanResult:
     memory: PlanMemory
 
 
-def run_plan(config: Config, request: PlanRequest) -> PlanResult:
+def run_plan(config: Config, request: BatchRequest) -> PlanResult:
     """Place the requested batch with the configured placement (`parallel.sequence`).
 
     Raises:
@@ -76,36 +66,6 @@ def write_outputs(result: PlanResult, png: str | None, json_path: str | None) ->
         path.write_text(json.dumps(record, indent=1) + "\n")
         written.append(path)
     return written
-
-
-def request_lengths(config: Config, topology: Topology, request: PlanRequest) -> np.ndarray:
-    """Sequence lengths of the batch to place."""
-    chosen = [request.lengths is not None, request.distribution is not None]
-    if all(chosen):
-        raise ConfigError("give either --lengths or --distribution, not both")
-    if request.lengths is not None:
-        return parse_lengths(request.lengths)
-    if request.distribution is not None:
-        from ray_zep.data.synthetic import batch_lengths
-
-        total = request.tokens or topology.world_size * config.train.tokens_per_rank
-        if total < 1:
-            raise ConfigError(f"--tokens={total} must be >= 1")
-        return batch_lengths(request.distribution, total, config.train.seed)
-    return _data_batch_lengths(config, topology, request.batch)
-
-
-def _data_batch_lengths(config: Config, topology: Topology, index: int) -> np.ndarray:
-    """Lengths of batch `index` of the configured data, as training would see it."""
-    from ray_zep.data.batching import BatchStream
-    from ray_zep.data.catalog import open_configured_source
-
-    if index < 0:
-        raise ConfigError(f"--batch={index} must be >= 0")
-    stream = BatchStream.from_config(open_configured_source(config), config, topology.world_size)
-    for _ in range(index):
-        stream.next_batch()
-    return stream.next_batch().lengths
 
 
 def _whole_sequence_plan(

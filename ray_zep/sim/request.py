@@ -1,35 +1,66 @@
-"""`ray-zep simulate`: predicted step time and throughput of strategies on a cluster.
+"""What `ray-zep plan` and `ray-zep simulate` ask for, and the strategies simulated on it.
 
-Batches come from a Table 2 distribution (`--distribution`, `--tokens`; L is the
-batch's tokens per rank times `--headroom`) or from the configured data, as
-training would draw them (L = train.tokens_per_rank). Compute rates come from a
-calibration file (`ray-zep bench calibrate`) or the preset of the topology's GPU.
+A batch to place is explicit lengths, a draw from a Table 2 distribution, or a
+batch of the configured data as training would draw it (`BatchRequest`). A
+simulation samples `SimulateRequest.batches` of them (from a distribution: L is
+the batch's tokens per rank times `headroom`; from the data: L =
+train.tokens_per_rank) and plays every requested strategy on the cluster: the
+topology's GPU preset, or a calibration file (`ray-zep bench calibrate`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 
+from ray_zep.command_args import parse_lengths
 from ray_zep.config import Config
 from ray_zep.costmodel import ComputeRates
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
-from ray_zep.report.output import write_record
-from ray_zep.report.plan_command import PlanRequest, request_lengths
-from ray_zep.report.timeline import draw_throughput, draw_timelines
 from ray_zep.sim.compare import StrategyResult, simulate_strategies, strategy_names
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
+from ray_zep.sim.replay import data_batches
 from ray_zep.sim.step import RunModel
 from ray_zep.topology import Topology, build_topology
 
-TIMELINE_RANKS = 16
-"""Ranks drawn in the timeline picture (the first ones)."""
+
+@dataclasses.dataclass(frozen=True)
+class BatchRequest:
+    """What to place: explicit lengths, a synthetic distribution, or a batch of the data."""
+
+    lengths: str | None = None
+    distribution: str | None = None
+    tokens: int | None = None
+    batch: int = 0
+
+
+def request_lengths(config: Config, topology: Topology, request: BatchRequest) -> np.ndarray:
+    """Sequence lengths of the batch to place.
+
+    Raises:
+        ConfigError: both --lengths and --distribution, a bad value of either, or a
+            negative --batch.
+    """
+    chosen = [request.lengths is not None, request.distribution is not None]
+    if all(chosen):
+        raise ConfigError("give either --lengths or --distribution, not both")
+    if request.lengths is not None:
+        return parse_lengths(request.lengths)
+    if request.distribution is not None:
+        from ray_zep.data.synthetic import batch_lengths
+
+        total = request.tokens or topology.world_size * config.train.tokens_per_rank
+        if total < 1:
+            raise ConfigError(f"--tokens={total} must be >= 1")
+        return batch_lengths(request.distribution, total, config.train.seed)
+    if request.batch < 0:
+        raise ConfigError(f"--batch={request.batch} must be >= 0")
+    lengths, _ = data_batches(config, topology.world_size, request.batch, 1)[0]
+    return lengths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,36 +97,6 @@ class SimulateResult:
             return None
         ratios = [s.step_seconds / i for s, i in zip(result.steps, self.ideal_seconds, strict=True)]
         return float(np.mean(ratios))
-
-    def table(self) -> str:
-        lines = [
-            f"{self.topology.name}: {self.topology.nodes} x {self.topology.gpus_per_node} "
-            f"{self.topology.gpu_model}, model {self.config.model.preset}, "
-            f"{len(self.batches)} batches of {int(np.mean([b.sum() for b in self.batches]))} "
-            f"tokens, L={self.tokens_per_rank}; rates: {self.rates.source}",
-            f"{'strategy':<26}{'step s':>9}{'k tok/s':>10}{'vs te_cp':>10}{'x ideal':>9}"
-            f"{'fwd ms/layer':>14}{'bwd ms/layer':>14}{'grad s':>8}{'remap':>7}",
-        ]
-        for name, result in self.results.items():
-            if result.error:
-                lines.append(f"{name:<26}  cannot place: {result.error}")
-                continue
-            steps = result.steps
-            fwd = np.mean([s.forward_layer_seconds for s in steps]) * 1e3
-            bwd = np.mean([s.backward_layer_seconds for s in steps]) * 1e3
-            remapped = sum(s.remap is not None for s in steps)
-            over = self.over_ideal(result)
-            lines.append(
-                f"{name:<26}{result.step_seconds:>9.3f}{result.tokens_per_second / 1e3:>10.1f}"
-                f"{result.speedup_vs_te_cp:>9.2f}x{over or float('nan'):>8.2f}x{fwd:>14.2f}"
-                f"{bwd:>14.2f}{steps[0].grad_sync_seconds:>8.3f}{remapped:>5}/{len(steps)}"
-            )
-        if self.ideal_seconds:
-            lines.append(
-                f"ideal step {np.mean(self.ideal_seconds):.3f} s: every FLOP spread evenly at "
-                "its unsplit rate, no exposed communication (x ideal: step / ideal, per batch)"
-            )
-        return "\n".join(lines)
 
     def record(self) -> dict[str, object]:
         n_layers = build_shape(self.config.model).n_layers
@@ -149,43 +150,23 @@ def request_hardware(config: Config, calibration: str | None) -> tuple[Hardware,
     return measured.hardware(config.topology), False
 
 
-def batches_of(config: Config, topology: Topology, request: SimulateRequest):
+def batches_of(
+    config: Config, topology: Topology, request: SimulateRequest
+) -> tuple[list[np.ndarray], int]:
     """(lengths of each requested batch, L): sampled from a distribution with L = tokens per
     rank x headroom, or the configured data's first batches with L = train.tokens_per_rank."""
     world = topology.world_size
     if request.distribution is None:
         batches = [
-            request_lengths(config, topology, PlanRequest(batch=b)) for b in range(request.batches)
+            request_lengths(config, topology, BatchRequest(batch=b)) for b in range(request.batches)
         ]
         return batches, config.train.tokens_per_rank
     total = request.tokens or world * config.train.tokens_per_rank
     batches = []
     for b in range(request.batches):
         seeded = dataclasses.replace(config.train, seed=config.train.seed + b)
-        plan_request = PlanRequest(distribution=request.distribution, tokens=total)
+        batch_request = BatchRequest(distribution=request.distribution, tokens=total)
         batches.append(
-            request_lengths(dataclasses.replace(config, train=seeded), topology, plan_request)
+            request_lengths(dataclasses.replace(config, train=seeded), topology, batch_request)
         )
     return batches, math.ceil(total / world * request.headroom)
-
-
-def write_outputs(result: SimulateResult, json_path: str | None, out_dir: str) -> list[Path]:
-    """JSON record (when asked), throughput bars and the first batch's layer timelines."""
-    written = []
-    command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ray-zep simulate"
-    if json_path:
-        written.append(write_record(Path(json_path), command, result.record()))
-    out = Path(out_dir)
-    placed = {n: r for n, r in result.results.items() if r.steps}
-    title = f"{result.config.model.preset} on {result.topology.world_size} GPUs"
-    speeds = [r.tokens_per_second for r in placed.values()]
-    pictures = [draw_throughput(title, list(placed), speeds, out / "throughput.png")]
-    panels = []
-    for name, r in placed.items():
-        panels += [
-            (f"{name} forward", r.steps[0].forward),
-            (f"{name} backward", r.steps[0].backward),
-        ]
-    ranks = range(min(TIMELINE_RANKS, result.topology.world_size))
-    pictures.append(draw_timelines(panels, list(ranks), out / "timeline.png"))
-    return written + [p for p in pictures if p is not None]  # None: no matplotlib, logged
