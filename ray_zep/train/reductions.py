@@ -17,6 +17,9 @@ from ray_zep.collectives.ops import (
     reduce_in_one_buffer_,
 )
 from ray_zep.distributed import Comm
+from ray_zep.options import CompressionStream
+
+GRADIENTS = CompressionStream.GRADIENTS.value
 
 
 def sum_over_ranks_(tensor: torch.Tensor, comm: Comm, what: str) -> torch.Tensor:
@@ -40,8 +43,8 @@ def all_reduce_gradients_(
     if not comm.distributed:
         return 0
     if zipped is None:
-        return reduce_in_one_buffer_(grads, lambda flat: sum_over_ranks_(flat, comm, "gradients"))
-    return reduce_in_one_buffer_(grads, lambda flat: zipped.all_reduce_sum_(flat, "gradients"))
+        return reduce_in_one_buffer_(grads, lambda flat: sum_over_ranks_(flat, comm, GRADIENTS))
+    return reduce_in_one_buffer_(grads, lambda flat: zipped.all_reduce_sum_(flat, GRADIENTS))
 
 
 def square_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
