@@ -12,6 +12,7 @@ import torch
 
 from ray_zep.attention import torch_flash
 from ray_zep.attention.kernels import (
+    BackwardInputs,
     flash_attn_available,
     select_backward,
     select_kernel,
@@ -124,9 +125,11 @@ def test_torch_flash_ring_blocks_match_reference(blocks, heads) -> None:
     for name in blocks:
         lengths, causal = RING_BLOCKS[name]
         seqs_k = PackedSeqs.from_lengths(lengths, "cuda")
-        args = (probe, q, kvs[name][:, 0], kvs[name][:, 1], out, lse, seqs_q, seqs_k, causal)
-        got = torch_flash_varlen_attention_backward(*args)
-        want = torch_varlen_attention_backward(*args)
+        block = BackwardInputs(
+            probe, q, kvs[name][:, 0], kvs[name][:, 1], out, lse, seqs_q, seqs_k, causal
+        )
+        got = torch_flash_varlen_attention_backward(block)
+        want = torch_varlen_attention_backward(block)
         for grad, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
             assert a.dtype == torch.float32 and a.shape == b.shape
             _assert_near(a, b, 2e-2, f"{name} {grad}")
@@ -148,9 +151,9 @@ def test_torch_flash_fp16_and_rows_past_the_sequences() -> None:
     dout = torch.randn(q.shape, device="cuda")
     full_out = torch.cat((ref_out.float(), torch.zeros(4, 32, DIM, device="cuda")))
     full_lse = torch.cat((ref_lse, torch.zeros(32, 4, device="cuda")), dim=1)
-    args = (dout, q, k, v, full_out, full_lse, seqs, seqs, True)
-    got = torch_flash_varlen_attention_backward(*args)
-    want = torch_varlen_attention_backward(*args)
+    block = BackwardInputs(dout, q, k, v, full_out, full_lse, seqs, seqs, True)
+    got = torch_flash_varlen_attention_backward(block)
+    want = torch_varlen_attention_backward(block)
     for grad, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
         assert a.shape == b.shape
         _assert_near(a, b, 2e-2, grad)
@@ -191,7 +194,8 @@ def reference_ops(monkeypatch):
     def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
         (sq, lq), (sk, lk) = seqs_of(cu_q), seqs_of(cu_k)
         launches.append(("backward", lq, lk))
-        return torch_varlen_attention_backward(dout, q, k, v, out, lse, sq, sk, causal, scale)
+        block = BackwardInputs(dout, q, k, v, out, lse, sq, sk, causal, scale)
+        return torch_varlen_attention_backward(block)
 
     monkeypatch.setattr(torch_flash, "runs", lambda q, k: True)
     monkeypatch.setattr(torch_flash, "forward", forward)
@@ -224,9 +228,9 @@ def test_drawn_blocks_go_to_the_kernel_and_the_rest_to_the_reference(reference_o
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         merge_(out, lse, everything, *want)
         probe = torch.randn(q.shape)
-        args = (probe, q, kv[:, 0], kv[:, 1], out, lse, seqs_q, seqs_k, causal)
-        got = torch_flash_varlen_attention_backward(*args)
-        want = torch_varlen_attention_backward(*args)
+        block = BackwardInputs(probe, q, kv[:, 0], kv[:, 1], out, lse, seqs_q, seqs_k, causal)
+        got = torch_flash_varlen_attention_backward(block)
+        want = torch_varlen_attention_backward(block)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ray_zep.attention.kernels import (
+    BackwardInputs,
     flash_attn_available,
     flash_varlen_attention,
     select_kernel,
@@ -102,15 +103,17 @@ def test_ring_block_backward_equals_autograd_of_the_whole_attention(blocks: list
         lengths, causal = RING_BLOCKS[name]
         kv = kvs[name].detach()
         grads = torch_varlen_attention_backward(
-            probe,
-            q.detach(),
-            kv[:, 0],
-            kv[:, 1],
-            out,
-            lse,
-            seqs_q,
-            PackedSeqs.from_lengths(lengths),
-            causal,
+            BackwardInputs(
+                probe,
+                q.detach(),
+                kv[:, 0],
+                kv[:, 1],
+                out,
+                lse,
+                seqs_q,
+                PackedSeqs.from_lengths(lengths),
+                causal,
+            )
         )
         dq += grads[0]
         dkvs[name] = torch.stack(grads[1:], dim=1)

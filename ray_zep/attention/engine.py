@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ray_zep.attention import ring
+from ray_zep.attention.kernels import AttentionFn, BackwardKernel
 from ray_zep.attention.kv_exchange import all_gather_rows, exchange, reduce_scatter_rows
 from ray_zep.attention.links import Links
 from ray_zep.attention.schedule import ItemSchedule, RankSchedule
@@ -129,7 +130,14 @@ class AttentionEngine(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def run_attention(q_THE, k_TKE, v_TKE, schedule: RankSchedule, links: Links, kernels):
+def run_attention(
+    q_THE: torch.Tensor,
+    k_TKE: torch.Tensor,
+    v_TKE: torch.Tensor,
+    schedule: RankSchedule,
+    links: Links,
+    kernels: tuple[AttentionFn, BackwardKernel],
+) -> torch.Tensor:
     """Differentiable attention of a rank's rows; `kernels` = (forward, backward)."""
     return AttentionEngine.apply(q_THE, k_TKE, v_TKE, schedule, links, kernels)
 

@@ -29,6 +29,8 @@ import functools
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -41,7 +43,92 @@ log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "torch", "flash", "torch_flash")
 
-AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+class AttentionFn(Protocol):
+    """A forward kernel (`torch_varlen_attention` says what each argument is)."""
+
+    def __call__(
+        self,
+        q_THE: torch.Tensor,
+        k_TKE: torch.Tensor,
+        v_TKE: torch.Tensor,
+        seqs_q: PackedSeqs,
+        seqs_k: PackedSeqs | None = None,
+        causal: bool = True,
+        softmax_scale: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class BackwardInputs:
+    """What a backward kernel takes: one attention block with the *final* output and LSE
+    of its queries.
+
+    Ring attention splits a query's keys over several blocks; with the merged `out_THE`
+    and `lse_HT` each block's probabilities are exp(S - lse), so the per-block gradients
+    sum to the gradient of the whole attention.
+
+    Attributes:
+        dout_THE: gradient of the output.
+        q_THE: queries of the block's sequences, packed.
+        k_TKE, v_TKE: keys and values with their own head count K (H % K == 0).
+        out_THE: the queries' final output, over all their key blocks.
+        lse_HT: the queries' final LSE, float32; -inf where a row saw no key at all.
+        seqs_q, seqs_k: boundaries of the query and the key sequences.
+        causal: bottom-right aligned causal mask.
+        softmax_scale: defaults to 1/sqrt(E).
+    """
+
+    dout_THE: torch.Tensor
+    q_THE: torch.Tensor
+    k_TKE: torch.Tensor
+    v_TKE: torch.Tensor
+    out_THE: torch.Tensor
+    lse_HT: torch.Tensor
+    seqs_q: PackedSeqs
+    seqs_k: PackedSeqs
+    causal: bool
+    softmax_scale: float | None = None
+
+    @property
+    def scale(self) -> float:
+        """The softmax scale: the one given, else 1 / sqrt(head dim)."""
+        return _scale(self.q_THE, self.softmax_scale)
+
+    def covered(self) -> BackwardInputs:
+        """The block cut to the rows its sequences cover (the tensors may have more)."""
+        tq, tk = self.seqs_q.total_tokens, self.seqs_k.total_tokens
+        return replace(
+            self,
+            dout_THE=self.dout_THE[:tq],
+            q_THE=self.q_THE[:tq],
+            k_TKE=self.k_TKE[:tk],
+            v_TKE=self.v_TKE[:tk],
+            out_THE=self.out_THE[:tq],
+            lse_HT=self.lse_HT[:, :tq],
+        )
+
+    def subset(self, keep: list[bool]) -> tuple[torch.Tensor, torch.Tensor, BackwardInputs]:
+        """The block of the kept sequences, with the query rows and the key rows (int64)
+        that it takes from this one."""
+        rows_q, seqs_q = _subset(self.seqs_q, keep, self.q_THE.device)
+        rows_k, seqs_k = _subset(self.seqs_k, keep, self.q_THE.device)
+        block = replace(
+            self,
+            dout_THE=self.dout_THE.index_select(0, rows_q),
+            q_THE=self.q_THE.index_select(0, rows_q),
+            k_TKE=self.k_TKE.index_select(0, rows_k),
+            v_TKE=self.v_TKE.index_select(0, rows_k),
+            out_THE=self.out_THE.index_select(0, rows_q),
+            lse_HT=self.lse_HT.index_select(1, rows_q),
+            seqs_q=seqs_q,
+            seqs_k=seqs_k,
+        )
+        return rows_q, rows_k, block
+
+
+BackwardKernel = Callable[[BackwardInputs], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""A backward kernel: dq_THE, dk_TKE, dv_TKE of a block, in float32."""
 
 
 @functools.cache
@@ -324,52 +411,38 @@ def _float32_zeros(*like: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def torch_varlen_attention_backward(
-    dout_THE: torch.Tensor,
-    q_THE: torch.Tensor,
-    k_TKE: torch.Tensor,
-    v_TKE: torch.Tensor,
-    out_THE: torch.Tensor,
-    lse_HT: torch.Tensor,
-    seqs_q: PackedSeqs,
-    seqs_k: PackedSeqs,
-    causal: bool,
-    softmax_scale: float | None = None,
+    block: BackwardInputs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one attention block given the *final* output and LSE of its queries.
-
-    Ring attention splits a query's keys over several blocks; with the merged
-    `out_THE` and `lse_HT` each block's probabilities are exp(S - lse), so the
-    per-block gradients sum to the gradient of the whole attention.
+    """Gradients of one attention block given the *final* output and LSE of its queries
+    (`BackwardInputs`), in torch ops.
 
     Returns:
         dq_THE, dk_TKE, dv_TKE in float32.
     """
-    heads, kv_heads = q_THE.shape[1], k_TKE.shape[1]
+    b, causal, scale = block, block.causal, block.scale
+    heads, kv_heads = b.q_THE.shape[1], b.k_TKE.shape[1]
     group = heads // kv_heads
-    scale = _scale(q_THE, softmax_scale)
-    fused = q_THE.device.type == "cpu"
-    dq, dk, dv = _float32_zeros(q_THE, k_TKE, v_TKE)
+    fused = b.q_THE.device.type == "cpu"
+    dq, dk, dv = _float32_zeros(b.q_THE, b.k_TKE, b.v_TKE)
     for qo, sq, ko, sk in zip(
-        seqs_q.offsets, seqs_q.lengths, seqs_k.offsets, seqs_k.lengths, strict=True
+        b.seqs_q.offsets, b.seqs_q.lengths, b.seqs_k.offsets, b.seqs_k.lengths, strict=True
     ):
-        q_HSE = q_THE[qo : qo + sq].transpose(0, 1).float()
-        k_HSE = k_TKE[ko : ko + sk].transpose(0, 1).float().repeat_interleave(group, 0)
-        v_HSE = v_TKE[ko : ko + sk].transpose(0, 1).float().repeat_interleave(group, 0)
-        do_HSE = dout_THE[qo : qo + sq].transpose(0, 1).float()
-        o_HSE = out_THE[qo : qo + sq].transpose(0, 1).float()
-        lse = lse_HT[:, qo : qo + sq]
+        rows_q, rows_k = slice(qo, qo + sq), slice(ko, ko + sk)
+        q_HSE, do_HSE, o_HSE = (
+            t[rows_q].transpose(0, 1).float() for t in (b.q_THE, b.dout_THE, b.out_THE)
+        )
+        k_HSE, v_HSE = (
+            t[rows_k].transpose(0, 1).float().repeat_interleave(group, 0)
+            for t in (b.k_TKE, b.v_TKE)
+        )
+        lse = b.lse_HT[:, rows_q]
         # a row that saw no key anywhere (lse = -inf) gets zero gradients: explicit path
-        if fused and _fused_op_draws_the_mask(sq, sk, causal) and torch.isfinite(lse).all():
-            dq_HSE, dk_HSE, dv_HSE = _cpu_flash_backward(
-                do_HSE, q_HSE, k_HSE, v_HSE, o_HSE, lse, causal, scale
-            )
-        else:
-            dq_HSE, dk_HSE, dv_HSE = _explicit_backward(
-                do_HSE, q_HSE, k_HSE, v_HSE, o_HSE, lse, causal, scale
-            )
-        dq[qo : qo + sq] = dq_HSE.transpose(0, 1)
-        dk[ko : ko + sk] += dk_HSE.unflatten(0, (kv_heads, group)).sum(1).transpose(0, 1)
-        dv[ko : ko + sk] += dv_HSE.unflatten(0, (kv_heads, group)).sum(1).transpose(0, 1)
+        fits = fused and _fused_op_draws_the_mask(sq, sk, causal) and torch.isfinite(lse).all()
+        per_block = _cpu_flash_backward if fits else _explicit_backward
+        dq_HSE, dk_HSE, dv_HSE = per_block(do_HSE, q_HSE, k_HSE, v_HSE, o_HSE, lse, causal, scale)
+        dq[rows_q] = dq_HSE.transpose(0, 1)
+        dk[rows_k] += dk_HSE.unflatten(0, (kv_heads, group)).sum(1).transpose(0, 1)
+        dv[rows_k] += dv_HSE.unflatten(0, (kv_heads, group)).sum(1).transpose(0, 1)
     return dq, dk, dv
 
 
@@ -393,39 +466,30 @@ def _explicit_backward(do_HSE, q_HSE, k_HSE, v_HSE, o_HSE, lse_HS, causal: bool,
 
 
 def flash_varlen_attention_backward(
-    dout_THE: torch.Tensor,
-    q_THE: torch.Tensor,
-    k_TKE: torch.Tensor,
-    v_TKE: torch.Tensor,
-    out_THE: torch.Tensor,
-    lse_HT: torch.Tensor,
-    seqs_q: PackedSeqs,
-    seqs_k: PackedSeqs,
-    causal: bool,
-    softmax_scale: float | None = None,
+    block: BackwardInputs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """flash-attn's varlen backward behind the reference's interface (GPU only)."""
     from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
-    scale = _scale(q_THE, softmax_scale)
+    q_THE, k_TKE, v_TKE = block.q_THE, block.k_TKE, block.v_TKE
     dq, dk, dv = torch.empty_like(q_THE), torch.empty_like(k_TKE), torch.empty_like(v_TKE)
     _flash_attn_varlen_backward(
-        dout_THE.to(q_THE.dtype).contiguous(),
+        block.dout_THE.to(q_THE.dtype).contiguous(),
         q_THE,
         k_TKE,
         v_TKE,
-        out_THE.to(q_THE.dtype),
-        lse_HT.contiguous(),
+        block.out_THE.to(q_THE.dtype),
+        block.lse_HT.contiguous(),
         dq,
         dk,
         dv,
-        seqs_q.cu_seqlens,
-        seqs_k.cu_seqlens,
-        seqs_q.max_seqlen,
-        seqs_k.max_seqlen,
+        block.seqs_q.cu_seqlens,
+        block.seqs_k.cu_seqlens,
+        block.seqs_q.max_seqlen,
+        block.seqs_k.max_seqlen,
         0.0,
-        scale,
-        causal,
+        block.scale,
+        block.causal,
         -1,
         -1,
         0.0,
@@ -436,16 +500,7 @@ def flash_varlen_attention_backward(
 
 
 def torch_flash_varlen_attention_backward(
-    dout_THE: torch.Tensor,
-    q_THE: torch.Tensor,
-    k_TKE: torch.Tensor,
-    v_TKE: torch.Tensor,
-    out_THE: torch.Tensor,
-    lse_HT: torch.Tensor,
-    seqs_q: PackedSeqs,
-    seqs_k: PackedSeqs,
-    causal: bool,
-    softmax_scale: float | None = None,
+    block: BackwardInputs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch's flash backward behind the reference's interface: the drawn blocks in one
     launch from the *final* output and LSE of their queries, the others through the
@@ -454,64 +509,47 @@ def torch_flash_varlen_attention_backward(
     Returns:
         dq_THE, dk_TKE, dv_TKE in float32 (the drawn blocks' computed in q's dtype).
     """
-    drawn = [_fused_op_draws_the_mask(sq, sk, causal) for sq, sk in _pairs(seqs_q, seqs_k)]
-    if not any(drawn) or not torch_flash.runs(q_THE, k_TKE):
-        return torch_varlen_attention_backward(
-            dout_THE, q_THE, k_TKE, v_TKE, out_THE, lse_HT, seqs_q, seqs_k, causal, softmax_scale
-        )
-    scale = _scale(q_THE, softmax_scale)
-    dq, dk, dv = _float32_zeros(q_THE, k_TKE, v_TKE)
-    tq, tk = seqs_q.total_tokens, seqs_k.total_tokens
+    drawn = [
+        _fused_op_draws_the_mask(sq, sk, block.causal)
+        for sq, sk in _pairs(block.seqs_q, block.seqs_k)
+    ]
+    if not any(drawn) or not torch_flash.runs(block.q_THE, block.k_TKE):
+        return torch_varlen_attention_backward(block)
+    dq, dk, dv = _float32_zeros(block.q_THE, block.k_TKE, block.v_TKE)
     if all(drawn):
-        grads = _flash_backward(
-            dout_THE[:tq], q_THE[:tq], k_TKE[:tk], v_TKE[:tk], out_THE[:tq], lse_HT[:, :tq],
-            seqs_q, seqs_k, causal, scale,
-        )  # fmt: skip
-        for full, g in zip((dq, dk, dv), grads, strict=True):
+        for full, g in zip((dq, dk, dv), _flash_backward(block.covered()), strict=True):
             full[: g.shape[0]] = g
         return dq, dk, dv
     for keep, backward in (
         (drawn, _flash_backward),
         ([not d for d in drawn], torch_varlen_attention_backward),
     ):
-        rows_q, sub_q = _subset(seqs_q, keep, q_THE.device)
-        rows_k, sub_k = _subset(seqs_k, keep, q_THE.device)
-        gq, gk, gv = backward(
-            dout_THE.index_select(0, rows_q),
-            q_THE.index_select(0, rows_q),
-            k_TKE.index_select(0, rows_k),
-            v_TKE.index_select(0, rows_k),
-            out_THE.index_select(0, rows_q),
-            lse_HT.index_select(1, rows_q),
-            sub_q,
-            sub_k,
-            causal,
-            scale,
-        )
+        rows_q, rows_k, sub = block.subset(keep)
+        gq, gk, gv = backward(sub)
         dq.index_copy_(0, rows_q, gq.float())
         dk.index_copy_(0, rows_k, gk.float())
         dv.index_copy_(0, rows_k, gv.float())
     return dq, dk, dv
 
 
-def _flash_backward(dout, q, k, v, out, lse, seqs_q, seqs_k, causal, scale):
+def _flash_backward(block: BackwardInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch_flash.backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        seqs_q.cu_seqlens,
-        seqs_k.cu_seqlens,
-        seqs_q.max_seqlen,
-        seqs_k.max_seqlen,
-        causal,
-        scale,
+        block.dout_THE,
+        block.q_THE,
+        block.k_TKE,
+        block.v_TKE,
+        block.out_THE,
+        block.lse_HT,
+        block.seqs_q.cu_seqlens,
+        block.seqs_k.cu_seqlens,
+        block.seqs_q.max_seqlen,
+        block.seqs_k.max_seqlen,
+        block.causal,
+        block.scale,
     )
 
 
-def select_backward(forward: AttentionFn) -> Callable[..., tuple[torch.Tensor, ...]]:
+def select_backward(forward: AttentionFn) -> BackwardKernel:
     """The backward that pairs with a forward kernel from `select_kernel`."""
     if forward is flash_varlen_attention:
         return flash_varlen_attention_backward

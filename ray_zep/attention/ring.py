@@ -6,14 +6,10 @@ K' key/value heads, E head dim. `kv_P2KE` packs K and V of a position.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
+from ray_zep.attention.kernels import AttentionFn, BackwardInputs, BackwardKernel
 from ray_zep.attention.schedule import StepMeta
-
-KernelForward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-KernelBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def merge_(
@@ -44,7 +40,7 @@ def step_forward(
     step: StepMeta,
     out_PHE: torch.Tensor,
     lse_HP: torch.Tensor,
-    kernel: KernelForward,
+    kernel: AttentionFn,
 ) -> None:
     """Attend this position's queries to one source's K and V and merge the result."""
     if step.q_rows.numel() == 0:
@@ -65,7 +61,7 @@ def step_backward(
     step: StepMeta,
     dq_PHE: torch.Tensor,
     dkv_P2KE: torch.Tensor,
-    backward: KernelBackward,
+    backward: BackwardKernel,
 ) -> None:
     """Add one step's contributions to dq (this position) and dkv (the source), in place."""
     if step.q_rows.numel() == 0:
@@ -73,15 +69,17 @@ def step_backward(
     rows, k_rows = step.q_rows, step.k_rows
     kv = kv_P2KE[k_rows]
     dq, dk, dv = backward(
-        dout_PHE[rows],
-        q_PHE[rows],
-        kv[:, 0],
-        kv[:, 1],
-        out_PHE[rows],
-        lse_HP[:, rows],
-        step.seqs_q,
-        step.seqs_k,
-        step.causal,
+        BackwardInputs(
+            dout_PHE[rows],
+            q_PHE[rows],
+            kv[:, 0],
+            kv[:, 1],
+            out_PHE[rows],
+            lse_HP[:, rows],
+            step.seqs_q,
+            step.seqs_k,
+            step.causal,
+        )
     )
     dq_PHE.index_add_(0, rows, dq)
     dkv_P2KE.index_add_(0, k_rows, torch.stack((dk, dv), dim=1))
