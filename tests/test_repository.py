@@ -209,11 +209,14 @@ def test_axis_names_are_spelled_in_one_module_only() -> None:
 
 def test_every_planned_placement_has_a_planner_and_every_value_a_description() -> None:
     from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Placement, WeightsMode
-    from ray_zep.partition import PLANNED, PLANNERS
+    from ray_zep.partition.registry import BUILT_IN, SPECS
 
     assert set(SEQUENCE_AXES) == set(Placement) and set(WEIGHTS_AXES) == set(WeightsMode)
-    assert set(PLANNERS) == set(PLANNED)
-    for axis in (*SEQUENCE_AXES.values(), *WEIGHTS_AXES.values()):
+    assert set(SPECS) == set(Placement), "every placement has one spec in the registry"
+    for spec in BUILT_IN:
+        assert (spec.planner is not None) == SEQUENCE_AXES[spec.placement].planned, spec.name
+    built_in = {spec.axis for spec in BUILT_IN}
+    for axis in (*built_in, *WEIGHTS_AXES.values()):
         assert axis.summary and axis.name in README, f"{axis.name} is not in the README"
 
 

@@ -39,7 +39,8 @@ from ray_zep.data.synthetic import TABLE_2
 from ray_zep.errors import ConfigError, ZepError
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
-from ray_zep.partition import make_plan
+from ray_zep.partition import make_plan, registry
+from ray_zep.partition.spec import Bench
 from ray_zep.remap.solver import remap_token_bytes, solve_remap
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
@@ -49,9 +50,7 @@ from ray_zep.report.text_table import Column, render_table
 from ray_zep.topology import build_topology
 from ray_zep.traffic import collective_traffic, ring_traffic
 
-PLANNERS = tuple(
-    p.value for p in (Placement.TE_CP, Placement.ZEPPELIN, Placement.HYBRID_DP, Placement.USP)
-)
+PLANNERS = registry.listed(Bench.LAYERS)
 NAME = "layers"
 HELP = "routing (NIC bytes) and remap (solver) on plans"
 

@@ -19,6 +19,7 @@ thousands of sequences per batch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from collections.abc import Callable
@@ -36,12 +37,13 @@ from ray_zep.command_args import (
     names,
     optional_config_args,
 )
-from ray_zep.config import Config, ParallelConfig, ZonePolicy
+from ray_zep.config import Config, ParallelConfig
 from ray_zep.data.synthetic import TABLE_2, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
 from ray_zep.model_shapes import ModelShape, build_shape
 from ray_zep.parallel.axes import Placement
-from ray_zep.partition import make_plan
+from ray_zep.partition import make_plan, registry
+from ray_zep.partition.spec import Bench
 from ray_zep.partition.stats import plan_stats
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
@@ -50,18 +52,9 @@ from ray_zep.report.progress import ProgressLine
 from ray_zep.report.text_table import Column, render_table
 from ray_zep.topology import LinkKind, Topology, build_topology
 
-ZEPPELIN, TE_CP = Placement.ZEPPELIN.value, Placement.TE_CP.value
-ZEPPELIN_CAPACITY = f"{ZEPPELIN}_capacity"
-"""Zeppelin with the paper's capacity-only zone thresholds (zone_policy=capacity)."""
-PLANNERS = (
-    ZEPPELIN,
-    ZEPPELIN_CAPACITY,
-    *(
-        p.value
-        for p in Placement
-        if p not in (Placement.SINGLE, Placement.WHOLE, Placement.ZEPPELIN)
-    ),
-)
+PLANNERS = registry.listed(Bench.PARTITION)
+"""Variants of the planned placements (`ray-zep simulate`'s names); the first is the one
+the summary quotes."""
 DISTRIBUTIONS = (*TABLE_2, "short")
 SHORT_MAX_TOKENS = 256
 NAME = "partition"
@@ -200,11 +193,11 @@ def run_partition_bench(
             row.distribution, row.nodes, row.tokens = distribution, nodes, tokens
         _relate_to_te_cp(case_rows)
         rows.extend(case_rows)
-        zeppelin = next((r for r in case_rows if r.planner == ZEPPELIN), case_rows[0])
+        headline = next((r for r in case_rows if r.planner == PLANNERS[0]), case_rows[0])
         progress(
             f"[{index}/{len(cases)}] {distribution} {nodes}x{topology.gpus_per_node} "
-            f"{tokens // 1024}k tokens: {zeppelin.planner} p50 "
-            f"{_fmt(zeppelin.planner_p50_ms)} ms"
+            f"{tokens // 1024}k tokens: {headline.planner} p50 "
+            f"{_fmt(headline.planner_p50_ms)} ms"
         )
     return rows
 
@@ -255,16 +248,17 @@ def _measure(
 
 
 def _planner_config(planner: str) -> tuple[Placement, ParallelConfig]:
-    if planner == ZEPPELIN_CAPACITY:
-        return Placement.ZEPPELIN, ParallelConfig(
-            Placement.ZEPPELIN, zone_policy=ZonePolicy.CAPACITY
-        )
-    placement = Placement(planner)
-    return placement, ParallelConfig(placement)
+    """The placement of variant `planner` and its zone policy (the default otherwise)."""
+    variant = registry.variants()[planner]
+    parallel = ParallelConfig(variant.placement)
+    if variant.zone_policy is not None:
+        parallel = dataclasses.replace(parallel, zone_policy=variant.zone_policy)
+    return variant.placement, parallel
 
 
 def _relate_to_te_cp(rows: list[PartitionRow]) -> None:
-    reference = next((r for r in rows if r.planner == TE_CP and r.inter_node_gb), None)
+    name = registry.reference().name
+    reference = next((r for r in rows if r.planner == name and r.inter_node_gb), None)
     if reference is None:
         return
     for row in rows:

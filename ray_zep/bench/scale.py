@@ -36,9 +36,10 @@ from ray_zep.command_args import counts, known, names
 from ray_zep.config import Config, load_config
 from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
-from ray_zep.parallel.axes import Placement
 from ray_zep.parallel.memory import GB
+from ray_zep.partition import registry
 from ray_zep.partition.plan_memory import plan_memory
+from ray_zep.partition.spec import Bench
 from ray_zep.partition.stats import max_over_mean, plan_stats
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
@@ -46,7 +47,7 @@ from ray_zep.report.progress import ProgressLine
 from ray_zep.report.text_table import Column, render_table
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
 from ray_zep.sim.bytescale import bytescale_plans, simulate_schedule
-from ray_zep.sim.compare import VARIANTS, WORK_POLICY, variant_config
+from ray_zep.sim.compare import VARIANTS, variant_config
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
@@ -55,13 +56,7 @@ from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
 from ray_zep.topology import build_topology
 from ray_zep.traffic import attention_step_traffic
 
-PLACEMENTS = (
-    Placement.ZEPPELIN.value,
-    WORK_POLICY,
-    Placement.HYBRID_DP.value,
-    MEGATRON_HYBRID_CP,
-    BYTESCALE_HDP,
-)
+PLACEMENTS = (*registry.listed(Bench.SCALE), MEGATRON_HYBRID_CP, BYTESCALE_HDP)
 NAME = "scale"
 HELP = "placements from 64 to 4,096 GPUs, modelled"
 

@@ -7,15 +7,16 @@ FSDP2 x CP x TP x EP and Megatron-Core DP x CP x EP x PP):
     parallel.weights    where parameters, gradients and optimizer state live
     parallel.ep, parallel.moe_pipeline, parallel.routing, parallel.remap
 
-This module is the only place that spells the names of the sequence placements
-and weights modes. Every value is declared here once with the facts the rest of
-the package needs (`SEQUENCE_AXES`, `WEIGHTS_AXES`); the config checks a run
-against `refusal`; the planners, step runners, traffic and memory models look
-a value's traits up instead of branching on names. What each value does is
-implemented where its concern lives: `ray_zep.partition.PLANNERS` maps every
-placement to its planner, `ray_zep.train.fsdp` shards the FSDP2 modes,
-`ray_zep.pipeline` runs the weight-passing family, and `ray_zep.parallel.memory`
-models each mode's per-rank memory.
+This module spells the names of the built-in sequence placements and of the
+weights modes, each declared once with the facts the rest of the package needs
+(`SEQUENCE_AXES`, `WEIGHTS_AXES`); a placement defined elsewhere declares its
+value with `declare_placement`. The config checks a run against `refusal`; the
+planners, step runners, traffic and memory models look a value's traits up
+instead of branching on names. What each value does is implemented where its
+concern lives: `ray_zep.partition.registry` holds every placement's spec
+(planner, layouts, simulator variants, bench listings), `ray_zep.train.fsdp`
+shards the FSDP2 modes, `ray_zep.pipeline` runs the weight-passing family, and
+`ray_zep.parallel.memory` models each mode's per-rank memory.
 """
 
 from __future__ import annotations
@@ -235,6 +236,33 @@ RENAMED_WEIGHTS: dict[str, tuple[WeightsMode, str]] = {
 }
 """Former `parallel.weights` values: the mode each now is and why it was renamed. The
 executor and its checkpoints are unchanged; only the name is."""
+
+
+def declare_placement(value: str, summary: str, **traits: bool) -> SequenceAxis:
+    """A new `parallel.sequence` value and its traits (`SequenceAxis` fields), for a
+    placement that `ray_zep.partition.registry.register_placement` then registers
+    (which adds it to `SEQUENCE_AXES`). The built-in values are the enum's own.
+
+    Raises:
+        ValueError: `value` is not a lower-case identifier.
+    """
+    if not value.isidentifier() or value != value.lower():
+        raise ValueError(f"placement {value!r}: use a lower-case identifier")
+    if value not in Placement._value2member_map_:
+        _add_member(Placement, value.upper(), value)
+    return SequenceAxis(Placement(value), summary, **traits)
+
+
+def _add_member(enum: type[Enum], name: str, value: str) -> None:
+    """Add a member to an enum after its creation (what `Enum` itself does for each
+    member it creates): lookups by value and name, iteration and pickling find it."""
+    member = object.__new__(enum)
+    member._name_, member._value_ = name, value
+    member.__objclass__ = enum
+    enum._member_map_[name] = member
+    enum._value2member_map_[value] = member
+    enum._member_names_.append(name)
+    type.__setattr__(enum, name, member)
 
 
 def sequence_axis(placement: Placement) -> SequenceAxis:

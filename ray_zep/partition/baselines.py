@@ -25,9 +25,10 @@ import time
 
 import numpy as np
 
+from ray_zep.config import ParallelConfig, ZonePolicy
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import ModelShape
-from ray_zep.parallel.axes import Placement
+from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
 from ray_zep.partition.fill import check_total, water_fill
 from ray_zep.partition.plan import (
     AttentionPlan,
@@ -36,6 +37,7 @@ from ray_zep.partition.plan import (
     bounds_for_counts,
     local_placement,
 )
+from ray_zep.partition.spec import Bench, PlacementSpec, Variant, listed_in
 from ray_zep.partition.work import WorkModel
 from ray_zep.topology import Topology
 
@@ -205,3 +207,61 @@ def _finish(
     plan = AttentionPlan(name, topology, tokens_per_rank, tuple(placements))
     plan.planner_seconds = time.perf_counter() - started
     return plan
+
+
+def _hybrid_dp(lengths, topology, capacity, shape, parallel: ParallelConfig) -> AttentionPlan:
+    if parallel.zone_policy is ZonePolicy.WORK:
+        model = WorkModel.create(shape, topology, routed=parallel.routing)
+        return plan_hybrid_dp(lengths, topology, capacity, model)
+    return plan_hybrid_dp(lengths, topology, capacity)
+
+
+def _ulysses(lengths, topology, capacity, shape, parallel: ParallelConfig) -> AttentionPlan:
+    check_ulysses_degree(topology.world_size, shape, "parallel.sequence=ulysses")
+    return plan_ulysses_ring(lengths, topology, capacity, topology.world_size)
+
+
+def _usp(lengths, topology, capacity, shape, parallel: ParallelConfig) -> AttentionPlan:
+    degree = usp_degree(parallel.ulysses_degree, topology, shape)
+    return plan_ulysses_ring(lengths, topology, capacity, degree)
+
+
+def _global_ring(exchange: Exchange, name: Placement):
+    """The planner of `name`: every sequence on one ring of all ranks, K/V exchanged by
+    `exchange`."""
+    return lambda n, t, c, s, p: plan_global_ring(n, t, c, exchange, name)
+
+
+_EVERY_BENCH_BUT_SCALE = tuple(b for b in Bench if b is not Bench.SCALE)
+TE_CP = PlacementSpec(
+    SEQUENCE_AXES[Placement.TE_CP],
+    _global_ring(Exchange.RING, Placement.TE_CP),
+    # modelled as TransformerEngine runs it: its dK/dV wire dtype and THD padding
+    variants={Placement.TE_CP.value: Variant(Placement.TE_CP, te_wire=True, te_padding=True)},
+    listed=listed_in(*_EVERY_BENCH_BUT_SCALE),
+    reference=True,
+)
+LLAMA_CP = PlacementSpec(
+    SEQUENCE_AXES[Placement.LLAMA_CP],
+    _global_ring(Exchange.ALL_GATHER, Placement.LLAMA_CP),
+    listed=listed_in(Bench.SIMULATE, Bench.TRAIN, Bench.VALIDATE, Bench.PARTITION),
+)
+HYBRID_DP = PlacementSpec(
+    SEQUENCE_AXES[Placement.HYBRID_DP],
+    _hybrid_dp,
+    # the Zeppelin paper's baseline balances attention FLOPs, whatever the config's policy
+    variants={Placement.HYBRID_DP.value: Variant(Placement.HYBRID_DP, zone_policy=ZonePolicy.COST)},
+    listed=listed_in(
+        Bench.SIMULATE, Bench.TRAIN, Bench.VALIDATE, Bench.LAYERS, Bench.PARTITION, Bench.SCALE
+    ),
+)
+ULYSSES = PlacementSpec(
+    SEQUENCE_AXES[Placement.ULYSSES],
+    _ulysses,
+    listed=listed_in(Bench.VALIDATE, Bench.PARTITION),
+)
+USP = PlacementSpec(
+    SEQUENCE_AXES[Placement.USP],
+    _usp,
+    listed=listed_in(Bench.VALIDATE, Bench.LAYERS, Bench.PARTITION),
+)

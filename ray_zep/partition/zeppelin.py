@@ -52,13 +52,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ray_zep.config import ZonePolicy
+from ray_zep.config import ParallelConfig, ZonePolicy
 from ray_zep.costmodel import CostModel
 from ray_zep.errors import PlacementError
-from ray_zep.parallel.axes import Placement
+from ray_zep.model_shapes import ModelShape
+from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
 from ray_zep.partition.balance import balance
 from ray_zep.partition.fill import check_total, place_whole, water_fill
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts
+from ray_zep.partition.spec import Bench, PlacementSpec, Variant, listed_in
 from ray_zep.partition.work import WorkModel
 from ray_zep.topology import LinkKind, Topology
 
@@ -340,3 +342,42 @@ def _portion_gpus(share: int, free: np.ndarray, rules: _Rules) -> np.ndarray:
     while count < len(free) and int(free[order[:count]].sum()) < share:
         count += 1
     return np.sort(order[:count])
+
+
+def _planner(
+    lengths: np.ndarray,
+    topology: Topology,
+    capacity: int,
+    shape: ModelShape,
+    parallel: ParallelConfig,
+) -> AttentionPlan:
+    cost = CostModel.create(shape, topology)
+    return plan_zeppelin(lengths, topology, capacity, cost, parallel.zone_policy, parallel.routing)
+
+
+_NAME = Placement.ZEPPELIN.value
+WORK_POLICY = f"{_NAME}+work"
+"""The full system with the work-balanced zones (`parallel.zone_policy=work`)."""
+CAPACITY_POLICY = f"{_NAME}_capacity"
+"""The partitioner with the paper's capacity-only zone thresholds."""
+
+SPEC = PlacementSpec(
+    SEQUENCE_AXES[Placement.ZEPPELIN],
+    _planner,
+    variants={
+        # the full system: the partitioner and engine, routing and the remapping layer
+        _NAME: Variant(Placement.ZEPPELIN, routed=True, remap=True),
+        WORK_POLICY: Variant(
+            Placement.ZEPPELIN, routed=True, remap=True, zone_policy=ZonePolicy.WORK
+        ),
+        CAPACITY_POLICY: Variant(
+            Placement.ZEPPELIN, routed=True, remap=True, zone_policy=ZonePolicy.CAPACITY
+        ),
+    },
+    listed={
+        **listed_in(Bench.SIMULATE, Bench.TRAIN, Bench.VALIDATE, Bench.VALIDATE_QUICK),
+        **listed_in(Bench.LAYERS),
+        Bench.PARTITION: (_NAME, CAPACITY_POLICY),
+        Bench.SCALE: (_NAME, WORK_POLICY),
+    },
+)

@@ -1,7 +1,8 @@
 """Placements side by side on the same sampled batches: what `ray-zep simulate` reports.
 
-Baselines run as the executor runs them without the routing and remapping
-layers, except `te_cp`, the reference, which runs as TransformerEngine runs it
+Each placement's variants come from its spec (`ray_zep.partition.registry`). Baselines
+run as the executor runs them without the routing and remapping layers, except
+`te_cp`, the reference, which runs as TransformerEngine runs it
 (`Variant.te_wire`, `Variant.te_padding`), and `megatron_hybrid_cp`, Megatron-Core's
 hybrid DP x CP: waves of power-of-two TE CP groups (`ray_zep.sim.megatron_cp`), and
 `bytescale_hdp`, ByteScale's hybrid data parallelism: rings of any size and packed
@@ -17,14 +18,16 @@ partitioner and engine with routing, no remap).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ray_zep.config import Config, ZonePolicy
+from ray_zep.config import Config
 from ray_zep.errors import ConfigError, ZepError
 from ray_zep.parallel.axes import WEIGHTS_AXES, Family, Placement, WeightsMode
+from ray_zep.partition import registry
+from ray_zep.partition.spec import Bench, Variant
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
 from ray_zep.sim.bytescale import simulate_bytescale
 from ray_zep.sim.hardware import Hardware
@@ -32,63 +35,42 @@ from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
 from ray_zep.sim.megatron_cp import simulate_hybrid_cp, te_padded
 from ray_zep.sim.step import RunModel, StepResult, simulate_batch
 
-REFERENCE = Placement.TE_CP.value
-
-
-@dataclass(frozen=True)
-class Variant:
-    """A placement with the routing and remapping layers on or off.
-
-    Attributes:
-        te_wire: dK/dV travel in the activation dtype, as TransformerEngine sends them
-            (`context_parallel.py`, AttnFuncWithCPAndKVP2P.backward: the dK/dV
-            buffer is `torch.empty((2, *kv.shape), dtype=kv.dtype)`, accumulated and
-            sent in bf16 with the next K/V); our engine accumulates and sends them in
-            float32.
-        te_padding: every sequence padded to a multiple of 2 x the ring's ranks, as
-            TransformerEngine's THD format needs (`ray_zep.sim.megatron_cp.te_padded`);
-            the padded batch is what TE trains, so a rank may hold more than L tokens.
-        hybrid_cp: Megatron-Core's hybrid DP x CP waves (`ray_zep.sim.megatron_cp`),
-            TE CP inside each group.
-        bytescale: ByteScale's HDP micro-batches (`ray_zep.sim.bytescale`).
-        zone_policy: the `parallel.zone_policy` it plans with (None: the config's).
-    """
-
-    placement: Placement
-    routed: bool = False
-    remap: bool = False
-    te_wire: bool = False
-    te_padding: bool = False
-    hybrid_cp: bool = False
-    bytescale: bool = False
-    zone_policy: ZonePolicy | None = None
-
-    @property
-    def scheduled(self) -> bool:
-        """Runs as several plans per step (waves, micro-batches), not one."""
-        return self.hybrid_cp or self.bytescale
-
-
-WORK_POLICY = f"{Placement.ZEPPELIN.value}+work"
+_REFERENCE = registry.reference()
+REFERENCE = _REFERENCE.name
 ROUTED_TE_CP = f"{REFERENCE}+routing"
 ROUTED_PARTITION = f"{REFERENCE}+routing+partition"
-VARIANTS: dict[str, Variant] = {
-    Placement.ZEPPELIN.value: Variant(Placement.ZEPPELIN, routed=True, remap=True),
-    WORK_POLICY: Variant(Placement.ZEPPELIN, routed=True, remap=True, zone_policy=ZonePolicy.WORK),
-    **{p.value: Variant(p) for p in (Placement.LLAMA_CP, Placement.ULYSSES, Placement.USP)},
-    # the Zeppelin paper's baseline balances attention FLOPs, whatever the config's policy
-    Placement.HYBRID_DP.value: Variant(Placement.HYBRID_DP, zone_policy=ZonePolicy.COST),
-    REFERENCE: Variant(Placement.TE_CP, te_wire=True, te_padding=True),
-    MEGATRON_HYBRID_CP: Variant(Placement.TE_CP, te_wire=True, hybrid_cp=True),
+SYSTEM_MODELS: dict[str, Variant] = {
+    MEGATRON_HYBRID_CP: Variant(_REFERENCE.placement, te_wire=True, hybrid_cp=True),
     # dK/dV in the activation dtype (generous: ByteScale's paper does not say).
     BYTESCALE_HDP: Variant(Placement.HYBRID_DP, te_wire=True, bytescale=True),
-    ROUTED_TE_CP: Variant(Placement.TE_CP, routed=True),
+    ROUTED_TE_CP: Variant(_REFERENCE.placement, routed=True),
     ROUTED_PARTITION: Variant(Placement.ZEPPELIN, routed=True),
 }
+"""The variants the simulator models beside the placements' own (`registry.variants`):
+the baselines' systems (their waves and micro-batches) and the Fig. 11 ablation."""
 ABLATION = (REFERENCE, ROUTED_TE_CP, ROUTED_PARTITION, Placement.ZEPPELIN.value)
 """The Fig. 11 ladder, each row adding one part of Zeppelin."""
-_DEFAULT_PLACEMENTS = (Placement.ZEPPELIN, Placement.TE_CP, Placement.LLAMA_CP, Placement.HYBRID_DP)
-DEFAULT_STRATEGIES = (*(p.value for p in _DEFAULT_PLACEMENTS), MEGATRON_HYBRID_CP)
+
+
+class _Variants(Mapping[str, Variant]):
+    """Every variant by name, read from the registry at each lookup, so a placement
+    registered later is simulated too."""
+
+    def _table(self) -> dict[str, Variant]:
+        return {**registry.variants(), **SYSTEM_MODELS}
+
+    def __getitem__(self, name: str) -> Variant:
+        return self._table()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
+VARIANTS: Mapping[str, Variant] = _Variants()
+DEFAULT_STRATEGIES = (*registry.listed(Bench.SIMULATE), MEGATRON_HYBRID_CP)
 
 
 @dataclass
