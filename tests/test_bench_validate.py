@@ -25,8 +25,8 @@ def test_headlines_name_the_paper_figure_and_explain_every_gap() -> None:
 
 
 def test_rows_and_ranking_of_the_cpu_runs() -> None:
-    from ray_zep.bench.calibrate import Calibration
     from ray_zep.costmodel import ComputeRates
+    from ray_zep.sim.calibration import Calibration
     from ray_zep_workers.bench_train import TrainBenchRow
     from ray_zep_workers.bench_validate import Validation, bench_result
 
@@ -68,8 +68,8 @@ def test_ranking_holds_the_prediction_to_the_orders_the_runs_resolve() -> None:
     """2.5k against 2.0k tokens/s, each +-10%: 0.5k apart is within two standard errors
     of the difference (2 x 0.32k), so a swapped prediction is listed apart; the same
     pair measured +-4% is resolved, and the swap counts against the ranking."""
-    from ray_zep.bench.calibrate import Calibration
     from ray_zep.costmodel import ComputeRates
+    from ray_zep.sim.calibration import Calibration
     from ray_zep_workers.bench_train import TrainBenchRow, relative_error
     from ray_zep_workers.bench_validate import Validation, resolves
 
@@ -153,9 +153,9 @@ def test_calibrate_validate_and_train_write_their_records(monkeypatch, tmp_path,
     import ray_zep_workers.bench_calibrate as calibrate_bench
     import ray_zep_workers.bench_train as train_bench
     import ray_zep_workers.bench_validate as validate_bench
-    from ray_zep.bench.calibrate import Calibration
     from ray_zep.cli import main
     from ray_zep.costmodel import ComputeRates
+    from ray_zep.sim.calibration import Calibration
 
     measured = Calibration(ComputeRates(1e9, 2e9, 3e9), 1e-3, 1e9, 2e-3, 2e9, ranks=4, cores=2)
     monkeypatch.setattr(calibrate_bench, "calibrate", lambda config, device, repeats: measured)
@@ -218,10 +218,10 @@ def test_share_probe_times_the_models_step_against_its_alone_seconds(monkeypatch
     """The share is the step's seconds alone at calibration over its seconds in every
     rank now (the median over rounds), capped at 1; a calibration without the alone
     step cannot probe."""
-    import ray_zep.bench.core_share as core_share
-    from ray_zep.bench.calibrate import Calibration
+    import ray_zep.core_share as core_share
     from ray_zep.costmodel import ComputeRates
     from ray_zep.model_shapes import ModelShape
+    from ray_zep.sim.calibration import Calibration
 
     shape = ModelShape(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=64)
     alone, together = core_share.step_seconds(shape, 2, rounds=1, alone=True)  # real processes
@@ -256,7 +256,7 @@ def test_a_probe_waits_for_the_machine_to_be_quiet(monkeypatch, tmp_path) -> Non
     """Windows at or over the busy threshold are waited out, the first under it ends the
     wait, and the wait never passes its limit; without `/proc/stat` it is a tenth of it,
     and `/proc/stat` going away during the wait ends it."""
-    import ray_zep.bench.core_share as core_share
+    import ray_zep.core_share as core_share
 
     # (busy, total) ticks since boot: windows 50% busy, 20% busy, then 5% busy
     ticks = iter([(0, 0), (50, 100), (70, 200), (75, 300), (80, 400)])
@@ -280,8 +280,8 @@ def test_fsdp_units_are_timed_against_their_replicated_twins(monkeypatch, tmp_pa
     import numpy as np
 
     import ray_zep_workers.bench_calibrate as step
-    from ray_zep.bench.calibrate import Calibration
     from ray_zep.costmodel import ComputeRates
+    from ray_zep.sim.calibration import Calibration
 
     overhead, modelled = 0.03, 0.20  # the tiny step's fixed cost; a job step's compute
     job_measured = iter([0.30, 0.26, 0.33])  # three replicated job runs
@@ -337,8 +337,8 @@ def test_job_pairs_spread_over_the_runs_and_every_run_is_predicted_at_their_medi
     import ray_zep_workers.bench_calibrate as step
     import ray_zep_workers.bench_train as bench
     from ray_zep.bench import calibrate_ring
-    from ray_zep.bench.calibrate import Calibration
     from ray_zep.costmodel import ComputeRates
+    from ray_zep.sim.calibration import Calibration
 
     assert step.spread(3, 14) == [0, 7, 14] and step.spread(3, 5) == [0, 2, 5]
     assert step.spread(1, 5) == [0] and step.spread(0, 5) == [] and step.spread(2, 1) == [0, 1]
@@ -406,8 +406,8 @@ def test_sittings_run_every_mode_in_passes_and_combine_its_runs(monkeypatch, tmp
     """Two sittings: the modes forward, then backward, each run in its own folder; a
     mode's row is over both runs, its error widened by how far the runs disagree."""
     import ray_zep_workers.bench_train as bench
-    from ray_zep.bench.calibrate import Calibration
     from ray_zep.costmodel import ComputeRates
+    from ray_zep.sim.calibration import Calibration
 
     assert bench.sitting_order(("a", "b", "c"), 2) == [
         ("a", 0), ("b", 0), ("c", 0), ("c", 1), ("b", 1), ("a", 1)

@@ -282,8 +282,9 @@ def test_simulate_command_writes_table_json_and_pictures(tmp_path, capsys) -> No
 
 
 def test_calibration_fit_and_file_round_trip(tmp_path) -> None:
-    from ray_zep.bench.calibrate import Calibration, Measurement, fit
+    from ray_zep.bench.calibrate import Measurement, fit
     from ray_zep.errors import ConfigError
+    from ray_zep.sim.calibration import Calibration
 
     points = [Measurement("x", n, 1e9 * n, 2e-5 + n / 50.0) for n in (1, 2, 4, 8)]
     overhead, rate = fit(points)
@@ -304,8 +305,8 @@ def test_calibration_fit_and_file_round_trip(tmp_path) -> None:
 def test_calibration_measures_the_codec_and_the_kernels_score_heads(tmp_path) -> None:
     import torch
 
-    from ray_zep.bench.calibrate import Calibration
     from ray_zep.bench.calibrate_kernels import CODEC_VALUES, curve_heads, measure_codec
+    from ray_zep.sim.calibration import Calibration
 
     cpu = torch.device("cpu")
     codec = measure_codec(cpu, torch.float32, 1)
@@ -319,7 +320,8 @@ def test_calibration_measures_the_codec_and_the_kernels_score_heads(tmp_path) ->
 
 
 def test_job_share_slows_every_host_cost_measured_outside_the_job(tmp_path) -> None:
-    from ray_zep.bench.calibrate import Calibration
+    from ray_zep.bench.calibrate import calibration_table
+    from ray_zep.sim.calibration import Calibration
 
     rates = dataclasses.replace(RATES, ring_row_seconds=1e-6, step_overhead_s=0.03)
     bare = Calibration(rates, 5e-5, 3e9, ranks=4, cores=2, core_share=0.5)
@@ -359,7 +361,7 @@ def test_job_share_slows_every_host_cost_measured_outside_the_job(tmp_path) -> N
         pytest.approx((0.0, 2e-3 / 0.8)),
         pytest.approx((8e-3 / 0.8, 3e-3 / 0.8)),
     )
-    assert "x0.80 of that (median of 0.78, 0.80, 0.83)" in paired.table()
+    assert "x0.80 of that (median of 0.78, 0.80, 0.83)" in calibration_table(paired)
     # the virtual cluster's ranks share the cores at the share their compute is stated at
     assert inside.hardware(topology).pool == CorePool(4, 0.5 * 0.8)
     assert gpu.hardware(topology).pool is None
@@ -369,8 +371,8 @@ def test_ring_step_costs_are_the_median_of_rounds_one_of_which_ran_slow(monkeypa
     """Three rounds of the engine's layers: two cost 50 us per ring step and 2 us per query
     row beyond the model, one ran 30% slow all over; the calibration keeps 50 us and 2 us."""
     from ray_zep.bench import calibrate_ring
-    from ray_zep.bench.calibrate import Calibration
     from ray_zep.config import load_config
+    from ray_zep.sim.calibration import Calibration
 
     config = load_config("conf/demo.yaml", [])
     calibration = Calibration(RATES, 5e-5, 3e9, ranks=4, cores=2, core_share=0.5,

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from ray_zep import steplog
-from ray_zep.bench.calibrate import Calibration, calibrate
+from ray_zep.bench.calibrate import calibrate, calibration_table
 from ray_zep.command_args import optional_config, optional_config_args
 from ray_zep.config import load_config
 from ray_zep.constants import METRICS_FILE_NAME
@@ -48,6 +48,7 @@ from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import WeightsMode
 from ray_zep.parallel.memory import fsdp_units
 from ray_zep.report.output import BenchResult
+from ray_zep.sim.calibration import Calibration
 from ray_zep.sim.replay import replay
 
 NAME = "calibrate"
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> BenchResult:
         NAME,
         {**spec, "device": device.type},
         [dataclasses.asdict(calibration.rates)],
-        calibration.table(),
+        calibration_table(calibration),
         written=[calibration.save(out / "calibration.json")],
     )
 

@@ -35,18 +35,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from ray_zep import command_args, steplog
-from ray_zep.bench.calibrate import Calibration, calibrate
+from ray_zep.bench.calibrate import calibrate
 from ray_zep.bench.calibrate_links import ROUNDS as LINK_ROUNDS
 from ray_zep.bench.calibrate_ring import RingSittings
-from ray_zep.bench.core_share import run_share
 from ray_zep.config import Config, load_config
 from ray_zep.constants import METRICS_FILE_NAME
+from ray_zep.core_share import run_share
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.report.output import BenchResult
 from ray_zep.report.text_table import Column, render_table
 from ray_zep.report.timeline import draw_throughput
+from ray_zep.sim.calibration import Calibration
 from ray_zep.sim.compare import VARIANTS
 from ray_zep.sim.replay import replay
 from ray_zep_workers.bench_calibrate import JOB_RUNS, JobSittings, spread, uneven

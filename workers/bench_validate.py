@@ -30,13 +30,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ray_zep.bench.calibrate import Calibration
 from ray_zep.bench.calibrate_links import ROUNDS as LINK_ROUNDS
 from ray_zep.bench.headlines import PaperRow, paper_rows
 from ray_zep.command_args import at_least
 from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.report.output import BenchResult
 from ray_zep.report.text_table import Column, render_table
+from ray_zep.sim.calibration import Calibration
 from ray_zep_workers.bench_calibrate import JOB_RUNS, uneven
 from ray_zep_workers.bench_train import TrainBenchRow, run_train_bench
 

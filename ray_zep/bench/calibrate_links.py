@@ -13,7 +13,7 @@ the burst and waited for after it should hide behind the burst; what it still
 costs, against what it costs after the burst, is how much of a transfer the ranks'
 compute cannot overlap (`contention`: the sender and receiver need the cores
 that compute). The share of a core each rank gets meanwhile is probed around
-these measurements (`ray_zep.bench.core_share`).
+these measurements (`ray_zep.core_share`).
 
 A message's cost also grows with the compute between two messages: ranks that
 computed longer finish further apart (the cores are time-sliced among more ranks

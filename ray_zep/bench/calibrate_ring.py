@@ -16,7 +16,7 @@ besides its kernel and its transfers: a fixed part (from the tiny chunks,
 `Calibration.ring_step_s`) and a part per query row (from the larger ones,
 `ComputeRates.ring_row_seconds`: the fp32 accumulators, copies and scheduling the
 step functions alone do not show). The share of a core the processes got is probed
-around the measurement (`ray_zep.bench.core_share`), so a host that lends fewer
+around the measurement (`ray_zep.core_share`), so a host that lends fewer
 cores meanwhile does not show up as a dearer ring step.
 """
 

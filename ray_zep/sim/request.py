@@ -20,6 +20,7 @@ from ray_zep.config import Config
 from ray_zep.costmodel import ComputeRates
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
+from ray_zep.sim.calibration import Calibration
 from ray_zep.sim.compare import StrategyResult, simulate_strategies, strategy_names
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
@@ -141,9 +142,6 @@ def request_hardware(config: Config, calibration: str | None) -> tuple[Hardware,
     topology = build_topology(config.topology)
     if calibration is None:
         return Hardware.preset(topology), True
-    # up a floor: the calibration file is `bench calibrate`'s record, read back here
-    from ray_zep.bench.calibrate import Calibration
-
     measured = Calibration.load(calibration)
     if measured.link_latency_s is None:
         return Hardware(topology, measured.rates), True
