@@ -37,9 +37,9 @@ def test_plan_json_tiles_every_sequence(tmp_path: Path, capsys, strategy: str) -
     argv = [*SHARDED, "model.preset=7b", "--lengths", ",".join(map(str, lengths))]
     code, stdout, err = _run(capsys, "plan", *argv, "--sequence", strategy, "--json", str(out))
     assert code == 0, err
-    # header, ranks, summary; blank, NIC header, 2 nodes x 4 NICs, NIC and remap lines;
-    # blank, per-rank memory; "wrote"
-    assert len(stdout.splitlines()) == 1 + 16 + 1 + 1 + 1 + 8 + 2 + 2 + 1
+    # header, rule, ranks, summary; blank, NIC header, rule, 2 nodes x 4 NICs, NIC and
+    # remap lines; blank, per-rank memory; "wrote"
+    assert len(stdout.splitlines()) == 2 + 16 + 1 + 1 + 2 + 8 + 2 + 2 + 1
     record = json.loads(out.read_text())
     remap = record["remap"]
     assert remap["counts_before"] == [r["tokens"] for r in record["ranks"]]

@@ -47,6 +47,7 @@ from ray_zep.config import Config
 from ray_zep.core_share import ShareProbe
 from ray_zep.costmodel import ComputeRates
 from ray_zep.model_shapes import ModelShape, build_shape
+from ray_zep.report.text_table import Column, render_table
 from ray_zep.sim.calibration import Calibration
 from ray_zep.topology import build_topology
 
@@ -61,17 +62,26 @@ def fit(points: list[Measurement]) -> tuple[float, float]:
     return float(intercept), 1.0 / float(slope)
 
 
+def _is_link(point: Measurement | LinkPoint) -> bool:
+    return isinstance(point, LinkPoint)
+
+
+MEASUREMENT_COLUMNS = (
+    Column("op", "op"),
+    Column("size", lambda m: m.nbytes if _is_link(m) else m.size),
+    Column("GFLOP or MB", lambda m: m.nbytes / 1e6 if _is_link(m) else m.flops / 1e9, ".3f"),
+    Column("ms", lambda m: m.seconds * 1e3, ".3f"),
+    Column(
+        "GFLOP/s or GB/s",
+        lambda m: None if _is_link(m) or not m.flops else m.flops / m.seconds / 1e9,
+        ".2f",
+    ),
+)
+
+
 def calibration_table(calibration: Calibration) -> str:
     """Every measured point, then the fits."""
-    lines = [f"{'op':<20}{'size':>9}{'GFLOP or MB':>13}{'ms':>10}{'GFLOP/s or GB/s':>17}"]
-    for m in calibration.measurements:
-        if isinstance(m, LinkPoint):
-            lines.append(f"{m.op:<20}{m.nbytes:>9}{m.nbytes / 1e6:>13.3f}"
-                         f"{m.seconds * 1e3:>10.3f}{'':>17}")  # fmt: skip
-            continue
-        rate = f"{m.flops / m.seconds / 1e9:>17.2f}" if m.flops else f"{'':>17}"
-        lines.append(f"{m.op:<20}{m.size:>9}{m.flops / 1e9:>13.3f}{m.seconds * 1e3:>10.3f}"
-                     + rate)  # fmt: skip
+    lines = [render_table(calibration.measurements, MEASUREMENT_COLUMNS)]
     r = calibration.rates
     lines.append(
         f"fit: attention (longest blocks) forward {r.attention_forward / 1e9:.2f} GFLOP/s, "

@@ -18,6 +18,8 @@ from ray_zep.partition.plan_memory import PlanMemory, plan_memory
 from ray_zep.partition.stats import PlanStats, plan_stats
 from ray_zep.report.layers import LayerReport
 from ray_zep.report.placement import draw_placement, plan_record, rank_table
+from ray_zep.report.text_table import Column, render_table
+from ray_zep.sim.auto import AutoPlan, Candidate
 from ray_zep.sim.request import BatchRequest, request_lengths
 from ray_zep.topology import Topology, build_topology
 
@@ -66,6 +68,39 @@ def write_outputs(result: PlanResult, png: str | None, json_path: str | None) ->
         path.write_text(json.dumps(record, indent=1) + "\n")
         written.append(path)
     return written
+
+
+AUTO_COLUMNS = (
+    Column("#", "place"),
+    Column("composition", "name"),
+    Column("step s", "step_seconds", ".4f"),
+    Column("k tok/s", "tokens_per_second", ".1f", scale=1e3),
+    Column("GB/GPU", "memory_gb", ".1f"),
+    Column("fits", "fits"),
+)
+
+
+def auto_table(plan: AutoPlan, limit: int = 20) -> str:
+    """The first `limit` candidates of `plan --auto`, fastest first: those that fit, those
+    that do not, then those that cannot run, each with why."""
+    rows = [_auto_row(place, c) for place, c in enumerate(plan.ranked[:limit], 1)]
+    lines = [render_table(rows, AUTO_COLUMNS, key_columns=2)]
+    hidden = len(plan.ranked) - limit
+    if hidden > 0:
+        lines.append(f"... {hidden} more (--json has all)")
+    return "\n".join(lines)
+
+
+def _auto_row(place: int, candidate: Candidate) -> dict[str, object]:
+    row = {"place": place, "name": candidate.name}
+    if not candidate.steps:
+        return row | {"error": f"cannot run: {candidate.error}"}
+    return row | {
+        "step_seconds": candidate.step_seconds,
+        "tokens_per_second": candidate.tokens_per_second,
+        "memory_gb": candidate.memory_gb,
+        "fits": "yes" if candidate.fits else "NO",
+    }
 
 
 def _whole_sequence_plan(

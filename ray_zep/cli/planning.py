@@ -98,6 +98,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _plan_auto(args: argparse.Namespace) -> int:
     import json
 
+    from ray_zep.cli.plan_run import auto_table
     from ray_zep.errors import ConfigError
     from ray_zep.sim.auto import auto_plan, write_best
     from ray_zep.sim.replay import data_batches
@@ -121,7 +122,7 @@ def _plan_auto(args: argparse.Namespace) -> int:
 
     result = auto_plan(config, hardware, batches, on_gpu)
     print(f"{hardware.source}; {args.batches} batches; {len(result.candidates)} compositions")
-    print(result.table())
+    print(auto_table(result))
     if result.best is not None:
         print(f"chosen: {result.best.name}: {result.why()}")
     if args.json_path:

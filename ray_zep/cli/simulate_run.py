@@ -13,44 +13,66 @@ from pathlib import Path
 import numpy as np
 
 from ray_zep.report.output import write_record
+from ray_zep.report.text_table import Column, render_table
 from ray_zep.report.timeline import draw_throughput, draw_timelines
+from ray_zep.sim.compare import StrategyResult
 from ray_zep.sim.request import SimulateResult
 
 TIMELINE_RANKS = 16
 """Ranks drawn in the timeline picture (the first ones)."""
 
 
+def _times(value: float | None) -> str | None:
+    return None if value is None else f"{value:.2f}x"
+
+
+STRATEGY_COLUMNS = (
+    Column("strategy", "name"),
+    Column("step s", "step_seconds", ".3f"),
+    Column("k tok/s", "tokens_per_second", ".1f", scale=1e3),
+    Column("vs te_cp", lambda row: _times(row["speedup"])),
+    Column("x ideal", lambda row: _times(row["over_ideal"])),
+    Column("fwd ms/layer", "forward_ms", ".2f"),
+    Column("bwd ms/layer", "backward_ms", ".2f"),
+    Column("grad s", "grad_seconds", ".3f"),
+    Column("remap", "remapped"),
+)
+
+
 def result_table(result: SimulateResult) -> str:
-    """A line on the setup, one line per strategy, then the ideal step."""
+    """A line on the setup, one row per strategy, then the ideal step."""
     topology = result.topology
     lines = [
         f"{topology.name}: {topology.nodes} x {topology.gpus_per_node} "
         f"{topology.gpu_model}, model {result.config.model.preset}, "
         f"{len(result.batches)} batches of {int(np.mean([b.sum() for b in result.batches]))} "
         f"tokens, L={result.tokens_per_rank}; rates: {result.rates.source}",
-        f"{'strategy':<26}{'step s':>9}{'k tok/s':>10}{'vs te_cp':>10}{'x ideal':>9}"
-        f"{'fwd ms/layer':>14}{'bwd ms/layer':>14}{'grad s':>8}{'remap':>7}",
     ]
-    for name, strategy in result.results.items():
-        if strategy.error:
-            lines.append(f"{name:<26}  cannot place: {strategy.error}")
-            continue
-        steps = strategy.steps
-        fwd = np.mean([s.forward_layer_seconds for s in steps]) * 1e3
-        bwd = np.mean([s.backward_layer_seconds for s in steps]) * 1e3
-        remapped = sum(s.remap is not None for s in steps)
-        over = result.over_ideal(strategy)
-        lines.append(
-            f"{name:<26}{strategy.step_seconds:>9.3f}{strategy.tokens_per_second / 1e3:>10.1f}"
-            f"{strategy.speedup_vs_te_cp:>9.2f}x{over or float('nan'):>8.2f}x{fwd:>14.2f}"
-            f"{bwd:>14.2f}{steps[0].grad_sync_seconds:>8.3f}{remapped:>5}/{len(steps)}"
-        )
+    rows = [_strategy_row(result, name, strategy) for name, strategy in result.results.items()]
+    lines.append(render_table(rows, STRATEGY_COLUMNS, key_columns=1))
     if result.ideal_seconds:
         lines.append(
             f"ideal step {np.mean(result.ideal_seconds):.3f} s: every FLOP spread evenly at "
             "its unsplit rate, no exposed communication (x ideal: step / ideal, per batch)"
         )
     return "\n".join(lines)
+
+
+def _strategy_row(result: SimulateResult, name: str, strategy: StrategyResult) -> dict:
+    if strategy.error:
+        return {"name": name, "error": f"cannot place: {strategy.error}"}
+    steps = strategy.steps
+    return {
+        "name": name,
+        "step_seconds": strategy.step_seconds,
+        "tokens_per_second": strategy.tokens_per_second,
+        "speedup": strategy.speedup_vs_te_cp,
+        "over_ideal": result.over_ideal(strategy),
+        "forward_ms": float(np.mean([s.forward_layer_seconds for s in steps]) * 1e3),
+        "backward_ms": float(np.mean([s.backward_layer_seconds for s in steps]) * 1e3),
+        "grad_seconds": steps[0].grad_sync_seconds,
+        "remapped": f"{sum(s.remap is not None for s in steps)}/{len(steps)}",
+    }
 
 
 def write_outputs(result: SimulateResult, json_path: str | None, out_dir: str) -> list[Path]:

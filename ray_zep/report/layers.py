@@ -13,7 +13,15 @@ from typing import Any
 from ray_zep.model_shapes import ModelShape
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.remap.solver import RemapPlan, remap_token_bytes, solve_remap
+from ray_zep.report.text_table import Column, render_table
 from ray_zep.traffic import Traffic, collective_traffic, ring_traffic
+
+NIC_COLUMNS = (
+    Column("node", "node"),
+    Column("NIC", "nic"),
+    Column("direct MB", "direct", ".2f", scale=1e6),
+    Column("routed MB", "routed", ".2f", scale=1e6),
+)
 
 
 @dataclass
@@ -45,14 +53,18 @@ class LayerReport:
         }
 
     def table(self) -> str:
-        lines = [f"{'node':>4} {'NIC':>4} {'direct MB':>10} {'routed MB':>10}"]
         nodes, nics = self.direct.nic.shape
-        for node in range(nodes):
-            for nic in range(nics):
-                lines.append(
-                    f"{node:>4} {nic:>4} {self.direct.nic[node, nic] / 1e6:>10.2f} "
-                    f"{self.routed.nic[node, nic] / 1e6:>10.2f}"
-                )
+        rows = [
+            {
+                "node": node,
+                "nic": nic,
+                "direct": float(self.direct.nic[node, nic]),
+                "routed": float(self.routed.nic[node, nic]),
+            }
+            for node in range(nodes)
+            for nic in range(nics)
+        ]
+        lines = [render_table(rows, NIC_COLUMNS)]
         lines.append(
             f"per layer (fwd+bwd): busiest NIC {self.direct.nic.max() / 1e6:.2f} MB direct, "
             f"{self.routed.nic.max() / 1e6:.2f} MB routed ({self.busiest_ratio():.2f}x); "

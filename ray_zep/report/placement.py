@@ -9,6 +9,7 @@ from typing import Any
 from ray_zep.partition.plan import AttentionPlan, Zone
 from ray_zep.partition.stats import PlanStats
 from ray_zep.report.figures import save_figure
+from ray_zep.report.text_table import Column, render_table
 from ray_zep.topology import LinkKind
 
 Color = tuple[int, int, int]
@@ -60,29 +61,42 @@ def plan_record(plan: AttentionPlan, stats: PlanStats) -> dict[str, Any]:
     }
 
 
+RANK_COLUMNS = (
+    Column("rank", "rank"),
+    Column("node", "node"),
+    Column("tokens", "tokens"),
+    Column("of L", "of_l", ".2f"),
+    Column("attn GFLOP", "attention_flops", ".2f", scale=1e9),
+    Column("model ms", "ms", ".3f"),
+    Column("intra MB", "intra_bytes", ".1f", scale=1e6),
+    Column("inter MB", "inter_bytes", ".1f", scale=1e6),
+    Column("zones (tokens)", "zones"),
+)
+
+
 def rank_table(plan: AttentionPlan, stats: PlanStats) -> str:
     """One line per rank, then a summary line."""
-    header = (
-        f"{'rank':>4} {'node':>4} {'tokens':>8} {'of L':>5} {'attn GFLOP':>10} "
-        f"{'model ms':>8} {'intra MB':>8} {'inter MB':>8}  zones (tokens)"
+    rows = [_rank_row(plan, stats, rank) for rank in range(plan.world)]
+    return render_table(rows, RANK_COLUMNS) + "\n" + summary_line(plan, stats)
+
+
+def _rank_row(plan: AttentionPlan, stats: PlanStats, rank: int) -> dict[str, Any]:
+    zones = ", ".join(
+        f"{ZONE_LABELS[zone]} {stats.zones[rank][zone.value]}"
+        for zone in ZONE_LABELS
+        if stats.zones[rank].get(zone.value)
     )
-    lines = [header]
-    capacity = plan.tokens_per_rank
-    for rank in range(plan.world):
-        zones = ", ".join(
-            f"{ZONE_LABELS[zone]} {stats.zones[rank][zone.value]}"
-            for zone in ZONE_LABELS
-            if stats.zones[rank].get(zone.value)
-        )
-        lines.append(
-            f"{rank:>4} {plan.topology.node_of(rank):>4} {int(stats.tokens[rank]):>8} "
-            f"{stats.tokens[rank] / capacity:>5.2f} {stats.attention_flops[rank] / 1e9:>10.2f} "
-            f"{stats.seconds[rank] * 1e3:>8.3f} "
-            f"{stats.sent_bytes[LinkKind.INTRA_NODE][rank] / 1e6:>8.1f} "
-            f"{stats.sent_bytes[LinkKind.INTER_NODE][rank] / 1e6:>8.1f}  {zones or '-'}"
-        )
-    lines.append(summary_line(plan, stats))
-    return "\n".join(lines)
+    return {
+        "rank": rank,
+        "node": plan.topology.node_of(rank),
+        "tokens": int(stats.tokens[rank]),
+        "of_l": float(stats.tokens[rank] / plan.tokens_per_rank),
+        "attention_flops": float(stats.attention_flops[rank]),
+        "ms": float(stats.seconds[rank] * 1e3),
+        "intra_bytes": float(stats.sent_bytes[LinkKind.INTRA_NODE][rank]),
+        "inter_bytes": float(stats.sent_bytes[LinkKind.INTER_NODE][rank]),
+        "zones": zones or None,
+    }
 
 
 def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:

@@ -30,17 +30,16 @@ import numpy as np
 from ray_zep.config import Compression, Config, MoEPipeline, Packing, config_to_yaml
 from ray_zep.errors import MemoryPlanError, ZepError
 from ray_zep.model_shapes import build_shape
-from ray_zep.options import ZonePolicy
 from ray_zep.parallel.axes import (
     SEQUENCE_AXES,
     WEIGHTS_AXES,
     AxesChoice,
     Family,
-    Placement,
     refusal,
 )
 from ray_zep.parallel.memory import GB
 from ray_zep.partition.plan_memory import plan_memory
+from ray_zep.partition.registry import spec_of
 from ray_zep.partition.stats import plan_stats
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, StepResult, plan_batch, simulate_batch, simulate_plans
@@ -78,7 +77,7 @@ class Candidate:
             parts.append("routing")
         if p.remap:
             parts.append("remap")
-        if p.sequence is Placement.ZEPPELIN:
+        if spec_of(p.sequence).zone_policies:
             parts.append(f"zones={p.zone_policy.value}")
         if p.ep > 1:
             parts.append(f"ep={p.ep}")
@@ -125,7 +124,7 @@ def compositions(config: Config, world: int) -> list[Config]:
         layers = [(False, False)]
         if axis.planned:
             layers = [(False, False), (True, False), (False, True), (True, True)]
-        zones = list(ZonePolicy) if axis.placement is Placement.ZEPPELIN else [None]
+        zones = list(spec_of(axis.placement).zone_policies) or [None]
         for (routing, remap), zone in itertools.product(layers, zones):
             choice = AxesChoice(axis.placement, weights, ep, shape.moe_experts > 0, routing, remap)
             if refusal(choice) is not None:
@@ -254,23 +253,6 @@ class AutoPlan:
             f"{gain:.2f}x faster than the runner-up {second.name}: most of it in "
             f"{part} ({mine[part] * 1e3:.1f} ms against {theirs[part] * 1e3:.1f} ms a step)"
         )
-
-    def table(self, limit: int = 20) -> str:
-        shown = self.ranked[:limit]
-        w = max([44, *(len(c.name) + 1 for c in shown)])
-        lines = [f"{'#':>3} {'composition':<{w}}{'step s':>9}{'k tok/s':>10}{'GB/GPU':>9}  fits"]
-        for i, c in enumerate(shown, 1):
-            if not c.steps:
-                lines.append(f"{i:>3} {c.name:<{w}}  cannot run: {c.error}")
-                continue
-            lines.append(
-                f"{i:>3} {c.name:<{w}}{c.step_seconds:>9.4f}{c.tokens_per_second / 1e3:>10.1f}"
-                f"{c.memory_gb:>9.1f}  {'yes' if c.fits else 'NO'}"
-            )
-        hidden = len(self.ranked) - limit
-        if hidden > 0:
-            lines.append(f"    ... {hidden} more (--json has all)")
-        return "\n".join(lines)
 
     def record(self) -> list[dict]:
         return [
