@@ -25,7 +25,7 @@ from ray_zep.partition.fill import check_total, water_fill
 from ray_zep.partition.layout import LAYOUTS, Layout, causal_pairs_match
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement
 from ray_zep.partition.registry import register_placement, variants
-from ray_zep.partition.spec import PlacementSpec
+from ray_zep.partition.spec import PlacementSpec, Role
 from ray_zep.partition.stats import plan_stats
 from ray_zep.sim.compare import simulate_strategies
 from ray_zep.sim.hardware import Hardware
@@ -112,7 +112,7 @@ def test_the_registered_placement_plans_and_the_plan_reads_its_layout() -> None:
     flops = plan_stats(plan, SHAPE).attention_flops
     assert flops[3] > 3 * flops[0], "the tail's queries see every earlier token"
     with pytest.raises(PlacementError, match="registered already"):
-        register_placement(dataclasses.replace(SPEC, reference=True))
+        register_placement(dataclasses.replace(SPEC, role=Role.REFERENCE))
 
 
 SIMULATED = ["model.preset=7b", "topology.nodes=1", "topology.gpus_per_node=8",

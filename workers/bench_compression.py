@@ -25,13 +25,16 @@ from ray_zep import steplog
 from ray_zep.command_args import known, names
 from ray_zep.config import Compression, load_config
 from ray_zep.constants import METRICS_FILE_NAME
-from ray_zep.parallel.axes import Placement, WeightsMode
+from ray_zep.parallel.axes import WeightsMode
+from ray_zep.partition import registry
+from ray_zep.partition.spec import Role
 from ray_zep.report.output import BenchResult
 from ray_zep.report.text_table import Column, render_table
 from ray_zep.report.timeline import draw_throughput
 from ray_zep_workers.steady_state import TIMING_OVERRIDES, steady_totals
 
-FSDP, WHOLE, ZEPPELIN = WeightsMode.FSDP.value, Placement.WHOLE.value, Placement.ZEPPELIN.value
+FSDP = WeightsMode.FSDP.value
+WHOLE, ZEPPELIN = (registry.playing(role).name for role in (Role.PACKED, Role.SYSTEM))
 TAWPIPE = WeightsMode.TAWPIPE.value
 WHOLE_SEQUENCES = [
     f"parallel.sequence={WHOLE}",

@@ -43,7 +43,9 @@ from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.core_share import run_share
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
-from ray_zep.parallel.axes import Placement, WeightsMode
+from ray_zep.parallel.axes import WeightsMode
+from ray_zep.partition import registry
+from ray_zep.partition.spec import Bench, Role
 from ray_zep.report.output import BenchResult
 from ray_zep.report.text_table import Column, render_table
 from ray_zep.report.timeline import draw_throughput
@@ -58,9 +60,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STRATEGIES = tuple(
-    p.value for p in (Placement.ZEPPELIN, Placement.TE_CP, Placement.LLAMA_CP, Placement.HYBRID_DP)
-)
+DEFAULT_STRATEGIES = registry.listed(Bench.TRAIN)
 NAME = "train"
 HELP = "real CPU runs next to the simulator"
 
@@ -151,7 +151,7 @@ class TrainBenchRow:
 
 WEIGHTS_NAMES = tuple(m.value for m in WeightsMode if m is not WeightsMode.REPLICATED)
 """Weights modes named alone: trained with whole sequences."""
-WHOLE = Placement.WHOLE.value
+WHOLE = registry.playing(Role.PACKED).name
 
 
 def check_names(names) -> tuple[str, ...]:

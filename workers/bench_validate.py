@@ -33,7 +33,9 @@ from pathlib import Path
 from ray_zep.bench.calibrate_links import ROUNDS as LINK_ROUNDS
 from ray_zep.bench.headlines import PaperRow, paper_rows
 from ray_zep.command_args import at_least
-from ray_zep.parallel.axes import Placement, WeightsMode
+from ray_zep.parallel.axes import WeightsMode
+from ray_zep.partition import registry
+from ray_zep.partition.spec import Bench
 from ray_zep.report.output import BenchResult
 from ray_zep.report.text_table import Column, render_table
 from ray_zep.sim.calibration import Calibration
@@ -43,21 +45,17 @@ from ray_zep_workers.bench_train import TrainBenchRow, run_train_bench
 NAME = "validate"
 HELP = "the simulator against real CPU runs"
 
-PLACEMENTS = (
-    Placement.WHOLE,
-    Placement.ZEPPELIN,
-    Placement.TE_CP,
-    Placement.LLAMA_CP,
-    Placement.HYBRID_DP,
-    Placement.ULYSSES,
-    Placement.USP,
-)
 WEIGHTS = (WeightsMode.REPLICATED, WeightsMode.FSDP)
-MODES = tuple(f"{p.value}/{w.value}" for p, w in itertools.product(PLACEMENTS, WEIGHTS))
-QUICK_MODES = tuple(
-    f"{p.value}/{w.value}"
-    for p, w in itertools.product((Placement.WHOLE, Placement.ZEPPELIN, Placement.TE_CP), WEIGHTS)
-)
+
+
+def _modes(bench: Bench) -> tuple[str, ...]:
+    """Every placement the registry lists for `bench` under each of `WEIGHTS`."""
+    placements = registry.listed(bench)
+    return tuple(f"{p}/{w.value}" for p, w in itertools.product(placements, WEIGHTS))
+
+
+MODES = _modes(Bench.VALIDATE)
+QUICK_MODES = _modes(Bench.VALIDATE_QUICK)
 STEPS = 12
 """Steps each mode trains (the first 2 are warm-up). With 8, one step of a host's hiccup
 moved a mode's throughput by 8% (run 17 of `BENCHMARKS.md`: one step of six took 3.46 s,

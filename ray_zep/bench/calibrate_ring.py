@@ -42,14 +42,13 @@ WARM_UP = 2
 
 
 def _plan(config: Config, chunk: int):
-    from ray_zep.parallel.axes import Placement
-    from ray_zep.partition import make_plan
+    from ray_zep.partition import make_plan, registry
     from ray_zep.topology import build_topology
 
     topology = build_topology(config.topology)
     tokens = 2 * chunk * topology.world_size
     shape = build_shape(config.model)
-    return make_plan(Placement.TE_CP, [tokens], topology, 2 * chunk, shape)
+    return make_plan(registry.reference().placement, [tokens], topology, 2 * chunk, shape)
 
 
 def _worker(rank: int, world: int, port: int, config: Config, result) -> None:

@@ -30,8 +30,8 @@ import numpy as np
 
 from ray_zep.config import Config, load_config
 from ray_zep.model_shapes import PRESETS
-from ray_zep.parallel.axes import Placement
-from ray_zep.partition import make_plan
+from ray_zep.partition import make_plan, registry
+from ray_zep.partition.spec import Role
 from ray_zep.sim.compare import ABLATION, REFERENCE, ROUTED_PARTITION, ROUTED_TE_CP
 from ray_zep.sim.events import Lane
 from ray_zep.sim.hardware import Hardware
@@ -124,7 +124,7 @@ def _speedups(config: Config, dataset: str, strategies: str, batches: int) -> di
 
 
 def zeppelin_rows(batches: int) -> list[PaperRow]:
-    ours, te_cp = Placement.ZEPPELIN.value, REFERENCE
+    ours, te_cp = registry.playing(Role.SYSTEM).name, REFERENCE
     fig8 = [
         _speedups(_cluster_a(nodes, "7b"), dataset, f"{ours},{te_cp}", batches)[ours]
         for dataset in FIG8_DATASETS
@@ -148,7 +148,9 @@ def te_cp_round_seconds() -> tuple[float, float]:
     the activation dtype as TE sends them; a backward round moves K/V and dK/dV."""
     config = _cluster_a(2, "3b")
     topology = build_topology(config.topology)
-    plan = make_plan(Placement.TE_CP, [65536], topology, TOKENS_PER_GPU, PRESETS["3b"])
+    plan = make_plan(
+        registry.reference().placement, [65536], topology, TOKENS_PER_GPU, PRESETS["3b"]
+    )
     run = RunModel.create(config, Hardware.preset(topology)).with_te_wire()
     step = simulate_plan(plan, run)
     rounds = topology.world_size - 1

@@ -46,7 +46,9 @@ from ray_zep.command_args import (
 from ray_zep.config import Config, config_from_dict, config_to_dict, load_config
 from ray_zep.costmodel import datasheet_peak_flops
 from ray_zep.errors import ConfigError
-from ray_zep.parallel.axes import Placement, WeightsMode
+from ray_zep.parallel.axes import WeightsMode
+from ray_zep.partition import registry
+from ray_zep.partition.spec import Role
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
@@ -177,7 +179,8 @@ def _peak_flops(config: Config, device: torch.device) -> float:
 def _case_config(base: Config, batch: str, tokens: int, steps: int) -> Config:
     plain = config_to_dict(base)
     plain["topology"].update(nodes=1, gpus_per_node=1)
-    plain["parallel"].update(sequence=Placement.WHOLE.value, weights=WeightsMode.REPLICATED.value,
+    packed = registry.playing(Role.PACKED).name
+    plain["parallel"].update(sequence=packed, weights=WeightsMode.REPLICATED.value,
                              routing=False, remap=False)  # fmt: skip
     plain["comm"]["compression"] = "off"
     plain["data"].update(source="synthetic:arxiv", packing="rank", overlong="split",

@@ -37,7 +37,7 @@ from ray_zep.partition.plan import (
     bounds_for_counts,
     local_placement,
 )
-from ray_zep.partition.spec import Bench, PlacementSpec, Variant, listed_in
+from ray_zep.partition.spec import Bench, PlacementSpec, Role, Variant, listed_in
 from ray_zep.partition.work import WorkModel
 from ray_zep.topology import Topology
 
@@ -239,7 +239,7 @@ TE_CP = PlacementSpec(
     # modelled as TransformerEngine runs it: its dK/dV wire dtype and THD padding
     variants={Placement.TE_CP.value: Variant(Placement.TE_CP, te_wire=True, te_padding=True)},
     listed=listed_in(*_EVERY_BENCH_BUT_SCALE),
-    reference=True,
+    role=Role.REFERENCE,
 )
 LLAMA_CP = PlacementSpec(
     SEQUENCE_AXES[Placement.LLAMA_CP],

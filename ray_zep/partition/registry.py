@@ -18,7 +18,7 @@ from ray_zep.errors import PlacementError
 from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
 from ray_zep.partition import baselines, zeppelin
 from ray_zep.partition.layout import register_layout
-from ray_zep.partition.spec import Bench, PlacementSpec, Variant, listed_in
+from ray_zep.partition.spec import Bench, PlacementSpec, Role, Variant, listed_in
 
 SPECS: dict[Placement, PlacementSpec] = {}
 """Every registered placement's spec, in registration order."""
@@ -28,9 +28,8 @@ def register_placement(spec: PlacementSpec) -> PlacementSpec:
     """Add `spec` (its axis to `SEQUENCE_AXES`, its layouts to the layouts).
 
     Raises:
-        PlacementError: its placement or one of its variant names is taken, a second
-            reference, or a planner where its traits say whole sequences (or none where
-            they do not).
+        PlacementError: its placement, one of its variant names or its role is taken,
+            or a planner where its traits say whole sequences (or none where they do not).
     """
     known = SPECS.get(spec.placement)
     if known is not None:
@@ -45,8 +44,9 @@ def register_placement(spec: PlacementSpec) -> PlacementSpec:
     taken = set(variants()) & set(spec.simulated())
     if taken:
         raise PlacementError(f"placement {spec.name!r}: variant names {sorted(taken)} are taken")
-    if spec.reference and any(s.reference for s in SPECS.values()):
-        raise PlacementError(f"placement {spec.name!r}: {reference().name} is the reference")
+    if spec.role is not None and any(s.role is spec.role for s in SPECS.values()):
+        holder = playing(spec.role).name
+        raise PlacementError(f"placement {spec.name!r}: {holder} plays {spec.role.value}")
     for layout in spec.layouts:
         register_layout(layout)
     SEQUENCE_AXES[spec.placement] = spec.axis
@@ -80,14 +80,21 @@ def listed(bench: Bench) -> tuple[str, ...]:
     return tuple(name for spec in SPECS.values() for name in spec.names_in(bench))
 
 
+def playing(role: Role) -> PlacementSpec:
+    """The placement that plays `role`."""
+    return next(spec for spec in SPECS.values() if spec.role is role)
+
+
 def reference() -> PlacementSpec:
     """The placement every comparison is relative to."""
-    return next(spec for spec in SPECS.values() if spec.reference)
+    return playing(Role.REFERENCE)
 
 
 SINGLE = PlacementSpec(SEQUENCE_AXES[Placement.SINGLE])
 WHOLE = PlacementSpec(
-    SEQUENCE_AXES[Placement.WHOLE], listed=listed_in(Bench.VALIDATE, Bench.VALIDATE_QUICK)
+    SEQUENCE_AXES[Placement.WHOLE],
+    listed=listed_in(Bench.VALIDATE, Bench.VALIDATE_QUICK),
+    role=Role.PACKED,
 )
 
 BUILT_IN = (

@@ -46,6 +46,18 @@ class Bench(Enum):
     """`ray-zep bench scale`: 64 to 4,096 GPUs, modelled."""
 
 
+class Role(Enum):
+    """A part a placement plays in comparisons (each held by at most one placement)."""
+
+    SYSTEM = "system"
+    """The product's own placement: comparisons and headlines put it first."""
+    REFERENCE = "reference"
+    """The baseline every comparison is relative to (speedups are over it)."""
+    PACKED = "packed"
+    """Whole sequences packed per rank (data parallelism): the plain-packing baseline
+    and what weights modes alone train."""
+
+
 @dataclass(frozen=True)
 class Variant:
     """A placement as `ray-zep simulate` models it: the routing and remapping layers
@@ -96,7 +108,9 @@ class PlacementSpec:
             one variant of the placement's own name, every layer off).
         listed: the benches that list it by default, and under which variant names
             (empty: the placement's own name).
-        reference: the baseline every comparison is relative to (one spec has it).
+        role: the part it plays in comparisons, if any.
+        zone_policies: the `parallel.zone_policy` values its planner tells apart
+            (`plan --auto` tries each).
     """
 
     axis: SequenceAxis
@@ -104,7 +118,8 @@ class PlacementSpec:
     layouts: tuple[Layout, ...] = (ZIGZAG,)
     variants: Mapping[str, Variant] = field(default_factory=dict)
     listed: Mapping[Bench, tuple[str, ...]] = field(default_factory=dict)
-    reference: bool = False
+    role: Role | None = None
+    zone_policies: tuple[ZonePolicy, ...] = ()
 
     @property
     def placement(self) -> Placement:

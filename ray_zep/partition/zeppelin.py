@@ -60,7 +60,7 @@ from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
 from ray_zep.partition.balance import balance
 from ray_zep.partition.fill import check_total, place_whole, water_fill
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts
-from ray_zep.partition.spec import Bench, PlacementSpec, Variant, listed_in
+from ray_zep.partition.spec import Bench, PlacementSpec, Role, Variant, listed_in
 from ray_zep.partition.work import WorkModel
 from ray_zep.topology import LinkKind, Topology
 
@@ -380,4 +380,6 @@ SPEC = PlacementSpec(
         Bench.PARTITION: (_NAME, CAPACITY_POLICY),
         Bench.SCALE: (_NAME, WORK_POLICY),
     },
+    role=Role.SYSTEM,
+    zone_policies=tuple(ZonePolicy),
 )

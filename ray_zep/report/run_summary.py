@@ -21,7 +21,7 @@ from ray_zep.data.batching import BatchStream
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
-from ray_zep.partition import make_plan
+from ray_zep.partition import make_plan, registry
 from ray_zep.remap.policy import choose_remap
 from ray_zep.report.run_plots import imbalance, rank_matrix, steady_tokens_per_second
 from ray_zep.sim.hardware import Hardware
@@ -76,7 +76,8 @@ def compare_with_te_cp(config: Config, topology: Topology, steps: int) -> TeCpCo
     batches = replay_lengths(config, topology.world_size, min(steps, COMPARED_BATCHES))
     parallel = config.parallel
     ours = _modelled(config, topology, batches, parallel.sequence, parallel.routing, parallel.remap)
-    te_cp = _modelled(config, topology, batches, Placement.TE_CP, False, False)
+    reference = registry.reference().placement
+    te_cp = _modelled(config, topology, batches, reference, False, False)
     return TeCpComparison(len(batches), preset_gpu(topology.gpu_model), ours, te_cp)
 
 
@@ -84,7 +85,8 @@ def _modelled(config, topology, batches, placement: Placement, routed: bool, rem
     shape, parallel = build_shape(config.model), config.parallel
     rates = preset_rates(topology.gpu_model)
     run = RunModel.create(config, Hardware(topology, rates))
-    if placement is Placement.TE_CP:  # as TransformerEngine sends dK/dV (sim.compare.Variant)
+    variant = registry.variants().get(placement.value)
+    if variant is not None and variant.te_wire:  # as TransformerEngine sends dK/dV
         run = run.with_te_wire()
     inter, seconds = 0.0, []
     for lengths in batches:

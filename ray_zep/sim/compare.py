@@ -27,7 +27,7 @@ from ray_zep.config import Config
 from ray_zep.errors import ConfigError, ZepError
 from ray_zep.parallel.axes import WEIGHTS_AXES, Family, Placement, WeightsMode
 from ray_zep.partition import registry
-from ray_zep.partition.spec import Bench, Variant
+from ray_zep.partition.spec import Bench, Role, Variant
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
 from ray_zep.sim.bytescale import simulate_bytescale
 from ray_zep.sim.hardware import Hardware
@@ -35,7 +35,7 @@ from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
 from ray_zep.sim.megatron_cp import simulate_hybrid_cp, te_padded
 from ray_zep.sim.step import RunModel, StepResult, simulate_batch
 
-_REFERENCE = registry.reference()
+_REFERENCE, _SYSTEM = registry.reference(), registry.playing(Role.SYSTEM)
 REFERENCE = _REFERENCE.name
 ROUTED_TE_CP = f"{REFERENCE}+routing"
 ROUTED_PARTITION = f"{REFERENCE}+routing+partition"
@@ -44,11 +44,11 @@ SYSTEM_MODELS: dict[str, Variant] = {
     # dK/dV in the activation dtype (generous: ByteScale's paper does not say).
     BYTESCALE_HDP: Variant(Placement.HYBRID_DP, te_wire=True, bytescale=True),
     ROUTED_TE_CP: Variant(_REFERENCE.placement, routed=True),
-    ROUTED_PARTITION: Variant(Placement.ZEPPELIN, routed=True),
+    ROUTED_PARTITION: Variant(_SYSTEM.placement, routed=True),
 }
 """The variants the simulator models beside the placements' own (`registry.variants`):
 the baselines' systems (their waves and micro-batches) and the Fig. 11 ablation."""
-ABLATION = (REFERENCE, ROUTED_TE_CP, ROUTED_PARTITION, Placement.ZEPPELIN.value)
+ABLATION = (REFERENCE, ROUTED_TE_CP, ROUTED_PARTITION, _SYSTEM.name)
 """The Fig. 11 ladder, each row adding one part of Zeppelin."""
 
 
