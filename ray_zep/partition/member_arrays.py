@@ -4,8 +4,9 @@
 them, and costing them one by one in Python dominated the data actor's planning
 time. This module lays out every member of every item (item by item, in the plan's
 execution order; a one-rank item has one member) with the tokens and causal
-(query, key) pairs of its ring position, all sequences of the item together:
-position r of a ring of R holds zigzag chunks r and 2R-1-r of each sequence.
+(query, key) pairs of its ring position, all sequences of the item together: a
+position holds the chunks of each sequence its item's layout gives it
+(`ray_zep.partition.layout`).
 """
 
 from __future__ import annotations
