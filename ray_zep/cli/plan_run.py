@@ -12,7 +12,7 @@ from ray_zep.config import Config
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
-from ray_zep.partition import PLANNED, greedy_bins, make_plan, plan_from_bins
+from ray_zep.partition import greedy_bins, make_plan, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.partition.plan_memory import PlanMemory, plan_memory
 from ray_zep.partition.stats import PlanStats, plan_stats
@@ -46,7 +46,7 @@ def run_plan(config: Config, request: BatchRequest) -> PlanResult:
     lengths = request_lengths(config, topology, request)
     shape = build_shape(config.model)
     capacity = config.train.tokens_per_rank
-    if placement in PLANNED:
+    if SEQUENCE_AXES[placement].planned:
         plan = make_plan(placement, lengths, topology, capacity, shape, config.parallel)
     else:
         plan = _whole_sequence_plan(placement, lengths, topology, capacity)
