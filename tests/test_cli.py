@@ -12,9 +12,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from ray_zep.cli import main
+from ray_zep.config import config_from_dict, load_config
+from ray_zep.config.sizes import check_run
 from ray_zep.data.builder import write_token_parquet
+from ray_zep.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 
@@ -128,6 +132,37 @@ def test_config_and_topology_commands(capsys) -> None:
     )
     assert code == 0 and "2 node(s) x 8 A800-80G = 16 ranks" in stdout
     assert "NIC0<-GPU0,1" in stdout
+
+
+TRAIN_REFUSES = [
+    (["model.preset=tiny_moe", "parallel.ep=3"], "config key parallel.ep=3: must divide the 4"),
+    (["ray.min_nodes=5"], "config key ray.min_nodes=5: must be at most topology.nodes=2"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), TRAIN_REFUSES)
+def test_config_command_refuses_what_train_refuses(
+    tmp_path: Path, capsys, overrides: list[str], message: str
+) -> None:
+    """`config` prints nothing and exits with the line `train` exits with: both apply
+    `check_run`, train before it touches a cluster."""
+    with pytest.raises(ConfigError) as refused:
+        check_run(load_config(DEMO, overrides))
+    assert str(refused.value).startswith(message)
+    code, stdout, config_err = _run(capsys, "config", DEMO, *overrides)
+    assert code == 2 and stdout == ""
+    assert config_err == f"ray-zep: error: {refused.value}\n"
+    code, _, train_err = _run(capsys, "train", DEMO, f"train.out_dir={tmp_path}", *overrides)
+    assert code == 2 and train_err == config_err
+    assert not (tmp_path / "config.yaml").exists()
+
+
+def test_config_command_prints_what_train_accepts(capsys) -> None:
+    overrides = ["model.preset=tiny_moe", "parallel.ep=2", "ray.min_nodes=2"]
+    code, stdout, err = _run(capsys, "config", DEMO, *overrides)
+    assert code == 0 and err == ""
+    assert load_config(DEMO, overrides) == config_from_dict(yaml.safe_load(stdout))
+    assert "  ep: 2\n" in stdout and "  min_nodes: 2\n" in stdout
 
 
 def test_interrupt_is_one_line(capsys, monkeypatch) -> None:

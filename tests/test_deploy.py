@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from ray_zep.config import load_config
+from ray_zep.config.sizes import check_live_sizes, least_nodes
 from ray_zep.topology import build_topology
-from ray_zep.train.setup import check_live_sizes, least_nodes
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[1]

@@ -10,6 +10,7 @@ import pytest
 
 from ray_zep import steplog
 from ray_zep.config import load_config
+from ray_zep.config.sizes import check_live_sizes
 from ray_zep.constants import CHECKPOINT_COMPLETE_MARKER
 from ray_zep.data.batching import BatchStream
 from ray_zep.data.catalog import open_configured_source
@@ -18,7 +19,7 @@ from ray_zep.errors import ConfigError, TopologyError
 from ray_zep.topology import build_topology
 from ray_zep.train.checkpoint import checkpoint_path
 from ray_zep.train.ledger import ledger_path, read_ledger, rewind_departed
-from ray_zep.train.setup import check_live_sizes, prepare_run
+from ray_zep.train.setup import prepare_run
 from ray_zep_workers.elastic import STALE_VIEW_RETRY_S, RoomWatch, placement_wait_s
 from tests.helpers.procs import run_ranks
 from tests.helpers.training import (

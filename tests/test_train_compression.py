@@ -18,9 +18,9 @@ import torch
 from ray_zep.collectives import ops
 from ray_zep.collectives.codec import Compressed
 from ray_zep.config import load_config
+from ray_zep.config.sizes import check_sizes
 from ray_zep.errors import CodecError, ConfigError
 from ray_zep.topology import build_topology
-from ray_zep.train.setup import check_sizes
 from tests.helpers.procs import run_ranks
 from tests.helpers.training import (
     SMALL_RUN,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ray_zep.command_args import config_args
 from ray_zep.config import config_to_yaml, load_config
+from ray_zep.config.sizes import check_run
 
 
 def add_commands(commands: argparse._SubParsersAction, argv: Sequence[str] = ()) -> None:
@@ -15,7 +16,9 @@ def add_commands(commands: argparse._SubParsersAction, argv: Sequence[str] = ())
     config_args(train)
     train.set_defaults(handler=_train)
 
-    config = commands.add_parser("config", help="print the resolved config")
+    config = commands.add_parser(
+        "config", help="print the resolved config once it passes the checks train makes"
+    )
     config_args(config)
     config.set_defaults(handler=_config)
 
@@ -76,7 +79,12 @@ def _print_run_summary(config, run_dir: Path) -> None:
 
 
 def _config(args: argparse.Namespace) -> int:
-    print(config_to_yaml(load_config(args.config, args.overrides)), end="")
+    """Print the resolved config once it passes the checks `train` makes before it starts
+    a cluster, so a config printed here is one `train` accepts (the dataset, checkpoints
+    and the cluster's resources aside)."""
+    config = load_config(args.config, args.overrides)
+    check_run(config)
+    print(config_to_yaml(config), end="")
     return 0
 
 

@@ -1,11 +1,12 @@
 """Everything checked and decided before any process starts.
 
 `prepare_run` turns a Config into a RunPlan: the topology, the number of
-workers and the absolute run directory. It checks the checkpoint a restart
-would resume from, opens the dataset and builds the first batch stream, so a
-missing or corrupt dataset, an out-of-vocabulary token, an overlong document
-under `data.overlong=error` or a checkpoint of another `parallel.ep` fails here, in one
-line, before a cluster is touched.
+workers and the absolute run directory. It checks the config against its topology
+and model (`ray_zep.config.sizes.check_run`, which `ray-zep config` applies too) and
+the checkpoint a restart would resume from, opens the dataset and builds the first
+batch stream, so a missing or corrupt dataset, an out-of-vocabulary token, an overlong
+document under `data.overlong=error` or a checkpoint of another `parallel.ep` fails
+here, in one line, before a cluster is touched.
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ray_zep.config import Compression, Config, Packing, write_resolved_config
+from ray_zep.config import Config, write_resolved_config
+from ray_zep.config.sizes import check_run, num_ranks
+from ray_zep.config.sizes import least_nodes as least_nodes  # the workers import it from here
 from ray_zep.data.batching import BatchStream
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.distributed import Comm
-from ray_zep.errors import ConfigError, TopologyError
 from ray_zep.model.hf import check_hf_checkpoint
 from ray_zep.model_shapes import build_shape
-from ray_zep.parallel.axes import Family
-from ray_zep.topology import Topology, build_topology
+from ray_zep.topology import Topology
 from ray_zep.tracking import check_trackers
 from ray_zep.train.checkpoint import resume_checkpoint
 
@@ -44,27 +45,6 @@ class RunPlan:
     topology: Topology
     num_workers: int
     run_dir: Path
-
-
-def num_ranks(config: Config, topology: Topology) -> int:
-    """Processes the run needs on the topology: one for the reference, else one per GPU."""
-    return config.parallel.sequence_axis.processes(topology.world_size)
-
-
-def least_nodes(config: Config, topology: Topology) -> int:
-    """The fewest nodes the run trains on: `ray.min_nodes` for an elastic run, else all.
-
-    Raises:
-        ConfigError: `ray.min_nodes` exceeds `topology.nodes`.
-    """
-    least = config.ray.min_nodes
-    if least is None:
-        return topology.nodes
-    if least > topology.nodes:
-        raise ConfigError(
-            f"config key ray.min_nodes={least}: must be at most topology.nodes={topology.nodes}"
-        )
-    return least
 
 
 def create_comm(
@@ -90,22 +70,8 @@ def prepare_run(config: Config, write_config: bool = True) -> RunPlan:
     Raises:
         ZepError subclasses naming the key, path or value to fix.
     """
-    topology = build_topology(config.topology)
+    topology = check_run(config)
     expected = num_ranks(config, topology)
-    wanted = config.ray.num_workers
-    if wanted is not None and wanted != expected:
-        raise TopologyError(
-            f"config key ray.num_workers={wanted}: parallel.sequence="
-            f"{config.parallel.sequence.value} on topology.nodes={topology.nodes} x "
-            f"topology.gpus_per_node={topology.gpus_per_node} runs {expected} worker(s)"
-        )
-    check_sizes(config, topology)
-    least = least_nodes(config, topology)
-    if least < topology.nodes:
-        try:
-            check_live_sizes(config, topology, least)
-        except ConfigError as exc:
-            raise ConfigError(f"config key ray.min_nodes={least}: {exc}") from None
     run_dir = Path(config.train.out_dir).expanduser().resolve()
     config = dataclasses.replace(
         config, train=dataclasses.replace(config.train, out_dir=str(run_dir))
@@ -118,81 +84,6 @@ def prepare_run(config: Config, write_config: bool = True) -> RunPlan:
     if write_config:
         write_resolved_config(config, run_dir)
     return RunPlan(config, topology, expected, run_dir)
-
-
-def check_sizes(config: Config, topology: Topology) -> None:
-    """The rules of the parallel axes that depend on the cluster's and the model's sizes.
-
-    Raises:
-        ConfigError: `parallel.ep` does not divide the ranks or the experts; a
-            weight-passing mode has fewer model units than ranks; routed K/V would travel
-            compressed on more than two nodes.
-    """
-    ranks = num_ranks(config, topology)
-    shape = build_shape(config.model)
-    ep = config.parallel.ep
-    if ep > 1 and (ranks % ep or shape.moe_experts % ep):
-        raise ConfigError(
-            f"config key parallel.ep={ep}: must divide the {ranks} ranks (topology.nodes="
-            f"{topology.nodes} x topology.gpus_per_node={topology.gpus_per_node}) and "
-            f"model.moe.num_experts={shape.moe_experts}"
-        )
-    weights = config.parallel.weights_axis
-    units = shape.n_layers + 2
-    if weights.family is Family.WEIGHT_PASSING and units < ranks:
-        raise ConfigError(
-            f"config key model.n_layers={shape.n_layers}: parallel.weights={weights.name} "
-            f"gives each of the {ranks} ranks a shard of whole units, but the model has "
-            f"{units} (embedding, {shape.n_layers} blocks, output); use at least "
-            f"{ranks - 2} layers or fewer ranks"
-        )
-
-    comm = config.comm
-    if (
-        topology.nodes > 2
-        and config.parallel.routing
-        and comm.compression is not Compression.OFF
-        and "routed_kv" in comm.compression_streams
-    ):
-        raise ConfigError(
-            f"config key comm.compression_streams: compressing routed_kv with "
-            f"parallel.routing=true on topology.nodes={topology.nodes} can deadlock (a known "
-            "defect of the framed relay beyond two nodes); leave routed_kv out of "
-            "comm.compression_streams, or set parallel.routing=false"
-        )
-
-
-def check_live_sizes(config: Config, topology: Topology, least: int) -> None:
-    """Every composition a run may continue on, with `least` to `topology.nodes` nodes
-    left (an elastic worker group), holds; for a check before such a run starts.
-
-    Raises:
-        ConfigError: `least` exceeds `topology.nodes`, the reference placement (one
-            process) cannot shrink, a size rule fails on fewer nodes, or under budget
-            packing a sequence may not fit the fewest nodes' budget.
-    """
-    if not 1 <= least <= topology.nodes:
-        raise ConfigError(
-            f"{least} node(s) to continue on: must be in 1..topology.nodes={topology.nodes}"
-        )
-    if config.parallel.sequence_axis.one_process:
-        raise ConfigError(
-            f"parallel.sequence={config.parallel.sequence.value} runs one process, which "
-            "cannot continue on fewer nodes"
-        )
-    for nodes in range(least, topology.nodes + 1):
-        try:
-            check_sizes(config, topology.with_nodes(nodes))
-        except ConfigError as exc:
-            raise ConfigError(f"on {nodes} node(s): {exc}") from None
-    budget = config.data.batch_fill * least * topology.gpus_per_node * config.train.tokens_per_rank
-    longest = config.data.max_doc_tokens
-    if config.data.packing is Packing.BUDGET and (longest is None or longest > budget):
-        raise ConfigError(
-            f"config key data.max_doc_tokens={longest}: on {least} node(s) a sequence must "
-            f"fit their budget of {int(budget)} tokens (set data.max_doc_tokens <= "
-            f"{int(budget)}, or data.packing=rank)"
-        )
 
 
 def _check_data(config: Config, topology: Topology) -> None:

@@ -1,0 +1,70 @@
+"""Rules that span keys of several sections, checked when a Config is built.
+
+Each section checks its own keys; these rules need two sections at once (whether the
+parallel axes compose for the model, which packing a placement needs, where evaluation
+reads). The rules that also need the topology's sizes are `ray_zep.config.sizes`.
+"""
+
+from __future__ import annotations
+
+from ray_zep.config.parallelism import ParallelConfig
+from ray_zep.config.rules import word
+from ray_zep.config.training import DataConfig, ModelConfig, TrainConfig
+from ray_zep.errors import ConfigError
+from ray_zep.model_shapes import build_shape
+from ray_zep.options import Packing
+from ray_zep.parallel.axes import SEQUENCE_AXES, AxesChoice, refusal
+
+
+def check_across_sections(
+    train: TrainConfig, parallel: ParallelConfig, model: ModelConfig, data: DataConfig
+) -> None:
+    """Every rule across sections that needs no topology.
+
+    Raises:
+        ConfigError: naming the key to change: the parallel axes do not compose
+            (`ray_zep.parallel.axes.refusal`), a whole-sequence placement meets budget
+            packing, or evaluation is asked for without held-out data.
+    """
+    check_axes(parallel, model)
+    check_packing(parallel, data)
+    check_evaluation(train, data)
+
+
+def check_axes(parallel: ParallelConfig, model: ModelConfig) -> None:
+    """The sequence placement, weights mode, EP degree and layers compose for the model."""
+    choice = AxesChoice(
+        parallel.sequence,
+        parallel.weights,
+        parallel.ep,
+        build_shape(model).moe_experts > 0,
+        parallel.routing,
+        parallel.remap,
+        parallel.reference_layout,
+    )
+    refused = refusal(choice)
+    if refused is not None:
+        key, why = refused
+        value = getattr(parallel, key.split(".")[1])
+        raise ConfigError(f"config key {key}={word(value)}: {why}")
+
+
+def check_packing(parallel: ParallelConfig, data: DataConfig) -> None:
+    """A placement that keeps each sequence on one rank packs documents per rank."""
+    seq = parallel.sequence_axis
+    if parallel.reference_layout is not None:
+        seq = SEQUENCE_AXES[parallel.reference_layout]  # the packing of the mirrored run
+    if seq.whole_sequences and not seq.one_process and data.packing is not Packing.RANK:
+        raise ConfigError(
+            f"config key data.packing='budget': parallel.sequence={seq.name} keeps each "
+            "sequence on one rank and needs data.packing=rank"
+        )
+
+
+def check_evaluation(train: TrainConfig, data: DataConfig) -> None:
+    """Evaluation during training reads held-out data."""
+    if train.eval_every and not data.eval_source:
+        raise ConfigError(
+            f"config key train.eval_every={train.eval_every}: evaluation reads "
+            "held-out data; set data.eval_source (a Parquet file, stdlib, synthetic:...)"
+        )

@@ -1,0 +1,178 @@
+"""How a run spreads over the hardware and talks over its links: the `parallel`,
+`topology` and `comm` sections of the schema. Each checks its own keys in
+`__post_init__`; whether the parallel axes compose is a rule across keys
+(`ray_zep.config.checks`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ray_zep import constants
+from ray_zep.config.rules import require
+from ray_zep.options import (
+    COMPRESSION_STREAMS,
+    Compression,
+    FsdpUnit,
+    MoEPipeline,
+    RemapPolicy,
+    ZonePolicy,
+)
+from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Placement, WeightsMode
+
+
+@dataclass
+class ParallelConfig:
+    sequence: Placement = Placement.WHOLE
+    """How a batch's tokens are placed over the ranks: single | whole | zeppelin | te_cp |
+    llama_cp | hybrid_dp | ulysses | usp (ray_zep.parallel.axes)."""
+    weights: WeightsMode = WeightsMode.REPLICATED
+    """Where parameters, gradients and optimizer state live: replicated | fsdp | hsdp |
+    tawpipe | ring_relay (ray_zep.parallel.axes)."""
+    zone_policy: ZonePolicy = ZonePolicy.COST
+    """cost | capacity | work: how zeppelin places sequences: zone thresholds by the cost
+    model or by capacity alone (ray_zep.partition.zeppelin), or every rank's modelled
+    work made equal (ray_zep.partition.balance; `whole` then deals its sequences by
+    work too, ray_zep.partition.work_bins)."""
+    ulysses_degree: int = 0
+    """Ulysses members per ring position under usp; 0 picks GPUs per node (or the
+    largest divisor of it that the head counts allow)."""
+    routing: bool = False
+    """Send ring K/V (and dK/dV) between nodes through proxy ranks on every NIC
+    (ray_zep.routing); planned placements only."""
+    remap: bool = False
+    """Run the linear modules (embedding, projections, norms, MLP, output) on a
+    token-balanced layout and only attention on the plan's layout (ray_zep.remap);
+    planned placements only."""
+    remap_policy: RemapPolicy = RemapPolicy.WHEN_FASTER
+    """when_faster | always: remap only the batches where it pays off, or every batch."""
+    ep: int = 1
+    """Expert-parallel degree: experts are split over groups of this many
+    consecutive ranks; must divide the number of ranks and model.moe.num_experts."""
+    moe_pipeline: MoEPipeline = MoEPipeline.NONE
+    """none | moe_only | aaam | 1a1m: all-to-all overlap inside MoE blocks. aaam and
+    1a1m slice attention under placements that keep every sequence on one rank
+    (single, whole); under placements whose attention runs through the engine (zeppelin,
+    te_cp, ...) the block overlaps only its MoE micro-batches, as moe_only does."""
+    moe_overlap_degree: int = 4
+    """d, micro-batches per MoE block under parallel.moe_pipeline."""
+    moe_uniform_slicing: bool = True
+    """Slice attention so every slice after the first costs the same (FoldMoE Alg. 1);
+    false: d equal token slices. aaam and 1a1m only."""
+    shard_recompute: bool = True
+    """tawpipe | ring_relay: keep only each weight shard's input in forward and
+    recompute its forward in backward (activation memory of one shard, 4/3 of the
+    compute); false keeps every activation."""
+    reference_layout: Placement | None = None
+    """parallel.sequence=single only: route MoE tokens in the groups each rank of this
+    placement holds (its linear layout; with parallel.remap, the remapped one), so that
+    expert capacity drops exactly what that distributed run drops. Unset: the whole
+    batch is one routing group, with a capacity sized for it."""
+    reshard_after_forward: bool = True
+    """fsdp | hsdp: free each block's gathered parameters after its forward and gather
+    them again for backward (less memory, one more all-gather per block)."""
+    prefetch: bool = True
+    """fsdp | hsdp: gather the next unit's parameters while the current one
+    computes (explicit forward and backward prefetch)."""
+    fsdp_unit: FsdpUnit = FsdpUnit.BLOCK
+    """fsdp | hsdp: block | linear, what one FSDP2 unit gathers: a transformer block,
+    or each projection of a dense block apart (less memory, more collectives)."""
+
+    def __post_init__(self) -> None:
+        self._check_moe()
+        require(
+            self.ulysses_degree >= 0,
+            "parallel.ulysses_degree",
+            self.ulysses_degree,
+            "must be >= 0 (0 = automatic)",
+        )
+
+    @property
+    def sequence_axis(self):
+        return SEQUENCE_AXES[self.sequence]
+
+    @property
+    def weights_axis(self):
+        return WEIGHTS_AXES[self.weights]
+
+    def _check_moe(self) -> None:
+        require(self.ep >= 1, "parallel.ep", self.ep, "must be >= 1")
+        require(
+            self.moe_overlap_degree >= 1,
+            "parallel.moe_overlap_degree",
+            self.moe_overlap_degree,
+            "must be >= 1",
+        )
+
+
+@dataclass
+class TopologyConfig:
+    preset: str = "virtual"
+    """virtual (sizes below) or a named cluster: cluster_a, cluster_b, cluster_c, or a
+    paper's testbed: foldmoe_a10g, tawpipe_a100."""
+    nodes: int = 1
+    """Number of nodes."""
+    gpus_per_node: int | None = None
+    """GPUs per node; presets fix it (8), virtual defaults to 1."""
+    nics_per_node: int | None = None
+    """Inter-node NICs per node; defaults to the preset's, or one per GPU."""
+    intra_node_gbytes_per_s: float | None = None
+    """Per-GPU intra-node bandwidth, GB/s each way."""
+    nic_gbits_per_s: float | None = None
+    """Per-NIC inter-node bandwidth, Gb/s each way."""
+    intra_node_latency_us: float | None = None
+    inter_node_latency_us: float | None = None
+    gpu_memory_gb: float | None = None
+    """Memory of one GPU, GB (1e9 bytes); defaults to the preset's (unknown on virtual)."""
+
+    def __post_init__(self) -> None:
+        require(self.nodes >= 1, "topology.nodes", self.nodes, "must be >= 1")
+        require(
+            self.gpu_memory_gb is None or self.gpu_memory_gb > 0,
+            "topology.gpu_memory_gb",
+            self.gpu_memory_gb,
+            "must be > 0",
+        )
+        for key in ("gpus_per_node", "nics_per_node"):
+            value = getattr(self, key)
+            require(value is None or value >= 1, f"topology.{key}", value, "must be >= 1")
+        for key in ("intra_node_gbytes_per_s", "nic_gbits_per_s"):
+            value = getattr(self, key)
+            require(value is None or value > 0, f"topology.{key}", value, "must be > 0")
+        for key in ("intra_node_latency_us", "inter_node_latency_us"):
+            value = getattr(self, key)
+            require(value is None or value >= 0, f"topology.{key}", value, "must be >= 0")
+
+
+@dataclass
+class CommConfig:
+    init_timeout_s: float = constants.DEFAULT_INIT_TIMEOUT_S
+    """Rendezvous and worker-group start."""
+    timeout_s: float = constants.DEFAULT_COLLECTIVE_TIMEOUT_S
+    """Every collective and every shard fetch in steady state."""
+    compression: Compression = Compression.OFF
+    """Lossless compression of communication (off, auto, always). Streams that move
+    bytes stay bit-identical; zipped sums are taken in float32 in rank order, so
+    they may differ from the backend's in the last bits."""
+    compression_streams: list[str] = field(default_factory=lambda: list(COMPRESSION_STREAMS))
+    """What may travel compressed (`ray_zep.options.CompressionStream` says what each
+    stream carries and whether it is bit-identical)."""
+    compression_refresh_calls: int = 32
+    """With `auto`: every how many calls a stream goes zipped to measure its ratio."""
+
+    def __post_init__(self) -> None:
+        for key in ("init_timeout_s", "timeout_s"):
+            value = getattr(self, key)
+            require(value > 0, f"comm.{key}", value, "must be > 0")
+        unknown = sorted(set(self.compression_streams) - set(COMPRESSION_STREAMS))
+        require(
+            not unknown,
+            "comm.compression_streams",
+            self.compression_streams,
+            f"unknown {unknown}; allowed: {', '.join(COMPRESSION_STREAMS)}",
+        )
+        require(
+            self.compression_refresh_calls >= 1,
+            "comm.compression_refresh_calls",
+            self.compression_refresh_calls,
+            "must be >= 1",
+        )
