@@ -23,6 +23,15 @@ def test_a_log_gets_every_nth_line_and_the_first_and_last() -> None:
     assert stream.getvalue().splitlines() == ["case 1", "case 4", "case 8", "case 10"]
 
 
+def test_a_block_reports_its_units_through_the_counter() -> None:
+    stream = io.StringIO()
+    with ProgressLine(3, "cases", stream) as line:
+        report = line.counter()
+        for i in range(3):
+            report(f"case {i + 1}")
+    assert stream.getvalue().splitlines() == ["case 1", "case 2", "case 3"]
+
+
 def test_training_progress_in_a_log() -> None:
     stream = io.StringIO()
     bar = ProgressBar(40, stream=stream)

@@ -29,7 +29,7 @@ from ray_zep.parallel.axes import WeightsMode
 from ray_zep.partition import registry
 from ray_zep.partition.spec import Role
 from ray_zep.report.output import BenchResult
-from ray_zep.report.text_table import Column, render_table
+from ray_zep.report.text_table import Column
 from ray_zep.report.timeline import draw_throughput
 from ray_zep_workers.steady_state import TIMING_OVERRIDES, steady_totals
 
@@ -79,11 +79,12 @@ def bench_result(rows: list[CompressionRow], spec: dict) -> BenchResult:
     """One table line per case, mode and stream; the switch's costs under it."""
     series = [f"{r.case} {r.mode}" for r in rows]
     speeds = [r.tokens_per_second for r in rows]
-    return BenchResult(
+    return BenchResult.from_rows(
         NAME,
         spec,
-        row_dicts(rows),
-        render_table(table_rows(rows), COLUMNS),
+        table_rows(rows),
+        COLUMNS,
+        records=row_dicts(rows),
         footer=[f"{r.case} switch: {describe_profile(r.profile)}" for r in rows if r.profile],
         draw=partial(draw_throughput, "measured on this CPU", series, speeds),
     )

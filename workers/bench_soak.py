@@ -26,7 +26,7 @@ from ray_zep.bench.soak import (
 from ray_zep.config import load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.report.output import BenchResult
-from ray_zep.report.text_table import Column, render_table
+from ray_zep.report.text_table import Column
 from ray_zep_workers.steady_state import TIMING_OVERRIDES
 
 NAME = "soak"
@@ -68,11 +68,12 @@ def run(args: argparse.Namespace) -> BenchResult:
     report = soak_report(rows, warm_up)
     spec = {"config": args.config, "overrides": overrides, "steps": args.steps}
     spec["warm_up"] = warm_up
-    return BenchResult(
+    return BenchResult.from_rows(
         NAME,
         spec,
-        [_row(p) for p in report.processes],
-        render_table(report.processes, COLUMNS),
+        report.processes,
+        COLUMNS,
+        records=[_row(p) for p in report.processes],
         notes=[f"{len(rows)} steps, {summary.restarts} restart(s); windows of {report.window} "
                f"steps after the warm-up of {warm_up} and at the end, by their medians"],
         footer=[_step_line(report), f"run directory: {_du(run_dir) / 2**20:.0f} MiB at the end"],

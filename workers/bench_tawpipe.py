@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
-from functools import partial
 from pathlib import Path
 
 from ray_zep.bench import tawpipe
@@ -44,16 +43,16 @@ def run(args: argparse.Namespace) -> BenchResult:
     if args.cpu_steps:
         cpu_lines, record["cpu"] = cpu_runs(args.cpu_config, args.cpu_steps, Path(args.out))
         footer += ["", *cpu_lines]
-    return BenchResult(
+    return BenchResult.from_rows(
         NAME,
         asdict(spec),
-        [asdict(r) for r in rows],
-        render_table(rows, tawpipe.COLUMNS),
+        rows,
+        tawpipe.COLUMNS,
+        tawpipe.draw_tawpipe_chart,
         notes=[f"simulated on {spec.cluster().source}"],
         footer=footer,
         goals=tawpipe.goals(rows),
         record=record,
-        draw=partial(tawpipe.draw_tawpipe_chart, rows),
     )
 
 

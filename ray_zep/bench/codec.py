@@ -38,7 +38,7 @@ from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
-from ray_zep.report.text_table import Column, render_table
+from ray_zep.report.text_table import Column
 
 SIGMAS = (1e-3, 0.02, 1.0, 1e3)
 CODECS = ("zipccl", "zipccl-torch", "zstd-3", "lz4", "blosc2")
@@ -88,14 +88,9 @@ def run(args: argparse.Namespace) -> BenchResult:
     skipped = [f"skipping {c}: {why}" for c, why in available.items() if why]
     tensors = {**synthetic_tensors(spec.values), **model_tensors(config, spec.train_steps)}
     rows = run_codec_bench(tensors, spec)
-    return BenchResult(
-        NAME,
-        {**asdict(spec), "topology": config.topology.preset, "model": config.model.preset},
-        [asdict(r) for r in rows],
-        render_table(rows, COLUMNS),
-        notes=skipped,
-        goals=goals(rows),
-        draw=partial(draw_codec_chart, rows),
+    spec_record = {**asdict(spec), "topology": config.topology.preset, "model": config.model.preset}
+    return BenchResult.from_rows(
+        NAME, spec_record, rows, COLUMNS, draw_codec_chart, notes=skipped, goals=goals(rows)
     )
 
 

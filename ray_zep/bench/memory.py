@@ -43,7 +43,7 @@ from ray_zep.parallel.memory import FP32, block_params, memory_inputs, state_byt
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
-from ray_zep.report.text_table import Column, render_table
+from ray_zep.report.text_table import Column
 from ray_zep.topology import build_topology
 
 NAME = "memory"
@@ -83,13 +83,14 @@ def run(args: argparse.Namespace) -> BenchResult:
     rows = run_cases(config, cases(weights, checkpointing), args.steps)
     checks = goals(rows, config)
     spec = {"weights": weights, "checkpointing": checkpointing, "steps": args.steps}
-    return BenchResult(
+    return BenchResult.from_rows(
         NAME,
         spec | {"goals": checks},
-        row_dicts(rows),
-        render_table(rows, COLUMNS),
+        rows,
+        COLUMNS,
+        draw,
+        records=row_dicts(rows),
         goals=verdicts(checks),
-        draw=partial(draw, rows),
     )
 
 

@@ -97,14 +97,15 @@ def run(args: argparse.Namespace) -> BenchResult:
     rows = simulate_rows(spec)
     if spec.cpu_ranks > 1:
         rows += measure_rows(spec)
-    return BenchResult(
+    return BenchResult.from_rows(
         NAME,
         asdict(spec),
-        row_dicts(rows),
-        render_table(rows, COLUMNS),
+        rows,
+        COLUMNS,
+        draw_moe_chart,
+        records=row_dicts(rows),
         footer=paper_footer(rows),
         goals=goals(rows),
-        draw=partial(draw_moe_chart, rows),
     )
 
 

@@ -52,7 +52,7 @@ from ray_zep.partition.spec import Role
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
-from ray_zep.report.text_table import Column, render_table
+from ray_zep.report.text_table import Column
 
 NAME = "step"
 HELP = "time one rank's training step on this device"
@@ -151,14 +151,8 @@ def run(args: argparse.Namespace) -> BenchResult:
     )
     spec = {"device": name, "tokens": tokens, "batches": batches, "steps": args.steps,
             "peak_flops": peak, "model": config_to_dict(base)["model"]}  # fmt: skip
-    return BenchResult(
-        NAME,
-        spec,
-        [asdict(r) | {"model_error": r.model_error} for r in rows],
-        render_table(rows, COLUMNS),
-        notes=[note],
-        draw=partial(draw, rows),
-    )
+    records = [asdict(r) | {"model_error": r.model_error} for r in rows]
+    return BenchResult.from_rows(NAME, spec, rows, COLUMNS, draw, records=records, notes=[note])
 
 
 def _base_config(args: argparse.Namespace) -> Config:

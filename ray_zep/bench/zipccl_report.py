@@ -27,7 +27,7 @@ from ray_zep.model_shapes import ModelShape
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
-from ray_zep.report.text_table import Column, render_table
+from ray_zep.report.text_table import Column
 
 NAME = "zipccl"
 HELP = "ZipCCL's paper setups, modelled off and on"
@@ -61,18 +61,18 @@ def run(args: argparse.Namespace) -> BenchResult:
     ratios = measure_ratios(weights, demo)
     rows = model_rows(assumptions, ratios)
     spec = {key: getattr(args, key) for key in ("weights_sample", "demo_config", "demo_steps")}
-    return BenchResult(
+    return BenchResult.from_rows(
         NAME,
         spec,
-        [asdict(r) for r in rows],
-        render_table(rows, COLUMNS),
+        rows,
+        COLUMNS,
+        draw_zipccl_chart,
         notes=[f"measured ratios (our codec, this machine): {asdict(ratios)}"],
         record={
             "assumptions": asdict(assumptions),
             "ratios": asdict(ratios)
             | {"weights_values": weights.numel(), "demo_steps": args.demo_steps},
         },
-        draw=partial(draw_zipccl_chart, rows),
     )
 
 

@@ -1,5 +1,6 @@
 """Where benchmark results go: the table printed, a JSON record with the machine and
-command, and a PNG; one writer (`publish`) for every `ray-zep bench`."""
+command, and a PNG; one writer (`publish`) for every `ray-zep bench`, and one way for a
+bench to state its rows as such a result (`BenchResult.from_rows`)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import datetime
 import json
 import os
 import platform
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ray_zep.report.text_table import Column, render_table
 
 
 def machine() -> dict[str, Any]:
@@ -64,6 +68,40 @@ class BenchResult:
     """Draws the PNG at the path given; returns None when matplotlib is missing."""
     written: list[Path] = field(default_factory=list)
     """Files the bench saved itself (a calibration.json)."""
+
+    @classmethod
+    def from_rows(
+        cls,
+        name: str,
+        spec: dict[str, Any],
+        rows: Sequence[Any],
+        columns: Sequence[Column],
+        chart: Callable[[Sequence[Any], Path], Path | None] | None = None,
+        *,
+        key_columns: int = 0,
+        records: list[dict[str, Any]] | None = None,
+        **more: Any,
+    ) -> BenchResult:
+        """The result of a bench whose table shows its rows.
+
+        Args:
+            name, spec: as the fields.
+            rows: the table's rows (dataclasses or dicts, `render_table`).
+            columns: the table's columns; `key_columns` of them name a failed row.
+            chart: draws the rows' PNG, `chart(rows, path)`; None: no PNG, or `draw`
+                in `more`.
+            records: the rows as recorded in the JSON; None: `asdict` of each row.
+            more: the other fields (notes, footer, goals, record, draw, written).
+        """
+        if chart is not None:
+            more["draw"] = partial(chart, rows)
+        return cls(
+            name,
+            spec,
+            [asdict(r) for r in rows] if records is None else records,
+            render_table(rows, columns, key_columns=key_columns),
+            **more,
+        )
 
 
 def publish(

@@ -12,7 +12,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class ProgressLine:
-    """`update(done, status)` after each unit of `total`; `close()` at the end.
+    """`update(done, status)` after each unit of `total`; `close()` at the end, or the
+    line as a context manager, closed when its block ends (`with ProgressLine(...) as
+    bar: rows = run(..., bar.counter())`).
 
     Args:
         total: units of work (steps, cases).
@@ -67,3 +69,9 @@ class ProgressLine:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+    def __enter__(self) -> ProgressLine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
