@@ -2,13 +2,14 @@
 file alone, a ring whose members hold contiguous chunks plans, simulates and trains
 like one process.
 
-The placement is declared and registered when this module is imported, so the ranks'
-processes (which import it to unpickle `_train_all`) know it too. Tolerances as in
+The placement is registered while each test runs, and by `_train_all` in the ranks'
+processes, so the tests that walk every placement never meet it. Tolerances as in
 test_strategies (fp32, AdamW steps compared at 1e-5 relative error).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -19,12 +20,12 @@ import pytest
 from ray_zep.config import load_config
 from ray_zep.errors import PlacementError
 from ray_zep.model_shapes import build_shape
-from ray_zep.parallel.axes import declare_placement
+from ray_zep.parallel.axes import Placement, declare_placement
 from ray_zep.partition import make_plan
 from ray_zep.partition.fill import check_total, water_fill
 from ray_zep.partition.layout import LAYOUTS, Layout, causal_pairs_match
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement
-from ray_zep.partition.registry import register_placement, variants
+from ray_zep.partition.registry import register_placement, unregister_placement, variants
 from ray_zep.partition.spec import PlacementSpec, Role
 from ray_zep.partition.stats import plan_stats
 from ray_zep.sim.compare import simulate_strategies
@@ -64,27 +65,43 @@ def plan_contiguous_ring(lengths, topology, capacity, shape, parallel) -> Attent
         free -= counts
         bounds = CONTIGUOUS.bounds_for_counts(counts.tolist())
         placements.append(SeqPlacement(seq, n, ranks, bounds, layout=CONTIGUOUS))
-    plan = AttentionPlan(SPEC.placement, topology, capacity, tuple(placements))
+    plan = AttentionPlan(Placement(NAME), topology, capacity, tuple(placements))
     plan.planner_seconds = time.perf_counter() - started
     return plan
 
 
 NAME = "contiguous_ring"
-SPEC = register_placement(
-    PlacementSpec(
-        declare_placement(NAME, "every sequence in contiguous chunks over one ring of all ranks"),
-        plan_contiguous_ring,
-        layouts=(CONTIGUOUS,),
-    )
-)
+
+
+def _spec() -> PlacementSpec:
+    """The placement's spec (declaring its `parallel.sequence` value)."""
+    axis = declare_placement(NAME, "every sequence in contiguous chunks over one ring of all ranks")
+    return PlacementSpec(axis, plan_contiguous_ring, layouts=(CONTIGUOUS,))
+
+
+@contextlib.contextmanager
+def _registered():
+    """The placement registered while the block runs: other tests walking every placement
+    must not meet it (and the ranks' processes, reused by other tests, forget it too)."""
+    spec = register_placement(_spec())
+    try:
+        yield spec
+    finally:
+        unregister_placement(spec.placement)
+
+
+@pytest.fixture(autouse=True)
+def registered():
+    with _registered() as spec:
+        yield spec
+
 
 SHAPE = build_shape(load_config(None, ["model.n_heads=8", "model.n_kv_heads=2"]).model)
 LENGTHS = np.asarray([300, 7, 1, 90, 40, 2, 129])
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_every_layouts_steps_compute_each_causal_pair_once(name: str) -> None:
-    layout = LAYOUTS[name]
+@pytest.mark.parametrize("layout", [*LAYOUTS.values(), CONTIGUOUS], ids=lambda lay: lay.name)
+def test_every_layouts_steps_compute_each_causal_pair_once(layout: Layout) -> None:
     rng = np.random.default_rng(0)
     for ring in range(1, 6):
         counts = rng.integers(0, 9, size=ring).tolist()
@@ -100,11 +117,11 @@ def test_a_layout_whose_blocks_miss_pairs_fails_the_check() -> None:
     assert not causal_pairs_match(Broken(), 3, (0, 4, 8, 12))
 
 
-def test_the_registered_placement_plans_and_the_plan_reads_its_layout() -> None:
+def test_the_registered_placement_plans_and_the_plan_reads_its_layout(registered) -> None:
     topology = build_topology(
         load_config(None, ["topology.nodes=2", "topology.gpus_per_node=2"]).topology
     )
-    plan = make_plan(SPEC.placement, LENGTHS, topology, 200, SHAPE)
+    plan = make_plan(registered.placement, LENGTHS, topology, 200, SHAPE)
     assert plan.rank_tokens().sum() == LENGTHS.sum()
     first = plan.placement(0)
     assert first.position_ranges(0) == [(0, first.bounds[1])], "rank 0 holds the head"
@@ -112,7 +129,7 @@ def test_the_registered_placement_plans_and_the_plan_reads_its_layout() -> None:
     flops = plan_stats(plan, SHAPE).attention_flops
     assert flops[3] > 3 * flops[0], "the tail's queries see every earlier token"
     with pytest.raises(PlacementError, match="registered already"):
-        register_placement(dataclasses.replace(SPEC, role=Role.REFERENCE))
+        register_placement(dataclasses.replace(registered, role=Role.REFERENCE))
 
 
 SIMULATED = ["model.preset=7b", "topology.nodes=1", "topology.gpus_per_node=8",
@@ -139,7 +156,8 @@ def test_the_registered_placement_simulates_beside_the_built_in_ones() -> None:
 
 
 def _train_all(rank: int, world: int, runs: dict[str, list[str]]) -> dict[str, dict]:
-    return {name: train_rank(rank, world, overrides) for name, overrides in runs.items()}
+    with _registered():
+        return {name: train_rank(rank, world, overrides) for name, overrides in runs.items()}
 
 
 @pytest.mark.dist

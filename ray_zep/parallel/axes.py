@@ -38,6 +38,10 @@ class Placement(Enum):
     USP = "usp"
 
 
+BUILT_IN_PLACEMENTS = frozenset(p.value for p in Placement)
+"""The values of the placements declared here."""
+
+
 class WeightsMode(Enum):
     """`parallel.weights`: where parameters, gradients and optimizer state live."""
 
@@ -251,6 +255,24 @@ def declare_placement(value: str, summary: str, **traits: bool) -> SequenceAxis:
     if value not in Placement._value2member_map_:
         _add_member(Placement, value.upper(), value)
     return SequenceAxis(Placement(value), summary, **traits)
+
+
+def forget_placement(placement: Placement) -> None:
+    """Undo `declare_placement` (and the registration's axis): for a placement that
+    lives only as long as a plugin or a test needs it.
+
+    Raises:
+        ValueError: `placement` is built in.
+    """
+    if placement.value in BUILT_IN_PLACEMENTS:
+        raise ValueError(f"placement {placement.value!r} is built in")
+    SEQUENCE_AXES.pop(placement, None)
+    Placement._member_map_.pop(placement.name, None)
+    Placement._value2member_map_.pop(placement.value, None)
+    if placement.name in Placement._member_names_:
+        Placement._member_names_.remove(placement.name)
+    if placement.name in Placement.__dict__:
+        type.__delattr__(Placement, placement.name)
 
 
 def _add_member(enum: type[Enum], name: str, value: str) -> None:

@@ -15,7 +15,7 @@ lives outside the package (a plugin, a test) calls `register_placement` instead:
 from __future__ import annotations
 
 from ray_zep.errors import PlacementError
-from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
+from ray_zep.parallel.axes import SEQUENCE_AXES, Placement, forget_placement
 from ray_zep.partition import baselines, zeppelin
 from ray_zep.partition.layout import register_layout
 from ray_zep.partition.spec import Bench, PlacementSpec, Role, Variant, listed_in
@@ -52,6 +52,16 @@ def register_placement(spec: PlacementSpec) -> PlacementSpec:
     SEQUENCE_AXES[spec.placement] = spec.axis
     SPECS[spec.placement] = spec
     return spec
+
+
+def unregister_placement(placement: Placement) -> None:
+    """Remove a placement registered from outside the package, and its value.
+
+    Raises:
+        ValueError: `placement` is built in.
+    """
+    forget_placement(placement)
+    SPECS.pop(placement, None)
 
 
 def spec_of(placement: Placement) -> PlacementSpec:
