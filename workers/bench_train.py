@@ -15,7 +15,7 @@ state: the first `WARM_UP_STEPS` are left out. The prediction replays those
 batches through the simulator (`ray_zep.sim.replay`) on this machine's
 calibration (`Calibration.hardware`: one virtual GPU is one single-threaded
 process at its share of the cores, probed just before and just after the run
-(`ray_zep.bench.core_share`: a virtual machine's cores come and go with its host's
+(`ray_zep.core_share`: a virtual machine's cores come and go with its host's
 load); every link takes the measured message cost among that many processes; the
 trainer's fixed step cost measured on tiny steps, `ray_zep_workers.bench_calibrate`).
 `--compare compression` hands over to `ray_zep_workers.bench_compression`.
@@ -47,7 +47,7 @@ from ray_zep.parallel.axes import WeightsMode
 from ray_zep.partition import registry
 from ray_zep.partition.spec import Bench, Role
 from ray_zep.report.output import BenchResult
-from ray_zep.report.text_table import Column, render_table
+from ray_zep.report.text_table import Column
 from ray_zep.report.timeline import draw_throughput
 from ray_zep.sim.calibration import Calibration
 from ray_zep.sim.compare import VARIANTS
@@ -110,13 +110,8 @@ def bench_result(rows: list[TrainBenchRow], calibration: Calibration, spec: dict
     }
     measured = [r.measured_tokens_per_second for r in rows]
     chart = partial(draw_throughput, "measured on this CPU", [r.name for r in rows], measured)
-    return BenchResult(
-        NAME,
-        {**spec, "rates": calibration.rates.__dict__, "link": link},
-        row_dicts(rows),
-        render_table(rows, COLUMNS),
-        draw=chart,
-    )
+    spec = {**spec, "rates": calibration.rates.__dict__, "link": link}
+    return BenchResult.from_rows(NAME, spec, rows, COLUMNS, records=row_dicts(rows), draw=chart)
 
 
 @dataclasses.dataclass
@@ -136,7 +131,7 @@ class TrainBenchRow:
     explain), over the root of their number; None with fewer than 2 steps."""
     probed_shares: tuple[float, ...] | None = None
     """The shares probed just before and just after the run (`core_share` combines them
-    with the calibration's, `ray_zep.bench.core_share.run_share`); of every run in
+    with the calibration's, `ray_zep.core_share.run_share`); of every run in
     turn for a mode run in several sittings (`combine_sittings`)."""
     flops_max_over_mean: float | None = None
     """The steady steps' busiest rank's FLOPs over the mean (the metrics'

@@ -8,7 +8,7 @@
    `QUICK_JOB_RUNS`, `QUICK_LINK_ROUNDS`; `--sittings N`: each mode N times, in passes
    over the modes, its row over all its runs, `ray_zep_workers.bench_train.combine_sittings`);
 3. replays the same batches through the simulator on the calibration, with each
-   run's share of the cores probed around it (`ray_zep.bench.core_share`);
+   run's share of the cores probed around it (`ray_zep.core_share`);
 4. simulates the papers' headline setups (`ray_zep.bench.headlines`).
 
 Rows: `{"kind": "cpu", "mode", "predicted_tokens_per_s", "measured_tokens_per_s",
@@ -245,11 +245,12 @@ def run(args: argparse.Namespace) -> BenchResult:
 def bench_result(validation: Validation, spec: dict, written: list[Path]) -> BenchResult:
     """What the writer prints and saves of a validation: its rows, the modes' table with
     the ranking and the headlines under it, and the calibration saved beside."""
-    return BenchResult(
+    return BenchResult.from_rows(
         NAME,
         spec,
-        validation.rows(),
-        render_table(validation.cpu, COLUMNS),
+        validation.cpu,
+        COLUMNS,
+        records=validation.rows(),
         footer=validation.footer(),
         written=written,
     )

@@ -20,7 +20,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
 from ray_zep.report.progress import ProgressLine
-from ray_zep.report.text_table import Column, render_table
+from ray_zep.report.text_table import Column
 from ray_zep.topology import build_topology
 from ray_zep.traffic import collective_traffic, ring_traffic
 
@@ -62,15 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> BenchResult:
     config = cluster_a_config(args)
     spec = LayersBenchSpec(**case_grid(args, tuple(TABLE_2), PLANNERS))
-    bar = ProgressLine(len(spec.distributions) * len(spec.nodes) * len(spec.tokens), "cases")
-    rows = run_layers_bench(config, spec, bar.counter())
-    bar.close()
-    return BenchResult(
-        NAME,
-        bench_spec(spec, config),
-        [asdict(r) for r in rows],
-        render_table(rows, COLUMNS, key_columns=4),
-        draw=partial(draw_layers_chart, rows),
+    cases = len(spec.distributions) * len(spec.nodes) * len(spec.tokens)
+    with ProgressLine(cases, "cases") as bar:
+        rows = run_layers_bench(config, spec, bar.counter())
+    return BenchResult.from_rows(
+        NAME, bench_spec(spec, config), rows, COLUMNS, draw_layers_chart, key_columns=4
     )
 
 

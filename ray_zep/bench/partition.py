@@ -49,7 +49,7 @@ from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
 from ray_zep.report.progress import ProgressLine
-from ray_zep.report.text_table import Column, render_table
+from ray_zep.report.text_table import Column
 from ray_zep.topology import LinkKind, Topology, build_topology
 
 PLANNERS = registry.listed(Bench.PARTITION)
@@ -87,15 +87,11 @@ def run(args: argparse.Namespace) -> BenchResult:
     config = cluster_a_config(args)
     grid = case_grid(args, DISTRIBUTIONS, PLANNERS)
     spec = PartitionBenchSpec(**grid, headroom=args.headroom)
-    bar = ProgressLine(len(spec.distributions) * len(spec.nodes) * len(spec.tokens), "cases")
-    rows = run_partition_bench(config, spec, bar.counter())
-    bar.close()
-    return BenchResult(
-        NAME,
-        bench_spec(spec, config),
-        [asdict(r) for r in rows],
-        render_table(rows, COLUMNS, key_columns=4),
-        draw=partial(draw_partition_chart, rows),
+    cases = len(spec.distributions) * len(spec.nodes) * len(spec.tokens)
+    with ProgressLine(cases, "cases") as bar:
+        rows = run_partition_bench(config, spec, bar.counter())
+    return BenchResult.from_rows(
+        NAME, bench_spec(spec, config), rows, COLUMNS, draw_partition_chart, key_columns=4
     )
 
 

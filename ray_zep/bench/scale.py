@@ -26,7 +26,6 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,7 @@ from ray_zep.partition.stats import max_over_mean, plan_stats
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
 from ray_zep.report.progress import ProgressLine
-from ray_zep.report.text_table import Column, render_table
+from ray_zep.report.text_table import Column
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
 from ray_zep.sim.bytescale import bytescale_plans, simulate_schedule
 from ray_zep.sim.compare import VARIANTS, variant_config
@@ -87,16 +86,9 @@ def run(args: argparse.Namespace) -> BenchResult:
         plan_only=args.plan_only,
     )
     cases = len(spec.models) * len(spec.tokens_per_gpu) * len(spec.gpus) * len(spec.distributions)
-    bar = ProgressLine(cases, "cases", sys.stdout)
-    rows = run_scale_bench(spec, progress=bar.counter())
-    bar.close()
-    return BenchResult(
-        NAME,
-        asdict(spec),
-        [asdict(r) for r in rows],
-        render_table(rows, COLUMNS, key_columns=5),
-        draw=partial(draw_scale_chart, rows),
-    )
+    with ProgressLine(cases, "cases", sys.stdout) as bar:
+        rows = run_scale_bench(spec, progress=bar.counter())
+    return BenchResult.from_rows(NAME, asdict(spec), rows, COLUMNS, draw_scale_chart, key_columns=5)
 
 
 def planned_placements(plan_only: bool) -> tuple[str, ...]:
