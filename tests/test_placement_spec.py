@@ -87,7 +87,7 @@ def _registered():
     try:
         yield spec
     finally:
-        unregister_placement(spec.placement)
+        unregister_placement(spec.axis.placement)
 
 
 @pytest.fixture(autouse=True)
@@ -121,7 +121,7 @@ def test_the_registered_placement_plans_and_the_plan_reads_its_layout(registered
     topology = build_topology(
         load_config(None, ["topology.nodes=2", "topology.gpus_per_node=2"]).topology
     )
-    plan = make_plan(registered.placement, LENGTHS, topology, 200, SHAPE)
+    plan = make_plan(registered.axis.placement, LENGTHS, topology, 200, SHAPE)
     assert plan.rank_tokens().sum() == LENGTHS.sum()
     first = plan.placement(0)
     assert first.position_ranges(0) == [(0, first.bounds[1])], "rank 0 holds the head"

@@ -214,7 +214,7 @@ def test_every_planned_placement_has_a_planner_and_every_value_a_description() -
     assert set(SEQUENCE_AXES) == set(Placement) and set(WEIGHTS_AXES) == set(WeightsMode)
     assert set(SPECS) == set(Placement), "every placement has one spec in the registry"
     for spec in BUILT_IN:
-        assert (spec.planner is not None) == SEQUENCE_AXES[spec.placement].planned, spec.name
+        assert (spec.planner is not None) == SEQUENCE_AXES[spec.axis.placement].planned, spec.name
     built_in = {spec.axis for spec in BUILT_IN}
     for axis in (*built_in, *WEIGHTS_AXES.values()):
         assert axis.summary and axis.name in README, f"{axis.name} is not in the README"

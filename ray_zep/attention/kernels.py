@@ -30,7 +30,6 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -44,19 +43,8 @@ log = logging.getLogger(__name__)
 KERNELS = ("auto", "torch", "flash", "torch_flash")
 
 
-class AttentionFn(Protocol):
-    """A forward kernel (`torch_varlen_attention` says what each argument is)."""
-
-    def __call__(
-        self,
-        q_THE: torch.Tensor,
-        k_TKE: torch.Tensor,
-        v_TKE: torch.Tensor,
-        seqs_q: PackedSeqs,
-        seqs_k: PackedSeqs | None = None,
-        causal: bool = True,
-        softmax_scale: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""A forward kernel: `torch_varlen_attention`'s arguments, (output, LSE)."""
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ def _plan(config: Config, chunk: int):
     topology = build_topology(config.topology)
     tokens = 2 * chunk * topology.world_size
     shape = build_shape(config.model)
-    return make_plan(registry.reference().placement, [tokens], topology, 2 * chunk, shape)
+    return make_plan(registry.reference().axis.placement, [tokens], topology, 2 * chunk, shape)
 
 
 def _worker(rank: int, world: int, port: int, config: Config, result) -> None:

@@ -149,7 +149,7 @@ def te_cp_round_seconds() -> tuple[float, float]:
     config = _cluster_a(2, "3b")
     topology = build_topology(config.topology)
     plan = make_plan(
-        registry.reference().placement, [65536], topology, TOKENS_PER_GPU, PRESETS["3b"]
+        registry.reference().axis.placement, [65536], topology, TOKENS_PER_GPU, PRESETS["3b"]
     )
     run = RunModel.create(config, Hardware.preset(topology)).with_te_wire()
     step = simulate_plan(plan, run)

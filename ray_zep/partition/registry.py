@@ -31,7 +31,7 @@ def register_placement(spec: PlacementSpec) -> PlacementSpec:
         PlacementError: its placement, one of its variant names or its role is taken,
             or a planner where its traits say whole sequences (or none where they do not).
     """
-    known = SPECS.get(spec.placement)
+    known = SPECS.get(spec.axis.placement)
     if known is not None:
         if known == spec:
             return known
@@ -49,8 +49,8 @@ def register_placement(spec: PlacementSpec) -> PlacementSpec:
         raise PlacementError(f"placement {spec.name!r}: {holder} plays {spec.role.value}")
     for layout in spec.layouts:
         register_layout(layout)
-    SEQUENCE_AXES[spec.placement] = spec.axis
-    SPECS[spec.placement] = spec
+    SEQUENCE_AXES[spec.axis.placement] = spec.axis
+    SPECS[spec.axis.placement] = spec
     return spec
 
 

@@ -122,11 +122,8 @@ class PlacementSpec:
     zone_policies: tuple[ZonePolicy, ...] = ()
 
     @property
-    def placement(self) -> Placement:
-        return self.axis.placement
-
-    @property
     def name(self) -> str:
+        """The placement's `parallel.sequence` value."""
         return self.axis.name
 
     def simulated(self) -> dict[str, Variant]:
@@ -134,7 +131,7 @@ class PlacementSpec:
         whole-sequence placements (`simulate` models placements that split sequences)."""
         if self.axis.whole_sequences:
             return dict(self.variants)
-        return dict(self.variants) or {self.name: Variant(self.placement)}
+        return dict(self.variants) or {self.name: Variant(self.axis.placement)}
 
     def names_in(self, bench: Bench) -> tuple[str, ...]:
         """The names `bench` lists by default (none when it does not list it)."""

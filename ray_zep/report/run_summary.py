@@ -76,7 +76,7 @@ def compare_with_te_cp(config: Config, topology: Topology, steps: int) -> TeCpCo
     batches = replay_lengths(config, topology.world_size, min(steps, COMPARED_BATCHES))
     parallel = config.parallel
     ours = _modelled(config, topology, batches, parallel.sequence, parallel.routing, parallel.remap)
-    reference = registry.reference().placement
+    reference = registry.reference().axis.placement
     te_cp = _modelled(config, topology, batches, reference, False, False)
     return TeCpComparison(len(batches), preset_gpu(topology.gpu_model), ours, te_cp)
 

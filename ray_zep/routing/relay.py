@@ -263,20 +263,33 @@ def _relay_call(transfers: tuple[Transfer, ...], rows: RowFormat, hop: Hop) -> N
         hop.channels.wait(sends, "relay send")
 
 
+def _proxied(batch: list[Transfer], rows: RowFormat, me: int, sending: bool):
+    """(transfer, first row, buffer, pieces, whether the pieces are the whole range) of
+    each transfer of `batch` this rank proxies: for its source (`sending`: the pieces it
+    sends on) or for its destination (the pieces it receives)."""
+    for t in batch:
+        route = t.route
+        end, proxies, ranges = (
+            (route.src, route.send_proxies, route.send_ranges)
+            if sending
+            else (route.dst, route.recv_proxies, route.recv_ranges)
+        )
+        if me == end or me not in proxies:
+            continue
+        lo, hi = ranges[proxies.index(me)]
+        if hi == lo:
+            continue
+        side = "sender" if sending else "receiver"
+        pieces = [p for p in route.pieces() if getattr(p, side) == me]
+        whole = [(p.lo, p.hi) for p in pieces] == [(lo, hi)]
+        yield t, lo, rows.empty(t, hi - lo), pieces, whole
+
+
 def _forward_dispatched(batch: list[Transfer], rows: RowFormat, hop: Hop, me: int):
     """Stage 1: receive the ranges this rank proxies for sources, send their pieces on."""
     channels, held, works = hop.channels, [], []
-    for t in batch:
-        route = t.route
-        if me == route.src or me not in route.send_proxies:
-            continue
-        lo, hi = route.send_ranges[route.send_proxies.index(me)]
-        if hi == lo:
-            continue
-        buf = rows.empty(t, hi - lo)
-        mine = [p for p in route.pieces() if p.sender == me]
-        whole = [(p.lo, p.hi) for p in mine] == [(lo, hi)]
-        works.append(hop.receive(buf, route.src, channels.dispatch, decode=not whole))
+    for t, lo, buf, mine, whole in _proxied(batch, rows, me, sending=True):
+        works.append(hop.receive(buf, t.route.src, channels.dispatch, decode=not whole))
         held.append((t, lo, buf, mine, works[-1]))
     channels.wait(works, "routed dispatch (hop 1)")
     sends = []
@@ -292,19 +305,10 @@ def _forward_dispatched(batch: list[Transfer], rows: RowFormat, hop: Hop, me: in
 def _combine_received(batch: list[Transfer], rows: RowFormat, hop: Hop, me: int):
     """Stage 2: collect the pieces this rank receives for destinations, send each range on."""
     channels, held, works = hop.channels, [], []
-    for t in batch:
-        route = t.route
-        if me == route.dst or me not in route.recv_proxies:
-            continue
-        lo, hi = route.recv_ranges[route.recv_proxies.index(me)]
-        if hi == lo:
-            continue
-        buf = rows.empty(t, hi - lo)
-        pieces = [p for p in route.pieces() if p.receiver == me]
-        whole = [(p.lo, p.hi) for p in pieces] == [(lo, hi)]
+    for t, lo, buf, pieces, whole in _proxied(batch, rows, me, sending=False):
         arrived = []
         for piece in pieces:
-            group = channels.dispatch if piece.sender == route.src else channels.relay
+            group = channels.dispatch if piece.sender == t.route.src else channels.relay
             part = buf[piece.lo - lo : piece.hi - lo]
             arrived.append(hop.receive(part, piece.sender, group, decode=not whole))
         works += arrived

@@ -40,11 +40,11 @@ REFERENCE = _REFERENCE.name
 ROUTED_TE_CP = f"{REFERENCE}+routing"
 ROUTED_PARTITION = f"{REFERENCE}+routing+partition"
 SYSTEM_MODELS: dict[str, Variant] = {
-    MEGATRON_HYBRID_CP: Variant(_REFERENCE.placement, te_wire=True, hybrid_cp=True),
+    MEGATRON_HYBRID_CP: Variant(_REFERENCE.axis.placement, te_wire=True, hybrid_cp=True),
     # dK/dV in the activation dtype (generous: ByteScale's paper does not say).
     BYTESCALE_HDP: Variant(Placement.HYBRID_DP, te_wire=True, bytescale=True),
-    ROUTED_TE_CP: Variant(_REFERENCE.placement, routed=True),
-    ROUTED_PARTITION: Variant(_SYSTEM.placement, routed=True),
+    ROUTED_TE_CP: Variant(_REFERENCE.axis.placement, routed=True),
+    ROUTED_PARTITION: Variant(_SYSTEM.axis.placement, routed=True),
 }
 """The variants the simulator models beside the placements' own (`registry.variants`):
 the baselines' systems (their waves and micro-batches) and the Fig. 11 ablation."""
