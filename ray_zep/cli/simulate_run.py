@@ -32,6 +32,10 @@ STRATEGY_COLUMNS = (
     Column("k tok/s", "tokens_per_second", ".1f", scale=1e3),
     Column("vs te_cp", lambda row: _times(row["speedup"])),
     Column("x ideal", lambda row: _times(row["over_ideal"])),
+    Column("x bound", lambda row: _times(row["over_bound"])),
+    Column("imbalance s", "imbalance", ".3f"),
+    Column("split kernels s", "split kernels", ".3f"),
+    Column("transfers+waits s", "transfers and waits", ".3f"),
     Column("fwd ms/layer", "forward_ms", ".2f"),
     Column("bwd ms/layer", "backward_ms", ".2f"),
     Column("grad s", "grad_seconds", ".3f"),
@@ -55,6 +59,15 @@ def result_table(result: SimulateResult) -> str:
             f"ideal step {np.mean(result.ideal_seconds):.3f} s: every FLOP spread evenly at "
             "its unsplit rate, no exposed communication (x ideal: step / ideal, per batch)"
         )
+    if result.bounds:
+        largest = sorted({b.largest for b in result.bounds})
+        lines.append(
+            f"bound {np.mean([b.seconds for b in result.bounds]):.3f} s: the ideal compute, "
+            "the K/V exchange no placement avoids and the weights' collectives, whichever "
+            f"is larger, plus what no compute hides (largest part: {', '.join(largest)}); "
+            "the last three columns split the "
+            "step beyond it"
+        )
     return "\n".join(lines)
 
 
@@ -68,6 +81,8 @@ def _strategy_row(result: SimulateResult, name: str, strategy: StrategyResult) -
         "tokens_per_second": strategy.tokens_per_second,
         "speedup": strategy.speedup_vs_te_cp,
         "over_ideal": result.over_ideal(strategy),
+        "over_bound": result.over_bound(strategy),
+        **(result.beyond_bound(strategy) or {}),
         "forward_ms": float(np.mean([s.forward_layer_seconds for s in steps]) * 1e3),
         "backward_ms": float(np.mean([s.backward_layer_seconds for s in steps]) * 1e3),
         "grad_seconds": steps[0].grad_sync_seconds,

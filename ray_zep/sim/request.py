@@ -20,8 +20,15 @@ from ray_zep.config import Config
 from ray_zep.costmodel import ComputeRates
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
+from ray_zep.sim.bound import StepBound, over_bound, step_bound
 from ray_zep.sim.calibration import Calibration
-from ray_zep.sim.compare import StrategyResult, simulate_strategies, strategy_names
+from ray_zep.sim.compare import (
+    REFERENCE,
+    StrategyResult,
+    simulate_strategies,
+    strategy_names,
+    variant_config,
+)
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.replay import data_batches
@@ -91,13 +98,27 @@ class SimulateResult:
     results: dict[str, StrategyResult]
     ideal_seconds: list[float] = dataclasses.field(default_factory=list)
     """Each batch's ideal step (`ray_zep.sim.ideal`)."""
+    bounds: list[StepBound] = dataclasses.field(default_factory=list)
+    """Each batch's step bound (`ray_zep.sim.bound`)."""
 
     def over_ideal(self, result: StrategyResult) -> float | None:
         """Mean over the batches of the strategy's step / the batch's ideal step."""
-        if not result.steps or len(self.ideal_seconds) != len(result.steps):
+        return _mean_ratio(result, self.ideal_seconds)
+
+    def over_bound(self, result: StrategyResult) -> float | None:
+        """Mean over the batches of the strategy's step / the batch's bound."""
+        return _mean_ratio(result, [b.seconds for b in self.bounds])
+
+    def beyond_bound(self, result: StrategyResult) -> dict[str, float] | None:
+        """Mean over the batches of where the step's time beyond its bound goes
+        (`ray_zep.sim.bound.over_bound`); None for steps without layer timelines."""
+        if not result.steps or len(self.bounds) != len(result.steps):
             return None
-        ratios = [s.step_seconds / i for s, i in zip(result.steps, self.ideal_seconds, strict=True)]
-        return float(np.mean(ratios))
+        n_layers = build_shape(self.config.model).n_layers
+        parts = [over_bound(s, b, n_layers) for s, b in zip(result.steps, self.bounds, strict=True)]
+        if any(p is None for p in parts):
+            return None
+        return {k: float(np.mean([p[k] for p in parts])) for k in parts[0]}
 
     def record(self) -> dict[str, object]:
         n_layers = build_shape(self.config.model).n_layers
@@ -108,8 +129,14 @@ class SimulateResult:
             "rates": dataclasses.asdict(self.rates),
             "batches": [{"sequences": len(b), "tokens": int(b.sum())} for b in self.batches],
             "ideal_step_seconds": self.ideal_seconds,
+            "bounds": [dataclasses.asdict(b) for b in self.bounds],
             "strategies": {
-                n: r.to_dict(n_layers) | {"step_over_ideal": self.over_ideal(r)}
+                n: r.to_dict(n_layers)
+                | {
+                    "step_over_ideal": self.over_ideal(r),
+                    "step_over_bound": self.over_bound(r),
+                    "beyond_bound_seconds": self.beyond_bound(r),
+                }
                 for n, r in self.results.items()
             },
         }
@@ -128,7 +155,19 @@ def run_simulate(config: Config, request: SimulateRequest) -> SimulateResult:
     results = simulate_strategies(config, hardware, batches, names, capacity, on_gpu)
     run = RunModel.create(config, hardware, on_gpu)
     ideal = [ideal_step_seconds(lengths, run) for lengths in batches]
-    return SimulateResult(config, topology, hardware.rates, capacity, batches, results, ideal)
+    # the bound at the variants' L and weights mode (`variant_config`)
+    bounded = RunModel.create(variant_config(config, REFERENCE, capacity), hardware, on_gpu)
+    bounds = [step_bound(lengths, bounded) for lengths in batches]
+    return SimulateResult(
+        config, topology, hardware.rates, capacity, batches, results, ideal, bounds
+    )
+
+
+def _mean_ratio(result: StrategyResult, per_batch: list[float]) -> float | None:
+    if not result.steps or len(per_batch) != len(result.steps):
+        return None
+    steps = [s.step_seconds for s in result.steps]
+    return float(np.mean(np.asarray(steps) / np.asarray(per_batch)))
 
 
 def request_hardware(config: Config, calibration: str | None) -> tuple[Hardware, bool]:

@@ -237,13 +237,8 @@ def simulate_plans(
             raise ValueError("simulate_plans: the runs differ in more than comm and moe_pipeline")
     shape, hw = base.shape, base.hardware
     cost = hw.cost(shape)
-    parallel = base.config.parallel
-    units = len(fsdp_units(shape, parallel.fsdp_unit))
-    host = units * hw.rates.fsdp_unit_overhead_s
     codecs = [run.codec() for run in runs]
-    by_codec = {codec: weights_cost(parallel.weights, shape, cost, base.element_bytes,
-                                    parallel.reshard_after_forward, host, codec)
-                for codec in dict.fromkeys(codecs)}  # fmt: skip
+    by_codec = {codec: weights_of(base, codec) for codec in dict.fromkeys(codecs)}
     weights = [by_codec[codec] for codec in codecs]
     ring_on_arrays = partial(array_ring, topology=plan.topology, routed=routed)
     routing = RoutingPlan.build(plan, routed=routed, all_hops=True, skip=ring_on_arrays)
@@ -264,6 +259,16 @@ def simulate_plans(
         experts = expert_seconds(run, tokens, lengths)
         results.append(_result(plan, run, layers, head, paid, experts, remap))
     return results
+
+
+def weights_of(run: RunModel, codec: WireCodec | None = None) -> WeightsCost:
+    """What the run's weights mode adds to its step, on `codec`'s wire (the run's own by
+    default), as every simulated step charges it."""
+    shape, hw, parallel = run.shape, run.hardware, run.config.parallel
+    units = len(fsdp_units(shape, parallel.fsdp_unit))
+    host = units * hw.rates.fsdp_unit_overhead_s
+    return weights_cost(parallel.weights, shape, hw.cost(shape), run.element_bytes,
+                        parallel.reshard_after_forward, host, codec or run.codec())  # fmt: skip
 
 
 def head_seconds(tokens, shape: ModelShape, rates: ComputeRates):

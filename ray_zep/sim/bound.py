@@ -1,0 +1,158 @@
+"""A lower bound on the step of a batch: the compute no placement can shed and the K/V
+exchange no placement can avoid.
+
+The ideal step (`ray_zep.sim.ideal`) spreads every FLOP evenly at unsplit rates and
+sends nothing. A sequence longer than a GPU's (or a node's) token capacity must span
+several GPUs (nodes), and then some of them must import K and V: among the GPUs a
+sequence spans, order them by the latest token each holds. The last one holds the
+sequence's final query, which attends to every key, so it imports at least the
+tokens it does not hold, n - (what it holds) >= n - L; the one before it holds the
+latest token of what remains, and imports at least n - 2L, and so on. So, per layer:
+
+- one GPU imports at least max(0, n - L) tokens' K/V, and one node at least
+  max(0, n - G x L) (G GPUs per node; L = `train.tokens_per_rank`);
+- all GPUs together import at least sum over j >= 1 of max(0, n - j x L), all nodes
+  sum over j of max(0, n - j x G x L); summed over the batch's sequences.
+
+Those bytes cross in the forward (K and V, in the activation dtype); their dK/dV go
+back in the backward (at best in the same dtype), a phase that cannot overlap the
+forward. A GPU receives at most over its intra-node link and a NIC at once, a node
+over all its NICs, the cluster over all nodes'. The exchange bound is the largest of
+these four transfers, forward and backward, over every layer.
+
+The weights mode's collectives are the same under every placement
+(`ray_zep.sim.step.weights_of`): each block's, which compute may hide, and those no
+compute hides (before the first block, after the last). The step's bound is the
+largest of the ideal compute, the exchange and the blocks' collectives, plus the
+exposed collectives, the optimizer's share and the step's fixed work.
+
+This holds for placements that move K and V to the queries (every placement here and
+the baselines modelled beside them); a system that moved queries instead is not bound
+by it. It is tight where the compute rules (short sequences) and where one long
+sequence spans the fewest nodes it fits on.
+
+Shapes: S sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ray_zep.sim.events import Lane
+from ray_zep.sim.ideal import ideal_parts
+from ray_zep.sim.step import RunModel, StepResult, weights_of
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """The bound of one batch and what sets it.
+
+    Attributes:
+        seconds: the bound.
+        compute_s: the batch's compute spread evenly at unsplit rates (forward,
+            backward and the head).
+        exchange_s: the K/V every placement must move, forward and backward.
+        weights_s: the weights mode's per-block collectives, every block.
+        fixed_s: the collectives no compute hides, the optimizer's share and the step's
+            fixed work.
+        limit: what sets the exchange ("gpu", "node", "cluster gpus", "cluster nodes";
+            "none" for a batch that fits without any).
+    """
+
+    seconds: float
+    compute_s: float
+    exchange_s: float
+    weights_s: float
+    fixed_s: float
+    limit: str
+
+    @property
+    def exchange_bound(self) -> bool:
+        """The exchange, not the compute or the weights, sets the bound."""
+        return self.exchange_s > max(self.compute_s, self.weights_s)
+
+    @property
+    def largest(self) -> str:
+        """The largest part of the bound: compute, the exchange (and its link), the
+        blocks' weight collectives, or what no compute hides."""
+        parts = {
+            "compute": self.compute_s,
+            f"K/V exchange ({self.limit})": self.exchange_s,
+            "weight collectives": self.weights_s,
+            "exposed collectives, optimizer and fixed work": self.fixed_s,
+        }
+        return max(parts, key=parts.__getitem__)
+
+
+def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
+    """The lower bound on the step of a batch of sequences of `lengths` under `run`
+    (module docstring)."""
+    compute, fixed = ideal_parts(lengths, run)
+    topology = run.hardware.topology
+    capacity = run.config.train.tokens_per_rank
+    gpus = topology.gpus_per_node
+    gpu_in = topology.intra_node_bandwidth + topology.nic_bandwidth
+    node_in = topology.nics_per_node * topology.nic_bandwidth
+    lengths = np.asarray(lengths, dtype=np.int64)
+    seconds = {
+        "gpu": _largest_import(lengths, capacity) / gpu_in,
+        "node": _largest_import(lengths, gpus * capacity) / node_in,
+        "cluster gpus": _all_imports(lengths, capacity) / (topology.world_size * gpu_in),
+        "cluster nodes": _all_imports(lengths, gpus * capacity) / (topology.nodes * node_in),
+    }
+    limit = max(seconds, key=seconds.__getitem__)
+    shape = run.shape
+    token_bytes = 2 * shape.n_kv_heads * shape.head_dim * run.element_bytes
+    phases = 2  # K and V in the forward, their gradients back in the backward
+    exchange = phases * shape.n_layers * token_bytes * seconds[limit]
+    if exchange <= 0:
+        limit = "none"
+    paid = weights_of(run)
+    blocks = shape.n_layers * sum(paid.layer_sync)
+    fixed += paid.exposed
+    return StepBound(max(compute, exchange, blocks) + fixed, compute, exchange, blocks, fixed,
+                     limit)  # fmt: skip
+
+
+def _largest_import(lengths: np.ndarray, holds: int) -> float:
+    """Tokens the busiest holder of `holds` tokens must import for one sequence."""
+    return float(np.maximum(lengths - holds, 0).max(initial=0))
+
+
+def _all_imports(lengths: np.ndarray, holds: int) -> float:
+    """Tokens all holders of `holds` tokens each import together: sum over sequences
+    and j >= 1 of max(0, n - j x holds), in closed form (m = ceil(n / holds) - 1 full
+    terms)."""
+    n = lengths.astype(np.float64)
+    m = np.maximum(np.ceil(n / holds) - 1, 0)
+    return float((m * n - holds * m * (m + 1) / 2).sum())
+
+
+def over_bound(step: StepResult, bound: StepBound, n_layers: int) -> dict[str, float] | None:
+    """Where a simulated step's time beyond its bound goes (seconds; None when the step
+    has no layer timelines, as the baselines' scheduled steps have not):
+
+    - imbalance: the most computing rank's compute over the mean rank's;
+    - split kernels: the mean rank's compute over the bound's (split blocks' lower
+      kernel rates, the engine's per-row work and call overheads);
+    - transfers and waits: the layers' time the most computing rank does not compute
+      (exposed K/V and weight transfers, waits on slower ring peers);
+    - rest: everything else (the optimizer beyond its ideal share, the experts'
+      all-to-alls; negative where the exchange or the weights set the bound, which the
+      compute then partly hides).
+    """
+    if step.forward is None or step.backward is None:
+        return None
+    ranks = range(len({t.rank for t in step.forward.graph.tasks}))
+    compute = np.asarray([step.forward.busy(r, Lane.COMPUTE) + step.backward.busy(r, Lane.COMPUTE)
+                          for r in ranks]) * n_layers  # fmt: skip
+    layers = n_layers * (step.forward_layer_seconds + step.backward_layer_seconds)
+    parts = {
+        "imbalance": float(compute.max() - compute.mean()),
+        "split kernels": float(compute.mean() + step.head_seconds - bound.compute_s),
+        "transfers and waits": float(layers - compute.max()),
+    }
+    parts["rest"] = step.step_seconds - bound.seconds - sum(parts.values())
+    return parts

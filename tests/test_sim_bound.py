@@ -1,0 +1,122 @@
+"""The step bound: no plan beats it, and it counts the exchange where that rules.
+
+Every variant `ray-zep simulate` knows (every planner with its layers, the baselines'
+own systems), plans of whole sequences on random ranks, and batches whose bound is set
+by the compute and by the K/V exchange are simulated; each step must be at least the
+bound. A relative slack of 1e-9 covers float summation order only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ray_zep.config import load_config
+from ray_zep.data.synthetic import batch_lengths
+from ray_zep.errors import ZepError
+from ray_zep.partition import plan_from_bins
+from ray_zep.sim.bound import step_bound
+from ray_zep.sim.compare import VARIANTS, simulate_strategies
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.ideal import ideal_step_seconds
+from ray_zep.sim.request import SimulateRequest, run_simulate
+from ray_zep.sim.step import RunModel, simulate_plan, weights_of
+from ray_zep.topology import build_topology
+
+pytestmark = pytest.mark.unit
+
+L = 4096
+SLOW_NICS = ["topology.nic_gbits_per_s=10"]
+"""Inter-node links slow enough that a long sequence's K/V outweighs the compute."""
+
+
+def _config(nodes: int, extra: list[str]):
+    overrides = ["topology.preset=cluster_a", f"topology.nodes={nodes}", "model.preset=7b",
+                 f"train.tokens_per_rank={L}", "parallel.weights=fsdp", *extra]  # fmt: skip
+    return load_config(None, overrides)
+
+
+CASES = [
+    (2, "github", []),
+    (4, "chat", []),
+    (4, "arxiv", SLOW_NICS),
+    (2, "chat", SLOW_NICS),
+]
+
+
+@pytest.mark.parametrize("nodes,distribution,extra", CASES, ids=lambda v: str(v))
+def test_no_variant_beats_the_bound(nodes: int, distribution: str, extra: list[str]) -> None:
+    config = _config(nodes, extra)
+    hardware = Hardware.preset(build_topology(config.topology))
+    world = hardware.devices
+    batches = [batch_lengths(distribution, L * world * 9 // 10, seed) for seed in range(2)]
+    results = simulate_strategies(config, hardware, batches, tuple(VARIANTS), L)
+    run = RunModel.create(config, hardware)
+    bounds = [step_bound(lengths, run).seconds for lengths in batches]
+    simulated = 0
+    for name, result in results.items():
+        for step, bound in zip(result.steps, bounds, strict=True):
+            assert step.step_seconds >= bound * (1 - 1e-9), f"{name}: {step.step_seconds} < {bound}"
+            simulated += 1
+    assert simulated >= 2 * (len(VARIANTS) - 2), "most variants place these batches"
+
+
+def test_random_whole_sequence_plans_do_not_beat_the_bound() -> None:
+    config = _config(2, [])
+    hardware = Hardware.preset(build_topology(config.topology))
+    run = RunModel.create(config, hardware)
+    rng = np.random.default_rng(0)
+    world = hardware.devices
+    for seed in range(4):
+        lengths = rng.integers(1, L // 4, size=world * 2)
+        bins: list[list[int]] = [[] for _ in range(world)]
+        for seq in range(lengths.size):
+            bins[int(rng.integers(world))].append(seq)
+        loads = [int(lengths[b].sum()) for b in bins]
+        capacity = max(L, *loads)
+        try:
+            plan = plan_from_bins(
+                lengths, bins, hardware.topology, capacity, config.parallel.sequence
+            )
+        except ZepError:
+            continue
+        step = simulate_plan(plan, run).step_seconds
+        assert step >= step_bound(lengths, run).seconds * (1 - 1e-9), seed
+
+
+def test_the_bound_is_the_ideal_where_compute_rules_and_more_where_the_exchange_does() -> None:
+    short = np.full(64, L // 2)
+    fast = _config(2, [])
+    run = RunModel.create(fast, Hardware.preset(build_topology(fast.topology)))
+    bound = step_bound(short, run)
+    assert bound.exchange_s == 0.0 and bound.limit == "none"
+    exposed = weights_of(run).exposed  # FSDP2's first gathers and last reduce-scatters
+    assert bound.seconds == pytest.approx(ideal_step_seconds(short, run) + exposed, rel=1e-12)
+    # one sequence of four nodes' capacity on slow NICs: the tail node imports 3/4 of it
+    slow = _config(4, SLOW_NICS)
+    run = RunModel.create(slow, Hardware.preset(build_topology(slow.topology)))
+    long = np.asarray([4 * 8 * L])
+    bound = step_bound(long, run)
+    assert bound.exchange_bound and bound.seconds > 1.5 * ideal_step_seconds(long, run)
+    topology = run.hardware.topology
+    node_in = topology.nics_per_node * topology.nic_bandwidth
+    token_bytes = 2 * run.shape.n_kv_heads * run.shape.head_dim * run.element_bytes
+    expected = 2 * run.shape.n_layers * token_bytes * (3 * 8 * L) / node_in
+    assert bound.limit == "node" and bound.exchange_s == pytest.approx(expected, rel=1e-12)
+
+
+def test_simulate_reports_step_over_bound_and_where_the_rest_goes() -> None:
+    config = _config(2, [])
+    request = SimulateRequest("zeppelin,te_cp", batches=1, distribution="chat", tokens=16 * L)
+    result = run_simulate(config, request)
+    for name, strategy in result.results.items():
+        assert result.over_bound(strategy) >= 1.0 - 1e-9, name
+        parts = result.beyond_bound(strategy)
+        step, bound = strategy.steps[0].step_seconds, result.bounds[0].seconds
+        assert sum(parts.values()) == pytest.approx(step - bound, rel=1e-9, abs=1e-12), name
+        assert parts["imbalance"] >= 0 and parts["transfers and waits"] >= 0, (name, parts)
+    record = result.record()["strategies"]["zeppelin"]
+    assert record["step_over_bound"] == result.over_bound(result.results["zeppelin"])
+    # te_cp rotates every sequence's K/V over all 16 GPUs: its exposed transfers dominate
+    te_cp = result.beyond_bound(result.results["te_cp"])
+    assert te_cp["transfers and waits"] > max(te_cp["imbalance"], te_cp["split kernels"])
