@@ -6,11 +6,15 @@ average; L = that x headroom) and placement, on the same sampled batches:
 - work max/mean: the busiest rank's linear + attention FLOPs over the mean
   (`PlanStats.work_imbalance`), averaged over the batches and the worst batch;
 - step / ideal: the simulated step (`ray_zep.sim`) over the batch's ideal step
-  (`ray_zep.sim.ideal`), and modelled tokens/s per GPU;
+  (`ray_zep.sim.ideal`), step / bound over its lower bound (`ray_zep.sim.bound`: the
+  ideal, the K/V exchange no placement avoids and the weights' collectives), where
+  the step beyond the bound goes (imbalance, split kernels, transfers and waits; not
+  for the baselines' scheduled steps), and modelled tokens/s per GPU;
 - inter-node bytes per step (`traffic.attention_step_traffic`: every layer's ring,
   collective and remap bytes), the planner's wall time (`plan_step`, as the data
   actor runs it: median and slowest over the batches) and the fullest rank's
-  modelled memory.
+  modelled memory, and whether it fits the GPU (`fits`: no row is dropped for not
+  fitting; one that does not is marked).
 
 Placements are `ray-zep simulate`'s variants: `zeppelin` is the full system with
 `parallel.zone_policy=cost`, `zeppelin+work` with `work`. `bytescale_hdp` runs several
@@ -44,6 +48,7 @@ from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
 from ray_zep.report.progress import ProgressLine
 from ray_zep.report.text_table import Column
+from ray_zep.sim.bound import over_bound, step_bound
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
 from ray_zep.sim.bytescale import bytescale_plans, simulate_schedule
 from ray_zep.sim.compare import VARIANTS, variant_config
@@ -139,6 +144,10 @@ class ScaleRow:
     placement: str
     step_s: float | None = None
     step_over_ideal: float | None = None
+    step_over_bound: float | None = None
+    imbalance_s: float | None = None
+    split_kernels_s: float | None = None
+    transfers_waits_s: float | None = None
     tokens_per_s_per_gpu: float | None = None
     work_mean: float | None = None
     work_worst: float | None = None
@@ -148,6 +157,8 @@ class ScaleRow:
     garbage collector can land in any one call)."""
     planner_ms_max: float | None = None
     peak_memory_gb: float | None = None
+    fits: str | None = None
+    """"yes", or "NO" where the fullest rank's modelled memory exceeds the GPU's."""
     error: str | None = None
 
 
@@ -175,19 +186,22 @@ def _case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, tokens
     batches = [batch_lengths(distribution, tokens * gpus, seed) for seed in range(spec.batches)]
     run = RunModel.create(config, hardware)
     ideal = None if spec.plan_only else [ideal_step_seconds(b, run) for b in batches]
+    bounds = None if spec.plan_only else [step_bound(b, run) for b in batches]
     rows = []
     for name in spec.placements:
         row = ScaleRow(gpus, distribution, model, tokens, name)
         try:
-            _measure(row, config, hardware, batches, ideal, capacity)
+            _measure(row, config, hardware, batches, (ideal, bounds), capacity)
         except ZepError as exc:
             row.error = str(exc)
         rows.append(row)
     return rows
 
 
-def _measure(row, config: Config, hardware: Hardware, batches, ideal, capacity: int) -> None:
-    """Fills `row`; without `ideal` (plan only) its simulated columns stay empty."""
+def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capacity: int) -> None:
+    """Fills `row`; without `yardsticks` (ideal steps and bounds; plan only) its
+    simulated columns stay empty."""
+    ideal, bounds = yardsticks
     variant = row.placement
     config = variant_config(config, variant, capacity)
     run = RunModel.create(config, hardware)
@@ -197,7 +211,7 @@ def _measure(row, config: Config, hardware: Hardware, batches, ideal, capacity: 
     routed = config.parallel.routing
     for lengths in batches:
         if VARIANTS[variant].hybrid_cp:
-            steps.append(simulate_hybrid_cp(lengths, run).step_seconds)
+            steps.append(simulate_hybrid_cp(lengths, run))
             continue
         bytescale = VARIANTS[variant].bytescale
         plans, remap, seconds, step = _planned_step(bytescale, lengths, run, ideal is not None)
@@ -212,20 +226,34 @@ def _measure(row, config: Config, hardware: Hardware, batches, ideal, capacity: 
             memory.append(held.ranks[held.fullest].total)
     tokens = sum(int(b.sum()) for b in batches)
     if ideal is not None:
-        row.step_s = float(np.mean(steps))
-        row.step_over_ideal = float(np.mean([s / i for s, i in zip(steps, ideal, strict=True)]))
-        row.tokens_per_s_per_gpu = tokens / sum(steps) / hardware.devices
+        seconds = _simulated_columns(row, steps, ideal, bounds, run.shape.n_layers)
+        row.tokens_per_s_per_gpu = tokens / seconds / hardware.devices
     if works:
         row.work_mean, row.work_worst = float(np.mean(works)), float(max(works))
         row.inter_node_gb = float(np.mean(inter)) / 1e9
         row.planner_ms = float(np.median(planner)) * 1e3
         row.planner_ms_max = float(max(planner)) * 1e3
         row.peak_memory_gb = float(max(memory)) / GB
+        row.fits = "yes" if max(memory) <= hardware.usable_memory_bytes else "NO"
+
+
+def _simulated_columns(row: ScaleRow, steps, ideal, bounds, n_layers: int) -> float:
+    """Fills the row's simulated columns; returns the steps' seconds together."""
+    seconds = np.asarray([s.step_seconds for s in steps])
+    row.step_s = float(seconds.mean())
+    row.step_over_ideal = float(np.mean(seconds / np.asarray(ideal)))
+    row.step_over_bound = float(np.mean(seconds / np.asarray([b.seconds for b in bounds])))
+    parts = [over_bound(s, b, n_layers) for s, b in zip(steps, bounds, strict=True)]
+    if all(p is not None for p in parts):
+        row.imbalance_s = float(np.mean([p["imbalance"] for p in parts]))
+        row.split_kernels_s = float(np.mean([p["split kernels"] for p in parts]))
+        row.transfers_waits_s = float(np.mean([p["transfers and waits"] for p in parts]))
+    return float(seconds.sum())
 
 
 def _planned_step(bytescale: bool, lengths: np.ndarray, run: RunModel, simulate: bool = True):
     """(the step's plans, its remap, the planner's wall seconds, the simulated step
-    seconds or None without `simulate`): one plan as the data actor makes it, or
+    or None without `simulate`): one plan as the data actor makes it, or
     ByteScale's rounds."""
     started = time.perf_counter()
     if bytescale:
@@ -238,8 +266,8 @@ def _planned_step(bytescale: bool, lengths: np.ndarray, run: RunModel, simulate:
     if not simulate:
         return plans, remap, seconds, None
     if bytescale:
-        return plans, remap, seconds, simulate_schedule(lengths, micro, plans, run).step_seconds
-    step = simulate_plan(plans[0], run, run.config.parallel.routing, remap).step_seconds
+        return plans, remap, seconds, simulate_schedule(lengths, micro, plans, run)
+    step = simulate_plan(plans[0], run, run.config.parallel.routing, remap)
     return plans, remap, seconds, step
 
 
@@ -252,11 +280,16 @@ COLUMNS = (
     Column("work m/m", "work_mean", ".2f"),
     Column("worst", "work_worst", ".2f"),
     Column("x ideal", "step_over_ideal", ".2f"),
+    Column("x bound", "step_over_bound", ".2f"),
+    Column("imbal s", "imbalance_s", ".3f"),
+    Column("kernels s", "split_kernels_s", ".3f"),
+    Column("xfer+wait s", "transfers_waits_s", ".3f"),
     Column("tok/s/GPU", "tokens_per_s_per_gpu", ".0f"),
     Column("inter GB", "inter_node_gb", ".1f"),
     Column("plan ms", "planner_ms", ".0f"),
     Column("plan max", "planner_ms_max", ".0f"),
     Column("mem GB", "peak_memory_gb", ".1f"),
+    Column("fits", "fits"),
 )
 
 

@@ -131,8 +131,8 @@ def _all_imports(lengths: np.ndarray, holds: int) -> float:
 
 
 def over_bound(step: StepResult, bound: StepBound, n_layers: int) -> dict[str, float] | None:
-    """Where a simulated step's time beyond its bound goes (seconds; None when the step
-    has no layer timelines, as the baselines' scheduled steps have not):
+    """Where a simulated step's time beyond its bound goes (seconds; None when its layer
+    timelines are not the whole step's, as in the baselines' waves and micro-batches):
 
     - imbalance: the most computing rank's compute over the mean rank's;
     - split kernels: the mean rank's compute over the bound's (split blocks' lower
@@ -145,6 +145,9 @@ def over_bound(step: StepResult, bound: StepBound, n_layers: int) -> dict[str, f
     """
     if step.forward is None or step.backward is None:
         return None
+    own = (step.forward.makespan, step.backward.makespan)
+    if not np.allclose(own, (step.forward_layer_seconds, step.backward_layer_seconds)):
+        return None  # several plans' layers summed: the timelines are only the first's
     ranks = range(len({t.rank for t in step.forward.graph.tasks}))
     compute = np.asarray([step.forward.busy(r, Lane.COMPUTE) + step.backward.busy(r, Lane.COMPUTE)
                           for r in ranks]) * n_layers  # fmt: skip
