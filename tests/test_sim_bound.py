@@ -19,7 +19,7 @@ from ray_zep.sim.bound import step_bound
 from ray_zep.sim.compare import VARIANTS, simulate_strategies
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
-from ray_zep.sim.request import SimulateRequest, run_simulate
+from ray_zep.sim.request import SimulateRequest, batches_of, request_hardware, run_simulate
 from ray_zep.sim.step import RunModel, simulate_plan, weights_of
 from ray_zep.topology import build_topology
 
@@ -84,14 +84,18 @@ def test_random_whole_sequence_plans_do_not_beat_the_bound() -> None:
         assert step >= step_bound(lengths, run).seconds * (1 - 1e-9), seed
 
 
-def test_the_bound_is_the_ideal_where_compute_rules_and_more_where_the_exchange_does() -> None:
+def test_the_bound_is_near_the_ideal_where_compute_rules_and_above_where_the_exchange_does() -> (
+    None
+):
     short = np.full(64, L // 2)
     fast = _config(2, [])
     run = RunModel.create(fast, Hardware.preset(build_topology(fast.topology)))
     bound = step_bound(short, run)
     assert bound.exchange_s == 0.0 and bound.limit == "none"
-    exposed = weights_of(run).exposed  # FSDP2's first gathers and last reduce-scatters
-    assert bound.seconds == pytest.approx(ideal_step_seconds(short, run) + exposed, rel=1e-12)
+    # the ideal less its kernel calls' fixed costs, plus FSDP2's first gathers and last
+    # reduce-scatters: a few per mille below the ideal on 7B
+    ideal = ideal_step_seconds(short, run) + weights_of(run).exposed
+    assert 0.99 * ideal <= bound.seconds <= ideal
     # one sequence of four nodes' capacity on slow NICs: the tail node imports 3/4 of it
     slow = _config(4, SLOW_NICS)
     run = RunModel.create(slow, Hardware.preset(build_topology(slow.topology)))
@@ -120,3 +124,18 @@ def test_simulate_reports_step_over_bound_and_where_the_rest_goes() -> None:
     # te_cp rotates every sequence's K/V over all 16 GPUs: its exposed transfers dominate
     te_cp = result.beyond_bound(result.results["te_cp"])
     assert te_cp["transfers and waits"] > max(te_cp["imbalance"], te_cp["split kernels"])
+
+
+def test_no_composition_of_the_demo_beats_its_bound() -> None:
+    """The demo's tiny model on many packed sequences: there a kernel call's fixed cost
+    and the model's own kernel rates matter, and whole-sequence packing may not beat
+    the bound either (every composition `plan --auto` tries)."""
+    from ray_zep.sim.auto import auto_plan
+
+    config = load_config("conf/demo.yaml", [])
+    hardware, on_gpu = request_hardware(config, None)
+    batches, _ = batches_of(config, hardware.topology, SimulateRequest(None, False, 1, "github"))
+    result = auto_plan(config, hardware, lambda _: [(b, None) for b in batches], on_gpu)
+    ratios = {c.name: c.over_bound for c in result.candidates if c.steps}
+    assert len(ratios) > 50
+    assert min(ratios.values()) >= 1.0 - 1e-9, min(ratios.items(), key=lambda kv: kv[1])

@@ -75,6 +75,7 @@ AUTO_COLUMNS = (
     Column("composition", "name"),
     Column("step s", "step_seconds", ".4f"),
     Column("k tok/s", "tokens_per_second", ".1f", scale=1e3),
+    Column("x bound", "over_bound", ".2f"),
     Column("GB/GPU", "memory_gb", ".1f"),
     Column("fits", "fits"),
 )
@@ -98,6 +99,7 @@ def _auto_row(place: int, candidate: Candidate) -> dict[str, object]:
     return row | {
         "step_seconds": candidate.step_seconds,
         "tokens_per_second": candidate.tokens_per_second,
+        "over_bound": candidate.over_bound,
         "memory_gb": candidate.memory_gb,
         "fits": "yes" if candidate.fits else "NO",
     }

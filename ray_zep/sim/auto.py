@@ -41,6 +41,7 @@ from ray_zep.parallel.memory import GB
 from ray_zep.partition.plan_memory import plan_memory
 from ray_zep.partition.registry import spec_of
 from ray_zep.partition.stats import plan_stats
+from ray_zep.sim.bound import step_bound
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, StepResult, plan_batch, simulate_batch, simulate_plans
 
@@ -61,6 +62,8 @@ class Candidate:
         memory_gb: modelled memory of the fullest rank, GB.
         fits: every rank fits the GPU's memory (always, when the topology names none).
         error: why it cannot run these batches.
+        bounds: each batch's step bound under this composition's weights mode
+            (`ray_zep.sim.bound`).
     """
 
     config: Config
@@ -68,6 +71,14 @@ class Candidate:
     memory_gb: float = 0.0
     fits: bool = True
     error: str | None = None
+    bounds: list[float] = field(default_factory=list)
+
+    @property
+    def over_bound(self) -> float | None:
+        """The mean step over the mean bound of the batches."""
+        if not self.steps or len(self.bounds) != len(self.steps):
+            return None
+        return float(np.mean([s.step_seconds for s in self.steps]) / np.mean(self.bounds))
 
     @property
     def name(self) -> str:
@@ -210,8 +221,9 @@ def evaluate_group(
         for candidate in candidates:
             candidate.error = str(exc).splitlines()[0]
         return candidates
-    for candidate, mine in zip(candidates, steps, strict=True):
+    for candidate, mine, r in zip(candidates, steps, runs, strict=True):
         candidate.steps = mine
+        candidate.bounds = [step_bound(lengths, r).seconds for lengths, _ in batches]
     return candidates
 
 
@@ -260,6 +272,7 @@ class AutoPlan:
                 "composition": c.name,
                 "step_seconds": c.step_seconds if c.steps else None,
                 "tokens_per_second": c.tokens_per_second if c.steps else None,
+                "step_over_bound": c.over_bound,
                 "memory_gb": c.memory_gb if c.steps else None,
                 "fits": c.fits,
                 "error": c.error,

@@ -1,9 +1,13 @@
 """A lower bound on the step of a batch: the compute no placement can shed and the K/V
 exchange no placement can avoid.
 
-The ideal step (`ray_zep.sim.ideal`) spreads every FLOP evenly at unsplit rates and
-sends nothing. A sequence longer than a GPU's (or a node's) token capacity must span
-several GPUs (nodes), and then some of them must import K and V: among the GPUs a
+The compute part spreads every FLOP evenly at unsplit rates, like the ideal step
+(`ray_zep.sim.ideal`), but with no kernel call's fixed cost (one call may attend many
+packed sequences) and each sequence's attention at the faster of the engine's and the
+model's own kernel rates, so that no packing beats it.
+
+A sequence longer than a GPU's (or a node's) token capacity must span several GPUs
+(nodes), and then some of them must import K and V: among the GPUs a
 sequence spans, order them by the latest token each holds. The last one holds the
 sequence's final query, which attends to every key, so it imports at least the
 tokens it does not hold, n - (what it holds) >= n - L; the one before it holds the
@@ -40,9 +44,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ray_zep.costmodel import BACKWARD_ATTENTION_FACTOR
+from ray_zep.parallel.axes import WEIGHTS_AXES, Family
+from ray_zep.partition.work import WorkModel
 from ray_zep.sim.events import Lane
 from ray_zep.sim.ideal import ideal_parts
-from ray_zep.sim.step import RunModel, StepResult, weights_of
+from ray_zep.sim.step import RunModel, StepResult, head_seconds, weights_of
 
 
 @dataclass(frozen=True)
@@ -89,7 +96,8 @@ class StepBound:
 def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
     """The lower bound on the step of a batch of sequences of `lengths` under `run`
     (module docstring)."""
-    compute, fixed = ideal_parts(lengths, run)
+    _, fixed = ideal_parts(lengths, run)
+    compute = _unsplit_compute(lengths, run)
     topology = run.hardware.topology
     capacity = run.config.train.tokens_per_rank
     gpus = topology.gpus_per_node
@@ -109,11 +117,31 @@ def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
     exchange = phases * shape.n_layers * token_bytes * seconds[limit]
     if exchange <= 0:
         limit = "none"
-    paid = weights_of(run)
-    blocks = shape.n_layers * sum(paid.layer_sync)
-    fixed += paid.exposed
+    blocks = 0.0
+    if WEIGHTS_AXES[run.config.parallel.weights].family is Family.AUTOGRAD:
+        paid = weights_of(run)  # weight passing: its own model, counted as nothing here
+        blocks = shape.n_layers * sum(paid.layer_sync)
+        fixed += paid.exposed
     return StepBound(max(compute, exchange, blocks) + fixed, compute, exchange, blocks, fixed,
                      limit)  # fmt: skip
+
+
+def _unsplit_compute(lengths: np.ndarray, run: RunModel) -> float:
+    """Seconds of the batch's forward and backward spread evenly over the ranks: every
+    matmul and element-wise pass at its rate, every sequence's causal attention whole at
+    the fastest kernel rate for its length, no call overheads, the head."""
+    rates, shape, world = run.hardware.rates, run.shape, run.hardware.devices
+    model = WorkModel.create(shape, run.hardware.topology, rates)
+    n = np.asarray(lengths, dtype=np.float64)
+    flops = 4.0 * shape.n_heads * shape.head_dim * n * (n + 1) / 2
+
+    def fastest(backward: bool) -> np.ndarray:
+        return np.maximum(*(rates.attention_rates(n, True, backward, autograd)
+                            for autograd in (False, True)))  # fmt: skip
+
+    attention = flops / fastest(False) + BACKWARD_ATTENTION_FACTOR * flops / fastest(True)
+    layers = model.linear_seconds(n) + shape.n_layers * attention
+    return float(layers.sum() + head_seconds(int(n.sum()), shape, rates)) / world
 
 
 def _largest_import(lengths: np.ndarray, holds: int) -> float:
