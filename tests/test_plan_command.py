@@ -38,8 +38,10 @@ def test_plan_json_tiles_every_sequence(tmp_path: Path, capsys, strategy: str) -
     code, stdout, err = _run(capsys, "plan", *argv, "--sequence", strategy, "--json", str(out))
     assert code == 0, err
     # header, rule, ranks, summary; blank, NIC header, rule, 2 nodes x 4 NICs, NIC and
-    # remap lines; blank, per-rank memory; "wrote"
-    assert len(stdout.splitlines()) == 2 + 16 + 1 + 1 + 2 + 8 + 2 + 2 + 1
+    # remap lines; blank, per-rank memory; blank, modelled step over ideal and bound;
+    # "wrote"
+    assert len(stdout.splitlines()) == 2 + 16 + 1 + 1 + 2 + 8 + 2 + 2 + 2 + 1
+    assert "x its bound" in stdout
     record = json.loads(out.read_text())
     remap = record["remap"]
     assert remap["counts_before"] == [r["tokens"] for r in record["ranks"]]

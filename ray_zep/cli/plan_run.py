@@ -11,7 +11,7 @@ import numpy as np
 from ray_zep.config import Config
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
-from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
+from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, Placement
 from ray_zep.partition import greedy_bins, make_plan, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.partition.plan_memory import PlanMemory, plan_memory
@@ -20,7 +20,11 @@ from ray_zep.report.layers import LayerReport
 from ray_zep.report.placement import draw_placement, plan_record, rank_table
 from ray_zep.report.text_table import Column, render_table
 from ray_zep.sim.auto import AutoPlan, Candidate
+from ray_zep.sim.bound import step_bound
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.request import BatchRequest, request_lengths
+from ray_zep.sim.step import RunModel, simulate_plan
 from ray_zep.topology import Topology, build_topology
 
 
@@ -54,7 +58,25 @@ def run_plan(config: Config, request: BatchRequest) -> PlanResult:
     layers = LayerReport.build(plan, shape)
     memory = plan_memory(config, topology, stats, shape)
     table = rank_table(plan, stats) + "\n\n" + layers.table() + "\n\n" + memory.table()
-    return PlanResult(plan, stats, table, layers, memory)
+    modelled = modelled_line(config, topology, plan)
+    return PlanResult(plan, stats, table + (f"\n\n{modelled}" if modelled else ""), layers, memory)
+
+
+def modelled_line(config: Config, topology: Topology, plan: AttentionPlan) -> str | None:
+    """The plan's simulated step on the topology's GPUs against the batch's ideal step and
+    its bound (`ray_zep.sim.bound`); None under weight passing (simulated as a schedule
+    of its own, `ray-zep simulate`)."""
+    if WEIGHTS_AXES[config.parallel.weights].family is not Family.AUTOGRAD:
+        return None
+    run = RunModel.create(config, Hardware.preset(topology))
+    step = simulate_plan(plan, run, config.parallel.routing).step_seconds
+    ideal = ideal_step_seconds(plan.lengths, run)
+    bound = step_bound(plan.lengths, run)
+    return (
+        f"modelled step {step:.4g} s on {topology.gpu_model}: {step / ideal:.2f}x its ideal "
+        f"({ideal:.4g} s), {step / bound.seconds:.2f}x its bound ({bound.seconds:.4g} s; "
+        f"largest part: {bound.largest})"
+    )
 
 
 def write_outputs(result: PlanResult, png: str | None, json_path: str | None) -> list[Path]:
