@@ -12,6 +12,7 @@ compares parameters after AdamW steps at the project-wide 1e-5 relative error
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,9 @@ import torch
 
 from ray_zep.config import load_config
 from ray_zep.data.shards import shard_for
-from ray_zep.partition import PLANNED
+from ray_zep.model_shapes import build_shape
+from ray_zep.parallel.axes import Placement
+from ray_zep.partition import PLANNED, make_plan
 from ray_zep.topology import build_topology
 from ray_zep.train.checkpoint import Progress
 from tests.helpers.attention import reference, ring_rank
@@ -52,6 +55,28 @@ def test_ring_attention_matches_single_device(nodes: int, gpus: int) -> None:
     """Multi-head and grouped-query attention (8 and 2 K/V heads), one spawn."""
     for kv_heads, cases, results in _ring_runs(nodes, gpus):
         _assert_ring_matches(kv_heads, cases, results)
+
+
+def test_a_rank_in_several_rings_matches_single_device() -> None:
+    """`fill` pours two long sequences over consecutive ranks in unequal shares: ranks
+    0-2 sit in both rings (and hold whole short sequences), on one node and across two
+    (routed)."""
+    lengths = [90, 70, 3, 1, 50, 2, 7]
+    cases = [
+        dict(strategy="fill", routing=routing, nodes=nodes, gpus=gpus, heads=8, kv_heads=2,
+             dim=4, lengths=lengths, capacity=-(-sum(lengths) // 4) + 4)
+        for nodes, gpus, routing in [(1, 4, False), (2, 2, False), (2, 2, True)]
+    ]  # fmt: skip
+    for case in cases:
+        config = load_config(None, [f"topology.nodes={case['nodes']}", "model.n_heads=8",
+                                    f"topology.gpus_per_node={case['gpus']}"])  # fmt: skip
+        topology = build_topology(config.topology)
+        plan = make_plan(Placement.FILL, lengths, topology, case["capacity"],
+                         build_shape(config.model))  # fmt: skip
+        rings = Counter(r for item in plan.items() if item.ring_size > 1 for r in item.ranks)
+        assert max(rings.values()) >= 2, "a rank must sit in two rings"
+    results = run_ranks(_ring_all, 4, cases)
+    _assert_ring_matches(2, cases, results)
 
 
 def _ring_runs(nodes: int, gpus: int):

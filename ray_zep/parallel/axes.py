@@ -36,6 +36,7 @@ class Placement(Enum):
     HYBRID_DP = "hybrid_dp"
     ULYSSES = "ulysses"
     USP = "usp"
+    FILL = "fill"
 
 
 BUILT_IN_PLACEMENTS = frozenset(p.value for p in Placement)
@@ -185,6 +186,11 @@ SEQUENCE_AXES: dict[Placement, SequenceAxis] = {
         SequenceAxis(
             Placement.USP,
             "Ulysses inside groups of parallel.ulysses_degree ranks, rings across them (USP)",
+        ),
+        SequenceAxis(
+            Placement.FILL,
+            "every rank filled in node order to the mean modelled work: short sequences "
+            "whole, long ones in unequal zigzag shares over consecutive ranks",
         ),
     )
 }

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ray_zep.errors import PlacementError
 from ray_zep.parallel.axes import SEQUENCE_AXES, Placement, forget_placement
-from ray_zep.partition import baselines, zeppelin
+from ray_zep.partition import baselines, fill_ring, zeppelin
 from ray_zep.partition.layout import register_layout
 from ray_zep.partition.spec import Bench, PlacementSpec, Role, Variant, listed_in
 
@@ -116,6 +116,7 @@ BUILT_IN = (
     baselines.HYBRID_DP,
     baselines.ULYSSES,
     baselines.USP,
+    fill_ring.SPEC,
 )
 for _spec in BUILT_IN:
     register_placement(_spec)
