@@ -10,10 +10,15 @@ so its work follows its tokens. A rank may so hold the end of one ring, the star
 the next and whole short sequences, and a ring of consecutive ranks stays inside a node
 when the node can hold it.
 
-A sequence shorter than `MIN_PIECE` tokens is never cut (a piece that short costs more
-in kernel rate and ring hops than it balances): one that the current rank has no room
-for goes whole to the next rank that has. No piece of a cut sequence is shorter either,
-except where the ranks' free tokens leave no choice.
+Work is not the step, though: a ring whose pieces are short waits on its K/V
+transfers. So no piece of a cut sequence is shorter than the link's crossover length
+(`CostModel.crossover_tokens`: the chunk above which a ring step's compute hides its
+transfer; the inter-node one, over all of a node's NICs when routed, for a ring that
+leaves the node), up to L: a rank holding a piece of a dense sequence may then exceed
+the mean work, and the ranks after it take less. A sequence shorter than `MIN_PIECE`
+tokens is never cut (a piece that short costs more in kernel rate and ring hops than it
+balances): one the current rank has no room for goes whole to the next rank that has.
+Pieces are shorter only where the ranks' free tokens leave no choice.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import time
 import numpy as np
 
 from ray_zep.config import ParallelConfig
+from ray_zep.costmodel import CostModel
 from ray_zep.errors import PlacementError
 from ray_zep.model_shapes import ModelShape
 from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
@@ -31,7 +37,7 @@ from ray_zep.partition.layout import ZIGZAG
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, local_placement
 from ray_zep.partition.spec import Bench, PlacementSpec, Variant, listed_in
 from ray_zep.partition.work import WorkModel
-from ray_zep.topology import Topology
+from ray_zep.topology import LinkKind, Topology
 
 MIN_PIECE = 256
 """Tokens below which a sequence stays whole and a piece is not cut (at most L / 2)."""
@@ -57,11 +63,16 @@ def plan_fill(
     work = model.whole_seconds(lengths)
     density = work / np.maximum(lengths, 1)
     pour = _Pour(world, capacity, float(work.sum()) / world, min(MIN_PIECE, capacity // 2))
+    pieces = _crossovers(CostModel.create(shape, topology), parallel.routing, capacity)
+    gpus = topology.gpus_per_node
     placements: list[SeqPlacement | None] = [None] * lengths.size
     for seq in np.argsort(-density, kind="stable").tolist():
         n = int(lengths[seq])
         counts = pour.whole(n, float(density[seq])) if n < pour.min_piece else None
-        counts = counts or pour.cut(n, float(density[seq]))
+        if counts is None:
+            within = pour.at // gpus == (pour.at + -(-n // pieces[0]) - 1) // gpus
+            piece = pieces[0] if within else pieces[1]
+            counts = pour.cut(n, float(density[seq]), max(pour.min_piece, piece))
         ranks = tuple(sorted(counts))
         if len(ranks) == 1:
             placements[seq] = local_placement(seq, n, ranks[0])
@@ -71,6 +82,15 @@ def plan_fill(
     plan = AttentionPlan(Placement.FILL, topology, capacity, tuple(placements))
     plan.planner_seconds = time.perf_counter() - started
     return plan
+
+
+def _crossovers(cost: CostModel, routed: bool, capacity: int) -> tuple[int, int]:
+    """The shortest pieces worth cutting for a ring inside a node and one across nodes
+    (at most L)."""
+    inter = cost.crossover_tokens(LinkKind.INTER_NODE)
+    if routed:  # the ring's bytes spread over every NIC of the node
+        inter = -(-inter // cost.topology.nics_per_node)
+    return min(capacity, cost.crossover_tokens(LinkKind.INTRA_NODE)), min(capacity, inter)
 
 
 class _Pour:
@@ -103,21 +123,21 @@ class _Pour:
         self._take(rank, n, density)
         return {rank: n}
 
-    def cut(self, n: int, density: float) -> dict[int, int]:
+    def cut(self, n: int, density: float, piece: int) -> dict[int, int]:
         """The sequence poured over ranks from the current one on, each taking its
-        budget's worth (at least `min_piece`, the rest when that would leave less), the
-        remainder, past the last rank, water-filled over every rank with room."""
+        budget's worth (at least `piece` tokens, the rest when that would leave less),
+        the remainder, past the last rank, water-filled over every rank with room."""
         counts: dict[int, int] = {}
         left = n
         for rank in range(self.at, self.free.size):
             if not left:
                 break
             room = int(self.free[rank])
-            if room < min(self.min_piece, left):
+            if room < min(piece, left):
                 continue
-            share = max(self.min_piece, int(self.budget[rank] / density))
+            share = max(piece, int(self.budget[rank] / density))
             take = min(left, room, share)
-            if left - take < self.min_piece:
+            if left - take < piece:
                 take = min(left, room)
             counts[rank] = counts.get(rank, 0) + take
             left -= take
