@@ -77,6 +77,8 @@ class Variant:
         hybrid_cp: Megatron-Core's hybrid DP x CP waves (`ray_zep.sim.megatron_cp`),
             TE CP inside each group.
         bytescale: ByteScale's HDP micro-batches (`ray_zep.sim.bytescale`).
+        dynamic_cp: Megatron-LM's packing-aware dynamic CP micro-batches
+            (`ray_zep.sim.megatron_dynamic_cp`), TE CP inside each group.
         zone_policy: the `parallel.zone_policy` it plans with (None: the config's).
     """
 
@@ -87,12 +89,13 @@ class Variant:
     te_padding: bool = False
     hybrid_cp: bool = False
     bytescale: bool = False
+    dynamic_cp: bool = False
     zone_policy: ZonePolicy | None = None
 
     @property
     def scheduled(self) -> bool:
         """Runs as several plans per step (waves, micro-batches), not one."""
-        return self.hybrid_cp or self.bytescale
+        return self.hybrid_cp or self.bytescale or self.dynamic_cp
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,11 @@ Each placement's variants come from its spec (`ray_zep.partition.registry`). Bas
 run as the executor runs them without the routing and remapping layers, except
 `te_cp`, the reference, which runs as TransformerEngine runs it
 (`Variant.te_wire`, `Variant.te_padding`), and `megatron_hybrid_cp`, Megatron-Core's
-hybrid DP x CP: waves of power-of-two TE CP groups (`ray_zep.sim.megatron_cp`), and
-`bytescale_hdp`, ByteScale's hybrid data parallelism: rings of any size and packed
+hybrid DP x CP: waves of power-of-two TE CP groups (`ray_zep.sim.megatron_cp`),
+`megatron_dynamic_cp`, Megatron-LM's packing-aware dynamic CP (`default_dynamic_cp`):
+the global batch packed into micro-batches of power-of-two TE CP groups, every rank
+running each micro-batch with no barrier between them (`ray_zep.sim.megatron_dynamic_cp`),
+and `bytescale_hdp`, ByteScale's hybrid data parallelism: rings of any size and packed
 micro-batches, ranks running different numbers of them (`ray_zep.sim.bytescale`).
 `zeppelin` is the full system: the Zeppelin partitioner and engine,
 routing, and the remapping layer under `parallel.remap_policy`, with the config's
@@ -33,6 +36,8 @@ from ray_zep.sim.bytescale import simulate_bytescale
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
 from ray_zep.sim.megatron_cp import simulate_hybrid_cp, te_padded
+from ray_zep.sim.megatron_dynamic_cp import NAME as MEGATRON_DYNAMIC_CP
+from ray_zep.sim.megatron_dynamic_cp import simulate_dynamic_cp
 from ray_zep.sim.step import RunModel, StepResult, simulate_batch
 
 _REFERENCE, _SYSTEM = registry.reference(), registry.playing(Role.SYSTEM)
@@ -41,6 +46,7 @@ ROUTED_TE_CP = f"{REFERENCE}+routing"
 ROUTED_PARTITION = f"{REFERENCE}+routing+partition"
 SYSTEM_MODELS: dict[str, Variant] = {
     MEGATRON_HYBRID_CP: Variant(_REFERENCE.axis.placement, te_wire=True, hybrid_cp=True),
+    MEGATRON_DYNAMIC_CP: Variant(_REFERENCE.axis.placement, te_wire=True, dynamic_cp=True),
     # dK/dV in the activation dtype (generous: ByteScale's paper does not say).
     BYTESCALE_HDP: Variant(Placement.HYBRID_DP, te_wire=True, bytescale=True),
     ROUTED_TE_CP: Variant(_REFERENCE.axis.placement, routed=True),
@@ -152,7 +158,8 @@ def simulate_strategies(
     """Simulate every variant of `names` on every batch (lengths arrays), each placed as
     the data actor would place it under that variant's axes (`simulate_batch`; te_cp on
     TE's padded lengths, `simulate_te_padded`; megatron_hybrid_cp in its waves,
-    `simulate_hybrid_cp`; bytescale_hdp in micro-batches, `simulate_bytescale`) with
+    `simulate_hybrid_cp`; megatron_dynamic_cp in its micro-batches, `simulate_dynamic_cp`;
+    bytescale_hdp in micro-batches, `simulate_bytescale`) with
     the config's weights mode (replicated where it passes weights); speedups are
     filled in when te_cp is among them."""
     results = {}
@@ -180,6 +187,8 @@ def _step_function(variant: Variant) -> Callable[[np.ndarray, RunModel], StepRes
         return simulate_bytescale
     if variant.hybrid_cp:
         return simulate_hybrid_cp
+    if variant.dynamic_cp:
+        return simulate_dynamic_cp
     return simulate_te_padded if variant.te_padding else simulate_batch
 
 
