@@ -17,9 +17,11 @@ average; L = that x headroom) and placement, on the same sampled batches:
   fitting; one that does not is marked).
 
 Placements are `ray-zep simulate`'s variants: `zeppelin` is the full system with
-`parallel.zone_policy=cost`, `zeppelin+work` with `work`. `bytescale_hdp` runs several
-micro-batches per rank: its work sums them per rank, its bytes sum its rounds, its
-memory is its fullest round's, and its planner time is its schedule's.
+`parallel.zone_policy=cost`, `zeppelin+work` with `work`. `bytescale_hdp` and
+`megatron_dynamic_cp` run several micro-batches per rank: their work sums them per
+rank, their bytes sum their rounds, their memory is the fullest round's, and their
+planner time is their schedule's (`megatron_dynamic_cp`'s plans hold the lengths its
+dataset pads).
 `megatron_hybrid_cp` runs in waves of CP groups, so its plan columns are empty.
 """
 
@@ -56,11 +58,18 @@ from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
 from ray_zep.sim.megatron_cp import simulate_hybrid_cp
+from ray_zep.sim.megatron_dynamic_cp import NAME as MEGATRON_DYNAMIC_CP
+from ray_zep.sim.megatron_dynamic_cp import dynamic_cp_plans
 from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
 from ray_zep.topology import build_topology
 from ray_zep.traffic import attention_step_traffic
 
-PLACEMENTS = (*registry.listed(Bench.SCALE), MEGATRON_HYBRID_CP, BYTESCALE_HDP)
+PLACEMENTS = (
+    *registry.listed(Bench.SCALE),
+    MEGATRON_HYBRID_CP,
+    MEGATRON_DYNAMIC_CP,
+    BYTESCALE_HDP,
+)
 NAME = "scale"
 HELP = "placements from 64 to 4,096 GPUs, modelled"
 
@@ -213,8 +222,8 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
         if VARIANTS[variant].hybrid_cp:
             steps.append(simulate_hybrid_cp(lengths, run))
             continue
-        bytescale = VARIANTS[variant].bytescale
-        plans, remap, seconds, step = _planned_step(bytescale, lengths, run, ideal is not None)
+        scheduler = _scheduler(VARIANTS[variant])
+        plans, remap, seconds, step = _planned_step(scheduler, lengths, run, ideal is not None)
         planner.append(seconds)
         steps.append(step)
         stats = [plan_stats(plan, run.shape) for plan in plans]
@@ -251,13 +260,22 @@ def _simulated_columns(row: ScaleRow, steps, ideal, bounds, n_layers: int) -> fl
     return float(seconds.sum())
 
 
-def _planned_step(bytescale: bool, lengths: np.ndarray, run: RunModel, simulate: bool = True):
+_SCHEDULERS = {"bytescale": bytescale_plans, "dynamic_cp": dynamic_cp_plans}
+"""The variants that run a schedule of micro-batches (`Variant` flags), and its planner."""
+
+
+def _scheduler(variant):
+    """The planner of the variant's micro-batch schedule, None for one plan a step."""
+    return next((plans for flag, plans in _SCHEDULERS.items() if getattr(variant, flag)), None)
+
+
+def _planned_step(scheduler, lengths: np.ndarray, run: RunModel, simulate: bool = True):
     """(the step's plans, its remap, the planner's wall seconds, the simulated step
-    or None without `simulate`): one plan as the data actor makes it, or
-    ByteScale's rounds."""
+    or None without `simulate`): one plan as the data actor makes it, or the rounds of
+    a baseline's `scheduler` (`_SCHEDULERS`)."""
     started = time.perf_counter()
-    if bytescale:
-        micro, plans = bytescale_plans(lengths, run)
+    if scheduler is not None:
+        micro, plans = scheduler(lengths, run)
         remap = None
     else:
         plan, remap = plan_batch(lengths, run)
@@ -265,7 +283,7 @@ def _planned_step(bytescale: bool, lengths: np.ndarray, run: RunModel, simulate:
     seconds = time.perf_counter() - started
     if not simulate:
         return plans, remap, seconds, None
-    if bytescale:
+    if scheduler is not None:
         return plans, remap, seconds, simulate_schedule(lengths, micro, plans, run)
     step = simulate_plan(plans[0], run, run.config.parallel.routing, remap)
     return plans, remap, seconds, step
