@@ -1,4 +1,5 @@
-"""Megatron-Core's hybrid DP x CP ("dynamic CP") and TransformerEngine's CP padding, simulated.
+"""Megatron-Core's hybrid DP x CP (its balanced CP scheduler, in waves) and TransformerEngine's CP
+padding, simulated (Megatron-LM's newer dynamic CP is `ray_zep.sim.megatron_dynamic_cp`).
 
 Megatron-Core's `hybrid_context_parallel` (with `max_seqlen_per_dp_cp_rank` = L)
 gives each sequence of a global batch its own context-parallel group inside the
