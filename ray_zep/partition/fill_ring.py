@@ -129,7 +129,8 @@ class _Pour:
         the remainder, past the last rank, water-filled over every rank with room."""
         counts: dict[int, int] = {}
         left = n
-        for rank in range(self.at, self.free.size):
+        roomy = self.at + np.flatnonzero(self.free[self.at :] >= min(piece, n))
+        for rank in roomy.tolist():
             if not left:
                 break
             room = int(self.free[rank])
