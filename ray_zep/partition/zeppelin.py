@@ -344,13 +344,8 @@ def _portion_gpus(share: int, free: np.ndarray, rules: _Rules) -> np.ndarray:
     return np.sort(order[:count])
 
 
-def _planner(
-    lengths: np.ndarray,
-    topology: Topology,
-    capacity: int,
-    shape: ModelShape,
-    parallel: ParallelConfig,
-) -> AttentionPlan:
+def _planner(lengths, topology, capacity, shape: ModelShape, parallel: ParallelConfig):
+    """`spec.Planner`: the Zeppelin plan under the config's zone policy and routing."""
     cost = CostModel.create(shape, topology)
     return plan_zeppelin(lengths, topology, capacity, cost, parallel.zone_policy, parallel.routing)
 

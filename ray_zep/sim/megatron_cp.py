@@ -134,20 +134,34 @@ def schedule_waves(lengths: np.ndarray, world: int, max_seqlen_per_rank: int) ->
             f"the topology has {world} ranks (set topology.nodes so the world is 2^k)"
         )
     lengths = [int(n) for n in np.asarray(lengths, dtype=np.int64)]
-    longest = max(lengths, default=0)
-    if gpus_needed(longest, max_seqlen_per_rank) > world:
+    needed = gpus_needed(max(lengths, default=0), max_seqlen_per_rank)
+    return rounds_longest_first(
+        lengths, needed, world, max_seqlen_per_rank, NAME,
+        lambda: _WaveBuilder(lengths, world, max_seqlen_per_rank),
+    )  # fmt: skip
+
+
+def rounds_longest_first(lengths: list[int], needed: int, world: int, limit: int, name: str,
+                         builder) -> list[Wave]:  # fmt: skip
+    """The rounds (waves, micro-batches) a scheduler makes: the sequences sorted once,
+    longest first, each round a fresh `builder()` placing what it can of the rest (its
+    leftovers keep their order; a builder may put the ones it trims last).
+
+    Raises:
+        PlacementError: the longest sequence needs `needed` ranks, more than `world`.
+    """
+    if needed > world:
         raise PlacementError(
-            f"{NAME}: a sequence of {longest} tokens needs more than {world} ranks x "
-            f"train.tokens_per_rank={max_seqlen_per_rank}"
+            f"{name}: a sequence of {max(lengths)} tokens needs more than {world} ranks x "
+            f"train.tokens_per_rank={limit}"
         )
-    # Sorted once, longest first; a wave's leftovers keep their order, trimmed ones last.
     pending = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    waves = []
+    rounds = []
     while pending:
-        builder = _WaveBuilder(lengths, world, max_seqlen_per_rank)
-        pending = builder.place(pending)
-        waves.append(builder.finish())
-    return waves
+        one = builder()
+        pending = one.place(pending)
+        rounds.append(one.finish())
+    return rounds
 
 
 class _WaveBuilder:

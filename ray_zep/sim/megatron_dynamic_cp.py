@@ -80,7 +80,14 @@ import numpy as np
 from ray_zep.errors import ConfigError, PlacementError
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.sim.bytescale import MicroBatch, simulate_schedule
-from ray_zep.sim.megatron_cp import CPGroup, Wave, gpus_needed, te_padded, wave_plan
+from ray_zep.sim.megatron_cp import (
+    CPGroup,
+    Wave,
+    gpus_needed,
+    rounds_longest_first,
+    te_padded,
+    wave_plan,
+)
 from ray_zep.sim.step import RunModel, StepResult
 
 NAME = "megatron_dynamic_cp"
@@ -136,20 +143,11 @@ def schedule_micro_batches(
     lengths = [int(n) for n in np.asarray(padded, dtype=np.int64)]
     if not lengths:
         raise PlacementError(f"{NAME}: the batch has no sequences")
-    longest = max(lengths)
-    if cp_needed(longest, max_seqlen_per_rank, min_cp) > world:
-        raise PlacementError(
-            f"{NAME}: a sequence of {longest} padded tokens needs more than {world} ranks x "
-            f"train.tokens_per_rank={max_seqlen_per_rank}"
-        )
-    # Sorted once, longest first (stable); a micro-batch's leftovers keep that order.
-    pending = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    micro_batches = []
-    while pending:
-        builder = _MicroBatchBuilder(lengths, world, max_seqlen_per_rank, min_cp)
-        pending = builder.place(pending)
-        micro_batches.append(builder.finish())
-    return micro_batches
+    needed = cp_needed(max(lengths), max_seqlen_per_rank, min_cp)
+    return rounds_longest_first(
+        lengths, needed, world, max_seqlen_per_rank, f"{NAME} (padded lengths)",
+        lambda: _MicroBatchBuilder(lengths, world, max_seqlen_per_rank, min_cp),
+    )  # fmt: skip
 
 
 def _check_sizes(world: int, min_cp: int) -> None:
