@@ -48,7 +48,7 @@ from ray_zep.costmodel import BACKWARD_ATTENTION_FACTOR
 from ray_zep.parallel.axes import WEIGHTS_AXES, Family
 from ray_zep.partition.work import WorkModel
 from ray_zep.sim.events import Lane
-from ray_zep.sim.ideal import ideal_parts
+from ray_zep.sim.ideal import fixed_seconds
 from ray_zep.sim.step import RunModel, StepResult, head_seconds, weights_of
 
 
@@ -96,7 +96,7 @@ class StepBound:
 def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
     """The lower bound on the step of a batch of sequences of `lengths` under `run`
     (module docstring)."""
-    _, fixed = ideal_parts(lengths, run)
+    fixed = fixed_seconds(run)
     compute = _unsplit_compute(lengths, run)
     topology = run.hardware.topology
     capacity = run.config.train.tokens_per_rank

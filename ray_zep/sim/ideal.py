@@ -19,18 +19,16 @@ from ray_zep.sim.step import RunModel, head_seconds
 
 def ideal_step_seconds(lengths: np.ndarray, run: RunModel) -> float:
     """The ideal step of a batch of sequences of `lengths` under `run` (module docstring)."""
-    compute, fixed = ideal_parts(lengths, run)
-    return compute + fixed
-
-
-def ideal_parts(lengths: np.ndarray, run: RunModel) -> tuple[float, float]:
-    """(the batch's compute spread evenly over the ranks at unsplit rates, the
-    optimizer's share and the step's fixed work) in seconds."""
     hardware, shape = run.hardware, run.shape
-    rates, world = hardware.rates, hardware.devices
-    model = WorkModel.create(shape, hardware.topology, rates)
+    model = WorkModel.create(shape, hardware.topology, hardware.rates)
     lengths = np.asarray(lengths, dtype=np.int64)
     compute = float(model.whole_seconds(lengths).sum())
-    compute += head_seconds(int(lengths.sum()), shape, rates)
-    optimizer = shape.param_count() / world * rates.optimizer_param_seconds
-    return compute / world, optimizer + rates.step_overhead_s
+    compute += head_seconds(int(lengths.sum()), shape, hardware.rates)
+    return compute / hardware.devices + fixed_seconds(run)
+
+
+def fixed_seconds(run: RunModel) -> float:
+    """What every placement pays besides its layers: the optimizer's share of the
+    parameters on one rank and the step's fixed host work."""
+    rates, world = run.hardware.rates, run.hardware.devices
+    return run.shape.param_count() / world * rates.optimizer_param_seconds + rates.step_overhead_s
