@@ -187,10 +187,12 @@ def _item_forward(q, k, v, item: ItemSchedule, schedule: RankSchedule, links: Li
     )
     play = _FORWARD[item.play]
     gathered = play(q_pos, kv_pos, item, schedule, links, out_pos, lse_pos, kernel)
+    # kept in the compute dtype: what the backward kernels take, cast once, not per step
+    out_pos = out_pos.to(q.dtype)
     state = _Saved(q_pos, kv_pos, out_pos, lse_pos, gathered, heads, k.shape[1])
     if u_size > 1:
-        return _gather_out(out_pos.to(q.dtype), item, heads, schedule, links), state
-    return out_pos.to(q.dtype), state
+        return _gather_out(out_pos, item, heads, schedule, links), state
+    return out_pos, state
 
 
 def _rotate(current, item: ItemSchedule, step: int, schedule, links, what: str):

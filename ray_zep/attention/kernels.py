@@ -116,7 +116,8 @@ class BackwardInputs:
 
 
 BackwardKernel = Callable[[BackwardInputs], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-"""A backward kernel: dq_THE, dk_TKE, dv_TKE of a block, in float32."""
+"""A backward kernel: dq_THE, dk_TKE, dv_TKE of a block, in float32 or, from a GPU kernel
+that covers the whole block in one launch, in q's dtype (callers add them up in float32)."""
 
 
 @functools.cache
@@ -495,7 +496,8 @@ def torch_flash_varlen_attention_backward(
     reference's backward (see `torch_flash_varlen_attention`).
 
     Returns:
-        dq_THE, dk_TKE, dv_TKE in float32 (the drawn blocks' computed in q's dtype).
+        dq_THE, dk_TKE, dv_TKE: as the kernel computed them, in q's dtype, where one launch
+        covers every row; else in float32 (the drawn blocks' computed in q's dtype).
     """
     drawn = [
         _fused_op_draws_the_mask(sq, sk, block.causal)
@@ -503,9 +505,13 @@ def torch_flash_varlen_attention_backward(
     ]
     if not any(drawn) or not torch_flash.runs(block.q_THE, block.k_TKE):
         return torch_varlen_attention_backward(block)
+    covered = block.covered()
+    whole = covered.q_THE.shape[0] == block.q_THE.shape[0] == covered.dout_THE.shape[0]
+    if all(drawn) and whole and covered.k_TKE.shape[0] == block.k_TKE.shape[0]:
+        return _flash_backward(block)  # in q's dtype: the caller adds them up in fp32
     dq, dk, dv = _float32_zeros(block.q_THE, block.k_TKE, block.v_TKE)
     if all(drawn):
-        for full, g in zip((dq, dk, dv), _flash_backward(block.covered()), strict=True):
+        for full, g in zip((dq, dk, dv), _flash_backward(covered), strict=True):
             full[: g.shape[0]] = g
         return dq, dk, dv
     for keep, backward in (

@@ -13,6 +13,7 @@ unmasked block per sequence the layout selects (`ray_zep.partition.layout`).
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -39,6 +40,55 @@ class StepMeta:
     seqs_q: PackedSeqs
     seqs_k: PackedSeqs
     causal: bool
+    q_span: slice | None = None
+    """`q_rows` as one run of rows, when they are one (no rows to gather)."""
+    k_span: slice | None = None
+    """`k_rows` as one run of rows, when they are one."""
+
+    @property
+    def empty(self) -> bool:
+        return self.seqs_q.total_tokens == 0
+
+    @property
+    def query_rows(self) -> torch.Tensor | slice:
+        """The queries' rows: the run where they are one (a view, nothing copied)."""
+        return self.q_span if self.q_span is not None else self.q_rows
+
+    @property
+    def key_rows(self) -> torch.Tensor | slice:
+        """The keys' rows: the run where they are one."""
+        return self.k_span if self.k_span is not None else self.k_rows
+
+    @classmethod
+    def of_segments(
+        cls, source: int, segments: list, causal: bool, device: torch.device | str = "cpu"
+    ) -> StepMeta:
+        """The step of (q_offset, q_len, k_offset, k_len) segments (`step_segments`)."""
+        q = [(seg[0], seg[1]) for seg in segments]
+        k = [(seg[2], seg[3]) for seg in segments]
+        return cls(
+            source=source,
+            q_rows=_rows(q, device),
+            k_rows=_rows(k, device),
+            seqs_q=PackedSeqs.from_lengths([n for _, n in q], device),
+            seqs_k=PackedSeqs.from_lengths([n for _, n in k], device),
+            causal=causal,
+            q_span=_run(q),
+            k_span=_run(k),
+        )
+
+
+def _rows(runs: list[tuple[int, int]], device) -> torch.Tensor:
+    parts = [np.arange(start, start + length) for start, length in runs]
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return torch.as_tensor(flat, dtype=torch.int64, device=device)
+
+
+def _run(runs: list[tuple[int, int]]) -> slice | None:
+    """The runs as one slice where each starts where the one before ends."""
+    if not runs or any(a + n != b for (a, n), (b, _) in itertools.pairwise(runs)):
+        return None
+    return slice(runs[0][0], runs[-1][0] + runs[-1][1])
 
 
 @dataclass(frozen=True)
@@ -209,20 +259,7 @@ def step_segments(mine, theirs, step: int, source: int, position: int, layout=ZI
 
 def _step_meta(mine, theirs, step: int, source: int, position: int, layout, device) -> StepMeta:
     segments = step_segments(mine, theirs, step, source, position, layout)
-
-    def rows(offset: int, length: int):
-        parts = [np.arange(seg[offset], seg[offset] + seg[length]) for seg in segments]
-        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return torch.as_tensor(flat, dtype=torch.int64, device=device)
-
-    return StepMeta(
-        source=source,
-        q_rows=rows(0, 1),
-        k_rows=rows(2, 3),
-        seqs_q=PackedSeqs.from_lengths([seg[1] for seg in segments], device),
-        seqs_k=PackedSeqs.from_lengths([seg[3] for seg in segments], device),
-        causal=step == 0,
-    )
+    return StepMeta.of_segments(source, segments, step == 0, device)
 
 
 def expected_ops(plan: AttentionPlan, rank: int, routing: RankRouting | None = None) -> Counter:

@@ -79,9 +79,9 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out_THE (q's dtype) and lse_HT (float32) of a packed batch, no autograd."""
     out, lse = torch.ops.aten._flash_attention_forward(
-        q_THE.contiguous(),
-        k_TKE.contiguous(),
-        v_TKE.contiguous(),
+        _rows_strided(q_THE),
+        _rows_strided(k_TKE),
+        _rows_strided(v_TKE),
         cu_q.to(q_THE.device, torch.int32),
         cu_k.to(q_THE.device, torch.int32),
         max_q,
@@ -122,14 +122,13 @@ def backward(
     dtype = q_THE.dtype
     lse = lse_HT.float()
     lse = torch.where(lse == float("-inf"), float("inf"), lse).contiguous()
-    rng_state = torch.zeros(2, dtype=torch.uint64, device=q_THE.device)  # dropout 0: unread
-    unused = torch.empty(0, device=q_THE.device)
+    rng_state, unused = _unread_inputs(q_THE.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        dout_THE.to(dtype).contiguous(),
-        q_THE.contiguous(),
-        k_TKE.contiguous(),
-        v_TKE.contiguous(),
-        out_THE.to(dtype).contiguous(),
+        _rows_strided(dout_THE.to(dtype)),
+        _rows_strided(q_THE),
+        _rows_strided(k_TKE),
+        _rows_strided(v_TKE),
+        _rows_strided(out_THE.to(dtype)),
         lse,
         cu_q.to(q_THE.device, torch.int32),
         cu_k.to(q_THE.device, torch.int32),
@@ -144,13 +143,26 @@ def backward(
     return dq, dk, dv
 
 
+@functools.cache
+def _unread_inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RNG state and offset the backward takes and, with no dropout, never reads: made
+    once per device rather than allocated and filled on every call."""
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
+
+
+def _rows_strided(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the kernels take it: any row and head strides, the head dim contiguous (K and
+    V as views into a packed K/V tensor pass uncopied)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 class FlashVarlen(torch.autograd.Function):
     """`forward` with autograd: the gradient of out through `backward` (the LSE is not
     differentiable, as with flash-attn's own function)."""
 
     @staticmethod
     def forward(ctx, q_THE, k_TKE, v_TKE, cu_q, cu_k, max_q, max_k, causal, scale):
-        q_THE, k_TKE, v_TKE = q_THE.contiguous(), k_TKE.contiguous(), v_TKE.contiguous()
+        q_THE, k_TKE, v_TKE = (_rows_strided(t) for t in (q_THE, k_TKE, v_TKE))
         out, lse = forward(q_THE, k_TKE, v_TKE, cu_q, cu_k, max_q, max_k, causal, scale)
         ctx.save_for_backward(q_THE, k_TKE, v_TKE, out, lse, cu_q, cu_k)
         ctx.args = (max_q, max_k, causal, scale)

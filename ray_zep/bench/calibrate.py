@@ -33,6 +33,7 @@ from ray_zep.bench.calibrate_kernels import (
     measure_matmul,
     measure_model,
     pointwise_rate,
+    ring_step_shares,
 )
 from ray_zep.bench.calibrate_links import ROUNDS as LINK_ROUNDS
 from ray_zep.bench.calibrate_links import (
@@ -79,6 +80,15 @@ MEASUREMENT_COLUMNS = (
 )
 
 
+SHARE_COLUMNS = (
+    Column("block", lambda r: r[0]),
+    Column("length", lambda r: r[1]),
+    Column("ring step TFLOP/s", lambda r: r[2] / 1e12, ".3f"),
+    Column("kernel alone TFLOP/s", lambda r: r[3] / 1e12, ".3f"),
+    Column("step / kernel", lambda r: r[4], ".1%"),
+)
+
+
 def calibration_table(calibration: Calibration) -> str:
     """Every measured point, then the fits."""
     lines = [render_table(calibration.measurements, MEASUREMENT_COLUMNS)]
@@ -91,6 +101,10 @@ def calibration_table(calibration: Calibration) -> str:
         f"{r.optimizer_param_seconds * 1e9:.2f} ns/parameter, compute x{r.contention:.2f} "
         f"while messages move, ZipCCL codec {r.codec_bytes_s / 1e9:.2f} GB/s"
     )
+    shares = ring_step_shares(calibration.measurements)
+    if shares:
+        lines.append("the engine's ring step against the kernel alone on the same block:")
+        lines.append(render_table(shares, SHARE_COLUMNS))
     if calibration.link_bandwidth:
         c = calibration
         lines.append(

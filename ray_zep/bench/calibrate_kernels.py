@@ -12,6 +12,8 @@
   The rate per length is the curve the simulator interpolates
   (`ComputeRates.curves`); one call on a single short sequence gives the fixed
   cost of a call.
+  Each block is also timed on the kernel alone (`KERNEL_ALONE`): the ring step's rate
+  over the kernel's is what the engine costs around it (`ring_step_shares`).
 - matmul: the model's feed-forward matmul at several token counts.
 - pointwise: the model itself, forward and backward over packed tokens with an
   attention that only passes its queries through; what the matmuls do not
@@ -33,9 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from ray_zep.attention import ring
-from ray_zep.attention.kernels import select_backward, select_kernel, tiled
+from ray_zep.attention.kernels import BackwardInputs, select_backward, select_kernel, tiled
 from ray_zep.attention.schedule import StepMeta
-from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.costmodel import (
     BACKWARD_ATTENTION_FACTOR,
     BACKWARD_LINEAR_FACTOR,
@@ -63,6 +64,9 @@ machine within a minute, of 200 calls at 39-40 us (the simulator charges it for 
 block of every sequence, so short sequences lean on it)."""
 CODEC_VALUES = 1 << 20
 """Values of the codec measurement (4 MB in float32: a typical gradient bucket)."""
+KERNEL_ALONE = "kernel_"
+"""Prefix of the measurements of the kernel alone on a ring step's block (no merge, no
+accumulators, K and V in tensors of their own)."""
 MODEL_SEQUENCE = 64
 """Sequence length of those batches (short: attention is passed through anyway)."""
 
@@ -99,35 +103,42 @@ def _block(shape: ModelShape, q_len: int, k_len: int, count: int, device, dtype,
 
     q = rand(q_len * count, shape.n_heads, shape.head_dim)
     kv = rand(k_len * count, 2, shape.n_kv_heads, shape.head_dim)
-    meta = StepMeta(
-        source=0,
-        q_rows=torch.arange(q_len * count, device=device),
-        k_rows=torch.arange(k_len * count, device=device),
-        seqs_q=PackedSeqs.from_lengths([q_len] * count, device),
-        seqs_k=PackedSeqs.from_lengths([k_len] * count, device),
-        causal=q_len == k_len,
-    )
-    return q, kv, meta
+    segments = [(i * q_len, q_len, i * k_len, k_len) for i in range(count)]
+    return q, kv, StepMeta.of_segments(0, segments, q_len == k_len, device)
 
 
 def _engine_step(q, kv, meta: StepMeta, kernel, backward, repeats: int) -> tuple[float, float]:
     """Seconds of the engine's forward and backward of one ring step (kernel, merge of the
-    partial output, accumulation of the gradients: `ray_zep.attention.ring`)."""
+    partial output, accumulation of the gradients: `ray_zep.attention.ring`), into
+    accumulators made once, as the engine makes them once per item."""
     rows, heads = q.shape[0], q.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((heads, rows), float("-inf"), device=q.device)
 
     def forward() -> None:
-        ring.step_forward(q, kv, meta, out.clone(), lse.clone(), kernel)
+        ring.step_forward(q, kv, meta, out, lse, kernel)
 
-    ring.step_forward(q, kv, meta, out, lse, kernel)
+    forward()
+    final = out.to(q.dtype)  # the engine keeps the output in the compute dtype for backward
     dq, dkv = torch.zeros_like(out), torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     dout = torch.randn_like(q)
 
     def backward_step() -> None:
-        ring.step_backward(dout, q, kv, out, lse, meta, dq, dkv, backward)
+        ring.step_backward(dout, q, kv, final, lse, meta, dq, dkv, backward)
 
     return timed(repeats, forward), timed(repeats, backward_step)
+
+
+def _kernel_alone(q, kv, meta: StepMeta, kernel, backward, repeats: int) -> tuple[float, float]:
+    """Seconds of the forward and the backward kernel alone on the same block, K and V in
+    tensors of their own: what the ring step is measured against."""
+    k, v = kv[:, 0].contiguous(), kv[:, 1].contiguous()
+    out, lse = kernel(q, k, v, meta.seqs_q, meta.seqs_k, causal=meta.causal)
+    block = BackwardInputs(
+        torch.randn_like(q), q, k, v, out, lse, meta.seqs_q, meta.seqs_k, meta.causal
+    )
+    forward = timed(repeats, kernel, q, k, v, meta.seqs_q, meta.seqs_k, causal=meta.causal)
+    return forward, timed(repeats, backward, block)
 
 
 def _autograd_backward(q, kv, meta: StepMeta, kernel, repeats: int) -> float:
@@ -167,10 +178,13 @@ def measure_attention(
             size = length if causal else round((length * k_len) ** 0.5)
             kind = "causal" if causal else "full"
             fwd, bwd = _engine_step(q, kv, meta, kernel, backward, repeats)
+            alone_fwd, alone_bwd = _kernel_alone(q, kv, meta, kernel, backward, repeats)
             flops = per_pair * pairs
             out.append(Measurement(f"forward_{kind}", size, flops, fwd))
+            out.append(Measurement(f"{KERNEL_ALONE}forward_{kind}", size, flops, alone_fwd))
             flops *= BACKWARD_ATTENTION_FACTOR
             out.append(Measurement(f"backward_{kind}", size, flops, bwd))
+            out.append(Measurement(f"{KERNEL_ALONE}backward_{kind}", size, flops, alone_bwd))
             if causal:
                 seconds = _autograd_backward(q, kv, meta, kernel, repeats)
                 out.append(Measurement("backward_autograd", size, flops, seconds))
@@ -286,3 +300,21 @@ def curves(attention: list[Measurement], call_seconds: float) -> tuple:
                         for m in attention if m.op == kind)  # fmt: skip
         out.append((kind, tuple((float(n), float(r)) for n, r in points)))
     return tuple(out)
+
+
+def ring_step_shares(measurements: list) -> list[tuple[str, int, float, float, float]]:
+    """(op, length, ring step FLOP/s, kernel alone FLOP/s, step / kernel) of every block the
+    ring step and the kernel alone were both measured on."""
+    alone = {
+        (m.op[len(KERNEL_ALONE) :], m.size): m
+        for m in measurements
+        if isinstance(m, Measurement) and m.op.startswith(KERNEL_ALONE)
+    }
+    rows = []
+    for m in measurements:
+        kernel = alone.get((m.op, m.size)) if isinstance(m, Measurement) else None
+        if kernel is None or not m.flops:
+            continue
+        step, bare = m.flops / m.seconds, kernel.flops / kernel.seconds
+        rows.append((m.op, m.size, step, bare, step / bare))
+    return rows
