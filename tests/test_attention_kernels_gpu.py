@@ -251,3 +251,45 @@ def test_mixed_block_is_differentiable_through_autograd(reference_ops) -> None:
     assert [kind for kind, *_ in reference_ops] == ["forward", "backward"]
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.unit
+def test_auto_prefers_torch_flash_over_flash_attn_on_a_gpu(monkeypatch) -> None:
+    """The GPU default is torch's own kernels even where flash-attn is installed: nothing to
+    compile; `flash` still asks for flash-attn."""
+    import ray_zep.attention.kernels as kernels
+
+    monkeypatch.setattr(torch_flash, "available", lambda device: True)
+    monkeypatch.setattr(torch_flash, "use_fastest_impl", lambda device: "FA2 (test)")
+    monkeypatch.setattr(kernels, "flash_attn_available", lambda: True)
+    cuda = torch.device("cuda")
+    assert select_kernel("auto", cuda, torch.bfloat16) is torch_flash_varlen_attention
+    assert select_kernel("flash", cuda, torch.bfloat16) is kernels.flash_varlen_attention
+    monkeypatch.setattr(torch_flash, "available", lambda device: False)
+    assert select_kernel("auto", cuda, torch.bfloat16) is kernels.flash_varlen_attention
+
+
+@pytest.mark.unit
+def test_fa3_is_taken_only_where_torch_can_route_to_it(monkeypatch) -> None:
+    """`use_fastest_impl` names FA2 with its reason wherever FA3 cannot run (here: its
+    package is missing, or the chip is not Hopper) and never raises."""
+    from torch.nn import attention
+
+    fastest = torch_flash.use_fastest_impl.__wrapped__
+    monkeypatch.setattr(torch_flash, "_capability", lambda index: (8, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    reason = fastest(torch.device("cuda", 0))
+    assert reason.startswith("FA2 (")
+    if "FA3" in getattr(attention, "list_flash_attention_impls", list)():
+        assert "sm_80" in reason
+        monkeypatch.setattr(torch_flash, "_capability", lambda index: (9, 0))
+        activated = fastest(torch.device("cuda", 0))
+        try:
+            import flash_attn_interface  # noqa: F401
+        except ImportError:
+            assert activated.startswith("FA2 (FA3 not activated") and "flash_attn_interface" in (
+                activated
+            )
+        else:  # pragma: no cover - FA3 installed
+            assert activated == "FA3"
+            attention.restore_flash_attention_impl()

@@ -9,11 +9,11 @@ feeds a query block against a key block), and `causal` aligns the mask to the
 bottom-right corner (query i of a block of Sq sees key j iff j <= i + Sk - Sq).
 A query row that sees no key gets out = 0 and lse = -inf.
 
-- `flash`: flash-attn's varlen kernel, for CUDA tensors in fp16/bf16.
+- `flash`: flash-attn's varlen kernel, for CUDA tensors in fp16/bf16 (an optional extra).
 - `torch_flash`: the FlashAttention-2 kernels built into torch (`aten._flash_attention_*`,
-  varlen, with the LSE), for CUDA tensors in fp16/bf16 on sm_80+ when flash-attn is not
-  installed. They draw the reference's mask on the same blocks as the fused CPU op below
-  (a square block, causal or not, and any non-causal block); a causal block whose query and
+  varlen, with the LSE; FA3 on Hopper where installed), for CUDA tensors in fp16/bf16 on
+  sm_80+: the default on a GPU, nothing to compile. They draw the reference's mask on the
+  same blocks as the fused CPU op below (a square block, causal or not, and any non-causal block); a causal block whose query and
   key lengths differ keeps the reference's explicit mask, forward and backward.
 - `torch`: a reference in plain torch ops that accumulates in fp32; runs
   anywhere and is differentiable through autograd. On CPU, every block whose mask
@@ -341,10 +341,11 @@ def _subset(
 def select_kernel(name: str, device: torch.device, dtype: torch.dtype) -> AttentionFn:
     """The kernel to use for `model.attention_kernel` on this device and dtype.
 
-    `auto` takes flash-attn when it is importable, the device is CUDA and the
-    compute dtype is fp16/bf16; else, on such a device and dtype, torch's built-in flash
-    kernels where torch has them for the GPU (`torch_flash`, sm_80+); else the torch
-    reference. The choice is logged.
+    `auto` takes torch's built-in flash kernels on a CUDA device and fp16/bf16 compute where
+    torch has them for the GPU (`torch_flash`, sm_80+; routed to FA3 on Hopper where
+    FlashAttention-3 is installed, `torch_flash.use_fastest_impl`); else flash-attn where it
+    is importable on such a device and dtype (an older GPU); else the torch reference.
+    `flash` asks for flash-attn (the optional extra `ray-zep[flash]`). The choice is logged.
 
     Raises:
         ConfigError: unknown name, `flash` where flash-attn cannot run, or `torch_flash`
@@ -359,7 +360,7 @@ def select_kernel(name: str, device: torch.device, dtype: torch.dtype) -> Attent
     if name == "flash" and not (flash_ok and flash_attn_available()):
         raise ConfigError(
             "config key model.attention_kernel='flash': flash-attn needs a CUDA device, "
-            "fp16/bf16 compute and the flash-attn package (pip install 'ray-zep[gpu]')"
+            "fp16/bf16 compute and the flash-attn package (pip install 'ray-zep[flash]')"
         )
     torch_flash_ok = flash_ok and torch_flash.available(device)
     if name == "torch_flash" and not torch_flash_ok:
@@ -370,11 +371,12 @@ def select_kernel(name: str, device: torch.device, dtype: torch.dtype) -> Attent
         )
     chosen = name
     if name == "auto":
-        if flash_ok and flash_attn_available():
-            chosen = "flash"
+        if torch_flash_ok:
+            chosen = "torch_flash"
         else:
-            chosen = "torch_flash" if torch_flash_ok else "torch"
-    log.info("attention kernel: %s (device %s, %s)", chosen, device.type, dtype)
+            chosen = "flash" if flash_ok and flash_attn_available() else "torch"
+    impl = f", {torch_flash.use_fastest_impl(device)}" if chosen == "torch_flash" else ""
+    log.info("attention kernel: %s (device %s, %s%s)", chosen, device.type, dtype, impl)
     return {
         "flash": flash_varlen_attention,
         "torch_flash": torch_flash_varlen_attention,

@@ -7,6 +7,10 @@ batch in one launch, return the LSE as (H, T_q) float32, take fewer K/V heads th
 heads (GQA) natively and sum dk/dv over each group in their backward. No dropout here, so
 the RNG state the backward takes is never read.
 
+On a Hopper GPU where FlashAttention-3's package (`flash_attn_interface`) is installed, torch
+can route these same ops to FA3 (`torch.nn.attention.activate_flash_attention_impl`); `auto`
+does so (`use_fastest_impl`).
+
 Only the pieces that call the ops live here; `ray_zep.attention.kernels` decides which
 blocks they may take (their causal mask is the same as the reference's only on a square
 block) and keeps the reference for the rest.
@@ -48,6 +52,34 @@ def available(device: torch.device) -> bool:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index) >= (8, 0)
+
+
+FA3_MODULE = "flash_attn_interface"
+"""The package whose kernels torch's FA3 implementation registers (FlashAttention-3)."""
+
+
+@functools.cache
+def use_fastest_impl(device: torch.device) -> str:
+    """Route torch's flash ops to FA3 where torch can (a Hopper GPU, a torch with the
+    implementation switch, FlashAttention-3 installed); which implementation runs, with the
+    reason where it is FA2. Process-wide, once per device."""
+    try:
+        from torch.nn import attention
+    except ImportError:  # pragma: no cover - every supported torch has the module
+        return "FA2 (torch has no torch.nn.attention)"
+    if not hasattr(attention, "activate_flash_attention_impl"):
+        return f"FA2 (torch {torch.__version__} cannot switch its flash implementation)"
+    if "FA3" not in attention.list_flash_attention_impls():
+        return f"FA2 (torch {torch.__version__} lists no FA3 implementation)"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = _capability(index)
+    if major != 9:
+        return f"FA2 (FA3 runs on Hopper, sm_90; this GPU is sm_{major}{minor})"
+    try:
+        attention.activate_flash_attention_impl("FA3")
+    except Exception as exc:  # ImportError of the package, or its kernels missing
+        return f"FA2 (FA3 not activated: {exc}; pip install the {FA3_MODULE} package)"
+    return "FA3"
 
 
 def runs(q_THE: torch.Tensor, k_TKE: torch.Tensor) -> bool:
