@@ -13,8 +13,9 @@ A query row that sees no key gets out = 0 and lse = -inf.
 - `torch_flash`: the FlashAttention-2 kernels built into torch (`aten._flash_attention_*`,
   varlen, with the LSE; FA3 on Hopper where installed), for CUDA tensors in fp16/bf16 on
   sm_80+: the default on a GPU, nothing to compile. They draw the reference's mask on the
-  same blocks as the fused CPU op below (a square block, causal or not, and any non-causal block); a causal block whose query and
-  key lengths differ keeps the reference's explicit mask, forward and backward.
+  same blocks as the fused CPU op below (a square block, causal or not, and any non-causal
+  block); a causal block whose query and key lengths differ keeps the reference's explicit
+  mask, forward and backward.
 - `torch`: a reference in plain torch ops that accumulates in fp32; runs
   anywhere and is differentiable through autograd. On CPU, every block whose mask
   PyTorch's fused CPU flash-attention op draws the same way (a square block, causal
