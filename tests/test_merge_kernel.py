@@ -161,3 +161,63 @@ def test_compiled_fused_merge_equals_the_torch_merge(case) -> None:
     (want_out, want_lse), (got_out, got_lse) = results
     torch.testing.assert_close(got_lse, want_lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.unit
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fused_row_add_equals_index_add(dtype) -> None:
+    """dK into the K half of a packed dK/dV accumulator (rows of a strided view), by index."""
+    g = torch.Generator().manual_seed(6)
+    dkv = torch.randn(20, 2, 3, 5, generator=g)
+    rows = torch.randperm(20, generator=g)[:11]
+    grad = torch.randn(11, 3, 5, generator=g).to(dtype)
+    want = dkv.clone()
+    want[:, 0].index_add_(0, rows, grad.float())
+    merge_kernel.add_rows_(dkv[:, 0], rows, grad, interpret=True)
+    torch.testing.assert_close(dkv, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_compiled_row_add_equals_index_add() -> None:
+    cuda = torch.device("cuda")
+    g = torch.Generator(cuda).manual_seed(6)
+    dkv = torch.randn(5000, 2, 8, 128, generator=g, device=cuda)
+    rows = torch.randperm(5000, generator=g, device=cuda)[:3001]
+    grad = torch.randn(3001, 8, 128, generator=g, device=cuda).bfloat16()
+    want = dkv.clone()
+    want[:, 0].index_add_(0, rows, grad.float())
+    merge_kernel.add_rows_(dkv[:, 0], rows, grad)
+    torch.testing.assert_close(dkv, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["diagonal", "later"])
+def test_gpu_ring_step_on_a_run_equals_the_gathered_step(causal) -> None:
+    """On the GPU's kernels (torch's flash in bf16, the fused merge and row add): a step
+    read through views (K and V strided inside the packed K/V) equals the gathered step."""
+    from ray_zep.attention.kernels import select_backward, select_kernel
+
+    cuda = torch.device("cuda")
+    kernel = select_kernel("auto", cuda, torch.bfloat16)
+    backward = select_backward(kernel)
+    g = torch.Generator(cuda).manual_seed(9)
+    rows = 3000
+    q = torch.randn(rows, 32, 128, generator=g, device=cuda).bfloat16()
+    kv = torch.randn(rows, 2, 8, 128, generator=g, device=cuda).bfloat16()
+    dout = torch.randn(rows, 32, 128, generator=g, device=cuda).bfloat16()
+    q_runs = [(0, 1000), (1000, 2000)] if causal else [(500, 1000), (1500, 1500)]
+    k_runs = [(0, 1000), (1000, 2000)] if causal else [(0, 700), (700, 900)]
+    results = []
+    for listed in (False, True):
+        step = _step(q_runs, k_runs, causal, cuda, listed)
+        out, lse = _accumulators(rows, 32, 128, cuda, seed=5)
+        ring.step_forward(q, kv, step, out, lse, kernel)
+        dq = torch.zeros(rows, 32, 128, device=cuda)
+        dkv = torch.zeros(rows, 2, 8, 128, device=cuda)
+        ring.step_backward(dout, q, kv, out.bfloat16(), lse, step, dq, dkv, backward)
+        results.append((out, lse, dq, dkv))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

@@ -306,7 +306,9 @@ def torch_flash_varlen_attention(
 
 
 def _flash_apply(q_THE, k_TKE, v_TKE, seqs_q, seqs_k, causal, scale):
-    return torch_flash.FlashVarlen.apply(
+    """The kernel with autograd where a gradient is wanted, else the bare call (the ring
+    engine's steps run inside its own autograd function: no graph to record per call)."""
+    args = (
         q_THE,
         k_TKE,
         v_TKE,
@@ -317,6 +319,8 @@ def _flash_apply(q_THE, k_TKE, v_TKE, seqs_q, seqs_k, causal, scale):
         causal,
         scale,
     )
+    wanted = torch.is_grad_enabled() and any(t.requires_grad for t in args[:3])
+    return torch_flash.FlashVarlen.apply(*args) if wanted else torch_flash.forward(*args)
 
 
 def _pairs(seqs_q: PackedSeqs, seqs_k: PackedSeqs):

@@ -96,13 +96,23 @@ if triton is not None:
         tl.store(at_out, acc * w_old[:, None] + part * w_new[:, None], mask=tile)
         tl.store(lse_ptr + h * lse_head + row * lse_row, merged, mask=in_h)
 
+    def _add_rows(acc_ptr, src_ptr, rows_ptr, width, acc_row, src_row, BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = at < width
+        row = tl.load(rows_ptr + i)
+        grad = tl.load(src_ptr + i * src_row + at, mask=inside, other=0.0).to(tl.float32)
+        acc = tl.load(acc_ptr + row * acc_row + at, mask=inside, other=0.0)
+        tl.store(acc_ptr + row * acc_row + at, acc + grad, mask=inside)
+
     @functools.cache
-    def _kernel(interpret: bool):
+    def _kernel(interpret: bool, fn=None):
+        fn = fn or _merge_rows
         if interpret:
             from triton.runtime.interpreter import InterpretedFunction
 
-            return InterpretedFunction(_merge_rows)
-        return triton.jit(_merge_rows)
+            return InterpretedFunction(fn)
+        return triton.jit(fn)
 
 
 def merge_rows_(
@@ -165,3 +175,28 @@ def merge_rows_(
         BLOCK_H=block_h,
         BLOCK_E=triton.next_power_of_2(dim),
     )
+
+
+def add_rows_(
+    acc: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, interpret: bool = False
+) -> None:
+    """acc[rows[i]] += grad[i] in one launch, grad cast to acc's float32 on the way (the
+    torch way takes a cast and an index_add_). Rows must be distinct, as a step's are.
+
+    Args:
+        acc: float32 (P, ...) whose every row is contiguous (a view such as dkv[:, 0] is).
+        rows: int64 (n,) distinct rows of acc.
+        grad: (n, ...) contiguous, the shape of acc's rows.
+    """
+    reason = unavailable_reason(acc.device, interpret)
+    if reason is not None:
+        raise RuntimeError(reason)
+    n = grad.shape[0]
+    width = grad[0].numel() if n else 0
+    if n == 0 or width == 0:
+        return
+    if acc.dtype != torch.float32 or not acc[0].is_contiguous() or not grad.is_contiguous():
+        raise ValueError("add_rows_ takes float32 accumulators with contiguous rows")
+    block = min(4096, triton.next_power_of_2(width))
+    grid = (n, triton.cdiv(width, block))
+    _kernel(interpret, _add_rows)[grid](acc, grad, rows, width, acc.stride(0), width, BLOCK=block)

@@ -67,9 +67,12 @@ def _take(t: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor:
 
 
 def _add_(acc: torch.Tensor, rows: Rows, grad: torch.Tensor) -> None:
-    """acc[rows] += grad in acc's dtype: in place on a run, by index otherwise."""
+    """acc[rows] += grad in acc's dtype: in place on a run; by index otherwise, in one fused
+    kernel on a GPU."""
     if isinstance(rows, slice):
         acc[rows] += grad
+    elif merge_kernel.unavailable_reason(acc.device) is None and grad.is_contiguous():
+        merge_kernel.add_rows_(acc, rows, grad)
     else:
         acc.index_add_(0, rows, grad.to(acc.dtype))
 
@@ -130,8 +133,5 @@ def step_backward(
         )
     )
     _add_(dq_PHE, rows, dq)
-    if isinstance(k_rows, slice):
-        dkv_P2KE[k_rows, 0] += dk
-        dkv_P2KE[k_rows, 1] += dv
-    else:
-        dkv_P2KE.index_add_(0, k_rows, torch.stack((dk, dv), dim=1).to(dkv_P2KE.dtype))
+    _add_(dkv_P2KE[:, 0], k_rows, dk)
+    _add_(dkv_P2KE[:, 1], k_rows, dv)
