@@ -143,6 +143,10 @@ class MoEConfig:
         }
 
 
+MODEL_RUN_KEYS = ("preset", "attention_kernel", "init_from", "moe", "loss_chunk_tokens", "compile")
+"""`model` keys that are not shape fields."""
+
+
 @dataclass
 class ModelConfig:
     preset: str = "tiny"
@@ -167,8 +171,24 @@ class ModelConfig:
     repeat the checkpoint's value. Unset: a preset, randomly initialised."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-Experts blocks (the preset's unless set)."""
+    loss_chunk_tokens: int = 0
+    """> 0: the training and evaluation loss runs the output projection and its
+    cross-entropy this many tokens at a time (`ray_zep.model.loss`; 4096 is a good
+    value on a GPU), never holding fp32 logits of the whole batch; 0: the whole
+    batch's logits at once. Equal up to fp32 rounding, not bit for bit, so off by
+    default."""
+    compile: bool = False
+    """torch.compile each transformer block's norm, projections, RoPE and SwiGLU
+    (regional compilation; attention and its communication stay eager). Equal to
+    eager up to fp32 rounding; needs a C++ compiler on CPU."""
 
     def __post_init__(self) -> None:
+        require(
+            self.loss_chunk_tokens >= 0,
+            "model.loss_chunk_tokens",
+            self.loss_chunk_tokens,
+            "must be >= 0 (0: off)",
+        )
         require(
             self.init_from is None or bool(self.init_from.strip()),
             "model.init_from",
@@ -181,8 +201,7 @@ class ModelConfig:
         return {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name not in ("preset", "attention_kernel", "init_from", "moe")
-            and getattr(self, f.name) is not None
+            if f.name not in MODEL_RUN_KEYS and getattr(self, f.name) is not None
         }
 
 

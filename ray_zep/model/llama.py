@@ -17,6 +17,18 @@ backward. The recomputation runs to the end of the checkpointed region even
 after the tensors backward needs are back (no early stop), so a recomputed
 forward posts every transfer the first one posted, on every rank alike.
 
+Given labels, the model returns the loss instead of the logits (`OutputHead`),
+chunk by chunk of tokens when `Transformer.loss_chunk_tokens` > 0
+(`ray_zep.model.loss`). The head computes it inside its own forward so that
+FSDP2's hooks have gathered the whole output weight when it runs.
+
+`Transformer.compile_blocks` compiles regions of every block with torch.compile
+(as TorchTitan compiles per block, not the whole model): the attention norm,
+q/k/v projections and RoPE as one graph, the feed-forward norm and SwiGLU as
+another (dense blocks only: an MoE feed-forward communicates). The attention
+call between them, which may run the distributed engine, stays eager and is
+never traced, so there is no graph break inside a region.
+
 Shape legend: T tokens of the packed batch, D model dim, H query heads,
 K key/value heads, E head dim, F feed-forward dim, V vocabulary.
 """
@@ -24,6 +36,7 @@ K key/value heads, E head dim, F feed-forward dim, V vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +46,8 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from ray_zep.attention.kernels import AttentionFn, torch_varlen_attention
 from ray_zep.attention.rope import apply_rope, rope_tables
 from ray_zep.attention.varlen import PackedSeqs
+from ray_zep.constants import IGNORE_INDEX
+from ray_zep.model.loss import chunked_cross_entropy
 from ray_zep.model_shapes import ModelShape
 from ray_zep.moe.gate import Balance
 from ray_zep.moe.layer import MoE
@@ -71,12 +86,22 @@ class Attention(nn.Module):
         seqs: PackedSeqs,
         attention: AttentionFn,
     ) -> torch.Tensor:
+        out_THE, _ = attention(*self.project(x_TD, rope), seqs, causal=True)
+        return self.output(out_THE)
+
+    def project(
+        self, x_TD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q_THE and k_TKE (rotated) and v_TKE of the normed input."""
         tokens = x_TD.shape[0]
         q_THE = apply_rope(self.wq(x_TD).view(tokens, self.n_heads, self.head_dim), *rope)
         k_TKE = apply_rope(self.wk(x_TD).view(tokens, self.n_kv_heads, self.head_dim), *rope)
         v_TKE = self.wv(x_TD).view(tokens, self.n_kv_heads, self.head_dim)
-        out_THE, _ = attention(q_THE, k_TKE, v_TKE, seqs, causal=True)
-        return self.wo(out_THE.reshape(tokens, self.n_heads * self.head_dim))
+        return q_THE, k_TKE, v_TKE
+
+    def output(self, out_THE: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention's out_THE."""
+        return self.wo(out_THE.reshape(out_THE.shape[0], self.n_heads * self.head_dim))
 
 
 class FeedForward(nn.Module):
@@ -111,6 +136,18 @@ class Block(nn.Module):
         self.checkpointing = ActivationCheckpointing.NONE
         """What backward recomputes (`train.activation_checkpointing`). A pipelined
         block interleaves attention and experts, so `selective` recomputes it whole."""
+        self.compiled: dict[str, Callable] = {}
+        """The regions `compile_regions` compiled, by name (`qkv`, `ffn`)."""
+
+    def compile_regions(self) -> None:
+        """torch.compile the q/k/v region and, in a dense block, the feed-forward region.
+
+        Token counts vary from step to step: the regions compile with dynamic
+        shapes, once. The attention call between them stays eager.
+        """
+        self.compiled["qkv"] = torch.compile(self.attention_inputs, dynamic=True)
+        if isinstance(self.feed_forward, FeedForward):
+            self.compiled["ffn"] = torch.compile(self._feed_forward, dynamic=True)
 
     def forward(
         self,
@@ -134,13 +171,53 @@ class Block(nn.Module):
 
     def plain_forward(self, x_TD, rope, seqs, attention) -> torch.Tensor:
         """Attention, then the feed-forward, with no overlap."""
-        h_TD = x_TD + self.attention(self.attention_norm(x_TD), rope, seqs, attention)
+        qkv = self.compiled.get("qkv", self.attention_inputs)
+        out_THE, _ = attention(*qkv(x_TD, rope), seqs, causal=True)
+        h_TD = x_TD + self.attention.output(out_THE)
+        ffn = self.compiled.get("ffn", self._feed_forward)
         if self.checkpointing is ActivationCheckpointing.SELECTIVE and torch.is_grad_enabled():
-            return h_TD + _recomputed(self._feed_forward, h_TD)
-        return h_TD + self._feed_forward(h_TD)
+            return h_TD + _recomputed(ffn, h_TD)
+        return h_TD + ffn(h_TD)
+
+    def attention_inputs(
+        self, x_TD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q_THE, k_TKE and v_TKE of the block's input (attention norm, projections, RoPE)."""
+        return self.attention.project(self.attention_norm(x_TD), rope)
 
     def _feed_forward(self, h_TD: torch.Tensor) -> torch.Tensor:
         return self.feed_forward(self.ffn_norm(h_TD))
+
+
+class OutputHead(nn.Linear):
+    """The output projection (no bias); given labels, the loss instead of the logits."""
+
+    def forward(
+        self,
+        h_TD: torch.Tensor,
+        labels_T: torch.Tensor | None = None,
+        chunk_tokens: int = 0,
+        reduction: str = "sum",
+    ) -> torch.Tensor:
+        """logits_TV, or the fp32 token cross-entropies of `labels_T` (IGNORE_INDEX: none).
+
+        Args:
+            h_TD: the final norm's output.
+            labels_T: next-token ids; None returns the logits.
+            chunk_tokens: > 0 computes the loss that many tokens at a time
+                (`chunked_cross_entropy`); 0 from the whole batch's logits.
+            reduction: `sum` or `none` (losses_T), as `F.cross_entropy` takes it.
+        """
+        if labels_T is None:
+            return super().forward(h_TD)
+        if chunk_tokens:
+            return chunked_cross_entropy(
+                h_TD, self.weight, labels_T, chunk_tokens, IGNORE_INDEX, reduction
+            )
+        logits_TV = super().forward(h_TD)
+        return F.cross_entropy(
+            logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction=reduction
+        )
 
 
 def _recomputed(fn, *args) -> torch.Tensor:
@@ -164,7 +241,9 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
         self.layers = nn.ModuleList(Block(shape, i) for i in range(shape.n_layers))
         self.norm = RMSNorm(shape.dim, shape.norm_eps)
-        self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
+        self.output = OutputHead(shape.dim, shape.vocab_size, bias=False)
+        self.loss_chunk_tokens = 0
+        """Tokens per chunk of the loss given labels (`model.loss_chunk_tokens`); 0: whole."""
 
     def init_weights(self, generator: torch.Generator) -> None:
         """Normal(0, 0.02) weights, output projections scaled by 1/sqrt(2 x layers),
@@ -190,6 +269,11 @@ class Transformer(nn.Module):
         for block in self.layers:
             block.checkpointing = mode
 
+    def compile_blocks(self) -> None:
+        """Compile every block's regions (`model.compile`; see `Block.compile_regions`)."""
+        for block in self.layers:
+            block.compile_regions()
+
     def moe_layers(self) -> list[MoE]:
         """The MoE feed-forwards, block by block."""
         return [m for m in self.modules() if isinstance(m, MoE)]
@@ -204,8 +288,10 @@ class Transformer(nn.Module):
         positions_T: torch.Tensor,
         seqs: PackedSeqs | None,
         attention: AttentionFn | None = None,
+        labels_T: torch.Tensor | None = None,
+        reduction: str = "sum",
     ) -> torch.Tensor:
-        """Logits of the next token at every position.
+        """Logits of the next token at every position, or the loss against `labels_T`.
 
         Args:
             tokens_T: int64 token ids of the packed batch.
@@ -214,13 +300,20 @@ class Transformer(nn.Module):
                 knows the layout itself (the distributed engine).
             attention: overrides the model's kernel for this call, e.g. the
                 attention engine of a parallel strategy.
+            labels_T: next-token ids (IGNORE_INDEX where there is none); given,
+                the head returns the fp32 cross-entropy instead of the logits,
+                `loss_chunk_tokens` tokens at a time when that is > 0.
+            reduction: with labels: `sum` of the token losses, or `none` (losses_T).
 
         Returns:
-            logits_TV.
+            logits_TV, or the loss.
         """
         rope = rope_tables(positions_T, self.shape.head_dim, self.shape.rope_theta)
         h_TD = self.tok_embeddings(tokens_T)
         attention = attention or self.attention_fn
         for layer in self.layers:
             h_TD = layer(h_TD, rope, seqs, attention)
-        return self.output(self.norm(h_TD))
+        h_TD = self.norm(h_TD)
+        if labels_T is None:
+            return self.output(h_TD)
+        return self.output(h_TD, labels_T, self.loss_chunk_tokens, reduction)

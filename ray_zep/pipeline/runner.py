@@ -18,12 +18,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 from ray_zep.attention.rope import rope_tables
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.collectives.adaptive import RingZipper
-from ray_zep.constants import IGNORE_INDEX
 from ray_zep.distributed import Comm
 from ray_zep.errors import ConfigError
 from ray_zep.model.llama import Transformer
@@ -102,12 +100,11 @@ class WeightPipeline:
             pending = self._post_fetch(ahead) if ahead >= 0 else None
             inputs = x if shard == 0 else x.detach().requires_grad_(True)
             keep_graph = not self.recompute or shard == count - 1
+            last = shard == count - 1
             with autocast or contextlib.nullcontext(), torch.set_grad_enabled(keep_graph):
-                out = self._run(shard, inputs, rope, seqs)
-            if shard == count - 1:
-                loss_sum = F.cross_entropy(
-                    out.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum"
-                )
+                out = self._run(shard, inputs, rope, seqs, labels_T if last else None)
+            if last:  # the head returned the sum of token losses
+                loss_sum = out
                 out = loss_sum / max(1, label_tokens)
             saved.append((inputs, out))
             weights.sample()
@@ -135,13 +132,17 @@ class WeightPipeline:
             self._advance_sums(summing)
         return float(loss_sum.detach())
 
-    def _run(self, shard: int, x: torch.Tensor, rope, seqs: PackedSeqs) -> torch.Tensor:
+    def _run(
+        self, shard: int, x: torch.Tensor, rope, seqs: PackedSeqs, labels_T=None
+    ) -> torch.Tensor:
+        """The shard's units on `x`; with `labels_T` (the last shard) the head returns
+        the sum of token losses (chunked under `model.loss_chunk_tokens`)."""
         for name, modules in self.weights.units[shard]:
             if name == "tok_embeddings":
                 x = modules[0](x)
             elif name == "head":
                 norm, output = modules
-                x = output(norm(x))
+                x = output(norm(x), labels_T, self.model.loss_chunk_tokens)
             else:
                 x = modules[0](x, rope, seqs, self.model.attention_fn)
         return x

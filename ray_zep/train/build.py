@@ -61,7 +61,11 @@ def group_needs(config: Config) -> GroupNeeds:
 def build_model(
     config: Config, device: torch.device, dtype: torch.dtype
 ) -> tuple[Transformer, AttentionFn]:
-    """The seeded model on `device` with its attention kernel and activation checkpointing.
+    """The seeded model on `device` with its attention kernel, activation checkpointing,
+    chunked loss (`model.loss_chunk_tokens`) and compiled block regions (`model.compile`).
+
+    Compilation comes before the axes apply, as TorchTitan compiles each block before
+    `fully_shard`: FSDP2's hooks stay on the blocks, outside the compiled regions.
 
     With `model.init_from` the weights are the Hugging Face checkpoint's, read on
     every rank before the axes split or shard anything (so every composition
@@ -76,6 +80,9 @@ def build_model(
         model.init_weights(torch.Generator().manual_seed(config.train.seed))
     model.to(device)
     model.set_checkpointing(config.train.activation_checkpointing)
+    model.loss_chunk_tokens = config.model.loss_chunk_tokens
+    if config.model.compile:
+        model.compile_blocks()
     return model, kernel
 
 

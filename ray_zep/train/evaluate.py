@@ -6,7 +6,8 @@ are packed whole into batches of at most the global batch's token budget
 a longer document is a batch of its own, never cut, so every document's loss is
 that of the document itself. Each batch runs through the model's varlen forward
 with its document boundaries, and every token but a document's last is scored
-against the next token (cross-entropy in float32).
+against the next token (cross-entropy in float32, chunk by chunk of tokens under
+`model.loss_chunk_tokens`).
 
 Result: `loss`, the mean over all label tokens; `label_tokens`; `documents`,
 one entry per document read (`doc` id, `tokens`, and `loss`, the mean over its
@@ -23,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ray_zep.attention.kernels import select_kernel
 from ray_zep.attention.varlen import PackedSeqs, positions_from_lengths
@@ -138,10 +138,7 @@ def _batch_losses(
     seqs = PackedSeqs.from_lengths(lengths, device)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     with autocast:
-        logits_TV = model(tokens_T, positions_T, seqs)
-    losses_T = F.cross_entropy(
-        logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="none"
-    )
+        losses_T = model(tokens_T, positions_T, seqs, labels_T=labels_T, reduction="none")
     doc_of_T = torch.from_numpy(np.repeat(np.arange(len(docs)), lengths)).to(device)
     sums = torch.zeros(len(docs), dtype=torch.float64, device=device)
     sums.index_add_(0, doc_of_T, losses_T.double())
@@ -163,6 +160,7 @@ def run_eval(source: ModelSource, max_batches: int | None = None) -> EvalResult:
     device = resolve_device(config.train.device)
     dtype = resolve_dtype(config.train.precision, device)
     model = whole_model(source).to(device)
+    model.loss_chunk_tokens = config.model.loss_chunk_tokens
     model.attention_fn = select_kernel(config.model.attention_kernel, device, dtype)
     data = open_configured_source(config)
     budget = build_topology(config.topology).world_size * config.train.tokens_per_rank

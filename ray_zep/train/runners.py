@@ -6,8 +6,10 @@ all-reduced after backward). `WeightPassingRunner` runs the weight-passing
 pipeline shard by shard (`ray_zep.pipeline`), whose gradients land at their
 owners. `RUNNERS` maps each family to its runner; the trainer looks it up.
 
-The loss of a step is the sum of token cross-entropies on this rank divided by
-the number of label tokens of the *global* batch, so summing gradients over
+The head computes the token losses inside the model's forward (`OutputHead`),
+where FSDP2 has gathered the whole output weight, chunk by chunk of tokens under
+`model.loss_chunk_tokens`. The loss of a step is the sum of token cross-entropies
+on this rank divided by the number of label tokens of the *global* batch, so summing gradients over
 ranks gives exactly the gradient of the global mean loss that the one-process
 reference computes.
 """
@@ -19,7 +21,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ray_zep.attention.engine import run_attention
 from ray_zep.attention.kernels import AttentionFn, select_backward
@@ -30,7 +31,6 @@ from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.collectives.adaptive import AdaptiveCollectives
 from ray_zep.collectives.ops import all_reduce_sum_
 from ray_zep.config import Config
-from ray_zep.constants import IGNORE_INDEX
 from ray_zep.data.shards import RankShard
 from ray_zep.distributed import Comm
 from ray_zep.model.llama import Transformer
@@ -152,10 +152,8 @@ class AutogradRunner(StepRunner):
             moe.routing_groups = shard.routing_groups
         try:
             with self.autocast():
-                logits_TV = ctx.model(tokens, positions, seqs, attention)
-            token_losses = F.cross_entropy(
-                logits_TV.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"
-            )
+                # the head computes the loss (chunked under model.loss_chunk_tokens)
+                token_losses = ctx.model(tokens, positions, seqs, attention, labels_T=labels)
             coef = ctx.config.model.moe.aux_loss_coef
             aux = balance_loss(ctx.model.balance(), ctx.comm, coef).to(ctx.device)
             (token_losses / max(1, shard.global_label_tokens) + aux).backward()
