@@ -5,7 +5,9 @@ the whole tensor); each chunk is coded as described in `format.py`, with a
 code table per block of 4096 values inside it (`table.py`). Two backends
 produce the same bytes: the torch reference (`reference.py`, any device) and
 the native kernels (`native.py`: C on the CPU, one call for all of a tensor's
-chunks each way; CUDA on a GPU), chosen by `backend`.
+chunks each way; CUDA on a GPU, `cuda_kernels.py`, two launches per chunk each
+way and no wait for the device until a length or a verdict is needed), chosen
+by `backend`.
 """
 
 from __future__ import annotations
@@ -15,22 +17,34 @@ import functools
 import logging
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from types import ModuleType
+from typing import cast
 
 import torch
 
-from ray_zep.collectives import native, reference
-from ray_zep.collectives.format import HEADER_BYTES, FloatFormat, Header, float_format
+from ray_zep.collectives import cuda_kernels, native, reference
+from ray_zep.collectives.format import (
+    HEADER_BYTES,
+    FloatFormat,
+    Header,
+    dynamic_bytes,
+    float_format,
+)
 from ray_zep.errors import CodecError
 
 BACKENDS = ("auto", "torch", "native")
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
 class Compressed:
     """A compressed tensor: the static parts of its chunks back to back, then the dynamic parts.
+
+    On a GPU `compress` returns before the dynamic parts' lengths reach the host: each
+    chunk's dynamic part then starts a room of `room_sizes[i]` bytes in `dynamic`. The
+    first use of `dynamic`, `dynamic_sizes` or of what follows from them (`nbytes`,
+    `ratio`, `chunk`, `packed`, `packed_sizes`) reads every chunk's escape count from its
+    header (one device -> host copy, `resolve`) and cuts the parts out of their rooms;
+    `static`, `static_sizes` and `decompress` never wait for it.
 
     Attributes:
         static: uint8, chunk i's static part at `static_offsets[i]`.
@@ -42,13 +56,48 @@ class Compressed:
         shape: shape of the original tensor.
     """
 
-    static: torch.Tensor
-    dynamic: torch.Tensor
-    static_sizes: tuple[int, ...]
-    dynamic_sizes: tuple[int, ...]
-    chunk_values: tuple[int, ...]
-    dtype: torch.dtype
-    shape: torch.Size
+    def __init__(
+        self,
+        static: torch.Tensor,
+        dynamic: torch.Tensor,
+        static_sizes: tuple[int, ...],
+        dynamic_sizes: tuple[int, ...] | None,
+        chunk_values: tuple[int, ...],
+        dtype: torch.dtype,
+        shape: torch.Size,
+        room_sizes: tuple[int, ...] | None = None,
+    ) -> None:
+        """`dynamic_sizes` None: `dynamic` holds the rooms of `room_sizes` bytes (see above)."""
+        if (dynamic_sizes is None) == (room_sizes is None):
+            raise CodecError("Compressed takes either the dynamic sizes or the room sizes")
+        self.static, self.static_sizes = static, static_sizes
+        self.chunk_values, self.dtype, self.shape = chunk_values, dtype, shape
+        self._dynamic, self._dynamic_sizes, self._room_sizes = dynamic, dynamic_sizes, room_sizes
+
+    @property
+    def sizes_known(self) -> bool:
+        """Whether the dynamic parts' lengths are on the host (no wait to ask)."""
+        return self._room_sizes is None
+
+    def resolve(self) -> Compressed:
+        """Read the dynamic parts' lengths (once) and cut the parts out of their rooms."""
+        if self._room_sizes is None:
+            return self
+        counts = cuda_kernels.escape_counts(self.static, self.static_sizes).tolist()
+        sizes = tuple(dynamic_bytes(c) for c in counts)
+        rooms = self._dynamic.split(list(self._room_sizes)) if sizes else []
+        parts = [room[:size] for room, size in zip(rooms, sizes, strict=True)]
+        self._dynamic = torch.cat(parts) if parts else self._dynamic[:0]  # frees the rooms
+        self._dynamic_sizes, self._room_sizes = sizes, None
+        return self
+
+    @property
+    def dynamic(self) -> torch.Tensor:
+        return self.resolve()._dynamic
+
+    @property
+    def dynamic_sizes(self) -> tuple[int, ...]:
+        return cast(tuple[int, ...], self.resolve()._dynamic_sizes)  # resolve sets them
 
     @property
     def nbytes(self) -> int:
@@ -80,6 +129,13 @@ class Compressed:
             self.dynamic[d : d + self.dynamic_sizes[i]],
         )
 
+    def decodable(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(static part, dynamic part or the room it starts) of every chunk, without waiting."""
+        if self._room_sizes is None:
+            return [self.chunk(i) for i in range(len(self.chunk_values))]
+        statics = self.static.split(list(self.static_sizes))
+        return list(zip(statics, self._dynamic.split(list(self._room_sizes)), strict=True))
+
     def packed(self) -> torch.Tensor:
         """Every chunk as static part then dynamic part, chunk after chunk (one buffer)."""
         parts = [part for i in range(len(self.chunk_values)) for part in self.chunk(i)]
@@ -101,7 +157,9 @@ def compress(
             torch), "torch" (the reference) or "native" (error if unavailable).
 
     Returns:
-        The compressed tensor; `decompress` gives back the same bits.
+        The compressed tensor; `decompress` gives back the same bits. On a GPU with the
+        CUDA kernel: two launches per chunk and no wait for the device; the dynamic
+        parts' lengths are read when first used (see `Compressed`).
 
     Raises:
         CodecError: unsupported dtype, bad splits, or an unavailable backend.
@@ -110,6 +168,13 @@ def compress(
     flat = tensor.detach().reshape(-1).contiguous()
     chunk_values = _check_splits(splits, flat.numel())
     kernels = _kernels(backend, flat.device, fmt)
+    if _cuda_kernel(kernels, flat.device):
+        static, rooms, static_sizes, room_sizes = cuda_kernels.encode_chunks(
+            flat, fmt, chunk_values
+        )
+        return Compressed(
+            static, rooms, static_sizes, None, chunk_values, tensor.dtype, tensor.shape, room_sizes
+        )
     static, dynamic, static_sizes, dynamic_sizes = kernels.encode_chunks(flat, fmt, chunk_values)
     return Compressed(
         static, dynamic, static_sizes, dynamic_sizes, chunk_values, tensor.dtype, tensor.shape
@@ -119,12 +184,20 @@ def compress(
 def decompress(compressed: Compressed, backend: str = "auto") -> torch.Tensor:
     """The original tensor: same dtype, shape and bits (contiguous).
 
+    On a GPU with the CUDA kernel: two launches per chunk, then one device -> host read
+    of every chunk's verdict, so the values are never returned unchecked.
+
     Raises:
         CodecError: a chunk is damaged (see `decode_chunk`).
     """
     fmt = float_format(compressed.dtype)
+    device = compressed.static.device
+    kernels = _kernels(backend, device, fmt)
+    if _cuda_kernel(kernels, device):
+        chunks = compressed.decodable()
+        values, _ = cuda_kernels.decode_chunks(chunks, compressed.chunk_values, device)
+        return values.view(compressed.shape)
     chunks = [compressed.chunk(i) for i in range(len(compressed.chunk_values))]
-    kernels = _kernels(backend, compressed.static.device, fmt)
     return kernels.decode_chunks(chunks, compressed.chunk_values, fmt).view(compressed.shape)
 
 
@@ -146,6 +219,8 @@ def decode_chunk(
     header = header or read_header(static)
     reference.check_whole(static, dynamic, header)  # before trusting its count of values
     kernels = _kernels(backend, static.device, header.fmt)
+    if _cuda_kernel(kernels, static.device):
+        return cuda_kernels.decode_chunk(static, dynamic, header)
     return kernels.decode_chunks([(static, dynamic)], (header.n_values,), header.fmt)
 
 
@@ -182,6 +257,11 @@ def split_packed(buffer: torch.Tensor, chunks: int) -> list[tuple[torch.Tensor, 
 def _kernels(backend: str, device: torch.device, fmt: FloatFormat) -> ModuleType:
     """The module whose `encode_chunk` / `decode_chunk` serve this call."""
     return native if _use_native(backend, device, fmt) else reference
+
+
+def _cuda_kernel(kernels: ModuleType, device: torch.device) -> bool:
+    """Whether the CUDA kernel serves this call (it keeps the lengths on the device)."""
+    return kernels is native and device.type == "cuda"
 
 
 def _use_native(backend: str, device: torch.device, fmt: FloatFormat) -> bool:

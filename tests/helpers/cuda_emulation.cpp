@@ -5,7 +5,8 @@
 // of the block's threads), the warp shuffles (through a block-wide exchange
 // array; the kernels call them with every thread of the block), atomicAdd
 // (std::atomic_ref), __shared__ (function-static storage, shared by the block's
-// threads as one block runs at a time).
+// threads as one block runs at a time). Blocks run one after another in index
+// order, so a tile's look-back always finds the previous tile's prefix.
 #include <atomic>
 #include <barrier>
 #include <cstdint>
@@ -20,6 +21,7 @@ static std::barrier<> *block_barrier = nullptr;
 static int exchange[1024];
 
 #define __global__
+#define __host__
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
@@ -50,6 +52,10 @@ static inline int atomicAdd(int *address, int value) {
     return std::atomic_ref<int>(*address).fetch_add(value);
 }
 
+static inline unsigned atomicAdd(unsigned *address, unsigned value) {
+    return std::atomic_ref<unsigned>(*address).fetch_add(value);
+}
+
 #include "zipccl_kernels.cuh"
 
 static void launch(int64_t blocks, const std::function<void()> &kernel) {
@@ -70,22 +76,20 @@ static void launch(int64_t blocks, const std::function<void()> &kernel) {
 
 extern "C" {
 
-void emu_tables(const uint16_t *values, int64_t n, int64_t tiles, uint8_t *code_of,
-                uint8_t *table_bytes, int64_t *counts, int64_t *sums, int64_t blocks) {
-    launch(blocks, [&] { zc_tables_kernel(values, n, tiles, code_of, table_bytes, counts, sums); });
+// The two launches of `encode` in cuda/zipccl.cu, with its scratch from the caller.
+void emu_encode(const uint16_t *values, int64_t n, uint8_t *chunk, uint8_t *room,
+                uint8_t *code_of, unsigned long long *status, int64_t *sums) {
+    const ZcLayout l = zc_layout(n);
+    launch(l.blocks > 0 ? l.blocks : 1,
+           [&] { zc_tables_kernel(values, l, chunk, code_of, status, sums); });
+    launch(l.tiles, [&] { zc_encode_kernel(values, l, code_of, sums, status, chunk, room); });
 }
 
-void emu_encode(const uint16_t *values, int64_t n, const uint8_t *code_of,
-                const int32_t *tile_index, uint8_t *raw, uint8_t *p0, uint8_t *p1, uint8_t *p2,
-                uint8_t *escapes, int64_t tiles) {
-    launch(tiles, [&] { zc_encode_kernel(values, n, code_of, tile_index, raw, p0, p1, p2, escapes); });
-}
-
-void emu_decode(const uint8_t *raw, const uint8_t *p0, const uint8_t *p1, const uint8_t *p2,
-                const int32_t *tile_index, const uint8_t *escapes, const uint8_t *table8, int64_t n,
-                uint16_t *values, int64_t *sums, int64_t tiles) {
-    launch(tiles, [&] {
-        zc_decode_kernel(raw, p0, p1, p2, tile_index, escapes, table8, n, values, sums);
-    });
+// The two launches of `decode` in cuda/zipccl.cu.
+void emu_decode(const uint8_t *chunk, const uint8_t *escapes, int64_t escape_room, int64_t n,
+                uint16_t *values, unsigned long long *shares, int64_t *status) {
+    const ZcLayout l = zc_layout(n);
+    launch(l.tiles, [&] { zc_decode_kernel(chunk, l, escapes, escape_room, values, shares); });
+    launch(1, [&] { zc_check_kernel(chunk, n, escape_room, shares, l.tiles, status); });
 }
 }

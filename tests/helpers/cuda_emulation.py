@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ray_zep.collectives.format import BLOCK_VALUES
+from ray_zep.collectives.format import BLOCK_VALUES, TILE_VALUES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,33 +35,31 @@ def _p(tensor: torch.Tensor, offset: int = 0) -> ctypes.c_void_p:
 
 
 class EmulatedKernels:
-    """Same methods and arguments as the JIT-built extension of `cuda/zipccl.cu`."""
+    """Same methods and arguments as the JIT-built extension of `cuda/zipccl.cu`; the
+    scratch the extension allocates on the device is filled with garbage here, so a byte
+    the kernels should write but do not shows."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
 
-    def tables(self, values, tiles, table_bytes):
-        blocks = -(-values.numel() // BLOCK_VALUES)
-        code_of = torch.empty((blocks, 256), dtype=torch.uint8)
-        counts = torch.empty(tiles, dtype=torch.int64)  # as the extension: the kernel fills
-        sums = torch.empty(blocks, dtype=torch.int64)
-        self.lib.emu_tables(
-            _p(values), ctypes.c_int64(values.numel()), ctypes.c_int64(tiles), _p(code_of),
-            _p(table_bytes), _p(counts), _p(sums), ctypes.c_int64(blocks),
-        )  # fmt: skip
-        return code_of, counts, sums
-
-    def encode(self, values, code_of, tile_index, static, raw_offset, code_offsets, dynamic):
-        tiles = tile_index.numel()
-        planes = [_p(static, off) for off in code_offsets]
+    def encode(self, values, static, room):
+        n = values.numel()
+        blocks, tiles = -(-n // BLOCK_VALUES), -(-n // TILE_VALUES)
+        code_of = _garbage(blocks * 256, torch.uint8)
+        status, sums = _garbage(tiles, torch.int64), _garbage(blocks, torch.int64)
         self.lib.emu_encode(
-            _p(values), ctypes.c_int64(values.numel()), _p(code_of), _p(tile_index),
-            _p(static, raw_offset), *planes, _p(dynamic), ctypes.c_int64(tiles),
+            _p(values), ctypes.c_int64(n), _p(static), _p(room), _p(code_of), _p(status),
+            _p(sums),
         )  # fmt: skip
 
-    def decode(self, static, raw_offset, code_offsets, tile_index, dynamic, table8, out, sums):
-        planes = [_p(static, off) for off in code_offsets]
+    def decode(self, static, dynamic, out, status):
+        shares = _garbage(-(-out.numel() // TILE_VALUES), torch.int64)
         self.lib.emu_decode(
-            _p(static, raw_offset), *planes, _p(tile_index), _p(dynamic), _p(table8),
-            ctypes.c_int64(out.numel()), _p(out), _p(sums), ctypes.c_int64(tile_index.numel()),
+            _p(static), _p(dynamic), ctypes.c_int64(dynamic.numel()), ctypes.c_int64(out.numel()),
+            _p(out), _p(shares), _p(status),
         )  # fmt: skip
+
+
+def _garbage(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randint(0, 256, (numel * torch.empty(0, dtype=dtype).element_size(),),
+                         dtype=torch.uint8).view(dtype)  # fmt: skip
