@@ -1,9 +1,11 @@
 """The CUDA codec kernel writes the reference's bytes.
 
-On a GPU the JIT-built kernel is compared directly. Everywhere else the same
-kernel source runs on the CPU under a thread-per-CUDA-thread emulation
-(tests/helpers/cuda_emulation.cpp), through the same host code, which checks
-the kernels' logic (indexing, the block scan, escape order, tails) but not
+On a GPU the JIT-built kernel is compared directly, and compressing and decoding
+are checked to take two launches each and no wait for the device. Everywhere
+else the same kernel source runs on the CPU under a thread-per-CUDA-thread
+emulation (tests/helpers/cuda_emulation.cpp), through the same host code, which
+checks the kernels' logic (indexing, the block scan, the look-back over tiles,
+escape order, tails, the header and padding they write, the verdicts) but not
 the CUDA toolchain.
 """
 
@@ -15,8 +17,8 @@ import pytest
 import torch
 
 from ray_zep.collectives import compress, cuda_kernels, decompress, reference
-from ray_zep.collectives.codec import read_header
-from ray_zep.collectives.format import BF16, BLOCK_VALUES, TILE_VALUES
+from ray_zep.collectives.codec import Compressed, decode_chunk, read_header
+from ray_zep.collectives.format import BF16, BLOCK_VALUES, TILE_VALUES, Layout
 from ray_zep.errors import CodecError
 from tests.helpers.cuda_emulation import EmulatedKernels, build
 
@@ -68,13 +70,66 @@ def test_cuda_kernel_logic_codes_a_chunk_that_starts_unaligned(emulated, offset)
 
 
 @pytest.mark.unit
-def test_cuda_kernel_logic_checks_the_decoded_checksum(emulated):
-    values = sample(BLOCK_VALUES + 77, seed=5)
+def test_cuda_kernel_logic_writes_every_byte_of_the_static_part_and_the_dynamic_part(emulated):
+    """The static part and the room come from torch.empty on a GPU: no byte may be left."""
+    n = 2 * BLOCK_VALUES + 5
+    values = sample(n, seed=11)
+    static = torch.full((Layout.of(n, BF16).static_bytes,), 0xA5, dtype=torch.uint8)
+    room = torch.full((cuda_kernels.room_bytes(n),), 0xA5, dtype=torch.uint8)
+    cuda_kernels.encode_into(values, static, room, kernels=emulated)
+    ref_static, ref_dynamic = reference.encode_chunk(values, BF16)
+    assert torch.equal(static, ref_static), "a static byte differs (unwritten padding?)"
+    assert torch.equal(room[: ref_dynamic.numel()], ref_dynamic)
+
+
+@pytest.mark.unit
+def test_cuda_kernel_logic_leaves_the_lengths_on_the_device_until_they_are_used(emulated):
+    splits = (TILE_VALUES + 5, 0, 2 * TILE_VALUES + 3, 9)
+    values = sample(sum(splits), seed=3)
+    parts = cuda_kernels.encode_chunks(values, BF16, splits, kernels=emulated)
+    static, rooms, static_sizes, room_sizes = parts
+    zipped = Compressed(static, rooms, static_sizes, None, splits, values.dtype, values.shape,
+                        room_sizes)  # fmt: skip
+    assert not zipped.sizes_known
+    decoded, _ = cuda_kernels.decode_chunks(zipped.decodable(), splits, values.device, emulated)
+    assert torch.equal(decoded.view(torch.int16), values.view(torch.int16))
+    assert not zipped.sizes_known, "decoding needs no length on the host"
+    want = compress(values, splits, backend="torch")
+    assert torch.equal(zipped.dynamic, want.dynamic) and zipped.sizes_known
+    assert zipped.dynamic_sizes == want.dynamic_sizes and torch.equal(zipped.static, want.static)
+    assert torch.equal(zipped.packed(), want.packed())
+
+
+def _damage(static, dynamic, header, how):
+    layout = header.layout
+    if how == "magic":
+        static[0] ^= 0x01
+    elif how == "tile index":
+        static[layout.tile_index + 4] += 1  # tile 1 starts one escape late
+    elif how == "escape count":
+        static[24] += 1
+    elif how == "truncated":
+        dynamic = dynamic[: header.n_escapes - 1]
+    else:
+        static[layout.raw + 1000] ^= 0x01  # one mantissa bit of value 1000
+    return static, dynamic
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "how, message",
+    [("magic", "not a ZipCCL"), ("tile index", "escape codes"), ("escape count", "escape codes"),
+     ("truncated", "truncated"), ("checksum", "checksum")],
+)  # fmt: skip
+def test_cuda_kernel_logic_gives_the_verdict_when_it_is_read(emulated, how, message):
+    values = sample(2 * TILE_VALUES + 77, seed=5)
     static, dynamic = cuda_kernels.encode_chunk(values, BF16, kernels=emulated)
     header = read_header(static)
-    static[header.layout.raw + 1000] ^= 0x01  # one mantissa bit of value 1000
-    with pytest.raises(CodecError, match="checksum"):
-        cuda_kernels.decode_chunk(static, dynamic, header, kernels=emulated)
+    static, dynamic = _damage(static, dynamic, header, how)
+    chunks, count = [(static, dynamic)], (values.numel(),)
+    _, verdict = cuda_kernels.decode_chunks(chunks, count, static.device, emulated, checked=False)
+    with pytest.raises(CodecError, match=message):
+        verdict.check()
 
 
 GPU_MISSING = cuda_kernels.unavailable_reason(BF16)
@@ -92,3 +147,65 @@ def test_cuda_kernel_writes_the_reference_bytes_on_a_gpu(n, offset):
     assert torch.equal(on_gpu.dynamic.cpu(), on_cpu.dynamic)
     back = decompress(on_gpu, backend="native")
     assert torch.equal(back.cpu().view(torch.int16), values.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_MISSING is not None, reason=f"CUDA codec kernel: {GPU_MISSING}")
+def test_cuda_kernel_cuts_chunks_and_reads_their_lengths_once_on_a_gpu():
+    splits = [5000, 0, 40000, 3]
+    values = sample(sum(splits), seed=9)
+    on_gpu = compress(values.cuda(), splits, backend="native")
+    assert not on_gpu.sizes_known
+    back = decompress(on_gpu, backend="native")
+    assert torch.equal(back.cpu().view(torch.int16), values.view(torch.int16))
+    on_cpu = compress(values, splits, backend="torch")
+    assert torch.equal(on_gpu.packed().cpu(), on_cpu.packed())
+    for i, want in enumerate(values.split(splits)):
+        one = decode_chunk(*on_gpu.chunk(i), backend="native")
+        assert torch.equal(one.cpu().view(torch.int16), want.view(torch.int16))
+
+
+def _cuda_launches(fn) -> list[str]:
+    """Names of the kernels (and copies, fills) `fn` puts on the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_MISSING is not None, reason=f"CUDA codec kernel: {GPU_MISSING}")
+def test_cuda_kernel_compresses_and_decodes_in_two_launches_each_without_waiting():
+    values = sample(1 << 20, seed=2).cuda()
+    device = values.device
+    compress(values, backend="native").resolve()  # JIT build and allocator warm-up
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
+    try:
+        zipped = compress(values, backend="native")
+        out, verdict = cuda_kernels.decode_chunks(
+            zipped.decodable(), zipped.chunk_values, device, checked=False
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    verdict.check()
+    assert torch.equal(out.view(torch.int16), values.view(torch.int16))
+    launches = _cuda_launches(lambda: compress(values, backend="native"))
+    assert len(launches) == 2 and all("zc_" in name for name in launches), launches
+    launches = _cuda_launches(
+        lambda: cuda_kernels.decode_chunks(
+            zipped.decodable(), zipped.chunk_values, device, checked=False
+        )
+    )
+    assert len(launches) == 2 and all("zc_" in name for name in launches), launches
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_MISSING is not None, reason=f"CUDA codec kernel: {GPU_MISSING}")
+def test_cuda_kernel_refuses_a_damaged_chunk_on_a_gpu():
+    values = sample(BLOCK_VALUES + 77, seed=5).cuda()
+    zipped = compress(values, backend="native").resolve()
+    zipped.static[Layout.of(values.numel(), BF16).raw + 1000] ^= 0x01
+    with pytest.raises(CodecError, match="checksum"):
+        decompress(zipped, backend="native")
