@@ -31,8 +31,26 @@ def test_bench_step_times_both_batch_shapes_and_checks_the_memory_model(tmp_path
     assert math.isnan(rows["long"]["mfu"]), "no peak FLOP/s is known for a CPU"
 
 
+def test_bench_step_reports_the_model_and_the_chunked_loss(tmp_path: Path) -> None:
+    code = main(
+        ["bench", "step", "--layers", "1", "--loss-chunk", "48", "--tokens", "64",
+         "--batches", "long", "--steps", "3", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert code == 0
+    record = json.loads((tmp_path / "step.json").read_text())
+    assert record["spec"]["loss_chunk_tokens"] == 48 and record["spec"]["compile"] is False
+    assert record["spec"]["model"]["n_layers"] == 1
+    (row,) = record["rows"]
+    assert (row["model"], row["loss_chunk"], row["compiled"]) == ("tiny x1", 48, False)
+    assert math.isfinite(row["loss"]) and row["tokens_per_s"] > 0
+
+
 def test_bench_step_names_a_bad_flag(capsys) -> None:
     assert main(["bench", "step", "--batches", "short"]) != 0
     assert "--batches: 'short' is not one of packed, long" in capsys.readouterr().err
     assert main(["bench", "step", "--steps", "2"]) != 0
     assert "--steps=2" in capsys.readouterr().err
+    assert main(["bench", "step", "--layers", "0"]) != 0
+    assert "--layers=0 must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "step", "--loss-chunk", "-1"]) != 0
+    assert "--loss-chunk=-1 must be >= 0" in capsys.readouterr().err

@@ -19,6 +19,14 @@ datasheet of a known GPU), the allocator's peak against the memory model's predi
 for the same shard. A case that runs out of memory is a row saying so, with the
 model's prediction.
 
+`--width 3b|7b` and `--layers N` pick the model (on a GPU the default is the 3B
+width with 4 layers, `GPU_MODEL`; `7b` is the 7B preset's width, 32 heads of
+128); `--loss-chunk N` computes the loss N tokens at a time
+(`model.loss_chunk_tokens`) and `--compile` compiles every block's regions
+(`model.compile`). The table and the JSON name all four. The memory model
+prices the whole batch's logits, so with the chunked loss it over-predicts by
+about their size.
+
 Not the Ray path itself: no data actor, no checkpoint, no process group (one rank).
 """
 
@@ -46,6 +54,7 @@ from ray_zep.command_args import (
 from ray_zep.config import Config, config_from_dict, config_to_dict, load_config
 from ray_zep.costmodel import datasheet_peak_flops
 from ray_zep.errors import ConfigError
+from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import WeightsMode
 from ray_zep.partition import registry
 from ray_zep.partition.spec import Role
@@ -69,6 +78,11 @@ GPU_MODEL = (
 with heads of 128 (its 32 heads of 100 have no flash kernel: head dims must be
 multiples of 8) and 4 of its 26 layers, so that 64k tokens per step fit one GPU
 without activation checkpointing."""
+WIDTHS = {
+    "3b": GPU_MODEL[:1] + GPU_MODEL[2:],
+    "7b": ("model.preset=7b",),
+}
+"""`--width`: the model keys of each width (its layers come from `--layers`)."""
 GPU_TOKENS = (8192, 16384, 32768, 65536)
 CPU_TOKENS = (256, 512)
 LONG_SCALE = 64
@@ -88,11 +102,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batches", default=",".join(BATCHES), help="packed (several documents) and/or long"
     )
     parser.add_argument("--steps", type=int, default=6, help=f"steps per case ({WARM_UP} warm-up)")
+    parser.add_argument(
+        "--width", choices=sorted(WIDTHS), help="model width: the 3B (heads of 128) or 7B preset's"
+    )
+    parser.add_argument("--layers", type=int, help="transformer blocks (model.n_layers)")
+    parser.add_argument(
+        "--loss-chunk",
+        type=int,
+        help="tokens per chunk of the loss (model.loss_chunk_tokens; 0: whole batch)",
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile each block's regions (model.compile)"
+    )
 
 
 @dataclass(frozen=True)
 class StepRow:
     device: str
+    model: str
+    loss_chunk: int
+    compiled: bool
     batch: str
     tokens: int
     sequences: float
@@ -112,6 +141,9 @@ class StepRow:
 
 
 COLUMNS = [
+    Column("model", "model", "<10"),
+    Column("loss chunk", "loss_chunk", ">10"),
+    Column("compiled", "compiled", "<8"),
     Column("batch", "batch", "<8"),
     Column("tokens/step", "tokens", ">12"),
     Column("seqs/step", "sequences", ">10.1f"),
@@ -150,16 +182,45 @@ def run(args: argparse.Namespace) -> BenchResult:
         else f"device: {name}; no known peak (set metrics.peak_tflops): MFU not computed"
     )
     spec = {"device": name, "tokens": tokens, "batches": batches, "steps": args.steps,
-            "peak_flops": peak, "model": config_to_dict(base)["model"]}  # fmt: skip
+            "peak_flops": peak, "model": config_to_dict(base)["model"],
+            "loss_chunk_tokens": base.model.loss_chunk_tokens,
+            "compile": base.model.compile}  # fmt: skip
     records = [asdict(r) | {"model_error": r.model_error} for r in rows]
     return BenchResult.from_rows(NAME, spec, rows, COLUMNS, draw, records=records, notes=[note])
 
 
 def _base_config(args: argparse.Namespace) -> Config:
-    """The user's config; without one, the demo config with `GPU_MODEL` on a GPU."""
+    """The user's config; without one, the demo config with `GPU_MODEL` on a GPU; then
+    the flags' model keys over it.
+
+    Raises:
+        ConfigError: `--layers` or `--loss-chunk` out of range.
+    """
+    flags = _flag_overrides(args)
     if args.config is None and not args.overrides and torch.cuda.is_available():
-        return load_config(None, list(GPU_MODEL))
+        default = [GPU_MODEL[1]] if args.width else list(GPU_MODEL)  # a width's own heads
+        return load_config(None, [*default, *flags])
+    args.overrides = [*args.overrides, *flags]
     return optional_config(args)
+
+
+def _flag_overrides(args: argparse.Namespace) -> list[str]:
+    """The model keys `--width`, `--layers`, `--loss-chunk` and `--compile` set."""
+    keys = list(WIDTHS[args.width]) if args.width else []
+    if args.layers is not None:
+        at_least("--layers", args.layers, 1, "model.n_layers")
+        keys.append(f"model.n_layers={args.layers}")
+    if args.loss_chunk is not None:
+        at_least("--loss-chunk", args.loss_chunk, 0, "model.loss_chunk_tokens")
+        keys.append(f"model.loss_chunk_tokens={args.loss_chunk}")
+    if args.compile:
+        keys.append("model.compile=true")
+    return keys
+
+
+def _model_name(config: Config) -> str:
+    """`3b x4`: the preset and the number of layers of the case's model."""
+    return f"{config.model.preset} x{build_shape(config.model).n_layers}"
 
 
 def _peak_flops(config: Config, device: torch.device) -> float:
@@ -222,8 +283,8 @@ def run_case(config: Config, device: torch.device, batch: str, peak: float) -> S
         del trainer
         _release(device)
         nan = float("nan")
-        return StepRow(_name(device), batch, tokens, nan, nan, nan, nan, 0.0, modelled / GiB, nan,
-                       "out of memory")  # fmt: skip
+        return StepRow(*_case(config, device), batch, tokens, nan, nan, nan, nan, 0.0,
+                       modelled / GiB, nan, "out of memory")  # fmt: skip
     modelled = modelled_memory(shard, trainer.ctx).total
     del trainer
     _release(device)
@@ -231,7 +292,7 @@ def run_case(config: Config, device: torch.device, batch: str, peak: float) -> S
     step_s = statistics.mean(seconds[steady])
     mean_flops = statistics.mean(flops[steady])
     return StepRow(
-        _name(device),
+        *_case(config, device),
         batch,
         tokens,
         statistics.mean(sequences[steady]),
@@ -242,6 +303,12 @@ def run_case(config: Config, device: torch.device, batch: str, peak: float) -> S
         modelled / GiB,
         losses[-1],
     )
+
+
+def _case(config: Config, device: torch.device) -> tuple[str, str, int, bool]:
+    """The row's device, model, loss chunk and compile columns."""
+    model = config.model
+    return _name(device), _model_name(config), model.loss_chunk_tokens, model.compile
 
 
 def _name(device: torch.device) -> str:
