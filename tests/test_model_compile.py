@@ -55,8 +55,9 @@ def test_a_compiled_block_equals_the_eager_block_and_compiles_once() -> None:
     torch._dynamo.reset()
     eager = Block(SHAPE)
     torch.nn.init.normal_(eager.ffn_norm.weight, 1.0, 0.2)  # norms that do scale
-    compiled = copy.deepcopy(eager)
+    compiled, other = copy.deepcopy(eager), copy.deepcopy(eager)
     compiled.compile_regions()
+    other.compile_regions()
     assert set(compiled.compiled) == {"qkv", "ffn"}
     # scalar C++: vectorised codegen triples the compile time of this test; the graphs,
     # their fusion and their loops are the same
@@ -70,8 +71,13 @@ def test_a_compiled_block_equals_the_eager_block_and_compiles_once() -> None:
                     f"{name} at {sum(lengths)} tokens: max abs {float(diff.max()):.3g}, "
                     f"mean {float(diff.mean()):.3g}"
                 )
+        # another block runs the same graphs: its weights are the graphs' inputs
+        for w, g in zip(_run(eager, [9], 7), _run(other, [9], 7), strict=True):
+            assert float((g - w).abs().max()) <= REL * float(w.abs().max())
     stats = torch._dynamo.utils.counters["stats"]
-    assert stats["unique_graphs"] == 2, f"one graph per region, no break or recompile: {stats}"
+    assert stats["unique_graphs"] == 2, (
+        f"one graph per region for both token counts and both blocks, no break: {stats}"
+    )
 
 
 def test_model_compile_compiles_every_block_and_leaves_moe_feed_forwards_eager() -> None:
