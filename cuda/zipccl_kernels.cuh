@@ -16,11 +16,11 @@
 //     block's share of the checksum in `sums`. Block 0 also writes the header
 //     (escape count and checksum zero until launch 2) and the zero padding between
 //     sections, so the static part needs no fill before.
-//  2. zc_encode_kernel, one thread block per tile: finds the escapes before its
-//     tile by looking back over `status` (every entry is already published, an
-//     aggregate by launch 1 or an inclusive prefix by a tile of this launch that got
-//     its own, so no tile ever waits for another), publishes its inclusive prefix,
-//     writes its tile index entry, its planes and its escapes at the tile index +
+//  2. zc_encode_kernel, one thread block per tile: writes its planes, finds the
+//     escapes before its tile by looking back over `status` (every entry is already
+//     published, an aggregate by launch 1 or an inclusive prefix by a tile of this
+//     launch that got its own, so no tile ever waits for another), publishes its
+//     inclusive prefix, writes its tile index entry and its escapes at the tile index +
 //     the exclusive scan of the escape counts of the threads before it. The first
 //     tile of each block adds the block's checksum share into the header (modulo
 //     2^32, so the order of the adds does not matter); the last tile writes the
@@ -228,19 +228,45 @@ __device__ __forceinline__ unsigned long long zc_read_status(const unsigned long
     return *reinterpret_cast<const volatile unsigned long long *>(status + t);
 }
 
-// Escapes before `tile`, in every thread: each warp reads the 32 entries before the ones
-// it has read, adding aggregates until the nearest inclusive prefix. Every entry is
-// published before this launch starts, so the loop never waits; a prefix only shortens it.
+// Largest `value` of the block's threads, in every thread.
+__device__ __forceinline__ int zc_block_max(int value) {
+    __shared__ int warp_best[ZC_WARPS];
+    value = zc_warp_max(value);
+    if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = value;
+    __syncthreads();
+    int best = warp_best[0];
+    for (int w = 1; w < ZC_WARPS; ++w) best = warp_best[w] > best ? warp_best[w] : best;
+    __syncthreads();  // warp_best may be reused by a later max
+    return best;
+}
+
+#define ZC_LOOK_BACK (2 * ZC_THREADS)  // entries of `status` a block reads per round
+
+// Escapes before `tile`, in every thread: the block reads the ZC_LOOK_BACK entries before
+// the ones it has read, adding aggregates until the nearest inclusive prefix. Every entry
+// is published before this launch starts, so the loop never waits; a prefix only ends it
+// sooner. A round covers more tiles than start while it lasts, so a tile usually finds
+// the prefix of one that started before it in its first round.
 __device__ __forceinline__ int64_t zc_look_back(const unsigned long long *status, int64_t tile) {
-    const int lane = threadIdx.x & 31;
     int64_t prefix = 0;
-    for (int64_t end = tile; end > 0; end -= 32) {
-        const int64_t t = end - 1 - lane;
-        const unsigned long long s = t >= 0 ? zc_read_status(status, t) : ZC_PREFIX;
-        const bool known = (s & ZC_FLAGS) == ZC_PREFIX;
-        const int nearest = 31 - zc_warp_max(known ? 31 - lane : -1);  // 32: no prefix yet
-        prefix += zc_warp_sum(lane <= nearest ? (uint32_t)s : 0u);
-        if (nearest < 32) break;
+    for (int64_t end = tile; end > 0; end -= ZC_LOOK_BACK) {
+        unsigned long long s[2];
+        int known = -1;  // ZC_LOOK_BACK - 1 - this thread's nearest entry with a prefix
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int back = k * ZC_THREADS + (int)threadIdx.x;  // 0: tile end - 1
+            const int64_t t = end - 1 - back;
+            s[k] = t >= 0 ? zc_read_status(status, t) : ZC_PREFIX;  // before tile 0: none
+            const int mine = ZC_LOOK_BACK - 1 - back;
+            if ((s[k] & ZC_FLAGS) == ZC_PREFIX && mine > known) known = mine;
+        }
+        const int nearest = ZC_LOOK_BACK - 1 - zc_block_max(known);  // ZC_LOOK_BACK: none
+        uint32_t sum = 0;
+#pragma unroll
+        for (int k = 0; k < 2; ++k)
+            if (k * ZC_THREADS + (int)threadIdx.x <= nearest) sum += (uint32_t)s[k];
+        prefix += zc_block_sum(sum);
+        if (nearest < ZC_LOOK_BACK) break;
     }
     return prefix;
 }
@@ -352,6 +378,17 @@ __global__ void zc_encode_kernel(const uint16_t *values, ZcLayout l, const uint8
             raw8 |= (uint64_t)((v & 0x7Fu) | ((v >> 8) & 0x80u)) << (8 * k);
         }
     }
+    if (first < n) {  // the planes first: their stores need no prefix
+        uint8_t *raw = chunk + l.raw;
+        if (first + ZC_VALUES_PER_THREAD <= n && ((uintptr_t)(raw + first) & 7) == 0) {
+            *reinterpret_cast<uint64_t *>(raw + first) = raw8;  // little-endian: byte k is value k
+        } else {
+            for (int k = 0; k < ZC_VALUES_PER_THREAD && first + k < n; ++k)
+                raw[first + k] = (uint8_t)(raw8 >> (8 * k));
+        }
+#pragma unroll
+        for (int j = 0; j < 3; ++j) chunk[l.codes[j] + group] = zc_plane_byte(codes, j);
+    }
     const int before = zc_block_exclusive_scan(escapes, &total);
     const int64_t prefix = zc_look_back(status, tile), through = prefix + total;
     if (threadIdx.x == 0) {
@@ -364,21 +401,11 @@ __global__ void zc_encode_kernel(const uint16_t *values, ZcLayout l, const uint8
         if (tile == l.tiles - 1) *reinterpret_cast<int64_t *>(chunk + ZC_ESCAPES_AT) = through;
     }
     if (tile == l.tiles - 1) zc_zero(escapes_out, through, zc_align(through, ZC_CHUNK_ALIGN));
-    if (first >= n) return;
-    uint8_t *raw = chunk + l.raw;
-    if (first + ZC_VALUES_PER_THREAD <= n && ((uintptr_t)(raw + first) & 7) == 0) {
-        *reinterpret_cast<uint64_t *>(raw + first) = raw8;  // little-endian: byte k is value k
-    } else {
-        for (int k = 0; k < ZC_VALUES_PER_THREAD && first + k < n; ++k)
-            raw[first + k] = (uint8_t)(raw8 >> (8 * k));
-    }
     if (escapes) {
         int64_t slot = prefix + before;
         for (int k = 0; k < ZC_VALUES_PER_THREAD && first + k < n; ++k)
             if (((codes >> (8 * k)) & 7u) == 0) escapes_out[slot++] = (uint8_t)(eight[k] >> 7);
     }
-#pragma unroll
-    for (int j = 0; j < 3; ++j) chunk[l.codes[j] + group] = zc_plane_byte(codes, j);
 }
 
 // One thread block per tile: its values into `values`, and into `shares[tile]` its share

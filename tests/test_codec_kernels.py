@@ -70,13 +70,18 @@ def test_cuda_kernel_logic_codes_a_chunk_that_starts_unaligned(emulated, offset)
 
 
 @pytest.mark.unit
-def test_cuda_kernel_logic_writes_every_byte_of_the_static_part_and_the_dynamic_part(emulated):
-    """The static part and the room come from torch.empty on a GPU: no byte may be left."""
+@pytest.mark.parametrize("order", [0, 7])
+def test_cuda_kernel_logic_writes_every_byte_of_the_static_part_and_the_dynamic_part(
+    emulated, order
+):
+    """The static part and the room come from torch.empty on a GPU: no byte may be left.
+    Order 7 runs the tiles shuffled, so their look-backs add up aggregates and prefixes."""
     n = 2 * BLOCK_VALUES + 5
     values = sample(n, seed=11)
     static = torch.full((Layout.of(n, BF16).static_bytes,), 0xA5, dtype=torch.uint8)
     room = torch.full((cuda_kernels.room_bytes(n),), 0xA5, dtype=torch.uint8)
-    cuda_kernels.encode_into(values, static, room, kernels=emulated)
+    kernels = EmulatedKernels(emulated.lib, order)
+    cuda_kernels.encode_into(values, static, room, kernels=kernels)
     ref_static, ref_dynamic = reference.encode_chunk(values, BF16)
     assert torch.equal(static, ref_static), "a static byte differs (unwritten padding?)"
     assert torch.equal(room[: ref_dynamic.numel()], ref_dynamic)

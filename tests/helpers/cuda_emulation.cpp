@@ -5,12 +5,16 @@
 // of the block's threads), the warp shuffles (through a block-wide exchange
 // array; the kernels call them with every thread of the block), atomicAdd
 // (std::atomic_ref), __shared__ (function-static storage, shared by the block's
-// threads as one block runs at a time). Blocks run one after another in index
-// order, so a tile's look-back always finds the previous tile's prefix.
+// threads as one block runs at a time). Blocks run one after another, in index
+// order or (emu_set_order) in a shuffled order, where a tile's look-back meets
+// aggregates and prefixes mixed as on a GPU.
 #include <atomic>
 #include <barrier>
 #include <cstdint>
+#include <algorithm>
 #include <functional>
+#include <numeric>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -58,8 +62,13 @@ static inline unsigned atomicAdd(unsigned *address, unsigned value) {
 
 #include "zipccl_kernels.cuh"
 
+static unsigned order_seed = 0;  // 0: index order
+
 static void launch(int64_t blocks, const std::function<void()> &kernel) {
-    for (int64_t b = 0; b < blocks; ++b) {
+    std::vector<int64_t> order(blocks);
+    std::iota(order.begin(), order.end(), 0);
+    if (order_seed) std::shuffle(order.begin(), order.end(), std::mt19937(order_seed));
+    for (int64_t b : order) {
         std::barrier<> barrier(ZC_THREADS);
         block_barrier = &barrier;
         std::vector<std::thread> threads;
@@ -75,6 +84,8 @@ static void launch(int64_t blocks, const std::function<void()> &kernel) {
 }
 
 extern "C" {
+
+void emu_set_order(unsigned seed) { order_seed = seed; }
 
 // The two launches of `encode` in cuda/zipccl.cu, with its scratch from the caller.
 void emu_encode(const uint16_t *values, int64_t n, uint8_t *chunk, uint8_t *room,

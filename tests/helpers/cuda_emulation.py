@@ -39,10 +39,12 @@ class EmulatedKernels:
     scratch the extension allocates on the device is filled with garbage here, so a byte
     the kernels should write but do not shows."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self.lib = lib
+    def __init__(self, lib: ctypes.CDLL, order: int = 0) -> None:
+        """`order`: 0 runs the blocks in index order, else shuffled with that seed."""
+        self.lib, self.order = lib, order
 
     def encode(self, values, static, room):
+        self.lib.emu_set_order(ctypes.c_uint(self.order))
         n = values.numel()
         blocks, tiles = -(-n // BLOCK_VALUES), -(-n // TILE_VALUES)
         code_of = _garbage(blocks * 256, torch.uint8)
@@ -53,6 +55,7 @@ class EmulatedKernels:
         )  # fmt: skip
 
     def decode(self, static, dynamic, out, status):
+        self.lib.emu_set_order(ctypes.c_uint(self.order))
         shares = _garbage(-(-out.numel() // TILE_VALUES), torch.int64)
         self.lib.emu_decode(
             _p(static), _p(dynamic), ctypes.c_int64(dynamic.numel()), ctypes.c_int64(out.numel()),
