@@ -257,7 +257,7 @@ def test_kernel_selection_on_cpu() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.skipif(not flash_attn_available(), reason="needs flash-attn (pip install '.[gpu]')")
+@pytest.mark.skipif(not flash_attn_available(), reason="needs flash-attn (pip install '.[flash]')")
 def test_flash_kernel_matches_torch_reference_on_gpu() -> None:
     torch.manual_seed(6)
     lengths = [1, 7, 130, 3, 512]

@@ -161,8 +161,8 @@ class ModelConfig:
     ffn_dim: int | None = None
     rope_theta: float | None = None
     attention_kernel: str = "auto"
-    """auto (on a GPU: flash-attn when installed, else torch's flash kernel for fp16/bf16;
-    else torch) | torch | flash | torch_flash."""
+    """auto (on a GPU: torch's flash kernel for fp16/bf16, FA3 on Hopper where installed;
+    flash-attn where torch has none for the GPU; else torch) | torch | flash | torch_flash."""
     init_from: str | None = None
     """A local Hugging Face checkpoint directory (config.json + model.safetensors, or
     shards with model.safetensors.index.json) of a LlamaForCausalLM or
