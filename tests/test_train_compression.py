@@ -208,7 +208,8 @@ def test_a_damaged_compressed_buffer_is_a_typed_error_naming_stream_and_peer(how
 
 def test_routed_kv_compressed_beyond_two_nodes_is_refused_when_the_config_loads() -> None:
     """A known deadlock of the framed relay on three nodes (zeppelin, routing on, every
-    stream compressed: six processes hang in the routed exchange); refused until fixed."""
+    stream compressed: six processes hang in the routed exchange), and on two with the work
+    policy's unequal shares (four processes hang); refused until fixed."""
     on = ["topology.nodes=3", "topology.gpus_per_node=2", "parallel.sequence=zeppelin",
           "parallel.routing=true", "comm.compression=always"]  # fmt: skip
     config = load_config(None, on)
@@ -218,3 +219,7 @@ def test_routed_kv_compressed_beyond_two_nodes_is_refused_when_the_config_loads(
     check_sizes(kept, build_topology(kept.topology))
     two = load_config(None, [*on, "topology.nodes=2"])
     check_sizes(two, build_topology(two.topology))
+    # on two nodes too where ring shares are unequal: the work policy hung the same way
+    work = load_config(None, [*on, "topology.nodes=2", "parallel.zone_policy=work"])
+    with pytest.raises(ConfigError, match=r"zone_policy=work .*deadlock"):
+        check_sizes(work, build_topology(work.topology))
