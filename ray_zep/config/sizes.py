@@ -15,7 +15,7 @@ from __future__ import annotations
 from ray_zep.config.schema import Config
 from ray_zep.errors import ConfigError, TopologyError
 from ray_zep.model_shapes import build_shape
-from ray_zep.options import Compression, CompressionStream, Packing, ZonePolicy
+from ray_zep.options import Packing
 from ray_zep.parallel.axes import Family
 from ray_zep.topology import Topology, build_topology
 
@@ -98,31 +98,6 @@ def check_sizes(config: Config, topology: Topology) -> None:
             f"gives each of the {ranks} ranks a shard of whole units, but the model has "
             f"{units} (embedding, {shape.n_layers} blocks, output); use at least "
             f"{ranks - 2} layers or fewer ranks"
-        )
-    _check_routed_compression(config, topology)
-
-
-def _check_routed_compression(config: Config, topology: Topology) -> None:
-    """The framed relay (routed_kv compressed) hangs where a ring's steps are not all alike
-    on every rank: beyond two nodes, and on two with unequal shares (zone_policy=work)."""
-    comm = config.comm
-    unequal = config.parallel.zone_policy is ZonePolicy.WORK
-    if (
-        (topology.nodes > 2 or unequal)
-        and config.parallel.routing
-        and comm.compression is not Compression.OFF
-        and CompressionStream.ROUTED_KV.value in comm.compression_streams
-    ):
-        where = (
-            f"topology.nodes={topology.nodes}"
-            if topology.nodes > 2
-            else "parallel.zone_policy=work (unequal ring shares)"
-        )
-        raise ConfigError(
-            f"config key comm.compression_streams: compressing routed_kv with "
-            f"parallel.routing=true on {where} can deadlock (a known defect of the framed "
-            "relay); leave routed_kv out of comm.compression_streams, or set "
-            "parallel.routing=false"
         )
 
 

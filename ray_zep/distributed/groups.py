@@ -5,7 +5,7 @@ a run's axes ask for (`GroupNeeds`):
 
 - node and rail groups (weight passing): the GPUs of one node, and the GPUs at
   one local index across nodes;
-- the three routing groups of the routing layer (dispatch, relay, combine);
+- the four routing groups of the routing layer (dispatch, relay, combine, direct);
 - expert parallelism: blocks of `ep` consecutive ranks, and the ranks holding
   the same experts (one per block);
 - FSDP2: the shard group (all ranks, or the GPUs of a node) and the replicate
@@ -48,7 +48,7 @@ class GroupNeeds:
     Attributes:
         node_and_rail: the node and rail groups (grouped weight passing).
         fsdp: FSDP2's mesh shape, or None without FSDP.
-        routing: the routing layer's three groups.
+        routing: the routing layer's four groups.
         ep: expert-parallel degree (1: no expert groups).
     """
 
@@ -65,7 +65,7 @@ class RankGroups:
     needs: GroupNeeds = GroupNeeds()
     node: Group | None = None
     rail: Group | None = None
-    routing: tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup] | None = None
+    routing: tuple[dist.ProcessGroup, ...] | None = None
     ep: Group | None = None
     ep_replicas: Group | None = None
     fsdp_shard: Group | None = None
@@ -149,7 +149,7 @@ def build_groups(
         out.node, out.rail = mine(nodes), mine(rails)
     if needs.routing:
         out.routing = tuple(
-            dist.new_group(ranks, timeout=timeout, backend=backend) for _ in range(3)
+            dist.new_group(ranks, timeout=timeout, backend=backend) for _ in range(4)
         )
     ep = needs.ep
     if ep > 1:

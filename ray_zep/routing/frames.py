@@ -15,12 +15,18 @@ and decoded once, at its destination.
 Order: on one group, a pair of ranks pairs messages in the order both post
 them. A sender posts a message's frame and tail together; a receiver
 (`Mailbox`) posts a frame only once the tail of the message before it on the
-same group and peer is posted, so frames and tails pair up in order.
+same group and peer is posted, so frames and tails pair up in order. The
+mailbox's own thread posts each tail as soon as its frame has arrived, not when
+the receiving thread comes to wait for it: a sender waiting for its tail to go
+out would otherwise wait on whatever the receiver waits for first, and where ranks
+wait in different orders (ring steps that differ between ranks) that is a cycle.
 """
 
 from __future__ import annotations
 
 import collections
+import datetime
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -135,19 +141,33 @@ class FramedRecv:
         self.head = out.new_empty(frame_bytes(out.numel(), out.dtype), dtype=torch.uint8)
         self.tail: torch.Tensor | None = None
         self.works: list = []
+        self.tail_posted = threading.Event()
+        self.error: BaseException | None = None
         box.add(self)
 
     def post_head(self) -> None:
         self.works = [dist.irecv(self.head, self.peer, self.group)]
 
-    def post_tail(self, timeout) -> None:
-        """Wait for the frame, then post the receive of the tail it announces."""
-        for work in self.works:
-            work.wait(timeout=timeout)
-        with blamed_on(self.source):
-            size = tail_bytes(self.head, self.out.numel(), self.out.dtype)
-        self.tail = self.head.new_empty(size)
-        self.works = [dist.irecv(self.tail, self.peer, self.group)] if size else []
+    def wait_head(self) -> None:
+        """Wait for the frame (its lane's thread); an error is kept for `wait`."""
+        try:
+            for work in self.works:
+                work.wait()
+        except BaseException as exc:
+            self.error = exc
+
+    def post_tail(self) -> None:
+        """Post the receive of the tail the arrived frame announces (its lane's thread)."""
+        try:
+            if self.error is not None:
+                raise self.error
+            with blamed_on(self.source):
+                size = tail_bytes(self.head, self.out.numel(), self.out.dtype)
+            self.tail = self.head.new_empty(size)
+            self.works = [dist.irecv(self.tail, self.peer, self.group)] if size else []
+        except BaseException as exc:  # handed to the receiving thread by `wait`
+            self.error, self.works = exc, []
+        self.tail_posted.set()
 
     def wait(self, timeout=None) -> bool:
         self.box.reach(self, timeout)
@@ -165,24 +185,64 @@ class FramedRecv:
         return Framed(self.head, self.tail, raw)
 
 
-class Mailbox:
-    """One receiving thread's routed messages whose tails are not posted yet, per
-    (group, peer), in the order they were posted; only the first has its frame posted."""
+class _Lane:
+    """The messages from one peer on one group, in the order they were posted, and the
+    thread that posts each one's tail once its frame has arrived, then the next frame."""
 
     def __init__(self) -> None:
-        self._queues: dict[tuple[int, int], collections.deque[FramedRecv]] = {}
+        self.queue: collections.deque[FramedRecv] = collections.deque()
+        self.changed = threading.Condition()
+        self.thread = threading.Thread(target=self._serve, name="ray-zep-mailbox", daemon=True)
+        self.thread.start()
 
     def add(self, recv: FramedRecv) -> None:
-        queue = self._queues.setdefault((id(recv.group), recv.peer), collections.deque())
-        if not queue:
-            recv.post_head()
-        queue.append(recv)
+        with self.changed:
+            if not self.queue:
+                recv.post_head()
+            self.queue.append(recv)
+            self.changed.notify()
+
+    def _serve(self) -> None:
+        while True:
+            with self.changed:
+                while not self.queue:
+                    self.changed.wait()
+                first = self.queue[0]
+            first.wait_head()  # blocks this lane alone, never the receiving thread
+            with self.changed:
+                first.post_tail()
+                self.queue.popleft()
+                if self.queue:
+                    self.queue[0].post_head()
+
+
+class Mailbox:
+    """One receiving thread's routed messages whose tails are not posted yet, per
+    (group, peer) lane, in the order they were posted; only the first of a lane has its
+    frame posted. Each lane's thread posts a tail once its frame has arrived (module
+    docstring); the backends' receive handles complete only when waited on, so each lane
+    waits on its own."""
+
+    def __init__(self) -> None:
+        self._lanes: dict[tuple[int, int], _Lane] = {}
+
+    def add(self, recv: FramedRecv) -> None:
+        key = (id(recv.group), recv.peer)
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = _Lane()
+        lane.add(recv)
 
     def reach(self, recv: FramedRecv, timeout) -> None:
-        """Post tails in order until `recv`'s is posted."""
-        queue = self._queues[(id(recv.group), recv.peer)]
-        while any(r is recv for r in queue):
-            first = queue.popleft()
-            first.post_tail(timeout)
-            if queue:
-                queue[0].post_head()
+        """Wait until `recv`'s tail is posted (its frame has arrived).
+
+        Raises:
+            RuntimeError: the frame did not arrive within `timeout` (`wait_all` names it).
+            Whatever receiving the frame raised (a backend error, a damaged frame).
+        """
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
+        if not recv.tail_posted.wait(timeout):
+            raise RuntimeError(f"timed out waiting for {recv.source}")
+        if recv.error is not None:
+            raise recv.error

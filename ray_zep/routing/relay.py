@@ -2,16 +2,19 @@
 
 Every rank runs one relay thread (the CPU analogue of a dedicated communication
 stream) that forwards the pieces it proxies while the main thread computes.
-Three extra process groups keep each message stream between one kind of sender
+Four extra process groups keep each message stream between one kind of sender
 and one kind of receiver, so messages between a pair of ranks on a group are
 always posted in the same order on both sides:
 
     dispatch: main thread -> relay   (hop 1, and a source's own inter-node piece)
     relay:    relay -> relay         (hop 2 between two proxies)
     combine:  relay -> main thread   (hop 3, and a proxy's piece for the destination)
+    direct:   main -> main           (a source's piece that goes straight to the destination)
 
-and the Comm's own group carries main -> main (a source's piece that goes
-straight to the destination).
+The Comm's own group carries only the plan's direct ring transfers: framed, a routed
+message's receives are posted by the receiving thread's mailbox (`frames.Mailbox`), and
+on a group of their own they cannot take the place of a direct ring receive from the
+same peer.
 
 With `comm.compression` and the `routed_kv` stream, every message is framed
 (`ray_zep.routing.frames`): the source picks plain or zipped per message, a
@@ -92,11 +95,13 @@ class Channels:
         dispatch,
         relay,
         combine,
+        direct,
         timeout_s: float,
         rank: int,
         zipper: RingZipper | None = None,
     ) -> None:
         self.main, self.dispatch, self.relay, self.combine = main, dispatch, relay, combine
+        self.direct = direct
         self.timeout_s, self.rank = timeout_s, rank
         self.zipper = zipper if zipper is not None and STREAM in zipper.streams else None
         self.inbox = Mailbox()
@@ -161,7 +166,7 @@ def post_send(tensor: torch.Tensor, route: Route, channels: Channels, ops: Count
             messages += 1
     for piece in route.pieces():
         if piece.sender == route.src:
-            group = channels.main if piece.receiver == route.dst else channels.dispatch
+            group = channels.direct if piece.receiver == route.dst else channels.dispatch
             works += channels.send(tensor[piece.lo : piece.hi], piece.receiver, group)
             messages += 1
     ops["routed"] += messages
@@ -173,7 +178,7 @@ def post_recv(buf: torch.Tensor, route: Route, channels: Channels, ops: Counter)
     works, box = [], channels.inbox
     for piece in route.pieces():
         if piece.receiver == route.dst:
-            group = channels.main if piece.sender == route.src else channels.combine
+            group = channels.direct if piece.sender == route.src else channels.combine
             works.append(channels.receive(buf[piece.lo : piece.hi], piece.sender, group, box))
     for proxy, (lo, hi) in zip(route.recv_proxies, route.recv_ranges, strict=True):
         if proxy != route.dst and hi > lo:
