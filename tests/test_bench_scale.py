@@ -18,23 +18,23 @@ pytestmark = pytest.mark.unit
 def test_scale_bench_fills_each_placements_columns(tmp_path: Path, capsys) -> None:
     argv = ["bench", "scale", "--gpus", "64", "--models", "7b", "--tokens", "4k",
             "--distributions", "prolong64k",
-            "--placements", "zeppelin,zeppelin+work,megatron_hybrid_cp",
+            "--placements", "zeppelin,zeppelin+cost,megatron_hybrid_cp",
             "--out", str(tmp_path)]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "zeppelin+work" in out and "x ideal" in out
+    assert "zeppelin+cost" in out and "x ideal" in out
     assert "64 GPUs prolong64k 7b 4k/GPU: " in out  # progress while it runs
     rows = {r["placement"]: r for r in json.loads((tmp_path / "scale.json").read_text())["rows"]}
-    for name in ("zeppelin", "zeppelin+work"):
+    for name in ("zeppelin", "zeppelin+cost"):
         row = rows[name]
         assert row["error"] is None
         assert 1.0 <= row["work_mean"] <= row["work_worst"]
         assert row["step_over_ideal"] > 1.0 and row["tokens_per_s_per_gpu"] > 0
         assert row["inter_node_gb"] > 0 and row["planner_ms"] > 0
         assert 0 < row["peak_memory_gb"] < 80
-    # the work policy's busiest rank carries less work: the prolong64k batch is the
-    # one the simulator shows it faster on (tests/test_balance.py)
-    assert rows["zeppelin+work"]["step_s"] < rows["zeppelin"]["step_s"]
+    # the work policy's (the default's) busiest rank carries less work: the prolong64k
+    # batch is the one the simulator shows it faster on (tests/test_balance.py)
+    assert rows["zeppelin"]["step_s"] < rows["zeppelin+cost"]["step_s"]
     megatron = rows["megatron_hybrid_cp"]
     assert megatron["step_s"] > 0 and megatron["work_mean"] is None
     assert (tmp_path / "scale.png").exists() or "skipped" in out
@@ -46,7 +46,7 @@ def test_plan_only_times_the_plans_without_simulating(tmp_path: Path, capsys) ->
     assert main(argv) == 0
     rows = json.loads((tmp_path / "scale.json").read_text())["rows"]
     assert "megatron_hybrid_cp" not in {r["placement"] for r in rows}, "it has no plan"
-    assert {"zeppelin", "zeppelin+work", "bytescale_hdp"} <= {r["placement"] for r in rows}
+    assert {"zeppelin", "zeppelin+cost", "bytescale_hdp"} <= {r["placement"] for r in rows}
     for row in rows:
         assert row["step_s"] is None and row["tokens_per_s_per_gpu"] is None
         assert row["planner_ms"] > 0 and row["work_mean"] >= 1.0

@@ -120,7 +120,7 @@ def test_mode_names_and_their_overrides() -> None:
     assert check_names(["zeppelin", "zeppelin+work/fsdp"])
     work, plain = variant_overrides("zeppelin+work/fsdp"), variant_overrides("zeppelin/fsdp")
     assert set(work) - set(plain) == {"parallel.zone_policy=work"}
-    assert not any("zone_policy" in o for o in plain)  # the config's (cost by default)
+    assert not any("zone_policy" in o for o in plain)  # the config's (work by default)
 
 
 def test_bench_train_reports_the_steady_steps_flop_balance() -> None:

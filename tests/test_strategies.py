@@ -225,16 +225,17 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
     runs |= {name: [*planned, *extra] for name, extra in LAYER_RUNS.items()}
     if crossed:
         runs["zeppelin+fsdp per projection"] = [*runs["zeppelin+fsdp"], "parallel.fsdp_unit=linear"]
-    # work-balanced placement: token counts differ between ranks
-    runs["zeppelin+work"] = [*planned, "parallel.sequence=zeppelin", "parallel.weights=fsdp",
-                             "parallel.zone_policy=work"]  # fmt: skip
-    runs["hybrid_dp+work"] = [*planned, "parallel.sequence=hybrid_dp",
-                              "parallel.zone_policy=work"]  # fmt: skip
-    _assert_places_apart(planned, "parallel.sequence=hybrid_dp", "parallel.zone_policy=work")
+    # the default places by modelled work (token counts differ between ranks); the cost
+    # model's zones and first-fit packing are the other policy
+    runs["zeppelin+cost"] = [*planned, "parallel.sequence=zeppelin", "parallel.weights=fsdp",
+                             "parallel.zone_policy=cost"]  # fmt: skip
+    runs["hybrid_dp+cost"] = [*planned, "parallel.sequence=hybrid_dp",
+                              "parallel.zone_policy=cost"]  # fmt: skip
+    _assert_places_apart(planned, "parallel.sequence=hybrid_dp", "parallel.zone_policy=cost")
     whole_weights = WHOLE_WEIGHTS if crossed else ("hsdp",)
     whole_runs = {f"whole+{w}": [*whole, f"parallel.weights={w}"] for w in whole_weights}
-    if not crossed:  # a plan change: whole sequences dealt by modelled work, not first fit
-        whole_runs["whole+hsdp"].append("parallel.zone_policy=work")
+    if not crossed:  # a plan change: whole sequences dealt first fit, not by modelled work
+        whole_runs["whole+hsdp"].append("parallel.zone_policy=cost")
     # gradient accumulation (2 x 2): two global batches a step, against one process doing
     # the same; tests/test_elastic.py covers it on fewer nodes than configured
     zeppelin_fsdp = [*planned, "parallel.sequence=zeppelin", "parallel.weights=fsdp"]

@@ -5,9 +5,9 @@ A mode is `PLACEMENT[/WEIGHTS]`: a simulator variant (a placement, with the rout
 and remapping layers as `ray-zep simulate` names them) or `whole` (rank-packed
 whole sequences), with replicated weights unless another weights mode is named
 (`te_cp/fsdp`); a weights mode alone (`tawpipe`) trains whole sequences.
-`zeppelin` keeps the config's `parallel.zone_policy`; `zeppelin+work` sets `work`, so
-`--strategies zeppelin,zeppelin+work` trains the token-balanced and the work-balanced
-plans side by side on the same batches (the `FLOPs max/mean` column is the
+`zeppelin` keeps the config's `parallel.zone_policy` (`work` by default); `zeppelin+cost`
+sets `cost`, so `--strategies zeppelin+cost,zeppelin+work` trains the cost-zoned and the
+work-balanced plans side by side on the same batches (the `FLOPs max/mean` column is the
 metrics' `rank_flops` balance of the steady steps). Each
 trains K steps from the same config (so the data actor draws the same batches)
 through the Ray driver, like `ray-zep train`. Measured tokens/s are the steady

@@ -16,10 +16,10 @@ average; L = that x headroom) and placement, on the same sampled batches:
   modelled memory, and whether it fits the GPU (`fits`: no row is dropped for not
   fitting; one that does not is marked).
 
-Placements are `ray-zep simulate`'s variants: `zeppelin` is the full system with
-`parallel.zone_policy=cost`, `zeppelin+work` with `work`. `bytescale_hdp` and
-`megatron_dynamic_cp` run several micro-batches per rank: their work sums them per
-rank, their bytes sum their rounds, their memory is the fullest round's, and their
+Placements are `ray-zep simulate`'s variants: `zeppelin` is the full system with the
+config's `parallel.zone_policy` (`work` by default), `zeppelin+cost` with `cost`.
+`bytescale_hdp` and `megatron_dynamic_cp` run several micro-batches per rank: their work
+sums them per rank, their bytes sum their rounds, their memory is the fullest round's, and their
 planner time is their schedule's (`megatron_dynamic_cp`'s plans hold the lengths its
 dataset pads).
 `megatron_hybrid_cp` runs in waves of CP groups, so its plan columns are empty.

@@ -46,7 +46,7 @@ def add_commands(commands: argparse._SubParsersAction, argv: Sequence[str] = ())
     simulate.add_argument(
         "--strategies",
         help="default: zeppelin,te_cp,llama_cp,hybrid_dp,megatron_hybrid_cp "
-        "(also zeppelin+work, bytescale_hdp, ulysses, usp, te_cp+routing, "
+        "(also zeppelin+work, zeppelin+cost, bytescale_hdp, ulysses, usp, te_cp+routing, "
         "te_cp+routing+partition)",
     )
     simulate.add_argument(

@@ -352,7 +352,9 @@ def _planner(lengths, topology, capacity, shape: ModelShape, parallel: ParallelC
 
 _NAME = Placement.ZEPPELIN.value
 WORK_POLICY = f"{_NAME}+work"
-"""The full system with the work-balanced zones (`parallel.zone_policy=work`)."""
+"""The full system with the work-balanced zones (`parallel.zone_policy=work`, the default)."""
+COST_POLICY = f"{_NAME}+cost"
+"""The full system with the cost model's zone thresholds (`parallel.zone_policy=cost`)."""
 CAPACITY_POLICY = f"{_NAME}_capacity"
 """The partitioner with the paper's capacity-only zone thresholds."""
 
@@ -365,6 +367,9 @@ SPEC = PlacementSpec(
         WORK_POLICY: Variant(
             Placement.ZEPPELIN, routed=True, remap=True, zone_policy=ZonePolicy.WORK
         ),
+        COST_POLICY: Variant(
+            Placement.ZEPPELIN, routed=True, remap=True, zone_policy=ZonePolicy.COST
+        ),
         CAPACITY_POLICY: Variant(
             Placement.ZEPPELIN, routed=True, remap=True, zone_policy=ZonePolicy.CAPACITY
         ),
@@ -373,7 +378,7 @@ SPEC = PlacementSpec(
         **listed_in(Bench.SIMULATE, Bench.TRAIN, Bench.VALIDATE, Bench.VALIDATE_QUICK),
         **listed_in(Bench.LAYERS),
         Bench.PARTITION: (_NAME, CAPACITY_POLICY),
-        Bench.SCALE: (_NAME, WORK_POLICY),
+        Bench.SCALE: (_NAME, COST_POLICY),
     },
     role=Role.SYSTEM,
     zone_policies=tuple(ZonePolicy),

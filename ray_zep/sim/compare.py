@@ -12,7 +12,8 @@ and `bytescale_hdp`, ByteScale's hybrid data parallelism: rings of any size and 
 micro-batches, ranks running different numbers of them (`ray_zep.sim.bytescale`).
 `zeppelin` is the full system: the Zeppelin partitioner and engine,
 routing, and the remapping layer under `parallel.remap_policy`, with the config's
-`parallel.zone_policy`; `zeppelin+work` the same with the work-balanced zones. The ablation
+`parallel.zone_policy` (work-balanced by default); `zeppelin+work` and `zeppelin+cost` the same
+with the work-balanced and the cost model's zones. The ablation
 adds, as in the Zeppelin paper's Fig. 11, `te_cp+routing` (even split, ring
 transfers through proxies) and `te_cp+routing+partition` (the Zeppelin
 partitioner and engine with routing, no remap).
