@@ -152,9 +152,9 @@ class ScrapedRun:
 
 @pytest.fixture(scope="module")
 def elastic_run(local_ray: Cluster, tmp_path_factory: pytest.TempPathFactory):
-    """zeppelin + fsdp (routing and remapping on, compressed but for routed_kv, which
-    three nodes refuse: tests/test_train_compression.py) on 3 x 2 with
-    ray.min_nodes=2, its metrics scraped by a real Prometheus server. A node is removed
+    """zeppelin + fsdp (routing and remapping on, every stream they use compressed,
+    routed_kv's framed relay on three nodes too) on 3 x 2 with ray.min_nodes=2,
+    its metrics scraped by a real Prometheus server. A node is removed
     while the checkpoint of step 4 is being written, the run goes on with two nodes from
     step 2's checkpoint, the node comes back and the group grows to three again."""
     binary = shutil.which("prometheus")
@@ -165,7 +165,7 @@ def elastic_run(local_ray: Cluster, tmp_path_factory: pytest.TempPathFactory):
     # metrics.peak_tflops: no datasheet peak on a CPU, and MFU needs one
     elastic = [*ELASTIC, f"train.out_dir={run_dir}", "ray.min_nodes=2",
                "ray.resize_interval_s=1", "comm.compression=always", f"metrics.port={port}",
-               "comm.compression_streams=[kv,fsdp_all_gather,fsdp_reduce_scatter,remap_all_to_all]",
+               "comm.compression_streams=[kv,routed_kv,fsdp_all_gather,fsdp_reduce_scatter,remap_all_to_all]",
                "metrics.peak_tflops=0.001"]  # fmt: skip
     try:
         started = time.time()
