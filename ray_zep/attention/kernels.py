@@ -512,13 +512,13 @@ def torch_flash_varlen_attention_backward(
     ]
     if not any(drawn) or not torch_flash.runs(block.q_THE, block.k_TKE):
         return torch_varlen_attention_backward(block)
-    covered = block.covered()
-    whole = covered.q_THE.shape[0] == block.q_THE.shape[0] == covered.dout_THE.shape[0]
-    if all(drawn) and whole and covered.k_TKE.shape[0] == block.k_TKE.shape[0]:
+    tq, tk = block.seqs_q.total_tokens, block.seqs_k.total_tokens
+    rows_q = {t.shape[0] for t in (block.dout_THE, block.q_THE, block.out_THE)}
+    if all(drawn) and rows_q == {tq} and block.k_TKE.shape[0] == tk:
         return _flash_backward(block)  # in q's dtype: the caller adds them up in fp32
     dq, dk, dv = _float32_zeros(block.q_THE, block.k_TKE, block.v_TKE)
     if all(drawn):
-        for full, g in zip((dq, dk, dv), _flash_backward(covered), strict=True):
+        for full, g in zip((dq, dk, dv), _flash_backward(block.covered()), strict=True):
             full[: g.shape[0]] = g
         return dq, dk, dv
     for keep, backward in (

@@ -106,8 +106,8 @@ if triton is not None:
         tl.store(acc_ptr + row * acc_row + at, acc + grad, mask=inside)
 
     @functools.cache
-    def _kernel(interpret: bool, fn=None):
-        fn = fn or _merge_rows
+    def _kernel(fn, interpret: bool):
+        """`fn` compiled by Triton, or run through its interpreter (CPU tensors)."""
         if interpret:
             from triton.runtime.interpreter import InterpretedFunction
 
@@ -154,7 +154,7 @@ def merge_rows_(
         start, indexed, listed = 0, True, rows
     block_h = min(triton.next_power_of_2(heads), max(1, 4096 // triton.next_power_of_2(dim)))
     grid = (n, triton.cdiv(heads, block_h))
-    _kernel(interpret)[grid](
+    _kernel(_merge_rows, interpret)[grid](
         out_PHE,
         lse_HP,
         block_out,
@@ -199,4 +199,4 @@ def add_rows_(
         raise ValueError("add_rows_ takes float32 accumulators with contiguous rows")
     block = min(4096, triton.next_power_of_2(width))
     grid = (n, triton.cdiv(width, block))
-    _kernel(interpret, _add_rows)[grid](acc, grad, rows, width, acc.stride(0), width, BLOCK=block)
+    _kernel(_add_rows, interpret)[grid](acc, grad, rows, width, acc.stride(0), width, BLOCK=block)

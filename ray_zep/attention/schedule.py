@@ -47,7 +47,7 @@ class StepMeta:
 
     @property
     def empty(self) -> bool:
-        return self.seqs_q.total_tokens == 0
+        return self.q_rows.numel() == 0
 
     @property
     def query_rows(self) -> torch.Tensor | slice:

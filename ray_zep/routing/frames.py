@@ -159,14 +159,15 @@ class FramedRecv:
     def post_tail(self) -> None:
         """Post the receive of the tail the arrived frame announces (its lane's thread)."""
         try:
-            if self.error is not None:
-                raise self.error
-            with blamed_on(self.source):
-                size = tail_bytes(self.head, self.out.numel(), self.out.dtype)
-            self.tail = self.head.new_empty(size)
-            self.works = [dist.irecv(self.tail, self.peer, self.group)] if size else []
+            if self.error is None:
+                with blamed_on(self.source):
+                    size = tail_bytes(self.head, self.out.numel(), self.out.dtype)
+                self.tail = self.head.new_empty(size)
+                self.works = [dist.irecv(self.tail, self.peer, self.group)] if size else []
         except BaseException as exc:  # handed to the receiving thread by `wait`
-            self.error, self.works = exc, []
+            self.error = exc
+        if self.error is not None:
+            self.works = []
         self.tail_posted.set()
 
     def wait(self, timeout=None) -> bool:

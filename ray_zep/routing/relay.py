@@ -91,7 +91,6 @@ class Channels:
 
     def __init__(
         self,
-        main,
         dispatch,
         relay,
         combine,
@@ -100,8 +99,7 @@ class Channels:
         rank: int,
         zipper: RingZipper | None = None,
     ) -> None:
-        self.main, self.dispatch, self.relay, self.combine = main, dispatch, relay, combine
-        self.direct = direct
+        self.dispatch, self.relay, self.combine, self.direct = dispatch, relay, combine, direct
         self.timeout_s, self.rank = timeout_s, rank
         self.zipper = zipper if zipper is not None and STREAM in zipper.streams else None
         self.inbox = Mailbox()
@@ -142,7 +140,7 @@ class Channels:
 
 
 def open_channels(comm: Comm, zipper: RingZipper | None = None) -> Channels:
-    """The routing channels over the Comm's group and its three routing groups.
+    """The routing channels over the Comm's four routing groups.
 
     Args:
         zipper: `comm.compression`'s per-message choices (None: off).
@@ -152,9 +150,7 @@ def open_channels(comm: Comm, zipper: RingZipper | None = None) -> Channels:
     """
     if comm.groups.routing is None:
         raise CommError("routing needs the routing groups: build the Comm with GroupNeeds")
-    return Channels(
-        comm.group, *comm.groups.routing, timeout_s=comm.timeout_s, rank=comm.rank, zipper=zipper
-    )
+    return Channels(*comm.groups.routing, timeout_s=comm.timeout_s, rank=comm.rank, zipper=zipper)
 
 
 def post_send(tensor: torch.Tensor, route: Route, channels: Channels, ops: Counter) -> list:
