@@ -75,5 +75,21 @@ def test_scale_table_marks_missing_columns() -> None:
         progress=lambda line: None,
     )  # fmt: skip
     header, _rule, line = render_table(rows, COLUMNS).splitlines()
-    cells = [cell.strip() for cell in line.strip("|").split("|")]
-    assert "mem GB" in header and cells[-1] == "-" and "megatron_hybrid_cp" in cells
+    names = [cell.strip() for cell in header.strip("|").split("|")]
+    cells = dict(zip(names, (cell.strip() for cell in line.strip("|").split("|")), strict=True))
+    assert cells["placement"] == "megatron_hybrid_cp" and cells["work m/m"] == "-"
+    assert cells["ckpt"] == "none" and cells["fits"] == "yes"  # its fullest wave's memory
+
+
+def test_rows_that_do_not_fit_checkpoint_and_pay_for_it() -> None:
+    """At 16k tokens per GPU no activation checkpointing leaves a 7B rank over 80 GB;
+    the row takes the lightest mode that fits and its step counts the recompute."""
+    spec = ScaleBenchSpec(gpus=(64,), distributions=("arxiv",), models=("7b",),
+                          tokens_per_gpu=(16384,), placements=("zeppelin",))  # fmt: skip
+    (row,) = run_scale_bench(spec, progress=lambda line: None)
+    assert row.checkpointing in ("selective", "full") and row.fits == "yes"
+    assert row.peak_memory_gb < 80
+    plain = ScaleBenchSpec(gpus=(64,), distributions=("arxiv",), models=("7b",),
+                           tokens_per_gpu=(4096,), placements=("zeppelin",))  # fmt: skip
+    (small,) = run_scale_bench(plain, progress=lambda line: None)
+    assert small.checkpointing == "none"

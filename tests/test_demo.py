@@ -31,8 +31,14 @@ GOLDEN = REPO / "tests" / "golden" / "demo_losses.json"
 STEPS = 21
 """The demo trains 40 steps; the test stops it at 21 (the suite's time on 2 cores): every
 part of the run, the checkpoint of step 20 included, has happened by then."""
-TRACKED = ["metrics.tensorboard=tb", "metrics.wandb=ray-zep-demo", "metrics.peak_tflops=1"]
-"""TensorBoard and (offline) W&B beside metrics.jsonl; a nominal peak, so rows carry MFU."""
+TRACKED = [
+    "metrics.tensorboard=tb",
+    "metrics.wandb=ray-zep-demo",
+    "metrics.peak_tflops=1",
+    "metrics.summary_gpus=[64]",
+]
+"""TensorBoard and (offline) W&B beside metrics.jsonl; a nominal peak, so rows carry MFU;
+the real-shape summary at 64 GPUs only (1,024 add about 10 s)."""
 # The first steps are compared tightly; later ones loosely, since fp32 rounding
 # differences between CPU kernels (AVX2 vs AVX-512 paths) compound over steps.
 EARLY_STEPS, EARLY_REL, LATE_REL = 10, 1e-3, 5e-2
@@ -74,7 +80,15 @@ def test_demo_trains_with_falling_loss_and_matches_golden(
     probe_line = "no GPU on the 1 Ray node(s): using the configured virtual topology (2 x 2)"
     assert probe_line in done.stdout + done.stderr
     # the summary a user reads at the end: balance, traffic, and TE CP on the same batches
-    for line in ("balance over ranks", "bytes between nodes", "  zeppelin: ", "  te_cp: "):
+    for line in (
+        "balance over ranks",
+        "bytes between nodes",
+        "  zeppelin: ",
+        "  te_cp: ",
+        "modelled at a real shape",
+        "  64 GPUs:",
+        "    megatron_dynamic_cp: ",
+    ):
         assert line in done.stdout, done.stdout[-2000:]
     for noise in ("PreemptionWatcher", "Traceback"):
         assert noise not in done.stderr, f"{noise}: a Ray-internal error a user reads"

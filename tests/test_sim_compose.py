@@ -256,3 +256,26 @@ def test_link_fits_and_contention_from_measured_points() -> None:
         (8e-3, pytest.approx(1e-3)),
     )
     assert latency_curve(points, latency, bandwidth) == ()  # short bursts not measured
+
+
+def test_activation_checkpointing_adds_what_backward_recomputes() -> None:
+    """`full` plays every block's forward again, ring exchange included; `selective` only
+    the feed-forward part, so it costs less; the step's parts still add up to it."""
+    from ray_zep.bench.scale import with_checkpointing
+    from ray_zep.options import ActivationCheckpointing as Mode
+
+    base = _run(Placement.ZEPPELIN, WeightsMode.FSDP)
+    lengths = _lengths(3)
+    plan, remap = plan_batch(lengths, base)
+    steps = {}
+    for mode in Mode:
+        run = dataclasses.replace(base, config=with_checkpointing(base.config, mode))
+        steps[mode] = simulate_plan(plan, run, True, remap)
+    plain, selective, full = steps[Mode.NONE], steps[Mode.SELECTIVE], steps[Mode.FULL]
+    layers = base.shape.n_layers
+    assert plain.recompute_seconds == 0.0
+    assert full.recompute_seconds == pytest.approx(layers * plain.forward_layer_seconds)
+    assert full.step_seconds == pytest.approx(plain.step_seconds + full.recompute_seconds)
+    assert 0 < selective.recompute_seconds < full.recompute_seconds
+    for step in steps.values():
+        assert sum(step.breakdown(layers).values()) == pytest.approx(step.step_seconds)

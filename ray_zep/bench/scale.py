@@ -13,8 +13,10 @@ average; L = that x headroom) and placement, on the same sampled batches:
 - inter-node bytes per step (`traffic.attention_step_traffic`: every layer's ring,
   collective and remap bytes), the planner's wall time (`plan_step`, as the data
   actor runs it: median and slowest over the batches) and the fullest rank's
-  modelled memory, and whether it fits the GPU (`fits`: no row is dropped for not
-  fitting; one that does not is marked).
+  modelled memory under the lightest activation checkpointing that fits the GPU
+  (`ckpt`: none, selective or full; the step counts what backward recomputes), and
+  whether it fits (`fits`: no row is dropped for not fitting even with full
+  checkpointing; one that does not is marked).
 
 Placements are `ray-zep simulate`'s variants: `zeppelin` is the full system with the
 config's `parallel.zone_policy` (`work` by default), `zeppelin+cost` with `cost`.
@@ -22,12 +24,14 @@ config's `parallel.zone_policy` (`work` by default), `zeppelin+cost` with `cost`
 sums them per rank, their bytes sum their rounds, their memory is the fullest round's, and their
 planner time is their schedule's (`megatron_dynamic_cp`'s plans hold the lengths its
 dataset pads).
-`megatron_hybrid_cp` runs in waves of CP groups, so its plan columns are empty.
+`megatron_hybrid_cp` runs in waves of CP groups, so its plan columns are empty but its
+memory (the fullest wave's).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -41,6 +45,7 @@ from ray_zep.command_args import counts, known, names
 from ray_zep.config import Config, load_config
 from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
+from ray_zep.options import ActivationCheckpointing
 from ray_zep.parallel.memory import GB
 from ray_zep.partition import registry
 from ray_zep.partition.plan_memory import plan_memory
@@ -57,7 +62,7 @@ from ray_zep.sim.compare import VARIANTS, variant_config
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
-from ray_zep.sim.megatron_cp import simulate_hybrid_cp
+from ray_zep.sim.megatron_cp import hybrid_cp_wave_plans, simulate_hybrid_cp
 from ray_zep.sim.megatron_dynamic_cp import NAME as MEGATRON_DYNAMIC_CP
 from ray_zep.sim.megatron_dynamic_cp import dynamic_cp_plans
 from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
@@ -166,6 +171,9 @@ class ScaleRow:
     garbage collector can land in any one call)."""
     planner_ms_max: float | None = None
     peak_memory_gb: float | None = None
+    checkpointing: str | None = None
+    """The lightest `train.activation_checkpointing` that fits (`CHECKPOINTING`); the
+    step counts what it recomputes."""
     fits: str | None = None
     """"yes", or "NO" where the fullest rank's modelled memory exceeds the GPU's."""
     error: str | None = None
@@ -180,19 +188,23 @@ def run_scale_bench(spec: ScaleBenchSpec, progress=print) -> list[ScaleRow]:
                 for distribution in spec.distributions:
                     case = (gpus, distribution, model, tokens)
                     started = time.perf_counter()
-                    rows += _case(spec, *case)
+                    batches = [batch_lengths(distribution, tokens * gpus, seed)
+                               for seed in range(spec.batches)]  # fmt: skip
+                    rows += scale_case(spec, *case, batches)
                     progress(f"{gpus} GPUs {distribution} {model} {tokens // 1024}k/GPU: "
                              f"{time.perf_counter() - started:.1f} s")  # fmt: skip
     return rows
 
 
-def _case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, tokens: int):
+def scale_case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, tokens: int,
+               batches: list[np.ndarray]) -> list[ScaleRow]:  # fmt: skip
+    """One case of the grid: `spec.placements` on `batches` (of `tokens` x `gpus` tokens
+    each) on `gpus` GPUs of cluster A; `distribution` labels the rows."""
     capacity = math.ceil(tokens * spec.headroom)
     config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={gpus // 8}",
                                 f"model.preset={model}", f"train.tokens_per_rank={capacity}",
                                 "parallel.weights=fsdp"])  # fmt: skip
     hardware = Hardware.preset(build_topology(config.topology))
-    batches = [batch_lengths(distribution, tokens * gpus, seed) for seed in range(spec.batches)]
     run = RunModel.create(config, hardware)
     ideal = None if spec.plan_only else [ideal_step_seconds(b, run) for b in batches]
     bounds = None if spec.plan_only else [step_bound(b, run) for b in batches]
@@ -209,41 +221,71 @@ def _case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, tokens
 
 def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capacity: int) -> None:
     """Fills `row`; without `yardsticks` (ideal steps and bounds; plan only) its
-    simulated columns stay empty."""
+    simulated columns stay empty. The batches are planned first; the step is then
+    simulated under the lightest activation checkpointing whose modelled memory fits the
+    GPU (`CHECKPOINTING`; the heaviest where none does, and the row says NO)."""
     ideal, bounds = yardsticks
     variant = row.placement
     config = variant_config(config, variant, capacity)
     run = RunModel.create(config, hardware)
     if VARIANTS[variant].te_wire:
         run = run.with_te_wire()
-    steps, works, inter, planner, memory = [], [], [], [], []
+    works, inter, planner, stats, planned = [], [], [], [], []
     routed = config.parallel.routing
     for lengths in batches:
         if VARIANTS[variant].hybrid_cp:
-            steps.append(simulate_hybrid_cp(lengths, run))
+            plans = hybrid_cp_wave_plans(lengths, run)
+            stats.append([plan_stats(plan, run.shape) for plan in plans])
             continue
         scheduler = _scheduler(VARIANTS[variant])
-        plans, remap, seconds, step = _planned_step(scheduler, lengths, run, ideal is not None)
+        plans, micro, remap, seconds = _planned(scheduler, lengths, run)
+        planned.append((plans, micro, remap))
         planner.append(seconds)
-        steps.append(step)
-        stats = [plan_stats(plan, run.shape) for plan in plans]
-        works.append(max_over_mean(sum(one.work_flops for one in stats)))
+        stats.append([plan_stats(plan, run.shape) for plan in plans])
+        works.append(max_over_mean(sum(one.work_flops for one in stats[-1])))
         inter.append(sum(attention_step_traffic(plan, run.shape, routed, remap).inter_node
                          for plan in plans))  # fmt: skip
-        for one in stats:
-            held = plan_memory(config, hardware.topology, one, run.shape)
-            memory.append(held.ranks[held.fullest].total)
-    tokens = sum(int(b.sum()) for b in batches)
+    mode, peak = _fitting_checkpointing(config, hardware, run, stats)
+    row.checkpointing, row.peak_memory_gb = mode.value, peak / GB
+    row.fits = "yes" if peak <= hardware.usable_memory_bytes else "NO"
+    run = dataclasses.replace(run, config=with_checkpointing(run.config, mode))
     if ideal is not None:
+        steps = [_simulated_step(lengths, run, *one) for lengths, one in
+                 zip(batches, planned or [()] * len(batches), strict=True)]  # fmt: skip
         seconds = _simulated_columns(row, steps, ideal, bounds, run.shape.n_layers)
-        row.tokens_per_s_per_gpu = tokens / seconds / hardware.devices
+        row.tokens_per_s_per_gpu = sum(int(b.sum()) for b in batches) / seconds / hardware.devices
     if works:
         row.work_mean, row.work_worst = float(np.mean(works)), float(max(works))
         row.inter_node_gb = float(np.mean(inter)) / 1e9
         row.planner_ms = float(np.median(planner)) * 1e3
         row.planner_ms_max = float(max(planner)) * 1e3
-        row.peak_memory_gb = float(max(memory)) / GB
-        row.fits = "yes" if max(memory) <= hardware.usable_memory_bytes else "NO"
+
+
+CHECKPOINTING = (
+    ActivationCheckpointing.NONE,
+    ActivationCheckpointing.SELECTIVE,
+    ActivationCheckpointing.FULL,
+)
+"""Activation checkpointing tried for a row, lightest first (what backward recomputes
+grows down the list; `ray_zep.sim.step` counts it in the step)."""
+
+
+def with_checkpointing(config: Config, mode: ActivationCheckpointing) -> Config:
+    """`config` with `train.activation_checkpointing=mode`."""
+    train = dataclasses.replace(config.train, activation_checkpointing=mode)
+    return dataclasses.replace(config, train=train)
+
+
+def _fitting_checkpointing(config: Config, hardware: Hardware, run: RunModel, stats):
+    """(the lightest `CHECKPOINTING` mode whose fullest rank fits the GPU, or the
+    heaviest; that rank's modelled bytes) over every plan of `stats` (per batch)."""
+    for mode in CHECKPOINTING:
+        held = (plan_memory(with_checkpointing(config, mode), hardware.topology, one, run.shape)
+                for batch in stats for one in batch)  # fmt: skip
+        peak = max(h.ranks[h.fullest].total for h in held)
+        if peak <= hardware.usable_memory_bytes:
+            break
+    return mode, peak
 
 
 def _simulated_columns(row: ScaleRow, steps, ideal, bounds, n_layers: int) -> float:
@@ -269,24 +311,28 @@ def _scheduler(variant):
     return next((plans for flag, plans in _SCHEDULERS.items() if getattr(variant, flag)), None)
 
 
-def _planned_step(scheduler, lengths: np.ndarray, run: RunModel, simulate: bool = True):
-    """(the step's plans, its remap, the planner's wall seconds, the simulated step
-    or None without `simulate`): one plan as the data actor makes it, or the rounds of
-    a baseline's `scheduler` (`_SCHEDULERS`)."""
+def _planned(scheduler, lengths: np.ndarray, run: RunModel):
+    """(the step's plans, the baseline's micro-batches or None, its remap, the planner's
+    wall seconds): one plan as the data actor makes it, or the rounds of a baseline's
+    `scheduler` (`_SCHEDULERS`)."""
     started = time.perf_counter()
+    micro, remap = None, None
     if scheduler is not None:
         micro, plans = scheduler(lengths, run)
-        remap = None
     else:
         plan, remap = plan_batch(lengths, run)
         plans = [plan]
-    seconds = time.perf_counter() - started
-    if not simulate:
-        return plans, remap, seconds, None
-    if scheduler is not None:
-        return plans, remap, seconds, simulate_schedule(lengths, micro, plans, run)
-    step = simulate_plan(plans[0], run, run.config.parallel.routing, remap)
-    return plans, remap, seconds, step
+    return plans, micro, remap, time.perf_counter() - started
+
+
+def _simulated_step(lengths: np.ndarray, run: RunModel, plans=None, micro=None, remap=None):
+    """The simulated step of a batch `_planned` placed (`plans`, `micro`, `remap`);
+    megatron_hybrid_cp's waves without them."""
+    if plans is None:
+        return simulate_hybrid_cp(lengths, run)
+    if micro is not None:
+        return simulate_schedule(lengths, micro, plans, run)
+    return simulate_plan(plans[0], run, run.config.parallel.routing, remap)
 
 
 COLUMNS = (
@@ -307,6 +353,7 @@ COLUMNS = (
     Column("plan ms", "planner_ms", ".0f"),
     Column("plan max", "planner_ms_max", ".0f"),
     Column("mem GB", "peak_memory_gb", ".1f"),
+    Column("ckpt", "checkpointing"),
     Column("fits", "fits"),
 )
 

@@ -59,8 +59,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _print_run_summary(config, run_dir: Path) -> None:
-    """Balance and traffic of the run, and TE CP on its batches (modelled)."""
+    """Balance and traffic of the run, TE CP on its batches and the run's documents at a
+    real shape (modelled)."""
     from ray_zep import steplog
+    from ray_zep.bench.real_shape import real_shape_lines, real_shape_rows
     from ray_zep.constants import METRICS_FILE_NAME
     from ray_zep.errors import ZepError
     from ray_zep.report.run_summary import compare_with_te_cp, summary_lines
@@ -75,6 +77,13 @@ def _print_run_summary(config, run_dir: Path) -> None:
     except ZepError as exc:
         print(f"te_cp comparison not modelled: {exc}")
     for line in summary_lines(rows, comparison):
+        print(line)
+    try:
+        at_scale = real_shape_rows(config, config.metrics.summary_gpus)
+    except ZepError as exc:
+        print(f"real shape not modelled: {exc}")
+        return
+    for line in real_shape_lines(at_scale):
         print(line)
 
 

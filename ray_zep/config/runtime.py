@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ray_zep import constants
 from ray_zep.config.rules import require
@@ -94,6 +94,11 @@ class MetricsConfig:
     wandb_run: str | None = None
     """The W&B run's name; null: the run directory's name. A resumed run logs to the
     same W&B run (its id comes from the run directory)."""
+    summary_gpus: list[int] = field(default_factory=list)
+    """Cluster sizes (GPUs of cluster A, multiples of 8) at which the closing summary of
+    `ray-zep train` models this run's document lengths with a 7B model: the product's
+    placement against TE CP and Megatron-LM's dynamic CP (`ray_zep.bench.real_shape`;
+    about 10 s at 1,024 GPUs); [] (the default; the demo sets [64, 1024]) leaves it out."""
 
     def __post_init__(self) -> None:
         for key in ("tensorboard", "wandb", "wandb_run"):
@@ -104,3 +109,6 @@ class MetricsConfig:
         require(-1 <= self.port <= 65535, "metrics.port", self.port, "must be -1, 0 or a port")
         require(bool(self.host.strip()), "metrics.host", self.host, "must be an address")
         require(self.peak_tflops >= 0, "metrics.peak_tflops", self.peak_tflops, "must be >= 0")
+        whole_nodes = all(g >= 8 and g % 8 == 0 for g in self.summary_gpus)
+        require(whole_nodes, "metrics.summary_gpus", self.summary_gpus,
+                "must be GPU counts, multiples of 8 (cluster A's nodes)")  # fmt: skip

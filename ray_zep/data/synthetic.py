@@ -94,9 +94,26 @@ def batch_lengths(distribution: str, total_tokens: int, seed: int) -> np.ndarray
     last sequence is cut to the space left, as budget packing cuts a document.
     """
     source = SyntheticSource(distribution, vocab_size=2, seed=seed)
+    return _filled(source.length, total_tokens)
+
+
+def drawn_batch_lengths(documents: np.ndarray, total_tokens: int, seed: int) -> np.ndarray:
+    """`batch_lengths` drawing from the lengths of real `documents` (with replacement,
+    seeded) instead of a named distribution."""
+    documents = np.asarray(documents, dtype=np.int64)
+    documents = documents[documents > 0]
+    if documents.size == 0:
+        raise ConfigError("drawn_batch_lengths: no document with tokens to draw from")
+    rng = np.random.default_rng(seed)
+    return _filled(lambda doc: int(documents[rng.integers(documents.size)]), total_tokens)
+
+
+def _filled(length_of, total_tokens: int) -> np.ndarray:
+    """Lengths `length_of(0)`, `length_of(1)`, ... until they hold `total_tokens`, the last
+    one cut to the space left."""
     lengths, used, doc = [], 0, 0
     while used < total_tokens:
-        n = min(source.length(doc), total_tokens - used)
+        n = min(length_of(doc), total_tokens - used)
         lengths.append(n)
         used += n
         doc += 1

@@ -207,7 +207,8 @@ def simulate_schedule(
     layer_ends, heads = [], []
     for plan, step in zip(plans, steps, strict=True):
         forward, backward = rank_ends(step.forward, world), rank_ends(step.backward, world)
-        layer_ends.append(layers * (forward + backward) + step.expert_seconds)
+        extra = step.expert_seconds + step.recompute_seconds
+        layer_ends.append(layers * (forward + backward) + extra)
         heads.append(head_seconds(plan.rank_tokens(), run.shape, run.hardware.rates))
     finish = np.zeros(world)
     for batch in batches:
@@ -219,7 +220,8 @@ def simulate_schedule(
     backward = sum(s.backward_layer_seconds for s in steps)
     head = sum(s.head_seconds for s in steps)
     experts = sum(s.expert_seconds for s in steps)
-    played = layers * (forward + backward) + head + experts
+    recompute = sum(s.recompute_seconds for s in steps)
+    played = layers * (forward + backward) + head + experts + recompute
     scale = makespan / played if played > 0 else 0.0
     first = steps[0]
     once = first.grad_sync_seconds + first.optimizer_seconds + first.fixed_seconds
@@ -230,5 +232,6 @@ def simulate_schedule(
         backward_layer_seconds=backward * scale,
         head_seconds=head * scale,
         expert_seconds=experts * scale,
+        recompute_seconds=recompute * scale,
         step_seconds=makespan + once,
     )

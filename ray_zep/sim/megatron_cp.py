@@ -308,6 +308,21 @@ def wave_plan(
     return plan, np.asarray(order, dtype=np.int64)
 
 
+def hybrid_cp_wave_plans(lengths: np.ndarray, run: RunModel) -> list[AttentionPlan]:
+    """The plan of each wave Megatron-Core's hybrid DP x CP runs a batch in (L =
+    `run.config.train.tokens_per_rank`).
+
+    Raises:
+        ConfigError, PlacementError: as `schedule_waves`, or an empty batch.
+    """
+    topology = run.hardware.topology
+    limit = run.config.train.tokens_per_rank
+    waves = schedule_waves(lengths, topology.world_size, limit)
+    if not waves:
+        raise PlacementError(f"{NAME}: the batch has no sequences")
+    return [wave_plan(lengths, w, topology, limit)[0] for w in waves]
+
+
 def simulate_hybrid_cp(lengths: np.ndarray, run: RunModel) -> StepResult:
     """One step of Megatron-Core's hybrid DP x CP on a batch (module docstring), with
     L = `run.config.train.tokens_per_rank` and `run`'s weights mode; pass
@@ -320,18 +335,14 @@ def simulate_hybrid_cp(lengths: np.ndarray, run: RunModel) -> StepResult:
     Raises:
         ConfigError, PlacementError: as `schedule_waves`, or an empty batch.
     """
-    topology = run.hardware.topology
-    limit = run.config.train.tokens_per_rank
-    waves = schedule_waves(lengths, topology.world_size, limit)
-    if not waves:
-        raise PlacementError(f"{NAME}: the batch has no sequences")
-    steps = [simulate_plan(wave_plan(lengths, w, topology, limit)[0], run) for w in waves]
+    steps = [simulate_plan(plan, run) for plan in hybrid_cp_wave_plans(lengths, run)]
     first = steps[0]
     n_layers = run.shape.n_layers
     forward = sum(s.forward_layer_seconds for s in steps)
     backward = sum(s.backward_layer_seconds for s in steps)
     head = sum(s.head_seconds for s in steps)
     experts = sum(s.expert_seconds for s in steps)
+    recompute = sum(s.recompute_seconds for s in steps)
     once = first.grad_sync_seconds + first.optimizer_seconds + first.fixed_seconds
     return dataclasses.replace(
         first,
@@ -340,5 +351,6 @@ def simulate_hybrid_cp(lengths: np.ndarray, run: RunModel) -> StepResult:
         backward_layer_seconds=backward,
         head_seconds=head,
         expert_seconds=experts,
-        step_seconds=n_layers * (forward + backward) + head + experts + once,
+        recompute_seconds=recompute,
+        step_seconds=n_layers * (forward + backward) + head + experts + recompute + once,
     )

@@ -26,7 +26,12 @@ axes; whole-sequence placements keep the rank-packed bins) and plays it:
   Placements whose attention runs through the engine overlap only the MoE
   micro-batches (aaam and 1a1m run as moe_only there, as in the trainer);
 - weight-passing modes play `ray_zep.sim.weight_passing` on each rank's own
-  sequences; the slowest rank counts.
+  sequences; the slowest rank counts;
+- activation checkpointing (`train.activation_checkpointing`) adds what backward
+  recomputes, not overlapped with anything: `full` plays each block's forward again
+  (its ring exchange included, as the trainer's recomputation reruns the engine),
+  `selective` the feed-forward part's matmuls and SwiGLU on the rank with the most
+  linear-layout tokens.
 
 ZipCCL (`comm.compression`, `comm.compression_streams`): every stream of the
 composed step goes zipped where the mode zips it (`ray_zep.sim.wire.WireCodec`):
@@ -54,7 +59,7 @@ from ray_zep.costmodel import (
     head_flops_per_token,
 )
 from ray_zep.model_shapes import ModelShape, build_shape
-from ray_zep.options import CompressionStream
+from ray_zep.options import ActivationCheckpointing, CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, WeightsMode
 from ray_zep.parallel.memory import fsdp_units
 from ray_zep.partition import greedy_bins, plan_from_bins
@@ -134,6 +139,8 @@ class StepResult:
             the extra kernel calls of FoldMoE's micro-batches).
         optimizer_seconds: the optimizer update.
         fixed_seconds: the step's fixed host work (`ComputeRates.step_overhead_s`).
+        recompute_seconds: what backward recomputes under activation checkpointing,
+            every layer.
     """
 
     tokens: int
@@ -148,6 +155,7 @@ class StepResult:
     expert_seconds: float = 0.0
     optimizer_seconds: float = 0.0
     fixed_seconds: float = 0.0
+    recompute_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -163,6 +171,7 @@ class StepResult:
             "experts": self.expert_seconds,
             "optimizer": self.optimizer_seconds,
             "fixed": self.fixed_seconds,
+            "recompute": self.recompute_seconds,
         }
 
 
@@ -257,7 +266,8 @@ def simulate_plans(
         wire = wires.index((codec, paid.layer_sync))
         layers = (forward[wire], backward[wire])
         experts = expert_seconds(run, tokens, lengths)
-        results.append(_result(plan, run, layers, head, paid, experts, remap))
+        recompute = recompute_seconds(run, layers[0], max(tokens, default=0))
+        results.append(_result(plan, run, layers, head, paid, experts, remap, recompute))
     return results
 
 
@@ -277,6 +287,27 @@ def head_seconds(tokens, shape: ModelShape, rates: ComputeRates):
     return (1 + BACKWARD_LINEAR_FACTOR) * tokens * head_flops_per_token(shape) / rates.matmul
 
 
+def recompute_seconds(run: RunModel, forward: Timeline, tokens: int) -> float:
+    """What backward recomputes in every layer under the run's activation checkpointing
+    (module docstring): the forward layer's makespan (`full`), or the feed-forward
+    part's forward over `tokens`, the most any rank holds (`selective`)."""
+    mode, shape = run.config.train.activation_checkpointing, run.shape
+    if mode is ActivationCheckpointing.NONE:
+        return 0.0
+    if mode is ActivationCheckpointing.FULL:
+        return shape.n_layers * forward.makespan
+    rates = run.hardware.rates
+    matmul = 2.0 * shape.mean_ffn_params() * tokens / rates.matmul
+    width = shape.mean_ffn_params() / (3 * shape.dim)  # SwiGLU width, MoE blocks averaged
+    swiglu = rates.pointwise_seconds(SWIGLU_FORWARD_PASSES * width * tokens)
+    return shape.n_layers * (matmul + swiglu)
+
+
+SWIGLU_FORWARD_PASSES = 3
+"""Passes over the feed-forward width of SwiGLU's forward: two inputs read, one output
+written (the element-wise model counts 6 for forward and backward)."""
+
+
 def _result(
     plan: AttentionPlan,
     run: RunModel,
@@ -285,9 +316,10 @@ def _result(
     paid: WeightsCost,
     experts: float,
     remap: RemapPlan | None,
+    recompute: float = 0.0,
 ) -> StepResult:
     """A step of `plan` from its parts: (forward, backward) layer timelines, the LM head,
-    what the weights mode costs and the expert all-to-alls."""
+    what the weights mode costs, the expert all-to-alls and what backward recomputes."""
     forward, backward = layers
     rates = run.hardware.rates
     optimizer = paid.owned_params * rates.optimizer_param_seconds
@@ -299,13 +331,14 @@ def _result(
         backward_layer_seconds=backward.makespan,
         head_seconds=head,
         grad_sync_seconds=paid.exposed,
-        step_seconds=total + head + paid.exposed + experts + optimizer + fixed,
+        step_seconds=total + head + paid.exposed + experts + optimizer + fixed + recompute,
         forward=forward,
         backward=backward,
         remap=remap,
         expert_seconds=experts,
         optimizer_seconds=optimizer,
         fixed_seconds=fixed,
+        recompute_seconds=recompute,
     )
 
 

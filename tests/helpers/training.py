@@ -41,6 +41,7 @@ SMALL_RUN = [
     "metrics.progress=false",
     "train.adam_eps=1e-6",
     "metrics.memory_every=0",
+    "metrics.summary_gpus=[]",
 ]
 """A run small enough for several processes on two cores, with varied lengths.
 
