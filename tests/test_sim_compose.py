@@ -19,6 +19,7 @@ from ray_zep.bench.calibrate_links import (
 )
 from ray_zep.config import Compression, Config, load_config
 from ray_zep.costmodel import ComputeRates
+from ray_zep.data.synthetic import batch_lengths
 from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.sim.events import CorePool
 from ray_zep.sim.hardware import Hardware
@@ -279,3 +280,24 @@ def test_activation_checkpointing_adds_what_backward_recomputes() -> None:
     assert 0 < selective.recompute_seconds < full.recompute_seconds
     for step in steps.values():
         assert sum(step.breakdown(layers).values()) == pytest.approx(step.step_seconds)
+
+
+def test_a_remap_exchange_costs_its_busiest_link_not_a_queue_across_the_cluster() -> None:
+    """64 GPUs of cluster A, a chat batch whose remap moves ~20k tokens between nodes:
+    the forward layer with the remap takes at most what the remapping layer's own cost
+    estimate says its exchanges take beyond the layer without it (messages played pair
+    by pair queued behind each other's NICs and cost ~20x that)."""
+    from ray_zep.remap.policy import remap_cost_seconds
+
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=8",
+                                "model.preset=7b", "train.tokens_per_rank=5120",
+                                "parallel.weights=fsdp", "parallel.sequence=zeppelin",
+                                "parallel.routing=true",
+                                "parallel.remap=true", "parallel.remap_policy=always"])  # fmt: skip
+    run = RunModel.create(config, Hardware.preset(build_topology(config.topology)))
+    plan, remap = plan_batch(batch_lengths("chat", 4096 * 64, 0), run)
+    assert remap is not None and len(remap.transfers) > 20
+    with_remap = simulate_plan(plan, run, True, remap).forward_layer_seconds
+    without = simulate_plan(plan, run, True, None).forward_layer_seconds
+    forward_cost = remap_cost_seconds(remap, plan.topology, run.shape) / 2
+    assert with_remap - without <= forward_cost

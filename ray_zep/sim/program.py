@@ -19,7 +19,8 @@ and is combined at the destination; relay threads forward as soon as data
 arrives, without using the compute stream. An item's K/V exchange is built as
 its kind plays it (`PLAYS`, one builder per `ray_zep.partition.exchange.Play`).
 All-gathers and reduce-scatters (llama_cp) hold every member's links for the
-collective's modelled time (`CostModel.all_gather_seconds`). Ulysses exchanges are point-to-point
+collective's modelled time (`CostModel.all_gather_seconds`). The remap's all-to-all-v
+is played per rank and link kind (`_Builder.remap`). Ulysses exchanges are point-to-point
 transfers between the members of a ring position.
 
 With `comm.compression` (`ray_zep.sim.wire.WireCodec`), the ring K/V and dK/dV
@@ -557,22 +558,66 @@ class _Builder:
                 self.ulysses_exchange(item, self.ulysses_sizes(item, False), "Ulysses out")
 
     def remap(self, to_attention: bool, row_bytes: int, name: str) -> None:
-        """The remap all-to-all-v: linear -> attention layout (`to_attention`) or back."""
+        """The remap all-to-all-v: linear -> attention layout (`to_attention`) or back.
+
+        Played per rank and link kind, as an all-to-all-v runs: a rank's part moves the
+        larger of what it sends and receives over that kind at once (one latency per
+        message), on its own port or its NIC (shared with the rank beside it), from
+        when every peer has posted the exchange; a rank goes on once its parts and the
+        parts of every peer it receives from have ended. (Pair by pair, each message
+        would hold a sender's NIC while it waits for a busy receiver's, and the
+        exchange would queue up across the cluster as no all-to-all does.)"""
         if self.setup.remap is None:
             return
         posted = list(self.point)
-        done = defaultdict(list)
         backward = self.phase is Phase.BACKWARD
         stream = Stream(
             CompressionStream.REMAP_ALL_TO_ALL.value, self.setup.element_bytes, backward
         )
+        moved: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # sent, got, count
+        peers: dict[int, set[int]] = defaultdict(set)
+        senders: dict[int, set[int]] = defaultdict(set)
         for src, dst, tokens in self.setup.remap.transfers:
             a, b = (dst, src) if to_attention else (src, dst)
-            task = self.send(a, b, tokens * row_bytes, [posted[a], posted[b]], name, stream)
-            done[a].append(task)
-            done[b].append(task)
-        for rank, tasks in done.items():
-            self.wait(rank, tasks)
+            kind = LinkKind.INTRA_NODE if self.node[a] == self.node[b] else LinkKind.INTER_NODE
+            nbytes = tokens * row_bytes
+            moved[a, kind][0] += nbytes
+            moved[b, kind][1] += nbytes
+            moved[a, kind][2] += 1
+            moved[b, kind][2] += 1
+            peers[a].add(b)
+            peers[b].add(a)
+            senders[b].add(a)
+        parts: dict[int, list[int]] = defaultdict(list)
+        for (rank, kind), (sent, got, count) in moved.items():
+            deps = [posted[rank], *(posted[p] for p in sorted(peers[rank]))]
+            parts[rank].append(self.rank_exchange(rank, kind, max(sent, got), count, deps,
+                                                  name, stream))  # fmt: skip
+        for rank in peers:
+            arrived = [t for peer in sorted(senders[rank]) for t in parts[peer]]
+            self.wait(rank, [*parts[rank], *arrived])
+
+    def rank_exchange(
+        self, rank: int, kind: LinkKind, nbytes: float, messages: int, deps, name: str,
+        stream: Stream,
+    ) -> int:  # fmt: skip
+        """One rank's part of an all-to-all-v over links of `kind`: `nbytes` through its
+        port (intra-node) or its NIC, `messages` latencies, zipped where `stream` goes."""
+        if kind is LinkKind.INTRA_NODE:
+            lane, resources = Lane.INTRA_NODE, (("port_out", rank), ("port_in", rank))
+        else:
+            node, nic = self.node[rank], self.nic[rank]
+            lane, resources = Lane.INTER_NODE, (("nic_out", node, nic), ("nic_in", node, nic))
+        cost = self.setup.cost
+        plain = cost.transfer_seconds(nbytes, kind, one_sender_per_nic=True)
+        plain += (messages - 1) * cost.link_latency(kind)
+        seconds = plain
+        if self.setup.codec.zips(stream.name):
+            seconds = self.zipped(self.setup.codec, self.profiles, plain, kind, stream, nbytes)
+        task = self.graph.add(name, rank, lane, seconds, resources, deps)
+        if self.record:
+            self.recipes.append(("send", task, plain, kind, stream, nbytes))
+        return task
 
     def linear(self, flops_per_token: float, name: str, pointwise_share: float) -> None:
         """The matmuls of `flops_per_token` and `pointwise_share` of the layer's element-wise
