@@ -95,13 +95,19 @@ class WorkModel:
     def hop(self, kind: LinkKind) -> tuple[float, float]:
         """(latency s, bytes/s) of one ring hop over `kind`. A ring crosses each node
         boundary from one GPU; routed, its bytes spread over all the node's NICs
-        through proxies (one intra-node hop more of latency)."""
+        through proxies: the sender scatters all but its own share to the send proxies
+        and the receiver gathers them from the receive proxies over its intra-node port,
+        each relay forwarding a piece once it has all of it (`ray_zep.routing`), so the
+        three hops add up."""
         cost, topo = self.cost, self.cost.topology
         bandwidth = cost.link_bandwidth(kind, one_sender_per_nic=True)
         latency = cost.link_latency(kind)
         if kind is LinkKind.INTER_NODE and self.routed:
-            bandwidth *= topo.nics_per_node
-            latency += cost.link_latency(LinkKind.INTRA_NODE)
+            proxies = topo.nics_per_node
+            relayed = 2 * (proxies - 1) / proxies  # dispatched and combined shares
+            intra = cost.link_bandwidth(LinkKind.INTRA_NODE)
+            bandwidth = 1.0 / (1.0 / (proxies * bandwidth) + relayed / intra)
+            latency += 2 * cost.link_latency(LinkKind.INTRA_NODE)
         return latency, bandwidth
 
     @property
