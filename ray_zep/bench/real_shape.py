@@ -69,7 +69,7 @@ def real_shape_lines(rows: list[ScaleRow]) -> list[str]:
     for size in dict.fromkeys(r.gpus for r in rows):
         mine = [r for r in rows if r.gpus == size]
         ours = mine[0]
-        lines.append(f"  {size} GPUs:")
+        lines.append(f"  {size:,} GPUs:")
         for row in mine:
             if row.step_s is None:
                 lines.append(f"    {row.placement}: not modelled ({row.error})")
@@ -79,12 +79,12 @@ def real_shape_lines(rows: list[ScaleRow]) -> list[str]:
                 speed = f", {ours.placement} {row.step_s / ours.step_s:.2f}x faster"
             memory = "" if row.fits != "NO" else ", does not fit the GPU"
             lines.append(
-                f"    {row.placement}: {row.step_s:.2f} s/step, {row.step_over_bound:.2f}x the "
-                f"bound, {row.tokens_per_s_per_gpu:.0f} tokens/s per GPU, "
+                f"    {row.placement}: {row.step_s:,.2f} s/step, {row.step_over_bound:,.2f}x the "
+                f"bound, {row.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
                 f"{_gb(row.inter_node_gb)} between nodes{memory}{speed}"
             )
     return lines
 
 
 def _gb(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f} GB"
+    return "-" if value is None else f"{value:,.1f} GB"
