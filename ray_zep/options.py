@@ -21,6 +21,17 @@ class ZonePolicy(Enum):
     transfers); token counts differ up to L (ray_zep.partition.balance)."""
 
 
+class DkvWire(Enum):
+    """The dtype ring dK/dV accumulators travel in between ring members (backward)."""
+
+    FLOAT32 = "float32"
+    """float32, as they are summed: the sum over the ring is the one-device sum up to
+    float32 rounding."""
+    COMPUTE = "compute"
+    """The K/V dtype (bf16 in bf16 runs), as TransformerEngine sends them: half the dK/dV
+    bytes, each partial sum rounded to it once per hop (identical in fp32 runs)."""
+
+
 class RemapPolicy(Enum):
     """When the remapping layer runs on a batch (with `parallel.remap`)."""
 

@@ -301,3 +301,31 @@ def test_a_remap_exchange_costs_its_busiest_link_not_a_queue_across_the_cluster(
     without = simulate_plan(plan, run, True, None).forward_layer_seconds
     forward_cost = remap_cost_seconds(remap, plan.topology, run.shape) / 2
     assert with_remap - without <= forward_cost
+
+
+def test_dkv_in_the_kv_dtype_halves_the_backward_accumulators_bytes() -> None:
+    """`parallel.dkv_wire=compute`: the simulator sends dK/dV in the activation dtype and
+    the work model weighs a backward ring step at twice the forward bytes, not three
+    times; a transfer-bound ring across nodes then plays its backward faster."""
+    from ray_zep.options import DkvWire
+    from ray_zep.partition.plan import AttentionPlan, SeqPlacement, even_bounds
+    from ray_zep.partition.work import WorkModel
+
+    base = load_config(None, ["topology.preset=cluster_a", "topology.nodes=2",
+                              "model.preset=7b", "train.tokens_per_rank=8192",
+                              "parallel.sequence=zeppelin", "parallel.routing=true"])  # fmt: skip
+    topology = build_topology(base.topology)
+    steps = {}
+    for wire in DkvWire:
+        parallel = dataclasses.replace(base.parallel, dkv_wire=wire)
+        run = RunModel.create(dataclasses.replace(base, parallel=parallel),
+                              Hardware.preset(topology))  # fmt: skip
+        assert run.dkv_bytes == (run.element_bytes if wire is DkvWire.COMPUTE else 4)
+        model = WorkModel.create(run.shape, topology, routed=True, dkv_wire=wire)
+        assert model.dkv_factor == (2.0 if wire is DkvWire.COMPUTE else 3.0)
+        ring = SeqPlacement(0, 65536, tuple(range(16)), even_bounds(65536, 16))
+        plan = AttentionPlan(Placement.ZEPPELIN, topology, 8192, (ring,))
+        steps[wire] = simulate_plan(plan, run, True, None)
+    fast, slow = steps[DkvWire.COMPUTE], steps[DkvWire.FLOAT32]
+    assert fast.forward_layer_seconds == pytest.approx(slow.forward_layer_seconds)
+    assert fast.backward_layer_seconds < 0.9 * slow.backward_layer_seconds

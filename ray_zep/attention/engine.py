@@ -146,7 +146,8 @@ def _start_relay(schedule: RankSchedule, links: Links, phase: Phase, k_TKE) -> C
     """Start this rank's relay on the pieces it forwards in this call (None: nothing to do)."""
     if schedule.routing is None or links.routing is None:
         return None
-    rows = RowFormat(k_TKE.shape[1], k_TKE.shape[2], k_TKE.dtype, k_TKE.device)
+    rows = RowFormat(k_TKE.shape[1], k_TKE.shape[2], k_TKE.dtype, k_TKE.device,
+                     links.dkv_dtype(k_TKE.dtype))  # fmt: skip
     links.routing.start_relay(schedule.relayed[phase], rows)
     return links.routing
 
@@ -260,6 +261,7 @@ def _ring_backward(dout_pos, state, item, schedule, links, dq_pos, backward):
     if len(item.steps) == 1:  # a local item: nothing travels
         return contribute(state.kv_P2KE, item.steps[0])
     current = state.kv_P2KE
+    wire = links.dkv_dtype(current.dtype)  # accumulators sum in float32, travel in `wire`
     incoming = None  # dK/dV accumulator of this step's source, from the previous rank
     dkv_pending = None
     sends_alive = []  # keep sent accumulators alive until their transfers complete
@@ -274,16 +276,17 @@ def _ring_backward(dout_pos, state, item, schedule, links, dq_pos, backward):
         # After the last step the accumulator goes home, and ours arrives.
         last = s + 1 == len(item.steps)
         size = item.position_tokens[item.position if last else item.steps[s + 1].source]
-        incoming = dkv.new_empty((size, *dkv.shape[1:]))
+        incoming = dkv.new_empty((size, *dkv.shape[1:]), dtype=wire)
+        sent = dkv.to(wire)
         dkv_pending = _ring_exchange(
-            dkv, incoming, item, s, Payload.DKV, schedule, links, "ring dK/dV exchange"
+            sent, incoming, item, s, Payload.DKV, schedule, links, "ring dK/dV exchange"
         )
-        sends_alive.append(dkv)
+        sends_alive.append(sent)
         if kv_pending is not None:
             kv_pending.wait()
             current = kv_buf
     dkv_pending.wait()
-    return incoming
+    return incoming.float()
 
 
 def _gathered_backward(dout_pos, state, item, schedule, links, dq_pos, backward):

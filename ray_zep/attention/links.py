@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from ray_zep.collectives.adaptive import RingZipper
@@ -19,11 +20,18 @@ class Links:
         comm: the job's group, topology and timeout; ranks are its ranks.
         routing: the routing layer's groups and relay thread (`parallel.routing`).
         ring_zip: per-message compression of ring K/V and dK/dV (`comm.compression`).
+        dkv_as_kv: ring dK/dV accumulators travel in the K/V dtype, not float32
+            (`parallel.dkv_wire=compute`).
     """
 
     comm: Comm
     routing: Channels | None = None
     ring_zip: RingZipper | None = None
+    dkv_as_kv: bool = False
+
+    def dkv_dtype(self, kv_dtype: torch.dtype) -> torch.dtype:
+        """The dtype ring dK/dV accumulators travel in, for K/V of `kv_dtype`."""
+        return kv_dtype if self.dkv_as_kv else torch.float32
 
     @property
     def group(self) -> dist.ProcessGroup | None:

@@ -12,6 +12,7 @@ from ray_zep.config.rules import require
 from ray_zep.options import (
     COMPRESSION_STREAMS,
     Compression,
+    DkvWire,
     FsdpUnit,
     MoEPipeline,
     RemapPolicy,
@@ -46,6 +47,9 @@ class ParallelConfig:
     planned placements only."""
     remap_policy: RemapPolicy = RemapPolicy.WHEN_FASTER
     """when_faster | always: remap only the batches where it pays off, or every batch."""
+    dkv_wire: DkvWire = DkvWire.FLOAT32
+    """float32 | compute: the dtype ring dK/dV accumulators travel in (ray_zep.options.
+    DkvWire); compute halves their bytes in bf16 runs, rounding each hop's partial sum."""
     ep: int = 1
     """Expert-parallel degree: experts are split over groups of this many
     consecutive ranks; must divide the number of ranks and model.moe.num_experts."""

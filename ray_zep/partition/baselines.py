@@ -211,7 +211,8 @@ def _finish(
 
 def _hybrid_dp(lengths, topology, capacity, shape, parallel: ParallelConfig) -> AttentionPlan:
     if parallel.zone_policy is ZonePolicy.WORK:
-        model = WorkModel.create(shape, topology, routed=parallel.routing)
+        model = WorkModel.create(shape, topology, routed=parallel.routing,
+                                 dkv_wire=parallel.dkv_wire)  # fmt: skip
         return plan_hybrid_dp(lengths, topology, capacity, model)
     return plan_hybrid_dp(lengths, topology, capacity)
 

@@ -59,7 +59,7 @@ def plan_fill(
     lengths = np.asarray(lengths, dtype=np.int64)
     world = topology.world_size
     check_total(lengths, world, capacity, Placement.FILL.value)
-    model = WorkModel.create(shape, topology, routed=parallel.routing)
+    model = WorkModel.create(shape, topology, routed=parallel.routing, dkv_wire=parallel.dkv_wire)
     work = model.whole_seconds(lengths)
     density = work / np.maximum(lengths, 1)
     pour = _Pour(world, capacity, float(work.sum()) / world, min(MIN_PIECE, capacity // 2))

@@ -17,7 +17,7 @@ import numpy as np
 
 from ray_zep.config import ParallelConfig
 from ray_zep.model_shapes import ModelShape
-from ray_zep.options import ZonePolicy
+from ray_zep.options import DkvWire, ZonePolicy
 from ray_zep.parallel.axes import Placement, SequenceAxis
 from ray_zep.partition.layout import ZIGZAG, Layout
 from ray_zep.partition.plan import AttentionPlan
@@ -80,6 +80,7 @@ class Variant:
         dynamic_cp: Megatron-LM's packing-aware dynamic CP micro-batches
             (`ray_zep.sim.megatron_dynamic_cp`), TE CP inside each group.
         zone_policy: the `parallel.zone_policy` it plans with (None: the config's).
+        dkv_wire: the `parallel.dkv_wire` it runs with (None: the config's).
     """
 
     placement: Placement
@@ -91,6 +92,7 @@ class Variant:
     bytescale: bool = False
     dynamic_cp: bool = False
     zone_policy: ZonePolicy | None = None
+    dkv_wire: DkvWire | None = None
 
     @property
     def scheduled(self) -> bool:

@@ -39,11 +39,13 @@ from ray_zep.costmodel import (
     preset_rates,
 )
 from ray_zep.model_shapes import ModelShape
+from ray_zep.options import DkvWire
 from ray_zep.partition.layout import ZIGZAG, Layout
 from ray_zep.topology import LinkKind, Topology
 
 DKV_WIRE_FACTOR = 3.0
-"""Backward ring bytes over forward: K and V again plus float32 dK/dV (twice bf16)."""
+"""Backward ring bytes over forward: K and V again plus float32 dK/dV (twice bf16);
+2 with dK/dV in the K/V dtype (`parallel.dkv_wire=compute`)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class WorkModel:
         routed: inter-node ring hops go through proxies over every NIC of the node
             (`parallel.routing`); otherwise through the sender's own NIC.
         layout: how rings cut their sequences.
+        dkv_factor: backward ring bytes over forward (`DKV_WIRE_FACTOR`).
     """
 
     shape: ModelShape
@@ -79,6 +82,7 @@ class WorkModel:
     cost: CostModel
     routed: bool = False
     layout: Layout = ZIGZAG
+    dkv_factor: float = DKV_WIRE_FACTOR
 
     @classmethod
     def create(
@@ -87,10 +91,14 @@ class WorkModel:
         topology: Topology,
         rates: ComputeRates | None = None,
         routed: bool = False,
+        dkv_wire: DkvWire = DkvWire.FLOAT32,
     ) -> WorkModel:
-        """The model on `topology` at `rates` (default: the topology GPU's preset)."""
+        """The model on `topology` at `rates` (default: the topology GPU's preset), ring
+        dK/dV on the wire as `dkv_wire` says."""
         rates = rates or preset_rates(topology.gpu_model)
-        return cls(shape, rates, CostModel(shape, topology, rates.attention_forward), routed)
+        cost = CostModel(shape, topology, rates.attention_forward)
+        factor = 2.0 if dkv_wire is DkvWire.COMPUTE else DKV_WIRE_FACTOR
+        return cls(shape, rates, cost, routed, dkv_factor=factor)
 
     def hop(self, kind: LinkKind) -> tuple[float, float]:
         """(latency s, bytes/s) of one ring hop over `kind`. A ring crosses each node
@@ -161,7 +169,7 @@ class WorkModel:
         sequence each), `tokens` it holds, `degree` members, over links of `kind`."""
         latency, bandwidth = self.hop(kind)
         send_f = latency + parts.send_bytes / bandwidth
-        send_b = latency + DKV_WIRE_FACTOR * parts.send_bytes / bandwidth
+        send_b = latency + self.dkv_factor * parts.send_bytes / bandwidth
         # forward and backward parts of the step's compute, weighted as `_pair_seconds` is
         share_f = 1.0 / (1.0 + BACKWARD_ATTENTION_FACTOR)
         step_f, step_b = parts.step_s * share_f, parts.step_s * (1 - share_f)

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ray_zep.config import ParallelConfig, ZonePolicy
+from ray_zep.config import DkvWire, ParallelConfig, ZonePolicy
 from ray_zep.costmodel import CostModel
 from ray_zep.errors import PlacementError
 from ray_zep.model_shapes import ModelShape
@@ -114,6 +114,7 @@ def plan_zeppelin(
     cost: CostModel,
     policy: ZonePolicy = ZonePolicy.COST,
     routed: bool = False,
+    dkv_wire: DkvWire = DkvWire.FLOAT32,
 ) -> AttentionPlan:
     """Place a batch with Zeppelin's two-stage partitioner.
 
@@ -125,6 +126,8 @@ def plan_zeppelin(
         policy: how zone thresholds and split degrees are chosen.
         routed: inter-node ring hops go through proxies (`parallel.routing`); the
             work policy weighs them at every NIC's bandwidth.
+        dkv_wire: the dtype ring dK/dV travel in (`parallel.dkv_wire`), for the work
+            policy's backward transfers.
 
     Returns:
         The validated plan.
@@ -136,7 +139,7 @@ def plan_zeppelin(
     lengths = np.asarray(lengths, dtype=np.int64)
     check_total(lengths, topology.world_size, tokens_per_rank, Placement.ZEPPELIN.value)
     if policy is ZonePolicy.WORK:
-        model = WorkModel.create(cost.shape, topology, routed=routed)
+        model = WorkModel.create(cost.shape, topology, routed=routed, dkv_wire=dkv_wire)
         try:
             placements = balance(lengths, topology, tokens_per_rank, model)
         except PlacementError:
@@ -347,7 +350,8 @@ def _portion_gpus(share: int, free: np.ndarray, rules: _Rules) -> np.ndarray:
 def _planner(lengths, topology, capacity, shape: ModelShape, parallel: ParallelConfig):
     """`spec.Planner`: the Zeppelin plan under the config's zone policy and routing."""
     cost = CostModel.create(shape, topology)
-    return plan_zeppelin(lengths, topology, capacity, cost, parallel.zone_policy, parallel.routing)
+    return plan_zeppelin(lengths, topology, capacity, cost, parallel.zone_policy, parallel.routing,
+                         parallel.dkv_wire)  # fmt: skip
 
 
 _NAME = Placement.ZEPPELIN.value
@@ -357,6 +361,8 @@ COST_POLICY = f"{_NAME}+cost"
 """The full system with the cost model's zone thresholds (`parallel.zone_policy=cost`)."""
 CAPACITY_POLICY = f"{_NAME}_capacity"
 """The partitioner with the paper's capacity-only zone thresholds."""
+COMPUTE_DKV = f"{_NAME}+compute_dkv"
+"""The full system with ring dK/dV on the wire in the K/V dtype (`parallel.dkv_wire=compute`)."""
 
 SPEC = PlacementSpec(
     SEQUENCE_AXES[Placement.ZEPPELIN],
@@ -373,12 +379,13 @@ SPEC = PlacementSpec(
         CAPACITY_POLICY: Variant(
             Placement.ZEPPELIN, routed=True, remap=True, zone_policy=ZonePolicy.CAPACITY
         ),
+        COMPUTE_DKV: Variant(Placement.ZEPPELIN, routed=True, remap=True, dkv_wire=DkvWire.COMPUTE),
     },
     listed={
         **listed_in(Bench.SIMULATE, Bench.TRAIN, Bench.VALIDATE, Bench.VALIDATE_QUICK),
         **listed_in(Bench.LAYERS),
         Bench.PARTITION: (_NAME, CAPACITY_POLICY),
-        Bench.SCALE: (_NAME, COST_POLICY),
+        Bench.SCALE: (_NAME, COST_POLICY, COMPUTE_DKV),
     },
     role=Role.SYSTEM,
     zone_policies=tuple(ZonePolicy),

@@ -57,12 +57,14 @@ STREAM = CompressionStream.ROUTED_KV.value
 
 @dataclass(frozen=True)
 class RowFormat:
-    """Row shapes of one layer call: K/V heads and head dim, and the K/V dtype."""
+    """Row shapes of one layer call: K/V heads and head dim, the K/V dtype and the dtype
+    dK/dV accumulators travel in."""
 
     kv_heads: int
     head_dim: int
     kv_dtype: torch.dtype
     device: torch.device
+    dkv_dtype: torch.dtype = torch.float32
 
     def row_shape(self, transfer: Transfer) -> tuple[int, int, int]:
         u_size = transfer.ulysses
@@ -70,7 +72,7 @@ class RowFormat:
         return (2, per_member, self.head_dim)
 
     def dtype(self, transfer: Transfer) -> torch.dtype:
-        return self.kv_dtype if transfer.payload is Payload.KV else torch.float32
+        return self.kv_dtype if transfer.payload is Payload.KV else self.dkv_dtype
 
     def empty(self, transfer: Transfer, rows: int) -> torch.Tensor:
         return torch.empty(

@@ -224,6 +224,7 @@ def variant_config(config: Config, name: str, tokens_per_rank: int) -> Config:
         routing=variant.routed,
         remap=variant.remap,
         zone_policy=variant.zone_policy or config.parallel.zone_policy,
+        dkv_wire=variant.dkv_wire or config.parallel.dkv_wire,
     )
     train = dataclasses.replace(config.train, tokens_per_rank=tokens_per_rank)
     return dataclasses.replace(config, parallel=parallel, train=train)

@@ -51,7 +51,7 @@ from functools import partial
 import numpy as np
 
 from ray_zep.collectives.switcher import Kind
-from ray_zep.config import Compression, Config, MoEPipeline, Precision
+from ray_zep.config import Compression, Config, DkvWire, MoEPipeline, Precision
 from ray_zep.costmodel import (
     BACKWARD_LINEAR_FACTOR,
     BYTES_PER_ELEMENT,
@@ -87,7 +87,8 @@ class RunModel:
         hardware: the cluster and one GPU's rates.
         shape: the model (`config.model`'s).
         element_bytes: bytes of an activation (and a gathered parameter): 2 in bf16.
-        dkv_bytes: bytes of a dK/dV element on the wire (our engine: float32).
+        dkv_bytes: bytes of a dK/dV element on the wire (`parallel.dkv_wire`; float32 by
+            default).
         on_gpu: the ranks are GPUs (the codec's rate, `codec_bytes_s`).
     """
 
@@ -100,10 +101,12 @@ class RunModel:
 
     @classmethod
     def create(cls, config: Config, hardware: Hardware, on_gpu: bool = True) -> RunModel:
-        """Activations in bf16 on a GPU unless `train.precision=fp32`; float32 on CPU."""
+        """Activations in bf16 on a GPU unless `train.precision=fp32`; float32 on CPU;
+        dK/dV on the wire as `parallel.dkv_wire` says."""
         bf16 = on_gpu and config.train.precision is not Precision.FP32
         element = BYTES_PER_ELEMENT if bf16 else FP32_BYTES
-        return cls(config, hardware, build_shape(config.model), element, on_gpu=on_gpu)
+        dkv = element if config.parallel.dkv_wire is DkvWire.COMPUTE else FP32_BYTES
+        return cls(config, hardware, build_shape(config.model), element, dkv, on_gpu=on_gpu)
 
     def codec(self) -> WireCodec:
         """ZipCCL as `config.comm` sets it, at this device's codec rate."""

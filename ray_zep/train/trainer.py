@@ -19,7 +19,7 @@ import torch
 from ray_zep.attention.links import Links
 from ray_zep.collectives.switches import CompressionSwitches
 from ray_zep.collectives.tally import per_stream
-from ray_zep.config import Config
+from ray_zep.config import Config, DkvWire
 from ray_zep.data.shards import RankShard
 from ray_zep.distributed import Comm
 from ray_zep.host_usage import host_usage
@@ -81,7 +81,8 @@ class RankTrainer:
         ring_zip = self.zipped.ring_zipper() if self.zipped is not None else None
         routed = config.parallel.routing and comm.distributed
         routing = open_channels(self.comm, ring_zip) if routed else None
-        links = Links(self.comm, routing, ring_zip)
+        dkv_as_kv = config.parallel.dkv_wire is DkvWire.COMPUTE
+        links = Links(self.comm, routing, ring_zip, dkv_as_kv)
         self.ctx = StepContext(
             config, self.comm, device, self.dtype, self.model, kernel, self.axes, links, self.zipped
         )

@@ -50,12 +50,15 @@ def ring_rank(rank: int, world: int, case: dict) -> dict:
     comm = Comm.create(topology, topology.world_size, 60.0)
     routed = bool(case.get("routing"))
     comm = comm.with_groups(GroupNeeds(routing=routed))
-    links = Links(comm, open_channels(comm) if routed else None)
+    links = Links(comm, open_channels(comm) if routed else None,
+                  dkv_as_kv=bool(case.get("dkv_as_kv")))  # fmt: skip
     lengths = case["lengths"]
     plan = make_plan(
         Placement(case["strategy"]), lengths, topology, case["capacity"], build_shape(config.model)
     )
     q, k, v, dout, _ = reference(lengths, case["heads"], case["kv_heads"], case["dim"], 0)
+    dtype = getattr(torch, case.get("dtype", "float32"))  # the rank's compute dtype
+    q, k, v, dout = (x.detach().to(dtype) for x in (q, k, v, dout))
     starts = np.concatenate([[0], np.cumsum(lengths)])
     rows = np.concatenate(
         [np.arange(f.start, f.end) + starts[f.seq] for f in plan.layout(rank)] or [[]]
@@ -63,14 +66,16 @@ def ring_rank(rank: int, world: int, case: dict) -> dict:
     index = torch.as_tensor(rows)
 
     def mine(x):  # this rank's rows plus padding rows of garbage
-        pad = torch.full((PAD_ROWS, *x.shape[1:]), 7.0)
+        pad = torch.full((PAD_ROWS, *x.shape[1:]), 7.0, dtype=x.dtype)
         return torch.cat((x.detach()[index], pad)).requires_grad_(True)
 
     lq, lk, lv = mine(q), mine(k), mine(v)
     routing = RoutingPlan.build(plan).for_rank(rank) if case.get("routing") else None
     schedule = RankSchedule.build(plan, rank, routing=routing)
     out = run_attention(lq, lk, lv, schedule, links, KERNELS)
-    upstream = torch.cat((dout[index], torch.full((PAD_ROWS, *dout.shape[1:]), 5.0)))
+    upstream = torch.cat(
+        (dout[index], torch.full((PAD_ROWS, *dout.shape[1:]), 5.0, dtype=dout.dtype))
+    )
     (out * upstream).sum().backward()
     return {
         "rows": rows,
