@@ -235,11 +235,12 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
     for lengths in batches:
         if VARIANTS[variant].hybrid_cp:
             plans = hybrid_cp_wave_plans(lengths, run)
+            planned.append((plans, None, None, True))
             stats.append([plan_stats(plan, run.shape) for plan in plans])
             continue
         scheduler = _scheduler(VARIANTS[variant])
         plans, micro, remap, seconds = _planned(scheduler, lengths, run)
-        planned.append((plans, micro, remap))
+        planned.append((plans, micro, remap, False))
         planner.append(seconds)
         stats.append([plan_stats(plan, run.shape) for plan in plans])
         works.append(max_over_mean(sum(one.work_flops for one in stats[-1])))
@@ -250,8 +251,8 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
     row.fits = "yes" if peak <= hardware.usable_memory_bytes else "NO"
     run = dataclasses.replace(run, config=with_checkpointing(run.config, mode))
     if ideal is not None:
-        steps = [_simulated_step(lengths, run, *one) for lengths, one in
-                 zip(batches, planned or [()] * len(batches), strict=True)]  # fmt: skip
+        steps = [_simulated_step(lengths, run, *one)
+                 for lengths, one in zip(batches, planned, strict=True)]  # fmt: skip
         seconds = _simulated_columns(row, steps, ideal, bounds, run.shape.n_layers)
         row.tokens_per_s_per_gpu = sum(int(b.sum()) for b in batches) / seconds / hardware.devices
     if works:
@@ -325,11 +326,11 @@ def _planned(scheduler, lengths: np.ndarray, run: RunModel):
     return plans, micro, remap, time.perf_counter() - started
 
 
-def _simulated_step(lengths: np.ndarray, run: RunModel, plans=None, micro=None, remap=None):
-    """The simulated step of a batch `_planned` placed (`plans`, `micro`, `remap`);
-    megatron_hybrid_cp's waves without them."""
-    if plans is None:
-        return simulate_hybrid_cp(lengths, run)
+def _simulated_step(lengths: np.ndarray, run: RunModel, plans, micro, remap, waves: bool):
+    """The simulated step of a batch placed as `_planned` (`plans`, `micro`, `remap`) or,
+    with `waves`, as megatron_hybrid_cp's wave `plans`."""
+    if waves:
+        return simulate_hybrid_cp(lengths, run, plans)
     if micro is not None:
         return simulate_schedule(lengths, micro, plans, run)
     return simulate_plan(plans[0], run, run.config.parallel.routing, remap)

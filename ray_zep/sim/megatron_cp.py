@@ -323,10 +323,13 @@ def hybrid_cp_wave_plans(lengths: np.ndarray, run: RunModel) -> list[AttentionPl
     return [wave_plan(lengths, w, topology, limit)[0] for w in waves]
 
 
-def simulate_hybrid_cp(lengths: np.ndarray, run: RunModel) -> StepResult:
+def simulate_hybrid_cp(
+    lengths: np.ndarray, run: RunModel, waves: list[AttentionPlan] | None = None
+) -> StepResult:
     """One step of Megatron-Core's hybrid DP x CP on a batch (module docstring), with
     L = `run.config.train.tokens_per_rank` and `run`'s weights mode; pass
-    `run.with_te_wire()` for TE's dK/dV dtype.
+    `run.with_te_wire()` for TE's dK/dV dtype, and the batch's `hybrid_cp_wave_plans`
+    where they are at hand.
 
     Returns:
         The step: per-layer and head seconds summed over the waves, the gradient sync,
@@ -335,7 +338,8 @@ def simulate_hybrid_cp(lengths: np.ndarray, run: RunModel) -> StepResult:
     Raises:
         ConfigError, PlacementError: as `schedule_waves`, or an empty batch.
     """
-    steps = [simulate_plan(plan, run) for plan in hybrid_cp_wave_plans(lengths, run)]
+    waves = waves if waves is not None else hybrid_cp_wave_plans(lengths, run)
+    steps = [simulate_plan(plan, run) for plan in waves]
     first = steps[0]
     n_layers = run.shape.n_layers
     forward = sum(s.forward_layer_seconds for s in steps)
