@@ -48,7 +48,10 @@ def document_lengths(source: TokenSource) -> np.ndarray:
 
 def real_shape_rows(config: Config, gpus: Sequence[int], seed: int = 0) -> list[ScaleRow]:
     """`compared_placements` on one batch of the run's document lengths per size in
-    `gpus` (module docstring); rows labelled with the run's `data.source`."""
+    `gpus` (module docstring); rows labelled with the run's `data.source`; none, and
+    the source left unread, without sizes."""
+    if not gpus:
+        return []
     documents = document_lengths(open_configured_source(config))
     spec = ScaleBenchSpec(gpus=tuple(gpus), models=(MODEL,), tokens_per_gpu=(TOKENS_PER_GPU,),
                           placements=compared_placements())  # fmt: skip
