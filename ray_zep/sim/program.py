@@ -174,10 +174,16 @@ class _Builder:
             plain = cost.transfer_seconds(nbytes, kind, one_sender_per_nic=True)
         else:
             plain = cost.ring_message_seconds(nbytes, kind, compute_s)
+        return self._wire_task(src, lane, resources, plain, (kind, stream, nbytes), deps, name)
+
+    def _wire_task(self, rank: int, lane: Lane, resources, plain: float, wire, deps, name: str):
+        """A transfer task of `plain` seconds on `resources`, zipped where its stream goes
+        (`wire`: link kind, stream or None, bytes), recorded for `_retime`."""
+        kind, stream, nbytes = wire
         seconds = plain
         if stream is not None and self.setup.codec.zips(stream.name):
             seconds = self.zipped(self.setup.codec, self.profiles, plain, kind, stream, nbytes)
-        task = self.graph.add(name, src, lane, seconds, resources, deps)
+        task = self.graph.add(name, rank, lane, seconds, resources, deps)
         if self.record and stream is not None:
             self.recipes.append(("send", task, plain, kind, stream, nbytes))
         return task
@@ -611,13 +617,7 @@ class _Builder:
         cost = self.setup.cost
         plain = cost.transfer_seconds(nbytes, kind, one_sender_per_nic=True)
         plain += (messages - 1) * cost.link_latency(kind)
-        seconds = plain
-        if self.setup.codec.zips(stream.name):
-            seconds = self.zipped(self.setup.codec, self.profiles, plain, kind, stream, nbytes)
-        task = self.graph.add(name, rank, lane, seconds, resources, deps)
-        if self.record:
-            self.recipes.append(("send", task, plain, kind, stream, nbytes))
-        return task
+        return self._wire_task(rank, lane, resources, plain, (kind, stream, nbytes), deps, name)
 
     def linear(self, flops_per_token: float, name: str, pointwise_share: float) -> None:
         """The matmuls of `flops_per_token` and `pointwise_share` of the layer's element-wise
