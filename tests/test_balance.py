@@ -104,6 +104,43 @@ def test_a_routed_ring_across_nodes_costs_what_the_simulator_plays() -> None:
     assert 0.8 * played <= modelled <= 1.25 * played, (modelled, played)
 
 
+def test_a_usp_group_costs_what_the_simulator_plays_and_less_than_a_ring_there() -> None:
+    """The same lone 128k sequence over 8 nodes as a USP group (heads exchanged inside
+    each node, the ring over the nodes, every GPU's hop through its NIC): the work model
+    within 25% of the simulated layers, and both say it beats the routed ring; the work
+    policy places such a sequence as one."""
+    from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts
+    from ray_zep.sim.step import simulate_plan
+
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=8",
+                                "model.preset=7b", "train.tokens_per_rank=5120",
+                                "parallel.weights=fsdp", "parallel.sequence=zeppelin",
+                                "parallel.routing=true"])  # fmt: skip
+    topology = build_topology(config.topology)
+    run = RunModel.create(config, Hardware.preset(topology))
+    n, nodes = 131072, 8
+    model = WorkModel.create(run.shape, topology, run.hardware.rates, routed=True)
+    assert model.usp_heads_divide()
+    usp = float(model.usp_member_seconds(np.asarray([n]), np.asarray([nodes]))[0])
+    ring = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([nodes * 8]))[0])
+    group = SeqPlacement(0, n, tuple(range(64)), bounds_for_counts([n // nodes] * nodes),
+                         ulysses=8)  # fmt: skip
+    plan = AttentionPlan(Placement.ZEPPELIN, topology, 5120, (group,))
+    step = simulate_plan(plan, run, True, None)
+    played = run.shape.n_layers * (step.forward_layer_seconds + step.backward_layer_seconds)
+    assert 0.8 * played <= usp <= 1.25 * played, (usp, played)
+    assert usp < 0.75 * ring, (usp, ring)
+    lengths = np.asarray([n, *[2048] * 96])
+    placed = make_plan(Placement.ZEPPELIN, lengths, topology, 5120, run.shape)
+    (long,) = [p for p in placed.placements if p.seq == 0]
+    assert long.ulysses == 8 and len(long.ranks) % 8 == 0, long.ranks
+    assert all(r // 8 == long.ranks[i * 8] // 8 for i in range(long.ring_size)
+               for r in long.ranks[i * 8 : i * 8 + 8]), "a ring position is one node"  # fmt: skip
+    # heads that do not split over a node's GPUs: no USP group
+    odd = dataclasses.replace(run.shape, dim=12 * 128, n_heads=12, n_kv_heads=12)
+    assert not WorkModel.create(odd, topology).usp_heads_divide()
+
+
 @pytest.mark.parametrize("nodes", [8, 32], ids=["64gpus", "256gpus"])
 @pytest.mark.parametrize("distribution", ["arxiv", "github", "prolong64k"])
 def test_work_policy_balances_work_better_than_token_capacity(

@@ -17,7 +17,7 @@ import torch
 
 from ray_zep.collectives.adaptive import AdaptiveCollectives, RingZipper
 from ray_zep.collectives.format import Layout, float_format
-from ray_zep.config import Compression, load_config
+from ray_zep.config import Compression, ParallelConfig, ZonePolicy, load_config
 from ray_zep.distributed import Comm, GroupNeeds
 from ray_zep.errors import CodecError, CommError
 from ray_zep.model_shapes import build_shape
@@ -185,7 +185,10 @@ def test_a_ranks_transfers_are_the_plans_that_involve_it(placement) -> None:
     topo = _topology(nodes=4, gpus=4, nics=2)
     shape = build_shape(load_config(None, ["model.preset=7b"]).model)
     lengths = [30000, 9000, 7000, 3000, 800, 600, 500, 40]
-    plan = make_plan(placement, lengths, topo, 4096, shape)
+    # the cost policy rings the long sequence over nodes (the work policy runs it as a
+    # USP group, whose hops go direct)
+    parallel = ParallelConfig(sequence=placement, zone_policy=ZonePolicy.COST)
+    plan = make_plan(placement, lengths, topo, 4096, shape, parallel)
     routing = RoutingPlan.build(plan)
     seen = 0
     for rank in range(topo.world_size):

@@ -235,8 +235,10 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
     topology (crossed in full on 2 x 2)."""
     data = mixed_dataset(tmp_path / "mixed.parquet")
     planned, whole = _base(nodes, gpus, data), _base(nodes, gpus, data, packing="rank")
-    for name, extra in LAYER_RUNS.items():
+    layer_runs = _layer_runs(gpus)
+    for name, extra in layer_runs.items():
         _assert_layers_act(load_config(None, [*planned, *extra]), name)
+    _assert_usp_groups(load_config(None, [*planned, "parallel.sequence=zeppelin"]))
     crossed = gpus <= 2
     strategies = STRATEGIES if crossed else [s for s in STRATEGIES if s not in TWO_BY_TWO_ONLY]
     pairs = [
@@ -247,7 +249,7 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
     runs = {
         f"{s}+{w}": [*planned, f"parallel.sequence={s}", f"parallel.weights={w}"] for s, w in pairs
     }
-    runs |= {name: [*planned, *extra] for name, extra in LAYER_RUNS.items()}
+    runs |= {name: [*planned, *extra] for name, extra in layer_runs.items()}
     if crossed:
         runs["zeppelin+fsdp per projection"] = [*runs["zeppelin+fsdp"], "parallel.fsdp_unit=linear"]
     # the default places by modelled work (token counts differ between ranks); the cost
@@ -294,6 +296,25 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
         whole_micro = {n: trained[n] for n in micro if n.startswith("whole")}
         _assert_trains_like(singles["single_rank_packed micro 2"], whole_micro)
         assert len(singles["single micro 2"]["samples"]) == 6, "3 steps of 2 batches"
+
+
+def _layer_runs(gpus: int) -> dict[str, list[str]]:
+    """`LAYER_RUNS`; with four GPUs a node, zeppelin's under the cost policy: the work
+    policy runs these batches' cross-node sequences as USP groups, whose hops go
+    direct (nothing to route), and those groups train in the other 2 x 4 runs."""
+    if gpus <= 2:
+        return LAYER_RUNS
+    cost = "parallel.zone_policy=cost"
+    return {n: [*e, cost] if n.startswith("zeppelin") else e for n, e in LAYER_RUNS.items()}
+
+
+def _assert_usp_groups(config) -> None:
+    """zeppelin's default policy runs a sequence of these batches as a USP group (heads
+    exchanged inside each node, the ring over the nodes), so its runs train one."""
+    topology = build_topology(config.topology)
+    stream = make_stream(config, topology, Progress(0, {}))
+    shards = [s for _ in range(2) for s in shard_for(stream.next_batch(), config, topology)]
+    assert any(item.ulysses > 1 for s in shards for item in s.plan.items()), "no USP group"
 
 
 def _assert_places_apart(base: list[str], placement: str, policy: str) -> None:

@@ -11,9 +11,13 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    chunks only add waiting). Where more ranks stop paying (the transfers are
    exposed) it keeps the degree of least member work.
 2. Hierarchy. A ring of at most G ranks lies inside one node (best fit), a larger
-   one on whole empty nodes plus one node for the remainder, members ordered node
-   by node: intra-node rings send nothing over NICs, inter-node ones cross each
-   node boundary once.
+   one on whole nodes, members ordered node by node: intra-node rings send nothing
+   over NICs, inter-node ones cross each node boundary once. A sequence that needs
+   more than a node may instead exchange heads inside each node and run its ring
+   over the nodes (USP: every GPU's hop through its own NIC, each step 1/G of the
+   heads), with the fewest nodes whose member work is at most lam
+   (`WorkModel.usp_member_seconds`); it takes whichever of the two needs fewer
+   ranks at the level (the lesser work where neither reaches it).
 3. Whole sequences, most work first, go to the rank whose work leaves the least
    room under lam among those with token room (best fit decreasing). One that fits
    under lam nowhere becomes a small ring inside a node where its work is worth one
@@ -57,6 +61,9 @@ SPILL_CANDIDATES = 64
 """Ranks with most free tokens sorted first when a sequence spills (all, if they lack room)."""
 MIN_GAIN = 0.03
 """A ring grows only while that lowers its member work by at least this share."""
+USP_NODES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192,
+             256, 320, 384, 512)  # fmt: skip
+"""Node counts a USP group is costed at (the fewest at the level wins)."""
 
 
 @dataclass
@@ -72,6 +79,8 @@ class Placed:
     and a second ring would wait for the members' first ones)."""
     groups: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     """Ring sequences: seq -> (ranks ascending, tokens of each)."""
+    ulysses: dict[int, int] = field(default_factory=dict)
+    """Ring sequences whose ring positions are whole nodes exchanging heads: seq -> U."""
     local: dict[int, int] = field(default_factory=dict)
     """Whole sequences: seq -> rank."""
 
@@ -162,11 +171,16 @@ def _place_at(
         split[:] = False
     seqs = np.flatnonzero(split)
     degrees, member = _degrees(lengths[seqs], level, capacity, world, gpus, model)
+    usp = np.zeros(seqs.size, dtype=bool)
+    if seqs.size and topology.nodes > 1 and model.usp_heads_divide():
+        degrees, member, usp = _with_usp(lengths[seqs], degrees, member, level, capacity,
+                                         topology, model)  # fmt: skip
     if degrees.sum() > world:
         if not force:
             return None
         degrees = _shrink(degrees, np.maximum(2, -(-lengths[seqs] // capacity)), world)
         member = model.alone_ring_seconds(lengths[seqs], degrees)
+        usp[:] = False
     placed = Placed.empty(world)
     slots = _NodeSlots(topology.nodes, gpus)
     for i in np.argsort(-degrees, kind="stable").tolist():
@@ -174,7 +188,12 @@ def _place_at(
         ranks = slots.take(d)
         if len(ranks) < d:
             return None  # fragmented past what the rings need
-        _add_ring(placed, seq, int(lengths[seq]), ranks, float(member[i]))
+        n, work_i = int(lengths[seq]), float(member[i])
+        if usp[i] and not _whole_nodes(ranks, gpus):  # fragmented: a plain ring instead
+            work_i = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([d]))[0])
+        elif usp[i]:
+            placed.ulysses[seq] = gpus
+        _add_ring(placed, seq, n, ranks, work_i)
     wholes = np.flatnonzero(~split)
     _fill_whole(placed, wholes[np.argsort(-work[wholes], kind="stable")], lengths, work,
                 small, level, capacity, topology)  # fmt: skip
@@ -206,6 +225,46 @@ def _degrees(
     # split its NICs between their boundary hops
     whole_nodes = np.where(degree > gpus, np.minimum(world, -(-degree // gpus) * gpus), degree)
     return whole_nodes, model.alone_ring_seconds(lengths, whole_nodes)
+
+
+def _with_usp(
+    lengths: np.ndarray,
+    degrees: np.ndarray,
+    member: np.ndarray,
+    level: float,
+    capacity: int,
+    topology: Topology,
+    model: WorkModel,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(degrees, member work, USP or not) of each ring once USP groups compete: per
+    sequence, the fewest `USP_NODES` nodes whose USP member work is at most `level` (or
+    the least work, within `MIN_GAIN`, where none is), taken over the ring where it
+    needs fewer ranks at the level (the lesser work on as many), or has the lesser work
+    where neither reaches it."""
+    gpus = topology.gpus_per_node
+    nodes = np.asarray([p for p in USP_NODES if p <= topology.nodes], dtype=np.int64)
+    if nodes.size == 0:
+        return degrees, member, np.zeros(lengths.size, dtype=bool)
+    grid = model.usp_member_seconds(np.repeat(lengths, nodes.size), np.tile(nodes, lengths.size))
+    grid = grid.reshape(lengths.size, nodes.size)
+    grid = np.where(lengths[:, None] <= nodes[None, :] * gpus * capacity, grid, np.inf)
+    at_level = grid <= level
+    near_least = grid <= grid.min(axis=1, keepdims=True) * (1 + MIN_GAIN)
+    pick = np.where(at_level.any(axis=1), at_level.argmax(axis=1), near_least.argmax(axis=1))
+    usp_work = grid[np.arange(lengths.size), pick]
+    usp_degree = nodes[pick] * gpus
+    ring_in, usp_in = member <= level, usp_work <= level
+    fewer = (usp_degree < degrees) | ((usp_degree == degrees) & (usp_work < member))
+    usp = np.where(ring_in & usp_in, fewer,
+                   np.where(ring_in | usp_in, usp_in, usp_work < member))  # fmt: skip
+    usp &= np.isfinite(usp_work)
+    return np.where(usp, usp_degree, degrees), np.where(usp, usp_work, member), usp
+
+
+def _whole_nodes(ranks: tuple[int, ...], gpus: int) -> bool:
+    """`ranks` (ascending) are whole nodes."""
+    nodes = np.asarray(ranks) // gpus
+    return bool(np.all(np.bincount(nodes)[np.unique(nodes)] == gpus))
 
 
 def _shrink(degrees: np.ndarray, low: np.ndarray, world: int) -> np.ndarray:
@@ -432,5 +491,11 @@ def _placements(lengths: np.ndarray, placed: Placed) -> list[SeqPlacement]:
             out.append(local_placement(seq, n, rank))
             continue
         ranks, counts = placed.groups[seq]
+        u = placed.ulysses.get(seq, 1)
+        if u > 1:  # ring positions of U members each: the position's tokens, its members'
+            positions = np.asarray(counts).reshape(-1, u).sum(axis=1).tolist()
+            out.append(SeqPlacement(seq, n, ranks, bounds_for_counts(positions), ulysses=u,
+                                    parts=tuple(counts)))  # fmt: skip
+            continue
         out.append(SeqPlacement(seq, n, ranks, bounds_for_counts(list(counts))))
     return out

@@ -104,10 +104,11 @@ def plan_stats(plan: AttentionPlan, shape: ModelShape) -> PlanStats:
     collective = {kind: np.zeros(world, dtype=np.int64) for kind in LinkKind}
     items = plan.items()
     sums = _Sums(flops, seconds, sent, collective)
-    if items and all(item.ulysses == 1 for item in items):
-        zones = _add_plain_items(plan, items, shape, cost, sums)
-    else:
-        zones = _add_items(plan, items, shape, cost, sums)
+    plain = [item for item in items if item.ulysses == 1]
+    zones = _add_plain_items(plan, plain, shape, cost, sums) if plain else []
+    if len(plain) < len(items):  # Ulysses items (a USP group's), member by member
+        heads = _add_items(plan, [item for item in items if item.ulysses > 1], shape, cost, sums)
+        zones = _merged(zones, heads) if zones else heads
     before, after = linear_flops_per_token(shape)
     work = 3.0 * shape.n_layers * (tokens * (before + after) + flops)
     return PlanStats(tokens, flops, sent, zones, seconds, collective, work)
@@ -121,6 +122,14 @@ class _Sums:
     seconds: np.ndarray
     sent: dict[LinkKind, np.ndarray]
     collective: dict[LinkKind, np.ndarray]
+
+
+def _merged(zones: list[dict[str, int]], more: list[dict[str, int]]) -> list[dict[str, int]]:
+    """Each rank's tokens per zone of both lists, summed."""
+    for mine, theirs in zip(zones, more, strict=True):
+        for zone, held in theirs.items():
+            mine[zone] = mine.get(zone, 0) + held
+    return zones
 
 
 def _add_items(

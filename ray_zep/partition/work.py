@@ -12,7 +12,11 @@ forward and backward of every layer for the tokens it holds:
   c x c / 2 pairs at the rate of blocks of c / 2 tokens), each step
   lasting the longer of its compute and the transfer of the K and V it forwards
   (backward: K, V and the float32 dK/dV accumulators); every member waits for the
-  slowest at every step, so the ring takes the same time on all of them.
+  slowest at every step, so the ring takes the same time on all of them;
+- a member of a ring of whole nodes with heads exchanged inside each node (USP: U
+  GPUs of a node per ring position, `usp_member_seconds`): the Ulysses all-to-alls
+  over the node's links, then the ring over the positions with H / U heads, every
+  member's hop through its own NIC (the node's GPUs all send at once, sharing them).
 
 Rates are the cost model's (`ComputeRates`: measured curves where there are, the
 half-rate form otherwise), evaluated on arrays so that a batch of thousands of
@@ -31,6 +35,7 @@ import numpy as np
 from ray_zep.costmodel import (
     BACKWARD_ATTENTION_FACTOR,
     BACKWARD_LINEAR_FACTOR,
+    BYTES_PER_ELEMENT,
     ComputeRates,
     CostModel,
     kv_bytes_per_token,
@@ -167,15 +172,20 @@ class WorkModel:
     ) -> np.ndarray:
         """Work of a ring member: `parts` summed over the ring's sequences (or one
         sequence each), `tokens` it holds, `degree` members, over links of `kind`."""
-        latency, bandwidth = self.hop(kind)
+        ring = self._ring_seconds(parts, degree, self.hop(kind))
+        return self.linear_seconds(tokens) + self.layers * ring
+
+    def _ring_seconds(self, parts: RingParts, degree, hop: tuple[float, float]) -> np.ndarray:
+        """One layer of a ring of `degree` positions, forward + backward, each step the
+        longer of its compute and its hop (`hop`: latency s, bytes/s)."""
+        latency, bandwidth = hop
         send_f = latency + parts.send_bytes / bandwidth
         send_b = latency + self.dkv_factor * parts.send_bytes / bandwidth
         # forward and backward parts of the step's compute, weighted as `_pair_seconds` is
         share_f = 1.0 / (1.0 + BACKWARD_ATTENTION_FACTOR)
         step_f, step_b = parts.step_s * share_f, parts.step_s * (1 - share_f)
         steps = np.asarray(degree, dtype=np.float64) - 1
-        ring = parts.diagonal_s + steps * (np.maximum(step_f, send_f) + np.maximum(step_b, send_b))
-        return self.linear_seconds(tokens) + self.layers * ring
+        return parts.diagonal_s + steps * (np.maximum(step_f, send_f) + np.maximum(step_b, send_b))
 
     def alone_ring_seconds(self, lengths: np.ndarray, degree: np.ndarray) -> np.ndarray:
         """Work of a member of each sequence's ring of `degree` ranks, the sequence alone
@@ -187,3 +197,33 @@ class WorkModel:
         intra = self.ring_member_seconds(parts, tokens, degree, LinkKind.INTRA_NODE)
         inter = self.ring_member_seconds(parts, tokens, degree, LinkKind.INTER_NODE)
         return np.where(degree <= self.cost.topology.gpus_per_node, intra, inter)
+
+    def usp_member_seconds(self, lengths: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Work of a member of each sequence's USP group alone on it: `positions` whole
+        nodes, each node's GPUs one ring position exchanging heads (module docstring).
+
+        The heads must divide as Ulysses needs (`usp_heads_divide`)."""
+        n = np.asarray(lengths, dtype=np.float64)
+        positions = np.asarray(positions, dtype=np.float64)
+        u = self.cost.topology.gpus_per_node
+        member = n / (positions * u)
+        shape = self.shape
+        # the all-to-alls: Q/K/V in and the output out, forward; the output's gradient
+        # in and the float32 dQ/dK/dV out, backward; (U-1)/U of each member's rows leave
+        qkv = (shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim
+        out = shape.n_heads * shape.head_dim
+        per_row = (qkv + 2 * out) * BYTES_PER_ELEMENT + qkv * 4  # float32 gradients
+        latency, bandwidth = self.hop(LinkKind.INTRA_NODE)
+        exchange = 4 * latency + member * (u - 1) / u * per_row / bandwidth
+        parts = self.ring_parts(n, positions)
+        heads = RingParts(parts.diagonal_s / u, parts.step_s / u, parts.send_bytes / u)
+        inter = (self.cost.link_latency(LinkKind.INTER_NODE),
+                 self.cost.link_bandwidth(LinkKind.INTER_NODE))  # fmt: skip
+        ring = self._ring_seconds(heads, positions, inter)
+        return self.linear_seconds(member) + self.layers * (exchange + ring)
+
+    def usp_heads_divide(self) -> bool:
+        """Ulysses over a node's GPUs splits the model's heads evenly (the CP seed's
+        rules: U divides H, and K divides U or U divides K)."""
+        u, heads, kv = self.cost.topology.gpus_per_node, self.shape.n_heads, self.shape.n_kv_heads
+        return u > 1 and heads % u == 0 and (kv % u == 0 if u <= kv else u % kv == 0)

@@ -195,6 +195,8 @@ def plan_route(
     src_gpus = len(topology.ranks_of_node(topology.node_of(src)))
     dst_gpus = len(topology.ranks_of_node(topology.node_of(dst)))
     count = max(1, min(src_gpus, dst_gpus) // share)
+    if count == 1:  # as many transfers as GPUs (a USP group's hops): each goes direct
+        return Route(src, dst, rows, (src,), (dst,))
     return Route(
         src,
         dst,
@@ -205,11 +207,9 @@ def plan_route(
 
 
 def _shared_route(topology: Topology, src: int, dst: int, rows: int, crossing) -> Route:
-    """`plan_route` with the proxies shared among the ring's hops between the same nodes."""
-    src_node, dst_node = topology.node_of(src), topology.node_of(dst)
-    same = [(a, b) for a, b in crossing if topology.node_of(a) == src_node]
-    same = [(a, b) for a, b in same if topology.node_of(b) == dst_node]
-    senders, receivers = tuple(a for a, _ in same), tuple(b for _, b in same)
+    """`plan_route` with the proxies shared among the ring's hops between the same nodes
+    (`crossing`: `_crossing_hops`)."""
+    senders, receivers = crossing[(topology.node_of(src), topology.node_of(dst))]
     return plan_route(topology, src, dst, rows, senders, receivers)
 
 
@@ -304,9 +304,19 @@ def listed_transfers(
     return out
 
 
-def _crossing_hops(item: QueueItem, topo: Topology) -> list[tuple[int, int]]:
-    """(source, destination) of the item's ring hops between nodes."""
-    return [(a, b) for _, a, b in item.hops() if topo.node_of(a) != topo.node_of(b)]
+def _crossing_hops(
+    item: QueueItem, topo: Topology
+) -> dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The item's ring hops between nodes, by (source node, destination node): their
+    sources and destinations, in hop order."""
+    crossing: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    for _, a, b in item.hops():
+        pair = (topo.node_of(a), topo.node_of(b))
+        if pair[0] != pair[1]:
+            senders, receivers = crossing.setdefault(pair, ([], []))
+            senders.append(a)
+            receivers.append(b)
+    return {pair: (tuple(s), tuple(r)) for pair, (s, r) in crossing.items()}
 
 
 def _hop_route(topo: Topology, src: int, dst: int, routed: bool, crossing) -> Route:
