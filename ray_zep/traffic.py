@@ -18,7 +18,7 @@ import numpy as np
 from ray_zep.costmodel import BYTES_PER_ELEMENT
 from ray_zep.model_shapes import ModelShape
 from ray_zep.partition.plan import AttentionPlan
-from ray_zep.partition.stats import plan_stats
+from ray_zep.partition.stats import collective_bytes
 from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import Payload, ring_link_bytes, ring_link_bytes_by_payload
 from ray_zep.topology import LinkKind, Topology
@@ -97,10 +97,10 @@ def collective_traffic(
     out = Traffic.zero(topo)
     if not any(i.ulysses > 1 or i.exchange_kind.collective for i in plan.items()):
         return out  # rings and local items only: nothing is gathered or exchanged
-    stats = plan_stats(plan, shape)
+    gathered = collective_bytes(plan, shape)
     scale = 2 * element_bytes / BYTES_PER_ELEMENT  # forward and backward
-    out.intra_node = int(stats.collective_bytes[LinkKind.INTRA_NODE].sum() * scale)
-    for rank, nbytes in enumerate(stats.collective_bytes[LinkKind.INTER_NODE]):
+    out.intra_node = int(gathered[LinkKind.INTRA_NODE].sum() * scale)
+    for rank, nbytes in enumerate(gathered[LinkKind.INTER_NODE]):
         out.nic[topo.node_of(rank), topo.nic_of(rank)] += int(nbytes * scale)
     return out
 

@@ -152,8 +152,7 @@ def _slice_ranges(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple
 def zone_of(ranks: tuple[int, ...], topology: Topology) -> Zone:
     if len(ranks) == 1:
         return Zone.LOCAL
-    node = topology.node_of(ranks[0])
-    crosses = any(topology.node_of(r) != node for r in ranks[1:])
+    crosses = topology.node_of(min(ranks)) != topology.node_of(max(ranks))
     return Zone.INTER_NODE if crosses else Zone.INTRA_NODE
 
 

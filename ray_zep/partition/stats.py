@@ -37,7 +37,7 @@ from ray_zep.costmodel import (
 from ray_zep.model_shapes import ModelShape
 from ray_zep.partition.exchange import ExchangeKind
 from ray_zep.partition.member_arrays import plain_members
-from ray_zep.partition.plan import AttentionPlan, QueueItem, SeqPlacement, link_kind
+from ray_zep.partition.plan import AttentionPlan, QueueItem
 from ray_zep.topology import LinkKind
 
 
@@ -95,23 +95,35 @@ def visible_pairs(start: int, end: int) -> int:
 
 def plan_stats(plan: AttentionPlan, shape: ModelShape) -> PlanStats:
     """Tokens, FLOPs, bytes and modelled time of every rank under `plan` for `shape`."""
+    tokens = plan.rank_tokens()
+    sums, zones = _summed(plan, plan.items(), shape)
+    before, after = linear_flops_per_token(shape)
+    work = 3.0 * shape.n_layers * (tokens * (before + after) + sums.flops)
+    return PlanStats(tokens, sums.flops, sums.sent, zones, sums.seconds, sums.collective, work)
+
+
+def collective_bytes(plan: AttentionPlan, shape: ModelShape) -> dict[LinkKind, np.ndarray]:
+    """`PlanStats.collective_bytes` of `plan`, from its gathering and Ulysses items alone."""
+    items = [i for i in plan.items() if i.ulysses > 1 or i.exchange_kind.collective]
+    return _summed(plan, items, shape)[0].collective
+
+
+def _summed(
+    plan: AttentionPlan, items: list[QueueItem], shape: ModelShape
+) -> tuple[_Sums, list[dict[str, int]]]:
+    """Every rank's sums over `items`, and its tokens per zone: Ulysses-free items on
+    arrays, Ulysses ones (a USP group's) position by position."""
     world = plan.world
     cost = CostModel.create(shape, plan.topology)
-    tokens = plan.rank_tokens()
-    flops = np.zeros(world, dtype=np.float64)
-    seconds = np.zeros(world, dtype=np.float64)
-    sent = {kind: np.zeros(world, dtype=np.int64) for kind in LinkKind}
-    collective = {kind: np.zeros(world, dtype=np.int64) for kind in LinkKind}
-    items = plan.items()
-    sums = _Sums(flops, seconds, sent, collective)
+    sums = _Sums(np.zeros(world), np.zeros(world),
+                 {kind: np.zeros(world, dtype=np.int64) for kind in LinkKind},
+                 {kind: np.zeros(world, dtype=np.int64) for kind in LinkKind})  # fmt: skip
     plain = [item for item in items if item.ulysses == 1]
     zones = _add_plain_items(plan, plain, shape, cost, sums) if plain else []
-    if len(plain) < len(items):  # Ulysses items (a USP group's), member by member
+    if len(plain) < len(items):
         heads = _add_items(plan, [item for item in items if item.ulysses > 1], shape, cost, sums)
         zones = _merged(zones, heads) if zones else heads
-    before, after = linear_flops_per_token(shape)
-    work = 3.0 * shape.n_layers * (tokens * (before + after) + flops)
-    return PlanStats(tokens, flops, sent, zones, seconds, collective, work)
+    return sums, zones or [{} for _ in range(world)]
 
 
 @dataclass(frozen=True)
@@ -135,27 +147,36 @@ def _merged(zones: list[dict[str, int]], more: list[dict[str, int]]) -> list[dic
 def _add_items(
     plan: AttentionPlan, items: list[QueueItem], shape: ModelShape, cost: CostModel, sums: _Sums
 ) -> list[dict[str, int]]:
-    """Adds each item, member by member (any item, Ulysses ones included); returns
-    each rank's tokens per zone."""
+    """Adds each item, members of a ring position at once (any item, Ulysses ones
+    included); returns each rank's tokens per zone."""
     zones: list[dict[str, int]] = [{} for _ in range(plan.world)]
     pair_flops = 4.0 * shape.n_heads * shape.head_dim
     for item in items:
         placements = [plan.placement(s) for s in item.seqs]
-        member_flops = []
-        for member, rank in enumerate(item.ranks):
-            held = sum(p.member_tokens(member) for p in placements)
-            zones[rank][item.zone.value] = zones[rank].get(item.zone.value, 0) + held
-            position = member // item.ulysses
-            pairs = sum(
-                visible_pairs(a, b) for p in placements for a, b in p.position_ranges(position)
-            )
-            member_flops.append(pair_flops * pairs / item.ulysses)
-        sums.flops[list(item.ranks)] += member_flops
-        exchange_bytes = _add_item_bytes(plan, item, placements, shape, sums.sent, sums.collective)
-        sums.seconds[list(item.ranks)] += _item_seconds(
-            item, cost, max(member_flops), exchange_bytes
-        )
+        held = sum(_member_tokens(p, item.ring_size) for p in placements)
+        for rank, tokens in zip(item.ranks, held.tolist(), strict=True):
+            zones[rank][item.zone.value] = zones[rank].get(item.zone.value, 0) + tokens
+        # a position's members share its queries' pairs, each with 1/U of the heads
+        pairs = [sum(visible_pairs(a, b) for p in placements for a, b in p.position_ranges(r))
+                 for r in range(item.ring_size)]  # fmt: skip
+        member_flops = np.repeat(pair_flops * np.asarray(pairs, dtype=np.float64) / item.ulysses,
+                                 item.ulysses)  # fmt: skip
+        ranks = list(item.ranks)
+        sums.flops[ranks] += member_flops
+        exchange_bytes = _add_item_bytes(plan, item, held, shape, sums.sent, sums.collective)
+        sums.seconds[ranks] += _item_seconds(item, cost, float(member_flops.max()), exchange_bytes)
     return zones
+
+
+def _member_tokens(placement, ring: int) -> np.ndarray:
+    """Tokens each member of a placement's group holds (`SeqPlacement.member_tokens` of
+    every member at once)."""
+    if placement.parts is not None:
+        return np.asarray(placement.parts, dtype=np.int64)
+    u = placement.ulysses
+    positions = np.asarray([placement.position_tokens(r) for r in range(ring)], dtype=np.int64)
+    cuts = positions[:, None] * np.arange(u + 1)[None, :] // u  # even split of each position
+    return np.diff(cuts, axis=1).reshape(-1)
 
 
 def _add_plain_items(
@@ -264,38 +285,42 @@ class _Exchanged:
 def _add_item_bytes(
     plan: AttentionPlan,
     item: QueueItem,
-    placements: list[SeqPlacement],
+    held: np.ndarray,
     shape: ModelShape,
     sent: dict[LinkKind, np.ndarray],
     collective: dict[LinkKind, np.ndarray],
 ) -> _Exchanged:
-    topo = plan.topology
+    """Adds the bytes every member of `item` sends (`held`: its tokens) around the ring
+    and to its Ulysses peers; returns the largest messages."""
+    gpus = plan.topology.gpus_per_node
     u_size, ring = item.ulysses, item.ring_size
-    position_tokens = plan.position_tokens(item)
+    position_tokens = np.asarray(plan.position_tokens(item), dtype=np.int64)
     kv_token = (
         kv_bytes_per_token(shape) // u_size
         if u_size <= shape.n_kv_heads
         else (2 * shape.head_dim * BYTES_PER_ELEMENT)
     )
     exchange = item.exchange_kind
-    total, widest = sum(position_tokens), max(position_tokens)
-    busiest = 0
-    for member, rank in enumerate(item.ranks):
-        position, part = divmod(member, u_size)
-        if ring > 1:
-            following = (position + 1) % ring
-            link = link_kind(rank, item.ranks[following * u_size + part], topo)
-            carried = exchange.carried_tokens(total, widest, position_tokens[following], ring)
+    total, widest = int(position_tokens.sum()), int(position_tokens.max())
+    ranks = np.asarray(item.ranks, dtype=np.int64)
+    nodes = (ranks // gpus).reshape(ring, u_size)
+    links = (LinkKind.INTRA_NODE, LinkKind.INTER_NODE)
+    if ring > 1:
+        following = np.roll(np.arange(ring), -1)
+        crosses = (nodes != nodes[following]).reshape(-1)
+        carried = exchange.carried_tokens(total, widest, position_tokens[following], ring)
+        carried = np.broadcast_to(np.asarray(carried, dtype=np.int64), (ring,))
+        carried = np.repeat(carried, u_size) * kv_token
+        for link, mine in zip(links, (~crosses, crosses), strict=True):
+            sent[link][ranks[mine]] += carried[mine]
             if exchange.collective:
-                collective[link][rank] += carried * kv_token
-            sent[link][rank] += carried * kv_token
-        if u_size > 1:
-            held = sum(p.member_tokens(member) for p in placements)
-            per_peer = held * (2 * q_bytes_per_token(shape) + u_size * kv_token) // u_size
-            busiest = max(busiest, per_peer * (u_size - 1))
-            for other in range(u_size):
-                if other != part:
-                    peer = item.ranks[position * u_size + other]
-                    sent[link_kind(rank, peer, topo)][rank] += per_peer
-                    collective[link_kind(rank, peer, topo)][rank] += per_peer
+                collective[link][ranks[mine]] += carried[mine]
+    busiest = 0
+    if u_size > 1:
+        per_peer = held * (2 * q_bytes_per_token(shape) + u_size * kv_token) // u_size
+        busiest = int(per_peer.max()) * (u_size - 1)
+        same = (nodes[:, :, None] == nodes[:, None, :]).sum(axis=2).reshape(-1) - 1
+        for link, peers in zip(links, (same, u_size - 1 - same), strict=True):
+            sent[link][ranks] += per_peer * peers
+            collective[link][ranks] += per_peer * peers
     return _Exchanged(widest * kv_token, busiest)

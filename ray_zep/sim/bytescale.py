@@ -19,7 +19,8 @@ No public implementation was found, so this follows the paper's description. Two
 choices favour the baseline: its cost estimate is this simulator's own work model
 (`ray_zep.partition.work.WorkModel`: the exact per-length rates, not a fit), and its
 rings send dK/dV in the activation dtype (pass `run.with_te_wire()`, as
-`ray-zep simulate` does). Its rings are even zigzag splits with no padding.
+`ray-zep simulate` does), which its cost estimate counts too. Its rings are even zigzag
+splits with no padding.
 
 Playing it: micro-batches that hold disjoint ranks form a round (a rank's k-th
 micro-batch is in round k or later); each round is one `AttentionPlan`, played with
@@ -120,7 +121,7 @@ def schedule(lengths: np.ndarray, run: RunModel) -> list[MicroBatch]:
             f"{NAME}: a sequence of {int(lengths.max())} tokens needs {widest} ranks of "
             f"train.tokens_per_rank={capacity}; the topology has {world}"
         )
-    model = WorkModel.create(run.shape, topology, run.hardware.rates)
+    model = WorkModel.create(run.shape, topology, run.hardware.rates, dkv_wire=run.dkv_wire)
     seconds = estimated_seconds(units, lengths, model)
     load = np.zeros(world)
     rounds = np.zeros(world, dtype=np.int64)

@@ -114,6 +114,12 @@ class RunModel:
         rate = codec_bytes_s(hw.rates, hw.topology.gpu_model, self.on_gpu)
         return WireCodec.create(self.config.comm, rate)
 
+    @property
+    def dkv_wire(self) -> DkvWire:
+        """The `parallel.dkv_wire` this run's ring dK/dV travel as (`with_te_wire`: the
+        K/V dtype, whatever the config says)."""
+        return DkvWire.COMPUTE if self.dkv_bytes == self.element_bytes else DkvWire.FLOAT32
+
     def with_te_wire(self) -> RunModel:
         """dK/dV in the activation dtype, as TransformerEngine sends them
         (`context_parallel.py`, AttnFuncWithCPAndKVP2P.backward), not in float32 as
