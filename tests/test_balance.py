@@ -141,6 +141,21 @@ def test_a_usp_group_costs_what_the_simulator_plays_and_less_than_a_ring_there()
     assert not WorkModel.create(odd, topology).usp_heads_divide()
 
 
+def test_a_sequence_no_rank_has_room_for_spills_inside_one_node() -> None:
+    """16k tokens per GPU of arxiv on 64 GPUs, L = 20,480: ranks fill up and sequences
+    that no rank has room for are spread over the free tokens of several. They take
+    ranks of one node (a ring across two nodes for an 11k-token sequence sends its K/V
+    over NICs at every step); only rings of whole nodes or USP groups cross nodes."""
+    topology, shape = _cluster(8)
+    lengths = batch_lengths("arxiv", 16384 * 64, 0)
+    plan = make_plan(Placement.ZEPPELIN, lengths, topology, 20480, shape)
+    spread = [p for p in plan.placements if len(p.ranks) > 1]
+    assert spread, "the batch needs rings"
+    for p in spread:
+        nodes = {r // 8 for r in p.ranks}
+        assert len(nodes) == 1 or len(p.ranks) == 8 * len(nodes), (p.length, p.ranks)
+
+
 @pytest.mark.parametrize("nodes", [8, 32], ids=["64gpus", "256gpus"])
 @pytest.mark.parametrize("distribution", ["arxiv", "github", "prolong64k"])
 def test_work_policy_balances_work_better_than_token_capacity(

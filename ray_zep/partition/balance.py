@@ -239,8 +239,8 @@ def _with_usp(
     """(degrees, member work, USP or not) of each ring once USP groups compete: per
     sequence, the fewest `USP_NODES` nodes whose USP member work is at most `level` (or
     the least work, within `MIN_GAIN`, where none is), taken over the ring where it
-    needs fewer ranks at the level (the lesser work on as many), or has the lesser work
-    where neither reaches it."""
+    needs fewer ranks at the level (on as many, or where neither reaches the level: the
+    lesser work by `MIN_GAIN`; the ring on near ties, which has no all-to-alls)."""
     gpus = topology.gpus_per_node
     nodes = np.asarray([p for p in USP_NODES if p <= topology.nodes], dtype=np.int64)
     if nodes.size == 0:
@@ -254,9 +254,9 @@ def _with_usp(
     usp_work = grid[np.arange(lengths.size), pick]
     usp_degree = nodes[pick] * gpus
     ring_in, usp_in = member <= level, usp_work <= level
-    fewer = (usp_degree < degrees) | ((usp_degree == degrees) & (usp_work < member))
-    usp = np.where(ring_in & usp_in, fewer,
-                   np.where(ring_in | usp_in, usp_in, usp_work < member))  # fmt: skip
+    lighter = usp_work < member * (1 - MIN_GAIN)  # near ties: the ring (no all-to-alls)
+    fewer = (usp_degree < degrees) | ((usp_degree == degrees) & lighter)
+    usp = np.where(ring_in & usp_in, fewer, np.where(ring_in | usp_in, usp_in, lighter))
     usp &= np.isfinite(usp_work)
     return np.where(usp, usp_degree, degrees), np.where(usp, usp_work, member), usp
 
@@ -385,7 +385,8 @@ def _fill_whole(
         if ring is not None:
             _add_ring(placed, seq, n, *ring)
         else:
-            _add_spill(placed, seq, n, w, _spill(placed, n, capacity), capacity)
+            ranks = _spill_in_node(placed, n, capacity, topology.gpus_per_node)
+            _add_spill(placed, seq, n, w, ranks or _spill(placed, n, capacity), capacity)
         ranks = placed.groups[seq][0]
         for r in ranks:
             load[r], tokens[r] = float(placed.load[r]), int(placed.tokens[r])
@@ -445,6 +446,23 @@ def _small_ring(
     candidates = np.flatnonzero(ok[k, at])
     chosen = candidates[np.argsort(load[at, candidates], kind="stable")[: degrees[k]]]
     return tuple(sorted((int(near[at]) * gpus + chosen).tolist())), float(member[k])
+
+
+def _spill_in_node(placed: Placed, n: int, capacity: int, gpus: int) -> tuple[int, ...] | None:
+    """The fewest ranks of one node whose free tokens hold `n` (its freest; of the nodes
+    needing as few, the one with most free tokens); None where no node can: a spill
+    inside a node sends nothing over NICs."""
+    free = (capacity - placed.tokens).reshape(-1, gpus)
+    order = np.argsort(-free, axis=1, kind="stable")
+    held = np.cumsum(np.take_along_axis(free, order, axis=1), axis=1)
+    enough = held[:, -1] >= n
+    if not enough.any():
+        return None
+    count = np.argmax(held >= n, axis=1) + 1
+    fewest = enough & (count == count[enough].min())
+    node = int(np.argmax(np.where(fewest, held[:, -1], -1)))
+    chosen = order[node, : int(count[node])]
+    return tuple(sorted((node * gpus + chosen).tolist()))
 
 
 def _spill(placed: Placed, n: int, capacity: int) -> tuple[int, ...]:
