@@ -29,6 +29,11 @@ class Links:
     ring_zip: RingZipper | None = None
     dkv_as_kv: bool = False
 
+    def close(self) -> None:
+        """Stop the routing layer's threads, if any (the run is over)."""
+        if self.routing is not None:
+            self.routing.close()
+
     def dkv_dtype(self, kv_dtype: torch.dtype) -> torch.dtype:
         """The dtype ring dK/dV accumulators travel in, for K/V of `kv_dtype`."""
         return kv_dtype if self.dkv_as_kv else torch.float32

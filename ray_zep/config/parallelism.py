@@ -35,6 +35,10 @@ class ParallelConfig:
     ray_zep.partition.work_bins; the default: `bench scale` gives it the shorter modelled
     step in 14 of 16 cases at 64-4,096 GPUs), or zone thresholds by the cost model or by
     capacity alone (ray_zep.partition.zeppelin)."""
+    usp_groups: bool = True
+    """Under zone_policy=work, zeppelin may run a sequence longer than a node as a USP
+    group (heads exchanged inside each node, the ring over the nodes) where that needs
+    fewer ranks than a ring (ray_zep.partition.balance); false keeps rings only."""
     ulysses_degree: int = 0
     """Ulysses members per ring position under usp; 0 picks GPUs per node (or the
     largest divisor of it that the head counts allow)."""

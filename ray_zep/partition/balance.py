@@ -94,7 +94,11 @@ class Placed:
 
 
 def balance(
-    lengths: np.ndarray, topology: Topology, capacity: int, model: WorkModel
+    lengths: np.ndarray,
+    topology: Topology,
+    capacity: int,
+    model: WorkModel,
+    usp_groups: bool = True,
 ) -> list[SeqPlacement]:
     """Placements of a batch that equalise every rank's modelled work (module docstring).
 
@@ -103,6 +107,7 @@ def balance(
         topology: nodes and GPUs per node.
         capacity: L, the most tokens one rank holds.
         model: the work model.
+        usp_groups: sequences longer than a node may run as USP groups.
 
     Returns:
         One placement per sequence, in sequence order.
@@ -114,9 +119,11 @@ def balance(
     work = model.whole_seconds(lengths)
     mean = float(work.sum()) / topology.world_size
     small = _small_ring_seconds(lengths, topology.gpus_per_node, model)
+    usp = usp_groups and topology.nodes > 1 and model.usp_heads_divide()
 
     def at(factor: float, force: bool = False) -> Placed | None:
-        return _place_at(lengths, work, small, mean * factor, topology, capacity, model, force)
+        level = mean * factor
+        return _place_at(lengths, work, small, level, topology, capacity, model, usp, force)
 
     tried = _scan(at)
     feasible = [(f, p) for f, p in tried if p is not None]
@@ -162,9 +169,11 @@ def _place_at(
     topology: Topology,
     capacity: int,
     model: WorkModel,
+    usp_groups: bool,
     force: bool = False,
 ) -> Placed | None:
-    """The placement at `level`, or None when its rings need more than the world."""
+    """The placement at `level`, or None when its rings need more than the world
+    (`usp_groups`: USP groups compete with rings)."""
     world, gpus = topology.world_size, topology.gpus_per_node
     split = (work > level) | (lengths > capacity)
     if world == 1:
@@ -172,7 +181,7 @@ def _place_at(
     seqs = np.flatnonzero(split)
     degrees, member = _degrees(lengths[seqs], level, capacity, world, gpus, model)
     usp = np.zeros(seqs.size, dtype=bool)
-    if seqs.size and topology.nodes > 1 and model.usp_heads_divide():
+    if seqs.size and usp_groups:
         degrees, member, usp = _with_usp(lengths[seqs], degrees, member, level, capacity,
                                          topology, model)  # fmt: skip
     if degrees.sum() > world:

@@ -115,6 +115,7 @@ def plan_zeppelin(
     policy: ZonePolicy = ZonePolicy.COST,
     routed: bool = False,
     dkv_wire: DkvWire = DkvWire.FLOAT32,
+    usp_groups: bool = True,
 ) -> AttentionPlan:
     """Place a batch with Zeppelin's two-stage partitioner.
 
@@ -128,6 +129,8 @@ def plan_zeppelin(
             work policy weighs them at every NIC's bandwidth.
         dkv_wire: the dtype ring dK/dV travel in (`parallel.dkv_wire`), for the work
             policy's backward transfers.
+        usp_groups: the work policy may run sequences as USP groups
+            (`parallel.usp_groups`).
 
     Returns:
         The validated plan.
@@ -141,7 +144,7 @@ def plan_zeppelin(
     if policy is ZonePolicy.WORK:
         model = WorkModel.create(cost.shape, topology, routed=routed, dkv_wire=dkv_wire)
         try:
-            placements = balance(lengths, topology, tokens_per_rank, model)
+            placements = balance(lengths, topology, tokens_per_rank, model, usp_groups)
         except PlacementError:
             # rings of equal chunks do not fit L (a batch that fills nearly every
             # token): the cost policy's capacity-aware splits place it
@@ -351,7 +354,7 @@ def _planner(lengths, topology, capacity, shape: ModelShape, parallel: ParallelC
     """`spec.Planner`: the Zeppelin plan under the config's zone policy and routing."""
     cost = CostModel.create(shape, topology)
     return plan_zeppelin(lengths, topology, capacity, cost, parallel.zone_policy, parallel.routing,
-                         parallel.dkv_wire)  # fmt: skip
+                         parallel.dkv_wire, parallel.usp_groups)  # fmt: skip
 
 
 _NAME = Placement.ZEPPELIN.value

@@ -193,8 +193,17 @@ class _Lane:
     def __init__(self) -> None:
         self.queue: collections.deque[FramedRecv] = collections.deque()
         self.changed = threading.Condition()
+        self.closed = False
         self.thread = threading.Thread(target=self._serve, name="ray-zep-mailbox", daemon=True)
         self.thread.start()
+
+    def close(self, timeout_s: float) -> None:
+        """Stop the thread once its lane is empty (a message still waiting for its frame
+        keeps it: the backend's receive cannot be cancelled)."""
+        with self.changed:
+            self.closed = True
+            self.changed.notify()
+        self.thread.join(timeout_s)
 
     def add(self, recv: FramedRecv) -> None:
         with self.changed:
@@ -206,8 +215,10 @@ class _Lane:
     def _serve(self) -> None:
         while True:
             with self.changed:
-                while not self.queue:
+                while not self.queue and not self.closed:
                     self.changed.wait()
+                if not self.queue:
+                    return  # closed
                 first = self.queue[0]
             first.wait_head()  # blocks this lane alone, never the receiving thread
             with self.changed:
@@ -233,6 +244,12 @@ class Mailbox:
         if lane is None:
             lane = self._lanes[key] = _Lane()
         lane.add(recv)
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stop every lane's thread (the run is over; `timeout_s` each at most)."""
+        for lane in self._lanes.values():
+            lane.close(timeout_s)
+        self._lanes.clear()
 
     def reach(self, recv: FramedRecv, timeout) -> None:
         """Wait until `recv`'s tail is posted (its frame has arrived).

@@ -111,6 +111,12 @@ class Channels:
     def framed(self) -> bool:
         return self.zipper is not None
 
+    def close(self) -> None:
+        """Stop this rank's relay and mailbox threads (the run is over): a process that
+        builds another trainer (an elastic restart, tests) keeps none of them."""
+        self._relay.close()
+        self.inbox.close()
+
     def wait(self, works: list, what: str) -> None:
         wait_all(works, what, self.timeout_s, self.rank)
 
@@ -209,6 +215,14 @@ class Relay:
         self._jobs.put((tuple(transfers), rows))
         self._pending += 1
 
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stop the thread (after the calls submitted) and its mailbox's lanes."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout_s)
+            self._thread = None
+        self._hop.box.close(timeout_s)
+
     def join(self) -> list[tuple[int, int, bool]]:
         """Wait for every submitted call; the sizes of the framed messages sent."""
         while self._pending:
@@ -220,8 +234,8 @@ class Relay:
         return sent
 
     def _serve(self) -> None:
-        while True:
-            transfers, rows = self._jobs.get()
+        while (job := self._jobs.get()) is not None:  # None: `close`
+            transfers, rows = job
             try:
                 _relay_call(transfers, rows, self._hop)
                 self._done.put(None)

@@ -88,6 +88,11 @@ class RankTrainer:
         )
         self.runner = RUNNERS[config.parallel.weights_axis.family](self.ctx)
 
+    def close(self) -> None:
+        """Stop the threads the routing layer runs for this trainer (the run is over, or
+        failed): a process that builds another trainer keeps none of them."""
+        self.ctx.links.close()
+
     # what tests and checkpoints look at
     @property
     def pipeline(self):

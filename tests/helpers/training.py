@@ -7,6 +7,7 @@ trains through the library's `run_rank`.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +132,12 @@ def train_rank(
         },
         "events": events,
         "weight_ledger": trainer.pipeline.weights.ledger if trainer.pipeline else None,
+        # the routing layer's relay and mailbox threads still running after the run
+        "routing_threads": [t.name for t in threading.enumerate() if t.name in ROUTING_THREADS],
     }
+
+
+ROUTING_THREADS = ("ray-zep-relay", "ray-zep-mailbox")
 
 
 def first_gradients(rank: int, overrides: list[str]) -> RankTrainer:
