@@ -13,10 +13,11 @@ from ray_zep.data.synthetic import batch_lengths
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
+from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts, even_bounds
 from ray_zep.partition.stats import plan_stats
 from ray_zep.partition.work import WorkModel
 from ray_zep.sim.hardware import Hardware
-from ray_zep.sim.step import RunModel, simulate_batch
+from ray_zep.sim.step import RunModel, simulate_batch, simulate_plan
 from ray_zep.topology import LinkKind, build_topology
 
 pytestmark = pytest.mark.unit
@@ -85,23 +86,29 @@ def test_a_routed_ring_across_nodes_costs_what_the_simulator_plays() -> None:
     seconds (the relays' intra-node hops added to the NICs') fall within 25% of the
     simulated layers. Counting the NICs alone, the model said 27% less than the
     simulator on such rings and the planner spread long sequences too thin."""
-    from ray_zep.partition.plan import AttentionPlan, SeqPlacement, even_bounds
-    from ray_zep.sim.step import simulate_plan
+    _, run, model = _routed_cluster()
+    n, degree = 131072, 64
+    modelled = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([degree]))[0])
+    played = _played(run, SeqPlacement(0, n, tuple(range(degree)), even_bounds(n, degree)))
+    assert 0.8 * played <= modelled <= 1.25 * played, (modelled, played)
 
+
+def _routed_cluster():
+    """8 nodes of cluster A, 7B, routing on: (topology, run model, work model)."""
     config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=8",
                                 "model.preset=7b", "train.tokens_per_rank=5120",
                                 "parallel.weights=fsdp", "parallel.sequence=zeppelin",
                                 "parallel.routing=true"])  # fmt: skip
     topology = build_topology(config.topology)
     run = RunModel.create(config, Hardware.preset(topology))
-    n, degree = 131072, 64
-    model = WorkModel.create(run.shape, topology, run.hardware.rates, routed=True)
-    modelled = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([degree]))[0])
-    ring = SeqPlacement(0, n, tuple(range(degree)), even_bounds(n, degree))
-    plan = AttentionPlan(Placement.ZEPPELIN, topology, 5120, (ring,))
+    return topology, run, WorkModel.create(run.shape, topology, run.hardware.rates, routed=True)
+
+
+def _played(run: RunModel, placement: SeqPlacement) -> float:
+    """Simulated seconds of every layer, forward and backward, of one sequence alone."""
+    plan = AttentionPlan(Placement.ZEPPELIN, run.hardware.topology, 5120, (placement,))
     step = simulate_plan(plan, run, True, None)
-    played = run.shape.n_layers * (step.forward_layer_seconds + step.backward_layer_seconds)
-    assert 0.8 * played <= modelled <= 1.25 * played, (modelled, played)
+    return run.shape.n_layers * (step.forward_layer_seconds + step.backward_layer_seconds)
 
 
 def test_a_usp_group_costs_what_the_simulator_plays_and_less_than_a_ring_there() -> None:
@@ -109,27 +116,18 @@ def test_a_usp_group_costs_what_the_simulator_plays_and_less_than_a_ring_there()
     each node, the ring over the nodes, every GPU's hop through its NIC): the work model
     within 25% of the simulated layers, and both say it beats the routed ring; the work
     policy places such a sequence as one."""
-    from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts
-    from ray_zep.sim.step import simulate_plan
-
-    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=8",
-                                "model.preset=7b", "train.tokens_per_rank=5120",
-                                "parallel.weights=fsdp", "parallel.sequence=zeppelin",
-                                "parallel.routing=true"])  # fmt: skip
-    topology = build_topology(config.topology)
-    run = RunModel.create(config, Hardware.preset(topology))
+    topology, run, model = _routed_cluster()
     n, nodes = 131072, 8
-    model = WorkModel.create(run.shape, topology, run.hardware.rates, routed=True)
     assert model.usp_heads_divide()
     usp = float(model.usp_member_seconds(np.asarray([n]), np.asarray([nodes]))[0])
     ring = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([nodes * 8]))[0])
     group = SeqPlacement(0, n, tuple(range(64)), bounds_for_counts([n // nodes] * nodes),
                          ulysses=8)  # fmt: skip
-    plan = AttentionPlan(Placement.ZEPPELIN, topology, 5120, (group,))
-    step = simulate_plan(plan, run, True, None)
-    played = run.shape.n_layers * (step.forward_layer_seconds + step.backward_layer_seconds)
+    played = _played(run, group)
     assert 0.8 * played <= usp <= 1.25 * played, (usp, played)
     assert usp < 0.75 * ring, (usp, ring)
+    ring_played = _played(run, SeqPlacement(0, n, tuple(range(64)), even_bounds(n, 64)))
+    assert played < 0.85 * ring_played, (played, ring_played)
     lengths = np.asarray([n, *[2048] * 96])
     placed = make_plan(Placement.ZEPPELIN, lengths, topology, 5120, run.shape)
     (long,) = [p for p in placed.placements if p.seq == 0]
