@@ -46,6 +46,9 @@ def _config(placement: Placement, weights: WeightsMode, *more: str) -> Config:
     ]
     routed = placement is Placement.ZEPPELIN
     overrides += [
+        # zeppelin's long sequences on rings across nodes (what routing and the K/V
+        # codec act on), not USP groups
+        "parallel.usp_groups=false",
         f"parallel.routing={str(routed).lower()}",
         f"parallel.remap={str(routed).lower()}",
     ]
@@ -75,8 +78,9 @@ def test_auto_never_slows_a_link_bound_step_and_speeds_it_up(placement, weights)
     config = _config(placement, weights)
     off = _step(_run(config, Compression.OFF, FAST_CODEC, **SLOW))
     auto = _step(_run(config, Compression.AUTO, FAST_CODEC, **SLOW))
-    # llama_cp's K/V all-gather stays plain, as in the engine: only its gradients shrink
-    gain = 0.99 if placement is Placement.LLAMA_CP else 0.95
+    # llama_cp's K/V all-gather stays plain, as in the engine: only its gradients shrink;
+    # zeppelin keeps this batch's one ring inside a node: less K/V on the wire to shrink
+    gain = {Placement.LLAMA_CP: 0.99, Placement.ZEPPELIN: 0.97}.get(placement, 0.95)
     assert auto < off * gain, f"{placement.value}+{weights.value}: {auto} against {off}"
     # float32 on the CPU: no stream shrinks past the float32 ratio
     assert auto > off / ZIP_RATIOS[(4, False)] * 0.99
@@ -127,7 +131,8 @@ def test_bf16_on_gpus_gains_more_than_float32_on_the_cpu() -> None:
 
 def test_one_build_under_several_switches_plays_each_as_alone() -> None:
     config = _config(Placement.ZEPPELIN, WeightsMode.FSDP)
-    runs = [_run(config, mode, FAST_CODEC, nic_bandwidth=2e7) for mode in Compression]
+    # slow NICs, this module's codec rate: the three switches give three different steps
+    runs = [_run(config, mode, nic_bandwidth=2e6) for mode in Compression]
     plan, remap = plan_batch(LENGTHS, runs[0])
     together = simulate_plans(plan, runs, True, remap)
     for run, step in zip(runs, together, strict=True):

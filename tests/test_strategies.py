@@ -193,13 +193,17 @@ def _assert_trains_like(single: dict, runs: dict) -> None:
 
 ROUTE = "parallel.routing=true"
 REMAP = ("parallel.remap=true", "parallel.remap_policy=always")
+RINGS = "parallel.usp_groups=false"
+"""zeppelin's long sequences on rings across nodes (a USP group's hops go direct: nothing
+to route; the groups train in the other runs)."""
 LAYER_RUNS = {
-    "zeppelin+routing+remap": ["parallel.sequence=zeppelin", ROUTE, *REMAP],
+    "zeppelin+routing+remap": ["parallel.sequence=zeppelin", ROUTE, *REMAP, RINGS],
     "zeppelin+hsdp+routing+remap": [
         "parallel.sequence=zeppelin",
         "parallel.weights=hsdp",
         ROUTE,
         *REMAP,
+        RINGS,
     ],
     "te_cp+routing": ["parallel.sequence=te_cp", ROUTE],
     "hybrid_dp+remap": ["parallel.sequence=hybrid_dp", *REMAP],
@@ -235,8 +239,7 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
     topology (crossed in full on 2 x 2)."""
     data = mixed_dataset(tmp_path / "mixed.parquet")
     planned, whole = _base(nodes, gpus, data), _base(nodes, gpus, data, packing="rank")
-    layer_runs = _layer_runs(gpus)
-    for name, extra in layer_runs.items():
+    for name, extra in LAYER_RUNS.items():
         _assert_layers_act(load_config(None, [*planned, *extra]), name)
     _assert_usp_groups(load_config(None, [*planned, "parallel.sequence=zeppelin"]))
     crossed = gpus <= 2
@@ -249,7 +252,7 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
     runs = {
         f"{s}+{w}": [*planned, f"parallel.sequence={s}", f"parallel.weights={w}"] for s, w in pairs
     }
-    runs |= {name: [*planned, *extra] for name, extra in layer_runs.items()}
+    runs |= {name: [*planned, *extra] for name, extra in LAYER_RUNS.items()}
     if crossed:
         runs["zeppelin+fsdp per projection"] = [*runs["zeppelin+fsdp"], "parallel.fsdp_unit=linear"]
     # the default places by modelled work (token counts differ between ranks); the cost
@@ -296,16 +299,6 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
         whole_micro = {n: trained[n] for n in micro if n.startswith("whole")}
         _assert_trains_like(singles["single_rank_packed micro 2"], whole_micro)
         assert len(singles["single micro 2"]["samples"]) == 6, "3 steps of 2 batches"
-
-
-def _layer_runs(gpus: int) -> dict[str, list[str]]:
-    """`LAYER_RUNS`; with four GPUs a node, zeppelin's under the cost policy: the work
-    policy runs these batches' cross-node sequences as USP groups, whose hops go
-    direct (nothing to route), and those groups train in the other 2 x 4 runs."""
-    if gpus <= 2:
-        return LAYER_RUNS
-    cost = "parallel.zone_policy=cost"
-    return {n: [*e, cost] if n.startswith("zeppelin") else e for n, e in LAYER_RUNS.items()}
 
 
 def _assert_usp_groups(config) -> None:

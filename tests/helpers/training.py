@@ -92,6 +92,7 @@ def train_rank(
     configured global batch (as an elastic run does, in micro-batches); `stop_after`:
     end the run after that step, as a lost node would (its checkpoint must be saved)."""
     config = load_config(config_path, overrides)
+    threads_before = set(threading.enumerate())  # a reused process may hold older runs'
     configured = build_topology(config.topology)
     topology = configured if live_nodes is None else configured.with_nodes(live_nodes)
     comm = create_comm(config, topology, TIMEOUT_S)
@@ -132,12 +133,17 @@ def train_rank(
         },
         "events": events,
         "weight_ledger": trainer.pipeline.weights.ledger if trainer.pipeline else None,
-        # the routing layer's relay and mailbox threads still running after the run
-        "routing_threads": [t.name for t in threading.enumerate() if t.name in ROUTING_THREADS],
+        # the routing layer's relay and mailbox threads this run started, still running
+        "routing_threads": _new_routing_threads(threads_before),
     }
 
 
 ROUTING_THREADS = ("ray-zep-relay", "ray-zep-mailbox")
+
+
+def _new_routing_threads(before: set) -> list[str]:
+    """Names of the routing threads started since `before` that still run."""
+    return [t.name for t in set(threading.enumerate()) - before if t.name in ROUTING_THREADS]
 
 
 def first_gradients(rank: int, overrides: list[str]) -> RankTrainer:
