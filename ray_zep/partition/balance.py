@@ -17,7 +17,8 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    over the nodes (USP: every GPU's hop through its own NIC, each step 1/G of the
    heads), with the fewest nodes whose member work is at most lam
    (`WorkModel.usp_member_seconds`); it takes whichever of the two needs fewer
-   ranks at the level (the lesser work where neither reaches it).
+   ranks at the level (the lesser work by `MIN_GAIN` on as many, or where neither
+   reaches it; the ring on near ties). `parallel.usp_groups=false` keeps rings.
 3. Whole sequences, most work first, go to the rank whose work leaves the least
    room under lam among those with token room (best fit decreasing). One that fits
    under lam nowhere becomes a small ring inside a node where its work is worth one
