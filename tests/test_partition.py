@@ -207,6 +207,18 @@ def test_stats_on_arrays_equal_the_member_by_member_sums(strategy, batch, policy
         assert fast.collective_bytes[kind].tolist() == sums.collective[kind].tolist()
 
 
+@pytest.mark.parametrize("strategy", PLANNED, ids=lambda s: s.value)
+@settings(max_examples=20, deadline=None)
+@given(batch=batches())
+def test_member_token_counts_equal_each_members_tokens(strategy, batch) -> None:
+    """The array form the statistics read (Ulysses members cut as `member_ranges` cuts)."""
+    topology, capacity, lengths = batch
+    plan = _planned(strategy, lengths, topology, capacity, ZonePolicy.WORK)
+    for p in plan.placements if plan is not None else ():
+        counts = [p.member_tokens(m) for m in range(len(p.ranks))]
+        assert p.member_token_counts().tolist() == counts, p
+
+
 def test_modelled_time_overlaps_ring_transfer_with_compute() -> None:
     topology = _topology(2, 1)
     cost = CostModel.create(SHAPE, topology)

@@ -127,6 +127,16 @@ class SeqPlacement(NamedTuple):
     def member_tokens(self, member: int) -> int:
         return sum(b - a for a, b in self.member_ranges(member))
 
+    def member_token_counts(self) -> np.ndarray:
+        """`member_tokens` of every member at once (R x U entries)."""
+        if self.parts is not None:
+            return np.asarray(self.parts, dtype=np.int64)
+        u = self.ulysses
+        positions = np.asarray([self.position_tokens(r) for r in range(self.ring_size)],
+                               dtype=np.int64)  # fmt: skip
+        cuts = positions[:, None] * np.arange(u + 1)[None, :] // u  # as `member_ranges` cuts
+        return np.diff(cuts, axis=1).reshape(-1)
+
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     merged: list[tuple[int, int]] = []

@@ -153,7 +153,7 @@ def _add_items(
     pair_flops = 4.0 * shape.n_heads * shape.head_dim
     for item in items:
         placements = [plan.placement(s) for s in item.seqs]
-        held = sum(_member_tokens(p, item.ring_size) for p in placements)
+        held = sum(p.member_token_counts() for p in placements)
         for rank, tokens in zip(item.ranks, held.tolist(), strict=True):
             zones[rank][item.zone.value] = zones[rank].get(item.zone.value, 0) + tokens
         # a position's members share its queries' pairs, each with 1/U of the heads
@@ -166,17 +166,6 @@ def _add_items(
         exchange_bytes = _add_item_bytes(plan, item, held, shape, sums.sent, sums.collective)
         sums.seconds[ranks] += _item_seconds(item, cost, float(member_flops.max()), exchange_bytes)
     return zones
-
-
-def _member_tokens(placement, ring: int) -> np.ndarray:
-    """Tokens each member of a placement's group holds (`SeqPlacement.member_tokens` of
-    every member at once)."""
-    if placement.parts is not None:
-        return np.asarray(placement.parts, dtype=np.int64)
-    u = placement.ulysses
-    positions = np.asarray([placement.position_tokens(r) for r in range(ring)], dtype=np.int64)
-    cuts = positions[:, None] * np.arange(u + 1)[None, :] // u  # even split of each position
-    return np.diff(cuts, axis=1).reshape(-1)
 
 
 def _add_plain_items(

@@ -63,45 +63,58 @@ def run_rank(
     """
     trainer = RankTrainer(config, comm, device)
     try:
-        resume_from = _agree_on_checkpoint(run_dir, config, comm)
-        progress = trainer.load(resume_from) if resume_from else checkpoint.Progress(0, {})
-        ledger = SampleLedger(run_dir, comm.rank) if config.train.sample_ledger else None
-        if ledger:
-            ledger.rewind(progress.step)
-            if comm.rank == 0:
-                rewind_departed(run_dir, comm.world_size, progress.step)
-        if start_data is not None:
-            start_data(progress)
-        if report and comm.rank == 0:
-            report({"event": "start", "step": progress.step})
-        if comm.distributed:
-            dist.barrier(group=comm.group)
-        every = config.train.checkpoint_every
-        for step in range(progress.step, config.train.steps):
-            started = time.perf_counter()
-            shards = fetch_shards(step)
-            fetched = time.perf_counter()
-            with collectives_of(f"step {step + 1}", comm.timeout_s, comm.rank):
-                stats = trainer.train_step(shards)
-            stats.step_seconds = time.perf_counter() - started
-            if ledger:
-                for shard in shards:
-                    ledger.record(trainer.steps_done, shard)
-            if report and comm.rank == 0:
-                report({"event": "step", "data_seconds": fetched - started, **stats.to_dict()})
-            last = trainer.steps_done == config.train.steps
-            evaluate = _due(trainer.steps_done, config.train.eval_every)
-            if (last and config.train.save_last) or evaluate or _due(trainer.steps_done, every):
-                path = trainer.save(run_dir, shards[-1].cursor_after)
-                if comm.rank == 0:
-                    checkpoint.prune_checkpoints(run_dir, config.train.keep_checkpoints)
-                if report and comm.rank == 0:
-                    report({"event": "checkpoint", "step": trainer.steps_done, "path": str(path)})
-                if evaluate:
-                    _evaluate(config, comm, path, trainer.steps_done, report)
+        _train(trainer, config, comm, run_dir, fetch_shards, start_data, report)
     finally:
         trainer.close()  # the routing layer's threads; the parameters stay readable
     return trainer
+
+
+def _train(
+    trainer: RankTrainer,
+    config: Config,
+    comm: Comm,
+    run_dir: Path,
+    fetch_shards: FetchShards,
+    start_data: StartData | None,
+    report: Report | None,
+) -> None:
+    """`run_rank`'s steps, checkpoints and evaluations with `trainer`."""
+    resume_from = _agree_on_checkpoint(run_dir, config, comm)
+    progress = trainer.load(resume_from) if resume_from else checkpoint.Progress(0, {})
+    ledger = SampleLedger(run_dir, comm.rank) if config.train.sample_ledger else None
+    if ledger:
+        ledger.rewind(progress.step)
+        if comm.rank == 0:
+            rewind_departed(run_dir, comm.world_size, progress.step)
+    if start_data is not None:
+        start_data(progress)
+    if report and comm.rank == 0:
+        report({"event": "start", "step": progress.step})
+    if comm.distributed:
+        dist.barrier(group=comm.group)
+    every = config.train.checkpoint_every
+    for step in range(progress.step, config.train.steps):
+        started = time.perf_counter()
+        shards = fetch_shards(step)
+        fetched = time.perf_counter()
+        with collectives_of(f"step {step + 1}", comm.timeout_s, comm.rank):
+            stats = trainer.train_step(shards)
+        stats.step_seconds = time.perf_counter() - started
+        if ledger:
+            for shard in shards:
+                ledger.record(trainer.steps_done, shard)
+        if report and comm.rank == 0:
+            report({"event": "step", "data_seconds": fetched - started, **stats.to_dict()})
+        last = trainer.steps_done == config.train.steps
+        evaluate = _due(trainer.steps_done, config.train.eval_every)
+        if (last and config.train.save_last) or evaluate or _due(trainer.steps_done, every):
+            path = trainer.save(run_dir, shards[-1].cursor_after)
+            if comm.rank == 0:
+                checkpoint.prune_checkpoints(run_dir, config.train.keep_checkpoints)
+            if report and comm.rank == 0:
+                report({"event": "checkpoint", "step": trainer.steps_done, "path": str(path)})
+            if evaluate:
+                _evaluate(config, comm, path, trainer.steps_done, report)
 
 
 def _due(step: int, every: int) -> bool:
