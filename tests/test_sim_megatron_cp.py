@@ -78,6 +78,14 @@ def test_waves_tile_the_ranks_with_aligned_power_of_two_groups(world, limit, dat
     assert sorted(seen) == list(range(len(lengths)))
 
 
+def test_a_wave_whose_leftovers_start_small_still_runs_on_aligned_groups() -> None:
+    # the third wave's groups are made 1, 8, 4 ranks wide in that order: laid out as
+    # made, the group of 8 would start at rank 4, where Megatron has no group of 8
+    waves = schedule_waves(np.asarray([1, 129, 129, 129, 129, 129, 257, 257, 257]), 16, 64)
+    assert [[g.ranks[0] for g in wave] for wave in waves][-1] == [0, 8, 12]
+    assert [len(g.ranks) for g in waves[-1]] == [8, 4, 4]
+
+
 def test_short_sequences_make_one_wave_of_pure_dp() -> None:
     lengths = np.random.default_rng(0).integers(50, L + 1, size=40)
     waves = schedule_waves(lengths, 8, L)

@@ -18,7 +18,8 @@ DP x CP ranks. `BalancedCPScheduler` (Megatron-LM
   rank's load is within 5% of the largest (`delta`); `trim_overload` then returns
   the last sequences of the most loaded group while that narrows the spread, and
   `fill_empty_gpus` doubles the smallest group (shifting the ones after it) until
-  no rank is idle;
+  no rank is idle; the groups are then laid out largest first, on the aligned ranks
+  Megatron's process groups of each size have;
 - `hybrid_context_parallel_forward_backward` runs the waves one after another
   with a barrier after each; inside a wave every rank runs its sequences one by one,
   each sequence's attention being TransformerEngine's ring CP over its group
@@ -271,13 +272,24 @@ class _WaveBuilder:
         return dropped
 
     def finish(self) -> Wave:
-        """`fill_empty_gpus`: double the first smallest group, shifting the later ones
-        right, until the groups cover every rank."""
+        """`fill_empty_gpus`: double the first smallest group until the groups cover every
+        rank; then the groups laid out largest first.
+
+        Megatron lays them out in creation order, but its process groups of each size
+        are aligned (`create_hybrid_dp_cp_groups`: a group of k ranks starts at a
+        multiple of k), and a wave whose leftovers put a small group before a larger one
+        would ask for a group that does not exist. Largest first, every group starts at
+        a multiple of its size (powers of two summing to the world)."""
         while sum(self.sizes) < self.world:
             smallest = min(self.sizes)
             group = self.sizes.index(smallest)
             self.sizes[group] = min(2 * smallest, self.world)
-        return [CPGroup(tuple(self.group_ranks(g)), tuple(s)) for g, s in enumerate(self.seqs)]
+        order = sorted(range(len(self.sizes)), key=lambda g: -self.sizes[g])
+        groups, start = [], 0
+        for g in order:
+            groups.append(CPGroup(tuple(range(start, start + self.sizes[g])), tuple(self.seqs[g])))
+            start += self.sizes[g]
+        return groups
 
 
 def wave_plan(
