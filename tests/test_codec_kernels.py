@@ -88,8 +88,11 @@ def test_cuda_kernel_logic_writes_every_byte_of_the_static_part_and_the_dynamic_
 
 
 @pytest.mark.unit
-def test_cuda_kernel_logic_leaves_the_lengths_on_the_device_until_they_are_used(emulated):
-    splits = (TILE_VALUES + 5, 0, 2 * TILE_VALUES + 3, 9)
+@pytest.mark.parametrize(
+    "splits", [(TILE_VALUES + 5, 0, 2 * TILE_VALUES + 3, 9), (3 * TILE_VALUES + 7,)],
+    ids=["chunks", "one chunk, no views cut"],
+)  # fmt: skip
+def test_cuda_kernel_logic_leaves_the_lengths_on_the_device_until_they_are_used(emulated, splits):
     values = sample(sum(splits), seed=3)
     parts = cuda_kernels.encode_chunks(values, BF16, splits, kernels=emulated)
     static, rooms, static_sizes, room_sizes = parts

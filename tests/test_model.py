@@ -272,3 +272,19 @@ def test_flash_kernel_matches_torch_reference_on_gpu() -> None:
     # bf16 output: one rounding of values of magnitude ~1
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=0)
+
+
+def _optimizer_of(device: str) -> torch.optim.AdamW:
+    from ray_zep.config import TrainConfig
+    from ray_zep.train.optim import build_optimizer
+
+    return build_optimizer(torch.nn.Linear(8, 4).to(device), TrainConfig())
+
+
+def test_the_update_runs_fused_on_gpu_parameters_only() -> None:
+    from ray_zep.train.optim import fused_update
+
+    assert not _optimizer_of("cpu").defaults["fused"], "CPU keeps the multi-tensor update"
+    assert not fused_update([])
+    if torch.cuda.is_available():
+        assert _optimizer_of("cuda").defaults["fused"]

@@ -133,6 +133,8 @@ class Compressed:
         """(static part, dynamic part or the room it starts) of every chunk, without waiting."""
         if self._room_sizes is None:
             return [self.chunk(i) for i in range(len(self.chunk_values))]
+        if len(self.chunk_values) == 1:
+            return [(self.static, self._dynamic)]
         statics = self.static.split(list(self.static_sizes))
         return list(zip(statics, self._dynamic.split(list(self._room_sizes)), strict=True))
 
@@ -165,7 +167,9 @@ def compress(
         CodecError: unsupported dtype, bad splits, or an unavailable backend.
     """
     fmt = float_format(tensor.dtype)
-    flat = tensor.detach().reshape(-1).contiguous()
+    flat = tensor.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
     chunk_values = _check_splits(splits, flat.numel())
     kernels = _kernels(backend, flat.device, fmt)
     if _cuda_kernel(kernels, flat.device):

@@ -104,6 +104,9 @@ def encode_chunks(
     room_sizes = tuple(room_bytes(n) for n in chunk_values)
     static = torch.empty(sum(static_sizes), dtype=torch.uint8, device=flat_N.device)
     room = torch.empty(sum(room_sizes), dtype=torch.uint8, device=flat_N.device)
+    if len(chunk_values) == 1:  # no views to cut: each split is host time a small message feels
+        encode_into(flat_N, static, room, kernels)
+        return static, room, static_sizes, room_sizes
     pieces = flat_N.split(list(chunk_values))
     spans = zip(pieces, _cut(static, static_sizes), _cut(room, room_sizes), strict=True)
     for piece, static_part, room_part in spans:
@@ -198,8 +201,11 @@ def decode_chunks(
     """
     out = torch.empty(sum(chunk_values), dtype=torch.bfloat16, device=device)
     status = torch.empty(len(chunks), dtype=torch.int64, device=device)
-    words = [status[i : i + 1] for i in range(len(chunks))]
-    spans = zip(chunks, _cut(out, chunk_values), words, strict=True)
+    if len(chunks) == 1:  # the whole buffers, no views cut
+        spans = [(chunks[0], out, status)]
+    else:
+        words = [status[i : i + 1] for i in range(len(chunks))]
+        spans = zip(chunks, _cut(out, chunk_values), words, strict=True)
     for (static, dynamic), out_N, word in spans:
         decode_into(static, dynamic, out_N, word, kernels)
     verdict = Verdict(status, chunk_values, tuple(d.numel() for _, d in chunks))
