@@ -58,6 +58,7 @@ CASES = {
         "parallel.sequence=zeppelin", "parallel.weights=fsdp", "data.packing=budget",
         "train.activation_checkpointing=selective",
     ],
+    "replicated+chunked loss": ["model.loss_chunk_tokens=64", "model.vocab_size=4096"],
 }  # fmt: skip
 
 

@@ -24,8 +24,8 @@ width with 4 layers, `GPU_MODEL`; `7b` is the 7B preset's width, 32 heads of
 128); `--loss-chunk N` computes the loss N tokens at a time
 (`model.loss_chunk_tokens`) and `--compile` compiles every block's regions
 (`model.compile`). The table and the JSON name all four. The memory model
-prices the whole batch's logits, so with the chunked loss it over-predicts by
-about their size.
+prices the chunked loss as it runs (one chunk's logits, the hidden states' and
+the head weight's gradients), not the whole batch's logits.
 
 Not the Ray path itself: no data actor, no checkpoint, no process group (one rank).
 """

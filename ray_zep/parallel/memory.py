@@ -10,7 +10,8 @@ The model counts the tensors ray_zep's own step keeps, category by category:
   prefetch; a checkpointed region's projections all at once);
 - gradients: fp32, sharded like the parameters;
 - optimizer: AdamW's two fp32 moments of the parameters a rank owns;
-- activations: what autograd keeps for the rank's tokens (below), the logits,
+- activations: what autograd keeps for the rank's tokens (below), the logits (with
+  `model.loss_chunk_tokens`, one chunk's and the gradients the chunked loss holds),
   the gradients of a block's widest intermediate and of its input while it runs
   backward, and, for a checkpointed block, its recomputed activations; with the torch kernel
   off the CPU, the backward's H x chunk x chunk score matrices of a ring block (flash-attn,
@@ -90,6 +91,8 @@ class MemoryInputs:
             with flash-attn).
         prefetch: FSDP2 gathers the next unit while one computes.
         fsdp_unit: what one FSDP2 unit gathers (`parallel.fsdp_unit`).
+        loss_chunk_tokens: `model.loss_chunk_tokens` (0: the loss of the whole batch's
+            logits).
     """
 
     weights: WeightsAxis
@@ -104,6 +107,7 @@ class MemoryInputs:
     on_cpu: bool = True
     prefetch: bool = True
     fsdp_unit: FsdpUnit = FsdpUnit.BLOCK
+    loss_chunk_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -307,12 +311,35 @@ def activation_bytes(shape: ModelShape, m: MemoryInputs) -> float:
         # the torch kernel's backward of a ring block: scores, probabilities and their
         # gradient, H x chunk x chunk in fp32 (the rank's ring tokens bound the chunk)
         scores = SCORE_MATRICES * shape.n_heads * float(m.ring_tokens) ** 2 * FP32
+    if m.loss_chunk_tokens:
+        return _chunked_loss_peak(shape, m, kept, recomputed + working) + scores
     # while blocks run backward: as measured on CPU, the head's norm and the logits in
     # fp32 (and in the compute dtype) still count
     held = _norm_kept(shape, m) + vocab * FP32 + (logits if c != FP32 else 0.0)
     at_loss = kept + head + logits + loss_grads
     in_blocks = kept + recomputed + held + working
     return m.tokens * max(at_loss, in_blocks) + scores
+
+
+def _chunked_loss_peak(shape: ModelShape, m: MemoryInputs, kept: float, backward: float) -> float:
+    """Activation bytes of the step's fuller moment under the chunked loss
+    (`ray_zep.model.loss`), which never holds the batch's logits: its forward computes
+    the gradients chunk by chunk (one chunk's fp32 logits, turned into their gradient in
+    place, and its compute-dtype copy) into the hidden states' gradient (fp32, every
+    token) and the head weight's fp32 gradient sum; its backward scales both (a second
+    copy of each). Blocks then run backward with the head's norm alone still held.
+    `backward`: per token, a block's recomputed activations and working gradients."""
+    vocab, dim = shape.vocab_size, shape.dim
+    chunk = min(m.loss_chunk_tokens, m.tokens)
+    head = _norm_kept(shape, m) + _casts(shape, 1, m)
+    weight_grads = vocab * dim * FP32
+    at_loss = (
+        m.tokens * (kept + head + 2 * dim * FP32)
+        + weight_grads
+        + max(chunk * vocab * (FP32 + m.compute_bytes), weight_grads)
+    )
+    in_blocks = m.tokens * (kept + backward + _norm_kept(shape, m))
+    return max(at_loss, in_blocks)
 
 
 def _norm_kept(shape: ModelShape, m: MemoryInputs) -> float:
@@ -375,4 +402,5 @@ def memory_inputs(
         on_cpu=on_cpu,
         prefetch=parallel.prefetch,
         fsdp_unit=parallel.fsdp_unit,
+        loss_chunk_tokens=config.model.loss_chunk_tokens,
     )
