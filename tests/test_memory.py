@@ -58,8 +58,12 @@ CASES = {
         "parallel.sequence=zeppelin", "parallel.weights=fsdp", "data.packing=budget",
         "train.activation_checkpointing=selective",
     ],
-    "replicated+chunked loss": ["model.loss_chunk_tokens=64", "model.vocab_size=4096"],
+    # a vocabulary large enough that the loss's tensors make the peak
+    "replicated, large vocabulary": ["model.vocab_size=16384"],
+    "replicated+chunked loss": ["model.loss_chunk_tokens=128", "model.vocab_size=16384"],
 }  # fmt: skip
+TIGHT = {"replicated", "replicated, large vocabulary", "replicated+chunked loss"}
+"""Cases the model counts tensor by tensor: within 2% (the others within 10%)."""
 
 
 @pytest.mark.dist
@@ -73,7 +77,8 @@ def test_modelled_memory_is_within_ten_percent_of_the_measured_peak(tmp_path: Pa
         assert memory["measured_by"] == "MemTracker"
         for modelled, measured in zip(memory["modelled"], memory["measured"], strict=True):
             assert measured > 0, name
-            assert abs(modelled / measured - 1) <= 0.10, (name, modelled, measured)
+            tolerance = 0.02 if name in TIGHT else 0.10
+            assert abs(modelled / measured - 1) <= tolerance, (name, modelled, measured)
         parts = memory["parts"]["measured"]
         assert parts["state_peak"] >= parts["params"] + parts["optimizer"], name
 

@@ -316,7 +316,8 @@ def activation_bytes(shape: ModelShape, m: MemoryInputs) -> float:
     # while blocks run backward: as measured on CPU, the head's norm and the logits in
     # fp32 (and in the compute dtype) still count
     held = _norm_kept(shape, m) + vocab * FP32 + (logits if c != FP32 else 0.0)
-    at_loss = kept + head + logits + loss_grads
+    # in fp32 the logits are the log-softmax's input itself (`.float()` copies nothing)
+    at_loss = kept + head + (logits if c != FP32 else 0.0) + loss_grads
     in_blocks = kept + recomputed + held + working
     return m.tokens * max(at_loss, in_blocks) + scores
 
@@ -325,7 +326,7 @@ def _chunked_loss_peak(shape: ModelShape, m: MemoryInputs, kept: float, backward
     """Activation bytes of the step's fuller moment under the chunked loss
     (`ray_zep.model.loss`), which never holds the batch's logits: its forward computes
     the gradients chunk by chunk (one chunk's fp32 logits, turned into their gradient in
-    place, and its compute-dtype copy) into the hidden states' gradient (fp32, every
+    place, and its compute-dtype copy where that is not fp32) into the hidden states' gradient (fp32, every
     token) and the head weight's fp32 gradient sum; its backward scales both (a second
     copy of each). Blocks then run backward with the head's norm alone still held.
     `backward`: per token, a block's recomputed activations and working gradients."""
@@ -336,10 +337,15 @@ def _chunked_loss_peak(shape: ModelShape, m: MemoryInputs, kept: float, backward
     at_loss = (
         m.tokens * (kept + head + 2 * dim * FP32)
         + weight_grads
-        + max(chunk * vocab * (FP32 + m.compute_bytes), weight_grads)
+        + max(chunk * vocab * (FP32 + _copy_bytes(m)), weight_grads)
     )
     in_blocks = m.tokens * (kept + backward + _norm_kept(shape, m))
     return max(at_loss, in_blocks)
+
+
+def _copy_bytes(m: MemoryInputs) -> int:
+    """Bytes of a compute-dtype copy of an fp32 value: none in fp32 (`.to` copies nothing)."""
+    return 0 if m.compute_bytes == FP32 else m.compute_bytes
 
 
 def _norm_kept(shape: ModelShape, m: MemoryInputs) -> float:
