@@ -326,9 +326,10 @@ def _chunked_loss_peak(shape: ModelShape, m: MemoryInputs, kept: float, backward
     """Activation bytes of the step's fuller moment under the chunked loss
     (`ray_zep.model.loss`), which never holds the batch's logits: its forward computes
     the gradients chunk by chunk (one chunk's fp32 logits, turned into their gradient in
-    place, and its compute-dtype copy where that is not fp32) into the hidden states' gradient (fp32, every
-    token) and the head weight's fp32 gradient sum; its backward scales both (a second
-    copy of each). Blocks then run backward with the head's norm alone still held.
+    place, and its compute-dtype copy where that is not fp32) into the hidden states'
+    gradient (fp32, every token) and the head weight's fp32 gradient sum; its backward
+    scales both (a second copy of each). Blocks then run backward with the head's norm
+    alone still held.
     `backward`: per token, a block's recomputed activations and working gradients."""
     vocab, dim = shape.vocab_size, shape.dim
     chunk = min(m.loss_chunk_tokens, m.tokens)
