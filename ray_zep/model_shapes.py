@@ -97,6 +97,21 @@ class ModelShape:
                 f"{self.moe_hidden}: every must be >= 1, hidden_dim >= 0"
             )
 
+    def ulysses_fault(self, degree: int) -> str | None:
+        """Why Ulysses over `degree` members cannot split the heads (the CP seed's rules:
+        U divides H, and K divides U or U divides K), or None where it can."""
+        heads, kv = self.n_heads, self.n_kv_heads
+        if heads % degree:
+            return f"Ulysses over {degree} ranks needs model.n_heads={heads} divisible by {degree}"
+        if degree > kv and degree % kv:
+            return (
+                f"Ulysses over {degree} ranks with model.n_kv_heads={kv} "
+                f"needs {degree} divisible by {kv}"
+            )
+        if degree <= kv and kv % degree:
+            return f"Ulysses over {degree} ranks needs model.n_kv_heads={kv} divisible by {degree}"
+        return None
+
     def is_moe_block(self, index: int) -> bool:
         """Whether block `index` (0-based) is an MoE block."""
         return self.moe_experts > 0 and index % self.moe_every == self.moe_every - 1

@@ -120,22 +120,9 @@ def check_ulysses_degree(degree: int, shape: ModelShape, key: str) -> None:
     Raises:
         ConfigError: H % U != 0, or U > K with U % K != 0.
     """
-    heads, kv = shape.n_heads, shape.n_kv_heads
-    if heads % degree:
-        raise ConfigError(
-            f"config key {key}: Ulysses over {degree} ranks needs model.n_heads={heads} "
-            f"divisible by {degree}"
-        )
-    if degree > kv and degree % kv:
-        raise ConfigError(
-            f"config key {key}: Ulysses over {degree} ranks with model.n_kv_heads={kv} "
-            f"needs {degree} divisible by {kv}"
-        )
-    if degree <= kv and kv % degree:
-        raise ConfigError(
-            f"config key {key}: Ulysses over {degree} ranks needs model.n_kv_heads={kv} "
-            f"divisible by {degree}"
-        )
+    fault = shape.ulysses_fault(degree)
+    if fault:
+        raise ConfigError(f"config key {key}: {fault}")
 
 
 def usp_degree(requested: int, topology: Topology, shape: ModelShape) -> int:

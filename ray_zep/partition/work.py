@@ -223,7 +223,7 @@ class WorkModel:
         return self.linear_seconds(member) + self.layers * (exchange + ring)
 
     def usp_heads_divide(self) -> bool:
-        """Ulysses over a node's GPUs splits the model's heads evenly (the CP seed's
-        rules: U divides H, and K divides U or U divides K)."""
-        u, heads, kv = self.cost.topology.gpus_per_node, self.shape.n_heads, self.shape.n_kv_heads
-        return u > 1 and heads % u == 0 and (kv % u == 0 if u <= kv else u % kv == 0)
+        """Ulysses over a node's GPUs splits the model's heads evenly
+        (`ModelShape.ulysses_fault`)."""
+        u = self.cost.topology.gpus_per_node
+        return u > 1 and self.shape.ulysses_fault(u) is None
