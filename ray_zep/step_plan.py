@@ -20,6 +20,7 @@ from ray_zep.model_shapes import ModelShape
 from ray_zep.parallel.axes import SEQUENCE_AXES
 from ray_zep.partition import make_plan
 from ray_zep.partition.plan import AttentionPlan
+from ray_zep.partition.plan_memory import planning_parallel
 from ray_zep.partition.work import WorkModel
 from ray_zep.partition.work_bins import work_bins
 from ray_zep.remap.policy import choose_remap
@@ -81,8 +82,9 @@ def plan_step(
     parallel = config.parallel
     if SEQUENCE_AXES[parallel.sequence].whole_sequences:
         return StepPlan()
+    planning = planning_parallel(config, topology, shape)
     plan = make_plan(
-        parallel.sequence, lengths, topology, config.train.tokens_per_rank, shape, parallel
+        parallel.sequence, lengths, topology, config.train.tokens_per_rank, shape, planning
     )
     routing = RoutingPlan.build(plan) if parallel.routing else None
     remap = None

@@ -19,23 +19,32 @@ from ray_zep.partition import make_plan
 from ray_zep.partition import plan as plan_module
 from ray_zep.partition.exchange import EXCHANGES, Exchange, Play
 from ray_zep.partition.plan import AttentionPlan, QueueItem, SeqPlacement, Zone, even_bounds
-from ray_zep.partition.stats import plan_stats
-from ray_zep.routing.routes import Phase, RoutingPlan
+from ray_zep.partition.stats import kept_kv_tokens, plan_stats
+from ray_zep.partition.work import WorkModel
+from ray_zep.routing.routes import Payload, Phase, RoutingPlan, ring_link_bytes_by_payload
 from ray_zep.sim import program
 from ray_zep.sim.program import LayerSetup, attention_graph
 from ray_zep.sim.ring_form import ARRAY_RING, array_ring
 from ray_zep.topology import LinkKind, build_topology
-from ray_zep.traffic import collective_traffic, ring_traffic
-from tests.helpers.attention import ring_rank
+from ray_zep.traffic import collective_traffic, kv_row_bytes, ring_traffic
+from tests.helpers.attention import ring_rank, with_exchange
 from tests.helpers.procs import run_ranks
 
 SHAPE = build_shape(load_config(None, ["model.n_heads=8", "model.n_kv_heads=2"]).model)
 RATES = ComputeRates(1e9, 0.8e9, 2e9, call_overhead_s=1e-6, source="test")
-GLOBAL_RING = {Exchange.RING: Placement.TE_CP, Exchange.ALL_GATHER: Placement.LLAMA_CP}
-"""The placement whose planner puts the batch on one ring of all ranks with each kind."""
+GLOBAL_RING = {
+    Exchange.RING: Placement.TE_CP,
+    Exchange.RING_KEPT: Placement.TE_CP,
+    Exchange.ALL_GATHER: Placement.LLAMA_CP,
+}
+"""The placement whose planner puts the batch on one ring of all ranks (each kind set on
+its groups, `with_exchange`)."""
 LENGTHS = [1, 3, 7, 100, 41, 2]
 CARRIED_BY_HAND = {
     Exchange.RING: lambda held, p: sum(held[(p - s) % len(held)] for s in range(len(held) - 1)),
+    Exchange.RING_KEPT: lambda held, p: sum(
+        held[(p - s) % len(held)] for s in range(len(held) - 1)
+    ),
     Exchange.ALL_GATHER: lambda held, p: (len(held) - 1) * max(held),
 }
 """Rows member p of a ring sends forward, from the positions' tokens `held`: every
@@ -51,6 +60,7 @@ def _topology(nodes: int, gpus: int):
 def _global_ring(exchange: Exchange, nodes: int = 2, gpus: int = 2):
     """The batch on one ring of all ranks exchanging by `exchange`, and its one item."""
     plan = make_plan(GLOBAL_RING[exchange], LENGTHS, _topology(nodes, gpus), 64, SHAPE)
+    plan = with_exchange(plan, exchange)
     (item,) = plan.items()
     assert item.exchange is exchange
     return plan, item
@@ -186,6 +196,7 @@ def test_engine_issues_the_kinds_calls() -> None:
     cases = [
         dict(
             strategy=GLOBAL_RING[exchange].value,
+            exchange=exchange.value,
             nodes=1,
             gpus=2,
             heads=8,
@@ -202,3 +213,33 @@ def test_engine_issues_the_kinds_calls() -> None:
         assert calls
         for rank, per_rank in enumerate(results):
             assert per_rank[index]["ops"] == calls, f"{exchange.value} rank {rank}"
+
+
+@pytest.mark.unit
+def test_a_kept_ring_sends_its_kv_once_and_keeps_the_other_positions() -> None:
+    """`ring_kept`: the backward lists dK/dV transfers only, its K/V bytes are one round
+    where the ring's are two (dK/dV the same), every member keeps the rows of every other
+    position, and the work model's backward hop drops the K/V share (the budget allowing)."""
+    plan, _ = _global_ring(Exchange.RING)
+    kept, item = _global_ring(Exchange.RING_KEPT)
+    for p, backward_kv in ((plan, True), (kept, False)):
+        routing = RoutingPlan.build(p, routed=False, all_hops=True)
+        payloads = {t.payload for t in routing.backward}
+        assert (Payload.KV in payloads) is backward_kv and Payload.DKV in payloads
+        assert {t.payload for t in routing.forward} == {Payload.KV}
+    rows = kv_row_bytes(SHAPE, 2)
+    rotated, once = (ring_link_bytes_by_payload(p, False, rows) for p in (plan, kept))
+    assert once[Payload.KV][0] * 2 == rotated[Payload.KV][0] > 0
+    assert once[Payload.DKV][0] == rotated[Payload.DKV][0] > 0
+    held = np.asarray(kept.position_tokens(item))
+    assert kept_kv_tokens(kept)[list(item.ranks)].tolist() == (held.sum() - held).tolist()
+    assert not kept_kv_tokens(plan).any()
+
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=4",
+                                "model.preset=7b"])  # fmt: skip
+    shape, topology = build_shape(config.model), build_topology(config.topology)
+    lengths, degree = np.asarray([131072]), np.asarray([32])  # across 4 nodes' NICs
+    member = [WorkModel.create(shape, topology, keep_kv_gb=gb).alone_ring_seconds(lengths, degree)
+              for gb in (0.0, 100.0)]  # fmt: skip
+    assert member[1][0] < 0.9 * member[0][0]  # bound by its transfers: fewer bytes, less time
+    assert not WorkModel.create(shape, topology, keep_kv_gb=1.0).keeps_kv(131072)

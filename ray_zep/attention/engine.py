@@ -12,8 +12,9 @@ peers. Per item:
    (`ray_zep.partition.exchange.Play`; `_FORWARD` and `_BACKWARD` hold each
    play's path): rotated step by step with the next step's transfer posted
    before the current step's compute, or all-gathered; outputs and LSEs merge
-   in fp32; backward rotates K/V again and passes the dK/dV accumulators around
-   the ring back to their owners, or reduce-scatters them;
+   in fp32; backward rotates K/V again (or reads the ones a kept ring received in
+   the forward) and passes the dK/dV accumulators around the ring back to their
+   owners, or reduce-scatters them;
 3. Ulysses: outputs (and in backward the gradients) go back to the token owners.
 
 A local item (one rank) is a single causal varlen call with no communication.
@@ -67,6 +68,8 @@ class _Saved:
     out_PHE: torch.Tensor
     lse_HP: torch.Tensor
     gathered: torch.Tensor | None
+    """K/V the backward reads instead of exchanging them again: `Play.GATHER`'s gathered
+    rows, a kept ring's received positions (`_ring_forward`), or None."""
     heads: _Heads
     kv_heads: int
 
@@ -196,25 +199,42 @@ def _item_forward(q, k, v, item: ItemSchedule, schedule: RankSchedule, links: Li
     return out_pos, state
 
 
-def _rotate(current, item: ItemSchedule, step: int, schedule, links, what: str):
+def _rotate(current, item: ItemSchedule, step: int, schedule, links, what: str, into=None):
     """Post the send of `current` to the next position and the receive of the K/V that
-    step `step + 1` uses; (None, None) after the last step."""
+    step `step + 1` uses (into `into`, or a new buffer); (None, None) after the last step."""
     if step + 1 >= len(item.steps):
         return None, None
     source = item.steps[step + 1].source
-    buf = current.new_empty((item.position_tokens[source], *current.shape[1:]))
+    buf = (
+        into
+        if into is not None
+        else current.new_empty((item.position_tokens[source], *current.shape[1:]))
+    )
     return buf, _ring_exchange(current, buf, item, step, Payload.KV, schedule, links, what)
 
 
-def _ring_forward(q_pos, kv_pos, item, schedule, links, out_pos, lse_pos, kernel) -> None:
-    """`Play.ROTATE` forward (nothing kept for backward)."""
+def _kept_rows(item: ItemSchedule) -> list[int]:
+    """Rows of the K/V received for each ring step after the first, in step order."""
+    return [item.position_tokens[step.source] for step in item.steps[1:]]
+
+
+def _ring_forward(q_pos, kv_pos, item, schedule, links, out_pos, lse_pos, kernel):
+    """`Play.ROTATE` forward. Where the item keeps K/V (`ItemSchedule.keeps_kv`), each
+    step's K/V is received into one buffer of them all, which it returns for the
+    backward; else None."""
+    kept = None
+    if item.keeps_kv:
+        kept = kv_pos.new_empty((sum(_kept_rows(item)), *kv_pos.shape[1:]))
+        into = kept.split(_kept_rows(item))
     current = kv_pos
     for s, step in enumerate(item.steps):
-        buf, pending = _rotate(current, item, s, schedule, links, "ring K/V exchange")
+        target = into[s] if kept is not None and s < len(into) else None
+        buf, pending = _rotate(current, item, s, schedule, links, "ring K/V exchange", target)
         ring.step_forward(q_pos, current, step, out_pos, lse_pos, kernel)
         if pending is not None:
             pending.wait()
             current = buf
+    return kept
 
 
 def _gathered_forward(q_pos, kv_pos, item, schedule, links, out_pos, lse_pos, kernel):
@@ -265,10 +285,14 @@ def _ring_backward(dout_pos, state, item, schedule, links, dq_pos, backward):
     incoming = None  # dK/dV accumulator of this step's source, from the previous rank
     dkv_pending = None
     sends_alive = []  # keep sent accumulators alive until their transfers complete
+    kept = state.gathered.split(_kept_rows(item)) if item.keeps_kv else None
     for s, step in enumerate(item.steps):
-        kv_buf, kv_pending = _rotate(
-            current, item, s, schedule, links, "ring K/V exchange (backward)"
-        )
+        if kept is not None:  # received in the forward: nothing to send again
+            kv_buf, kv_pending = (kept[s] if s < len(kept) else None), None
+        else:
+            kv_buf, kv_pending = _rotate(
+                current, item, s, schedule, links, "ring K/V exchange (backward)"
+            )
         dkv = contribute(current, step)
         if dkv_pending is not None:
             dkv_pending.wait()
@@ -284,6 +308,7 @@ def _ring_backward(dout_pos, state, item, schedule, links, dq_pos, backward):
         sends_alive.append(sent)
         if kv_pending is not None:
             kv_pending.wait()
+        if kv_buf is not None:
             current = kv_buf
     dkv_pending.wait()
     return incoming.float()
@@ -313,7 +338,7 @@ def _gathered_backward(dout_pos, state, item, schedule, links, dq_pos, backward)
 
 _FORWARD = {Play.ROTATE: _ring_forward, Play.GATHER: _gathered_forward}
 """Each play's forward: (q_pos, kv_pos, item, schedule, links, out_pos, lse_pos, kernel)
--> what backward needs kept (the gathered K/V, or None)."""
+-> what backward needs kept (the gathered or kept K/V, or None)."""
 _BACKWARD = {Play.ROTATE: _ring_backward, Play.GATHER: _gathered_backward}
 """Each play's backward: (dout_pos, state, item, schedule, links, dq_pos, backward kernel)
 -> dK/dV of this position, float32."""

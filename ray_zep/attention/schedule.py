@@ -125,6 +125,12 @@ class ItemSchedule:
         return self.item.exchange_kind.play_for(self.item.ring_size)
 
     @property
+    def keeps_kv(self) -> bool:
+        """The forward keeps the K/V it receives; the backward sends none
+        (`ExchangeKind.keeps_kv`)."""
+        return self.item.exchange_kind.keeps_kv and len(self.steps) > 1
+
+    @property
     def ulysses_peers(self) -> tuple[int, ...]:
         u = self.item.ulysses
         return self.item.ranks[self.position * u : (self.position + 1) * u]

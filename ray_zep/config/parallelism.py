@@ -39,6 +39,14 @@ class ParallelConfig:
     """Under zone_policy=work, zeppelin may run a sequence longer than a node as a USP
     group (heads exchanged inside each node, the ring over the nodes) where that needs
     fewer ranks than a ring (ray_zep.partition.balance); false keeps rings only."""
+    ring_kv_keep_gb: float | None = None
+    """Under zone_policy=work, a zeppelin ring keeps the K/V its members receive in the
+    forward for the backward, which then sends only the dK/dV accumulators (a quarter
+    fewer ring bytes with float32 dK/dV), where a member keeps at most this many GB over
+    all layers (the memory model counts them). Unset: what a rank holding
+    train.tokens_per_rank tokens leaves of 90% of the GPU's memory, no limit on a
+    topology without GPU memory (ray_zep.partition.plan_memory); 0 sends K/V again in
+    the backward."""
     ulysses_degree: int = 0
     """Ulysses members per ring position under usp; 0 picks GPUs per node (or the
     largest divisor of it that the head counts allow)."""
@@ -88,6 +96,12 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         self._check_moe()
+        require(
+            self.ring_kv_keep_gb is None or self.ring_kv_keep_gb >= 0,
+            "parallel.ring_kv_keep_gb",
+            self.ring_kv_keep_gb,
+            "must be >= 0 (0 = send K/V again in the backward)",
+        )
         require(
             self.ulysses_degree >= 0,
             "parallel.ulysses_degree",

@@ -93,6 +93,9 @@ class MemoryInputs:
         fsdp_unit: what one FSDP2 unit gathers (`parallel.fsdp_unit`).
         loss_chunk_tokens: `model.loss_chunk_tokens` (0: the loss of the whole batch's
             logits).
+        kept_kv_tokens: tokens of ring peers' K/V this rank keeps from each layer's
+            forward for its backward (`Exchange.RING_KEPT`), counted as token rows of
+            every K/V head (a Ulysses member of U keeps 1/U of them).
     """
 
     weights: WeightsAxis
@@ -108,6 +111,7 @@ class MemoryInputs:
     prefetch: bool = True
     fsdp_unit: FsdpUnit = FsdpUnit.BLOCK
     loss_chunk_tokens: int = 0
+    kept_kv_tokens: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -149,12 +153,20 @@ def model_memory(shape: ModelShape, m: MemoryInputs) -> RankMemory:
     optimizer = ADAM_MOMENTS * owned * FP32
     activations = activation_bytes(shape, m)
     ring = 2 * 2 * shape.n_kv_heads * shape.head_dim * m.ring_tokens * m.compute_bytes
+    activations += kept_kv_bytes(shape, m)
     grads = _gradient_elements(shape, m) * FP32
     flat = grads if m.weights.family is Family.AUTOGRAD and not m.weights.fsdp else 0
     params = owned * FP32 + work.gathered
     if activations + ring >= grads + flat + work.unit_grads:
         return RankMemory(params, 0.0, optimizer, activations, ring)
     return RankMemory(params, grads, optimizer, 0.0, flat + work.unit_grads, "end of backward")
+
+
+def kept_kv_bytes(shape: ModelShape, m: MemoryInputs) -> float:
+    """The K/V a kept ring holds from the forward until the backward: every layer's, or
+    under full checkpointing the one layer whose forward the backward runs again."""
+    layers = 1 if m.checkpointing is ActivationCheckpointing.FULL else shape.n_layers
+    return 2 * shape.n_kv_heads * shape.head_dim * m.kept_kv_tokens * m.compute_bytes * layers
 
 
 def state_bytes(shape: ModelShape, m: MemoryInputs) -> float:
@@ -391,9 +403,11 @@ def memory_inputs(
     dtype: torch.dtype = torch.float32,
     flash: bool = False,
     on_cpu: bool = True,
+    kept_kv_tokens: float = 0.0,
 ) -> MemoryInputs:
     """What the memory model needs from a run's config for a rank holding `tokens`
-    (`on_cpu`: the rank computes on the CPU, as on a virtual topology)."""
+    (`on_cpu`: the rank computes on the CPU, as on a virtual topology; `kept_kv_tokens`:
+    `MemoryInputs.kept_kv_tokens`)."""
     parallel = config.parallel
     ranks = parallel.sequence_axis.processes(topology.world_size)
     return MemoryInputs(
@@ -410,4 +424,5 @@ def memory_inputs(
         prefetch=parallel.prefetch,
         fsdp_unit=parallel.fsdp_unit,
         loss_chunk_tokens=config.model.loss_chunk_tokens,
+        kept_kv_tokens=kept_kv_tokens,
     )

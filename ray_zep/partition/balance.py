@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ray_zep.errors import PlacementError
+from ray_zep.partition.exchange import Exchange
 from ray_zep.partition.fill import water_fill
 from ray_zep.partition.load_index import LoadIndex
 from ray_zep.partition.plan import SeqPlacement, bounds_for_counts, local_placement
@@ -132,7 +133,7 @@ def balance(
         placed = at(LEVELS[-1], force=True)
         if placed is None:
             raise PlacementError("zeppelin (zone_policy=work): the rings do not fit the ranks")
-        return _placements(lengths, placed)
+        return _placements(lengths, placed, model)
     low = max((f for f, p in tried if p is None), default=None)
     high = min(f for f, _ in feasible)
     for _ in range(BISECTIONS if low is not None else 0):
@@ -144,7 +145,7 @@ def balance(
             high = middle
             feasible.append((middle, placed))
     best = min((p for _, p in feasible), key=lambda p: p.busiest)
-    return _placements(lengths, best)
+    return _placements(lengths, best, model)
 
 
 def _scan(at) -> list[tuple[float, Placed | None]]:
@@ -511,7 +512,9 @@ def _add_spill(
     placed.in_ring[list(ranks)] = True
 
 
-def _placements(lengths: np.ndarray, placed: Placed) -> list[SeqPlacement]:
+def _placements(lengths: np.ndarray, placed: Placed, model: WorkModel) -> list[SeqPlacement]:
+    """The placements of `placed`; a ring keeps the forward's K/V for the backward where
+    its fullest keeper stays within the model's budget (`WorkModel.keeps_kv`)."""
     out = []
     for seq, n in enumerate(lengths.tolist()):
         rank = placed.local.get(seq)
@@ -520,10 +523,12 @@ def _placements(lengths: np.ndarray, placed: Placed) -> list[SeqPlacement]:
             continue
         ranks, counts = placed.groups[seq]
         u = placed.ulysses.get(seq, 1)
+        positions = np.asarray(counts).reshape(-1, u).sum(axis=1)
+        keeps = bool(model.keeps_kv(n - positions.min(), u))
+        exchange = Exchange.RING_KEPT if keeps else Exchange.RING
         if u > 1:  # ring positions of U members each: the position's tokens, its members'
-            positions = np.asarray(counts).reshape(-1, u).sum(axis=1).tolist()
-            out.append(SeqPlacement(seq, n, ranks, bounds_for_counts(positions), ulysses=u,
-                                    parts=tuple(counts)))  # fmt: skip
+            out.append(SeqPlacement(seq, n, ranks, bounds_for_counts(positions.tolist()),
+                                    ulysses=u, exchange=exchange, parts=tuple(counts)))  # fmt: skip
             continue
-        out.append(SeqPlacement(seq, n, ranks, bounds_for_counts(list(counts))))
+        out.append(SeqPlacement(seq, n, ranks, bounds_for_counts(list(counts)), exchange=exchange))
     return out

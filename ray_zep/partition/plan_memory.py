@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from ray_zep.config import Config, Precision
+from ray_zep.config import Config, ParallelConfig, Precision
 from ray_zep.errors import MemoryPlanError
 from ray_zep.model_shapes import ModelShape
 from ray_zep.parallel.axes import WeightsMode
@@ -72,23 +72,72 @@ class PlanMemory:
         )
 
 
+KEEP_SHARE = 0.9
+"""Share of the GPU's memory that an unset `parallel.ring_kv_keep_gb` lets kept ring K/V
+fill, beside the rest of a rank's peak (the remainder: the allocator's slack)."""
+
+
+def _how(config: Config, topology: Topology) -> tuple[torch.dtype, bool, str]:
+    """(compute dtype, flash-attn, in words) the memory model assumes (GPU presets: bf16,
+    flash-attn)."""
+    on_gpu = topology.gpu_memory_bytes > 0
+    bf16 = on_gpu and config.train.precision is not Precision.FP32
+    flash = on_gpu and bf16 and config.model.attention_kernel != "torch"
+    how = ("bf16" if bf16 else "fp32") + (", flash-attn" if flash else ", torch attention")
+    return (torch.bfloat16 if bf16 else torch.float32), flash, how
+
+
+def rank_memory(
+    config: Config,
+    topology: Topology,
+    shape: ModelShape,
+    tokens: int,
+    ring_tokens: int = 0,
+    kept_kv_tokens: float = 0.0,
+) -> RankMemory:
+    """The modelled peak of a rank holding `tokens` (`ring_tokens` of them in rings,
+    `kept_kv_tokens` of its peers' K/V kept: `MemoryInputs`)."""
+    dtype, flash, _ = _how(config, topology)
+    on_cpu = topology.gpu_memory_bytes <= 0
+    inputs = memory_inputs(config, topology, tokens, ring_tokens, dtype, flash, on_cpu,
+                           kept_kv_tokens)  # fmt: skip
+    return model_memory(shape, inputs)
+
+
+def ring_kv_keep_gb(config: Config, topology: Topology, shape: ModelShape) -> float:
+    """`parallel.ring_kv_keep_gb`, or where it is unset what a rank holding L tokens, all
+    in rings, leaves of `KEEP_SHARE` of the GPU's memory (no limit on a topology with no
+    GPU memory, as a virtual CPU one)."""
+    if config.parallel.ring_kv_keep_gb is not None:
+        return float(config.parallel.ring_kv_keep_gb)
+    if topology.gpu_memory_bytes <= 0:
+        return float("inf")
+    capacity = config.train.tokens_per_rank
+    peak = rank_memory(config, topology, shape, capacity, capacity).total
+    return max(0.0, KEEP_SHARE * topology.gpu_memory_bytes - peak) / 1e9
+
+
+def planning_parallel(config: Config, topology: Topology, shape: ModelShape) -> ParallelConfig:
+    """`config.parallel` with the ring K/V budget resolved (`ring_kv_keep_gb`), as the
+    planners take it."""
+    return dataclasses.replace(
+        config.parallel, ring_kv_keep_gb=ring_kv_keep_gb(config, topology, shape)
+    )
+
+
 def plan_memory(
     config: Config, topology: Topology, stats: PlanStats, shape: ModelShape
 ) -> PlanMemory:
     """Every rank's modelled memory for the plan's tokens (GPU presets: bf16, flash-attn)."""
-    on_gpu = topology.gpu_memory_bytes > 0
-    bf16 = on_gpu and config.train.precision is not Precision.FP32
-    flash = on_gpu and bf16 and config.model.attention_kernel != "torch"
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    how = ("bf16" if bf16 else "fp32") + (", flash-attn" if flash else ", torch attention")
+    _, _, how = _how(config, topology)
     tokens = [int(t) for t in stats.tokens]
 
     def ranks_of(cfg: Config) -> list[RankMemory]:
         out = []
         for rank, held in enumerate(tokens):
             ring = sum(n for zone, n in stats.zones[rank].items() if zone != Zone.LOCAL.value)
-            inputs = memory_inputs(cfg, topology, held, ring, dtype, flash, not on_gpu)
-            out.append(model_memory(shape, inputs))
+            kept = float(stats.kept_kv_tokens[rank])
+            out.append(rank_memory(cfg, topology, shape, held, ring, kept))
         return out
 
     weights = config.parallel.weights

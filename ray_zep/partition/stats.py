@@ -53,6 +53,8 @@ class PlanStats:
         seconds: modelled forward attention time per rank, one layer.
         collective_bytes: the part of `sent_bytes` moved by all-gathers and
             Ulysses exchanges (not ring point-to-point, which routing may carry).
+        kept_kv_tokens: per rank, the ring peers' K/V it keeps from the forward for
+            the backward (`MemoryInputs.kept_kv_tokens`).
     """
 
     tokens: np.ndarray
@@ -62,6 +64,7 @@ class PlanStats:
     seconds: np.ndarray
     collective_bytes: dict[LinkKind, np.ndarray]
     work_flops: np.ndarray
+    kept_kv_tokens: np.ndarray
     """Per rank, a step's forward + backward FLOPs of every layer: linear modules on its
     tokens plus its attention, each x 3 (what the planners balance, counted in FLOPs)."""
 
@@ -99,7 +102,21 @@ def plan_stats(plan: AttentionPlan, shape: ModelShape) -> PlanStats:
     sums, zones = _summed(plan, plan.items(), shape)
     before, after = linear_flops_per_token(shape)
     work = 3.0 * shape.n_layers * (tokens * (before + after) + sums.flops)
-    return PlanStats(tokens, sums.flops, sums.sent, zones, sums.seconds, sums.collective, work)
+    return PlanStats(tokens, sums.flops, sums.sent, zones, sums.seconds, sums.collective, work,
+                     kept_kv_tokens(plan))  # fmt: skip
+
+
+def kept_kv_tokens(plan: AttentionPlan) -> np.ndarray:
+    """`PlanStats.kept_kv_tokens` of every rank: in each kept ring, the tokens of the
+    positions other than its own, over U."""
+    kept = np.zeros(plan.world)
+    for item in plan.items():
+        if item.ring_size < 2 or not item.exchange_kind.keeps_kv:
+            continue
+        held = np.asarray(plan.position_tokens(item), dtype=np.float64)
+        others = np.repeat(held.sum() - held, item.ulysses) / item.ulysses
+        kept[list(item.ranks)] += others
+    return kept
 
 
 def collective_bytes(plan: AttentionPlan, shape: ModelShape) -> dict[LinkKind, np.ndarray]:

@@ -11,7 +11,8 @@ forward and backward of every layer for the tokens it holds:
   block its layout gives the busiest member (`Layout.busiest_member_blocks`; zigzag:
   c x c / 2 pairs at the rate of blocks of c / 2 tokens), each step
   lasting the longer of its compute and the transfer of the K and V it forwards
-  (backward: K, V and the float32 dK/dV accumulators); every member waits for the
+  (backward: K, V and the float32 dK/dV accumulators; the accumulators alone where
+  the members keep the forward's K/V, `WorkModel.keeps_kv`); every member waits for the
   slowest at every step, so the ring takes the same time on all of them;
 - a member of a ring of whole nodes with heads exchanged inside each node (USP: U
   GPUs of a node per ring position, `usp_member_seconds`): the Ulysses all-to-alls
@@ -80,6 +81,8 @@ class WorkModel:
             (`parallel.routing`); otherwise through the sender's own NIC.
         layout: how rings cut their sequences.
         dkv_factor: backward ring bytes over forward (`DKV_WIRE_FACTOR`).
+        keep_kv_bytes: the most bytes of ring peers' K/V, over all layers, that a
+            member keeps from the forward for the backward (`parallel.ring_kv_keep_gb`).
     """
 
     shape: ModelShape
@@ -88,6 +91,7 @@ class WorkModel:
     routed: bool = False
     layout: Layout = ZIGZAG
     dkv_factor: float = DKV_WIRE_FACTOR
+    keep_kv_bytes: float = 0.0
 
     @classmethod
     def create(
@@ -97,13 +101,21 @@ class WorkModel:
         rates: ComputeRates | None = None,
         routed: bool = False,
         dkv_wire: DkvWire = DkvWire.FLOAT32,
+        keep_kv_gb: float = 0.0,
     ) -> WorkModel:
         """The model on `topology` at `rates` (default: the topology GPU's preset), ring
-        dK/dV on the wire as `dkv_wire` says."""
+        dK/dV on the wire as `dkv_wire` says, members keeping up to `keep_kv_gb` GB of
+        their peers' K/V."""
         rates = rates or preset_rates(topology.gpu_model)
         cost = CostModel(shape, topology, rates.attention_forward)
         factor = 2.0 if dkv_wire is DkvWire.COMPUTE else DKV_WIRE_FACTOR
-        return cls(shape, rates, cost, routed, dkv_factor=factor)
+        return cls(shape, rates, cost, routed, dkv_factor=factor, keep_kv_bytes=keep_kv_gb * 1e9)
+
+    def keeps_kv(self, kept_tokens, ulysses=1):
+        """Whether a ring member keeping `kept_tokens` of its peers' tokens (each layer,
+        1/`ulysses` of their K/V heads) stays within `keep_kv_bytes` (elementwise)."""
+        per_token = kv_bytes_per_token(self.shape) * self.layers
+        return np.asarray(kept_tokens, dtype=np.float64) * per_token / ulysses <= self.keep_kv_bytes
 
     def hop(self, kind: LinkKind) -> tuple[float, float]:
         """(latency s, bytes/s) of one ring hop over `kind`. A ring crosses each node
@@ -179,12 +191,15 @@ class WorkModel:
         """One layer of a ring of `degree` positions, forward + backward, each step the
         longer of its compute and its hop (`hop`: latency s, bytes/s)."""
         latency, bandwidth = hop
+        steps = np.asarray(degree, dtype=np.float64) - 1
+        # the bytes a member keeps, in token rows of every K/V head
+        kept = steps * parts.send_bytes / kv_bytes_per_token(self.shape)
+        backward = self.dkv_factor - np.where(self.keeps_kv(kept), 1.0, 0.0)
         send_f = latency + parts.send_bytes / bandwidth
-        send_b = latency + self.dkv_factor * parts.send_bytes / bandwidth
+        send_b = latency + backward * parts.send_bytes / bandwidth
         # forward and backward parts of the step's compute, weighted as `_pair_seconds` is
         share_f = 1.0 / (1.0 + BACKWARD_ATTENTION_FACTOR)
         step_f, step_b = parts.step_s * share_f, parts.step_s * (1 - share_f)
-        steps = np.asarray(degree, dtype=np.float64) - 1
         return parts.diagonal_s + steps * (np.maximum(step_f, send_f) + np.maximum(step_b, send_b))
 
     def alone_ring_seconds(self, lengths: np.ndarray, degree: np.ndarray) -> np.ndarray:

@@ -116,6 +116,7 @@ def plan_zeppelin(
     routed: bool = False,
     dkv_wire: DkvWire = DkvWire.FLOAT32,
     usp_groups: bool = True,
+    keep_kv_gb: float = 0.0,
 ) -> AttentionPlan:
     """Place a batch with Zeppelin's two-stage partitioner.
 
@@ -131,6 +132,9 @@ def plan_zeppelin(
             policy's backward transfers.
         usp_groups: the work policy may run sequences as USP groups
             (`parallel.usp_groups`).
+        keep_kv_gb: the work policy's rings keep up to this many GB of their peers'
+            K/V for the backward (`parallel.ring_kv_keep_gb` as
+            `ray_zep.partition.plan_memory.planning_parallel` resolves it; unset: none).
 
     Returns:
         The validated plan.
@@ -142,7 +146,8 @@ def plan_zeppelin(
     lengths = np.asarray(lengths, dtype=np.int64)
     check_total(lengths, topology.world_size, tokens_per_rank, Placement.ZEPPELIN.value)
     if policy is ZonePolicy.WORK:
-        model = WorkModel.create(cost.shape, topology, routed=routed, dkv_wire=dkv_wire)
+        model = WorkModel.create(cost.shape, topology, routed=routed, dkv_wire=dkv_wire,
+                                 keep_kv_gb=keep_kv_gb)  # fmt: skip
         try:
             placements = balance(lengths, topology, tokens_per_rank, model, usp_groups)
         except PlacementError:
@@ -354,7 +359,8 @@ def _planner(lengths, topology, capacity, shape: ModelShape, parallel: ParallelC
     """`spec.Planner`: the Zeppelin plan under the config's zone policy and routing."""
     cost = CostModel.create(shape, topology)
     return plan_zeppelin(lengths, topology, capacity, cost, parallel.zone_policy, parallel.routing,
-                         parallel.dkv_wire, parallel.usp_groups)  # fmt: skip
+                         parallel.dkv_wire, parallel.usp_groups,
+                         parallel.ring_kv_keep_gb or 0.0)  # fmt: skip
 
 
 _NAME = Placement.ZEPPELIN.value

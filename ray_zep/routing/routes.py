@@ -291,6 +291,8 @@ def listed_transfers(
     ring, u_size = item.ring_size, item.ulysses
     position_tokens = plan.position_tokens(item)
     payloads = [Payload.KV] if phase is Phase.FORWARD else [Payload.KV, Payload.DKV]
+    if phase is Phase.BACKWARD and item.exchange_kind.keeps_kv:
+        payloads = [Payload.DKV]  # the forward's K/V were kept
     key = (item.ranks, u_size)
     out = []
     for step in range(ring):
@@ -501,13 +503,14 @@ def ring_link_bytes_by_payload(
         position, src, dst = hops[:, 0], hops[:, 1], hops[:, 2]
         # a hop from position p carries position (p - s)'s rows at step s: every position
         # once for dK/dV, all but position p + 1 for K/V (not sent on at the last step);
-        # K/V goes round twice (forward, backward)
+        # K/V goes round twice (forward, backward) unless the forward's are kept
         total = int(held.sum())
         carried = {
             Payload.KV: total - held[(position + 1) % ring],
             Payload.DKV: np.full(len(hops), total, dtype=np.int64),
         }
-        sizes = {p: row_bytes(p, u_size) * (2 if p is Payload.KV else 1) for p in Payload}
+        rounds = 1 if item.exchange_kind.keeps_kv else 2
+        sizes = {p: row_bytes(p, u_size) * (rounds if p is Payload.KV else 1) for p in Payload}
         same = src // gpus == dst // gpus
         direct_out = ~same & (not routed)
         out_nic = (src // gpus, nic_of_gpu[src % gpus])

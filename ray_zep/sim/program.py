@@ -450,7 +450,7 @@ class _Builder:
         if array_ring(item, self.topology, routed):
             if not self.record and not self.setup.codec.zips(CompressionStream.KV.value):
                 return True
-            if (index, 0, int(Payload.KV)) not in self.transfers:
+            if not any((index, 0, int(p)) in self.transfers for p in Payload):
                 plan = self.setup.plan
                 for t in item_transfers(plan, index, item, self.phase, routed, all_hops=True):
                     self.transfers[t.order].append(t)
@@ -471,6 +471,8 @@ class _Builder:
             ends = ring_forward(compute, kv, contention)
         else:
             dkv = self._hop_seconds(item, rows, Payload.DKV, following)
+            if item.exchange_kind.keeps_kv:  # the forward's K/V were kept
+                kv = np.zeros_like(kv)
             ends = ring_backward(compute, kv, dkv, contention)
         deps = [self.point[r] for r in item.ranks] + [self.sync_tasks.get(r) for r in item.ranks]
         start = self.graph.join(item.ranks[0], deps)

@@ -15,6 +15,8 @@ from ray_zep.distributed import Comm, GroupNeeds
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
+from ray_zep.partition.exchange import Exchange
+from ray_zep.partition.plan import AttentionPlan
 from ray_zep.routing.relay import open_channels
 from ray_zep.routing.routes import RoutingPlan
 from ray_zep.topology import build_topology
@@ -34,6 +36,15 @@ def reference(lengths, heads, kv_heads, dim, seed):
     out, _ = torch_varlen_attention(q, k, v, PackedSeqs.from_lengths(lengths), causal=True)
     (out * dout).sum().backward()
     return q, k, v, dout, out.detach()
+
+
+def with_exchange(plan: AttentionPlan, exchange: Exchange) -> AttentionPlan:
+    """`plan` with every group of several ranks exchanging by `exchange`."""
+    placements = tuple(p._replace(exchange=exchange) if len(p.ranks) > 1 else p
+                       for p in plan.placements)  # fmt: skip
+    out = AttentionPlan(plan.planner, plan.topology, plan.tokens_per_rank, placements)
+    out.validate()
+    return out
 
 
 def ring_rank(rank: int, world: int, case: dict) -> dict:
@@ -56,6 +67,8 @@ def ring_rank(rank: int, world: int, case: dict) -> dict:
     plan = make_plan(
         Placement(case["strategy"]), lengths, topology, case["capacity"], build_shape(config.model)
     )
+    if "exchange" in case:
+        plan = with_exchange(plan, Exchange(case["exchange"]))
     q, k, v, dout, _ = reference(lengths, case["heads"], case["kv_heads"], case["dim"], 0)
     dtype = getattr(torch, case.get("dtype", "float32"))  # the rank's compute dtype
     q, k, v, dout = (x.detach().to(dtype) for x in (q, k, v, dout))

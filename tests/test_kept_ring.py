@@ -1,0 +1,85 @@
+"""Rings that keep the forward's K/V for the backward (`parallel.ring_kv_keep_gb`): the
+budget the planner gets, the rings it keeps, and the memory the model counts for them.
+The engine's kept rings train like one process in `tests/test_strategies.py` (zeppelin's
+rings keep on the virtual CPU topology) and send what their kind says in
+`tests/test_exchange_kinds.py`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from ray_zep.config import load_config
+from ray_zep.costmodel import CostModel
+from ray_zep.model_shapes import build_shape
+from ray_zep.options import ActivationCheckpointing, ZonePolicy
+from ray_zep.parallel.memory import kept_kv_bytes, memory_inputs
+from ray_zep.partition.exchange import Exchange
+from ray_zep.partition.plan_memory import plan_memory, rank_memory, ring_kv_keep_gb
+from ray_zep.partition.stats import plan_stats
+from ray_zep.partition.zeppelin import plan_zeppelin
+from ray_zep.topology import build_topology
+
+pytestmark = pytest.mark.unit
+
+CLUSTER = ["topology.preset=cluster_a", "topology.nodes=4", "model.preset=7b",
+           "parallel.sequence=zeppelin", "parallel.weights=fsdp"]  # fmt: skip
+
+
+def _setup(*overrides: str):
+    config = load_config(None, [*CLUSTER, *overrides])
+    return config, build_topology(config.topology), build_shape(config.model)
+
+
+def test_the_budget_is_what_the_gpu_has_room_for_unless_set() -> None:
+    config, topology, shape = _setup("train.tokens_per_rank=5120")
+    room = ring_kv_keep_gb(config, topology, shape)
+    peak = rank_memory(config, topology, shape, 5120, 5120).total / 1e9
+    assert room == pytest.approx(0.9 * topology.gpu_memory_bytes / 1e9 - peak) and room > 0
+    full, *_ = _setup("train.tokens_per_rank=40960")  # the rank alone fills the GPU
+    assert ring_kv_keep_gb(full, topology, shape) == 0.0
+    chosen, *_ = _setup("train.tokens_per_rank=5120", "parallel.ring_kv_keep_gb=3.5")
+    assert ring_kv_keep_gb(chosen, topology, shape) == 3.5
+    cpu = load_config(None, ["topology.nodes=2", "topology.gpus_per_node=2"])
+    assert math.isinf(ring_kv_keep_gb(cpu, build_topology(cpu.topology), shape))
+
+
+def test_a_ring_keeps_its_kv_only_within_the_budget_and_the_memory_counts_them() -> None:
+    config, topology, shape = _setup("train.tokens_per_rank=5120")
+    cost = CostModel.create(shape, topology)
+    lengths = np.asarray([98304, *[1024] * 40])  # one sequence across nodes, short ones
+    kinds = {}
+    for gb in (0.0, 0.5, 40.0):
+        plan = plan_zeppelin(lengths, topology, 5120, cost, ZonePolicy.WORK, keep_kv_gb=gb)
+        (ring,) = [p for p in plan.placements if len(p.ranks) > 1]
+        kinds[gb] = ring.exchange
+        stats = plan_stats(plan, shape)
+        positions = np.asarray([ring.position_tokens(r) for r in range(ring.ring_size)])
+        kept = np.repeat(positions.sum() - positions, ring.ulysses) / ring.ulysses
+        expected = kept if ring.exchange is Exchange.RING_KEPT else np.zeros(len(ring.ranks))
+        assert stats.kept_kv_tokens[list(ring.ranks)] == pytest.approx(expected)
+        fullest = int(np.argmax(stats.kept_kv_tokens))
+        counted = plan_memory(config, topology, stats, shape).ranks[fullest].total
+        unkept = dataclasses.replace(stats, kept_kv_tokens=np.zeros(topology.world_size))
+        plain = plan_memory(config, topology, unkept, shape).ranks[fullest].total
+        if ring.exchange is Exchange.RING_KEPT:
+            assert counted - plain == pytest.approx(
+                2 * shape.n_kv_heads * shape.head_dim * 2 * shape.n_layers
+                * stats.kept_kv_tokens[fullest]
+            )  # fmt: skip
+            assert (counted - plain) / 1e9 <= gb
+    assert kinds == {0.0: Exchange.RING, 0.5: Exchange.RING, 40.0: Exchange.RING_KEPT}
+
+
+def test_full_checkpointing_holds_one_layers_kept_kv() -> None:
+    config, topology, shape = _setup("train.activation_checkpointing=full")
+    inputs = memory_inputs(config, topology, 1000, kept_kv_tokens=5000.0)
+    assert inputs.checkpointing is ActivationCheckpointing.FULL
+    one_layer = 2 * shape.n_kv_heads * shape.head_dim * 5000 * inputs.compute_bytes
+    assert kept_kv_bytes(shape, inputs) == one_layer
+    none, *_ = _setup()
+    every = memory_inputs(none, topology, 1000, kept_kv_tokens=5000.0)
+    assert kept_kv_bytes(shape, every) == one_layer * shape.n_layers
