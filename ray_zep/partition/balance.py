@@ -85,6 +85,10 @@ class Placed:
     """Ring sequences whose ring positions are whole nodes exchanging heads: seq -> U."""
     local: dict[int, int] = field(default_factory=dict)
     """Whole sequences: seq -> rank."""
+    pruned: bool = False
+    """Abandoned once a rank's work reached the busiest rank of a placement made before
+    it: it can only end as busy or busier, and on a tie the earlier one is kept, so it
+    is never chosen."""
 
     @classmethod
     def empty(cls, world: int) -> Placed:
@@ -92,7 +96,7 @@ class Placed:
 
     @property
     def busiest(self) -> float:
-        return float(self.load.max())
+        return float("inf") if self.pruned else float(self.load.max())
 
 
 def balance(
@@ -123,9 +127,15 @@ def balance(
     small = _small_ring_seconds(lengths, topology.gpus_per_node, model)
     usp = usp_groups and topology.nodes > 1 and model.usp_heads_divide()
 
+    lowest = [float("inf")]  # the busiest rank of the best placement so far
+
     def at(factor: float, force: bool = False) -> Placed | None:
         level = mean * factor
-        return _place_at(lengths, work, small, level, topology, capacity, model, usp, force)
+        placed = _place_at(lengths, work, small, level, topology, capacity, model, usp, force,
+                           lowest[0])  # fmt: skip
+        if placed is not None:
+            lowest[0] = min(lowest[0], placed.busiest)
+        return placed
 
     tried = _scan(at)
     feasible = [(f, p) for f, p in tried if p is not None]
@@ -173,9 +183,11 @@ def _place_at(
     model: WorkModel,
     usp_groups: bool,
     force: bool = False,
+    prune_above: float = float("inf"),
 ) -> Placed | None:
     """The placement at `level`, or None when its rings need more than the world
-    (`usp_groups`: USP groups compete with rings)."""
+    (`usp_groups`: USP groups compete with rings); pruned (`Placed.pruned`) once a rank's
+    work reaches `prune_above`."""
     world, gpus = topology.world_size, topology.gpus_per_node
     split = (work > level) | (lengths > capacity)
     if world == 1:
@@ -205,9 +217,12 @@ def _place_at(
         elif usp[i]:
             placed.ulysses[seq] = gpus
         _add_ring(placed, seq, n, ranks, work_i)
+    if placed.busiest >= prune_above:
+        placed.pruned = True
+        return placed
     wholes = np.flatnonzero(~split)
     _fill_whole(placed, wholes[np.argsort(-work[wholes], kind="stable")], lengths, work,
-                small, level, capacity, topology)  # fmt: skip
+                small, level, capacity, topology, prune_above)  # fmt: skip
     return placed
 
 
@@ -347,9 +362,11 @@ def _fill_whole(
     level: float,
     capacity: int,
     topology: Topology,
+    prune_above: float = float("inf"),
 ) -> None:
     """Best fit decreasing of whole sequences under `level`, token room permitting; one
-    that fits under it nowhere becomes a small intra-node ring where that fits.
+    that fits under it nowhere becomes a small intra-node ring where that fits. Stops,
+    `placed` marked pruned, once a rank's work reaches `prune_above`.
 
     `order` is by work, most first, so once a sequence's work is under
     `SMALL_RING_SHARE` of the level no later one becomes a ring: from there on the
@@ -385,6 +402,9 @@ def _fill_whole(
                 ring = _small_ring(placed, spare, n, w, small[seq], level, capacity, topology)
         if rank is not None and ring is None:
             load[rank] += w
+            if load[rank] >= prune_above:
+                placed.pruned = True
+                return
             tokens[rank] += n
             moved.append(rank)
             placed.local[seq] = rank
@@ -401,6 +421,9 @@ def _fill_whole(
         ranks = placed.groups[seq][0]
         for r in ranks:
             load[r], tokens[r] = float(placed.load[r]), int(placed.tokens[r])
+        if max(load[r] for r in ranks) >= prune_above:
+            placed.pruned = True
+            return
         index.update(ranks)
         if spare is not None:
             spare.drop(ranks)
