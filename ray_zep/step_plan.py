@@ -18,9 +18,8 @@ from ray_zep.config import Config, ZonePolicy
 from ray_zep.costmodel import preset_rates
 from ray_zep.model_shapes import ModelShape
 from ray_zep.parallel.axes import SEQUENCE_AXES
-from ray_zep.partition import make_plan
 from ray_zep.partition.plan import AttentionPlan
-from ray_zep.partition.plan_memory import planning_parallel
+from ray_zep.partition.plan_memory import memory_plan
 from ray_zep.partition.work import WorkModel
 from ray_zep.partition.work_bins import work_bins
 from ray_zep.remap.policy import choose_remap
@@ -82,10 +81,7 @@ def plan_step(
     parallel = config.parallel
     if SEQUENCE_AXES[parallel.sequence].whole_sequences:
         return StepPlan()
-    planning = planning_parallel(config, topology, shape)
-    plan = make_plan(
-        parallel.sequence, lengths, topology, config.train.tokens_per_rank, shape, planning
-    )
+    plan = memory_plan(parallel.sequence, lengths, config, topology, shape)
     routing = RoutingPlan.build(plan) if parallel.routing else None
     remap = None
     if parallel.remap:

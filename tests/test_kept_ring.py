@@ -16,9 +16,18 @@ from ray_zep.config import load_config
 from ray_zep.costmodel import CostModel
 from ray_zep.model_shapes import build_shape
 from ray_zep.options import ActivationCheckpointing, ZonePolicy
+from ray_zep.parallel.axes import Placement
 from ray_zep.parallel.memory import kept_kv_bytes, memory_inputs
+from ray_zep.partition import make_plan
 from ray_zep.partition.exchange import Exchange
-from ray_zep.partition.plan_memory import plan_memory, rank_memory, ring_kv_keep_gb
+from ray_zep.partition.plan_memory import (
+    KEEP_SHARE,
+    memory_plan,
+    plan_memory,
+    planning_parallel,
+    rank_memory,
+    ring_kv_keep_gb,
+)
 from ray_zep.partition.stats import plan_stats
 from ray_zep.partition.zeppelin import plan_zeppelin
 from ray_zep.topology import build_topology
@@ -83,3 +92,25 @@ def test_full_checkpointing_holds_one_layers_kept_kv() -> None:
     none, *_ = _setup()
     every = memory_inputs(none, topology, 1000, kept_kv_tokens=5000.0)
     assert kept_kv_bytes(shape, every) == one_layer * shape.n_layers
+
+
+def test_a_ring_of_members_with_room_keeps_where_a_full_rank_would_not() -> None:
+    """13B at L = 5,120 on 80 GB: a full rank leaves 9.5 GB, too little for a long
+    sequence's USP group to keep its K/V; its members hold far fewer tokens, and
+    `keep_where_room` keeps it within the GPU's memory. A set budget is kept to."""
+    config, topology, shape = _setup("topology.nodes=16", "model.preset=13b",
+                                     "train.tokens_per_rank=5120")  # fmt: skip
+    lengths = np.asarray([200000, *[1024] * 200])
+    parallel = planning_parallel(config, topology, shape)
+    alone = make_plan(Placement.ZEPPELIN, lengths, topology, 5120, shape, parallel)
+    roomy = memory_plan(Placement.ZEPPELIN, lengths, config, topology, shape)
+    assert alone.placement(0).exchange is Exchange.RING and len(alone.placement(0).ranks) > 8
+    assert roomy.placement(0).exchange is Exchange.RING_KEPT
+    assert [p.ranks for p in roomy.placements] == [p.ranks for p in alone.placements]
+    memory = plan_memory(config, topology, plan_stats(roomy, shape), shape)
+    fullest = memory.ranks[memory.fullest].total
+    assert fullest <= KEEP_SHARE * topology.gpu_memory_bytes * 1.01, fullest / 1e9
+    capped, *_ = _setup("topology.nodes=16", "model.preset=13b", "train.tokens_per_rank=5120",
+                        "parallel.ring_kv_keep_gb=9.5")  # fmt: skip
+    kept_to = memory_plan(Placement.ZEPPELIN, lengths, capped, topology, shape)
+    assert kept_to.placement(0).exchange is Exchange.RING

@@ -40,7 +40,6 @@ from ray_zep.errors import ConfigError, ZepError
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan, registry
-from ray_zep.partition.plan_memory import planning_parallel
 from ray_zep.partition.spec import Bench
 from ray_zep.remap.solver import remap_token_bytes, solve_remap
 from ray_zep.report.charts import grouped_bars
@@ -134,8 +133,9 @@ def _measure(row, batches, topology, capacity, shape, config, spec) -> None:
     samples: dict[str, list[float]] = {}
     times = []
     for lengths in batches:
-        parallel = planning_parallel(config, topology, shape)
-        plan = make_plan(Placement(row.planner), lengths, topology, capacity, shape, parallel)
+        plan = make_plan(
+            Placement(row.planner), lengths, topology, capacity, shape, config.parallel
+        )
         others = collective_traffic(plan, shape)
         direct = ring_traffic(plan, shape, routed=False) + others
         routed = ring_traffic(plan, shape, routed=True) + others

@@ -12,9 +12,9 @@ from ray_zep.config import Config
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, Placement
-from ray_zep.partition import greedy_bins, make_plan, plan_from_bins
+from ray_zep.partition import greedy_bins, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan
-from ray_zep.partition.plan_memory import PlanMemory, plan_memory, planning_parallel
+from ray_zep.partition.plan_memory import PlanMemory, memory_plan, plan_memory
 from ray_zep.partition.stats import PlanStats, plan_stats
 from ray_zep.report.layers import LayerReport
 from ray_zep.report.placement import draw_placement, plan_record, rank_table
@@ -51,8 +51,7 @@ def run_plan(config: Config, request: BatchRequest) -> PlanResult:
     shape = build_shape(config.model)
     capacity = config.train.tokens_per_rank
     if SEQUENCE_AXES[placement].planned:
-        parallel = planning_parallel(config, topology, shape)
-        plan = make_plan(placement, lengths, topology, capacity, shape, parallel)
+        plan = memory_plan(placement, lengths, config, topology, shape)
     else:
         plan = _whole_sequence_plan(placement, lengths, topology, capacity)
     stats = plan_stats(plan, shape)

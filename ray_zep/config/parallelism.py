@@ -44,9 +44,9 @@ class ParallelConfig:
     forward for the backward, which then sends only the dK/dV accumulators (a quarter
     fewer ring bytes with float32 dK/dV), where a member keeps at most this many GB over
     all layers (the memory model counts them). Unset: what a rank holding
-    train.tokens_per_rank tokens leaves of 90% of the GPU's memory, no limit on a
-    topology without GPU memory (ray_zep.partition.plan_memory); 0 sends K/V again in
-    the backward."""
+    train.tokens_per_rank tokens leaves of 90% of the GPU's memory, then ring by ring
+    what each member's own tokens leave (ray_zep.partition.plan_memory); no limit on a
+    topology without GPU memory; 0 sends K/V again in the backward."""
     ulysses_degree: int = 0
     """Ulysses members per ring position under usp; 0 picks GPUs per node (or the
     largest divisor of it that the head counts allow)."""

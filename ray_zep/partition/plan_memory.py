@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from ray_zep.config import Config, ParallelConfig, Precision
 from ray_zep.errors import MemoryPlanError
 from ray_zep.model_shapes import ModelShape
-from ray_zep.parallel.axes import WeightsMode
+from ray_zep.options import ZonePolicy
+from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.parallel.memory import GB, RankMemory, memory_inputs, model_memory
-from ray_zep.partition.plan import Zone
+from ray_zep.partition import make_plan
+from ray_zep.partition.exchange import Exchange
+from ray_zep.partition.plan import AttentionPlan, Zone
 from ray_zep.partition.stats import PlanStats
 from ray_zep.topology import Topology
 
@@ -123,6 +127,79 @@ def planning_parallel(config: Config, topology: Topology, shape: ModelShape) -> 
     return dataclasses.replace(
         config.parallel, ring_kv_keep_gb=ring_kv_keep_gb(config, topology, shape)
     )
+
+
+def memory_plan(
+    placement: Placement,
+    lengths: np.ndarray,
+    config: Config,
+    topology: Topology,
+    shape: ModelShape,
+) -> AttentionPlan:
+    """The plan of `placement` for `lengths` as a run of `config` makes it: the planner
+    under `planning_parallel`, then `keep_where_room`."""
+    parallel = planning_parallel(config, topology, shape)
+    plan = make_plan(placement, lengths, topology, config.train.tokens_per_rank, shape, parallel)
+    return keep_where_room(plan, config, topology, shape)
+
+
+def keep_where_room(
+    plan: AttentionPlan, config: Config, topology: Topology, shape: ModelShape
+) -> AttentionPlan:
+    """`plan` with more of zeppelin's rings keeping their K/V (`Exchange.RING_KEPT`).
+
+    Under an unset `parallel.ring_kv_keep_gb` the planner keeps a ring's K/V where a rank
+    of L tokens would have room for them; the members of a long sequence's ring hold
+    far fewer tokens and have room for more. Here every ring not yet kept, most tokens
+    first, keeps its K/V where each member's modelled memory (its tokens, its ring
+    tokens and all the K/V it keeps, at the memory model's rates between none and L)
+    stays within `KEEP_SHARE` of the GPU's. A set budget, a GPU of unknown memory, or
+    another placement or policy leaves the plan as it is."""
+    parallel = config.parallel
+    if (
+        parallel.ring_kv_keep_gb is not None
+        or topology.gpu_memory_bytes <= 0
+        or plan.planner is not Placement.ZEPPELIN
+        or parallel.zone_policy is not ZonePolicy.WORK
+    ):
+        return plan
+    split = [item for item in plan.items() if item.ring_size > 1]
+    if not any(item.exchange is Exchange.RING for item in split):
+        return plan
+    # bytes per token held, per ring token and per kept token, between none and L of each
+    capacity = config.train.tokens_per_rank
+    base = rank_memory(config, topology, shape, 0).total
+    full = rank_memory(config, topology, shape, capacity).total
+    per_token = (full - base) / capacity
+    per_ring = (rank_memory(config, topology, shape, capacity, capacity).total - full) / capacity
+    per_kept = (rank_memory(config, topology, shape, capacity, 0, capacity).total - full) / capacity
+    ring, kept = np.zeros(plan.world), np.zeros(plan.world)
+    members = []  # rings not kept: (item, its ranks, its tokens, each member's peers' tokens)
+    for item in split:
+        positions = np.asarray(plan.position_tokens(item), dtype=np.float64)
+        held = np.repeat(positions, item.ulysses) / item.ulysses
+        others = np.repeat(positions.sum() - positions, item.ulysses) / item.ulysses
+        ranks = np.asarray(item.ranks)
+        ring[ranks] += held
+        if item.exchange_kind.keeps_kv:
+            kept[ranks] += others
+        elif item.exchange is Exchange.RING:
+            members.append((item, ranks, float(positions.sum()), others))
+    used = base + per_token * plan.rank_tokens() + per_ring * ring + per_kept * kept
+    room = KEEP_SHARE * topology.gpu_memory_bytes - used
+    keep = set()
+    for item, ranks, _, others in sorted(members, key=lambda m: -m[2]):
+        cost = per_kept * others
+        if np.all(cost <= room[ranks]):
+            room[ranks] -= cost
+            keep.update(item.seqs)
+    if not keep:
+        return plan
+    placements = tuple(p._replace(exchange=Exchange.RING_KEPT) if p.seq in keep else p
+                       for p in plan.placements)  # fmt: skip
+    out = AttentionPlan(plan.planner, plan.topology, plan.tokens_per_rank, placements)
+    out.planner_seconds = plan.planner_seconds
+    return out
 
 
 def plan_memory(

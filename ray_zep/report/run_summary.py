@@ -21,8 +21,8 @@ from ray_zep.data.batching import BatchStream
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
-from ray_zep.partition import make_plan, registry
-from ray_zep.partition.plan_memory import planning_parallel
+from ray_zep.partition import registry
+from ray_zep.partition.plan_memory import memory_plan
 from ray_zep.remap.policy import choose_remap
 from ray_zep.report.run_plots import imbalance, rank_matrix, steady_tokens_per_second
 from ray_zep.sim.hardware import Hardware
@@ -89,12 +89,9 @@ def _modelled(config, topology, batches, placement: Placement, routed: bool, rem
     variant = registry.variants().get(placement.value)
     if variant is not None and variant.te_wire:  # as TransformerEngine sends dK/dV
         run = run.with_te_wire()
-    planning = planning_parallel(config, topology, shape)
     inter, seconds = 0.0, []
     for lengths in batches:
-        plan = make_plan(
-            placement, lengths, topology, config.train.tokens_per_rank, shape, planning
-        )
+        plan = memory_plan(placement, lengths, config, topology, shape)
         moved = choose_remap(plan, shape, rates, parallel.remap_policy) if remap else None
         inter += attention_step_traffic(plan, shape, routed, moved).inter_node
         seconds.append(simulate_plan(plan, run, routed, moved).step_seconds)
