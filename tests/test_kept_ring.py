@@ -14,11 +14,13 @@ import pytest
 
 from ray_zep.config import load_config
 from ray_zep.costmodel import CostModel
+from ray_zep.errors import PlacementError
 from ray_zep.model_shapes import build_shape
 from ray_zep.options import ActivationCheckpointing, ZonePolicy
 from ray_zep.parallel.axes import Placement
 from ray_zep.parallel.memory import kept_kv_bytes, memory_inputs
 from ray_zep.partition import make_plan
+from ray_zep.partition.balance import balance
 from ray_zep.partition.exchange import Exchange
 from ray_zep.partition.plan_memory import (
     KEEP_SHARE,
@@ -29,6 +31,7 @@ from ray_zep.partition.plan_memory import (
     ring_kv_keep_gb,
 )
 from ray_zep.partition.stats import plan_stats
+from ray_zep.partition.work import WorkModel
 from ray_zep.partition.zeppelin import plan_zeppelin
 from ray_zep.topology import build_topology
 
@@ -114,3 +117,18 @@ def test_a_ring_of_members_with_room_keeps_where_a_full_rank_would_not() -> None
                         "parallel.ring_kv_keep_gb=9.5")  # fmt: skip
     kept_to = memory_plan(Placement.ZEPPELIN, lengths, capped, topology, shape)
     assert kept_to.placement(0).exchange is Exchange.RING
+
+
+def test_the_work_policys_fallback_keeps_within_the_budget_too() -> None:
+    """A batch that fills every token falls back to the cost policy's splits (a rank may
+    sit in two rings there); its rings keep their K/V as the work policy's would."""
+    config = load_config(None, ["topology.nodes=2", "topology.gpus_per_node=2"])
+    topology, shape = build_topology(config.topology), build_shape(config.model)
+    lengths = np.asarray([1500, 1500, 1096])  # 4 x 1,024 tokens: no room for equal chunks
+    cost = CostModel.create(shape, topology)
+    with pytest.raises(PlacementError):  # what sends the work policy to the fallback
+        balance(lengths, topology, 1024, WorkModel.create(shape, topology))
+    for gb, kept in ((float("inf"), True), (0.0, False)):
+        plan = plan_zeppelin(lengths, topology, 1024, cost, ZonePolicy.WORK, keep_kv_gb=gb)
+        rings = [p for p in plan.placements if p.ring_size > 1]
+        assert rings and all((p.exchange is Exchange.RING_KEPT) is kept for p in rings)

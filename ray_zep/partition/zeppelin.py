@@ -58,6 +58,7 @@ from ray_zep.errors import PlacementError
 from ray_zep.model_shapes import ModelShape
 from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
 from ray_zep.partition.balance import balance
+from ray_zep.partition.exchange import Exchange
 from ray_zep.partition.fill import check_total, place_whole, water_fill
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts
 from ray_zep.partition.spec import Bench, PlacementSpec, Role, Variant, listed_in
@@ -145,6 +146,7 @@ def plan_zeppelin(
     started = time.perf_counter()
     lengths = np.asarray(lengths, dtype=np.int64)
     check_total(lengths, topology.world_size, tokens_per_rank, Placement.ZEPPELIN.value)
+    model = None
     if policy is ZonePolicy.WORK:
         model = WorkModel.create(cost.shape, topology, routed=routed, dkv_wire=dkv_wire,
                                  keep_kv_gb=keep_kv_gb)  # fmt: skip
@@ -192,9 +194,29 @@ def plan_zeppelin(
         placements.append(
             SeqPlacement(seq, length, ranks, bounds_for_counts([c for _, c in ranked]))
         )
+    if model is not None:  # the work policy's fallback keeps K/V as the work policy does
+        placements = _keeping(placements, model, topology.world_size)
     plan = AttentionPlan(Placement.ZEPPELIN, topology, tokens_per_rank, tuple(placements))
     plan.planner_seconds = time.perf_counter() - started
     return plan
+
+
+def _keeping(placements: list[SeqPlacement], model: WorkModel, world: int) -> list[SeqPlacement]:
+    """`placements` with each ring keeping its K/V for the backward (`Exchange.RING_KEPT`)
+    where every member's kept K/V, over all its rings, stays within the model's budget
+    (`WorkModel.keeps_kv`); a rank may sit in several rings here."""
+    kept = np.zeros(world)
+    out = []
+    for p in placements:
+        if p.ring_size > 1:
+            positions = np.asarray([p.position_tokens(r) for r in range(p.ring_size)])
+            others = np.repeat(positions.sum() - positions, p.ulysses) / p.ulysses
+            ranks = list(p.ranks)
+            if np.all(model.keeps_kv(kept[ranks] + others)):
+                kept[ranks] += others
+                p = p._replace(exchange=Exchange.RING_KEPT)
+        out.append(p)
+    return out
 
 
 def _search(run_round, initial: int, lengths: np.ndarray):

@@ -100,6 +100,9 @@ def _rank_row(plan: AttentionPlan, stats: PlanStats, rank: int) -> dict[str, Any
 
 
 def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
+    rings = [item for item in plan.items() if item.ring_size > 1 and item.exchange_kind.rotates]
+    kept = sum(item.exchange_kind.keeps_kv for item in rings)
+    keeping = f"; {kept} of {len(rings)} rings keep their K/V for the backward" if rings else ""
     return (
         f"{plan.planner.value}: {len(plan.placements)} sequences, {int(stats.tokens.sum())} tokens "
         f"on {plan.world} ranks; planner {plan.planner_seconds * 1e3:.2f} ms; work (linear + "
@@ -108,7 +111,7 @@ def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
         f"{stats.tokens.max() / plan.tokens_per_rank:.2f}; inter-node "
         f"{stats.total_bytes(LinkKind.INTER_NODE) / 1e9:.3f} GB, intra-node "
         f"{stats.total_bytes(LinkKind.INTRA_NODE) / 1e9:.3f} GB per layer forward; "
-        f"modelled attention {stats.layer_seconds * 1e3:.2f} ms per layer forward"
+        f"modelled attention {stats.layer_seconds * 1e3:.2f} ms per layer forward{keeping}"
     )
 
 
