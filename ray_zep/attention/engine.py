@@ -224,8 +224,9 @@ def _ring_forward(q_pos, kv_pos, item, schedule, links, out_pos, lse_pos, kernel
     backward; else None."""
     kept = None
     if item.keeps_kv:
-        kept = kv_pos.new_empty((sum(_kept_rows(item)), *kv_pos.shape[1:]))
-        into = kept.split(_kept_rows(item))
+        rows = _kept_rows(item)
+        kept = kv_pos.new_empty((sum(rows), *kv_pos.shape[1:]))
+        into = kept.split(rows)
     current = kv_pos
     for s, step in enumerate(item.steps):
         target = into[s] if kept is not None and s < len(into) else None

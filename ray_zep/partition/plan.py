@@ -386,6 +386,15 @@ def even_bounds(length: int, ring_size: int) -> tuple[int, ...]:
     return ZIGZAG.even_bounds(length, ring_size)
 
 
+def peer_tokens(positions, ulysses: int) -> np.ndarray:
+    """Per member of a group (ring-position major), the tokens of the other ring positions
+    (`positions`: each position's tokens), over its U Ulysses members: the K/V a member
+    of a kept ring holds from its peers (`Exchange.RING_KEPT`), in token rows of every
+    K/V head."""
+    positions = np.asarray(positions, dtype=np.float64)
+    return np.repeat(positions.sum() - positions, ulysses) / ulysses
+
+
 def bounds_for_counts(counts: list[int]) -> tuple[int, ...]:
     """Zigzag offsets giving ring position r exactly `counts[r]` tokens (any counts >= 0).
 

@@ -20,7 +20,7 @@ from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.parallel.memory import GB, RankMemory, memory_inputs, model_memory
 from ray_zep.partition import make_plan
 from ray_zep.partition.exchange import Exchange
-from ray_zep.partition.plan import AttentionPlan, Zone
+from ray_zep.partition.plan import AttentionPlan, Zone, peer_tokens
 from ray_zep.partition.stats import PlanStats
 from ray_zep.topology import Topology
 
@@ -178,7 +178,7 @@ def keep_where_room(
     for item in split:
         positions = np.asarray(plan.position_tokens(item), dtype=np.float64)
         held = np.repeat(positions, item.ulysses) / item.ulysses
-        others = np.repeat(positions.sum() - positions, item.ulysses) / item.ulysses
+        others = peer_tokens(positions, item.ulysses)
         ranks = np.asarray(item.ranks)
         ring[ranks] += held
         if item.exchange_kind.keeps_kv:

@@ -37,7 +37,7 @@ from ray_zep.costmodel import (
 from ray_zep.model_shapes import ModelShape
 from ray_zep.partition.exchange import ExchangeKind
 from ray_zep.partition.member_arrays import plain_members
-from ray_zep.partition.plan import AttentionPlan, QueueItem
+from ray_zep.partition.plan import AttentionPlan, QueueItem, peer_tokens
 from ray_zep.topology import LinkKind
 
 
@@ -113,9 +113,7 @@ def kept_kv_tokens(plan: AttentionPlan) -> np.ndarray:
     for item in plan.items():
         if item.ring_size < 2 or not item.exchange_kind.keeps_kv:
             continue
-        held = np.asarray(plan.position_tokens(item), dtype=np.float64)
-        others = np.repeat(held.sum() - held, item.ulysses) / item.ulysses
-        kept[list(item.ranks)] += others
+        kept[list(item.ranks)] += peer_tokens(plan.position_tokens(item), item.ulysses)
     return kept
 
 

@@ -60,7 +60,7 @@ from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
 from ray_zep.partition.balance import balance
 from ray_zep.partition.exchange import Exchange
 from ray_zep.partition.fill import check_total, place_whole, water_fill
-from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts
+from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts, peer_tokens
 from ray_zep.partition.spec import Bench, PlacementSpec, Role, Variant, listed_in
 from ray_zep.partition.work import WorkModel
 from ray_zep.topology import LinkKind, Topology
@@ -209,8 +209,7 @@ def _keeping(placements: list[SeqPlacement], model: WorkModel, world: int) -> li
     out = []
     for p in placements:
         if p.ring_size > 1:
-            positions = np.asarray([p.position_tokens(r) for r in range(p.ring_size)])
-            others = np.repeat(positions.sum() - positions, p.ulysses) / p.ulysses
+            others = peer_tokens([p.position_tokens(r) for r in range(p.ring_size)], p.ulysses)
             ranks = list(p.ranks)
             if np.all(model.keeps_kv(kept[ranks] + others)):
                 kept[ranks] += others
