@@ -42,7 +42,6 @@ proportional to m). Past the crossover the transfer hides behind the compute.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
@@ -76,17 +75,6 @@ CURVE_KINDS = (
 ring step's other blocks (unmasked), forward and backward, and the backward of local
 causal attention through autograd (whole-sequence placements; where not measured,
 the engine's causal backward stands for it)."""
-
-
-def _interpolate(points: tuple[tuple[float, float], ...], length: float) -> float:
-    """Rate at `length`, log-log between measured (length, rate) points, flat outside."""
-    if length <= points[0][0]:
-        return points[0][1]
-    for (n0, r0), (n1, r1) in itertools.pairwise(points):
-        if length <= n1:
-            w = math.log(length / n0) / math.log(n1 / n0)
-            return math.exp(math.log(r0) + w * math.log(r1 / r0))
-    return points[-1][1]
 
 
 def pointwise_elements_per_token(shape: ModelShape) -> float:
@@ -185,40 +173,16 @@ class ComputeRates:
                 raise ValueError(f"attention curve {kind!r} must be one of {CURVE_KINDS} "
                                  "with positive rates")  # fmt: skip
 
-    def attention_efficiency(self, tokens: float, causal: bool) -> float:
-        """Share of the long-block rate a block of `tokens` query tokens per sequence gets."""
-        half = self.causal_half_tokens if causal else self.full_half_tokens
-        return tokens / (tokens + half) if tokens > 0 else 1.0
-
     def rate_curve(
         self, causal: bool, backward: bool, autograd: bool = False, heads: int = 0
     ) -> tuple[tuple[tuple[float, float], ...] | None, float]:
         """(the measured curve a block's rate is read from, None for the half-rate form;
-        the factor its length is read at: `curve_heads`), see `attention_rate`."""
+        the factor its length is read at: `curve_heads`), see `attention_rates`."""
         kind = f"{'backward' if backward else 'forward'}_{'causal' if causal else 'full'}"
         kinds = ("backward_autograd", kind) if autograd and backward and causal else (kind,)
         curves = dict(self.curves)
         scale = math.sqrt(heads / self.curve_heads) if self.curve_heads and heads else 1.0
         return next((curves[name] for name in kinds if name in curves), None), scale
-
-    def attention_rate(
-        self,
-        tokens: float,
-        causal: bool,
-        backward: bool,
-        autograd: bool = False,
-        heads: int = 0,
-    ) -> float:
-        """FLOP/s of a block of `tokens` per sequence (a measured curve where there is one);
-        `autograd`: local attention differentiated by autograd, not by the engine;
-        `heads`: query heads of the call (0: as many as the curves were measured with,
-        see `curve_heads`)."""
-        curve, scale = self.rate_curve(causal, backward, autograd, heads)
-        tokens *= scale
-        if curve is not None:
-            return _interpolate(curve, tokens)
-        rate = self.attention_backward if backward else self.attention_forward
-        return rate * self.attention_efficiency(tokens, causal)
 
     def attention_rates(
         self,
@@ -228,7 +192,11 @@ class ComputeRates:
         autograd: bool = False,
         heads: int = 0,
     ) -> np.ndarray:
-        """`attention_rate` of every block length in `tokens` (an array), at once."""
+        """FLOP/s of blocks of `tokens` per sequence (an array; a measured curve where there
+        is one, read log-log between its points and flat past its ends, else the half-rate
+        form); `autograd`: local attention differentiated by autograd, not by the engine;
+        `heads`: query heads of the call (0: as many as the curves were measured with, see
+        `curve_heads`)."""
         curve, scale = self.rate_curve(causal, backward, autograd, heads)
         tokens = np.asarray(tokens, dtype=np.float64) * scale
         if curve is not None:
@@ -240,20 +208,18 @@ class ComputeRates:
         safe = np.where(tokens > 0, tokens, 1.0)
         return rate * np.where(tokens > 0, safe / (safe + half), 1.0)
 
+    def attention_rate(self, tokens: float, causal: bool, backward: bool, **call: int) -> float:
+        """`attention_rates` of one block length (`call`: its `autograd` and `heads`)."""
+        return float(self.attention_rates(np.asarray(tokens, np.float64), causal, backward, **call))
+
     def attention_seconds(
-        self,
-        flops: float,
-        tokens: float,
-        causal: bool,
-        backward: bool,
-        autograd: bool = False,
-        heads: int = 0,
+        self, flops: float, tokens: float, causal: bool, backward: bool, **call: int
     ) -> float:
         """Seconds of `flops` attention FLOPs (forward-counted x `BACKWARD_ATTENTION_FACTOR`
         when `backward`) on blocks of `tokens` query tokens per sequence (unmasked
-        blocks: the geometric mean of their query and key tokens) with `heads` query
-        heads per call (`attention_rate`)."""
-        return flops / self.attention_rate(tokens, causal, backward, autograd, heads)
+        blocks: the geometric mean of their query and key tokens), `call` as in
+        `attention_rate`."""
+        return flops / self.attention_rate(tokens, causal, backward, **call)
 
     def pointwise_seconds(self, elements: float) -> float:
         return elements / self.pointwise if self.pointwise > 0 else 0.0

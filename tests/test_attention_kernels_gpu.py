@@ -120,7 +120,7 @@ def test_torch_flash_ring_blocks_match_reference(blocks, heads) -> None:
         assert torch.equal(finite, torch.isfinite(got[1])), f"{name}: rows that see no key"
         assert (got[1][~finite] == float("-inf")).all()
         torch.testing.assert_close(got[1][finite], want[1][finite], atol=1e-3, rtol=0)
-        merge_(out, lse, everything, *want)
+        merge_(out, lse, everything, want)
     probe = torch.randn(q.shape, generator=g, device="cuda")
     for name in blocks:
         lengths, causal = RING_BLOCKS[name]
@@ -184,17 +184,17 @@ def reference_ops(monkeypatch):
         lengths = (cu[1:] - cu[:-1]).tolist()
         return PackedSeqs.from_lengths(lengths), lengths
 
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-        (sq, lq), (sk, lk) = seqs_of(cu_q), seqs_of(cu_k)
-        assert max_q == max(lq) and max_k == max(lk)
+    def forward(q, k, v, call):
+        (sq, lq), (sk, lk) = seqs_of(call.cu_q), seqs_of(call.cu_k)
+        assert call.max_q == max(lq) and call.max_k == max(lk)
         launches.append(("forward", lq, lk))
         with torch.no_grad():
-            return torch_varlen_attention(q, k, v, sq, sk, causal, scale)
+            return torch_varlen_attention(q, k, v, sq, sk, call.causal, call.scale)
 
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-        (sq, lq), (sk, lk) = seqs_of(cu_q), seqs_of(cu_k)
+    def backward(dout, q, k, v, out, lse, call):
+        (sq, lq), (sk, lk) = seqs_of(call.cu_q), seqs_of(call.cu_k)
         launches.append(("backward", lq, lk))
-        block = BackwardInputs(dout, q, k, v, out, lse, sq, sk, causal, scale)
+        block = BackwardInputs(dout, q, k, v, out, lse, sq, sk, call.causal, call.scale)
         return torch_varlen_attention_backward(block)
 
     monkeypatch.setattr(torch_flash, "runs", lambda q, k: True)
@@ -226,7 +226,7 @@ def test_drawn_blocks_go_to_the_kernel_and_the_rest_to_the_reference(reference_o
         else:
             assert reference_ops == []
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-        merge_(out, lse, everything, *want)
+        merge_(out, lse, everything, want)
         probe = torch.randn(q.shape)
         block = BackwardInputs(probe, q, kv[:, 0], kv[:, 1], out, lse, seqs_q, seqs_k, causal)
         got = torch_flash_varlen_attention_backward(block)

@@ -90,12 +90,8 @@ def test_ring_block_backward_equals_autograd_of_the_whole_attention(blocks: list
         for name in blocks:
             lengths, causal = RING_BLOCKS[name]
             seqs_k, kv = PackedSeqs.from_lengths(lengths), kvs[name]
-            merge_(
-                out,
-                lse,
-                everything,
-                *torch_varlen_attention(q, kv[:, 0], kv[:, 1], seqs_q, seqs_k, causal=causal),
-            )
+            block = torch_varlen_attention(q, kv[:, 0], kv[:, 1], seqs_q, seqs_k, causal=causal)
+            merge_(out, lse, everything, block)
     probe = torch.randn(q.shape)
     dq = torch.zeros(q.shape)
     dkvs = {}

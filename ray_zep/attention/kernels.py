@@ -305,22 +305,18 @@ def torch_flash_varlen_attention(
     return out, lse
 
 
+def _varlen(seqs_q: PackedSeqs, seqs_k: PackedSeqs, causal: bool, scale: float):
+    cu_q, cu_k = seqs_q.cu_seqlens, seqs_k.cu_seqlens
+    return torch_flash.Varlen(cu_q, cu_k, seqs_q.max_seqlen, seqs_k.max_seqlen, causal, scale)
+
+
 def _flash_apply(q_THE, k_TKE, v_TKE, seqs_q, seqs_k, causal, scale):
     """The kernel with autograd where a gradient is wanted, else the bare call (the ring
     engine's steps run inside its own autograd function: no graph to record per call)."""
-    args = (
-        q_THE,
-        k_TKE,
-        v_TKE,
-        seqs_q.cu_seqlens,
-        seqs_k.cu_seqlens,
-        seqs_q.max_seqlen,
-        seqs_k.max_seqlen,
-        causal,
-        scale,
-    )
-    wanted = torch.is_grad_enabled() and any(t.requires_grad for t in args[:3])
-    return torch_flash.FlashVarlen.apply(*args) if wanted else torch_flash.forward(*args)
+    call = _varlen(seqs_q, seqs_k, causal, scale)
+    wanted = torch.is_grad_enabled() and any(t.requires_grad for t in (q_THE, k_TKE, v_TKE))
+    run = torch_flash.FlashVarlen.apply if wanted else torch_flash.forward
+    return run(q_THE, k_TKE, v_TKE, call)
 
 
 def _pairs(seqs_q: PackedSeqs, seqs_k: PackedSeqs):
@@ -534,20 +530,9 @@ def torch_flash_varlen_attention_backward(
 
 
 def _flash_backward(block: BackwardInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch_flash.backward(
-        block.dout_THE,
-        block.q_THE,
-        block.k_TKE,
-        block.v_TKE,
-        block.out_THE,
-        block.lse_HT,
-        block.seqs_q.cu_seqlens,
-        block.seqs_k.cu_seqlens,
-        block.seqs_q.max_seqlen,
-        block.seqs_k.max_seqlen,
-        block.causal,
-        block.scale,
-    )
+    tensors = (block.dout_THE, block.q_THE, block.k_TKE, block.v_TKE, block.out_THE, block.lse_HT)
+    call = _varlen(block.seqs_q, block.seqs_k, block.causal, block.scale)
+    return torch_flash.backward(*tensors, call)
 
 
 def select_backward(forward: AttentionFn) -> BackwardKernel:

@@ -22,21 +22,17 @@ Rows = torch.Tensor | slice
 
 
 def merge_(
-    out_PHE: torch.Tensor,
-    lse_HP: torch.Tensor,
-    rows: Rows,
-    block_out: torch.Tensor,
-    block_lse: torch.Tensor,
+    out_PHE: torch.Tensor, lse_HP: torch.Tensor, rows: Rows, block: tuple[torch.Tensor, ...]
 ) -> None:
-    """Fold a block's (out, lse) into the fp32 accumulators at `rows`, in place.
+    """Fold a block's (out, lse), as a kernel returns them, into the fp32 accumulators at
+    `rows`, in place.
 
     Rows a block leaves fully masked carry lse = -inf and change nothing. On a GPU with
     Triton this is one fused kernel (`merge_kernel.merge_rows_`), else torch ops.
     """
-    if merge_kernel.unavailable_reason(out_PHE.device) is None and block_out.stride(-1) == 1:
-        merge_kernel.merge_rows_(out_PHE, lse_HP, rows, block_out, block_lse)
-        return
-    merge_reference_(out_PHE, lse_HP, rows, block_out, block_lse)
+    fused = merge_kernel.unavailable_reason(out_PHE.device) is None and block[0].stride(-1) == 1
+    merge = merge_kernel.merge_rows_ if fused else merge_reference_
+    merge(out_PHE, lse_HP, rows, *block)
 
 
 def merge_reference_(
@@ -89,15 +85,9 @@ def step_forward(
     if step.empty:
         return
     kv = _take(kv_P2KE, step.key_rows)
-    block_out, block_lse = kernel(
-        _take(q_PHE, step.query_rows),
-        kv[:, 0],
-        kv[:, 1],
-        step.seqs_q,
-        step.seqs_k,
-        causal=step.causal,
-    )
-    merge_(out_PHE, lse_HP, step.query_rows, block_out, block_lse)
+    query = _take(q_PHE, step.query_rows)
+    block = kernel(query, kv[:, 0], kv[:, 1], step.seqs_q, step.seqs_k, causal=step.causal)
+    merge_(out_PHE, lse_HP, step.query_rows, block)
 
 
 def step_backward(

@@ -21,10 +21,31 @@ Shapes: q_THE (T_q, H, E), k_TKE / v_TKE (T_k, K, E) with H % K == 0, lse_HT flo
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 DTYPES = (torch.float16, torch.bfloat16)
+
+
+class Varlen(NamedTuple):
+    """What a packed call takes besides its tensors, forward and backward alike."""
+
+    cu_q: torch.Tensor
+    """Cumulative query sequence lengths (any integer dtype and device)."""
+    cu_k: torch.Tensor
+    """Cumulative key sequence lengths."""
+    max_q: int
+    """The longest query sequence."""
+    max_k: int
+    """The longest key sequence."""
+    causal: bool
+    scale: float
+    """The softmax scale."""
+
+    def offsets(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cu_q and cu_k as the kernels take them: int32 on `device`."""
+        return self.cu_q.to(device, torch.int32), self.cu_k.to(device, torch.int32)
 
 
 @functools.cache
@@ -99,29 +120,20 @@ def runs(q_THE: torch.Tensor, k_TKE: torch.Tensor) -> bool:
 
 
 def forward(
-    q_THE: torch.Tensor,
-    k_TKE: torch.Tensor,
-    v_TKE: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    max_q: int,
-    max_k: int,
-    causal: bool,
-    scale: float,
+    q_THE: torch.Tensor, k_TKE: torch.Tensor, v_TKE: torch.Tensor, call: Varlen
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out_THE (q's dtype) and lse_HT (float32) of a packed batch, no autograd."""
     out, lse = torch.ops.aten._flash_attention_forward(
         _rows_strided(q_THE),
         _rows_strided(k_TKE),
         _rows_strided(v_TKE),
-        cu_q.to(q_THE.device, torch.int32),
-        cu_k.to(q_THE.device, torch.int32),
-        max_q,
-        max_k,
+        *call.offsets(q_THE.device),
+        call.max_q,
+        call.max_k,
         0.0,
-        causal,
+        call.causal,
         False,
-        scale=scale,
+        scale=call.scale,
     )[:2]
     if lse.shape != (q_THE.shape[1], q_THE.shape[0]):
         raise RuntimeError(
@@ -138,12 +150,7 @@ def backward(
     v_TKE: torch.Tensor,
     out_THE: torch.Tensor,
     lse_HT: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    max_q: int,
-    max_k: int,
-    causal: bool,
-    scale: float,
+    call: Varlen,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (in q's dtype; dk and dv summed over each group of query heads) of a
     packed batch, given the output and LSE the probabilities are formed with.
@@ -162,15 +169,14 @@ def backward(
         _rows_strided(v_TKE),
         _rows_strided(out_THE.to(dtype)),
         lse,
-        cu_q.to(q_THE.device, torch.int32),
-        cu_k.to(q_THE.device, torch.int32),
-        max_q,
-        max_k,
+        *call.offsets(q_THE.device),
+        call.max_q,
+        call.max_k,
         0.0,
-        causal,
+        call.causal,
         rng_state,
         unused,
-        scale=scale,
+        scale=call.scale,
     )
     return dq, dk, dv
 
@@ -193,16 +199,15 @@ class FlashVarlen(torch.autograd.Function):
     differentiable, as with flash-attn's own function)."""
 
     @staticmethod
-    def forward(ctx, q_THE, k_TKE, v_TKE, cu_q, cu_k, max_q, max_k, causal, scale):
+    def forward(ctx, q_THE, k_TKE, v_TKE, call: Varlen):
         q_THE, k_TKE, v_TKE = (_rows_strided(t) for t in (q_THE, k_TKE, v_TKE))
-        out, lse = forward(q_THE, k_TKE, v_TKE, cu_q, cu_k, max_q, max_k, causal, scale)
-        ctx.save_for_backward(q_THE, k_TKE, v_TKE, out, lse, cu_q, cu_k)
-        ctx.args = (max_q, max_k, causal, scale)
+        out, lse = forward(q_THE, k_TKE, v_TKE, call)
+        ctx.save_for_backward(q_THE, k_TKE, v_TKE, out, lse)
+        ctx.call = call
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        dq, dk, dv = backward(dout, *ctx.saved_tensors, ctx.call)
+        return dq, dk, dv, None

@@ -112,18 +112,18 @@ def stage_times(
     shape: ModelShape, seq_len: int, schedule: MoEPipeline, degree: int, uniform: bool, hw: Hardware
 ) -> StageTimes:
     """Per-GPU forward times of one MoE block of `shape` on a sequence of `seq_len`."""
-    return block_times(shape, [seq_len], schedule, degree, uniform, hw.rates,
-                       testbed_spread(shape, hw))  # fmt: skip
+    spread = testbed_spread(shape, hw)
+    return block_times(shape, [seq_len], uniform, hw.rates, spread, schedule, degree)
 
 
 def block_times(
     shape: ModelShape,
     lengths: Sequence[int],
-    schedule: MoEPipeline,
-    degree: int,
     uniform: bool,
     rates: ComputeRates,
     spread: BlockSpread,
+    schedule: MoEPipeline,
+    degree: int,
 ) -> StageTimes:
     """Per-GPU forward times of one MoE block of `shape` on the packed sequences of
     `lengths` (slicing, micro-batches and the token buffer of `ray_zep.moe.slicing`)."""
@@ -227,28 +227,18 @@ def _backward_factor(kind: Kind, backward: bool, times: StageTimes) -> float:
 
 
 def overhang_seconds(
-    shape: ModelShape,
-    lengths: Sequence[int],
+    times_of: Callable[[MoEPipeline, int], StageTimes],
     schedule: MoEPipeline,
     degree: int,
-    uniform: bool,
-    rates: ComputeRates,
-    spread: BlockSpread,
     backward: bool = False,
 ) -> float:
     """Seconds one pass of an MoE block under `schedule` takes beyond the compute of the
     plain block (schedule none): the all-to-all time the compute stream waits for, and
-    with micro-batches the kernel calls they add. Under none: its all-to-alls, whole."""
-    line = play(
-        build_program(schedule, degree),
-        block_times(shape, lengths, schedule, degree, uniform, rates, spread),
-        backward,
-    )
-    plain = play(
-        build_program(MoEPipeline.NONE, 1),
-        block_times(shape, lengths, MoEPipeline.NONE, 1, uniform, rates, spread),
-        backward,
-    )
+    with micro-batches the kernel calls they add. Under none: its all-to-alls, whole.
+    `times_of(schedule, degree)`: the block's stage times (`block_times` with all but its
+    last two arguments bound)."""
+    line = play(build_program(schedule, degree), times_of(schedule, degree), backward)
+    plain = play(build_program(MoEPipeline.NONE, 1), times_of(MoEPipeline.NONE, 1), backward)
     return line.end - sum(end - start for _, start, end in plain.compute)
 
 

@@ -68,7 +68,7 @@ from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import Phase, RoutingPlan
 from ray_zep.sim.events import CorePool, TaskGraph, Timeline, simulate
 from ray_zep.sim.hardware import Hardware
-from ray_zep.sim.moe_block import BlockSpread, overhang_seconds
+from ray_zep.sim.moe_block import BlockSpread, block_times, overhang_seconds
 from ray_zep.sim.program import FP32_BYTES, LayerSetup, layer_graphs
 from ray_zep.sim.ring_form import array_ring
 from ray_zep.sim.weight_passing import ShardWire, Workload
@@ -416,9 +416,10 @@ def expert_seconds(run: RunModel, tokens: list[int], lengths: list[int] | None =
     block = 0.0
     for backward in (False, True):
         spread = BlockSpread(1, lambda n: 0.0, partial(exchange, gradient=backward))
-        block += overhang_seconds(shape, lengths, schedule, parallel.moe_overlap_degree,
-                                  parallel.moe_uniform_slicing, run.hardware.rates, spread,
-                                  backward)  # fmt: skip
+        times_of = partial(
+            block_times, shape, lengths, parallel.moe_uniform_slicing, run.hardware.rates, spread
+        )
+        block += overhang_seconds(times_of, schedule, parallel.moe_overlap_degree, backward)
     return shape.moe_blocks * block
 
 
