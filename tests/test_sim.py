@@ -437,7 +437,7 @@ def _segment_seconds(builder, item, layouts, position: int, step: int) -> float:
             flops, length, causal = per_pair * q * (q + 1) / 2, q, True
         else:
             flops, length, causal = per_pair * q * k, (q * k) ** 0.5, False
-        seconds += rates.attention_seconds(flops, length, causal, backward, False, heads)
+        seconds += rates.attention_seconds(flops, length, causal, backward, heads=heads)
     return seconds
 
 
