@@ -23,7 +23,7 @@ from ray_zep.sim.events import CorePool, Lane, TaskGraph, simulate
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.program import LayerSetup, _Builder, layer_graph
-from ray_zep.sim.step import RunModel, simulate_batch, simulate_plan
+from ray_zep.sim.step import RunModel, simulate_batch, simulate_plan, weights_of
 from ray_zep.topology import LinkKind, build_topology
 
 SHAPE = ModelShape(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128)
@@ -491,3 +491,41 @@ def test_a_ring_played_on_arrays_takes_the_event_simulations_times(
         kinds = {t.name for g in graphs for t in g.tasks}
         assert ("attention ring" in kinds) == (threshold == 2)
     assert spans[2] == pytest.approx(spans[10**6], rel=1e-12)
+
+
+@pytest.mark.parametrize("latency_share", [0.0, 0.8])
+def test_a_weight_collective_leaves_the_links_free_for_its_latency(latency_share) -> None:
+    """te_cp on 2 nodes x 1 GPU with a forward weight all-gather posted at the layer's
+    start: its ring steps' latency holds no link, so the ring's K/V crosses the NIC
+    during it; only the bytes part holds the links (and the K/V waits behind all of it
+    when the whole collective holds them)."""
+    topo = _topology(2, 1, nic_gbits=0.008)
+    plan = make_plan(Placement.TE_CP, [8], topo, 4, SHAPE)
+    transfer = topo.inter_node_latency + 4 * ROW_BYTES / topo.nic_bandwidth
+    sync = 10 * transfer
+    latency = latency_share * sync
+    setup = dataclasses.replace(
+        _setup(plan), weight_sync=(sync, 0.0), weight_latency=(latency, 0.0),
+        weight_groups=((0, 1),),
+    )  # fmt: skip
+    sends = simulate(layer_graph(setup, Phase.FORWARD)).intervals(0, Lane.INTER_NODE)
+    (gather,) = [(a, b) for a, b, name in sends if name == "weights gather/scatter"]
+    (kv,) = [(a, b) for a, b, name in sends if name == "K/V"]
+    assert gather == pytest.approx((latency, sync))
+    if latency_share:
+        assert kv[1] <= latency, "the K/V waited for a collective's latency"
+    else:
+        assert kv[0] >= sync, "the K/V crossed a link the collective holds"
+
+
+def test_fsdp_weight_collectives_carry_their_ring_steps_latency() -> None:
+    """A block's FSDP2 all-gather over W ranks has W - 1 ring steps' latency; backward
+    gathers again and reduce-scatters: twice that. Each is part of its collective's time."""
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=4",
+                                "model.preset=7b", "parallel.weights=fsdp"])  # fmt: skip
+    run = RunModel.create(config, Hardware.preset(build_topology(config.topology)))
+    paid = weights_of(run)
+    one = run.hardware.cost(run.shape).all_gather_seconds(0.0, range(32))
+    assert one > 0
+    assert paid.layer_latency == pytest.approx((one, 2 * one))
+    assert all(lat < sync for lat, sync in zip(paid.layer_latency, paid.layer_sync, strict=True))

@@ -18,8 +18,11 @@ the send proxies, crosses nodes piece by piece, each proxy through its own NIC,
 and is combined at the destination; relay threads forward as soon as data
 arrives, without using the compute stream. An item's K/V exchange is built as
 its kind plays it (`PLAYS`, one builder per `ray_zep.partition.exchange.Play`).
-All-gathers and reduce-scatters (llama_cp) hold every member's links for the
-collective's modelled time (`CostModel.all_gather_seconds`). The remap's all-to-all-v
+All-gathers and reduce-scatters (llama_cp's K/V, FSDP2's weights) hold every member's
+links for the bytes part of the collective's modelled time (`CostModel.all_gather_seconds`);
+its ring steps' latency comes first and holds no link (a pipelined ring's links carry
+its data at the bus bandwidth for bytes / bandwidth only; the handshakes of its W - 1
+steps leave them to other traffic). The remap's all-to-all-v
 is played per rank and link kind (`_Builder.remap`). Ulysses exchanges are point-to-point
 transfers between the members of a ring position.
 
@@ -93,7 +96,8 @@ class LayerSetup:
             backward): FSDP2 gathers the next block while this one computes (and
             in backward also reduce-scatters the previous block's gradients); 0: none.
         weight_groups: the rank groups those collectives run over (each holds its
-            members' links for the collective's time).
+            members' links for the collective's time but its latency).
+        weight_latency: the ring steps' latency in `weight_sync`, (forward, backward).
         codec: ZipCCL on the wire (`comm.compression`); the default sends all plain.
     """
 
@@ -107,6 +111,7 @@ class LayerSetup:
     dkv_bytes: int = 4
     weight_sync: tuple[float, float] = (0.0, 0.0)
     weight_groups: tuple[tuple[int, ...], ...] = ()
+    weight_latency: tuple[float, float] = (0.0, 0.0)
     codec: WireCodec = PLAIN
 
     def linear_tokens(self) -> list[int]:
@@ -201,16 +206,23 @@ class _Builder:
         self.point[rank] = self.graph.join(rank, [self.point[rank], *deps])
 
     def collective(self, ranks, seconds: float, name: str) -> int:
-        """A collective over `ranks` holding all their links; every member waits for it."""
-        task = self.post_collective(ranks, seconds, name)
+        """A ring collective over `ranks` holding all their links (but for its steps'
+        latency); every member waits for it."""
+        latency = self.setup.cost.all_gather_seconds(0.0, ranks)
+        task = self.post_collective(ranks, seconds, name, latency)
         for r in ranks:
             self.wait(r, [task])
         return task
 
-    def post_collective(self, ranks, seconds: float, name: str) -> int:
-        """A collective over `ranks` holding all their links, started once every member
-        has posted it; nobody waits for it yet."""
+    def post_collective(self, ranks, seconds: float, name: str, latency: float = 0.0) -> int:
+        """A collective over `ranks`, started once every member has posted it: `latency`
+        of its `seconds` first, holding no link, then the rest holding all their links;
+        nobody waits for it yet. The task of the rest."""
         topo = self.topology
+        deps = [self.point[r] for r in ranks]
+        latency = min(latency, seconds)
+        if latency > 0:
+            deps = [self.graph.add(f"{name} latency", ranks[0], Lane.HOST, latency, (), deps)]
         resources = [("port_out", r) for r in ranks] + [("port_in", r) for r in ranks]
         nodes = {topo.node_of(r) for r in ranks}
         if len(nodes) > 1:
@@ -221,19 +233,20 @@ class _Builder:
             name,
             ranks[0],
             Lane.INTER_NODE if len(nodes) > 1 else Lane.INTRA_NODE,
-            seconds,
+            seconds - latency,
             tuple(resources),
-            [self.point[r] for r in ranks],
+            deps,
         )
 
     def post_weight_sync(self) -> dict[int, int]:
         """This layer's weight collectives, per rank the one it joins at the layer's end."""
-        seconds = self.setup.weight_sync[0 if self.phase is Phase.FORWARD else 1]
+        phase = 0 if self.phase is Phase.FORWARD else 1
+        seconds, latency = self.setup.weight_sync[phase], self.setup.weight_latency[phase]
         if seconds <= 0:
             return {}
         out = {}
         for group in self.setup.weight_groups:
-            task = self.post_collective(list(group), seconds, "weights gather/scatter")
+            task = self.post_collective(list(group), seconds, "weights gather/scatter", latency)
             out.update(dict.fromkeys(group, task))
             if self.record:
                 self.recipes.append(("sync", task))
@@ -684,7 +697,8 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
     `codec` and `sync`, as the builder works them out (`send`, `_member_computes`,
     `linear`, `post_weight_sync`); the builder's graph itself where none changes."""
     setup, tasks = build.setup, build.graph.tasks
-    weights = sync[0 if build.phase is Phase.FORWARD else 1]
+    phase = 0 if build.phase is Phase.FORWARD else 1
+    weights, latency = sync[phase], min(setup.weight_latency[phase], sync[phase])
     factor = setup.rates.contention - 1.0
     durations = [t.duration for t in tasks]
     profiles: dict[tuple, Profile] = {}
@@ -700,8 +714,8 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
             durations[task] = alone + factor * min(alone, sum(durations[t] for t in sent))
         elif tag == "linear":
             durations[task] = data[0] + factor * min(data[0], weights / 2)
-        else:
-            durations[task] = weights
+        else:  # the weight collective's links, after its latency
+            durations[task] = weights - latency
     changed = [i for i, (t, d) in enumerate(zip(tasks, durations, strict=True)) if t.duration != d]
     if not changed:
         return build.graph

@@ -52,6 +52,7 @@ class WeightsCost:
         layer_sync: a block's collectives (forward, backward), overlapped with the
             block's compute (`ray_zep.sim.program.LayerSetup.weight_sync`).
         groups: the rank groups those collectives run over.
+        layer_latency: the ring steps' latency within `layer_sync` (links idle for it).
         exposed: collectives no compute hides (before the first block, after the last).
         owned_params: parameters each rank updates.
     """
@@ -60,6 +61,7 @@ class WeightsCost:
     groups: tuple[tuple[int, ...], ...] = ()
     exposed: float = 0.0
     owned_params: float = 0.0
+    layer_latency: tuple[float, float] = (0.0, 0.0)
 
 
 def _groups(topology: Topology, sharding: Sharding) -> tuple[tuple[int, ...], ...]:
@@ -127,4 +129,6 @@ def weights_cost(
         exposed += cost.all_reduce_seconds(params * GRAD_BYTES_PER_ELEMENT, replicas)
     backward = (gather if reshard else 0.0) + scatter
     exposed += host_seconds
-    return WeightsCost((gather, backward), groups, exposed, params / size)
+    latency = cost.all_gather_seconds(0.0, groups[0])
+    latencies = (latency, latency * (2 if reshard else 1))
+    return WeightsCost((gather, backward), groups, exposed, params / size, latencies)
