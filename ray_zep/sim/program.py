@@ -19,8 +19,8 @@ and is combined at the destination; relay threads forward as soon as data
 arrives, without using the compute stream. An item's K/V exchange is built as
 its kind plays it (`PLAYS`, one builder per `ray_zep.partition.exchange.Play`).
 All-gathers and reduce-scatters (llama_cp's K/V, FSDP2's weights) hold every member's
-links for the bytes part of the collective's modelled time (`CostModel.all_gather_seconds`);
-its ring steps' latency comes first and holds no link (a pipelined ring's links carry
+links for the bytes part of the collective's modelled time (`CostModel.all_gather_seconds`),
+each link on its own; its ring steps' latency comes first and holds no link (a pipelined ring's links carry
 its data at the bus bandwidth for bytes / bandwidth only; the handshakes of its W - 1
 steps leave them to other traffic). The remap's all-to-all-v
 is played per rank and link kind (`_Builder.remap`). Ulysses exchanges are point-to-point
@@ -206,37 +206,43 @@ class _Builder:
         self.point[rank] = self.graph.join(rank, [self.point[rank], *deps])
 
     def collective(self, ranks, seconds: float, name: str) -> int:
-        """A ring collective over `ranks` holding all their links (but for its steps'
-        latency); every member waits for it."""
+        """A ring collective over `ranks` on all their links (`post_collective`, its steps'
+        latency holding none); every member waits for it."""
         latency = self.setup.cost.all_gather_seconds(0.0, ranks)
         task = self.post_collective(ranks, seconds, name, latency)
         for r in ranks:
             self.wait(r, [task])
         return task
 
-    def post_collective(self, ranks, seconds: float, name: str, latency: float = 0.0) -> int:
+    def post_collective(
+        self, ranks, seconds: float, name: str, latency: float = 0.0, weights: bool = False
+    ) -> int:
         """A collective over `ranks`, started once every member has posted it: `latency`
-        of its `seconds` first, holding no link, then the rest holding all their links;
-        nobody waits for it yet. The task of the rest."""
-        topo = self.topology
+        of its `seconds` first, holding no link, then the rest on each of its links at
+        once (every member's port, and every NIC of their nodes where they span several),
+        each link on its own: a link busy with another message delays only its own part.
+        Nobody waits for it yet. The join of its parts (`weights`: the layer's weight
+        collective, retimed for other wires by `_retime`)."""
         deps = [self.point[r] for r in ranks]
         latency = min(latency, seconds)
         if latency > 0:
             deps = [self.graph.add(f"{name} latency", ranks[0], Lane.HOST, latency, (), deps)]
-        resources = [("port_out", r) for r in ranks] + [("port_in", r) for r in ranks]
-        nodes = {topo.node_of(r) for r in ranks}
+        parts = [self.graph.add(name, rank, lane, seconds - latency, resources, deps)
+                 for rank, lane, resources in self._links(ranks)]  # fmt: skip
+        if self.record and weights:
+            self.recipes += [("sync", part) for part in parts]
+        return self.graph.join(ranks[0], parts)
+
+    def _links(self, ranks) -> list[tuple[int, Lane, tuple]]:
+        """(the rank it is drawn for, its lane, its resources) of every link a collective
+        over `ranks` uses."""
+        links = [(r, Lane.INTRA_NODE, (("port_out", r), ("port_in", r))) for r in ranks]
+        nodes = {self.node[r]: r for r in reversed(ranks)}  # each node's first member
         if len(nodes) > 1:
-            for node in nodes:
-                for nic in range(topo.nics_per_node):
-                    resources += [("nic_out", node, nic), ("nic_in", node, nic)]
-        return self.graph.add(
-            name,
-            ranks[0],
-            Lane.INTER_NODE if len(nodes) > 1 else Lane.INTRA_NODE,
-            seconds - latency,
-            tuple(resources),
-            deps,
-        )
+            nics = range(self.topology.nics_per_node)
+            links += [(first, Lane.INTER_NODE, (("nic_out", node, nic), ("nic_in", node, nic)))
+                      for node, first in nodes.items() for nic in nics]  # fmt: skip
+        return links
 
     def post_weight_sync(self) -> dict[int, int]:
         """This layer's weight collectives, per rank the one it joins at the layer's end."""
@@ -246,10 +252,10 @@ class _Builder:
             return {}
         out = {}
         for group in self.setup.weight_groups:
-            task = self.post_collective(list(group), seconds, "weights gather/scatter", latency)
+            task = self.post_collective(
+                list(group), seconds, "weights gather/scatter", latency, weights=True
+            )
             out.update(dict.fromkeys(group, task))
-            if self.record:
-                self.recipes.append(("sync", task))
         self.sync_tasks = out
         return out
 
@@ -714,7 +720,7 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
             durations[task] = alone + factor * min(alone, sum(durations[t] for t in sent))
         elif tag == "linear":
             durations[task] = data[0] + factor * min(data[0], weights / 2)
-        else:  # the weight collective's links, after its latency
+        else:  # a weight collective's part on one link, after its latency
             durations[task] = weights - latency
     changed = [i for i, (t, d) in enumerate(zip(tasks, durations, strict=True)) if t.duration != d]
     if not changed:
