@@ -48,7 +48,7 @@ from ray_zep.errors import ConfigError, ZepError
 from ray_zep.options import ActivationCheckpointing
 from ray_zep.parallel.memory import GB
 from ray_zep.partition import registry
-from ray_zep.partition.plan_memory import plan_memory
+from ray_zep.partition.plan_memory import plan_memory, rank_memory
 from ray_zep.partition.spec import Bench
 from ray_zep.partition.stats import max_over_mean, plan_stats
 from ray_zep.report.figures import save_figure
@@ -228,6 +228,7 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
     variant = row.placement
     config = variant_config(config, variant, capacity)
     run = RunModel.create(config, hardware)
+    run = dataclasses.replace(run, config=_planning_checkpointing(config, hardware, run))
     if VARIANTS[variant].te_wire:
         run = run.with_te_wire()
     works, inter, planner, stats, planned = [], [], [], [], []
@@ -275,6 +276,19 @@ def with_checkpointing(config: Config, mode: ActivationCheckpointing) -> Config:
     """`config` with `train.activation_checkpointing=mode`."""
     train = dataclasses.replace(config.train, activation_checkpointing=mode)
     return dataclasses.replace(config, train=train)
+
+
+def _planning_checkpointing(config: Config, hardware: Hardware, run: RunModel) -> Config:
+    """`config` under the lightest `CHECKPOINTING` mode in which a rank holding L tokens, all
+    in rings, fits the GPU (the heaviest where none does): the mode a run of this L sets,
+    and the one its plans are made under (how much ring K/V they keep depends on it)."""
+    capacity = config.train.tokens_per_rank
+    for mode in CHECKPOINTING:
+        checked = with_checkpointing(config, mode)
+        held = rank_memory(checked, hardware.topology, run.shape, capacity, capacity).total
+        if held <= hardware.usable_memory_bytes:
+            break
+    return checked
 
 
 def _fitting_checkpointing(config: Config, hardware: Hardware, run: RunModel, stats):
