@@ -16,7 +16,9 @@ average; L = that x headroom) and placement, on the same sampled batches:
   modelled memory under the lightest activation checkpointing that fits the GPU
   (`ckpt`: none, selective or full; the step counts what backward recomputes), and
   whether it fits (`fits`: no row is dropped for not fitting even with full
-  checkpointing; one that does not is marked).
+  checkpointing; one that does not is marked). The batches are planned under the
+  lightest checkpointing in which a rank of L tokens fits, the mode a run of that L
+  sets: the ring K/V a plan keeps is what that mode leaves room for.
 
 Placements are `ray-zep simulate`'s variants: `zeppelin` is the full system with the
 config's `parallel.zone_policy` (`work` by default), `zeppelin+cost` with `cost`.

@@ -19,10 +19,11 @@ and is combined at the destination; relay threads forward as soon as data
 arrives, without using the compute stream. An item's K/V exchange is built as
 its kind plays it (`PLAYS`, one builder per `ray_zep.partition.exchange.Play`).
 All-gathers and reduce-scatters (llama_cp's K/V, FSDP2's weights) hold every member's
-links for the bytes part of the collective's modelled time (`CostModel.all_gather_seconds`),
-each link on its own; its ring steps' latency comes first and holds no link (a pipelined ring's links carry
-its data at the bus bandwidth for bytes / bandwidth only; the handshakes of its W - 1
-steps leave them to other traffic). The remap's all-to-all-v
+links for the bytes part of the collective's modelled time
+(`CostModel.all_gather_seconds`), each link on its own; its ring steps' latency comes
+first and holds no link (a pipelined ring's links carry its data at the bus bandwidth
+for bytes / bandwidth only; the handshakes of its W - 1 steps leave them to other
+traffic). The remap's all-to-all-v
 is played per rank and link kind (`_Builder.remap`). Ulysses exchanges are point-to-point
 transfers between the members of a ring position.
 
