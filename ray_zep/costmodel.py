@@ -210,7 +210,7 @@ class ComputeRates:
 
     def attention_rate(self, tokens: float, causal: bool, backward: bool, **call: int) -> float:
         """`attention_rates` of one block length (`call`: its `autograd` and `heads`)."""
-        return float(self.attention_rates(np.asarray(tokens, np.float64), causal, backward, **call))
+        return float(self.attention_rates(tokens, causal, backward, **call))
 
     def attention_seconds(
         self, flops: float, tokens: float, causal: bool, backward: bool, **call: int

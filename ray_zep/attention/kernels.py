@@ -305,7 +305,9 @@ def torch_flash_varlen_attention(
     return out, lse
 
 
-def _varlen(seqs_q: PackedSeqs, seqs_k: PackedSeqs, causal: bool, scale: float):
+def _varlen(
+    seqs_q: PackedSeqs, seqs_k: PackedSeqs, causal: bool, scale: float
+) -> torch_flash.Varlen:
     cu_q, cu_k = seqs_q.cu_seqlens, seqs_k.cu_seqlens
     return torch_flash.Varlen(cu_q, cu_k, seqs_q.max_seqlen, seqs_k.max_seqlen, causal, scale)
 

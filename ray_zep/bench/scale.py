@@ -280,29 +280,40 @@ def with_checkpointing(config: Config, mode: ActivationCheckpointing) -> Config:
     return dataclasses.replace(config, train=train)
 
 
+def _lightest_fitting(
+    config: Config, hardware: Hardware, peak_of
+) -> tuple[ActivationCheckpointing, float]:
+    """(the lightest `CHECKPOINTING` mode whose modelled peak, `peak_of(config under it)`,
+    fits the GPU, or the heaviest; that peak)."""
+    for mode in CHECKPOINTING:
+        peak = peak_of(with_checkpointing(config, mode))
+        if peak <= hardware.usable_memory_bytes:
+            break
+    return mode, peak
+
+
 def _planning_checkpointing(config: Config, hardware: Hardware, run: RunModel) -> Config:
     """`config` under the lightest `CHECKPOINTING` mode in which a rank holding L tokens, all
     in rings, fits the GPU (the heaviest where none does): the mode a run of this L sets,
     and the one its plans are made under (how much ring K/V they keep depends on it)."""
     capacity = config.train.tokens_per_rank
-    for mode in CHECKPOINTING:
-        checked = with_checkpointing(config, mode)
-        held = rank_memory(checked, hardware.topology, run.shape, capacity, capacity).total
-        if held <= hardware.usable_memory_bytes:
-            break
-    return checked
+
+    def peak_of(checked: Config) -> float:
+        return rank_memory(checked, hardware.topology, run.shape, capacity, capacity).total
+
+    return with_checkpointing(config, _lightest_fitting(config, hardware, peak_of)[0])
 
 
 def _fitting_checkpointing(config: Config, hardware: Hardware, run: RunModel, stats):
     """(the lightest `CHECKPOINTING` mode whose fullest rank fits the GPU, or the
     heaviest; that rank's modelled bytes) over every plan of `stats` (per batch)."""
-    for mode in CHECKPOINTING:
-        held = (plan_memory(with_checkpointing(config, mode), hardware.topology, one, run.shape)
+
+    def peak_of(checked: Config) -> float:
+        held = (plan_memory(checked, hardware.topology, one, run.shape)
                 for batch in stats for one in batch)  # fmt: skip
-        peak = max(h.ranks[h.fullest].total for h in held)
-        if peak <= hardware.usable_memory_bytes:
-            break
-    return mode, peak
+        return max(h.ranks[h.fullest].total for h in held)
+
+    return _lightest_fitting(config, hardware, peak_of)
 
 
 def _simulated_columns(row: ScaleRow, steps, ideal, bounds, n_layers: int) -> float:

@@ -21,7 +21,7 @@ from ray_zep.parallel.memory import GB, RankMemory, memory_inputs, model_memory
 from ray_zep.partition import make_plan
 from ray_zep.partition.exchange import Exchange
 from ray_zep.partition.plan import AttentionPlan, Zone, peer_tokens
-from ray_zep.partition.stats import PlanStats
+from ray_zep.partition.stats import PlanStats, kept_kv_tokens
 from ray_zep.topology import Topology
 
 
@@ -173,18 +173,16 @@ def keep_where_room(
     per_token = (full - base) / capacity
     per_ring = (rank_memory(config, topology, shape, capacity, capacity).total - full) / capacity
     per_kept = (rank_memory(config, topology, shape, capacity, 0, capacity).total - full) / capacity
-    ring, kept = np.zeros(plan.world), np.zeros(plan.world)
+    ring = np.zeros(plan.world)
     members = []  # rings not kept: (item, its ranks, its tokens, each member's peers' tokens)
     for item in split:
         positions = np.asarray(plan.position_tokens(item), dtype=np.float64)
-        held = np.repeat(positions, item.ulysses) / item.ulysses
-        others = peer_tokens(positions, item.ulysses)
         ranks = np.asarray(item.ranks)
-        ring[ranks] += held
-        if item.exchange_kind.keeps_kv:
-            kept[ranks] += others
-        elif item.exchange is Exchange.RING:
+        ring[ranks] += np.repeat(positions, item.ulysses) / item.ulysses
+        if item.exchange is Exchange.RING:
+            others = peer_tokens(positions, item.ulysses)
             members.append((item, ranks, float(positions.sum()), others))
+    kept = kept_kv_tokens(plan)
     used = base + per_token * plan.rank_tokens() + per_ring * ring + per_kept * kept
     room = KEEP_SHARE * topology.gpu_memory_bytes - used
     keep = set()
