@@ -11,11 +11,12 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    chunks only add waiting). Where more ranks stop paying (the transfers are
    exposed) it keeps the degree of least member work.
 2. Hierarchy. A ring of at most G ranks lies inside one node (best fit), a larger
-   one on whole nodes, members ordered node by node: intra-node rings send nothing
-   over NICs, inter-node ones cross each node boundary once. A sequence that needs
-   more than a node may instead exchange heads inside each node and run its ring
-   over the nodes (USP: every GPU's hop through its own NIC, each step 1/G of the
-   heads), with the fewest nodes whose member work is at most lam
+   one on whole nodes and its rest on one more (`NodeSlots`: at most two inter-node
+   rings share a node's NICs), members ordered node by node: intra-node rings send
+   nothing over NICs, inter-node ones cross each node boundary once. A sequence
+   that needs more than a node may instead exchange heads inside each node and run
+   its ring over the nodes (USP: every GPU's hop through its own NIC, each step 1/G
+   of the heads), with the fewest nodes whose member work is at most lam
    (`WorkModel.usp_member_seconds`); it takes whichever of the two needs fewer
    ranks at the level (the lesser work by `MIN_GAIN` on as many, or where neither
    reaches it; the ring on near ties). `parallel.usp_groups=false` keeps rings.
@@ -43,6 +44,7 @@ from ray_zep.errors import PlacementError
 from ray_zep.partition.exchange import Exchange
 from ray_zep.partition.fill import water_fill
 from ray_zep.partition.load_index import LoadIndex
+from ray_zep.partition.node_slots import NodeSlots
 from ray_zep.partition.plan import SeqPlacement, bounds_for_counts, local_placement
 from ray_zep.partition.work import WorkModel
 from ray_zep.topology import Topology
@@ -195,7 +197,7 @@ def _place_at(
     if world == 1:
         split[:] = False
     seqs = np.flatnonzero(split)
-    degrees, member = _degrees(lengths[seqs], level, capacity, world, gpus, model)
+    degrees, member = _degrees(lengths[seqs], level, capacity, world, model)
     usp = np.zeros(seqs.size, dtype=bool)
     if seqs.size and usp_groups:
         degrees, member, usp = _with_usp(lengths[seqs], degrees, member, level, capacity,
@@ -207,12 +209,14 @@ def _place_at(
         member = model.alone_ring_seconds(lengths[seqs], degrees)
         usp[:] = False
     placed = Placed.empty(world)
-    slots = _NodeSlots(topology.nodes, gpus)
+    slots = NodeSlots(topology.nodes, gpus)
+    assigned = slots.assign(degrees, force)
+    if assigned is None:
+        return None  # an inter-node ring's rest has no node to go to
     for i in np.argsort(-degrees, kind="stable").tolist():
-        seq, d = int(seqs[i]), int(degrees[i])  # d <= world: `_degrees`, `_shrink`
-        ranks = slots.take(d)
+        seq, d, ranks = int(seqs[i]), int(degrees[i]), assigned[i]
         if len(ranks) < d:
-            return None  # fragmented past what the rings need
+            return None  # forced past the world's GPUs
         n, work_i = int(lengths[seq]), float(member[i])
         if usp[i] and not _whole_nodes(ranks, gpus):  # fragmented: a plain ring instead
             work_i = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([d]))[0])
@@ -229,7 +233,7 @@ def _place_at(
 
 
 def _degrees(
-    lengths: np.ndarray, level: float, capacity: int, world: int, gpus: int, model: WorkModel
+    lengths: np.ndarray, level: float, capacity: int, world: int, model: WorkModel
 ) -> tuple[np.ndarray, np.ndarray]:
     """Ranks of each ring (fewest with member work <= level) and its member work."""
     if lengths.size == 0:
@@ -249,10 +253,7 @@ def _degrees(
             break
         degree = np.where(better, grown, degree)
         seconds = np.where(better, trial, seconds)
-    # an inter-node ring takes whole nodes: a node it shared with another ring would
-    # split its NICs between their boundary hops
-    whole_nodes = np.where(degree > gpus, np.minimum(world, -(-degree // gpus) * gpus), degree)
-    return whole_nodes, model.alone_ring_seconds(lengths, whole_nodes)
+    return degree, seconds
 
 
 def _with_usp(
@@ -303,46 +304,6 @@ def _shrink(degrees: np.ndarray, low: np.ndarray, world: int) -> np.ndarray:
             np.int64
         )
     return degrees
-
-
-class _NodeSlots:
-    """Free GPUs of every node; rings take them whole-node first, then best fit."""
-
-    def __init__(self, nodes: int, gpus: int) -> None:
-        self.gpus = gpus
-        self.free = [list(range(n * gpus, (n + 1) * gpus)) for n in range(nodes)]
-        self.count = np.full(nodes, gpus, dtype=np.int64)
-
-    def take(self, degree: int) -> tuple[int, ...]:
-        full, rest = divmod(degree, self.gpus)
-        empty = np.flatnonzero(self.count == self.gpus)[:full].tolist()
-        rest_node = self._best_fit(rest, exclude=empty) if rest else None
-        if len(empty) < full or (rest and rest_node is None):
-            # fragmented: the nodes with most free GPUs, as many as the ring needs
-            chosen, needed = [], degree
-            for node in np.argsort(-self.count, kind="stable").tolist():
-                if needed == 0:
-                    break
-                got = self._pop(node, min(needed, int(self.count[node])))
-                chosen += got
-                needed -= len(got)
-            return tuple(sorted(chosen))
-        chosen = [r for node in empty for r in self._pop(node, self.gpus)]
-        if rest:
-            chosen += self._pop(rest_node, rest)
-        return tuple(sorted(chosen))
-
-    def _best_fit(self, count: int, exclude: list[int]) -> int | None:
-        """The node with the fewest free GPUs that still has `count` (not in `exclude`)."""
-        counts = self.count.copy()
-        counts[exclude] = -1
-        fits = np.flatnonzero(counts >= count)
-        return int(fits[np.argmin(counts[fits])]) if fits.size else None
-
-    def _pop(self, node: int, count: int) -> list[int]:
-        taken, self.free[node] = self.free[node][:count], self.free[node][count:]
-        self.count[node] -= len(taken)
-        return taken
 
 
 def _add_ring(placed: Placed, seq: int, length: int, ranks: tuple[int, ...], member: float):

@@ -512,7 +512,8 @@ def ring_link_bytes_by_payload(
         rounds = 1 if item.exchange_kind.keeps_kv else 2
         sizes = {p: row_bytes(p, u_size) * (rounds if p is Payload.KV else 1) for p in Payload}
         same = src // gpus == dst // gpus
-        direct_out = ~same & (not routed)
+        crossing = _crossing_hops(item, topo) if routed and not same.all() else {}
+        direct_out = ~same & (not routed or _direct_hops(src, dst, gpus, crossing))
         out_nic = (src // gpus, nic_of_gpu[src % gpus])
         for payload, rows in carried.items():
             if (size := sizes[payload]) == 0:
@@ -522,8 +523,7 @@ def ring_link_bytes_by_payload(
                       rows[direct_out] * size)  # fmt: skip
         if not routed or same.all():
             continue
-        crossing = _crossing_hops(item, topo)
-        for i in np.flatnonzero(~same).tolist():
+        for i in np.flatnonzero(~same & ~direct_out).tolist():
             a = int(src[i])
             route = _hop_route(topo, a, int(dst[i]), routed, crossing)
             steps = held[(position[i] - np.arange(ring)) % ring]
@@ -535,6 +535,22 @@ def ring_link_bytes_by_payload(
                 else:
                     intra[payload] += routed_hop_bytes(route, rows, size, nic[payload], topo)
     return {p: (intra[p], nic[p]) for p in Payload}
+
+
+def _direct_hops(src: np.ndarray, dst: np.ndarray, gpus: int, crossing) -> np.ndarray:
+    """Which hops `plan_route` sends direct: those between two nodes that as many of
+    the ring's hops cross as the nodes have GPUs (a USP group's), each its own proxy."""
+    shares = {
+        pair: max(len(set(senders)), len(set(receivers)))
+        for pair, (senders, receivers) in crossing.items()
+    }
+    return np.asarray(
+        [
+            max(1, gpus // shares[(a // gpus, b // gpus)]) == 1 if a // gpus != b // gpus else False
+            for a, b in zip(src.tolist(), dst.tolist(), strict=True)
+        ],
+        dtype=bool,
+    )
 
 
 def routed_hop_bytes(route: Route, steps: np.ndarray, size: int, nic: np.ndarray, topo) -> int:
