@@ -15,6 +15,7 @@ from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.partition.node_slots import MAX_CROSSING, NodeSlots
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts, even_bounds
+from ray_zep.partition.ring_groups import group_rings
 from ray_zep.partition.stats import plan_stats
 from ray_zep.partition.work import WorkModel
 from ray_zep.sim.hardware import Hardware
@@ -168,8 +169,9 @@ def test_work_policy_balances_work_better_than_token_capacity(
 ) -> None:
     """Within the same memory bound, on 256 GPUs the work policy's busiest rank carries
     fewer FLOPs than the cost policy's (arxiv 1.34 vs 1.78, github 1.42 vs 1.79). On 64
-    GPUs, where the rings fit, a rank is in one ring of equal chunks at most, those
-    across nodes fill all their nodes but one, and no node has more than two of them."""
+    GPUs, where the rings fit, a rank is in one ring of equal chunks at most (several
+    sequences may share it), those across nodes fill all their nodes but one, and no
+    node has more than two of them."""
     topology, shape = _cluster(nodes)
     lengths = batch_lengths(distribution, 4096 * topology.world_size, seed=0)
     plans = {
@@ -194,8 +196,10 @@ def test_work_policy_balances_work_better_than_token_capacity(
             cost = _flop_imbalance(plans[ZonePolicy.COST], shape)
             assert work < cost, f"work policy {work:.3f} vs cost policy {cost:.3f}"
         return
-    # rings of equal chunks; a sequence no rank had token room for fills free space
-    rings = [p.ranks for p in plan.placements if len(p.ranks) > 1 and _even(p)]
+    # rings of equal chunks (sequences on the same ranks are one ring); a sequence no
+    # rank had token room for fills free space
+    rings = {p.ranks for p in plan.placements if len(p.ranks) > 1 and _even(p)}
+    assert len(rings) < sum(len(p.ranks) > 1 for p in plan.placements), "no ring is shared"
     members = [r for ranks in rings for r in ranks]
     assert len(members) == len(set(members)), "a rank is in two rings"
     gpus = topology.gpus_per_node
@@ -225,6 +229,23 @@ def test_at_most_two_inter_node_rings_share_a_nodes_nics() -> None:
     forced = NodeSlots(4, 8).assign(np.asarray([9, 9, 9]), force=True)
     assert [len(r) for r in forced] == [9, 9, 9]
     assert len({r for ranks in forced for r in ranks}) == 27
+
+
+def test_split_sequences_share_a_ring_where_it_saves_ranks() -> None:
+    """Three sequences that each need a ring of 2 (their work over 2 ranks is 0.6 of the
+    level) share one ring of 4 (0.3 each there: 0.9); with token room for 50 per rank,
+    two would need 4 ranks together, no fewer than alone, so none is shared; a sequence
+    whose ring crosses nodes stays alone."""
+    grid = np.tile([0.6, 0.4, 0.3], (3, 1))  # member seconds at 2, 3, 4 ranks
+    lengths, degrees, member = np.full(3, 100), np.full(3, 2), np.full(3, 0.6)
+    every = np.ones(3, dtype=bool)
+    (ring,) = group_rings(grid, lengths, degrees, member, every, level=1.0, capacity=1000)
+    assert ring.members == (0, 1, 2) and ring.degree == 4
+    assert ring.member_seconds == pytest.approx(0.9)
+    alone = group_rings(grid, lengths, degrees, member, every, level=1.0, capacity=50)
+    assert [r.degree for r in alone] == [2, 2, 2]
+    apart = group_rings(grid, lengths, degrees, member, np.asarray([True, True, False]), 1.0, 1000)
+    assert sorted(r.members for r in apart) == [(0, 1), (2,)]
 
 
 def test_work_policy_lets_token_counts_differ_where_work_does_not() -> None:

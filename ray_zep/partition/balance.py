@@ -9,7 +9,9 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    a sequence gets the fewest ranks whose member work is at most lam (equal
    zigzag chunks: a ring waits for its slowest member at every step, so unequal
    chunks only add waiting). Where more ranks stop paying (the transfers are
-   exposed) it keeps the degree of least member work.
+   exposed) it keeps the degree of least member work. Sequences whose rings lie
+   inside a node share one ring where that takes fewer ranks than their own
+   (`group_rings`: one queue item, every step forwarding all their chunks).
 2. Hierarchy. A ring of at most G ranks lies inside one node (best fit), a larger
    one on whole nodes and its rest on one more (`NodeSlots`: at most two inter-node
    rings share a node's NICs), members ordered node by node: intra-node rings send
@@ -46,10 +48,11 @@ from ray_zep.partition.fill import water_fill
 from ray_zep.partition.load_index import LoadIndex
 from ray_zep.partition.node_slots import NodeSlots
 from ray_zep.partition.plan import SeqPlacement, bounds_for_counts, local_placement
+from ray_zep.partition.ring_groups import alone_rings, fewest_ranks, group_rings
 from ray_zep.partition.work import WorkModel
 from ray_zep.topology import Topology
 
-LEVELS = (1.0, 1.02, 1.05, 1.1, 1.15, 1.25, 1.4, 1.6, 2.0, 3.0)
+LEVELS = (1.0, 1.02, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.4, 1.5, 1.6, 2.0, 3.0)
 """Levels scanned, times the mean work per rank."""
 PAST_FIRST = 4
 """Levels scanned past the first feasible one (a higher level may need fewer
@@ -202,27 +205,38 @@ def _place_at(
     if seqs.size and usp_groups:
         degrees, member, usp = _with_usp(lengths[seqs], degrees, member, level, capacity,
                                          topology, model)  # fmt: skip
-    if degrees.sum() > world:
+    eligible = ~usp & (degrees <= gpus)
+    if not force and fewest_ranks(small[seqs], degrees, eligible, level) > world:
+        return None  # even perfectly shared rings need more than the world
+    rings = group_rings(small[seqs], lengths[seqs], degrees, member, eligible, level, capacity)
+    if sum(r.degree for r in rings) > world:
         if not force:
             return None
         degrees = _shrink(degrees, np.maximum(2, -(-lengths[seqs] // capacity)), world)
         member = model.alone_ring_seconds(lengths[seqs], degrees)
         usp[:] = False
+        rings = alone_rings(degrees, member)
     placed = Placed.empty(world)
     slots = NodeSlots(topology.nodes, gpus)
-    assigned = slots.assign(degrees, force)
+    ring_degrees = np.asarray([r.degree for r in rings], dtype=np.int64)
+    assigned = slots.assign(ring_degrees, force)
     if assigned is None:
         return None  # an inter-node ring's rest has no node to go to
-    for i in np.argsort(-degrees, kind="stable").tolist():
-        seq, d, ranks = int(seqs[i]), int(degrees[i]), assigned[i]
+    for k in np.argsort(-ring_degrees, kind="stable").tolist():
+        ring, ranks = rings[k], assigned[k]
+        d = ring.degree
         if len(ranks) < d:
             return None  # forced past the world's GPUs
-        n, work_i = int(lengths[seq]), float(member[i])
-        if usp[i] and not _whole_nodes(ranks, gpus):  # fragmented: a plain ring instead
-            work_i = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([d]))[0])
-        elif usp[i]:
-            placed.ulysses[seq] = gpus
-        _add_ring(placed, seq, n, ranks, work_i)
+        work_k = ring.member_seconds
+        if len(ring.members) == 1:
+            i = ring.members[0]
+            seq, n = int(seqs[i]), int(lengths[seqs[i]])
+            if usp[i] and not _whole_nodes(ranks, gpus):  # fragmented: a plain ring instead
+                work_k = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([d]))[0])
+            elif usp[i]:
+                placed.ulysses[seq] = gpus
+        members = seqs[list(ring.members)]
+        _add_shared_ring(placed, members.tolist(), lengths[members].tolist(), ranks, work_k)
     if placed.busiest >= prune_above:
         placed.pruned = True
         return placed
@@ -307,12 +321,23 @@ def _shrink(degrees: np.ndarray, low: np.ndarray, world: int) -> np.ndarray:
 
 
 def _add_ring(placed: Placed, seq: int, length: int, ranks: tuple[int, ...], member: float):
+    _add_shared_ring(placed, [seq], [length], ranks, member)
+
+
+def _add_shared_ring(
+    placed: Placed, seqs: list[int], lengths: list[int], ranks: tuple[int, ...], member: float
+) -> None:
+    """Sequences on one ring over `ranks` (equal chunks each), `member` seconds a member."""
     d = len(ranks)
-    counts = [length // d + (1 if i < length % d else 0) for i in range(d)]
-    placed.groups[seq] = (ranks, tuple(counts))
+    held = np.zeros(d, dtype=np.int64)
+    for seq, length in zip(seqs, lengths, strict=True):
+        chunk, extra = divmod(length, d)
+        counts = (chunk + 1,) * extra + (chunk,) * (d - extra)
+        placed.groups[seq] = (ranks, counts)
+        held += counts
     index = list(ranks)
     placed.load[index] += member
-    placed.tokens[index] += np.asarray(counts, dtype=np.int64)
+    placed.tokens[index] += held
     placed.in_ring[index] = True
 
 
@@ -500,7 +525,13 @@ def _add_spill(
 
 def _placements(lengths: np.ndarray, placed: Placed, model: WorkModel) -> list[SeqPlacement]:
     """The placements of `placed`; a ring keeps the forward's K/V for the backward where
-    its fullest keeper stays within the model's budget (`WorkModel.keeps_kv`)."""
+    its fullest keeper, over all the ring's sequences, stays within the model's budget
+    (`WorkModel.keeps_kv`): one exchange for all of them, so that they stay one ring."""
+    kept: dict[tuple[int, ...], int] = {}  # ring ranks -> tokens its fullest keeper keeps
+    for seq, (ranks, counts) in placed.groups.items():
+        u = placed.ulysses.get(seq, 1)
+        positions = np.asarray(counts).reshape(-1, u).sum(axis=1)
+        kept[ranks] = kept.get(ranks, 0) + int(lengths[seq]) - int(positions.min())
     out = []
     for seq, n in enumerate(lengths.tolist()):
         rank = placed.local.get(seq)
@@ -510,7 +541,7 @@ def _placements(lengths: np.ndarray, placed: Placed, model: WorkModel) -> list[S
         ranks, counts = placed.groups[seq]
         u = placed.ulysses.get(seq, 1)
         positions = np.asarray(counts).reshape(-1, u).sum(axis=1)
-        keeps = bool(model.keeps_kv(n - positions.min(), u))
+        keeps = bool(model.keeps_kv(kept[ranks], u))
         exchange = Exchange.RING_KEPT if keeps else Exchange.RING
         if u > 1:  # ring positions of U members each: the position's tokens, its members'
             out.append(SeqPlacement(seq, n, ranks, bounds_for_counts(positions.tolist()),

@@ -109,7 +109,7 @@ class SeqPlacement(NamedTuple):
         return tuple(self.bounds[c + 1] - self.bounds[c] for c in chunks)
 
     def position_tokens(self, position: int) -> int:
-        return sum(b - a for a, b in self.position_ranges(position))
+        return sum(self.slot_tokens(position))
 
     def member_ranges(self, member: int) -> list[tuple[int, int]]:
         """Non-empty token ranges held by `ranks[member]`, in its layout order."""
@@ -232,6 +232,8 @@ class AttentionPlan:
     _items: list[QueueItem] | None = field(default=None, repr=False, compare=False)
     _by_seq: dict[int, SeqPlacement] | None = field(default=None, repr=False, compare=False)
     _rank_tokens: np.ndarray | None = field(default=None, repr=False, compare=False)
+    _item_tokens: dict[QueueItem, list[int]] = field(default_factory=dict, repr=False,
+                                                     compare=False)  # fmt: skip
 
     @property
     def world(self) -> int:
@@ -278,8 +280,12 @@ class AttentionPlan:
 
     def position_tokens(self, item: QueueItem) -> list[int]:
         """Tokens each ring position of `item` holds, its sequences together."""
-        placements = [self.placement(s) for s in item.seqs]
-        return [sum(p.position_tokens(r) for p in placements) for r in range(item.ring_size)]
+        tokens = self._item_tokens.get(item)
+        if tokens is None:
+            placements = [self.placement(s) for s in item.seqs]
+            tokens = [sum(p.position_tokens(r) for p in placements) for r in range(item.ring_size)]
+            self._item_tokens[item] = tokens
+        return list(tokens)
 
     def rank_items(self, rank: int) -> list[QueueItem]:
         return [item for item in self.items() if rank in item.ranks]

@@ -1,0 +1,126 @@
+"""Split sequences that share one intra-node ring (`ray_zep.partition.balance`).
+
+A rank joins at most one ring, so a ring of d members over a sequence whose work is
+1.1 ranks' worth of the level leaves 0.9 of a rank idle per ring (short sequences
+over L tokens need a ring of two, whatever their work). Several sequences on the
+same ranks form one ring (one queue item: every step forwards all their chunks
+together, `AttentionPlan.items`), so the planner packs them: sequences whose rings
+fit in a node, most work first, each joins the group it costs the fewest extra ranks
+(the group may grow up to a node's GPUs) when that is fewer than its own ring
+needs, its members' work and tokens within the level and L. A group's member work
+is the sum of its sequences' alone (a ring's transfers and compute overlap apart
+for each sequence: an upper bound of the shared ring's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+WINDOW = 48
+"""Groups a sequence may join: the latest opened that still have room (the earlier
+ones, opened for longer sequences, are the fullest)."""
+SLOTS = np.arange(WINDOW)
+
+
+@dataclass(frozen=True)
+class RingGroup:
+    """Sequences (indices into the split sequences) on one ring of `degree` ranks."""
+
+    members: tuple[int, ...]
+    degree: int
+    member_seconds: float
+
+
+def group_rings(
+    grid: np.ndarray,
+    lengths: np.ndarray,
+    degrees: np.ndarray,
+    member: np.ndarray,
+    eligible: np.ndarray,
+    level: float,
+    capacity: int,
+) -> list[RingGroup]:
+    """Groups of the split sequences (module docstring), one per ring.
+
+    Args:
+        grid: S x (G - 1) member seconds of each split sequence's ring of 2 .. G ranks.
+        lengths: tokens of each split sequence.
+        degrees: each one's own ring degree.
+        member: each one's own ring member seconds.
+        eligible: those whose own ring lies inside a node (others stay alone).
+        level: the most work a member may carry.
+        capacity: L.
+    """
+    sizes = np.arange(2, grid.shape[1] + 2)
+    alone = [ring for ring in alone_rings(degrees, member) if not eligible[ring.members[0]]]
+    order = np.flatnonzero(eligible)
+    order = order[np.lexsort((-member[order] * degrees[order], -degrees[order]))]
+    chunks = -(-lengths[order][:, None] // sizes[None, :])  # a member's tokens at each size
+    work = grid[order]
+    lightest, shortest = (
+        (float(work[:, -1].min()), int(chunks[:, -1].min())) if order.size else (0, 0)
+    )
+    # the groups a sequence may join, in a ring buffer of WINDOW slots: each slot's
+    # group, the work and tokens its members have room for at each size (none below
+    # its degree), and its degree
+    group = np.full(WINDOW, -1)
+    slack = np.full((WINDOW, sizes.size), -np.inf)
+    room = np.zeros((WINDOW, sizes.size), dtype=np.int64)
+    degree = np.zeros(WINDOW, dtype=np.int64)
+    members: list[list[int]] = []
+    totals: list[np.ndarray] = []  # each group's member work at each size
+    degrees_of: list[int] = []
+    for position, i in enumerate(order.tolist()):
+        own, need, chunk = int(degrees[i]), work[position], chunks[position]
+        ok = (need <= slack) & (chunk <= room)
+        first = ok.argmax(axis=1)
+        added = np.where(ok[SLOTS, first], sizes[first] - degree, own)
+        k = int(added.argmin())
+        if added[k] < own:
+            size = int(first[k])
+            slack[k] -= need
+            room[k] -= chunk
+            slack[k, :size] = -np.inf
+            degree[k] = sizes[size]
+            j = int(group[k])
+            members[j].append(i)
+            totals[j] += need
+            degrees_of[j] = int(sizes[size])
+            if slack[k, -1] < lightest or room[k, -1] < shortest:
+                slack[k] = -np.inf  # no sequence fits any more
+            continue
+        k = len(members) % WINDOW  # the oldest slot's group is closed
+        group[k] = len(members)
+        slack[k] = level - need
+        slack[k, : own - 2] = -np.inf
+        room[k] = capacity - chunk
+        degree[k] = own
+        members.append([i])
+        totals.append(need.copy())
+        degrees_of.append(own)
+    grouped = [
+        RingGroup(tuple(m), d, float(total[d - 2]))
+        for m, d, total in zip(members, degrees_of, totals, strict=True)
+    ]
+    return grouped + alone
+
+
+def alone_rings(degrees: np.ndarray, member: np.ndarray) -> list[RingGroup]:
+    """One ring per split sequence, of its own degree and member seconds."""
+    return [
+        RingGroup((i,), int(d), float(m))
+        for i, (d, m) in enumerate(zip(degrees.tolist(), member.tolist(), strict=True))
+    ]
+
+
+def fewest_ranks(grid: np.ndarray, degrees: np.ndarray, eligible: np.ndarray, level: float) -> int:
+    """A lower bound on the ranks `group_rings`' rings take: the others' own degrees, and
+    the eligible sequences' least rank-seconds (size x member seconds) over the level (a
+    group's members carry at most the level), or their own degree where that is fewer
+    (a sequence over the level alone stays alone)."""
+    sizes = np.arange(2, grid.shape[1] + 2)
+    shares = (grid[eligible] * sizes[None, :]).min(axis=1, initial=np.inf) / max(level, 1e-30)
+    shares = np.minimum(shares, degrees[eligible])
+    return int(degrees[~eligible].sum()) + int(np.ceil(shares.sum()))
