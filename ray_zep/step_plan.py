@@ -10,6 +10,9 @@ traffic. The data actor cuts the batch into rank shards from it
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +84,28 @@ def plan_step(
     parallel = config.parallel
     if SEQUENCE_AXES[parallel.sequence].whole_sequences:
         return StepPlan()
+    with _no_cycle_collection():
+        return _plan_step(lengths, config, topology, shape)
+
+
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """The cyclic garbage collector paused: a plan's objects are freed by reference
+    counting, and a full collection in the middle of one (every few plans at 1,024 GPUs,
+    when the allocations pass its threshold) took 60-70 ms of a 130 ms plan."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan_step(
+    lengths: np.ndarray, config: Config, topology: Topology, shape: ModelShape
+) -> StepPlan:
+    parallel = config.parallel
     plan = memory_plan(parallel.sequence, lengths, config, topology, shape)
     routing = RoutingPlan.build(plan) if parallel.routing else None
     remap = None

@@ -62,9 +62,8 @@ def group_rings(
     lightest, shortest = (
         (float(work[:, -1].min()), int(chunks[:, -1].min())) if order.size else (0, 0)
     )
-    # the groups a sequence may join, in a ring buffer of WINDOW slots: each slot's
-    # group, the work and tokens its members have room for at each size (none below
-    # its degree), and its degree
+    # the groups a sequence may join, in WINDOW slots: each slot's group, the work and
+    # tokens its members have room for at each size (none below its degree), its degree
     group = np.full(WINDOW, -1)
     slack = np.full((WINDOW, sizes.size), -np.inf)
     room = np.zeros((WINDOW, sizes.size), dtype=np.int64)
@@ -77,7 +76,8 @@ def group_rings(
         ok = (need <= slack) & (chunk <= room)
         first = ok.argmax(axis=1)
         added = np.where(ok[SLOTS, first], sizes[first] - degree, own)
-        k = int(added.argmin())
+        left = slack[SLOTS, first] - need[first]  # best fit among the fewest added ranks
+        k = int(np.lexsort((left, added))[0])
         if added[k] < own:
             size = int(first[k])
             slack[k] -= need
@@ -91,7 +91,9 @@ def group_rings(
             if slack[k, -1] < lightest or room[k, -1] < shortest:
                 slack[k] = -np.inf  # no sequence fits any more
             continue
-        k = len(members) % WINDOW  # the oldest slot's group is closed
+        # a new group takes a slot no open group holds, else the oldest group's
+        free = np.flatnonzero(np.isneginf(slack[:, -1]))
+        k = int(free[0]) if free.size else int(group.argmin())
         group[k] = len(members)
         slack[k] = level - need
         slack[k, : own - 2] = -np.inf
