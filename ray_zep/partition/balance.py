@@ -208,8 +208,9 @@ def _place_at(
     eligible = ~usp & (degrees <= gpus)
     if not force and fewest_ranks(small[seqs], degrees, eligible, level) > world:
         return None  # even perfectly shared rings need more than the world
-    rings = group_rings(small[seqs], lengths[seqs], degrees, member, eligible, level, capacity)
-    if sum(r.degree for r in rings) > world:
+    rings = group_rings(small[seqs], lengths[seqs], degrees, member, eligible, level, capacity,
+                        None if force else world)  # fmt: skip
+    if rings is None or sum(r.degree for r in rings) > world:
         if not force:
             return None
         degrees = _shrink(degrees, np.maximum(2, -(-lengths[seqs] // capacity)), world)
@@ -222,6 +223,9 @@ def _place_at(
     assigned = slots.assign(ring_degrees, force)
     if assigned is None:
         return None  # an inter-node ring's rest has no node to go to
+    index: list[int] = []
+    loads: list[float] = []
+    held: list[int] = []
     for k in np.argsort(-ring_degrees, kind="stable").tolist():
         ring, ranks = rings[k], assigned[k]
         d = ring.degree
@@ -236,7 +240,12 @@ def _place_at(
             elif usp[i]:
                 placed.ulysses[seq] = gpus
         members = seqs[list(ring.members)]
-        _add_shared_ring(placed, members.tolist(), lengths[members].tolist(), ranks, work_k)
+        held += _shared_ring(placed, members.tolist(), lengths[members].tolist(), ranks)
+        index += ranks
+        loads += [work_k] * len(ranks)
+    placed.load[index] += loads  # the rings' ranks are disjoint
+    placed.tokens[index] += held
+    placed.in_ring[index] = True
     if placed.busiest >= prune_above:
         placed.pruned = True
         return placed
@@ -321,24 +330,25 @@ def _shrink(degrees: np.ndarray, low: np.ndarray, world: int) -> np.ndarray:
 
 
 def _add_ring(placed: Placed, seq: int, length: int, ranks: tuple[int, ...], member: float):
-    _add_shared_ring(placed, [seq], [length], ranks, member)
+    index = list(ranks)
+    placed.load[index] += member
+    placed.tokens[index] += _shared_ring(placed, [seq], [length], ranks)
+    placed.in_ring[index] = True
 
 
-def _add_shared_ring(
-    placed: Placed, seqs: list[int], lengths: list[int], ranks: tuple[int, ...], member: float
-) -> None:
-    """Sequences on one ring over `ranks` (equal chunks each), `member` seconds a member."""
+def _shared_ring(
+    placed: Placed, seqs: list[int], lengths: list[int], ranks: tuple[int, ...]
+) -> list[int]:
+    """Records sequences on one ring over `ranks` (equal chunks each); returns the tokens
+    each member holds of them."""
     d = len(ranks)
-    held = np.zeros(d, dtype=np.int64)
+    held = [0] * d
     for seq, length in zip(seqs, lengths, strict=True):
         chunk, extra = divmod(length, d)
         counts = (chunk + 1,) * extra + (chunk,) * (d - extra)
         placed.groups[seq] = (ranks, counts)
-        held += counts
-    index = list(ranks)
-    placed.load[index] += member
-    placed.tokens[index] += held
-    placed.in_ring[index] = True
+        held = [h + c for h, c in zip(held, counts, strict=True)]
+    return held
 
 
 def _fill_whole(

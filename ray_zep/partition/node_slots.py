@@ -22,6 +22,8 @@ to G - 1 ranks of each idle: on `bench scale`'s prolong64k batches 12-20% of the
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 MAX_CROSSING = 2
@@ -38,6 +40,8 @@ class NodeSlots:
         self.count = np.full(nodes, gpus, dtype=np.int64)
         self.crossing = np.zeros(nodes, dtype=np.int64)
         """Inter-node rings with members on each node."""
+        self._by_free: list[list[int]] = [[] for _ in range(gpus)] + [list(range(nodes))]
+        """Nodes with each count of free GPUs, ascending."""
 
     def assign(self, degrees: np.ndarray, force: bool = False) -> list[tuple[int, ...]] | None:
         """Ranks (ascending) of each ring of `degrees` ranks (module docstring), or None
@@ -75,18 +79,19 @@ class NodeSlots:
     def _rest_node(self, rest: int, force: bool) -> int | None:
         """The node for an inter-node ring's rest (module docstring)."""
         for limit in (1, MAX_CROSSING):
-            node = self._best_fit(rest, self.crossing < limit)
+            node = self._best_fit(rest, limit)
             if node is not None:
                 return node
         return self._best_fit(rest) if force else None
 
-    def _best_fit(self, count: int, allowed: np.ndarray | None = None) -> int | None:
-        """The node with the fewest free GPUs that still has `count` (where `allowed`)."""
-        fits = self.count >= count
-        if allowed is not None:
-            fits &= allowed
-        nodes = np.flatnonzero(fits)
-        return int(nodes[np.argmin(self.count[nodes])]) if nodes.size else None
+    def _best_fit(self, count: int, crossed_below: int | None = None) -> int | None:
+        """The node with the fewest free GPUs that still has `count` (of those, the lowest;
+        only nodes fewer than `crossed_below` inter-node rings cross)."""
+        for nodes in self._by_free[count:]:
+            for node in nodes:
+                if crossed_below is None or self.crossing[node] < crossed_below:
+                    return node
+        return None
 
     def _scatter(self, count: int) -> list[int]:
         """`count` GPUs from the nodes with most free ones (no node has them all)."""
@@ -99,5 +104,9 @@ class NodeSlots:
 
     def _pop(self, node: int, count: int) -> list[int]:
         taken, self.free[node] = self.free[node][:count], self.free[node][count:]
+        before = int(self.count[node])
+        bucket = self._by_free[before]
+        del bucket[bisect.bisect_left(bucket, node)]
+        bisect.insort(self._by_free[before - len(taken)], node)
         self.count[node] -= len(taken)
         return taken

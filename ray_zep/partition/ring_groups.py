@@ -14,6 +14,7 @@ for each sequence: an upper bound of the shared ring's).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,8 +42,10 @@ def group_rings(
     eligible: np.ndarray,
     level: float,
     capacity: int,
-) -> list[RingGroup]:
-    """Groups of the split sequences (module docstring), one per ring.
+    world: int | None = None,
+) -> list[RingGroup] | None:
+    """Groups of the split sequences (module docstring), one per ring; None once the
+    rings are bound to take more than `world` ranks (`fewest_ranks` of the rest).
 
     Args:
         grid: S x (G - 1) member seconds of each split sequence's ring of 2 .. G ranks.
@@ -52,6 +55,7 @@ def group_rings(
         eligible: those whose own ring lies inside a node (others stay alone).
         level: the most work a member may carry.
         capacity: L.
+        world: the ranks there are (None: no limit).
     """
     sizes = np.arange(2, grid.shape[1] + 2)
     alone = [ring for ring in alone_rings(degrees, member) if not eligible[ring.members[0]]]
@@ -59,6 +63,12 @@ def group_rings(
     order = order[np.lexsort((-member[order] * degrees[order], -degrees[order]))]
     chunks = -(-lengths[order][:, None] // sizes[None, :])  # a member's tokens at each size
     work = grid[order]
+    # the fewest ranks the sequences after each one can take (`fewest_ranks`)
+    shares = np.minimum((work * sizes[None, :]).min(axis=1, initial=np.inf) / level,
+                        degrees[order])  # fmt: skip
+    after = np.concatenate([np.cumsum(shares[::-1])[::-1][1:], [0.0]])
+    used = float(degrees[~eligible].sum())
+    limit = np.inf if world is None else world + 1e-9
     lightest, shortest = (
         (float(work[:, -1].min()), int(chunks[:, -1].min())) if order.size else (0, 0)
     )
@@ -71,15 +81,20 @@ def group_rings(
     members: list[list[int]] = []
     totals: list[np.ndarray] = []  # each group's member work at each size
     degrees_of: list[int] = []
+    # a sequence's cost of joining each slot's group at each size: the ranks it adds
+    # there, then, to prefer the fullest, the room left as a fraction (below 1/2) of the
+    # level; `base` holds the part that is the slot's own
+    scale = 0.5 / max(level, 1e-30)
+    base = np.full((WINDOW, sizes.size), np.inf)
+    free = list(range(WINDOW))  # a heap of the slots no open group holds
     for position, i in enumerate(order.tolist()):
         own, need, chunk = int(degrees[i]), work[position], chunks[position]
-        ok = (need <= slack) & (chunk <= room)
-        first = ok.argmax(axis=1)
-        added = np.where(ok[SLOTS, first], sizes[first] - degree, own)
-        left = slack[SLOTS, first] - need[first]  # best fit among the fewest added ranks
-        k = int(np.lexsort((left, added))[0])
-        if added[k] < own:
-            size = int(first[k])
+        cost = np.where((need <= slack) & (chunk <= room), base - need * scale, np.inf)
+        k, size = divmod(int(cost.argmin()), sizes.size)
+        if cost[k, size] < own:  # fewer added ranks than its own ring
+            used += int(sizes[size] - degree[k])
+            if used + after[position] > limit:
+                return None
             slack[k] -= need
             room[k] -= chunk
             slack[k, :size] = -np.inf
@@ -90,15 +105,20 @@ def group_rings(
             degrees_of[j] = int(sizes[size])
             if slack[k, -1] < lightest or room[k, -1] < shortest:
                 slack[k] = -np.inf  # no sequence fits any more
+                heapq.heappush(free, k)
+            base[k] = sizes - degree[k] + slack[k] * scale
             continue
-        # a new group takes a slot no open group holds, else the oldest group's
-        free = np.flatnonzero(np.isneginf(slack[:, -1]))
-        k = int(free[0]) if free.size else int(group.argmin())
+        used += own
+        if used + after[position] > limit:
+            return None
+        # a new group takes the first slot no open group holds, else the oldest group's
+        k = heapq.heappop(free) if free else int(group.argmin())
         group[k] = len(members)
         slack[k] = level - need
         slack[k, : own - 2] = -np.inf
         room[k] = capacity - chunk
         degree[k] = own
+        base[k] = sizes - degree[k] + slack[k] * scale
         members.append([i])
         totals.append(need.copy())
         degrees_of.append(own)
