@@ -79,6 +79,28 @@ def test_a_rank_in_several_rings_matches_single_device() -> None:
     _assert_ring_matches(2, cases, results)
 
 
+def test_sequences_sharing_a_ring_match_single_device() -> None:
+    """The work policy puts two split sequences on one ring (one queue item whose steps
+    forward both sequences' chunks; a rank in one ring only): on one node, and across
+    two, direct and routed."""
+    cases = [
+        dict(strategy="zeppelin", routing=routing, nodes=nodes, gpus=gpus, heads=8, kv_heads=2,
+             dim=4, lengths=[12, 2, 14], capacity=7)
+        for nodes, gpus, routing in [(1, 4, False), (2, 2, False), (2, 2, True)]
+    ]  # fmt: skip
+    for case in cases:
+        config = load_config(None, [f"topology.nodes={case['nodes']}", "model.n_heads=8",
+                                    f"topology.gpus_per_node={case['gpus']}", "model.n_kv_heads=2",
+                                    "model.dim=32"])  # fmt: skip
+        plan = make_plan(Placement.ZEPPELIN, case["lengths"], build_topology(config.topology),
+                         case["capacity"], build_shape(config.model))  # fmt: skip
+        rings = [item for item in plan.items() if item.ring_size > 1]
+        assert any(len(item.seqs) > 1 for item in rings), "two sequences must share a ring"
+        assert max(Counter(r for item in rings for r in item.ranks).values()) == 1
+    results = run_ranks(_ring_all, 4, cases)
+    _assert_ring_matches(2, cases, results)
+
+
 def test_dkv_accumulators_in_the_kv_dtype_on_the_wire() -> None:
     """`parallel.dkv_wire=compute` on 2x2, every sequence on a ring of the four ranks
     (te_cp, routed: hops inside a node direct, between nodes through the relays): in

@@ -243,8 +243,8 @@ def _place_at(
         held += _shared_ring(placed, members.tolist(), lengths[members].tolist(), ranks)
         index += ranks
         loads += [work_k] * len(ranks)
-    placed.load[index] += loads  # the rings' ranks are disjoint
-    placed.tokens[index] += held
+    placed.load[index] += np.asarray(loads, dtype=np.float64)  # the rings' ranks are disjoint
+    placed.tokens[index] += np.asarray(held, dtype=np.int64)
     placed.in_ring[index] = True
     if placed.busiest >= prune_above:
         placed.pruned = True
