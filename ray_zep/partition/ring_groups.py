@@ -44,8 +44,8 @@ def group_rings(
     capacity: int,
     world: int | None = None,
 ) -> list[RingGroup] | None:
-    """Groups of the split sequences (module docstring), one per ring; None once the
-    rings are bound to take more than `world` ranks (`fewest_ranks` of the rest).
+    """Groups of the split sequences (module docstring), one per ring; None once they
+    take more than `world` ranks.
 
     Args:
         grid: S x (G - 1) member seconds of each split sequence's ring of 2 .. G ranks.
@@ -63,10 +63,6 @@ def group_rings(
     order = order[np.lexsort((-member[order] * degrees[order], -degrees[order]))]
     chunks = -(-lengths[order][:, None] // sizes[None, :])  # a member's tokens at each size
     work = grid[order]
-    # the fewest ranks the sequences after each one can take (`fewest_ranks`)
-    shares = np.minimum((work * sizes[None, :]).min(axis=1, initial=np.inf) / level,
-                        degrees[order])  # fmt: skip
-    after = np.concatenate([np.cumsum(shares[::-1])[::-1][1:], [0.0]])
     used = float(degrees[~eligible].sum())
     limit = np.inf if world is None else world + 1e-9
     lightest, shortest = (
@@ -93,7 +89,7 @@ def group_rings(
         k, size = divmod(int(cost.argmin()), sizes.size)
         if cost[k, size] < own:  # fewer added ranks than its own ring
             used += int(sizes[size] - degree[k])
-            if used + after[position] > limit:
+            if used > limit:
                 return None
             slack[k] -= need
             room[k] -= chunk
@@ -109,7 +105,7 @@ def group_rings(
             base[k] = sizes - degree[k] + slack[k] * scale
             continue
         used += own
-        if used + after[position] > limit:
+        if used > limit:
             return None
         # a new group takes the first slot no open group holds, else the oldest group's
         k = heapq.heappop(free) if free else int(group.argmin())
