@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-WINDOW = 48
+WINDOW = 96
 """Groups a sequence may join: the latest opened that still have room (the earlier
 ones, opened for longer sequences, are the fullest)."""
 SLOTS = np.arange(WINDOW)
