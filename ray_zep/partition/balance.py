@@ -538,9 +538,10 @@ def _placements(lengths: np.ndarray, placed: Placed, model: WorkModel) -> list[S
     its fullest keeper, over all the ring's sequences, stays within the model's budget
     (`WorkModel.keeps_kv`): one exchange for all of them, so that they stay one ring."""
     kept: dict[tuple[int, ...], int] = {}  # ring ranks -> tokens its fullest keeper keeps
+    positions_of: dict[int, np.ndarray] = {}  # ring sequence -> tokens of each position
     for seq, (ranks, counts) in placed.groups.items():
-        u = placed.ulysses.get(seq, 1)
-        positions = np.asarray(counts).reshape(-1, u).sum(axis=1)
+        positions = np.asarray(counts).reshape(-1, placed.ulysses.get(seq, 1)).sum(axis=1)
+        positions_of[seq] = positions
         kept[ranks] = kept.get(ranks, 0) + int(lengths[seq]) - int(positions.min())
     out = []
     for seq, n in enumerate(lengths.tolist()):
@@ -549,8 +550,7 @@ def _placements(lengths: np.ndarray, placed: Placed, model: WorkModel) -> list[S
             out.append(local_placement(seq, n, rank))
             continue
         ranks, counts = placed.groups[seq]
-        u = placed.ulysses.get(seq, 1)
-        positions = np.asarray(counts).reshape(-1, u).sum(axis=1)
+        u, positions = placed.ulysses.get(seq, 1), positions_of[seq]
         keeps = bool(model.keeps_kv(kept[ranks], u))
         exchange = Exchange.RING_KEPT if keeps else Exchange.RING
         if u > 1:  # ring positions of U members each: the position's tokens, its members'

@@ -191,10 +191,7 @@ def plan_route(
     destinations of those reaching dst's node in the same step (this one
     included); the node's GPUs are shared among them.
     """
-    share = max(1, len(set(senders) | {src}), len(set(receivers) | {dst}))
-    src_gpus = len(topology.ranks_of_node(topology.node_of(src)))
-    dst_gpus = len(topology.ranks_of_node(topology.node_of(dst)))
-    count = max(1, min(src_gpus, dst_gpus) // share)
+    count = _proxy_count(topology, src, dst, senders, receivers)
     if count == 1:  # as many transfers as GPUs (a USP group's hops): each goes direct
         return Route(src, dst, rows, (src,), (dst,))
     return Route(
@@ -204,6 +201,17 @@ def plan_route(
         choose_proxies(topology, src, count, tuple(r for r in senders if r != src)),
         choose_proxies(topology, dst, count, tuple(r for r in receivers if r != dst)),
     )
+
+
+def _proxy_count(
+    topology: Topology, src: int, dst: int, senders: tuple[int, ...], receivers: tuple[int, ...]
+) -> int:
+    """Proxies on each side of a transfer between two nodes (`plan_route`): the nodes'
+    GPUs shared among the transfers leaving and reaching them in the same step."""
+    share = max(1, len(set(senders) | {src}), len(set(receivers) | {dst}))
+    src_gpus = len(topology.ranks_of_node(topology.node_of(src)))
+    dst_gpus = len(topology.ranks_of_node(topology.node_of(dst)))
+    return max(1, min(src_gpus, dst_gpus) // share)
 
 
 def _shared_route(topology: Topology, src: int, dst: int, rows: int, crossing) -> Route:
@@ -513,7 +521,7 @@ def ring_link_bytes_by_payload(
         sizes = {p: row_bytes(p, u_size) * (rounds if p is Payload.KV else 1) for p in Payload}
         same = src // gpus == dst // gpus
         crossing = _crossing_hops(item, topo) if routed and not same.all() else {}
-        direct_out = ~same & (not routed or _direct_hops(src, dst, gpus, crossing))
+        direct_out = ~same & (not routed or _direct_hops(topo, src, dst, crossing))
         out_nic = (src // gpus, nic_of_gpu[src % gpus])
         for payload, rows in carried.items():
             if (size := sizes[payload]) == 0:
@@ -537,18 +545,17 @@ def ring_link_bytes_by_payload(
     return {p: (intra[p], nic[p]) for p in Payload}
 
 
-def _direct_hops(src: np.ndarray, dst: np.ndarray, gpus: int, crossing) -> np.ndarray:
-    """Which hops `plan_route` sends direct: those between two nodes that as many of
-    the ring's hops cross as the nodes have GPUs (a USP group's), each its own proxy."""
-    shares = {
-        pair: max(len(set(senders)), len(set(receivers)))
+def _direct_hops(topo: Topology, src: np.ndarray, dst: np.ndarray, crossing) -> np.ndarray:
+    """Which hops `plan_route` sends direct (one proxy each side: as many of the ring's
+    hops cross between their two nodes as the nodes have GPUs, a USP group's)."""
+    direct = {
+        pair
         for pair, (senders, receivers) in crossing.items()
+        if _proxy_count(topo, senders[0], receivers[0], senders, receivers) == 1
     }
+    gpus = topo.gpus_per_node
     return np.asarray(
-        [
-            max(1, gpus // shares[(a // gpus, b // gpus)]) == 1 if a // gpus != b // gpus else False
-            for a, b in zip(src.tolist(), dst.tolist(), strict=True)
-        ],
+        [(a // gpus, b // gpus) in direct for a, b in zip(src.tolist(), dst.tolist(), strict=True)],
         dtype=bool,
     )
 
