@@ -63,6 +63,31 @@ def test_checkpointing_keeps_less_and_computes_the_same() -> None:
             assert torch.allclose(grad, none[2][name], rtol=1e-6, atol=1e-7), (mode, name)
 
 
+@pytest.mark.unit
+def test_checkpointing_the_first_blocks_only_keeps_the_rest_and_computes_the_same() -> None:
+    """train.checkpoint_blocks=1 of 2: the first block recomputes, the second keeps every
+    activation; the model's loss and gradients equal those of no checkpointing."""
+    shape = build_shape(load_config(None, ["model.preset=tiny", "model.n_layers=2"]).model)
+    tokens = torch.randint(0, shape.vocab_size, (96,), generator=torch.Generator().manual_seed(2))
+    seqs = PackedSeqs.from_lengths([40, 56])
+    results = {}
+    for mode, blocks in ((ActivationCheckpointing.NONE, 0), (ActivationCheckpointing.FULL, 1),
+                         (ActivationCheckpointing.SELECTIVE, 1)):  # fmt: skip
+        model = Transformer(shape)
+        model.init_weights(torch.Generator().manual_seed(0))
+        model.set_checkpointing(mode, blocks)
+        assert [b.checkpointing for b in model.layers] == [mode, ActivationCheckpointing.NONE]
+        positions = torch.cat([torch.arange(n) for n in (40, 56)])
+        loss = model(tokens, positions, seqs, labels_T=tokens.roll(-1))
+        loss.backward()
+        results[mode] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    want_loss, want = results.pop(ActivationCheckpointing.NONE)
+    for mode, (loss, grads) in results.items():
+        assert torch.equal(loss, want_loss), mode
+        for name, grad in grads.items():
+            assert torch.allclose(grad, want[name], rtol=1e-6, atol=1e-7), (mode, name)
+
+
 BASE = [
     *SMALL_RUN,
     "topology.nodes=2",
@@ -91,20 +116,21 @@ CASES = {
 @pytest.mark.dist
 def test_checkpointing_composes_with_every_axis_and_trains_the_same(tmp_path: Path) -> None:
     runs, names = [], []
+    first = next(iter(CASES))
+    variants = {mode: [f"train.activation_checkpointing={mode}"] for mode in MODES}
+    # the first block only, the second keeping every activation (train.checkpoint_blocks)
+    first_block = ["train.activation_checkpointing=full", "train.checkpoint_blocks=1"]
     for case, overrides in CASES.items():
-        for mode in MODES:
+        extra = {"full on the first block": first_block} if case == first else {}
+        for mode, keys in {**variants, **extra}.items():
             names.append((case, mode))
-            out = tmp_path / f"{len(runs)}"
-            runs.append([*BASE, *overrides, f"train.activation_checkpointing={mode}",
-                         f"train.out_dir={out}"])  # fmt: skip
+            runs.append([*BASE, *overrides, *keys, f"train.out_dir={tmp_path / str(len(runs))}"])
     per_rank = run_ranks(train_rank_each, 4, runs)
     results = dict(zip(names, per_rank[0], strict=True))
-    for case in CASES:
-        want = results[(case, "none")]
-        for mode in MODES[1:]:
-            got = results[(case, mode)]
-            for step, loss in want["losses"].items():
-                assert got["losses"][step] == pytest.approx(loss, rel=REL_TOL), (case, mode, step)
-            for name, ref in want["params"].items():
-                rel = float((got["params"][name] - ref).norm() / ref.norm().clamp_min(1e-30))
-                assert rel <= REL_TOL, f"{case} {mode}: {name}: relative error {rel:.2e}"
+    for case, mode in (name for name in names if name[1] != "none"):
+        want, got = results[(case, "none")], results[(case, mode)]
+        for step, loss in want["losses"].items():
+            assert got["losses"][step] == pytest.approx(loss, rel=REL_TOL), (case, mode, step)
+        for name, ref in want["params"].items():
+            rel = float((got["params"][name] - ref).norm() / ref.norm().clamp_min(1e-30))
+            assert rel <= REL_TOL, f"{case} {mode}: {name}: relative error {rel:.2e}"

@@ -77,6 +77,12 @@ def test_public_contract_keys_exist(key: str) -> None:
         (["data.packing=budget"], r"parallel.sequence=whole .* needs data.packing=rank"),
         (["metrics.port=70000"], r"metrics.port=70000"),
         (["train.steps"], r"override 'train.steps' must look like key=value"),
+        (["train.checkpoint_blocks=-1"], r"train.checkpoint_blocks=-1: must be >= 0"),
+        (["train.checkpoint_blocks=2"], r"train.checkpoint_blocks=2: .*activation_checkpointing"),
+        (
+            ["train.activation_checkpointing=full", "train.checkpoint_blocks=99"],
+            r"train.checkpoint_blocks=99: the model has \d+ blocks",
+        ),
     ],
 )
 def test_bad_config_is_a_one_line_error_naming_the_key(overrides: list[str], message: str) -> None:

@@ -54,6 +54,8 @@ def test_plan_refuses_replicated_7b_at_256k_and_accepts_fsdp() -> None:
 CASES = {
     "replicated": [],
     "fsdp+full": ["parallel.weights=fsdp", "train.activation_checkpointing=full"],
+    "fsdp+full on the first block": ["parallel.weights=fsdp", "train.activation_checkpointing=full",
+                                     "train.checkpoint_blocks=1"],
     "zeppelin+fsdp+selective": [
         "parallel.sequence=zeppelin", "parallel.weights=fsdp", "data.packing=budget",
         "train.activation_checkpointing=selective",

@@ -280,6 +280,11 @@ def test_activation_checkpointing_adds_what_backward_recomputes() -> None:
     assert 0 < selective.recompute_seconds < full.recompute_seconds
     for step in steps.values():
         assert sum(step.breakdown(layers).values()) == pytest.approx(step.step_seconds)
+    # on the first block only (train.checkpoint_blocks=1): that block's share
+    for mode in (Mode.FULL, Mode.SELECTIVE):
+        run = dataclasses.replace(base, config=with_checkpointing(base.config, mode, 1))
+        one = simulate_plan(plan, run, True, remap)
+        assert one.recompute_seconds == pytest.approx(steps[mode].recompute_seconds / layers)
 
 
 def test_a_remap_exchange_costs_its_busiest_link_not_a_queue_across_the_cluster() -> None:

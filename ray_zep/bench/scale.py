@@ -14,7 +14,9 @@ average; L = that x headroom) and placement, on the same sampled batches:
   collective and remap bytes), the planner's wall time (`plan_step`, as the data
   actor runs it: median and slowest over the batches) and the fullest rank's
   modelled memory under the lightest activation checkpointing that fits the GPU
-  (`ckpt`: none, selective or full; the step counts what backward recomputes), and
+  (`ckpt`: none, or selective or full on the fewest first blocks that fit, as
+  Megatron-LM's `--recompute-num-layers`, "full 12/40" on 12 of 40 blocks; the
+  step counts what backward recomputes), and
   whether it fits (`fits`: no row is dropped for not fitting even with full
   checkpointing; one that does not is marked). The batches are planned under the
   lightest checkpointing in which a rank of L tokens fits, the mode a run of that L
@@ -53,6 +55,7 @@ from ray_zep.partition import registry
 from ray_zep.partition.plan_memory import plan_memory, rank_memory
 from ray_zep.partition.spec import Bench
 from ray_zep.partition.stats import max_over_mean, plan_stats
+from ray_zep.partition.work import WorkModel
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
 from ray_zep.report.progress import ProgressLine
@@ -174,8 +177,9 @@ class ScaleRow:
     planner_ms_max: float | None = None
     peak_memory_gb: float | None = None
     checkpointing: str | None = None
-    """The lightest `train.activation_checkpointing` that fits (`CHECKPOINTING`); the
-    step counts what it recomputes."""
+    """The lightest activation checkpointing that fits (`_lightest_fitting`): the mode,
+    with "k/n" where it applies to the first k of n blocks; the step counts what it
+    recomputes."""
     fits: str | None = None
     """"yes", or "NO" where the fullest rank's modelled memory exceeds the GPU's."""
     error: str | None = None
@@ -249,10 +253,12 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
         works.append(max_over_mean(sum(one.work_flops for one in stats[-1])))
         inter.append(sum(attention_step_traffic(plan, run.shape, routed, remap).inter_node
                          for plan in plans))  # fmt: skip
-    mode, peak = _fitting_checkpointing(config, hardware, run, stats)
-    row.checkpointing, row.peak_memory_gb = mode.value, peak / GB
+    fitting, peak = _fitting_checkpointing(config, hardware, run, stats)
+    row.checkpointing, row.peak_memory_gb = _checkpointing_label(fitting, run.shape), peak / GB
     row.fits = "yes" if peak <= hardware.usable_memory_bytes else "NO"
-    run = dataclasses.replace(run, config=with_checkpointing(run.config, mode))
+    train = fitting.train
+    run = dataclasses.replace(run, config=with_checkpointing(
+        run.config, train.activation_checkpointing, train.checkpoint_blocks))  # fmt: skip
     if ideal is not None:
         steps = [_simulated_step(lengths, run, *one)
                  for lengths, one in zip(batches, planned, strict=True)]  # fmt: skip
@@ -274,46 +280,100 @@ CHECKPOINTING = (
 grows down the list; `ray_zep.sim.step` counts it in the step)."""
 
 
-def with_checkpointing(config: Config, mode: ActivationCheckpointing) -> Config:
-    """`config` with `train.activation_checkpointing=mode`."""
-    train = dataclasses.replace(config.train, activation_checkpointing=mode)
+def with_checkpointing(config: Config, mode: ActivationCheckpointing, blocks: int = 0) -> Config:
+    """`config` with `train.activation_checkpointing=mode` on its first `blocks` blocks
+    (`train.checkpoint_blocks`; 0: every block)."""
+    train = dataclasses.replace(config.train, activation_checkpointing=mode,
+                                checkpoint_blocks=blocks)  # fmt: skip
     return dataclasses.replace(config, train=train)
 
 
-def _lightest_fitting(
-    config: Config, hardware: Hardware, peak_of
-) -> tuple[ActivationCheckpointing, float]:
-    """(the lightest `CHECKPOINTING` mode whose modelled peak, `peak_of(config under it)`,
-    fits the GPU, or the heaviest; that peak)."""
-    for mode in CHECKPOINTING:
-        peak = peak_of(with_checkpointing(config, mode))
-        if peak <= hardware.usable_memory_bytes:
-            break
-    return mode, peak
+def _lightest_fitting(config: Config, hardware: Hardware, run: RunModel, peak_of
+                      ) -> tuple[Config, float]:  # fmt: skip
+    """(`config` under the lightest checkpointing whose modelled peak, `peak_of(config
+    under it)`, fits the GPU; that peak). None if it fits; else, of `selective` and `full`
+    each on the fewest first blocks that fit (`train.checkpoint_blocks`), the one that
+    recomputes less (`_recompute_per_block`); where neither fits on every block, `full`
+    on every block."""
+    peak = peak_of(with_checkpointing(config, ActivationCheckpointing.NONE))
+    if peak <= hardware.usable_memory_bytes:
+        return with_checkpointing(config, ActivationCheckpointing.NONE), peak
+    layers, fitting = run.shape.n_layers, []
+    for mode in CHECKPOINTING[1:]:
+        blocks, peak = _fewest_blocks(config, mode, layers, hardware, peak_of)
+        if blocks is not None:
+            cost = blocks * _recompute_per_block(run, mode)
+            fitting.append((cost, with_checkpointing(config, mode, blocks % layers), peak))
+    if not fitting:
+        heaviest = with_checkpointing(config, CHECKPOINTING[-1])
+        return heaviest, peak_of(heaviest)
+    _, chosen, peak = min(fitting, key=lambda f: f[0])
+    return chosen, peak
+
+
+def _fewest_blocks(config: Config, mode: ActivationCheckpointing, layers: int,
+                   hardware: Hardware, peak_of) -> tuple[int | None, float]:  # fmt: skip
+    """(the fewest first blocks under `mode` whose peak fits, None where even every block
+    does not; that peak). The peak falls as blocks are added, so a bisection finds it."""
+    low, high = 0, layers  # low does not fit (none did not); high is checked first
+    peak = peak_of(with_checkpointing(config, mode, layers))
+    if peak > hardware.usable_memory_bytes:
+        return None, peak
+    while high - low > 1:
+        middle = (low + high) // 2
+        trial = peak_of(with_checkpointing(config, mode, middle))
+        if trial <= hardware.usable_memory_bytes:
+            high, peak = middle, trial
+        else:
+            low = middle
+    return high, peak
+
+
+def _recompute_per_block(run: RunModel, mode: ActivationCheckpointing) -> float:
+    """What one checkpointed block's backward recomputes for a rank holding L tokens as
+    one sequence, modelled seconds: its whole forward (`full`: a third of the block's
+    forward and backward work) or its feed-forward matmuls (`selective`). Only the
+    choice between the two uses it; the step counts what the chosen mode recomputes."""
+    shape, tokens = run.shape, run.config.train.tokens_per_rank
+    if mode is ActivationCheckpointing.SELECTIVE:
+        return 2.0 * shape.mean_ffn_params() * tokens / run.hardware.rates.matmul
+    model = WorkModel.create(shape, run.hardware.topology, run.hardware.rates)
+    return float(model.whole_seconds(np.asarray([tokens]))[0]) / shape.n_layers / 3
 
 
 def _planning_checkpointing(config: Config, hardware: Hardware, run: RunModel) -> Config:
-    """`config` under the lightest `CHECKPOINTING` mode in which a rank holding L tokens, all
-    in rings, fits the GPU (the heaviest where none does): the mode a run of this L sets,
-    and the one its plans are made under (how much ring K/V they keep depends on it)."""
+    """`config` under the lightest checkpointing (`_lightest_fitting`) in which a rank
+    holding L tokens, all in rings, fits the GPU (the heaviest where none does): the mode
+    a run of this L sets, and the one its plans are made under (how much ring K/V they
+    keep depends on it)."""
     capacity = config.train.tokens_per_rank
 
     def peak_of(checked: Config) -> float:
         return rank_memory(checked, hardware.topology, run.shape, capacity, capacity).total
 
-    return with_checkpointing(config, _lightest_fitting(config, hardware, peak_of)[0])
+    return _lightest_fitting(config, hardware, run, peak_of)[0]
 
 
 def _fitting_checkpointing(config: Config, hardware: Hardware, run: RunModel, stats):
-    """(the lightest `CHECKPOINTING` mode whose fullest rank fits the GPU, or the
-    heaviest; that rank's modelled bytes) over every plan of `stats` (per batch)."""
+    """(`config` under the lightest checkpointing whose fullest rank fits the GPU, or the
+    heaviest (`_lightest_fitting`); that rank's modelled bytes) over every plan of `stats`
+    (per batch)."""
 
     def peak_of(checked: Config) -> float:
         held = (plan_memory(checked, hardware.topology, one, run.shape)
                 for batch in stats for one in batch)  # fmt: skip
         return max(h.ranks[h.fullest].total for h in held)
 
-    return _lightest_fitting(config, hardware, peak_of)
+    return _lightest_fitting(config, hardware, run, peak_of)
+
+
+def _checkpointing_label(config: Config, shape) -> str:
+    """The row's checkpointing: the mode, and "k/n" where it applies to k of n blocks."""
+    train = config.train
+    blocks = train.checkpointed(shape.n_layers)
+    if blocks in (0, shape.n_layers):
+        return train.activation_checkpointing.value
+    return f"{train.activation_checkpointing.value} {blocks}/{shape.n_layers}"
 
 
 def _simulated_columns(row: ScaleRow, steps, ideal, bounds, n_layers: int) -> float:

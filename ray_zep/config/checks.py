@@ -12,7 +12,7 @@ from ray_zep.config.rules import word
 from ray_zep.config.training import DataConfig, ModelConfig, TrainConfig
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
-from ray_zep.options import Packing
+from ray_zep.options import ActivationCheckpointing, Packing
 from ray_zep.parallel.axes import SEQUENCE_AXES, AxesChoice, refusal
 
 
@@ -29,6 +29,7 @@ def check_across_sections(
     check_axes(parallel, model)
     check_packing(parallel, data)
     check_evaluation(train, data)
+    check_checkpointing(train, model)
 
 
 def check_axes(parallel: ParallelConfig, model: ModelConfig) -> None:
@@ -67,4 +68,22 @@ def check_evaluation(train: TrainConfig, data: DataConfig) -> None:
         raise ConfigError(
             f"config key train.eval_every={train.eval_every}: evaluation reads "
             "held-out data; set data.eval_source (a Parquet file, stdlib, synthetic:...)"
+        )
+
+
+def check_checkpointing(train: TrainConfig, model: ModelConfig) -> None:
+    """`train.checkpoint_blocks` counts blocks the model has, under a checkpointing mode."""
+    blocks = train.checkpoint_blocks
+    if not blocks:
+        return
+    if train.activation_checkpointing is ActivationCheckpointing.NONE:
+        raise ConfigError(
+            f"config key train.checkpoint_blocks={blocks}: train.activation_checkpointing="
+            "none checkpoints no block; set it to full or selective, or the key to 0"
+        )
+    layers = build_shape(model).n_layers
+    if blocks > layers:
+        raise ConfigError(
+            f"config key train.checkpoint_blocks={blocks}: the model has {layers} blocks; "
+            f"use 1..{layers} (or 0 for every block)"
         )

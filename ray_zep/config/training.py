@@ -63,6 +63,10 @@ class TrainConfig:
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
     """Per transformer block: `full` recomputes the block in backward, `selective` its
     feed-forward part only (attention outputs kept); results equal `none`."""
+    checkpoint_blocks: int = 0
+    """How many blocks, the first ones, `activation_checkpointing` applies to; the others
+    keep every activation (as Megatron-LM's `--recompute-num-layers` with
+    `--recompute-method block`). 0: every block."""
     eval_every: int = 0
     """Every k steps, the validation loss on `data.eval_source` (a checkpoint is saved
     at those steps; rank 0 evaluates it as `ray-zep eval` does); 0: never."""
@@ -70,11 +74,23 @@ class TrainConfig:
     """Batches of `data.eval_source` each evaluation reads (the same ones every time);
     0 reads it all once."""
 
+    def checkpointed(self, n_layers: int) -> int:
+        """Blocks that `activation_checkpointing` applies to, of `n_layers`."""
+        if self.activation_checkpointing is ActivationCheckpointing.NONE:
+            return 0
+        return min(self.checkpoint_blocks or n_layers, n_layers)
+
     def __post_init__(self) -> None:
         require(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
         require(self.micro_batches >= 1, "train.micro_batches", self.micro_batches, "must be >= 1")
         require(self.eval_every >= 0, "train.eval_every", self.eval_every, "must be >= 0")
         require(self.eval_batches >= 0, "train.eval_batches", self.eval_batches, "must be >= 0")
+        require(
+            self.checkpoint_blocks >= 0,
+            "train.checkpoint_blocks",
+            self.checkpoint_blocks,
+            "must be >= 0 (0: every block)",
+        )
         require(
             self.tokens_per_rank >= 2, "train.tokens_per_rank", self.tokens_per_rank, "must be >= 2"
         )

@@ -264,10 +264,13 @@ class Transformer(nn.Module):
                 with torch.no_grad():
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
 
-    def set_checkpointing(self, mode: ActivationCheckpointing) -> None:
-        """Activation checkpointing of every block (`train.activation_checkpointing`)."""
-        for block in self.layers:
-            block.checkpointing = mode
+    def set_checkpointing(self, mode: ActivationCheckpointing, blocks: int = 0) -> None:
+        """Activation checkpointing (`train.activation_checkpointing`) of the first
+        `blocks` blocks (`train.checkpoint_blocks`; 0: every block); the others keep
+        every activation."""
+        for index, block in enumerate(self.layers):
+            applies = not blocks or index < blocks
+            block.checkpointing = mode if applies else ActivationCheckpointing.NONE
 
     def compile_blocks(self) -> None:
         """Compile every block's regions (`model.compile`; see `Block.compile_regions`)."""

@@ -84,6 +84,8 @@ class MemoryInputs:
         ring_tokens: tokens whose K/V this rank receives from ring peers at once
             (0 where attention never communicates).
         checkpointing: `train.activation_checkpointing`.
+        checkpoint_blocks: `train.checkpoint_blocks` (the first blocks `checkpointing`
+            applies to; 0: every block).
         compute_bytes: 4 (fp32) or 2 (bf16 autocast).
         flash_kernel: attention by flash-attn (keys and values kept unexpanded).
         on_cpu: the rank computes on the CPU, where the torch kernel runs every block the
@@ -105,6 +107,7 @@ class MemoryInputs:
     tokens: int
     ring_tokens: int = 0
     checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
+    checkpoint_blocks: int = 0
     compute_bytes: int = FP32
     flash_kernel: bool = False
     on_cpu: bool = True
@@ -112,6 +115,11 @@ class MemoryInputs:
     fsdp_unit: FsdpUnit = FsdpUnit.BLOCK
     loss_chunk_tokens: int = 0
     kept_kv_tokens: float = 0.0
+
+    def block_checkpointing(self, index: int) -> ActivationCheckpointing:
+        """What block `index`'s backward recomputes."""
+        applies = not self.checkpoint_blocks or index < self.checkpoint_blocks
+        return self.checkpointing if applies else ActivationCheckpointing.NONE
 
 
 @dataclass(frozen=True)
@@ -163,9 +171,12 @@ def model_memory(shape: ModelShape, m: MemoryInputs) -> RankMemory:
 
 
 def kept_kv_bytes(shape: ModelShape, m: MemoryInputs) -> float:
-    """The K/V a kept ring holds from the forward until the backward: every layer's, or
-    under full checkpointing the one layer whose forward the backward runs again."""
-    layers = 1 if m.checkpointing is ActivationCheckpointing.FULL else shape.n_layers
+    """The K/V a kept ring holds from the forward until the backward: every layer's, but
+    of the blocks under full checkpointing only the one whose forward the backward runs
+    again."""
+    full = sum(m.block_checkpointing(i) is ActivationCheckpointing.FULL
+               for i in range(shape.n_layers))  # fmt: skip
+    layers = shape.n_layers - full + min(full, 1)
     return 2 * shape.n_kv_heads * shape.head_dim * m.kept_kv_tokens * m.compute_bytes * layers
 
 
@@ -292,20 +303,25 @@ def block_params(shape: ModelShape, index: int) -> int:
 def activation_bytes(shape: ModelShape, m: MemoryInputs) -> float:
     """Bytes of activations at the fuller of two moments of backward: the loss's backward
     (every kept activation, the head's, the logits and the loss's two vocabulary-wide
-    gradients) and a block's backward (every kept activation, the logits, that block's
-    recomputed activations and the gradients it computes)."""
-    kept, recomputed = 0.0, 0.0
+    gradients) and a block's backward (the kept activations of the blocks up to it, whose
+    backward has not run yet, the logits, that block's recomputed activations and the
+    gradients it computes)."""
+    kept, recomputed = 0.0, 0.0  # per token; recomputed: the fullest block's moment
     for index in range(shape.n_layers):
         attention, feed_forward = _block_halves(shape, index, m)
-        mode = m.checkpointing
+        mode = m.block_checkpointing(index)
         if mode is ActivationCheckpointing.NONE:
             kept += attention + feed_forward
-        elif mode is ActivationCheckpointing.SELECTIVE:
+            continue
+        if mode is ActivationCheckpointing.SELECTIVE:
             kept += attention + shape.dim * FP32
-            recomputed = max(recomputed, feed_forward)
+            again = feed_forward
         else:
             kept += shape.dim * FP32
-            recomputed = max(recomputed, attention + feed_forward)
+            again = attention + feed_forward
+        recomputed = max(recomputed, kept + again)
+    # the last block's backward holds every kept activation, recomputing nothing beyond
+    recomputed = max(recomputed - kept, 0.0)
     c, vocab = m.compute_bytes, shape.vocab_size
     logits = vocab * c  # the model's logits, which the step holds until its end
     # the head: its norm, its projection's input (a cast under autocast), and the
@@ -418,6 +434,7 @@ def memory_inputs(
         tokens=tokens,
         ring_tokens=ring_tokens,
         checkpointing=config.train.activation_checkpointing,
+        checkpoint_blocks=config.train.checkpoint_blocks,
         compute_bytes=torch.empty((), dtype=dtype).element_size(),
         flash_kernel=flash,
         on_cpu=on_cpu,

@@ -27,11 +27,12 @@ axes; whole-sequence placements keep the rank-packed bins) and plays it:
   micro-batches (aaam and 1a1m run as moe_only there, as in the trainer);
 - weight-passing modes play `ray_zep.sim.weight_passing` on each rank's own
   sequences; the slowest rank counts;
-- activation checkpointing (`train.activation_checkpointing`) adds what backward
-  recomputes, not overlapped with anything: `full` plays each block's forward again
-  (its ring exchange included, as the trainer's recomputation reruns the engine),
-  `selective` the feed-forward part's matmuls and SwiGLU on the rank with the most
-  linear-layout tokens.
+- activation checkpointing (`train.activation_checkpointing`, on the first
+  `train.checkpoint_blocks` blocks) adds what backward recomputes, not overlapped
+  with anything: `full` plays each such block's forward again (its ring exchange
+  included, as the trainer's recomputation reruns the engine), `selective` the
+  feed-forward part's matmuls and SwiGLU on the rank with the most linear-layout
+  tokens.
 
 ZipCCL (`comm.compression`, `comm.compression_streams`): every stream of the
 composed step goes zipped where the mode zips it (`ray_zep.sim.wire.WireCodec`):
@@ -297,19 +298,21 @@ def head_seconds(tokens, shape: ModelShape, rates: ComputeRates):
 
 
 def recompute_seconds(run: RunModel, forward: Timeline, tokens: int) -> float:
-    """What backward recomputes in every layer under the run's activation checkpointing
-    (module docstring): the forward layer's makespan (`full`), or the feed-forward
-    part's forward over `tokens`, the most any rank holds (`selective`)."""
+    """What backward recomputes in every checkpointed block under the run's activation
+    checkpointing (module docstring; `train.checkpoint_blocks` of them): the forward
+    layer's makespan (`full`), or the feed-forward part's forward over `tokens`, the
+    most any rank holds (`selective`)."""
     mode, shape = run.config.train.activation_checkpointing, run.shape
+    blocks = run.config.train.checkpointed(shape.n_layers)
     if mode is ActivationCheckpointing.NONE:
         return 0.0
     if mode is ActivationCheckpointing.FULL:
-        return shape.n_layers * forward.makespan
+        return blocks * forward.makespan
     rates = run.hardware.rates
     matmul = 2.0 * shape.mean_ffn_params() * tokens / rates.matmul
     width = shape.mean_ffn_params() / (3 * shape.dim)  # SwiGLU width, MoE blocks averaged
     swiglu = rates.pointwise_seconds(SWIGLU_FORWARD_PASSES * width * tokens)
-    return shape.n_layers * (matmul + swiglu)
+    return blocks * (matmul + swiglu)
 
 
 SWIGLU_FORWARD_PASSES = 3
