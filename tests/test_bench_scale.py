@@ -51,6 +51,13 @@ def test_plan_only_times_the_plans_without_simulating(tmp_path: Path, capsys) ->
         assert row["step_s"] is None and row["tokens_per_s_per_gpu"] is None
         assert row["planner_ms"] > 0 and row["work_mean"] >= 1.0
     assert "plan ms" in capsys.readouterr().out
+    # a second run into the folder, its record named: its picture beside it, the first kept
+    first = (tmp_path / "scale.png").read_bytes() if (tmp_path / "scale.png").exists() else None
+    assert main([*argv[:-2], "--gpus", "128", "--out", str(tmp_path),
+                 "--json", str(tmp_path / "scale_128.json")]) == 0  # fmt: skip
+    if first is not None:  # matplotlib installed
+        assert (tmp_path / "scale_128.png").exists()
+        assert (tmp_path / "scale.png").read_bytes() == first
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,8 @@ def add_commands(commands: argparse._SubParsersAction, argv: Sequence[str] = ())
             "--out", default=f"runs/bench/{module.NAME}", help="folder of the JSON, PNG and runs"
         )
         default = f"OUT/{module.NAME}.json"
-        parser.add_argument("--json", dest="json_path", help=f"the JSON record (default {default})")
+        help_json = f"the JSON record, its PNG beside it (default {default})"
+        parser.add_argument("--json", dest="json_path", help=help_json)
         parser.set_defaults(handler=partial(run_bench, module))
 
 

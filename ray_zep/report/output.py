@@ -107,7 +107,9 @@ class BenchResult:
 def publish(
     result: BenchResult, out: Path, command: str, json_path: Path | None = None
 ) -> list[Path]:
-    """Print the result's table with its notes and goals; write its JSON record and PNG.
+    """Print the result's table with its notes and goals; write its JSON record and PNG
+    (OUT/NAME.json and OUT/NAME.png, or `json_path` and the PNG of its name beside it, so
+    that a second run into the same folder keeps the first one's picture).
 
     Returns:
         Every file written, in the order printed.
@@ -122,7 +124,7 @@ def publish(
     json_path = json_path or out / f"{result.name}.json"
     paths = [*result.written, write_record(json_path, command, record)]
     if result.draw is not None:
-        picture = result.draw(out / f"{result.name}.png")
+        picture = result.draw(json_path.with_suffix(".png"))
         if picture is not None:
             paths.append(picture)
     for path in paths:
