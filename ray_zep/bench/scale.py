@@ -15,8 +15,8 @@ average; L = that x headroom) and placement, on the same sampled batches:
   actor runs it: median and slowest over the batches) and the fullest rank's
   modelled memory under the lightest activation checkpointing that fits the GPU
   (`ckpt`: none, or selective or full on the fewest first blocks that fit, as
-  Megatron-LM's `--recompute-num-layers`, "full 12/40" on 12 of 40 blocks; the
-  step counts what backward recomputes), and
+  Megatron-LM's `--recompute-num-layers`, "full 12/40" on 12 of 40 blocks, whichever
+  simulates faster where both fit; the step counts what backward recomputes), and
   whether it fits (`fits`: no row is dropped for not fitting even with full
   checkpointing; one that does not is marked). The batches are planned under the
   lightest checkpointing in which a rank of L tokens fits, the mode a run of that L
@@ -177,7 +177,7 @@ class ScaleRow:
     planner_ms_max: float | None = None
     peak_memory_gb: float | None = None
     checkpointing: str | None = None
-    """The lightest activation checkpointing that fits (`_lightest_fitting`): the mode,
+    """The activation checkpointing the row runs (`_fitting_options`, the fastest): the mode,
     with "k/n" where it applies to the first k of n blocks; the step counts what it
     recomputes."""
     fits: str | None = None
@@ -228,8 +228,9 @@ def scale_case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, t
 def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capacity: int) -> None:
     """Fills `row`; without `yardsticks` (ideal steps and bounds; plan only) its
     simulated columns stay empty. The batches are planned first; the step is then
-    simulated under the lightest activation checkpointing whose modelled memory fits the
-    GPU (`CHECKPOINTING`; the heaviest where none does, and the row says NO)."""
+    simulated under each lightest activation checkpointing whose modelled memory fits the
+    GPU (`_fitting_options`; full on every block where none does, and the row says NO),
+    and the fastest kept."""
     ideal, bounds = yardsticks
     variant = row.placement
     config = variant_config(config, variant, capacity)
@@ -253,17 +254,23 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
         works.append(max_over_mean(sum(one.work_flops for one in stats[-1])))
         inter.append(sum(attention_step_traffic(plan, run.shape, routed, remap).inter_node
                          for plan in plans))  # fmt: skip
-    fitting, peak = _fitting_checkpointing(config, hardware, run, stats)
+    options = _fitting_checkpointing(config, hardware, run, stats)
+    runs = [dataclasses.replace(run, config=with_checkpointing(
+        run.config, fitting.train.activation_checkpointing, fitting.train.checkpoint_blocks))
+        for fitting, _ in options]  # fmt: skip
+    chosen = 0
+    if ideal is not None:
+        # every option that fits is simulated (they differ only in what backward
+        # recomputes); the row keeps the fastest
+        stepped = [[_simulated_step(lengths, one_run, *one)
+                    for lengths, one in zip(batches, planned, strict=True)]
+                   for one_run in runs]  # fmt: skip
+        chosen = min(range(len(stepped)), key=lambda i: sum(s.step_seconds for s in stepped[i]))
+        seconds = _simulated_columns(row, stepped[chosen], ideal, bounds, run.shape.n_layers)
+        row.tokens_per_s_per_gpu = sum(int(b.sum()) for b in batches) / seconds / hardware.devices
+    fitting, peak = options[chosen]
     row.checkpointing, row.peak_memory_gb = _checkpointing_label(fitting, run.shape), peak / GB
     row.fits = "yes" if peak <= hardware.usable_memory_bytes else "NO"
-    train = fitting.train
-    run = dataclasses.replace(run, config=with_checkpointing(
-        run.config, train.activation_checkpointing, train.checkpoint_blocks))  # fmt: skip
-    if ideal is not None:
-        steps = [_simulated_step(lengths, run, *one)
-                 for lengths, one in zip(batches, planned, strict=True)]  # fmt: skip
-        seconds = _simulated_columns(row, steps, ideal, bounds, run.shape.n_layers)
-        row.tokens_per_s_per_gpu = sum(int(b.sum()) for b in batches) / seconds / hardware.devices
     if works:
         row.work_mean, row.work_worst = float(np.mean(works)), float(max(works))
         row.inter_node_gb = float(np.mean(inter)) / 1e9
@@ -288,16 +295,16 @@ def with_checkpointing(config: Config, mode: ActivationCheckpointing, blocks: in
     return dataclasses.replace(config, train=train)
 
 
-def _lightest_fitting(config: Config, hardware: Hardware, run: RunModel, peak_of
-                      ) -> tuple[Config, float]:  # fmt: skip
-    """(`config` under the lightest checkpointing whose modelled peak, `peak_of(config
-    under it)`, fits the GPU; that peak). None if it fits; else, of `selective` and `full`
-    each on the fewest first blocks that fit (`train.checkpoint_blocks`), the one that
-    recomputes less (`_recompute_per_block`); where neither fits on every block, `full`
-    on every block."""
+def _fitting_options(config: Config, hardware: Hardware, run: RunModel, peak_of
+                     ) -> list[tuple[Config, float]]:  # fmt: skip
+    """The lightest activation checkpointing options whose modelled peak, `peak_of(config
+    under it)`, fits the GPU, each with that peak: none, if it fits; else `selective` and
+    `full`, each on the fewest first blocks that fit (`train.checkpoint_blocks`), the one
+    that recomputes less by `_recompute_per_block` first; where neither fits on every
+    block, `full` on every block alone."""
     peak = peak_of(with_checkpointing(config, ActivationCheckpointing.NONE))
     if peak <= hardware.usable_memory_bytes:
-        return with_checkpointing(config, ActivationCheckpointing.NONE), peak
+        return [(with_checkpointing(config, ActivationCheckpointing.NONE), peak)]
     layers, fitting = run.shape.n_layers, []
     for mode in CHECKPOINTING[1:]:
         blocks, peak = _fewest_blocks(config, mode, layers, hardware, peak_of)
@@ -306,9 +313,8 @@ def _lightest_fitting(config: Config, hardware: Hardware, run: RunModel, peak_of
             fitting.append((cost, with_checkpointing(config, mode, blocks % layers), peak))
     if not fitting:
         heaviest = with_checkpointing(config, CHECKPOINTING[-1])
-        return heaviest, peak_of(heaviest)
-    _, chosen, peak = min(fitting, key=lambda f: f[0])
-    return chosen, peak
+        return [(heaviest, peak_of(heaviest))]
+    return [(chosen, peak) for _, chosen, peak in sorted(fitting, key=lambda f: f[0])]
 
 
 def _fewest_blocks(config: Config, mode: ActivationCheckpointing, layers: int,
@@ -333,7 +339,8 @@ def _recompute_per_block(run: RunModel, mode: ActivationCheckpointing) -> float:
     """What one checkpointed block's backward recomputes for a rank holding L tokens as
     one sequence, modelled seconds: its whole forward (`full`: a third of the block's
     forward and backward work) or its feed-forward matmuls (`selective`). Only the
-    choice between the two uses it; the step counts what the chosen mode recomputes."""
+    order of the options uses it (the planning mode is the first); a row simulates
+    each and its step counts what the chosen one recomputes."""
     shape, tokens = run.shape, run.config.train.tokens_per_rank
     if mode is ActivationCheckpointing.SELECTIVE:
         return 2.0 * shape.mean_ffn_params() * tokens / run.hardware.rates.matmul
@@ -342,7 +349,7 @@ def _recompute_per_block(run: RunModel, mode: ActivationCheckpointing) -> float:
 
 
 def _planning_checkpointing(config: Config, hardware: Hardware, run: RunModel) -> Config:
-    """`config` under the lightest checkpointing (`_lightest_fitting`) in which a rank
+    """`config` under the first checkpointing option (`_fitting_options`) in which a rank
     holding L tokens, all in rings, fits the GPU (the heaviest where none does): the mode
     a run of this L sets, and the one its plans are made under (how much ring K/V they
     keep depends on it)."""
@@ -351,20 +358,19 @@ def _planning_checkpointing(config: Config, hardware: Hardware, run: RunModel) -
     def peak_of(checked: Config) -> float:
         return rank_memory(checked, hardware.topology, run.shape, capacity, capacity).total
 
-    return _lightest_fitting(config, hardware, run, peak_of)[0]
+    return _fitting_options(config, hardware, run, peak_of)[0][0]
 
 
 def _fitting_checkpointing(config: Config, hardware: Hardware, run: RunModel, stats):
-    """(`config` under the lightest checkpointing whose fullest rank fits the GPU, or the
-    heaviest (`_lightest_fitting`); that rank's modelled bytes) over every plan of `stats`
-    (per batch)."""
+    """`_fitting_options` by the fullest rank of every plan of `stats` (per batch): each
+    option's config and that rank's modelled bytes."""
 
     def peak_of(checked: Config) -> float:
         held = (plan_memory(checked, hardware.topology, one, run.shape)
                 for batch in stats for one in batch)  # fmt: skip
         return max(h.ranks[h.fullest].total for h in held)
 
-    return _lightest_fitting(config, hardware, run, peak_of)
+    return _fitting_options(config, hardware, run, peak_of)
 
 
 def _checkpointing_label(config: Config, shape) -> str:
