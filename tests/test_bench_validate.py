@@ -214,6 +214,28 @@ def test_plan_auto_searches_compositions_and_keeps_only_what_fits(tmp_path) -> N
     assert chosen.parallel.sequence is result.best.config.parallel.sequence
 
 
+def test_plan_auto_checkpoints_the_fewest_blocks_where_nothing_fits_without() -> None:
+    """7B on 16 GPUs of cluster A at 16k tokens a GPU: no composition fits 80 GB without
+    activation checkpointing; each is played under the lightest that fits, on its first
+    blocks only, and its step counts the recomputation."""
+    from ray_zep.config import load_config
+    from ray_zep.sim.auto import auto_plan
+    from ray_zep.sim.request import SimulateRequest, batches_of, request_hardware
+
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=2", "model.preset=7b",
+                                "train.tokens_per_rank=20480"])  # fmt: skip
+    hardware, on_gpu = request_hardware(config, None)
+    batches, _ = batches_of(config, hardware.topology, SimulateRequest(None, False, 1, "arxiv"))
+    result = auto_plan(config, hardware, lambda _: [(b, None) for b in batches], on_gpu)
+    best = result.best
+    assert best is not None and best.fits, [c.name for c in result.ranked[:3]]
+    train = best.config.train
+    assert train.activation_checkpointing.value in ("selective", "full")
+    assert 0 < train.checkpointed(32) < 32, train.checkpoint_blocks
+    assert best.steps[0].recompute_seconds > 0
+    assert f"checkpointing={train.activation_checkpointing.value}:" in best.name, best.name
+
+
 def test_share_probe_times_the_models_step_against_its_alone_seconds(monkeypatch, tmp_path) -> None:
     """The share is the step's seconds alone at calibration over its seconds in every
     rank now (the median over rounds), capped at 1; a calibration without the alone

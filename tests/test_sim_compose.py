@@ -262,8 +262,8 @@ def test_link_fits_and_contention_from_measured_points() -> None:
 def test_activation_checkpointing_adds_what_backward_recomputes() -> None:
     """`full` plays every block's forward again, ring exchange included; `selective` only
     the feed-forward part, so it costs less; the step's parts still add up to it."""
-    from ray_zep.bench.scale import with_checkpointing
     from ray_zep.options import ActivationCheckpointing as Mode
+    from ray_zep.sim.checkpointing import with_checkpointing
 
     base = _run(Placement.ZEPPELIN, WeightsMode.FSDP)
     lengths = _lengths(3)

@@ -49,13 +49,11 @@ from ray_zep.command_args import counts, known, names
 from ray_zep.config import Config, load_config
 from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
-from ray_zep.options import ActivationCheckpointing
 from ray_zep.parallel.memory import GB
 from ray_zep.partition import registry
 from ray_zep.partition.plan_memory import plan_memory, rank_memory
 from ray_zep.partition.spec import Bench
 from ray_zep.partition.stats import max_over_mean, plan_stats
-from ray_zep.partition.work import WorkModel
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
 from ray_zep.report.progress import ProgressLine
@@ -63,6 +61,7 @@ from ray_zep.report.text_table import Column
 from ray_zep.sim.bound import over_bound, step_bound
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
 from ray_zep.sim.bytescale import bytescale_plans, simulate_schedule
+from ray_zep.sim.checkpointing import checkpointing_label, fitting_options, with_checkpointing
 from ray_zep.sim.compare import VARIANTS, variant_config
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
@@ -177,7 +176,7 @@ class ScaleRow:
     planner_ms_max: float | None = None
     peak_memory_gb: float | None = None
     checkpointing: str | None = None
-    """The activation checkpointing the row runs (`_fitting_options`, the fastest): the mode,
+    """The activation checkpointing the row runs (`fitting_options`, the fastest): the mode,
     with "k/n" where it applies to the first k of n blocks; the step counts what it
     recomputes."""
     fits: str | None = None
@@ -229,7 +228,7 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
     """Fills `row`; without `yardsticks` (ideal steps and bounds; plan only) its
     simulated columns stay empty. The batches are planned first; the step is then
     simulated under each lightest activation checkpointing whose modelled memory fits the
-    GPU (`_fitting_options`; full on every block where none does, and the row says NO),
+    GPU (`fitting_options`; full on every block where none does, and the row says NO),
     and the fastest kept."""
     ideal, bounds = yardsticks
     variant = row.placement
@@ -269,7 +268,7 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
         seconds = _simulated_columns(row, stepped[chosen], ideal, bounds, run.shape.n_layers)
         row.tokens_per_s_per_gpu = sum(int(b.sum()) for b in batches) / seconds / hardware.devices
     fitting, peak = options[chosen]
-    row.checkpointing, row.peak_memory_gb = _checkpointing_label(fitting, run.shape), peak / GB
+    row.checkpointing, row.peak_memory_gb = checkpointing_label(fitting, run.shape), peak / GB
     row.fits = "yes" if peak <= hardware.usable_memory_bytes else "NO"
     if works:
         row.work_mean, row.work_worst = float(np.mean(works)), float(max(works))
@@ -278,78 +277,8 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
         row.planner_ms_max = float(max(planner)) * 1e3
 
 
-CHECKPOINTING = (
-    ActivationCheckpointing.NONE,
-    ActivationCheckpointing.SELECTIVE,
-    ActivationCheckpointing.FULL,
-)
-"""Activation checkpointing tried for a row, lightest first (what backward recomputes
-grows down the list; `ray_zep.sim.step` counts it in the step)."""
-
-
-def with_checkpointing(config: Config, mode: ActivationCheckpointing, blocks: int = 0) -> Config:
-    """`config` with `train.activation_checkpointing=mode` on its first `blocks` blocks
-    (`train.checkpoint_blocks`; 0: every block)."""
-    train = dataclasses.replace(config.train, activation_checkpointing=mode,
-                                checkpoint_blocks=blocks)  # fmt: skip
-    return dataclasses.replace(config, train=train)
-
-
-def _fitting_options(config: Config, hardware: Hardware, run: RunModel, peak_of
-                     ) -> list[tuple[Config, float]]:  # fmt: skip
-    """The lightest activation checkpointing options whose modelled peak, `peak_of(config
-    under it)`, fits the GPU, each with that peak: none, if it fits; else `selective` and
-    `full`, each on the fewest first blocks that fit (`train.checkpoint_blocks`), the one
-    that recomputes less by `_recompute_per_block` first; where neither fits on every
-    block, `full` on every block alone."""
-    peak = peak_of(with_checkpointing(config, ActivationCheckpointing.NONE))
-    if peak <= hardware.usable_memory_bytes:
-        return [(with_checkpointing(config, ActivationCheckpointing.NONE), peak)]
-    layers, fitting = run.shape.n_layers, []
-    for mode in CHECKPOINTING[1:]:
-        blocks, peak = _fewest_blocks(config, mode, layers, hardware, peak_of)
-        if blocks is not None:
-            cost = blocks * _recompute_per_block(run, mode)
-            fitting.append((cost, with_checkpointing(config, mode, blocks % layers), peak))
-    if not fitting:
-        heaviest = with_checkpointing(config, CHECKPOINTING[-1])
-        return [(heaviest, peak_of(heaviest))]
-    return [(chosen, peak) for _, chosen, peak in sorted(fitting, key=lambda f: f[0])]
-
-
-def _fewest_blocks(config: Config, mode: ActivationCheckpointing, layers: int,
-                   hardware: Hardware, peak_of) -> tuple[int | None, float]:  # fmt: skip
-    """(the fewest first blocks under `mode` whose peak fits, None where even every block
-    does not; that peak). The peak falls as blocks are added, so a bisection finds it."""
-    low, high = 0, layers  # low does not fit (none did not); high is checked first
-    peak = peak_of(with_checkpointing(config, mode, layers))
-    if peak > hardware.usable_memory_bytes:
-        return None, peak
-    while high - low > 1:
-        middle = (low + high) // 2
-        trial = peak_of(with_checkpointing(config, mode, middle))
-        if trial <= hardware.usable_memory_bytes:
-            high, peak = middle, trial
-        else:
-            low = middle
-    return high, peak
-
-
-def _recompute_per_block(run: RunModel, mode: ActivationCheckpointing) -> float:
-    """What one checkpointed block's backward recomputes for a rank holding L tokens as
-    one sequence, modelled seconds: its whole forward (`full`: a third of the block's
-    forward and backward work) or its feed-forward matmuls (`selective`). Only the
-    order of the options uses it (the planning mode is the first); a row simulates
-    each and its step counts what the chosen one recomputes."""
-    shape, tokens = run.shape, run.config.train.tokens_per_rank
-    if mode is ActivationCheckpointing.SELECTIVE:
-        return 2.0 * shape.mean_ffn_params() * tokens / run.hardware.rates.matmul
-    model = WorkModel.create(shape, run.hardware.topology, run.hardware.rates)
-    return float(model.whole_seconds(np.asarray([tokens]))[0]) / shape.n_layers / 3
-
-
 def _planning_checkpointing(config: Config, hardware: Hardware, run: RunModel) -> Config:
-    """`config` under the first checkpointing option (`_fitting_options`) in which a rank
+    """`config` under the first checkpointing option (`fitting_options`) in which a rank
     holding L tokens, all in rings, fits the GPU (the heaviest where none does): the mode
     a run of this L sets, and the one its plans are made under (how much ring K/V they
     keep depends on it)."""
@@ -358,11 +287,11 @@ def _planning_checkpointing(config: Config, hardware: Hardware, run: RunModel) -
     def peak_of(checked: Config) -> float:
         return rank_memory(checked, hardware.topology, run.shape, capacity, capacity).total
 
-    return _fitting_options(config, hardware, run, peak_of)[0][0]
+    return fitting_options(config, hardware, run, peak_of)[0][0]
 
 
 def _fitting_checkpointing(config: Config, hardware: Hardware, run: RunModel, stats):
-    """`_fitting_options` by the fullest rank of every plan of `stats` (per batch): each
+    """`fitting_options` by the fullest rank of every plan of `stats` (per batch): each
     option's config and that rank's modelled bytes."""
 
     def peak_of(checked: Config) -> float:
@@ -370,16 +299,7 @@ def _fitting_checkpointing(config: Config, hardware: Hardware, run: RunModel, st
                 for batch in stats for one in batch)  # fmt: skip
         return max(h.ranks[h.fullest].total for h in held)
 
-    return _fitting_options(config, hardware, run, peak_of)
-
-
-def _checkpointing_label(config: Config, shape) -> str:
-    """The row's checkpointing: the mode, and "k/n" where it applies to k of n blocks."""
-    train = config.train
-    blocks = train.checkpointed(shape.n_layers)
-    if blocks in (0, shape.n_layers):
-        return train.activation_checkpointing.value
-    return f"{train.activation_checkpointing.value} {blocks}/{shape.n_layers}"
+    return fitting_options(config, hardware, run, peak_of)
 
 
 def _simulated_columns(row: ScaleRow, steps, ideal, bounds, n_layers: int) -> float:

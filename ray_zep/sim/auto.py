@@ -14,7 +14,11 @@ compositions that differ only in compression and pipeline share one placement of
 each batch, as their data actors would make the same) and gets its per-rank memory
 modelled (`ray_zep.partition.plan_memory.plan_memory`; neither switch changes it);
 the fastest that fits every rank in the GPU's memory wins, of equally fast ones
-the one with the fewest switches on.
+the one with the fewest switches on. A composition that does not fit without
+activation checkpointing, where the config sets none, is placed and played again
+under the lightest that fits (`ray_zep.sim.checkpointing.fitting_options`: selective
+or full on the fewest first blocks, `train.checkpoint_blocks`), and the step counts
+what backward recomputes.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 from ray_zep.config import Compression, Config, MoEPipeline, Packing, config_to_yaml
 from ray_zep.errors import MemoryPlanError, ZepError
 from ray_zep.model_shapes import build_shape
+from ray_zep.options import ActivationCheckpointing
 from ray_zep.parallel.axes import (
     SEQUENCE_AXES,
     WEIGHTS_AXES,
@@ -42,6 +47,7 @@ from ray_zep.partition.plan_memory import plan_memory
 from ray_zep.partition.registry import spec_of
 from ray_zep.partition.stats import plan_stats
 from ray_zep.sim.bound import step_bound
+from ray_zep.sim.checkpointing import checkpointing_label, fitting_options, with_checkpointing
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, StepResult, plan_batch, simulate_batch, simulate_plans
 
@@ -96,6 +102,9 @@ class Candidate:
             parts.append(f"moe_pipeline={p.moe_pipeline.value}")
         if self.config.comm.compression is not Compression.OFF:
             parts.append(f"compression={self.config.comm.compression.value}")
+        if self.config.train.activation_checkpointing is not ActivationCheckpointing.NONE:
+            label = checkpointing_label(self.config, build_shape(self.config.model))
+            parts.append(f"checkpointing={label.replace(' ', ':')}")
         return "+".join(parts)
 
     @property
@@ -193,16 +202,16 @@ def evaluate_group(
     steps and modelled memory, each batch placed and its memory modelled once, then
     played under each one's switches."""
     candidates = [Candidate(c) for c in configs]
-    run = RunModel.create(configs[0], hardware, on_gpu)
     try:
-        placed = [plan_batch(lengths, run, bins) for lengths, bins in batches]
-        worst = None
-        for plan, _ in placed:
-            stats = plan_stats(plan, run.shape)
-            memory = plan_memory(configs[0], hardware.topology, stats, run.shape)
-            fullest = memory.ranks[memory.fullest].total
-            if worst is None or fullest > worst[0]:
-                worst = (fullest, memory.fits)
+        run, placed, worst = _placed(configs[0], hardware, batches, on_gpu)
+        if not worst[1] and _unpinned(configs[0]):
+            # where it does not fit, the lightest activation checkpointing that does
+            # (`fitting_options`), as a run of that composition would set it
+            train = _fitting(run, placed, hardware).train
+            configs = [with_checkpointing(c, train.activation_checkpointing,
+                                          train.checkpoint_blocks) for c in configs]  # fmt: skip
+            candidates = [Candidate(c) for c in configs]
+            run, placed, worst = _placed(configs[0], hardware, batches, on_gpu)
     except ZepError as exc:
         for candidate in candidates:
             candidate.error = str(exc).splitlines()[0]
@@ -225,6 +234,36 @@ def evaluate_group(
         candidate.steps = mine
         candidate.bounds = [step_bound(lengths, r).seconds for lengths, _ in batches]
     return candidates
+
+
+def _placed(config: Config, hardware: Hardware, batches: Batches, on_gpu: bool):
+    """(the run of `config`, each batch's plan and remap, (the fullest rank's modelled
+    bytes over the batches, whether every rank of every batch fits))."""
+    run = RunModel.create(config, hardware, on_gpu)
+    placed = [plan_batch(lengths, run, bins) for lengths, bins in batches]
+    worst = None
+    for plan, _ in placed:
+        memory = plan_memory(config, hardware.topology, plan_stats(plan, run.shape), run.shape)
+        fullest = memory.ranks[memory.fullest].total
+        if worst is None or fullest > worst[0]:
+            worst = (fullest, memory.fits)
+    return run, placed, worst
+
+
+def _unpinned(config: Config) -> bool:
+    """The config leaves activation checkpointing to the search (it sets none)."""
+    return config.train.activation_checkpointing is ActivationCheckpointing.NONE
+
+
+def _fitting(run: RunModel, placed, hardware: Hardware) -> Config:
+    """The first `fitting_options` option for the plans `placed` (their fullest rank)."""
+    stats = [plan_stats(plan, run.shape) for plan, _ in placed]
+
+    def peak_of(config: Config) -> float:
+        held = (plan_memory(config, hardware.topology, one, run.shape) for one in stats)
+        return max(h.ranks[h.fullest].total for h in held)
+
+    return fitting_options(run.config, hardware, run, peak_of)[0][0]
 
 
 @dataclass
@@ -311,8 +350,8 @@ def write_best(plan: AutoPlan, path: Path) -> Path:
     best = plan.best
     if best is None:
         raise MemoryPlanError(
-            "no composition places these batches within the GPU's memory: lower "
-            "train.tokens_per_rank, set train.activation_checkpointing=full or add GPUs"
+            "no composition places these batches within the GPU's memory, even with full "
+            "activation checkpointing: lower train.tokens_per_rank or add GPUs"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(config_to_yaml(best.config))

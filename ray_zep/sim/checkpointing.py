@@ -1,0 +1,104 @@
+"""Activation checkpointing chosen to fit the GPU's memory: none if that fits, else
+`selective` or `full` on the fewest first blocks that fit (`train.checkpoint_blocks`,
+as Megatron-LM's `--recompute-num-layers` with `--recompute-method block`), the one
+that recomputes less first. `ray-zep bench scale` simulates every option and keeps
+the fastest; `ray-zep plan --auto` takes the first for a composition that does not fit
+without it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from ray_zep.config import Config
+from ray_zep.model_shapes import ModelShape
+from ray_zep.options import ActivationCheckpointing
+from ray_zep.partition.work import WorkModel
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.step import RunModel
+
+CHECKPOINTING = (
+    ActivationCheckpointing.NONE,
+    ActivationCheckpointing.SELECTIVE,
+    ActivationCheckpointing.FULL,
+)
+"""The modes, lightest first (what backward recomputes grows down the list;
+`ray_zep.sim.step` counts it in the step)."""
+
+
+def with_checkpointing(config: Config, mode: ActivationCheckpointing, blocks: int = 0) -> Config:
+    """`config` with `train.activation_checkpointing=mode` on its first `blocks` blocks
+    (`train.checkpoint_blocks`; 0: every block)."""
+    train = dataclasses.replace(config.train, activation_checkpointing=mode,
+                                checkpoint_blocks=blocks)  # fmt: skip
+    return dataclasses.replace(config, train=train)
+
+
+def fitting_options(
+    config: Config, hardware: Hardware, run: RunModel, peak_of: Callable[[Config], float]
+) -> list[tuple[Config, float]]:
+    """The lightest activation checkpointing options whose modelled peak, `peak_of(config
+    under it)`, fits the GPU, each with that peak: none, if it fits; else `selective` and
+    `full`, each on the fewest first blocks that fit (`train.checkpoint_blocks`), the one
+    that recomputes less by `recompute_per_block` first; where neither fits on every
+    block, `full` on every block alone."""
+    peak = peak_of(with_checkpointing(config, ActivationCheckpointing.NONE))
+    if peak <= hardware.usable_memory_bytes:
+        return [(with_checkpointing(config, ActivationCheckpointing.NONE), peak)]
+    layers, fitting = run.shape.n_layers, []
+    for mode in CHECKPOINTING[1:]:
+        blocks, peak = fewest_blocks(config, mode, layers, hardware, peak_of)
+        if blocks is not None:
+            cost = blocks * recompute_per_block(run, mode)
+            fitting.append((cost, with_checkpointing(config, mode, blocks % layers), peak))
+    if not fitting:
+        heaviest = with_checkpointing(config, CHECKPOINTING[-1])
+        return [(heaviest, peak_of(heaviest))]
+    return [(chosen, peak) for _, chosen, peak in sorted(fitting, key=lambda f: f[0])]
+
+
+def fewest_blocks(
+    config: Config,
+    mode: ActivationCheckpointing,
+    layers: int,
+    hardware: Hardware,
+    peak_of: Callable[[Config], float],
+) -> tuple[int | None, float]:
+    """(the fewest first blocks under `mode` whose peak fits, None where even every block
+    does not; that peak). The peak falls as blocks are added, so a bisection finds it."""
+    low, high = 0, layers  # low does not fit (none did not); high is checked first
+    peak = peak_of(with_checkpointing(config, mode, layers))
+    if peak > hardware.usable_memory_bytes:
+        return None, peak
+    while high - low > 1:
+        middle = (low + high) // 2
+        trial = peak_of(with_checkpointing(config, mode, middle))
+        if trial <= hardware.usable_memory_bytes:
+            high, peak = middle, trial
+        else:
+            low = middle
+    return high, peak
+
+
+def recompute_per_block(run: RunModel, mode: ActivationCheckpointing) -> float:
+    """What one checkpointed block's backward recomputes for a rank holding L tokens as
+    one sequence, modelled seconds: its whole forward (`full`: a third of the block's
+    forward and backward work) or its feed-forward matmuls (`selective`). It orders
+    the options only; a simulated step counts what the chosen one recomputes."""
+    shape, tokens = run.shape, run.config.train.tokens_per_rank
+    if mode is ActivationCheckpointing.SELECTIVE:
+        return 2.0 * shape.mean_ffn_params() * tokens / run.hardware.rates.matmul
+    model = WorkModel.create(shape, run.hardware.topology, run.hardware.rates)
+    return float(model.whole_seconds(np.asarray([tokens]))[0]) / shape.n_layers / 3
+
+
+def checkpointing_label(config: Config, shape: ModelShape) -> str:
+    """The config's checkpointing in a table cell: the mode, and "k/n" where it applies
+    to the first k of n blocks."""
+    train = config.train
+    blocks = train.checkpointed(shape.n_layers)
+    if blocks in (0, shape.n_layers):
+        return train.activation_checkpointing.value
+    return f"{train.activation_checkpointing.value} {blocks}/{shape.n_layers}"
