@@ -89,6 +89,12 @@ class ActivationCheckpointing(Enum):
     SELECTIVE = "selective"
     """Keep the attention outputs, recompute the feed-forward (MLP or MoE) part."""
 
+    def on_block(self, index: int, blocks: int) -> ActivationCheckpointing:
+        """The mode of block `index` when it applies to the first `blocks` blocks
+        (`train.checkpoint_blocks`; 0: every block); the others keep every activation."""
+        applies = not blocks or index < blocks
+        return self if applies else ActivationCheckpointing.NONE
+
 
 class FsdpUnit(Enum):
     """What one FSDP2 unit gathers at a time (`parallel.fsdp_unit`)."""

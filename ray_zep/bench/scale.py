@@ -51,7 +51,7 @@ from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
 from ray_zep.parallel.memory import GB
 from ray_zep.partition import registry
-from ray_zep.partition.plan_memory import plan_memory, rank_memory
+from ray_zep.partition.plan_memory import rank_memory
 from ray_zep.partition.spec import Bench
 from ray_zep.partition.stats import max_over_mean, plan_stats
 from ray_zep.report.figures import save_figure
@@ -61,7 +61,12 @@ from ray_zep.report.text_table import Column
 from ray_zep.sim.bound import over_bound, step_bound
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
 from ray_zep.sim.bytescale import bytescale_plans, simulate_schedule
-from ray_zep.sim.checkpointing import checkpointing_label, fitting_options, with_checkpointing
+from ray_zep.sim.checkpointing import (
+    checkpointing_label,
+    fitting_options,
+    plans_peak,
+    with_checkpointing,
+)
 from ray_zep.sim.compare import VARIANTS, variant_config
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
@@ -293,13 +298,8 @@ def _planning_checkpointing(config: Config, hardware: Hardware, run: RunModel) -
 def _fitting_checkpointing(config: Config, hardware: Hardware, run: RunModel, stats):
     """`fitting_options` by the fullest rank of every plan of `stats` (per batch): each
     option's config and that rank's modelled bytes."""
-
-    def peak_of(checked: Config) -> float:
-        held = (plan_memory(checked, hardware.topology, one, run.shape)
-                for batch in stats for one in batch)  # fmt: skip
-        return max(h.ranks[h.fullest].total for h in held)
-
-    return fitting_options(config, hardware, run, peak_of)
+    plans = (one for batch in stats for one in batch)
+    return fitting_options(config, hardware, run, plans_peak(plans, hardware, run.shape))
 
 
 def _simulated_columns(row: ScaleRow, steps, ideal, bounds, n_layers: int) -> float:

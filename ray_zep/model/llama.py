@@ -269,8 +269,7 @@ class Transformer(nn.Module):
         `blocks` blocks (`train.checkpoint_blocks`; 0: every block); the others keep
         every activation."""
         for index, block in enumerate(self.layers):
-            applies = not blocks or index < blocks
-            block.checkpointing = mode if applies else ActivationCheckpointing.NONE
+            block.checkpointing = mode.on_block(index, blocks)
 
     def compile_blocks(self) -> None:
         """Compile every block's regions (`model.compile`; see `Block.compile_regions`)."""

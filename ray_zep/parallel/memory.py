@@ -118,8 +118,7 @@ class MemoryInputs:
 
     def block_checkpointing(self, index: int) -> ActivationCheckpointing:
         """What block `index`'s backward recomputes."""
-        applies = not self.checkpoint_blocks or index < self.checkpoint_blocks
-        return self.checkpointing if applies else ActivationCheckpointing.NONE
+        return self.checkpointing.on_block(index, self.checkpoint_blocks)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,12 @@ from ray_zep.partition.plan_memory import plan_memory
 from ray_zep.partition.registry import spec_of
 from ray_zep.partition.stats import plan_stats
 from ray_zep.sim.bound import step_bound
-from ray_zep.sim.checkpointing import checkpointing_label, fitting_options, with_checkpointing
+from ray_zep.sim.checkpointing import (
+    checkpointing_label,
+    fitting_options,
+    plans_peak,
+    with_checkpointing,
+)
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, StepResult, plan_batch, simulate_batch, simulate_plans
 
@@ -203,15 +208,17 @@ def evaluate_group(
     played under each one's switches."""
     candidates = [Candidate(c) for c in configs]
     try:
-        run, placed, worst = _placed(configs[0], hardware, batches, on_gpu)
-        if not worst[1] and _unpinned(configs[0]):
-            # where it does not fit, the lightest activation checkpointing that does
-            # (`fitting_options`), as a run of that composition would set it
-            train = _fitting(run, placed, hardware).train
+        run, placed, stats, worst = _placed(configs[0], hardware, batches, on_gpu)
+        checkpointing = configs[0].train.activation_checkpointing
+        if not worst[1] and checkpointing is ActivationCheckpointing.NONE:
+            # where it does not fit and the config sets no checkpointing, the lightest
+            # that fits (`fitting_options`), as a run of that composition would set it
+            peak_of = plans_peak(stats, hardware, run.shape)
+            train = fitting_options(run.config, hardware, run, peak_of)[0][0].train
             configs = [with_checkpointing(c, train.activation_checkpointing,
                                           train.checkpoint_blocks) for c in configs]  # fmt: skip
             candidates = [Candidate(c) for c in configs]
-            run, placed, worst = _placed(configs[0], hardware, batches, on_gpu)
+            run, placed, stats, worst = _placed(configs[0], hardware, batches, on_gpu)
     except ZepError as exc:
         for candidate in candidates:
             candidate.error = str(exc).splitlines()[0]
@@ -237,33 +244,18 @@ def evaluate_group(
 
 
 def _placed(config: Config, hardware: Hardware, batches: Batches, on_gpu: bool):
-    """(the run of `config`, each batch's plan and remap, (the fullest rank's modelled
-    bytes over the batches, whether every rank of every batch fits))."""
+    """(the run of `config`, each batch's plan and remap, their stats, (the fullest rank's
+    modelled bytes over the batches, whether every rank of every batch fits))."""
     run = RunModel.create(config, hardware, on_gpu)
     placed = [plan_batch(lengths, run, bins) for lengths, bins in batches]
+    stats = [plan_stats(plan, run.shape) for plan, _ in placed]
     worst = None
-    for plan, _ in placed:
-        memory = plan_memory(config, hardware.topology, plan_stats(plan, run.shape), run.shape)
+    for one in stats:
+        memory = plan_memory(config, hardware.topology, one, run.shape)
         fullest = memory.ranks[memory.fullest].total
         if worst is None or fullest > worst[0]:
             worst = (fullest, memory.fits)
-    return run, placed, worst
-
-
-def _unpinned(config: Config) -> bool:
-    """The config leaves activation checkpointing to the search (it sets none)."""
-    return config.train.activation_checkpointing is ActivationCheckpointing.NONE
-
-
-def _fitting(run: RunModel, placed, hardware: Hardware) -> Config:
-    """The first `fitting_options` option for the plans `placed` (their fullest rank)."""
-    stats = [plan_stats(plan, run.shape) for plan, _ in placed]
-
-    def peak_of(config: Config) -> float:
-        held = (plan_memory(config, hardware.topology, one, run.shape) for one in stats)
-        return max(h.ranks[h.fullest].total for h in held)
-
-    return fitting_options(run.config, hardware, run, peak_of)[0][0]
+    return run, placed, stats, worst
 
 
 @dataclass

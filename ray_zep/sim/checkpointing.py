@@ -8,13 +8,15 @@ without it."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from ray_zep.config import Config
 from ray_zep.model_shapes import ModelShape
 from ray_zep.options import ActivationCheckpointing
+from ray_zep.partition.plan_memory import plan_memory
+from ray_zep.partition.stats import PlanStats
 from ray_zep.partition.work import WorkModel
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel
@@ -57,6 +59,20 @@ def fitting_options(
         heaviest = with_checkpointing(config, CHECKPOINTING[-1])
         return [(heaviest, peak_of(heaviest))]
     return [(chosen, peak) for _, chosen, peak in sorted(fitting, key=lambda f: f[0])]
+
+
+def plans_peak(
+    plans: Iterable[PlanStats], hardware: Hardware, shape: ModelShape
+) -> Callable[[Config], float]:
+    """`fitting_options`' `peak_of` for placed plans: the fullest rank's modelled bytes over
+    `plans` under a config."""
+    plans = list(plans)
+
+    def peak_of(config: Config) -> float:
+        held = (plan_memory(config, hardware.topology, one, shape) for one in plans)
+        return max(h.ranks[h.fullest].total for h in held)
+
+    return peak_of
 
 
 def fewest_blocks(
