@@ -215,14 +215,14 @@ def test_plan_auto_searches_compositions_and_keeps_only_what_fits(tmp_path) -> N
 
 
 def test_plan_auto_checkpoints_the_fewest_blocks_where_nothing_fits_without() -> None:
-    """7B on 16 GPUs of cluster A at 16k tokens a GPU: no composition fits 80 GB without
+    """7B on 8 GPUs of cluster A at 16k tokens a GPU: no composition fits 80 GB without
     activation checkpointing; each is played under the lightest that fits, on its first
     blocks only, and its step counts the recomputation."""
     from ray_zep.config import load_config
     from ray_zep.sim.auto import auto_plan
     from ray_zep.sim.request import SimulateRequest, batches_of, request_hardware
 
-    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=2", "model.preset=7b",
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=1", "model.preset=7b",
                                 "train.tokens_per_rank=20480"])  # fmt: skip
     hardware, on_gpu = request_hardware(config, None)
     batches, _ = batches_of(config, hardware.topology, SimulateRequest(None, False, 1, "arxiv"))
