@@ -7,6 +7,8 @@ where, gathering, placing back, autograd), which CI can run.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -23,8 +25,11 @@ from ray_zep.attention.kernels import (
 )
 from ray_zep.attention.ring import merge_
 from ray_zep.attention.varlen import PackedSeqs
+from ray_zep.errors import ConfigError
 
 HAS_TORCH_FLASH = torch.cuda.is_available() and torch_flash.available(torch.device("cuda"))
+if HAS_TORCH_FLASH:  # the kernels under test are those the process routes to (FA2/FA3/FA4)
+    FLASH_IMPL = torch_flash.use_fastest_impl(torch.device("cuda"))
 needs_torch_flash = pytest.mark.skipif(
     not HAS_TORCH_FLASH,
     reason="needs a CUDA GPU of compute capability >= 8.0 and a torch built with its flash "
@@ -270,26 +275,100 @@ def test_auto_prefers_torch_flash_over_flash_attn_on_a_gpu(monkeypatch) -> None:
 
 
 @pytest.mark.unit
-def test_fa3_is_taken_only_where_torch_can_route_to_it(monkeypatch) -> None:
-    """`use_fastest_impl` names FA2 with its reason wherever FA3 cannot run (here: its
-    package is missing, or the chip is not Hopper) and never raises."""
+def test_fa3_and_fa4_are_taken_only_where_torch_can_route_to_them(monkeypatch) -> None:
+    """`use_fastest_impl` names FA2 with every reason wherever neither FA3 nor FA4 can run
+    (here: the chip is an A100, or their packages are missing) and never raises under
+    `auto`."""
     from torch.nn import attention
 
     fastest = torch_flash.use_fastest_impl.__wrapped__
+    monkeypatch.delenv(torch_flash.IMPL_ENV, raising=False)
     monkeypatch.setattr(torch_flash, "_capability", lambda index: (8, 0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     reason = fastest(torch.device("cuda", 0))
     assert reason.startswith("FA2 (")
-    if "FA3" in getattr(attention, "list_flash_attention_impls", list)():
-        assert "sm_80" in reason
+    listed = getattr(attention, "list_flash_attention_impls", list)()
+    if "FA3" in listed and "FA4" in listed:
+        assert "FA3 runs on sm_9x; this GPU is sm_80" in reason
+        assert "FA4 runs on sm_9x, sm_10x; this GPU is sm_80" in reason
         monkeypatch.setattr(torch_flash, "_capability", lambda index: (9, 0))
-        activated = fastest(torch.device("cuda", 0))
-        try:
-            import flash_attn_interface  # noqa: F401
-        except ImportError:
-            assert activated.startswith("FA2 (FA3 not activated") and "flash_attn_interface" in (
-                activated
-            )
-        else:  # pragma: no cover - FA3 installed
-            assert activated == "FA3"
-            attention.restore_flash_attention_impl()
+        monkeypatch.setattr(attention, "activate_flash_attention_impl", _refuse_activation)
+        missing = {
+            impl.name: importlib.util.find_spec(impl.module.split(".")[0]) is None
+            for impl in torch_flash.SWITCHABLE
+        }
+        if all(missing.values()):
+            activated = fastest(torch.device("cuda", 0))
+            assert "FA3 not activated" in activated and "flash_attn_interface" in activated
+            assert "FA4 not activated" in activated and "pip install flash-attn-4" in activated
+
+
+def _refuse_activation(name: str) -> None:  # pragma: no cover - reached only with a package
+    raise AssertionError(f"{name} activated although its package is missing")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "value, expected",
+    [(None, "auto"), ("", "auto"), ("FA4", "fa4"), (" fa2 ", "fa2")],
+)
+def test_the_flash_implementation_is_read_from_the_environment(
+    monkeypatch, value, expected
+) -> None:
+    if value is None:
+        monkeypatch.delenv(torch_flash.IMPL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(torch_flash.IMPL_ENV, value)
+    assert torch_flash.requested_impl() == expected
+
+
+@pytest.mark.unit
+def test_a_forced_fa2_touches_no_gpu_and_a_bad_value_names_the_variable(monkeypatch) -> None:
+    fastest = torch_flash.use_fastest_impl.__wrapped__
+    monkeypatch.setenv(torch_flash.IMPL_ENV, "fa2")
+    assert fastest(torch.device("cpu")) == "FA2 (RAY_ZEP_FLASH_IMPL=fa2)"
+    monkeypatch.setenv(torch_flash.IMPL_ENV, "fa5")
+    with pytest.raises(ConfigError, match="RAY_ZEP_FLASH_IMPL='fa5': expected auto"):
+        fastest(torch.device("cpu"))
+
+
+@pytest.mark.unit
+def test_an_implementation_asked_for_by_name_that_cannot_run_is_an_error(monkeypatch) -> None:
+    fastest = torch_flash.use_fastest_impl.__wrapped__
+    monkeypatch.setenv(torch_flash.IMPL_ENV, "fa3")
+    monkeypatch.setattr(torch_flash, "_capability", lambda index: (8, 6))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ConfigError, match="RAY_ZEP_FLASH_IMPL=fa3: "):
+        fastest(torch.device("cuda", 0))
+
+
+@pytest.mark.unit
+def test_fa4_glue_is_pointed_at_the_adapter_that_returns_out_and_lse(monkeypatch) -> None:
+    """flash-attn-4 4.0.0b36's forward returns five values where torch's FA4 glue unpacks
+    two: once FA4 is activated, the glue imports `fa4_adapter`, which returns out and LSE of
+    the package's forward and passes the backward through (here with stand-in kernels)."""
+    import sys
+    import types
+
+    fa4 = pytest.importorskip("torch.nn.attention._fa4", reason="torch without FA4 glue")
+    from torch.nn import attention
+
+    kernels = types.ModuleType("flash_attn.cute.interface")
+    kernels._flash_attn_fwd = lambda q, k, v, **kw: (q + 1, k.sum(), None, None, None)
+    kernels._flash_attn_bwd = lambda *args, **kw: ("dq", "dk", "dv")
+    for name in ("flash_attn", "flash_attn.cute"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", kernels)
+    monkeypatch.setattr(attention, "activate_flash_attention_impl", lambda name: None)
+    monkeypatch.setattr(attention, "list_flash_attention_impls", lambda: ["FA3", "FA4"])
+    monkeypatch.setattr(fa4, "_FA4_MODULE_PATH", None, raising=False)
+    monkeypatch.setattr(torch_flash, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv(torch_flash.IMPL_ENV, "fa4")
+    assert torch_flash.use_fastest_impl.__wrapped__(torch.device("cuda", 0)) == "FA4"
+    assert fa4._FA4_MODULE_PATH == torch_flash.ADAPTER
+    module = importlib.import_module(fa4._FA4_MODULE_PATH)
+    q, k = torch.zeros(2), torch.ones(3)
+    out, lse = module._flash_attn_fwd(q, k, k, causal=True)
+    assert torch.equal(out, q + 1) and float(lse) == 3.0
+    assert module._flash_attn_bwd(q, k, k, out, q, lse) == ("dq", "dk", "dv")

@@ -7,9 +7,10 @@ batch in one launch, return the LSE as (H, T_q) float32, take fewer K/V heads th
 heads (GQA) natively and sum dk/dv over each group in their backward. No dropout here, so
 the RNG state the backward takes is never read.
 
-On a Hopper GPU where FlashAttention-3's package (`flash_attn_interface`) is installed, torch
-can route these same ops to FA3 (`torch.nn.attention.activate_flash_attention_impl`); `auto`
-does so (`use_fastest_impl`).
+On a Hopper GPU where FlashAttention-3 (`flash_attn_interface`) or FlashAttention-4
+(`flash-attn-4`, also Blackwell) is installed, torch can route these same ops to it
+(`torch.nn.attention.activate_flash_attention_impl`); `use_fastest_impl` does so, as
+`RAY_ZEP_FLASH_IMPL` asks (default `auto`: FA3, else FA4, else torch's own FA2).
 
 Only the pieces that call the ops live here; `ray_zep.attention.kernels` decides which
 blocks they may take (their causal mask is the same as the reference's only on a square
@@ -21,9 +22,13 @@ Shapes: q_THE (T_q, H, E), k_TKE / v_TKE (T_k, K, E) with H % K == 0, lse_HT flo
 from __future__ import annotations
 
 import functools
+import importlib
+import os
 from typing import NamedTuple
 
 import torch
+
+from ray_zep.errors import ConfigError
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -75,32 +80,108 @@ def available(device: torch.device) -> bool:
     return _capability(index) >= (8, 0)
 
 
-FA3_MODULE = "flash_attn_interface"
-"""The package whose kernels torch's FA3 implementation registers (FlashAttention-3)."""
+IMPL_ENV = "RAY_ZEP_FLASH_IMPL"
+"""The environment variable that picks torch's flash implementation: `auto` (the default:
+FA3, else FA4, where each can run, else FA2), `fa2`, `fa3` or `fa4` (that one or a
+ConfigError saying why not). Process-wide, as torch's own switch is."""
+IMPLS = ("auto", "fa2", "fa3", "fa4")
+
+
+class FlashImpl(NamedTuple):
+    """An implementation torch can route its flash ops to, and what it needs."""
+
+    name: str
+    """torch's name for it (`torch.nn.attention.list_flash_attention_impls`)."""
+    module: str
+    """The module whose kernels torch registers."""
+    package: str
+    """What to pip install for it."""
+    majors: tuple[int, ...]
+    """The compute capabilities (major) it runs on."""
+
+
+SWITCHABLE = (
+    FlashImpl("FA3", "flash_attn_interface", "FlashAttention-3 (flash_attn_interface)", (9,)),
+    FlashImpl("FA4", "flash_attn.cute.interface", "flash-attn-4", (9, 10)),
+)
+"""In the order `auto` tries them."""
+ADAPTER = "ray_zep.attention.fa4_adapter"
+"""The module torch's FA4 glue is pointed at (see `ray_zep.attention.fa4_adapter`)."""
+
+
+def requested_impl() -> str:
+    """`RAY_ZEP_FLASH_IMPL`, lower-cased (`auto` when unset).
+
+    Raises:
+        ConfigError: a value other than auto | fa2 | fa3 | fa4.
+    """
+    wanted = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
+    if wanted not in IMPLS:
+        raise ConfigError(
+            f"environment variable {IMPL_ENV}={os.environ[IMPL_ENV]!r}: expected "
+            + " | ".join(IMPLS)
+        )
+    return wanted
 
 
 @functools.cache
 def use_fastest_impl(device: torch.device) -> str:
-    """Route torch's flash ops to FA3 where torch can (a Hopper GPU, a torch with the
-    implementation switch, FlashAttention-3 installed); which implementation runs, with the
-    reason where it is FA2. Process-wide, once per device."""
+    """Route torch's flash ops to the implementation `RAY_ZEP_FLASH_IMPL` asks for (`auto`:
+    FA3, else FA4, each where torch can switch to it, the GPU runs it and its package is
+    installed); which implementation runs, with the reasons where it is FA2. Process-wide,
+    once per device.
+
+    Raises:
+        ConfigError: an unknown value, or an implementation asked for by name that cannot run.
+    """
+    wanted = requested_impl()
+    if wanted == "fa2":
+        return f"FA2 ({IMPL_ENV}=fa2)"
+    chosen = [i for i in SWITCHABLE if wanted in ("auto", i.name.lower())]
+    reasons = []
+    for impl in chosen:
+        reason = _activate(impl, device)
+        if reason is None:
+            return impl.name
+        reasons.append(reason)
+    if wanted != "auto":
+        raise ConfigError(f"environment variable {IMPL_ENV}={wanted}: {reasons[0]}")
+    return f"FA2 ({'; '.join(reasons)})"
+
+
+def _activate(impl: FlashImpl, device: torch.device) -> str | None:
+    """Switch torch's flash ops to `impl`; None once done, else why it cannot run."""
     try:
         from torch.nn import attention
     except ImportError:  # pragma: no cover - every supported torch has the module
-        return "FA2 (torch has no torch.nn.attention)"
+        return "torch has no torch.nn.attention"
     if not hasattr(attention, "activate_flash_attention_impl"):
-        return f"FA2 (torch {torch.__version__} cannot switch its flash implementation)"
-    if "FA3" not in attention.list_flash_attention_impls():
-        return f"FA2 (torch {torch.__version__} lists no FA3 implementation)"
+        return f"torch {torch.__version__} cannot switch its flash implementation"
+    if impl.name not in attention.list_flash_attention_impls():
+        return f"torch {torch.__version__} lists no {impl.name} implementation"
     index = device.index if device.index is not None else torch.cuda.current_device()
     major, minor = _capability(index)
-    if major != 9:
-        return f"FA2 (FA3 runs on Hopper, sm_90; this GPU is sm_{major}{minor})"
+    if major not in impl.majors:
+        runs_on = ", ".join(f"sm_{m}x" for m in impl.majors)
+        return f"{impl.name} runs on {runs_on}; this GPU is sm_{major}{minor}"
     try:
-        attention.activate_flash_attention_impl("FA3")
+        importlib.import_module(impl.module)
+        attention.activate_flash_attention_impl(impl.name)
     except Exception as exc:  # ImportError of the package, or its kernels missing
-        return f"FA2 (FA3 not activated: {exc}; pip install the {FA3_MODULE} package)"
-    return "FA3"
+        return f"{impl.name} not activated: {exc}; pip install {impl.package}"
+    if impl.name == "FA4":
+        _point_fa4_at_adapter()
+    return None
+
+
+def _point_fa4_at_adapter() -> None:
+    """Have torch's FA4 glue call `fa4_adapter` (flash-attn-4's kernels with the two return
+    values the glue unpacks) instead of the package's module. torch keeps the module's path
+    in `torch.nn.attention._fa4._FA4_MODULE_PATH` and imports it on every call (2.11-2.13)."""
+    from torch.nn.attention import _fa4
+
+    if hasattr(_fa4, "_FA4_MODULE_PATH"):
+        _fa4._FA4_MODULE_PATH = ADAPTER
 
 
 def runs(q_THE: torch.Tensor, k_TKE: torch.Tensor) -> bool:

@@ -176,17 +176,19 @@ def run(args: argparse.Namespace) -> BenchResult:
         for batch in batches
     ]
     name = _name(device)
+    flash = _flash_impl(device)
     note = (
         f"device: {name}; peak {peak / 1e12:.0f} TFLOP/s dense BF16"
         if peak
         else f"device: {name}; no known peak (set metrics.peak_tflops): MFU not computed"
     )
+    notes = [note] + ([f"flash attention: {flash}"] if flash else [])
     spec = {"device": name, "tokens": tokens, "batches": batches, "steps": args.steps,
             "peak_flops": peak, "model": config_to_dict(base)["model"],
             "loss_chunk_tokens": base.model.loss_chunk_tokens,
-            "compile": base.model.compile}  # fmt: skip
+            "compile": base.model.compile, "flash_impl": flash}  # fmt: skip
     records = [asdict(r) | {"model_error": r.model_error} for r in rows]
-    return BenchResult.from_rows(NAME, spec, rows, COLUMNS, draw, records=records, notes=[note])
+    return BenchResult.from_rows(NAME, spec, rows, COLUMNS, draw, records=records, notes=notes)
 
 
 def _base_config(args: argparse.Namespace) -> Config:
@@ -309,6 +311,14 @@ def _case(config: Config, device: torch.device) -> tuple[str, str, int, bool]:
     """The row's device, model, loss chunk and compile columns."""
     model = config.model
     return _name(device), _model_name(config), model.loss_chunk_tokens, model.compile
+
+
+def _flash_impl(device: torch.device) -> str:
+    """The implementation torch's flash ops ran on this device (FA2/FA3/FA4, with FA2's
+    reason), or "" where they did not run (CPU, an older GPU)."""
+    from ray_zep.attention import torch_flash
+
+    return torch_flash.use_fastest_impl(device) if torch_flash.available(device) else ""
 
 
 def _name(device: torch.device) -> str:

@@ -30,7 +30,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from ortools.graph.python import max_flow
 
 from ray_zep.costmodel import kv_bytes_per_token, q_bytes_per_token
 from ray_zep.errors import PlacementError
@@ -152,6 +151,8 @@ class _TransferFlow:
         heads += [np.full(n_nodes, exchange), bucket, np.full(n_nodes, sink)]
         caps = [self.supply, self.supply, self.supply, np.full(2 * n_nodes, UNBOUNDED)]
         caps.append(node_demand.astype(np.int64))
+        from ortools.graph.python import max_flow  # imported where a plan is solved
+
         self.flow = max_flow.SimpleMaxFlow()
         arcs = self.flow.add_arcs_with_capacity(
             np.concatenate(tails).astype(np.int32),
