@@ -372,3 +372,30 @@ def test_fa4_glue_is_pointed_at_the_adapter_that_returns_out_and_lse(monkeypatch
     out, lse = module._flash_attn_fwd(q, k, k, causal=True)
     assert torch.equal(out, q + 1) and float(lse) == 3.0
     assert module._flash_attn_bwd(q, k, k, out, q, lse) == ("dq", "dk", "dv")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "capability, impl, dim, expected",
+    [
+        ((9, 0), "FA4", 192, True),
+        ((9, 0), "FA4", 256, True),
+        ((10, 0), "FA4", 128, True),
+        ((10, 0), "FA4", 136, False),
+        ((10, 0), "FA2 (test)", 192, True),
+        ((10, 0), "FA2 (test)", 256, False),
+        ((8, 6), "FA2 (test)", 256, False),
+    ],
+)
+def test_head_dims_go_to_the_flash_kernels_only_where_the_routed_one_takes_them(
+    monkeypatch, capability, impl, dim, expected
+) -> None:
+    """FA2 takes head dims over 192 on A100/H100 only; FA4 on Blackwell takes up to 128
+    (the rest go to the reference kernel)."""
+    monkeypatch.setattr(torch_flash, "available", lambda device: True)
+    monkeypatch.setattr(torch_flash, "_capability", lambda index: capability)
+    monkeypatch.setattr(torch_flash, "use_fastest_impl", lambda device: impl)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    q = torch.zeros(4, 8, dim, dtype=torch.bfloat16)
+    k = torch.zeros(4, 2, dim, dtype=torch.bfloat16)
+    assert torch_flash.runs(q, k) is expected

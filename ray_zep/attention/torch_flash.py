@@ -187,17 +187,20 @@ def _point_fa4_at_adapter() -> None:
 def runs(q_THE: torch.Tensor, k_TKE: torch.Tensor) -> bool:
     """Whether this call's tensors suit the kernels: CUDA, fp16/bf16, a head dim that is a
     multiple of 8 up to 256 (over 192 the backward needs an A100/H100-sized shared memory),
-    and whole groups of query heads per K/V head."""
+    and whole groups of query heads per K/V head; routed to FA4 on Blackwell, up to 128."""
     dim, heads, kv_heads = q_THE.shape[-1], q_THE.shape[1], k_TKE.shape[1]
     if q_THE.dtype not in DTYPES or not available(q_THE.device):
         return False
     if dim % 8 or dim > 256 or heads % kv_heads:
         return False
-    if dim > 192:
-        index = q_THE.device.index
-        index = index if index is not None else torch.cuda.current_device()
-        return _capability(index) in ((8, 0), (9, 0))
-    return True
+    if dim <= 128:
+        return True
+    index = q_THE.device.index
+    index = index if index is not None else torch.cuda.current_device()
+    capability = _capability(index)
+    if capability[0] == 10 and use_fastest_impl(q_THE.device) == "FA4":
+        return False  # FA4 on sm_100 takes head dims up to 128 (and 256, excluded below)
+    return dim <= 192 or capability in ((8, 0), (9, 0))
 
 
 def forward(
