@@ -20,6 +20,11 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 # No node of the tests' Ray clusters is preemptible: Ray Train's preemption watcher would be
 # one more process to start with every worker group, and watch nothing.
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+# Before it restarts a worker group, Ray Train's controller waits for every worker to
+# destroy its process group, 30 s by default. A test that loses a node holds the survivors
+# where no step can end (a checkpoint file they cannot open, a stopped process), so they
+# never answer and the wait runs out each time: 5 s, as tests/test_ray_job.py gives its jobs.
+os.environ.setdefault("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "5")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
