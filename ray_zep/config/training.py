@@ -76,9 +76,9 @@ class TrainConfig:
 
     def checkpointed(self, n_layers: int) -> int:
         """Blocks that `activation_checkpointing` applies to, of `n_layers`."""
-        if self.activation_checkpointing is ActivationCheckpointing.NONE:
-            return 0
-        return min(self.checkpoint_blocks or n_layers, n_layers)
+        mode, blocks = self.activation_checkpointing, self.checkpoint_blocks
+        none = ActivationCheckpointing.NONE
+        return sum(mode.on_block(index, blocks) is not none for index in range(n_layers))
 
     def __post_init__(self) -> None:
         require(self.steps >= 1, "train.steps", self.steps, "must be >= 1")

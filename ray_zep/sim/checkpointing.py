@@ -46,9 +46,10 @@ def fitting_options(
     `full`, each on the fewest first blocks that fit (`train.checkpoint_blocks`), the one
     that recomputes less by `recompute_per_block` first; where neither fits on every
     block, `full` on every block alone."""
-    peak = peak_of(with_checkpointing(config, ActivationCheckpointing.NONE))
+    unchecked = with_checkpointing(config, ActivationCheckpointing.NONE)
+    peak = peak_of(unchecked)
     if peak <= hardware.usable_memory_bytes:
-        return [(with_checkpointing(config, ActivationCheckpointing.NONE), peak)]
+        return [(unchecked, peak)]
     layers, fitting = run.shape.n_layers, []
     for mode in CHECKPOINTING[1:]:
         blocks, peak = fewest_blocks(config, mode, layers, hardware, peak_of)
