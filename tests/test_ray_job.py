@@ -118,7 +118,7 @@ def test_job_survives_failed_peers_a_lost_data_actor_a_broken_file_and_a_killed_
     intact = broken.read_bytes()
     try:
         # 1. a peer stops answering: the others fail within comm.timeout_s, Ray restarts all
-        _wait_for_step(out, first := rng.randint(1, 3), head, "failing")
+        _wait_for_step(out, first := rng.randint(1, 3), head, "failing", job)
         assert "communication environment: GLOO_SOCKET_IFNAME=lo" in log(), "runtime_env lost"
         os.kill(rng.choice(_workers()), signal.SIGSTOP)
         stopped = time.monotonic()
@@ -130,7 +130,7 @@ def test_job_survives_failed_peers_a_lost_data_actor_a_broken_file_and_a_killed_
 
         # 2. a worker dies (a step beyond any the stopped run could have reached), and the
         # data actor with it: Ray starts the actor again, the new group's data comes from it
-        _wait_for_step(out, second := rng.randint(first + 2, first + 4), head, "failing")
+        _wait_for_step(out, second := rng.randint(first + 2, first + 4), head, "failing", job)
         data_actor = _single(pids_matching(DATA_ACTOR_TITLE))
         os.kill(rng.choice(_workers()), signal.SIGKILL)
         os.kill(data_actor, signal.SIGKILL)
@@ -138,11 +138,11 @@ def test_job_survives_failed_peers_a_lost_data_actor_a_broken_file_and_a_killed_
         assert _single(pids_matching(DATA_ACTOR_TITLE)) != data_actor
 
         # 3. a dataset file turns to garbage: the running data actor read it at its start
-        _wait_for_step(out, third := rng.randint(second + 1, second + 2), head, "failing")
+        _wait_for_step(out, third := rng.randint(second + 1, second + 2), head, "failing", job)
         broken.write_bytes(b"\0" * 64)
 
         # 4. the driver dies; freeze the workers first so that no step runs past this point
-        _wait_for_step(out, rng.randint(third + 1, third + 2), head, "failing")
+        _wait_for_step(out, rng.randint(third + 1, third + 2), head, "failing", job)
         workers = _workers()
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
@@ -284,8 +284,16 @@ def _driver_pids(out: Path) -> list[int]:
     ]
 
 
-def _wait_for_step(out: Path, step: int, head: RayHead, job_id: str) -> None:
+def _wait_for_step(
+    out: Path, step: int, head: RayHead, job_id: str, job: subprocess.Popen | None = None
+) -> None:
+    """Wait until the run in `out` has trained `step`; fail at once, with its output, if
+    the `ray job submit` client `job` has ended first (a job that never started)."""
+
     def reached() -> bool:
+        if job is not None and job.poll() is not None:
+            output = job.stdout.read() if job.stdout else ""
+            raise AssertionError(f"`ray job submit` ended before step {step}:\n{output[-3000:]}")
         try:
             return max(jsonl_losses(out), default=0) >= step
         except json.JSONDecodeError:  # a line still being written
