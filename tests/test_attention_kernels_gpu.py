@@ -29,7 +29,7 @@ from ray_zep.errors import ConfigError
 
 HAS_TORCH_FLASH = torch.cuda.is_available() and torch_flash.available(torch.device("cuda"))
 if HAS_TORCH_FLASH:  # the kernels under test are those the process routes to (FA2/FA3/FA4)
-    FLASH_IMPL = torch_flash.use_fastest_impl(torch.device("cuda"))
+    torch_flash.use_fastest_impl(torch.device("cuda"))
 needs_torch_flash = pytest.mark.skipif(
     not HAS_TORCH_FLASH,
     reason="needs a CUDA GPU of compute capability >= 8.0 and a torch built with its flash "

@@ -284,15 +284,13 @@ def _driver_pids(out: Path) -> list[int]:
     ]
 
 
-def _wait_for_step(
-    out: Path, step: int, head: RayHead, job_id: str, job: subprocess.Popen | None = None
-) -> None:
+def _wait_for_step(out: Path, step: int, head: RayHead, job_id: str, job: subprocess.Popen) -> None:
     """Wait until the run in `out` has trained `step`; fail at once, with its output, if
     the `ray job submit` client `job` has ended first (a job that never started)."""
 
     def reached() -> bool:
-        if job is not None and job.poll() is not None:
-            output = job.stdout.read() if job.stdout else ""
+        if job.poll() is not None:
+            output = job.stdout.read()
             raise AssertionError(f"`ray job submit` ended before step {step}:\n{output[-3000:]}")
         try:
             return max(jsonl_losses(out), default=0) >= step

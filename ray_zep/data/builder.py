@@ -84,9 +84,9 @@ def build_dataset(
 
 def stdlib_dataset() -> Path:
     """Path of the cached stdlib dataset, building it on first use."""
-    files = stdlib_files()
     path = constants.cache_dir() / _stdlib_dataset_name()
     if not path.exists():
+        files = stdlib_files()
         log.info("building the stdlib dataset from %d files into %s", len(files), path)
         write_token_parquet((ByteTokenizer.encode_bytes(f.read_bytes()) for f in files), path)
     return path
