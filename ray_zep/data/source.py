@@ -118,10 +118,26 @@ def _parquet_files(path: Path) -> list[Path]:
 
 def _read_token_column(file: Path) -> tuple[np.ndarray, np.ndarray]:
     """Flat token values and row offsets (int64) of one file's `tokens` column."""
-    try:
-        schema = pq.read_schema(file)
+    try:  # ParquetFile reads one file; pq.read_table imports pyarrow.dataset (and pandas)
+        parquet = pq.ParquetFile(file, memory_map=True)
     except (pa.ArrowException, OSError) as exc:
         raise CorruptDatasetError(f"{str(file)!r} is not a readable Parquet file: {exc}") from None
+    with parquet:
+        _check_token_schema(file, parquet.schema_arrow)
+        try:
+            column = parquet.read(columns=[TOKENS_COLUMN])[TOKENS_COLUMN]
+            array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+        except (pa.ArrowException, OSError) as exc:
+            raise CorruptDatasetError(f"{str(file)!r} cannot be read: {exc}") from None
+    if array.null_count:
+        raise CorruptDatasetError(f"{str(file)!r}: column '{TOKENS_COLUMN}' has null rows")
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    values = array.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+    return values, offsets - offsets[0]
+
+
+def _check_token_schema(file: Path, schema: pa.Schema) -> None:
+    """Refuse a file whose `tokens` column is missing or not a list of integers."""
     if TOKENS_COLUMN not in schema.names:
         raise CorruptDatasetError(
             f"{str(file)!r} has no '{TOKENS_COLUMN}' column (columns: {', '.join(schema.names)}); "
@@ -134,13 +150,3 @@ def _read_token_column(file: Path) -> tuple[np.ndarray, np.ndarray]:
         raise CorruptDatasetError(
             f"{str(file)!r}: column '{TOKENS_COLUMN}' is {kind}, expected list<int32>"
         )
-    try:
-        column = pq.read_table(file, columns=[TOKENS_COLUMN], memory_map=True)[TOKENS_COLUMN]
-        array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    except (pa.ArrowException, OSError) as exc:
-        raise CorruptDatasetError(f"{str(file)!r} cannot be read: {exc}") from None
-    if array.null_count:
-        raise CorruptDatasetError(f"{str(file)!r}: column '{TOKENS_COLUMN}' has null rows")
-    offsets = array.offsets.to_numpy().astype(np.int64)
-    values = array.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
-    return values, offsets - offsets[0]
