@@ -134,7 +134,9 @@ def balance(
     work = model.whole_seconds(lengths)
     mean = float(work.sum()) / topology.world_size
     small = _small_ring_seconds(lengths, topology.gpus_per_node, model)
-    usp = usp_groups and topology.nodes > 1 and model.usp_heads_divide()
+    usp = None
+    if usp_groups and topology.nodes > 1 and model.usp_heads_divide():
+        usp = UspGrid.of(lengths, work > mean * LEVELS[0], capacity, topology, model)
 
     lowest = [float("inf")]  # the busiest rank of the best placement so far
 
@@ -146,7 +148,7 @@ def balance(
             lowest[0] = min(lowest[0], placed.busiest)
         return placed
 
-    tried = _scan(at)
+    tried = _scan(at, lambda: lowest[0] / mean)
     feasible = [(f, p) for f, p in tried if p is not None]
     if not feasible:  # rings want more ranks than there are at every level
         placed = at(LEVELS[-1], force=True)
@@ -167,10 +169,14 @@ def balance(
     return _placements(lengths, best, model)
 
 
-def _scan(at) -> list[tuple[float, Placed | None]]:
-    """Each level's placement, up to the first feasible level and `PAST_FIRST` more."""
+def _scan(at, best) -> list[tuple[float, Placed | None]]:
+    """Each level's placement, up to the first feasible level and `PAST_FIRST` more below
+    `best()`, the busiest rank of the best placement so far over the mean (a level at or
+    above it would have to end under its own level to win)."""
     tried, left = [], None
     for factor in LEVELS:
+        if left is not None and factor >= best():
+            break
         placed = at(factor)
         tried.append((factor, placed))
         if left is None and placed is not None:
@@ -190,12 +196,12 @@ def _place_at(
     topology: Topology,
     capacity: int,
     model: WorkModel,
-    usp_groups: bool,
+    usp_grid: UspGrid | None,
     force: bool = False,
     prune_above: float = float("inf"),
 ) -> Placed | None:
     """The placement at `level`, or None when its rings need more than the world
-    (`usp_groups`: USP groups compete with rings); pruned (`Placed.pruned`) once a rank's
+    (`usp_grid`: USP groups compete with rings); pruned (`Placed.pruned`) once a rank's
     work reaches `prune_above`."""
     world, gpus = topology.world_size, topology.gpus_per_node
     split = (work > level) | (lengths > capacity)
@@ -204,9 +210,8 @@ def _place_at(
     seqs = np.flatnonzero(split)
     degrees, member = _degrees(lengths[seqs], level, capacity, world, model)
     usp = np.zeros(seqs.size, dtype=bool)
-    if seqs.size and usp_groups:
-        degrees, member, usp = _with_usp(lengths[seqs], degrees, member, level, capacity,
-                                         topology, model)  # fmt: skip
+    if seqs.size and usp_grid is not None:
+        degrees, member, usp = _with_usp(seqs, degrees, member, level, usp_grid)
     eligible = ~usp & (degrees <= gpus)
     if not force and fewest_ranks(small[seqs], degrees, eligible, level) > world:
         return None  # even perfectly shared rings need more than the world
@@ -281,32 +286,61 @@ def _degrees(
     return degree, seconds
 
 
+@dataclass(frozen=True)
+class UspGrid:
+    """A USP member's work for the sequences a level may split, at each `USP_NODES` count
+    (inf where the nodes lack the tokens' room): it depends on the length alone, so the
+    level scan computes it once per batch."""
+
+    nodes: np.ndarray
+    """Node counts costed: `USP_NODES` up to the topology's."""
+    seconds: np.ndarray
+    """sequences x nodes; rows of sequences no level splits are not computed (nan)."""
+    gpus: int
+
+    @classmethod
+    def of(
+        cls,
+        lengths: np.ndarray,
+        candidates: np.ndarray,
+        capacity: int,
+        topology: Topology,
+        model: WorkModel,
+    ) -> UspGrid | None:
+        """The grid of `lengths`, computed where `candidates` (any level may split them:
+        work over the lowest level, or over L tokens) holds; None with no count to cost."""
+        gpus = topology.gpus_per_node
+        nodes = np.asarray([p for p in USP_NODES if p <= topology.nodes], dtype=np.int64)
+        if nodes.size == 0:
+            return None
+        rows = np.flatnonzero(candidates | (lengths > capacity))
+        n = lengths[rows]
+        grid = model.usp_member_seconds(np.repeat(n, nodes.size), np.tile(nodes, n.size))
+        grid = grid.reshape(n.size, nodes.size)
+        seconds = np.full((lengths.size, nodes.size), np.nan)
+        seconds[rows] = np.where(n[:, None] <= nodes[None, :] * gpus * capacity, grid, np.inf)
+        return cls(nodes, seconds, gpus)
+
+
 def _with_usp(
-    lengths: np.ndarray,
+    seqs: np.ndarray,
     degrees: np.ndarray,
     member: np.ndarray,
     level: float,
-    capacity: int,
-    topology: Topology,
-    model: WorkModel,
+    usp_grid: UspGrid,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(degrees, member work, USP or not) of each ring once USP groups compete: per
-    sequence, the fewest `USP_NODES` nodes whose USP member work is at most `level` (or
+    """(degrees, member work, USP or not) of the rings of `seqs` once USP groups compete:
+    per sequence, the fewest `USP_NODES` nodes whose USP member work is at most `level` (or
     the least work, within `MIN_GAIN`, where none is), taken over the ring where it
     needs fewer ranks at the level (on as many, or where neither reaches the level: the
     lesser work by `MIN_GAIN`; the ring on near ties, which has no all-to-alls)."""
-    gpus = topology.gpus_per_node
-    nodes = np.asarray([p for p in USP_NODES if p <= topology.nodes], dtype=np.int64)
-    if nodes.size == 0:
-        return degrees, member, np.zeros(lengths.size, dtype=bool)
-    grid = model.usp_member_seconds(np.repeat(lengths, nodes.size), np.tile(nodes, lengths.size))
-    grid = grid.reshape(lengths.size, nodes.size)
-    grid = np.where(lengths[:, None] <= nodes[None, :] * gpus * capacity, grid, np.inf)
+    grid = usp_grid.seconds[seqs]
+    assert not np.isnan(grid).any(), "a level split a sequence the USP grid left out"
     at_level = grid <= level
     near_least = grid <= grid.min(axis=1, keepdims=True) * (1 + MIN_GAIN)
     pick = np.where(at_level.any(axis=1), at_level.argmax(axis=1), near_least.argmax(axis=1))
-    usp_work = grid[np.arange(lengths.size), pick]
-    usp_degree = nodes[pick] * gpus
+    usp_work = grid[np.arange(seqs.size), pick]
+    usp_degree = usp_grid.nodes[pick] * usp_grid.gpus
     ring_in, usp_in = member <= level, usp_work <= level
     lighter = usp_work < member * (1 - MIN_GAIN)  # near ties: the ring (no all-to-alls)
     fewer = (usp_degree < degrees) | ((usp_degree == degrees) & lighter)
