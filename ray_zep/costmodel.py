@@ -42,6 +42,7 @@ proportional to m). Past the crossover the transfer hides behind the compute.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
@@ -200,9 +201,9 @@ class ComputeRates:
         curve, scale = self.rate_curve(causal, backward, autograd, heads)
         tokens = np.asarray(tokens, dtype=np.float64) * scale
         if curve is not None:
-            points = np.asarray(curve, dtype=np.float64)
+            log_tokens, log_rates = _log_curve(curve)
             logs = np.log(np.maximum(tokens, 1e-30))
-            return np.exp(np.interp(logs, np.log(points[:, 0]), np.log(points[:, 1])))
+            return np.exp(np.interp(logs, log_tokens, log_rates))
         rate = self.attention_backward if backward else self.attention_forward
         half = self.causal_half_tokens if causal else self.full_half_tokens
         safe = np.where(tokens > 0, tokens, 1.0)
@@ -505,3 +506,11 @@ class CostModel:
         return 2 * (world - 1) * self._collective_latency(ranks) + volume / self.bus_bandwidth(
             ranks
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _log_curve(curve: tuple[tuple[float, float], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A measured rate curve's (log tokens, log FLOP/s), read once per curve: the planners
+    read rates dozens of times a step."""
+    points = np.asarray(curve, dtype=np.float64)
+    return np.log(points[:, 0]), np.log(points[:, 1])

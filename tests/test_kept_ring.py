@@ -22,6 +22,7 @@ from ray_zep.parallel.memory import kept_kv_bytes, memory_inputs
 from ray_zep.partition import make_plan
 from ray_zep.partition.balance import balance
 from ray_zep.partition.exchange import Exchange
+from ray_zep.partition.plan import AttentionPlan
 from ray_zep.partition.plan_memory import (
     KEEP_SHARE,
     memory_plan,
@@ -110,6 +111,13 @@ def test_a_ring_of_members_with_room_keeps_where_a_full_rank_would_not() -> None
     assert alone.placement(0).exchange is Exchange.RING and len(alone.placement(0).ranks) > 8
     assert roomy.placement(0).exchange is Exchange.RING_KEPT
     assert [p.ranks for p in roomy.placements] == [p.ranks for p in alone.placements]
+    # the kept plan carries the planner's queue items and token counts over: as if built anew
+    anew = AttentionPlan(roomy.planner, topology, 5120, roomy.placements)
+    assert roomy._items is not None and roomy.items() == anew.items()
+    assert (roomy.rank_tokens() == anew.rank_tokens()).all()
+    assert [roomy.position_tokens(i) for i in roomy.items()] == [
+        anew.position_tokens(i) for i in anew.items()
+    ]
     memory = plan_memory(config, topology, plan_stats(roomy, shape), shape)
     fullest = memory.ranks[memory.fullest].total
     assert fullest <= KEEP_SHARE * topology.gpu_memory_bytes * 1.01, fullest / 1e9

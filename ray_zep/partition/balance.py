@@ -425,9 +425,18 @@ def _fill_whole(
     sizes, works = lengths[order].tolist(), work[order].tolist()
     for seq, n, w in zip(order.tolist(), sizes, works, strict=True):
         index.set_bound(capacity - n)
-        rank = index.fullest_under(level - w)
         if w < smallest_ring:
             spare = None
+        if spare is None:  # best fit, else the least loaded: one search
+            rank = index.take(level - w, w, n)
+            if rank is not None:
+                moved.append(rank)
+                placed.local[seq] = rank
+                if load[rank] >= prune_above:
+                    placed.pruned = True
+                    return
+                continue
+        rank = index.fullest_under(level - w)
         ring = None
         if rank is None:
             rank = index.least_loaded()

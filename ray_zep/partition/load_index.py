@@ -69,6 +69,31 @@ class LoadIndex:
         at = bisect.bisect_right(self.ready, (self.ready[0][0], math.inf))
         return -self.ready[at - 1][1]
 
+    def take(self, room: float, work: float, tokens: int) -> int | None:
+        """Best fit in one pass: the fullest rank with load not above `room`, else the
+        least loaded (lowest rank on ties), given `work` and `tokens` and re-filed; None
+        when no rank answers. What `fullest_under`, `least_loaded` and `move` do one after
+        another, with one search: the whole-sequence fill calls it for every sequence."""
+        ready = self.ready
+        if not ready:
+            return None
+        at = bisect.bisect_right(ready, (room, math.inf))
+        if not at:
+            at = bisect.bisect_right(ready, (ready[0][0], math.inf))
+        rank = -ready[at - 1][1]
+        del ready[at - 1]
+        load = self.load[rank] + work
+        self.load[rank] = load
+        held = self.tokens[rank] + tokens
+        self.tokens[rank] = held
+        if held <= self.bound:
+            bisect.insort(ready, (load, -rank))
+            self.filed[rank] = load
+        else:
+            self.in_ready[rank] = False
+            heapq.heappush(self.waiting, (held, rank))
+        return rank
+
     def move(self, rank: int) -> None:
         """Re-file `rank` after its load or tokens changed."""
         if self.dropped[rank]:

@@ -300,6 +300,32 @@ class AttentionPlan:
                     fragments.append(Fragment(seq, a, b, item.zone))
         return fragments
 
+    def with_exchange(self, seqs: set[int], exchange: Exchange) -> AttentionPlan:
+        """This plan with the sequences `seqs` exchanging by `exchange`; its token counts
+        carried over, and its queue items where `seqs` are whole items (as `items()`
+        would build them again: items left with the same group merge)."""
+        placements = tuple(p._replace(exchange=exchange) if p.seq in seqs else p
+                           for p in self.placements)  # fmt: skip
+        out = AttentionPlan(self.planner, self.topology, self.tokens_per_rank, placements,
+                            self.planner_seconds, self.sliced)  # fmt: skip
+        out._rank_tokens = self._rank_tokens
+        out._item_tokens = dict(self._item_tokens)
+        if self._items is None:
+            return out
+        merged: dict[tuple, list[int]] = {}
+        for item in self._items:
+            inside = [s in seqs for s in item.seqs]
+            if any(inside) and not all(inside):
+                return out  # a part of an item: its items are built again
+            way = exchange if inside[0] else item.exchange
+            merged.setdefault((item.zone, item.ranks, item.ulysses, way, item.layout), []).extend(
+                item.seqs
+            )
+        items = [QueueItem(zone, ranks, ulysses, way, tuple(sorted(group)), layout)
+                 for (zone, ranks, ulysses, way, layout), group in merged.items()]  # fmt: skip
+        out._items = sorted(items, key=QueueItem.order_key)
+        return out
+
     def rank_tokens(self) -> np.ndarray:
         """Tokens held by every rank (a copy: the plan keeps its own)."""
         if self._rank_tokens is None:

@@ -193,11 +193,7 @@ def keep_where_room(
             keep.update(item.seqs)
     if not keep:
         return plan
-    placements = tuple(p._replace(exchange=Exchange.RING_KEPT) if p.seq in keep else p
-                       for p in plan.placements)  # fmt: skip
-    out = AttentionPlan(plan.planner, plan.topology, plan.tokens_per_rank, placements)
-    out.planner_seconds = plan.planner_seconds
-    return out
+    return plan.with_exchange(keep, Exchange.RING_KEPT)
 
 
 def plan_memory(
