@@ -100,6 +100,21 @@ def at_least(flag: str, value: int, least: int, why: str) -> int:
     return value
 
 
+OUTPUT_FLAGS = ("--out", "--json")
+"""Where a command writes: a machine's folders, left out of the command its records keep."""
+
+
 def command_line(default: str) -> str:
-    """The command as the user typed it, for the records; `default` when run as a library."""
-    return "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else default
+    """The command as the user typed it, for the records, less `OUTPUT_FLAGS` and their
+    values; `default` when run as a library."""
+    if not sys.argv[1:]:
+        return default
+    kept, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg in OUTPUT_FLAGS:
+            skip = True
+        elif arg.split("=", 1)[0] not in OUTPUT_FLAGS:
+            kept.append(arg)
+    return " ".join(["ray-zep", *kept])

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from ray_zep.cli import main
+from ray_zep.command_args import command_line
 from ray_zep.config import config_from_dict, load_config
 from ray_zep.config.sizes import check_run
 from ray_zep.data.builder import write_token_parquet
@@ -199,3 +200,14 @@ def test_bench_help_lists_every_bench_and_other_commands_import_none(capsys) -> 
         [sys.executable, "-c", probe, DEMO], capture_output=True, text=True, check=True
     )
     assert done.stdout.strip().endswith("[]"), done.stdout[-300:]
+
+
+def test_a_record_keeps_the_command_but_not_where_it_wrote(monkeypatch) -> None:
+    """A bench's JSON records its command to repeat it; its output folders are one
+    machine's paths, and are left out."""
+    argv = ["ray-zep", "bench", "scale", "--gpus", "64", "--out", "/somewhere/runs",
+            "--json=/somewhere/s.json", "--models", "7b"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    assert command_line("ray-zep bench scale") == "ray-zep bench scale --gpus 64 --models 7b"
+    monkeypatch.setattr(sys, "argv", ["ray-zep"])
+    assert command_line("ray-zep bench scale") == "ray-zep bench scale"

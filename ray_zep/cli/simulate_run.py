@@ -7,11 +7,11 @@ layer timelines.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from ray_zep.command_args import command_line
 from ray_zep.report.output import write_record
 from ray_zep.report.text_table import Column, render_table
 from ray_zep.report.timeline import draw_throughput, draw_timelines
@@ -93,8 +93,8 @@ def _strategy_row(result: SimulateResult, name: str, strategy: StrategyResult) -
 def write_outputs(result: SimulateResult, json_path: str | None, out_dir: str) -> list[Path]:
     """JSON record (when asked), throughput bars and the first batch's layer timelines."""
     written = []
-    command = "ray-zep " + " ".join(sys.argv[1:]) if sys.argv[1:] else "ray-zep simulate"
     if json_path:
+        command = command_line("ray-zep simulate")
         written.append(write_record(Path(json_path), command, result.record()))
     out = Path(out_dir)
     placed = {n: r for n, r in result.results.items() if r.steps}
