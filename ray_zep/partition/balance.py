@@ -295,7 +295,9 @@ class UspGrid:
     nodes: np.ndarray
     """Node counts costed: `USP_NODES` up to the topology's."""
     seconds: np.ndarray
-    """sequences x nodes; rows of sequences no level splits are not computed (nan)."""
+    """One row per candidate sequence, one column per node count."""
+    row: np.ndarray
+    """Each sequence's row of `seconds`; -1 for those no level splits."""
     gpus: int
 
     @classmethod
@@ -317,9 +319,10 @@ class UspGrid:
         n = lengths[rows]
         grid = model.usp_member_seconds(np.repeat(n, nodes.size), np.tile(nodes, n.size))
         grid = grid.reshape(n.size, nodes.size)
-        seconds = np.full((lengths.size, nodes.size), np.nan)
-        seconds[rows] = np.where(n[:, None] <= nodes[None, :] * gpus * capacity, grid, np.inf)
-        return cls(nodes, seconds, gpus)
+        seconds = np.where(n[:, None] <= nodes[None, :] * gpus * capacity, grid, np.inf)
+        row = np.full(lengths.size, -1, dtype=np.int64)
+        row[rows] = np.arange(rows.size)
+        return cls(nodes, seconds, row, gpus)
 
 
 def _with_usp(
@@ -334,8 +337,9 @@ def _with_usp(
     the least work, within `MIN_GAIN`, where none is), taken over the ring where it
     needs fewer ranks at the level (on as many, or where neither reaches the level: the
     lesser work by `MIN_GAIN`; the ring on near ties, which has no all-to-alls)."""
-    grid = usp_grid.seconds[seqs]
-    assert not np.isnan(grid).any(), "a level split a sequence the USP grid left out"
+    rows = usp_grid.row[seqs]
+    assert (rows >= 0).all(), "a level split a sequence the USP grid left out"
+    grid = usp_grid.seconds[rows]
     at_level = grid <= level
     near_least = grid <= grid.min(axis=1, keepdims=True) * (1 + MIN_GAIN)
     pick = np.where(at_level.any(axis=1), at_level.argmax(axis=1), near_least.argmax(axis=1))
