@@ -336,7 +336,11 @@ class AttentionPlan:
         counts = [0] * self.world
         for p in self.placements:
             if p.ulysses == 1 and p.layout is ZIGZAG:  # position r: chunks r and 2R-1-r
-                b, last = p.bounds, 2 * len(p.ranks) - 1
+                b = p.bounds
+                if len(p.ranks) == 1:  # a whole sequence: most of a batch's placements
+                    counts[p.ranks[0]] += b[2] - b[0]
+                    continue
+                last = 2 * len(p.ranks) - 1
                 for r, rank in enumerate(p.ranks):
                     counts[rank] += b[r + 1] - b[r] + b[last - r + 1] - b[last - r]
                 continue

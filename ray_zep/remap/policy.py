@@ -64,16 +64,17 @@ def remap_cost_seconds(remap: RemapPlan, topology: Topology, shape: ModelShape) 
 
 
 def _exchange_seconds(remap: RemapPlan, topology: Topology, token_bytes: int) -> float:
+    if not remap.transfers:
+        return 0.0
     intra, inter = token_costs(topology, token_bytes)
-    sent = [0.0] * topology.world_size
-    received = [0.0] * topology.world_size
-    for src, dst, tokens in remap.transfers:
-        same = topology.node_of(src) == topology.node_of(dst)
-        latency = topology.intra_node_latency if same else topology.inter_node_latency
-        seconds = latency + tokens * (intra if same else inter)
-        sent[src] += seconds
-        received[dst] += seconds
-    return max((max(s, r) for s, r in zip(sent, received, strict=True)), default=0.0)
+    src, dst, tokens = np.asarray(remap.transfers, dtype=np.int64).T
+    same = src // topology.gpus_per_node == dst // topology.gpus_per_node
+    latency = np.where(same, topology.intra_node_latency, topology.inter_node_latency)
+    seconds = latency + tokens * np.where(same, intra, inter)
+    sent, received = np.zeros(topology.world_size), np.zeros(topology.world_size)
+    np.add.at(sent, src, seconds)
+    np.add.at(received, dst, seconds)
+    return float(np.maximum(sent, received).max())
 
 
 def choose_remap(
