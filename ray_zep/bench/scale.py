@@ -191,6 +191,10 @@ class ScaleRow:
 
 def run_scale_bench(spec: ScaleBenchSpec, progress=print) -> list[ScaleRow]:
     """Every case of `spec` x every placement (module docstring)."""
+    # the remap solver's library loads at a process's first plan (70 ms, once per data
+    # actor): loaded here, so that no row's plan time holds it
+    import ortools.graph.python.max_flow  # noqa: F401
+
     rows = []
     for model in spec.models:
         for tokens in spec.tokens_per_gpu:
