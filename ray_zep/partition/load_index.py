@@ -72,8 +72,9 @@ class LoadIndex:
     def take(self, room: float, work: float, tokens: int) -> int | None:
         """Best fit in one pass: the fullest rank with load not above `room`, else the
         least loaded (lowest rank on ties), given `work` and `tokens` and re-filed; None
-        when no rank answers. What `fullest_under`, `least_loaded` and `move` do one after
-        another, with one search: the whole-sequence fill calls it for every sequence."""
+        when no rank answers (under the bound `set_bound` set). What `fullest_under`,
+        `least_loaded` and `move` do one after another, with one search: the
+        whole-sequence fill calls it for every sequence."""
         ready = self.ready
         if not ready:
             return None
