@@ -54,6 +54,7 @@ from ray_zep.partition import registry
 from ray_zep.partition.plan_memory import rank_memory
 from ray_zep.partition.spec import Bench
 from ray_zep.partition.stats import max_over_mean, plan_stats
+from ray_zep.remap.solver import max_flow_library
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
 from ray_zep.report.progress import ProgressLine
@@ -191,10 +192,7 @@ class ScaleRow:
 
 def run_scale_bench(spec: ScaleBenchSpec, progress=print) -> list[ScaleRow]:
     """Every case of `spec` x every placement (module docstring)."""
-    # the remap solver's library loads at a process's first plan (70 ms, once per data
-    # actor): loaded here, so that no row's plan time holds it
-    import ortools.graph.python.max_flow  # noqa: F401
-
+    max_flow_library()  # loaded once per process (a data actor's first plan): in no row's time
     rows = []
     for model in spec.models:
         for tokens in spec.tokens_per_gpu:

@@ -125,6 +125,14 @@ def solve_remap(counts, topology: Topology, token_bytes: int) -> RemapPlan:
     )
 
 
+def max_flow_library():
+    """ortools' max-flow solver, imported at a process's first solve (70 ms; a command
+    that never remaps does not pay it)."""
+    from ortools.graph.python import max_flow
+
+    return max_flow
+
+
 class _TransferFlow:
     """The max-flow network of the module docstring, for one surplus vector."""
 
@@ -151,9 +159,7 @@ class _TransferFlow:
         heads += [np.full(n_nodes, exchange), bucket, np.full(n_nodes, sink)]
         caps = [self.supply, self.supply, self.supply, np.full(2 * n_nodes, UNBOUNDED)]
         caps.append(node_demand.astype(np.int64))
-        from ortools.graph.python import max_flow  # imported where a plan is solved
-
-        self.flow = max_flow.SimpleMaxFlow()
+        self.flow = max_flow_library().SimpleMaxFlow()
         arcs = self.flow.add_arcs_with_capacity(
             np.concatenate(tails).astype(np.int32),
             np.concatenate(heads).astype(np.int32),
