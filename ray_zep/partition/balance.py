@@ -133,7 +133,10 @@ def balance(
     lengths = np.asarray(lengths, dtype=np.int64)
     work = model.whole_seconds(lengths)
     mean = float(work.sum()) / topology.world_size
-    small = _small_ring_seconds(lengths, topology.gpus_per_node, model)
+    # a small ring is costed only for a sequence that may become one: split at some
+    # level, or worth `SMALL_RING_SHARE` of the lowest level (`_fill_whole`)
+    ring_candidates = (work >= SMALL_RING_SHARE * (mean * LEVELS[0])) | (lengths > capacity)
+    small = _small_ring_seconds(lengths, topology.gpus_per_node, model, ring_candidates)
     usp = None
     if usp_groups and topology.nodes > 1 and model.usp_heads_divide():
         usp = UspGrid.of(lengths, work > mean * LEVELS[0], capacity, topology, model)
@@ -477,14 +480,19 @@ def _fill_whole(
     write_back()
 
 
-def _small_ring_seconds(lengths: np.ndarray, gpus: int, model: WorkModel) -> np.ndarray:
-    """Member work of every sequence's intra-node ring of 2 .. `gpus` ranks: S x (G - 1)."""
+def _small_ring_seconds(
+    lengths: np.ndarray, gpus: int, model: WorkModel, rows: np.ndarray
+) -> np.ndarray:
+    """Member work of each sequence's intra-node ring of 2 .. `gpus` ranks: S x (G - 1),
+    for the sequences `rows` marks; infinite (no ring fits) for the others."""
     degrees = np.arange(2, gpus + 1)
-    if degrees.size == 0 or lengths.size == 0:
-        return np.zeros((lengths.size, degrees.size))
-    grid_n = np.repeat(lengths, degrees.size)
-    grid_d = np.tile(degrees, lengths.size)
-    return model.alone_ring_seconds(grid_n, grid_d).reshape(lengths.size, degrees.size)
+    small = np.full((lengths.size, degrees.size), np.inf)
+    picked = lengths[rows]
+    if degrees.size and picked.size:
+        grid_n = np.repeat(picked, degrees.size)
+        grid_d = np.tile(degrees, picked.size)
+        small[rows] = model.alone_ring_seconds(grid_n, grid_d).reshape(picked.size, -1)
+    return small
 
 
 def _small_ring(
