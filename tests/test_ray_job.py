@@ -62,13 +62,16 @@ RUN = [
     "data.packing=rank",
 ]
 # Before a restart, Ray Train's controller waits for every worker to destroy its process
-# group, 30 s by default; the stopped worker never answers, so the wait is cut to the
-# comm timeout (the variable reaches the controller through the job's runtime_env).
+# group, 30 s by default; the stopped worker never answers, so the wait is cut as for the
+# suite's own clusters (tests/conftest.py; the variable reaches the controller through the
+# job's runtime_env).
 RUNTIME_ENV = json.dumps(
     {
         "env_vars": {
             "GLOO_SOCKET_IFNAME": "lo",
-            "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": str(TIMEOUT_S),
+            "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": os.environ[
+                "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"
+            ],
             # the controller notices failures and restarts sooner (tests/conftest.py)
             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"],
         }

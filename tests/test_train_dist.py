@@ -134,11 +134,18 @@ def _lengths_of(path: Path) -> list[int]:
     return ParquetSource(path).lengths.tolist()
 
 
-def _stall(rank: int, world: int) -> list[tuple[float, str]] | None:
+SILENT_AT_MOST_S = 12.0
+"""The silent peer answers nothing until rank 0's collectives have both ended, or this
+long (each must fail within 5 s)."""
+
+
+def _stall(rank: int, world: int, done: Path) -> list[tuple[float, str]] | None:
     topology = build_topology(load_config(None, ["topology.gpus_per_node=2"]).topology)
     comm = create_comm(load_config(None), topology, timeout_s=2.0)
-    if rank == 1:
-        time.sleep(8.0)  # a peer that stops answering
+    if rank == 1:  # a peer that stops answering
+        deadline = time.monotonic() + SILENT_AT_MOST_S
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return None
     outcomes = []
     for name, collective in [
@@ -152,13 +159,15 @@ def _stall(rank: int, world: int) -> list[tuple[float, str]] | None:
         except (CommError, RuntimeError) as exc:
             message = str(exc)
         outcomes.append((name, time.perf_counter() - started, message))
+    done.touch()
     return outcomes
 
 
-def test_silent_peer_raises_comm_error_within_timeout() -> None:
+def test_silent_peer_raises_comm_error_within_timeout(tmp_path: Path) -> None:
     """Async collectives wait through `Comm.wait`; blocking ones (barriers, checkpoint
     I/O) run on the Comm's group, created with the same timeout."""
-    (_, elapsed, message), (_, barrier_elapsed, barrier_message) = run_fresh_ranks(_stall, 2)[0]
+    outcomes = run_fresh_ranks(_stall, 2, tmp_path / "rank0_done")[0]
+    (_, elapsed, message), (_, barrier_elapsed, barrier_message) = outcomes
     assert "comm.timeout_s=2" in message, message
     assert elapsed < 5.0, f"timed out after {elapsed:.1f} s with a 2 s timeout"
     assert barrier_message != "no error"
