@@ -31,6 +31,7 @@ from typing import Any
 import ray
 
 from ray_zep.config import Config, config_from_dict
+from ray_zep.config.sizes import num_ranks
 from ray_zep.data.batching import BatchStream, Cursor
 from ray_zep.data.catalog import open_configured_source
 from ray_zep.data.regroup import regroup
@@ -40,7 +41,6 @@ from ray_zep.errors import CommError, ZepError
 from ray_zep.host_usage import HostUsage, host_usage
 from ray_zep.logs import setup_logging
 from ray_zep.topology import Topology
-from ray_zep.train.setup import num_ranks
 
 log = logging.getLogger(__name__)
 
