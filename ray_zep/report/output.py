@@ -14,13 +14,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ray_zep.report.text_table import Column, render_table
 
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
+    import torch  # here only: the CLI starts without it (its commands import it as they need)
+
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
