@@ -133,13 +133,15 @@ def balance(
     lengths = np.asarray(lengths, dtype=np.int64)
     work = model.whole_seconds(lengths)
     mean = float(work.sum()) / topology.world_size
-    # a small ring is costed only for a sequence that may become one: split at some
-    # level, or worth `SMALL_RING_SHARE` of the lowest level (`_fill_whole`)
-    ring_candidates = (work >= SMALL_RING_SHARE * (mean * LEVELS[0])) | (lengths > capacity)
+    # what each level may do with a sequence is costed once, for the sequences it may
+    # happen to: split (work over the lowest level, or over L tokens), or become a small
+    # ring (split, or worth `SMALL_RING_SHARE` of the lowest level: `_fill_whole`)
+    splittable = (work > mean * LEVELS[0]) | (lengths > capacity)
+    ring_candidates = splittable | (work >= SMALL_RING_SHARE * (mean * LEVELS[0]))
     small = _small_ring_seconds(lengths, topology.gpus_per_node, model, ring_candidates)
     usp = None
     if usp_groups and topology.nodes > 1 and model.usp_heads_divide():
-        usp = UspGrid.of(lengths, work > mean * LEVELS[0], capacity, topology, model)
+        usp = UspGrid.of(lengths, splittable, capacity, topology, model)
 
     lowest = [float("inf")]  # the busiest rank of the best placement so far
 
@@ -312,13 +314,13 @@ class UspGrid:
         topology: Topology,
         model: WorkModel,
     ) -> UspGrid | None:
-        """The grid of `lengths`, computed where `candidates` (any level may split them:
-        work over the lowest level, or over L tokens) holds; None with no count to cost."""
+        """The grid of `lengths`, computed where `candidates` (the sequences any level
+        may split) holds; None with no count to cost."""
         gpus = topology.gpus_per_node
         nodes = np.asarray([p for p in USP_NODES if p <= topology.nodes], dtype=np.int64)
         if nodes.size == 0:
             return None
-        rows = np.flatnonzero(candidates | (lengths > capacity))
+        rows = np.flatnonzero(candidates)
         n = lengths[rows]
         grid = model.usp_member_seconds(np.repeat(n, nodes.size), np.tile(nodes, n.size))
         grid = grid.reshape(n.size, nodes.size)
