@@ -90,6 +90,22 @@ def test_source_errors(tmp_path: Path) -> None:
     pq.write_table(pa.table({"tokens": [["a"], ["b"]]}), strings)
     with pytest.raises(CorruptDatasetError, match="expected list<int32>"):
         ParquetSource(strings)
+    holes = tmp_path / "holes.parquet"
+    pq.write_table(pa.table({"tokens": pa.array([[1, None]], pa.list_(pa.int32()))}), holes)
+    with pytest.raises(CorruptDatasetError, match="has null tokens"):
+        ParquetSource(holes)
+
+
+def test_a_source_reads_token_columns_of_every_integer_width(tmp_path: Path) -> None:
+    """Token columns of other integer widths (written from a table slice, with an empty
+    row) read as the rows they hold."""
+    rows = [[3, 1, 4], [], [1, 5], [9, 2, 6, 5]]
+    for kind in (pa.int16(), pa.uint16(), pa.int64()):
+        path = tmp_path / f"{kind}.parquet"
+        table = pa.table({"tokens": pa.array([[7], *rows], pa.large_list(kind))}).slice(1)
+        pq.write_table(table, path)
+        source = ParquetSource(path)
+        assert [source.tokens(i).tolist() for i in range(len(rows))] == rows, kind
 
 
 def test_empty_datasets(tmp_path: Path) -> None:

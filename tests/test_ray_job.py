@@ -153,10 +153,10 @@ def test_job_survives_failed_peers_a_lost_data_actor_a_broken_file_and_a_killed_
             os.kill(pid, signal.SIGKILL)
         for pid in workers:
             os.kill(pid, signal.SIGKILL)
-        job.wait(timeout=JOB_TIMEOUT_S)
+        status = head.wait_for_end("failing", JOB_TIMEOUT_S)
     finally:
         job.kill()
-    assert head.status("failing") == "FAILED"
+    assert status == "FAILED"
     killed_at = max(jsonl_losses(out))
     assert killed_at < STEPS, f"the first driver finished before it was killed {where}"
     assert "Traceback" not in log(), tail()
@@ -257,12 +257,11 @@ def _run_to_end(
 ) -> str:
     job = head.submit(job_id, REPO, RUNTIME_ENV, _entrypoint(out, run))
     try:
-        output, _ = job.communicate(timeout=JOB_TIMEOUT_S)
+        status = head.wait_for_end(job_id, JOB_TIMEOUT_S)
     finally:
         job.kill()
-    status = head.status(job_id)
     logs = head.logs(job_id)
-    assert status == expect, f"job {job_id}: {status}\n{output[-3000:]}"
+    assert status == expect, f"job {job_id}: {status}\n{logs[-3000:]}"
     return logs
 
 

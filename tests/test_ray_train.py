@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_zep import steplog
 from ray_zep.config import config_to_dict, load_config
@@ -88,7 +89,9 @@ def _fast_resource_view() -> None:
     detached actor that refreshes its view every 20 s, so a returned node is noticed up to
     20 s late (README, "Elastic runs"). The tests start that actor first, by its name,
     refreshing every second: whether a group grows back then does not hang on how long
-    the smaller group happens to train."""
+    the smaller group happens to train. It lives on the head, as Ray Train places its own
+    (beside the driver): on a node the test removes it would restart empty, and the run's
+    request for workers reaches it again only 20 s later."""
     from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as ac
 
     class EverySecond(ac._AutoscalingCoordinatorActor):
@@ -99,6 +102,9 @@ def _fast_resource_view() -> None:
         namespace="AutoscalingCoordinator",
         get_if_exists=True,
         lifetime="detached",
+        scheduling_strategy=NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False
+        ),
     ).remote()
 
 

@@ -131,9 +131,20 @@ def _read_token_column(file: Path) -> tuple[np.ndarray, np.ndarray]:
             raise CorruptDatasetError(f"{str(file)!r} cannot be read: {exc}") from None
     if array.null_count:
         raise CorruptDatasetError(f"{str(file)!r}: column '{TOKENS_COLUMN}' has null rows")
-    offsets = array.offsets.to_numpy().astype(np.int64)
-    values = array.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+    if array.values.null_count:
+        raise CorruptDatasetError(f"{str(file)!r}: column '{TOKENS_COLUMN}' has null tokens")
+    offsets = _numeric_view(array.offsets).astype(np.int64)
+    values = _numeric_view(array.values)[offsets[0] : offsets[-1]]
     return values, offsets - offsets[0]
+
+
+def _numeric_view(array: pa.Array) -> np.ndarray:
+    """A null-free integer array's values, read in place from its data buffer (pyarrow's
+    own `to_numpy` imports pandas, a second of CPU in every process that opens a dataset)."""
+    dtype = np.dtype(str(array.type))
+    return np.frombuffer(
+        array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize
+    )
 
 
 def _check_token_schema(file: Path, schema: pa.Schema) -> None:

@@ -87,18 +87,28 @@ class RayHead:
             text=True,
         )
 
-    def status(self, job_id: str) -> str:
-        """SUCCEEDED, FAILED, STOPPED, RUNNING or PENDING (through the job SDK)."""
+    def wait_for_end(self, job_id: str, timeout_s: float) -> str:
+        """The job's terminal status (SUCCEEDED, FAILED or STOPPED), polled through the job
+        SDK every 0.1 s: `ray job submit`'s own log tail returns about 5 s after the job
+        ended (it sleeps a second at every end of the log and checks the status between).
+        A job `ray job submit` has not yet created answers 404 until it has."""
         ask = (
-            "import sys; from ray.job_submission import JobSubmissionClient as C; "
-            "print(C(sys.argv[1]).get_job_status(sys.argv[2]).value)"
+            "import sys, time; from ray.job_submission import JobSubmissionClient as C\n"
+            "client, job = C(sys.argv[1]), sys.argv[2]\n"
+            "def status():\n"
+            "    try:\n"
+            "        return client.get_job_status(job)\n"
+            "    except RuntimeError as exc:\n"
+            "        if 'status code 404' not in str(exc): raise\n"
+            "while (found := status()) is None or not found.is_terminal(): time.sleep(0.1)\n"
+            "print(found.value)"
         )
         done = subprocess.run(
             [sys.executable, "-c", ask, self.job_api, job_id],
             env=self.client_env(),
             capture_output=True,
             text=True,
-            timeout=CLI_TIMEOUT_S,
+            timeout=timeout_s,
         )
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stdout.strip().splitlines()[-1]
