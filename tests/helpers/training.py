@@ -7,6 +7,8 @@ trains through the library's `run_rank`.
 
 from __future__ import annotations
 
+import copy
+import functools
 import threading
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,19 @@ class Stopped(Exception):
     """Raised on every rank at once to end a run after a given step (a lost node)."""
 
 
+def loaded_config(config_path: Path | None, overrides: list[str]) -> Config:
+    """`load_config`, remembered per process: a pooled rank loads the same few configs
+    many times over (about 10 ms each); each caller gets its own copy."""
+    text = None if config_path is None else Path(config_path).read_text()
+    return copy.deepcopy(_load_once(config_path, text, tuple(overrides)))
+
+
+@functools.lru_cache(maxsize=512)
+def _load_once(config_path: Path | None, text: str | None, overrides: tuple[str, ...]) -> Config:
+    """Keyed by the file's text too: a test that rewrites its YAML loads it again."""
+    return load_config(config_path, list(overrides))
+
+
 def train_rank(
     rank: int,
     world: int,
@@ -91,7 +106,7 @@ def train_rank(
     `live_nodes`: run on that many of the configured nodes, each step still training the
     configured global batch (as an elastic run does, in micro-batches); `stop_after`:
     end the run after that step, as a lost node would (its checkpoint must be saved)."""
-    config = load_config(config_path, overrides)
+    config = loaded_config(config_path, overrides)
     threads_before = set(threading.enumerate())  # a reused process may hold older runs'
     configured = build_topology(config.topology)
     topology = configured if live_nodes is None else configured.with_nodes(live_nodes)
@@ -148,7 +163,7 @@ def _new_routing_threads(before: set) -> list[str]:
 
 def first_gradients(rank: int, overrides: list[str]) -> RankTrainer:
     """A trainer of this rank after computing (and syncing) the first batch's gradients."""
-    config = load_config(None, overrides)
+    config = loaded_config(None, overrides)
     topology = build_topology(config.topology)
     comm = create_comm(config, topology, TIMEOUT_S)
     batch = make_stream(config, topology, Progress(0, {})).next_batch()
@@ -201,7 +216,7 @@ def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 def checkpoint_params(path: Path, overrides: list[str]) -> dict[str, torch.Tensor]:
     """Model parameters stored in a DCP checkpoint, read without a process group."""
-    model = Transformer(build_shape(load_config(None, overrides).model))
+    model = Transformer(build_shape(loaded_config(None, overrides).model))
     return read_model_state(path, model)
 
 
