@@ -11,7 +11,7 @@ from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.config import load_config
 from ray_zep.errors import CheckpointError
 from ray_zep.topology import build_topology
-from ray_zep.train import checkpoint
+from ray_zep.train import checkpoint, checkpoint_dirs
 from ray_zep.train.setup import create_comm
 from ray_zep.train.trainer import RankTrainer
 
@@ -41,7 +41,7 @@ def test_round_trip_restores_model_optimizer_rng_and_progress(tmp_path: Path) ->
     cursor = {"epoch": 1, "index": 7, "offset": 3}
     path = saved.save(tmp_path, cursor)
     rng_after_save = torch.rand(3)
-    assert path == checkpoint.checkpoint_path(tmp_path, 1)
+    assert path == checkpoint_dirs.checkpoint_path(tmp_path, 1)
 
     restored = _trainer(seed=1)
     assert not torch.equal(restored.model.output.weight, saved.model.output.weight)
@@ -67,12 +67,12 @@ def test_only_complete_checkpoints_count(tmp_path: Path) -> None:
     trainer = _trainer(seed=0)
     trainer.steps_done = 2
     complete = trainer.save(tmp_path, {"epoch": 0, "index": 1, "offset": 0})
-    torn = checkpoint.checkpoint_path(tmp_path, 5)
+    torn = checkpoint_dirs.checkpoint_path(tmp_path, 5)
     torn.mkdir(parents=True)
-    assert checkpoint.latest_checkpoint(tmp_path) == complete
+    assert checkpoint_dirs.latest_checkpoint(tmp_path) == complete
     with pytest.raises(CheckpointError, match="is incomplete"):
         checkpoint.read_progress(torn)
-    assert checkpoint.latest_checkpoint(tmp_path / "elsewhere") is None
+    assert checkpoint_dirs.latest_checkpoint(tmp_path / "elsewhere") is None
 
 
 class _RunsCode:
@@ -119,24 +119,28 @@ def test_a_run_without_save_last_keeps_only_its_periodic_checkpoints(tmp_path: P
     run = [*SMALL_RUN, "parallel.sequence=single", "train.steps=3", "train.checkpoint_every=2",
            "train.save_last=false", f"train.out_dir={tmp_path}"]  # fmt: skip
     assert sorted(train_rank(0, 1, run)["losses"]) == [1, 2, 3]
-    assert checkpoint.latest_checkpoint(tmp_path) == checkpoint.checkpoint_path(tmp_path, 2)
+    assert checkpoint_dirs.latest_checkpoint(tmp_path) == checkpoint_dirs.checkpoint_path(
+        tmp_path, 2
+    )
 
 
 def test_keep_checkpoints_deletes_the_oldest_complete_ones_and_older_torn_saves(
     tmp_path: Path,
 ) -> None:
-    root = checkpoint.checkpoint_root(tmp_path)
+    root = checkpoint_dirs.checkpoint_root(tmp_path)
     for step in (2, 4, 5, 6, 8, 9):
-        folder = checkpoint.checkpoint_path(tmp_path, step)
+        folder = checkpoint_dirs.checkpoint_path(tmp_path, step)
         folder.mkdir(parents=True)
         if step not in (5, 9):  # 5 and 9 are interrupted saves
             (folder / "COMPLETE").write_text("{}")
-    assert checkpoint.prune_checkpoints(tmp_path, keep=0) == []
-    deleted = checkpoint.prune_checkpoints(tmp_path, keep=2)
+    assert checkpoint_dirs.prune_checkpoints(tmp_path, keep=0) == []
+    deleted = checkpoint_dirs.prune_checkpoints(tmp_path, keep=2)
     assert [p.name for p in deleted] == ["step_00000002", "step_00000004", "step_00000005"]
     left = sorted(p.name for p in root.iterdir())
     assert left == ["step_00000006", "step_00000008", "step_00000009"], "9 may be being written"
-    assert checkpoint.latest_checkpoint(tmp_path) == checkpoint.checkpoint_path(tmp_path, 8)
+    assert checkpoint_dirs.latest_checkpoint(tmp_path) == checkpoint_dirs.checkpoint_path(
+        tmp_path, 8
+    )
 
 
 def test_a_run_keeps_its_newest_checkpoints_and_resumes_from_them(tmp_path: Path) -> None:
@@ -145,5 +149,5 @@ def test_a_run_keeps_its_newest_checkpoints_and_resumes_from_them(tmp_path: Path
     run = [*SMALL_RUN, "parallel.sequence=single", "train.steps=5", "train.checkpoint_every=1",
            "train.keep_checkpoints=2", f"train.out_dir={tmp_path}"]  # fmt: skip
     assert sorted(train_rank(0, 1, run)["losses"]) == [1, 2, 3, 4, 5]
-    left = sorted(p.name for p in checkpoint.checkpoint_root(tmp_path).iterdir())
+    left = sorted(p.name for p in checkpoint_dirs.checkpoint_root(tmp_path).iterdir())
     assert left == ["step_00000004", "step_00000005"]

@@ -17,7 +17,7 @@ from ray_zep.data.catalog import open_configured_source
 from ray_zep.data.regroup import regroup
 from ray_zep.errors import ConfigError, TopologyError
 from ray_zep.topology import build_topology
-from ray_zep.train.checkpoint import checkpoint_path
+from ray_zep.train.checkpoint_dirs import checkpoint_path
 from ray_zep.train.ledger import ledger_path, read_ledger, rewind_departed
 from ray_zep.train.setup import prepare_run
 from ray_zep_workers.elastic import STALE_VIEW_RETRY_S, RoomWatch, placement_wait_s

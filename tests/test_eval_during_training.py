@@ -14,7 +14,7 @@ import torch
 
 from ray_zep.config import load_config
 from ray_zep.errors import ConfigError
-from ray_zep.train import checkpoint
+from ray_zep.train import checkpoint_dirs
 from ray_zep.train.evaluate import run_eval
 from ray_zep.train.restore import ModelSource
 from tests.helpers.procs import run_ranks
@@ -41,7 +41,7 @@ def test_fsdp_training_reports_the_held_out_loss_eval_computes(tmp_path: Path) -
     assert evals[0]["loss"] != evals[1]["loss"], "a step of training moves the loss"
 
     config = load_config(None, [*overrides, f"data.source={held_out}"])
-    step_two = checkpoint.checkpoint_path(tmp_path / "run", 2)
+    step_two = checkpoint_dirs.checkpoint_path(tmp_path / "run", 2)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the rank ran it: a kernel's sums split by thread count
     try:  # (a 2-thread eval on an AMD EPYC differed by 4e-10 relative)

@@ -32,7 +32,7 @@ import torch
 from ray_zep.config import load_config
 from ray_zep.data.builder import write_token_parquet
 from ray_zep.data.catalog import open_configured_source
-from ray_zep.train.checkpoint import checkpoint_path, checkpoint_root
+from ray_zep.train.checkpoint_dirs import checkpoint_path, checkpoint_root
 from ray_zep.train.ledger import read_ledger
 from tests.helpers.procs import run_ranks
 from tests.helpers.ray_head import RayHead, pids_matching, process_table

@@ -24,7 +24,7 @@ from ray_zep.data.builder import write_token_parquet
 from ray_zep.errors import CommError, CorruptDatasetError, OverlongDocumentError, TopologyError
 from ray_zep.topology import build_topology
 from ray_zep.topology_resolve import resolve_topology
-from ray_zep.train.checkpoint import checkpoint_path, latest_checkpoint
+from ray_zep.train.checkpoint_dirs import checkpoint_path, latest_checkpoint
 from ray_zep.train.ledger import read_ledger
 from ray_zep_workers.data_actor import DataActor
 from ray_zep_workers.driver import RunSummary, train

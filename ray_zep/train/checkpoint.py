@@ -1,4 +1,5 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP).
+"""Checkpoints with torch.distributed.checkpoint (DCP): saving and loading them. Where
+they live and which one a run resumes from is `ray_zep.train.checkpoint_dirs`.
 
 A checkpoint of step k (k steps done) lives in
 `<train.out_dir>/checkpoints/step_<k>/` and holds, through DCP: the model, the
@@ -33,11 +34,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import re
-import shutil
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,109 +52,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ray_zep import constants
-from ray_zep.config import ResumeMode
 from ray_zep.distributed import Comm
 from ray_zep.errors import CheckpointError, first_line
+from ray_zep.train.checkpoint_dirs import Progress, check_resumable, read_marker
 
 log = logging.getLogger(__name__)
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 """The optimizer state keyed by parameter name, so every weights mode writes the same keys."""
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Where training stands: steps done and the data cursor after them."""
-
-    step: int
-    cursor: dict[str, Any]
-
-
-def checkpoint_root(run_dir: Path) -> Path:
-    return run_dir / constants.CHECKPOINT_DIR_NAME
-
-
-def checkpoint_path(run_dir: Path, step: int) -> Path:
-    return checkpoint_root(run_dir) / f"step_{step:08d}"
-
-
-def _step_folders(run_dir: Path) -> list[tuple[int, bool, Path]]:
-    """(step, complete, folder) of every checkpoint folder under `run_dir`, by step."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
-    return sorted(
-        (int(m.group(1)), (p / constants.CHECKPOINT_COMPLETE_MARKER).is_file(), p)
-        for p in root.iterdir()
-        if (m := STEP_DIR.match(p.name))
-    )
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint under `run_dir`, or None."""
-    complete = [p for _, done, p in _step_folders(run_dir) if done]
-    return complete[-1] if complete else None
-
-
-def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
-    """Delete the complete checkpoints older than the newest `keep`, and interrupted saves
-    older than the newest complete one (no run resumes from either); `keep` 0 deletes
-    nothing. Rank 0 calls it after a save.
-
-    Returns:
-        The folders deleted, oldest first.
-    """
-    found = _step_folders(run_dir) if keep > 0 else []
-    complete = [step for step, done, _ in found if done]
-    if not complete:
-        return []
-    kept = set(complete[-keep:])
-    newest = complete[-1]
-    doomed = [p for step, done, p in found if (done and step not in kept) or
-              (not done and step < newest)]  # fmt: skip
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    if doomed:
-        log.info("deleted %d checkpoint(s) before step %d (train.keep_checkpoints=%d)",
-                 len(doomed), min(kept), keep)  # fmt: skip
-    return doomed
-
-
-def resume_checkpoint(run_dir: Path, resume: ResumeMode, ep: int) -> Path | None:
-    """The checkpoint a run in `run_dir` continues from, or None to start fresh.
-
-    Raises:
-        CheckpointError: `run_dir` holds checkpoints and `train.resume=never`, or
-            the newest was saved with another `parallel.ep`.
-    """
-    found = latest_checkpoint(run_dir)
-    if found is None:
-        return None
-    if resume is ResumeMode.NEVER:
-        raise CheckpointError(
-            f"train.out_dir={str(run_dir)!r} already holds checkpoints and train.resume=never; "
-            "choose a new train.out_dir or train.resume=auto"
-        )
-    check_resumable(found, ep)
-    return found
-
-
-def check_resumable(path: Path, ep: int) -> dict[str, Any]:
-    """The checkpoint's marker, if this run can resume from it.
-
-    Raises:
-        CheckpointError: incomplete, or saved with another `parallel.ep`.
-    """
-    marker = _read_marker(path)
-    saved = marker.get("ep", 1)
-    if saved != ep:
-        raise CheckpointError(
-            f"checkpoint {path} was saved with parallel.ep={saved}, this run has "
-            f"parallel.ep={ep}: the expert shards are named by it; resume with "
-            f"parallel.ep={saved} or use a new train.out_dir"
-        )
-    return marker
 
 
 def save_checkpoint(
@@ -261,7 +164,7 @@ def load_checkpoint(
 
 def read_progress(path: Path) -> Progress:
     """Step and data cursor of a checkpoint, read without a process group."""
-    _read_marker(path)
+    read_marker(path)
     state = {"progress": _progress_state(Progress(0, {}))}
     with _quiet_single_process():
         _load(state, path, None, True)
@@ -276,7 +179,7 @@ def read_model_state(path: Path, model: torch.nn.Module) -> dict[str, torch.Tens
         model: a model of the checkpoint's shape; its state dict gives the keys
             and shapes to fill (the model itself is not changed).
     """
-    _read_marker(path)
+    read_marker(path)
     state = {"model": model.state_dict()}
     with _quiet_single_process():
         _load(state, path, None, True)
@@ -366,16 +269,6 @@ def _progress_state(progress: Progress) -> dict[str, Any]:
 
 def _progress_from_state(state: dict[str, Any]) -> Progress:
     return Progress(int(state["step"]), json.loads(state["cursor"]))
-
-
-def _read_marker(path: Path) -> dict[str, Any]:
-    marker = path / constants.CHECKPOINT_COMPLETE_MARKER
-    if not marker.is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete (no {marker.name} marker)")
-    try:
-        return json.loads(marker.read_text())
-    except json.JSONDecodeError:
-        raise CheckpointError(f"checkpoint marker {marker} is not valid JSON") from None
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from ray_zep.data.shards import RankShard
 from ray_zep.distributed import Comm
 from ray_zep.distributed.waiting import collectives_of
 from ray_zep.errors import CheckpointError, ConfigError, ZepError
-from ray_zep.train import checkpoint
+from ray_zep.train import checkpoint, checkpoint_dirs
 from ray_zep.train.ledger import SampleLedger, rewind_departed
 from ray_zep.train.trainer import RankTrainer
 
@@ -110,7 +110,7 @@ def _train(
         if (last and config.train.save_last) or evaluate or _due(trainer.steps_done, every):
             path = trainer.save(run_dir, shards[-1].cursor_after)
             if comm.rank == 0:
-                checkpoint.prune_checkpoints(run_dir, config.train.keep_checkpoints)
+                checkpoint_dirs.prune_checkpoints(run_dir, config.train.keep_checkpoints)
             if report and comm.rank == 0:
                 report({"event": "checkpoint", "step": trainer.steps_done, "path": str(path)})
             if evaluate:
@@ -157,7 +157,9 @@ def _agree_on_checkpoint(run_dir: Path, config: Config, comm: Comm) -> Path | No
     choice: list[dict[str, str | None]] = [{}]
     if comm.rank == 0:
         try:
-            found = checkpoint.resume_checkpoint(run_dir, config.train.resume, config.parallel.ep)
+            found = checkpoint_dirs.resume_checkpoint(
+                run_dir, config.train.resume, config.parallel.ep
+            )
             choice = [{"path": str(found) if found else None}]
         except CheckpointError as exc:
             choice = [{"error": str(exc)}]

@@ -21,7 +21,7 @@ from ray_zep.hf_config import read_hf_config
 from ray_zep.model.hf import export_hf, load_hf_weights
 from ray_zep.model.llama import Transformer
 from ray_zep.model_shapes import build_shape
-from ray_zep.train import checkpoint
+from ray_zep.train import checkpoint, checkpoint_dirs
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def run_source(run_dir: str | Path, config: Config) -> ModelSource:
     Raises:
         ConfigError: `run_dir` holds no complete checkpoint.
     """
-    found = checkpoint.latest_checkpoint(Path(run_dir))
+    found = checkpoint_dirs.latest_checkpoint(Path(run_dir))
     if found is None:
         raise ConfigError(
             f"run directory {str(run_dir)!r} holds no complete checkpoint "

@@ -27,7 +27,7 @@ from ray_zep.model.hf import check_hf_checkpoint
 from ray_zep.model_shapes import build_shape
 from ray_zep.topology import Topology
 from ray_zep.tracking import check_trackers
-from ray_zep.train.checkpoint import resume_checkpoint
+from ray_zep.train.checkpoint_dirs import resume_checkpoint
 
 
 @dataclass(frozen=True)

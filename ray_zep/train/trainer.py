@@ -24,7 +24,7 @@ from ray_zep.data.shards import RankShard
 from ray_zep.distributed import Comm
 from ray_zep.host_usage import host_usage
 from ray_zep.routing.relay import open_channels
-from ray_zep.train import checkpoint
+from ray_zep.train import checkpoint, checkpoint_dirs
 from ray_zep.train.accounting import (
     ZONES,
     StepStats,
@@ -205,7 +205,7 @@ class RankTrainer:
 
     def save(self, run_dir: Path, cursor: dict[str, Any]) -> Path:
         """Checkpoint the state after `steps_done` steps (collective)."""
-        path = checkpoint.checkpoint_path(run_dir, self.steps_done)
+        path = checkpoint_dirs.checkpoint_path(run_dir, self.steps_done)
         checkpoint.save_checkpoint(
             path,
             self.state_module,
