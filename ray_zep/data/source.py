@@ -142,9 +142,10 @@ def _numeric_view(array: pa.Array) -> np.ndarray:
     """A null-free integer array's values, read in place from its data buffer (pyarrow's
     own `to_numpy` imports pandas, a second of CPU in every process that opens a dataset)."""
     dtype = np.dtype(str(array.type))
-    return np.frombuffer(
-        array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize
-    )
+    data = array.buffers()[1]
+    if data is None or not len(array):  # an empty array may have no data buffer
+        return np.zeros(0, dtype=dtype)
+    return np.frombuffer(data, dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
 
 
 def _check_token_schema(file: Path, schema: pa.Schema) -> None:
