@@ -202,6 +202,15 @@ def test_bench_help_lists_every_bench_and_other_commands_import_none(capsys) -> 
     assert done.stdout.strip().endswith("[]"), done.stdout[-300:]
 
 
+def test_the_driver_starts_without_the_training_stack() -> None:
+    """The driver finds and checks checkpoints and hands Ray Train its worker function;
+    the engine and torch.distributed.checkpoint are imported in the workers only."""
+    stack = ["torch.distributed.checkpoint", "ray_zep.train.loop", "ray_zep.attention.engine"]
+    probe = f"import sys, ray_zep_workers.driver; print(sorted(set({stack!r}) & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().endswith("[]"), done.stdout[-300:]
+
+
 def test_a_record_keeps_the_command_but_not_where_it_wrote(monkeypatch) -> None:
     """A bench's JSON records its command to repeat it; its output folders are one
     machine's paths, and are left out."""

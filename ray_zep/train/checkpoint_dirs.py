@@ -1,9 +1,8 @@
 """Where checkpoints live and which one a run resumes from: the step folders under
 `<train.out_dir>/checkpoints/`, their COMPLETE markers and the pruning of old ones.
 
-Read without torch.distributed.checkpoint, so that the driver and the data actor, which
-only find and check checkpoints, start without it (`ray_zep.train.checkpoint` saves and
-loads them).
+Read without torch.distributed.checkpoint, so that the driver, which only finds and
+checks checkpoints, starts without it (`ray_zep.train.checkpoint` saves and loads them).
 """
 
 from __future__ import annotations
@@ -120,6 +119,11 @@ def check_resumable(path: Path, ep: int) -> dict[str, Any]:
 
 
 def read_marker(path: Path) -> dict[str, Any]:
+    """The COMPLETE marker of the checkpoint at `path`.
+
+    Raises:
+        CheckpointError: no marker (an interrupted save), or one that is not JSON.
+    """
     marker = path / constants.CHECKPOINT_COMPLETE_MARKER
     if not marker.is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete (no {marker.name} marker)")
