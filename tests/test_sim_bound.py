@@ -61,6 +61,26 @@ def test_no_variant_beats_the_bound(nodes: int, distribution: str, extra: list[s
     assert simulated >= 2 * (len(VARIANTS) - 2), "most variants place these batches"
 
 
+def test_no_variant_beats_the_bound_where_kv_and_fsdp_share_the_nics() -> None:
+    """Sequences of half and all of four nodes' capacity on 50 Gbit/s NICs: the K/V the
+    tail node imports and FSDP's per-block collectives together set the bound."""
+    config = _config(4, ["topology.nic_gbits_per_s=50"])
+    hardware = Hardware.preset(build_topology(config.topology))
+    batches = [np.asarray([16 * L, 16 * L]), np.asarray([32 * L])]
+    run = RunModel.create(config, hardware)
+    bounds = [step_bound(lengths, run) for lengths in batches]
+    for bound in bounds:
+        assert bound.shared_nics_s > max(bound.compute_s, bound.exchange_s, bound.weights_s)
+        assert bound.seconds == pytest.approx(bound.shared_nics_s + bound.fixed_s, rel=1e-12)
+    results = simulate_strategies(config, hardware, batches, tuple(VARIANTS), L)
+    simulated = 0
+    for name, result in results.items():
+        for step, bound in zip(result.steps, bounds, strict=True):
+            assert step.step_seconds >= bound.seconds * (1 - 1e-9), (name, step.step_seconds)
+            simulated += 1
+    assert simulated >= len(VARIANTS), "most variants place these batches"
+
+
 def test_random_whole_sequence_plans_do_not_beat_the_bound() -> None:
     config = _config(2, [])
     hardware = Hardware.preset(build_topology(config.topology))

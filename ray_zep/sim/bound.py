@@ -26,9 +26,15 @@ these four transfers, forward and backward, over every layer.
 
 The weights mode's collectives are the same under every placement
 (`ray_zep.sim.step.weights_of`): each block's, which compute may hide, and those no
-compute hides (before the first block, after the last). The step's bound is the
-largest of the ideal compute, the exchange and the blocks' collectives, plus the
-exposed collectives, the optimizer's share and the step's fixed work.
+compute hides (before the first block, after the last). Where FSDP's groups span
+nodes, a node's NICs carry both those collectives and the K/V it imports, so they
+add there (`_shared_nics`): in the forward a node must receive every other node's
+shard of each block it gathers, besides its K/V; in the backward it must send its
+part of every other node's gradient shard besides its dK/dV (or receive the blocks
+gathered again), each direction of a NIC at its bandwidth. The step's bound is the
+largest of the ideal compute, the exchange, the blocks' collectives and that shared
+NIC time, plus the exposed collectives, the optimizer's share and the step's fixed
+work. Zipped collectives (`comm.compression`) are counted at the codec's best ratio.
 
 This holds for placements that move K and V to the queries (every placement here and
 the baselines modelled beside them); a system that moved queries instead is not bound
@@ -44,12 +50,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ray_zep.costmodel import BACKWARD_ATTENTION_FACTOR
+from ray_zep.costmodel import BACKWARD_ATTENTION_FACTOR, GRAD_BYTES_PER_ELEMENT
+from ray_zep.options import Compression
 from ray_zep.parallel.axes import WEIGHTS_AXES, Family
+from ray_zep.parallel.memory import block_params
 from ray_zep.partition.work import WorkModel
 from ray_zep.sim.events import Lane
 from ray_zep.sim.ideal import fixed_seconds
 from ray_zep.sim.step import RunModel, StepResult, head_seconds, weights_of
+from ray_zep.sim.wire import ZIP_RATIOS
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,8 @@ class StepBound:
             fixed work.
         limit: what sets the exchange ("gpu", "node", "cluster gpus", "cluster nodes";
             "none" for a batch that fits without any).
+        shared_nics_s: the busiest importing node's NICs, busy with its K/V and with
+            FSDP's per-block collectives where those span nodes (`_shared_nics`).
     """
 
     seconds: float
@@ -74,6 +85,7 @@ class StepBound:
     weights_s: float
     fixed_s: float
     limit: str
+    shared_nics_s: float = 0.0
 
     @property
     def exchange_bound(self) -> bool:
@@ -88,6 +100,7 @@ class StepBound:
             "compute": self.compute_s,
             f"K/V exchange ({self.limit})": self.exchange_s,
             "weight collectives": self.weights_s,
+            "K/V and weight collectives on one node's NICs": self.shared_nics_s,
             "exposed collectives, optimizer and fixed work": self.fixed_s,
         }
         return max(parts, key=parts.__getitem__)
@@ -112,18 +125,52 @@ def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
     }
     limit = max(seconds, key=seconds.__getitem__)
     shape = run.shape
-    token_bytes = 2 * shape.n_kv_heads * shape.head_dim * run.element_bytes
+    ratio = _best_zip_ratio(run)
+    token_bytes = 2 * shape.n_kv_heads * shape.head_dim * run.element_bytes / ratio
     phases = 2  # K and V in the forward, their gradients back in the backward
     exchange = phases * shape.n_layers * token_bytes * seconds[limit]
     if exchange <= 0:
         limit = "none"
-    blocks = 0.0
+    blocks = shared = 0.0
     if WEIGHTS_AXES[run.config.parallel.weights].family is Family.AUTOGRAD:
         paid = weights_of(run)  # weight passing: its own model, counted as nothing here
         blocks = shape.n_layers * sum(paid.layer_sync)
         fixed += paid.exposed
-    return StepBound(max(compute, exchange, blocks) + fixed, compute, exchange, blocks, fixed,
-                     limit)  # fmt: skip
+        node_kv = shape.n_layers * token_bytes * _largest_import(lengths, gpus * capacity)
+        shared = _shared_nics(run, paid.groups, node_kv, ratio)
+    return StepBound(max(compute, exchange, blocks, shared) + fixed, compute, exchange, blocks,
+                     fixed, limit, shared)  # fmt: skip
+
+
+def _best_zip_ratio(run: RunModel) -> float:
+    """What bytes on a wire shrink by at best: the codec's best ratio where the run zips
+    collectives, else 1."""
+    if run.config.comm.compression is Compression.OFF:
+        return 1.0
+    return max(ZIP_RATIOS.values())
+
+
+def _shared_nics(run: RunModel, groups, node_kv: float, ratio: float) -> float:
+    """Seconds the NICs of the node importing the most K/V are busy with it and with
+    FSDP's per-block collectives (module docstring), `node_kv` its K/V bytes per phase.
+    The first block's gather and the last one's reduce-scatter are exposed (counted in
+    the bound's fixed part), so n - 1 blocks are counted in each phase; 0 where the
+    groups stay inside a node."""
+    topology, shape = run.hardware.topology, run.shape
+    nodes = np.asarray([topology.node_of(r) for r in groups[0]]) if groups else np.zeros(1)
+    foreign = int((nodes != nodes[0]).sum())  # the group's ranks on other nodes
+    if not foreign:
+        return 0.0
+    size = nodes.size
+    shard = float(np.mean([block_params(shape, i) for i in range(shape.n_layers)])) / size
+    blocks = shape.n_layers - 1
+    gathered = blocks * foreign * shard * run.element_bytes / ratio  # received per phase
+    scattered = blocks * foreign * shard * GRAD_BYTES_PER_ELEMENT / ratio  # sent
+    regathered = gathered if run.config.parallel.reshard_after_forward else 0.0
+    node_bytes_s = topology.nics_per_node * topology.nic_bandwidth
+    forward = node_kv + gathered
+    backward = max(node_kv + scattered, regathered)
+    return (forward + backward) / node_bytes_s
 
 
 def _unsplit_compute(lengths: np.ndarray, run: RunModel) -> float:
