@@ -480,32 +480,43 @@ class CostModel:
             return topo.intra_node_bandwidth
         return min(topo.intra_node_bandwidth, topo.nics_per_node * topo.nic_bandwidth)
 
-    def _collective_latency(self, ranks) -> float:
+    def ring_latency(self, ranks, steps: int, crossings: int) -> float:
+        """Latency of `steps` ring steps over `ranks`, `crossings` of them between nodes
+        (per crossing per pass of the data round the ring). A ring collective orders its
+        ranks node by node, so only the hops that leave a node wait on the network; the
+        others go at the intra-node latency. This is NCCL's own model of a ring's latency
+        (`src/graph/tuning.cc`: (nsteps - nInterSteps) x intra + nInterSteps x inter, with
+        nInterSteps = nNodes - 1 for all-gather and reduce-scatter, 2 (nNodes - 1) for
+        all-reduce). A measured `collective_step` charges its latency to every step."""
         if self.collective_step is not None:
-            return self.collective_step[0]
+            return steps * self.collective_step[0]
         topo = self.topology
         nodes = len({topo.node_of(r) for r in ranks})
-        return self.link_latency(LinkKind.INTER_NODE if nodes > 1 else LinkKind.INTRA_NODE)
+        if nodes <= 1:
+            return steps * topo.intra_node_latency
+        inter = min(steps, crossings * (nodes - 1))
+        return (steps - inter) * topo.intra_node_latency + inter * topo.inter_node_latency
 
     def all_gather_seconds(self, block_bytes: float, ranks) -> float:
         """All-gather (or reduce-scatter) of one `block_bytes` block per rank: W - 1
-        ring steps, each rank receiving W - 1 blocks at the bus bandwidth."""
+        ring steps, each rank receiving W - 1 blocks at the bus bandwidth; the latency
+        of `ring_latency` (one pass)."""
         steps = len(ranks) - 1
         if steps <= 0:
             return 0.0
-        return steps * self._collective_latency(ranks) + steps * block_bytes / self.bus_bandwidth(
+        return self.ring_latency(ranks, steps, 1) + steps * block_bytes / self.bus_bandwidth(
             ranks
         )
 
     def all_reduce_seconds(self, nbytes: float, ranks) -> float:
-        """Ring all-reduce of `nbytes` per rank: 2 (W - 1) steps moving 2 (W - 1) / W of it."""
+        """Ring all-reduce of `nbytes` per rank: 2 (W - 1) steps moving 2 (W - 1) / W of it
+        (two passes of `ring_latency`)."""
         world = len(ranks)
         if world <= 1:
             return 0.0
         volume = 2 * (world - 1) / world * nbytes
-        return 2 * (world - 1) * self._collective_latency(ranks) + volume / self.bus_bandwidth(
-            ranks
-        )
+        steps = 2 * (world - 1)
+        return self.ring_latency(ranks, steps, 2) + volume / self.bus_bandwidth(ranks)
 
 
 @functools.lru_cache(maxsize=64)
