@@ -186,6 +186,37 @@ def test_fsdp_on_free_links_costs_what_replicated_computes_and_its_gathers_show_
     assert sharded.forward_layer_seconds > fsdp.forward_layer_seconds
 
 
+def test_hsdp_all_reduces_each_block_across_nodes_beside_the_backward() -> None:
+    """FSDP2's HSDP all-reduces a block's reduced shard with the other nodes' replicas
+    right after its reduce-scatter, on its own stream: in the blocks' backward sync,
+    over every node's NICs, and only the last block's, the embedding's and the head's
+    after backward."""
+    from ray_zep.costmodel import GRAD_BYTES_PER_ELEMENT
+    from ray_zep.parallel.memory import block_params
+    from ray_zep.sim.step import weights_of
+
+    run = _run(Placement.TE_CP, WeightsMode.HSDP)
+    paid = weights_of(run)
+    topology, shape, cost = run.hardware.topology, run.shape, run.hardware.cost(run.shape)
+    assert topology.nodes > 1 and paid.backward_groups == (tuple(range(topology.world_size)),)
+    gpus = topology.gpus_per_node
+    replicas = list(range(0, topology.world_size, gpus))
+    block = float(np.mean([block_params(shape, i) for i in range(shape.n_layers)]))
+    scatter = cost.all_gather_seconds(block / gpus * GRAD_BYTES_PER_ELEMENT, range(gpus))
+    across = cost.all_reduce_seconds(block * GRAD_BYTES_PER_ELEMENT, replicas)
+    assert paid.layer_sync[1] == pytest.approx(paid.layer_sync[0] + scatter + across, rel=1e-12)
+    whole = cost.all_reduce_seconds(shape.param_count() * GRAD_BYTES_PER_ELEMENT, replicas)
+    assert paid.exposed < whole, "not every gradient after backward"
+    # on free links the blocks' collectives hide entirely, as fsdp's do
+    lengths = _lengths(7)
+    free = {"nic_bandwidth": 1e30, "intra_node_bandwidth": 1e30}
+    free |= {"inter_node_latency": 0.0, "intra_node_latency": 0.0}
+    rates = dataclasses.replace(RATES, fsdp_unit_overhead_s=0.0, optimizer_param_seconds=0.0)
+    steps = [simulate_batch(lengths, _run(Placement.TE_CP, mode, rates, **free)).step_seconds
+             for mode in (WeightsMode.REPLICATED, WeightsMode.HSDP)]  # fmt: skip
+    assert steps[1] == pytest.approx(steps[0], rel=1e-9)
+
+
 def test_the_simulator_places_a_batch_as_the_data_actor_does() -> None:
     lengths = _lengths(11)
     run = _run(Placement.ZEPPELIN, WeightsMode.FSDP)

@@ -100,6 +100,9 @@ class LayerSetup:
             members' links for the collective's time but its latency).
         weight_latency: the ring steps' latency in `weight_sync`, (forward, backward).
         codec: ZipCCL on the wire (`comm.compression`); the default sends all plain.
+        weight_groups_backward: the backward's groups where they differ (hsdp across
+            nodes: its all-reduce between the nodes' replicas crosses every NIC); empty:
+            `weight_groups`.
     """
 
     plan: AttentionPlan
@@ -114,6 +117,7 @@ class LayerSetup:
     weight_groups: tuple[tuple[int, ...], ...] = ()
     weight_latency: tuple[float, float] = (0.0, 0.0)
     codec: WireCodec = PLAIN
+    weight_groups_backward: tuple[tuple[int, ...], ...] = ()
 
     def linear_tokens(self) -> list[int]:
         """Tokens each rank's linear modules process."""
@@ -252,7 +256,10 @@ class _Builder:
         if seconds <= 0:
             return {}
         out = {}
-        for group in self.setup.weight_groups:
+        groups = self.setup.weight_groups
+        if phase and self.setup.weight_groups_backward:
+            groups = self.setup.weight_groups_backward
+        for group in groups:
             task = self.post_collective(
                 list(group), seconds, "weights gather/scatter", latency, weights=True
             )

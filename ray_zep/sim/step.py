@@ -263,7 +263,8 @@ def simulate_plans(
     routing = RoutingPlan.build(plan, routed=routed, all_hops=True, skip=ring_on_arrays)
     setup = LayerSetup(plan, shape, cost, hw.rates, routing, remap, base.element_bytes,
                        base.dkv_bytes, weights[0].layer_sync, weights[0].groups,
-                       weights[0].layer_latency, codecs[0])  # fmt: skip
+                       weights[0].layer_latency, codecs[0],
+                       weight_groups_backward=weights[0].backward_groups)  # fmt: skip
     wires = list(dict.fromkeys((c, w.layer_sync) for c, w in zip(codecs, weights, strict=True)))
     forward = _simulated(layer_graphs(setup, Phase.FORWARD, wires), hw.pool)
     backward = _simulated(layer_graphs(setup, Phase.BACKWARD, wires), hw.pool)

@@ -12,9 +12,13 @@ As the trainer runs each mode (`ray_zep.train.fsdp`, `ray_zep.train.reductions`)
   while the next block computes backward. Parameters travel in the compute dtype
   (`MixedPrecisionPolicy.param_dtype`), gradients are reduced in float32. What
   cannot overlap: the first gathers (embedding, first block, the head, which stays
-  gathered after forward) and the last reduce-scatters after backward. hsdp adds an
-  all-reduce of each node's shard across nodes after backward. Each rank updates
-  only its shard.
+  gathered after forward) and the last reduce-scatters after backward. hsdp adds, per
+  block, the all-reduce of each rank's reduced shard with its replicas on the other
+  nodes, which FSDP2 runs on its own stream right after the block's reduce-scatter
+  while the next block computes backward (torch `_fully_shard/_fsdp_collectives.py`,
+  `foreach_reduce`): the G ranks of a node all-reduce at once over its NICs, and the
+  last block's, the embedding's and the head's are exposed. Each rank updates only
+  its shard.
 
 With `comm.compression` (`ray_zep.sim.wire.WireCodec`), FSDP2's all-gathers
 (`fsdp_all_gather`, in the parameters' dtype) and reduce-scatters
@@ -52,6 +56,8 @@ class WeightsCost:
         layer_sync: a block's collectives (forward, backward), overlapped with the
             block's compute (`ray_zep.sim.program.LayerSetup.weight_sync`).
         groups: the rank groups those collectives run over.
+        backward_groups: the backward's groups where they differ (hsdp across nodes:
+            every rank, its all-reduce crossing every node's NICs); empty: `groups`.
         layer_latency: the ring steps' latency within `layer_sync` (links idle for it).
         exposed: collectives no compute hides (before the first block, after the last).
         owned_params: parameters each rank updates.
@@ -62,6 +68,7 @@ class WeightsCost:
     exposed: float = 0.0
     owned_params: float = 0.0
     layer_latency: tuple[float, float] = (0.0, 0.0)
+    backward_groups: tuple[tuple[int, ...], ...] = ()
 
 
 def _groups(topology: Topology, sharding: Sharding) -> tuple[tuple[int, ...], ...]:
@@ -122,13 +129,22 @@ def weights_cost(
     # before the blocks: embedding and first block; the head once (it stays gathered);
     # after them: the last block's, the head's and the embedding's reduce-scatters
     exposed = 2 * first + gather + 2 * last + scatter
-    if axis.sharding is Sharding.NODE and topology.nodes > 1:
-        # the G shard all-reduces of a node run at once over its NICs: together they
-        # move every gradient across nodes
-        replicas = [g[0] for g in groups]
-        exposed += cost.all_reduce_seconds(params * GRAD_BYTES_PER_ELEMENT, replicas)
     backward = (gather if reshard else 0.0) + scatter
-    exposed += host_seconds
     latency = cost.all_gather_seconds(0.0, groups[0])
     latencies = (latency, latency * (2 if reshard else 1))
-    return WeightsCost((gather, backward), groups, exposed, params / size, latencies)
+    backward_groups: tuple[tuple[int, ...], ...] = ()
+    if axis.sharding is Sharding.NODE and topology.nodes > 1:
+        # the G shard all-reduces of a node run at once over its NICs: together they move
+        # a block's whole gradient across nodes, each block's beside the next one's backward
+        replicas = [g[0] for g in groups]
+
+        def across(params_each: float) -> float:
+            return cost.all_reduce_seconds(params_each * size * GRAD_BYTES_PER_ELEMENT, replicas)
+
+        exposed += across(block + 2 * embedding)  # the last block's, the embedding's, the head's
+        backward += across(block)
+        latencies = (latencies[0], latencies[1] + across(0.0))
+        backward_groups = (tuple(range(topology.world_size)),)
+    exposed += host_seconds
+    return WeightsCost((gather, backward), groups, exposed, params / size, latencies,
+                       backward_groups)  # fmt: skip
