@@ -529,3 +529,28 @@ def test_fsdp_weight_collectives_carry_their_ring_steps_latency() -> None:
     assert one > 0
     assert paid.layer_latency == pytest.approx((one, 2 * one))
     assert all(lat < sync for lat, sync in zip(paid.layer_latency, paid.layer_sync, strict=True))
+
+
+def test_a_collective_across_nodes_holds_each_link_for_its_own_bytes() -> None:
+    """A weight collective over two nodes runs at its NICs' pace: it holds every NIC for
+    all of its time after the latency, and a member's port only for the share of it
+    the port's bandwidth needs for the same bytes (a port twice as fast: half)."""
+    topo = _topology(2, 2, nic_gbits=8.0, intra_gbytes=4.0)  # 2 NICs x 1 GB/s; 4 GB/s ports
+    plan = make_plan(Placement.TE_CP, [16], topo, 8, SHAPE)
+    world = tuple(range(topo.world_size))
+    setup = dataclasses.replace(_setup(plan), weight_sync=(0.3, 0.5), weight_groups=(world,),
+                                weight_latency=(0.1, 0.1))  # fmt: skip
+    share = topo.nics_per_node * topo.nic_bandwidth / topo.intra_node_bandwidth
+    assert share == pytest.approx(0.5)
+    for phase, seconds in ((Phase.FORWARD, 0.3), (Phase.BACKWARD, 0.5)):
+        parts = [t for t in layer_graph(setup, phase).tasks if t.name == "weights gather/scatter"]
+        nics = [t.duration for t in parts if t.lane is Lane.INTER_NODE]
+        ports = [t.duration for t in parts if t.lane is Lane.INTRA_NODE]
+        assert len(nics) == topo.nodes * topo.nics_per_node and len(ports) == topo.world_size
+        assert nics == pytest.approx([seconds - 0.1] * len(nics))
+        assert ports == pytest.approx([(seconds - 0.1) * share] * len(ports))
+    inside = dataclasses.replace(setup, weight_groups=((0, 1), (2, 3)))
+    parts = [
+        t for t in layer_graph(inside, Phase.FORWARD).tasks if t.name == "weights gather/scatter"
+    ]
+    assert [t.duration for t in parts] == pytest.approx([0.2] * 4), "inside a node: all of it"

@@ -226,17 +226,37 @@ class _Builder:
         of its `seconds` first, holding no link, then the rest on each of its links at
         once (every member's port, and every NIC of their nodes where they span several),
         each link on its own: a link busy with another message delays only its own part.
-        Nobody waits for it yet. The join of its parts (`weights`: the layer's weight
-        collective, retimed for other wires by `_retime`)."""
+        Each link is held for the time its own bytes take on it, as a message holds
+        one: the NICs, which set a collective across nodes' pace, for all of it, a
+        member's port for its share of that pace (`_port_share`). Nobody waits for it
+        yet. The join of its parts (`weights`: the layer's weight collective, retimed
+        for other wires by `_retime`)."""
         deps = [self.point[r] for r in ranks]
         latency = min(latency, seconds)
         if latency > 0:
             deps = [self.graph.add(f"{name} latency", ranks[0], Lane.HOST, latency, (), deps)]
-        parts = [self.graph.add(name, rank, lane, seconds - latency, resources, deps)
-                 for rank, lane, resources in self._links(ranks)]  # fmt: skip
+        links = self._links(ranks)
+        port = self._port_share(links)
+        parts, shares = [], []
+        for rank, lane, resources in links:
+            share = port if lane is Lane.INTRA_NODE else 1.0
+            parts.append(self.graph.add(name, rank, lane, (seconds - latency) * share,
+                                        resources, deps))  # fmt: skip
+            shares.append(share)
         if self.record and weights:
-            self.recipes += [("sync", part) for part in parts]
+            self.recipes += [
+                ("sync", part, share) for part, share in zip(parts, shares, strict=True)
+            ]
         return self.graph.join(ranks[0], parts)
+
+    def _port_share(self, links) -> float:
+        """The share of a collective's time its members' ports are busy: across nodes
+        its pace is the node's NICs' (`CostModel.bus_bandwidth`) and a port moves the same
+        bytes at its own bandwidth; inside a node, all of it."""
+        if not any(lane is Lane.INTER_NODE for _, lane, _ in links):
+            return 1.0
+        topo = self.topology
+        return min(1.0, topo.nics_per_node * topo.nic_bandwidth / topo.intra_node_bandwidth)
 
     def _links(self, ranks) -> list[tuple[int, Lane, tuple]]:
         """(the rank it is drawn for, its lane, its resources) of every link a collective
@@ -729,7 +749,7 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
         elif tag == "linear":
             durations[task] = data[0] + factor * min(data[0], weights / 2)
         else:  # a weight collective's part on one link, after its latency
-            durations[task] = weights - latency
+            durations[task] = (weights - latency) * data[0]
     changed = [i for i, (t, d) in enumerate(zip(tasks, durations, strict=True)) if t.duration != d]
     if not changed:
         return build.graph
