@@ -504,9 +504,7 @@ class CostModel:
         steps = len(ranks) - 1
         if steps <= 0:
             return 0.0
-        return self.ring_latency(ranks, steps, 1) + steps * block_bytes / self.bus_bandwidth(
-            ranks
-        )
+        return self.ring_latency(ranks, steps, 1) + steps * block_bytes / self.bus_bandwidth(ranks)
 
     def all_reduce_seconds(self, nbytes: float, ranks) -> float:
         """Ring all-reduce of `nbytes` per rank: 2 (W - 1) steps moving 2 (W - 1) / W of it

@@ -89,11 +89,14 @@ class ActivationCheckpointing(Enum):
     SELECTIVE = "selective"
     """Keep the attention outputs, recompute the feed-forward (MLP or MoE) part."""
 
-    def on_block(self, index: int, blocks: int) -> ActivationCheckpointing:
+    def on_block(
+        self, index: int, blocks: int, rest: ActivationCheckpointing | None = None
+    ) -> ActivationCheckpointing:
         """The mode of block `index` when it applies to the first `blocks` blocks
-        (`train.checkpoint_blocks`; 0: every block); the others keep every activation."""
+        (`train.checkpoint_blocks`; 0: every block); the others run `rest`
+        (`train.checkpoint_rest`; none: they keep every activation)."""
         applies = not blocks or index < blocks
-        return self if applies else ActivationCheckpointing.NONE
+        return self if applies else (rest or ActivationCheckpointing.NONE)
 
 
 class FsdpUnit(Enum):

@@ -66,22 +66,24 @@ def test_checkpointing_keeps_less_and_computes_the_same() -> None:
 @pytest.mark.unit
 def test_checkpointing_the_first_blocks_only_keeps_the_rest_and_computes_the_same() -> None:
     """train.checkpoint_blocks=1 of 2: the first block recomputes, the second keeps every
-    activation; the model's loss and gradients equal those of no checkpointing."""
+    activation (or, with train.checkpoint_rest=selective under full, recomputes its
+    feed-forward); the model's loss and gradients equal those of no checkpointing."""
     shape = build_shape(load_config(None, ["model.preset=tiny", "model.n_layers=2"]).model)
     tokens = torch.randint(0, shape.vocab_size, (96,), generator=torch.Generator().manual_seed(2))
     seqs = PackedSeqs.from_lengths([40, 56])
     results = {}
-    for mode, blocks in ((ActivationCheckpointing.NONE, 0), (ActivationCheckpointing.FULL, 1),
-                         (ActivationCheckpointing.SELECTIVE, 1)):  # fmt: skip
+    none, full, selective = ActivationCheckpointing
+    for mode, blocks, rest in ((none, 0, none), (full, 1, none), (selective, 1, none),
+                               (full, 1, selective)):  # fmt: skip
         model = Transformer(shape)
         model.init_weights(torch.Generator().manual_seed(0))
-        model.set_checkpointing(mode, blocks)
-        assert [b.checkpointing for b in model.layers] == [mode, ActivationCheckpointing.NONE]
+        model.set_checkpointing(mode, blocks, rest)
+        assert [b.checkpointing for b in model.layers] == [mode, rest]
         positions = torch.cat([torch.arange(n) for n in (40, 56)])
         loss = model(tokens, positions, seqs, labels_T=tokens.roll(-1))
         loss.backward()
-        results[mode] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
-    want_loss, want = results.pop(ActivationCheckpointing.NONE)
+        results[(mode, rest)] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    want_loss, want = results.pop((none, none))
     for mode, (loss, grads) in results.items():
         assert torch.equal(loss, want_loss), mode
         for name, grad in grads.items():
@@ -118,10 +120,12 @@ def test_checkpointing_composes_with_every_axis_and_trains_the_same(tmp_path: Pa
     runs, names = [], []
     first = next(iter(CASES))
     variants = {mode: [f"train.activation_checkpointing={mode}"] for mode in MODES}
-    # the first block only, the second keeping every activation (train.checkpoint_blocks)
-    first_block = ["train.activation_checkpointing=full", "train.checkpoint_blocks=1"]
+    # full on the first block only, the second recomputing its feed-forward
+    # (train.checkpoint_blocks, train.checkpoint_rest)
+    first_block = ["train.activation_checkpointing=full", "train.checkpoint_blocks=1",
+                   "train.checkpoint_rest=selective"]  # fmt: skip
     for case, overrides in CASES.items():
-        extra = {"full on the first block": first_block} if case == first else {}
+        extra = {"full on the first block, selective after": first_block} if case == first else {}
         for mode, keys in {**variants, **extra}.items():
             names.append((case, mode))
             runs.append([*BASE, *overrides, *keys, f"train.out_dir={tmp_path / str(len(runs))}"])

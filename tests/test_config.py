@@ -83,6 +83,18 @@ def test_public_contract_keys_exist(key: str) -> None:
             ["train.activation_checkpointing=full", "train.checkpoint_blocks=99"],
             r"train.checkpoint_blocks=99: the model has \d+ blocks",
         ),
+        (
+            [
+                "train.activation_checkpointing=selective",
+                "train.checkpoint_blocks=1",
+                "train.checkpoint_rest=selective",
+            ],
+            r"train.checkpoint_rest=selective: only selective, beneath .*=full",
+        ),
+        (
+            ["train.activation_checkpointing=full", "train.checkpoint_rest=selective"],
+            r"train.checkpoint_rest=selective: .*\(1 or more\) blocks",
+        ),
     ],
 )
 def test_bad_config_is_a_one_line_error_naming_the_key(overrides: list[str], message: str) -> None:

@@ -316,6 +316,11 @@ def test_activation_checkpointing_adds_what_backward_recomputes() -> None:
         run = dataclasses.replace(base, config=with_checkpointing(base.config, mode, 1))
         one = simulate_plan(plan, run, True, remap)
         assert one.recompute_seconds == pytest.approx(steps[mode].recompute_seconds / layers)
+    # full on the first block, selective on the rest (train.checkpoint_rest): the shares add
+    config = with_checkpointing(base.config, Mode.FULL, 1, Mode.SELECTIVE)
+    mixed = simulate_plan(plan, dataclasses.replace(base, config=config), True, remap)
+    want = (full.recompute_seconds + (layers - 1) * selective.recompute_seconds) / layers
+    assert mixed.recompute_seconds == pytest.approx(want)
 
 
 def test_a_remap_exchange_costs_its_busiest_link_not_a_queue_across_the_cluster() -> None:

@@ -63,10 +63,10 @@ from ray_zep.sim.bound import over_bound, step_bound
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
 from ray_zep.sim.bytescale import bytescale_plans, simulate_schedule
 from ray_zep.sim.checkpointing import (
+    checkpointing_as,
     checkpointing_label,
     fitting_options,
     plans_peak,
-    with_checkpointing,
 )
 from ray_zep.sim.compare import VARIANTS, variant_config
 from ray_zep.sim.hardware import Hardware
@@ -261,9 +261,8 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
         inter.append(sum(attention_step_traffic(plan, run.shape, routed, remap).inter_node
                          for plan in plans))  # fmt: skip
     options = _fitting_checkpointing(config, hardware, run, stats)
-    runs = [dataclasses.replace(run, config=with_checkpointing(
-        run.config, fitting.train.activation_checkpointing, fitting.train.checkpoint_blocks))
-        for fitting, _ in options]  # fmt: skip
+    runs = [dataclasses.replace(run, config=checkpointing_as(run.config, fitting))
+            for fitting, _ in options]  # fmt: skip
     chosen = 0
     if ideal is not None:
         # every option that fits is simulated (they differ only in what backward

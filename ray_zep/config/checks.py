@@ -74,6 +74,17 @@ def check_evaluation(train: TrainConfig, data: DataConfig) -> None:
 def check_checkpointing(train: TrainConfig, model: ModelConfig) -> None:
     """`train.checkpoint_blocks` counts blocks the model has, under a checkpointing mode."""
     blocks = train.checkpoint_blocks
+    rest = train.checkpoint_rest
+    if rest is not ActivationCheckpointing.NONE and (
+        rest is not ActivationCheckpointing.SELECTIVE
+        or train.activation_checkpointing is not ActivationCheckpointing.FULL
+        or not blocks
+    ):
+        raise ConfigError(
+            f"config key train.checkpoint_rest={rest.value}: only selective, beneath "
+            "train.activation_checkpointing=full on the first train.checkpoint_blocks "
+            "(1 or more) blocks; or set it to none"
+        )
     if not blocks:
         return
     if train.activation_checkpointing is ActivationCheckpointing.NONE:

@@ -67,6 +67,11 @@ class TrainConfig:
     """How many blocks, the first ones, `activation_checkpointing` applies to; the others
     keep every activation (as Megatron-LM's `--recompute-num-layers` with
     `--recompute-method block`). 0: every block."""
+    checkpoint_rest: ActivationCheckpointing = ActivationCheckpointing.NONE
+    """What the blocks after the first `checkpoint_blocks` do: `none` keeps every
+    activation; `selective`, beneath `activation_checkpointing=full`, recomputes their
+    feed-forward part (a GPU that fits neither `selective` on every block nor `full` on
+    few may fit `full` on a few and `selective` on the rest, which recomputes less)."""
     eval_every: int = 0
     """Every k steps, the validation loss on `data.eval_source` (a checkpoint is saved
     at those steps; rank 0 evaluates it as `ray-zep eval` does); 0: never."""
@@ -79,6 +84,12 @@ class TrainConfig:
         mode, blocks = self.activation_checkpointing, self.checkpoint_blocks
         none = ActivationCheckpointing.NONE
         return sum(mode.on_block(index, blocks) is not none for index in range(n_layers))
+
+    def rest_checkpointed(self, n_layers: int) -> int:
+        """Blocks that `checkpoint_rest` applies to, of `n_layers`."""
+        if self.checkpoint_rest is ActivationCheckpointing.NONE:
+            return 0
+        return n_layers - self.checkpointed(n_layers)
 
     def __post_init__(self) -> None:
         require(self.steps >= 1, "train.steps", self.steps, "must be >= 1")

@@ -264,12 +264,17 @@ class Transformer(nn.Module):
                 with torch.no_grad():
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
 
-    def set_checkpointing(self, mode: ActivationCheckpointing, blocks: int = 0) -> None:
+    def set_checkpointing(
+        self,
+        mode: ActivationCheckpointing,
+        blocks: int = 0,
+        rest: ActivationCheckpointing = ActivationCheckpointing.NONE,
+    ) -> None:
         """Activation checkpointing (`train.activation_checkpointing`) of the first
-        `blocks` blocks (`train.checkpoint_blocks`; 0: every block); the others keep
-        every activation."""
+        `blocks` blocks (`train.checkpoint_blocks`; 0: every block); the others run
+        `rest` (`train.checkpoint_rest`; none: they keep every activation)."""
         for index, block in enumerate(self.layers):
-            block.checkpointing = mode.on_block(index, blocks)
+            block.checkpointing = mode.on_block(index, blocks, rest)
 
     def compile_blocks(self) -> None:
         """Compile every block's regions (`model.compile`; see `Block.compile_regions`)."""

@@ -108,6 +108,7 @@ class MemoryInputs:
     ring_tokens: int = 0
     checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
     checkpoint_blocks: int = 0
+    checkpoint_rest: ActivationCheckpointing = ActivationCheckpointing.NONE
     compute_bytes: int = FP32
     flash_kernel: bool = False
     on_cpu: bool = True
@@ -118,7 +119,7 @@ class MemoryInputs:
 
     def block_checkpointing(self, index: int) -> ActivationCheckpointing:
         """What block `index`'s backward recomputes."""
-        return self.checkpointing.on_block(index, self.checkpoint_blocks)
+        return self.checkpointing.on_block(index, self.checkpoint_blocks, self.checkpoint_rest)
 
 
 @dataclass(frozen=True)
@@ -434,6 +435,7 @@ def memory_inputs(
         ring_tokens=ring_tokens,
         checkpointing=config.train.activation_checkpointing,
         checkpoint_blocks=config.train.checkpoint_blocks,
+        checkpoint_rest=config.train.checkpoint_rest,
         compute_bytes=torch.empty((), dtype=dtype).element_size(),
         flash_kernel=flash,
         on_cpu=on_cpu,

@@ -48,10 +48,10 @@ from ray_zep.partition.registry import spec_of
 from ray_zep.partition.stats import plan_stats
 from ray_zep.sim.bound import step_bound
 from ray_zep.sim.checkpointing import (
+    checkpointing_as,
     checkpointing_label,
     fitting_options,
     plans_peak,
-    with_checkpointing,
 )
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, StepResult, plan_batch, simulate_batch, simulate_plans
@@ -214,9 +214,8 @@ def evaluate_group(
             # where it does not fit and the config sets no checkpointing, the lightest
             # that fits (`fitting_options`), as a run of that composition would set it
             peak_of = plans_peak(stats, hardware, run.shape)
-            train = fitting_options(run.config, hardware, run, peak_of)[0][0].train
-            configs = [with_checkpointing(c, train.activation_checkpointing,
-                                          train.checkpoint_blocks) for c in configs]  # fmt: skip
+            fitting = fitting_options(run.config, hardware, run, peak_of)[0][0]
+            configs = [checkpointing_as(c, fitting) for c in configs]
             candidates = [Candidate(c) for c in configs]
             run, placed, stats, worst = _placed(configs[0], hardware, batches, on_gpu)
     except ZepError as exc:

@@ -1,7 +1,8 @@
 """Activation checkpointing chosen to fit the GPU's memory: none if that fits, else
 `selective` or `full` on the fewest first blocks that fit (`train.checkpoint_blocks`,
-as Megatron-LM's `--recompute-num-layers` with `--recompute-method block`), the one
-that recomputes less first. `ray-zep bench scale` simulates every option and keeps
+as Megatron-LM's `--recompute-num-layers` with `--recompute-method block`), and `full`
+on the fewest first blocks with `selective` on the rest (`train.checkpoint_rest`), the
+one that recomputes less first. `ray-zep bench scale` simulates every option and keeps
 the fastest; `ray-zep plan --auto` takes the first for a composition that does not fit
 without it."""
 
@@ -30,12 +31,25 @@ CHECKPOINTING = (
 `ray_zep.sim.step` counts it in the step)."""
 
 
-def with_checkpointing(config: Config, mode: ActivationCheckpointing, blocks: int = 0) -> Config:
+def with_checkpointing(
+    config: Config,
+    mode: ActivationCheckpointing,
+    blocks: int = 0,
+    rest: ActivationCheckpointing = ActivationCheckpointing.NONE,
+) -> Config:
     """`config` with `train.activation_checkpointing=mode` on its first `blocks` blocks
-    (`train.checkpoint_blocks`; 0: every block)."""
+    (`train.checkpoint_blocks`; 0: every block) and `rest` on the others
+    (`train.checkpoint_rest`)."""
     train = dataclasses.replace(config.train, activation_checkpointing=mode,
-                                checkpoint_blocks=blocks)  # fmt: skip
+                                checkpoint_blocks=blocks, checkpoint_rest=rest)  # fmt: skip
     return dataclasses.replace(config, train=train)
+
+
+def checkpointing_as(config: Config, source: Config) -> Config:
+    """`config` under `source`'s activation checkpointing."""
+    train = source.train
+    return with_checkpointing(config, train.activation_checkpointing, train.checkpoint_blocks,
+                              train.checkpoint_rest)  # fmt: skip
 
 
 def fitting_options(
@@ -43,8 +57,9 @@ def fitting_options(
 ) -> list[tuple[Config, float]]:
     """The lightest activation checkpointing options whose modelled peak, `peak_of(config
     under it)`, fits the GPU, each with that peak: none, if it fits; else `selective` and
-    `full`, each on the fewest first blocks that fit (`train.checkpoint_blocks`), the one
-    that recomputes less by `recompute_per_block` first; where neither fits on every
+    `full`, each on the fewest first blocks that fit (`train.checkpoint_blocks`), and
+    `full` on the fewest first blocks that fit with `selective` on the rest, the one
+    that recomputes less by `recompute_per_block` first; where none fits on every
     block, `full` on every block alone."""
     unchecked = with_checkpointing(config, ActivationCheckpointing.NONE)
     peak = peak_of(unchecked)
@@ -56,10 +71,39 @@ def fitting_options(
         if blocks is not None:
             cost = blocks * recompute_per_block(run, mode)
             fitting.append((cost, with_checkpointing(config, mode, blocks % layers), peak))
+    mixed = _full_then_selective(config, layers, hardware, peak_of)
+    if mixed is not None:
+        blocks, peak = mixed
+        cost = blocks * recompute_per_block(run, ActivationCheckpointing.FULL) + (
+            layers - blocks
+        ) * recompute_per_block(run, ActivationCheckpointing.SELECTIVE)
+        chosen = with_checkpointing(config, ActivationCheckpointing.FULL, blocks,
+                                    ActivationCheckpointing.SELECTIVE)  # fmt: skip
+        fitting.append((cost, chosen, peak))
     if not fitting:
         heaviest = with_checkpointing(config, CHECKPOINTING[-1])
         return [(heaviest, peak_of(heaviest))]
     return [(chosen, peak) for _, chosen, peak in sorted(fitting, key=lambda f: f[0])]
+
+
+def _full_then_selective(
+    config: Config, layers: int, hardware: Hardware, peak_of: Callable[[Config], float]
+) -> tuple[int, float] | None:
+    """(the fewest first blocks, 1 to n - 1, that `full` takes with `selective` on the
+    rest where that fits; its peak), None where it needs every block or none."""
+    if layers < 2:
+        return None
+
+    def under(checked: Config) -> float:  # `checked`: full on its first blocks
+        train = checked.train
+        return peak_of(with_checkpointing(checked, train.activation_checkpointing,
+                                          train.checkpoint_blocks,
+                                          ActivationCheckpointing.SELECTIVE))  # fmt: skip
+
+    blocks, peak = fewest_blocks(config, ActivationCheckpointing.FULL, layers, hardware, under)
+    if blocks is None or not 1 <= blocks < layers:
+        return None
+    return blocks, peak
 
 
 def plans_peak(
@@ -118,4 +162,7 @@ def checkpointing_label(config: Config, shape: ModelShape) -> str:
     blocks = train.checkpointed(shape.n_layers)
     if blocks in (0, shape.n_layers):
         return train.activation_checkpointing.value
-    return f"{train.activation_checkpointing.value} {blocks}/{shape.n_layers}"
+    label = f"{train.activation_checkpointing.value} {blocks}/{shape.n_layers}"
+    if train.rest_checkpointed(shape.n_layers):
+        label += f"+{train.checkpoint_rest.value}"
+    return label

@@ -300,20 +300,22 @@ def head_seconds(tokens, shape: ModelShape, rates: ComputeRates):
 
 def recompute_seconds(run: RunModel, forward: Timeline, tokens: int) -> float:
     """What backward recomputes in every checkpointed block under the run's activation
-    checkpointing (module docstring; `train.checkpoint_blocks` of them): the forward
-    layer's makespan (`full`), or the feed-forward part's forward over `tokens`, the
-    most any rank holds (`selective`)."""
-    mode, shape = run.config.train.activation_checkpointing, run.shape
-    blocks = run.config.train.checkpointed(shape.n_layers)
+    checkpointing (module docstring; `train.checkpoint_blocks` of them, and
+    `train.checkpoint_rest` on the others): the forward layer's makespan (`full`), or
+    the feed-forward part's forward over `tokens`, the most any rank holds
+    (`selective`)."""
+    train, shape = run.config.train, run.shape
+    mode, blocks = train.activation_checkpointing, train.checkpointed(shape.n_layers)
     if mode is ActivationCheckpointing.NONE:
         return 0.0
-    if mode is ActivationCheckpointing.FULL:
-        return blocks * forward.makespan
+    on_full = mode is ActivationCheckpointing.FULL
+    full = blocks if on_full else 0
+    selective = train.rest_checkpointed(shape.n_layers) if on_full else blocks
     rates = run.hardware.rates
     matmul = 2.0 * shape.mean_ffn_params() * tokens / rates.matmul
     width = shape.mean_ffn_params() / (3 * shape.dim)  # SwiGLU width, MoE blocks averaged
     swiglu = rates.pointwise_seconds(SWIGLU_FORWARD_PASSES * width * tokens)
-    return blocks * (matmul + swiglu)
+    return full * forward.makespan + selective * (matmul + swiglu)
 
 
 SWIGLU_FORWARD_PASSES = 3

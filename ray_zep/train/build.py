@@ -79,7 +79,10 @@ def build_model(
     else:
         model.init_weights(torch.Generator().manual_seed(config.train.seed))
     model.to(device)
-    model.set_checkpointing(config.train.activation_checkpointing, config.train.checkpoint_blocks)
+    train = config.train
+    model.set_checkpointing(
+        train.activation_checkpointing, train.checkpoint_blocks, train.checkpoint_rest
+    )
     model.loss_chunk_tokens = config.model.loss_chunk_tokens
     if config.model.compile:
         model.compile_blocks()
