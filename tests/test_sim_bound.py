@@ -79,6 +79,15 @@ def test_no_variant_beats_the_bound_where_kv_and_fsdp_share_the_nics() -> None:
             assert step.step_seconds >= bound.seconds * (1 - 1e-9), (name, step.step_seconds)
             simulated += 1
     assert simulated >= len(VARIANTS), "most variants place these batches"
+    # hsdp: its replicas' all-reduce crosses the NICs in the backward, beside the dK/dV
+    hsdp = _config(4, ["topology.nic_gbits_per_s=50", "parallel.weights=hsdp"])
+    run = RunModel.create(hsdp, hardware)
+    bounds = [step_bound(lengths, run) for lengths in batches]
+    assert all(b.shared_nics_s > b.exchange_s > 0 for b in bounds)
+    results = simulate_strategies(hsdp, hardware, batches, tuple(VARIANTS), L)
+    for name, result in results.items():
+        for step, bound in zip(result.steps, bounds, strict=True):
+            assert step.step_seconds >= bound.seconds * (1 - 1e-9), (name, "hsdp")
 
 
 def test_random_whole_sequence_plans_do_not_beat_the_bound() -> None:

@@ -7,7 +7,8 @@ average; L = that x headroom) and placement, on the same sampled batches:
   (`PlanStats.work_imbalance`), averaged over the batches and the worst batch;
 - step / ideal: the simulated step (`ray_zep.sim`) over the batch's ideal step
   (`ray_zep.sim.ideal`), step / bound over its lower bound (`ray_zep.sim.bound`: the
-  ideal, the K/V exchange no placement avoids and the weights' collectives), where
+  ideal, the K/V exchange no placement avoids, the weights' collectives and both on
+  one node's NICs), where
   the step beyond the bound goes (imbalance, split kernels, transfers and waits; not
   for the baselines' scheduled steps), and modelled tokens/s per GPU;
 - inter-node bytes per step (`traffic.attention_step_traffic`: every layer's ring,

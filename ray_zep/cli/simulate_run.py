@@ -63,8 +63,9 @@ def result_table(result: SimulateResult) -> str:
         largest = sorted({b.largest for b in result.bounds})
         lines.append(
             f"bound {np.mean([b.seconds for b in result.bounds]):.3f} s: the ideal compute, "
-            "the K/V exchange no placement avoids and the weights' collectives, whichever "
-            f"is larger, plus what no compute hides (largest part: {', '.join(largest)}); "
+            "the K/V exchange no placement avoids, the weights' collectives and both on "
+            "one node's NICs, whichever is larger, plus what no compute hides (largest "
+            f"part: {', '.join(largest)}); "
             "the last three columns split the "
             "step beyond it"
         )

@@ -31,7 +31,8 @@ nodes, a node's NICs carry both those collectives and the K/V it imports, so the
 add there (`_shared_nics`): in the forward a node must receive every other node's
 shard of each block it gathers, besides its K/V; in the backward it must send its
 part of every other node's gradient shard besides its dK/dV (or receive the blocks
-gathered again), each direction of a NIC at its bandwidth. The step's bound is the
+gathered again), each direction of a NIC at its bandwidth; hsdp's per-block
+all-reduce between the nodes' replicas crosses them in the backward. The step's bound is the
 largest of the ideal compute, the exchange, the blocks' collectives and that shared
 NIC time, plus the exposed collectives, the optimizer's share and the step's fixed
 work. Zipped collectives (`comm.compression`) are counted at the codec's best ratio.
@@ -58,6 +59,7 @@ from ray_zep.partition.work import WorkModel
 from ray_zep.sim.events import Lane
 from ray_zep.sim.ideal import fixed_seconds
 from ray_zep.sim.step import RunModel, StepResult, head_seconds, weights_of
+from ray_zep.sim.weights import WeightsCost
 from ray_zep.sim.wire import ZIP_RATIOS
 
 
@@ -137,7 +139,7 @@ def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
         blocks = shape.n_layers * sum(paid.layer_sync)
         fixed += paid.exposed
         node_kv = shape.n_layers * token_bytes * _largest_import(lengths, gpus * capacity)
-        shared = _shared_nics(run, paid.groups, node_kv, ratio)
+        shared = _shared_nics(run, paid, node_kv, ratio)
     return StepBound(max(compute, exchange, blocks, shared) + fixed, compute, exchange, blocks,
                      fixed, limit, shared)  # fmt: skip
 
@@ -150,24 +152,31 @@ def _best_zip_ratio(run: RunModel) -> float:
     return max(ZIP_RATIOS.values())
 
 
-def _shared_nics(run: RunModel, groups, node_kv: float, ratio: float) -> float:
+def _shared_nics(run: RunModel, paid: WeightsCost, node_kv: float, ratio: float) -> float:
     """Seconds the NICs of the node importing the most K/V are busy with it and with
     FSDP's per-block collectives (module docstring), `node_kv` its K/V bytes per phase.
-    The first block's gather and the last one's reduce-scatter are exposed (counted in
-    the bound's fixed part), so n - 1 blocks are counted in each phase; 0 where the
-    groups stay inside a node."""
+    The first block's gather and the last one's reduce-scatter (hsdp: all-reduce) are
+    exposed (counted in the bound's fixed part), so n - 1 blocks are counted in each
+    phase. hsdp across nodes crosses them in the backward only: each block's gradient
+    all-reduced with the other nodes' replicas, of which a node must receive, and send,
+    at least (N - 1) / N. 0 where every collective stays inside a node."""
     topology, shape = run.hardware.topology, run.shape
+    groups = paid.groups
     nodes = np.asarray([topology.node_of(r) for r in groups[0]]) if groups else np.zeros(1)
     foreign = int((nodes != nodes[0]).sum())  # the group's ranks on other nodes
-    if not foreign:
-        return 0.0
-    size = nodes.size
-    shard = float(np.mean([block_params(shape, i) for i in range(shape.n_layers)])) / size
+    block = float(np.mean([block_params(shape, i) for i in range(shape.n_layers)]))
     blocks = shape.n_layers - 1
+    node_bytes_s = topology.nics_per_node * topology.nic_bandwidth
+    if not foreign:
+        if not paid.backward_groups:
+            return 0.0
+        share = (topology.nodes - 1) / topology.nodes
+        replicas = blocks * share * block * GRAD_BYTES_PER_ELEMENT / ratio  # each way
+        return (2 * node_kv + replicas) / node_bytes_s
+    shard = block / nodes.size
     gathered = blocks * foreign * shard * run.element_bytes / ratio  # received per phase
     scattered = blocks * foreign * shard * GRAD_BYTES_PER_ELEMENT / ratio  # sent
     regathered = gathered if run.config.parallel.reshard_after_forward else 0.0
-    node_bytes_s = topology.nics_per_node * topology.nic_bandwidth
     forward = node_kv + gathered
     backward = max(node_kv + scattered, regathered)
     return (forward + backward) / node_bytes_s
