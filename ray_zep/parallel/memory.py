@@ -300,6 +300,11 @@ def block_params(shape: ModelShape, index: int) -> int:
     return shape.attention_params_per_layer() + ffn + 2 * shape.dim
 
 
+def mean_block_params(shape: ModelShape) -> float:
+    """Parameters of one block, averaged over dense and MoE blocks."""
+    return sum(block_params(shape, i) for i in range(shape.n_layers)) / shape.n_layers
+
+
 def activation_bytes(shape: ModelShape, m: MemoryInputs) -> float:
     """Bytes of activations at the fuller of two moments of backward: the loss's backward
     (every kept activation, the head's, the logits and the loss's two vocabulary-wide

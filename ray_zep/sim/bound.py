@@ -54,7 +54,7 @@ import numpy as np
 from ray_zep.costmodel import BACKWARD_ATTENTION_FACTOR, GRAD_BYTES_PER_ELEMENT
 from ray_zep.options import Compression
 from ray_zep.parallel.axes import WEIGHTS_AXES, Family
-from ray_zep.parallel.memory import block_params
+from ray_zep.parallel.memory import mean_block_params
 from ray_zep.partition.work import WorkModel
 from ray_zep.sim.events import Lane
 from ray_zep.sim.ideal import fixed_seconds
@@ -119,9 +119,10 @@ def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
     gpu_in = topology.intra_node_bandwidth + topology.nic_bandwidth
     node_in = topology.nics_per_node * topology.nic_bandwidth
     lengths = np.asarray(lengths, dtype=np.int64)
+    node_import = _largest_import(lengths, gpus * capacity)  # tokens, for the NICs below too
     seconds = {
         "gpu": _largest_import(lengths, capacity) / gpu_in,
-        "node": _largest_import(lengths, gpus * capacity) / node_in,
+        "node": node_import / node_in,
         "cluster gpus": _all_imports(lengths, capacity) / (topology.world_size * gpu_in),
         "cluster nodes": _all_imports(lengths, gpus * capacity) / (topology.nodes * node_in),
     }
@@ -138,8 +139,7 @@ def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
         paid = weights_of(run)  # weight passing: its own model, counted as nothing here
         blocks = shape.n_layers * sum(paid.layer_sync)
         fixed += paid.exposed
-        node_kv = shape.n_layers * token_bytes * _largest_import(lengths, gpus * capacity)
-        shared = _shared_nics(run, paid, node_kv, ratio)
+        shared = _shared_nics(run, paid, shape.n_layers * token_bytes * node_import, ratio)
     return StepBound(max(compute, exchange, blocks, shared) + fixed, compute, exchange, blocks,
                      fixed, limit, shared)  # fmt: skip
 
@@ -164,7 +164,7 @@ def _shared_nics(run: RunModel, paid: WeightsCost, node_kv: float, ratio: float)
     groups = paid.groups
     nodes = np.asarray([topology.node_of(r) for r in groups[0]]) if groups else np.zeros(1)
     foreign = int((nodes != nodes[0]).sum())  # the group's ranks on other nodes
-    block = float(np.mean([block_params(shape, i) for i in range(shape.n_layers)]))
+    block = mean_block_params(shape)
     blocks = shape.n_layers - 1
     node_bytes_s = topology.nics_per_node * topology.nic_bandwidth
     if not foreign:

@@ -33,14 +33,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from ray_zep.collectives.switcher import Kind
 from ray_zep.costmodel import GRAD_BYTES_PER_ELEMENT, CostModel
 from ray_zep.model_shapes import ModelShape
 from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import WEIGHTS_AXES, Sharding, WeightsMode
-from ray_zep.parallel.memory import block_params
+from ray_zep.parallel.memory import mean_block_params
 from ray_zep.sim.wire import PLAIN, Stream, WireCodec
 from ray_zep.topology import Topology
 
@@ -108,7 +106,7 @@ def weights_cost(
     groups = _groups(topology, axis.sharding)
     size = len(groups[0])
     # one block, averaged over dense and MoE blocks (an MoE block holds every expert)
-    block = float(np.mean([block_params(shape, i) for i in range(shape.n_layers)])) / size
+    block = mean_block_params(shape) / size
     embedding = shape.vocab_size * shape.dim / size
     gather_stream = Stream(CompressionStream.FSDP_ALL_GATHER.value, param_bytes)
 
