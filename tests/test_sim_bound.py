@@ -147,12 +147,13 @@ def test_simulate_reports_step_over_bound_and_where_the_rest_goes() -> None:
         parts = result.beyond_bound(strategy)
         step, bound = strategy.steps[0].step_seconds, result.bounds[0].seconds
         assert sum(parts.values()) == pytest.approx(step - bound, rel=1e-9, abs=1e-12), name
-        assert parts["imbalance"] >= 0 and parts["transfers and waits"] >= 0, (name, parts)
+        idle = (parts["exposed transfers"], parts["waits"])
+        assert min(parts["imbalance"], *idle) >= 0, (name, parts)
     record = result.record()["strategies"]["zeppelin"]
     assert record["step_over_bound"] == result.over_bound(result.results["zeppelin"])
     # te_cp rotates every sequence's K/V over all 16 GPUs: its exposed transfers dominate
     te_cp = result.beyond_bound(result.results["te_cp"])
-    assert te_cp["transfers and waits"] > max(te_cp["imbalance"], te_cp["split kernels"])
+    assert te_cp["exposed transfers"] > max(te_cp["imbalance"], te_cp["split kernels"])
 
 
 def test_no_composition_of_the_demo_beats_its_bound() -> None:

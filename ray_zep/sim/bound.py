@@ -58,6 +58,7 @@ from ray_zep.parallel.memory import mean_block_params
 from ray_zep.partition.work import WorkModel
 from ray_zep.sim.events import Lane
 from ray_zep.sim.ideal import fixed_seconds
+from ray_zep.sim.idle import TRANSFERS, WAITS, idle_causes
 from ray_zep.sim.step import RunModel, StepResult, head_seconds, weights_of
 from ray_zep.sim.weights import WeightsCost
 from ray_zep.sim.wire import ZIP_RATIOS
@@ -221,8 +222,13 @@ def over_bound(step: StepResult, bound: StepBound, n_layers: int) -> dict[str, f
     - imbalance: the most computing rank's compute over the mean rank's;
     - split kernels: the mean rank's compute over the bound's (split blocks' lower
       kernel rates, the engine's per-row work and call overheads);
-    - transfers and waits: the layers' time the most computing rank does not compute
-      (exposed K/V and weight transfers, waits on slower ring peers);
+    - exposed transfers: the layers' time the most computing rank does not compute
+      because a message or collective it needs is still moving (K/V, dK/dV, the
+      weights' collectives, the Ulysses and remap exchanges; `ray_zep.sim.idle`);
+    - waits: the rest of the time it does not compute: waits on slower ring peers and,
+      after its own last task, on the layer's slowest rank (a ring the simulator plays
+      on arrays, `ray_zep.sim.ring_form`: 64 members or more, unrouted, no Ulysses, is
+      one task per member, so its transfers and waits count as that member's compute);
     - rest: everything else (the optimizer beyond its ideal share, the experts'
       all-to-alls; negative where the exchange or the weights set the bound, which the
       compute then partly hides).
@@ -235,11 +241,13 @@ def over_bound(step: StepResult, bound: StepBound, n_layers: int) -> dict[str, f
     ranks = range(len({t.rank for t in step.forward.graph.tasks}))
     compute = np.asarray([step.forward.busy(r, Lane.COMPUTE) + step.backward.busy(r, Lane.COMPUTE)
                           for r in ranks]) * n_layers  # fmt: skip
-    layers = n_layers * (step.forward_layer_seconds + step.backward_layer_seconds)
+    busiest = int(compute.argmax())
+    idle = [idle_causes(timeline, busiest) for timeline in (step.forward, step.backward)]
     parts = {
         "imbalance": float(compute.max() - compute.mean()),
         "split kernels": float(compute.mean() + step.head_seconds - bound.compute_s),
-        "transfers and waits": float(layers - compute.max()),
+        "exposed transfers": n_layers * sum(one[TRANSFERS] for one in idle),
+        "waits": n_layers * sum(one[WAITS] for one in idle),
     }
     parts["rest"] = step.step_seconds - bound.seconds - sum(parts.values())
     return parts
