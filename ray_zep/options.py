@@ -30,6 +30,14 @@ class DkvWire(Enum):
     COMPUTE = "compute"
     """The K/V dtype (bf16 in bf16 runs), as TransformerEngine sends them: half the dK/dV
     bytes, each partial sum rounded to it once per hop (identical in fp32 runs)."""
+    OWNER = "owner"
+    """Each ring step's dK/dV goes straight to the position that owns those K/V, in the
+    dtype the kernel returned it (the K/V dtype), and the owner sums them in float32: the
+    float32 ring's sums (a step's block gives each key row one kernel output, which its
+    dtype holds exactly) at the K/V dtype's bytes, and no sum waits for the previous
+    member's. For the items whose members send as their ring hops do, each through its
+    own links (`QueueItem.owner_dkv`: inside one node, or Ulysses groups); rings across
+    nodes pass float32 accumulators as `FLOAT32` does."""
 
 
 class RemapPolicy(Enum):

@@ -20,6 +20,7 @@ import numpy as np
 from ray_zep.config import Config, ZonePolicy
 from ray_zep.costmodel import preset_rates
 from ray_zep.model_shapes import ModelShape
+from ray_zep.options import DkvWire
 from ray_zep.parallel.axes import SEQUENCE_AXES
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.partition.plan_memory import memory_plan
@@ -107,9 +108,10 @@ def _plan_step(
 ) -> StepPlan:
     parallel = config.parallel
     plan = memory_plan(parallel.sequence, lengths, config, topology, shape)
-    routing = RoutingPlan.build(plan) if parallel.routing else None
+    owner = parallel.dkv_wire is DkvWire.OWNER
+    routing = RoutingPlan.build(plan, dkv_owner=owner) if parallel.routing else None
     remap = None
     if parallel.remap:
         remap = choose_remap(plan, shape, preset_rates(topology.gpu_model), parallel.remap_policy)
-    traffic = attention_step_parts(plan, shape, parallel.routing, remap)
+    traffic = attention_step_parts(plan, shape, parallel.routing, remap, owner)
     return StepPlan(plan, routing, remap, traffic)

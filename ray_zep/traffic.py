@@ -180,18 +180,24 @@ def attention_step_traffic(
     routed: bool,
     remap: RemapPlan | None,
     element_bytes: int = BYTES_PER_ELEMENT,
+    dkv_owner: bool = False,
 ) -> Traffic:
-    """Attention and remapping bytes of a whole step (every layer, forward + backward)."""
-    scaled, fixed = attention_step_parts(plan, shape, routed, remap)
+    """Attention and remapping bytes of a whole step (every layer, forward + backward);
+    `dkv_owner`: `parallel.dkv_wire=owner` (`ring_link_bytes_by_payload`)."""
+    scaled, fixed = attention_step_parts(plan, shape, routed, remap, dkv_owner)
     return scaled.times(element_bytes) + fixed
 
 
 def attention_step_parts(
-    plan: AttentionPlan, shape: ModelShape, routed: bool, remap: RemapPlan | None
+    plan: AttentionPlan,
+    shape: ModelShape,
+    routed: bool,
+    remap: RemapPlan | None,
+    dkv_owner: bool = False,
 ) -> tuple[Traffic, Traffic]:
     """`attention_step_traffic` as (bytes per byte of compute dtype, float32 dK/dV bytes),
     for callers that learn the compute dtype later (the trainer)."""
-    ring = ring_link_bytes_by_payload(plan, routed, kv_row_bytes(shape, 1))
+    ring = ring_link_bytes_by_payload(plan, routed, kv_row_bytes(shape, 1), dkv_owner)
     layer = Traffic(*ring[Payload.KV]) + collective_traffic(plan, shape, 1)
     if remap is not None:
         layer = layer + remap_traffic(remap, plan.topology, shape, 1)

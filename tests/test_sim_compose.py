@@ -370,3 +370,62 @@ def test_dkv_in_the_kv_dtype_halves_the_backward_accumulators_bytes() -> None:
     fast, slow = steps[DkvWire.COMPUTE], steps[DkvWire.FLOAT32]
     assert fast.forward_layer_seconds == pytest.approx(slow.forward_layer_seconds)
     assert fast.backward_layer_seconds < 0.9 * slow.backward_layer_seconds
+
+
+def test_dkv_sent_to_their_owners_halves_their_bytes_and_unchains_the_backward() -> None:
+    """`parallel.dkv_wire=owner` (the default): a ring inside a node and a USP group over
+    two nodes send each step's dK/dV to their owners in the activation dtype. Their
+    forward is unchanged, their backward shorter than with float32 accumulators, the
+    USP group's dK/dV bytes over the NICs a quarter of them (R = 2: each member sends
+    the other position's rows once, in bf16, where the ring sends both positions' in
+    float32), and the work model costs both members lower; a ring across nodes keeps
+    float32 accumulators and plays as before."""
+    from ray_zep.options import DkvWire
+    from ray_zep.partition.plan import AttentionPlan, SeqPlacement, even_bounds
+    from ray_zep.partition.work import WorkModel
+    from ray_zep.traffic import attention_step_traffic
+
+    base = load_config(None, ["topology.preset=cluster_a", "topology.nodes=2",
+                              "model.preset=7b", "train.tokens_per_rank=8192",
+                              "parallel.sequence=zeppelin", "parallel.routing=true"])  # fmt: skip
+    topology = build_topology(base.topology)
+    n = 65536
+    inside = SeqPlacement(0, n, tuple(range(8)), even_bounds(n, 8))
+    usp = SeqPlacement(0, n, tuple(range(16)), even_bounds(n, 2), ulysses=8)
+    across = SeqPlacement(0, n, tuple(range(4, 12)), even_bounds(n, 8))
+    runs = {}
+    for wire in (DkvWire.FLOAT32, DkvWire.OWNER):
+        parallel = dataclasses.replace(base.parallel, dkv_wire=wire)
+        runs[wire] = RunModel.create(dataclasses.replace(base, parallel=parallel),
+                                     Hardware.preset(topology))  # fmt: skip
+    assert base.parallel.dkv_wire is DkvWire.OWNER
+    steps, inter = {}, {}
+    for name, seq in (("inside", inside), ("usp", usp), ("across", across)):
+        plan = AttentionPlan(Placement.ZEPPELIN, topology, 8192, (seq,))
+        (item,) = plan.items()
+        assert item.owner_dkv == (name != "across"), name
+        for wire, run in runs.items():
+            steps[name, wire] = simulate_plan(plan, run, True, None)
+            owner = run.dkv_owner
+            inter[name, wire] = attention_step_traffic(plan, run.shape, True, None,
+                                                       dkv_owner=owner).inter_node  # fmt: skip
+        fast, slow = steps[name, DkvWire.OWNER], steps[name, DkvWire.FLOAT32]
+        assert fast.forward_layer_seconds == pytest.approx(slow.forward_layer_seconds), name
+        if name == "across":
+            assert fast.backward_layer_seconds == pytest.approx(slow.backward_layer_seconds)
+        else:
+            assert fast.backward_layer_seconds < slow.backward_layer_seconds, name
+    shape = runs[DkvWire.OWNER].shape
+    elements = n * shape.n_layers * 2 * shape.n_kv_heads * shape.head_dim  # K/V, all layers
+    # dK/dV: both positions' hops carry every position's rows in float32, or each position
+    # sends the other's half of them in bf16 (K/V's bytes are the same under both)
+    saved = inter["usp", DkvWire.FLOAT32] - inter["usp", DkvWire.OWNER]
+    assert saved == 2 * elements * 4 - elements * 2
+    for wire in (DkvWire.FLOAT32, DkvWire.OWNER):
+        assert inter["inside", wire] == 0
+    models = {w: WorkModel.create(shape, topology, routed=True, dkv_wire=w) for w in runs}
+    lengths, nodes = np.asarray([n]), np.asarray([2])
+    usp_s = {w: m.usp_member_seconds(lengths, nodes)[0] for w, m in models.items()}
+    assert usp_s[DkvWire.OWNER] < usp_s[DkvWire.FLOAT32]
+    ring_s = {w: m.alone_ring_seconds(lengths, np.asarray([8]))[0] for w, m in models.items()}
+    assert ring_s[DkvWire.OWNER] <= ring_s[DkvWire.FLOAT32]

@@ -126,6 +126,38 @@ def test_dkv_accumulators_in_the_kv_dtype_on_the_wire() -> None:
     assert differs, "the bf16 wire must round some partial sum"
 
 
+def test_dkv_straight_to_their_owners() -> None:
+    """`parallel.dkv_wire=owner` on 2x2: zeppelin's rings inside a node and usp's Ulysses
+    groups send each step's dK/dV to their owners. In float32 equal to one device; in
+    bfloat16 each step's dK/dV is the kernel's bf16 output, so the owners' float32 sums
+    are the float32 ring's up to the order of the additions (within one bf16 rounding
+    of the result), with fewer dK/dV messages."""
+    lengths = [1, 7, 3, 3, 2, 61, 1, 2, 1, 3, 33]
+    cases = []
+    for strategy in ("zeppelin", "usp"):
+        base = dict(strategy=strategy, routing=True, nodes=2, gpus=2, heads=8, kv_heads=2,
+                    dim=4, lengths=lengths, capacity=-(-sum(lengths) // 4) + 4)  # fmt: skip
+        config = load_config(None, ["topology.nodes=2", "topology.gpus_per_node=2"])
+        plan = make_plan(Placement(strategy), lengths, build_topology(config.topology),
+                         base["capacity"], build_shape(config.model))  # fmt: skip
+        assert any(item.owner_dkv for item in plan.items()), strategy
+        cases += [{**base, "dkv_to_owner": True}]
+        cases += [{**base, "dtype": "bfloat16", "dkv_to_owner": owner} for owner in (False, True)]
+    results = run_ranks(_ring_all, 4, cases)
+    for start in (0, 3):
+        _assert_ring_matches(2, cases[start : start + 1], [r[start : start + 1] for r in results])
+        for per_rank in results:
+            ring, owner = per_rank[start + 1], per_rank[start + 2]
+            for name in ("dk", "dv"):
+                a, b = ring[name].float(), owner[name].float()
+                assert float((a - b).abs().max()) <= 2**-7 * float(a.abs().max()), name
+            assert torch.equal(ring["dq"], owner["dq"]), "dQ never travels"
+            assert owner["ops"].get("p2p", 0) <= ring["ops"].get("p2p", 0)
+        fewer = [r[start + 2]["ops"].get("p2p", 0) < r[start + 1]["ops"].get("p2p", 0)
+                 for r in results]  # fmt: skip
+        assert any(fewer), "one dK/dV message fewer per owner item and member"
+
+
 def _ring_runs(nodes: int, gpus: int):
     cases = {kv_heads: _ring_cases(nodes, gpus, kv_heads) for kv_heads in (8, 2)}
     flat = [case for group in cases.values() for case in group]

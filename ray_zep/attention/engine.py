@@ -14,7 +14,9 @@ peers. Per item:
    before the current step's compute, or all-gathered; outputs and LSEs merge
    in fp32; backward rotates K/V again (or reads the ones a kept ring received in
    the forward) and passes the dK/dV accumulators around the ring back to their
-   owners, or reduce-scatters them;
+   owners (under `parallel.dkv_wire=owner`, items inside a node and Ulysses groups send
+   each step's dK/dV straight to them instead, `_owner_backward`), or reduce-scatters
+   them;
 3. Ulysses: outputs (and in backward the gradients) go back to the token owners.
 
 A local item (one rank) is a single causal varlen call with no communication.
@@ -281,6 +283,8 @@ def _ring_backward(dout_pos, state, item, schedule, links, dq_pos, backward):
 
     if len(item.steps) == 1:  # a local item: nothing travels
         return contribute(state.kv_P2KE, item.steps[0])
+    if links.dkv_to_owner and item.item.owner_dkv:
+        return _owner_backward(state, item, schedule, links, contribute)
     current = state.kv_P2KE
     wire = links.dkv_dtype(current.dtype)  # accumulators sum in float32, travel in `wire`
     incoming = None  # dK/dV accumulator of this step's source, from the previous rank
@@ -288,12 +292,7 @@ def _ring_backward(dout_pos, state, item, schedule, links, dq_pos, backward):
     sends_alive = []  # keep sent accumulators alive until their transfers complete
     kept = state.gathered.split(_kept_rows(item)) if item.keeps_kv else None
     for s, step in enumerate(item.steps):
-        if kept is not None:  # received in the forward: nothing to send again
-            kv_buf, kv_pending = (kept[s] if s < len(kept) else None), None
-        else:
-            kv_buf, kv_pending = _rotate(
-                current, item, s, schedule, links, "ring K/V exchange (backward)"
-            )
+        kv_buf, kv_pending = _backward_kv(current, kept, item, s, schedule, links)
         dkv = contribute(current, step)
         if dkv_pending is not None:
             dkv_pending.wait()
@@ -313,6 +312,54 @@ def _ring_backward(dout_pos, state, item, schedule, links, dq_pos, backward):
             current = kv_buf
     dkv_pending.wait()
     return incoming.float()
+
+
+def _backward_kv(current, kept, item: ItemSchedule, step: int, schedule, links):
+    """(the K/V step `step + 1` uses, the pending receive of them or None): the ones the
+    forward kept (`kept`, per step; nothing to send again), or rotated anew."""
+    if kept is not None:
+        return (kept[step] if step < len(kept) else None), None
+    return _rotate(current, item, step, schedule, links, "ring K/V exchange (backward)")
+
+
+def _owner_backward(state, item, schedule, links, contribute):
+    """`Play.ROTATE` backward under `parallel.dkv_wire=owner` (`QueueItem.owner_dkv`):
+    K/V rotate as in `_ring_backward`, and each step's dK/dV goes straight to the position
+    it belongs to (member u of position p sends step s's to member u of p - s) in the K/V
+    dtype, which holds the kernel's output exactly; this position sums what it gets back
+    in float32. `contribute(kv, step)`: one step's float32 dK/dV."""
+    ring, u_size, ranks = item.item.ring_size, item.item.ulysses, item.item.ranks
+    assert item.steps[0].source == item.position, "step 0 must be the position's own block"
+    current = state.kv_P2KE
+    kept = state.gathered.split(_kept_rows(item)) if item.keeps_kv else None
+    mine = None
+    waiting = None  # the previous step's dK/dV to this position, and its buffer
+    alive = []  # sent dK/dV, kept until their transfers complete
+    for s, step in enumerate(item.steps):
+        kv_buf, kv_pending = _backward_kv(current, kept, item, s, schedule, links)
+        dkv = contribute(current, step)
+        if s == 0:
+            mine = dkv
+        else:
+            owner = ranks[((item.position - s) % ring) * u_size + item.part]
+            sender = ranks[((item.position + s) % ring) * u_size + item.part]
+            sent = dkv.to(current.dtype)
+            into = sent.new_empty((item.position_tokens[item.position], *sent.shape[1:]))
+            stream = CompressionStream.KV.value
+            posted = exchange([(sent, owner)], [(into, sender)], links, schedule.ops,
+                              "ring dK/dV to owner", zip_stream=stream)  # fmt: skip
+            alive.append(sent)
+            if waiting is not None:
+                waiting[0].wait()
+                mine += waiting[1].float()
+            waiting = (posted, into)
+        if kv_pending is not None:
+            kv_pending.wait()
+        if kv_buf is not None:
+            current = kv_buf
+    waiting[0].wait()
+    mine += waiting[1].float()
+    return mine
 
 
 def _gathered_backward(dout_pos, state, item, schedule, links, dq_pos, backward):

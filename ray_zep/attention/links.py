@@ -22,12 +22,15 @@ class Links:
         ring_zip: per-message compression of ring K/V and dK/dV (`comm.compression`).
         dkv_as_kv: ring dK/dV accumulators travel in the K/V dtype, not float32
             (`parallel.dkv_wire=compute`).
+        dkv_to_owner: each ring step's dK/dV goes straight to its owner where the item
+            allows it (`parallel.dkv_wire=owner`, `QueueItem.owner_dkv`).
     """
 
     comm: Comm
     routing: Channels | None = None
     ring_zip: RingZipper | None = None
     dkv_as_kv: bool = False
+    dkv_to_owner: bool = False
 
     def close(self) -> None:
         """Stop the routing layer's threads, if any (the run is over)."""

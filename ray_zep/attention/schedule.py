@@ -268,10 +268,13 @@ def _step_meta(mine, theirs, step: int, source: int, position: int, layout, devi
     return StepMeta.of_segments(source, segments, step == 0, device)
 
 
-def expected_ops(plan: AttentionPlan, rank: int, routing: RankRouting | None = None) -> Counter:
+def expected_ops(
+    plan: AttentionPlan, rank: int, routing: RankRouting | None = None, dkv_owner: bool = False
+) -> Counter:
     """Communication calls one forward and backward of a layer issue on `rank`'s main thread.
 
-    Each item's exchange kind issues its `ExchangeKind.calls_per_layer`. Ulysses:
+    Each item's exchange kind issues its `ExchangeKind.calls_per_layer` (`dkv_owner`:
+    `parallel.dkv_wire=owner`, where the item sends dK/dV to their owners). Ulysses:
     four exchanges (Q/K/V and output forward, their gradients backward) of U - 1
     sends and receives each. A routed send or receive replaces one `p2p` by the
     `routed` messages of its route.
@@ -279,7 +282,7 @@ def expected_ops(plan: AttentionPlan, rank: int, routing: RankRouting | None = N
     ops: Counter = Counter()
     for item in plan.rank_items(rank):
         u_size = item.ulysses
-        ops.update(item.exchange_kind.calls_per_layer(item.ring_size))
+        ops.update(item.exchange_kind.calls_per_layer(item.ring_size, dkv_owner and item.owner_dkv))
         if u_size > 1:
             ops["p2p"] += 4 * 2 * (u_size - 1)
     for t in (routing.forward + routing.backward) if routing else ():

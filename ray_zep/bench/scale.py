@@ -261,7 +261,8 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
         planner.append(seconds)
         stats.append([plan_stats(plan, run.shape) for plan in plans])
         works.append(max_over_mean(sum(one.work_flops for one in stats[-1])))
-        inter.append(sum(attention_step_traffic(plan, run.shape, routed, remap).inter_node
+        inter.append(sum(attention_step_traffic(plan, run.shape, routed, remap,
+                                                dkv_owner=run.dkv_owner).inter_node
                          for plan in plans))  # fmt: skip
     options = _fitting_checkpointing(config, hardware, run, stats)
     runs = [dataclasses.replace(run, config=checkpointing_as(run.config, fitting))

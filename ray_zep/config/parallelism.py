@@ -59,9 +59,12 @@ class ParallelConfig:
     planned placements only."""
     remap_policy: RemapPolicy = RemapPolicy.WHEN_FASTER
     """when_faster | always: remap only the batches where it pays off, or every batch."""
-    dkv_wire: DkvWire = DkvWire.FLOAT32
-    """float32 | compute: the dtype ring dK/dV accumulators travel in (ray_zep.options.
-    DkvWire); compute halves their bytes in bf16 runs, rounding each hop's partial sum."""
+    dkv_wire: DkvWire = DkvWire.OWNER
+    """owner | float32 | compute: how ring dK/dV travel (ray_zep.options.DkvWire): float32
+    accumulators; accumulators in the K/V dtype (half the bytes in bf16 runs, each hop's
+    partial sum rounded); or each step's dK/dV straight to its owner in the K/V dtype,
+    summed there in float32 (half the bytes, float32's sums; rings inside a node and
+    Ulysses groups, float32 accumulators elsewhere)."""
     ep: int = 1
     """Expert-parallel degree: experts are split over groups of this many
     consecutive ranks; must divide the number of ranks and model.moe.num_experts."""

@@ -116,16 +116,18 @@ class ExchangeKind:
             return total - following
         return (ring - 1) * widest
 
-    def calls_per_layer(self, ring: int) -> Counter:
+    def calls_per_layer(self, ring: int, owner: bool = False) -> Counter:
         """Communication calls a member issues in one forward and backward (Ulysses
         exchanges and routing aside): rotating, R - 1 K/V sends and receives forward,
-        again backward unless it keeps them, plus R dK/dV sends and receives; gathering,
-        one all-gather and one reduce-scatter. None for a group of one position."""
+        again backward unless it keeps them, plus R dK/dV sends and receives (R - 1 each
+        where they go straight to their owners, `owner`); gathering, one all-gather and
+        one reduce-scatter. None for a group of one position."""
         if ring < 2:
             return Counter()
         if self.rotates:
             rotations = 1 if self.keeps_kv else 2
-            return Counter(p2p=2 * (ring - 1) * rotations + 2 * ring)
+            dkv = ring - 1 if owner else ring
+            return Counter(p2p=2 * (ring - 1) * rotations + 2 * dkv)
         return Counter(all_gather=1, reduce_scatter=1)
 
     def layer_seconds(self, compute, step, ring, heads=0.0):

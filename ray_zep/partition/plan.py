@@ -199,6 +199,26 @@ class QueueItem:
             self.layout.name,
         )
 
+    @property
+    def owner_dkv(self) -> bool:
+        """Under `parallel.dkv_wire=owner`, whether member u of position p sends step s's
+        dK/dV straight to member u of position p - s (`options.DkvWire.OWNER`): a rotating
+        item of several positions inside one node, or one with Ulysses members, whose
+        members each send through their own links as their ring hops do."""
+        if self.ring_size < 2 or not self.exchange_kind.rotates:
+            return False
+        return self.ulysses > 1 or self.zone is Zone.INTRA_NODE
+
+    def owner_hops(self, step: int) -> list[tuple[int, int, int]]:
+        """(position, sender, receiver) of step `step`'s dK/dV sent to their owners
+        (`owner_dkv`): member u of position p sends to member u of position p - step."""
+        ring, u_size, ranks = self.ring_size, self.ulysses, self.ranks
+        return [
+            (p, ranks[p * u_size + u], ranks[((p - step) % ring) * u_size + u])
+            for p in range(ring)
+            for u in range(u_size)
+        ]
+
     def hops(self) -> list[tuple[int, int, int]]:
         """(position, sender, receiver) of every ring hop: member u of position p sends
         to member u of position p + 1, position-major."""

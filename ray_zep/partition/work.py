@@ -51,7 +51,10 @@ from ray_zep.topology import LinkKind, Topology
 
 DKV_WIRE_FACTOR = 3.0
 """Backward ring bytes over forward: K and V again plus float32 dK/dV (twice bf16);
-2 with dK/dV in the K/V dtype (`parallel.dkv_wire=compute`)."""
+2 with dK/dV in the K/V dtype (`parallel.dkv_wire=compute`, and `owner` where an item
+sends them to their owners)."""
+KV_DTYPE_DKV_FACTOR = 2.0
+"""Backward ring bytes over forward with dK/dV in the K/V dtype."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,10 @@ class WorkModel:
         dkv_factor: backward ring bytes over forward (`DKV_WIRE_FACTOR`).
         keep_kv_bytes: the most bytes of ring peers' K/V, over all layers, that a
             member keeps from the forward for the backward (`parallel.ring_kv_keep_gb`).
+        owner_dkv: `parallel.dkv_wire=owner`: rings inside a node and USP groups send
+            each step's dK/dV to their owners in the K/V dtype (`QueueItem.owner_dkv`),
+            each step's message no longer than the K/V's; rings across nodes pass
+            accumulators of `dkv_factor`.
     """
 
     shape: ModelShape
@@ -92,6 +99,7 @@ class WorkModel:
     layout: Layout = ZIGZAG
     dkv_factor: float = DKV_WIRE_FACTOR
     keep_kv_bytes: float = 0.0
+    owner_dkv: bool = False
 
     @classmethod
     def create(
@@ -108,8 +116,9 @@ class WorkModel:
         their peers' K/V."""
         rates = rates or preset_rates(topology.gpu_model)
         cost = CostModel(shape, topology, rates.attention_forward)
-        factor = 2.0 if dkv_wire is DkvWire.COMPUTE else DKV_WIRE_FACTOR
-        return cls(shape, rates, cost, routed, dkv_factor=factor, keep_kv_bytes=keep_kv_gb * 1e9)
+        factor = KV_DTYPE_DKV_FACTOR if dkv_wire is DkvWire.COMPUTE else DKV_WIRE_FACTOR
+        return cls(shape, rates, cost, routed, dkv_factor=factor, keep_kv_bytes=keep_kv_gb * 1e9,
+                   owner_dkv=dkv_wire is DkvWire.OWNER)  # fmt: skip
 
     def keeps_kv(self, kept_tokens, ulysses=1):
         """Whether a ring member keeping `kept_tokens` of its peers' tokens (each layer,
@@ -184,17 +193,22 @@ class WorkModel:
     ) -> np.ndarray:
         """Work of a ring member: `parts` summed over the ring's sequences (or one
         sequence each), `tokens` it holds, `degree` members, over links of `kind`."""
-        ring = self._ring_seconds(parts, degree, self.hop(kind))
+        owner = self.owner_dkv and kind is LinkKind.INTRA_NODE
+        ring = self._ring_seconds(parts, degree, self.hop(kind), owner)
         return self.linear_seconds(tokens) + self.layers * ring
 
-    def _ring_seconds(self, parts: RingParts, degree, hop: tuple[float, float]) -> np.ndarray:
+    def _ring_seconds(
+        self, parts: RingParts, degree, hop: tuple[float, float], owner: bool = False
+    ) -> np.ndarray:
         """One layer of a ring of `degree` positions, forward + backward, each step the
-        longer of its compute and its hop (`hop`: latency s, bytes/s)."""
+        longer of its compute and its hop (`hop`: latency s, bytes/s); `owner`: its
+        dK/dV go to their owners in the K/V dtype (`owner_dkv`)."""
         latency, bandwidth = hop
         steps = np.asarray(degree, dtype=np.float64) - 1
         # the bytes a member keeps, in token rows of every K/V head
         kept = steps * parts.send_bytes / kv_bytes_per_token(self.shape)
-        backward = self.dkv_factor - np.where(self.keeps_kv(kept), 1.0, 0.0)
+        factor = KV_DTYPE_DKV_FACTOR if owner else self.dkv_factor
+        backward = factor - np.where(self.keeps_kv(kept), 1.0, 0.0)
         send_f = latency + parts.send_bytes / bandwidth
         send_b = latency + backward * parts.send_bytes / bandwidth
         # forward and backward parts of the step's compute, weighted as `_pair_seconds` is
@@ -234,7 +248,7 @@ class WorkModel:
         heads = RingParts(parts.diagonal_s / u, parts.step_s / u, parts.send_bytes / u)
         inter = (self.cost.link_latency(LinkKind.INTER_NODE),
                  self.cost.link_bandwidth(LinkKind.INTER_NODE))  # fmt: skip
-        ring = self._ring_seconds(heads, positions, inter)
+        ring = self._ring_seconds(heads, positions, inter, self.owner_dkv)
         return self.linear_seconds(member) + self.layers * (exchange + ring)
 
     def usp_heads_divide(self) -> bool:

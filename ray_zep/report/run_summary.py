@@ -93,7 +93,8 @@ def _modelled(config, topology, batches, placement: Placement, routed: bool, rem
     for lengths in batches:
         plan = memory_plan(placement, lengths, config, topology, shape)
         moved = choose_remap(plan, shape, rates, parallel.remap_policy) if remap else None
-        inter += attention_step_traffic(plan, shape, routed, moved).inter_node
+        inter += attention_step_traffic(plan, shape, routed, moved,
+                                        dkv_owner=run.dkv_owner).inter_node  # fmt: skip
         seconds.append(simulate_plan(plan, run, routed, moved).step_seconds)
     return Modelled(placement.value, inter, float(np.mean(seconds)) if seconds else 0.0)
 

@@ -293,20 +293,32 @@ def listed_transfers(
     item: QueueItem,
     hops: list[tuple[int, Route]],
     phase: Phase,
+    dkv_owner: bool = False,
 ) -> list[Transfer]:
     """Every ring step's transfers over `hops` (`item_hop_routes`) in one phase, in
-    handling order: step, then payload, then hop."""
+    handling order: step, then payload, then hop. With `dkv_owner`
+    (`parallel.dkv_wire=owner`) an item whose `QueueItem.owner_dkv` holds sends each step
+    after the first its dK/dV direct to their owners (`QueueItem.owner_hops`), every one
+    of them listed."""
     ring, u_size = item.ring_size, item.ulysses
     position_tokens = plan.position_tokens(item)
     payloads = [Payload.KV] if phase is Phase.FORWARD else [Payload.KV, Payload.DKV]
     if phase is Phase.BACKWARD and item.exchange_kind.keeps_kv:
         payloads = [Payload.DKV]  # the forward's K/V were kept
     key = (item.ranks, u_size)
+    owner = dkv_owner and item.owner_dkv
+    topo = plan.topology
     out = []
     for step in range(ring):
         for payload in payloads:
             if payload is Payload.KV and step == ring - 1:
                 continue  # the last step's K/V is never sent on
+            if payload is Payload.DKV and owner:
+                hops_now = item.owner_hops(step) if step else ()
+                out += [Transfer((index, step, int(payload)), key, u_size,
+                                 _direct(topo, src, dst, position_tokens[(p - step) % ring]))
+                        for p, src, dst in hops_now]  # fmt: skip
+                continue
             for position, hop in hops:
                 rows = position_tokens[(position - step) % ring]
                 route = Route(hop.src, hop.dst, rows, hop.send_proxies, hop.recv_proxies)
@@ -383,6 +395,9 @@ class RoutingPlan:
     of every item that has any."""
     routed: bool = True
     """Inter-node hops go through proxies (else direct)."""
+    dkv_owner: bool = False
+    """`parallel.dkv_wire=owner`: the items that may send each step's dK/dV straight to
+    its owner do (`listed_transfers`)."""
 
     @classmethod
     def build(
@@ -391,10 +406,12 @@ class RoutingPlan:
         routed: bool = True,
         all_hops: bool = False,
         skip: Callable[[QueueItem], bool] | None = None,
+        dkv_owner: bool = False,
     ) -> RoutingPlan:
         """Routes for `plan`: through proxies (`routed`) or direct (for comparison);
         `all_hops` adds the intra-node ring hops (direct) for byte accounting; items
-        for which `skip` is true are left out (their transfers: `item_transfers`)."""
+        for which `skip` is true are left out (their transfers: `item_transfers`);
+        `dkv_owner`: as the field says."""
         topo = plan.topology
         hops = []
         for index, item in enumerate(plan.items()):
@@ -402,7 +419,7 @@ class RoutingPlan:
                 continue
             if listed := item_hop_routes(topo, item, routed, all_hops):
                 hops.append((index, tuple(listed)))
-        return cls(plan, tuple(hops), routed)
+        return cls(plan, tuple(hops), routed, dkv_owner)
 
     @property
     def topology(self) -> Topology:
@@ -421,7 +438,9 @@ class RoutingPlan:
         return tuple(
             t
             for index, listed in hops
-            for t in listed_transfers(self.plan, index, items[index], list(listed), phase)
+            for t in listed_transfers(
+                self.plan, index, items[index], list(listed), phase, self.dkv_owner
+            )
         )
 
     @functools.cached_property
@@ -493,10 +512,16 @@ def ring_link_bytes(
 
 
 def ring_link_bytes_by_payload(
-    plan: AttentionPlan, routed: bool, row_bytes: Callable[[Payload, int], int]
+    plan: AttentionPlan,
+    routed: bool,
+    row_bytes: Callable[[Payload, int], int],
+    dkv_owner: bool = False,
 ) -> dict[Payload, tuple[int, np.ndarray]]:
     """`ring_link_bytes` of each payload (K/V, dK/dV) apart, in one pass over the items:
-    a direct hop's bytes over all its steps in closed form, a routed hop's step by step."""
+    a direct hop's bytes over all its steps in closed form, a routed hop's step by step.
+    With `dkv_owner` (`parallel.dkv_wire=owner`), an item that sends each step's dK/dV
+    to their owners (`QueueItem.owner_dkv`) does so in the K/V dtype: those bytes are
+    counted with K/V's, at K/V's row size, each message on its own sender's links."""
     topo = plan.topology
     gpus = topo.gpus_per_node
     nic_of_gpu = np.asarray(topo.gpu_to_nic, dtype=np.int64)
@@ -513,10 +538,13 @@ def ring_link_bytes_by_payload(
         # once for dK/dV, all but position p + 1 for K/V (not sent on at the last step);
         # K/V goes round twice (forward, backward) unless the forward's are kept
         total = int(held.sum())
+        owner = dkv_owner and item.owner_dkv
         carried = {
             Payload.KV: total - held[(position + 1) % ring],
-            Payload.DKV: np.full(len(hops), total, dtype=np.int64),
+            Payload.DKV: np.full(len(hops), 0 if owner else total, dtype=np.int64),
         }
+        if owner:
+            _owner_dkv_bytes(item, held, row_bytes(Payload.KV, u_size), topo, intra, nic)
         rounds = 1 if item.exchange_kind.keeps_kv else 2
         sizes = {p: row_bytes(p, u_size) * (rounds if p is Payload.KV else 1) for p in Payload}
         same = src // gpus == dst // gpus
@@ -535,7 +563,7 @@ def ring_link_bytes_by_payload(
             a = int(src[i])
             route = _hop_route(topo, a, int(dst[i]), routed, crossing)
             steps = held[(position[i] - np.arange(ring)) % ring]
-            for payload, rows in ((Payload.KV, steps[:-1]), (Payload.DKV, steps)):
+            for payload, rows in ((Payload.KV, steps[:-1]), (Payload.DKV, steps * (not owner))):
                 if (size := sizes[payload]) == 0:
                     continue
                 if route.direct:
@@ -543,6 +571,25 @@ def ring_link_bytes_by_payload(
                 else:
                     intra[payload] += routed_hop_bytes(route, rows, size, nic[payload], topo)
     return {p: (intra[p], nic[p]) for p in Payload}
+
+
+def _owner_dkv_bytes(item: QueueItem, held: np.ndarray, size: int, topo: Topology, intra: dict,
+                     nic: dict) -> None:  # fmt: skip
+    """Adds to K/V's `intra` and `nic` bytes the dK/dV an owner item sends: member u of
+    position p sends position (p - s)'s rows to member u of that position at every step
+    s >= 1, `size` bytes a row, over its intra-node port or its own NIC."""
+    ring, u_size, gpus = item.ring_size, item.ulysses, topo.gpus_per_node
+    ranks = np.asarray(item.ranks, dtype=np.int64)
+    member = np.arange(ranks.size)
+    owner_position = (member[:, None] // u_size - np.arange(1, ring)[None, :]) % ring
+    src = np.broadcast_to(ranks[:, None], owner_position.shape)
+    dst = ranks[owner_position * u_size + (member % u_size)[:, None]]
+    rows = held[owner_position]
+    same = src // gpus == dst // gpus
+    intra[Payload.KV] += int(rows[same].sum()) * size
+    nic_of_gpu = np.asarray(topo.gpu_to_nic, dtype=np.int64)
+    leaving = src[~same]
+    np.add.at(nic[Payload.KV], (leaving // gpus, nic_of_gpu[leaving % gpus]), rows[~same] * size)
 
 
 def _direct_hops(topo: Topology, src: np.ndarray, dst: np.ndarray, crossing) -> np.ndarray:

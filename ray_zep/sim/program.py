@@ -13,10 +13,12 @@ A rank's host thread is a chain of join points. At ring step s a rank posts
 the transfer of step s (K/V for step s + 1), launches step s's compute, then
 waits for both: a transfer starts once its sender and receiver have posted it.
 Backward adds the dK/dV accumulator pass: it leaves after the step's compute and
-after the previous accumulator has arrived. A routed transfer is dispatched to
-the send proxies, crosses nodes piece by piece, each proxy through its own NIC,
-and is combined at the destination; relay threads forward as soon as data
-arrives, without using the compute stream. An item's K/V exchange is built as
+after the previous accumulator has arrived (under `parallel.dkv_wire=owner` an item
+inside a node or with Ulysses members sends each step's dK/dV straight to its owner
+after the step's compute, in the activation dtype, `owner_backward`). A routed
+transfer is dispatched to the send proxies, crosses nodes piece by piece, each proxy
+through its own NIC, and is combined at the destination; relay threads forward as
+soon as data arrives, without using the compute stream. An item's K/V exchange is built as
 its kind plays it (`PLAYS`, one builder per `ray_zep.partition.exchange.Play`).
 All-gathers and reduce-scatters (llama_cp's K/V, FSDP2's weights) hold every member's
 links for the bytes part of the collective's modelled time
@@ -103,6 +105,8 @@ class LayerSetup:
         weight_groups_backward: the backward's groups where they differ (hsdp across
             nodes: its all-reduce between the nodes' replicas crosses every NIC); empty:
             `weight_groups`.
+        dkv_owner: `parallel.dkv_wire=owner`: items whose `QueueItem.owner_dkv` holds send
+            each step's dK/dV to their owners in `element_bytes` (`routing` lists them).
     """
 
     plan: AttentionPlan
@@ -118,6 +122,7 @@ class LayerSetup:
     weight_latency: tuple[float, float] = (0.0, 0.0)
     codec: WireCodec = PLAIN
     weight_groups_backward: tuple[tuple[int, ...], ...] = ()
+    dkv_owner: bool = False
 
     def linear_tokens(self) -> list[int]:
         """Tokens each rank's linear modules process."""
@@ -400,7 +405,9 @@ class _Builder:
     def kv_row_bytes(self, item: QueueItem, payload: Payload) -> int:
         shape = self.setup.shape
         heads = shape.n_kv_heads // item.ulysses if item.ulysses <= shape.n_kv_heads else 1
-        size = self.setup.element_bytes if payload is Payload.KV else self.setup.dkv_bytes
+        setup = self.setup
+        owned = setup.dkv_owner and item.owner_dkv
+        size = setup.element_bytes if payload is Payload.KV or owned else setup.dkv_bytes
         return 2 * heads * shape.head_dim * size
 
     def ring_item(self, index: int, item: QueueItem) -> None:
@@ -415,6 +422,8 @@ class _Builder:
             self.ring_on_arrays(index, item, layouts)
         elif self.phase is Phase.FORWARD:
             self.ring_forward(index, item, layouts)
+        elif self.setup.dkv_owner and item.owner_dkv:
+            self.owner_backward(index, item, layouts)
         else:
             self.ring_backward(index, item, layouts)
 
@@ -488,6 +497,28 @@ class _Builder:
                 self.point[rank] = self.graph.join(rank, [ready[rank], *kv[rank]])
         for rank in item.ranks:
             self.wait(rank, previous[rank])
+
+    def owner_backward(self, index: int, item: QueueItem, layouts) -> None:
+        """`ring_backward` under `parallel.dkv_wire=owner`: K/V rotate as there; after step
+        s's compute (s >= 1) each member posts its dK/dV to their owner and the receive of
+        its own from the member p + s, and moves on once step s - 1's have arrived: no
+        sum waits for the previous member's, as the engine's `_owner_backward` runs."""
+        in_flight: dict = defaultdict(list)  # the owner messages of the previous step
+        alone = self._alone(item, layouts, 0)
+        for step in range(item.ring_size):
+            points = {r: self.point[r] for r in item.ranks}
+            kv = self._post(index, item, step, Payload.KV, points, alone)
+            computes = self._member_computes(item, alone, step, kv, in_flight)
+            alone = self._alone(item, layouts, step + 1)
+            posted = defaultdict(list)
+            if step:
+                posted = self._post(index, item, step, Payload.DKV, computes, alone)
+            for rank in item.ranks:
+                self.point[rank] = self.graph.join(rank, [computes[rank], *kv[rank],
+                                                          *in_flight[rank]])  # fmt: skip
+            in_flight = posted
+        for rank in item.ranks:
+            self.wait(rank, in_flight[rank])
 
     def _plays_on_arrays(self, index: int, item: QueueItem) -> bool:
         """Whether the ring's schedule is `ray_zep.sim.ring_form`'s (`array_ring`), sent

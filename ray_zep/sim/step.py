@@ -91,6 +91,9 @@ class RunModel:
         dkv_bytes: bytes of a dK/dV element on the wire (`parallel.dkv_wire`; float32 by
             default).
         on_gpu: the ranks are GPUs (the codec's rate, `codec_bytes_s`).
+        dkv_owner: `parallel.dkv_wire=owner`: the items that can send each step's dK/dV
+            straight to their owners, in the activation dtype, do (`QueueItem.owner_dkv`);
+            the others pass accumulators of `dkv_bytes`.
     """
 
     config: Config
@@ -99,6 +102,7 @@ class RunModel:
     element_bytes: int = BYTES_PER_ELEMENT
     dkv_bytes: int = FP32_BYTES
     on_gpu: bool = True
+    dkv_owner: bool = False
 
     @classmethod
     def create(cls, config: Config, hardware: Hardware, on_gpu: bool = True) -> RunModel:
@@ -106,8 +110,10 @@ class RunModel:
         dK/dV on the wire as `parallel.dkv_wire` says."""
         bf16 = on_gpu and config.train.precision is not Precision.FP32
         element = BYTES_PER_ELEMENT if bf16 else FP32_BYTES
-        dkv = element if config.parallel.dkv_wire is DkvWire.COMPUTE else FP32_BYTES
-        return cls(config, hardware, build_shape(config.model), element, dkv, on_gpu=on_gpu)
+        wire = config.parallel.dkv_wire
+        dkv = element if wire is DkvWire.COMPUTE else FP32_BYTES
+        return cls(config, hardware, build_shape(config.model), element, dkv, on_gpu=on_gpu,
+                   dkv_owner=wire is DkvWire.OWNER)  # fmt: skip
 
     def codec(self) -> WireCodec:
         """ZipCCL as `config.comm` sets it, at this device's codec rate."""
@@ -119,6 +125,8 @@ class RunModel:
     def dkv_wire(self) -> DkvWire:
         """The `parallel.dkv_wire` this run's ring dK/dV travel as (`with_te_wire`: the
         K/V dtype, whatever the config says)."""
+        if self.dkv_owner:
+            return DkvWire.OWNER
         return DkvWire.COMPUTE if self.dkv_bytes == self.element_bytes else DkvWire.FLOAT32
 
     def with_te_wire(self) -> RunModel:
@@ -128,7 +136,8 @@ class RunModel:
         `comm.compression` says): the TE CP baseline."""
         comm = dataclasses.replace(self.config.comm, compression=Compression.OFF)
         config = dataclasses.replace(self.config, comm=comm)
-        return dataclasses.replace(self, config=config, dkv_bytes=self.element_bytes)
+        return dataclasses.replace(self, config=config, dkv_bytes=self.element_bytes,
+                                   dkv_owner=False)  # fmt: skip
 
 
 @dataclass
@@ -260,11 +269,13 @@ def simulate_plans(
     by_codec = {codec: weights_of(base, codec) for codec in dict.fromkeys(codecs)}
     weights = [by_codec[codec] for codec in codecs]
     ring_on_arrays = partial(array_ring, topology=plan.topology, routed=routed)
-    routing = RoutingPlan.build(plan, routed=routed, all_hops=True, skip=ring_on_arrays)
+    routing = RoutingPlan.build(plan, routed=routed, all_hops=True, skip=ring_on_arrays,
+                                dkv_owner=base.dkv_owner)  # fmt: skip
     setup = LayerSetup(plan, shape, cost, hw.rates, routing, remap, base.element_bytes,
                        base.dkv_bytes, weights[0].layer_sync, weights[0].groups,
                        weights[0].layer_latency, codecs[0],
-                       weight_groups_backward=weights[0].backward_groups)  # fmt: skip
+                       weight_groups_backward=weights[0].backward_groups,
+                       dkv_owner=base.dkv_owner)  # fmt: skip
     wires = list(dict.fromkeys((c, w.layer_sync) for c, w in zip(codecs, weights, strict=True)))
     forward = _simulated(layer_graphs(setup, Phase.FORWARD, wires), hw.pool)
     backward = _simulated(layer_graphs(setup, Phase.BACKWARD, wires), hw.pool)

@@ -81,8 +81,8 @@ class RankTrainer:
         ring_zip = self.zipped.ring_zipper() if self.zipped is not None else None
         routed = config.parallel.routing and comm.distributed
         routing = open_channels(self.comm, ring_zip) if routed else None
-        dkv_as_kv = config.parallel.dkv_wire is DkvWire.COMPUTE
-        links = Links(self.comm, routing, ring_zip, dkv_as_kv)
+        wire = config.parallel.dkv_wire
+        links = Links(self.comm, routing, ring_zip, wire is DkvWire.COMPUTE, wire is DkvWire.OWNER)
         self.ctx = StepContext(
             config, self.comm, device, self.dtype, self.model, kernel, self.axes, links, self.zipped
         )

@@ -62,7 +62,8 @@ def ring_rank(rank: int, world: int, case: dict) -> dict:
     routed = bool(case.get("routing"))
     comm = comm.with_groups(GroupNeeds(routing=routed))
     links = Links(comm, open_channels(comm) if routed else None,
-                  dkv_as_kv=bool(case.get("dkv_as_kv")))  # fmt: skip
+                  dkv_as_kv=bool(case.get("dkv_as_kv")),
+                  dkv_to_owner=bool(case.get("dkv_to_owner")))  # fmt: skip
     lengths = case["lengths"]
     plan = make_plan(
         Placement(case["strategy"]), lengths, topology, case["capacity"], build_shape(config.model)
@@ -83,7 +84,10 @@ def ring_rank(rank: int, world: int, case: dict) -> dict:
         return torch.cat((x.detach()[index], pad)).requires_grad_(True)
 
     lq, lk, lv = mine(q), mine(k), mine(v)
-    routing = RoutingPlan.build(plan).for_rank(rank) if case.get("routing") else None
+    owner = bool(case.get("dkv_to_owner"))
+    routing = (
+        RoutingPlan.build(plan, dkv_owner=owner).for_rank(rank) if case.get("routing") else None
+    )
     schedule = RankSchedule.build(plan, rank, routing=routing)
     out = run_attention(lq, lk, lv, schedule, links, KERNELS)
     upstream = torch.cat(
@@ -97,5 +101,5 @@ def ring_rank(rank: int, world: int, case: dict) -> dict:
         "dk": lk.grad,
         "dv": lv.grad,
         "ops": dict(+schedule.ops),
-        "expected_ops": dict(expected_ops(plan, rank, routing)),
+        "expected_ops": dict(expected_ops(plan, rank, routing, owner)),
     }
