@@ -20,7 +20,8 @@ from ray_zep.model_shapes import ModelShape
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.partition.stats import collective_bytes
 from ray_zep.remap.solver import RemapPlan
-from ray_zep.routing.routes import Payload, ring_link_bytes, ring_link_bytes_by_payload
+from ray_zep.routing.link_bytes import ring_link_bytes, ring_link_bytes_by_payload
+from ray_zep.routing.routes import Payload
 from ray_zep.topology import LinkKind, Topology
 
 DKV_BYTES_PER_ELEMENT = 4

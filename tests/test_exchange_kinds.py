@@ -21,7 +21,8 @@ from ray_zep.partition.exchange import EXCHANGES, Exchange, Play
 from ray_zep.partition.plan import AttentionPlan, QueueItem, SeqPlacement, Zone, even_bounds
 from ray_zep.partition.stats import kept_kv_tokens, plan_stats
 from ray_zep.partition.work import WorkModel
-from ray_zep.routing.routes import Payload, Phase, RoutingPlan, ring_link_bytes_by_payload
+from ray_zep.routing.link_bytes import ring_link_bytes_by_payload
+from ray_zep.routing.routes import Payload, Phase, RoutingPlan
 from ray_zep.sim import program
 from ray_zep.sim.program import LayerSetup, attention_graph
 from ray_zep.sim.ring_form import ARRAY_RING, array_ring

@@ -25,6 +25,7 @@ from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
 from ray_zep.routing import relay as routing_comms
 from ray_zep.routing.frames import HEAD_BYTES
+from ray_zep.routing.link_bytes import ring_link_bytes, routed_hop_bytes
 from ray_zep.routing.relay import RowFormat, open_channels, post_recv, post_send
 from ray_zep.routing.routes import (
     Payload,
@@ -35,8 +36,6 @@ from ray_zep.routing.routes import (
     Transfer,
     choose_proxies,
     plan_route,
-    ring_link_bytes,
-    routed_hop_bytes,
     split_rows,
 )
 from ray_zep.topology import build_topology

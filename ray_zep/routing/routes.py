@@ -191,7 +191,7 @@ def plan_route(
     destinations of those reaching dst's node in the same step (this one
     included); the node's GPUs are shared among them.
     """
-    count = _proxy_count(topology, src, dst, senders, receivers)
+    count = proxy_count(topology, src, dst, senders, receivers)
     if count == 1:  # as many transfers as GPUs (a USP group's hops): each goes direct
         return Route(src, dst, rows, (src,), (dst,))
     return Route(
@@ -203,7 +203,7 @@ def plan_route(
     )
 
 
-def _proxy_count(
+def proxy_count(
     topology: Topology, src: int, dst: int, senders: tuple[int, ...], receivers: tuple[int, ...]
 ) -> int:
     """Proxies on each side of a transfer between two nodes (`plan_route`): the nodes'
@@ -216,7 +216,7 @@ def _proxy_count(
 
 def _shared_route(topology: Topology, src: int, dst: int, rows: int, crossing) -> Route:
     """`plan_route` with the proxies shared among the ring's hops between the same nodes
-    (`crossing`: `_crossing_hops`)."""
+    (`crossing`: `crossing_hops`)."""
     senders, receivers = crossing[(topology.node_of(src), topology.node_of(dst))]
     return plan_route(topology, src, dst, rows, senders, receivers)
 
@@ -264,11 +264,11 @@ def item_transfers(
 ) -> list[Transfer]:
     """Inter-node transfers of a ring item in one phase, in handling order (with
     `all_hops`, intra-node hops too, as direct routes: for byte accounting)."""
-    hops = item_hop_routes(plan.topology, item, routed, all_hops)
+    hops = itemhop_routes(plan.topology, item, routed, all_hops)
     return listed_transfers(plan, index, item, hops, phase) if hops else []
 
 
-def item_hop_routes(
+def itemhop_routes(
     topo: Topology, item: QueueItem, routed: bool, all_hops: bool = False
 ) -> list[tuple[int, Route]]:
     """(position, route of no rows yet) of each listed hop of a ring item: a hop keeps
@@ -277,11 +277,11 @@ def item_hop_routes(
     or an exchange kind that is not `routable`)."""
     if item.ring_size < 2 or not item.exchange_kind.routable:
         return []
-    crossing = _crossing_hops(item, topo)
+    crossing = crossing_hops(item, topo)
     if not crossing and not all_hops:
         return []  # a ring inside one node has no inter-node transfer
     return [
-        (position, _hop_route(topo, src, dst, routed, crossing))
+        (position, hop_route(topo, src, dst, routed, crossing))
         for position, src, dst in item.hops()
         if all_hops or topo.node_of(src) != topo.node_of(dst)
     ]
@@ -295,7 +295,7 @@ def listed_transfers(
     phase: Phase,
     dkv_owner: bool = False,
 ) -> list[Transfer]:
-    """Every ring step's transfers over `hops` (`item_hop_routes`) in one phase, in
+    """Every ring step's transfers over `hops` (`itemhop_routes`) in one phase, in
     handling order: step, then payload, then hop. With `dkv_owner`
     (`parallel.dkv_wire=owner`) an item whose `QueueItem.owner_dkv` holds sends each step
     after the first its dK/dV direct to their owners (`QueueItem.owner_hops`), every one
@@ -326,7 +326,7 @@ def listed_transfers(
     return out
 
 
-def _crossing_hops(
+def crossing_hops(
     item: QueueItem, topo: Topology
 ) -> dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]]:
     """The item's ring hops between nodes, by (source node, destination node): their
@@ -341,7 +341,7 @@ def _crossing_hops(
     return {pair: (tuple(s), tuple(r)) for pair, (s, r) in crossing.items()}
 
 
-def _hop_route(topo: Topology, src: int, dst: int, routed: bool, crossing) -> Route:
+def hop_route(topo: Topology, src: int, dst: int, routed: bool, crossing) -> Route:
     """The route (of no rows yet) a ring hop takes at every step: through proxies when
     `routed` and it crosses nodes, else direct."""
     if routed and topo.node_of(src) != topo.node_of(dst):
@@ -391,7 +391,7 @@ class RoutingPlan:
 
     plan: AttentionPlan
     hops: tuple[tuple[int, tuple[tuple[int, Route], ...]], ...]
-    """(item index in the plan's execution order, its listed hops (`item_hop_routes`))
+    """(item index in the plan's execution order, its listed hops (`itemhop_routes`))
     of every item that has any."""
     routed: bool = True
     """Inter-node hops go through proxies (else direct)."""
@@ -417,7 +417,7 @@ class RoutingPlan:
         for index, item in enumerate(plan.items()):
             if skip is not None and skip(item):
                 continue
-            if listed := item_hop_routes(topo, item, routed, all_hops):
+            if listed := itemhop_routes(topo, item, routed, all_hops):
                 hops.append((index, tuple(listed)))
         return cls(plan, tuple(hops), routed, dkv_owner)
 
@@ -492,142 +492,3 @@ class RoutingPlan:
 def _involves(route: Route, rank: int) -> bool:
     endpoints = (route.src, route.dst)
     return rank in endpoints or rank in route.send_proxies or rank in route.recv_proxies
-
-
-def ring_link_bytes(
-    plan: AttentionPlan, routed: bool, row_bytes: Callable[[Payload, int], int]
-) -> tuple[int, np.ndarray]:
-    """`RoutingPlan.build(plan, routed, all_hops=True).link_bytes(...)` without listing
-    the transfers: one layer's forward + backward ring bytes over intra-node links and
-    leaving each NIC (nodes x NICs), worked out hop by hop over all ring steps at once.
-
-    Args:
-        plan: the placement.
-        routed: inter-node hops go through proxies (else direct).
-        row_bytes: bytes of one row of `payload` for an item of U Ulysses members.
-    """
-    by_payload = ring_link_bytes_by_payload(plan, routed, row_bytes)
-    intra = sum(i for i, _ in by_payload.values())
-    return intra, sum(n for _, n in by_payload.values())
-
-
-def ring_link_bytes_by_payload(
-    plan: AttentionPlan,
-    routed: bool,
-    row_bytes: Callable[[Payload, int], int],
-    dkv_owner: bool = False,
-) -> dict[Payload, tuple[int, np.ndarray]]:
-    """`ring_link_bytes` of each payload (K/V, dK/dV) apart, in one pass over the items:
-    a direct hop's bytes over all its steps in closed form, a routed hop's step by step.
-    With `dkv_owner` (`parallel.dkv_wire=owner`), an item that sends each step's dK/dV
-    to their owners (`QueueItem.owner_dkv`) does so in the K/V dtype: those bytes are
-    counted with K/V's, at K/V's row size, each message on its own sender's links."""
-    topo = plan.topology
-    gpus = topo.gpus_per_node
-    nic_of_gpu = np.asarray(topo.gpu_to_nic, dtype=np.int64)
-    nic = {p: np.zeros((topo.nodes, topo.nics_per_node), dtype=np.int64) for p in Payload}
-    intra = dict.fromkeys(Payload, 0)
-    for item in plan.items():
-        ring, u_size = item.ring_size, item.ulysses
-        if ring < 2 or not item.exchange_kind.routable:
-            continue
-        held = np.asarray(plan.position_tokens(item), dtype=np.int64)
-        hops = np.asarray(item.hops(), dtype=np.int64)  # (position, source, destination)
-        position, src, dst = hops[:, 0], hops[:, 1], hops[:, 2]
-        # a hop from position p carries position (p - s)'s rows at step s: every position
-        # once for dK/dV, all but position p + 1 for K/V (not sent on at the last step);
-        # K/V goes round twice (forward, backward) unless the forward's are kept
-        total = int(held.sum())
-        owner = dkv_owner and item.owner_dkv
-        carried = {
-            Payload.KV: total - held[(position + 1) % ring],
-            Payload.DKV: np.full(len(hops), 0 if owner else total, dtype=np.int64),
-        }
-        if owner:
-            _owner_dkv_bytes(item, held, row_bytes(Payload.KV, u_size), topo, intra, nic)
-        rounds = 1 if item.exchange_kind.keeps_kv else 2
-        sizes = {p: row_bytes(p, u_size) * (rounds if p is Payload.KV else 1) for p in Payload}
-        same = src // gpus == dst // gpus
-        crossing = _crossing_hops(item, topo) if routed and not same.all() else {}
-        direct_out = ~same & (not routed or _direct_hops(topo, src, dst, crossing))
-        out_nic = (src // gpus, nic_of_gpu[src % gpus])
-        for payload, rows in carried.items():
-            if (size := sizes[payload]) == 0:
-                continue
-            intra[payload] += int(rows[same].sum()) * size
-            np.add.at(nic[payload], (out_nic[0][direct_out], out_nic[1][direct_out]),
-                      rows[direct_out] * size)  # fmt: skip
-        if not routed or same.all():
-            continue
-        for i in np.flatnonzero(~same & ~direct_out).tolist():
-            a = int(src[i])
-            route = _hop_route(topo, a, int(dst[i]), routed, crossing)
-            steps = held[(position[i] - np.arange(ring)) % ring]
-            for payload, rows in ((Payload.KV, steps[:-1]), (Payload.DKV, steps * (not owner))):
-                if (size := sizes[payload]) == 0:
-                    continue
-                if route.direct:
-                    nic[payload][a // gpus, nic_of_gpu[a % gpus]] += int(rows.sum()) * size
-                else:
-                    intra[payload] += routed_hop_bytes(route, rows, size, nic[payload], topo)
-    return {p: (intra[p], nic[p]) for p in Payload}
-
-
-def _owner_dkv_bytes(item: QueueItem, held: np.ndarray, size: int, topo: Topology, intra: dict,
-                     nic: dict) -> None:  # fmt: skip
-    """Adds to K/V's `intra` and `nic` bytes the dK/dV an owner item sends: member u of
-    position p sends position (p - s)'s rows to member u of that position at every step
-    s >= 1, `size` bytes a row, over its intra-node port or its own NIC."""
-    ring, u_size, gpus = item.ring_size, item.ulysses, topo.gpus_per_node
-    ranks = np.asarray(item.ranks, dtype=np.int64)
-    member = np.arange(ranks.size)
-    owner_position = (member[:, None] // u_size - np.arange(1, ring)[None, :]) % ring
-    src = np.broadcast_to(ranks[:, None], owner_position.shape)
-    dst = ranks[owner_position * u_size + (member % u_size)[:, None]]
-    rows = held[owner_position]
-    same = src // gpus == dst // gpus
-    intra[Payload.KV] += int(rows[same].sum()) * size
-    nic_of_gpu = np.asarray(topo.gpu_to_nic, dtype=np.int64)
-    leaving = src[~same]
-    np.add.at(nic[Payload.KV], (leaving // gpus, nic_of_gpu[leaving % gpus]), rows[~same] * size)
-
-
-def _direct_hops(topo: Topology, src: np.ndarray, dst: np.ndarray, crossing) -> np.ndarray:
-    """Which hops `plan_route` sends direct (one proxy each side: as many of the ring's
-    hops cross between their two nodes as the nodes have GPUs, a USP group's)."""
-    direct = {
-        pair
-        for pair, (senders, receivers) in crossing.items()
-        if _proxy_count(topo, senders[0], receivers[0], senders, receivers) == 1
-    }
-    gpus = topo.gpus_per_node
-    return np.asarray(
-        [(a // gpus, b // gpus) in direct for a, b in zip(src.tolist(), dst.tolist(), strict=True)],
-        dtype=bool,
-    )
-
-
-def routed_hop_bytes(route: Route, steps: np.ndarray, size: int, nic: np.ndarray, topo) -> int:
-    """Adds the NIC bytes of a routed hop's transfers of `steps` rows each; returns
-    its intra-node (dispatch + combine) bytes."""
-    senders, receivers = route.send_proxies, route.recv_proxies
-    if len(senders) != len(receivers):  # ranges differ: intersect them step by step
-        intra = 0
-        for rows in steps.tolist():
-            hop = Route(route.src, route.dst, rows, senders, receivers)
-            intra += (hop.dispatched_rows() + hop.combined_rows()) * size
-            for piece in hop.pieces():
-                nic[topo.node_of(piece.sender), topo.nic_of(piece.sender)] += (
-                    piece.hi - piece.lo
-                ) * size
-        return intra
-    count = len(senders)
-    base, extra = steps // count, steps % count
-    shares = base[:, None] + (np.arange(count)[None, :] < extra[:, None])  # steps x proxies
-    carried = shares.sum(axis=0)
-    for k, proxy in enumerate(senders):
-        nic[topo.node_of(proxy), topo.nic_of(proxy)] += int(carried[k]) * size
-    total = int(steps.sum())
-    own_send = int(carried[senders.index(route.src)])
-    own_recv = int(carried[receivers.index(route.dst)])
-    return (2 * total - own_send - own_recv) * size
