@@ -101,19 +101,37 @@ def test_sequences_sharing_a_ring_match_single_device() -> None:
     _assert_ring_matches(2, cases, results)
 
 
-def test_dkv_accumulators_in_the_kv_dtype_on_the_wire() -> None:
-    """`parallel.dkv_wire=compute` on 2x2, every sequence on a ring of the four ranks
-    (te_cp, routed: hops inside a node direct, between nodes through the relays): in
-    float32 the wire changes nothing (equal to one device); in bfloat16 each hop's partial
-    dK/dV is rounded to bf16, within bf16's error of the float32 wire's gradients, and not
-    equal to them."""
+def test_dkv_on_the_wire_in_the_kv_dtype_and_straight_to_their_owners() -> None:
+    """One set of four ranks on 2x2 runs both wires that halve the dK/dV bytes.
+
+    `parallel.dkv_wire=compute`, every sequence on a ring of the four ranks (te_cp,
+    routed: hops inside a node direct, between nodes through the relays): in float32 the
+    wire changes nothing (equal to one device); in bfloat16 each hop's partial dK/dV is
+    rounded to bf16, within bf16's error of the float32 wire's gradients, and not equal to
+    them.
+
+    `parallel.dkv_wire=owner`, zeppelin's rings inside a node and usp's Ulysses groups
+    sending each step's dK/dV to their owners: in float32 equal to one device; in bfloat16
+    each step's dK/dV is the kernel's bf16 output, so the owners' float32 sums are the
+    float32 ring's up to the order of the additions (within one bf16 rounding of the
+    result), with fewer dK/dV messages."""
     lengths = [1, 7, 3, 3, 2, 61, 1, 2, 1, 3, 33]
-    base = dict(strategy="te_cp", routing=True, nodes=2, gpus=2, heads=8, kv_heads=2,
-                dim=4, lengths=lengths, capacity=-(-sum(lengths) // 4) + 4)  # fmt: skip
-    exact = [{**base, "dkv_as_kv": True}]
-    half = [{**base, "dtype": "bfloat16", "dkv_as_kv": wire} for wire in (False, True)]
-    results = run_ranks(_ring_all, 4, exact + half)
-    _assert_ring_matches(2, exact, [r[:1] for r in results])
+    shared = dict(routing=True, nodes=2, gpus=2, heads=8, kv_heads=2, dim=4, lengths=lengths,
+                  capacity=-(-sum(lengths) // 4) + 4)  # fmt: skip
+    te = {**shared, "strategy": "te_cp"}
+    cases = [{**te, "dkv_as_kv": True}]
+    cases += [{**te, "dtype": "bfloat16", "dkv_as_kv": wire} for wire in (False, True)]
+    config = load_config(None, ["topology.nodes=2", "topology.gpus_per_node=2"])
+    for strategy in ("zeppelin", "usp"):
+        plan = make_plan(Placement(strategy), lengths, build_topology(config.topology),
+                         shared["capacity"], build_shape(config.model))  # fmt: skip
+        assert any(item.owner_dkv for item in plan.items()), strategy
+        base = {**shared, "strategy": strategy}
+        cases += [{**base, "dkv_to_owner": True}]
+        cases += [{**base, "dtype": "bfloat16", "dkv_to_owner": owner} for owner in (False, True)]
+    results = run_ranks(_ring_all, 4, cases)
+    for start in (0, 3, 6):
+        _assert_ring_matches(2, cases[start : start + 1], [r[start : start + 1] for r in results])
     differs = False
     for per_rank in results:
         wide, narrow = per_rank[1], per_rank[2]
@@ -124,28 +142,7 @@ def test_dkv_accumulators_in_the_kv_dtype_on_the_wire() -> None:
         assert torch.equal(wide["dq"], narrow["dq"]), "dQ never travels"
         assert narrow["ops"].get("routed", 0) > 0, "the relays must carry some dK/dV"
     assert differs, "the bf16 wire must round some partial sum"
-
-
-def test_dkv_straight_to_their_owners() -> None:
-    """`parallel.dkv_wire=owner` on 2x2: zeppelin's rings inside a node and usp's Ulysses
-    groups send each step's dK/dV to their owners. In float32 equal to one device; in
-    bfloat16 each step's dK/dV is the kernel's bf16 output, so the owners' float32 sums
-    are the float32 ring's up to the order of the additions (within one bf16 rounding
-    of the result), with fewer dK/dV messages."""
-    lengths = [1, 7, 3, 3, 2, 61, 1, 2, 1, 3, 33]
-    cases = []
-    for strategy in ("zeppelin", "usp"):
-        base = dict(strategy=strategy, routing=True, nodes=2, gpus=2, heads=8, kv_heads=2,
-                    dim=4, lengths=lengths, capacity=-(-sum(lengths) // 4) + 4)  # fmt: skip
-        config = load_config(None, ["topology.nodes=2", "topology.gpus_per_node=2"])
-        plan = make_plan(Placement(strategy), lengths, build_topology(config.topology),
-                         base["capacity"], build_shape(config.model))  # fmt: skip
-        assert any(item.owner_dkv for item in plan.items()), strategy
-        cases += [{**base, "dkv_to_owner": True}]
-        cases += [{**base, "dtype": "bfloat16", "dkv_to_owner": owner} for owner in (False, True)]
-    results = run_ranks(_ring_all, 4, cases)
-    for start in (0, 3):
-        _assert_ring_matches(2, cases[start : start + 1], [r[start : start + 1] for r in results])
+    for start in (3, 6):
         for per_rank in results:
             ring, owner = per_rank[start + 1], per_rank[start + 2]
             for name in ("dk", "dv"):
