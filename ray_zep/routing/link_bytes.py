@@ -57,13 +57,12 @@ def ring_link_bytes_by_payload(
         # once for dK/dV, all but position p + 1 for K/V (not sent on at the last step);
         # K/V goes round twice (forward, backward) unless the forward's are kept
         total = int(held.sum())
-        owner = dkv_owner and item.owner_dkv
-        carried = {
-            Payload.KV: total - held[(position + 1) % ring],
-            Payload.DKV: np.full(len(hops), 0 if owner else total, dtype=np.int64),
-        }
-        if owner:
-            _owner_dkv_bytes(item, held, row_bytes(Payload.KV, u_size), topo, intra, nic)
+        carried = {Payload.KV: total - held[(position + 1) % ring]}
+        if dkv_owner and item.owner_dkv:  # the dK/dV leave the ring for their owners
+            size = row_bytes(Payload.KV, u_size)
+            _owner_dkv_bytes(item, held, size, topo, nic_of_gpu, intra, nic)
+        else:
+            carried[Payload.DKV] = np.full(len(hops), total, dtype=np.int64)
         rounds = 1 if item.exchange_kind.keeps_kv else 2
         sizes = {p: row_bytes(p, u_size) * (rounds if p is Payload.KV else 1) for p in Payload}
         same = src // gpus == dst // gpus
@@ -82,8 +81,8 @@ def ring_link_bytes_by_payload(
             a = int(src[i])
             route = hop_route(topo, a, int(dst[i]), routed, crossing)
             steps = held[(position[i] - np.arange(ring)) % ring]
-            for payload, rows in ((Payload.KV, steps[:-1]), (Payload.DKV, steps * (not owner))):
-                if (size := sizes[payload]) == 0:
+            for payload, rows in ((Payload.KV, steps[:-1]), (Payload.DKV, steps)):
+                if payload not in carried or (size := sizes[payload]) == 0:
                     continue
                 if route.direct:
                     nic[payload][a // gpus, nic_of_gpu[a % gpus]] += int(rows.sum()) * size
@@ -92,11 +91,12 @@ def ring_link_bytes_by_payload(
     return {p: (intra[p], nic[p]) for p in Payload}
 
 
-def _owner_dkv_bytes(item: QueueItem, held: np.ndarray, size: int, topo: Topology, intra: dict,
-                     nic: dict) -> None:  # fmt: skip
+def _owner_dkv_bytes(item: QueueItem, held: np.ndarray, size: int, topo: Topology,
+                     nic_of_gpu: np.ndarray, intra: dict, nic: dict) -> None:  # fmt: skip
     """Adds to K/V's `intra` and `nic` bytes the dK/dV an owner item sends: member u of
     position p sends position (p - s)'s rows to member u of that position at every step
-    s >= 1, `size` bytes a row, over its intra-node port or its own NIC."""
+    s >= 1, `size` bytes a row, over its intra-node port or its own NIC (`nic_of_gpu`:
+    each GPU of a node's NIC)."""
     ring, u_size, gpus = item.ring_size, item.ulysses, topo.gpus_per_node
     ranks = np.asarray(item.ranks, dtype=np.int64)
     member = np.arange(ranks.size)
@@ -106,7 +106,6 @@ def _owner_dkv_bytes(item: QueueItem, held: np.ndarray, size: int, topo: Topolog
     rows = held[owner_position]
     same = src // gpus == dst // gpus
     intra[Payload.KV] += int(rows[same].sum()) * size
-    nic_of_gpu = np.asarray(topo.gpu_to_nic, dtype=np.int64)
     leaving = src[~same]
     np.add.at(nic[Payload.KV], (leaving // gpus, nic_of_gpu[leaving % gpus]), rows[~same] * size)
 
