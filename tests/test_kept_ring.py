@@ -14,7 +14,8 @@ import pytest
 
 from ray_zep.config import load_config
 from ray_zep.costmodel import CostModel
-from ray_zep.errors import PlacementError
+from ray_zep.data.synthetic import batch_lengths
+from ray_zep.errors import ConfigError, PlacementError
 from ray_zep.model_shapes import build_shape
 from ray_zep.options import ActivationCheckpointing, ZonePolicy
 from ray_zep.parallel.axes import Placement
@@ -25,11 +26,13 @@ from ray_zep.partition.exchange import Exchange
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.partition.plan_memory import (
     KEEP_SHARE,
+    keep_where_room,
     memory_plan,
     plan_memory,
     planning_parallel,
     rank_memory,
     ring_kv_keep_gb,
+    ring_kv_room_mb,
 )
 from ray_zep.partition.stats import plan_stats
 from ray_zep.partition.work import WorkModel
@@ -58,6 +61,24 @@ def test_the_budget_is_what_the_gpu_has_room_for_unless_set() -> None:
     assert ring_kv_keep_gb(chosen, topology, shape) == 3.5
     cpu = load_config(None, ["topology.nodes=2", "topology.gpus_per_node=2"])
     assert math.isinf(ring_kv_keep_gb(cpu, build_topology(cpu.topology), shape))
+
+
+def test_the_room_a_token_frees_is_what_it_costs_unless_set() -> None:
+    """`parallel.ring_kv_room_mb`: unset, what one token held in a ring costs in the
+    memory model; 0 where the budget is set, or on the CPU topology (no limit there);
+    what it is set to otherwise; a negative one is refused naming the key."""
+    config, topology, shape = _setup("train.tokens_per_rank=5120")
+    per_token = (rank_memory(config, topology, shape, 5120, 5120).total
+                 - rank_memory(config, topology, shape, 0).total) / 5120 / 1e6  # fmt: skip
+    assert ring_kv_room_mb(config, topology, shape) == pytest.approx(per_token) and per_token > 1
+    budget, *_ = _setup("train.tokens_per_rank=5120", "parallel.ring_kv_keep_gb=3.5")
+    assert ring_kv_room_mb(budget, topology, shape) == 0.0
+    chosen, *_ = _setup("train.tokens_per_rank=5120", "parallel.ring_kv_room_mb=2.5")
+    assert ring_kv_room_mb(chosen, topology, shape) == 2.5
+    cpu = load_config(None, ["topology.nodes=2", "topology.gpus_per_node=2"])
+    assert ring_kv_room_mb(cpu, build_topology(cpu.topology), shape) == 0.0
+    with pytest.raises(ConfigError, match=r"parallel\.ring_kv_room_mb"):
+        _setup("parallel.ring_kv_room_mb=-1")
 
 
 def test_a_ring_keeps_its_kv_only_within_the_budget_and_the_memory_counts_them() -> None:
@@ -101,14 +122,17 @@ def test_full_checkpointing_holds_one_layers_kept_kv() -> None:
 def test_a_ring_of_members_with_room_keeps_where_a_full_rank_would_not() -> None:
     """13B at L = 5,120 on 80 GB: a full rank leaves 9.5 GB, too little for a long
     sequence's USP group to keep its K/V; its members hold far fewer tokens, and
-    `keep_where_room` keeps it within the GPU's memory. A set budget is kept to."""
+    `keep_where_room` keeps it within the GPU's memory (here after a planner held to the
+    budget alone; the resolved planner keeps it itself). A set budget is kept to."""
     config, topology, shape = _setup("topology.nodes=16", "model.preset=13b",
                                      "train.tokens_per_rank=5120")  # fmt: skip
     lengths = np.asarray([200000, *[1024] * 200])
-    parallel = planning_parallel(config, topology, shape)
+    parallel = dataclasses.replace(planning_parallel(config, topology, shape), ring_kv_room_mb=0)
     alone = make_plan(Placement.ZEPPELIN, lengths, topology, 5120, shape, parallel)
-    roomy = memory_plan(Placement.ZEPPELIN, lengths, config, topology, shape)
+    roomy = keep_where_room(alone, config, topology, shape)
     assert alone.placement(0).exchange is Exchange.RING and len(alone.placement(0).ranks) > 8
+    planned = memory_plan(Placement.ZEPPELIN, lengths, config, topology, shape)
+    assert planned.placement(0).exchange is Exchange.RING_KEPT
     assert roomy.placement(0).exchange is Exchange.RING_KEPT
     assert [p.ranks for p in roomy.placements] == [p.ranks for p in alone.placements]
     # the kept plan carries the planner's queue items and token counts over: as if built anew
@@ -125,6 +149,34 @@ def test_a_ring_of_members_with_room_keeps_where_a_full_rank_would_not() -> None
                         "parallel.ring_kv_keep_gb=9.5")  # fmt: skip
     kept_to = memory_plan(Placement.ZEPPELIN, lengths, capped, topology, shape)
     assert kept_to.placement(0).exchange is Exchange.RING
+
+
+def test_the_planner_leaves_its_kept_rings_room_for_their_kv() -> None:
+    """13B on 256 GPUs of `bench scale`'s chat batch: held to a full rank's budget, the
+    planner fills the long document's USP members with whole sequences and leaves them
+    no room to keep its K/V (the backward sends them again); told what each token a
+    member does not hold frees (`parallel.ring_kv_room_mb`, resolved from the memory
+    model), it holds fewer whole sequences there and keeps them, as it does on many more
+    rings, and every rank still fits the GPU."""
+    config, topology, shape = _setup("topology.nodes=32", "model.preset=13b",
+                                     "train.tokens_per_rank=5120")  # fmt: skip
+    lengths = batch_lengths("chat", 4096 * topology.world_size, 0)
+    longest = int(np.argmax(lengths))
+    planned = memory_plan(Placement.ZEPPELIN, lengths, config, topology, shape)
+    budget, *_ = _setup("topology.nodes=32", "model.preset=13b", "train.tokens_per_rank=5120",
+                        "parallel.ring_kv_room_mb=0")  # fmt: skip
+    full = memory_plan(Placement.ZEPPELIN, lengths, budget, topology, shape)
+    assert planned.placement(longest).ulysses > 1 and full.placement(longest).ulysses > 1
+    assert planned.placement(longest).exchange is Exchange.RING_KEPT
+    assert full.placement(longest).exchange is Exchange.RING
+
+    def kept(plan: AttentionPlan) -> int:
+        return sum(item.exchange is Exchange.RING_KEPT for item in plan.items())
+
+    assert kept(planned) > 2 * kept(full)
+    memory = plan_memory(config, topology, plan_stats(planned, shape), shape)
+    assert memory.fits, memory.table()
+    assert memory.ranks[memory.fullest].total <= KEEP_SHARE * topology.gpu_memory_bytes
 
 
 def test_the_work_policys_fallback_keeps_within_the_budget_too() -> None:

@@ -47,6 +47,13 @@ class ParallelConfig:
     train.tokens_per_rank tokens leaves of 90% of the GPU's memory, then ring by ring
     what each member's own tokens leave (ray_zep.partition.plan_memory); no limit on a
     topology without GPU memory; 0 sends K/V again in the backward."""
+    ring_kv_room_mb: float | None = None
+    """Under zone_policy=work, the MB of peers' K/V a zeppelin ring member may keep
+    beyond ring_kv_keep_gb for each token it holds below train.tokens_per_rank: the
+    planner keeps a ring's K/V where its members' own tokens leave that room, and fills
+    them with that many fewer whole sequences. Unset: what a held token costs in the
+    memory model, where ring_kv_keep_gb is unset too (ray_zep.partition.plan_memory);
+    0 otherwise."""
     ulysses_degree: int = 0
     """Ulysses members per ring position under usp; 0 picks GPUs per node (or the
     largest divisor of it that the head counts allow)."""
@@ -104,6 +111,12 @@ class ParallelConfig:
             "parallel.ring_kv_keep_gb",
             self.ring_kv_keep_gb,
             "must be >= 0 (0 = send K/V again in the backward)",
+        )
+        require(
+            self.ring_kv_room_mb is None or self.ring_kv_room_mb >= 0,
+            "parallel.ring_kv_room_mb",
+            self.ring_kv_room_mb,
+            "must be >= 0 (0 = ring_kv_keep_gb alone)",
         )
         require(
             self.ulysses_degree >= 0,

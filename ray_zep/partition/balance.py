@@ -23,7 +23,10 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    ranks at the level (the lesser work by `MIN_GAIN` on as many, or where neither
    reaches it; the ring on near ties). `parallel.usp_groups=false` keeps rings.
 3. Whole sequences, most work first, go to the rank whose work leaves the least
-   room under lam among those with token room (best fit decreasing). One that fits
+   room under lam among those with token room (best fit decreasing). A ring whose
+   member work counted on keeping its peers' K/V beyond the model's budget, in the
+   memory its members' unheld tokens free (`WorkModel.keeps_kv`), holds that room as
+   tokens first (`_kept_room`), so that the fill leaves it free. One that fits
    under lam nowhere becomes a small ring inside a node where its work is worth one
    (`SMALL_RING_SHARE`), else goes to the least loaded rank with token room; one
    that no rank has token room for fills the free tokens of the ranks with most.
@@ -94,6 +97,9 @@ class Placed:
     """Ring sequences whose ring positions are whole nodes exchanging heads: seq -> U."""
     local: dict[int, int] = field(default_factory=dict)
     """Whole sequences: seq -> rank."""
+    kept_rings: set[tuple[int, ...]] = field(default_factory=set)
+    """Rings (their ranks) that keep their K/V beyond the work model's budget, in token
+    room their members leave free (`_kept_room`)."""
     pruned: bool = False
     """Abandoned once a rank's work reached the busiest rank of a placement made before
     it: it can only end as busy or busier, and on a tie the earlier one is kept, so it
@@ -251,8 +257,11 @@ def _place_at(
                 work_k = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([d]))[0])
             elif usp[i]:
                 placed.ulysses[seq] = gpus
-        members = seqs[list(ring.members)]
-        held += _shared_ring(placed, members.tolist(), lengths[members].tolist(), ranks)
+        members = seqs[list(ring.members)].tolist()
+        sizes = lengths[members].tolist()
+        ring_held = _shared_ring(placed, members, sizes, ranks)
+        reserve = _kept_room(placed, members, sizes, ranks, max(ring_held), capacity, model)
+        held += [h + reserve for h in ring_held]
         index += ranks
         loads += [work_k] * len(ranks)
     placed.load[index] += np.asarray(loads, dtype=np.float64)  # the rings' ranks are disjoint
@@ -263,7 +272,7 @@ def _place_at(
         return placed
     wholes = np.flatnonzero(~split)
     _fill_whole(placed, wholes[np.argsort(-work[wholes], kind="stable")], lengths, work,
-                small, level, capacity, topology, prune_above)  # fmt: skip
+                small, level, capacity, topology, model, prune_above)  # fmt: skip
     return placed
 
 
@@ -374,11 +383,44 @@ def _shrink(degrees: np.ndarray, low: np.ndarray, world: int) -> np.ndarray:
     return degrees
 
 
-def _add_ring(placed: Placed, seq: int, length: int, ranks: tuple[int, ...], member: float):
+def _add_ring(
+    placed: Placed,
+    seq: int,
+    length: int,
+    ranks: tuple[int, ...],
+    member: float,
+    capacity: int,
+    model: WorkModel,
+) -> None:
     index = list(ranks)
     placed.load[index] += member
-    placed.tokens[index] += _shared_ring(placed, [seq], [length], ranks)
+    held = placed.tokens[index] + _shared_ring(placed, [seq], [length], ranks)
+    reserve = _kept_room(placed, [seq], [length], ranks, int(held.max()), capacity, model)
+    placed.tokens[index] = held + reserve
     placed.in_ring[index] = True
+
+
+def _kept_room(
+    placed: Placed,
+    seqs: list[int],
+    lengths: list[int],
+    ranks: tuple[int, ...],
+    held: int,
+    capacity: int,
+    model: WorkModel,
+) -> int:
+    """Tokens each member of the ring of `seqs` over `ranks` (the fullest holding `held`
+    tokens) leaves free so that it can keep its peers' K/V, as the work model assumed
+    (`WorkModel.keeps_kv`): recorded in `placed.kept_rings` and held as tokens, so that
+    whole sequences fill only the rest. 0 where the budget alone holds them, or where the
+    room is not there (the ring then sends K/V again)."""
+    u = placed.ulysses.get(seqs[0], 1)
+    kept = sum(n - min(placed.groups[seq][1]) * u for seq, n in zip(seqs, lengths, strict=True))
+    reserve = int(model.reserved_tokens(kept, u))
+    if reserve == 0 or held + reserve > capacity:
+        return 0
+    placed.kept_rings.add(ranks)
+    return reserve
 
 
 def _shared_ring(
@@ -405,6 +447,7 @@ def _fill_whole(
     level: float,
     capacity: int,
     topology: Topology,
+    model: WorkModel,
     prune_above: float = float("inf"),
 ) -> None:
     """Best fit decreasing of whole sequences under `level`, token room permitting; one
@@ -466,7 +509,7 @@ def _fill_whole(
             continue
         write_back()
         if ring is not None:
-            _add_ring(placed, seq, n, *ring)
+            _add_ring(placed, seq, n, *ring, capacity, model)
         else:
             ranks = _spill_in_node(placed, n, capacity, topology.gpus_per_node)
             _add_spill(placed, seq, n, w, ranks or _spill(placed, n, capacity), capacity)
@@ -610,7 +653,7 @@ def _placements(lengths: np.ndarray, placed: Placed, model: WorkModel) -> list[S
             continue
         ranks, counts = placed.groups[seq]
         u, positions = placed.ulysses.get(seq, 1), positions_of[seq]
-        keeps = bool(model.keeps_kv(kept[ranks], u))
+        keeps = ranks in placed.kept_rings or bool(model.keeps_kv(kept[ranks], u))
         exchange = Exchange.RING_KEPT if keeps else Exchange.RING
         if u > 1:  # ring positions of U members each: the position's tokens, its members'
             out.append(SeqPlacement(seq, n, ranks, bounds_for_counts(positions.tolist()),

@@ -121,11 +121,28 @@ def ring_kv_keep_gb(config: Config, topology: Topology, shape: ModelShape) -> fl
     return max(0.0, KEEP_SHARE * topology.gpu_memory_bytes - peak) / 1e9
 
 
+def ring_kv_room_mb(config: Config, topology: Topology, shape: ModelShape) -> float:
+    """`parallel.ring_kv_room_mb`, or where it and `parallel.ring_kv_keep_gb` are unset
+    what one token held in a ring costs in the memory model (MB), on a GPU of known
+    memory; 0 otherwise."""
+    parallel = config.parallel
+    if parallel.ring_kv_room_mb is not None:
+        return float(parallel.ring_kv_room_mb)
+    if parallel.ring_kv_keep_gb is not None or topology.gpu_memory_bytes <= 0:
+        return 0.0
+    capacity = config.train.tokens_per_rank
+    base = rank_memory(config, topology, shape, 0).total
+    peak = rank_memory(config, topology, shape, capacity, capacity).total
+    return max(0.0, peak - base) / capacity / 1e6
+
+
 def planning_parallel(config: Config, topology: Topology, shape: ModelShape) -> ParallelConfig:
-    """`config.parallel` with the ring K/V budget resolved (`ring_kv_keep_gb`), as the
-    planners take it."""
+    """`config.parallel` with the ring K/V budget resolved (`ring_kv_keep_gb`,
+    `ring_kv_room_mb`), as the planners take it."""
     return dataclasses.replace(
-        config.parallel, ring_kv_keep_gb=ring_kv_keep_gb(config, topology, shape)
+        config.parallel,
+        ring_kv_keep_gb=ring_kv_keep_gb(config, topology, shape),
+        ring_kv_room_mb=ring_kv_room_mb(config, topology, shape),
     )
 
 

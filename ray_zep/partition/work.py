@@ -85,7 +85,11 @@ class WorkModel:
         layout: how rings cut their sequences.
         dkv_factor: backward ring bytes over forward (`DKV_WIRE_FACTOR`).
         keep_kv_bytes: the most bytes of ring peers' K/V, over all layers, that a
-            member keeps from the forward for the backward (`parallel.ring_kv_keep_gb`).
+            member holding `capacity` tokens keeps from the forward for the backward
+            (`parallel.ring_kv_keep_gb`).
+        room_per_token: bytes of kept K/V room each token a member holds fewer than
+            `capacity` frees (`parallel.ring_kv_room_mb`; 0: `keep_kv_bytes` alone).
+        capacity: L, the most tokens a rank holds (for `room_per_token`).
         owner_dkv: `parallel.dkv_wire=owner`: rings inside a node and USP groups send
             each step's dK/dV to their owners in the K/V dtype (`QueueItem.owner_dkv`),
             each step's message no longer than the K/V's; rings across nodes pass
@@ -100,6 +104,8 @@ class WorkModel:
     dkv_factor: float = DKV_WIRE_FACTOR
     keep_kv_bytes: float = 0.0
     owner_dkv: bool = False
+    room_per_token: float = 0.0
+    capacity: int = 0
 
     @classmethod
     def create(
@@ -110,21 +116,44 @@ class WorkModel:
         routed: bool = False,
         dkv_wire: DkvWire = DkvWire.FLOAT32,
         keep_kv_gb: float = 0.0,
+        room_mb: float = 0.0,
+        capacity: int = 0,
     ) -> WorkModel:
         """The model on `topology` at `rates` (default: the topology GPU's preset), ring
-        dK/dV on the wire as `dkv_wire` says, members keeping up to `keep_kv_gb` GB of
-        their peers' K/V."""
+        dK/dV on the wire as `dkv_wire` says, members holding `capacity` tokens keeping
+        up to `keep_kv_gb` GB of their peers' K/V, `room_mb` MB more for each token
+        fewer."""
         rates = rates or preset_rates(topology.gpu_model)
         cost = CostModel(shape, topology, rates.attention_forward)
         factor = KV_DTYPE_DKV_FACTOR if dkv_wire is DkvWire.COMPUTE else DKV_WIRE_FACTOR
         return cls(shape, rates, cost, routed, dkv_factor=factor, keep_kv_bytes=keep_kv_gb * 1e9,
-                   owner_dkv=dkv_wire is DkvWire.OWNER)  # fmt: skip
+                   owner_dkv=dkv_wire is DkvWire.OWNER, room_per_token=room_mb * 1e6,
+                   capacity=capacity)  # fmt: skip
 
-    def keeps_kv(self, kept_tokens, ulysses=1):
-        """Whether a ring member keeping `kept_tokens` of its peers' tokens (each layer,
-        1/`ulysses` of their K/V heads) stays within `keep_kv_bytes` (elementwise)."""
+    def _kept_bytes(self, kept_tokens, ulysses=1) -> np.ndarray:
         per_token = kv_bytes_per_token(self.shape) * self.layers
-        return np.asarray(kept_tokens, dtype=np.float64) * per_token / ulysses <= self.keep_kv_bytes
+        return np.asarray(kept_tokens, dtype=np.float64) * per_token / ulysses
+
+    def keeps_kv(self, kept_tokens, ulysses=1, held=None):
+        """Whether a ring member keeping `kept_tokens` of its peers' tokens (each layer,
+        1/`ulysses` of their K/V heads) stays within `keep_kv_bytes`, or, where its rings
+        hold `held` tokens of it, within that and the room of the tokens it could still
+        hold (`room_per_token` each; `reserved_tokens` says how many it then leaves
+        free). Elementwise."""
+        budget = self.keep_kv_bytes
+        if held is not None and self.room_per_token > 0:
+            spare = np.maximum(0.0, self.capacity - np.asarray(held, dtype=np.float64))
+            budget = budget + spare * self.room_per_token
+        return self._kept_bytes(kept_tokens, ulysses) <= budget
+
+    def reserved_tokens(self, kept_tokens, ulysses=1) -> np.ndarray:
+        """Tokens below `capacity` a member keeping `kept_tokens` (as `keeps_kv`) must
+        leave free for them beyond `keep_kv_bytes` (0 within it; elementwise; huge where
+        no `room_per_token` frees any)."""
+        over = np.maximum(0.0, self._kept_bytes(kept_tokens, ulysses) - self.keep_kv_bytes)
+        if self.room_per_token <= 0:
+            return np.where(over > 0, np.iinfo(np.int64).max // 2, 0).astype(np.int64)
+        return np.ceil(over / self.room_per_token).astype(np.int64)
 
     def hop(self, kind: LinkKind) -> tuple[float, float]:
         """(latency s, bytes/s) of one ring hop over `kind`. A ring crosses each node
@@ -205,10 +234,11 @@ class WorkModel:
         dK/dV go to their owners in the K/V dtype (`owner_dkv`)."""
         latency, bandwidth = hop
         steps = np.asarray(degree, dtype=np.float64) - 1
-        # the bytes a member keeps, in token rows of every K/V head
-        kept = steps * parts.send_bytes / kv_bytes_per_token(self.shape)
+        # the bytes a member keeps and the tokens it holds, in token rows of every K/V head
+        held = parts.send_bytes / kv_bytes_per_token(self.shape)
+        kept = steps * held
         factor = KV_DTYPE_DKV_FACTOR if owner else self.dkv_factor
-        backward = factor - np.where(self.keeps_kv(kept), 1.0, 0.0)
+        backward = factor - np.where(self.keeps_kv(kept, held=held), 1.0, 0.0)
         send_f = latency + parts.send_bytes / bandwidth
         send_b = latency + backward * parts.send_bytes / bandwidth
         # forward and backward parts of the step's compute, weighted as `_pair_seconds` is

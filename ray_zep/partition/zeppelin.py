@@ -118,6 +118,7 @@ def plan_zeppelin(
     dkv_wire: DkvWire = DkvWire.FLOAT32,
     usp_groups: bool = True,
     keep_kv_gb: float = 0.0,
+    keep_room_mb: float = 0.0,
 ) -> AttentionPlan:
     """Place a batch with Zeppelin's two-stage partitioner.
 
@@ -136,6 +137,9 @@ def plan_zeppelin(
         keep_kv_gb: the work policy's rings keep up to this many GB of their peers'
             K/V for the backward (`parallel.ring_kv_keep_gb` as
             `ray_zep.partition.plan_memory.planning_parallel` resolves it; unset: none).
+        keep_room_mb: the work policy's ring members keep this many MB more for each
+            token they hold below `tokens_per_rank` (`parallel.ring_kv_room_mb`), and
+            then hold that many fewer whole sequences.
 
     Returns:
         The validated plan.
@@ -149,7 +153,8 @@ def plan_zeppelin(
     model = None
     if policy is ZonePolicy.WORK:
         model = WorkModel.create(cost.shape, topology, routed=routed, dkv_wire=dkv_wire,
-                                 keep_kv_gb=keep_kv_gb)  # fmt: skip
+                                 keep_kv_gb=keep_kv_gb, room_mb=keep_room_mb,
+                                 capacity=tokens_per_rank)  # fmt: skip
         try:
             placements = balance(lengths, topology, tokens_per_rank, model, usp_groups)
         except PlacementError:
@@ -381,7 +386,8 @@ def _planner(lengths, topology, capacity, shape: ModelShape, parallel: ParallelC
     cost = CostModel.create(shape, topology)
     return plan_zeppelin(lengths, topology, capacity, cost, parallel.zone_policy, parallel.routing,
                          parallel.dkv_wire, parallel.usp_groups,
-                         parallel.ring_kv_keep_gb or 0.0)  # fmt: skip
+                         parallel.ring_kv_keep_gb or 0.0,
+                         parallel.ring_kv_room_mb or 0.0)  # fmt: skip
 
 
 _NAME = Placement.ZEPPELIN.value
