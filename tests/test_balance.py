@@ -332,3 +332,32 @@ def test_hybrid_dp_balances_modelled_seconds_under_the_work_policy() -> None:
     parallel = ParallelConfig(sequence=Placement.HYBRID_DP, zone_policy=ZonePolicy.WORK)
     ring = make_plan(Placement.HYBRID_DP, [5000, 700], topology, 4096, shape, parallel)
     assert len(ring.placements[0].ranks) == 2
+
+
+@pytest.mark.parametrize("nodes, distribution", [(32, "chat"), (8, "arxiv")])
+def test_a_level_that_cannot_win_is_abandoned_early_with_the_same_placement(
+    monkeypatch, nodes: int, distribution: str
+) -> None:
+    """The fill gives up a level once the sequences left cannot all stay under the best
+    placement's busiest rank (too few tokens, or seconds, of room below it:
+    `_HopelessCheck`): the placement is the one that dealing them all would choose (on
+    arxiv a later level wins, which a check that gave up every level would miss), and on
+    16k tokens per GPU of the chat mix some level is given up that way."""
+    import ray_zep.partition.balance as balancing
+
+    topology, shape = _cluster(nodes)
+    model = WorkModel.create(shape, topology, routed=True)
+    lengths = batch_lengths(distribution, 16384 * topology.world_size, 0)
+    verdicts = []
+    hopeless = balancing._HopelessCheck.hopeless
+
+    def noted(self, position, load, tokens):
+        verdicts.append(hopeless(self, position, load, tokens))
+        return verdicts[-1]
+
+    monkeypatch.setattr(balancing._HopelessCheck, "hopeless", noted)
+    checked = balancing.balance(lengths, topology, 20480, model)
+    assert any(verdicts) == (distribution == "chat")
+    monkeypatch.setattr(balancing._HopelessCheck, "hopeless", lambda *_: False)
+    dealt = balancing.balance(lengths, topology, 20480, model)
+    assert checked == dealt

@@ -71,6 +71,9 @@ SMALL_RING_SHARE = 0.25
 its work is at least this share of the level (a shorter one overshoots by little)."""
 SPILL_CANDIDATES = 64
 """Ranks with most free tokens sorted first when a sequence spills (all, if they lack room)."""
+CHECK_EVERY = 256
+"""Sequences the whole-sequence fill deals between two checks that its level can still
+win (`_HopelessCheck`): each check is a few array operations over the ranks."""
 MIN_GAIN = 0.03
 """A ring grows only while that lowers its member work by at least this share."""
 USP_NODES = (*range(2, 33), 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
@@ -475,7 +478,11 @@ def _fill_whole(
     spare.drop(np.flatnonzero(placed.in_ring))
     smallest_ring = SMALL_RING_SHARE * level
     sizes, works = lengths[order].tolist(), work[order].tolist()
-    for seq, n, w in zip(order.tolist(), sizes, works, strict=True):
+    check = _HopelessCheck(lengths[order], work[order], capacity, prune_above)
+    for position, (seq, n, w) in enumerate(zip(order.tolist(), sizes, works, strict=True)):
+        if check.due(position) and check.hopeless(position, load, tokens):
+            placed.pruned = True
+            return
         index.set_bound(capacity - n)
         if w < smallest_ring:
             spare = None
@@ -523,6 +530,38 @@ def _fill_whole(
         if spare is not None:
             spare.drop(ranks)
     write_back()
+
+
+class _HopelessCheck:
+    """Whether the sequences the fill has yet to deal must bring some rank to
+    `prune_above`, checked every `CHECK_EVERY` of them: each adds at least the least
+    seconds per token among them (`WorkModel.whole_seconds` over their length; a ring
+    or spill of one spreads at least its whole work over its tokens) to ranks within
+    their free tokens, so where the tokens the ranks can take before reaching it are
+    fewer than the rest, the placement would be pruned anyway: it is now (the same
+    outcome, without dealing thousands of short sequences at a level that cannot win)."""
+
+    def __init__(self, sizes: np.ndarray, works: np.ndarray, capacity: int, limit: float):
+        self.capacity, self.limit = capacity, limit
+        if not np.isfinite(limit) or sizes.size == 0:
+            self.rest = self.density = None
+            return
+        self.rest = np.cumsum(sizes[::-1])[::-1]
+        self.work = np.cumsum(works[::-1])[::-1]
+        self.density = np.minimum.accumulate((works / np.maximum(sizes, 1))[::-1])[::-1]
+
+    def due(self, position: int) -> bool:
+        return self.rest is not None and position % CHECK_EVERY == 0
+
+    def hopeless(self, position: int, load: list[float], tokens: list[int]) -> bool:
+        density = float(self.density[position])
+        if density <= 0:
+            return False
+        free = np.maximum(0, self.capacity - np.asarray(tokens, dtype=np.int64))
+        under = np.maximum(0.0, self.limit - np.asarray(load, dtype=np.float64))
+        if float(under[free > 0].sum()) < float(self.work[position]):
+            return True  # the ranks with free tokens lack the seconds for the rest
+        return float(np.minimum(free, under / density).sum()) < float(self.rest[position])
 
 
 def _small_ring_seconds(
