@@ -95,6 +95,13 @@ class Variant:
     dkv_wire: DkvWire | None = None
 
     @property
+    def foreign(self) -> bool:
+        """Models another system's runtime (TransformerEngine's wire, ByteScale's
+        schedule): FSDP2's own prefetch, when each block starts, not ours after its
+        attention (`parallel.prefetch_after_attention`)."""
+        return self.te_wire or self.bytescale
+
+    @property
     def scheduled(self) -> bool:
         """Runs as several plans per step (waves, micro-batches), not one."""
         return self.hybrid_cp or self.bytescale or self.dynamic_cp

@@ -225,6 +225,7 @@ def variant_config(config: Config, name: str, tokens_per_rank: int) -> Config:
         remap=variant.remap,
         zone_policy=variant.zone_policy or config.parallel.zone_policy,
         dkv_wire=variant.dkv_wire or config.parallel.dkv_wire,
+        prefetch_after_attention=config.parallel.prefetch_after_attention and not variant.foreign,
     )
     train = dataclasses.replace(config.train, tokens_per_rank=tokens_per_rank)
     return dataclasses.replace(config, parallel=parallel, train=train)

@@ -107,6 +107,9 @@ class LayerSetup:
             `weight_groups`.
         dkv_owner: `parallel.dkv_wire=owner`: items whose `QueueItem.owner_dkv` holds send
             each step's dK/dV to their owners in `element_bytes` (`routing` lists them).
+        gather_after_attention: the forward's weight collective starts once the rank's
+            attention is done (`parallel.prefetch_after_attention`), not when the layer
+            starts: the ring's K/V meet no gather on the links.
     """
 
     plan: AttentionPlan
@@ -123,6 +126,7 @@ class LayerSetup:
     codec: WireCodec = PLAIN
     weight_groups_backward: tuple[tuple[int, ...], ...] = ()
     dkv_owner: bool = False
+    gather_after_attention: bool = False
 
     def linear_tokens(self) -> list[int]:
         """Tokens each rank's linear modules process."""
@@ -798,12 +802,15 @@ def _layer_program(build: _Builder) -> None:
     qkv_bytes = (shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim * elem
     out_bytes = shape.n_heads * shape.head_dim * elem
     before, after = linear_flops_per_token(shape)
-    sync = build.post_weight_sync()
+    late = phase is Phase.FORWARD and setup.gather_after_attention
+    sync = {} if late else build.post_weight_sync()
     shares = POINTWISE_SHARES[0 if phase is Phase.FORWARD else 1]
     if phase is Phase.FORWARD:
         build.linear(before, "QKV projection", shares[0])
         build.remap(True, qkv_bytes, "remap q/k/v")
         build.attention()
+        if late:
+            sync = build.post_weight_sync()
         build.remap(False, out_bytes, "remap output")
         build.linear(after, "output projection + MLP", shares[1])
     else:

@@ -52,7 +52,15 @@ from functools import partial
 import numpy as np
 
 from ray_zep.collectives.switcher import Kind
-from ray_zep.config import Compression, Config, DkvWire, MoEPipeline, Precision
+from ray_zep.config import (
+    Compression,
+    Config,
+    DkvWire,
+    FsdpUnit,
+    MoEPipeline,
+    ParallelConfig,
+    Precision,
+)
 from ray_zep.costmodel import (
     BACKWARD_LINEAR_FACTOR,
     BYTES_PER_ELEMENT,
@@ -271,11 +279,12 @@ def simulate_plans(
     ring_on_arrays = partial(array_ring, topology=plan.topology, routed=routed)
     routing = RoutingPlan.build(plan, routed=routed, all_hops=True, skip=ring_on_arrays,
                                 dkv_owner=base.dkv_owner)  # fmt: skip
+    late = gathers_after_attention(base.config.parallel)
     setup = LayerSetup(plan, shape, cost, hw.rates, routing, remap, base.element_bytes,
                        base.dkv_bytes, weights[0].layer_sync, weights[0].groups,
                        weights[0].layer_latency, codecs[0],
                        weight_groups_backward=weights[0].backward_groups,
-                       dkv_owner=base.dkv_owner)  # fmt: skip
+                       dkv_owner=base.dkv_owner, gather_after_attention=late)  # fmt: skip
     wires = list(dict.fromkeys((c, w.layer_sync) for c, w in zip(codecs, weights, strict=True)))
     forward = _simulated(layer_graphs(setup, Phase.FORWARD, wires), hw.pool)
     backward = _simulated(layer_graphs(setup, Phase.BACKWARD, wires), hw.pool)
@@ -291,6 +300,13 @@ def simulate_plans(
         recompute = recompute_seconds(run, layers[0], max(tokens, default=0))
         results.append(_result(plan, run, layers, head, paid, experts, remap, recompute))
     return results
+
+
+def gathers_after_attention(parallel: ParallelConfig) -> bool:
+    """Whether each block gathers the next unit once its attention is done
+    (`ray_zep.train.fsdp.gather_after_attention`): FSDP2 with prefetch, blocks as units."""
+    return (parallel.weights_axis.fsdp and parallel.prefetch and parallel.prefetch_after_attention
+            and parallel.fsdp_unit is FsdpUnit.BLOCK)  # fmt: skip
 
 
 def weights_of(run: RunModel, codec: WireCodec | None = None) -> WeightsCost:

@@ -7,7 +7,9 @@ As the trainer runs each mode (`ray_zep.train.fsdp`, `ray_zep.train.reductions`)
 - fsdp / hsdp: torch's FSDP2 over all ranks / inside each node. Each block is one
   unit: in forward the next block's parameters are all-gathered while this block
   computes (FSDP2 queues the next unit's all-gather as the host runs ahead; torch
-  `_fully_shard/_fsdp_param_group.py`), and again in backward
+  `_fully_shard/_fsdp_param_group.py`), from when its attention is done under
+  `parallel.prefetch_after_attention` (`LayerSetup.gather_after_attention`), from
+  when it starts otherwise, and again in backward
   (`reshard_after_forward`), where the block's gradients are also reduce-scattered
   while the next block computes backward. Parameters travel in the compute dtype
   (`MixedPrecisionPolicy.param_dtype`), gradients are reduced in float32. What

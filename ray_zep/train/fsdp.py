@@ -16,6 +16,11 @@ per micro-batch, and a separately wrapped experts module would reduce-scatter
 once per call, in an order that can differ between ranks. Where every rank holds
 other experts (parallel.ep = ranks), FSDP leaves them alone.
 
+With `parallel.prefetch`, each unit gathers the next one in forward and the previous
+one in backward while it computes; under `parallel.prefetch_after_attention` (the
+default) a block gathers the next unit once its attention has run, so that the gather
+and the ring's K/V do not meet on the NICs (`gather_after_attention`).
+
 `parallel.fsdp_unit=linear` also makes each projection of a dense block a unit
 of its own, the block's unit keeping its norms. A block unit holds the block's
 unsharded parameters and its unsharded gradients together until its
@@ -124,7 +129,7 @@ def shard_model(
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
     if parallel.prefetch:
-        _set_prefetch(units, nested)
+        _set_prefetch(units, nested, parallel.prefetch_after_attention)
     if collectives is not None:
         switch_collectives([*every, root], collectives)
     return [*every, root]
@@ -145,9 +150,15 @@ def projections(block: nn.Module, unit: FsdpUnit) -> list[nn.Module]:
     return [block.get_submodule(name) for name in PROJECTIONS]
 
 
-def _set_prefetch(units: list[FSDPModule], inner: dict[FSDPModule, list[FSDPModule]]) -> None:
+def _set_prefetch(
+    units: list[FSDPModule],
+    inner: dict[FSDPModule, list[FSDPModule]],
+    after_attention: bool = False,
+) -> None:
     """Explicit prefetch: each unit gathers the next one in forward and the previous one
     in backward; a block also gathers its first (forward) or last (backward) projection.
+    `after_attention`: a block without projection units gathers the next unit once its
+    attention has run (`gather_after_attention`), not when it starts.
 
     Projections prefetch only inside their block: a checkpointed block runs their
     forward again in backward, and a link to the next block would gather, after its
@@ -156,8 +167,11 @@ def _set_prefetch(units: list[FSDPModule], inner: dict[FSDPModule, list[FSDPModu
     forward = {u: [] for u in units}
     backward = {u: [] for u in units}
     for earlier, later in itertools.pairwise(units):
-        forward[earlier].append(later)
         backward[later].append(earlier)
+        if after_attention and not inner.get(earlier) and _output_projection(earlier):
+            gather_after_attention(earlier, later)
+            continue
+        forward[earlier].append(later)
     for block, chain in inner.items():
         if not chain:
             continue
@@ -169,6 +183,33 @@ def _set_prefetch(units: list[FSDPModule], inner: dict[FSDPModule, list[FSDPModu
     for unit in units:
         unit.set_modules_to_forward_prefetch(forward[unit])
         unit.set_modules_to_backward_prefetch(backward[unit])
+
+
+def _output_projection(unit: nn.Module) -> nn.Module | None:
+    """A transformer block's attention output projection (None: `unit` is no block)."""
+    attention = getattr(unit, "attention", None)
+    return getattr(attention, "wo", None)
+
+
+def gather_after_attention(block: FSDPModule, later: FSDPModule) -> None:
+    """`block`'s forward gathers `later`'s parameters when its attention output
+    projection starts: after the attention engine, whose ring K/V then have the NICs to
+    themselves, and while the output projection and feed-forward compute. FSDP2 waits
+    for the gather in `later`'s pre-forward. Only in a forward that `block` itself was
+    called for: a checkpointed block's forward run again in backward (through its inner
+    forward, not `block`'s) gathers nothing, as FSDP2's own prefetch does not then."""
+    armed = [False]
+
+    def arm(*_) -> None:
+        armed[0] = True
+
+    def gather(*_) -> None:
+        if armed[0]:
+            armed[0] = False
+            later.unshard(async_op=True)
+
+    block.register_forward_pre_hook(arm)
+    _output_projection(block).register_forward_pre_hook(gather)
 
 
 def mesh_shape(parallel: ParallelConfig) -> MeshShape | None:
