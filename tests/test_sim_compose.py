@@ -435,16 +435,18 @@ def test_a_block_gathers_the_next_one_after_its_attention_so_the_ring_has_the_ni
     """64 GPUs of cluster A, 13b under FSDP over every rank, a prolong64k batch whose
     long documents run on rings across nodes: FSDP2 gathering the next block when a block
     starts holds every NIC while the ring's first K/V wait for them; gathered once the
-    block's attention is done (`parallel.prefetch_after_attention`, the default, as the
-    trainer runs it), the gather starts after every rank's last attention step and the
-    forward layer is shorter. The baselines keep FSDP2's own timing."""
+    block's attention is done (`parallel.prefetch_after_attention`, which the cost model
+    chooses here, as the trainer runs it), the gather starts after every rank's last
+    attention step and the forward layer is shorter. The baselines keep FSDP2's own
+    timing."""
     steps = {}
     for after in (True, False):
+        unset_or_off = "null" if after else "false"
         config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=8",
                                     "model.preset=13b", "train.tokens_per_rank=5120",
                                     "parallel.weights=fsdp", "parallel.sequence=zeppelin",
                                     "parallel.routing=true", "parallel.remap=true",
-                                    f"parallel.prefetch_after_attention={str(after).lower()}",
+                                    f"parallel.prefetch_after_attention={unset_or_off}",
                                     ])  # fmt: skip
         run = RunModel.create(config, Hardware.preset(build_topology(config.topology)))
         plan, remap = plan_batch(batch_lengths("prolong64k", 4096 * 64, 0), run)
@@ -460,6 +462,6 @@ def test_a_block_gathers_the_next_one_after_its_attention_so_the_ring_has_the_ni
     from ray_zep.sim.compare import variant_config
 
     default = load_config(None, [])
-    assert variant_config(default, "zeppelin", 5120).parallel.prefetch_after_attention
+    assert variant_config(default, "zeppelin", 5120).parallel.prefetch_after_attention is None
     for other in ("te_cp", "megatron_dynamic_cp", "bytescale_hdp"):
-        assert not variant_config(default, other, 5120).parallel.prefetch_after_attention
+        assert variant_config(default, other, 5120).parallel.prefetch_after_attention is False

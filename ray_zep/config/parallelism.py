@@ -100,12 +100,13 @@ class ParallelConfig:
     prefetch: bool = True
     """fsdp | hsdp: gather the next unit's parameters while the current one
     computes (explicit forward and backward prefetch)."""
-    prefetch_after_attention: bool = True
-    """fsdp | hsdp with prefetch, blocks as units: a block gathers the next unit's
+    prefetch_after_attention: bool | None = None
+    """fsdp | hsdp with prefetch, blocks as units: true: a block gathers the next unit's
     parameters once its attention has run, while its output projection and
-    feed-forward compute, so that the gather does not share the NICs with the ring's
-    K/V (at 4k tokens per GPU, 13b, `bench scale` models steps 0-9% shorter); false:
-    when the block starts, as FSDP2's explicit prefetch does."""
+    feed-forward compute, so that the gather and the ring's K/V do not queue behind
+    each other on the NICs; false: when the block starts, as FSDP2's explicit prefetch
+    does. Unset: whichever the cost model says exposes less
+    (ray_zep.parallel.prefetch)."""
     fsdp_unit: FsdpUnit = FsdpUnit.BLOCK
     """fsdp | hsdp: block | linear, what one FSDP2 unit gathers: a transformer block,
     or each projection of a dense block apart (less memory, more collectives)."""

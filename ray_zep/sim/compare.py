@@ -214,6 +214,7 @@ def simulate_te_padded(lengths: np.ndarray, run: RunModel) -> StepResult:
 def variant_config(config: Config, name: str, tokens_per_rank: int) -> Config:
     """`config` with the variant's placement, routing and remap, and L = `tokens_per_rank`."""
     variant = VARIANTS[name]
+    late = config.parallel.prefetch_after_attention
     weights = config.parallel.weights
     if WEIGHTS_AXES[weights].family is not Family.AUTOGRAD:
         weights = WeightsMode.REPLICATED
@@ -225,7 +226,7 @@ def variant_config(config: Config, name: str, tokens_per_rank: int) -> Config:
         remap=variant.remap,
         zone_policy=variant.zone_policy or config.parallel.zone_policy,
         dkv_wire=variant.dkv_wire or config.parallel.dkv_wire,
-        prefetch_after_attention=config.parallel.prefetch_after_attention and not variant.foreign,
+        prefetch_after_attention=False if variant.foreign else late,
     )
     train = dataclasses.replace(config.train, tokens_per_rank=tokens_per_rank)
     return dataclasses.replace(config, parallel=parallel, train=train)

@@ -52,15 +52,7 @@ from functools import partial
 import numpy as np
 
 from ray_zep.collectives.switcher import Kind
-from ray_zep.config import (
-    Compression,
-    Config,
-    DkvWire,
-    FsdpUnit,
-    MoEPipeline,
-    ParallelConfig,
-    Precision,
-)
+from ray_zep.config import Compression, Config, DkvWire, MoEPipeline, Precision
 from ray_zep.costmodel import (
     BACKWARD_LINEAR_FACTOR,
     BYTES_PER_ELEMENT,
@@ -71,6 +63,7 @@ from ray_zep.model_shapes import ModelShape, build_shape
 from ray_zep.options import ActivationCheckpointing, CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, WeightsMode
 from ray_zep.parallel.memory import fsdp_units
+from ray_zep.parallel.prefetch import gathers_after_attention
 from ray_zep.partition import greedy_bins, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.remap.solver import RemapPlan
@@ -279,7 +272,10 @@ def simulate_plans(
     ring_on_arrays = partial(array_ring, topology=plan.topology, routed=routed)
     routing = RoutingPlan.build(plan, routed=routed, all_hops=True, skip=ring_on_arrays,
                                 dkv_owner=base.dkv_owner)  # fmt: skip
-    late = gathers_after_attention(base.config.parallel)
+    config = base.config
+    mean_tokens = config.train.tokens_per_rank * config.data.batch_fill
+    late = gathers_after_attention(config.parallel, hw.topology, shape, mean_tokens,
+                                   base.element_bytes)  # fmt: skip
     setup = LayerSetup(plan, shape, cost, hw.rates, routing, remap, base.element_bytes,
                        base.dkv_bytes, weights[0].layer_sync, weights[0].groups,
                        weights[0].layer_latency, codecs[0],
@@ -300,13 +296,6 @@ def simulate_plans(
         recompute = recompute_seconds(run, layers[0], max(tokens, default=0))
         results.append(_result(plan, run, layers, head, paid, experts, remap, recompute))
     return results
-
-
-def gathers_after_attention(parallel: ParallelConfig) -> bool:
-    """Whether each block gathers the next unit once its attention is done
-    (`ray_zep.train.fsdp.gather_after_attention`): FSDP2 with prefetch, blocks as units."""
-    return (parallel.weights_axis.fsdp and parallel.prefetch and parallel.prefetch_after_attention
-            and parallel.fsdp_unit is FsdpUnit.BLOCK)  # fmt: skip
 
 
 def weights_of(run: RunModel, codec: WireCodec | None = None) -> WeightsCost:

@@ -9,6 +9,7 @@ optimizes and checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from ray_zep.model.llama import Transformer
 from ray_zep.model_shapes import build_shape
 from ray_zep.moe.parallel import ExpertParallel, parallelize_experts
 from ray_zep.parallel.axes import Family, Passing
+from ray_zep.parallel.prefetch import gathers_after_attention
 from ray_zep.pipeline.runner import WeightPipeline
 from ray_zep.train.fsdp import mesh_shape, shard_model
 
@@ -132,7 +134,11 @@ def apply_axes(
     if sharded:
         split = [m.experts for m in model.moe_layers()] if experts.groups else []
         zipped = switches.for_group(comm.groups.fsdp_shard) if switches else None
-        shard_model(model, comm, parallel, device, dtype, split, zipped)
+        mean_tokens = config.train.tokens_per_rank * config.data.batch_fill
+        late = gathers_after_attention(parallel, comm.topology, model.shape, mean_tokens,
+                                       dtype.itemsize)  # fmt: skip
+        resolved = dataclasses.replace(parallel, prefetch_after_attention=late)
+        shard_model(model, comm, resolved, device, dtype, split, zipped)
         # fully_shard replaced the parameters with sharded ones
         experts.expert_params = [p for m in split for p in m.parameters()]
     split_ids = {id(p) for p in experts.expert_params}

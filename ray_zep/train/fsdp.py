@@ -17,9 +17,10 @@ once per call, in an order that can differ between ranks. Where every rank holds
 other experts (parallel.ep = ranks), FSDP leaves them alone.
 
 With `parallel.prefetch`, each unit gathers the next one in forward and the previous
-one in backward while it computes; under `parallel.prefetch_after_attention` (the
-default) a block gathers the next unit once its attention has run, so that the gather
-and the ring's K/V do not meet on the NICs (`gather_after_attention`).
+one in backward while it computes; under `parallel.prefetch_after_attention`
+(resolved by `ray_zep.parallel.prefetch` where unset) a block gathers the next unit once
+its attention has run, so that the gather and the ring's K/V do not meet on the NICs
+(`gather_after_attention`).
 
 `parallel.fsdp_unit=linear` also makes each projection of a dense block a unit
 of its own, the block's unit keeping its norms. A block unit holds the block's
@@ -129,7 +130,7 @@ def shard_model(
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
     if parallel.prefetch:
-        _set_prefetch(units, nested, parallel.prefetch_after_attention)
+        _set_prefetch(units, nested, bool(parallel.prefetch_after_attention))
     if collectives is not None:
         switch_collectives([*every, root], collectives)
     return [*every, root]
