@@ -25,7 +25,7 @@ from ray_zep.parallel.memory import mean_block_params
 from ray_zep.topology import Topology
 
 if TYPE_CHECKING:
-    from ray_zep.config import ParallelConfig
+    from ray_zep.config import Config, ParallelConfig
 
 
 def gathers_after_attention(
@@ -54,3 +54,12 @@ def gathers_after_attention(
     _, after = linear_flops_per_token(shape)
     feed_forward = mean_tokens * after / preset_rates(topology.gpu_model).matmul
     return max(0.0, gather - feed_forward) < on_links
+
+
+def run_gathers_after_attention(
+    config: Config, topology: Topology, shape: ModelShape, param_bytes: int
+) -> bool:
+    """`gathers_after_attention` for a run of `config`: its ranks hold
+    `train.tokens_per_rank` x `data.batch_fill` tokens on average."""
+    mean_tokens = config.train.tokens_per_rank * config.data.batch_fill
+    return gathers_after_attention(config.parallel, topology, shape, mean_tokens, param_bytes)

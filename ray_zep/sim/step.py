@@ -63,7 +63,7 @@ from ray_zep.model_shapes import ModelShape, build_shape
 from ray_zep.options import ActivationCheckpointing, CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, WeightsMode
 from ray_zep.parallel.memory import fsdp_units
-from ray_zep.parallel.prefetch import gathers_after_attention
+from ray_zep.parallel.prefetch import run_gathers_after_attention
 from ray_zep.partition import greedy_bins, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.remap.solver import RemapPlan
@@ -272,10 +272,7 @@ def simulate_plans(
     ring_on_arrays = partial(array_ring, topology=plan.topology, routed=routed)
     routing = RoutingPlan.build(plan, routed=routed, all_hops=True, skip=ring_on_arrays,
                                 dkv_owner=base.dkv_owner)  # fmt: skip
-    config = base.config
-    mean_tokens = config.train.tokens_per_rank * config.data.batch_fill
-    late = gathers_after_attention(config.parallel, hw.topology, shape, mean_tokens,
-                                   base.element_bytes)  # fmt: skip
+    late = run_gathers_after_attention(base.config, hw.topology, shape, base.element_bytes)
     setup = LayerSetup(plan, shape, cost, hw.rates, routing, remap, base.element_bytes,
                        base.dkv_bytes, weights[0].layer_sync, weights[0].groups,
                        weights[0].layer_latency, codecs[0],

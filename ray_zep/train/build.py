@@ -24,7 +24,7 @@ from ray_zep.model.llama import Transformer
 from ray_zep.model_shapes import build_shape
 from ray_zep.moe.parallel import ExpertParallel, parallelize_experts
 from ray_zep.parallel.axes import Family, Passing
-from ray_zep.parallel.prefetch import gathers_after_attention
+from ray_zep.parallel.prefetch import run_gathers_after_attention
 from ray_zep.pipeline.runner import WeightPipeline
 from ray_zep.train.fsdp import mesh_shape, shard_model
 
@@ -134,9 +134,7 @@ def apply_axes(
     if sharded:
         split = [m.experts for m in model.moe_layers()] if experts.groups else []
         zipped = switches.for_group(comm.groups.fsdp_shard) if switches else None
-        mean_tokens = config.train.tokens_per_rank * config.data.batch_fill
-        late = gathers_after_attention(parallel, comm.topology, model.shape, mean_tokens,
-                                       dtype.itemsize)  # fmt: skip
+        late = run_gathers_after_attention(config, comm.topology, model.shape, dtype.itemsize)
         resolved = dataclasses.replace(parallel, prefetch_after_attention=late)
         shard_model(model, comm, resolved, device, dtype, split, zipped)
         # fully_shard replaced the parameters with sharded ones
