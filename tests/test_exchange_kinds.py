@@ -24,7 +24,8 @@ from ray_zep.partition.work import WorkModel
 from ray_zep.routing.link_bytes import ring_link_bytes_by_payload
 from ray_zep.routing.routes import Payload, Phase, RoutingPlan
 from ray_zep.sim import program
-from ray_zep.sim.program import LayerSetup, attention_graph
+from ray_zep.sim.graph_builder import LayerSetup
+from ray_zep.sim.program import attention_graph
 from ray_zep.sim.ring_form import ARRAY_RING, array_ring
 from ray_zep.topology import LinkKind, build_topology
 from ray_zep.traffic import collective_traffic, kv_row_bytes, ring_traffic

@@ -20,9 +20,10 @@ from ray_zep.partition import make_plan
 from ray_zep.remap.solver import solve_remap
 from ray_zep.routing.routes import Phase, RoutingPlan, Transfer, plan_route
 from ray_zep.sim.events import CorePool, Lane, TaskGraph, simulate
+from ray_zep.sim.graph_builder import LayerSetup
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
-from ray_zep.sim.program import LayerSetup, _Builder, layer_graph
+from ray_zep.sim.program import _Builder, layer_graph
 from ray_zep.sim.step import RunModel, simulate_batch, simulate_plan, weights_of
 from ray_zep.topology import LinkKind, build_topology
 

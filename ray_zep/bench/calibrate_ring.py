@@ -113,7 +113,8 @@ def modelled_layers(config: Config, hardware) -> list[float]:
     length of `CHUNK_TOKENS` (`ray_zep.sim.program`, on the cores the ranks share)."""
     from ray_zep.routing.routes import Phase, RoutingPlan
     from ray_zep.sim.events import simulate
-    from ray_zep.sim.program import LayerSetup, attention_graph
+    from ray_zep.sim.graph_builder import LayerSetup
+    from ray_zep.sim.program import attention_graph
 
     shape = build_shape(config.model)
     modelled = []

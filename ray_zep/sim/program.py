@@ -9,35 +9,24 @@ forward:  QKV projections (linear layout) -> remap q/k/v to the attention layout
           -> queue items -> remap the output back -> output projection and MLP
 backward: the same in reverse order of modules; queue items in forward order.
 
-A rank's host thread is a chain of join points. At ring step s a rank posts
-the transfer of step s (K/V for step s + 1), launches step s's compute, then
+The graph is built of `ray_zep.sim.graph_builder`'s primitives (messages on links,
+routed transfers through proxies, collectives, zipped wires). At ring step s a rank
+posts the transfer of step s (K/V for step s + 1), launches step s's compute, then
 waits for both: a transfer starts once its sender and receiver have posted it.
 Backward adds the dK/dV accumulator pass: it leaves after the step's compute and
 after the previous accumulator has arrived (under `parallel.dkv_wire=owner` an item
 inside a node or with Ulysses members sends each step's dK/dV straight to its owner
-after the step's compute, in the activation dtype, `owner_backward`). A routed
-transfer is dispatched to the send proxies, crosses nodes piece by piece, each proxy
-through its own NIC, and is combined at the destination; relay threads forward as
-soon as data arrives, without using the compute stream. An item's K/V exchange is built as
-its kind plays it (`PLAYS`, one builder per `ray_zep.partition.exchange.Play`).
-All-gathers and reduce-scatters (llama_cp's K/V, FSDP2's weights) hold every member's
-links for the bytes part of the collective's modelled time
-(`CostModel.all_gather_seconds`), each link on its own; its ring steps' latency comes
-first and holds no link (a pipelined ring's links carry its data at the bus bandwidth
-for bytes / bandwidth only; the handshakes of its W - 1 steps leave them to other
-traffic). The remap's all-to-all-v
-is played per rank and link kind (`_Builder.remap`). Ulysses exchanges are point-to-point
-transfers between the members of a ring position.
+after the step's compute, in the activation dtype, `owner_backward`). An item's K/V
+exchange is built as its kind plays it (`PLAYS`, one builder per
+`ray_zep.partition.exchange.Play`). The remap's all-to-all-v is played per rank and link
+kind (`_Builder.remap`). Ulysses exchanges are point-to-point transfers between the
+members of a ring position.
 
-With `comm.compression` (`ray_zep.sim.wire.WireCodec`), the ring K/V and dK/dV
-(`kv`; `routed_kv` through proxies: compressed at the source, decompressed at the
-destination, smaller on every hop), the Ulysses exchanges and the remap rows go
-zipped where the mode zips them, the codec's time inside the message's task; the
-compute a message overlaps is slowed by `ComputeRates.contention` as by any
-communication kernel. A ring message in flight while its ranks compute costs the
-latency of that compute where a CPU calibration measured it
-(`CostModel.ring_message_seconds`). llama_cp's K/V all-gather and dK/dV reduce-scatter
-stay plain, as in the engine. `layer_graphs` builds a layer once for several wires.
+With `comm.compression`, the Ulysses exchanges and the remap rows go zipped where the
+mode zips them, as the ring's K/V do; the compute a message overlaps is slowed by
+`ComputeRates.contention` as by any communication kernel. llama_cp's K/V all-gather and
+dK/dV reduce-scatter stay plain, as in the engine. `layer_graphs` builds a layer once for
+several wires.
 
 Elementwise work (norms, RoPE, softmax outside the kernel) and kernel launch
 gaps of the linear modules are not modelled.
@@ -49,324 +38,32 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from ray_zep.attention.schedule import position_layout
-from ray_zep.collectives.switcher import Kind, Profile
+from ray_zep.collectives.switcher import Profile
 from ray_zep.costmodel import (
     BACKWARD_ATTENTION_FACTOR,
     BACKWARD_LINEAR_FACTOR,
-    ComputeRates,
-    CostModel,
     linear_flops_per_token,
     pointwise_elements_per_token,
 )
-from ray_zep.model_shapes import ModelShape
 from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES
 from ray_zep.partition.exchange import Play
-from ray_zep.partition.plan import AttentionPlan, QueueItem
-from ray_zep.remap.solver import RemapPlan
-from ray_zep.routing.routes import Payload, Phase, RoutingPlan, Transfer, item_transfers
+from ray_zep.partition.plan import QueueItem
+from ray_zep.routing.routes import Payload, Phase, item_transfers
 from ray_zep.sim.events import Lane, Task, TaskGraph
+from ray_zep.sim.graph_builder import FP32_BYTES, GraphBuilder, LayerSetup
 from ray_zep.sim.ring_form import array_ring, hop_seconds, ring_backward, ring_forward
 from ray_zep.sim.step_costs import step_table
-from ray_zep.sim.wire import PLAIN, Stream, WireCodec
+from ray_zep.sim.wire import Stream, WireCodec
 from ray_zep.topology import LinkKind
 
-FP32_BYTES = 4
-"""dK/dV accumulators, dQ and the Ulysses gradient returns travel in float32."""
 
-
-@dataclass(frozen=True)
-class LayerSetup:
-    """What one simulated layer needs.
-
-    Attributes:
-        plan: the batch's attention plan.
-        shape: the model.
-        cost: links and latencies of the plan's topology.
-        rates: compute rates of one GPU.
-        routing: every ring transfer of the layer (`RoutingPlan.build(plan,
-            routed, all_hops=True)`).
-        remap: the remap plan, or None when linear modules run on the attention layout.
-        element_bytes: bytes of an activation element (2 for bf16).
-        dkv_bytes: bytes of a dK/dV element on the wire (our engine accumulates
-            and sends them in float32).
-        weight_sync: seconds of the layer's weight collectives, (forward,
-            backward): FSDP2 gathers the next block while this one computes (and
-            in backward also reduce-scatters the previous block's gradients); 0: none.
-        weight_groups: the rank groups those collectives run over (each holds its
-            members' links for the collective's time but its latency).
-        weight_latency: the ring steps' latency in `weight_sync`, (forward, backward).
-        codec: ZipCCL on the wire (`comm.compression`); the default sends all plain.
-        weight_groups_backward: the backward's groups where they differ (hsdp across
-            nodes: its all-reduce between the nodes' replicas crosses every NIC); empty:
-            `weight_groups`.
-        dkv_owner: `parallel.dkv_wire=owner`: items whose `QueueItem.owner_dkv` holds send
-            each step's dK/dV to their owners in `element_bytes` (`routing` lists them).
-        gather_after_attention: the forward's weight collective starts once the rank's
-            attention is done (`parallel.prefetch_after_attention`), not when the layer
-            starts: the ring's K/V meet no gather on the links.
-    """
-
-    plan: AttentionPlan
-    shape: ModelShape
-    cost: CostModel
-    rates: ComputeRates
-    routing: RoutingPlan
-    remap: RemapPlan | None = None
-    element_bytes: int = 2
-    dkv_bytes: int = 4
-    weight_sync: tuple[float, float] = (0.0, 0.0)
-    weight_groups: tuple[tuple[int, ...], ...] = ()
-    weight_latency: tuple[float, float] = (0.0, 0.0)
-    codec: WireCodec = PLAIN
-    weight_groups_backward: tuple[tuple[int, ...], ...] = ()
-    dkv_owner: bool = False
-    gather_after_attention: bool = False
-
-    def linear_tokens(self) -> list[int]:
-        """Tokens each rank's linear modules process."""
-        if self.remap is not None:
-            return list(self.remap.counts_after)
-        return [int(n) for n in self.plan.rank_tokens()]
-
-
-class _Builder:
-    """Adds one rank program after another to a graph, keeping each rank's host point."""
-
-    def __init__(self, setup: LayerSetup, phase: Phase, record: bool = False) -> None:
-        self.setup, self.phase = setup, phase
-        self.graph = TaskGraph()
-        # with `record`, how each task's duration depends on the wire, for `_retime`
-        self.record = record
-        self.recipes: list[tuple] = []
-        self.point: list[int | None] = [None] * setup.plan.world
-        self.topology = topo = setup.plan.topology
-        # per rank, its node and NIC: looked up for every message
-        self.node = [topo.node_of(r) for r in range(topo.world_size)]
-        self.nic = [topo.nic_of(r) for r in range(topo.world_size)]
-        self.profiles: dict[tuple, Profile] = {}
-        self.step_costs: dict[tuple, np.ndarray] = {}
-        self.sync_tasks: dict[int, int] = {}
-        transfers = setup.routing.forward if phase is Phase.FORWARD else setup.routing.backward
-        self.transfers: dict[tuple, list[Transfer]] = defaultdict(list)
-        for t in transfers:
-            self.transfers[t.order].append(t)
-
-    # primitives
-
-    def compute(self, rank: int, seconds: float, name: str) -> int:
-        return self.graph.add(
-            name, rank, Lane.COMPUTE, seconds, (("compute", rank),), [self.point[rank]]
-        )
-
-    def send(
-        self,
-        src: int,
-        dst: int,
-        nbytes: float,
-        deps,
-        name: str,
-        stream: Stream | None = None,
-        compute_s: float | None = None,
-    ) -> int:
-        """A message on the link between two ranks (FIFO on the sender's and receiver's
-        side), zipped where `stream` goes zipped (`WireCodec`); a ring message in flight
-        while its ranks compute `compute_s` at that compute's latency
-        (`CostModel.ring_message_seconds`)."""
-        node = self.node
-        if node[src] == node[dst]:
-            kind, lane = LinkKind.INTRA_NODE, Lane.INTRA_NODE
-            resources = (("port_out", src), ("port_in", dst))
-        else:
-            kind, lane = LinkKind.INTER_NODE, Lane.INTER_NODE
-            resources = (
-                ("nic_out", node[src], self.nic[src]),
-                ("nic_in", node[dst], self.nic[dst]),
-            )
-        cost = self.setup.cost
-        if compute_s is None:
-            plain = cost.transfer_seconds(nbytes, kind, one_sender_per_nic=True)
-        else:
-            plain = cost.ring_message_seconds(nbytes, kind, compute_s)
-        return self._wire_task(src, lane, resources, plain, (kind, stream, nbytes), deps, name)
-
-    def _wire_task(self, rank: int, lane: Lane, resources, plain: float, wire, deps, name: str):
-        """A transfer task of `plain` seconds on `resources`, zipped where its stream goes
-        (`wire`: link kind, stream or None, bytes), recorded for `_retime`."""
-        kind, stream, nbytes = wire
-        seconds = plain
-        if stream is not None and self.setup.codec.zips(stream.name):
-            seconds = self.zipped(self.setup.codec, self.profiles, plain, kind, stream, nbytes)
-        task = self.graph.add(name, rank, lane, seconds, resources, deps)
-        if self.record and stream is not None:
-            self.recipes.append(("send", task, plain, kind, stream, nbytes))
-        return task
-
-    def zipped(self, codec: WireCodec, profiles: dict, plain: float, kind, stream, nbytes) -> float:
-        """A message's seconds under `codec` (`profiles`: its link profiles, filled here)."""
-        if stream is None or not codec.zips(stream.name):
-            return plain
-        key = (kind, stream.encodes, stream.decodes)
-        if key not in profiles:
-            profiles[key] = codec.link_profile(self.setup.cost, *key)
-        return codec.seconds(plain, profiles[key], Kind.ALL_TO_ALL, stream, nbytes)
-
-    def wait(self, rank: int, deps) -> None:
-        self.point[rank] = self.graph.join(rank, [self.point[rank], *deps])
-
-    def collective(self, ranks, seconds: float, name: str) -> int:
-        """A ring collective over `ranks` on all their links (`post_collective`, its steps'
-        latency holding none); every member waits for it."""
-        latency = self.setup.cost.all_gather_seconds(0.0, ranks)
-        task = self.post_collective(ranks, seconds, name, latency)
-        for r in ranks:
-            self.wait(r, [task])
-        return task
-
-    def post_collective(
-        self, ranks, seconds: float, name: str, latency: float = 0.0, weights: bool = False
-    ) -> int:
-        """A collective over `ranks`, started once every member has posted it: `latency`
-        of its `seconds` first, holding no link, then the rest on each of its links at
-        once (every member's port, and every NIC of their nodes where they span several),
-        each link on its own: a link busy with another message delays only its own part.
-        Each link is held for the time its own bytes take on it, as a message holds
-        one: the NICs, which set a collective across nodes' pace, for all of it, a
-        member's port for its share of that pace (`_port_share`). Nobody waits for it
-        yet. The join of its parts (`weights`: the layer's weight collective, retimed
-        for other wires by `_retime`)."""
-        deps = [self.point[r] for r in ranks]
-        latency = min(latency, seconds)
-        if latency > 0:
-            deps = [self.graph.add(f"{name} latency", ranks[0], Lane.HOST, latency, (), deps)]
-        links = self._links(ranks)
-        port = self._port_share(links)
-        parts, shares = [], []
-        for rank, lane, resources in links:
-            share = port if lane is Lane.INTRA_NODE else 1.0
-            parts.append(self.graph.add(name, rank, lane, (seconds - latency) * share,
-                                        resources, deps))  # fmt: skip
-            shares.append(share)
-        if self.record and weights:
-            self.recipes += [
-                ("sync", part, share) for part, share in zip(parts, shares, strict=True)
-            ]
-        return self.graph.join(ranks[0], parts)
-
-    def _port_share(self, links) -> float:
-        """The share of a collective's time its members' ports are busy: across nodes
-        its pace is the node's NICs' (`CostModel.bus_bandwidth`) and a port moves the same
-        bytes at its own bandwidth; inside a node, all of it."""
-        if not any(lane is Lane.INTER_NODE for _, lane, _ in links):
-            return 1.0
-        topo = self.topology
-        return min(1.0, topo.nics_per_node * topo.nic_bandwidth / topo.intra_node_bandwidth)
-
-    def _links(self, ranks) -> list[tuple[int, Lane, tuple]]:
-        """(the rank it is drawn for, its lane, its resources) of every link a collective
-        over `ranks` uses."""
-        links = [(r, Lane.INTRA_NODE, (("port_out", r), ("port_in", r))) for r in ranks]
-        nodes = {self.node[r]: r for r in reversed(ranks)}  # each node's first member
-        if len(nodes) > 1:
-            nics = range(self.topology.nics_per_node)
-            links += [(first, Lane.INTER_NODE, (("nic_out", node, nic), ("nic_in", node, nic)))
-                      for node, first in nodes.items() for nic in nics]  # fmt: skip
-        return links
-
-    def post_weight_sync(self) -> dict[int, int]:
-        """This layer's weight collectives, per rank the one it joins at the layer's end."""
-        phase = 0 if self.phase is Phase.FORWARD else 1
-        seconds, latency = self.setup.weight_sync[phase], self.setup.weight_latency[phase]
-        if seconds <= 0:
-            return {}
-        out = {}
-        groups = self.setup.weight_groups
-        if phase and self.setup.weight_groups_backward:
-            groups = self.setup.weight_groups_backward
-        for group in groups:
-            task = self.post_collective(
-                list(group), seconds, "weights gather/scatter", latency, weights=True
-            )
-            out.update(dict.fromkeys(group, task))
-        self.sync_tasks = out
-        return out
-
-    def ring_transfer(
-        self, t: Transfer, row_bytes: int, src_dep, dst_dep, compute_s: float
-    ) -> tuple[list, list]:
-        """Tasks of one ring transfer in flight while its ends compute `compute_s`: (the
-        sender's messages, the receiver's messages).
-
-        A routed transfer's rows are compressed by the message that leaves the source and
-        decompressed by the one that reaches the destination; proxies pass them on as
-        they came. Each hop goes zipped where that pays for it (the trainer's source
-        decides for the whole way; `always` zips every hop, as it does)."""
-        route = t.route
-        kv = t.payload is Payload.KV
-        name = "K/V" if kv else "dK/dV"
-        value_bytes = self.setup.element_bytes if kv else self.setup.dkv_bytes
-        if route.direct:
-            stream = Stream(CompressionStream.KV.value, value_bytes, not kv)
-            deps = [src_dep, dst_dep]
-            rows = route.rows * row_bytes
-            task = self.send(route.src, route.dst, rows, deps, name, stream, compute_s)
-            return [task], [task]
-        routed = Stream(CompressionStream.ROUTED_KV.value, value_bytes, not kv)
-        src_msgs, dst_msgs = [], []
-        holds = {}
-        for proxy, (a, b) in zip(route.send_proxies, route.send_ranges, strict=True):
-            holds[proxy] = src_dep
-            if proxy != route.src and b > a:
-                stream = routed._replace(decodes=False)
-                holds[proxy] = self.send(
-                    route.src,
-                    proxy,
-                    (b - a) * row_bytes,
-                    [src_dep],
-                    f"{name} dispatch",
-                    stream,
-                    compute_s,
-                )
-                src_msgs.append(holds[proxy])
-        collected = defaultdict(list)
-        for piece in route.pieces():
-            deps = [holds[piece.sender]] + ([dst_dep] if piece.receiver == route.dst else [])
-            task = self.send(
-                piece.sender,
-                piece.receiver,
-                (piece.hi - piece.lo) * row_bytes,
-                deps,
-                f"{name} piece",
-                routed._replace(
-                    encodes=piece.sender == route.src, decodes=piece.receiver == route.dst
-                ),
-                compute_s,
-            )
-            collected[piece.receiver].append(task)
-            if piece.sender == route.src:
-                src_msgs.append(task)
-            if piece.receiver == route.dst:
-                dst_msgs.append(task)
-        for proxy, (a, b) in zip(route.recv_proxies, route.recv_ranges, strict=True):
-            if proxy != route.dst and b > a:
-                deps = [*collected[proxy], dst_dep]
-                stream = routed._replace(encodes=False)
-                combine = self.send(
-                    proxy,
-                    route.dst,
-                    (b - a) * row_bytes,
-                    deps,
-                    f"{name} combine",
-                    stream,
-                    compute_s,
-                )
-                dst_msgs.append(combine)
-        return src_msgs, dst_msgs
+class _Builder(GraphBuilder):
+    """A layer's graph as the engine runs it, rank program after rank program."""
 
     # the engine's parts
 

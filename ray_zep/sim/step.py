@@ -69,9 +69,10 @@ from ray_zep.partition.plan import AttentionPlan
 from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import Phase, RoutingPlan
 from ray_zep.sim.events import CorePool, TaskGraph, Timeline, simulate
+from ray_zep.sim.graph_builder import FP32_BYTES, LayerSetup
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.moe_block import BlockSpread, block_times, overhang_seconds
-from ray_zep.sim.program import FP32_BYTES, LayerSetup, layer_graphs
+from ray_zep.sim.program import layer_graphs
 from ray_zep.sim.ring_form import array_ring
 from ray_zep.sim.weight_passing import ShardWire, Workload
 from ray_zep.sim.weight_passing import simulate_step as weight_passing_step

@@ -54,7 +54,7 @@ class WeightsCost:
 
     Attributes:
         layer_sync: a block's collectives (forward, backward), overlapped with the
-            block's compute (`ray_zep.sim.program.LayerSetup.weight_sync`).
+            block's compute (`ray_zep.sim.graph_builder.LayerSetup.weight_sync`).
         groups: the rank groups those collectives run over.
         backward_groups: the backward's groups where they differ (hsdp across nodes:
             every rank, its all-reduce crossing every node's NICs); empty: `groups`.
