@@ -108,20 +108,52 @@ def rank_memory(
     return model_memory(shape, inputs)
 
 
-def ring_kv_keep_gb(config: Config, topology: Topology, shape: ModelShape) -> float:
+@dataclasses.dataclass(frozen=True)
+class TokenMemory:
+    """The memory model's peak of a rank as what it holds makes it, between none and L
+    tokens of each: a fixed part, and bytes per token held, per held token in a ring and
+    per token of its peers' K/V kept. The ring K/V budget (`ring_kv_keep_gb`), the room
+    a token frees (`ring_kv_room_mb`) and `keep_where_room` read the same figures."""
+
+    base: float
+    per_token: float
+    per_ring: float
+    per_kept: float
+    capacity: int
+
+    @classmethod
+    def of(cls, config: Config, topology: Topology, shape: ModelShape) -> TokenMemory:
+        capacity = config.train.tokens_per_rank
+        base = rank_memory(config, topology, shape, 0).total
+        full = rank_memory(config, topology, shape, capacity).total
+        ring = rank_memory(config, topology, shape, capacity, capacity).total
+        kept = rank_memory(config, topology, shape, capacity, 0, capacity).total
+        return cls(base, (full - base) / capacity, (ring - full) / capacity,
+                   (kept - full) / capacity, capacity)  # fmt: skip
+
+    @property
+    def ring_peak(self) -> float:
+        """The peak of a rank holding L tokens, all in rings, keeping none."""
+        return self.base + (self.per_token + self.per_ring) * self.capacity
+
+
+def ring_kv_keep_gb(
+    config: Config, topology: Topology, shape: ModelShape, memory: TokenMemory | None = None
+) -> float:
     """`parallel.ring_kv_keep_gb`, or where it is unset what a rank holding L tokens, all
     in rings, leaves of `KEEP_SHARE` of the GPU's memory (no limit on a topology with no
-    GPU memory, as a virtual CPU one)."""
+    GPU memory, as a virtual CPU one). `memory`: the model's figures, if worked out."""
     if config.parallel.ring_kv_keep_gb is not None:
         return float(config.parallel.ring_kv_keep_gb)
     if topology.gpu_memory_bytes <= 0:
         return float("inf")
-    capacity = config.train.tokens_per_rank
-    peak = rank_memory(config, topology, shape, capacity, capacity).total
-    return max(0.0, KEEP_SHARE * topology.gpu_memory_bytes - peak) / 1e9
+    memory = memory or TokenMemory.of(config, topology, shape)
+    return max(0.0, KEEP_SHARE * topology.gpu_memory_bytes - memory.ring_peak) / 1e9
 
 
-def ring_kv_room_mb(config: Config, topology: Topology, shape: ModelShape) -> float:
+def ring_kv_room_mb(
+    config: Config, topology: Topology, shape: ModelShape, memory: TokenMemory | None = None
+) -> float:
     """`parallel.ring_kv_room_mb`, or where it and `parallel.ring_kv_keep_gb` are unset
     what one token held in a ring costs in the memory model (MB), on a GPU of known
     memory; 0 otherwise."""
@@ -130,19 +162,19 @@ def ring_kv_room_mb(config: Config, topology: Topology, shape: ModelShape) -> fl
         return float(parallel.ring_kv_room_mb)
     if parallel.ring_kv_keep_gb is not None or topology.gpu_memory_bytes <= 0:
         return 0.0
-    capacity = config.train.tokens_per_rank
-    base = rank_memory(config, topology, shape, 0).total
-    peak = rank_memory(config, topology, shape, capacity, capacity).total
-    return max(0.0, peak - base) / capacity / 1e6
+    memory = memory or TokenMemory.of(config, topology, shape)
+    return max(0.0, memory.per_token + memory.per_ring) / 1e6
 
 
-def planning_parallel(config: Config, topology: Topology, shape: ModelShape) -> ParallelConfig:
+def planning_parallel(
+    config: Config, topology: Topology, shape: ModelShape, memory: TokenMemory | None = None
+) -> ParallelConfig:
     """`config.parallel` with the ring K/V budget resolved (`ring_kv_keep_gb`,
     `ring_kv_room_mb`), as the planners take it."""
     return dataclasses.replace(
         config.parallel,
-        ring_kv_keep_gb=ring_kv_keep_gb(config, topology, shape),
-        ring_kv_room_mb=ring_kv_room_mb(config, topology, shape),
+        ring_kv_keep_gb=ring_kv_keep_gb(config, topology, shape, memory),
+        ring_kv_room_mb=ring_kv_room_mb(config, topology, shape, memory),
     )
 
 
@@ -155,13 +187,20 @@ def memory_plan(
 ) -> AttentionPlan:
     """The plan of `placement` for `lengths` as a run of `config` makes it: the planner
     under `planning_parallel`, then `keep_where_room`."""
-    parallel = planning_parallel(config, topology, shape)
+    memory = None
+    if config.parallel.ring_kv_keep_gb is None and topology.gpu_memory_bytes > 0:
+        memory = TokenMemory.of(config, topology, shape)
+    parallel = planning_parallel(config, topology, shape, memory)
     plan = make_plan(placement, lengths, topology, config.train.tokens_per_rank, shape, parallel)
-    return keep_where_room(plan, config, topology, shape)
+    return keep_where_room(plan, config, topology, shape, memory)
 
 
 def keep_where_room(
-    plan: AttentionPlan, config: Config, topology: Topology, shape: ModelShape
+    plan: AttentionPlan,
+    config: Config,
+    topology: Topology,
+    shape: ModelShape,
+    memory: TokenMemory | None = None,
 ) -> AttentionPlan:
     """`plan` with more of zeppelin's rings keeping their K/V (`Exchange.RING_KEPT`).
 
@@ -171,7 +210,8 @@ def keep_where_room(
     first, keeps its K/V where each member's modelled memory (its tokens, its ring
     tokens and all the K/V it keeps, at the memory model's rates between none and L)
     stays within `KEEP_SHARE` of the GPU's. A set budget, a GPU of unknown memory, or
-    another placement or policy leaves the plan as it is."""
+    another placement or policy leaves the plan as it is. `memory`: the model's figures,
+    if worked out."""
     parallel = config.parallel
     if (
         parallel.ring_kv_keep_gb is not None
@@ -183,13 +223,7 @@ def keep_where_room(
     split = [item for item in plan.items() if item.ring_size > 1]
     if not any(item.exchange is Exchange.RING for item in split):
         return plan
-    # bytes per token held, per ring token and per kept token, between none and L of each
-    capacity = config.train.tokens_per_rank
-    base = rank_memory(config, topology, shape, 0).total
-    full = rank_memory(config, topology, shape, capacity).total
-    per_token = (full - base) / capacity
-    per_ring = (rank_memory(config, topology, shape, capacity, capacity).total - full) / capacity
-    per_kept = (rank_memory(config, topology, shape, capacity, 0, capacity).total - full) / capacity
+    memory = memory or TokenMemory.of(config, topology, shape)
     ring = np.zeros(plan.world)
     members = []  # rings not kept: (item, its ranks, its tokens, each member's peers' tokens)
     for item in split:
@@ -200,11 +234,12 @@ def keep_where_room(
             others = peer_tokens(positions, item.ulysses)
             members.append((item, ranks, float(positions.sum()), others))
     kept = kept_kv_tokens(plan)
-    used = base + per_token * plan.rank_tokens() + per_ring * ring + per_kept * kept
+    used = (memory.base + memory.per_token * plan.rank_tokens() + memory.per_ring * ring
+            + memory.per_kept * kept)  # fmt: skip
     room = KEEP_SHARE * topology.gpu_memory_bytes - used
     keep = set()
     for item, ranks, _, others in sorted(members, key=lambda m: -m[2]):
-        cost = per_kept * others
+        cost = memory.per_kept * others
         if np.all(cost <= room[ranks]):
             room[ranks] -= cost
             keep.update(item.seqs)
