@@ -32,10 +32,17 @@ add there (`_shared_nics`): in the forward a node must receive every other node'
 shard of each block it gathers, besides its K/V; in the backward it must send its
 part of every other node's gradient shard besides its dK/dV (or receive the blocks
 gathered again), each direction of a NIC at its bandwidth; hsdp's per-block
-all-reduce between the nodes' replicas crosses them in the backward. The step's bound is the
-largest of the ideal compute, the exchange, the blocks' collectives and that shared
-NIC time, plus the exposed collectives, the optimizer's share and the step's fixed
-work. Zipped collectives (`comm.compression`) are counted at the codec's best ratio.
+all-reduce between the nodes' replicas crosses them in the backward.
+
+A step's backward starts after its forward has ended (the loss needs every layer's
+output), so the two phases add. Each phase lasts at least the largest of its own parts:
+its share of the ideal compute (the forward's matmuls and attention, the backward's),
+its exchange (K/V in the forward, dK/dV in the backward), its blocks' collectives and
+its shared NIC time. The step's bound is the two phases' bounds together, plus the
+exposed collectives, the optimizer's share and the step's fixed work. (Taking the
+larger of the whole step's compute and its whole exchange instead would let a forward
+bound by the NICs borrow the backward's compute to hide them.) Zipped collectives
+(`comm.compression`) are counted at the codec's best ratio.
 
 This holds for placements that move K and V to the queries (every placement here and
 the baselines modelled beside them); a system that moved queries instead is not bound
@@ -51,15 +58,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ray_zep.costmodel import BACKWARD_ATTENTION_FACTOR, GRAD_BYTES_PER_ELEMENT
+from ray_zep.costmodel import (
+    BACKWARD_ATTENTION_FACTOR,
+    BACKWARD_LINEAR_FACTOR,
+    GRAD_BYTES_PER_ELEMENT,
+    head_flops_per_token,
+    linear_flops_per_token,
+    pointwise_elements_per_token,
+)
 from ray_zep.options import Compression
 from ray_zep.parallel.axes import WEIGHTS_AXES, Family
 from ray_zep.parallel.memory import mean_block_params
-from ray_zep.partition.work import WorkModel
 from ray_zep.sim.events import Lane
 from ray_zep.sim.ideal import fixed_seconds
 from ray_zep.sim.idle import TRANSFERS, WAITS, idle_causes
-from ray_zep.sim.step import RunModel, StepResult, head_seconds, weights_of
+from ray_zep.sim.step import RunModel, StepResult, weights_of
 from ray_zep.sim.weights import WeightsCost
 from ray_zep.sim.wire import ZIP_RATIOS
 
@@ -80,6 +93,9 @@ class StepBound:
             "none" for a batch that fits without any).
         shared_nics_s: the busiest importing node's NICs, busy with its K/V and with
             FSDP's per-block collectives where those span nodes (`_shared_nics`).
+        phases: the forward's and the backward's part of the bound: in each, the
+            largest of its compute, its exchange, its blocks' collectives and its
+            shared NIC time (the totals above are both phases').
     """
 
     seconds: float
@@ -89,10 +105,11 @@ class StepBound:
     fixed_s: float
     limit: str
     shared_nics_s: float = 0.0
+    phases: tuple[float, float] = (0.0, 0.0)
 
     @property
     def exchange_bound(self) -> bool:
-        """The exchange, not the compute or the weights, sets the bound."""
+        """The exchange outweighs the compute and the weights over the whole step."""
         return self.exchange_s > max(self.compute_s, self.weights_s)
 
     @property
@@ -113,7 +130,7 @@ def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
     """The lower bound on the step of a batch of sequences of `lengths` under `run`
     (module docstring)."""
     fixed = fixed_seconds(run)
-    compute = _unsplit_compute(lengths, run)
+    compute = _unsplit_compute(lengths, run)  # (forward, backward)
     topology = run.hardware.topology
     capacity = run.config.train.tokens_per_rank
     gpus = topology.gpus_per_node
@@ -131,18 +148,19 @@ def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
     shape = run.shape
     ratio = _best_zip_ratio(run)
     token_bytes = 2 * shape.n_kv_heads * shape.head_dim * run.element_bytes / ratio
-    phases = 2  # K and V in the forward, their gradients back in the backward
-    exchange = phases * shape.n_layers * token_bytes * seconds[limit]
+    # K and V in the forward, their gradients back in the backward: each phase moves them
+    exchange = shape.n_layers * token_bytes * seconds[limit]
     if exchange <= 0:
         limit = "none"
-    blocks = shared = 0.0
+    blocks = shared = (0.0, 0.0)
     if WEIGHTS_AXES[run.config.parallel.weights].family is Family.AUTOGRAD:
         paid = weights_of(run)  # weight passing: its own model, counted as nothing here
-        blocks = shape.n_layers * sum(paid.layer_sync)
+        blocks = tuple(shape.n_layers * s for s in paid.layer_sync)
         fixed += paid.exposed
         shared = _shared_nics(run, paid, shape.n_layers * token_bytes * node_import, ratio)
-    return StepBound(max(compute, exchange, blocks, shared) + fixed, compute, exchange, blocks,
-                     fixed, limit, shared)  # fmt: skip
+    phases = [max(compute[p], exchange, blocks[p], shared[p]) for p in (0, 1)]
+    return StepBound(sum(phases) + fixed, sum(compute), 2 * exchange, sum(blocks), fixed, limit,
+                     sum(shared), tuple(phases))  # fmt: skip
 
 
 def _best_zip_ratio(run: RunModel) -> float:
@@ -153,9 +171,12 @@ def _best_zip_ratio(run: RunModel) -> float:
     return max(ZIP_RATIOS.values())
 
 
-def _shared_nics(run: RunModel, paid: WeightsCost, node_kv: float, ratio: float) -> float:
+def _shared_nics(
+    run: RunModel, paid: WeightsCost, node_kv: float, ratio: float
+) -> tuple[float, float]:
     """Seconds the NICs of the node importing the most K/V are busy with it and with
-    FSDP's per-block collectives (module docstring), `node_kv` its K/V bytes per phase.
+    FSDP's per-block collectives (module docstring), forward and backward, `node_kv` its
+    K/V bytes per phase.
     The first block's gather and the last one's reduce-scatter (hsdp: all-reduce) are
     exposed (counted in the bound's fixed part), so n - 1 blocks are counted in each
     phase. hsdp across nodes crosses them in the backward only: each block's gradient
@@ -170,25 +191,25 @@ def _shared_nics(run: RunModel, paid: WeightsCost, node_kv: float, ratio: float)
     node_bytes_s = topology.nics_per_node * topology.nic_bandwidth
     if not foreign:
         if not paid.backward_groups:
-            return 0.0
+            return 0.0, 0.0
         share = (topology.nodes - 1) / topology.nodes
         replicas = blocks * share * block * GRAD_BYTES_PER_ELEMENT / ratio  # each way
-        return (2 * node_kv + replicas) / node_bytes_s
+        return node_kv / node_bytes_s, (node_kv + replicas) / node_bytes_s
     shard = block / nodes.size
     gathered = blocks * foreign * shard * run.element_bytes / ratio  # received per phase
     scattered = blocks * foreign * shard * GRAD_BYTES_PER_ELEMENT / ratio  # sent
     regathered = gathered if run.config.parallel.reshard_after_forward else 0.0
     forward = node_kv + gathered
     backward = max(node_kv + scattered, regathered)
-    return (forward + backward) / node_bytes_s
+    return forward / node_bytes_s, backward / node_bytes_s
 
 
-def _unsplit_compute(lengths: np.ndarray, run: RunModel) -> float:
-    """Seconds of the batch's forward and backward spread evenly over the ranks: every
-    matmul and element-wise pass at its rate, every sequence's causal attention whole at
+def _unsplit_compute(lengths: np.ndarray, run: RunModel) -> tuple[float, float]:
+    """Seconds of the batch's forward and of its backward spread evenly over the ranks:
+    every matmul and element-wise pass at its rate (the element-wise work a third in the
+    forward, as the layer graph splits it), every sequence's causal attention whole at
     the fastest kernel rate for its length, no call overheads, the head."""
     rates, shape, world = run.hardware.rates, run.shape, run.hardware.devices
-    model = WorkModel.create(shape, run.hardware.topology, rates)
     n = np.asarray(lengths, dtype=np.float64)
     flops = 4.0 * shape.n_heads * shape.head_dim * n * (n + 1) / 2
 
@@ -196,9 +217,16 @@ def _unsplit_compute(lengths: np.ndarray, run: RunModel) -> float:
         return np.maximum(*(rates.attention_rates(n, True, backward, autograd)
                             for autograd in (False, True)))  # fmt: skip
 
-    attention = flops / fastest(False) + BACKWARD_ATTENTION_FACTOR * flops / fastest(True)
-    layers = model.linear_seconds(n) + shape.n_layers * attention
-    return float(layers.sum() + head_seconds(int(n.sum()), shape, rates)) / world
+    tokens = float(n.sum())
+    matmul = tokens * sum(linear_flops_per_token(shape)) * shape.n_layers / rates.matmul
+    pointwise = rates.pointwise_seconds(tokens * pointwise_elements_per_token(shape))
+    head = tokens * head_flops_per_token(shape) / rates.matmul
+    forward = (matmul + shape.n_layers * (pointwise / 3 + float((flops / fastest(False)).sum()))
+               + head)  # fmt: skip
+    backward = BACKWARD_LINEAR_FACTOR * (matmul + head) + shape.n_layers * (
+        2 * pointwise / 3 + BACKWARD_ATTENTION_FACTOR * float((flops / fastest(True)).sum())
+    )
+    return forward / world, backward / world
 
 
 def _largest_import(lengths: np.ndarray, holds: int) -> float:
