@@ -105,6 +105,9 @@ def test_the_forward_and_the_backward_are_bounded_each_by_its_own_parts() -> Non
     whole_step = max(bound.compute_s, bound.exchange_s, bound.weights_s, bound.shared_nics_s)
     assert bound.seconds == pytest.approx(sum(bound.phases) + bound.fixed_s, rel=1e-12)
     assert bound.seconds > 1.05 * (whole_step + bound.fixed_s)
+    nics = "K/V and weight collectives on one node's NICs"
+    assert bound.setting == (nics, "compute")
+    assert bound.largest == f"forward: {nics}, backward: compute"
     results = simulate_strategies(config, hardware, batches, tuple(VARIANTS), L)
     simulated = 0
     for name, result in results.items():

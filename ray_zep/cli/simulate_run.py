@@ -63,10 +63,11 @@ def result_table(result: SimulateResult) -> str:
     if result.bounds:
         largest = sorted({b.largest for b in result.bounds})
         lines.append(
-            f"bound {np.mean([b.seconds for b in result.bounds]):.3f} s: the ideal compute, "
-            "the K/V exchange no placement avoids, the weights' collectives and both on "
-            "one node's NICs, whichever is larger, plus what no compute hides (largest "
-            f"part: {', '.join(largest)}); "
+            f"bound {np.mean([b.seconds for b in result.bounds]):.3f} s: in the forward and "
+            "in the backward, whichever is larger of the ideal compute, the K/V exchange no "
+            "placement avoids, the weights' collectives and both on one node's NICs, the "
+            "two phases added, plus what no compute hides (largest part: "
+            f"{'; '.join(largest)}); "
             "imbalance, split kernels, exposed transfers and "
             "waits split the step beyond it"
         )

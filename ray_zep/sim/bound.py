@@ -96,6 +96,7 @@ class StepBound:
         phases: the forward's and the backward's part of the bound: in each, the
             largest of its compute, its exchange, its blocks' collectives and its
             shared NIC time (the totals above are both phases').
+        setting: which of those sets each phase, forward and backward.
     """
 
     seconds: float
@@ -106,6 +107,7 @@ class StepBound:
     limit: str
     shared_nics_s: float = 0.0
     phases: tuple[float, float] = (0.0, 0.0)
+    setting: tuple[str, str] = ("compute", "compute")
 
     @property
     def exchange_bound(self) -> bool:
@@ -114,16 +116,12 @@ class StepBound:
 
     @property
     def largest(self) -> str:
-        """The largest part of the bound: compute, the exchange (and its link), the
-        blocks' weight collectives, or what no compute hides."""
-        parts = {
-            "compute": self.compute_s,
-            f"K/V exchange ({self.limit})": self.exchange_s,
-            "weight collectives": self.weights_s,
-            "K/V and weight collectives on one node's NICs": self.shared_nics_s,
-            "exposed collectives, optimizer and fixed work": self.fixed_s,
-        }
-        return max(parts, key=parts.__getitem__)
+        """What sets the bound: the part that sets both phases, or each phase's (`forward:
+        ..., backward: ...`), or what no compute hides where that outweighs them."""
+        if self.fixed_s > sum(self.phases):
+            return "exposed collectives, optimizer and fixed work"
+        forward, backward = self.setting
+        return forward if forward == backward else f"forward: {forward}, backward: {backward}"
 
 
 def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
@@ -158,9 +156,13 @@ def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
         blocks = tuple(shape.n_layers * s for s in paid.layer_sync)
         fixed += paid.exposed
         shared = _shared_nics(run, paid, shape.n_layers * token_bytes * node_import, ratio)
-    phases = [max(compute[p], exchange, blocks[p], shared[p]) for p in (0, 1)]
+    names = ("compute", f"K/V exchange ({limit})", "weight collectives",
+             "K/V and weight collectives on one node's NICs")  # fmt: skip
+    parts = [(compute[p], exchange, blocks[p], shared[p]) for p in (0, 1)]
+    phases = tuple(max(part) for part in parts)
+    setting = tuple(names[int(np.argmax(part))] for part in parts)
     return StepBound(sum(phases) + fixed, sum(compute), 2 * exchange, sum(blocks), fixed, limit,
-                     sum(shared), tuple(phases))  # fmt: skip
+                     sum(shared), phases, setting)  # fmt: skip
 
 
 def _best_zip_ratio(run: RunModel) -> float:
