@@ -29,13 +29,13 @@ def test_each_block_gathers_the_next_unit_after_its_attention_and_trains_the_sam
 
 @pytest.mark.unit
 def test_unset_it_gathers_after_attention_where_that_exposes_less() -> None:
-    """Unset, the cost model decides (`ray_zep.parallel.prefetch`): on cluster A, 7B at 4k
+    """Unset, the cost model decides (`ray_zep.prefetch_plan`): on cluster A, 7B at 4k
     tokens per GPU (L = 5,120), after attention on 64 and 1,024 GPUs, when the block starts
     on 4,096 (the gather's 16 ms of ring latency beside a feed-forward of 7 ms); a set
     value is kept; without FSDP's block units nothing is gathered by hand."""
     from ray_zep.config import load_config
     from ray_zep.model_shapes import build_shape
-    from ray_zep.parallel.prefetch import gathers_after_attention
+    from ray_zep.prefetch_plan import gathers_after_attention
     from ray_zep.topology import build_topology
 
     def late(gpus: int, *overrides: str) -> bool:

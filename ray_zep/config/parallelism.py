@@ -106,7 +106,7 @@ class ParallelConfig:
     feed-forward compute, so that the gather and the ring's K/V do not queue behind
     each other on the NICs; false: when the block starts, as FSDP2's explicit prefetch
     does. Unset: whichever the cost model says exposes less
-    (ray_zep.parallel.prefetch)."""
+    (ray_zep.prefetch_plan)."""
     fsdp_unit: FsdpUnit = FsdpUnit.BLOCK
     """fsdp | hsdp: block | linear, what one FSDP2 unit gathers: a transformer block,
     or each projection of a dense block apart (less memory, more collectives)."""

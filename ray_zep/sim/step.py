@@ -63,9 +63,9 @@ from ray_zep.model_shapes import ModelShape, build_shape
 from ray_zep.options import ActivationCheckpointing, CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, WeightsMode
 from ray_zep.parallel.memory import fsdp_units
-from ray_zep.parallel.prefetch import run_gathers_after_attention
 from ray_zep.partition import greedy_bins, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan
+from ray_zep.prefetch_plan import run_gathers_after_attention
 from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import Phase, RoutingPlan
 from ray_zep.sim.events import CorePool, TaskGraph, Timeline, simulate

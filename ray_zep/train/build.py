@@ -24,8 +24,8 @@ from ray_zep.model.llama import Transformer
 from ray_zep.model_shapes import build_shape
 from ray_zep.moe.parallel import ExpertParallel, parallelize_experts
 from ray_zep.parallel.axes import Family, Passing
-from ray_zep.parallel.prefetch import run_gathers_after_attention
 from ray_zep.pipeline.runner import WeightPipeline
+from ray_zep.prefetch_plan import run_gathers_after_attention
 from ray_zep.train.fsdp import mesh_shape, shard_model
 
 

@@ -18,7 +18,7 @@ other experts (parallel.ep = ranks), FSDP leaves them alone.
 
 With `parallel.prefetch`, each unit gathers the next one in forward and the previous
 one in backward while it computes; under `parallel.prefetch_after_attention`
-(resolved by `ray_zep.parallel.prefetch` where unset) a block gathers the next unit once
+(resolved by `ray_zep.prefetch_plan` where unset) a block gathers the next unit once
 its attention has run, so that the gather and the ring's K/V do not meet on the NICs
 (`gather_after_attention`).
 

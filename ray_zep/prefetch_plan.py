@@ -15,17 +15,13 @@ block's gather over every rank takes 20 ms (16 of them its ring steps' latency) 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from ray_zep.config import Config, ParallelConfig
 from ray_zep.costmodel import CostModel, linear_flops_per_token, preset_rates
 from ray_zep.model_shapes import ModelShape
 from ray_zep.options import FsdpUnit
 from ray_zep.parallel.axes import WEIGHTS_AXES, Sharding
 from ray_zep.parallel.memory import mean_block_params
 from ray_zep.topology import Topology
-
-if TYPE_CHECKING:
-    from ray_zep.config import Config, ParallelConfig
 
 
 def gathers_after_attention(
