@@ -19,7 +19,7 @@ from ray_zep.errors import ConfigError, PlacementError
 from ray_zep.model_shapes import build_shape
 from ray_zep.options import ActivationCheckpointing, ZonePolicy
 from ray_zep.parallel.axes import Placement
-from ray_zep.parallel.memory import kept_kv_bytes, memory_inputs
+from ray_zep.parallel.memory import kept_kv_bytes
 from ray_zep.partition import make_plan
 from ray_zep.partition.balance import balance
 from ray_zep.partition.exchange import Exchange
@@ -37,6 +37,7 @@ from ray_zep.partition.plan_memory import (
 from ray_zep.partition.stats import plan_stats
 from ray_zep.partition.work import WorkModel
 from ray_zep.partition.zeppelin import plan_zeppelin
+from ray_zep.run_memory import memory_inputs
 from ray_zep.topology import build_topology
 
 pytestmark = pytest.mark.unit

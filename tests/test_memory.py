@@ -16,7 +16,8 @@ from ray_zep.config import FsdpUnit, load_config
 from ray_zep.errors import MemoryPlanError
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import WEIGHTS_AXES, WeightsMode
-from ray_zep.parallel.memory import activation_bytes, fsdp_units, memory_inputs, state_bytes
+from ray_zep.parallel.memory import activation_bytes, fsdp_units, state_bytes
+from ray_zep.run_memory import memory_inputs
 from ray_zep.sim.request import BatchRequest
 from ray_zep.topology import build_topology
 from tests.helpers.procs import run_ranks

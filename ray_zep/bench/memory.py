@@ -39,11 +39,12 @@ from ray_zep.distributed.launch import free_port
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import WEIGHTS_AXES, Family, WeightsMode
-from ray_zep.parallel.memory import FP32, block_params, memory_inputs, state_bytes
+from ray_zep.parallel.memory import FP32, block_params, state_bytes
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
 from ray_zep.report.text_table import Column
+from ray_zep.run_memory import memory_inputs
 from ray_zep.topology import build_topology
 
 NAME = "memory"

@@ -51,18 +51,11 @@ it (3D for q, k and v, 2D for w1 and w3).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
-
-import torch
 
 from ray_zep.model_shapes import ModelShape
 from ray_zep.options import ActivationCheckpointing, FsdpUnit
 from ray_zep.parallel.axes import Family, Sharding, WeightsAxis
 from ray_zep.parallel.pipeline_layout import cut_shards
-from ray_zep.topology import Topology
-
-if TYPE_CHECKING:  # annotations only: the config imports the axes this model reads
-    from ray_zep.config import Config
 
 FP32 = 4
 ADAM_MOMENTS = 2
@@ -414,38 +407,3 @@ def _block_halves(shape: ModelShape, index: int, m: MemoryInputs) -> tuple[float
     else:
         ffn = norm + _casts(shape, 2, m) + 4 * shape.ffn_dim * c  # w1 and w3
     return attention, ffn
-
-
-def memory_inputs(
-    config: Config,
-    topology: Topology,
-    tokens: int,
-    ring_tokens: int = 0,
-    dtype: torch.dtype = torch.float32,
-    flash: bool = False,
-    on_cpu: bool = True,
-    kept_kv_tokens: float = 0.0,
-) -> MemoryInputs:
-    """What the memory model needs from a run's config for a rank holding `tokens`
-    (`on_cpu`: the rank computes on the CPU, as on a virtual topology; `kept_kv_tokens`:
-    `MemoryInputs.kept_kv_tokens`)."""
-    parallel = config.parallel
-    ranks = parallel.sequence_axis.processes(topology.world_size)
-    return MemoryInputs(
-        weights=parallel.weights_axis,
-        ep=parallel.ep,
-        ranks=ranks,
-        gpus_per_node=min(topology.gpus_per_node, ranks),
-        tokens=tokens,
-        ring_tokens=ring_tokens,
-        checkpointing=config.train.activation_checkpointing,
-        checkpoint_blocks=config.train.checkpoint_blocks,
-        checkpoint_rest=config.train.checkpoint_rest,
-        compute_bytes=torch.empty((), dtype=dtype).element_size(),
-        flash_kernel=flash,
-        on_cpu=on_cpu,
-        prefetch=parallel.prefetch,
-        fsdp_unit=parallel.fsdp_unit,
-        loss_chunk_tokens=config.model.loss_chunk_tokens,
-        kept_kv_tokens=kept_kv_tokens,
-    )

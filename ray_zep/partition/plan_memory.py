@@ -17,11 +17,12 @@ from ray_zep.errors import MemoryPlanError
 from ray_zep.model_shapes import ModelShape
 from ray_zep.options import ZonePolicy
 from ray_zep.parallel.axes import Placement, WeightsMode
-from ray_zep.parallel.memory import GB, RankMemory, memory_inputs, model_memory
+from ray_zep.parallel.memory import GB, RankMemory, model_memory
 from ray_zep.partition import make_plan
 from ray_zep.partition.exchange import Exchange
 from ray_zep.partition.plan import AttentionPlan, Zone, peer_tokens
 from ray_zep.partition.stats import PlanStats, kept_kv_tokens
+from ray_zep.run_memory import memory_inputs
 from ray_zep.topology import Topology
 
 

@@ -13,8 +13,9 @@ import torch
 
 from ray_zep.attention.kernels import tiled
 from ray_zep.data.shards import RankShard
-from ray_zep.parallel.memory import RankMemory, memory_inputs, model_memory
+from ray_zep.parallel.memory import RankMemory, model_memory
 from ray_zep.partition.plan import Zone, zone_of
+from ray_zep.run_memory import memory_inputs
 from ray_zep.train.runners import StepContext
 
 ZONES = (Zone.LOCAL, Zone.INTRA_NODE, Zone.INTER_NODE)

@@ -1,0 +1,46 @@
+"""The memory model's inputs from a run's config (`ray_zep.parallel.memory` sits below the
+config, which reads its axes; this module reads the config and hands the model plain
+inputs)."""
+
+from __future__ import annotations
+
+import torch
+
+from ray_zep.config import Config
+from ray_zep.parallel.memory import MemoryInputs
+from ray_zep.topology import Topology
+
+
+def memory_inputs(
+    config: Config,
+    topology: Topology,
+    tokens: int,
+    ring_tokens: int = 0,
+    dtype: torch.dtype = torch.float32,
+    flash: bool = False,
+    on_cpu: bool = True,
+    kept_kv_tokens: float = 0.0,
+) -> MemoryInputs:
+    """What the memory model needs from a run's config for a rank holding `tokens`
+    (`on_cpu`: the rank computes on the CPU, as on a virtual topology; `kept_kv_tokens`:
+    `MemoryInputs.kept_kv_tokens`)."""
+    parallel = config.parallel
+    ranks = parallel.sequence_axis.processes(topology.world_size)
+    return MemoryInputs(
+        weights=parallel.weights_axis,
+        ep=parallel.ep,
+        ranks=ranks,
+        gpus_per_node=min(topology.gpus_per_node, ranks),
+        tokens=tokens,
+        ring_tokens=ring_tokens,
+        checkpointing=config.train.activation_checkpointing,
+        checkpoint_blocks=config.train.checkpoint_blocks,
+        checkpoint_rest=config.train.checkpoint_rest,
+        compute_bytes=torch.empty((), dtype=dtype).element_size(),
+        flash_kernel=flash,
+        on_cpu=on_cpu,
+        prefetch=parallel.prefetch,
+        fsdp_unit=parallel.fsdp_unit,
+        loss_chunk_tokens=config.model.loss_chunk_tokens,
+        kept_kv_tokens=kept_kv_tokens,
+    )
