@@ -62,7 +62,6 @@ from ray_zep.costmodel import (
     BACKWARD_ATTENTION_FACTOR,
     BACKWARD_LINEAR_FACTOR,
     GRAD_BYTES_PER_ELEMENT,
-    head_flops_per_token,
     linear_flops_per_token,
     pointwise_elements_per_token,
 )
@@ -72,7 +71,8 @@ from ray_zep.parallel.memory import mean_block_params
 from ray_zep.sim.events import Lane
 from ray_zep.sim.ideal import fixed_seconds
 from ray_zep.sim.idle import TRANSFERS, WAITS, idle_causes
-from ray_zep.sim.step import RunModel, StepResult, weights_of
+from ray_zep.sim.program import POINTWISE_SHARES
+from ray_zep.sim.step import RunModel, StepResult, head_seconds, weights_of
 from ray_zep.sim.weights import WeightsCost
 from ray_zep.sim.wire import ZIP_RATIOS
 
@@ -208,8 +208,9 @@ def _shared_nics(
 
 def _unsplit_compute(lengths: np.ndarray, run: RunModel) -> tuple[float, float]:
     """Seconds of the batch's forward and of its backward spread evenly over the ranks:
-    every matmul and element-wise pass at its rate (the element-wise work a third in the
-    forward, as the layer graph splits it), every sequence's causal attention whole at
+    every matmul and element-wise pass at its rate (the element-wise work split between
+    the phases as the layer graph splits it, `POINTWISE_SHARES`), every sequence's causal
+    attention whole at
     the fastest kernel rate for its length, no call overheads, the head."""
     rates, shape, world = run.hardware.rates, run.shape, run.hardware.devices
     n = np.asarray(lengths, dtype=np.float64)
@@ -221,13 +222,14 @@ def _unsplit_compute(lengths: np.ndarray, run: RunModel) -> tuple[float, float]:
 
     tokens = float(n.sum())
     matmul = tokens * sum(linear_flops_per_token(shape)) * shape.n_layers / rates.matmul
-    pointwise = rates.pointwise_seconds(tokens * pointwise_elements_per_token(shape))
-    head = tokens * head_flops_per_token(shape) / rates.matmul
-    forward = (matmul + shape.n_layers * (pointwise / 3 + float((flops / fastest(False)).sum()))
-               + head)  # fmt: skip
-    backward = BACKWARD_LINEAR_FACTOR * (matmul + head) + shape.n_layers * (
-        2 * pointwise / 3 + BACKWARD_ATTENTION_FACTOR * float((flops / fastest(True)).sum())
+    pointwise = shape.n_layers * rates.pointwise_seconds(
+        tokens * pointwise_elements_per_token(shape)
     )
+    head = head_seconds(tokens, shape, rates) / (1 + BACKWARD_LINEAR_FACTOR)  # its forward
+    attention = [float((flops / fastest(b)).sum()) * shape.n_layers for b in (False, True)]
+    forward = matmul + head + sum(POINTWISE_SHARES[0]) * pointwise + attention[0]
+    backward = (BACKWARD_LINEAR_FACTOR * (matmul + head) + sum(POINTWISE_SHARES[1]) * pointwise
+                + BACKWARD_ATTENTION_FACTOR * attention[1])  # fmt: skip
     return forward / world, backward / world
 
 
