@@ -183,6 +183,23 @@ def test_simulate_reports_step_over_bound_and_where_the_rest_goes() -> None:
     assert te_cp["exposed transfers"] > max(te_cp["imbalance"], te_cp["split kernels"])
 
 
+def test_what_checkpointing_recomputes_is_named_beyond_the_bound() -> None:
+    """Under activation checkpointing the step's recomputation is its own part, not left
+    in the rest: the same batch without checkpointing has none, and with `full` on every
+    block the part is what the step says it recomputes."""
+    request = SimulateRequest("zeppelin", batches=1, distribution="chat", tokens=16 * L)
+    parts = {}
+    for mode in ("none", "full"):
+        result = run_simulate(_config(2, [f"train.activation_checkpointing={mode}"]), request)
+        strategy = result.results["zeppelin"]
+        parts[mode] = result.beyond_bound(strategy)
+        assert parts[mode]["recompute"] == strategy.steps[0].recompute_seconds
+    assert parts["none"]["recompute"] == 0.0
+    assert parts["full"]["recompute"] > 0.05 * result.bounds[0].seconds
+    # the rest is what neither run changes: checkpointing moved into its own part
+    assert parts["full"]["rest"] == pytest.approx(parts["none"]["rest"], rel=1e-6, abs=1e-9)
+
+
 def test_no_composition_of_the_demo_beats_its_bound() -> None:
     """The demo's tiny model on many packed sequences: there a kernel call's fixed cost
     and the model's own kernel rates matter, and whole-sequence packing may not beat

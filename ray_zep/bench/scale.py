@@ -9,8 +9,9 @@ average; L = that x headroom) and placement, on the same sampled batches:
   (`ray_zep.sim.ideal`), step / bound over its lower bound (`ray_zep.sim.bound`: the
   ideal, the K/V exchange no placement avoids, the weights' collectives and both on
   one node's NICs), where
-  the step beyond the bound goes (imbalance, split kernels, exposed transfers, waits; not
-  for the baselines' scheduled steps), and modelled tokens/s per GPU;
+  the step beyond the bound goes (imbalance, split kernels, exposed transfers, waits and
+  what activation checkpointing recomputes; not for the baselines' scheduled steps),
+  and modelled tokens/s per GPU;
 - inter-node bytes per step (`traffic.attention_step_traffic`: every layer's ring,
   collective and remap bytes), the planner's wall time (`plan_step`, as the data
   actor runs it: median and slowest over the batches) and the fullest rank's
@@ -175,6 +176,8 @@ class ScaleRow:
     transfers_s: float | None = None
     """Exposed transfers beyond the bound (`ray_zep.sim.bound.over_bound`)."""
     waits_s: float | None = None
+    recompute_s: float | None = None
+    """What backward recomputes under the row's activation checkpointing (`ckpt`)."""
     tokens_per_s_per_gpu: float | None = None
     work_mean: float | None = None
     work_worst: float | None = None
@@ -319,6 +322,7 @@ def _simulated_columns(row: ScaleRow, steps, ideal, bounds, n_layers: int) -> fl
         row.split_kernels_s = float(np.mean([p["split kernels"] for p in parts]))
         row.transfers_s = float(np.mean([p["exposed transfers"] for p in parts]))
         row.waits_s = float(np.mean([p["waits"] for p in parts]))
+        row.recompute_s = float(np.mean([p["recompute"] for p in parts]))
     return float(seconds.sum())
 
 
@@ -369,6 +373,7 @@ COLUMNS = (
     Column("kernels s", "split_kernels_s", ".3f"),
     Column("xfer s", "transfers_s", ".3f"),
     Column("wait s", "waits_s", ".3f"),
+    Column("recomp s", "recompute_s", ".3f"),
     Column("tok/s/GPU", "tokens_per_s_per_gpu", ".0f"),
     Column("inter GB", "inter_node_gb", ".1f"),
     Column("plan ms", "planner_ms", ".0f"),

@@ -37,6 +37,7 @@ STRATEGY_COLUMNS = (
     Column("split kernels s", "split kernels", ".3f"),
     Column("transfers s", "exposed transfers", ".3f"),
     Column("waits s", "waits", ".3f"),
+    Column("recompute s", "recompute", ".3f"),
     Column("fwd ms/layer", "forward_ms", ".2f"),
     Column("bwd ms/layer", "backward_ms", ".2f"),
     Column("grad s", "grad_seconds", ".3f"),
@@ -68,8 +69,8 @@ def result_table(result: SimulateResult) -> str:
             "placement avoids, the weights' collectives and both on one node's NICs, the "
             "two phases added, plus what no compute hides (largest part: "
             f"{'; '.join(largest)}); "
-            "imbalance, split kernels, exposed transfers and "
-            "waits split the step beyond it"
+            "imbalance, split kernels, exposed transfers, "
+            "waits and what checkpointing recomputes split the step beyond it"
         )
     return "\n".join(lines)
 

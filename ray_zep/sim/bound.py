@@ -261,6 +261,9 @@ def over_bound(step: StepResult, bound: StepBound, n_layers: int) -> dict[str, f
       after its own last task, on the layer's slowest rank (a ring the simulator plays
       on arrays, `ray_zep.sim.ring_form`: 64 members or more, unrouted, no Ulysses, is
       one task per member, so its transfers and waits count as that member's compute);
+    - recompute: what backward recomputes under the run's activation checkpointing
+      (`StepResult.recompute_seconds`: the fullest rank's memory decides it; the bound
+      leaves it out, since micro-batches holding fewer tokens at once may need none);
     - rest: everything else (the optimizer beyond its ideal share, the experts'
       all-to-alls; negative where the exchange or the weights set the bound, which the
       compute then partly hides).
@@ -280,6 +283,7 @@ def over_bound(step: StepResult, bound: StepBound, n_layers: int) -> dict[str, f
         "split kernels": float(compute.mean() + step.head_seconds - bound.compute_s),
         "exposed transfers": n_layers * sum(one[TRANSFERS] for one in idle),
         "waits": n_layers * sum(one[WAITS] for one in idle),
+        "recompute": step.recompute_seconds,
     }
     parts["rest"] = step.step_seconds - bound.seconds - sum(parts.values())
     return parts
