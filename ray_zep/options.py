@@ -96,6 +96,10 @@ class ActivationCheckpointing(Enum):
     """Keep only each block's input; backward runs the block's forward again."""
     SELECTIVE = "selective"
     """Keep the attention outputs, recompute the feed-forward (MLP or MoE) part."""
+    LINEARS = "linears"
+    """Keep each block's input and what the attention kernel keeps (its q, k, v, output
+    and log-sum-exp); backward recomputes the norms, projections and feed-forward, never
+    the attention nor its transfers."""
 
     def on_block(
         self, index: int, blocks: int, rest: ActivationCheckpointing | None = None

@@ -96,9 +96,10 @@ def test_rows_that_do_not_fit_checkpoint_and_pay_for_it() -> None:
                           tokens_per_gpu=(16384,), placements=("zeppelin",))  # fmt: skip
     (row,) = run_scale_bench(spec, progress=lambda line: None)
     mode, blocks = row.checkpointing.split()
-    blocks, _, rest = blocks.partition("+")  # "full 6/32+selective": selective after them
+    blocks, _, rest = blocks.partition("+")  # "linears 9/32+selective": selective after them
     checkpointed, layers = map(int, blocks.split("/"))
-    assert mode in ("selective", "full") and 0 < checkpointed < layers == 32, row.checkpointing
+    assert mode in ("selective", "linears", "full"), row.checkpointing
+    assert 0 < checkpointed < layers == 32, row.checkpointing
     assert rest in ("", "selective"), row.checkpointing
     assert row.fits == "yes" and row.peak_memory_gb < 80
     plain = ScaleBenchSpec(gpus=(64,), distributions=("arxiv",), models=("7b",),

@@ -61,6 +61,10 @@ CASES = {
         "parallel.sequence=zeppelin", "parallel.weights=fsdp", "data.packing=budget",
         "train.activation_checkpointing=selective",
     ],
+    "zeppelin+fsdp+linears": [
+        "parallel.sequence=zeppelin", "parallel.weights=fsdp", "data.packing=budget",
+        "train.activation_checkpointing=linears",
+    ],
     # a vocabulary large enough that the loss's tensors make the peak
     "replicated, large vocabulary": ["model.vocab_size=16384"],
     "replicated+chunked loss": ["model.loss_chunk_tokens=128", "model.vocab_size=16384"],

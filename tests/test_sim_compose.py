@@ -291,10 +291,12 @@ def test_link_fits_and_contention_from_measured_points() -> None:
 
 
 def test_activation_checkpointing_adds_what_backward_recomputes() -> None:
-    """`full` plays every block's forward again, ring exchange included; `selective` only
-    the feed-forward part, so it costs less; the step's parts still add up to it."""
+    """`full` plays every block's forward again, ring exchange included; `linears` only the
+    projections and `selective` only the feed-forward part, so they cost less; the step's
+    parts still add up to it."""
     from ray_zep.options import ActivationCheckpointing as Mode
     from ray_zep.sim.checkpointing import with_checkpointing
+    from ray_zep.sim.layer_work import recomputed_seconds
 
     base = _run(Placement.ZEPPELIN, WeightsMode.FSDP)
     lengths = _lengths(3)
@@ -304,15 +306,22 @@ def test_activation_checkpointing_adds_what_backward_recomputes() -> None:
         run = dataclasses.replace(base, config=with_checkpointing(base.config, mode))
         steps[mode] = simulate_plan(plan, run, True, remap)
     plain, selective, full = steps[Mode.NONE], steps[Mode.SELECTIVE], steps[Mode.FULL]
+    linears = steps[Mode.LINEARS]
     layers = base.shape.n_layers
     assert plain.recompute_seconds == 0.0
     assert full.recompute_seconds == pytest.approx(layers * plain.forward_layer_seconds)
     assert full.step_seconds == pytest.approx(plain.step_seconds + full.recompute_seconds)
-    assert 0 < selective.recompute_seconds < full.recompute_seconds
+    assert 0 < selective.recompute_seconds < linears.recompute_seconds < full.recompute_seconds
+    # each rank recomputes its own tokens inside the backward: never more than the
+    # fullest rank's recomputation alone, block by block
+    most = max(plan.rank_tokens() if remap is None else remap.counts_after)
+    for mode in (Mode.SELECTIVE, Mode.LINEARS):
+        alone = recomputed_seconds(base.shape, mode, most, base.hardware.rates)
+        assert steps[mode].recompute_seconds <= layers * alone * (1 + 1e-9), mode
     for step in steps.values():
         assert sum(step.breakdown(layers).values()) == pytest.approx(step.step_seconds)
     # on the first block only (train.checkpoint_blocks=1): that block's share
-    for mode in (Mode.FULL, Mode.SELECTIVE):
+    for mode in (Mode.FULL, Mode.SELECTIVE, Mode.LINEARS):
         run = dataclasses.replace(base, config=with_checkpointing(base.config, mode, 1))
         one = simulate_plan(plan, run, True, remap)
         assert one.recompute_seconds == pytest.approx(steps[mode].recompute_seconds / layers)

@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> BenchResult:
             raise ConfigError(f"--weights item {name!r}: choose from {', '.join(known)}")
     for name in checkpointing:
         if name not in [m.value for m in ActivationCheckpointing]:
-            raise ConfigError(f"--checkpointing item {name!r}: none, full or selective")
+            modes = ", ".join(m.value for m in ActivationCheckpointing)
+            raise ConfigError(f"--checkpointing item {name!r}: choose from {modes}")
     rows = run_cases(config, cases(weights, checkpointing), args.steps)
     checks = goals(rows, config)
     spec = {"weights": weights, "checkpointing": checkpointing, "steps": args.steps}

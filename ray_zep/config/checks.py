@@ -71,26 +71,31 @@ def check_evaluation(train: TrainConfig, data: DataConfig) -> None:
         )
 
 
+BENEATH_SELECTIVE = (ActivationCheckpointing.FULL, ActivationCheckpointing.LINEARS)
+"""The modes whose first blocks `train.checkpoint_rest=selective` may follow: those that
+keep less than `selective` does."""
+
+
 def check_checkpointing(train: TrainConfig, model: ModelConfig) -> None:
     """`train.checkpoint_blocks` counts blocks the model has, under a checkpointing mode."""
     blocks = train.checkpoint_blocks
     rest = train.checkpoint_rest
     if rest is not ActivationCheckpointing.NONE and (
         rest is not ActivationCheckpointing.SELECTIVE
-        or train.activation_checkpointing is not ActivationCheckpointing.FULL
+        or train.activation_checkpointing not in BENEATH_SELECTIVE
         or not blocks
     ):
         raise ConfigError(
             f"config key train.checkpoint_rest={rest.value}: only selective, beneath "
-            "train.activation_checkpointing=full on the first train.checkpoint_blocks "
-            "(1 or more) blocks; or set it to none"
+            "train.activation_checkpointing=full or linears on the first "
+            "train.checkpoint_blocks (1 or more) blocks; or set it to none"
         )
     if not blocks:
         return
     if train.activation_checkpointing is ActivationCheckpointing.NONE:
         raise ConfigError(
             f"config key train.checkpoint_blocks={blocks}: train.activation_checkpointing="
-            "none checkpoints no block; set it to full or selective, or the key to 0"
+            "none checkpoints no block; set it to full, linears or selective, or the key to 0"
         )
     layers = build_shape(model).n_layers
     if blocks > layers:

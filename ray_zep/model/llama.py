@@ -135,7 +135,8 @@ class Block(nn.Module):
         (`ray_zep.moe.pipeline`), or None."""
         self.checkpointing = ActivationCheckpointing.NONE
         """What backward recomputes (`train.activation_checkpointing`). A pipelined
-        block interleaves attention and experts, so `selective` recomputes it whole."""
+        block interleaves attention and experts, so `selective` and `linears` recompute
+        it whole."""
         self.compiled: dict[str, Callable] = {}
         """The regions `compile_regions` compiled, by name (`qkv`, `ffn`)."""
 
@@ -158,7 +159,7 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         mode = self.checkpointing if torch.is_grad_enabled() else ActivationCheckpointing.NONE
         whole = mode is ActivationCheckpointing.FULL or (
-            mode is ActivationCheckpointing.SELECTIVE and self.pipeline is not None
+            mode is not ActivationCheckpointing.NONE and self.pipeline is not None
         )
         if whole:
             return _recomputed(self._forward, x_TD, rope, seqs, attention)
@@ -172,12 +173,21 @@ class Block(nn.Module):
     def plain_forward(self, x_TD, rope, seqs, attention) -> torch.Tensor:
         """Attention, then the feed-forward, with no overlap."""
         qkv = self.compiled.get("qkv", self.attention_inputs)
+        mode = self.checkpointing if torch.is_grad_enabled() else ActivationCheckpointing.NONE
+        if mode is ActivationCheckpointing.LINEARS:
+            out_THE, _ = attention(*_recomputed(qkv, x_TD, rope), seqs, causal=True)
+            return _recomputed(self._after_attention, x_TD, out_THE)
         out_THE, _ = attention(*qkv(x_TD, rope), seqs, causal=True)
         h_TD = x_TD + self.attention.output(out_THE)
         ffn = self.compiled.get("ffn", self._feed_forward)
-        if self.checkpointing is ActivationCheckpointing.SELECTIVE and torch.is_grad_enabled():
+        if mode is ActivationCheckpointing.SELECTIVE:
             return h_TD + _recomputed(ffn, h_TD)
         return h_TD + ffn(h_TD)
+
+    def _after_attention(self, x_TD: torch.Tensor, out_THE: torch.Tensor) -> torch.Tensor:
+        """The output projection, the residuals and the feed-forward, after the attention."""
+        h_TD = x_TD + self.attention.output(out_THE)
+        return h_TD + self.compiled.get("ffn", self._feed_forward)(h_TD)
 
     def attention_inputs(
         self, x_TD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]

@@ -42,7 +42,8 @@ them once (2·H·E + 2·K·E + H). The feed-forward half keeps 3D + 1 for its no
 4F for SwiGLU. An MoE feed-forward keeps 3D + 1, 2X for the gate and, per chosen
 expert, 2D + 4F' (an estimate: the gathered rows, the expert's SwiGLU and its
 output). `selective` keeps the attention half and the feed-forward's input (D);
-`full` keeps the block input (D). In bf16 the residual stream and norms stay fp32
+`linears` keeps what the attention kernel keeps and the block input (D); `full` keeps
+the block input (D). In bf16 the residual stream and norms stay fp32
 (4 bytes), matmul and attention results take 2 bytes, a norm keeps 2D + 1 in fp32
 (its output is not kept) and every projection reading it keeps its own bf16 copy of
 it (3D for q, k and v, 2D for w1 and w3).
@@ -244,6 +245,8 @@ def _recompute_gathered(shape: ModelShape, mode: ActivationCheckpointing) -> int
     if mode is ActivationCheckpointing.NONE or shape.moe_blocks == shape.n_layers:
         return 0
     projections = _projections(shape)
+    if mode is ActivationCheckpointing.LINEARS:  # q, k, v; then o and the feed-forward
+        return max(sum(projections[:3]), sum(projections[3:]))
     return sum(projections if mode is ActivationCheckpointing.FULL else projections[4:])
 
 
@@ -314,6 +317,10 @@ def activation_bytes(shape: ModelShape, m: MemoryInputs) -> float:
         if mode is ActivationCheckpointing.SELECTIVE:
             kept += attention + shape.dim * FP32
             again = feed_forward
+        elif mode is ActivationCheckpointing.LINEARS:
+            kernel = _kernel_kept(shape, m)
+            kept += kernel + shape.dim * FP32
+            again = attention - kernel + feed_forward
         else:
             kept += shape.dim * FP32
             again = attention + feed_forward
@@ -389,17 +396,20 @@ def _casts(shape: ModelShape, matmuls: int, m: MemoryInputs) -> float:
     return 0.0 if m.compute_bytes == FP32 else matmuls * shape.dim * m.compute_bytes
 
 
+def _kernel_kept(shape: ModelShape, m: MemoryInputs) -> float:
+    """Bytes per token the attention kernel keeps for its backward (with the output
+    projection's input): q, k, v as it saw them, its output and the log-sum-exp."""
+    c, he = m.compute_bytes, shape.n_heads * shape.head_dim
+    if m.flash_kernel:
+        return (2 * he + 2 * shape.n_kv_heads * shape.head_dim) * c + shape.n_heads * FP32
+    return 5 * he * c + shape.n_heads * FP32
+
+
 def _block_halves(shape: ModelShape, index: int, m: MemoryInputs) -> tuple[float, float]:
     """Bytes per token the attention half and the feed-forward half of a block keep."""
-    c = m.compute_bytes
-    d, heads, he = shape.dim, shape.n_heads, shape.n_heads * shape.head_dim
-    ke = shape.n_kv_heads * shape.head_dim
+    c, d = m.compute_bytes, shape.dim
     norm = _norm_kept(shape, m)
-    if m.flash_kernel:
-        attention = norm + (2 * he + 2 * ke) * c + heads * FP32
-    else:
-        attention = norm + 5 * he * c + heads * FP32
-    attention += _casts(shape, 3, m)  # q, k and v
+    attention = norm + _kernel_kept(shape, m) + _casts(shape, 3, m)  # casts: q, k and v
     if shape.is_moe_block(index):
         per_choice = 2 * d + 4 * shape.expert_hidden
         ffn = norm + _casts(shape, 1, m) + 2 * shape.moe_experts * FP32

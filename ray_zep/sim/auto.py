@@ -16,9 +16,9 @@ modelled (`ray_zep.partition.plan_memory.plan_memory`; neither switch changes it
 the fastest that fits every rank in the GPU's memory wins, of equally fast ones
 the one with the fewest switches on. A composition that does not fit without
 activation checkpointing, where the config sets none, is placed and played again
-under the lightest that fits (`ray_zep.sim.checkpointing.fitting_options`: selective
-or full on the fewest first blocks, `train.checkpoint_blocks`), and the step counts
-what backward recomputes.
+under the lightest that fits (`ray_zep.sim.checkpointing.fitting_options`: selective,
+linears or full on the fewest first blocks, `train.checkpoint_blocks`), and the step
+counts what backward recomputes.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ from ray_zep.parallel.memory import mean_block_params
 from ray_zep.sim.events import Lane
 from ray_zep.sim.ideal import fixed_seconds
 from ray_zep.sim.idle import TRANSFERS, WAITS, idle_causes
-from ray_zep.sim.program import POINTWISE_SHARES
+from ray_zep.sim.layer_work import POINTWISE_SHARES
 from ray_zep.sim.step import RunModel, StepResult, head_seconds, weights_of
 from ray_zep.sim.weights import WeightsCost
 from ray_zep.sim.wire import ZIP_RATIOS

@@ -1,10 +1,10 @@
 """Activation checkpointing chosen to fit the GPU's memory: none if that fits, else
-`selective` or `full` on the fewest first blocks that fit (`train.checkpoint_blocks`,
-as Megatron-LM's `--recompute-num-layers` with `--recompute-method block`), and `full`
-on the fewest first blocks with `selective` on the rest (`train.checkpoint_rest`), the
-one that recomputes less first. `ray-zep bench scale` simulates every option and keeps
-the fastest; `ray-zep plan --auto` takes the first for a composition that does not fit
-without it."""
+`selective`, `linears` or `full` on the fewest first blocks that fit
+(`train.checkpoint_blocks`, as Megatron-LM's `--recompute-num-layers` with
+`--recompute-method block`), and `linears` or `full` on the fewest first blocks with
+`selective` on the rest (`train.checkpoint_rest`), the one that recomputes less first.
+`ray-zep bench scale` simulates every option and keeps the fastest; `ray-zep plan
+--auto` takes the first for a composition that does not fit without it."""
 
 from __future__ import annotations
 
@@ -20,15 +20,20 @@ from ray_zep.partition.plan_memory import plan_memory
 from ray_zep.partition.stats import PlanStats
 from ray_zep.partition.work import WorkModel
 from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.layer_work import recomputed_seconds
 from ray_zep.sim.step import RunModel
 
 CHECKPOINTING = (
     ActivationCheckpointing.NONE,
     ActivationCheckpointing.SELECTIVE,
+    ActivationCheckpointing.LINEARS,
     ActivationCheckpointing.FULL,
 )
-"""The modes, lightest first (what backward recomputes grows down the list;
-`ray_zep.sim.step` counts it in the step)."""
+"""The modes, keeping the most first (what a block keeps shrinks down the list;
+`ray_zep.sim.step` counts what backward recomputes in the step)."""
+BENEATH_SELECTIVE = (ActivationCheckpointing.LINEARS, ActivationCheckpointing.FULL)
+"""The modes whose fewest first blocks may be followed by `selective` on the rest
+(`train.checkpoint_rest`)."""
 
 
 def with_checkpointing(
@@ -56,11 +61,12 @@ def fitting_options(
     config: Config, hardware: Hardware, run: RunModel, peak_of: Callable[[Config], float]
 ) -> list[tuple[Config, float]]:
     """The lightest activation checkpointing options whose modelled peak, `peak_of(config
-    under it)`, fits the GPU, each with that peak: none, if it fits; else `selective` and
-    `full`, each on the fewest first blocks that fit (`train.checkpoint_blocks`), and
-    `full` on the fewest first blocks that fit with `selective` on the rest, the one
-    that recomputes less by `recompute_per_block` first; where none fits on every
-    block, `full` on every block alone."""
+    under it)`, fits the GPU, each with that peak: none, if it fits; else `selective`,
+    `linears` and `full`, each on the fewest first blocks that fit
+    (`train.checkpoint_blocks`), and `linears` and `full` on the fewest first blocks that
+    fit with `selective` on the rest, the one that recomputes less by
+    `recompute_per_block` first; where none fits on every block, `full` on every block
+    alone."""
     unchecked = with_checkpointing(config, ActivationCheckpointing.NONE)
     peak = peak_of(unchecked)
     if peak <= hardware.usable_memory_bytes:
@@ -71,36 +77,40 @@ def fitting_options(
         if blocks is not None:
             cost = blocks * recompute_per_block(run, mode)
             fitting.append((cost, with_checkpointing(config, mode, blocks % layers), peak))
-    mixed = _full_then_selective(config, layers, hardware, peak_of)
-    if mixed is not None:
-        blocks, peak = mixed
-        cost = blocks * recompute_per_block(run, ActivationCheckpointing.FULL) + (
-            layers - blocks
-        ) * recompute_per_block(run, ActivationCheckpointing.SELECTIVE)
-        chosen = with_checkpointing(config, ActivationCheckpointing.FULL, blocks,
-                                    ActivationCheckpointing.SELECTIVE)  # fmt: skip
-        fitting.append((cost, chosen, peak))
+    selective = ActivationCheckpointing.SELECTIVE
+    for mode in BENEATH_SELECTIVE:
+        mixed = _then_selective(config, mode, layers, hardware, peak_of)
+        if mixed is not None:
+            blocks, peak = mixed
+            cost = blocks * recompute_per_block(run, mode) + (
+                layers - blocks
+            ) * recompute_per_block(run, selective)
+            fitting.append((cost, with_checkpointing(config, mode, blocks, selective), peak))
     if not fitting:
         heaviest = with_checkpointing(config, CHECKPOINTING[-1])
         return [(heaviest, peak_of(heaviest))]
     return [(chosen, peak) for _, chosen, peak in sorted(fitting, key=lambda f: f[0])]
 
 
-def _full_then_selective(
-    config: Config, layers: int, hardware: Hardware, peak_of: Callable[[Config], float]
+def _then_selective(
+    config: Config,
+    mode: ActivationCheckpointing,
+    layers: int,
+    hardware: Hardware,
+    peak_of: Callable[[Config], float],
 ) -> tuple[int, float] | None:
-    """(the fewest first blocks, 1 to n - 1, that `full` takes with `selective` on the
+    """(the fewest first blocks, 1 to n - 1, that `mode` takes with `selective` on the
     rest where that fits; its peak), None where it needs every block or none."""
     if layers < 2:
         return None
 
-    def under(checked: Config) -> float:  # `checked`: full on its first blocks
+    def under(checked: Config) -> float:  # `checked`: `mode` on its first blocks
         train = checked.train
         return peak_of(with_checkpointing(checked, train.activation_checkpointing,
                                           train.checkpoint_blocks,
                                           ActivationCheckpointing.SELECTIVE))  # fmt: skip
 
-    blocks, peak = fewest_blocks(config, ActivationCheckpointing.FULL, layers, hardware, under)
+    blocks, peak = fewest_blocks(config, mode, layers, hardware, under)
     if blocks is None or not 1 <= blocks < layers:
         return None
     return blocks, peak
@@ -146,11 +156,12 @@ def fewest_blocks(
 def recompute_per_block(run: RunModel, mode: ActivationCheckpointing) -> float:
     """What one checkpointed block's backward recomputes for a rank holding L tokens as
     one sequence, modelled seconds: its whole forward (`full`: a third of the block's
-    forward and backward work) or its feed-forward matmuls (`selective`). It orders
-    the options only; a simulated step counts what the chosen one recomputes."""
+    forward and backward work), its projections (`linears`) or its feed-forward part
+    (`selective`). It orders the options only; a simulated step counts what the chosen
+    one recomputes."""
     shape, tokens = run.shape, run.config.train.tokens_per_rank
-    if mode is ActivationCheckpointing.SELECTIVE:
-        return 2.0 * shape.mean_ffn_params() * tokens / run.hardware.rates.matmul
+    if mode is not ActivationCheckpointing.FULL:
+        return recomputed_seconds(shape, mode, tokens, run.hardware.rates)
     model = WorkModel.create(shape, run.hardware.topology, run.hardware.rates)
     return float(model.whole_seconds(np.asarray([tokens]))[0]) / shape.n_layers / 3
 

@@ -34,7 +34,7 @@ import numpy as np
 from ray_zep.collectives.switcher import Kind, Profile
 from ray_zep.costmodel import ComputeRates, CostModel
 from ray_zep.model_shapes import ModelShape
-from ray_zep.options import CompressionStream
+from ray_zep.options import ActivationCheckpointing, CompressionStream
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import Payload, Phase, RoutingPlan, Transfer
@@ -76,6 +76,9 @@ class LayerSetup:
         gather_after_attention: the forward's weight collective starts once the rank's
             attention is done (`parallel.prefetch_after_attention`), not when the layer
             starts: the ring's K/V meet no gather on the links.
+        recompute: the backward of a block under this activation checkpointing mode,
+            which computes parts of its forward again on each rank
+            (`ray_zep.sim.layer_work`; none and full: nothing inside the layer).
     """
 
     plan: AttentionPlan
@@ -93,6 +96,7 @@ class LayerSetup:
     weight_groups_backward: tuple[tuple[int, ...], ...] = ()
     dkv_owner: bool = False
     gather_after_attention: bool = False
+    recompute: ActivationCheckpointing = ActivationCheckpointing.NONE
 
     def linear_tokens(self) -> list[int]:
         """Tokens each rank's linear modules process."""

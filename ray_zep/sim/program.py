@@ -56,6 +56,7 @@ from ray_zep.partition.plan import QueueItem
 from ray_zep.routing.routes import Payload, Phase, item_transfers
 from ray_zep.sim.events import Lane, Task, TaskGraph
 from ray_zep.sim.graph_builder import FP32_BYTES, GraphBuilder, LayerSetup
+from ray_zep.sim.layer_work import POINTWISE_SHARES, RecomputedPart, recomputed_parts
 from ray_zep.sim.ring_form import array_ring, hop_seconds, ring_backward, ring_forward
 from ray_zep.sim.step_costs import step_table
 from ray_zep.sim.wire import Stream, WireCodec
@@ -400,6 +401,15 @@ class _Builder(GraphBuilder):
         plain += (messages - 1) * cost.link_latency(kind)
         return self._wire_task(rank, lane, resources, plain, (kind, stream, nbytes), deps, name)
 
+    def recompute(self, part: RecomputedPart | None) -> None:
+        """`part` of the block's forward computed again on every rank's linear tokens, as
+        activation checkpointing makes its backward do (none: nothing)."""
+        if part is None:
+            return
+        for rank, tokens in enumerate(self.setup.linear_tokens()):
+            task = self.compute(rank, part.seconds(tokens, self.setup.rates), part.name)
+            self.wait(rank, [task])
+
     def linear(self, flops_per_token: float, name: str, pointwise_share: float) -> None:
         """The matmuls of `flops_per_token` and `pointwise_share` of the layer's element-wise
         work on every rank's linear tokens, slowed while weight collectives run."""
@@ -420,10 +430,6 @@ class _Builder(GraphBuilder):
 
 PLAYS = {Play.ROTATE: _Builder.rotated_item, Play.GATHER: _Builder.gathered_item}
 """Each play's builder of one queue item: (builder, item index, item, position layouts)."""
-
-POINTWISE_SHARES = ((1 / 6, 1 / 6), (1 / 3, 1 / 3))
-"""Shares of a layer's element-wise work (forward and backward together) each linear
-part takes: (before attention, after it), forward then backward (backward: twice)."""
 
 
 def layer_graph(setup: LayerSetup, phase: Phase) -> TaskGraph:
@@ -511,10 +517,13 @@ def _layer_program(build: _Builder) -> None:
         build.remap(False, out_bytes, "remap output")
         build.linear(after, "output projection + MLP", shares[1])
     else:
+        starting, before_qkv = recomputed_parts(shape, setup.recompute)
+        build.recompute(starting)
         build.linear(after, "output projection + MLP", shares[1])
         build.remap(True, out_bytes, "remap output gradient")
         build.attention()
         build.remap(False, qkv_bytes, "remap q/k/v gradient")
+        build.recompute(before_qkv)
         build.linear(before, "QKV projection", shares[0])
     for rank, task in sync.items():
         build.wait(rank, [task])

@@ -28,11 +28,13 @@ axes; whole-sequence placements keep the rank-packed bins) and plays it:
 - weight-passing modes play `ray_zep.sim.weight_passing` on each rank's own
   sequences; the slowest rank counts;
 - activation checkpointing (`train.activation_checkpointing`, on the first
-  `train.checkpoint_blocks` blocks) adds what backward recomputes, not overlapped
-  with anything: `full` plays each such block's forward again (its ring exchange
-  included, as the trainer's recomputation reruns the engine), `selective` the
-  feed-forward part's matmuls and SwiGLU on the rank with the most linear-layout
-  tokens.
+  `train.checkpoint_blocks` blocks) adds what backward recomputes: `full` plays each
+  such block's forward again, overlapped with nothing (its ring exchange included, as
+  the trainer's recomputation reruns the engine); `selective` (the feed-forward part's
+  matmuls and SwiGLU) and `linears` (every projection and the forward's element-wise
+  work, not the attention) recompute on each rank its own tokens inside that block's
+  backward, which is played once more with those tasks (`ray_zep.sim.layer_work`): a
+  rank with slack in its backward absorbs them.
 
 ZipCCL (`comm.compression`, `comm.compression_streams`): every stream of the
 composed step goes zipped where the mode zips it (`ray_zep.sim.wire.WireCodec`):
@@ -52,7 +54,7 @@ from functools import partial
 import numpy as np
 
 from ray_zep.collectives.switcher import Kind
-from ray_zep.config import Compression, Config, DkvWire, MoEPipeline, Precision
+from ray_zep.config import Compression, Config, DkvWire, MoEPipeline, Precision, TrainConfig
 from ray_zep.costmodel import (
     BACKWARD_LINEAR_FACTOR,
     BYTES_PER_ELEMENT,
@@ -71,6 +73,7 @@ from ray_zep.routing.routes import Phase, RoutingPlan
 from ray_zep.sim.events import CorePool, TaskGraph, Timeline, simulate
 from ray_zep.sim.graph_builder import FP32_BYTES, LayerSetup
 from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.layer_work import recomputed_parts
 from ray_zep.sim.moe_block import BlockSpread, block_times, overhang_seconds
 from ray_zep.sim.program import layer_graphs
 from ray_zep.sim.ring_form import array_ring
@@ -282,6 +285,11 @@ def simulate_plans(
     wires = list(dict.fromkeys((c, w.layer_sync) for c, w in zip(codecs, weights, strict=True)))
     forward = _simulated(layer_graphs(setup, Phase.FORWARD, wires), hw.pool)
     backward = _simulated(layer_graphs(setup, Phase.BACKWARD, wires), hw.pool)
+    recomputing = {  # the backward of a block that recomputes parts of its forward itself
+        mode: _simulated(layer_graphs(dataclasses.replace(setup, recompute=mode),
+                                      Phase.BACKWARD, wires), hw.pool)
+        for mode in recomputed_blocks(base.config.train, shape)
+    }  # fmt: skip
     tokens = setup.linear_tokens()
     head = head_seconds(max(tokens, default=0), shape, hw.rates)
     piped = any(r.config.parallel.moe_pipeline is not MoEPipeline.NONE for r in runs)
@@ -291,7 +299,8 @@ def simulate_plans(
         wire = wires.index((codec, paid.layer_sync))
         layers = (forward[wire], backward[wire])
         experts = expert_seconds(run, tokens, lengths)
-        recompute = recompute_seconds(run, layers[0], max(tokens, default=0))
+        again = {mode: timelines[wire] for mode, timelines in recomputing.items()}
+        recompute = recompute_seconds(run, layers, again)
         results.append(_result(plan, run, layers, head, paid, experts, remap, recompute))
     return results
 
@@ -312,29 +321,33 @@ def head_seconds(tokens, shape: ModelShape, rates: ComputeRates):
     return (1 + BACKWARD_LINEAR_FACTOR) * tokens * head_flops_per_token(shape) / rates.matmul
 
 
-def recompute_seconds(run: RunModel, forward: Timeline, tokens: int) -> float:
-    """What backward recomputes in every checkpointed block under the run's activation
-    checkpointing (module docstring; `train.checkpoint_blocks` of them, and
-    `train.checkpoint_rest` on the others): the forward layer's makespan (`full`), or
-    the feed-forward part's forward over `tokens`, the most any rank holds
-    (`selective`)."""
-    train, shape = run.config.train, run.shape
-    mode, blocks = train.activation_checkpointing, train.checkpointed(shape.n_layers)
-    if mode is ActivationCheckpointing.NONE:
-        return 0.0
-    on_full = mode is ActivationCheckpointing.FULL
-    full = blocks if on_full else 0
-    selective = train.rest_checkpointed(shape.n_layers) if on_full else blocks
-    rates = run.hardware.rates
-    matmul = 2.0 * shape.mean_ffn_params() * tokens / rates.matmul
-    width = shape.mean_ffn_params() / (3 * shape.dim)  # SwiGLU width, MoE blocks averaged
-    swiglu = rates.pointwise_seconds(SWIGLU_FORWARD_PASSES * width * tokens)
-    return full * forward.makespan + selective * (matmul + swiglu)
+def recompute_seconds(run: RunModel, layers: tuple[Timeline, Timeline], recomputing: dict) -> float:
+    """What backward recomputes under the run's activation checkpointing (module
+    docstring): the forward layer's makespan again in every `full` block, and in every
+    block whose backward recomputes parts of its own forward (`selective`, `linears`;
+    `train.checkpoint_rest` on the blocks after the first `train.checkpoint_blocks`) the
+    makespan that backward (`recomputing`, by mode) takes beyond the plain one."""
+    forward, backward = layers
+    blocks = recomputed_blocks(run.config.train, run.shape)
+    full = run.config.train.activation_checkpointing is ActivationCheckpointing.FULL
+    seconds = run.config.train.checkpointed(run.shape.n_layers) * forward.makespan if full else 0.0
+    for mode, count in blocks.items():
+        seconds += count * (recomputing[mode].makespan - backward.makespan)
+    return seconds
 
 
-SWIGLU_FORWARD_PASSES = 3
-"""Passes over the feed-forward width of SwiGLU's forward: two inputs read, one output
-written (the element-wise model counts 6 for forward and backward)."""
+def recomputed_blocks(train: TrainConfig, shape: ModelShape) -> dict[ActivationCheckpointing, int]:
+    """Blocks whose backward recomputes parts of their own forward, by mode (`selective`,
+    `linears`): the first `train.checkpoint_blocks` under the mode, the rest under
+    `train.checkpoint_rest`."""
+    blocks: dict[ActivationCheckpointing, int] = {}
+    for index in range(shape.n_layers):
+        mode = train.activation_checkpointing.on_block(
+            index, train.checkpoint_blocks, train.checkpoint_rest
+        )
+        if any(part is not None for part in recomputed_parts(shape, mode)):
+            blocks[mode] = blocks.get(mode, 0) + 1
+    return blocks
 
 
 def _result(
