@@ -16,9 +16,9 @@ average; L = that x headroom) and placement, on the same sampled batches:
   collective and remap bytes), the planner's wall time (`plan_step`, as the data
   actor runs it: median and slowest over the batches) and the fullest rank's
   modelled memory under the lightest activation checkpointing that fits the GPU
-  (`ckpt`: none, or selective or full on the fewest first blocks that fit, as
-  Megatron-LM's `--recompute-num-layers`, "full 12/40" on 12 of 40 blocks, whichever
-  simulates faster where both fit; the step counts what backward recomputes), and
+  (`ckpt`: none, or selective, linears or full on the fewest first blocks that fit,
+  as Megatron-LM's `--recompute-num-layers`, "full 12/40" on 12 of 40 blocks, whichever
+  simulates fastest where several fit; the step counts what backward recomputes), and
   whether it fits (`fits`: no row is dropped for not fitting even with full
   checkpointing; one that does not is marked). The batches are planned under the
   lightest checkpointing in which a rank of L tokens fits, the mode a run of that L
