@@ -312,8 +312,10 @@ def test_activation_checkpointing_adds_what_backward_recomputes() -> None:
     assert full.recompute_seconds == pytest.approx(layers * plain.forward_layer_seconds)
     assert full.step_seconds == pytest.approx(plain.step_seconds + full.recompute_seconds)
     assert 0 < selective.recompute_seconds < linears.recompute_seconds < full.recompute_seconds
-    # each rank recomputes its own tokens inside the backward: never more than the
-    # fullest rank's recomputation alone, block by block
+    # each rank recomputes its own tokens inside the backward, where this batch's
+    # ranks with fewer tokens or slack hide part of it: the step pays no more than the
+    # fullest rank's recomputation alone, block by block (not a law: a recomputation that
+    # delays a ring's start can cost its peers more)
     most = max(plan.rank_tokens() if remap is None else remap.counts_after)
     for mode in (Mode.SELECTIVE, Mode.LINEARS):
         alone = recomputed_seconds(base.shape, mode, most, base.hardware.rates)
