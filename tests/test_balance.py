@@ -343,21 +343,22 @@ def test_a_level_that_cannot_win_is_abandoned_early_with_the_same_placement(
     `_HopelessCheck`): the placement is the one that dealing them all would choose (on
     arxiv a later level wins, which a check that gave up every level would miss), and on
     16k tokens per GPU of the chat mix some level is given up that way."""
-    import ray_zep.partition.balance as balancing
+    import ray_zep.partition.level_fill as level_fill
+    from ray_zep.partition.balance import balance
 
     topology, shape = _cluster(nodes)
     model = WorkModel.create(shape, topology, routed=True)
     lengths = batch_lengths(distribution, 16384 * topology.world_size, 0)
     verdicts = []
-    hopeless = balancing._HopelessCheck.hopeless
+    hopeless = level_fill._HopelessCheck.hopeless
 
     def noted(self, position, load, tokens):
         verdicts.append(hopeless(self, position, load, tokens))
         return verdicts[-1]
 
-    monkeypatch.setattr(balancing._HopelessCheck, "hopeless", noted)
-    checked = balancing.balance(lengths, topology, 20480, model)
+    monkeypatch.setattr(level_fill._HopelessCheck, "hopeless", noted)
+    checked = balance(lengths, topology, 20480, model)
     assert any(verdicts) == (distribution == "chat")
-    monkeypatch.setattr(balancing._HopelessCheck, "hopeless", lambda *_: False)
-    dealt = balancing.balance(lengths, topology, 20480, model)
+    monkeypatch.setattr(level_fill._HopelessCheck, "hopeless", lambda *_: False)
+    dealt = balance(lengths, topology, 20480, model)
     assert checked == dealt

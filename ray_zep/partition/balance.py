@@ -26,7 +26,7 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    room under lam among those with token room (best fit decreasing). A ring whose
    member work counted on keeping its peers' K/V beyond the model's budget, in the
    memory its members' unheld tokens free (`WorkModel.keeps_kv`), holds that room as
-   tokens first (`_kept_room`), so that the fill leaves it free. One that fits
+   tokens first (`level_fill.kept_room`), so that the fill leaves it free. One that fits
    under lam nowhere becomes a small ring inside a node where its work is worth one
    (`SMALL_RING_SHARE`), else goes to the least loaded rank with token room; one
    that no rank has token room for fills the free tokens of the ranks with most.
@@ -41,14 +41,20 @@ so 4,096 ranks and thousands of sequences take milliseconds to a few hundred.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from ray_zep.errors import PlacementError
 from ray_zep.partition.exchange import Exchange
-from ray_zep.partition.fill import water_fill
-from ray_zep.partition.load_index import LoadIndex
+from ray_zep.partition.level_fill import (
+    SMALL_RING_SHARE,
+    Placed,
+    fill_whole,
+    kept_room,
+    shared_ring,
+    small_ring_seconds,
+)
 from ray_zep.partition.node_slots import NodeSlots
 from ray_zep.partition.plan import SeqPlacement, bounds_for_counts, local_placement
 from ray_zep.partition.ring_groups import alone_rings, fewest_ranks, group_rings
@@ -66,14 +72,6 @@ BISECTIONS = 3
 """Halvings of the gap between the last infeasible and the first feasible level."""
 DEGREE_ROUNDS = 24
 """Rounds of the vectorised degree search (each grows unfinished degrees by 1/8)."""
-SMALL_RING_SHARE = 0.25
-"""A whole sequence that fits under the level nowhere becomes a small ring only when
-its work is at least this share of the level (a shorter one overshoots by little)."""
-SPILL_CANDIDATES = 64
-"""Ranks with most free tokens sorted first when a sequence spills (all, if they lack room)."""
-CHECK_EVERY = 256
-"""Sequences the whole-sequence fill deals between two checks that its level can still
-win (`_HopelessCheck`): each check is a few array operations over the ranks."""
 MIN_GAIN = 0.03
 """A ring grows only while that lowers its member work by at least this share."""
 USP_NODES = (*range(2, 33), 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
@@ -81,40 +79,6 @@ USP_NODES = (*range(2, 33), 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 51
 32, where one node more or less is a large share of a group (on `bench scale`'s grid,
 13b 256 GPUs chat 4k 2.79 -> 2.23 step / bound over the coarser 2, 3, 4, 5, 6, 8, 10,
 12, 16, 20, 24, 32), coarser beyond."""
-
-
-@dataclass
-class Placed:
-    """One level's placement: every sequence's ranks and member token counts."""
-
-    load: np.ndarray
-    """Modelled work of every rank, seconds."""
-    tokens: np.ndarray
-    in_ring: np.ndarray
-    """Ranks already in a ring: a rank joins at most one, so that every ring starts
-    at once on all its members (the engine runs a rank's rings one after another,
-    and a second ring would wait for the members' first ones)."""
-    groups: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
-    """Ring sequences: seq -> (ranks ascending, tokens of each)."""
-    ulysses: dict[int, int] = field(default_factory=dict)
-    """Ring sequences whose ring positions are whole nodes exchanging heads: seq -> U."""
-    local: dict[int, int] = field(default_factory=dict)
-    """Whole sequences: seq -> rank."""
-    kept_rings: set[tuple[int, ...]] = field(default_factory=set)
-    """Rings (their ranks) that keep their K/V beyond the work model's budget, in token
-    room their members leave free (`_kept_room`)."""
-    pruned: bool = False
-    """Abandoned once a rank's work reached the busiest rank of a placement made before
-    it: it can only end as busy or busier, and on a tie the earlier one is kept, so it
-    is never chosen."""
-
-    @classmethod
-    def empty(cls, world: int) -> Placed:
-        return cls(np.zeros(world), np.zeros(world, dtype=np.int64), np.zeros(world, dtype=bool))
-
-    @property
-    def busiest(self) -> float:
-        return float("inf") if self.pruned else float(self.load.max())
 
 
 def balance(
@@ -144,10 +108,10 @@ def balance(
     mean = float(work.sum()) / topology.world_size
     # what each level may do with a sequence is costed once, for the sequences it may
     # happen to: split (work over the lowest level, or over L tokens), or become a small
-    # ring (split, or worth `SMALL_RING_SHARE` of the lowest level: `_fill_whole`)
+    # ring (split, or worth `SMALL_RING_SHARE` of the lowest level: `fill_whole`)
     splittable = (work > mean * LEVELS[0]) | (lengths > capacity)
     ring_candidates = splittable | (work >= SMALL_RING_SHARE * (mean * LEVELS[0]))
-    small = _small_ring_seconds(lengths, topology.gpus_per_node, model, ring_candidates)
+    small = small_ring_seconds(lengths, topology.gpus_per_node, model, ring_candidates)
     usp = None
     if usp_groups and topology.nodes > 1 and model.usp_heads_divide():
         usp = UspGrid.of(lengths, splittable, capacity, topology, model)
@@ -262,8 +226,8 @@ def _place_at(
                 placed.ulysses[seq] = gpus
         members = seqs[list(ring.members)].tolist()
         sizes = lengths[members].tolist()
-        ring_held = _shared_ring(placed, members, sizes, ranks)
-        reserve = _kept_room(placed, members, sizes, ranks, max(ring_held), capacity, model)
+        ring_held = shared_ring(placed, members, sizes, ranks)
+        reserve = kept_room(placed, members, sizes, ranks, max(ring_held), capacity, model)
         held += [h + reserve for h in ring_held]
         index += ranks
         loads += [work_k] * len(ranks)
@@ -274,7 +238,7 @@ def _place_at(
         placed.pruned = True
         return placed
     wholes = np.flatnonzero(~split)
-    _fill_whole(placed, wholes[np.argsort(-work[wholes], kind="stable")], lengths, work,
+    fill_whole(placed, wholes[np.argsort(-work[wholes], kind="stable")], lengths, work,
                 small, level, capacity, topology, model, prune_above)  # fmt: skip
     return placed
 
@@ -384,294 +348,6 @@ def _shrink(degrees: np.ndarray, low: np.ndarray, world: int) -> np.ndarray:
             np.int64
         )
     return degrees
-
-
-def _add_ring(
-    placed: Placed,
-    seq: int,
-    length: int,
-    ranks: tuple[int, ...],
-    member: float,
-    capacity: int,
-    model: WorkModel,
-) -> None:
-    index = list(ranks)
-    placed.load[index] += member
-    held = placed.tokens[index] + _shared_ring(placed, [seq], [length], ranks)
-    reserve = _kept_room(placed, [seq], [length], ranks, int(held.max()), capacity, model)
-    placed.tokens[index] = held + reserve
-    placed.in_ring[index] = True
-
-
-def _kept_room(
-    placed: Placed,
-    seqs: list[int],
-    lengths: list[int],
-    ranks: tuple[int, ...],
-    held: int,
-    capacity: int,
-    model: WorkModel,
-) -> int:
-    """Tokens each member of the ring of `seqs` over `ranks` (the fullest holding `held`
-    tokens) leaves free so that it can keep its peers' K/V, as the work model assumed
-    (`WorkModel.keeps_kv`): recorded in `placed.kept_rings` and held as tokens, so that
-    whole sequences fill only the rest. 0 where the budget alone holds them, or where the
-    room is not there (the ring then sends K/V again)."""
-    u = placed.ulysses.get(seqs[0], 1)
-    kept = sum(n - min(placed.groups[seq][1]) * u for seq, n in zip(seqs, lengths, strict=True))
-    reserve = int(model.reserved_tokens(kept, u))
-    if reserve == 0 or held + reserve > capacity:
-        return 0
-    placed.kept_rings.add(ranks)
-    return reserve
-
-
-def _shared_ring(
-    placed: Placed, seqs: list[int], lengths: list[int], ranks: tuple[int, ...]
-) -> list[int]:
-    """Records sequences on one ring over `ranks` (equal chunks each); returns the tokens
-    each member holds of them."""
-    d = len(ranks)
-    held = [0] * d
-    for seq, length in zip(seqs, lengths, strict=True):
-        chunk, extra = divmod(length, d)
-        counts = (chunk + 1,) * extra + (chunk,) * (d - extra)
-        placed.groups[seq] = (ranks, counts)
-        held = [h + c for h, c in zip(held, counts, strict=True)]
-    return held
-
-
-def _fill_whole(
-    placed: Placed,
-    order: np.ndarray,
-    lengths: np.ndarray,
-    work: np.ndarray,
-    small: np.ndarray,
-    level: float,
-    capacity: int,
-    topology: Topology,
-    model: WorkModel,
-    prune_above: float = float("inf"),
-) -> None:
-    """Best fit decreasing of whole sequences under `level`, token room permitting; one
-    that fits under it nowhere becomes a small intra-node ring where that fits. Stops,
-    `placed` marked pruned, once a rank's work reaches `prune_above`.
-
-    `order` is by work, most first, so once a sequence's work is under
-    `SMALL_RING_SHARE` of the level no later one becomes a ring: from there on the
-    ranks outside rings are no longer tracked."""
-    # one rank at a time: Python lists, written back to the arrays before the array
-    # steps (small rings, spills) read them and at the end
-    load, tokens = placed.load.tolist(), placed.tokens.tolist()
-    moved: list[int] = []
-
-    def write_back() -> None:
-        if moved:
-            ranks = np.unique(moved)
-            placed.load[ranks] = [load[r] for r in ranks.tolist()]
-            placed.tokens[ranks] = [tokens[r] for r in ranks.tolist()]
-            moved.clear()
-
-    index = LoadIndex(load, tokens)
-    spare: LoadIndex | None = LoadIndex(load, tokens)  # the ranks in no ring
-    spare.set_bound(capacity)
-    spare.drop(np.flatnonzero(placed.in_ring))
-    smallest_ring = SMALL_RING_SHARE * level
-    sizes, works = lengths[order].tolist(), work[order].tolist()
-    check = _HopelessCheck(lengths[order], work[order], capacity, prune_above)
-    for position, (seq, n, w) in enumerate(zip(order.tolist(), sizes, works, strict=True)):
-        if check.due(position) and check.hopeless(position, load, tokens):
-            placed.pruned = True
-            return
-        index.set_bound(capacity - n)
-        if w < smallest_ring:
-            spare = None
-        if spare is None:  # best fit, else the least loaded: one search
-            rank = index.take(level - w, w, n)
-            if rank is not None:
-                moved.append(rank)
-                placed.local[seq] = rank
-                if load[rank] >= prune_above:
-                    placed.pruned = True
-                    return
-                continue
-        rank = index.fullest_under(level - w)
-        ring = None
-        if rank is None:
-            rank = index.least_loaded()
-            if spare is not None:
-                write_back()
-                ring = _small_ring(placed, spare, n, w, small[seq], level, capacity, topology)
-        if rank is not None and ring is None:
-            load[rank] += w
-            if load[rank] >= prune_above:
-                placed.pruned = True
-                return
-            tokens[rank] += n
-            moved.append(rank)
-            placed.local[seq] = rank
-            index.move(rank)
-            if spare is not None:
-                spare.move(rank)
-            continue
-        write_back()
-        if ring is not None:
-            _add_ring(placed, seq, n, *ring, capacity, model)
-        else:
-            ranks = _spill_in_node(placed, n, capacity, topology.gpus_per_node)
-            _add_spill(placed, seq, n, w, ranks or _spill(placed, n, capacity), capacity)
-        ranks = placed.groups[seq][0]
-        for r in ranks:
-            load[r], tokens[r] = float(placed.load[r]), int(placed.tokens[r])
-        if max(load[r] for r in ranks) >= prune_above:
-            placed.pruned = True
-            return
-        index.update(ranks)
-        if spare is not None:
-            spare.drop(ranks)
-    write_back()
-
-
-class _HopelessCheck:
-    """Whether the sequences the fill has yet to deal must bring some rank to
-    `prune_above`, checked every `CHECK_EVERY` of them: each adds at least the least
-    seconds per token among them (`WorkModel.whole_seconds` over their length; a ring
-    or spill of one spreads at least its whole work over its tokens) to ranks within
-    their free tokens, so where the tokens the ranks can take before reaching it are
-    fewer than the rest, the placement would be pruned anyway: it is now (the same
-    outcome, without dealing thousands of short sequences at a level that cannot win)."""
-
-    def __init__(self, sizes: np.ndarray, works: np.ndarray, capacity: int, limit: float):
-        self.capacity, self.limit = capacity, limit
-        if not np.isfinite(limit) or sizes.size == 0:
-            self.rest = self.density = None
-            return
-        self.rest = np.cumsum(sizes[::-1])[::-1]
-        self.work = np.cumsum(works[::-1])[::-1]
-        self.density = np.minimum.accumulate((works / np.maximum(sizes, 1))[::-1])[::-1]
-
-    def due(self, position: int) -> bool:
-        return self.rest is not None and position % CHECK_EVERY == 0
-
-    def hopeless(self, position: int, load: list[float], tokens: list[int]) -> bool:
-        density = float(self.density[position])
-        if density <= 0:
-            return False
-        free = np.maximum(0, self.capacity - np.asarray(tokens, dtype=np.int64))
-        under = np.maximum(0.0, self.limit - np.asarray(load, dtype=np.float64))
-        if float(under[free > 0].sum()) < float(self.work[position]):
-            return True  # the ranks with free tokens lack the seconds for the rest
-        return float(np.minimum(free, under / density).sum()) < float(self.rest[position])
-
-
-def _small_ring_seconds(
-    lengths: np.ndarray, gpus: int, model: WorkModel, rows: np.ndarray
-) -> np.ndarray:
-    """Member work of each sequence's intra-node ring of 2 .. `gpus` ranks: S x (G - 1),
-    for the sequences `rows` marks; infinite (no ring fits) for the others."""
-    degrees = np.arange(2, gpus + 1)
-    small = np.full((lengths.size, degrees.size), np.inf)
-    picked = lengths[rows]
-    if degrees.size and picked.size:
-        grid_n = np.repeat(picked, degrees.size)
-        grid_d = np.tile(degrees, picked.size)
-        small[rows] = model.alone_ring_seconds(grid_n, grid_d).reshape(picked.size, -1)
-    return small
-
-
-def _small_ring(
-    placed: Placed,
-    spare: LoadIndex,
-    n: int,
-    work: float,
-    member: np.ndarray,
-    level: float,
-    capacity: int,
-    topology: Topology,
-) -> tuple[tuple[int, ...], float] | None:
-    """The fewest GPUs of one node (2 .. G), in no ring yet (`spare`), whose work room
-    and token room take a ring over `n` tokens (`member`: its member work at each of
-    those sizes), and its member work; None where no node has them."""
-    gpus = topology.gpus_per_node
-    degrees = np.arange(2, gpus + 1)
-    least = spare.least_load()
-    if degrees.size == 0 or least is None or least + work / gpus > level:
-        return None  # no rank outside a ring has room for even a G-th of the work
-    need = -(-n // degrees)
-    # nodes with two ranks that could take a member of some size: only they can
-    ranks = np.asarray(spare.at_most(level - member.min()), dtype=np.int64)
-    ranks = ranks[capacity - placed.tokens[ranks] >= need.min()]
-    near = np.flatnonzero(np.bincount(ranks // gpus, minlength=topology.nodes) >= 2)
-    if near.size == 0:
-        return None
-    load = placed.load.reshape(topology.nodes, gpus)[near]
-    free = capacity - placed.tokens.reshape(topology.nodes, gpus)[near]
-    # every size at once: D x nodes x GPUs of ranks that could take a member
-    ok = (free >= need[:, None, None]) & (load + member[:, None, None] <= level)
-    ok &= ~placed.in_ring.reshape(topology.nodes, gpus)[near]
-    enough = np.count_nonzero(ok, axis=2) >= degrees[:, None]
-    sizes = np.flatnonzero(enough.any(axis=1))
-    if sizes.size == 0:
-        return None
-    k = int(sizes[0])
-    nodes = np.flatnonzero(enough[k])
-    at = int(nodes[np.argmin(load[nodes].sum(axis=1))])
-    candidates = np.flatnonzero(ok[k, at])
-    chosen = candidates[np.argsort(load[at, candidates], kind="stable")[: degrees[k]]]
-    return tuple(sorted((int(near[at]) * gpus + chosen).tolist())), float(member[k])
-
-
-def _spill_in_node(placed: Placed, n: int, capacity: int, gpus: int) -> tuple[int, ...] | None:
-    """The fewest ranks of one node whose free tokens hold `n` (its freest; of the nodes
-    needing as few, the one with most free tokens); None where no node can: a spill
-    inside a node sends nothing over NICs."""
-    free = (capacity - placed.tokens).reshape(-1, gpus)
-    order = np.argsort(-free, axis=1, kind="stable")
-    held = np.cumsum(np.take_along_axis(free, order, axis=1), axis=1)
-    enough = held[:, -1] >= n
-    if not enough.any():
-        return None
-    count = np.argmax(held >= n, axis=1) + 1
-    fewest = enough & (count == count[enough].min())
-    node = int(np.argmax(np.where(fewest, held[:, -1], -1)))
-    chosen = order[node, : int(count[node])]
-    return tuple(sorted((node * gpus + chosen).tolist()))
-
-
-def _spill(placed: Placed, n: int, capacity: int) -> tuple[int, ...]:
-    """Ranks with most free tokens, as many as hold `n` (no rank has room for it whole)."""
-    free = capacity - placed.tokens
-    order = _most_free_first(free, SPILL_CANDIDATES)
-    held = np.cumsum(free[order])
-    if held[-1] < n and order.size < free.size:  # the top ranks lack room: all of them
-        order = _most_free_first(free, free.size)
-        held = np.cumsum(free[order])
-    count = int(np.searchsorted(held, n)) + 1
-    return tuple(sorted(order[:count].tolist()))
-
-
-def _most_free_first(free: np.ndarray, top: int) -> np.ndarray:
-    """The ranks with at least the `top`-th most free tokens (more on ties), most free
-    first, the lowest rank first on ties: the head of a stable sort of all of them."""
-    if top < free.size:
-        order = np.flatnonzero(free >= np.partition(free, free.size - top)[free.size - top])
-    else:
-        order = np.arange(free.size)
-    return order[np.argsort(-free[order], kind="stable")]
-
-
-def _add_spill(
-    placed: Placed, seq: int, n: int, w: float, ranks: tuple[int, ...], capacity: int
-) -> None:
-    """A ring over `ranks` filling their free tokens (the water-filled shares)."""
-    counts = water_fill(n, capacity - placed.tokens[list(ranks)])
-    keep = counts > 0
-    ranks = tuple(r for r, k in zip(ranks, keep, strict=True) if k)
-    counts = counts[keep]
-    placed.groups[seq] = (ranks, tuple(counts.tolist()))
-    placed.load[list(ranks)] += w * counts / n
-    placed.tokens[list(ranks)] += counts
-    placed.in_ring[list(ranks)] = True
 
 
 def _placements(lengths: np.ndarray, placed: Placed, model: WorkModel) -> list[SeqPlacement]:
