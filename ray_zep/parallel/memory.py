@@ -320,7 +320,9 @@ def activation_bytes(shape: ModelShape, m: MemoryInputs) -> float:
         elif mode is ActivationCheckpointing.LINEARS:
             kernel = _kernel_kept(shape, m)
             kept += kernel + shape.dim * FP32
-            again = attention - kernel + feed_forward
+            # the feed-forward half is recomputed as the block's backward starts, the
+            # attention's norm and projections after the attention's backward: apart
+            again = max(attention - kernel, feed_forward)
         else:
             kept += shape.dim * FP32
             again = attention + feed_forward
