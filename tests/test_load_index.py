@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_zep.partition.balance import Placed, _spill
 from ray_zep.partition.fill import place_whole
+from ray_zep.partition.level_fill import Placed, _spill
 from ray_zep.partition.load_index import LoadIndex
 
 pytestmark = pytest.mark.unit
