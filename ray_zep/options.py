@@ -111,6 +111,11 @@ class ActivationCheckpointing(Enum):
         return self if applies else (rest or ActivationCheckpointing.NONE)
 
 
+BENEATH_SELECTIVE = (ActivationCheckpointing.LINEARS, ActivationCheckpointing.FULL)
+"""The modes whose first blocks `train.checkpoint_rest=selective` may follow: those that
+keep less than `selective` does."""
+
+
 class FsdpUnit(Enum):
     """What one FSDP2 unit gathers at a time (`parallel.fsdp_unit`)."""
 

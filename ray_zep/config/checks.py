@@ -12,7 +12,7 @@ from ray_zep.config.rules import word
 from ray_zep.config.training import DataConfig, ModelConfig, TrainConfig
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
-from ray_zep.options import ActivationCheckpointing, Packing
+from ray_zep.options import BENEATH_SELECTIVE, ActivationCheckpointing, Packing
 from ray_zep.parallel.axes import SEQUENCE_AXES, AxesChoice, refusal
 
 
@@ -69,11 +69,6 @@ def check_evaluation(train: TrainConfig, data: DataConfig) -> None:
             f"config key train.eval_every={train.eval_every}: evaluation reads "
             "held-out data; set data.eval_source (a Parquet file, stdlib, synthetic:...)"
         )
-
-
-BENEATH_SELECTIVE = (ActivationCheckpointing.FULL, ActivationCheckpointing.LINEARS)
-"""The modes whose first blocks `train.checkpoint_rest=selective` may follow: those that
-keep less than `selective` does."""
 
 
 def check_checkpointing(train: TrainConfig, model: ModelConfig) -> None:

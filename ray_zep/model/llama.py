@@ -157,7 +157,7 @@ class Block(nn.Module):
         seqs: PackedSeqs,
         attention: AttentionFn,
     ) -> torch.Tensor:
-        mode = self.checkpointing if torch.is_grad_enabled() else ActivationCheckpointing.NONE
+        mode = self.active_checkpointing()
         whole = mode is ActivationCheckpointing.FULL or (
             mode is not ActivationCheckpointing.NONE and self.pipeline is not None
         )
@@ -173,7 +173,7 @@ class Block(nn.Module):
     def plain_forward(self, x_TD, rope, seqs, attention) -> torch.Tensor:
         """Attention, then the feed-forward, with no overlap."""
         qkv = self.compiled.get("qkv", self.attention_inputs)
-        mode = self.checkpointing if torch.is_grad_enabled() else ActivationCheckpointing.NONE
+        mode = self.active_checkpointing()
         if mode is ActivationCheckpointing.LINEARS:
             out_THE, _ = attention(*_recomputed(qkv, x_TD, rope), seqs, causal=True)
             return _recomputed(self._after_attention, x_TD, out_THE)
@@ -183,6 +183,10 @@ class Block(nn.Module):
         if mode is ActivationCheckpointing.SELECTIVE:
             return h_TD + _recomputed(ffn, h_TD)
         return h_TD + ffn(h_TD)
+
+    def active_checkpointing(self) -> ActivationCheckpointing:
+        """The block's checkpointing where autograd records (none under `no_grad`)."""
+        return self.checkpointing if torch.is_grad_enabled() else ActivationCheckpointing.NONE
 
     def _after_attention(self, x_TD: torch.Tensor, out_THE: torch.Tensor) -> torch.Tensor:
         """The output projection, the residuals and the feed-forward, after the attention."""

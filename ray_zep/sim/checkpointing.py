@@ -15,7 +15,7 @@ import numpy as np
 
 from ray_zep.config import Config
 from ray_zep.model_shapes import ModelShape
-from ray_zep.options import ActivationCheckpointing
+from ray_zep.options import BENEATH_SELECTIVE, ActivationCheckpointing
 from ray_zep.partition.plan_memory import plan_memory
 from ray_zep.partition.stats import PlanStats
 from ray_zep.partition.work import WorkModel
@@ -31,9 +31,6 @@ CHECKPOINTING = (
 )
 """The modes, keeping the most first (what a block keeps shrinks down the list;
 `ray_zep.sim.step` counts what backward recomputes in the step)."""
-BENEATH_SELECTIVE = (ActivationCheckpointing.LINEARS, ActivationCheckpointing.FULL)
-"""The modes whose fewest first blocks may be followed by `selective` on the rest
-(`train.checkpoint_rest`)."""
 
 
 def with_checkpointing(

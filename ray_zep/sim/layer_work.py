@@ -21,6 +21,9 @@ from ray_zep.options import ActivationCheckpointing
 POINTWISE_SHARES = ((1 / 6, 1 / 6), (1 / 3, 1 / 3))
 """Shares of a layer's element-wise work (forward and backward together) each linear
 part takes: (before attention, after it), forward then backward (backward: twice)."""
+RECOMPUTED_IN_BACKWARD = (ActivationCheckpointing.SELECTIVE, ActivationCheckpointing.LINEARS)
+"""The modes whose recomputation is local work inside the block's backward
+(`recomputed_parts`)."""
 SWIGLU_FORWARD_PASSES = 3
 """Passes over the feed-forward width of SwiGLU's forward: two inputs read, one output
 written (the element-wise model counts 6 for forward and backward)."""

@@ -48,6 +48,7 @@ Weight-passing modes send their shards plain here (`weight_shards` and
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 
@@ -73,7 +74,7 @@ from ray_zep.routing.routes import Phase, RoutingPlan
 from ray_zep.sim.events import CorePool, TaskGraph, Timeline, simulate
 from ray_zep.sim.graph_builder import FP32_BYTES, LayerSetup
 from ray_zep.sim.hardware import Hardware
-from ray_zep.sim.layer_work import recomputed_parts
+from ray_zep.sim.layer_work import RECOMPUTED_IN_BACKWARD
 from ray_zep.sim.moe_block import BlockSpread, block_times, overhang_seconds
 from ray_zep.sim.program import layer_graphs
 from ray_zep.sim.ring_form import array_ring
@@ -340,14 +341,13 @@ def recomputed_blocks(train: TrainConfig, shape: ModelShape) -> dict[ActivationC
     """Blocks whose backward recomputes parts of their own forward, by mode (`selective`,
     `linears`): the first `train.checkpoint_blocks` under the mode, the rest under
     `train.checkpoint_rest`."""
-    blocks: dict[ActivationCheckpointing, int] = {}
-    for index in range(shape.n_layers):
-        mode = train.activation_checkpointing.on_block(
-            index, train.checkpoint_blocks, train.checkpoint_rest
-        )
-        if any(part is not None for part in recomputed_parts(shape, mode)):
-            blocks[mode] = blocks.get(mode, 0) + 1
-    return blocks
+    mode, blocks, rest = (
+        train.activation_checkpointing,
+        train.checkpoint_blocks,
+        train.checkpoint_rest,
+    )
+    modes = (mode.on_block(index, blocks, rest) for index in range(shape.n_layers))
+    return dict(Counter(m for m in modes if m in RECOMPUTED_IN_BACKWARD))
 
 
 def _result(
