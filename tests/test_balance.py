@@ -120,7 +120,7 @@ def test_a_usp_group_costs_what_the_simulator_plays_and_less_than_a_ring_there()
     policy places such a sequence as one."""
     topology, run, model = _routed_cluster()
     n, nodes = 131072, 8
-    assert model.usp_heads_divide()
+    assert 8 in model.usp_widths()
     usp = float(model.usp_member_seconds(np.asarray([n]), np.asarray([nodes]))[0])
     ring = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([nodes * 8]))[0])
     group = SeqPlacement(0, n, tuple(range(64)), bounds_for_counts([n // nodes] * nodes),
@@ -136,9 +136,9 @@ def test_a_usp_group_costs_what_the_simulator_plays_and_less_than_a_ring_there()
     assert long.ulysses == 8 and len(long.ranks) % 8 == 0, long.ranks
     assert all(r // 8 == long.ranks[i * 8] // 8 for i in range(long.ring_size)
                for r in long.ranks[i * 8 : i * 8 + 8]), "a ring position is one node"  # fmt: skip
-    # heads that do not split over a node's GPUs: no USP group
+    # heads that do not split over a node's GPUs: positions of 2 or 4 GPUs only
     odd = dataclasses.replace(run.shape, dim=12 * 128, n_heads=12, n_kv_heads=12)
-    assert not WorkModel.create(odd, topology).usp_heads_divide()
+    assert WorkModel.create(odd, topology).usp_widths() == (2, 4)
 
 
 def test_a_sequence_no_rank_has_room_for_spills_inside_one_node() -> None:

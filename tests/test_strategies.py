@@ -354,11 +354,16 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
 
 def _assert_usp_groups(config) -> None:
     """zeppelin's default policy runs a sequence of these batches as a USP group (heads
-    exchanged inside each node, the ring over the nodes), so its runs train one."""
+    exchanged inside each node, the ring over the nodes), so its runs train one; on
+    2 x 4, one of half-node positions ending on half of the second node."""
     topology = build_topology(config.topology)
     stream = make_stream(config, topology, Progress(0, {}))
     shards = [s for _ in range(2) for s in shard_for(stream.next_batch(), config, topology)]
-    assert any(item.ulysses > 1 for s in shards for item in s.plan.items()), "no USP group"
+    widths = {item.ulysses for s in shards for item in s.plan.items()}
+    assert max(widths) > 1, "no USP group"
+    gpus = topology.gpus_per_node
+    if gpus >= 4:
+        assert gpus // 2 in widths, "no group of half-node positions"
 
 
 def _assert_places_apart(base: list[str], placement: str, policy: str) -> None:

@@ -16,10 +16,10 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    one on whole nodes and its rest on one more (`NodeSlots`: at most two inter-node
    rings share a node's NICs), members ordered node by node: intra-node rings send
    nothing over NICs, inter-node ones cross each node boundary once. A sequence
-   that needs more than a node may instead exchange heads inside each node and run
-   its ring over the nodes (USP: every GPU's hop through its own NIC, each step 1/G
-   of the heads), with the fewest nodes whose member work is at most lam
-   (`WorkModel.usp_member_seconds`); it takes whichever of the two needs fewer
+   that needs more than a node may instead exchange heads inside each node (or half
+   node) and run its ring over those positions (USP: every GPU's hop through its own
+   NIC, each step 1/U of the heads), with the fewest ranks whose member work is at
+   most lam (`usp_grid.UspGrid`); it takes whichever of the two needs fewer
    ranks at the level (the lesser work by `MIN_GAIN` on as many, or where neither
    reaches it; the ring on near ties). `parallel.usp_groups=false` keeps rings.
 3. Whole sequences, most work first, go to the rank whose work leaves the least
@@ -41,8 +41,6 @@ so 4,096 ranks and thousands of sequences take milliseconds to a few hundred.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from ray_zep.errors import PlacementError
@@ -58,6 +56,7 @@ from ray_zep.partition.level_fill import (
 from ray_zep.partition.node_slots import NodeSlots
 from ray_zep.partition.plan import SeqPlacement, bounds_for_counts, local_placement
 from ray_zep.partition.ring_groups import alone_rings, fewest_ranks, group_rings
+from ray_zep.partition.usp_grid import MIN_GAIN, UspGrid, positions_in_nodes
 from ray_zep.partition.work import WorkModel
 from ray_zep.topology import Topology
 
@@ -72,13 +71,6 @@ BISECTIONS = 3
 """Halvings of the gap between the last infeasible and the first feasible level."""
 DEGREE_ROUNDS = 24
 """Rounds of the vectorised degree search (each grows unfinished degrees by 1/8)."""
-MIN_GAIN = 0.03
-"""A ring grows only while that lowers its member work by at least this share."""
-USP_NODES = (*range(2, 33), 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
-"""Node counts a USP group is costed at (the fewest at the level wins): every count up to
-32, where one node more or less is a large share of a group (on `bench scale`'s grid,
-13b 256 GPUs chat 4k 2.79 -> 2.23 step / bound over the coarser 2, 3, 4, 5, 6, 8, 10,
-12, 16, 20, 24, 32), coarser beyond."""
 
 
 def balance(
@@ -113,7 +105,7 @@ def balance(
     ring_candidates = splittable | (work >= SMALL_RING_SHARE * (mean * LEVELS[0]))
     small = small_ring_seconds(lengths, topology.gpus_per_node, model, ring_candidates)
     usp = None
-    if usp_groups and topology.nodes > 1 and model.usp_heads_divide():
+    if usp_groups and topology.nodes > 1:
         usp = UspGrid.of(lengths, splittable, capacity, topology, model)
 
     lowest = [float("inf")]  # the busiest rank of the best placement so far
@@ -187,10 +179,10 @@ def _place_at(
         split[:] = False
     seqs = np.flatnonzero(split)
     degrees, member = _degrees(lengths[seqs], level, capacity, world, model)
-    usp = np.zeros(seqs.size, dtype=bool)
+    usp = np.zeros(seqs.size, dtype=np.int64)  # U of a USP group, 0 for a ring
     if seqs.size and usp_grid is not None:
-        degrees, member, usp = _with_usp(seqs, degrees, member, level, usp_grid)
-    eligible = ~usp & (degrees <= gpus)
+        degrees, member, usp = usp_grid.choose(seqs, degrees, member, level)
+    eligible = (usp == 0) & (degrees <= gpus)
     if not force and fewest_ranks(small[seqs], degrees, eligible, level) > world:
         return None  # even perfectly shared rings need more than the world
     rings = group_rings(small[seqs], lengths[seqs], degrees, member, eligible, level, capacity,
@@ -200,7 +192,7 @@ def _place_at(
             return None
         degrees = _shrink(degrees, np.maximum(2, -(-lengths[seqs] // capacity)), world)
         member = model.alone_ring_seconds(lengths[seqs], degrees)
-        usp[:] = False
+        usp[:] = 0
         rings = alone_rings(degrees, member)
     placed = Placed.empty(world)
     slots = NodeSlots(topology.nodes, gpus)
@@ -220,10 +212,11 @@ def _place_at(
         if len(ring.members) == 1:
             i = ring.members[0]
             seq, n = int(seqs[i]), int(lengths[seqs[i]])
-            if usp[i] and not _whole_nodes(ranks, gpus):  # fragmented: a plain ring instead
+            u = int(usp[i])
+            if u and not positions_in_nodes(ranks, u, gpus):  # fragmented: a plain ring
                 work_k = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([d]))[0])
-            elif usp[i]:
-                placed.ulysses[seq] = gpus
+            elif u:
+                placed.ulysses[seq] = u
         members = seqs[list(ring.members)].tolist()
         sizes = lengths[members].tolist()
         ring_held = shared_ring(placed, members, sizes, ranks)
@@ -265,79 +258,6 @@ def _degrees(
         degree = np.where(better, grown, degree)
         seconds = np.where(better, trial, seconds)
     return degree, seconds
-
-
-@dataclass(frozen=True)
-class UspGrid:
-    """A USP member's work for the sequences a level may split, at each `USP_NODES` count
-    (inf where the nodes lack the tokens' room): it depends on the length alone, so the
-    level scan computes it once per batch."""
-
-    nodes: np.ndarray
-    """Node counts costed: `USP_NODES` up to the topology's."""
-    seconds: np.ndarray
-    """One row per candidate sequence, one column per node count."""
-    row: np.ndarray
-    """Each sequence's row of `seconds`; -1 for those no level splits."""
-    gpus: int
-
-    @classmethod
-    def of(
-        cls,
-        lengths: np.ndarray,
-        candidates: np.ndarray,
-        capacity: int,
-        topology: Topology,
-        model: WorkModel,
-    ) -> UspGrid | None:
-        """The grid of `lengths`, computed where `candidates` (the sequences any level
-        may split) holds; None with no count to cost."""
-        gpus = topology.gpus_per_node
-        nodes = np.asarray([p for p in USP_NODES if p <= topology.nodes], dtype=np.int64)
-        if nodes.size == 0:
-            return None
-        rows = np.flatnonzero(candidates)
-        n = lengths[rows]
-        grid = model.usp_member_seconds(np.repeat(n, nodes.size), np.tile(nodes, n.size))
-        grid = grid.reshape(n.size, nodes.size)
-        seconds = np.where(n[:, None] <= nodes[None, :] * gpus * capacity, grid, np.inf)
-        row = np.full(lengths.size, -1, dtype=np.int64)
-        row[rows] = np.arange(rows.size)
-        return cls(nodes, seconds, row, gpus)
-
-
-def _with_usp(
-    seqs: np.ndarray,
-    degrees: np.ndarray,
-    member: np.ndarray,
-    level: float,
-    usp_grid: UspGrid,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(degrees, member work, USP or not) of the rings of `seqs` once USP groups compete:
-    per sequence, the fewest `USP_NODES` nodes whose USP member work is at most `level` (or
-    the least work, within `MIN_GAIN`, where none is), taken over the ring where it
-    needs fewer ranks at the level (on as many, or where neither reaches the level: the
-    lesser work by `MIN_GAIN`; the ring on near ties, which has no all-to-alls)."""
-    rows = usp_grid.row[seqs]
-    assert (rows >= 0).all(), "a level split a sequence the USP grid left out"
-    grid = usp_grid.seconds[rows]
-    at_level = grid <= level
-    near_least = grid <= grid.min(axis=1, keepdims=True) * (1 + MIN_GAIN)
-    pick = np.where(at_level.any(axis=1), at_level.argmax(axis=1), near_least.argmax(axis=1))
-    usp_work = grid[np.arange(seqs.size), pick]
-    usp_degree = usp_grid.nodes[pick] * usp_grid.gpus
-    ring_in, usp_in = member <= level, usp_work <= level
-    lighter = usp_work < member * (1 - MIN_GAIN)  # near ties: the ring (no all-to-alls)
-    fewer = (usp_degree < degrees) | ((usp_degree == degrees) & lighter)
-    usp = np.where(ring_in & usp_in, fewer, np.where(ring_in | usp_in, usp_in, lighter))
-    usp &= np.isfinite(usp_work)
-    return np.where(usp, usp_degree, degrees), np.where(usp, usp_work, member), usp
-
-
-def _whole_nodes(ranks: tuple[int, ...], gpus: int) -> bool:
-    """`ranks` (ascending) are whole nodes."""
-    nodes = np.asarray(ranks) // gpus
-    return bool(np.all(np.bincount(nodes)[np.unique(nodes)] == gpus))
 
 
 def _shrink(degrees: np.ndarray, low: np.ndarray, world: int) -> np.ndarray:

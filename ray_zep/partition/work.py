@@ -257,14 +257,22 @@ class WorkModel:
         inter = self.ring_member_seconds(parts, tokens, degree, LinkKind.INTER_NODE)
         return np.where(degree <= self.cost.topology.gpus_per_node, intra, inter)
 
-    def usp_member_seconds(self, lengths: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Work of a member of each sequence's USP group alone on it: `positions` whole
-        nodes, each node's GPUs one ring position exchanging heads (module docstring).
+    def usp_member_seconds(
+        self, lengths: np.ndarray, positions: np.ndarray, ulysses: np.ndarray | int = 0
+    ) -> np.ndarray:
+        """Work of a member of each sequence's USP group alone on it: `positions` ring
+        positions of `ulysses` GPUs of one node each (0: the node's GPUs, every position a
+        whole node) exchanging heads (module docstring). The ring is costed at its
+        hops across nodes (a group of more GPUs than a node has some): every member
+        sends through its NIC, sharing it with the GPUs the node maps to it, as in a
+        full batch (a lone half-node group's other half idles, and the simulator then
+        plays its hops up to twice as fast).
 
-        The heads must divide as Ulysses needs (`usp_heads_divide`)."""
+        U must split the heads as Ulysses needs (`usp_widths`)."""
         n = np.asarray(lengths, dtype=np.float64)
         positions = np.asarray(positions, dtype=np.float64)
-        u = self.cost.topology.gpus_per_node
+        gpus = self.cost.topology.gpus_per_node
+        u = np.where(np.asarray(ulysses) > 0, ulysses, gpus).astype(np.float64)
         member = n / (positions * u)
         shape = self.shape
         # the all-to-alls: Q/K/V in and the output out, forward; the output's gradient
@@ -281,8 +289,11 @@ class WorkModel:
         ring = self._ring_seconds(heads, positions, inter, self.owner_dkv)
         return self.linear_seconds(member) + self.layers * (exchange + ring)
 
-    def usp_heads_divide(self) -> bool:
-        """Ulysses over a node's GPUs splits the model's heads evenly
-        (`ModelShape.ulysses_fault`)."""
-        u = self.cost.topology.gpus_per_node
-        return u > 1 and self.shape.ulysses_fault(u) is None
+    def usp_widths(self) -> tuple[int, ...]:
+        """Ulysses widths U a USP position may take: the divisors of the GPUs per node
+        above 1 that split the model's heads evenly (`ModelShape.ulysses_fault`),
+        narrowest first."""
+        gpus = self.cost.topology.gpus_per_node
+        return tuple(
+            u for u in range(2, gpus + 1) if gpus % u == 0 and self.shape.ulysses_fault(u) is None
+        )

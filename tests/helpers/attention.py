@@ -65,9 +65,13 @@ def ring_rank(rank: int, world: int, case: dict) -> dict:
                   dkv_as_kv=bool(case.get("dkv_as_kv")),
                   dkv_to_owner=bool(case.get("dkv_to_owner")))  # fmt: skip
     lengths = case["lengths"]
-    plan = make_plan(
-        Placement(case["strategy"]), lengths, topology, case["capacity"], build_shape(config.model)
-    )
+    if "placements" in case:  # a plan written out by the test
+        plan = AttentionPlan(Placement(case["strategy"]), topology, case["capacity"],
+                             tuple(case["placements"]))  # fmt: skip
+        plan.validate()
+    else:
+        plan = make_plan(Placement(case["strategy"]), lengths, topology, case["capacity"],
+                         build_shape(config.model))  # fmt: skip
     if "exchange" in case:
         plan = with_exchange(plan, Exchange(case["exchange"]))
     q, k, v, dout, _ = reference(lengths, case["heads"], case["kv_heads"], case["dim"], 0)

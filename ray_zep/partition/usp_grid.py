@@ -1,0 +1,128 @@
+"""USP groups the work policy may give a long sequence: ring positions of U GPUs of one
+node each, exchanging heads inside the position (Ulysses), with the ring over the
+positions.
+
+A position of a whole node (U = GPUs per node) takes whole nodes; a position of half a
+node (where that splits the heads) lets a group of a few nodes end on half of one more,
+so that a sequence one node cannot hold well need not take a second whole node: on
+`bench scale`'s 7b arxiv batch at 64 GPUs a 32k-token document is 1.22x the mean work as a
+ring on one node, 0.95x as 3 positions of 4 GPUs (12 ranks), 0.64x as 2 positions of 8
+(16 ranks); the busiest rank drops from 1.22x to 1.14x the mean work, and the step from
+1.32x to 1.29x its bound. Narrower positions (2 GPUs on 8-GPU nodes) the work model
+costs at up to 1.7x what the simulator plays, and on the grid, costed at their NICs' own
+rate instead, they waited more than they saved (7b 64 GPUs arxiv 1.29x -> 1.37x).
+A group's member work depends on its sequence's length alone, so the level scan costs
+every candidate group once per batch (`UspGrid`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ray_zep.partition.work import WorkModel
+from ray_zep.topology import Topology
+
+MIN_GAIN = 0.03
+"""A ring grows only while that lowers its member work by at least this share; a USP
+group replaces a ring of as many ranks only where it is lighter by this share."""
+USP_NODES = (*range(2, 33), 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
+"""Node counts a group of whole-node positions is costed at (the fewest at the level
+wins): every count up to 32, where one node more or less is a large share of a group (on
+`bench scale`'s grid, 13b 256 GPUs chat 4k 2.79 -> 2.23 step / bound over the coarser 2,
+3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32), coarser beyond."""
+NARROW_SPAN_NODES = 4
+"""Groups of half-node positions are costed up to this many nodes' GPUs: beyond it half
+a node more or less is a small share of the group."""
+
+
+@dataclass(frozen=True)
+class UspGrid:
+    """A USP member's work for the sequences a level may split, at each candidate group
+    (inf where the group lacks the tokens' room), columns by ranks, then widest
+    positions first."""
+
+    widths: np.ndarray
+    """U of each column."""
+    positions: np.ndarray
+    """Ring positions of each column."""
+    seconds: np.ndarray
+    """One row per candidate sequence, one column per group."""
+    row: np.ndarray
+    """Each sequence's row of `seconds`; -1 for those no level splits."""
+
+    @property
+    def degrees(self) -> np.ndarray:
+        """Ranks of each column's group."""
+        return self.widths * self.positions
+
+    @classmethod
+    def of(
+        cls,
+        lengths: np.ndarray,
+        candidates: np.ndarray,
+        capacity: int,
+        topology: Topology,
+        model: WorkModel,
+        narrow: bool = True,
+    ) -> UspGrid | None:
+        """The grid of `lengths`, computed where `candidates` (the sequences any level
+        may split) holds; None where no group fits the topology and the model's heads.
+        `narrow`: positions of half a node compete too."""
+        gpus = topology.gpus_per_node
+        columns = []
+        for u in model.usp_widths():
+            if u == gpus:
+                columns += [(u, p) for p in USP_NODES if p <= topology.nodes]
+            elif narrow and 2 * u == gpus:
+                most = min(NARROW_SPAN_NODES, topology.nodes) * gpus
+                columns += [(u, p) for p in range(gpus // u + 1, most // u + 1) if u * p % gpus]
+        if not columns:
+            return None
+        columns.sort(key=lambda c: (c[0] * c[1], -c[0]))
+        widths = np.asarray([c[0] for c in columns], dtype=np.int64)
+        positions = np.asarray([c[1] for c in columns], dtype=np.int64)
+        rows = np.flatnonzero(candidates)
+        n = lengths[rows]
+        k = widths.size
+        grid = model.usp_member_seconds(
+            np.repeat(n, k), np.tile(positions, n.size), np.tile(widths, n.size)
+        ).reshape(n.size, k)
+        seconds = np.where(n[:, None] <= (widths * positions)[None, :] * capacity, grid, np.inf)
+        row = np.full(lengths.size, -1, dtype=np.int64)
+        row[rows] = np.arange(rows.size)
+        return cls(widths, positions, seconds, row)
+
+    def choose(
+        self, seqs: np.ndarray, degrees: np.ndarray, member: np.ndarray, level: float
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(degrees, member work, U: 0 for a ring) of the rings of `seqs` once USP groups
+        compete: per sequence, the fewest-rank group whose member work is at most `level`
+        (or the least work, within `MIN_GAIN`, where none is), taken over the ring where
+        it needs fewer ranks at the level (on as many, or where neither reaches it: the
+        lesser work by `MIN_GAIN`; the ring on near ties, which has no all-to-alls)."""
+        rows = self.row[seqs]
+        assert (rows >= 0).all(), "a level split a sequence the USP grid left out"
+        grid = self.seconds[rows]
+        at_level = grid <= level
+        near_least = grid <= grid.min(axis=1, keepdims=True) * (1 + MIN_GAIN)
+        pick = np.where(at_level.any(axis=1), at_level.argmax(axis=1), near_least.argmax(axis=1))
+        usp_work = grid[np.arange(seqs.size), pick]
+        usp_degree = self.degrees[pick]
+        ring_in, usp_in = member <= level, usp_work <= level
+        lighter = usp_work < member * (1 - MIN_GAIN)  # near ties: the ring (no all-to-alls)
+        fewer = (usp_degree < degrees) | ((usp_degree == degrees) & lighter)
+        usp = np.where(ring_in & usp_in, fewer, np.where(ring_in | usp_in, usp_in, lighter))
+        usp &= np.isfinite(usp_work)
+        return (
+            np.where(usp, usp_degree, degrees),
+            np.where(usp, usp_work, member),
+            np.where(usp, self.widths[pick], 0),
+        )
+
+
+def positions_in_nodes(ranks: tuple[int, ...], width: int, gpus: int) -> bool:
+    """Every run of `width` consecutive `ranks` (a ring position) lies in one node."""
+    nodes = np.asarray(ranks).reshape(-1, width) // gpus
+    return bool((nodes == nodes[:, :1]).all())
