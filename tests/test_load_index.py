@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_zep.partition.fill import place_whole
-from ray_zep.partition.level_fill import Placed, _spill
+from ray_zep.partition.level_fill import Placed, spill_ranks
 from ray_zep.partition.load_index import LoadIndex
 
 pytestmark = pytest.mark.unit
@@ -88,7 +88,7 @@ def test_spill_takes_the_ranks_a_full_stable_sort_takes(free, share) -> None:
     placed.tokens[:] = capacity - free
     order = np.argsort(-free, kind="stable")
     count = int(np.searchsorted(np.cumsum(free[order]), n)) + 1
-    assert _spill(placed, n, capacity) == tuple(sorted(order[:count].tolist()))
+    assert spill_ranks(placed, n, capacity) == tuple(sorted(order[:count].tolist()))
 
 
 def _scan_whole(sizes, bins, capacity, by_work):

@@ -192,7 +192,7 @@ def fill_whole(
             _add_ring(placed, seq, n, *ring, capacity, model)
         else:
             ranks = _spill_in_node(placed, n, capacity, topology.gpus_per_node)
-            _add_spill(placed, seq, n, w, ranks or _spill(placed, n, capacity), capacity)
+            _add_spill(placed, seq, n, w, ranks or spill_ranks(placed, n, capacity), capacity)
         ranks = placed.groups[seq][0]
         for r in ranks:
             load[r], tokens[r] = float(placed.load[r]), int(placed.tokens[r])
@@ -311,7 +311,7 @@ def _spill_in_node(placed: Placed, n: int, capacity: int, gpus: int) -> tuple[in
     return tuple(sorted((node * gpus + chosen).tolist()))
 
 
-def _spill(placed: Placed, n: int, capacity: int) -> tuple[int, ...]:
+def spill_ranks(placed: Placed, n: int, capacity: int) -> tuple[int, ...]:
     """Ranks with most free tokens, as many as hold `n` (no rank has room for it whole)."""
     free = capacity - placed.tokens
     order = _most_free_first(free, SPILL_CANDIDATES)
