@@ -5,14 +5,14 @@ positions.
 A position of a whole node (U = GPUs per node) takes whole nodes; a position of half a
 node (where that splits the heads) lets a group of a few nodes end on half of one more,
 so that a sequence one node cannot hold well need not take a second whole node: on
-`bench scale`'s 7b arxiv batch at 64 GPUs a 32k-token document is 1.22x the mean work as a
-ring on one node, 0.95x as 3 positions of 4 GPUs (12 ranks), 0.64x as 2 positions of 8
-(16 ranks); the busiest rank drops from 1.22x to 1.14x the mean work, and the step from
-1.32x to 1.29x its bound. Narrower positions (2 GPUs on 8-GPU nodes) the work model
-costs at up to 1.7x what the simulator plays, and on the grid, costed at their NICs' own
-rate instead, they waited more than they saved (7b 64 GPUs arxiv 1.29x -> 1.37x).
-A group's member work depends on its sequence's length alone, so the level scan costs
-every candidate group once per batch (`UspGrid`).
+`bench scale`'s 7b arxiv batch at 64 GPUs a 32k-token document is 1.22x the mean work as
+a ring on one node, 0.95x as 3 positions of 4 GPUs (12 ranks), 0.64x as 2 positions of 8
+(16 ranks); with one such group the plan's busiest rank holds 1.14x the mean FLOPs (was
+1.16x), and the step falls from 1.32x to 1.29x its bound. Narrower positions (2 GPUs on
+8-GPU nodes) the work model costs at up to 1.7x what the simulator plays, and on the
+grid, costed at their NICs' own rate instead, they waited more than they saved (7b 64
+GPUs arxiv 1.29x -> 1.37x). A group's member work depends on its sequence's length
+alone, so the level scan costs every candidate group once per batch (`UspGrid`).
 """
 
 from __future__ import annotations
