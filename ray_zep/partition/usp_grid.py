@@ -65,17 +65,15 @@ class UspGrid:
         capacity: int,
         topology: Topology,
         model: WorkModel,
-        narrow: bool = True,
     ) -> UspGrid | None:
         """The grid of `lengths`, computed where `candidates` (the sequences any level
-        may split) holds; None where no group fits the topology and the model's heads.
-        `narrow`: positions of half a node compete too."""
+        may split) holds; None where no group fits the topology and the model's heads."""
         gpus = topology.gpus_per_node
         columns = []
         for u in model.usp_widths():
             if u == gpus:
                 columns += [(u, p) for p in USP_NODES if p <= topology.nodes]
-            elif narrow and 2 * u == gpus:
+            elif 2 * u == gpus:
                 most = min(NARROW_SPAN_NODES, topology.nodes) * gpus
                 columns += [(u, p) for p in range(gpus // u + 1, most // u + 1) if u * p % gpus]
         if not columns:
