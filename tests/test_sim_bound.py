@@ -8,6 +8,8 @@ bound. A relative slack of 1e-9 covers float summation order only.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -20,7 +22,7 @@ from ray_zep.sim.compare import VARIANTS, simulate_strategies
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.request import SimulateRequest, batches_of, request_hardware, run_simulate
-from ray_zep.sim.step import RunModel, simulate_plan, weights_of
+from ray_zep.sim.step import RunModel, plan_batch, simulate_plan, weights_of
 from ray_zep.topology import build_topology
 
 pytestmark = pytest.mark.unit
@@ -128,12 +130,10 @@ def test_random_whole_sequence_plans_do_not_beat_the_bound() -> None:
         bins: list[list[int]] = [[] for _ in range(world)]
         for seq in range(lengths.size):
             bins[int(rng.integers(world))].append(seq)
-        loads = [int(lengths[b].sum()) for b in bins]
-        capacity = max(L, *loads)
+        if max(int(lengths[b].sum()) for b in bins) > L:
+            continue  # the bound is for plans holding at most L tokens a rank
         try:
-            plan = plan_from_bins(
-                lengths, bins, hardware.topology, capacity, config.parallel.sequence
-            )
+            plan = plan_from_bins(lengths, bins, hardware.topology, L, config.parallel.sequence)
         except ZepError:
             continue
         step = simulate_plan(plan, run).step_seconds
@@ -149,8 +149,10 @@ def test_the_bound_is_near_the_ideal_where_compute_rules_and_above_where_the_exc
     bound = step_bound(short, run)
     assert bound.exchange_s == 0.0 and bound.limit == "none"
     # the ideal less its kernel calls' fixed costs, plus FSDP2's first gathers and last
-    # reduce-scatters: a few per mille below the ideal on 7B
-    ideal = ideal_step_seconds(short, run) + weights_of(run).exposed
+    # reduce-scatters and their gathers slowing the linear modules: a few per mille below
+    # the ideal on 7B
+    assert bound.contention_s > 0.01 * bound.seconds
+    ideal = ideal_step_seconds(short, run) + weights_of(run).exposed + bound.contention_s
     assert 0.99 * ideal <= bound.seconds <= ideal
     # one sequence of four nodes' capacity on slow NICs: the tail node imports 3/4 of it
     slow = _config(4, SLOW_NICS)
@@ -163,6 +165,34 @@ def test_the_bound_is_near_the_ideal_where_compute_rules_and_above_where_the_exc
     token_bytes = 2 * run.shape.n_kv_heads * run.shape.head_dim * run.element_bytes
     expected = 2 * run.shape.n_layers * token_bytes * (3 * 8 * L) / node_in
     assert bound.limit == "node" and bound.exchange_s == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_bound_counts_the_collectives_slowing_the_linear_modules_as_the_simulator_does() -> (
+    None
+):
+    """Where every rank holds L tokens, the least the per-block FSDP collectives slow the
+    linear modules by (the bound's `contention_s`) is what the simulator charges them;
+    without contention the bound counts none."""
+    config = _config(2, [])
+    hardware = Hardware.preset(build_topology(config.topology))
+    run = RunModel.create(config, hardware)
+    calm = dataclasses.replace(
+        run, hardware=dataclasses.replace(hardware, rates=dataclasses.replace(
+            hardware.rates, contention=1.0)))  # fmt: skip
+    full = np.full(2 * hardware.devices, L // 2)  # two a rank, L tokens on every rank
+    bound, calm_bound = step_bound(full, run), step_bound(full, calm)
+    assert calm_bound.contention_s == 0.0 and bound.contention_s > 0.0
+    assert bound.compute_s - calm_bound.compute_s == pytest.approx(bound.contention_s, rel=1e-12)
+    plan, _ = plan_batch(full, run)
+    assert set(plan.rank_tokens()) == {L}
+
+    def linear_seconds(step) -> float:
+        tasks = [t for timeline in (step.forward, step.backward) for t in timeline.graph.tasks]
+        names = ("QKV projection", "output projection + MLP")
+        return sum(t.duration for t in tasks if t.name in names) * run.shape.n_layers
+
+    slowed = linear_seconds(simulate_plan(plan, run)) - linear_seconds(simulate_plan(plan, calm))
+    assert slowed / hardware.devices == pytest.approx(bound.contention_s, rel=1e-9)
 
 
 def test_simulate_reports_step_over_bound_and_where_the_rest_goes() -> None:

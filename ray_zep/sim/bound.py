@@ -34,6 +34,13 @@ part of every other node's gradient shard besides its dK/dV (or receive the bloc
 gathered again), each direction of a NIC at its bandwidth; hsdp's per-block
 all-reduce between the nodes' replicas crosses them in the backward.
 
+While those per-block collectives run, they take SMs from the compute they overlap
+(`ComputeRates.contention`): the simulator slows each linear module by the contention
+over the shorter of its own time and half its phase's block collectives, under every
+placement, and running them exposed instead would cost more. The bound counts the least
+that can add for the mean rank (`_linear_contention`): a rank holding x linear tokens, at
+most L, is slowed over at least x / L of what one holding L would be, min being concave.
+
 A step's backward starts after its forward has ended (the loss needs every layer's
 output), so the two phases add. Each phase lasts at least the largest of its own parts:
 its share of the ideal compute (the forward's matmuls and attention, the backward's),
@@ -44,7 +51,8 @@ larger of the whole step's compute and its whole exchange instead would let a fo
 bound by the NICs borrow the backward's compute to hide them.) Zipped collectives
 (`comm.compression`) are counted at the codec's best ratio.
 
-This holds for placements that move K and V to the queries (every placement here and
+This holds for placements that move K and V to the queries and hold at most L tokens a
+rank (every placement here and
 the baselines modelled beside them); a system that moved queries instead is not bound
 by it. It is tight where the compute rules (short sequences) and where one long
 sequence spans the fewest nodes it fits on.
@@ -84,7 +92,9 @@ class StepBound:
     Attributes:
         seconds: the bound.
         compute_s: the batch's compute spread evenly at unsplit rates (forward,
-            backward and the head).
+            backward and the head), with the least the weights' per-block collectives
+            slow the linear modules they overlap.
+        contention_s: that least slowdown (part of `compute_s`).
         exchange_s: the K/V every placement must move, forward and backward.
         weights_s: the weights mode's per-block collectives, every block.
         fixed_s: the collectives no compute hides, the optimizer's share and the step's
@@ -106,6 +116,7 @@ class StepBound:
     fixed_s: float
     limit: str
     shared_nics_s: float = 0.0
+    contention_s: float = 0.0
     phases: tuple[float, float] = (0.0, 0.0)
     setting: tuple[str, str] = ("compute", "compute")
 
@@ -150,19 +161,21 @@ def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
     exchange = shape.n_layers * token_bytes * seconds[limit]
     if exchange <= 0:
         limit = "none"
-    blocks = shared = (0.0, 0.0)
+    blocks = shared = contention = (0.0, 0.0)
     if WEIGHTS_AXES[run.config.parallel.weights].family is Family.AUTOGRAD:
         paid = weights_of(run)  # weight passing: its own model, counted as nothing here
         blocks = tuple(shape.n_layers * s for s in paid.layer_sync)
         fixed += paid.exposed
         shared = _shared_nics(run, paid, shape.n_layers * token_bytes * node_import, ratio)
+        contention = _linear_contention(float(lengths.sum()), run, paid.layer_sync)
+        compute = tuple(c + extra for c, extra in zip(compute, contention, strict=True))
     names = ("compute", f"K/V exchange ({limit})", "weight collectives",
              "K/V and weight collectives on one node's NICs")  # fmt: skip
     parts = [(compute[p], exchange, blocks[p], shared[p]) for p in (0, 1)]
     phases = tuple(max(part) for part in parts)
     setting = tuple(names[int(np.argmax(part))] for part in parts)
     return StepBound(sum(phases) + fixed, sum(compute), 2 * exchange, sum(blocks), fixed, limit,
-                     sum(shared), phases, setting)  # fmt: skip
+                     sum(shared), sum(contention), phases, setting)  # fmt: skip
 
 
 def _best_zip_ratio(run: RunModel) -> float:
@@ -233,6 +246,32 @@ def _unsplit_compute(lengths: np.ndarray, run: RunModel) -> tuple[float, float]:
     return forward / world, backward / world
 
 
+def _linear_contention(
+    tokens: float, run: RunModel, layer_sync: tuple[float, float]
+) -> tuple[float, float]:
+    """The least seconds, forward and backward, that a block's collectives (`layer_sync`,
+    each phase's) add to the mean rank's linear modules over `tokens` spread on every rank
+    (module docstring): each module of a rank holding x tokens is slowed by (contention -
+    1) x min(t(x), s), t its time alone, s half the phase's collectives; t is linear in x
+    and x <= L, so min(t(x), s) >= t(x) x min(1, s / t(L)), whose mean over the ranks is
+    that of the mean rank."""
+    rates, shape = run.hardware.rates, run.shape
+    capacity = run.config.train.tokens_per_rank
+    mean = tokens / run.hardware.devices
+    elements = pointwise_elements_per_token(shape)
+    out = []
+    for phase, factor in ((0, 1.0), (1, BACKWARD_LINEAR_FACTOR)):
+        half = layer_sync[phase] / 2
+        seconds = 0.0
+        for flops, share in zip(linear_flops_per_token(shape), POINTWISE_SHARES[phase],
+                                strict=True):  # fmt: skip
+            per_token = factor * flops / rates.matmul + rates.pointwise_seconds(share * elements)
+            full = capacity * per_token
+            seconds += mean * per_token * (min(1.0, half / full) if full > 0 else 0.0)
+        out.append((rates.contention - 1.0) * shape.n_layers * seconds)
+    return out[0], out[1]
+
+
 def _largest_import(lengths: np.ndarray, holds: int) -> float:
     """Tokens the busiest holder of `holds` tokens must import for one sequence."""
     return float(np.maximum(lengths - holds, 0).max(initial=0))
@@ -253,7 +292,8 @@ def over_bound(step: StepResult, bound: StepBound, n_layers: int) -> dict[str, f
 
     - imbalance: the most computing rank's compute over the mean rank's;
     - split kernels: the mean rank's compute over the bound's (split blocks' lower
-      kernel rates, the engine's per-row work and call overheads);
+      kernel rates, the engine's per-row work and call overheads, the weights'
+      collectives slowing linear modules beyond the least the bound counts);
     - exposed transfers: the layers' time the most computing rank does not compute
       because a message or collective it needs is still moving (K/V, dK/dV, the
       weights' collectives, the Ulysses and remap exchanges; `ray_zep.sim.idle`);
