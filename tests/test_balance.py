@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+import ray_zep.partition.balance as balance_module
 from ray_zep.config import ParallelConfig, ZonePolicy, load_config
 from ray_zep.costmodel import linear_flops_per_token, preset_rates
 from ray_zep.data.synthetic import batch_lengths
@@ -229,6 +230,43 @@ def test_at_most_two_inter_node_rings_share_a_nodes_nics() -> None:
     forced = NodeSlots(4, 8).assign(np.asarray([9, 9, 9]), force=True)
     assert [len(r) for r in forced] == [9, 9, 9]
     assert len({r for ranks in forced for r in ranks}) == 27
+
+
+def test_no_bisection_below_a_lowest_level_that_overflowed(monkeypatch) -> None:
+    """256 GPUs of github at 16k tokens each, 13B: the lowest level whose rings fit ends
+    busier than a higher level's placement, so no level is placed below it, and the
+    placement is the one bisecting there too would have chosen."""
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=32",
+                                "model.preset=13b"])  # fmt: skip
+    topology, shape = build_topology(config.topology), build_shape(config.model)
+    lengths = batch_lengths("github", 16384 * topology.world_size, seed=0)
+    model = WorkModel.create(shape, topology)
+    placed: list[tuple[float, float | None]] = []
+    place_at = balance_module._place_at
+
+    def recording(lengths, work, small, level, *args, **kwargs):
+        out = place_at(lengths, work, small, level, *args, **kwargs)
+        placed.append((level, None if out is None else out.busiest))
+        return out
+
+    monkeypatch.setattr(balance_module, "_place_at", recording)
+
+    def plan() -> list:
+        placed.clear()
+        return balance_module.balance(lengths, topology, 20480, model)
+
+    skipping = plan()
+    levels = list(placed)
+    feasible = [(level, busiest) for level, busiest in levels if busiest is not None]
+    high, first = min(feasible)
+    assert first > min(busiest for _, busiest in feasible)  # a higher level won
+    infeasible = [level for level, busiest in levels if busiest is None]
+    assert max(infeasible) < high
+    assert all(not max(infeasible) < level < high for level, _ in levels)
+    monkeypatch.setattr(balance_module, "BISECT_BELOW_OVERFLOW", True)
+    bisecting = plan()
+    assert len(placed) > len(levels)
+    assert bisecting == skipping
 
 
 def test_split_sequences_share_a_ring_where_it_saves_ranks() -> None:
