@@ -117,11 +117,13 @@ class Topology:
         return self.nodes * self.gpus_per_node
 
     def node_of(self, rank: int) -> int:
-        self._check_rank(rank)
+        if not 0 <= rank < self.nodes * self.gpus_per_node:  # hot: planning calls it per hop
+            self._rank_error(rank)
         return rank // self.gpus_per_node
 
     def local_index(self, rank: int) -> int:
-        self._check_rank(rank)
+        if not 0 <= rank < self.nodes * self.gpus_per_node:
+            self._rank_error(rank)
         return rank % self.gpus_per_node
 
     def ranks_of_node(self, node: int) -> range:
@@ -181,9 +183,8 @@ class Topology:
             ]
         )
 
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
-            raise TopologyError(f"rank {rank} is outside 0..{self.world_size - 1}")
+    def _rank_error(self, rank: int) -> None:
+        raise TopologyError(f"rank {rank} is outside 0..{self.world_size - 1}")
 
 
 def even_affinity(gpus: int, nics: int) -> tuple[int, ...]:
