@@ -125,6 +125,7 @@ def test_random_whole_sequence_plans_do_not_beat_the_bound() -> None:
     run = RunModel.create(config, hardware)
     rng = np.random.default_rng(0)
     world = hardware.devices
+    played = 0
     for seed in range(4):
         lengths = rng.integers(1, L // 4, size=world * 2)
         bins: list[list[int]] = [[] for _ in range(world)]
@@ -138,6 +139,8 @@ def test_random_whole_sequence_plans_do_not_beat_the_bound() -> None:
             continue
         step = simulate_plan(plan, run).step_seconds
         assert step >= step_bound(lengths, run).seconds * (1 - 1e-9), seed
+        played += 1
+    assert played >= 3, "most random plans hold at most L tokens a rank"
 
 
 def test_the_bound_is_near_the_ideal_where_compute_rules_and_above_where_the_exchange_does() -> (

@@ -65,7 +65,8 @@ def result_table(result: SimulateResult) -> str:
         largest = sorted({b.largest for b in result.bounds})
         lines.append(
             f"bound {np.mean([b.seconds for b in result.bounds]):.3f} s: in the forward and "
-            "in the backward, whichever is larger of the ideal compute, the K/V exchange no "
+            "in the backward, whichever is larger of the ideal compute (with the least the "
+            "weights' collectives slow its linear modules), the K/V exchange no "
             "placement avoids, the weights' collectives and both on one node's NICs, the "
             "two phases added, plus what no compute hides (largest part: "
             f"{'; '.join(largest)}); "

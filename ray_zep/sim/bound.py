@@ -52,10 +52,9 @@ bound by the NICs borrow the backward's compute to hide them.) Zipped collective
 (`comm.compression`) are counted at the codec's best ratio.
 
 This holds for placements that move K and V to the queries and hold at most L tokens a
-rank (every placement here and
-the baselines modelled beside them); a system that moved queries instead is not bound
-by it. It is tight where the compute rules (short sequences) and where one long
-sequence spans the fewest nodes it fits on.
+rank (every placement here and the baselines modelled beside them); a system that moved
+queries instead is not bound by it. It is tight where the compute rules (short
+sequences) and where one long sequence spans the fewest nodes it fits on.
 
 Shapes: S sequences.
 """
@@ -251,9 +250,9 @@ def _linear_contention(
 ) -> tuple[float, float]:
     """The least seconds, forward and backward, that a block's collectives (`layer_sync`,
     each phase's) add to the mean rank's linear modules over `tokens` spread on every rank
-    (module docstring): each module of a rank holding x tokens is slowed by (contention -
-    1) x min(t(x), s), t its time alone, s half the phase's collectives; t is linear in x
-    and x <= L, so min(t(x), s) >= t(x) x min(1, s / t(L)), whose mean over the ranks is
+    (module docstring): each module of a rank holding x tokens is slowed by contention - 1
+    times min(t(x), s), t its time alone, s half the phase's collectives; t is linear in x
+    and x <= L, so min(t(x), s) >= t(x) min(1, s / t(L)), whose mean over the ranks is
     that of the mean rank."""
     rates, shape = run.hardware.rates, run.shape
     capacity = run.config.train.tokens_per_rank
