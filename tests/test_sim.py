@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_zep.attention.schedule import position_layout, step_segments
+from ray_zep.attention.schedule import item_layouts, position_layout, step_segments
 from ray_zep.config import Config, TopologyConfig, load_config
 from ray_zep.costmodel import ComputeRates, CostModel, linear_flops_per_token
 from ray_zep.data.synthetic import batch_lengths
@@ -458,6 +458,8 @@ def test_ring_step_costs_of_a_whole_item_equal_its_segments_costs(placement, cur
         builder = _Builder(_setup(plan, rates), phase)
         for item in plan.items():
             layouts = [position_layout(plan, item, r) for r in range(item.ring_size)]
+            at_once = item_layouts(plan, item)  # what the simulator's items read
+            assert at_once.tolist() == [[list(slots) for slots in lay] for lay in layouts]
             for position in range(item.ring_size):
                 for step in range(item.ring_size):
                     got = builder.step_seconds(item, layouts, position, step)

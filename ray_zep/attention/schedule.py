@@ -184,6 +184,24 @@ def position_layout(plan: AttentionPlan, item: QueueItem, position: int):
     return [plan.placement(seq).slot_tokens(position) for seq in item.seqs]
 
 
+def item_layouts(plan: AttentionPlan, item: QueueItem) -> np.ndarray:
+    """`position_layout` at every ring position of the item at once (positions x
+    sequences x slots): one array operation per sequence, where a ring of a thousand
+    positions over hundreds of sequences would take a Python call per pair."""
+    ring, slots = item.ring_size, item.layout.slots
+    out = np.empty((ring, len(item.seqs), slots), dtype=np.int64)
+    chunks: dict[object, np.ndarray] = {}  # each layout's chunk of every (position, slot)
+    for j, seq in enumerate(item.seqs):
+        placement = plan.placement(seq)
+        layout = placement.layout
+        if layout not in chunks:
+            index = layout.chunk_index(ring, np.arange(ring)[:, None], np.arange(slots)[None, :])
+            chunks[layout] = np.broadcast_to(np.asarray(index, dtype=np.int64), (ring, slots))
+        sizes = np.diff(np.asarray(placement.bounds, dtype=np.int64))
+        out[:, j, :] = sizes[chunks[layout]]
+    return out
+
+
 def _item_schedule(
     plan: AttentionPlan, item: QueueItem, rank: int, start: int, device
 ) -> ItemSchedule:

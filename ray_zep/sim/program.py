@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ray_zep.attention.schedule import position_layout
+from ray_zep.attention.schedule import item_layouts
 from ray_zep.collectives.switcher import Profile
 from ray_zep.costmodel import (
     BACKWARD_ATTENTION_FACTOR,
@@ -114,7 +114,7 @@ class _Builder(GraphBuilder):
 
     def ring_item(self, index: int, item: QueueItem) -> None:
         """The item's K/V exchange and attention, as its exchange kind plays it (`PLAYS`)."""
-        layouts = [position_layout(self.setup.plan, item, r) for r in range(item.ring_size)]
+        layouts = item_layouts(self.setup.plan, item)
         play = PLAYS[item.exchange_kind.play_for(item.ring_size)]
         play(self, index, item, layouts)
 
@@ -242,7 +242,7 @@ class _Builder(GraphBuilder):
         messages would queue behind them on the links)."""
         ring = item.ring_size
         compute = self._step_table(item, layouts)  # members are positions: no Ulysses
-        held = np.asarray([sum(e + n for e, n in lay) for lay in layouts], dtype=np.float64)
+        held = layouts.sum(axis=(1, 2)).astype(np.float64)
         rows = held[(np.arange(ring)[:, None] - np.arange(ring)[None, :]) % ring]
         kv = self._hop_seconds(item, rows, Payload.KV, compute)
         following = np.concatenate([compute[:, 1:], np.zeros((ring, 1))], axis=1)
@@ -276,7 +276,7 @@ class _Builder(GraphBuilder):
         """`Play.GATHER`: all-gather K/V, compute every step; backward: compute,
         reduce-scatter dK/dV (`index` unused: collectives need no transfer list)."""
         ring, cost = item.ring_size, self.setup.cost
-        rows = max(sum(sum(slots) for slots in lay) for lay in layouts)
+        rows = int(layouts.sum(axis=(1, 2)).max())
         forward = self.phase is Phase.FORWARD
         block = rows * self.kv_row_bytes(item, Payload.KV if forward else Payload.DKV)
         seconds = cost.all_gather_seconds(block, item.ranks)
