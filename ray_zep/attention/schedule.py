@@ -186,20 +186,14 @@ def position_layout(plan: AttentionPlan, item: QueueItem, position: int):
 
 def item_layouts(plan: AttentionPlan, item: QueueItem) -> np.ndarray:
     """`position_layout` at every ring position of the item at once (positions x
-    sequences x slots): one array operation per sequence, where a ring of a thousand
-    positions over hundreds of sequences would take a Python call per pair."""
-    ring, slots = item.ring_size, item.layout.slots
-    out = np.empty((ring, len(item.seqs), slots), dtype=np.int64)
-    chunks: dict[object, np.ndarray] = {}  # each layout's chunk of every (position, slot)
-    for j, seq in enumerate(item.seqs):
-        placement = plan.placement(seq)
-        layout = placement.layout
-        if layout not in chunks:
-            index = layout.chunk_index(ring, np.arange(ring)[:, None], np.arange(slots)[None, :])
-            chunks[layout] = np.broadcast_to(np.asarray(index, dtype=np.int64), (ring, slots))
-        sizes = np.diff(np.asarray(placement.bounds, dtype=np.int64))
-        out[:, j, :] = sizes[chunks[layout]]
-    return out
+    sequences x slots), on arrays (`Layout.slot_sizes`): a ring of a thousand positions
+    over hundreds of sequences would take a Python call per pair."""
+    ring, count, layout = item.ring_size, len(item.seqs), item.layout
+    bounds = itertools.chain.from_iterable(plan.placement(seq).bounds for seq in item.seqs)
+    flat = np.fromiter(bounds, np.int64)
+    first = np.repeat(np.arange(count) * (layout.chunks(ring) + 1), ring)  # sequence-major
+    sizes = layout.slot_sizes(flat, first, ring, np.tile(np.arange(ring), count))
+    return sizes.reshape(count, ring, layout.slots).transpose(1, 0, 2)
 
 
 def _item_schedule(
