@@ -78,7 +78,7 @@ from ray_zep.parallel.memory import mean_block_params
 from ray_zep.sim.events import Lane
 from ray_zep.sim.ideal import fixed_seconds
 from ray_zep.sim.idle import TRANSFERS, WAITS, idle_causes
-from ray_zep.sim.layer_work import POINTWISE_SHARES
+from ray_zep.sim.layer_work import POINTWISE_SHARES, linear_part_seconds
 from ray_zep.sim.step import RunModel, StepResult, head_seconds, weights_of
 from ray_zep.sim.weights import WeightsCost
 from ray_zep.sim.wire import ZIP_RATIOS
@@ -264,9 +264,8 @@ def _linear_contention(
         seconds = 0.0
         for flops, share in zip(linear_flops_per_token(shape), POINTWISE_SHARES[phase],
                                 strict=True):  # fmt: skip
-            per_token = factor * flops / rates.matmul + rates.pointwise_seconds(share * elements)
-            full = capacity * per_token
-            seconds += mean * per_token * (min(1.0, half / full) if full > 0 else 0.0)
+            full = linear_part_seconds(capacity, flops, share * elements, rates, factor)
+            seconds += full * mean / capacity * (min(1.0, half / full) if full > 0 else 0.0)
         out.append((rates.contention - 1.0) * shape.n_layers * seconds)
     return out[0], out[1]
 

@@ -29,6 +29,19 @@ SWIGLU_FORWARD_PASSES = 3
 written (the element-wise model counts 6 for forward and backward)."""
 
 
+def linear_part_seconds(
+    tokens: float,
+    flops_per_token: float,
+    elements_per_token: float,
+    rates: ComputeRates,
+    matmul_factor: float = 1.0,
+) -> float:
+    """A linear part alone over `tokens` tokens: its matmuls (`matmul_factor`: the
+    backward's multiple of the forward's FLOPs) and its element-wise work."""
+    matmul = matmul_factor * tokens * flops_per_token / rates.matmul
+    return matmul + rates.pointwise_seconds(tokens * elements_per_token)
+
+
 @dataclass(frozen=True)
 class RecomputedPart:
     """A part of a block's forward that its backward computes again."""
@@ -41,8 +54,7 @@ class RecomputedPart:
 
     def seconds(self, tokens: float, rates: ComputeRates) -> float:
         """The part over `tokens` tokens at `rates`."""
-        matmul = tokens * self.flops_per_token / rates.matmul
-        return matmul + rates.pointwise_seconds(tokens * self.elements_per_token)
+        return linear_part_seconds(tokens, self.flops_per_token, self.elements_per_token, rates)
 
 
 def recomputed_parts(

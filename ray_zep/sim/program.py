@@ -56,7 +56,12 @@ from ray_zep.partition.plan import QueueItem
 from ray_zep.routing.routes import Payload, Phase, item_transfers
 from ray_zep.sim.events import Lane, Task, TaskGraph
 from ray_zep.sim.graph_builder import FP32_BYTES, GraphBuilder, LayerSetup
-from ray_zep.sim.layer_work import POINTWISE_SHARES, RecomputedPart, recomputed_parts
+from ray_zep.sim.layer_work import (
+    POINTWISE_SHARES,
+    RecomputedPart,
+    linear_part_seconds,
+    recomputed_parts,
+)
 from ray_zep.sim.ring_form import array_ring, hop_seconds, ring_backward, ring_forward
 from ray_zep.sim.step_costs import step_table
 from ray_zep.sim.wire import Stream, WireCodec
@@ -419,8 +424,7 @@ class _Builder(GraphBuilder):
         sync = self.setup.weight_sync[1 if backward else 0]
         elements = pointwise_share * pointwise_elements_per_token(self.setup.shape)
         for rank, tokens in enumerate(self.setup.linear_tokens()):
-            alone = factor * tokens * flops_per_token / rates.matmul
-            alone += rates.pointwise_seconds(tokens * elements)
+            alone = linear_part_seconds(tokens, flops_per_token, elements, rates, factor)
             seconds = alone + (rates.contention - 1.0) * min(alone, sync / 2)
             task = self.compute(rank, seconds, name)
             self.wait(rank, [task])
