@@ -400,3 +400,39 @@ def test_a_level_that_cannot_win_is_abandoned_early_with_the_same_placement(
     monkeypatch.setattr(level_fill._HopelessCheck, "hopeless", lambda *_: False)
     dealt = balance(lengths, topology, 20480, model)
     assert checked == dealt
+
+
+def test_a_sequence_at_its_floor_leaves_the_levels_below_it_to_the_others(monkeypatch) -> None:
+    """256 GPUs of the chat mix, 7B, 4k tokens per GPU: the 242k-token document's USP
+    group is bound by its NICs at every width, so each level's busiest rank would be one
+    of its members, and the first feasible level would win whatever the other rings
+    weigh there. Its members counted at the level, the scan goes on to levels that lower
+    the other rings, and the simulator plays a shorter step (0.91x); the group stays
+    within `MIN_GAIN` of its least member work over the widths it may take."""
+    from ray_zep.partition.usp_grid import MIN_GAIN
+    from ray_zep.sim.compare import variant_config
+
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=32",
+                                "model.preset=7b", "parallel.weights=fsdp"])  # fmt: skip
+    config = variant_config(config, "zeppelin", L)  # as `bench scale` runs it
+    hardware = Hardware.preset(build_topology(config.topology))
+    run = RunModel.create(config, hardware)
+    lengths = batch_lengths("chat", 4096 * hardware.devices, seed=0)
+    longest = int(np.argmax(lengths))
+    parallel = config.parallel  # the planner's model
+    model = WorkModel.create(run.shape, hardware.topology, routed=parallel.routing,
+                             dkv_wire=parallel.dkv_wire, capacity=L)  # fmt: skip
+    steps = {}
+    for floor in (False, True):
+        monkeypatch.setattr(balance_module, "FLOOR_AT_LEVEL", floor)
+        steps[floor] = simulate_batch(lengths, run).step_seconds
+    assert steps[True] < 0.95 * steps[False], steps
+    plan = make_plan(Placement.ZEPPELIN, lengths, hardware.topology, L, run.shape,
+                     config.parallel)  # fmt: skip
+    group = plan.placements[longest]
+    assert group.ulysses == hardware.topology.gpus_per_node
+    widths = np.arange(2, hardware.topology.nodes + 1)
+    n = np.full(widths.size, lengths[longest])
+    least = model.usp_member_seconds(n, widths).min()
+    taken = model.usp_member_seconds(n[:1], np.asarray([group.ring_size]))[0]
+    assert taken <= least * (1 + MIN_GAIN)

@@ -32,11 +32,16 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    that no rank has token room for fills the free tokens of the ranks with most.
 
 Levels rise from the mean until the rings fit the world; the level whose busiest
-rank is lowest wins. Where they fit at no level, the rings shrink in proportion
-until they do (and then may share nodes); where even their fewest ranks by tokens
-exceed the world, `balance` raises PlacementError and the caller places the batch
-with capacity-aware, unequal splits. Each level is placed on arrays of rank loads,
-so 4,096 ranks and thousands of sequences take milliseconds to a few hundred.
+rank is lowest wins. A sequence that no group brings under a level (its transfers set
+its member work at every degree: the batch's longest, bound by its NICs) is at its floor
+there, and its members count as the level when placements are compared
+(`FLOOR_AT_LEVEL`): else it alone would make every level's busiest rank the same, and
+the scan would keep the first feasible level however the other sequences lie there.
+Where the rings fit at no level, they shrink in proportion until they do (and then
+may share nodes); where even their fewest ranks by tokens exceed the world, `balance`
+raises PlacementError and the caller places the batch with capacity-aware, unequal
+splits. Each level is placed on arrays of rank loads, so 4,096 ranks and thousands of
+sequences take milliseconds to a few hundred.
 """
 
 from __future__ import annotations
@@ -76,6 +81,17 @@ still). Off: on `bench scale`'s grid (64-4,096 GPUs) it never changed the placem
 skipping it saves a few levels' work where the step plans slowest (chat, 1,024 GPUs)."""
 DEGREE_ROUNDS = 24
 """Rounds of the vectorised degree search (each grows unfinished degrees by 1/8)."""
+FLOOR_AT_LEVEL = True
+"""The members of a sequence at its floor count as the level, not their work, when the
+level's placement is compared with others' and filled (no whole sequence joins them).
+Its group takes the fewest ranks within `MIN_GAIN` of its least work
+(`UspGrid.choose`, `_degrees`), so it ends at most that share above what any placement
+could give it. On `bench scale`'s 7b chat batches at 256 and 1,024 GPUs the 242k-token
+document's USP group is bound by its NICs at every width (its forward sets the step's);
+the levels below it then lower the rings that set the backward (step 4.309 -> 3.938 s
+and 3.978 -> 3.837 s). At 4,096 GPUs of the same mix the same level wins, where whole
+sequences overflow it either way, and they land elsewhere: 4.372 -> 4.487 s. No other
+row of the grid changes."""
 
 
 def balance(
@@ -190,6 +206,7 @@ def _place_at(
     usp = np.zeros(seqs.size, dtype=np.int64)  # U of a USP group, 0 for a ring
     if seqs.size and usp_grid is not None:
         degrees, member, usp = usp_grid.choose(seqs, degrees, member, level)
+    floor = member > level  # no degree brings these under the level
     eligible = (usp == 0) & (degrees <= gpus)
     if not force and fewest_ranks(small[seqs], degrees, eligible, level) > world:
         return None  # even perfectly shared rings need more than the world
@@ -225,6 +242,8 @@ def _place_at(
                 work_k = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([d]))[0])
             elif u:
                 placed.ulysses[seq] = u
+            if FLOOR_AT_LEVEL and floor[i] and not force and work_k == member[i]:
+                work_k = level  # at its floor (module docstring); not a fragmented group
         members = seqs[list(ring.members)].tolist()
         sizes = lengths[members].tolist()
         ring_held = shared_ring(placed, members, sizes, ranks)
