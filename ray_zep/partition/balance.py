@@ -87,8 +87,8 @@ level's placement is compared with others' and filled (no whole sequence joins t
 Its group takes the fewest ranks within `MIN_GAIN` of its least work
 (`UspGrid.choose`, `_degrees`), so it ends at most that share above what any placement
 could give it. On `bench scale`'s 7b chat batches at 256 and 1,024 GPUs the 242k-token
-document's USP group is bound by its NICs at every width (its forward sets the step's);
-the levels below it then lower the rings that set the backward (step 4.309 -> 3.938 s
+document's USP group is bound by its NICs at every width and sets the forward; the
+levels below it then lower the rings that set the backward (step 4.309 -> 3.938 s
 and 3.978 -> 3.837 s). At 4,096 GPUs of the same mix the same level wins, where whole
 sequences overflow it either way, and they land elsewhere: 4.372 -> 4.487 s. No other
 row of the grid changes."""
