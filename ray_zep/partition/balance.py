@@ -238,12 +238,13 @@ def _place_at(
             i = ring.members[0]
             seq, n = int(seqs[i]), int(lengths[seqs[i]])
             u = int(usp[i])
-            if u and not positions_in_nodes(ranks, u, gpus):  # fragmented: a plain ring
+            fragmented = u and not positions_in_nodes(ranks, u, gpus)
+            if fragmented:  # a plain ring
                 work_k = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([d]))[0])
             elif u:
                 placed.ulysses[seq] = u
-            if FLOOR_AT_LEVEL and floor[i] and not force and work_k == member[i]:
-                work_k = level  # at its floor (module docstring); not a fragmented group
+            if FLOOR_AT_LEVEL and floor[i] and not force and not fragmented:
+                work_k = level  # at its floor (module docstring)
         members = seqs[list(ring.members)].tolist()
         sizes = lengths[members].tolist()
         ring_held = shared_ring(placed, members, sizes, ranks)
