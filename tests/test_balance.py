@@ -11,6 +11,7 @@ import ray_zep.partition.balance as balance_module
 from ray_zep.config import ParallelConfig, ZonePolicy, load_config
 from ray_zep.costmodel import linear_flops_per_token, preset_rates
 from ray_zep.data.synthetic import batch_lengths
+from ray_zep.errors import PlacementError
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
@@ -230,6 +231,35 @@ def test_at_most_two_inter_node_rings_share_a_nodes_nics() -> None:
     forced = NodeSlots(4, 8).assign(np.asarray([9, 9, 9]), force=True)
     assert [len(r) for r in forced] == [9, 9, 9]
     assert len({r for ranks in forced for r in ranks}) == 27
+
+
+def test_a_level_whose_whole_sequences_find_no_room_is_passed_over(monkeypatch) -> None:
+    """A level whose rings leave the whole sequences too few free tokens fails alone (its
+    fill raises PlacementError): the scan goes on, and the batch gets the placement it
+    gets where that level's rings did not fit at all, not the cost policy's."""
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=8",
+                                "model.preset=7b"])  # fmt: skip
+    topology, shape = build_topology(config.topology), build_shape(config.model)
+    lengths = batch_lengths("chat", 4096 * topology.world_size, seed=0)
+    model = WorkModel.create(shape, topology)
+    place_at = balance_module._place_at
+    failed: list[float] = []
+
+    def failing_first(lengths, work, small, level, *args, **kwargs):
+        if not failed or failed[0] == level:
+            failed.append(level)
+            if error:
+                raise PlacementError("534 tokens do not fit in 302 free tokens")
+            return None
+        return place_at(lengths, work, small, level, *args, **kwargs)
+
+    monkeypatch.setattr(balance_module, "_place_at", failing_first)
+    error = True
+    passed_over = balance_module.balance(lengths, topology, L, model)
+    failed.clear()
+    error = False
+    infeasible = balance_module.balance(lengths, topology, L, model)
+    assert failed and passed_over == infeasible
 
 
 def test_no_bisection_below_a_lowest_level_that_overflowed(monkeypatch) -> None:

@@ -29,7 +29,9 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    tokens first (`level_fill.kept_room`), so that the fill leaves it free. One that fits
    under lam nowhere becomes a small ring inside a node where its work is worth one
    (`SMALL_RING_SHARE`), else goes to the least loaded rank with token room; one
-   that no rank has token room for fills the free tokens of the ranks with most.
+   that no rank has token room for fills the free tokens of the ranks with most; a
+   level whose rings leave the whole sequences too few free tokens for that fails, as
+   one whose rings do not fit the world does.
 
 Levels rise from the mean until the rings fit the world; the level whose busiest
 rank is lowest wins. A sequence that no group brings under a level (its transfers set
@@ -133,8 +135,13 @@ def balance(
 
     def at(factor: float, force: bool = False) -> Placed | None:
         level = mean * factor
-        placed = _place_at(lengths, work, small, level, topology, capacity, model, usp, force,
-                           lowest[0])  # fmt: skip
+        try:
+            placed = _place_at(lengths, work, small, level, topology, capacity, model, usp,
+                               force, lowest[0])  # fmt: skip
+        except PlacementError:
+            if force:
+                raise
+            return None  # its rings left the whole sequences too few free tokens
         if placed is not None:
             lowest[0] = min(lowest[0], placed.busiest)
         return placed
