@@ -23,6 +23,7 @@ from ray_zep.data.shards import shard_for
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import PLANNED, make_plan
+from ray_zep.partition.plan import SeqPlacement, even_bounds, local_placement
 from ray_zep.topology import build_topology
 from ray_zep.train.checkpoint import Progress
 from tests.helpers.attention import reference, ring_rank
@@ -60,7 +61,9 @@ def test_ring_attention_matches_single_device(nodes: int, gpus: int) -> None:
 def test_a_rank_in_several_rings_matches_single_device() -> None:
     """`fill` pours two long sequences over consecutive ranks in unequal shares: ranks
     0-2 sit in both rings (and hold whole short sequences), on one node and across two
-    (routed)."""
+    (routed). The work policy's hosted ring (`ray_zep.partition.hosting`): a ring across
+    nodes over ranks 0-2 and, on node 0's two GPUs, a ring inside the node over two more
+    sequences, direct and routed."""
     lengths = [90, 70, 3, 1, 50, 2, 7]
     cases = [
         dict(strategy="fill", routing=routing, nodes=nodes, gpus=gpus, heads=8, kv_heads=2,
@@ -75,8 +78,21 @@ def test_a_rank_in_several_rings_matches_single_device() -> None:
                          build_shape(config.model))  # fmt: skip
         rings = Counter(r for item in plan.items() if item.ring_size > 1 for r in item.ranks)
         assert max(rings.values()) >= 2, "a rank must sit in two rings"
+    hosted = [40, 12, 3, 5, 7, 9]
+    placements = [
+        SeqPlacement(0, 40, (0, 1, 2), even_bounds(40, 3)),
+        SeqPlacement(1, 12, (0, 1), even_bounds(12, 2)),
+        local_placement(2, 3, 3), local_placement(3, 5, 2), local_placement(4, 7, 3),
+        SeqPlacement(5, 9, (0, 1), even_bounds(9, 2)),
+    ]  # fmt: skip
+    cases += [
+        dict(strategy="zeppelin", routing=routing, nodes=2, gpus=2, heads=8, kv_heads=2, dim=4,
+             lengths=hosted, capacity=24, placements=placements)
+        for routing in (False, True)
+    ]  # fmt: skip
     results = run_ranks(_ring_all, 4, cases)
-    _assert_ring_matches(2, cases, results)
+    _assert_ring_matches(2, cases[:3], [r[:3] for r in results])
+    _assert_ring_matches(2, cases[3:], [r[3:] for r in results])
 
 
 def test_sequences_sharing_a_ring_match_single_device() -> None:

@@ -22,6 +22,10 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    most lam (`usp_grid.UspGrid`); it takes whichever of the two needs fewer
    ranks at the level (the lesser work by `MIN_GAIN` on as many, or where neither
    reaches it; the ring on near ties). `parallel.usp_groups=false` keeps rings.
+   A ring inside a node whose members its tokens fill long before its work does may
+   instead ride on a whole node of a ring or USP group across nodes, as one more ring
+   over that node's GPUs after the host's (`hosting`: the host may take a few more
+   ranks for the room); its own ranks are freed for the whole sequences.
 3. Whole sequences, most work first, go to the rank whose work leaves the least
    room under lam among those with token room (best fit decreasing). A ring whose
    member work counted on keeping its peers' K/V beyond the model's budget, in the
@@ -52,6 +56,7 @@ import numpy as np
 
 from ray_zep.errors import PlacementError
 from ray_zep.partition.exchange import Exchange
+from ray_zep.partition.hosting import Hosting, host_rings
 from ray_zep.partition.level_fill import (
     SMALL_RING_SHARE,
     Placed,
@@ -62,7 +67,7 @@ from ray_zep.partition.level_fill import (
 )
 from ray_zep.partition.node_slots import NodeSlots
 from ray_zep.partition.plan import SeqPlacement, bounds_for_counts, local_placement
-from ray_zep.partition.ring_groups import alone_rings, fewest_ranks, group_rings
+from ray_zep.partition.ring_groups import RingGroup, alone_rings, fewest_ranks, group_rings
 from ray_zep.partition.usp_grid import MIN_GAIN, UspGrid, positions_in_nodes
 from ray_zep.partition.work import WorkModel
 from ray_zep.topology import Topology
@@ -81,6 +86,9 @@ BISECT_BELOW_OVERFLOW = False
 higher level's (its whole sequences overflowed it; a lower level leaves them less room
 still). Off: on `bench scale`'s grid (64-4,096 GPUs) it never changed the placement, and
 skipping it saves a few levels' work where the step plans slowest (chat, 1,024 GPUs)."""
+HOSTED_RINGS = True
+"""Rings inside a node may ride on whole nodes of rings across nodes
+(`ray_zep.partition.hosting`)."""
 DEGREE_ROUNDS = 24
 """Rounds of the vectorised degree search (each grows unfinished degrees by 1/8)."""
 FLOOR_AT_LEVEL = True
@@ -219,23 +227,34 @@ def _place_at(
         return None  # even perfectly shared rings need more than the world
     rings = group_rings(small[seqs], lengths[seqs], degrees, member, eligible, level, capacity,
                         None if force else world)  # fmt: skip
-    if rings is None or sum(r.degree for r in rings) > world:
+    hosted = None
+    if HOSTED_RINGS and not force and gpus > 1 and rings is not None and (degrees > gpus).any():
+        hosted = host_rings(rings, lengths[seqs], small[seqs, -1], usp, floor, level, capacity,
+                            gpus, model)  # fmt: skip
+        if hosted is not None and hosted.ranks_used() > world:
+            hosted = None
+    if hosted is None and (rings is None or sum(r.degree for r in rings) > world):
         if not force:
             return None
         degrees = _shrink(degrees, np.maximum(2, -(-lengths[seqs] // capacity)), world)
         member = model.alone_ring_seconds(lengths[seqs], degrees)
         usp[:] = 0
         rings = alone_rings(degrees, member)
-    placed = Placed.empty(world)
-    slots = NodeSlots(topology.nodes, gpus)
-    ring_degrees = np.asarray([r.degree for r in rings], dtype=np.int64)
-    assigned = slots.assign(ring_degrees, force)
+    assigned = _assign(rings, hosted, topology, force)
     if assigned is None:
         return None  # an inter-node ring's rest has no node to go to
+    if assigned[1] is None:
+        hosted = None  # the hosts' widened rests found no node: the level's own rings
+    rings, assigned = assigned[0], assigned[2]
+    guests = hosted.guest_rings() if hosted is not None else set()
+    placed = Placed.empty(world)
     index: list[int] = []
     loads: list[float] = []
     held: list[int] = []
+    ring_degrees = np.asarray([r.degree for r in rings], dtype=np.int64)
     for k in np.argsort(-ring_degrees, kind="stable").tolist():
+        if k in guests:
+            continue
         ring, ranks = rings[k], assigned[k]
         d = ring.degree
         if len(ranks) < d:
@@ -262,6 +281,8 @@ def _place_at(
     placed.load[index] += np.asarray(loads, dtype=np.float64)  # the rings' ranks are disjoint
     placed.tokens[index] += np.asarray(held, dtype=np.int64)
     placed.in_ring[index] = True
+    if hosted is not None:
+        _place_guests(placed, hosted, rings, assigned, seqs, lengths, gpus)
     if placed.busiest >= prune_above:
         placed.pruned = True
         return placed
@@ -269,6 +290,49 @@ def _place_at(
     fill_whole(placed, wholes[np.argsort(-work[wholes], kind="stable")], lengths, work,
                 small, level, capacity, topology, model, prune_above)  # fmt: skip
     return placed
+
+
+def _assign(
+    rings: list[RingGroup], hosted: Hosting | None, topology: Topology, force: bool
+) -> tuple[list[RingGroup], Hosting | None, list[tuple[int, ...]]] | None:
+    """(the rings, their hosting, the ranks of each) as `NodeSlots` assigns them: guests
+    take none of their own. Where the hosts' widened rings find no node for their rests,
+    the level's own rings instead (hosting None); None where neither is assigned."""
+    tries = [(hosted.rings, hosted)] if hosted is not None else []
+    for candidate, hosting in [*tries, (rings, None)]:
+        guests = hosting.guest_rings() if hosting is not None else set()
+        degrees = np.asarray([0 if k in guests else r.degree for k, r in enumerate(candidate)],
+                             dtype=np.int64)  # fmt: skip
+        assigned = NodeSlots(topology.nodes, topology.gpus_per_node).assign(degrees, force)
+        if assigned is not None:
+            return candidate, hosting, assigned
+    return None
+
+
+def _place_guests(
+    placed: Placed,
+    hosted: Hosting,
+    rings: list[RingGroup],
+    assigned: list[tuple[int, ...]],
+    seqs: np.ndarray,
+    lengths: np.ndarray,
+    gpus: int,
+) -> None:
+    """Each host's whole nodes take their guests' sequences as one ring over the node's
+    GPUs (`ray_zep.partition.hosting`), on top of the host's load and tokens."""
+    for host, per_node in hosted.guests.items():
+        ranks = np.asarray(assigned[host], dtype=np.int64)
+        nodes, counts = np.unique(ranks // gpus, return_counts=True)
+        whole = nodes[counts == gpus]
+        for node, guests in zip(whole.tolist(), per_node, strict=True):
+            if not guests:
+                continue
+            members = seqs[[i for g in guests for i in rings[g].members]].tolist()
+            sizes = lengths[members].tolist()
+            node_ranks = tuple(range(node * gpus, (node + 1) * gpus))
+            placed.tokens[list(node_ranks)] += shared_ring(placed, members, sizes, node_ranks)
+            placed.load[list(node_ranks)] += sum(hosted.guest_seconds[g] for g in guests)
+            placed.resent.add(node_ranks)
 
 
 def _degrees(
@@ -323,7 +387,9 @@ def _placements(lengths: np.ndarray, placed: Placed, model: WorkModel) -> list[S
             continue
         ranks, counts = placed.groups[seq]
         u, positions = placed.ulysses.get(seq, 1), positions_of[seq]
-        keeps = ranks in placed.kept_rings or bool(model.keeps_kv(kept[ranks], u))
+        keeps = ranks in placed.kept_rings or (
+            ranks not in placed.resent and bool(model.keeps_kv(kept[ranks], u))
+        )
         exchange = Exchange.RING_KEPT if keeps else Exchange.RING
         if u > 1:  # ring positions of U members each: the position's tokens, its members'
             out.append(SeqPlacement(seq, n, ranks, bounds_for_counts(positions.tolist()),

@@ -35,7 +35,9 @@ class Placed:
     in_ring: np.ndarray
     """Ranks already in a ring: a rank joins at most one, so that every ring starts
     at once on all its members (the engine runs a rank's rings one after another,
-    and a second ring would wait for the members' first ones)."""
+    and a second ring would wait for the members' first ones); only a hosted ring
+    (`ray_zep.partition.hosting`), whose members all end one host ring together, is a
+    second one."""
     groups: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     """Ring sequences: seq -> (ranks ascending, tokens of each)."""
     ulysses: dict[int, int] = field(default_factory=dict)
@@ -45,6 +47,10 @@ class Placed:
     kept_rings: set[tuple[int, ...]] = field(default_factory=set)
     """Rings (their ranks) that keep their K/V beyond the work model's budget, in token
     room their members leave free (`kept_room`)."""
+    resent: set[tuple[int, ...]] = field(default_factory=set)
+    """Rings (their ranks) that send their K/V again in the backward whatever the budget:
+    rings hosted on ranks whose host ring already counts on the budget
+    (`ray_zep.partition.hosting`)."""
     pruned: bool = False
     """Abandoned once a rank's work reached the busiest rank of a placement made before
     it: it can only end as busy or busier, and on a tie the earlier one is kept, so it

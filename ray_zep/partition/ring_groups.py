@@ -1,9 +1,9 @@
 """Split sequences that share one intra-node ring (`ray_zep.partition.balance`).
 
-A rank joins at most one ring, so a ring of d members over a sequence whose work is
-1.1 ranks' worth of the level leaves 0.9 of a rank idle per ring (short sequences
-over L tokens need a ring of two, whatever their work). Several sequences on the
-same ranks form one ring (one queue item: every step forwards all their chunks
+A rank joins at most one ring (but for `hosting`'s), so a ring of d members over a
+sequence whose work is 1.1 ranks' worth of the level leaves 0.9 of a rank idle per ring
+(short sequences over L tokens need a ring of two, whatever their work). Several
+sequences on the same ranks form one ring (one queue item: every step forwards all their chunks
 together, `AttentionPlan.items`), so the planner packs them: sequences whose rings
 fit in a node, most work first, each joins the group it costs the fewest extra ranks
 (the group may grow up to a node's GPUs) when that is fewer than its own ring
@@ -83,11 +83,16 @@ def group_rings(
     scale = 0.5 / max(level, 1e-30)
     base = np.full((WINDOW, sizes.size), np.inf)
     free = list(range(WINDOW))  # a heap of the slots no open group holds
+    opened = 0  # slots below it have held a group (the heap hands out the lowest first)
     for position, i in enumerate(order.tolist()):
         own, need, chunk = int(degrees[i]), work[position], chunks[position]
-        cost = np.where((need <= slack) & (chunk <= room), base - need * scale, np.inf)
-        k, size = divmod(int(cost.argmin()), sizes.size)
-        if cost[k, size] < own:  # fewer added ranks than its own ring
+        joins = False
+        if opened:
+            cost = np.where((need <= slack[:opened]) & (chunk <= room[:opened]),
+                            base[:opened] - need * scale, np.inf)  # fmt: skip
+            k, size = divmod(int(cost.argmin()), sizes.size)
+            joins = bool(cost[k, size] < own)  # fewer added ranks than its own ring
+        if joins:
             used += int(sizes[size] - degree[k])
             if used > limit:
                 return None
@@ -109,6 +114,7 @@ def group_rings(
             return None
         # a new group takes the first slot no open group holds, else the oldest group's
         k = heapq.heappop(free) if free else int(group.argmin())
+        opened = max(opened, k + 1)
         group[k] = len(members)
         slack[k] = level - need
         slack[k, : own - 2] = -np.inf

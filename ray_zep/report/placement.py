@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,10 @@ def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
     rings = [item for item in plan.items() if item.ring_size > 1 and item.exchange_kind.rotates]
     kept = sum(item.exchange_kind.keeps_kv for item in rings)
     keeping = f"; {kept} of {len(rings)} rings keep their K/V for the backward" if rings else ""
+    in_rings = Counter(r for item in plan.items() if len(item.ranks) > 1 for r in item.ranks)
+    several = sum(count > 1 for count in in_rings.values())
+    if several:  # hosted rings (`ray_zep.partition.hosting`) or the cost policy's splits
+        keeping += f"; {several} ranks sit in more than one ring"
     return (
         f"{plan.planner.value}: {len(plan.placements)} sequences, {int(stats.tokens.sum())} tokens "
         f"on {plan.world} ranks; planner {plan.planner_seconds * 1e3:.2f} ms; work (linear + "
