@@ -229,10 +229,9 @@ def _place_at(
                         None if force else world)  # fmt: skip
     hosted = None
     if HOSTED_RINGS and not force and gpus > 1 and rings is not None and (degrees > gpus).any():
+        # the rings fit the world here, and a host takes guests only where that frees ranks
         hosted = host_rings(rings, lengths[seqs], small[seqs, -1], usp, floor, level, capacity,
                             gpus, model)  # fmt: skip
-        if hosted is not None and hosted.ranks_used() > world:
-            hosted = None
     if hosted is None and (rings is None or sum(r.degree for r in rings) > world):
         if not force:
             return None
@@ -240,12 +239,10 @@ def _place_at(
         member = model.alone_ring_seconds(lengths[seqs], degrees)
         usp[:] = 0
         rings = alone_rings(degrees, member)
-    assigned = _assign(rings, hosted, topology, force)
-    if assigned is None:
+    assignment = _assign(rings, hosted, topology, force)
+    if assignment is None:
         return None  # an inter-node ring's rest has no node to go to
-    if assigned[1] is None:
-        hosted = None  # the hosts' widened rests found no node: the level's own rings
-    rings, assigned = assigned[0], assigned[2]
+    rings, hosted, assigned = assignment  # hosted None: the widened hosts' rests found none
     guests = hosted.guest_rings() if hosted is not None else set()
     placed = Placed.empty(world)
     index: list[int] = []

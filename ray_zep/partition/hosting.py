@@ -68,11 +68,6 @@ class Hosting:
     def guest_rings(self) -> set[int]:
         return {g for nodes in self.guests.values() for node in nodes for g in node}
 
-    def ranks_used(self) -> int:
-        """Ranks the rings take: every ring's degree but the guests'."""
-        guests = self.guest_rings()
-        return sum(r.degree for k, r in enumerate(self.rings) if k not in guests)
-
 
 def host_rings(
     rings: list[RingGroup],
@@ -151,37 +146,30 @@ def host_rings(
     return Hosting(out, guests, guest_seconds)
 
 
-def _widened(degree, member, n, usp, level: float, model: WorkModel):
-    """(degree, member work, work slack under the level) of each ring (rows) at each
-    widening (columns: none, then `WIDENINGS` even steps up to half its degree; a USP
-    group's none only, repeated)."""
-    half = degree // 2
-    steps = np.maximum(1, -(-half // WIDENINGS))[:, None] * np.arange(WIDENINGS + 1)[None, :]
-    widen = np.minimum(steps, half[:, None])
-    widen[usp > 0] = 0
-    grown = degree[:, None] + widen
-    work = np.repeat(np.asarray(member, dtype=np.float64)[:, None], grown.shape[1], axis=1)
-    wider = widen > 0
-    if wider.any():
-        rows = np.nonzero(wider)[0]
-        work[wider] = model.alone_ring_seconds(n[rows], grown[wider])
-    return grown, work, level - work
-
-
 def _widenings(rings, hosts, lengths, usp, level: float, capacity: int, model: WorkModel):
-    """`_widened` of each host (rows), with its token room at each widening (its own kept
-    K/V room, `WorkModel.reserved_tokens`, set aside where it has it)."""
+    """Per host (rows) and widening (columns: none, then `WIDENINGS` even steps up to half
+    its degree; a USP group's none only, repeated): its degree, member work, work slack
+    under the level and token room (its own kept K/V room, `WorkModel.reserved_tokens`,
+    set aside where it has it)."""
     members = [rings[k].members[0] for k in hosts]
     n = lengths[members].astype(np.int64)
     u = np.maximum(usp[members], 1).astype(np.int64)
     degree = np.asarray([rings[k].degree for k in hosts], dtype=np.int64)
-    seconds = np.asarray([rings[k].member_seconds for k in hosts])
-    grown, member, slack = _widened(degree, seconds, n, usp[members], level, model)
+    half = degree // 2
+    steps = np.maximum(1, -(-half // WIDENINGS))[:, None] * np.arange(WIDENINGS + 1)[None, :]
+    widen = np.minimum(steps, half[:, None])
+    widen[usp[members] > 0] = 0
+    grown = degree[:, None] + widen
+    member = np.repeat(np.asarray([[rings[k].member_seconds] for k in hosts]), grown.shape[1],
+                       axis=1)  # fmt: skip
+    wider = widen > 0
+    if wider.any():
+        member[wider] = model.alone_ring_seconds(n[np.nonzero(wider)[0]], grown[wider])
     chunk = -(-n[:, None] // grown)
     kept = n[:, None] - (n[:, None] // grown) * u[:, None]
     reserve = model.reserved_tokens(kept, u[:, None])
     room = capacity - chunk - np.where(chunk + reserve <= capacity, reserve, 0)
-    return grown, member, slack, room
+    return grown, member, level - member, room
 
 
 def _spread(rings, pool, lengths, node_ring, gpus: int) -> tuple[np.ndarray, np.ndarray]:

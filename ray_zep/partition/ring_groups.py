@@ -3,8 +3,8 @@
 A rank joins at most one ring (but for `hosting`'s), so a ring of d members over a
 sequence whose work is 1.1 ranks' worth of the level leaves 0.9 of a rank idle per ring
 (short sequences over L tokens need a ring of two, whatever their work). Several
-sequences on the same ranks form one ring (one queue item: every step forwards all their chunks
-together, `AttentionPlan.items`), so the planner packs them: sequences whose rings
+sequences on the same ranks form one ring (one queue item: every step forwards all their
+chunks together, `AttentionPlan.items`), so the planner packs them: sequences whose rings
 fit in a node, most work first, each joins the group it costs the fewest extra ranks
 (the group may grow up to a node's GPUs) when that is fewer than its own ring
 needs, its members' work and tokens within the level and L. A group's member work
