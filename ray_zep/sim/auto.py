@@ -19,6 +19,10 @@ activation checkpointing, where the config sets none, is placed and played again
 under the lightest that fits (`ray_zep.sim.checkpointing.fitting_options`: selective,
 linears or full on the fewest first blocks, `train.checkpoint_blocks`), and the step
 counts what backward recomputes.
+
+Where the batches are budget-packed, the fastest fitting composition is played again
+with more token room for the same batches (`ray_zep.sim.token_room`: L x 1.25 and x 1.5,
+`data.batch_fill` lowered so that the batch budget stays), and ranked with the rest.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from ray_zep.sim.checkpointing import (
 )
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, StepResult, plan_batch, simulate_batch, simulate_plans
+from ray_zep.sim.token_room import ROOM_FACTORS, with_room
 
 SEARCHED_COMPRESSION = (Compression.OFF, Compression.AUTO)
 """`comm.compression` values searched (`always` is never faster than `auto` in the model)."""
@@ -83,6 +88,8 @@ class Candidate:
     fits: bool = True
     error: str | None = None
     bounds: list[float] = field(default_factory=list)
+    roomier: bool = False
+    """A larger L for the same batches (`ray_zep.sim.token_room`): the name shows L."""
 
     @property
     def over_bound(self) -> float | None:
@@ -110,6 +117,8 @@ class Candidate:
         if self.config.train.activation_checkpointing is not ActivationCheckpointing.NONE:
             label = checkpointing_label(self.config, build_shape(self.config.model))
             parts.append(f"checkpointing={label.replace(' ', ':')}")
+        if self.roomier:
+            parts.append(f"L={self.config.train.tokens_per_rank}")
         return "+".join(parts)
 
     @property
@@ -163,9 +172,11 @@ def compositions(config: Config, world: int) -> list[Config]:
                 remap=remap,
                 zone_policy=zone or config.parallel.zone_policy,
             )
-            # whole sequences train rank-packed batches (the config requires it)
-            packing = Packing.RANK if axis.whole_sequences else config.data.packing
-            data = dataclasses.replace(config.data, packing=packing)
+            # whole sequences train rank-packed batches (the config requires it), each
+            # rank's bin filled to L
+            data = config.data
+            if axis.whole_sequences:
+                data = dataclasses.replace(data, packing=Packing.RANK, batch_fill=1.0)
             try:
                 out += _switched(dataclasses.replace(config, parallel=parallel, data=data))
             except ZepError:  # a composition the config's own checks refuse
@@ -329,7 +340,40 @@ def auto_plan(
             candidates += [Candidate(c, error=str(exc).splitlines()[0]) for c in group]
             continue
         candidates += evaluate_group(group, hardware, batches, on_gpu)
+    candidates += _roomier(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
     return AutoPlan(candidates)
+
+
+def _roomier(
+    plan: AutoPlan,
+    config: Config,
+    hardware: Hardware,
+    batches_of: Callable[[Config], Batches],
+    on_gpu: bool,
+) -> list[Candidate]:
+    """The fastest fitting budget-packed composition again with more token room for the
+    same batches (`ray_zep.sim.token_room`: L x each of `ROOM_FACTORS`, the batch fill
+    lowered to match), under `config`'s activation checkpointing (where it then does not
+    fit, `evaluate_group` finds the lightest that does, as for any composition)."""
+    packed = [c for c in plan.ranked
+              if c.steps and c.fits and c.config.data.packing is Packing.BUDGET]  # fmt: skip
+    if not packed:
+        return []
+    composition = checkpointing_as(packed[0].config, config)
+    out = []
+    for factor in ROOM_FACTORS:
+        roomy = with_room(composition, factor, hardware.devices)
+        if roomy is None:
+            continue
+        try:
+            batches = batches_of(roomy)
+        except ZepError as exc:
+            out.append(Candidate(roomy, error=str(exc).splitlines()[0], roomier=True))
+            continue
+        for candidate in evaluate_group([roomy], hardware, batches, on_gpu):
+            candidate.roomier = True
+            out.append(candidate)
+    return out
 
 
 def write_best(plan: AutoPlan, path: Path) -> Path:

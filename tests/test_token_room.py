@@ -1,0 +1,78 @@
+"""More token room for the same batches (`ray_zep.sim.token_room`) and `plan --auto`'s pass
+over it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ray_zep.config import load_config
+from ray_zep.sim.token_room import with_room
+
+pytestmark = pytest.mark.unit
+
+BUDGET = ["parallel.sequence=zeppelin", "data.packing=budget", "data.batch_fill=0.8"]
+
+
+def _budget(config) -> int:
+    from ray_zep.topology import build_topology
+
+    world = build_topology(config.topology).world_size
+    return int(config.data.batch_fill * world * config.train.tokens_per_rank)
+
+
+@pytest.mark.parametrize("factor", [1.25, 1.5, 1.37])
+def test_more_room_keeps_the_batch_budget_and_draws_the_same_batches(factor: float) -> None:
+    """L rises by the factor (rounded up), the fill falls so that the batch budget is the
+    same token for token, and the data actor draws the same batches from the same data;
+    rank-packed batches (bins of L tokens) get no room, since a larger L is another batch."""
+    from ray_zep.sim.replay import data_batches
+
+    config = load_config(None, ["topology.nodes=2", "topology.gpus_per_node=2",
+                                "train.tokens_per_rank=1000", "data.source=synthetic:github",
+                                "data.length_scale=0.01", *BUDGET])  # fmt: skip
+    roomy = with_room(config, factor, 4)
+    assert roomy.train.tokens_per_rank == int(np.ceil(1000 * factor))
+    assert roomy.data.batch_fill < config.data.batch_fill
+    assert _budget(roomy) == _budget(config) == 3200
+    before, after = data_batches(config, 4, 0, 3), data_batches(roomy, 4, 0, 3)
+    for (a, _), (b, _) in zip(before, after, strict=True):
+        assert np.array_equal(a, b)
+    ranked = load_config(None, ["train.tokens_per_rank=1000"])  # whole sequences, rank bins
+    assert with_room(ranked, factor, 4) is None
+
+
+def test_plan_auto_plays_the_fastest_composition_with_more_room_and_keeps_it_where_faster(
+    tmp_path,
+) -> None:
+    """256 GPUs of cluster A, 7B, github at 4k tokens per GPU with L = 1.25 x that: the
+    documents of 8k-50k tokens fill their ranks' tokens at half the mean work. The fastest
+    composition played again with L x 1.25 and x 1.5 for the same batch steps faster with
+    the room (4.18 s against 3.93 and 3.82 s), wins, and its YAML holds the larger L and the
+    same batch budget."""
+    from ray_zep.sim.auto import AutoPlan, _roomier, evaluate_group, write_best
+    from ray_zep.sim.request import SimulateRequest, batches_of, request_hardware
+
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=32",
+                                "model.preset=7b", "train.tokens_per_rank=5120",
+                                "parallel.weights=fsdp", "parallel.routing=true",
+                                *BUDGET])  # fmt: skip
+    hardware, on_gpu = request_hardware(config, None)
+    request = SimulateRequest(None, False, 1, "github", tokens=4096 * 256)
+    batches = [(b, None) for b in batches_of(config, hardware.topology, request)[0]]
+    searched = evaluate_group([config], hardware, batches, on_gpu)
+    drawn = []
+
+    def batches_for(candidate):
+        drawn.append(candidate)
+        return batches
+
+    roomier = _roomier(AutoPlan(searched), config, hardware, batches_for, on_gpu)
+    assert [c.config.train.tokens_per_rank for c in roomier] == [6400, 7680]
+    assert all(c.roomier and c.fits and _budget(c.config) == _budget(config) for c in roomier)
+    assert [c.config for c in roomier] == drawn
+    assert min(c.step_seconds for c in roomier) < 0.95 * searched[0].step_seconds
+    plan = AutoPlan(searched + roomier)
+    assert plan.best.roomier and plan.best.name.endswith("+L=7680"), plan.best.name
+    chosen = load_config(write_best(plan, tmp_path / "best.yaml"), [])
+    assert chosen.train.tokens_per_rank == 7680 and _budget(chosen) == _budget(config)
