@@ -76,3 +76,17 @@ def test_plan_auto_plays_the_fastest_composition_with_more_room_and_keeps_it_whe
     assert plan.best.roomier and plan.best.name.endswith("+L=7680"), plan.best.name
     chosen = load_config(write_best(plan, tmp_path / "best.yaml"), [])
     assert chosen.train.tokens_per_rank == 7680 and _budget(chosen) == _budget(config)
+
+
+def test_a_batch_fill_below_one_leaves_whole_sequence_compositions_in_the_search() -> None:
+    """Whole sequences train rank-packed batches, which fill each rank's L: their
+    compositions take a fill of 1 (the config's own checks refuse a lower one with rank
+    packing) instead of stopping the whole search."""
+    from ray_zep.sim.auto import compositions
+
+    config = load_config(None, ["topology.nodes=1", "topology.gpus_per_node=4", *BUDGET])
+    every = compositions(config, 4)
+    whole = [c for c in every if c.parallel.sequence.value == "whole"]
+    split = [c for c in every if c.parallel.sequence.value == "zeppelin"]
+    assert whole and all(c.data.packing.value == "rank" and c.data.batch_fill == 1 for c in whole)
+    assert split and all(c.data.batch_fill == 0.8 for c in split)
