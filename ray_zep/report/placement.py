@@ -100,6 +100,24 @@ def _rank_row(plan: AttentionPlan, stats: PlanStats, rank: int) -> dict[str, Any
     }
 
 
+TOKEN_BOUND_FILL = 0.95
+TOKEN_BOUND_WORK = 0.8
+"""A rank holding at least this share of L at under this share of the mean work is
+token-bound (`token_bound_ranks`)."""
+
+
+def token_bound_ranks(plan: AttentionPlan, stats: PlanStats) -> int:
+    """Ranks whose tokens are nearly L while their work (`PlanStats.work_flops`) is well
+    under the mean: documents that need ranks for their tokens, not their work, which
+    leave the other ranks more work than the mean (`ray_zep.sim.token_room`)."""
+    mean = float(stats.work_flops.mean())
+    if mean <= 0:
+        return 0
+    full = stats.tokens >= TOKEN_BOUND_FILL * plan.tokens_per_rank
+    light = stats.work_flops < TOKEN_BOUND_WORK * mean
+    return int((full & light).sum())
+
+
 def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
     rings = [item for item in plan.items() if item.ring_size > 1 and item.exchange_kind.rotates]
     kept = sum(item.exchange_kind.keeps_kv for item in rings)
@@ -108,6 +126,13 @@ def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
     several = sum(count > 1 for count in in_rings.values())
     if several:  # hosted rings (`ray_zep.partition.hosting`) or the cost policy's splits
         keeping += f"; {several} ranks sit in more than one ring"
+    bound = token_bound_ranks(plan, stats)
+    if bound:
+        keeping += (
+            f"; {bound} ranks hold {TOKEN_BOUND_FILL:.0%} of L or more at under "
+            f"{TOKEN_BOUND_WORK}x the mean work (their sequences need them for their tokens: "
+            "more L for the same batch may even the work out, `ray-zep plan --auto` plays it)"
+        )
     return (
         f"{plan.planner.value}: {len(plan.placements)} sequences, {int(stats.tokens.sum())} tokens "
         f"on {plan.world} ranks; planner {plan.planner_seconds * 1e3:.2f} ms; work (linear + "
