@@ -9,10 +9,11 @@ batch with a larger L, and a lower fill, gives it that room, at the price of mem
 fullest rank may hold more tokens, so more activations (or more recomputation, where they
 no longer fit).
 
-On `ray-zep bench scale`'s batches at 4k tokens per GPU (7b and 13b, 256 and 1,024 GPUs),
-L at 1.6 rather than 1.25 x the mean played github 3-7% and prolong64k 2.5-4% faster and
-the chat mix 1-3% slower, and it made 13b rows checkpoint activations (13b arxiv at 1,024
-GPUs 3.4% slower): which way it goes depends on the batch, the model and the memory, so
+On `ray-zep bench scale`'s grid (64-1,024 GPUs, 4k tokens per GPU, 7b and 13b) L at 1.6
+rather than 1.25 x the mean moved the default placement's step from -7.3% (github, 1,024
+GPUs) to +6.0% (github, 64 GPUs), and made 13b ranks checkpoint some blocks; at 16k tokens
+per GPU, where every row already recomputes, 19 of 24 rows were slower (BENCHMARKS.md,
+twentieth series). Which way it goes depends on the batch, the model and the memory, so
 `ray-zep plan --auto` plays it (`ROOM_FACTORS`) rather than assuming it.
 """
 
