@@ -212,7 +212,7 @@ def test_plan_auto_searches_compression_and_the_moe_pipeline() -> None:
     hardware = Hardware(dataclasses.replace(build_topology(config.topology), **SLOW), FAST_CODEC)
     lengths = np.asarray([400, 300, 200, 100], dtype=np.int64)
     result = auto_plan(config, hardware, lambda _: [(lengths, None)], on_gpu=False)
-    searched = [c for c in result.candidates if not c.roomier]  # and the winner's L x 1.25, 1.5
+    searched = [c for c in result.candidates if c.room_of is None]  # and the winner's L x 1.25, 1.5
     assert len(searched) == len(every) and len(result.candidates) - len(searched) <= 2
     best = result.best
     assert best is not None and best.config.comm.compression is Compression.AUTO

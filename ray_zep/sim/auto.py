@@ -88,8 +88,9 @@ class Candidate:
     fits: bool = True
     error: str | None = None
     bounds: list[float] = field(default_factory=list)
-    roomier: bool = False
-    """A larger L for the same batches (`ray_zep.sim.token_room`): the name shows L."""
+    room_of: Candidate | None = None
+    """The candidate this one plays with a larger L for the same batches
+    (`ray_zep.sim.token_room`); the name then shows L."""
 
     @property
     def over_bound(self) -> float | None:
@@ -117,7 +118,7 @@ class Candidate:
         if self.config.train.activation_checkpointing is not ActivationCheckpointing.NONE:
             label = checkpointing_label(self.config, build_shape(self.config.model))
             parts.append(f"checkpointing={label.replace(' ', ':')}")
-        if self.roomier:
+        if self.room_of is not None:
             parts.append(f"L={self.config.train.tokens_per_rank}")
         return "+".join(parts)
 
@@ -302,10 +303,19 @@ class AutoPlan:
         mine, theirs = best.breakdown(), second.breakdown()
         part = max(mine, key=lambda k: theirs[k] - mine[k])
         gain = second.step_seconds / best.step_seconds
-        return (
+        out = (
             f"{gain:.2f}x faster than the runner-up {second.name}: most of it in "
             f"{part} ({mine[part] * 1e3:.1f} ms against {theirs[part] * 1e3:.1f} ms a step)"
         )
+        base = best.room_of
+        if base is not None and base.steps:
+            out += (
+                f"; with L = {best.config.train.tokens_per_rank} rather than "
+                f"{base.config.train.tokens_per_rank} for the same batches it steps "
+                f"{best.step_seconds / base.step_seconds:.2f}x {base.name}'s "
+                f"{base.step_seconds:.3f} s"
+            )
+        return out
 
     def record(self) -> list[dict]:
         return [
@@ -368,10 +378,10 @@ def _roomier(
         try:
             batches = batches_of(roomy)
         except ZepError as exc:
-            out.append(Candidate(roomy, error=str(exc).splitlines()[0], roomier=True))
+            out.append(Candidate(roomy, error=str(exc).splitlines()[0], room_of=packed[0]))
             continue
         for candidate in evaluate_group([roomy], hardware, batches, on_gpu):
-            candidate.roomier = True
+            candidate.room_of = packed[0]
             out.append(candidate)
     return out
 
