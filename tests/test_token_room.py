@@ -15,10 +15,11 @@ BUDGET = ["parallel.sequence=zeppelin", "data.packing=budget", "data.batch_fill=
 
 
 def _budget(config) -> int:
+    from ray_zep.config import batch_budget
     from ray_zep.topology import build_topology
 
     world = build_topology(config.topology).world_size
-    return int(config.data.batch_fill * world * config.train.tokens_per_rank)
+    return batch_budget(config.data.batch_fill, world, config.train.tokens_per_rank)
 
 
 @pytest.mark.parametrize("factor", [1.25, 1.5, 1.37])

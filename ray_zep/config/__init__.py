@@ -34,7 +34,13 @@ from ray_zep.config.loader import (
 from ray_zep.config.parallelism import CommConfig, ParallelConfig, TopologyConfig
 from ray_zep.config.runtime import MetricsConfig, RayConfig
 from ray_zep.config.schema import Config
-from ray_zep.config.training import DataConfig, ModelConfig, MoEConfig, TrainConfig
+from ray_zep.config.training import (
+    DataConfig,
+    ModelConfig,
+    MoEConfig,
+    TrainConfig,
+    batch_budget,
+)
 from ray_zep.options import (  # the enums are part of the schema
     COMPRESSION_STREAMS,
     ActivationCheckpointing,
@@ -80,6 +86,7 @@ __all__ = [
     "TopologyConfig",
     "TrainConfig",
     "ZonePolicy",
+    "batch_budget",
     "config_from_dict",
     "config_to_dict",
     "config_to_yaml",

@@ -13,6 +13,7 @@ This module sits above `ray_zep.topology` (which names the schema), so the packa
 from __future__ import annotations
 
 from ray_zep.config.schema import Config
+from ray_zep.config.training import batch_budget
 from ray_zep.errors import ConfigError, TopologyError
 from ray_zep.model_shapes import build_shape
 from ray_zep.options import Packing
@@ -124,11 +125,12 @@ def check_live_sizes(config: Config, topology: Topology, least: int) -> None:
             check_sizes(config, topology.with_nodes(nodes))
         except ConfigError as exc:
             raise ConfigError(f"on {nodes} node(s): {exc}") from None
-    budget = config.data.batch_fill * least * topology.gpus_per_node * config.train.tokens_per_rank
+    budget = batch_budget(config.data.batch_fill, least * topology.gpus_per_node,
+                          config.train.tokens_per_rank)  # fmt: skip
     longest = config.data.max_doc_tokens
     if config.data.packing is Packing.BUDGET and (longest is None or longest > budget):
         raise ConfigError(
             f"config key data.max_doc_tokens={longest}: on {least} node(s) a sequence must "
-            f"fit their budget of {int(budget)} tokens (set data.max_doc_tokens <= "
-            f"{int(budget)}, or data.packing=rank)"
+            f"fit their budget of {budget} tokens (set data.max_doc_tokens <= "
+            f"{budget}, or data.packing=rank)"
         )

@@ -232,6 +232,12 @@ class ModelConfig:
         }
 
 
+def batch_budget(fill: float, ranks: int, tokens_per_rank: int) -> int:
+    """Tokens of one batch under budget packing: `data.batch_fill` x ranks x L, at least 1
+    (what the data actor fills, `ray_zep.data.batching`)."""
+    return max(1, int(fill * ranks * tokens_per_rank))
+
+
 @dataclass
 class DataConfig:
     source: str = "stdlib"

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_zep.config import Config, Overlong, Packing
+from ray_zep.config import Config, Overlong, Packing, batch_budget
 from ray_zep.data.source import TokenSource
 from ray_zep.errors import ConfigError, EmptyDatasetError, OverlongDocumentError
 
@@ -179,7 +179,7 @@ class BatchStream:
         self.world = world
         self.capacity = tokens_per_rank
         self.packing = packing
-        self.budget = max(1, int(fill * world * tokens_per_rank))
+        self.budget = batch_budget(fill, world, tokens_per_rank)
         self.max_doc = resolve_max_doc_tokens(max_doc_tokens, packing, self.budget, tokens_per_rank)
         self.overlong = overlong
         self.seed = seed

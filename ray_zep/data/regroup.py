@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ray_zep.config import Config, Packing
+from ray_zep.config import Config, Packing, batch_budget
 from ray_zep.data.batching import GlobalBatch
 from ray_zep.errors import ConfigError
 
@@ -31,7 +31,7 @@ def regroup(batch: GlobalBatch, config: Config, world: int, live_world: int) -> 
         groups = [batch.bins[i : i + live_world] for i in range(0, world, live_world)]
         return [_subset(batch, [p for b in g for p in b], _padded(g, live_world), i)
                 for i, g in enumerate(groups)]  # fmt: skip
-    budget = max(1, int(config.data.batch_fill * live_world * config.train.tokens_per_rank))
+    budget = batch_budget(config.data.batch_fill, live_world, config.train.tokens_per_rank)
     micro: list[list[int]] = [[]]
     load = 0
     for index, piece in enumerate(batch.pieces):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ray_zep.config import Config, Packing
+from ray_zep.config import Config, Packing, batch_budget
 
 ROOM_FACTORS = (1.25, 1.5)
 """L x these are tried for the fastest budget-packed composition (`ray_zep.sim.auto`)."""
@@ -30,15 +30,15 @@ ROOM_FACTORS = (1.25, 1.5)
 
 def with_room(config: Config, factor: float, world: int) -> Config | None:
     """`config` with L x `factor` (rounded up) and `data.batch_fill` lowered so that the
-    batch budget, `int(batch_fill x world x L)` tokens, stays the same; None where its
+    batch budget (`batch_budget`, the data actor's) stays the same; None where its
     batches are rank-packed (each rank's bin is L tokens: a larger L is another batch)."""
     if config.data.packing is not Packing.BUDGET or factor <= 1.0:
         return None
     capacity = config.train.tokens_per_rank
-    budget = int(config.data.batch_fill * world * capacity)
+    budget = batch_budget(config.data.batch_fill, world, capacity)
     wider = math.ceil(capacity * factor)
     fill = (budget + 0.5) / (world * wider)
-    if int(fill * world * wider) != budget:  # float rounding: keep the budget exact
+    if batch_budget(fill, world, wider) != budget:  # float rounding: keep the budget exact
         return None
     train = dataclasses.replace(config.train, tokens_per_rank=wider)
     data = dataclasses.replace(config.data, batch_fill=fill)
