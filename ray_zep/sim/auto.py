@@ -343,15 +343,24 @@ def auto_plan(
     actor would draw it (whole sequences are rank-packed)."""
     candidates = []
     for _, alike in itertools.groupby(compositions(config, hardware.devices), key=_placement):
-        group = list(alike)
-        try:
-            batches = batches_of(group[0])
-        except ZepError as exc:
-            candidates += [Candidate(c, error=str(exc).splitlines()[0]) for c in group]
-            continue
-        candidates += evaluate_group(group, hardware, batches, on_gpu)
+        candidates += _evaluated(list(alike), hardware, batches_of, on_gpu)
     candidates += _roomier(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
     return AutoPlan(candidates)
+
+
+def _evaluated(
+    group: list[Config],
+    hardware: Hardware,
+    batches_of: Callable[[Config], Batches],
+    on_gpu: bool,
+) -> list[Candidate]:
+    """`evaluate_group` on the batches `batches_of` gives the group's first composition;
+    where it cannot give them, every composition with that one-line error."""
+    try:
+        batches = batches_of(group[0])
+    except ZepError as exc:
+        return [Candidate(c, error=str(exc).splitlines()[0]) for c in group]
+    return evaluate_group(group, hardware, batches, on_gpu)
 
 
 def _roomier(
@@ -375,12 +384,7 @@ def _roomier(
         roomy = with_room(composition, factor, hardware.devices)
         if roomy is None:
             continue
-        try:
-            batches = batches_of(roomy)
-        except ZepError as exc:
-            out.append(Candidate(roomy, error=str(exc).splitlines()[0], room_of=packed[0]))
-            continue
-        for candidate in evaluate_group([roomy], hardware, batches, on_gpu):
+        for candidate in _evaluated([roomy], hardware, batches_of, on_gpu):
             candidate.room_of = packed[0]
             out.append(candidate)
     return out
