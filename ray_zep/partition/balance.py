@@ -65,6 +65,7 @@ from ray_zep.partition.level_fill import (
     shared_ring,
     small_ring_seconds,
 )
+from ray_zep.partition.level_trace import LevelOutcome, LevelTry
 from ray_zep.partition.node_slots import NodeSlots
 from ray_zep.partition.plan import SeqPlacement, bounds_for_counts, local_placement
 from ray_zep.partition.ring_groups import RingGroup, alone_rings, fewest_ranks, group_rings
@@ -110,6 +111,7 @@ def balance(
     capacity: int,
     model: WorkModel,
     usp_groups: bool = True,
+    trace: list[LevelTry] | None = None,
 ) -> list[SeqPlacement]:
     """Placements of a batch that equalise every rank's modelled work (module docstring).
 
@@ -119,6 +121,7 @@ def balance(
         capacity: L, the most tokens one rank holds.
         model: the work model.
         usp_groups: sequences longer than a node may run as USP groups.
+        trace: where given, each level tried is appended to it, with what it gave.
 
     Returns:
         One placement per sequence, in sequence order.
@@ -149,9 +152,13 @@ def balance(
         except PlacementError:
             if force:
                 raise
+            if trace is not None:
+                trace.append(LevelTry(factor, LevelOutcome.TOKENS))
             return None  # its rings left the whole sequences too few free tokens
         if placed is not None:
             lowest[0] = min(lowest[0], placed.busiest)
+        if trace is not None:
+            trace.append(_tried(factor, placed, mean))
         return placed
 
     tried = _scan(at, lambda: lowest[0] / mean)
@@ -176,6 +183,15 @@ def balance(
             feasible.append((middle, placed))
     best = min((p for _, p in feasible), key=lambda p: p.busiest)
     return _placements(lengths, best, model)
+
+
+def _tried(factor: float, placed: Placed | None, mean: float) -> LevelTry:
+    """What the level `factor` x `mean` gave, for the trace."""
+    if placed is None:
+        return LevelTry(factor, LevelOutcome.RINGS)
+    if placed.pruned:
+        return LevelTry(factor, LevelOutcome.PRUNED)
+    return LevelTry(factor, LevelOutcome.PLACED, placed.busiest / mean if mean > 0 else 1.0)
 
 
 def _scan(at, best) -> list[tuple[float, Placed | None]]:

@@ -39,6 +39,7 @@ from ray_zep.errors import PlacementError
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition.exchange import EXCHANGES, Exchange, ExchangeKind
 from ray_zep.partition.layout import ZIGZAG, Layout
+from ray_zep.partition.level_trace import LevelTry
 from ray_zep.topology import LinkKind, Topology
 
 
@@ -240,6 +241,8 @@ class AttentionPlan:
         tokens_per_rank: L, the hard token capacity of a rank.
         placements: one per sequence, `placements[i].seq == i` (unless sliced).
         planner_seconds: wall time of the planner.
+        levels: the levels of work its planner tried and what each gave (zeppelin's work
+            policy; empty for the others).
     """
 
     planner: Placement
@@ -249,6 +252,7 @@ class AttentionPlan:
     planner_seconds: float = 0.0
     sliced: bool = False
     """True for `slice_for`'s result, which holds only one rank's placements."""
+    levels: tuple[LevelTry, ...] = field(default=(), compare=False)
     _items: list[QueueItem] | None = field(default=None, repr=False, compare=False)
     _by_seq: dict[int, SeqPlacement] | None = field(default=None, repr=False, compare=False)
     _rank_tokens: np.ndarray | None = field(default=None, repr=False, compare=False)
@@ -327,7 +331,7 @@ class AttentionPlan:
         placements = tuple(p._replace(exchange=exchange) if p.seq in seqs else p
                            for p in self.placements)  # fmt: skip
         out = AttentionPlan(self.planner, self.topology, self.tokens_per_rank, placements,
-                            self.planner_seconds, self.sliced)  # fmt: skip
+                            self.planner_seconds, self.sliced, self.levels)  # fmt: skip
         out._rank_tokens = self._rank_tokens
         out._item_tokens = dict(self._item_tokens)
         if self._items is None:

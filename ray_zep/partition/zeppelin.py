@@ -60,6 +60,7 @@ from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
 from ray_zep.partition.balance import balance
 from ray_zep.partition.exchange import Exchange
 from ray_zep.partition.fill import check_total, place_whole, water_fill
+from ray_zep.partition.level_trace import LevelTry
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts, peer_tokens
 from ray_zep.partition.spec import Bench, PlacementSpec, Role, Variant, listed_in
 from ray_zep.partition.work import WorkModel
@@ -155,14 +156,16 @@ def plan_zeppelin(
         model = WorkModel.create(cost.shape, topology, routed=routed, dkv_wire=dkv_wire,
                                  keep_kv_gb=keep_kv_gb, room_mb=keep_room_mb,
                                  capacity=tokens_per_rank)  # fmt: skip
+        levels: list[LevelTry] = []
         try:
-            placements = balance(lengths, topology, tokens_per_rank, model, usp_groups)
+            placements = balance(lengths, topology, tokens_per_rank, model, usp_groups, levels)
         except PlacementError:
             # rings of equal chunks do not fit L (a batch that fills nearly every
             # token): the cost policy's capacity-aware splits place it
             policy = ZonePolicy.COST
         else:
-            plan = AttentionPlan(Placement.ZEPPELIN, topology, tokens_per_rank, tuple(placements))
+            plan = AttentionPlan(Placement.ZEPPELIN, topology, tokens_per_rank, tuple(placements),
+                                 levels=tuple(levels))  # fmt: skip
             plan.planner_seconds = time.perf_counter() - started
             return plan
     rules = _Rules(

@@ -7,6 +7,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from ray_zep.partition.level_trace import LevelOutcome, LevelTry, level_sentence
 from ray_zep.partition.plan import AttentionPlan, Zone
 from ray_zep.partition.stats import PlanStats
 from ray_zep.report.figures import save_figure
@@ -58,6 +59,7 @@ def plan_record(plan: AttentionPlan, stats: PlanStats) -> dict[str, Any]:
         "lengths": plan.lengths.tolist(),
         "modelled_layer_ms": stats.layer_seconds * 1e3,
         "work_max_over_mean": stats.work_imbalance(),
+        "levels": [_level_record(t) for t in plan.levels],
         "ranks": ranks,
     }
 
@@ -118,6 +120,13 @@ def token_bound_ranks(plan: AttentionPlan, stats: PlanStats) -> int:
     return int((full & light).sum())
 
 
+def _level_record(tried: LevelTry) -> dict[str, Any]:
+    """One level the planner tried, for the JSON record (`busiest` null where not placed)."""
+    placed = tried.outcome is LevelOutcome.PLACED
+    return {"factor": tried.factor, "outcome": tried.outcome.value,
+            "busiest": tried.busiest if placed else None}  # fmt: skip
+
+
 def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
     rings = [item for item in plan.items() if item.ring_size > 1 and item.exchange_kind.rotates]
     kept = sum(item.exchange_kind.keeps_kv for item in rings)
@@ -133,6 +142,9 @@ def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
             f"{TOKEN_BOUND_WORK}x the mean work (their sequences need them for their tokens: "
             "more L for the same batch may even the work out, `ray-zep plan --auto` plays it)"
         )
+    levels = level_sentence(plan.levels)
+    if levels:
+        keeping += f"; {levels}"
     return (
         f"{plan.planner.value}: {len(plan.placements)} sequences, {int(stats.tokens.sum())} tokens "
         f"on {plan.world} ranks; planner {plan.planner_seconds * 1e3:.2f} ms; work (linear + "

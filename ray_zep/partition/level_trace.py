@@ -1,0 +1,60 @@
+"""The levels of work the balanced placement tried for a batch, and what each gave
+(`ray_zep.partition.balance`): what `ray-zep plan` says about why the busiest rank sits
+where it does."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import NamedTuple
+
+
+class LevelOutcome(Enum):
+    """What one level gave."""
+
+    PLACED = "placed"
+    PRUNED = "pruned"
+    """Abandoned once a rank reached the busiest rank of a better level."""
+    RINGS = "rings"
+    """The rings the level needs take more ranks than the world (or find no nodes)."""
+    TOKENS = "tokens"
+    """The rings left the whole sequences too few free tokens."""
+
+
+class LevelTry(NamedTuple):
+    """One level tried: its work over the mean rank's, what it gave and, where placed,
+    its busiest rank's modelled work over the mean (the members of a sequence at its
+    floor counted at the level, as the planner compares levels)."""
+
+    factor: float
+    outcome: LevelOutcome
+    busiest: float = float("nan")
+
+
+_WHY = {
+    LevelOutcome.RINGS: "the rings alone need more ranks than there are",
+    LevelOutcome.TOKENS: "the whole sequences lack token room beside the rings",
+}
+
+
+def level_sentence(levels: tuple[LevelTry, ...]) -> str:
+    """The level the plan kept (the placed one whose busiest rank is lowest, as the
+    planner keeps it) and why no lower one was kept; empty for a plan made without
+    levels (every placement but zeppelin's work policy)."""
+    placed = [t for t in levels if t.outcome is LevelOutcome.PLACED]
+    if not placed:
+        return ""
+    kept = min(placed, key=lambda t: (t.busiest, t.factor))
+    text = f"work level {kept.factor:.2f}x the mean rank's"
+    reasons = []
+    for outcome, why in _WHY.items():
+        factors = sorted({t.factor for t in levels
+                          if t.outcome is outcome and t.factor < kept.factor})  # fmt: skip
+        if factors:
+            span = f"{factors[0]:.2f}x" if len(factors) == 1 else (
+                f"{factors[0]:.2f}-{factors[-1]:.2f}x")  # fmt: skip
+            reasons.append(f"at {span} {why}")
+    busier = [t for t in placed if t.factor < kept.factor]
+    reasons += [f"at {t.factor:.2f}x a rank ended at {t.busiest:.2f}x" for t in busier]
+    if reasons:
+        text += "; lower levels: " + ", ".join(reasons)
+    return text

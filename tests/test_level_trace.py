@@ -1,0 +1,93 @@
+"""The levels of work the balanced placement tries, as `ray-zep plan` reports them
+(`ray_zep.partition.level_trace`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ray_zep.partition.balance as balance_module
+from ray_zep.config import load_config
+from ray_zep.data.synthetic import batch_lengths
+from ray_zep.partition.level_trace import LevelOutcome
+from ray_zep.partition.stats import plan_stats
+from ray_zep.report.placement import plan_record, summary_line
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.step import RunModel, plan_batch
+from ray_zep.topology import build_topology
+
+pytestmark = pytest.mark.unit
+
+
+def _run(nodes: int, placement: str = "zeppelin") -> RunModel:
+    config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={nodes}",
+                                "model.preset=7b", "train.tokens_per_rank=5120",
+                                "parallel.weights=fsdp",
+                                f"parallel.sequence={placement}"])  # fmt: skip
+    return RunModel.create(config, Hardware.preset(build_topology(config.topology)))
+
+
+def test_the_trace_is_what_the_planner_tried_and_the_summary_says_why_no_lower_level(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """256 GPUs, github, 4k tokens per GPU: every level the planner places is in the trace
+    with what it gave (spied on the planner itself), the kept one is the placed level
+    with the lowest busiest rank, and `ray-zep plan`'s summary names it and why the lower
+    ones failed: the rings of the five 120k-170k-token documents and their 8k-48k-token
+    neighbours alone take more than the 256 ranks."""
+    seen = []
+    place_at = balance_module._place_at
+
+    def spy(lengths, work, small, level, topology, *rest):
+        mean = float(work.sum()) / topology.world_size
+        try:
+            placed = place_at(lengths, work, small, level, topology, *rest)
+        except Exception:
+            seen.append((level / mean, "raised"))
+            raise
+        seen.append((level / mean, None if placed is None else placed.pruned))
+        return placed
+
+    monkeypatch.setattr(balance_module, "_place_at", spy)
+    run = _run(32)
+    lengths = batch_lengths("github", 4096 * 256, 0)
+    plan, _ = plan_batch(lengths, run)
+    levels = plan.levels
+    assert len(levels) == len(seen) >= 2
+    expected = {None: LevelOutcome.RINGS, True: LevelOutcome.PRUNED,
+                False: LevelOutcome.PLACED, "raised": LevelOutcome.TOKENS}  # fmt: skip
+    for tried, (factor, outcome) in zip(levels, seen, strict=True):
+        assert tried.factor == pytest.approx(factor, rel=1e-12)
+        assert tried.outcome is expected[outcome]
+    placed = [t for t in levels if t.outcome is LevelOutcome.PLACED]
+    kept = min(placed, key=lambda t: t.busiest)
+    below = [t for t in levels if t.factor < kept.factor]
+    failed = [t for t in below if t.outcome is not LevelOutcome.PLACED]
+    assert failed and all(t.outcome is LevelOutcome.RINGS for t in failed)
+    shown = summary_line(plan, plan_stats(plan, run.shape))
+    low, high = min(t.factor for t in failed), max(t.factor for t in failed)
+    assert (
+        f"work level {kept.factor:.2f}x the mean rank's; lower levels: at "
+        f"{low:.2f}-{high:.2f}x the rings alone need more ranks than there are"
+    ) in shown
+    for t in below:  # placed, but a rank ended busier than at the kept level
+        if t.outcome is LevelOutcome.PLACED:
+            assert t.busiest > kept.busiest
+            assert f"at {t.factor:.2f}x a rank ended at {t.busiest:.2f}x" in shown
+    record = plan_record(plan, plan_stats(plan, run.shape))["levels"]
+    assert [r["outcome"] for r in record] == [t.outcome.value for t in levels]
+
+
+def test_short_sequences_place_at_the_mean_and_other_placements_have_no_levels() -> None:
+    """Sequences far shorter than L balance at the first level (nothing failed below it);
+    a placement made without levels (te_cp) says nothing about them."""
+    run = _run(2)
+    lengths = np.full(64, 1024)
+    plan, _ = plan_batch(lengths, run)
+    assert plan.levels[0].outcome is LevelOutcome.PLACED and plan.levels[0].factor == 1.0
+    shown = summary_line(plan, plan_stats(plan, run.shape))
+    assert "work level 1.00x the mean rank's" in shown and "lower levels" not in shown
+    te_cp, _ = plan_batch(lengths, _run(2, "te_cp"))
+    assert te_cp.levels == () and "work level" not in summary_line(
+        te_cp, plan_stats(te_cp, run.shape)
+    )
