@@ -146,9 +146,10 @@ def balance(
 
     def at(factor: float, force: bool = False) -> Placed | None:
         level = mean * factor
+        failed: list[LevelTry] = []
         try:
             placed = _place_at(lengths, work, small, level, topology, capacity, model, usp,
-                               force, lowest[0])  # fmt: skip
+                               force, lowest[0], failed)  # fmt: skip
         except PlacementError:
             if force:
                 raise
@@ -158,7 +159,7 @@ def balance(
         if placed is not None:
             lowest[0] = min(lowest[0], placed.busiest)
         if trace is not None:
-            trace.append(_tried(factor, placed, mean))
+            trace.append(_tried(factor, placed, mean, failed))
         return placed
 
     tried = _scan(at, lambda: lowest[0] / mean)
@@ -185,10 +186,19 @@ def balance(
     return _placements(lengths, best, model)
 
 
-def _tried(factor: float, placed: Placed | None, mean: float) -> LevelTry:
-    """What the level `factor` x `mean` gave, for the trace."""
+def _failed(failed: list[LevelTry] | None, outcome: LevelOutcome, ranks: int = 0) -> None:
+    """Records why a level failed in `failed` (when given); None, `_place_at`'s answer."""
+    if failed is not None:
+        failed.append(LevelTry(0.0, outcome, ranks=ranks))
+
+
+def _tried(factor: float, placed: Placed | None, mean: float, failed: list[LevelTry]) -> LevelTry:
+    """What the level `factor` x `mean` gave, for the trace (`failed`: why `_place_at`
+    returned None)."""
     if placed is None:
-        return LevelTry(factor, LevelOutcome.RINGS)
+        return (
+            failed[-1]._replace(factor=factor) if failed else LevelTry(factor, LevelOutcome.RINGS)
+        )
     if placed.pruned:
         return LevelTry(factor, LevelOutcome.PRUNED)
     return LevelTry(factor, LevelOutcome.PLACED, placed.busiest / mean if mean > 0 else 1.0)
@@ -224,10 +234,11 @@ def _place_at(
     usp_grid: UspGrid | None,
     force: bool = False,
     prune_above: float = float("inf"),
+    failed: list[LevelTry] | None = None,
 ) -> Placed | None:
     """The placement at `level`, or None when its rings need more than the world
     (`usp_grid`: USP groups compete with rings); pruned (`Placed.pruned`) once a rank's
-    work reaches `prune_above`."""
+    work reaches `prune_above`. Where it returns None, `failed` (when given) gets why."""
     world, gpus = topology.world_size, topology.gpus_per_node
     split = (work > level) | (lengths > capacity)
     if world == 1:
@@ -239,8 +250,9 @@ def _place_at(
         degrees, member, usp = usp_grid.choose(seqs, degrees, member, level)
     floor = member > level  # no degree brings these under the level
     eligible = (usp == 0) & (degrees <= gpus)
-    if not force and fewest_ranks(small[seqs], degrees, eligible, level) > world:
-        return None  # even perfectly shared rings need more than the world
+    fewest = 0 if force else fewest_ranks(small[seqs], degrees, eligible, level)
+    if fewest > world:
+        return _failed(failed, LevelOutcome.RINGS, fewest)  # even perfectly shared rings
     rings = group_rings(small[seqs], lengths[seqs], degrees, member, eligible, level, capacity,
                         None if force else world)  # fmt: skip
     hosted = None
@@ -250,14 +262,14 @@ def _place_at(
                             gpus, model)  # fmt: skip
     if hosted is None and (rings is None or sum(r.degree for r in rings) > world):
         if not force:
-            return None
+            return _failed(failed, LevelOutcome.RINGS)
         degrees = _shrink(degrees, np.maximum(2, -(-lengths[seqs] // capacity)), world)
         member = model.alone_ring_seconds(lengths[seqs], degrees)
         usp[:] = 0
         rings = alone_rings(degrees, member)
     assignment = _assign(rings, hosted, topology, force)
     if assignment is None:
-        return None  # an inter-node ring's rest has no node to go to
+        return _failed(failed, LevelOutcome.NODES)  # an inter-node ring's rest has no node
     rings, hosted, assigned = assignment  # hosted None: the widened hosts' rests found none
     guests = hosted.guest_rings() if hosted is not None else set()
     placed = Placed.empty(world)
@@ -271,7 +283,7 @@ def _place_at(
         ring, ranks = rings[k], assigned[k]
         d = ring.degree
         if len(ranks) < d:
-            return None  # forced past the world's GPUs
+            return _failed(failed, LevelOutcome.RINGS)  # forced past the world's GPUs
         work_k = ring.member_seconds
         if len(ring.members) == 1:
             i = ring.members[0]

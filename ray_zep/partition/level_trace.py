@@ -15,7 +15,10 @@ class LevelOutcome(Enum):
     PRUNED = "pruned"
     """Abandoned once a rank reached the busiest rank of a better level."""
     RINGS = "rings"
-    """The rings the level needs take more ranks than the world (or find no nodes)."""
+    """The rings the level needs take more ranks than the world."""
+    NODES = "nodes"
+    """The rings fit the world by count, but a ring across nodes finds no node for the
+    ranks beyond its whole nodes."""
     TOKENS = "tokens"
     """The rings left the whole sequences too few free tokens."""
 
@@ -23,23 +26,27 @@ class LevelOutcome(Enum):
 class LevelTry(NamedTuple):
     """One level tried: its work over the mean rank's, what it gave and, where placed,
     its busiest rank's modelled work over the mean (the members of a sequence at its
-    floor counted at the level, as the planner compares levels)."""
+    floor counted at the level, as the planner compares levels); where its rings need
+    more ranks than there are even perfectly shared, at least how many (`ranks`; 0 where
+    not counted: the rings as grouped overflow the world)."""
 
     factor: float
     outcome: LevelOutcome
     busiest: float = float("nan")
+    ranks: int = 0
 
 
 _WHY = {
     LevelOutcome.RINGS: "the rings alone need more ranks than there are",
+    LevelOutcome.NODES: "the rings across nodes find no nodes for their rests",
     LevelOutcome.TOKENS: "the whole sequences lack token room beside the rings",
 }
 
 
-def level_sentence(levels: tuple[LevelTry, ...]) -> str:
+def level_sentence(levels: tuple[LevelTry, ...], world: int) -> str:
     """The level the plan kept (the placed one whose busiest rank is lowest, as the
     planner keeps it) and why no lower one was kept; empty for a plan made without
-    levels (every placement but zeppelin's work policy)."""
+    levels (every placement but zeppelin's work policy). `world`: the ranks there are."""
     placed = [t for t in levels if t.outcome is LevelOutcome.PLACED]
     if not placed:
         return ""
@@ -47,11 +54,14 @@ def level_sentence(levels: tuple[LevelTry, ...]) -> str:
     text = f"work level {kept.factor:.2f}x the mean rank's"
     reasons = []
     for outcome, why in _WHY.items():
-        factors = sorted({t.factor for t in levels
-                          if t.outcome is outcome and t.factor < kept.factor})  # fmt: skip
-        if factors:
-            span = f"{factors[0]:.2f}x" if len(factors) == 1 else (
-                f"{factors[0]:.2f}-{factors[-1]:.2f}x")  # fmt: skip
+        tries = sorted((t for t in levels if t.outcome is outcome and t.factor < kept.factor),
+                       key=lambda t: t.factor)  # fmt: skip
+        if tries:
+            low, high = tries[0].factor, tries[-1].factor
+            span = f"{low:.2f}x" if low == high else f"{low:.2f}-{high:.2f}x"
+            counted = [t for t in tries if t.ranks]
+            if counted:  # the lowest level's count: the most ranks the rings need
+                why += f" (at least {counted[0].ranks:,} of {world:,} at {counted[0].factor:.2f}x)"
             reasons.append(f"at {span} {why}")
     busier = [t for t in placed if t.factor < kept.factor]
     reasons += [f"at {t.factor:.2f}x a rank ended at {t.busiest:.2f}x" for t in busier]

@@ -124,7 +124,7 @@ def _level_record(tried: LevelTry) -> dict[str, Any]:
     """One level the planner tried, for the JSON record (`busiest` null where not placed)."""
     placed = tried.outcome is LevelOutcome.PLACED
     return {"factor": tried.factor, "outcome": tried.outcome.value,
-            "busiest": tried.busiest if placed else None}  # fmt: skip
+            "busiest": tried.busiest if placed else None, "ranks": tried.ranks or None}  # fmt: skip
 
 
 def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
@@ -142,7 +142,7 @@ def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
             f"{TOKEN_BOUND_WORK}x the mean work (their sequences need them for their tokens: "
             "more L for the same batch may even the work out, `ray-zep plan --auto` plays it)"
         )
-    levels = level_sentence(plan.levels)
+    levels = level_sentence(plan.levels, plan.world)
     if levels:
         keeping += f"; {levels}"
     return (
