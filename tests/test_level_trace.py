@@ -46,9 +46,18 @@ def test_the_trace_is_what_the_planner_tried_and_the_summary_says_why_no_lower_l
             seen.append((level / mean, "raised"))
             raise
         seen.append((level / mean, None if placed is None else placed.pruned))
+        made.append(placed)
         return placed
 
+    made, returned = [], []
+    placements = balance_module._placements
+
+    def returning(lengths, placed, model):
+        returned.append(placed)
+        return placements(lengths, placed, model)
+
     monkeypatch.setattr(balance_module, "_place_at", spy)
+    monkeypatch.setattr(balance_module, "_placements", returning)
     run = _run(32)
     lengths = batch_lengths("github", 4096 * 256, 0)
     plan, _ = plan_batch(lengths, run)
@@ -56,11 +65,15 @@ def test_the_trace_is_what_the_planner_tried_and_the_summary_says_why_no_lower_l
     assert len(levels) == len(seen) >= 2
     expected = {None: {LevelOutcome.RINGS, LevelOutcome.NODES}, True: {LevelOutcome.PRUNED},
                 False: {LevelOutcome.PLACED}, "raised": {LevelOutcome.TOKENS}}  # fmt: skip
-    for tried, (factor, outcome) in zip(levels, seen, strict=True):
+    # the placement the planner returned is the one marked kept, and no other
+    (chosen,) = returned
+    kept_at = next(i for i, placed in enumerate(made) if placed is chosen)
+    for i, (tried, (factor, outcome)) in enumerate(zip(levels, seen, strict=True)):
         assert tried.factor == pytest.approx(factor, rel=1e-12)
-        assert tried.outcome in expected[outcome]
+        assert tried.outcome in ({LevelOutcome.KEPT} if i == kept_at else expected[outcome])
+    kept = levels[kept_at]
     placed = [t for t in levels if t.outcome is LevelOutcome.PLACED]
-    kept = min(placed, key=lambda t: t.busiest)
+    assert all(t.busiest > kept.busiest for t in placed)
     below = [t for t in levels if t.factor < kept.factor]
     failed = [t for t in below if t.outcome is not LevelOutcome.PLACED]
     assert failed and all(t.outcome is LevelOutcome.RINGS for t in failed)
@@ -89,7 +102,7 @@ def test_short_sequences_place_at_the_mean_and_other_placements_have_no_levels()
     run = _run(2)
     lengths = np.full(64, 1024)
     plan, _ = plan_batch(lengths, run)
-    assert plan.levels[0].outcome is LevelOutcome.PLACED and plan.levels[0].factor == 1.0
+    assert plan.levels[0].outcome is LevelOutcome.KEPT and plan.levels[0].factor == 1.0
     shown = summary_line(plan, plan_stats(plan, run.shape))
     assert "work level 1.00x the mean rank's" in shown and "lower levels" not in shown
     te_cp, _ = plan_batch(lengths, _run(2, "te_cp"))
@@ -99,15 +112,15 @@ def test_short_sequences_place_at_the_mean_and_other_placements_have_no_levels()
 
 
 def test_the_sentence_names_each_reason_with_its_levels() -> None:
-    """The kept level is the placed one with the least busiest rank (not the lowest
-    placed); a pruned level is no reason; each failed one is named with its levels."""
+    """The kept level is named (not the lowest placed one), a pruned level is no reason,
+    each failed one is named with its levels; without a kept level, nothing."""
     from ray_zep.partition.level_trace import LevelTry, level_sentence
 
     levels = (
         LevelTry(1.0, LevelOutcome.RINGS, ranks=300),
         LevelTry(1.05, LevelOutcome.NODES),
         LevelTry(1.1, LevelOutcome.TOKENS),
-        LevelTry(1.2, LevelOutcome.PLACED, 1.25),
+        LevelTry(1.2, LevelOutcome.KEPT, 1.25),
         LevelTry(1.3, LevelOutcome.PLACED, 1.3),
         LevelTry(1.15, LevelOutcome.PRUNED),
     )
@@ -118,3 +131,4 @@ def test_the_sentence_names_each_reason_with_its_levels() -> None:
         "the rings"
     )
     assert level_sentence(levels[-1:], 256) == ""
+    assert level_sentence((), 256) == ""

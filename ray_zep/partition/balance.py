@@ -159,8 +159,19 @@ def balance(
         if placed is not None:
             lowest[0] = min(lowest[0], placed.busiest)
         if trace is not None:
+            if placed is not None:
+                traced[id(placed)] = len(trace)
             trace.append(_tried(factor, placed, mean, failed))
         return placed
+
+    traced: dict[int, int] = {}  # a placement's entry in the trace
+
+    def keep(placed: Placed) -> list[SeqPlacement]:
+        """The placements of the level kept, marked so in the trace."""
+        if trace is not None:
+            at_ = traced[id(placed)]
+            trace[at_] = trace[at_]._replace(outcome=LevelOutcome.KEPT)
+        return _placements(lengths, placed, model)
 
     tried = _scan(at, lambda: lowest[0] / mean)
     feasible = [(f, p) for f, p in tried if p is not None]
@@ -168,7 +179,7 @@ def balance(
         placed = at(LEVELS[-1], force=True)
         if placed is None:
             raise PlacementError("zeppelin (zone_policy=work): the rings do not fit the ranks")
-        return _placements(lengths, placed, model)
+        return keep(placed)
     low = max((f for f, p in tried if p is None), default=None)
     high, first = min(feasible, key=lambda fp: fp[0])
     overflowed = low is not None and low < high and first.busiest > lowest[0]
@@ -183,7 +194,7 @@ def balance(
             high = middle
             feasible.append((middle, placed))
     best = min((p for _, p in feasible), key=lambda p: p.busiest)
-    return _placements(lengths, best, model)
+    return keep(best)
 
 
 def _failed(failed: list[LevelTry] | None, outcome: LevelOutcome, ranks: int = 0) -> None:

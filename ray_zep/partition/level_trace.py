@@ -11,6 +11,8 @@ from typing import NamedTuple
 class LevelOutcome(Enum):
     """What one level gave."""
 
+    KEPT = "kept"
+    """Placed, and the placement the planner returned."""
     PLACED = "placed"
     PRUNED = "pruned"
     """Abandoned once a rank reached the busiest rank of a better level."""
@@ -24,7 +26,8 @@ class LevelOutcome(Enum):
 
 
 class LevelTry(NamedTuple):
-    """One level tried: its work over the mean rank's, what it gave and, where placed,
+    """One level tried: its work over the mean rank's, what it gave and, where placed (or
+    kept),
     its busiest rank's modelled work over the mean (the members of a sequence at its
     floor counted at the level, as the planner compares levels); where its rings need
     more ranks than there are even perfectly shared, at least how many (`ranks`; 0 where
@@ -44,13 +47,13 @@ _WHY = {
 
 
 def level_sentence(levels: tuple[LevelTry, ...], world: int) -> str:
-    """The level the plan kept (the placed one whose busiest rank is lowest, as the
-    planner keeps it) and why no lower one was kept; empty for a plan made without
-    levels (every placement but zeppelin's work policy). `world`: the ranks there are."""
-    placed = [t for t in levels if t.outcome is LevelOutcome.PLACED]
-    if not placed:
+    """The level the plan kept and why no lower one was kept; empty for a plan made
+    without levels (every placement but zeppelin's work policy). `world`: the ranks
+    there are."""
+    kept = next((t for t in levels if t.outcome is LevelOutcome.KEPT), None)
+    if kept is None:
         return ""
-    kept = min(placed, key=lambda t: (t.busiest, t.factor))
+    placed = [t for t in levels if t.outcome is LevelOutcome.PLACED]
     text = f"work level {kept.factor:.2f}x the mean rank's"
     reasons = []
     for outcome, why in _WHY.items():

@@ -122,7 +122,7 @@ def token_bound_ranks(plan: AttentionPlan, stats: PlanStats) -> int:
 
 def _level_record(tried: LevelTry) -> dict[str, Any]:
     """One level the planner tried, for the JSON record (`busiest` null where not placed)."""
-    placed = tried.outcome is LevelOutcome.PLACED
+    placed = tried.outcome in (LevelOutcome.PLACED, LevelOutcome.KEPT)
     return {"factor": tried.factor, "outcome": tried.outcome.value,
             "busiest": tried.busiest if placed else None, "ranks": tried.ranks or None}  # fmt: skip
 
