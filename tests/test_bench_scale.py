@@ -32,6 +32,10 @@ def test_scale_bench_fills_each_placements_columns(tmp_path: Path, capsys) -> No
         assert row["step_over_ideal"] > 1.0 and row["tokens_per_s_per_gpu"] > 0
         assert row["inter_node_gb"] > 0 and row["planner_ms"] > 0
         assert 0 < row["peak_memory_gb"] < 80
+    # the balanced placement's level: kept at or above the mean, and at the mean the rings
+    # of this batch need more ranks than the 64 there are (`ray-zep plan`'s level trace)
+    assert rows["zeppelin"]["level"] >= 1.0 and rows["zeppelin"]["rings_at_mean"] > 1.0
+    assert rows["zeppelin+cost"]["level"] is None  # the cost policy scans no levels
     # the work policy's (the default's) busiest rank carries less work: the prolong64k
     # batch is the one the simulator shows it faster on (tests/test_balance.py)
     assert rows["zeppelin"]["step_s"] < rows["zeppelin+cost"]["step_s"]

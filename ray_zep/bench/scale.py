@@ -53,6 +53,7 @@ from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
 from ray_zep.parallel.memory import GB
 from ray_zep.partition import registry
+from ray_zep.partition.level_trace import LevelOutcome
 from ray_zep.partition.plan_memory import rank_memory
 from ray_zep.partition.spec import Bench
 from ray_zep.partition.stats import max_over_mean, plan_stats
@@ -181,6 +182,12 @@ class ScaleRow:
     tokens_per_s_per_gpu: float | None = None
     work_mean: float | None = None
     work_worst: float | None = None
+    level: float | None = None
+    """The level of work the balanced placement kept, times the mean rank's (mean over the
+    batches; `ray_zep.partition.level_trace`): None for placements made without levels."""
+    rings_at_mean: float | None = None
+    """The ranks the rings need at the mean level, at least, over the ranks there are (mean
+    over the batches where the planner counted them): over 1, no level that low fits."""
     inter_node_gb: float | None = None
     planner_ms: float | None = None
     """`plan_step` wall time, the median over the batches (a full collection of Python's
@@ -250,7 +257,7 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
     run = dataclasses.replace(run, config=_planning_checkpointing(config, hardware, run))
     if VARIANTS[variant].te_wire:
         run = run.with_te_wire()
-    works, inter, planner, stats, planned = [], [], [], [], []
+    works, inter, planner, stats, planned, levels = [], [], [], [], [], []
     routed = config.parallel.routing
     for lengths in batches:
         if VARIANTS[variant].hybrid_cp:
@@ -264,6 +271,7 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
         planner.append(seconds)
         stats.append([plan_stats(plan, run.shape) for plan in plans])
         works.append(max_over_mean(sum(one.work_flops for one in stats[-1])))
+        levels.append(_level_columns(plans, hardware.devices))
         inter.append(sum(attention_step_traffic(plan, run.shape, routed, remap,
                                                 dkv_owner=run.dkv_owner).inter_node
                          for plan in plans))  # fmt: skip
@@ -285,9 +293,24 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
     row.fits = "yes" if peak <= hardware.usable_memory_bytes else "NO"
     if works:
         row.work_mean, row.work_worst = float(np.mean(works)), float(max(works))
+        kept = [k for k, _ in levels if k is not None]
+        needed = [n for _, n in levels if n is not None]
+        row.level = float(np.mean(kept)) if kept else None
+        row.rings_at_mean = float(np.mean(needed)) if needed else None
         row.inter_node_gb = float(np.mean(inter)) / 1e9
         row.planner_ms = float(np.median(planner)) * 1e3
         row.planner_ms_max = float(max(planner)) * 1e3
+
+
+def _level_columns(plans, world: int) -> tuple[float | None, float | None]:
+    """(the level kept, the ranks the rings need at the mean level over `world`) of a
+    step's one plan (`ScaleRow.level`, `ScaleRow.rings_at_mean`); None where not known."""
+    if len(plans) != 1:
+        return None, None
+    levels = plans[0].levels
+    kept = next((t.factor for t in levels if t.outcome is LevelOutcome.KEPT), None)
+    at_mean = next((t.ranks for t in levels if t.factor == 1.0 and t.ranks), None)
+    return kept, None if at_mean is None else at_mean / world
 
 
 def _planning_checkpointing(config: Config, hardware: Hardware, run: RunModel) -> Config:
@@ -367,6 +390,8 @@ COLUMNS = (
     Column("placement", "placement"),
     Column("work m/m", "work_mean", ".2f"),
     Column("worst", "work_worst", ".2f"),
+    Column("level", "level", ".2f"),
+    Column("rings@1", "rings_at_mean", ".2f"),
     Column("x ideal", "step_over_ideal", ".2f"),
     Column("x bound", "step_over_bound", ".2f"),
     Column("imbal s", "imbalance_s", ".3f"),
