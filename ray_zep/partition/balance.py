@@ -205,11 +205,9 @@ def _failed(failed: list[LevelTry] | None, outcome: LevelOutcome, ranks: int = 0
 
 def _tried(factor: float, placed: Placed | None, mean: float, failed: list[LevelTry]) -> LevelTry:
     """What the level `factor` x `mean` gave, for the trace (`failed`: why `_place_at`
-    returned None)."""
+    returned None; every way it returns None records one)."""
     if placed is None:
-        return (
-            failed[-1]._replace(factor=factor) if failed else LevelTry(factor, LevelOutcome.RINGS)
-        )
+        return failed[-1]._replace(factor=factor)
     if placed.pruned:
         return LevelTry(factor, LevelOutcome.PRUNED)
     return LevelTry(factor, LevelOutcome.PLACED, placed.busiest / mean if mean > 0 else 1.0)

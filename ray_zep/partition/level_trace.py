@@ -26,9 +26,8 @@ class LevelOutcome(Enum):
 
 
 class LevelTry(NamedTuple):
-    """One level tried: its work over the mean rank's, what it gave and, where placed (or
-    kept),
-    its busiest rank's modelled work over the mean (the members of a sequence at its
+    """One level tried: its work over the mean rank's, what it gave and, where placed or
+    kept, its busiest rank's modelled work over the mean (the members of a sequence at its
     floor counted at the level, as the planner compares levels); where its rings need
     more ranks than there are even perfectly shared, at least how many (`ranks`; 0 where
     not counted: the rings as grouped overflow the world)."""
