@@ -19,7 +19,7 @@ from ray_zep.partition import make_plan
 from ray_zep.partition import plan as plan_module
 from ray_zep.partition.exchange import EXCHANGES, Exchange, Play
 from ray_zep.partition.plan import AttentionPlan, QueueItem, SeqPlacement, Zone, even_bounds
-from ray_zep.partition.stats import kept_kv_tokens, plan_stats
+from ray_zep.partition.stats import collective_bytes, kept_kv_tokens, plan_stats
 from ray_zep.partition.work import WorkModel
 from ray_zep.routing.link_bytes import ring_link_bytes_by_payload
 from ray_zep.routing.routes import Payload, Phase, RoutingPlan
@@ -250,3 +250,25 @@ def test_a_kept_ring_sends_its_kv_once_and_keeps_the_other_positions() -> None:
               for gb in (0.0, 100.0)]  # fmt: skip
     assert member[1][0] < 0.9 * member[0][0]  # bound by its transfers: fewer bytes, less time
     assert not WorkModel.create(shape, topology, keep_kv_gb=1.0).keeps_kv(131072)
+
+
+@pytest.mark.unit
+def test_usp_sums_are_worked_out_once_per_shape_and_read_alike() -> None:
+    """A step's plan statistics and its collective bytes both sum the Ulysses items: the
+    second reads the first's sums (kept on the plan, by model shape), which equal sums
+    worked out anew on a fresh plan, and another shape gets its own."""
+    topo, lengths = _topology(2, 4), [300, 120, 45, 7]
+    plan = make_plan(Placement.USP, lengths, topo, 256, SHAPE)
+    assert any(item.ulysses > 1 for item in plan.items())
+    first = plan_stats(plan, SHAPE)
+    cached = collective_bytes(plan, SHAPE)
+    anew = collective_bytes(make_plan(Placement.USP, lengths, topo, 256, SHAPE), SHAPE)
+    for kind in LinkKind:
+        assert np.array_equal(cached[kind], first.collective_bytes[kind])
+        assert np.array_equal(cached[kind], anew[kind])
+    assert sum(cached[kind].sum() for kind in LinkKind) > 0
+    fresh = plan_stats(make_plan(Placement.USP, lengths, topo, 256, SHAPE), SHAPE)
+    assert np.array_equal(plan_stats(plan, SHAPE).seconds, fresh.seconds)
+    wider = build_shape(load_config(None, ["model.n_heads=8", "model.n_kv_heads=8"]).model)
+    more = collective_bytes(plan, wider)
+    assert sum(more[k].sum() for k in LinkKind) > sum(cached[k].sum() for k in LinkKind)

@@ -85,6 +85,20 @@ def test_proxies_spread_over_nics_and_include_the_endpoint() -> None:
     assert 7 in route.send_proxies and 8 in route.recv_proxies
 
 
+def test_proxies_are_the_same_on_every_node_and_busy_ranks_stay_on_the_node() -> None:
+    """`choose_proxies` works on a node's own GPU indices once and shifts them to each
+    node: on node 3 it names node 0's choice plus 24, busy transfers included, and a
+    busy rank of another node is refused."""
+    topo = _topology("cluster_a", nodes=4)
+    for endpoint, count, busy in [(5, 4, ()), (2, 2, (0, 6)), (7, 8, ()), (1, 3, (4,))]:
+        here = choose_proxies(topo, endpoint, count, busy)
+        there = choose_proxies(topo, 24 + endpoint, count, tuple(24 + b for b in busy))
+        assert there == tuple(24 + r for r in here) and endpoint in here
+        assert len(set(here) & set(busy)) == 0
+    with pytest.raises(ValueError, match="busy rank 9"):
+        choose_proxies(topo, 2, 2, (9,))
+
+
 @pytest.mark.parametrize(
     "placement,nodes,lengths",
     [

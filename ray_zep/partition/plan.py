@@ -258,6 +258,9 @@ class AttentionPlan:
     _rank_tokens: np.ndarray | None = field(default=None, repr=False, compare=False)
     _item_tokens: dict[QueueItem, list[int]] = field(default_factory=dict, repr=False,
                                                      compare=False)  # fmt: skip
+    _head_sums: dict = field(default_factory=dict, repr=False, compare=False)
+    """`ray_zep.partition.stats`' sums over the Ulysses items, by model shape: plan_stats
+    and the collective bytes both read them while a step is planned."""
 
     @property
     def world(self) -> int:

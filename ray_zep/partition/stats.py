@@ -128,17 +128,28 @@ def _summed(
 ) -> tuple[_Sums, list[dict[str, int]]]:
     """Every rank's sums over `items`, and its tokens per zone: Ulysses-free items on
     arrays, Ulysses ones (a USP group's) position by position."""
-    world = plan.world
     cost = CostModel.create(shape, plan.topology)
-    sums = _Sums(np.zeros(world), np.zeros(world),
-                 {kind: np.zeros(world, dtype=np.int64) for kind in LinkKind},
-                 {kind: np.zeros(world, dtype=np.int64) for kind in LinkKind})  # fmt: skip
+    sums = _Sums.zero(plan.world)
     plain = [item for item in items if item.ulysses == 1]
     zones = _add_plain_items(plan, plain, shape, cost, sums) if plain else []
     if len(plain) < len(items):
-        heads = _add_items(plan, [item for item in items if item.ulysses > 1], shape, cost, sums)
-        zones = _merged(zones, heads) if zones else heads
-    return sums, zones or [{} for _ in range(world)]
+        part, heads = _head_sums(plan, [item for item in items if item.ulysses > 1], shape, cost)
+        sums.add(part)
+        zones = _merged(zones, heads) if zones else [dict(z) for z in heads]
+    return sums, zones or [{} for _ in range(plan.world)]
+
+
+def _head_sums(
+    plan: AttentionPlan, items: list[QueueItem], shape: ModelShape, cost: CostModel
+) -> tuple[_Sums, list[dict[str, int]]]:
+    """`_add_items` of the Ulysses `items` into sums of their own, kept on the plan for
+    the next caller that sums the same items for the same shape (`plan_stats` and
+    `collective_bytes` both do while a step is planned)."""
+    key = (shape, tuple(items))
+    if key not in plan._head_sums:
+        part = _Sums.zero(plan.world)
+        plan._head_sums[key] = (part, _add_items(plan, items, shape, cost, part))
+    return plan._head_sums[key]
 
 
 @dataclass(frozen=True)
@@ -149,6 +160,20 @@ class _Sums:
     seconds: np.ndarray
     sent: dict[LinkKind, np.ndarray]
     collective: dict[LinkKind, np.ndarray]
+
+    @classmethod
+    def zero(cls, world: int) -> _Sums:
+        return cls(np.zeros(world), np.zeros(world),
+                   {kind: np.zeros(world, dtype=np.int64) for kind in LinkKind},
+                   {kind: np.zeros(world, dtype=np.int64) for kind in LinkKind})  # fmt: skip
+
+    def add(self, other: _Sums) -> None:
+        """Adds `other`'s sums to these, in place."""
+        np.add(self.flops, other.flops, out=self.flops)
+        np.add(self.seconds, other.seconds, out=self.seconds)
+        for kind in LinkKind:
+            self.sent[kind] += other.sent[kind]
+            self.collective[kind] += other.collective[kind]
 
 
 def _merged(zones: list[dict[str, int]], more: list[dict[str, int]]) -> list[dict[str, int]]:

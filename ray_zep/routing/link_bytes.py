@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ray_zep.partition.plan import AttentionPlan, QueueItem
-from ray_zep.routing.routes import Payload, Route, crossing_hops, hop_route, proxy_count
+from ray_zep.routing.routes import Payload, Route, crossing_hops, itemhop_routes, proxy_count
 from ray_zep.topology import Topology
 
 
@@ -77,9 +77,10 @@ def ring_link_bytes_by_payload(
                       rows[direct_out] * size)  # fmt: skip
         if not routed or same.all():
             continue
+        routes = {(r.src, r.dst): r for _, r in itemhop_routes(topo, item, routed)}
         for i in np.flatnonzero(~same & ~direct_out).tolist():
             a = int(src[i])
-            route = hop_route(topo, a, int(dst[i]), routed, crossing)
+            route = routes[a, int(dst[i])]
             steps = held[(position[i] - np.arange(ring)) % ring]
             for payload, rows in ((Payload.KV, steps[:-1]), (Payload.DKV, steps)):
                 if payload not in carried or (size := sizes[payload]) == 0:

@@ -136,14 +136,8 @@ class Route:
 
 def nic_ordered_ranks(topology: Topology, node: int) -> list[int]:
     """The node's ranks, one per NIC in turn (NIC 0's first GPU, NIC 1's first GPU, ...)."""
-    by_nic = [
-        [topology.ranks_of_node(node)[g] for g in topology.gpus_on_nic(nic)]
-        for nic in range(topology.nics_per_node)
-    ]
-    ordered = []
-    for layer in itertools.zip_longest(*by_nic):
-        ordered.extend(r for r in layer if r is not None)
-    return ordered
+    base = node * topology.gpus_per_node
+    return [base + g for g in _nic_ordered(topology.gpu_to_nic, topology.nics_per_node)]
 
 
 def choose_proxies(
@@ -154,26 +148,50 @@ def choose_proxies(
     `busy` are the endpoints of the other transfers that leave (or reach) the
     node in the same ring step: each keeps its own GPU, and the node's other GPUs
     are dealt to the transfers in turn, so concurrent transfers share no proxy.
+    Every node has the same GPUs and NICs, so the choice is made once per position on
+    a node (`_local_proxies`) and reused on every node.
     """
-    ordered = nic_ordered_ranks(topology, topology.node_of(endpoint))
+    base = topology.node_of(endpoint) * topology.gpus_per_node
+    for rank in busy:
+        if topology.node_of(rank) != topology.node_of(endpoint):
+            raise ValueError(f"busy rank {rank} is not on rank {endpoint}'s node")
+    local = _local_proxies(topology.gpu_to_nic, topology.nics_per_node, endpoint - base,
+                           count, frozenset(r - base for r in busy))  # fmt: skip
+    return tuple(base + g for g in local)
+
+
+@functools.lru_cache(maxsize=4096)
+def _nic_ordered(gpu_to_nic: tuple[int, ...], nics: int) -> tuple[int, ...]:
+    """`nic_ordered_ranks` of a node's local GPU indices."""
+    by_nic = [[g for g, n in enumerate(gpu_to_nic) if n == nic] for nic in range(nics)]
+    return tuple(g for layer in itertools.zip_longest(*by_nic) for g in layer if g is not None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_proxies(
+    gpu_to_nic: tuple[int, ...], nics: int, endpoint: int, count: int, busy: frozenset[int]
+) -> tuple[int, ...]:
+    """`choose_proxies` on a node's local GPU indices (`gpu_to_nic`: each one's NIC)."""
+    ordered = list(_nic_ordered(gpu_to_nic, nics))
     if busy:
-        ordered = _deal(topology, ordered, sorted({endpoint, *busy}, key=ordered.index))[endpoint]
+        endpoints = sorted({endpoint, *busy}, key=ordered.index)
+        ordered = _deal(gpu_to_nic, ordered, endpoints)[endpoint]
     chosen = ordered[:count]
     if endpoint not in chosen:
-        same_nic = [r for r in chosen if topology.nic_of(r) == topology.nic_of(endpoint)]
+        same_nic = [g for g in chosen if gpu_to_nic[g] == gpu_to_nic[endpoint]]
         chosen[chosen.index(same_nic[0] if same_nic else chosen[-1])] = endpoint
     return tuple(sorted(chosen, key=ordered.index))
 
 
-def _deal(topology: Topology, ordered: list[int], endpoints: list[int]) -> dict[int, list[int]]:
+def _deal(gpu_to_nic: tuple[int, ...], ordered: list[int], endpoints: list[int]) -> dict:
     """Each endpoint plus a share of the other GPUs: a GPU goes to the smallest group
     whose NICs do not include its own yet (else to the smallest group)."""
     groups = {e: [e] for e in endpoints}
-    for rank in (r for r in ordered if r not in groups):
-        nic = topology.nic_of(rank)
-        fresh = [e for e in endpoints if nic not in {topology.nic_of(r) for r in groups[e]}]
+    for gpu in (g for g in ordered if g not in groups):
+        nic = gpu_to_nic[gpu]
+        fresh = [e for e in endpoints if nic not in {gpu_to_nic[g] for g in groups[e]}]
         target = min(fresh or endpoints, key=lambda e: (len(groups[e]), endpoints.index(e)))
-        groups[target].append(rank)
+        groups[target].append(gpu)
     return groups
 
 
@@ -274,17 +292,25 @@ def itemhop_routes(
     """(position, route of no rows yet) of each listed hop of a ring item: a hop keeps
     its proxies at every step, only the rows it carries change. Inter-node hops only,
     unless `all_hops`; none for an item that never sends around a ring (one position,
-    or an exchange kind that is not `routable`)."""
+    or an exchange kind that is not `routable`). Worked out once per item (the routing
+    plan and the byte count of a step both ask for them)."""
     if item.ring_size < 2 or not item.exchange_kind.routable:
         return []
+    return list(_itemhop_routes(topo, item, routed, all_hops))
+
+
+@functools.lru_cache(maxsize=4096)
+def _itemhop_routes(
+    topo: Topology, item: QueueItem, routed: bool, all_hops: bool
+) -> tuple[tuple[int, Route], ...]:
     crossing = crossing_hops(item, topo)
     if not crossing and not all_hops:
-        return []  # a ring inside one node has no inter-node transfer
-    return [
+        return ()  # a ring inside one node has no inter-node transfer
+    return tuple(
         (position, hop_route(topo, src, dst, routed, crossing))
         for position, src, dst in item.hops()
         if all_hops or topo.node_of(src) != topo.node_of(dst)
-    ]
+    )
 
 
 def listed_transfers(
