@@ -277,17 +277,19 @@ def _small_ring(
     if degrees.size == 0 or least is None or least + work / gpus > level:
         return None  # no rank outside a ring has room for even a G-th of the work
     need = -(-n // degrees)
-    # nodes with two ranks that could take a member of some size: only they can
-    ranks = np.asarray(spare.at_most(level - member.min()), dtype=np.int64)
-    ranks = ranks[capacity - placed.tokens[ranks] >= need.min()]
-    near = np.flatnonzero(np.bincount(ranks // gpus, minlength=topology.nodes) >= 2)
+    # nodes with two ranks that could take a member of some size: only they can (the
+    # ranks `spare` holds are those in no ring, on the arrays `placed` keeps current)
+    outside = ~placed.in_ring.reshape(topology.nodes, gpus)
+    free = capacity - placed.tokens.reshape(topology.nodes, gpus)
+    load = placed.load.reshape(topology.nodes, gpus)
+    could = outside & (load <= level - member.min()) & (free >= need.min())
+    near = np.flatnonzero(np.count_nonzero(could, axis=1) >= 2)
     if near.size == 0:
         return None
-    load = placed.load.reshape(topology.nodes, gpus)[near]
-    free = capacity - placed.tokens.reshape(topology.nodes, gpus)[near]
+    load, free = load[near], free[near]
     # every size at once: D x nodes x GPUs of ranks that could take a member
     ok = (free >= need[:, None, None]) & (load + member[:, None, None] <= level)
-    ok &= ~placed.in_ring.reshape(topology.nodes, gpus)[near]
+    ok &= outside[near]
     enough = np.count_nonzero(ok, axis=2) >= degrees[:, None]
     sizes = np.flatnonzero(enough.any(axis=1))
     if sizes.size == 0:
