@@ -134,12 +134,6 @@ class Route:
         return sum(b - a for j, (a, b) in ranges if j != self.dst)
 
 
-def nic_ordered_ranks(topology: Topology, node: int) -> list[int]:
-    """The node's ranks, one per NIC in turn (NIC 0's first GPU, NIC 1's first GPU, ...)."""
-    base = node * topology.gpus_per_node
-    return [base + g for g in _nic_ordered(topology.gpu_to_nic, topology.nics_per_node)]
-
-
 def choose_proxies(
     topology: Topology, endpoint: int, count: int, busy: tuple[int, ...] = ()
 ) -> tuple[int, ...]:
@@ -162,7 +156,8 @@ def choose_proxies(
 
 @functools.lru_cache(maxsize=4096)
 def _nic_ordered(gpu_to_nic: tuple[int, ...], nics: int) -> tuple[int, ...]:
-    """`nic_ordered_ranks` of a node's local GPU indices."""
+    """A node's local GPU indices, one per NIC in turn (NIC 0's first GPU, NIC 1's first
+    GPU, ...)."""
     by_nic = [[g for g, n in enumerate(gpu_to_nic) if n == nic] for nic in range(nics)]
     return tuple(g for layer in itertools.zip_longest(*by_nic) for g in layer if g is not None)
 
@@ -183,7 +178,9 @@ def _local_proxies(
     return tuple(sorted(chosen, key=ordered.index))
 
 
-def _deal(gpu_to_nic: tuple[int, ...], ordered: list[int], endpoints: list[int]) -> dict:
+def _deal(
+    gpu_to_nic: tuple[int, ...], ordered: list[int], endpoints: list[int]
+) -> dict[int, list[int]]:
     """Each endpoint plus a share of the other GPUs: a GPU goes to the smallest group
     whose NICs do not include its own yet (else to the smallest group)."""
     groups = {e: [e] for e in endpoints}
