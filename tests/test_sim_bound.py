@@ -17,6 +17,7 @@ from ray_zep.config import load_config
 from ray_zep.data.synthetic import batch_lengths
 from ray_zep.errors import ZepError
 from ray_zep.partition import plan_from_bins
+from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts
 from ray_zep.sim.bound import step_bound
 from ray_zep.sim.compare import VARIANTS, simulate_strategies
 from ray_zep.sim.hardware import Hardware
@@ -246,3 +247,26 @@ def test_no_composition_of_the_demo_beats_its_bound() -> None:
     ratios = {c.name: c.over_bound for c in result.candidates if c.steps}
     assert len(ratios) > 50
     assert min(ratios.values()) >= 1.0 - 1e-9, min(ratios.items(), key=lambda kv: kv[1])
+
+
+@pytest.mark.parametrize("ulysses", [2, 4, 8])
+def test_a_usp_group_inside_a_node_does_not_beat_the_bound(ulysses: int) -> None:
+    """One sequence of a node's capacity as a USP group on a node's slow links (1 GB/s):
+    each GPU attends with H / U of the heads, so it imports only those heads' K/V and
+    swaps its heads' Q/K/V inside the position. The bound counts that: a GPU importing
+    every head's K/V of the other 7 L tokens, as it counted before, put it above each of
+    these plans' steps (U = 8: 73.9 s against 66.5 s)."""
+    config = _config(1, ["topology.intra_node_gbytes_per_s=1", "topology.nic_gbits_per_s=1",
+                         "parallel.weights=replicated", "parallel.sequence=zeppelin"])  # fmt: skip
+    topology = build_topology(config.topology)
+    run = RunModel.create(config, Hardware.preset(topology))
+    n = topology.gpus_per_node * L
+    positions = topology.gpus_per_node // ulysses
+    counts = [n // positions] * positions
+    group = SeqPlacement(0, n, tuple(range(topology.gpus_per_node)), bounds_for_counts(counts),
+                         ulysses=ulysses)  # fmt: skip
+    plan = AttentionPlan(config.parallel.sequence, topology, L, (group,))
+    step = simulate_plan(plan, run)
+    bound = step_bound(np.asarray([n]), run)
+    assert step.step_seconds >= bound.seconds * (1 - 1e-9), (step.step_seconds, bound.seconds)
+    assert bound.exchange_s > 0 and bound.limit == "gpu", bound

@@ -51,9 +51,20 @@ larger of the whole step's compute and its whole exchange instead would let a fo
 bound by the NICs borrow the backward's compute to hide them.) Zipped collectives
 (`comm.compression`) are counted at the codec's best ratio.
 
-This holds for placements that move K and V to the queries and hold at most L tokens a
-rank (every placement here and the baselines modelled beside them); a system that moved
-queries instead is not bound by it. It is tight where the compute rules (short
+A ring position of U GPUs of one node exchanging heads (USP) attends with H / U heads
+on each GPU for the T <= U x L tokens it holds, and imports only those heads' K/V of the
+other n - T: (n - T) / U tokens' K/V of every head on a GPU. Before that its all-to-all
+brings each GPU its heads' Q, K and V of the position's tokens it does not hold (or
+their hidden rows, if fewer bytes), at least T - L tokens' worth. The sum is linear in
+T, so least where the tail position holds one GPU's tokens or as many as it may
+(`_split_import`); the GPU terms take the least over the U that split the model's heads,
+all GPUs together at least the sum over j of max(0, n - j x U x L) tokens' K/V of every
+head. A node holds every head of its tokens either way.
+
+This holds for placements that move K and V to the queries (heads, with queries, only
+inside a node, as above) and hold at most L tokens a rank (every placement here and the
+baselines modelled beside them); a system that moved queries across nodes (Ulysses over
+several nodes' GPUs) is not bound by it. It is tight where the compute rules (short
 sequences) and where one long sequence spans the fewest nodes it fits on.
 
 Shapes: S sequences.
@@ -145,11 +156,14 @@ def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
     gpu_in = topology.intra_node_bandwidth + topology.nic_bandwidth
     node_in = topology.nics_per_node * topology.nic_bandwidth
     lengths = np.asarray(lengths, dtype=np.int64)
-    node_import = _largest_import(lengths, gpus * capacity)  # tokens, for the NICs below too
+    # a GPU of a USP position holds H / U of the heads (`_split_import`)
+    widths = (1, *(u for u in range(2, gpus + 1) if gpus % u == 0 and shape_fits(run, u)))
+    node_import = _split_import(lengths, gpus * capacity, 1, run)  # tokens, for the NICs too
     seconds = {
-        "gpu": _largest_import(lengths, capacity) / gpu_in,
+        "gpu": min(_split_import(lengths, capacity, u, run) for u in widths) / gpu_in,
         "node": node_import / node_in,
-        "cluster gpus": _all_imports(lengths, capacity) / (topology.world_size * gpu_in),
+        "cluster gpus": min(_all_imports(lengths, u * capacity) for u in widths)
+        / (topology.world_size * gpu_in),
         "cluster nodes": _all_imports(lengths, gpus * capacity) / (topology.nodes * node_in),
     }
     limit = max(seconds, key=seconds.__getitem__)
@@ -270,9 +284,28 @@ def _linear_contention(
     return out[0], out[1]
 
 
-def _largest_import(lengths: np.ndarray, holds: int) -> float:
-    """Tokens the busiest holder of `holds` tokens must import for one sequence."""
-    return float(np.maximum(lengths - holds, 0).max(initial=0))
+def shape_fits(run: RunModel, ulysses: int) -> bool:
+    """Whether Ulysses over `ulysses` GPUs splits the model's heads."""
+    return run.shape.ulysses_fault(ulysses) is None
+
+
+def _split_import(lengths: np.ndarray, holds: int, split: int, run: RunModel) -> float:
+    """Tokens' K/V of every head the busiest holder of `holds` tokens receives for one
+    sequence where the heads are split over `split` holders (module docstring): the tail
+    position's K/V of the others, 1 / `split` of the heads, and its all-to-all, each
+    holder receiving its heads' Q, K and V (or the hidden rows, if fewer bytes) of the
+    position's tokens it does not hold; least where the position holds either one
+    holder's tokens or as many as it may."""
+    largest = float(lengths.max(initial=0))
+    if split == 1:
+        return max(largest - holds, 0.0)
+    shape = run.shape
+    kv = 2 * shape.n_kv_heads * shape.head_dim
+    swapped = min((shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim / split, shape.dim)
+    held = min(largest, split * holds)  # tokens the tail position holds at most
+    fewest = max(largest - holds, 0.0) / split
+    most = max(largest - held, 0.0) / split + max(held - holds, 0.0) * swapped / kv
+    return min(fewest, most)
 
 
 def _all_imports(lengths: np.ndarray, holds: int) -> float:
