@@ -65,11 +65,11 @@ def test_no_variant_beats_the_bound(nodes: int, distribution: str, extra: list[s
 
 
 def test_no_variant_beats_the_bound_where_kv_and_fsdp_share_the_nics() -> None:
-    """Sequences of half and all of four nodes' capacity on 50 Gbit/s NICs: the K/V the
-    tail node imports and FSDP's per-block collectives together set the bound."""
-    config = _config(4, ["topology.nic_gbits_per_s=50"])
+    """A sequence of four nodes' capacity on 40 Gbit/s NICs (beside a short one): the K/V
+    the tail node imports and FSDP's per-block collectives together set the bound."""
+    config = _config(4, ["topology.nic_gbits_per_s=40"])
     hardware = Hardware.preset(build_topology(config.topology))
-    batches = [np.asarray([16 * L, 16 * L]), np.asarray([32 * L])]
+    batches = [np.asarray([32 * L]), np.asarray([31 * L, L])]
     run = RunModel.create(config, hardware)
     bounds = [step_bound(lengths, run) for lengths in batches]
     for bound in bounds:
@@ -84,7 +84,7 @@ def test_no_variant_beats_the_bound_where_kv_and_fsdp_share_the_nics() -> None:
             simulated += 1
     assert simulated >= len(VARIANTS), "most variants place these batches"
     # hsdp: its replicas' all-reduce crosses the NICs in the backward, beside the dK/dV
-    hsdp = _config(4, ["topology.nic_gbits_per_s=50", "parallel.weights=hsdp"])
+    hsdp = _config(4, ["topology.nic_gbits_per_s=40", "parallel.weights=hsdp"])
     run = RunModel.create(hsdp, hardware)
     bounds = [step_bound(lengths, run) for lengths in batches]
     assert all(b.shared_nics_s > b.exchange_s > 0 for b in bounds)
@@ -95,12 +95,12 @@ def test_no_variant_beats_the_bound_where_kv_and_fsdp_share_the_nics() -> None:
 
 
 def test_the_forward_and_the_backward_are_bounded_each_by_its_own_parts() -> None:
-    """One sequence of four nodes' capacity on 100 Gbit/s NICs: the forward is set by the
+    """One sequence of four nodes' capacity on 50 Gbit/s NICs: the forward is set by the
     tail node's NICs (its K/V and FSDP's gathers), the backward by the compute. The two
     phases add, so the bound exceeds the larger of the whole step's compute and its NIC
     time (a forward bound by the NICs cannot borrow the backward's compute to hide them),
     and still no variant beats it."""
-    config = _config(4, ["topology.nic_gbits_per_s=100"])
+    config = _config(4, ["topology.nic_gbits_per_s=50"])
     hardware = Hardware.preset(build_topology(config.topology))
     run = RunModel.create(config, hardware)
     batches = [np.asarray([4 * 8 * L])]
@@ -158,7 +158,10 @@ def test_the_bound_is_near_the_ideal_where_compute_rules_and_above_where_the_exc
     assert bound.contention_s > 0.01 * bound.seconds
     ideal = ideal_step_seconds(short, run) + weights_of(run).exposed + bound.contention_s
     assert 0.99 * ideal <= bound.seconds <= ideal
-    # one sequence of four nodes' capacity on slow NICs: the tail node imports 3/4 of it
+    # one sequence of four nodes' capacity on slow NICs: the tail node imports 3/4 of its
+    # K/V, or, on positions of two nodes each attending with half of the heads, half that
+    # (its all-to-all brings it the hidden rows of its other node's 8 L tokens, half a
+    # K/V's bytes each: as many again)
     slow = _config(4, SLOW_NICS)
     run = RunModel.create(slow, Hardware.preset(build_topology(slow.topology)))
     long = np.asarray([4 * 8 * L])
@@ -167,7 +170,7 @@ def test_the_bound_is_near_the_ideal_where_compute_rules_and_above_where_the_exc
     topology = run.hardware.topology
     node_in = topology.nics_per_node * topology.nic_bandwidth
     token_bytes = 2 * run.shape.n_kv_heads * run.shape.head_dim * run.element_bytes
-    expected = 2 * run.shape.n_layers * token_bytes * (3 * 8 * L) / node_in
+    expected = 2 * run.shape.n_layers * token_bytes * (3 * 8 * L / 2) / node_in
     assert bound.limit == "node" and bound.exchange_s == pytest.approx(expected, rel=1e-12)
 
 
@@ -249,24 +252,25 @@ def test_no_composition_of_the_demo_beats_its_bound() -> None:
     assert min(ratios.values()) >= 1.0 - 1e-9, min(ratios.items(), key=lambda kv: kv[1])
 
 
-@pytest.mark.parametrize("ulysses", [2, 4, 8])
-def test_a_usp_group_inside_a_node_does_not_beat_the_bound(ulysses: int) -> None:
-    """One sequence of a node's capacity as a USP group on a node's slow links (1 GB/s):
-    each GPU attends with H / U of the heads, so it imports only those heads' K/V and
-    swaps its heads' Q/K/V inside the position. The bound counts that: a GPU importing
-    every head's K/V of the other 7 L tokens, as it counted before, put it above each of
-    these plans' steps (U = 8: 73.9 s against 66.5 s)."""
-    config = _config(1, ["topology.intra_node_gbytes_per_s=1", "topology.nic_gbits_per_s=1",
-                         "parallel.weights=replicated", "parallel.sequence=zeppelin"])  # fmt: skip
+@pytest.mark.parametrize("nodes,ulysses", [(1, 2), (1, 4), (1, 8), (2, 16)])
+def test_a_usp_group_does_not_beat_the_bound(nodes: int, ulysses: int) -> None:
+    """One sequence of the topology's capacity as a USP group on slow links (1 GB/s inside
+    a node, 1 Gbit/s NICs): each GPU attends with H / U of the heads (each node with half
+    of them, on positions of two nodes), so it imports only those heads' K/V and swaps
+    its heads' Q/K/V inside the position. The bound counts that: a GPU importing every
+    head's K/V of the other 7 L tokens, as it counted before, put it above each of the
+    one-node plans' steps (U = 8: 73.9 s against 66.5 s)."""
+    slow = ["topology.intra_node_gbytes_per_s=1", "topology.nic_gbits_per_s=1"]
+    config = _config(nodes, [*slow, "parallel.weights=replicated", "parallel.sequence=zeppelin"])
     topology = build_topology(config.topology)
     run = RunModel.create(config, Hardware.preset(topology))
-    n = topology.gpus_per_node * L
-    positions = topology.gpus_per_node // ulysses
+    n = topology.world_size * L
+    positions = topology.world_size // ulysses
     counts = [n // positions] * positions
-    group = SeqPlacement(0, n, tuple(range(topology.gpus_per_node)), bounds_for_counts(counts),
+    group = SeqPlacement(0, n, tuple(range(topology.world_size)), bounds_for_counts(counts),
                          ulysses=ulysses)  # fmt: skip
     plan = AttentionPlan(config.parallel.sequence, topology, L, (group,))
     step = simulate_plan(plan, run)
     bound = step_bound(np.asarray([n]), run)
     assert step.step_seconds >= bound.seconds * (1 - 1e-9), (step.step_seconds, bound.seconds)
-    assert bound.exchange_s > 0 and bound.limit == "gpu", bound
+    assert bound.exchange_s > 0, bound

@@ -1,6 +1,6 @@
 """USP groups the work policy may give a long sequence: ring positions of U GPUs of one
-node each, exchanging heads inside the position (Ulysses), with the ring over the
-positions.
+node each (or of two whole nodes, `WorkModel.usp_widths`), exchanging heads inside the
+position (Ulysses), with the ring over the positions.
 
 A position of a whole node (U = GPUs per node) takes whole nodes; a position of half a
 node (where that splits the heads) lets a group of a few nodes end on half of one more,
@@ -13,6 +13,15 @@ a ring on one node, 0.95x as 3 positions of 4 GPUs (12 ranks), 0.64x as 2 positi
 grid, costed at their NICs' own rate instead, they waited more than they saved (7b 64
 GPUs arxiv 1.29x -> 1.37x). A group's member work depends on its sequence's length
 alone, so the level scan costs every candidate group once per batch (`UspGrid`).
+
+A position of two whole nodes (U = 2G, where the heads split that far) halves the K/V
+every node imports for the sequence, since each node attends with half of the heads; its
+all-to-alls cross the NICs. It pays for the longest documents, whose rings of whole-node
+positions are bound by that import at any width: on `bench scale`'s 7b chat batch at
+1,024 GPUs the 242k-token document's member work is 1.56x the mean as 32 positions of a
+node (1.48x of it waiting on the NICs) and 0.98x as 16 positions of two nodes. A group
+of two-node positions may take as many ranks as one of one-node positions; of the groups
+with the fewest ranks at the level, the lightest is chosen.
 """
 
 from __future__ import annotations
@@ -73,6 +82,9 @@ class UspGrid:
         for u in model.usp_widths():
             if u == gpus:
                 columns += [(u, p) for p in USP_NODES if p <= topology.nodes]
+            elif u > gpus:  # positions of several whole nodes (one: plain Ulysses)
+                span = u // gpus
+                columns += [(u, p) for p in (1, *USP_NODES) if p * span <= topology.nodes]
             elif 2 * u == gpus:
                 most = min(NARROW_SPAN_NODES, topology.nodes) * gpus
                 columns += [(u, p) for p in range(gpus // u + 1, most // u + 1) if u * p % gpus]
@@ -97,7 +109,8 @@ class UspGrid:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(degrees, member work, U: 0 for a ring) of the rings of `seqs` once USP groups
         compete: per sequence, the fewest-rank group whose member work is at most `level`
-        (or the least work, within `MIN_GAIN`, where none is), taken over the ring where
+        (or the least work, within `MIN_GAIN`, where none is; the lightest where groups
+        of one- and two-node positions take as many ranks), taken over the ring where
         it needs fewer ranks at the level (on as many, or where neither reaches it: the
         lesser work by `MIN_GAIN`; the ring on near ties, which has no all-to-alls)."""
         rows = self.row[seqs]
@@ -105,7 +118,8 @@ class UspGrid:
         grid = self.seconds[rows]
         at_level = grid <= level
         near_least = grid <= grid.min(axis=1, keepdims=True) * (1 + MIN_GAIN)
-        pick = np.where(at_level.any(axis=1), at_level.argmax(axis=1), near_least.argmax(axis=1))
+        wanted = np.where(at_level.any(axis=1, keepdims=True), at_level, near_least)
+        pick = _least_of_fewest(wanted, self.degrees, grid)
         usp_work = grid[np.arange(seqs.size), pick]
         usp_degree = self.degrees[pick]
         ring_in, usp_in = member <= level, usp_work <= level
@@ -120,7 +134,22 @@ class UspGrid:
         )
 
 
+def _least_of_fewest(wanted: np.ndarray, degrees: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Per row, the column of least work (`grid`) among the `wanted` ones of the fewest
+    ranks (`degrees`): groups of positions of whole nodes and of several whole nodes may
+    take as many ranks. `wanted` holds at least one column per row."""
+    ranks = np.where(wanted, degrees[None, :], np.iinfo(np.int64).max)
+    fewest = wanted & (ranks == ranks.min(axis=1, keepdims=True))
+    return np.where(fewest, grid, np.inf).argmin(axis=1)
+
+
 def positions_in_nodes(ranks: tuple[int, ...], width: int, gpus: int) -> bool:
-    """Every run of `width` consecutive `ranks` (a ring position) lies in one node."""
-    nodes = np.asarray(ranks).reshape(-1, width) // gpus
+    """Every run of `width` consecutive `ranks` (a ring position) lies in one node, or,
+    where `width` is a multiple of the node's GPUs, is made of whole nodes."""
+    members = np.asarray(ranks).reshape(-1, width)
+    if width > gpus and width % gpus == 0:
+        nodes = members.reshape(-1, gpus)
+        whole = (nodes[:, 0] % gpus == 0) & (nodes == nodes[:, :1] + np.arange(gpus)).all(axis=1)
+        return bool(whole.all())
+    nodes = members // gpus
     return bool((nodes == nodes[:, :1]).all())

@@ -51,20 +51,21 @@ larger of the whole step's compute and its whole exchange instead would let a fo
 bound by the NICs borrow the backward's compute to hide them.) Zipped collectives
 (`comm.compression`) are counted at the codec's best ratio.
 
-A ring position of U GPUs of one node exchanging heads (USP) attends with H / U heads
-on each GPU for the T <= U x L tokens it holds, and imports only those heads' K/V of the
-other n - T: (n - T) / U tokens' K/V of every head on a GPU. Before that its all-to-all
-brings each GPU its heads' Q, K and V of the position's tokens it does not hold (or
-their hidden rows, if fewer bytes), at least T - L tokens' worth. The sum is linear in
-T, so least where the tail position holds one GPU's tokens or as many as it may
-(`_split_import`); the GPU terms take the least over the U that split the model's heads,
-all GPUs together at least the sum over j of max(0, n - j x U x L) tokens' K/V of every
-head. A node holds every head of its tokens either way.
+A ring position of U GPUs exchanging heads (USP: part of a node, a node, or s whole
+nodes up to `WIDE_SPAN`) attends with H / U heads on each GPU (H / s on each node) for
+the T <= U x L tokens it holds, and imports only those heads' K/V of the other n - T:
+(n - T) / U tokens' K/V of every head on a GPU ((n - T) / s on a node). Before that its
+all-to-all brings each holder its heads' Q, K and V of the position's tokens it does not
+hold (or their hidden rows, if fewer bytes), at least T - L (T - G x L) tokens' worth.
+The sum is linear in T, so least where the tail position holds one holder's tokens or as
+many as it may (`_split_import`); each term takes the least over the U (s) the model's
+heads allow (`head_spans`), all of them together at least the sum over j of
+max(0, n - j x U x L) (max(0, n - j x s x G x L)) tokens' K/V of every head.
 
 This holds for placements that move K and V to the queries (heads, with queries, only
-inside a node, as above) and hold at most L tokens a rank (every placement here and the
-baselines modelled beside them); a system that moved queries across nodes (Ulysses over
-several nodes' GPUs) is not bound by it. It is tight where the compute rules (short
+inside a position, as above) and hold at most L tokens a rank (every placement here and
+the baselines modelled beside them); a system that moved queries across more nodes is
+not bound by it. It is tight where the compute rules (short
 sequences) and where one long sequence spans the fewest nodes it fits on.
 
 Shapes: S sequences.
@@ -86,6 +87,7 @@ from ray_zep.costmodel import (
 from ray_zep.options import Compression
 from ray_zep.parallel.axes import WEIGHTS_AXES, Family
 from ray_zep.parallel.memory import mean_block_params
+from ray_zep.partition.work import WIDE_SPAN
 from ray_zep.sim.events import Lane
 from ray_zep.sim.ideal import fixed_seconds
 from ray_zep.sim.idle import TRANSFERS, WAITS, idle_causes
@@ -156,15 +158,19 @@ def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
     gpu_in = topology.intra_node_bandwidth + topology.nic_bandwidth
     node_in = topology.nics_per_node * topology.nic_bandwidth
     lengths = np.asarray(lengths, dtype=np.int64)
-    # a GPU of a USP position holds H / U of the heads (`_split_import`)
-    widths = (1, *(u for u in range(2, gpus + 1) if gpus % u == 0 and shape_fits(run, u)))
-    node_import = _split_import(lengths, gpus * capacity, 1, run)  # tokens, for the NICs too
+    # a GPU (node) of a USP position holds H / U (H / s) of the heads (`_split_import`)
+    spans = head_spans(run)
+    widths = (1, *(u for u in range(2, gpus + 1) if gpus % u == 0 and shape_fits(run, u)),
+              *(s * gpus for s in spans[1:]))  # fmt: skip
+    # tokens, for the NICs below too
+    node_import = min(_split_import(lengths, gpus * capacity, s, run) for s in spans)
     seconds = {
         "gpu": min(_split_import(lengths, capacity, u, run) for u in widths) / gpu_in,
         "node": node_import / node_in,
         "cluster gpus": min(_all_imports(lengths, u * capacity) for u in widths)
         / (topology.world_size * gpu_in),
-        "cluster nodes": _all_imports(lengths, gpus * capacity) / (topology.nodes * node_in),
+        "cluster nodes": min(_all_imports(lengths, s * gpus * capacity) for s in spans)
+        / (topology.nodes * node_in),
     }
     limit = max(seconds, key=seconds.__getitem__)
     shape = run.shape
@@ -287,6 +293,15 @@ def _linear_contention(
 def shape_fits(run: RunModel, ulysses: int) -> bool:
     """Whether Ulysses over `ulysses` GPUs splits the model's heads."""
     return run.shape.ulysses_fault(ulysses) is None
+
+
+def head_spans(run: RunModel) -> tuple[int, ...]:
+    """The whole nodes s a USP position may span (`WIDE_SPAN`): 1, and each s up to it
+    whose s x G GPUs split the model's heads, on the topology's nodes."""
+    topology = run.hardware.topology
+    gpus = topology.gpus_per_node
+    wide = range(2, min(WIDE_SPAN, topology.nodes) + 1) if gpus > 1 else ()
+    return (1, *(s for s in wide if shape_fits(run, s * gpus)))
 
 
 def _split_import(lengths: np.ndarray, holds: int, split: int, run: RunModel) -> float:
