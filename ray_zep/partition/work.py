@@ -60,10 +60,10 @@ KV_DTYPE_DKV_FACTOR = 2.0
 WIDE_SPAN = 2
 """The most whole nodes one USP position spans (Ulysses across them, where their GPUs
 split the heads). On `bench scale`'s 7b chat batches (4k tokens per GPU) positions of two
-nodes step 8.4% (256 GPUs) and 9.7% (1,024) faster than of one; of up to four, the work
-model chose groups of four-node positions that the simulator played about twice as slow
-as modelled (their all-to-alls on NICs the weights' collectives also use), and the same
-rows stepped 3.7-18.6% slower than with one."""
+nodes step 8.4% (256 GPUs), 9.7% (1,024) and 16.7% (4,096) faster than of one. Allowed up
+to five, the planner chose positions of four (7B) and five (13B) nodes, which a lone group
+plays about twice as slow as modelled (their all-to-alls on NICs the weights' collectives
+also use), and those rows stepped 2.9-19% slower than with one."""
 
 
 @dataclass(frozen=True)
