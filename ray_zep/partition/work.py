@@ -276,7 +276,10 @@ class WorkModel:
         hops across nodes (a group of more GPUs than a node has some): every member
         sends through its NIC, sharing it with the GPUs the node maps to it, as in a
         full batch (a lone group of half-node positions the simulator plays 21-25%
-        faster than this: `tests/test_narrow_usp.py`).
+        faster than this: `tests/test_narrow_usp.py`; a lone group of two-node positions
+        25-41% slower, its all-to-alls beside the weights' collectives on the NICs of a
+        batch of one document; the grid's full batches step faster with these groups as
+        costed here, BENCHMARKS.md, twenty-third series).
 
         U must split the heads as Ulysses needs (`usp_widths`)."""
         n = np.asarray(lengths, dtype=np.float64)

@@ -160,7 +160,7 @@ def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
     lengths = np.asarray(lengths, dtype=np.int64)
     # a GPU (node) of a USP position holds H / U (H / s) of the heads (`_split_import`)
     spans = head_spans(run)
-    widths = (1, *(u for u in range(2, gpus + 1) if gpus % u == 0 and shape_fits(run, u)),
+    widths = (1, *(u for u in range(2, gpus + 1) if gpus % u == 0 and _shape_fits(run, u)),
               *(s * gpus for s in spans[1:]))  # fmt: skip
     # tokens, for the NICs below too
     node_import = min(_split_import(lengths, gpus * capacity, s, run) for s in spans)
@@ -290,7 +290,7 @@ def _linear_contention(
     return out[0], out[1]
 
 
-def shape_fits(run: RunModel, ulysses: int) -> bool:
+def _shape_fits(run: RunModel, ulysses: int) -> bool:
     """Whether Ulysses over `ulysses` GPUs splits the model's heads."""
     return run.shape.ulysses_fault(ulysses) is None
 
@@ -301,7 +301,7 @@ def head_spans(run: RunModel) -> tuple[int, ...]:
     topology = run.hardware.topology
     gpus = topology.gpus_per_node
     wide = range(2, min(WIDE_SPAN, topology.nodes) + 1) if gpus > 1 else ()
-    return (1, *(s for s in wide if shape_fits(run, s * gpus)))
+    return (1, *(s for s in wide if _shape_fits(run, s * gpus)))
 
 
 def _split_import(lengths: np.ndarray, holds: int, split: int, run: RunModel) -> float:
