@@ -63,9 +63,10 @@ heads allow (`head_spans`), all of them together at least the sum over j of
 max(0, n - j x U x L) (max(0, n - j x s x G x L)) tokens' K/V of every head.
 
 This holds for placements that move K and V to the queries (heads, with queries, only
-inside a position, as above) and hold at most L tokens a rank (every placement here and
-the baselines modelled beside them); a system that moved queries across more nodes is
-not bound by it. It is tight where the compute rules (short
+inside a position of at most `WIDE_SPAN` nodes, as above) and hold at most L tokens a
+rank: every placement here and the baselines modelled beside them but `ulysses`, whose
+all-to-all spans every rank and is not covered by this argument (the tests play it
+against the bound like every other variant). It is tight where the compute rules (short
 sequences) and where one long sequence spans the fewest nodes it fits on.
 
 Shapes: S sequences.
