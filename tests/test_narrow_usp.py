@@ -28,23 +28,33 @@ def test_a_narrow_usp_group_across_a_node_boundary_matches_single_device() -> No
     and 1; multi-head and grouped-query, direct, routed and with dK/dV sent to their
     owners: outputs and gradients equal one device's, and each rank issues the calls its
     schedule counts."""
-    lengths = [61, 5, 3, 9]
     group = SeqPlacement(0, 61, tuple(range(2, 8)), bounds_for_counts([20, 21, 20]), ulysses=2)
     placements = [group, local_placement(1, 5, 0), local_placement(2, 3, 1),
                   local_placement(3, 9, 0)]  # fmt: skip
-    shared = dict(strategy="zeppelin", nodes=2, gpus=4, heads=8, dim=4, lengths=lengths,
-                  capacity=16, placements=placements)  # fmt: skip
+    assert_group_matches_single_device(placements, nodes=2, gpus=4, capacity=16)
+
+
+def assert_group_matches_single_device(
+    placements: list[SeqPlacement], nodes: int, gpus: int, capacity: int
+) -> None:
+    """`placements` of the sequences [61, 5, 3, 9] (8 heads of 4 dims; 8 and 2 K/V heads)
+    on `nodes` x `gpus`, direct, routed and with dK/dV sent to their owners: every rank's
+    outputs and gradients equal one device's, and its calls what its schedule counts."""
+    shared = dict(strategy="zeppelin", nodes=nodes, gpus=gpus, heads=8, dim=4,
+                  lengths=[61, 5, 3, 9], capacity=capacity, placements=placements)  # fmt: skip
     variants = [dict(routing=False), dict(routing=True), dict(routing=False, dkv_to_owner=True)]
     cases = {kv: [{**shared, **v, "kv_heads": kv} for v in variants] for kv in (8, 2)}
     flat = [case for group in cases.values() for case in group]
-    results = run_ranks(_ring_all, 8, flat)
+    results = run_ranks(_ring_all, nodes * gpus, flat)
     start = 0
     for kv_heads, group in cases.items():
         _assert_ring_matches(kv_heads, group, [r[start : start + len(group)] for r in results])
         start += len(group)
 
 
-def _cluster(nodes: int, model: str = "7b"):
+def usp_cluster(nodes: int, model: str = "7b"):
+    """Cluster A's `nodes`, `model`, L = 5,120, zeppelin routed: its topology, run model
+    and routed work model."""
     config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={nodes}",
                                 f"model.preset={model}", "train.tokens_per_rank=5120",
                                 "parallel.weights=fsdp", "parallel.sequence=zeppelin",
@@ -63,7 +73,7 @@ def test_a_half_node_usp_group_costs_what_the_simulator_plays(width, positions) 
     in a full batch; costed at the NIC's own rate, it said 10-23% less than played
     and the grid's 13b github rows lost): the planner never trusts such a group more
     than the simulator plays it."""
-    topology, run, model = _cluster(8)
+    topology, run, model = usp_cluster(8)
     n = 32652
     ranks = tuple(range(4, 4 + width * positions))
     assert positions_in_nodes(ranks, width, topology.gpus_per_node)
@@ -83,7 +93,7 @@ def test_the_work_policy_ends_a_group_on_part_of_a_node_where_it_balances_better
     nodes; the work policy runs one on a node and half of another (3 positions of 4
     GPUs), every position inside one node, and the simulated step is shorter than with
     whole-node positions only."""
-    topology, run, _ = _cluster(8)
+    topology, run, _ = usp_cluster(8)
     lengths = batch_lengths("arxiv", 4096 * 64, 0)
     plan = make_plan(Placement.ZEPPELIN, lengths, topology, 5120, run.shape)
     narrow = [p for p in plan.placements if 1 < p.ulysses < topology.gpus_per_node]

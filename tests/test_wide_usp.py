@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from ray_zep.config import load_config
 from ray_zep.data.synthetic import batch_lengths
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan, work
 from ray_zep.partition.plan import SeqPlacement, bounds_for_counts, local_placement
 from ray_zep.partition.usp_grid import positions_in_nodes
-from ray_zep.partition.work import WorkModel
-from ray_zep.sim.hardware import Hardware
-from ray_zep.sim.step import RunModel, simulate_plan
-from ray_zep.topology import build_topology
-from tests.helpers.procs import run_ranks
-from tests.test_strategies import _assert_ring_matches, _ring_all
+from ray_zep.sim.step import simulate_plan
+from tests.test_narrow_usp import assert_group_matches_single_device, usp_cluster
 
 
 @pytest.mark.dist
@@ -27,39 +22,19 @@ def test_positions_of_two_nodes_match_single_device() -> None:
     0, 1 and 5; multi-head and grouped-query (the K/V heads fewer than the members),
     direct, routed and with dK/dV sent to their owners: outputs and gradients equal one
     device's, and each rank issues the calls its schedule counts."""
-    lengths = [61, 5, 3, 9]
     group = SeqPlacement(0, 61, tuple(range(8)), bounds_for_counts([30, 31]), ulysses=4)
     placements = [group, local_placement(1, 5, 0), local_placement(2, 3, 1),
                   local_placement(3, 9, 5)]  # fmt: skip
-    shared = dict(strategy="zeppelin", nodes=4, gpus=2, heads=8, dim=4, lengths=lengths,
-                  capacity=20, placements=placements)  # fmt: skip
-    variants = [dict(routing=False), dict(routing=True), dict(routing=False, dkv_to_owner=True)]
-    cases = {kv: [{**shared, **v, "kv_heads": kv} for v in variants] for kv in (8, 2)}
-    flat = [case for group in cases.values() for case in group]
-    results = run_ranks(_ring_all, 8, flat)
-    start = 0
-    for kv_heads, group in cases.items():
-        _assert_ring_matches(kv_heads, group, [r[start : start + len(group)] for r in results])
-        start += len(group)
-
-
-def _cluster(nodes: int, model: str):
-    config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={nodes}",
-                                f"model.preset={model}", "train.tokens_per_rank=5120",
-                                "parallel.weights=fsdp", "parallel.sequence=zeppelin",
-                                "parallel.routing=true"])  # fmt: skip
-    topology = build_topology(config.topology)
-    return topology, RunModel.create(config, Hardware.preset(topology))
+    assert_group_matches_single_device(placements, nodes=4, gpus=2, capacity=20)
 
 
 @pytest.mark.unit
 def test_positions_span_two_nodes_only_where_their_gpus_split_the_heads() -> None:
     """7B (32 heads) on 8-GPU nodes may take positions of 16 GPUs; 13B (40 heads) may not;
     positions of whole nodes are recognised, positions that cut a node are not."""
-    for model, wide in (("7b", True), ("13b", False)):
-        topology, run = _cluster(4, model)
-        widths = WorkModel.create(run.shape, topology, run.hardware.rates).usp_widths()
-        assert (16 in widths) is wide and max(widths) <= 16, (model, widths)
+    for preset, wide in (("7b", True), ("13b", False)):
+        widths = usp_cluster(4, preset)[2].usp_widths()
+        assert (16 in widths) is wide and max(widths) <= 16, (preset, widths)
     assert positions_in_nodes(tuple(range(8, 24)) + tuple(range(0, 8)) + tuple(range(24, 32)),
                               16, 8)  # fmt: skip
     assert not positions_in_nodes(tuple(range(4, 20)), 16, 8)
@@ -72,7 +47,7 @@ def test_the_work_policy_runs_the_longest_chat_document_on_two_node_positions() 
     positions of two nodes each node imports half of it. The work policy takes such a
     group (every position two whole nodes), and the simulated step is shorter than with
     one-node positions only."""
-    topology, run = _cluster(32, "7b")
+    topology, run, _ = usp_cluster(32)
     lengths = batch_lengths("chat", 4096 * 256, 0)
     plan = make_plan(Placement.ZEPPELIN, lengths, topology, 5120, run.shape)
     longest = plan.placements[int(lengths.argmax())]

@@ -309,11 +309,15 @@ class WorkModel:
         return self.linear_seconds(member) + self.layers * (exchange + ring)
 
     def usp_widths(self) -> tuple[int, ...]:
-        """Ulysses widths U a USP position may take, narrowest first, that split the model's
-        heads evenly (`ModelShape.ulysses_fault`): the divisors of the GPUs per node above
-        1, and the GPUs of up to `WIDE_SPAN` whole nodes."""
-        topology = self.cost.topology
-        gpus = topology.gpus_per_node
-        inside = [u for u in range(2, gpus + 1) if gpus % u == 0]
-        wide = [gpus * s for s in range(2, min(WIDE_SPAN, topology.nodes) + 1) if gpus > 1]
-        return tuple(u for u in [*inside, *wide] if self.shape.ulysses_fault(u) is None)
+        """`usp_widths` of the model's shape on its topology."""
+        return usp_widths(self.shape, self.cost.topology)
+
+
+def usp_widths(shape: ModelShape, topology: Topology) -> tuple[int, ...]:
+    """Ulysses widths U a USP position may take, narrowest first, that split the model's
+    heads evenly (`ModelShape.ulysses_fault`): the divisors of the GPUs per node above 1,
+    and the GPUs of up to `WIDE_SPAN` whole nodes (the planner's and the step bound's)."""
+    gpus = topology.gpus_per_node
+    inside = [u for u in range(2, gpus + 1) if gpus % u == 0]
+    wide = [gpus * s for s in range(2, min(WIDE_SPAN, topology.nodes) + 1) if gpus > 1]
+    return tuple(u for u in [*inside, *wide] if shape.ulysses_fault(u) is None)

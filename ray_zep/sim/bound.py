@@ -58,9 +58,9 @@ the T <= U x L tokens it holds, and imports only those heads' K/V of the other n
 all-to-all brings each holder its heads' Q, K and V of the position's tokens it does not
 hold (or their hidden rows, if fewer bytes), at least T - L (T - G x L) tokens' worth.
 The sum is linear in T, so least where the tail position holds one holder's tokens or as
-many as it may (`_split_import`); each term takes the least over the U (s) the model's
-heads allow (`head_spans`), all of them together at least the sum over j of
-max(0, n - j x U x L) (max(0, n - j x s x G x L)) tokens' K/V of every head.
+many as it may (`_split_import`); each term takes the least over the U (s) the planner
+may take (`ray_zep.partition.work.usp_widths`), all of them together at least the sum
+over j of max(0, n - j x U x L) (max(0, n - j x s x G x L)) tokens' K/V of every head.
 
 This holds for placements that move K and V to the queries (heads, with queries, only
 inside a position of at most `WIDE_SPAN` nodes, as above) and hold at most L tokens a
@@ -88,7 +88,7 @@ from ray_zep.costmodel import (
 from ray_zep.options import Compression
 from ray_zep.parallel.axes import WEIGHTS_AXES, Family
 from ray_zep.parallel.memory import mean_block_params
-from ray_zep.partition.work import WIDE_SPAN
+from ray_zep.partition.work import usp_widths
 from ray_zep.sim.events import Lane
 from ray_zep.sim.ideal import fixed_seconds
 from ray_zep.sim.idle import TRANSFERS, WAITS, idle_causes
@@ -160,9 +160,8 @@ def step_bound(lengths: np.ndarray, run: RunModel) -> StepBound:
     node_in = topology.nics_per_node * topology.nic_bandwidth
     lengths = np.asarray(lengths, dtype=np.int64)
     # a GPU (node) of a USP position holds H / U (H / s) of the heads (`_split_import`)
-    spans = head_spans(run)
-    widths = (1, *(u for u in range(2, gpus + 1) if gpus % u == 0 and _shape_fits(run, u)),
-              *(s * gpus for s in spans[1:]))  # fmt: skip
+    widths = (1, *usp_widths(run.shape, topology))
+    spans = (1, *(u // gpus for u in widths if u > gpus))
     # tokens, for the NICs below too
     node_import = min(_split_import(lengths, gpus * capacity, s, run) for s in spans)
     seconds = {
@@ -289,20 +288,6 @@ def _linear_contention(
             seconds += full * mean / capacity * (min(1.0, half / full) if full > 0 else 0.0)
         out.append((rates.contention - 1.0) * shape.n_layers * seconds)
     return out[0], out[1]
-
-
-def _shape_fits(run: RunModel, ulysses: int) -> bool:
-    """Whether Ulysses over `ulysses` GPUs splits the model's heads."""
-    return run.shape.ulysses_fault(ulysses) is None
-
-
-def head_spans(run: RunModel) -> tuple[int, ...]:
-    """The whole nodes s a USP position may span (`WIDE_SPAN`): 1, and each s up to it
-    whose s x G GPUs split the model's heads, on the topology's nodes."""
-    topology = run.hardware.topology
-    gpus = topology.gpus_per_node
-    wide = range(2, min(WIDE_SPAN, topology.nodes) + 1) if gpus > 1 else ()
-    return (1, *(s for s in wide if _shape_fits(run, s * gpus)))
 
 
 def _split_import(lengths: np.ndarray, holds: int, split: int, run: RunModel) -> float:
