@@ -31,7 +31,7 @@ def _least_loaded(load, tokens, bound, dropped):
 # loads from a few values, so that ties are common
 operations = st.lists(
     st.tuples(
-        st.sampled_from(["bound", "move", "drop", "take"]),
+        st.sampled_from(["bound", "move", "drop", "take", "take_then"]),
         st.integers(0, 11),
         st.integers(0, 6),
         st.integers(0, 30),
@@ -53,14 +53,18 @@ def test_load_index_answers_as_the_array_scan_does(ops, start) -> None:
         if op == "bound":  # rises or falls
             bound = limit
             index.set_bound(bound)
-        elif op == "take":  # best fit under `limit`, else the least loaded, in one call
+        elif op.startswith("take"):  # best fit under `limit`, else the least loaded, in one call
             room = float(limit) / 3 - 3  # below every load at times: the least loaded
             want = _fullest_under(load, tokens, bound, dropped, room)
             want = want if want is not None else _least_loaded(load, tokens, bound, dropped)
             before = None if want is None else (load[want], tokens[want])
-            assert index.take(room, amount, amount) == want  # the index adds to the lists
+            then = bound + rank % 4 if op == "take_then" else None  # the bound set next
+            assert index.take(room, amount, amount, then) == want  # the index adds to the lists
             if want is not None:
                 assert (load[want], tokens[want]) == (before[0] + amount, before[1] + amount)
+            if then is not None:
+                bound = then
+                index.set_bound(bound)
         elif op == "move":
             load[rank] += amount
             tokens[rank] += amount

@@ -153,10 +153,11 @@ def fill_whole(
 
     index = LoadIndex(load, tokens)
     spare: LoadIndex | None = LoadIndex(load, tokens)  # the ranks in no ring
+    spare.drop(np.flatnonzero(placed.in_ring))  # before the bound: no index to edit yet
     spare.set_bound(capacity)
-    spare.drop(np.flatnonzero(placed.in_ring))
     smallest_ring = SMALL_RING_SHARE * level
     sizes, works = lengths[order].tolist(), work[order].tolist()
+    bounds = [capacity - n for n in sizes[1:]] + [None]  # each sequence's next bound
     check = _HopelessCheck(lengths[order], work[order], capacity, prune_above)
     for position, (seq, n, w) in enumerate(zip(order.tolist(), sizes, works, strict=True)):
         if check.due(position) and check.hopeless(position, load, tokens):
@@ -166,7 +167,7 @@ def fill_whole(
         if w < smallest_ring:
             spare = None
         if spare is None:  # best fit, else the least loaded: one search
-            rank = index.take(level - w, w, n)
+            rank = index.take(level - w, w, n, bounds[position])
             if rank is not None:
                 moved.append(rank)
                 placed.local[seq] = rank
@@ -283,14 +284,14 @@ def _small_ring(
     free = capacity - placed.tokens.reshape(topology.nodes, gpus)
     load = placed.load.reshape(topology.nodes, gpus)
     could = outside & (load <= level - member.min()) & (free >= need.min())
-    near = np.flatnonzero(np.count_nonzero(could, axis=1) >= 2)
+    near = np.flatnonzero(_count_true(could) >= 2)
     if near.size == 0:
         return None
     load, free = load[near], free[near]
     # every size at once: D x nodes x GPUs of ranks that could take a member
     ok = (free >= need[:, None, None]) & (load + member[:, None, None] <= level)
     ok &= outside[near]
-    enough = np.count_nonzero(ok, axis=2) >= degrees[:, None]
+    enough = _count_true(ok) >= degrees[:, None]
     sizes = np.flatnonzero(enough.any(axis=1))
     if sizes.size == 0:
         return None
@@ -300,6 +301,12 @@ def _small_ring(
     candidates = np.flatnonzero(ok[k, at])
     chosen = candidates[np.argsort(load[at, candidates], kind="stable")[: degrees[k]]]
     return tuple(sorted((int(near[at]) * gpus + chosen).tolist())), float(member[k])
+
+
+def _count_true(flags: np.ndarray) -> np.ndarray:
+    """True entries along the last axis (a node's GPUs, fewer than 256): summed as bytes,
+    several times faster than `np.count_nonzero` over a short axis."""
+    return np.einsum("...g->...", flags.view(np.uint8))
 
 
 def _spill_in_node(placed: Placed, n: int, capacity: int, gpus: int) -> tuple[int, ...] | None:

@@ -69,12 +69,17 @@ class LoadIndex:
         at = bisect.bisect_right(self.ready, (self.ready[0][0], math.inf))
         return -self.ready[at - 1][1]
 
-    def take(self, room: float, work: float, tokens: int) -> int | None:
+    def take(self, room: float, work: float, tokens: int, then: int | None = None) -> int | None:
         """Best fit in one pass: the fullest rank with load not above `room`, else the
         least loaded (lowest rank on ties), given `work` and `tokens` and re-filed; None
         when no rank answers (under the bound `set_bound` set). What `fullest_under`,
         `least_loaded` and `move` do one after another, with one search: the
-        whole-sequence fill calls it for every sequence."""
+        whole-sequence fill calls it for every sequence.
+
+        `then`: the bound the caller sets next, before any other query. A rank over
+        today's bound but within that one is filed as ready at once, as `set_bound`
+        would file it again (the fill's fullest rank mostly lacks room for a second
+        sequence as long, and has it for the next, shorter one)."""
         ready = self.ready
         if not ready:
             return None
@@ -87,7 +92,7 @@ class LoadIndex:
         self.load[rank] = load
         held = self.tokens[rank] + tokens
         self.tokens[rank] = held
-        if held <= self.bound:
+        if held <= self.bound or (then is not None and held <= then):
             bisect.insort(ready, (load, -rank))
             self.filed[rank] = load
         else:

@@ -53,6 +53,7 @@ class Zone(Enum):
 
 ZONE_ORDER = (Zone.INTER_NODE, Zone.INTRA_NODE, Zone.LOCAL)
 """Execution order of the engine's queues."""
+_ZONE_RANK = {zone: at for at, zone in enumerate(ZONE_ORDER)}
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ class QueueItem:
 
     def order_key(self) -> tuple:
         return (
-            ZONE_ORDER.index(self.zone),
+            _ZONE_RANK[self.zone],
             self.ranks,
             self.ulysses,
             self.exchange.value,
@@ -339,17 +340,15 @@ class AttentionPlan:
         out._item_tokens = dict(self._item_tokens)
         if self._items is None:
             return out
-        merged: dict[tuple, list[int]] = {}
+        merged: dict[tuple, list[QueueItem]] = {}
         for item in self._items:
             inside = [s in seqs for s in item.seqs]
             if any(inside) and not all(inside):
                 return out  # a part of an item: its items are built again
             way = exchange if inside[0] else item.exchange
-            merged.setdefault((item.zone, item.ranks, item.ulysses, way, item.layout), []).extend(
-                item.seqs
-            )
-        items = [QueueItem(zone, ranks, ulysses, way, tuple(sorted(group)), layout)
-                 for (zone, ranks, ulysses, way, layout), group in merged.items()]  # fmt: skip
+            key = (item.zone, item.ranks, item.ulysses, way, item.layout)
+            merged.setdefault(key, []).append(item)
+        items = [_merged_item(key, group) for key, group in merged.items()]
         out._items = sorted(items, key=QueueItem.order_key)
         return out
 
@@ -396,6 +395,18 @@ class AttentionPlan:
                 f"{self.planner.value} placed {int(tokens[rank])} tokens on rank {rank}, "
                 f"over train.tokens_per_rank={self.tokens_per_rank}"
             )
+
+
+def _merged_item(key: tuple, group: list[QueueItem]) -> QueueItem:
+    """The item of `key` (zone, ranks, U, exchange, layout) holding `group`'s sequences,
+    ascending: the one item itself where it already is that (most of a batch's)."""
+    zone, ranks, ulysses, way, layout = key
+    if len(group) == 1 and group[0].exchange is way:
+        seqs = group[0].seqs
+        if len(seqs) == 1 or all(a < b for a, b in itertools.pairwise(seqs)):
+            return group[0]
+    seqs = tuple(sorted(s for item in group for s in item.seqs))
+    return QueueItem(zone, ranks, ulysses, way, seqs, layout)
 
 
 def _is_plain_local(index: int, p: SeqPlacement, world: int) -> bool:
