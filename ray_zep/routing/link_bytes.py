@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ray_zep.partition.plan import AttentionPlan, QueueItem
+from ray_zep.partition.plan import AttentionPlan, QueueItem, Zone
 from ray_zep.routing.routes import Payload, Route, crossing_hops, itemhop_routes, proxy_count
 from ray_zep.topology import Topology
 
@@ -50,6 +50,9 @@ def ring_link_bytes_by_payload(
         ring, u_size = item.ring_size, item.ulysses
         if ring < 2 or not item.exchange_kind.routable:
             continue
+        if item.zone is Zone.INTRA_NODE:  # most rings: their bytes in closed form
+            _add_intra_node_item(plan, item, row_bytes, dkv_owner, intra)
+            continue
         held = np.asarray(plan.position_tokens(item), dtype=np.int64)
         hops = np.asarray(item.hops(), dtype=np.int64)  # (position, source, destination)
         position, src, dst = hops[:, 0], hops[:, 1], hops[:, 2]
@@ -90,6 +93,28 @@ def ring_link_bytes_by_payload(
                 else:
                     intra[payload] += routed_hop_bytes(route, rows, size, nic[payload], topo)
     return {p: (intra[p], nic[p]) for p in Payload}
+
+
+def _add_intra_node_item(
+    plan: AttentionPlan,
+    item: QueueItem,
+    row_bytes: Callable[[Payload, int], int],
+    dkv_owner: bool,
+    intra: dict[Payload, int],
+) -> None:
+    """A ring inside one node: all of its bytes are intra-node. Over its R x U hops, the
+    K/V rows sent sum to U (R - 1) x its tokens (a hop carries all but the next
+    position's), and the dK/dV rows to U R x its tokens (every position's), or, sent to
+    their owners, U (R - 1) x its tokens at K/V's row size."""
+    ring, u_size = item.ring_size, item.ulysses
+    total = sum(plan.placement(seq).length for seq in item.seqs)
+    rounds = 1 if item.exchange_kind.keeps_kv else 2
+    kv = row_bytes(Payload.KV, u_size)
+    intra[Payload.KV] += u_size * (ring - 1) * total * kv * rounds
+    if dkv_owner and item.owner_dkv:
+        intra[Payload.KV] += u_size * (ring - 1) * total * kv
+    else:
+        intra[Payload.DKV] += u_size * ring * total * row_bytes(Payload.DKV, u_size)
 
 
 def _owner_dkv_bytes(item: QueueItem, held: np.ndarray, size: int, topo: Topology,
