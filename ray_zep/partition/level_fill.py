@@ -151,6 +151,10 @@ def fill_whole(
             placed.tokens[ranks] = [tokens[r] for r in ranks.tolist()]
             moved.clear()
 
+    check = _HopelessCheck(lengths[order], work[order], capacity, prune_above)
+    if check.due(0) and check.hopeless(0, load, tokens):  # before the indexes are built
+        placed.pruned = True
+        return
     index = LoadIndex(load, tokens)
     spare: LoadIndex | None = LoadIndex(load, tokens)  # the ranks in no ring
     spare.drop(np.flatnonzero(placed.in_ring))  # before the bound: no index to edit yet
@@ -158,9 +162,8 @@ def fill_whole(
     smallest_ring = SMALL_RING_SHARE * level
     sizes, works = lengths[order].tolist(), work[order].tolist()
     bounds = [capacity - n for n in sizes[1:]] + [None]  # each sequence's next bound
-    check = _HopelessCheck(lengths[order], work[order], capacity, prune_above)
     for position, (seq, n, w) in enumerate(zip(order.tolist(), sizes, works, strict=True)):
-        if check.due(position) and check.hopeless(position, load, tokens):
+        if position and check.due(position) and check.hopeless(position, load, tokens):
             placed.pruned = True
             return
         index.set_bound(capacity - n)

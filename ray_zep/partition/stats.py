@@ -106,6 +106,11 @@ def plan_stats(plan: AttentionPlan, shape: ModelShape) -> PlanStats:
                      kept_kv_tokens(plan))  # fmt: skip
 
 
+def attention_seconds(plan: AttentionPlan, shape: ModelShape) -> np.ndarray:
+    """`plan_stats(plan, shape).seconds` alone (the remap policy's question, every step)."""
+    return _summed(plan, plan.items(), shape)[0].seconds
+
+
 def kept_kv_tokens(plan: AttentionPlan) -> np.ndarray:
     """`PlanStats.kept_kv_tokens` of every rank: in each kept ring, the tokens of the
     positions other than its own, over U."""

@@ -34,7 +34,7 @@ from ray_zep.costmodel import (
 )
 from ray_zep.model_shapes import ModelShape
 from ray_zep.partition.plan import AttentionPlan
-from ray_zep.partition.stats import plan_stats
+from ray_zep.partition.stats import attention_seconds
 from ray_zep.remap.solver import RemapPlan, remap_token_bytes, solve_remap, token_costs
 from ray_zep.topology import Topology
 
@@ -88,6 +88,6 @@ def choose_remap(
         return None
     if policy is RemapPolicy.ALWAYS:
         return remap
-    attention = plan_stats(plan, shape).seconds
+    attention = attention_seconds(plan, shape)
     gain = remap_gain_seconds(remap, attention, shape, rates)
     return remap if gain > remap_cost_seconds(remap, topology, shape) else None
