@@ -156,7 +156,7 @@ def fill_whole(
         placed.pruned = True
         return
     index = LoadIndex(load, tokens)
-    spare: LoadIndex | None = LoadIndex(load, tokens)  # the ranks in no ring
+    spare: LoadIndex | None = LoadIndex(load, tokens)  # the ranks in no ring (`_small_ring`)
     spare.drop(np.flatnonzero(placed.in_ring))  # before the bound: no index to edit yet
     spare.set_bound(capacity)
     smallest_ring = SMALL_RING_SHARE * level
@@ -184,7 +184,7 @@ def fill_whole(
             rank = index.least_loaded()
             if spare is not None:
                 write_back()
-                ring = _small_ring(placed, spare, n, w, small[seq], level, capacity, topology)
+                ring = _small_ring(placed, spare, n, small[seq], level, capacity, topology)
         if rank is not None and ring is None:
             load[rank] += w
             if load[rank] >= prune_above:
@@ -266,7 +266,6 @@ def _small_ring(
     placed: Placed,
     spare: LoadIndex,
     n: int,
-    work: float,
     member: np.ndarray,
     level: float,
     capacity: int,
@@ -277,19 +276,21 @@ def _small_ring(
     those sizes), and its member work; None where no node has them."""
     gpus = topology.gpus_per_node
     degrees = np.arange(2, gpus + 1)
-    least = spare.least_load()
-    if degrees.size == 0 or least is None or least + work / gpus > level:
-        return None  # no rank outside a ring has room for even a G-th of the work
+    if degrees.size == 0:
+        return None
     need = -(-n // degrees)
-    # nodes with two ranks that could take a member of some size: only they can (the
-    # ranks `spare` holds are those in no ring, on the arrays `placed` keeps current)
+    # nodes with two ranks that could take a member of some size: only they can. The
+    # ranks `spare` answers for, bounded to those with room for a member of the widest
+    # ring, are those in no ring that have it; few of them are loaded lightly enough, as
+    # no rank with room for the whole sequence is (a bisection finds them)
+    spare.set_bound(capacity - int(need.min()))
+    could = np.asarray(spare.at_most(level - float(member.min())), dtype=np.int64)
+    near = np.flatnonzero(np.bincount(could // gpus, minlength=topology.nodes) >= 2)
+    if near.size == 0:
+        return None
     outside = ~placed.in_ring.reshape(topology.nodes, gpus)
     free = capacity - placed.tokens.reshape(topology.nodes, gpus)
     load = placed.load.reshape(topology.nodes, gpus)
-    could = outside & (load <= level - member.min()) & (free >= need.min())
-    near = np.flatnonzero(_count_true(could) >= 2)
-    if near.size == 0:
-        return None
     load, free = load[near], free[near]
     # every size at once: D x nodes x GPUs of ranks that could take a member
     ok = (free >= need[:, None, None]) & (load + member[:, None, None] <= level)
