@@ -59,9 +59,6 @@ class LoadIndex:
         end = bisect.bisect_right(self.ready, (limit, math.inf))
         return [-rank for _, rank in self.ready[:end]]
 
-    def least_load(self) -> float | None:
-        return self.ready[0][0] if self.ready else None
-
     def least_loaded(self) -> int | None:
         """The rank with the least load (lowest rank on ties)."""
         if not self.ready:
