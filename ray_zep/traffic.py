@@ -101,8 +101,11 @@ def collective_traffic(
     gathered = collective_bytes(plan, shape)
     scale = 2 * element_bytes / BYTES_PER_ELEMENT  # forward and backward
     out.intra_node = int(gathered[LinkKind.INTRA_NODE].sum() * scale)
-    for rank, nbytes in enumerate(gathered[LinkKind.INTER_NODE]):
-        out.nic[topo.node_of(rank), topo.nic_of(rank)] += int(nbytes * scale)
+    sent = (np.asarray(gathered[LinkKind.INTER_NODE]) * scale).astype(np.int64)  # as int()
+    ranks = np.flatnonzero(sent)
+    gpus = topo.gpus_per_node
+    nic_of_gpu = np.asarray(topo.gpu_to_nic, dtype=np.int64)
+    np.add.at(out.nic, (ranks // gpus, nic_of_gpu[ranks % gpus]), sent[ranks])
     return out
 
 
