@@ -139,7 +139,7 @@ class _TransferFlow:
     def __init__(self, surplus: np.ndarray, topology: Topology, intra: float, inter: float) -> None:
         self.topology = topology
         self.intra, self.inter = intra, inter
-        self.nodes = np.asarray([topology.node_of(r) for r in range(len(surplus))])
+        self.nodes = np.arange(len(surplus)) // topology.gpus_per_node  # node_of, every rank
         self.senders = np.flatnonzero(surplus > 0)
         self.receivers = np.flatnonzero(surplus < 0)
         self.supply = surplus[self.senders]
