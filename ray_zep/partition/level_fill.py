@@ -288,13 +288,11 @@ def _small_ring(
     near = np.flatnonzero(np.bincount(could // gpus, minlength=topology.nodes) >= 2)
     if near.size == 0:
         return None
-    outside = ~placed.in_ring.reshape(topology.nodes, gpus)
-    free = capacity - placed.tokens.reshape(topology.nodes, gpus)
-    load = placed.load.reshape(topology.nodes, gpus)
-    load, free = load[near], free[near]
+    load = placed.load.reshape(topology.nodes, gpus)[near]
+    free = capacity - placed.tokens.reshape(topology.nodes, gpus)[near]
     # every size at once: D x nodes x GPUs of ranks that could take a member
     ok = (free >= need[:, None, None]) & (load + member[:, None, None] <= level)
-    ok &= outside[near]
+    ok &= ~placed.in_ring.reshape(topology.nodes, gpus)[near]
     enough = _count_true(ok) >= degrees[:, None]
     sizes = np.flatnonzero(enough.any(axis=1))
     if sizes.size == 0:
