@@ -8,8 +8,10 @@ traceback.
 session, and forks each pooled process from the server that imported torch and the
 trainer once (`ray_zep.bench.local_ranks`, as the benches' ranks are): a spawned
 process spends seconds on those imports, more than most tests' work. Between two calls a
-pool destroys every process group but the default one and restores the global
-RNG state a fresh process starts with, so a call sees what a new process would.
+pool destroys every process group but the default one, collects the garbage the
+call left (a model, an FSDP state or a mesh in a reference cycle keeps its gloo groups
+alive, each with three threads that poll), and restores the global RNG state a fresh
+process starts with, so a call sees what a new process would.
 A pool whose call fails (an error on any rank, a dead process, a timeout) is
 killed, and the next call starts a new one. `run_fresh_ranks` forks new processes
 for tests that break their process group on purpose (stopped peers).
@@ -18,6 +20,7 @@ for tests that break their process group on purpose (stopped peers).
 from __future__ import annotations
 
 import atexit
+import gc
 import io
 import multiprocessing.connection
 import os
@@ -194,6 +197,7 @@ def _serve(rank: int, world: int, port: int, conn: multiprocessing.connection.Co
         except BaseException:
             reply = ("error", traceback.format_exc())
         _destroy_subgroups()
+        gc.collect()  # groups a call's objects hold in reference cycles, and their threads
         conn.send(reply)
     if world > 1 and dist.is_initialized():
         dist.destroy_process_group()
