@@ -1,5 +1,6 @@
 """The test suite's pooled ranks (`tests.helpers.procs`) start every call as a new
-process would: no process group, and no thread of one, outlives the call that made it."""
+process would: a process group that only the call's garbage holds ends with the call,
+and so do its threads."""
 
 from __future__ import annotations
 
@@ -40,4 +41,6 @@ def test_a_pooled_call_leaves_no_group_threads_behind() -> None:
     assert all(d > b for d, b in zip(during, before, strict=True)), (before, during)
     for _ in range(2):  # a leak would grow by a group's threads each call
         run_ranks(_group_in_a_cycle, 2)
-    assert run_ranks(_gloo_threads, 2) == before
+    after = run_ranks(_gloo_threads, 2)
+    # fewer where an earlier test's groups were still held by a thread that has ended since
+    assert all(a <= b for a, b in zip(after, before, strict=True)), (before, after)

@@ -186,6 +186,7 @@ def _serve(rank: int, world: int, port: int, conn: multiprocessing.connection.Co
             "gloo", rank, world, "127.0.0.1", port, INIT_TIMEOUT_S, COLLECTIVE_TIMEOUT_S
         )
     rng_state = torch.get_rng_state()
+    gc.freeze()  # what the process holds now (torch's modules): no collection scans it again
     while (task := conn.recv()) is not None:
         fn, args = task
         torch.set_rng_state(rng_state)
