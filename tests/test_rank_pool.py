@@ -1,6 +1,6 @@
 """The test suite's pooled ranks (`tests.helpers.procs`) start every call as a new
 process would: a process group that only the call's garbage holds ends with the call,
-and so do its threads."""
+and so do its threads; a pool whose ranks still hold many groups after a call is ended."""
 
 from __future__ import annotations
 
@@ -9,38 +9,52 @@ import os
 import pytest
 import torch.distributed as dist
 
-from tests.helpers.procs import run_ranks
+from tests.helpers import procs
+from tests.helpers.procs import gloo_threads, run_ranks
 
-pytestmark = pytest.mark.dist
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc"),
+]
+
+_HELD: list = []
+"""Groups a call leaves reachable, as FSDP2 leaves the mesh of a model it sharded."""
 
 
-def _gloo_threads(rank: int, world: int) -> int:
-    names = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as comm:
-                names.append(comm.read().strip())
-        except FileNotFoundError:  # the thread ended while we listed them
-            continue
-    return sum(name.startswith(("gloo_", "pt_gloo")) for name in names)
+def _threads(rank: int, world: int) -> tuple[int, int]:
+    return os.getpid(), gloo_threads()
 
 
 def _group_in_a_cycle(rank: int, world: int) -> int:
-    """A new group that only a reference cycle holds once the call returns, as a trained
-    model's FSDP state and mesh hold theirs."""
+    """A new group that only a reference cycle holds once the call returns."""
     holder: dict = {"group": dist.new_group(list(range(world)))}
     holder["self"] = holder
     dist.barrier(group=holder["group"])
-    return _gloo_threads(rank, world)
+    return gloo_threads()
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
+def _groups_held(rank: int, world: int, count: int) -> None:
+    for _ in range(count):
+        _HELD.append(dist.new_group(list(range(world))))
+        dist.barrier(group=_HELD[-1])
+
+
 def test_a_pooled_call_leaves_no_group_threads_behind() -> None:
-    before = run_ranks(_gloo_threads, 2)
+    before = [n for _, n in run_ranks(_threads, 2)]
     during = run_ranks(_group_in_a_cycle, 2)
     assert all(d > b for d, b in zip(during, before, strict=True)), (before, during)
     for _ in range(2):  # a leak would grow by a group's threads each call
         run_ranks(_group_in_a_cycle, 2)
-    after = run_ranks(_gloo_threads, 2)
+    after = [n for _, n in run_ranks(_threads, 2)]
     # fewer where an earlier test's groups were still held by a thread that has ended since
     assert all(a <= b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def test_a_pool_whose_ranks_still_hold_many_groups_is_ended() -> None:
+    pids = [pid for pid, _ in run_ranks(_threads, 2)]
+    run_ranks(_groups_held, 2, 2)  # a few: kept
+    assert [pid for pid, _ in run_ranks(_threads, 2)] == pids
+    run_ranks(_groups_held, 2, procs.GROUP_THREADS_KEPT // 3 + 1)
+    fresh = run_ranks(_threads, 2)
+    assert not {pid for pid, _ in fresh} & set(pids), "the pool was kept"
+    assert all(n <= procs.GROUP_THREADS_KEPT for _, n in fresh), fresh

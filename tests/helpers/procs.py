@@ -11,7 +11,9 @@ process spends seconds on those imports, more than most tests' work. Between two
 pool destroys every process group but the default one, collects the garbage the
 call left (a model, an FSDP state or a mesh in a reference cycle keeps its gloo groups
 alive, each with three threads that poll), and restores the global RNG state a fresh
-process starts with, so a call sees what a new process would.
+process starts with, so a call sees what a new process would. Groups that something
+still reaches survive the collection; a pool whose ranks hold too many of them is
+ended after its call (`GROUP_THREADS_KEPT`).
 A pool whose call fails (an error on any rank, a dead process, a timeout) is
 killed, and the next call starts a new one. `run_fresh_ranks` forks new processes
 for tests that break their process group on purpose (stopped peers).
@@ -44,6 +46,12 @@ CALL_TIMEOUT_S = 540.0
 POOL_WORLDS_KEPT = 4
 """Pools kept alive at once (each process holds a few hundred MB of imports): the suite's
 worlds of 1, 2, 4 and 8 ranks, about 15 processes."""
+GROUP_THREADS_KEPT = 30
+"""A pool whose ranks hold more gloo threads than this beyond their own group's, after a
+call and its collection, is ended (the next call starts a new one): FSDP2 keeps the mesh
+of a model it sharded reachable after the model is gone, and each group lives on with
+three threads that poll, about 0.2% of a core each (after a suite's first 400 tests, 98
+such threads in each of four ranks made every later multi-process test 1.5-2x slower)."""
 
 
 def run_ranks(
@@ -54,11 +62,15 @@ def run_ranks(
         return run_fresh_ranks(fn, world, *args, timeout_s=timeout_s)
     pool = _pool(world)
     try:
-        return pool.call(fn, args)
+        results = pool.call(fn, args)
     except BaseException:
         _POOLS.pop(world, None)
         pool.close(kill=True)
         raise
+    if pool.dirty:
+        _POOLS.pop(world, None)
+        pool.close()
+    return results
 
 
 def run_fresh_ranks(
@@ -98,6 +110,8 @@ class RankPool:
 
     def __init__(self, world: int) -> None:
         self.world = world
+        self.dirty = False
+        """Whether the last call left the ranks holding too many groups (`GROUP_THREADS_KEPT`)."""
         context = rank_context()
         port = free_port()
         self.conns: list[multiprocessing.connection.Connection] = []
@@ -116,6 +130,7 @@ class RankPool:
         for conn in self.conns:
             conn.send((fn, args))
         results: list[Any] = [None] * self.world
+        self.dirty = False
         waiting = dict(enumerate(self.conns))
         deadline = time.monotonic() + CALL_TIMEOUT_S
         while waiting:
@@ -127,12 +142,13 @@ class RankPool:
                 if conn not in ready:
                     continue
                 try:
-                    status, payload = conn.recv()
+                    status, payload, threads = conn.recv()
                 except EOFError:
                     raise RuntimeError(f"rank {rank} died (exit code {self._exit(rank)})") from None
                 if status == "error":
                     raise RuntimeError(f"rank {rank} failed:\n{payload}")
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                self.dirty |= threads > GROUP_THREADS_KEPT
                 del waiting[rank]
         return results
 
@@ -186,6 +202,7 @@ def _serve(rank: int, world: int, port: int, conn: multiprocessing.connection.Co
             "gloo", rank, world, "127.0.0.1", port, INIT_TIMEOUT_S, COLLECTIVE_TIMEOUT_S
         )
     rng_state = torch.get_rng_state()
+    own_threads = gloo_threads()
     gc.freeze()  # what the process holds now (torch's modules): no collection scans it again
     while (task := conn.recv()) is not None:
         fn, args = task
@@ -199,9 +216,25 @@ def _serve(rank: int, world: int, port: int, conn: multiprocessing.connection.Co
             reply = ("error", traceback.format_exc())
         _destroy_subgroups()
         gc.collect()  # groups a call's objects hold in reference cycles, and their threads
-        conn.send(reply)
+        conn.send((*reply, gloo_threads() - own_threads))
     if world > 1 and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def gloo_threads() -> int:
+    """This process's threads that gloo's process groups run (Linux; 0 elsewhere)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                count += comm.read().startswith(("gloo_", "pt_gloo"))
+        except OSError:  # the thread ended while we listed them
+            continue
+    return count
 
 
 def _destroy_subgroups() -> None:
