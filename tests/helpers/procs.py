@@ -49,9 +49,10 @@ worlds of 1, 2, 4 and 8 ranks, about 15 processes."""
 GROUP_THREADS_KEPT = 30
 """A pool whose ranks hold more gloo threads than this beyond their own group's, after a
 call and its collection, is ended (the next call starts a new one): FSDP2 keeps the mesh
-of a model it sharded reachable after the model is gone, and each group lives on with
-three threads that poll, about 0.2% of a core each (after a suite's first 400 tests, 98
-such threads in each of four ranks made every later multi-process test 1.5-2x slower)."""
+of a model it sharded reachable after the model is gone, and each group lives on with its
+three threads. A hundred such groups took 11-17% of a core in each idle rank; after the
+suite's first 400 tests, four ranks held 98 each, and the multi-process tests after them
+ran 1.4-2x slower."""
 
 
 def run_ranks(
