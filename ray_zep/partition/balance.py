@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ray_zep.errors import PlacementError
 from ray_zep.partition.exchange import Exchange
 from ray_zep.partition.hosting import Hosting, host_rings
 from ray_zep.partition.level_fill import (
@@ -64,7 +63,9 @@ from ray_zep.partition.level_fill import (
     kept_room,
     shared_ring,
     small_ring_seconds,
+    whole_sequences_fit,
 )
+from ray_zep.partition.level_scan import LevelScan, ScanRules
 from ray_zep.partition.level_trace import LevelOutcome, LevelTry
 from ray_zep.partition.node_slots import NodeSlots
 from ray_zep.partition.plan import SeqPlacement, bounds_for_counts, local_placement
@@ -142,94 +143,23 @@ def balance(
     if usp_groups and topology.nodes > 1:
         usp = UspGrid.of(lengths, splittable, capacity, topology, model)
 
-    lowest = [float("inf")]  # the busiest rank of the best placement so far
+    def place(factor: float, prune_above: float, force: bool, failed) -> Placed | None:
+        return _place_at(lengths, work, small, mean * factor, topology, capacity, model, usp,
+                         force, prune_above, failed)  # fmt: skip
 
-    def at(factor: float, force: bool = False) -> Placed | None:
-        level = mean * factor
-        failed: list[LevelTry] = []
-        try:
-            placed = _place_at(lengths, work, small, level, topology, capacity, model, usp,
-                               force, lowest[0], failed)  # fmt: skip
-        except PlacementError:
-            if force:
-                raise
-            if trace is not None:
-                trace.append(LevelTry(factor, LevelOutcome.TOKENS))
-            return None  # its rings left the whole sequences too few free tokens
-        if placed is not None:
-            lowest[0] = min(lowest[0], placed.busiest)
-        if trace is not None:
-            if placed is not None:
-                traced[id(placed)] = len(trace)
-            trace.append(_tried(factor, placed, mean, failed))
-        return placed
-
-    traced: dict[int, int] = {}  # a placement's entry in the trace
-
-    def keep(placed: Placed) -> list[SeqPlacement]:
-        """The placements of the level kept, marked so in the trace."""
-        if trace is not None:
-            at_ = traced[id(placed)]
-            trace[at_] = trace[at_]._replace(outcome=LevelOutcome.KEPT)
-        return _placements(lengths, placed, model)
-
-    tried = _scan(at, lambda: lowest[0] / mean)
-    feasible = [(f, p) for f, p in tried if p is not None]
-    if not feasible:  # rings want more ranks than there are at every level
-        placed = at(LEVELS[-1], force=True)
-        if placed is None:
-            raise PlacementError("zeppelin (zone_policy=work): the rings do not fit the ranks")
-        return keep(placed)
-    low = max((f for f, p in tried if p is None), default=None)
-    high, first = min(feasible, key=lambda fp: fp[0])
-    overflowed = low is not None and low < high and first.busiest > lowest[0]
-    if overflowed and not BISECT_BELOW_OVERFLOW:
-        low = None  # the lowest feasible level overflowed, and a higher one won
-    for _ in range(BISECTIONS if low is not None else 0):
-        middle = (low + high) / 2
-        placed = at(middle)
-        if placed is None:
-            low = middle
-        else:
-            high = middle
-            feasible.append((middle, placed))
-    best = min((p for _, p in feasible), key=lambda p: p.busiest)
-    return keep(best)
+    rules = ScanRules(LEVELS, PAST_FIRST, BISECTIONS, BISECT_BELOW_OVERFLOW)
+    scan = LevelScan(place, mean, rules, trace)
+    placed = scan.best()
+    if placed is None:  # rings want more ranks than there are at every level
+        placed = scan.forced()
+    scan.mark_kept(placed)
+    return _placements(lengths, placed, model)
 
 
 def _failed(failed: list[LevelTry] | None, outcome: LevelOutcome, ranks: int = 0) -> None:
     """Records why a level failed in `failed` (when given); None, `_place_at`'s answer."""
     if failed is not None:
         failed.append(LevelTry(0.0, outcome, ranks=ranks))
-
-
-def _tried(factor: float, placed: Placed | None, mean: float, failed: list[LevelTry]) -> LevelTry:
-    """What the level `factor` x `mean` gave, for the trace (`failed`: why `_place_at`
-    returned None; every way it returns None records one)."""
-    if placed is None:
-        return failed[-1]._replace(factor=factor)
-    if placed.pruned:
-        return LevelTry(factor, LevelOutcome.PRUNED)
-    return LevelTry(factor, LevelOutcome.PLACED, placed.busiest / mean if mean > 0 else 1.0)
-
-
-def _scan(at, best) -> list[tuple[float, Placed | None]]:
-    """Each level's placement, up to the first feasible level and `PAST_FIRST` more below
-    `best()`, the busiest rank of the best placement so far over the mean (a level at or
-    above it would have to end under its own level to win)."""
-    tried, left = [], None
-    for factor in LEVELS:
-        if left is not None and factor >= best():
-            break
-        placed = at(factor)
-        tried.append((factor, placed))
-        if left is None and placed is not None:
-            left = PAST_FIRST
-        elif left is not None:
-            left -= 1
-        if left == 0:
-            break
-    return tried
 
 
 def _place_at(
@@ -317,10 +247,13 @@ def _place_at(
     placed.in_ring[index] = True
     if hosted is not None:
         _place_guests(placed, hosted, rings, assigned, seqs, lengths, gpus)
+    wholes = np.flatnonzero(~split)
+    if np.isfinite(prune_above):  # whether a bound may abandon it before a spill fails
+        placed.fill_fits = whole_sequences_fit(placed, wholes, lengths, work, level, capacity,
+                                               gpus, model)  # fmt: skip
     if placed.busiest >= prune_above:
         placed.pruned = True
         return placed
-    wholes = np.flatnonzero(~split)
     fill_whole(placed, wholes[np.argsort(-work[wholes], kind="stable")], lengths, work,
                 small, level, capacity, topology, model, prune_above)  # fmt: skip
     return placed

@@ -55,6 +55,9 @@ class Placed:
     """Abandoned once a rank's work reached the busiest rank of a placement made before
     it: it can only end as busy or busier, and on a tie the earlier one is kept, so it
     is never chosen."""
+    fill_fits: bool = False
+    """The whole sequences fit the tokens the rings leave free, whatever the fill does
+    with them (`whole_sequences_fit`): the fill cannot fail for want of tokens."""
 
     @classmethod
     def empty(cls, world: int) -> Placed:
@@ -118,6 +121,32 @@ def shared_ring(
         placed.groups[seq] = (ranks, counts)
         held = [h + c for h, c in zip(held, counts, strict=True)]
     return held
+
+
+def whole_sequences_fit(
+    placed: Placed,
+    wholes: np.ndarray,
+    lengths: np.ndarray,
+    work: np.ndarray,
+    level: float,
+    capacity: int,
+    gpus: int,
+    model: WorkModel,
+) -> bool:
+    """Whether `fill_whole` can deal `wholes` after the rings of `placed` without a spill
+    finding too few free tokens: the free tokens of all ranks hold every whole sequence
+    and the most room the small rings among them could keep for their peers' K/V (each
+    of at most `gpus` members keeping at most the sequence's tokens, `kept_room`). A
+    spill fails only where all ranks' free tokens are fewer than it, and the fill takes
+    no tokens but those."""
+    free = placed.load.size * capacity - int(placed.tokens.sum()) - int(lengths[wholes].sum())
+    if free < 0:
+        return False
+    if gpus < 2:
+        return True
+    ringable = wholes[work[wholes] >= SMALL_RING_SHARE * level]
+    kept = model.reserved_tokens(lengths[ringable]).astype(np.float64)
+    return float(kept.sum()) * gpus <= free
 
 
 def fill_whole(

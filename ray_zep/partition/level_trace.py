@@ -4,6 +4,7 @@ where it does."""
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import NamedTuple
 
@@ -28,7 +29,9 @@ class LevelOutcome(Enum):
 class LevelTry(NamedTuple):
     """One level tried: its work over the mean rank's, what it gave and, where placed or
     kept, its busiest rank's modelled work over the mean (the members of a sequence at its
-    floor counted at the level, as the planner compares levels); where its rings need
+    floor counted at the level, as the planner compares levels), and where abandoned at a
+    bound a better placement set before its own (`ray_zep.partition.level_scan`), that
+    bound: its busiest rank would have ended there or above; where its rings need
     more ranks than there are even perfectly shared, at least how many (`ranks`; 0 where
     not counted: the rings as grouped overflow the world)."""
 
@@ -52,7 +55,6 @@ def level_sentence(levels: tuple[LevelTry, ...], world: int) -> str:
     kept = next((t for t in levels if t.outcome is LevelOutcome.KEPT), None)
     if kept is None:
         return ""
-    placed = [t for t in levels if t.outcome is LevelOutcome.PLACED]
     text = f"work level {kept.factor:.2f}x the mean rank's"
     reasons = []
     for outcome, why in _WHY.items():
@@ -65,8 +67,13 @@ def level_sentence(levels: tuple[LevelTry, ...], world: int) -> str:
             if counted:  # the lowest level's count: the most ranks the rings need
                 why += f" (at least {counted[0].ranks:,} of {world:,} at {counted[0].factor:.2f}x)"
             reasons.append(f"at {span} {why}")
-    busier = [t for t in placed if t.factor < kept.factor]
-    reasons += [f"at {t.factor:.2f}x a rank ended at {t.busiest:.2f}x" for t in busier]
+    for t in levels:  # placed, or abandoned at a known bound, and busier than the kept
+        if t.factor >= kept.factor or math.isnan(t.busiest):
+            continue
+        if t.outcome is LevelOutcome.PLACED:
+            reasons.append(f"at {t.factor:.2f}x a rank ended at {t.busiest:.2f}x")
+        elif t.outcome is LevelOutcome.PRUNED:
+            reasons.append(f"at {t.factor:.2f}x a rank passed {t.busiest:.2f}x")
     if reasons:
         text += "; lower levels: " + ", ".join(reasons)
     return text

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ray_zep.partition.level_trace import LevelOutcome, LevelTry, level_sentence
+from ray_zep.partition.level_trace import LevelTry, level_sentence
 from ray_zep.partition.plan import AttentionPlan, Zone
 from ray_zep.partition.stats import PlanStats
 from ray_zep.report.figures import save_figure
@@ -121,10 +122,11 @@ def token_bound_ranks(plan: AttentionPlan, stats: PlanStats) -> int:
 
 
 def _level_record(tried: LevelTry) -> dict[str, Any]:
-    """One level the planner tried, for the JSON record (`busiest` null where not placed)."""
-    placed = tried.outcome in (LevelOutcome.PLACED, LevelOutcome.KEPT)
-    return {"factor": tried.factor, "outcome": tried.outcome.value,
-            "busiest": tried.busiest if placed else None, "ranks": tried.ranks or None}  # fmt: skip
+    """One level the planner tried, for the JSON record (`busiest` null where not placed,
+    nor abandoned at a known bound: `LevelTry.busiest`)."""
+    busiest = None if math.isnan(tried.busiest) else tried.busiest
+    return {"factor": tried.factor, "outcome": tried.outcome.value, "busiest": busiest,
+            "ranks": tried.ranks or None}  # fmt: skip
 
 
 def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
