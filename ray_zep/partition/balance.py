@@ -248,14 +248,15 @@ def _place_at(
     if hosted is not None:
         _place_guests(placed, hosted, rings, assigned, seqs, lengths, gpus)
     wholes = np.flatnonzero(~split)
-    if np.isfinite(prune_above):  # whether a bound may abandon it before a spill fails
-        placed.fill_fits = whole_sequences_fit(placed, wholes, lengths, work, level, capacity,
-                                               gpus, model)  # fmt: skip
+    held = int(placed.tokens.sum())  # what the rings hold (`whole_sequences_fit`)
     if placed.busiest >= prune_above:
         placed.pruned = True
-        return placed
-    fill_whole(placed, wholes[np.argsort(-work[wholes], kind="stable")], lengths, work,
-                small, level, capacity, topology, model, prune_above)  # fmt: skip
+    else:
+        fill_whole(placed, wholes[np.argsort(-work[wholes], kind="stable")], lengths, work,
+                   small, level, capacity, topology, model, prune_above)  # fmt: skip
+    if placed.pruned:  # could its fill have run out of tokens past where it stopped?
+        placed.fill_fits = whole_sequences_fit(held, world, wholes, lengths, work, level,
+                                               capacity, gpus, model)  # fmt: skip
     return placed
 
 

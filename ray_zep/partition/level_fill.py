@@ -124,7 +124,8 @@ def shared_ring(
 
 
 def whole_sequences_fit(
-    placed: Placed,
+    held: int,
+    world: int,
     wholes: np.ndarray,
     lengths: np.ndarray,
     work: np.ndarray,
@@ -133,13 +134,13 @@ def whole_sequences_fit(
     gpus: int,
     model: WorkModel,
 ) -> bool:
-    """Whether `fill_whole` can deal `wholes` after the rings of `placed` without a spill
-    finding too few free tokens: the free tokens of all ranks hold every whole sequence
-    and the most room the small rings among them could keep for their peers' K/V (each
-    of at most `gpus` members keeping at most the sequence's tokens, `kept_room`). A
-    spill fails only where all ranks' free tokens are fewer than it, and the fill takes
-    no tokens but those."""
-    free = placed.load.size * capacity - int(placed.tokens.sum()) - int(lengths[wholes].sum())
+    """Whether `fill_whole` can deal `wholes` after rings holding `held` tokens of the
+    `world` ranks' without a spill finding too few free tokens: the free tokens of all
+    ranks hold every whole sequence and the most room the small rings among them could
+    keep for their peers' K/V (each of at most `gpus` members keeping at most the
+    sequence's tokens, `kept_room`). A spill fails only where all ranks' free tokens are
+    fewer than it, and the fill takes no tokens but those."""
+    free = world * capacity - held - int(lengths[wholes].sum())
     if free < 0:
         return False
     if gpus < 2:

@@ -69,6 +69,17 @@ class _Tried:
     abandoned placement); None where `placed` is as the scan has it."""
     traced: int | None = None
     """Its entry in the trace."""
+    seconds: float | None = None
+    """`busiest`, once read."""
+
+    @property
+    def busiest(self) -> float:
+        """Its placement's busiest rank (inf where abandoned or not placed)."""
+        if self.placed is None:
+            return math.inf
+        if self.seconds is None:
+            self.seconds = self.placed.busiest
+        return self.seconds
 
 
 @dataclass(frozen=True)
@@ -133,8 +144,7 @@ class LevelScan:
 
     def lowest(self) -> float:
         """The busiest rank of the best placement known exactly so far."""
-        exact = (t.placed for t in self.tried if t.placed is not None and t.floor is None)
-        return min((placed.busiest for placed in exact), default=math.inf)
+        return min((t.busiest for t in self.tried if t.floor is None), default=math.inf)
 
     def _scan(self) -> None:
         """Each level's placement, up to the first feasible level and `past_first` more
@@ -290,9 +300,8 @@ class LevelScan:
         done: list[_Tried] = []
         for at, t in enumerate(self.tried):
             if t.floor is not None:
-                own = min((d.placed.busiest for d in done if d.placed is not None),
-                          default=math.inf)  # fmt: skip
-                t.placed, t.floor = self.place(t.factor, own, False, None), None
+                own = min((d.busiest for d in done), default=math.inf)
+                t.placed, t.floor, t.seconds = self.place(t.factor, own, False, None), None, None
                 if self.trace is not None:
                     self._trace(at, _tried(t.factor, t.placed, self.mean, []))
             done.append(t)
