@@ -164,8 +164,9 @@ class LevelScan:
                 break
 
     def _not_below_best(self, factor: float) -> bool:
-        """`factor` >= the best busiest rank so far over the mean, which an abandoned
-        level leaves unknown only above the early bound."""
+        """`factor` >= the best busiest rank so far over the mean: known, or above
+        `factor` for certain, unless some abandoned level's floor is at or under the best
+        known (then the abandoned levels are placed again)."""
         if self._open():
             if factor < min(self.lowest(), *self._floors()) / self.mean:
                 return False

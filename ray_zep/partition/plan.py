@@ -370,8 +370,8 @@ class AttentionPlan:
                 for r, rank in enumerate(p.ranks):
                     counts[rank] += b[r + 1] - b[r] + b[last - r + 1] - b[last - r]
                 continue
-            for member, rank in enumerate(p.ranks):
-                counts[rank] += p.member_tokens(member)
+            for rank, held in zip(p.ranks, p.member_token_counts().tolist(), strict=True):
+                counts[rank] += held
         return np.asarray(counts, dtype=np.int64)
 
     def validate(self) -> None:
