@@ -38,9 +38,11 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    one whose rings do not fit the world does.
 
 Levels rise from the mean until the rings fit the world; the level whose busiest
-rank is lowest wins. A sequence that no group brings under a level (its transfers set
-its member work at every degree: the batch's longest, bound by its NICs) is at its floor
-there, and its members count as the level when placements are compared
+rank is lowest wins (`level_scan`: which levels are placed, each abandoned once it
+cannot win, sooner where an early bound says so, with the same outcome). A sequence
+that no group brings under a level (its transfers set its member work at every degree:
+the batch's longest, bound by its NICs) is at its floor there, and its members count as
+the level when placements are compared
 (`FLOOR_AT_LEVEL`): else it alone would make every level's busiest rank the same, and
 the scan would keep the first feasible level however the other sequences lie there.
 Where the rings fit at no level, they shrink in proportion until they do (and then

@@ -52,9 +52,10 @@ class Placed:
     rings hosted on ranks whose host ring already counts on the budget
     (`ray_zep.partition.hosting`)."""
     pruned: bool = False
-    """Abandoned once a rank's work reached the busiest rank of a placement made before
-    it: it can only end as busy or busier, and on a tie the earlier one is kept, so it
-    is never chosen."""
+    """Abandoned once a rank's work reached its bound (`prune_above`): the busiest rank of
+    a placement made before it, where it can only end as busy or busier (on a tie the
+    earlier one is kept), so it is never chosen; or a lower bound the level scan sets
+    (`ray_zep.partition.level_scan`)."""
     fill_fits: bool = False
     """The whole sequences fit the tokens the rings leave free, whatever the fill does
     with them (`whole_sequences_fit`): the fill cannot fail for want of tokens."""

@@ -16,7 +16,8 @@ class LevelOutcome(Enum):
     """Placed, and the placement the planner returned."""
     PLACED = "placed"
     PRUNED = "pruned"
-    """Abandoned once a rank reached the busiest rank of a better level."""
+    """Abandoned once a rank reached the busiest rank of a better level, or a lower bound
+    the scan set (`ray_zep.partition.level_scan`; then `busiest` is that bound)."""
     RINGS = "rings"
     """The rings the level needs take more ranks than the world."""
     NODES = "nodes"
