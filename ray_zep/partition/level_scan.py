@@ -70,17 +70,13 @@ class _Tried:
     abandoned placement); None where `placed` is as the scan has it."""
     traced: int | None = None
     """Its entry in the trace."""
-    seconds: float | None = None
-    """`busiest`, once read."""
+    busiest: float = math.inf
+    """Its placement's busiest rank (inf where abandoned or not placed)."""
 
-    @property
-    def busiest(self) -> float:
-        """Its placement's busiest rank (inf where abandoned or not placed)."""
-        if self.placed is None:
-            return math.inf
-        if self.seconds is None:
-            self.seconds = self.placed.busiest
-        return self.seconds
+    @classmethod
+    def of(cls, factor: float, placed: Placed | None, floor: float | None = None) -> _Tried:
+        busiest = math.inf if placed is None else placed.busiest
+        return cls(factor, placed, floor, busiest=busiest)
 
 
 @dataclass(frozen=True)
@@ -104,8 +100,6 @@ class LevelScan:
         """The early bound: the guessed level's busiest rank (inf: none)."""
         self.guess: tuple[float, Placed, float] | None = None
         """The guessed level, its placement and the bound it was placed with."""
-        self.guessed = False
-        self.traced: dict[int, int] = {}
 
     def best(self) -> Placed | None:
         """The placement kept, None where no level's rings fit the world."""
@@ -128,8 +122,7 @@ class LevelScan:
             else:
                 high = middle
         self._settle()
-        return min((t.placed for t in self.tried if t.placed is not None),
-                   key=lambda p: p.busiest)  # fmt: skip
+        return min((t for t in self.tried if t.placed is not None), key=lambda t: t.busiest).placed
 
     def forced(self) -> Placed:
         """The highest level placed with rings shrunk to fit (no level's rings fit)."""
@@ -140,7 +133,7 @@ class LevelScan:
 
     def mark_kept(self, placed: Placed) -> None:
         if self.trace is not None:
-            at = self.traced[id(placed)]
+            at = next(t.traced for t in self.tried if t.placed is placed)
             self.trace[at] = self.trace[at]._replace(outcome=LevelOutcome.KEPT)
 
     def lowest(self) -> float:
@@ -182,7 +175,7 @@ class LevelScan:
                 return self._record(factor, guessed, [])
         if force:
             return self._place(factor, True, self.lowest())
-        if not (self.guessed or any(t.placed is not None for t in self.tried)):
+        if not any(t.placed is not None for t in self.tried):  # no level placed yet
             return self._first(factor)
         return self._place(factor, False, min(self.lowest(), math.nextafter(self.early, math.inf)))
 
@@ -193,9 +186,7 @@ class LevelScan:
         overflow = self.mean * factor * (1 + OVERFLOW)
         placed = self._place(factor, False, overflow, keep_above=False)
         if placed is None or not placed.pruned:
-            self.guessed = self.guessed or placed is not None
             return placed
-        self.guessed = True
         if self._place_guess(factor, overflow):
             self._record_above(factor, placed, overflow)
             return placed
@@ -252,7 +243,7 @@ class LevelScan:
         if placed is None or not placed.pruned or bound >= own:
             return self._record(factor, placed, failed)
         if not placed.fill_fits:  # abandoned, or out of tokens: only its own bound says
-            self._settle(needed=self._open())
+            self._settle()
             return self._place(factor, force, self.lowest())
         if keep_above:
             self._record_above(factor, placed, bound)
@@ -261,7 +252,7 @@ class LevelScan:
     def _record(
         self, factor: float, placed: Placed | None, failed: list[LevelTry]
     ) -> Placed | None:
-        self.tried.append(_Tried(factor, placed))
+        self.tried.append(_Tried.of(factor, placed))
         if self.trace is not None:
             self._trace(len(self.tried) - 1, _tried(factor, placed, self.mean, failed))
         return placed
@@ -269,7 +260,7 @@ class LevelScan:
     def _record_above(self, factor: float, placed: Placed, floor: float) -> None:
         """A level abandoned at `floor`, lower than its own bound: in the trace, pruned
         with a rank at `floor` (`LevelTry.busiest`: at least that)."""
-        self.tried.append(_Tried(factor, placed, floor=floor))
+        self.tried.append(_Tried(factor, placed, floor=floor))  # busiest: not known
         if self.trace is not None:
             busiest = floor / self.mean if self.mean > 0 else 1.0
             self._trace(len(self.tried) - 1, LevelTry(factor, LevelOutcome.PRUNED, busiest))
@@ -282,8 +273,6 @@ class LevelScan:
             self.trace.append(tried)
         else:
             self.trace[entry.traced] = tried
-        if entry.placed is not None:
-            self.traced[id(entry.placed)] = entry.traced
 
     def _floors(self) -> list[float]:
         return [t.floor for t in self.tried if t.floor is not None]
@@ -303,7 +292,8 @@ class LevelScan:
         for at, t in enumerate(self.tried):
             if t.floor is not None:
                 own = min((d.busiest for d in done), default=math.inf)
-                t.placed, t.floor, t.seconds = self.place(t.factor, own, False, None), None, None
+                placed = self.place(t.factor, own, False, None)
+                t.placed, t.floor, t.busiest = placed, None, placed.busiest
                 if self.trace is not None:
                     self._trace(at, _tried(t.factor, t.placed, self.mean, []))
             done.append(t)
