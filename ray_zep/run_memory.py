@@ -43,4 +43,5 @@ def memory_inputs(
         fsdp_unit=parallel.fsdp_unit,
         loss_chunk_tokens=config.model.loss_chunk_tokens,
         kept_kv_tokens=kept_kv_tokens,
+        micro_batches=config.train.micro_batches,
     )

@@ -97,7 +97,8 @@ def test_rows_that_do_not_fit_checkpoint_and_pay_for_it() -> None:
     the row checkpoints the fewest first blocks that fit (not every block: a rank of
     16k tokens has room to keep some), and its step counts the recompute."""
     spec = ScaleBenchSpec(gpus=(64,), distributions=("arxiv",), models=("7b",),
-                          tokens_per_gpu=(16384,), placements=("zeppelin",))  # fmt: skip
+                          tokens_per_gpu=(16384,), placements=("zeppelin",),
+                          micro_batches=1)  # fmt: skip
     (row,) = run_scale_bench(spec, progress=lambda line: None)
     mode, blocks = row.checkpointing.split()
     blocks, _, rest = blocks.partition("+")  # "linears 9/32+selective": selective after them

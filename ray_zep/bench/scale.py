@@ -22,7 +22,13 @@ average; L = that x headroom) and placement, on the same sampled batches:
   whether it fits (`fits`: no row is dropped for not fitting even with full
   checkpointing; one that does not is marked). The batches are planned under the
   lightest checkpointing in which a rank of L tokens fits, the mode a run of that L
-  sets: the ring K/V a plan keeps is what that mode leaves room for.
+  sets: the ring K/V a plan keeps is what that mode leaves room for;
+- micro-batches (`micro`): where a row recomputes, its placement plays the batch again
+  as 2 micro-batches of L / 2 a step, then 4 of L / 4 while that still recomputes, up
+  to `--micro-batches` (`ray_zep.sim.micro_step`: the trainer's `train.micro_batches`,
+  the batch's sequences split into parts of about equal tokens, one optimizer update),
+  and the row keeps the fastest; its bound stays the batch's at L, which no
+  micro-batch holding fewer tokens beats.
 
 Placements are `ray-zep simulate`'s variants: `zeppelin` is the full system with the
 config's `parallel.zone_policy` (`work` by default), `zeppelin+cost` with `cost`.
@@ -78,6 +84,7 @@ from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
 from ray_zep.sim.megatron_cp import hybrid_cp_wave_plans, simulate_hybrid_cp
 from ray_zep.sim.megatron_dynamic_cp import NAME as MEGATRON_DYNAMIC_CP
 from ray_zep.sim.megatron_dynamic_cp import dynamic_cp_plans
+from ray_zep.sim.micro_step import micro_batched_step, split_batch
 from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
 from ray_zep.topology import build_topology
 from ray_zep.traffic import attention_step_traffic
@@ -102,6 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, default=1, help="sampled batches per case")
     parser.add_argument("--headroom", type=float, default=1.25, help="L / tokens per GPU")
     parser.add_argument(
+        "--micro-batches", type=int, default=4,
+        help="most micro-batches a step tried where a row recomputes (1: one batch a step)",
+    )  # fmt: skip
+    parser.add_argument(
         "--plan-only", action="store_true", help="plan, no simulation: work, bytes, ms, memory"
     )
 
@@ -116,6 +127,7 @@ def run(args: argparse.Namespace) -> BenchResult:
         batches=args.batches,
         headroom=args.headroom,
         plan_only=args.plan_only,
+        micro_batches=args.micro_batches,
     )
     cases = len(spec.models) * len(spec.tokens_per_gpu) * len(spec.gpus) * len(spec.distributions)
     with ProgressLine(cases, "cases", sys.stdout) as bar:
@@ -146,6 +158,8 @@ class ScaleBenchSpec:
     plan_only: bool = False
     """Plan the batches without simulating them: the plan columns only (work, bytes,
     planner ms, memory), fast at 4,096 GPUs."""
+    micro_batches: int = 4
+    """The most micro-batches a step a recomputing row is played with (module docstring)."""
 
     def __post_init__(self) -> None:
         for g in self.gpus:
@@ -158,6 +172,8 @@ class ScaleBenchSpec:
                               "(--plan-only)")  # fmt: skip
         if self.batches < 1 or self.headroom < 1.0:
             raise ConfigError("--batches must be >= 1 and --headroom >= 1")
+        if self.micro_batches < 1:
+            raise ConfigError(f"--micro-batches={self.micro_batches}: must be >= 1")
 
 
 @dataclass
@@ -200,6 +216,8 @@ class ScaleRow:
     recomputes."""
     fits: str | None = None
     """"yes", or "NO" where the fullest rank's modelled memory exceeds the GPU's."""
+    micro_batches: int = 1
+    """Micro-batches a step (module docstring), each of at most L / this tokens a rank."""
     error: str | None = None
 
 
@@ -237,19 +255,50 @@ def scale_case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, t
     for name in spec.placements:
         row = ScaleRow(gpus, distribution, model, tokens, name)
         try:
-            _measure(row, config, hardware, batches, (ideal, bounds), capacity)
+            row = _fastest_micro_batches(spec, row, config, hardware, batches, (ideal, bounds))
         except ZepError as exc:
             row.error = str(exc)
         rows.append(row)
     return rows
 
 
+def _fastest_micro_batches(spec: ScaleBenchSpec, row: ScaleRow, config: Config,
+                           hardware: Hardware, batches, yardsticks) -> ScaleRow:  # fmt: skip
+    """`row` measured with one batch a step and, where it recomputes, with twice the
+    micro-batches of half the L each while they still recompute, up to
+    `spec.micro_batches` (module docstring); the fastest. Placements that schedule
+    micro-batches or waves of their own, and `--plan-only`, play one batch a step; a
+    micro-batch the placement cannot hold at the smaller L ends the search."""
+    variant = VARIANTS[row.placement]
+    own_schedule = variant.hybrid_cp or _scheduler(variant) is not None
+    best, parts = None, 1
+    while True:
+        capacity = math.ceil(row.tokens_per_gpu * spec.headroom / parts)
+        train = dataclasses.replace(config.train, tokens_per_rank=capacity, micro_batches=parts)
+        tried = dataclasses.replace(row, micro_batches=parts)
+        try:
+            split = [split_batch(lengths, parts) for lengths in batches]
+            _measure(tried, dataclasses.replace(config, train=train), hardware, split,
+                     yardsticks, capacity)  # fmt: skip
+        except ZepError:
+            if best is None:
+                raise
+            return best  # a micro-batch the placement cannot hold at L / parts
+        if best is None or tried.step_s < best.step_s:
+            best = tried
+        parts *= 2
+        if (spec.plan_only or own_schedule or not tried.recompute_s
+                or parts > spec.micro_batches):  # fmt: skip
+            return best
+
+
 def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capacity: int) -> None:
-    """Fills `row`; without `yardsticks` (ideal steps and bounds; plan only) its
-    simulated columns stay empty. The batches are planned first; the step is then
-    simulated under each lightest activation checkpointing whose modelled memory fits the
-    GPU (`fitting_options`; full on every block where none does, and the row says NO),
-    and the fastest kept."""
+    """Fills `row`; `batches` holds each batch's micro-batches (one part where a step
+    trains one batch). Without `yardsticks` (ideal steps and bounds of the whole
+    batches; plan only) its simulated columns stay empty. The micro-batches are planned
+    first; the step is then simulated under each lightest activation checkpointing whose
+    modelled memory fits the GPU (`fitting_options`; full on every block where none
+    does, and the row says NO), and the fastest kept."""
     ideal, bounds = yardsticks
     variant = row.placement
     config = variant_config(config, variant, capacity)
@@ -259,7 +308,7 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
         run = run.with_te_wire()
     works, inter, planner, stats, planned, levels = [], [], [], [], [], []
     routed = config.parallel.routing
-    for lengths in batches:
+    for lengths in (part for parts in batches for part in parts):
         if VARIANTS[variant].hybrid_cp:
             plans = hybrid_cp_wave_plans(lengths, run)
             planned.append((plans, None, None, True))
@@ -282,24 +331,29 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
     if ideal is not None:
         # every option that fits is simulated (they differ only in what backward
         # recomputes); the row keeps the fastest
-        stepped = [[_simulated_step(lengths, one_run, *one)
-                    for lengths, one in zip(batches, planned, strict=True)]
-                   for one_run in runs]  # fmt: skip
+        parts = [part for one in batches for part in one]
+        stepped = []
+        for one_run in runs:
+            played = iter(_simulated_step(part, one_run, *one)
+                          for part, one in zip(parts, planned, strict=True))  # fmt: skip
+            stepped.append([micro_batched_step([next(played) for _ in one]) for one in batches])
         chosen = min(range(len(stepped)), key=lambda i: sum(s.step_seconds for s in stepped[i]))
         seconds = _simulated_columns(row, stepped[chosen], ideal, bounds, run.shape.n_layers)
-        row.tokens_per_s_per_gpu = sum(int(b.sum()) for b in batches) / seconds / hardware.devices
+        row.tokens_per_s_per_gpu = sum(int(b.sum()) for b in parts) / seconds / hardware.devices
     fitting, peak = options[chosen]
     row.checkpointing, row.peak_memory_gb = checkpointing_label(fitting, run.shape), peak / GB
     row.fits = "yes" if peak <= hardware.usable_memory_bytes else "NO"
     if works:
+        step_sums = len(works) // len(batches)  # a step's micro-batches
         row.work_mean, row.work_worst = float(np.mean(works)), float(max(works))
         kept = [k for k, _ in levels if k is not None]
         needed = [n for _, n in levels if n is not None]
         row.level = float(np.mean(kept)) if kept else None
         row.rings_at_mean = float(np.mean(needed)) if needed else None
-        row.inter_node_gb = float(np.mean(inter)) / 1e9
-        row.planner_ms = float(np.median(planner)) * 1e3
-        row.planner_ms_max = float(max(planner)) * 1e3
+        row.inter_node_gb = float(np.mean(inter)) * step_sums / 1e9
+        per_step = np.asarray(planner).reshape(len(batches), -1).sum(axis=1)
+        row.planner_ms = float(np.median(per_step)) * 1e3
+        row.planner_ms_max = float(per_step.max()) * 1e3
 
 
 def _level_columns(plans, world: int) -> tuple[float | None, float | None]:
@@ -406,6 +460,7 @@ COLUMNS = (
     Column("mem GB", "peak_memory_gb", ".1f"),
     Column("ckpt", "checkpointing"),
     Column("fits", "fits"),
+    Column("micro", "micro_batches"),
 )
 
 

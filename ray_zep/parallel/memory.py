@@ -8,7 +8,8 @@ The model counts the tensors ray_zep's own step keeps, category by category:
   copies in the compute dtype of the unit being differentiated (the embedding, a
   block or the head, or with `parallel.fsdp_unit=linear` a projection; two with
   prefetch; a checkpointed region's projections all at once);
-- gradients: fp32, sharded like the parameters;
+- gradients: fp32, sharded like the parameters (with `train.micro_batches` above 1,
+  their running sum too, through every micro-batch's backward);
 - optimizer: AdamW's two fp32 moments of the parameters a rank owns;
 - activations: what autograd keeps for the rank's tokens (below), the logits (with
   `model.loss_chunk_tokens`, one chunk's and the gradients the chunked loss holds),
@@ -92,6 +93,9 @@ class MemoryInputs:
         kept_kv_tokens: tokens of ring peers' K/V this rank keeps from each layer's
             forward for its backward (`Exchange.RING_KEPT`), counted as token rows of
             every K/V head (a Ulysses member of U keeps 1/U of them).
+        micro_batches: `train.micro_batches`; above 1 the step keeps the sum of the
+            micro-batches' gradients beside the next one's (`GradientSum`), one more copy
+            of the rank's gradients through every micro-batch's backward.
     """
 
     weights: WeightsAxis
@@ -110,6 +114,7 @@ class MemoryInputs:
     fsdp_unit: FsdpUnit = FsdpUnit.BLOCK
     loss_chunk_tokens: int = 0
     kept_kv_tokens: float = 0.0
+    micro_batches: int = 1
 
     def block_checkpointing(self, index: int) -> ActivationCheckpointing:
         """What block `index`'s backward recomputes."""
@@ -157,11 +162,13 @@ def model_memory(shape: ModelShape, m: MemoryInputs) -> RankMemory:
     ring = 2 * 2 * shape.n_kv_heads * shape.head_dim * m.ring_tokens * m.compute_bytes
     activations += kept_kv_bytes(shape, m)
     grads = _gradient_elements(shape, m) * FP32
+    summed = owned * FP32 if m.micro_batches > 1 else 0.0  # the micro-batches' gradient sum
     flat = grads if m.weights.family is Family.AUTOGRAD and not m.weights.fsdp else 0
     params = owned * FP32 + work.gathered
     if activations + ring >= grads + flat + work.unit_grads:
-        return RankMemory(params, 0.0, optimizer, activations, ring)
-    return RankMemory(params, grads, optimizer, 0.0, flat + work.unit_grads, "end of backward")
+        return RankMemory(params, summed, optimizer, activations, ring)
+    return RankMemory(params, grads + summed, optimizer, 0.0, flat + work.unit_grads,
+                      "end of backward")  # fmt: skip
 
 
 def kept_kv_bytes(shape: ModelShape, m: MemoryInputs) -> float:
@@ -179,7 +186,14 @@ def state_bytes(shape: ModelShape, m: MemoryInputs) -> float:
     every gradient exists and the borrowed or gathered weights of that moment."""
     owned = owned_params(shape, m)
     grads = _gradient_elements(shape, m) * FP32
-    return owned * FP32 + _working_set(shape, m).gathered + grads + ADAM_MOMENTS * owned * FP32
+    summed = owned * FP32 if m.micro_batches > 1 else 0.0
+    return (
+        owned * FP32
+        + _working_set(shape, m).gathered
+        + grads
+        + summed
+        + ADAM_MOMENTS * owned * FP32
+    )
 
 
 @dataclass(frozen=True)

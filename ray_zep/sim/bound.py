@@ -339,7 +339,30 @@ def over_bound(step: StepResult, bound: StepBound, n_layers: int) -> dict[str, f
     - rest: everything else (the optimizer beyond its ideal share, the experts'
       all-to-alls; negative where the exchange or the weights set the bound, which the
       compute then partly hides).
+
+    A step of several micro-batches (`StepResult.micro_steps`) runs them one after
+    another: each part is the sum of the micro-batches' own (imbalance, transfers and
+    waits each micro-batch's busiest rank's), and the rest holds the weights'
+    collectives and fixed work they repeat.
     """
+    own = [_busiest_rank_parts(one, n_layers) for one in step.micro_steps or (step,)]
+    if any(one is None for one in own):
+        return None
+    parts = {key: float(sum(one[key] for one in own)) for key in own[0]}
+    parts["split kernels"] = parts.pop("mean compute") - bound.compute_s
+    parts = {key: parts[key] for key in PARTS}
+    parts["rest"] = step.step_seconds - bound.seconds - sum(parts.values())
+    return parts
+
+
+PARTS = ("imbalance", "split kernels", "exposed transfers", "waits", "recompute")
+"""`over_bound`'s parts, before the rest."""
+
+
+def _busiest_rank_parts(step: StepResult, n_layers: int) -> dict[str, float] | None:
+    """One batch's step: its most computing rank's compute over the mean rank's, the mean
+    rank's compute with the head, that rank's exposed transfers and waits, and the
+    recomputation (seconds); None where the timelines are not the whole step's."""
     if step.forward is None or step.backward is None:
         return None
     own = (step.forward.makespan, step.backward.makespan)
@@ -350,12 +373,10 @@ def over_bound(step: StepResult, bound: StepBound, n_layers: int) -> dict[str, f
                           for r in ranks]) * n_layers  # fmt: skip
     busiest = int(compute.argmax())
     idle = [idle_causes(timeline, busiest) for timeline in (step.forward, step.backward)]
-    parts = {
+    return {
         "imbalance": float(compute.max() - compute.mean()),
-        "split kernels": float(compute.mean() + step.head_seconds - bound.compute_s),
+        "mean compute": float(compute.mean() + step.head_seconds),
         "exposed transfers": n_layers * sum(one[TRANSFERS] for one in idle),
         "waits": n_layers * sum(one[WAITS] for one in idle),
         "recompute": step.recompute_seconds,
     }
-    parts["rest"] = step.step_seconds - bound.seconds - sum(parts.values())
-    return parts

@@ -166,6 +166,8 @@ class StepResult:
         fixed_seconds: the step's fixed host work (`ComputeRates.step_overhead_s`).
         recompute_seconds: what backward recomputes under activation checkpointing,
             every layer.
+        micro_steps: a step of several micro-batches (`ray_zep.sim.micro_step`): each
+            one's own step, whose parts this one sums; empty for one batch a step.
     """
 
     tokens: int
@@ -181,6 +183,7 @@ class StepResult:
     optimizer_seconds: float = 0.0
     fixed_seconds: float = 0.0
     recompute_seconds: float = 0.0
+    micro_steps: tuple[StepResult, ...] = ()
 
     @property
     def tokens_per_second(self) -> float:

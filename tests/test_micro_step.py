@@ -1,0 +1,148 @@
+"""A step of several micro-batches, simulated (`ray_zep.sim.micro_step`), and what it
+means for the bound, the memory model and `ray-zep bench scale`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ray_zep.bench.scale import ScaleBenchSpec, run_scale_bench
+from ray_zep.config import load_config
+from ray_zep.data.synthetic import batch_lengths
+from ray_zep.errors import ConfigError
+from ray_zep.model_shapes import build_shape
+from ray_zep.parallel.memory import FP32, model_memory, owned_params, state_bytes
+from ray_zep.run_memory import memory_inputs
+from ray_zep.sim.bound import PARTS, over_bound, step_bound
+from ray_zep.sim.compare import variant_config
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.micro_step import micro_batched_step, split_batch
+from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
+from ray_zep.topology import build_topology
+
+pytestmark = pytest.mark.unit
+
+L = 4096
+
+
+def _run(nodes: int, capacity: int, parts: int, variant: str = "zeppelin") -> RunModel:
+    config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={nodes}",
+                                "model.preset=7b", "parallel.weights=fsdp",
+                                f"train.micro_batches={parts}"])  # fmt: skip
+    hardware = Hardware.preset(build_topology(config.topology))
+    # an optimizer update that takes time (the presets' takes none), to count it once
+    rates = dataclasses.replace(hardware.rates, optimizer_param_seconds=2e-10)
+    hardware = dataclasses.replace(hardware, rates=rates)
+    return RunModel.create(variant_config(config, variant, capacity), hardware)
+
+
+def _micro_step(lengths: np.ndarray, nodes: int, parts: int, variant: str = "zeppelin"):
+    """The batch as `parts` micro-batches of L / parts a step: the combined step and its
+    micro-batches' own."""
+    run = _run(nodes, L // parts, parts, variant)
+    steps = []
+    for part in split_batch(lengths, parts):
+        plan, remap = plan_batch(part, run)
+        steps.append(simulate_plan(plan, run, run.config.parallel.routing, remap))
+    return micro_batched_step(steps), steps
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+def test_a_batch_splits_into_parts_of_about_equal_tokens_holding_every_sequence(parts) -> None:
+    lengths = batch_lengths("chat", 64 * L, 3)
+    split = split_batch(lengths, parts)
+    assert len(split) == parts
+    assert sorted(np.concatenate(split).tolist()) == sorted(lengths.tolist())
+    tokens = np.asarray([part.sum() for part in split])
+    # longest first to the emptiest part: no part exceeds another by more than a sequence
+    assert tokens.max() - tokens.min() <= lengths.max()
+    if parts == 1:
+        assert split[0] is lengths or np.array_equal(split[0], lengths)
+
+
+@pytest.mark.parametrize("parts", [0, 9])
+def test_a_batch_refuses_more_parts_than_sequences_or_none(parts) -> None:
+    with pytest.raises(ConfigError, match="micro-batches"):
+        split_batch(np.asarray([100] * 8), parts)
+
+
+def test_the_micro_batches_add_up_and_update_once() -> None:
+    lengths = batch_lengths("github", 16 * L * 9 // 10, 1)
+    step, own = _micro_step(lengths, 2, 2)
+    assert len(own) == 2 and step.micro_steps == tuple(own)
+    assert step.tokens == int(lengths.sum())
+    update = own[0].optimizer_seconds
+    assert update > 0 and step.optimizer_seconds == update
+    assert step.step_seconds == pytest.approx(sum(s.step_seconds for s in own) - update)
+    for field in ("forward_layer_seconds", "backward_layer_seconds", "grad_sync_seconds",
+                  "fixed_seconds", "head_seconds"):  # fmt: skip
+        assert getattr(step, field) == pytest.approx(sum(getattr(s, field) for s in own))
+    assert micro_batched_step(own[:1]) is own[0]
+
+
+def test_where_the_rest_goes_sums_the_micro_batches_own_parts() -> None:
+    lengths = batch_lengths("chat", 16 * L * 9 // 10, 2)
+    step, own = _micro_step(lengths, 2, 2)
+    whole = _run(2, L, 1)
+    bound = step_bound(lengths, whole)
+    parts = over_bound(step, bound, whole.shape.n_layers)
+    alone = [over_bound(s, bound, whole.shape.n_layers) for s in own]
+    assert list(parts) == [*PARTS, "rest"]
+    for key in ("imbalance", "exposed transfers", "waits", "recompute"):
+        assert parts[key] == pytest.approx(sum(a[key] for a in alone), abs=1e-12)
+    assert bound.seconds + sum(parts.values()) == pytest.approx(step.step_seconds)
+
+
+@pytest.mark.parametrize("distribution,variant,parts", [("chat", "zeppelin", 4),
+                                                        ("arxiv", "zeppelin", 2),
+                                                        ("chat", "te_cp", 2)])  # fmt: skip
+def test_micro_batches_do_not_beat_the_whole_batch_bound(distribution, variant, parts) -> None:
+    """The bound counts the batch's compute, the K/V its sequences must import with L
+    tokens a rank at most, and the weights' collectives once: micro-batches of L / k hold
+    fewer tokens a rank and repeat the collectives, so none beats it."""
+    whole = _run(2, L, 1)
+    for seed in range(2):
+        lengths = batch_lengths(distribution, 16 * L * 9 // 10, seed)
+        bound = step_bound(lengths, whole).seconds
+        for k in range(2, parts + 1):
+            step, _ = _micro_step(lengths, 2, k, variant)
+            assert step.step_seconds >= bound * (1 - 1e-9), (seed, k, step.step_seconds, bound)
+
+
+def test_micro_batches_keep_one_more_copy_of_the_gradients() -> None:
+    shape = build_shape(load_config(None, ["model.preset=7b"]).model)
+    topology = build_topology(load_config(None, ["topology.preset=cluster_a"]).topology)
+    for weights in ("fsdp", "replicated"):
+        one = load_config(None, ["topology.preset=cluster_a", f"parallel.weights={weights}"])
+        two = dataclasses.replace(one, train=dataclasses.replace(one.train, micro_batches=2))
+        inputs = [memory_inputs(c, topology, 4096) for c in (one, two)]
+        copy = owned_params(shape, inputs[0]) * FP32
+        assert copy > 0
+        before, after = (model_memory(shape, m) for m in inputs)
+        assert after.total - before.total == pytest.approx(copy), weights
+        assert state_bytes(shape, inputs[1]) - state_bytes(shape, inputs[0]) == pytest.approx(copy)
+
+
+def test_scale_rows_that_recompute_play_micro_batches_and_keep_the_fastest() -> None:
+    """At 16k tokens per GPU a 7B rank of L tokens recomputes; the row plays the batch again
+    as micro-batches of L / 2 and keeps it where faster (on this batch it is: no 7B rank of
+    10k tokens recomputes as much), always on the whole batch's bound. At 4k nothing
+    recomputes and the row plays one batch a step."""
+    case = dict(gpus=(64,), distributions=("arxiv",), models=("7b",), placements=("zeppelin",))
+    (one,) = run_scale_bench(ScaleBenchSpec(**case, tokens_per_gpu=(16384,), micro_batches=1),
+                             progress=lambda line: None)  # fmt: skip
+    (best,) = run_scale_bench(ScaleBenchSpec(**case, tokens_per_gpu=(16384,), micro_batches=2),
+                              progress=lambda line: None)  # fmt: skip
+    assert one.micro_batches == 1 and one.recompute_s > 0
+    assert best.micro_batches == 2 and best.step_s < one.step_s
+    assert best.recompute_s < one.recompute_s
+    bound = one.step_s / one.step_over_bound
+    assert best.step_s / best.step_over_bound == pytest.approx(bound)  # the same bound
+    assert best.fits == "yes" and best.tokens_per_s_per_gpu > one.tokens_per_s_per_gpu
+    (small,) = run_scale_bench(ScaleBenchSpec(**case, tokens_per_gpu=(4096,)),
+                               progress=lambda line: None)  # fmt: skip
+    assert small.micro_batches == 1 and small.recompute_s == 0
+    with pytest.raises(ConfigError, match="--micro-batches"):
+        ScaleBenchSpec(micro_batches=0)
