@@ -13,6 +13,7 @@ from ray_zep.config import load_config
 from ray_zep.data.synthetic import batch_lengths
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
+from ray_zep.options import ActivationCheckpointing
 from ray_zep.parallel.memory import FP32, model_memory, owned_params, state_bytes
 from ray_zep.run_memory import memory_inputs
 from ray_zep.sim.bound import PARTS, over_bound, step_bound
@@ -146,3 +147,66 @@ def test_scale_rows_that_recompute_play_micro_batches_and_keep_the_fastest() -> 
     assert small.micro_batches == 1 and small.recompute_s == 0
     with pytest.raises(ConfigError, match="--micro-batches"):
         ScaleBenchSpec(micro_batches=0)
+
+
+def test_plan_auto_plays_a_recomputing_composition_as_micro_batches(tmp_path) -> None:
+    """64 GPUs of cluster A, 7B, arxiv at 16k tokens per GPU (L = 20,480): a rank of L
+    tokens recomputes some blocks. The fastest composition is played again as 2 and 4
+    micro-batches of L / 2 and L / 4 on the same batch, on that batch's bound; 2 of them
+    step faster than the one batch (no 7B rank of 10k tokens recomputes as much), win,
+    and the YAML trains them."""
+    from ray_zep.sim.auto import AutoPlan, _micro_batched, evaluate_group, write_best
+    from ray_zep.sim.request import SimulateRequest, batches_of, request_hardware
+
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=8",
+                                "model.preset=7b", "train.tokens_per_rank=20480",
+                                "parallel.sequence=zeppelin", "parallel.weights=fsdp",
+                                "data.packing=budget",
+                                "data.batch_fill=0.8"])  # fmt: skip
+    hardware, on_gpu = request_hardware(config, None)
+    request = SimulateRequest(None, False, 1, "arxiv", tokens=16384 * 64)
+    batches = [(b, None) for b in batches_of(config, hardware.topology, request)[0]]
+    (one,) = evaluate_group([config], hardware, batches, on_gpu)
+    assert one.config.train.activation_checkpointing is not ActivationCheckpointing.NONE
+    micro = _micro_batched(AutoPlan([one]), config, hardware, lambda _: batches, on_gpu)
+    assert [c.config.train.micro_batches for c in micro] == [2, 4]
+    assert [c.config.train.tokens_per_rank for c in micro] == [10240, 5120]
+    for candidate in micro:
+        assert candidate.bounds == one.bounds and candidate.fits
+        assert candidate.steps[0].tokens == one.steps[0].tokens
+        assert candidate.over_bound >= 1.0
+    plan = AutoPlan([one, *micro])
+    assert plan.best.config.train.micro_batches == 2, [c.name for c in plan.ranked]
+    assert plan.best.step_seconds < one.step_seconds
+    assert plan.best.name.endswith("+micro_batches=2+L=10240"), plan.best.name
+    chosen = load_config(write_best(plan, tmp_path / "best.yaml"), [])
+    assert chosen.train.micro_batches == 2 and chosen.train.tokens_per_rank == 10240
+    assert _micro_batched(AutoPlan(micro[:1]), config, hardware, lambda _: batches, on_gpu) == []
+
+
+def test_simulate_plays_a_step_of_the_configured_micro_batches() -> None:
+    """`ray-zep simulate` on a config training 2 micro-batches a step: a step's batch
+    holds 2 x ranks x L tokens by default, the one-plan variants play it as 2 micro-batches
+    of L, and the baselines that schedule their own micro-batches the whole of it."""
+    from ray_zep.sim.request import SimulateRequest, run_simulate
+
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=2",
+                                "model.preset=7b", "parallel.weights=fsdp",
+                                f"train.tokens_per_rank={L}", "train.micro_batches=2"])  # fmt: skip
+    request = SimulateRequest("zeppelin,megatron_dynamic_cp", batches=1, distribution="chat")
+    result = run_simulate(config, request)
+    (lengths,) = result.batches
+    assert int(lengths.sum()) == 2 * 16 * L
+    assert result.tokens_per_rank == int(L * 1.25)
+    zeppelin = result.results["zeppelin"].steps[0]
+    assert len(zeppelin.micro_steps) == 2 and zeppelin.tokens == int(lengths.sum())
+    run = _run(2, result.tokens_per_rank, 2)
+    rates = dataclasses.replace(run.hardware.rates, optimizer_param_seconds=0.0)
+    run = dataclasses.replace(run, hardware=dataclasses.replace(run.hardware, rates=rates))
+    own = []
+    for part in split_batch(lengths, 2):
+        plan, remap = plan_batch(part, run)
+        own.append(simulate_plan(plan, run, run.config.parallel.routing, remap))
+    assert zeppelin.step_seconds == pytest.approx(micro_batched_step(own).step_seconds)
+    assert not result.results["megatron_dynamic_cp"].steps[0].micro_steps
+    assert result.over_bound(result.results["zeppelin"]) >= 1.0

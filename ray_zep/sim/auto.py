@@ -23,6 +23,13 @@ counts what backward recomputes.
 Where the batches are budget-packed, the fastest fitting composition is played again
 with more token room for the same batches (`ray_zep.sim.token_room`: L x 1.25 and x 1.5,
 `data.batch_fill` lowered so that the batch budget stays), and ranked with the rest.
+
+Where the fastest fitting composition recomputes activations, it is played again as 2
+and 4 micro-batches a step (`train.micro_batches`, L / 2 and L / 4 each: the same
+tokens a step with a half or a quarter of the activations at once,
+`ray_zep.sim.micro_step`): its own batches, each split into that many parts of about
+equal tokens, one optimizer update a step; ranked with the rest on the same batches'
+bounds.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from ray_zep.sim.checkpointing import (
     plans_peak,
 )
 from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.micro_step import MICRO_BATCHES, micro_batched, micro_batched_step, split_batch
 from ray_zep.sim.step import RunModel, StepResult, plan_batch, simulate_batch, simulate_plans
 from ray_zep.sim.token_room import ROOM_FACTORS, with_room
 
@@ -118,7 +126,9 @@ class Candidate:
         if self.config.train.activation_checkpointing is not ActivationCheckpointing.NONE:
             label = checkpointing_label(self.config, build_shape(self.config.model))
             parts.append(f"checkpointing={label.replace(' ', ':')}")
-        if self.room_of is not None:
+        if self.config.train.micro_batches > 1:
+            parts.append(f"micro_batches={self.config.train.micro_batches}")
+        if self.room_of is not None or self.config.train.micro_batches > 1:
             parts.append(f"L={self.config.train.tokens_per_rank}")
         return "+".join(parts)
 
@@ -345,6 +355,7 @@ def auto_plan(
     for _, alike in itertools.groupby(compositions(config, hardware.devices), key=_placement):
         candidates += _evaluated(list(alike), hardware, batches_of, on_gpu)
     candidates += _roomier(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
+    candidates += _micro_batched(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
     return AutoPlan(candidates)
 
 
@@ -387,6 +398,46 @@ def _roomier(
         for candidate in _evaluated([roomy], hardware, batches_of, on_gpu):
             candidate.room_of = packed[0]
             out.append(candidate)
+    return out
+
+
+def _micro_batched(
+    plan: AutoPlan,
+    config: Config,
+    hardware: Hardware,
+    batches_of: Callable[[Config], Batches],
+    on_gpu: bool,
+) -> list[Candidate]:
+    """The fastest fitting composition, where it recomputes activations, again as
+    `MICRO_BATCHES` micro-batches a step (module docstring): its batches split into that
+    many parts, each part placed and simulated, the parts' steps one step
+    (`micro_batched_step`), its bounds the whole batches' at the composition's L."""
+    fitting = [c for c in plan.ranked if c.steps and c.fits]
+    if not fitting or fitting[0].config.train.micro_batches > 1:
+        return []
+    best = fitting[0]
+    if best.config.train.activation_checkpointing is ActivationCheckpointing.NONE:
+        return []  # nothing to recompute: micro-batches only repeat the collectives
+    try:
+        batches = batches_of(best.config)
+    except ZepError:
+        return []
+    if any(bins is not None for _, bins in batches):
+        return []  # rank-packed bins of L: a smaller L is another batch
+    out = []
+    for parts in MICRO_BATCHES:
+        composition = micro_batched(checkpointing_as(best.config, config), parts)
+        try:
+            split = [(part, None) for lengths, _ in batches for part in split_batch(lengths, parts)]
+        except ZepError:
+            continue
+        (candidate,) = evaluate_group([composition], hardware, split, on_gpu)
+        if candidate.steps:
+            played = iter(candidate.steps)
+            candidate.steps = [micro_batched_step([next(played) for _ in range(parts)])
+                               for _ in batches]  # fmt: skip
+            candidate.bounds = list(best.bounds)
+        out.append(candidate)
     return out
 
 

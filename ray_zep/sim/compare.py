@@ -17,6 +17,10 @@ with the work-balanced and the cost model's zones. The ablation
 adds, as in the Zeppelin paper's Fig. 11, `te_cp+routing` (even split, ring
 transfers through proxies) and `te_cp+routing+partition` (the Zeppelin
 partitioner and engine with routing, no remap).
+
+With `train.micro_batches` = k above 1, a variant that places a step's batch as one plan
+plays it as k micro-batches of about equal tokens (`ray_zep.sim.micro_step`); the
+baselines that schedule micro-batches or waves of their own schedule the step's whole batch.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
 from ray_zep.sim.megatron_cp import simulate_hybrid_cp, te_padded
 from ray_zep.sim.megatron_dynamic_cp import NAME as MEGATRON_DYNAMIC_CP
 from ray_zep.sim.megatron_dynamic_cp import simulate_dynamic_cp
+from ray_zep.sim.micro_step import micro_batched_step, split_batch
 from ray_zep.sim.step import RunModel, StepResult, simulate_batch
 
 _REFERENCE, _SYSTEM = registry.reference(), registry.playing(Role.SYSTEM)
@@ -168,10 +173,13 @@ def simulate_strategies(
         run = RunModel.create(variant_config(config, name, tokens_per_rank), hardware, on_gpu)
         if VARIANTS[name].te_wire:
             run = run.with_te_wire()
-        step = _step_function(VARIANTS[name])
+        variant = VARIANTS[name]
+        step = _step_function(variant)
+        own_schedule = variant.bytescale or variant.hybrid_cp or variant.dynamic_cp
+        parts = 1 if own_schedule else config.train.micro_batches
         result = StrategyResult(name)
         try:
-            result.steps = [step(lengths, run) for lengths in batches]
+            result.steps = [_in_parts(step, lengths, run, parts) for lengths in batches]
         except ZepError as exc:
             result.steps, result.error = [], str(exc)
         results[name] = result
@@ -180,6 +188,13 @@ def simulate_strategies(
         if reference and result.step_seconds:
             result.speedup_vs_te_cp = reference / result.step_seconds
     return results
+
+
+def _in_parts(step, lengths: np.ndarray, run: RunModel, parts: int) -> StepResult:
+    """`step` of the batch `lengths`, or of its `parts` micro-batches one after another."""
+    if parts == 1:
+        return step(lengths, run)
+    return micro_batched_step([step(part, run) for part in split_batch(lengths, parts)])
 
 
 def _step_function(variant: Variant) -> Callable[[np.ndarray, RunModel], StepResult]:

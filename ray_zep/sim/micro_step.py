@@ -25,11 +25,25 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 
 import numpy as np
 
+from ray_zep.config import Config
 from ray_zep.errors import ConfigError
 from ray_zep.sim.step import StepResult
+
+MICRO_BATCHES = (2, 4)
+"""Micro-batches a step `ray-zep plan --auto` tries where the fastest composition
+recomputes activations (`ray_zep.sim.auto`)."""
+
+
+def micro_batched(config: Config, parts: int) -> Config:
+    """`config` training each step as `parts` micro-batches of L / `parts` (rounded up)
+    tokens a rank, `data.batch_fill` unchanged: the same tokens a step."""
+    capacity = math.ceil(config.train.tokens_per_rank / parts)
+    train = dataclasses.replace(config.train, tokens_per_rank=capacity, micro_batches=parts)
+    return dataclasses.replace(config, train=train)
 
 
 def split_batch(lengths: np.ndarray, parts: int) -> list[np.ndarray]:

@@ -190,15 +190,23 @@ def request_hardware(config: Config, calibration: str | None) -> tuple[Hardware,
 def batches_of(
     config: Config, topology: Topology, request: SimulateRequest
 ) -> tuple[list[np.ndarray], int]:
-    """(lengths of each requested batch, L): sampled from a distribution with L = tokens per
-    rank x headroom, or the configured data's first batches with L = train.tokens_per_rank."""
-    world = topology.world_size
+    """(lengths of each requested step's batch, L): sampled from a distribution with L =
+    tokens per rank x headroom, or the configured data's first batches with L =
+    train.tokens_per_rank. With `train.micro_batches` = k above 1 a step trains k batches
+    of L: its batch holds k of the data's consecutive batches, or k x ranks x L sampled
+    tokens by default, L then being that over k ranks' worth x headroom
+    (`ray_zep.sim.compare.simulate_strategies` plays them as k micro-batches)."""
+    world, parts = topology.world_size, config.train.micro_batches
     if request.distribution is None:
         batches = [
-            request_lengths(config, topology, BatchRequest(batch=b)) for b in range(request.batches)
-        ]
+            np.concatenate([data_batches(config, world, b * parts + i, 1)[0][0]
+                            for i in range(parts)])
+            if parts > 1
+            else request_lengths(config, topology, BatchRequest(batch=b))
+            for b in range(request.batches)
+        ]  # fmt: skip
         return batches, config.train.tokens_per_rank
-    total = request.tokens or world * config.train.tokens_per_rank
+    total = request.tokens or world * config.train.tokens_per_rank * parts
     batches = []
     for b in range(request.batches):
         seeded = dataclasses.replace(config.train, seed=config.train.seed + b)
@@ -206,4 +214,4 @@ def batches_of(
         batches.append(
             request_lengths(dataclasses.replace(config, train=seeded), topology, batch_request)
         )
-    return batches, math.ceil(total / world * request.headroom)
+    return batches, math.ceil(total / world / parts * request.headroom)
