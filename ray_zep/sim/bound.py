@@ -320,7 +320,8 @@ def _all_imports(lengths: np.ndarray, holds: int) -> float:
 
 def over_bound(step: StepResult, bound: StepBound, n_layers: int) -> dict[str, float] | None:
     """Where a simulated step's time beyond its bound goes (seconds; None when its layer
-    timelines are not the whole step's, as in the baselines' waves and micro-batches):
+    timelines are not the whole step's, as in the baselines' waves and scheduled
+    micro-batches):
 
     - imbalance: the most computing rank's compute over the mean rank's;
     - split kernels: the mean rank's compute over the bound's (split blocks' lower
@@ -335,7 +336,8 @@ def over_bound(step: StepResult, bound: StepBound, n_layers: int) -> dict[str, f
       one task per member, so its transfers and waits count as that member's compute);
     - recompute: what backward recomputes under the run's activation checkpointing
       (`StepResult.recompute_seconds`: the fullest rank's memory decides it; the bound
-      leaves it out, since micro-batches holding fewer tokens at once may need none);
+      leaves it out, since micro-batches holding fewer tokens at once may need none,
+      `ray_zep.sim.micro_step`);
     - rest: everything else (the optimizer beyond its ideal share, the experts'
       all-to-alls; negative where the exchange or the weights set the bound, which the
       compute then partly hides).
