@@ -84,12 +84,20 @@ def group_rings(
     base = np.full((WINDOW, sizes.size), np.inf)
     free = list(range(WINDOW))  # a heap of the slots no open group holds
     opened = 0  # slots below it have held a group (the heap hands out the lowest first)
+    # buffers the cost of joining is worked out in, one sequence after another
+    cost_of, short_of, full_of = (np.empty((WINDOW, sizes.size)),
+                                  np.empty((WINDOW, sizes.size), dtype=bool),
+                                  np.empty((WINDOW, sizes.size), dtype=bool))  # fmt: skip
     for position, i in enumerate(order.tolist()):
         own, need, chunk = int(degrees[i]), work[position], chunks[position]
         joins = False
         if opened:
-            cost = np.where((need <= slack[:opened]) & (chunk <= room[:opened]),
-                            base[:opened] - need * scale, np.inf)  # fmt: skip
+            cost, short, full = cost_of[:opened], short_of[:opened], full_of[:opened]
+            np.greater(need, slack[:opened], out=short)  # too little work room
+            np.greater(chunk, room[:opened], out=full)  # too few free tokens
+            np.logical_or(short, full, out=short)
+            np.subtract(base[:opened], need * scale, out=cost)
+            np.copyto(cost, np.inf, where=short)
             k, size = divmod(int(cost.argmin()), sizes.size)
             joins = bool(cost[k, size] < own)  # fewer added ranks than its own ring
         if joins:
