@@ -408,16 +408,19 @@ def _micro_batched(
     batches_of: Callable[[Config], Batches],
     on_gpu: bool,
 ) -> list[Candidate]:
-    """The fastest fitting composition, where it recomputes activations, again as
-    `MICRO_BATCHES` micro-batches a step (module docstring): its batches split into that
-    many parts, each part placed and simulated, the parts' steps one step
-    (`micro_batched_step`), its bounds the whole batches' at the composition's L."""
+    """The fastest fitting composition, where it recomputes activations and its weights
+    mode is an autograd one, again as `MICRO_BATCHES` micro-batches a step (module
+    docstring): its batches split into that many parts, each part placed and simulated,
+    the parts' steps one step (`micro_batched_step`), its bounds the whole batches' at
+    the composition's L."""
     fitting = [c for c in plan.ranked if c.steps and c.fits]
     if not fitting or fitting[0].config.train.micro_batches > 1:
         return []
     best = fitting[0]
     if best.config.train.activation_checkpointing is ActivationCheckpointing.NONE:
         return []  # nothing to recompute: micro-batches only repeat the collectives
+    if WEIGHTS_AXES[best.config.parallel.weights].family is not Family.AUTOGRAD:
+        return []  # searched for the autograd weights modes only
     try:
         batches = batches_of(best.config)
     except ZepError:
