@@ -207,7 +207,7 @@ class ScaleRow:
     inter_node_gb: float | None = None
     planner_ms: float | None = None
     """`plan_step` wall time, the median over the batches (a full collection of Python's
-    garbage collector can land in any one call)."""
+    garbage collector can land in any one call); with micro-batches, their plans' together."""
     planner_ms_max: float | None = None
     peak_memory_gb: float | None = None
     checkpointing: str | None = None
