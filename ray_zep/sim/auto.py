@@ -25,8 +25,8 @@ with more token room for the same batches (`ray_zep.sim.token_room`: L x 1.25 an
 `data.batch_fill` lowered so that the batch budget stays), and ranked with the rest.
 
 Where the fastest fitting composition recomputes activations (an autograd weights mode),
-it is played again as 2 and 4 micro-batches a step (`train.micro_batches`, L / 2 and L / 4 each: the same
-tokens a step with a half or a quarter of the activations at once,
+it is played again as 2 and 4 micro-batches a step (`train.micro_batches`, L / 2 and L / 4
+each: the same tokens a step with a half or a quarter of the activations at once,
 `ray_zep.sim.micro_step`): its own batches, each split into that many parts of about
 equal tokens, one optimizer update a step; ranked with the rest on the same batches'
 bounds.
