@@ -210,3 +210,26 @@ def test_simulate_plays_a_step_of_the_configured_micro_batches() -> None:
     assert zeppelin.step_seconds == pytest.approx(micro_batched_step(own).step_seconds)
     assert not result.results["megatron_dynamic_cp"].steps[0].micro_steps
     assert result.over_bound(result.results["zeppelin"]) >= 1.0
+
+
+def test_simulate_on_the_data_plays_its_consecutive_batches_as_the_micro_batches() -> None:
+    """Without a distribution a step's micro-batches are the data's consecutive batches,
+    as the trainer draws them, not a split of their union."""
+    from ray_zep.sim.replay import data_batches
+    from ray_zep.sim.request import SimulateRequest, run_simulate, step_batches
+
+    config = load_config(None, ["topology.nodes=2", "topology.gpus_per_node=2",
+                                "parallel.sequence=zeppelin", "data.packing=budget",
+                                "train.tokens_per_rank=512", "train.micro_batches=2"])  # fmt: skip
+    request = SimulateRequest("zeppelin", batches=2)
+    topology = build_topology(config.topology)
+    batches, steps, capacity = step_batches(config, topology, request)
+    drawn = [lengths for lengths, _ in data_batches(config, 4, 0, 4)]
+    assert capacity == 512 and [len(parts) for parts in steps] == [2, 2]
+    for b, parts in enumerate(steps):
+        for i, part in enumerate(parts):
+            assert np.array_equal(part, drawn[2 * b + i])
+        assert np.array_equal(batches[b], np.concatenate(parts))
+    result = run_simulate(config, request)
+    for step, parts in zip(result.results["zeppelin"].steps, steps, strict=True):
+        assert [s.tokens for s in step.micro_steps] == [int(p.sum()) for p in parts]

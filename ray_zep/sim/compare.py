@@ -19,8 +19,9 @@ transfers through proxies) and `te_cp+routing+partition` (the Zeppelin
 partitioner and engine with routing, no remap).
 
 With `train.micro_batches` = k above 1, a variant that places a step's batch as one plan
-plays it as k micro-batches of about equal tokens (`ray_zep.sim.micro_step`); the
-baselines that schedule micro-batches or waves of their own schedule the step's whole batch.
+plays it as k micro-batches (`ray_zep.sim.micro_step`: the data's consecutive batches, or
+a batch split into k parts of about equal tokens); the baselines that schedule
+micro-batches or waves of their own schedule the step's whole batch.
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ def simulate_strategies(
     names: tuple[str, ...],
     tokens_per_rank: int,
     on_gpu: bool = True,
+    micro: list[list[np.ndarray]] | None = None,
 ) -> dict[str, StrategyResult]:
     """Simulate every variant of `names` on every batch (lengths arrays), each placed as
     the data actor would place it under that variant's axes (`simulate_batch`; te_cp on
@@ -167,7 +169,9 @@ def simulate_strategies(
     `simulate_hybrid_cp`; megatron_dynamic_cp in its micro-batches, `simulate_dynamic_cp`;
     bytescale_hdp in micro-batches, `simulate_bytescale`) with
     the config's weights mode (replicated where it passes weights); speedups are
-    filled in when te_cp is among them."""
+    filled in when te_cp is among them. `micro`: each batch's micro-batches where a step
+    trains several (`train.micro_batches`; None: each batch split into that many parts
+    of about equal tokens)."""
     results = {}
     for name in names:
         run = RunModel.create(variant_config(config, name, tokens_per_rank), hardware, on_gpu)
@@ -179,7 +183,10 @@ def simulate_strategies(
         parts = 1 if own_schedule else config.train.micro_batches
         result = StrategyResult(name)
         try:
-            result.steps = [_in_parts(step, lengths, run, parts) for lengths in batches]
+            result.steps = [
+                _in_parts(step, lengths, run, parts, None if micro is None else micro[b])
+                for b, lengths in enumerate(batches)
+            ]
         except ZepError as exc:
             result.steps, result.error = [], str(exc)
         results[name] = result
@@ -190,11 +197,13 @@ def simulate_strategies(
     return results
 
 
-def _in_parts(step, lengths: np.ndarray, run: RunModel, parts: int) -> StepResult:
-    """`step` of the batch `lengths`, or of its `parts` micro-batches one after another."""
+def _in_parts(step, lengths: np.ndarray, run: RunModel, parts: int, given) -> StepResult:
+    """`step` of the batch `lengths`, or of its `parts` micro-batches one after another
+    (`given`, else split from it)."""
     if parts == 1:
         return step(lengths, run)
-    return micro_batched_step([step(part, run) for part in split_batch(lengths, parts)])
+    split = given if given is not None else split_batch(lengths, parts)
+    return micro_batched_step([step(part, run) for part in split])
 
 
 def _step_function(variant: Variant) -> Callable[[np.ndarray, RunModel], StepResult]:

@@ -31,6 +31,7 @@ from ray_zep.sim.compare import (
 )
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
+from ray_zep.sim.micro_step import split_batch
 from ray_zep.sim.replay import data_batches
 from ray_zep.sim.step import RunModel
 from ray_zep.topology import Topology, build_topology
@@ -151,8 +152,8 @@ def run_simulate(config: Config, request: SimulateRequest) -> SimulateResult:
     names = strategy_names(request.strategies, request.ablation)
     hardware, on_gpu = request_hardware(config, request.calibration)
     topology = hardware.topology
-    batches, capacity = batches_of(config, topology, request)
-    results = simulate_strategies(config, hardware, batches, names, capacity, on_gpu)
+    batches, steps, capacity = step_batches(config, topology, request)
+    results = simulate_strategies(config, hardware, batches, names, capacity, on_gpu, steps)
     run = RunModel.create(config, hardware, on_gpu)
     ideal = [ideal_step_seconds(lengths, run) for lengths in batches]
     # the bound at the variants' L and weights mode (`variant_config`)
@@ -190,22 +191,33 @@ def request_hardware(config: Config, calibration: str | None) -> tuple[Hardware,
 def batches_of(
     config: Config, topology: Topology, request: SimulateRequest
 ) -> tuple[list[np.ndarray], int]:
-    """(lengths of each requested step's batch, L): sampled from a distribution with L =
-    tokens per rank x headroom, or the configured data's first batches with L =
-    train.tokens_per_rank. With `train.micro_batches` = k above 1 a step trains k batches
-    of L: its batch holds k of the data's consecutive batches, or k x ranks x L sampled
-    tokens by default, L then being that over k ranks' worth x headroom
-    (`ray_zep.sim.compare.simulate_strategies` plays them as k micro-batches)."""
+    """(lengths of each requested step's batch, L): `step_batches`' batches."""
+    batches, _, capacity = step_batches(config, topology, request)
+    return batches, capacity
+
+
+def step_batches(
+    config: Config, topology: Topology, request: SimulateRequest
+) -> tuple[list[np.ndarray], list[list[np.ndarray]], int]:
+    """(lengths of each requested step's batch, its micro-batches, L): sampled from a
+    distribution with L = tokens per rank x headroom, or the configured data's first
+    batches with L = train.tokens_per_rank. With `train.micro_batches` = k above 1 a step
+    trains k batches of L: k of the data's consecutive batches, or by default k x ranks x
+    L sampled tokens split into k parts of about equal tokens
+    (`ray_zep.sim.micro_step.split_batch`), L then being a part's tokens per rank x
+    headroom."""
     world, parts = topology.world_size, config.train.micro_batches
     if request.distribution is None:
-        batches = [
-            np.concatenate([data_batches(config, world, b * parts + i, 1)[0][0]
-                            for i in range(parts)])
-            if parts > 1
-            else request_lengths(config, topology, BatchRequest(batch=b))
-            for b in range(request.batches)
-        ]  # fmt: skip
-        return batches, config.train.tokens_per_rank
+        if parts == 1:
+            steps = [[request_lengths(config, topology, BatchRequest(batch=b))]
+                     for b in range(request.batches)]  # fmt: skip
+        else:
+            drawn = [
+                lengths for lengths, _ in data_batches(config, world, 0, request.batches * parts)
+            ]
+            steps = [drawn[b * parts : (b + 1) * parts] for b in range(request.batches)]
+        batches = [one[0] if parts == 1 else np.concatenate(one) for one in steps]
+        return batches, steps, config.train.tokens_per_rank
     total = request.tokens or world * config.train.tokens_per_rank * parts
     batches = []
     for b in range(request.batches):
@@ -214,4 +226,5 @@ def batches_of(
         batches.append(
             request_lengths(dataclasses.replace(config, train=seeded), topology, batch_request)
         )
-    return batches, math.ceil(total / world / parts * request.headroom)
+    steps = [split_batch(lengths, parts) for lengths in batches]
+    return batches, steps, math.ceil(total / world / parts * request.headroom)
