@@ -84,7 +84,7 @@ from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
 from ray_zep.sim.megatron_cp import hybrid_cp_wave_plans, simulate_hybrid_cp
 from ray_zep.sim.megatron_dynamic_cp import NAME as MEGATRON_DYNAMIC_CP
 from ray_zep.sim.megatron_dynamic_cp import dynamic_cp_plans
-from ray_zep.sim.micro_step import micro_batched_step, split_batch
+from ray_zep.sim.micro_step import micro_batched_steps, split_batch
 from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
 from ray_zep.topology import build_topology
 from ray_zep.traffic import attention_step_traffic
@@ -269,8 +269,7 @@ def _fastest_micro_batches(spec: ScaleBenchSpec, row: ScaleRow, config: Config,
     `spec.micro_batches` (module docstring); the fastest. Placements that schedule
     micro-batches or waves of their own, and `--plan-only`, play one batch a step; a
     micro-batch the placement cannot hold at the smaller L ends the search."""
-    variant = VARIANTS[row.placement]
-    own_schedule = variant.hybrid_cp or _scheduler(variant) is not None
+    scheduled = VARIANTS[row.placement].scheduled
     best, parts = None, 1
     while True:
         capacity = math.ceil(row.tokens_per_gpu * spec.headroom / parts)
@@ -287,7 +286,7 @@ def _fastest_micro_batches(spec: ScaleBenchSpec, row: ScaleRow, config: Config,
         if best is None or tried.step_s < best.step_s:
             best = tried
         parts *= 2
-        if (spec.plan_only or own_schedule or not tried.recompute_s
+        if (spec.plan_only or scheduled or not tried.recompute_s
                 or parts > spec.micro_batches):  # fmt: skip
             return best
 
@@ -308,7 +307,8 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
         run = run.with_te_wire()
     works, inter, planner, stats, planned, levels = [], [], [], [], [], []
     routed = config.parallel.routing
-    for lengths in (part for parts in batches for part in parts):
+    parts = [part for one in batches for part in one]  # every batch's micro-batches in turn
+    for lengths in parts:
         if VARIANTS[variant].hybrid_cp:
             plans = hybrid_cp_wave_plans(lengths, run)
             planned.append((plans, None, None, True))
@@ -331,12 +331,10 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
     if ideal is not None:
         # every option that fits is simulated (they differ only in what backward
         # recomputes); the row keeps the fastest
-        parts = [part for one in batches for part in one]
-        stepped = []
-        for one_run in runs:
-            played = iter(_simulated_step(part, one_run, *one)
-                          for part, one in zip(parts, planned, strict=True))  # fmt: skip
-            stepped.append([micro_batched_step([next(played) for _ in one]) for one in batches])
+        stepped = [micro_batched_steps([_simulated_step(part, one_run, *one)
+                                        for part, one in zip(parts, planned, strict=True)],
+                                       len(batches[0]))
+                   for one_run in runs]  # fmt: skip
         chosen = min(range(len(stepped)), key=lambda i: sum(s.step_seconds for s in stepped[i]))
         seconds = _simulated_columns(row, stepped[chosen], ideal, bounds, run.shape.n_layers)
         row.tokens_per_s_per_gpu = sum(int(b.sum()) for b in parts) / seconds / hardware.devices

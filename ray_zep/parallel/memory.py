@@ -162,7 +162,7 @@ def model_memory(shape: ModelShape, m: MemoryInputs) -> RankMemory:
     ring = 2 * 2 * shape.n_kv_heads * shape.head_dim * m.ring_tokens * m.compute_bytes
     activations += kept_kv_bytes(shape, m)
     grads = _gradient_elements(shape, m) * FP32
-    summed = owned * FP32 if m.micro_batches > 1 else 0.0  # the micro-batches' gradient sum
+    summed = _gradient_sum_bytes(owned, m)
     flat = grads if m.weights.family is Family.AUTOGRAD and not m.weights.fsdp else 0
     params = owned * FP32 + work.gathered
     if activations + ring >= grads + flat + work.unit_grads:
@@ -186,7 +186,7 @@ def state_bytes(shape: ModelShape, m: MemoryInputs) -> float:
     every gradient exists and the borrowed or gathered weights of that moment."""
     owned = owned_params(shape, m)
     grads = _gradient_elements(shape, m) * FP32
-    summed = owned * FP32 if m.micro_batches > 1 else 0.0
+    summed = _gradient_sum_bytes(owned, m)
     return (
         owned * FP32
         + _working_set(shape, m).gathered
@@ -281,6 +281,12 @@ def owned_params(shape: ModelShape, m: MemoryInputs) -> float:
 def expert_params(shape: ModelShape) -> int:
     """Weights of every expert of every MoE block."""
     return shape.moe_blocks * shape.moe_experts * 3 * shape.dim * shape.expert_hidden
+
+
+def _gradient_sum_bytes(owned: float, m: MemoryInputs) -> float:
+    """The micro-batches' gradient sum (`MemoryInputs.micro_batches`): a copy of the
+    gradients of the `owned` parameters, none for one batch a step."""
+    return owned * FP32 if m.micro_batches > 1 else 0.0
 
 
 def _gradient_elements(shape: ModelShape, m: MemoryInputs) -> float:

@@ -65,7 +65,7 @@ from ray_zep.sim.checkpointing import (
     plans_peak,
 )
 from ray_zep.sim.hardware import Hardware
-from ray_zep.sim.micro_step import MICRO_BATCHES, micro_batched, micro_batched_step, split_batch
+from ray_zep.sim.micro_step import MICRO_BATCHES, micro_batched, micro_batched_steps, split_batch
 from ray_zep.sim.step import RunModel, StepResult, plan_batch, simulate_batch, simulate_plans
 from ray_zep.sim.token_room import ROOM_FACTORS, with_room
 
@@ -436,9 +436,7 @@ def _micro_batched(
             continue
         (candidate,) = evaluate_group([composition], hardware, split, on_gpu)
         if candidate.steps:
-            played = iter(candidate.steps)
-            candidate.steps = [micro_batched_step([next(played) for _ in range(parts)])
-                               for _ in batches]  # fmt: skip
+            candidate.steps = micro_batched_steps(candidate.steps, parts)
             candidate.bounds = list(best.bounds)
         out.append(candidate)
     return out

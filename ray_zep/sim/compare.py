@@ -179,8 +179,7 @@ def simulate_strategies(
             run = run.with_te_wire()
         variant = VARIANTS[name]
         step = _step_function(variant)
-        own_schedule = variant.bytescale or variant.hybrid_cp or variant.dynamic_cp
-        parts = 1 if own_schedule else config.train.micro_batches
+        parts = 1 if variant.scheduled else config.train.micro_batches
         result = StrategyResult(name)
         try:
             result.steps = [

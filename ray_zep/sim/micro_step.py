@@ -97,3 +97,15 @@ def micro_batched_step(steps: list[StepResult]) -> StepResult:
         step_seconds=sum(s.step_seconds - s.optimizer_seconds for s in steps) + optimizer,
         micro_steps=tuple(steps),
     )
+
+
+def micro_batched_steps(steps: list[StepResult], parts: int) -> list[StepResult]:
+    """`micro_batched_step` of every `parts` consecutive `steps`: the micro-batches of
+    one step after another's, each step's in order.
+
+    Raises:
+        ValueError: `steps` not whole steps of `parts` micro-batches.
+    """
+    if parts < 1 or len(steps) % parts:
+        raise ValueError(f"micro_batched_steps: {len(steps)} steps are not steps of {parts}")
+    return [micro_batched_step(steps[at : at + parts]) for at in range(0, len(steps), parts)]
