@@ -438,13 +438,25 @@ def _gather_out(out_PHE, item, heads: _Heads, schedule, links):
     return out
 
 
+def ulysses_gradient_dtype(heads: _Heads, compute: torch.dtype) -> torch.dtype:
+    """The dtype dQ/dK/dV travel in back to their token owners: the compute dtype where
+    every K/V head has one member (each owner receives each value once and keeps it in
+    that dtype: the same gradients as float32 on the wire, for half the bytes in bf16
+    runs, as DeepSpeed-Ulysses' all-to-all sends them); float32 where members share K/V
+    heads (more members than K/V heads), whose dK/dV the owner sums."""
+    shared = len({h for held in heads.kv for h in held}) < sum(map(len, heads.kv))
+    return torch.float32 if shared else compute
+
+
 def _return_grads(dq_PHE, dkv_P2KE, item, state: _Saved, schedule, links):
-    """Ulysses backward return: dQ, dK, dV of this member's rows, all heads (fp32)."""
+    """Ulysses backward return: dQ, dK, dV of this member's rows, all heads, in
+    `ulysses_gradient_dtype` (float32 once received)."""
     heads, kv_per, dim = state.heads, dkv_P2KE.shape[2], dq_PHE.shape[2]
     order = item.gather_order
     sizes = list(item.member_tokens)
+    wire = ulysses_gradient_dtype(heads, state.q_PHE.dtype)
     payload = [
-        torch.cat((dq.reshape(-1), dkv.reshape(-1)))
+        torch.cat((dq.reshape(-1), dkv.reshape(-1))).to(wire)
         for dq, dkv in zip(dq_PHE[order].split(sizes), dkv_P2KE[order].split(sizes), strict=True)
     ]
     mine = item.member_tokens[item.part]

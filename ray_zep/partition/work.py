@@ -289,10 +289,12 @@ class WorkModel:
         member = n / (positions * u)
         shape = self.shape
         # the all-to-alls: Q/K/V in and the output out, forward; the output's gradient
-        # in and the float32 dQ/dK/dV out, backward; (U-1)/U of each member's rows leave
+        # in and dQ/dK/dV out, backward (in float32 where members share K/V heads,
+        # `attention.engine.ulysses_gradient_dtype`); (U-1)/U of each member's rows leave
         qkv = (shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim
         out = shape.n_heads * shape.head_dim
-        per_row = (qkv + 2 * out) * BYTES_PER_ELEMENT + qkv * 4  # float32 gradients
+        gradient = np.where(u > shape.n_kv_heads, 4, BYTES_PER_ELEMENT)
+        per_row = (qkv + 2 * out) * BYTES_PER_ELEMENT + qkv * gradient
         latency, bandwidth = self.hop(LinkKind.INTRA_NODE)
         # a position of several whole nodes (U > G) sends (U - G) / U of its rows across
         # nodes, every GPU at once on the NICs they share, beside the rest inside the node

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+from unittest import mock
+
 import numpy as np
 import torch
 
+from ray_zep.attention import engine
 from ray_zep.attention.engine import run_attention
 from ray_zep.attention.kernels import torch_varlen_attention, torch_varlen_attention_backward
 from ray_zep.attention.links import Links
@@ -93,12 +97,16 @@ def ring_rank(rank: int, world: int, case: dict) -> dict:
         RoutingPlan.build(plan, dkv_owner=owner).for_rank(rank) if case.get("routing") else None
     )
     schedule = RankSchedule.build(plan, rank, routing=routing)
-    out = run_attention(lq, lk, lv, schedule, links, KERNELS)
-    upstream = torch.cat(
-        (dout[index], torch.full((PAD_ROWS, *dout.shape[1:]), 5.0, dtype=dout.dtype))
-    )
-    (out * upstream).sum().backward()
+    wires: dict[str, str] = {}
+    with ExitStack() as patches:
+        _watch_ulysses_wire(patches, wires, bool(case.get("ulysses_grads_in_float32")))
+        out = run_attention(lq, lk, lv, schedule, links, KERNELS)
+        upstream = torch.cat(
+            (dout[index], torch.full((PAD_ROWS, *dout.shape[1:]), 5.0, dtype=dout.dtype))
+        )
+        (out * upstream).sum().backward()
     return {
+        "wires": wires,
         "rows": rows,
         "out": out.detach(),
         "dq": lq.grad,
@@ -107,3 +115,19 @@ def ring_rank(rank: int, world: int, case: dict) -> dict:
         "ops": dict(+schedule.ops),
         "expected_ops": dict(expected_ops(plan, rank, routing, owner)),
     }
+
+
+def _watch_ulysses_wire(patches: ExitStack, wires: dict, float32: bool) -> None:
+    """Notes the dtype each Ulysses exchange sends in (`wires[what]`); with `float32`, the
+    engine returns dQ/dK/dV in float32 whatever `ulysses_gradient_dtype` would pick."""
+    swap = engine._swap
+
+    def watched(payload, *args):
+        wires[args[-1]] = str(payload[0].dtype)
+        return swap(payload, *args)
+
+    patches.enter_context(mock.patch.object(engine, "_swap", watched))
+    if float32:
+        patches.enter_context(
+            mock.patch.object(engine, "ulysses_gradient_dtype", lambda *_: torch.float32)
+        )
