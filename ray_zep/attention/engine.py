@@ -17,7 +17,8 @@ peers. Per item:
    owners (under `parallel.dkv_wire=owner`, items inside a node and Ulysses groups send
    each step's dK/dV straight to them instead, `_owner_backward`), or reduce-scatters
    them;
-3. Ulysses: outputs (and in backward the gradients) go back to the token owners.
+3. Ulysses: outputs (and in backward the gradients, in the compute dtype where each
+   K/V head has one member: `ulysses_gradient_dtype`) go back to the token owners.
 
 A local item (one rank) is a single causal varlen call with no communication.
 With `parallel.routing`, a ring transfer between nodes goes through proxy ranks
