@@ -20,7 +20,7 @@ from ray_zep.partition import make_plan
 from ray_zep.remap.solver import solve_remap
 from ray_zep.routing.routes import Phase, RoutingPlan, Transfer, plan_route
 from ray_zep.sim.events import CorePool, Lane, TaskGraph, simulate
-from ray_zep.sim.graph_builder import LayerSetup
+from ray_zep.sim.graph_builder import WEIGHT_SLICES, LayerSetup
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.program import _Builder, layer_graph
@@ -497,11 +497,13 @@ def test_a_ring_played_on_arrays_takes_the_event_simulations_times(
 
 
 @pytest.mark.parametrize("latency_share", [0.0, 0.8])
-def test_a_weight_collective_leaves_the_links_free_for_its_latency(latency_share) -> None:
+def test_a_weight_collective_leaves_the_links_free_for_its_latency_and_between_slices(
+    latency_share,
+) -> None:
     """te_cp on 2 nodes x 1 GPU with a forward weight all-gather posted at the layer's
     start: its ring steps' latency holds no link, so the ring's K/V crosses the NIC
-    during it; only the bytes part holds the links (and the K/V waits behind all of it
-    when the whole collective holds them)."""
+    during it; only the bytes part holds the links, in `WEIGHT_SLICES` slices, and a
+    K/V posted while they run waits for one slice, not for all of them."""
     topo = _topology(2, 1, nic_gbits=0.008)
     plan = make_plan(Placement.TE_CP, [8], topo, 4, SHAPE)
     transfer = topo.inter_node_latency + 4 * ROW_BYTES / topo.nic_bandwidth
@@ -512,13 +514,18 @@ def test_a_weight_collective_leaves_the_links_free_for_its_latency(latency_share
         weight_groups=((0, 1),),
     )  # fmt: skip
     sends = simulate(layer_graph(setup, Phase.FORWARD)).intervals(0, Lane.INTER_NODE)
-    (gather,) = [(a, b) for a, b, name in sends if name == "weights gather/scatter"]
+    gather = [(a, b) for a, b, name in sends if name == "weights gather/scatter"]
     (kv,) = [(a, b) for a, b, name in sends if name == "K/V"]
-    assert gather == pytest.approx((latency, sync))
+    assert len(gather) == WEIGHT_SLICES > 1
+    held = sum(b - a for a, b in gather)
+    assert held == pytest.approx(sync - latency)
+    assert gather[0][0] == pytest.approx(latency)
     if latency_share:
         assert kv[1] <= latency, "the K/V waited for a collective's latency"
+        assert gather[-1][1] == pytest.approx(sync)
     else:
-        assert kv[0] >= sync, "the K/V crossed a link the collective holds"
+        assert kv[0] == pytest.approx(gather[0][1]), "the K/V waits for the first slice only"
+        assert gather[-1][1] == pytest.approx(sync + kv[1] - kv[0])
 
 
 def test_fsdp_weight_collectives_carry_their_ring_steps_latency() -> None:
@@ -549,11 +556,14 @@ def test_a_collective_across_nodes_holds_each_link_for_its_own_bytes() -> None:
         parts = [t for t in layer_graph(setup, phase).tasks if t.name == "weights gather/scatter"]
         nics = [t.duration for t in parts if t.lane is Lane.INTER_NODE]
         ports = [t.duration for t in parts if t.lane is Lane.INTRA_NODE]
-        assert len(nics) == topo.nodes * topo.nics_per_node and len(ports) == topo.world_size
-        assert nics == pytest.approx([seconds - 0.1] * len(nics))
-        assert ports == pytest.approx([(seconds - 0.1) * share] * len(ports))
+        slices = WEIGHT_SLICES  # each link's part, slice after slice
+        assert len(nics) == topo.nodes * topo.nics_per_node * slices
+        assert len(ports) == topo.world_size * slices
+        assert nics == pytest.approx([(seconds - 0.1) / slices] * len(nics))
+        assert ports == pytest.approx([(seconds - 0.1) * share / slices] * len(ports))
     inside = dataclasses.replace(setup, weight_groups=((0, 1), (2, 3)))
     parts = [
         t for t in layer_graph(inside, Phase.FORWARD).tasks if t.name == "weights gather/scatter"
     ]
-    assert [t.duration for t in parts] == pytest.approx([0.2] * 4), "inside a node: all of it"
+    assert sum(t.duration for t in parts) == pytest.approx(4 * 0.2), "inside a node: all of it"
+    assert len(parts) == 4 * WEIGHT_SLICES
