@@ -434,15 +434,12 @@ def test_a_level_that_cannot_win_is_abandoned_early_with_the_same_placement(
     assert checked == dealt
 
 
-def test_a_sequence_at_its_floor_leaves_the_levels_below_it_to_the_others(monkeypatch) -> None:
-    """256 GPUs of the chat mix, 7B, 4k tokens per GPU: the 242k-token document's USP
-    group is bound by its NICs at every width, so each level's busiest rank would be one
-    of its members, and the first feasible level would win whatever the other rings
-    weigh there. Its members counted at the level, the scan goes on to levels that lower
-    the other rings, and the simulator plays a shorter step (0.91x); the group stays
-    within `MIN_GAIN` of its least member work over the widths it may take. Positions of
-    one node: on positions of two, each node importing half of its K/V, the document is
-    not at its floor there (tests/test_wide_usp.py)."""
+def test_a_sequence_at_its_floor_takes_the_fewest_ranks_near_its_least_work(monkeypatch) -> None:
+    """256 GPUs of the chat mix, 7B, 4k tokens per GPU, positions of one node: the
+    242k-token document's USP group is bound by its NICs at every width: it takes the
+    fewest ranks within `MIN_GAIN` of its least member work over the widths it may take
+    (on positions of two nodes, each node importing half of its K/V, it is not at its
+    floor there: tests/test_wide_usp.py)."""
     from ray_zep.partition import work
     from ray_zep.partition.usp_grid import MIN_GAIN
     from ray_zep.sim.compare import variant_config
@@ -459,11 +456,6 @@ def test_a_sequence_at_its_floor_leaves_the_levels_below_it_to_the_others(monkey
     parallel = config.parallel  # the planner's model
     model = WorkModel.create(run.shape, hardware.topology, routed=parallel.routing,
                              dkv_wire=parallel.dkv_wire, capacity=L)  # fmt: skip
-    steps = {}
-    for floor in (False, True):
-        monkeypatch.setattr(balance_module, "FLOOR_AT_LEVEL", floor)
-        steps[floor] = simulate_batch(lengths, run).step_seconds
-    assert steps[True] < 0.95 * steps[False], steps
     plan = make_plan(Placement.ZEPPELIN, lengths, hardware.topology, L, run.shape,
                      config.parallel)  # fmt: skip
     group = plan.placements[longest]

@@ -41,15 +41,13 @@ Levels rise from the mean until the rings fit the world; the level whose busiest
 rank is lowest wins (`level_scan`: which levels are placed, each abandoned once it
 cannot win, sooner where an early bound says so, with the same outcome). A sequence
 that no group brings under a level (its transfers set its member work at every degree:
-the batch's longest, bound by its NICs) is at its floor there, and its members count as
-the level when placements are compared
-(`FLOOR_AT_LEVEL`): else it alone would make every level's busiest rank the same, and
-the scan would keep the first feasible level however the other sequences lie there.
-Where the rings fit at no level, they shrink in proportion until they do (and then
-may share nodes); where even their fewest ranks by tokens exceed the world, `balance`
-raises PlacementError and the caller places the batch with capacity-aware, unequal
-splits. Each level is placed on arrays of rank loads, so 4,096 ranks and thousands of
-sequences take milliseconds to a few hundred.
+the batch's longest, bound by its NICs) is at its floor there; its members count their
+own work, and no ring rides on its group (`ray_zep.partition.hosting`). Where the rings
+fit at no level, they shrink in proportion until they do (and then may share nodes);
+where even their fewest ranks by tokens exceed the world, `balance` raises
+PlacementError and the caller places the batch with capacity-aware, unequal splits.
+Each level is placed on arrays of rank loads, so 4,096 ranks and thousands of sequences
+take milliseconds to a few hundred.
 """
 
 from __future__ import annotations
@@ -95,17 +93,6 @@ HOSTED_RINGS = True
 (`ray_zep.partition.hosting`)."""
 DEGREE_ROUNDS = 24
 """Rounds of the vectorised degree search (each grows unfinished degrees by 1/8)."""
-FLOOR_AT_LEVEL = True
-"""The members of a sequence at its floor count as the level, not their work, when the
-level's placement is compared with others' and filled (no whole sequence joins them).
-Its group takes the fewest ranks within `MIN_GAIN` of its least work
-(`UspGrid.choose`, `_degrees`), so it ends at most that share above what any placement
-could give it. On `bench scale`'s 7b chat batches at 256 and 1,024 GPUs the 242k-token
-document's USP group is bound by its NICs at every width and sets the forward; the
-levels below it then lower the rings that set the backward (step 4.309 -> 3.938 s
-and 3.978 -> 3.837 s). At 4,096 GPUs of the same mix the same level wins, where whole
-sequences overflow it either way, and they land elsewhere: 4.372 -> 4.487 s. No other
-row of the grid changes."""
 
 
 def balance(
@@ -235,8 +222,6 @@ def _place_at(
                 work_k = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([d]))[0])
             elif u:
                 placed.ulysses[seq] = u
-            if FLOOR_AT_LEVEL and floor[i] and not force and not fragmented:
-                work_k = level  # at its floor (module docstring)
         members = seqs[list(ring.members)].tolist()
         sizes = lengths[members].tolist()
         ring_held = shared_ring(placed, members, sizes, ranks)

@@ -29,8 +29,7 @@ class LevelOutcome(Enum):
 
 class LevelTry(NamedTuple):
     """One level tried: its work over the mean rank's, what it gave and, where placed or
-    kept, its busiest rank's modelled work over the mean (the members of a sequence at its
-    floor counted at the level, as the planner compares levels), and where abandoned at a
+    kept, its busiest rank's modelled work over the mean, and where abandoned at a
     bound a better placement set before its own (`ray_zep.partition.level_scan`), that
     bound: its busiest rank would have ended there or above; where its rings need
     more ranks than there are even perfectly shared, at least how many (`ranks`; 0 where
