@@ -41,8 +41,11 @@ Levels rise from the mean until the rings fit the world; the level whose busiest
 rank is lowest wins (`level_scan`: which levels are placed, each abandoned once it
 cannot win, sooner where an early bound says so, with the same outcome). A sequence
 that no group brings under a level (its transfers set its member work at every degree:
-the batch's longest, bound by its NICs) is at its floor there; its members count their
-own work, and no ring rides on its group (`ray_zep.partition.hosting`). Where the rings
+the batch's longest, bound by its NICs) is at its floor there: no ring rides on its
+group (`ray_zep.partition.hosting`), and its members count their own work, so where they
+are every level's busiest rank the first feasible level wins (counting them at the
+level instead changed no row of `bench scale`'s grid once USP positions could span two
+nodes: BENCHMARKS.md, twenty-seventh series). Where the rings
 fit at no level, they shrink in proportion until they do (and then may share nodes);
 where even their fewest ranks by tokens exceed the world, `balance` raises
 PlacementError and the caller places the batch with capacity-aware, unequal splits.

@@ -45,7 +45,8 @@ from ray_zep.sim.wire import PLAIN, Stream, WireCodec
 from ray_zep.topology import LinkKind
 
 FP32_BYTES = 4
-"""dK/dV accumulators, dQ and the Ulysses gradient returns travel in float32."""
+"""Bytes of a float32 value: dK/dV accumulators and dQ, and the Ulysses gradient returns
+where members share K/V heads (`ray_zep.attention.engine.ulysses_gradient_dtype`)."""
 
 
 @dataclass(frozen=True)
