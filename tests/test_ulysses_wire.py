@@ -16,6 +16,7 @@ from ray_zep.partition.plan import (
     bounds_for_counts,
     local_placement,
 )
+from ray_zep.partition.work import ulysses_row_bytes
 from ray_zep.routing.routes import Phase
 from ray_zep.sim import program
 from ray_zep.sim.step import simulate_plan
@@ -62,7 +63,9 @@ def test_ulysses_gradients_travel_in_bf16_and_arrive_the_same() -> None:
 def test_the_simulator_sends_what_the_engine_sends(kv_heads, ratio, monkeypatch) -> None:
     """A lone 7b USP group of 3 whole-node positions (U = 8), bf16: backward returns as many
     bytes of dQ/dK/dV as forward sent of Q/K/V where each of the 32 K/V heads has one
-    member, twice as many (float32) where 4 K/V heads are shared by 8 members."""
+    member, twice as many (float32) where 4 K/V heads are shared by 8 members; all four
+    all-to-alls together carry what the planner's work model charges
+    (`ulysses_row_bytes`)."""
     topology, run, _ = usp_cluster(4)
     run = dataclasses.replace(run, shape=dataclasses.replace(run.shape, n_kv_heads=kv_heads))
     sent = {Phase.FORWARD: {}, Phase.BACKWARD: {}}
@@ -80,3 +83,7 @@ def test_the_simulator_sends_what_the_engine_sends(kv_heads, ratio, monkeypatch)
     forward_in = sent[Phase.FORWARD]["Ulysses in"]
     assert forward_in > 0
     assert sent[Phase.BACKWARD]["Ulysses out"] == ratio * forward_in
+    # the planner's work model charges the same bytes (`usp_member_seconds`)
+    total = sum(table.get(name, 0) for table in sent.values()
+                for name in ("Ulysses in", "Ulysses out"))  # fmt: skip
+    assert total == pytest.approx(n * 7 / 8 * ulysses_row_bytes(run.shape, 8))

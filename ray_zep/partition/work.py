@@ -287,14 +287,7 @@ class WorkModel:
         gpus = self.cost.topology.gpus_per_node
         u = np.where(np.asarray(ulysses) > 0, ulysses, gpus).astype(np.float64)
         member = n / (positions * u)
-        shape = self.shape
-        # the all-to-alls: Q/K/V in and the output out, forward; the output's gradient
-        # in and dQ/dK/dV out, backward (in float32 where members share K/V heads,
-        # `attention.engine.ulysses_gradient_dtype`); (U-1)/U of each member's rows leave
-        qkv = (shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim
-        out = shape.n_heads * shape.head_dim
-        gradient = np.where(u > shape.n_kv_heads, 4, BYTES_PER_ELEMENT)
-        per_row = (qkv + 2 * out) * BYTES_PER_ELEMENT + qkv * gradient
+        per_row = ulysses_row_bytes(self.shape, u)  # (U-1)/U of each member's rows leave
         latency, bandwidth = self.hop(LinkKind.INTRA_NODE)
         # a position of several whole nodes (U > G) sends (U - G) / U of its rows across
         # nodes, every GPU at once on the NICs they share, beside the rest inside the node
@@ -313,6 +306,20 @@ class WorkModel:
     def usp_widths(self) -> tuple[int, ...]:
         """`usp_widths` of the model's shape on its topology."""
         return usp_widths(self.shape, self.cost.topology)
+
+
+def ulysses_row_bytes(shape: ModelShape, u: np.ndarray | int) -> np.ndarray:
+    """Bytes of one token's row, every head, through a step's four Ulysses all-to-alls
+    among `u` members (a member sends (U - 1) / U of them to the others): Q/K/V in and
+    the output out in the forward; the output's gradient in and dQ/dK/dV out in the
+    backward, in float32 where members share K/V heads
+    (`ray_zep.attention.engine.ulysses_gradient_dtype`; each member then gets one K/V
+    head, so the row carries U of them)."""
+    u = np.asarray(u)
+    qkv = (shape.n_heads + 2 * np.maximum(shape.n_kv_heads, u)) * shape.head_dim
+    out = shape.n_heads * shape.head_dim
+    gradient = np.where(u > shape.n_kv_heads, 4, BYTES_PER_ELEMENT)
+    return (qkv + 2 * out) * BYTES_PER_ELEMENT + qkv * gradient
 
 
 def usp_widths(shape: ModelShape, topology: Topology) -> tuple[int, ...]:
