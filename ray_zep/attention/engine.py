@@ -54,7 +54,9 @@ class _Heads:
 
     def __init__(self, heads: int, kv_heads: int, members: int) -> None:
         self.q_per = heads // members
-        if members <= kv_heads:
+        self.shared_kv = members > kv_heads
+        """Members share K/V heads (each holds one), and an owner sums their dK/dV."""
+        if not self.shared_kv:
             per = kv_heads // members
             self.kv = [list(range(m * per, (m + 1) * per)) for m in range(members)]
         else:
@@ -445,8 +447,7 @@ def ulysses_gradient_dtype(heads: _Heads, compute: torch.dtype) -> torch.dtype:
     that dtype: the same gradients as float32 on the wire, for half the bytes in bf16
     runs, as DeepSpeed-Ulysses' all-to-all sends them); float32 where members share K/V
     heads (more members than K/V heads), whose dK/dV the owner sums."""
-    shared = len({h for held in heads.kv for h in held}) < sum(map(len, heads.kv))
-    return torch.float32 if shared else compute
+    return torch.float32 if heads.shared_kv else compute
 
 
 def _return_grads(dq_PHE, dkv_P2KE, item, state: _Saved, schedule, links):
