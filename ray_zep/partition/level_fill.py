@@ -168,8 +168,8 @@ def fill_whole(
     `placed` marked pruned, once a rank's work reaches `prune_above`.
 
     `order` is by work, most first, so once a sequence's work is under
-    `SMALL_RING_SHARE` of the level no later one becomes a ring: from there on the
-    ranks outside rings are no longer tracked."""
+    `SMALL_RING_SHARE` of the level no later one becomes a ring: from there on each
+    sequence is dealt by one search of the load index."""
     # one rank at a time: Python lists, written back to the arrays before the array
     # steps (small rings, spills) read them and at the end
     load, tokens = placed.load.tolist(), placed.tokens.tolist()
@@ -187,9 +187,7 @@ def fill_whole(
         placed.pruned = True
         return
     index = LoadIndex(load, tokens)
-    spare: LoadIndex | None = LoadIndex(load, tokens)  # the ranks in no ring (`_small_ring`)
-    spare.drop(np.flatnonzero(placed.in_ring))  # before the bound: no index to edit yet
-    spare.set_bound(capacity)
+    rings_open = True  # sequences may still become small rings (`_small_ring`)
     smallest_ring = SMALL_RING_SHARE * level
     sizes, works = lengths[order].tolist(), work[order].tolist()
     bounds = [capacity - n for n in sizes[1:]] + [None]  # each sequence's next bound
@@ -199,8 +197,8 @@ def fill_whole(
             return
         index.set_bound(capacity - n)
         if w < smallest_ring:
-            spare = None
-        if spare is None:  # best fit, else the least loaded: one search
+            rings_open = False
+        if not rings_open:  # best fit, else the least loaded: one search
             rank = index.take(level - w, w, n, bounds[position])
             if rank is not None:
                 moved.append(rank)
@@ -213,9 +211,9 @@ def fill_whole(
         ring = None
         if rank is None:
             rank = index.least_loaded()
-            if spare is not None:
+            if rings_open:
                 write_back()
-                ring = _small_ring(placed, spare, n, small[seq], level, capacity, topology)
+                ring = _small_ring(placed, n, small[seq], level, capacity, topology)
         if rank is not None and ring is None:
             load[rank] += w
             if load[rank] >= prune_above:
@@ -225,8 +223,6 @@ def fill_whole(
             moved.append(rank)
             placed.local[seq] = rank
             index.move(rank)
-            if spare is not None:
-                spare.move(rank)
             continue
         write_back()
         if ring is not None:
@@ -241,8 +237,6 @@ def fill_whole(
             placed.pruned = True
             return
         index.update(ranks)
-        if spare is not None:
-            spare.drop(ranks)
     write_back()
 
 
@@ -295,28 +289,28 @@ def small_ring_seconds(
 
 def _small_ring(
     placed: Placed,
-    spare: LoadIndex,
     n: int,
     member: np.ndarray,
     level: float,
     capacity: int,
     topology: Topology,
 ) -> tuple[tuple[int, ...], float] | None:
-    """The fewest GPUs of one node (2 .. G), in no ring yet (`spare`), whose work room
-    and token room take a ring over `n` tokens (`member`: its member work at each of
-    those sizes), and its member work; None where no node has them."""
+    """The fewest GPUs of one node (2 .. G), in no ring yet, whose work room and token
+    room take a ring over `n` tokens (`member`: its member work at each of those sizes),
+    and its member work; None where no node has them."""
     gpus = topology.gpus_per_node
     degrees = np.arange(2, gpus + 1)
     if degrees.size == 0:
         return None
     need = -(-n // degrees)
-    # nodes with two ranks that could take a member of some size: only they can. The
-    # ranks `spare` answers for, bounded to those with room for a member of the widest
-    # ring, are those in no ring that have it; few of them are loaded lightly enough, as
-    # no rank with room for the whole sequence is (a bisection finds them)
-    spare.set_bound(capacity - int(need.min()))
-    could = np.asarray(spare.at_most(level - float(member.min())), dtype=np.int64)
-    near = np.flatnonzero(np.bincount(could // gpus, minlength=topology.nodes) >= 2)
+    # nodes with two ranks that could take a member of some size: only they can (ranks
+    # in no ring with room for a member of the widest ring, loaded lightly enough for
+    # its member work); whole-array tests, not an index: the fill edits a rank's load
+    # far more often than it asks for a ring
+    could = placed.tokens <= capacity - int(need.min())
+    could &= placed.load <= level - float(member.min())
+    could &= ~placed.in_ring
+    near = np.flatnonzero(_count_true(could.reshape(topology.nodes, gpus)) >= 2)
     if near.size == 0:
         return None
     load = placed.load.reshape(topology.nodes, gpus)[near]

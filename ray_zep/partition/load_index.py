@@ -30,7 +30,6 @@ class LoadIndex:
         self.ready: list[tuple[float, int]] = []
         self.waiting: list[tuple[int, int]] = []
         self.in_ready = [False] * len(load)
-        self.dropped = [False] * len(load)
         self.filed = [0.0] * len(load)
         """The load each rank in `ready` was filed under."""
 
@@ -45,19 +44,13 @@ class LoadIndex:
         self.bound = most_tokens
         while self.waiting and self.waiting[0][0] <= most_tokens:
             held, rank = heapq.heappop(self.waiting)
-            fresh = held == self.tokens[rank] and not self.dropped[rank]
-            if fresh and not self.in_ready[rank]:
+            if held == self.tokens[rank] and not self.in_ready[rank]:
                 self._insert(rank)
 
     def fullest_under(self, room: float) -> int | None:
         """The rank with the most load not above `room` (lowest rank on ties)."""
         at = bisect.bisect_right(self.ready, (room, math.inf))
         return -self.ready[at - 1][1] if at else None
-
-    def at_most(self, limit: float) -> list[int]:
-        """The ranks whose load is not above `limit`, least loaded first."""
-        end = bisect.bisect_right(self.ready, (limit, math.inf))
-        return [-rank for _, rank in self.ready[:end]]
 
     def least_loaded(self) -> int | None:
         """The rank with the least load (lowest rank on ties)."""
@@ -99,8 +92,6 @@ class LoadIndex:
 
     def move(self, rank: int) -> None:
         """Re-file `rank` after its load or tokens changed."""
-        if self.dropped[rank]:
-            return
         if self.in_ready[rank]:
             self._remove(rank)
         held = self.tokens[rank]
@@ -114,23 +105,14 @@ class LoadIndex:
         for rank in ranks:
             self.move(int(rank))
 
-    def drop(self, ranks) -> None:
-        """Leave `ranks` out of every answer from now on."""
-        for rank in ranks:
-            rank = int(rank)
-            if self.in_ready[rank]:
-                self._remove(rank)
-            self.dropped[rank] = True
-
     def _rebuild(self) -> None:
         load, tokens = np.asarray(self.load), np.asarray(self.tokens)
-        dropped = np.asarray(self.dropped, dtype=bool)
-        fits = (tokens <= self.bound) & ~dropped
+        fits = tokens <= self.bound
         self.in_ready = fits.tolist()
         ranks = np.flatnonzero(fits)
         self.filed = list(self.load)
         self.ready = sorted(zip(load[ranks].tolist(), (-ranks).tolist(), strict=True))
-        out = np.flatnonzero(~fits & ~dropped)
+        out = np.flatnonzero(~fits)
         self.waiting = list(zip(tokens[out].tolist(), out.tolist(), strict=True))
         heapq.heapify(self.waiting)
 
