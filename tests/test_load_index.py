@@ -1,8 +1,10 @@
 """The work planner's fast paths equal the array scans they replace (hypothesis):
-`LoadIndex` best-fit queries, the spill's partial sort and the two-heap whole-sequence
-deal (`place_whole`)."""
+`LoadIndex` best-fit queries, the spill's partial sort, the small ring's node search and
+the two-heap whole-sequence deal (`place_whole`)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_zep.partition.fill import place_whole
-from ray_zep.partition.level_fill import Placed, spill_ranks
+from ray_zep.partition.level_fill import Placed, _small_ring, spill_ranks
 from ray_zep.partition.load_index import LoadIndex
 
 pytestmark = pytest.mark.unit
@@ -87,6 +89,57 @@ def test_spill_takes_the_ranks_a_full_stable_sort_takes(free, share) -> None:
     order = np.argsort(-free, kind="stable")
     count = int(np.searchsorted(np.cumsum(free[order]), n)) + 1
     assert spill_ranks(placed, n, capacity) == tuple(sorted(order[:count].tolist()))
+
+
+def _scan_small_ring(load, tokens, in_ring, n, member, level, capacity, gpus):
+    """The fewest GPUs of one node for a ring over `n` tokens, node by node and size by
+    size: of the nodes with enough free ranks, the least loaded in all (the lowest on
+    ties); of its free ranks, the least loaded (the lowest GPU on ties)."""
+    for k, degree in enumerate(range(2, gpus + 1)):
+        need = -(-n // degree)
+        best = None
+        for node in range(len(load) // gpus):
+            ranks = range(node * gpus, (node + 1) * gpus)
+            free = [r for r in ranks if not in_ring[r] and capacity - tokens[r] >= need
+                    and load[r] + member[k] <= level]  # fmt: skip
+            total = float(np.asarray(load[node * gpus : (node + 1) * gpus]).sum())
+            if len(free) >= degree and (best is None or total < best[0]):
+                best = (total, free)
+        if best is not None:
+            chosen = sorted(best[1], key=lambda r: (load[r], r))[:degree]
+            return tuple(sorted(chosen)), float(member[k])
+    return None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    cells=st.lists(
+        st.tuples(
+            st.integers(0, 6), st.integers(0, 8), st.sampled_from([False, False, False, True])
+        ),
+        min_size=4,
+        max_size=48,
+    ),
+    gpus=st.sampled_from([2, 4]),
+    n=st.integers(1, 16),
+    member=st.lists(st.integers(0, 4), min_size=3, max_size=3),
+    level=st.integers(0, 12),
+)
+def test_a_small_ring_takes_the_ranks_a_scan_of_every_node_takes(
+    cells, gpus, n, member, level
+) -> None:
+    """Loads, member work and the level in whole numbers: every sum is exact, so the
+    search's prefilter over the ranks and the scan agree to the last tie."""
+    cells = cells[: len(cells) // gpus * gpus]
+    load = [float(c[0]) for c in cells]
+    tokens = [c[1] for c in cells]
+    in_ring = [c[2] for c in cells]
+    member = np.asarray(member[: gpus - 1], dtype=np.float64)  # any order over the sizes
+    placed = Placed.empty(len(cells))
+    placed.load[:], placed.tokens[:], placed.in_ring[:] = load, tokens, in_ring
+    topology = SimpleNamespace(nodes=len(cells) // gpus, gpus_per_node=gpus)
+    got = _small_ring(placed, n, member, float(level), 8, topology)
+    assert got == _scan_small_ring(load, tokens, in_ring, n, member, level, 8, gpus)
 
 
 def _scan_whole(sizes, bins, capacity, by_work):
