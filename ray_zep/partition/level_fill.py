@@ -307,17 +307,19 @@ def _small_ring(
     # in no ring with room for a member of the widest ring, loaded lightly enough for
     # its member work); whole-array tests, not an index: the fill edits a rank's load
     # far more often than it asks for a ring
-    could = placed.tokens <= capacity - int(need.min())
-    could &= placed.load <= level - float(member.min())
-    could &= ~placed.in_ring
-    near = np.flatnonzero(_count_true(could.reshape(topology.nodes, gpus)) >= 2)
+    by_node = (topology.nodes, gpus)
+    spare = ~placed.in_ring.reshape(by_node)
+    tokens, load = placed.tokens.reshape(by_node), placed.load.reshape(by_node)
+    could = tokens <= capacity - int(need.min())
+    could &= load <= level - float(member.min())
+    could &= spare
+    near = np.flatnonzero(_count_true(could) >= 2)
     if near.size == 0:
         return None
-    load = placed.load.reshape(topology.nodes, gpus)[near]
-    free = capacity - placed.tokens.reshape(topology.nodes, gpus)[near]
+    load, free = load[near], capacity - tokens[near]
     # every size at once: D x nodes x GPUs of ranks that could take a member
     ok = (free >= need[:, None, None]) & (load + member[:, None, None] <= level)
-    ok &= ~placed.in_ring.reshape(topology.nodes, gpus)[near]
+    ok &= spare[near]
     enough = _count_true(ok) >= degrees[:, None]
     sizes = np.flatnonzero(enough.any(axis=1))
     if sizes.size == 0:
