@@ -263,9 +263,17 @@ class ComputeRates:
             raise ConfigError(f"--calibration {path}: not a calibration file ({exc})") from exc
 
 
-CODEC_DRAM_FRACTION = 0.5
-"""Share of a GPU's DRAM bandwidth the ZipCCL codec kernels reach (assumed: no GPU
-measurement yet); `ray-zep bench zipccl --codec-dram-fraction` varies it."""
+CODEC_DRAM_FRACTION = 0.133
+"""Share of a GPU's DRAM bandwidth our ZipCCL codec reaches, in the rule of
+`ray_zep.sim.wire.codec_bytes_s` (original bytes over 1 + 1 / ratio): its CUDA compress
+measured on an H200, 374 GB/s of bf16 at 256 MiB a call (BENCHMARKS.md, fourth GPU
+series; 372.5 in the sixth). Its decompress, about 600 GB/s there, is charged at the same
+rate, and its host cost per call (40-47 us there) not at all. A calibration that timed
+the codec on the GPU (`ray-zep bench calibrate`) replaces the rule."""
+PAPER_CODEC_DRAM_FRACTION = 0.5
+"""The share `ray-zep bench zipccl` assumes for ZipCCL's own kernels in the paper's
+setups (a memory-bound kernel at half the DRAM bandwidth; `--codec-dram-fraction` varies
+it)."""
 
 ATTENTION_CALL_OVERHEAD_S = 10e-6
 """Launch and metadata cost of one varlen attention call on a GPU (typical CUDA

@@ -210,6 +210,9 @@ def test_plan_auto_searches_compositions_and_keeps_only_what_fits(tmp_path) -> N
         c for c in result.candidates if c.steps and c.config.parallel.weights.value == "replicated"
     ]
     assert replicated and not any(c.fits for c in replicated)
+    # the ranking keeps seconds, not the layer timelines (a task list per rank each)
+    played = [s for c in result.candidates for s in c.steps]
+    assert played and all(s.forward is None and s.backward is None for s in played)
     chosen = load_config(write_best(result, tmp_path / "best.yaml"), [])
     assert chosen.parallel.sequence is result.best.config.parallel.sequence
 

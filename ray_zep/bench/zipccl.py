@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ray_zep.costmodel import CODEC_DRAM_FRACTION
+from ray_zep.costmodel import PAPER_CODEC_DRAM_FRACTION
 from ray_zep.errors import ConfigError
 
 
@@ -225,7 +225,7 @@ class Assumptions:
     mfu: float = 0.58
     """Model FLOPs / peak: TorchTitan's Llama3-8B FSDP figure (docs/performance.md, 64 A100,
     local batch 1, selective op AC: 58.2%)."""
-    codec_dram_fraction: float = CODEC_DRAM_FRACTION
+    codec_dram_fraction: float = PAPER_CODEC_DRAM_FRACTION
     """Share of DRAM bandwidth the codec kernels reach (assumed; no GPU measured here)."""
     latency_us: float = 10.0
     """Alpha per inter-node ring step (`inter_latency_us` default of ray_zep.topology)."""

@@ -45,8 +45,8 @@ alike: the switcher's start-up profiles of CPU training measured 0.54-1.59 GB/s
 def codec_bytes_s(rates: ComputeRates, gpu_model: str, on_gpu: bool) -> float:
     """Original bytes/s the codec compresses (and decompresses) on one device: the
     calibration's `codec_bytes_s`, else on a GPU the `ray_zep.bench.zipccl_model`
-    rule (`codec_dram_fraction` of the memory bandwidth over 1 + 1 / ratio, at the bf16
-    ratio), else `CPU_CODEC_BYTES_S`."""
+    rule at our codec's measured share (`CODEC_DRAM_FRACTION` of the memory bandwidth
+    over 1 + 1 / ratio, at the bf16 ratio), else `CPU_CODEC_BYTES_S`."""
     if rates.codec_bytes_s < 0:
         raise ValueError(f"codec_bytes_s={rates.codec_bytes_s} must be >= 0 (0: the default)")
     if rates.codec_bytes_s > 0:
