@@ -226,7 +226,8 @@ class Assumptions:
     """Model FLOPs / peak: TorchTitan's Llama3-8B FSDP figure (docs/performance.md, 64 A100,
     local batch 1, selective op AC: 58.2%)."""
     codec_dram_fraction: float = PAPER_CODEC_DRAM_FRACTION
-    """Share of DRAM bandwidth the codec kernels reach (assumed; no GPU measured here)."""
+    """Share of DRAM bandwidth ZipCCL's own codec kernels reach (assumed: the paper gives
+    no number; ours, measured on an H200, reach `ray_zep.costmodel.CODEC_DRAM_FRACTION`)."""
     latency_us: float = 10.0
     """Alpha per inter-node ring step (`inter_latency_us` default of ray_zep.topology)."""
     seq_len: int = 1024
