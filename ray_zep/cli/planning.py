@@ -115,12 +115,17 @@ def _plan_auto(args: argparse.Namespace) -> int:
 
         def batches(candidate):
             return sampled
+
+        data_of = None
     else:  # the data as each composition's data actor draws it
 
         def batches(candidate):
             return data_batches(candidate, hardware.devices, 0, args.batches)
 
-    result = auto_plan(config, hardware, batches, on_gpu)
+        def data_of(candidate, count):
+            return data_batches(candidate, hardware.devices, 0, count)
+
+    result = auto_plan(config, hardware, batches, on_gpu, data_of)
     print(f"{hardware.source}; {args.batches} batches; {len(result.candidates)} compositions")
     print(auto_table(result))
     if result.best is not None:

@@ -13,6 +13,7 @@ from ray_zep.partition.plan import AttentionPlan, Zone
 from ray_zep.partition.stats import PlanStats
 from ray_zep.report.figures import save_figure
 from ray_zep.report.text_table import Column, render_table
+from ray_zep.sim.outlier_choice import OUTLIER_SPANS
 from ray_zep.topology import LinkKind
 
 Color = tuple[int, int, int]
@@ -121,6 +122,25 @@ def token_bound_ranks(plan: AttentionPlan, stats: PlanStats) -> int:
     return int((full & light).sum())
 
 
+def outlier_on_busiest(plan: AttentionPlan, stats: PlanStats) -> tuple[int, int, int] | None:
+    """(the busiest rank by work, the longest sequence it holds a piece of that is longer
+    than `OUTLIER_SPANS[0]` nodes' tokens (G x L each), the nodes its group spans); None
+    where it holds none: its group's floor (K/V imported over the NICs whatever its
+    width) may set the step, which outlier delay pays once for several such documents
+    (`ray_zep.sim.outlier_choice`)."""
+    if stats.work_flops.size == 0:
+        return None
+    busiest = int(stats.work_flops.argmax())
+    topology = plan.topology
+    threshold = OUTLIER_SPANS[0] * topology.gpus_per_node * plan.tokens_per_rank
+    held = [p for p in plan.placements if p.length >= threshold and busiest in p.ranks]
+    if not held:
+        return None
+    longest = max(held, key=lambda p: p.length)
+    nodes = len({topology.node_of(r) for r in longest.ranks})
+    return busiest, int(longest.length), nodes
+
+
 def _level_record(tried: LevelTry) -> dict[str, Any]:
     """One level the planner tried, for the JSON record (`busiest` null where not placed,
     nor abandoned at a known bound: `LevelTry.busiest`)."""
@@ -143,6 +163,15 @@ def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
             f"; {bound} ranks hold {TOKEN_BOUND_FILL:.0%} of L or more at under "
             f"{TOKEN_BOUND_WORK}x the mean work (their sequences need them for their tokens: "
             "more L for the same batch may even the work out, `ray-zep plan --auto` plays it)"
+        )
+    outlier = outlier_on_busiest(plan, stats)
+    if outlier:
+        rank, length, nodes = outlier
+        keeping += (
+            f"; the busiest rank (R{rank}) holds part of a {length:,}-token sequence over "
+            f"{nodes} nodes, longer than {OUTLIER_SPANS[0]} nodes' L: an outlier whose group "
+            "may set the step (`data.outlier_tokens` holds such documents back to train "
+            "them together, which `ray-zep plan --auto` plays on the configured data)"
         )
     levels = level_sentence(plan.levels, plan.world)
     if levels:

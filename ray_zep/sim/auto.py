@@ -24,6 +24,11 @@ Where the batches are budget-packed, the fastest fitting composition is played a
 with more token room for the same batches (`ray_zep.sim.token_room`: L x 1.25 and x 1.5,
 `data.batch_fill` lowered so that the batch budget stays), and ranked with the rest.
 
+Where the batches are the configured data's, budget-packed, the fastest fitting composition
+is played again with outlier delay (`ray_zep.sim.outlier_choice`: `data.outlier_tokens` at
+2 and 8 nodes' token room, where the batches hold such documents) on a window that trains
+about the same documents as the composition without it, compared in seconds per token.
+
 Where the fastest fitting composition recomputes activations (an autograd weights mode),
 it is played again as 2 and 4 micro-batches a step (`train.micro_batches`, L / 2 and L / 4
 each: the same tokens a step with a half or a quarter of the activations at once,
@@ -66,6 +71,13 @@ from ray_zep.sim.checkpointing import (
 )
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.micro_step import MICRO_BATCHES, micro_batched, micro_batched_steps, split_batch
+from ray_zep.sim.outlier_choice import (
+    MIN_WINDOW,
+    DelayEffect,
+    delay_window,
+    delayed,
+    thresholds,
+)
 from ray_zep.sim.step import RunModel, StepResult, plan_batch, simulate_batch, simulate_plans
 from ray_zep.sim.token_room import ROOM_FACTORS, with_room
 
@@ -99,6 +111,11 @@ class Candidate:
     room_of: Candidate | None = None
     """The candidate this one plays with a larger L for the same batches
     (`ray_zep.sim.token_room`); the name then shows L."""
+    delay_of: Candidate | None = None
+    """The candidate this one plays with outlier delay (`ray_zep.sim.outlier_choice`)."""
+    delay: DelayEffect | None = None
+    """What the delay does on its window, against `delay_of`'s composition without it:
+    the candidate's step is `delay_of`'s times its ratio (`steps` are the window's)."""
 
     @property
     def over_bound(self) -> float | None:
@@ -130,6 +147,8 @@ class Candidate:
             parts.append(f"micro_batches={self.config.train.micro_batches}")
         if self.room_of is not None or self.config.train.micro_batches > 1:
             parts.append(f"L={self.config.train.tokens_per_rank}")
+        if self.config.data.outlier_tokens > 0:
+            parts.append(f"outlier_tokens={self.config.data.outlier_tokens}")
         return "+".join(parts)
 
     @property
@@ -143,7 +162,13 @@ class Candidate:
 
     @property
     def step_seconds(self) -> float:
-        return float(np.mean([s.step_seconds for s in self.steps])) if self.steps else float("inf")
+        """The mean simulated step; with `delay`, `delay_of`'s times the delay's ratio (its
+        own steps are another window's)."""
+        if not self.steps:
+            return float("inf")
+        if self.delay is not None and self.delay_of is not None:
+            return self.delay_of.step_seconds * self.delay.ratio
+        return float(np.mean([s.step_seconds for s in self.steps]))
 
     @property
     def tokens_per_second(self) -> float:
@@ -310,20 +335,24 @@ class AutoPlan:
 
     def why(self) -> str:
         """Where the winner gains most over the runner-up (the first fitting candidate that
-        is not equally fast), by part of the step."""
+        is not equally fast), by part of the step; and what its token room or outlier delay
+        buys over the same composition without it."""
         fitting = [c for c in self.ranked if c.steps and c.fits]
         best = fitting[0] if fitting else None
+        if best is None:
+            return "no composition runs and fits"
         slower = [c for c in fitting[1:] if c.step_seconds > best.step_seconds * 1.001]
-        if best is None or not slower:
-            return "the only composition that runs and fits, or all are equally fast"
-        second = slower[0]
-        mine, theirs = best.breakdown(), second.breakdown()
-        part = max(mine, key=lambda k: theirs[k] - mine[k])
-        gain = second.step_seconds / best.step_seconds
-        out = (
-            f"{gain:.2f}x faster than the runner-up {second.name}: most of it in "
-            f"{part} ({mine[part] * 1e3:.1f} ms against {theirs[part] * 1e3:.1f} ms a step)"
-        )
+        if not slower:
+            out = "the only composition that runs and fits, or all are equally fast"
+        else:
+            second = slower[0]
+            mine, theirs = best.breakdown(), second.breakdown()
+            part = max(mine, key=lambda k: theirs[k] - mine[k])
+            gain = second.step_seconds / best.step_seconds
+            out = (
+                f"{gain:.2f}x faster than the runner-up {second.name}: most of it in "
+                f"{part} ({mine[part] * 1e3:.1f} ms against {theirs[part] * 1e3:.1f} ms a step)"
+            )
         base = best.room_of
         if base is not None and base.steps:
             out += (
@@ -331,6 +360,14 @@ class AutoPlan:
                 f"{base.config.train.tokens_per_rank} for the same batches it steps "
                 f"{best.step_seconds / base.step_seconds:.2f}x {base.name}'s "
                 f"{base.step_seconds:.3f} s"
+            )
+        delay = best.delay
+        if delay is not None:
+            out += (
+                f"; with data.outlier_tokens = {delay.threshold} it trains "
+                f"{delay.delayed_tokens_per_second:,.0f} tokens/s against "
+                f"{delay.plain_tokens_per_second:,.0f} without, over {delay.batches} "
+                f"batches of the data ({1 / delay.ratio:.3f}x)"
             )
         return out
 
@@ -341,6 +378,7 @@ class AutoPlan:
                 "step_seconds": c.step_seconds if c.steps else None,
                 "tokens_per_second": c.tokens_per_second if c.steps else None,
                 "step_over_bound": c.over_bound,
+                "outlier_delay_ratio": c.delay.ratio if c.delay is not None else None,
                 "memory_gb": c.memory_gb if c.steps else None,
                 "fits": c.fits,
                 "error": c.error,
@@ -354,15 +392,20 @@ def auto_plan(
     hardware: Hardware,
     batches_of: Callable[[Config], Batches],
     on_gpu: bool = True,
+    data_of: Callable[[Config, int], Batches] | None = None,
 ) -> AutoPlan:
     """Simulate every composition (module docstring) on the batches `batches_of` gives it:
     the same sampled lengths for all, or the configured data as each composition's data
-    actor would draw it (whole sequences are rank-packed)."""
+    actor would draw it (whole sequences are rank-packed). `data_of(config, count)`: the
+    configured data's first `count` batches under `config`, where the batches are the
+    data's (None for sampled lengths: no outlier delay is played)."""
     candidates = []
     for _, alike in itertools.groupby(compositions(config, hardware.devices), key=_placement):
         candidates += _evaluated(list(alike), hardware, batches_of, on_gpu)
     candidates += _roomier(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
     candidates += _micro_batched(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
+    if data_of is not None:
+        candidates += delayed_candidates(AutoPlan(candidates), config, hardware, data_of, on_gpu)
     return AutoPlan(candidates)
 
 
@@ -445,6 +488,53 @@ def _micro_batched(
         if candidate.steps:
             candidate.steps = micro_batched_steps(candidate.steps, parts)
             candidate.bounds = list(best.bounds)
+        out.append(candidate)
+    return out
+
+
+def delayed_candidates(
+    plan: AutoPlan,
+    config: Config,
+    hardware: Hardware,
+    data_of: Callable[[Config, int], Batches],
+    on_gpu: bool,
+    searched: int = MIN_WINDOW,
+) -> list[Candidate]:
+    """The fastest fitting budget-packed composition of one batch a step again with
+    outlier delay at each of `outlier_choice.thresholds` (module docstring), under
+    `config`'s activation checkpointing: each on the delayed stream's window
+    (`delay_window`, at least `searched` batches) beside the composition without the
+    delay on as many of the data's batches."""
+    packed = [c for c in plan.ranked if c.steps and c.fits
+              and c.config.data.packing is Packing.BUDGET
+              and c.config.train.micro_batches == 1]  # fmt: skip
+    if not packed:
+        return []
+    best, count = packed[0], max(searched, MIN_WINDOW)
+    composition = checkpointing_as(best.config, config)
+    try:
+        first = data_of(composition, count)
+    except ZepError:
+        return []
+    gpus = hardware.topology.gpus_per_node
+    plain: dict[int, Candidate] = {}
+    out = []
+    for threshold in thresholds(composition, gpus, [lengths for lengths, _ in first]):
+        trial = delayed(composition, threshold)
+        try:
+            window, held = delay_window(trial, hardware.devices, count)
+            if len(window) not in plain:
+                (plain[len(window)],) = evaluate_group(
+                    [composition], hardware, data_of(composition, len(window)), on_gpu
+                )
+        except ZepError:
+            continue
+        (candidate,) = evaluate_group([trial], hardware, window, on_gpu)
+        without = plain[len(window)]
+        if candidate.steps and without.steps:
+            candidate.delay = DelayEffect(threshold, len(window), without.tokens_per_second,
+                                          candidate.tokens_per_second, held)  # fmt: skip
+            candidate.delay_of = best
         out.append(candidate)
     return out
 

@@ -1,0 +1,113 @@
+"""`plan --auto` plays outlier delay (`ray_zep.sim.outlier_choice`): the thresholds it
+tries, the window that compares it, and the candidate it ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ray_zep.config import load_config
+from ray_zep.sim.outlier_choice import MIN_WINDOW, delay_window, delayed, thresholds
+
+pytestmark = pytest.mark.unit
+
+# 4 nodes x 2 GPUs, L = 1,000: a node holds 2,000 tokens, a batch 6,400 (fill 0.8); the
+# chat mix scaled down holds a few documents of 4,000+ tokens (two nodes' room)
+SMALL = ["topology.nodes=4", "topology.gpus_per_node=2", "train.tokens_per_rank=1000",
+         "data.source=synthetic:chat", "data.length_scale=0.05", "parallel.sequence=zeppelin",
+         "data.packing=budget", "data.batch_fill=0.8"]  # fmt: skip
+
+
+def test_thresholds_are_node_spans_the_batches_hold_enough_documents_of() -> None:
+    config = load_config(None, SMALL)
+    lengths = [np.array([100, 4000, 300]), np.array([4500, 9000, 20])]
+    assert thresholds(config, 2, lengths) == [4000]  # 2 nodes' room; 16,000: none that long
+    assert thresholds(config, 2, [np.array([100, 16000, 300]), np.array([17000])]) == [4000, 16000]
+    assert thresholds(config, 2, [np.array([4000, 300])]) == []  # one: nothing to pair it with
+    set_already = load_config(None, [*SMALL, "data.outlier_tokens=3000"])
+    assert thresholds(set_already, 2, lengths) == []  # the config's own delay stands
+    ranked = load_config(None, [*SMALL[:4], "parallel.sequence=te_cp", "data.packing=rank"])
+    assert thresholds(ranked, 2, lengths) == []
+
+
+def test_the_delay_window_ends_with_no_outlier_held_and_trains_what_it_held() -> None:
+    """The window is the delayed stream's first batches, extended until nothing is held:
+    every document it met is trained in it, as many tokens as the plain stream's first
+    documents (to the piece cut at the end)."""
+    from ray_zep.sim.replay import data_batches
+
+    trial = delayed(load_config(None, SMALL), 4000)
+    window, held = delay_window(trial, 8, 4)
+    assert held == 0 and len(window) >= 4
+    drawn = data_batches(trial, 8, 0, len(window))  # the same stream, batch for batch
+    assert all(np.array_equal(a, b) for (a, _), (b, _) in zip(window, drawn, strict=True))
+    plain = data_batches(load_config(None, SMALL), 8, 0, len(window))
+    ours, theirs = sum(int(a.sum()) for a, _ in window), sum(int(a.sum()) for a, _ in plain)
+    assert abs(ours - theirs) <= 6400  # about the same documents, at most one batch apart
+    assert any((a >= 4000).any() for a, _ in window)
+    with pytest.raises(Exception, match="outlier_tokens"):
+        delay_window(load_config(None, SMALL), 8, 4)
+
+
+def test_plan_auto_ranks_the_delay_at_the_composition_s_step_times_its_ratio(tmp_path) -> None:
+    """The fastest budget-packed composition is played with the delay on its window
+    beside itself without it on as many batches; the delay's candidate is named for its
+    threshold, steps the composition's step times the seconds-per-token ratio of the two
+    windows, and its YAML trains with the delay."""
+    from ray_zep.sim.auto import AutoPlan, delayed_candidates, evaluate_group, write_best
+    from ray_zep.sim.replay import data_batches
+    from ray_zep.sim.request import request_hardware
+
+    config = load_config(None, SMALL)
+    hardware, on_gpu = request_hardware(config, None)
+
+    def data_of(candidate, count):
+        return data_batches(candidate, hardware.devices, 0, count)
+
+    searched = evaluate_group([config], hardware, data_of(config, 3), on_gpu)
+    (candidate,) = delayed_candidates(AutoPlan(searched), config, hardware, data_of, on_gpu)
+    delay = candidate.delay
+    assert candidate.name.endswith("+outlier_tokens=4000") and candidate.delay_of is searched[0]
+    assert delay.threshold == 4000 and delay.batches >= MIN_WINDOW and delay.held_at_end == 0
+    assert len(candidate.steps) == delay.batches
+    (plain,) = evaluate_group([config], hardware, data_of(config, delay.batches), on_gpu)
+    assert delay.plain_tokens_per_second == pytest.approx(plain.tokens_per_second)
+    assert delay.delayed_tokens_per_second == pytest.approx(candidate.tokens_per_second)
+    ratio = plain.tokens_per_second / candidate.tokens_per_second
+    assert delay.ratio == pytest.approx(ratio) and delay.ratio != pytest.approx(1.0)
+    assert candidate.step_seconds == pytest.approx(searched[0].step_seconds * ratio)
+    plan = AutoPlan([candidate])
+    assert f"with data.outlier_tokens = 4000 it trains {candidate.tokens_per_second:,.0f}" in (
+        plan.why()
+    )
+    assert load_config(write_best(plan, tmp_path / "best.yaml"), []).data.outlier_tokens == 4000
+    sampled = delayed_candidates(AutoPlan(searched), config, hardware, data_of, on_gpu, 0)
+    assert [c.name for c in sampled] == [candidate.name]  # a window of at least MIN_WINDOW
+
+
+def test_plan_summary_names_an_outlier_on_the_busiest_rank() -> None:
+    """256 GPUs of cluster A, 7B, L = 5,120: on the chat mix the busiest rank works on the
+    242,302-token document's group, and `ray-zep plan`'s summary says it is an outlier and
+    what may help; on arxiv (no document spans two nodes) it says nothing of the kind."""
+    from ray_zep.bench.scale import batch_lengths
+    from ray_zep.partition.stats import plan_stats
+    from ray_zep.report.placement import outlier_on_busiest, summary_line
+    from ray_zep.sim.hardware import Hardware
+    from ray_zep.sim.step import RunModel, plan_batch
+    from ray_zep.topology import build_topology
+
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=32",
+                                "model.preset=7b", "train.tokens_per_rank=5120",
+                                "parallel.weights=fsdp", "parallel.sequence=zeppelin"])  # fmt: skip
+    run = RunModel.create(config, Hardware.preset(build_topology(config.topology)))
+    found = {}
+    for data in ("chat", "arxiv"):
+        plan, _ = plan_batch(batch_lengths(data, 4096 * 256, 0), run)
+        stats = plan_stats(plan, run.shape)
+        found[data] = outlier_on_busiest(plan, stats)
+        line = summary_line(plan, stats)
+        assert ("an outlier whose group may set the step" in line) == (found[data] is not None)
+    rank, length, nodes = found["chat"]
+    assert length == 242_302 and nodes >= 2 and found["arxiv"] is None
+    plan, _ = plan_batch(batch_lengths("chat", 4096 * 256, 0), run)
+    assert rank in plan.placement(int(np.argmax(plan.lengths == length))).ranks
