@@ -111,3 +111,23 @@ def test_plan_summary_names_an_outlier_on_the_busiest_rank() -> None:
     assert length == 242_302 and nodes >= 2 and found["arxiv"] is None
     plan, _ = plan_batch(batch_lengths("chat", 4096 * 256, 0), run)
     assert rank in plan.placement(int(np.argmax(plan.lengths == length))).ranks
+
+
+def test_bench_outliers_writes_table_json_and_png(tmp_path, capsys) -> None:
+    """`ray-zep bench outliers` on 32 GPUs of arxiv (L = 1,280): a row per threshold with
+    both windows' tokens/s on the same number of batches, the window ending with nothing
+    held, and the JSON and PNG written."""
+    import json
+
+    from ray_zep.cli import main
+
+    out = tmp_path / "bench"
+    argv = ["bench", "outliers", "--gpus", "32", "--data", "arxiv", "--tokens", "1024",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    record = json.loads((out / "outliers.json").read_text())
+    (row,) = record["rows"]
+    assert row["threshold"] == 2 * 8 * 1280 and row["batches"] >= MIN_WINDOW
+    assert row["held_at_end"] == 0 and row["outliers"] >= 2
+    assert row["plain_tokens_per_s_per_gpu"] > 0 and row["delayed_tokens_per_s_per_gpu"] > 0
+    assert (out / "outliers.png").exists() and "tok/s/GPU delayed" in capsys.readouterr().out
