@@ -31,7 +31,7 @@ from ray_zep.sim.replay import data_batches
 from ray_zep.sim.request import request_hardware
 
 NAME = "outliers"
-HELP = "outlier delay against none on a synthetic mix's stream, modelled (plan --auto's pass)"
+HELP = "outlier delay against none on a data stream, modelled"
 GPUS_PER_NODE = 8
 HEADROOM = 1.25
 FILL = 0.8
