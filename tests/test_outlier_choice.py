@@ -131,3 +131,25 @@ def test_bench_outliers_writes_table_json_and_png(tmp_path, capsys) -> None:
     assert row["held_at_end"] == 0 and row["outliers"] >= 2
     assert row["plain_tokens_per_s_per_gpu"] > 0 and row["delayed_tokens_per_s_per_gpu"] > 0
     assert (out / "outliers.png").exists() and "tok/s/GPU delayed" in capsys.readouterr().out
+
+
+def test_a_delay_whose_window_still_holds_outliers_is_not_ranked(monkeypatch) -> None:
+    """Where the delayed stream's window ends with outliers still held, their cost would
+    be left out of the comparison: the candidate keeps its figures but no steps, says why,
+    and cannot win."""
+    from ray_zep.sim import auto
+    from ray_zep.sim.replay import data_batches
+    from ray_zep.sim.request import request_hardware
+
+    config = load_config(None, SMALL)
+    hardware, on_gpu = request_hardware(config, None)
+
+    def data_of(candidate, count):
+        return data_batches(candidate, hardware.devices, 0, count)
+
+    real = auto.delay_window
+    monkeypatch.setattr(auto, "delay_window", lambda *a: (real(*a)[0], 2))
+    searched = auto.evaluate_group([config], hardware, data_of(config, 3), on_gpu)
+    (held,) = auto.delayed_candidates(auto.AutoPlan(searched), config, hardware, data_of, on_gpu)
+    assert held.delay.held_at_end == 2 and not held.steps and "2 outliers still held" in held.error
+    assert auto.AutoPlan([*searched, held]).best is searched[0]

@@ -143,7 +143,8 @@ def case_rows(config: Config, gpus: int, model: str, data: str, count: int) -> l
         rows.append(OutlierRow(gpus, data, model, threshold, delay.batches, outliers,
                                delay.plain_tokens_per_second / gpus,
                                delay.delayed_tokens_per_second / gpus, delay.held_at_end,
-                               candidate.fits))  # fmt: skip
+                               candidate.fits, "not ranked: outliers held" if delay.held_at_end
+                               else ""))  # fmt: skip
     return rows
 
 

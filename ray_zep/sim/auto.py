@@ -504,7 +504,9 @@ def delayed_candidates(
     outlier delay at each of `outlier_choice.thresholds` (module docstring), under
     `config`'s activation checkpointing: each on the delayed stream's window
     (`delay_window`, at least `searched` batches) beside the composition without the
-    delay on as many of the data's batches."""
+    delay on as many of the data's batches. A delay whose window still holds outliers
+    after `outlier_choice.MAX_EXTENSION` more batches keeps its `delay` figures but no
+    steps: its comparison would leave the held documents' cost out, so it is not ranked."""
     packed = [c for c in plan.ranked if c.steps and c.fits
               and c.config.data.packing is Packing.BUDGET
               and c.config.train.micro_batches == 1]  # fmt: skip
@@ -535,6 +537,10 @@ def delayed_candidates(
             candidate.delay = DelayEffect(threshold, len(window), without.tokens_per_second,
                                           candidate.tokens_per_second, held)  # fmt: skip
             candidate.delay_of = best
+        if held:  # its window leaves outliers for later: no fair comparison, not ranked
+            candidate.error = (f"{held} outliers still held after {len(window)} batches: "
+                               "no window of the delay trains the same documents")  # fmt: skip
+            candidate.steps = []
         out.append(candidate)
     return out
 
