@@ -125,7 +125,7 @@ def _plan_auto(args: argparse.Namespace) -> int:
         def data_of(candidate, count):
             return data_batches(candidate, hardware.devices, 0, count)
 
-    result = auto_plan(config, hardware, batches, on_gpu, data_of)
+    result = auto_plan(config, hardware, batches, on_gpu, data_of, args.batches)
     print(f"{hardware.source}; {args.batches} batches; {len(result.candidates)} compositions")
     print(auto_table(result))
     if result.best is not None:

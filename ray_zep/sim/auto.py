@@ -393,19 +393,22 @@ def auto_plan(
     batches_of: Callable[[Config], Batches],
     on_gpu: bool = True,
     data_of: Callable[[Config, int], Batches] | None = None,
+    window: int = MIN_WINDOW,
 ) -> AutoPlan:
     """Simulate every composition (module docstring) on the batches `batches_of` gives it:
     the same sampled lengths for all, or the configured data as each composition's data
     actor would draw it (whole sequences are rank-packed). `data_of(config, count)`: the
     configured data's first `count` batches under `config`, where the batches are the
-    data's (None for sampled lengths: no outlier delay is played)."""
+    data's (None for sampled lengths: no outlier delay is played); `window`: the batches
+    the delay's comparison holds at least (never fewer than `MIN_WINDOW`)."""
     candidates = []
     for _, alike in itertools.groupby(compositions(config, hardware.devices), key=_placement):
         candidates += _evaluated(list(alike), hardware, batches_of, on_gpu)
     candidates += _roomier(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
     candidates += _micro_batched(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
     if data_of is not None:
-        candidates += delayed_candidates(AutoPlan(candidates), config, hardware, data_of, on_gpu)
+        ranked = AutoPlan(candidates)
+        candidates += delayed_candidates(ranked, config, hardware, data_of, on_gpu, window)
     return AutoPlan(candidates)
 
 
