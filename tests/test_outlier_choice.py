@@ -153,3 +153,24 @@ def test_a_delay_whose_window_still_holds_outliers_is_not_ranked(monkeypatch) ->
     (held,) = auto.delayed_candidates(auto.AutoPlan(searched), config, hardware, data_of, on_gpu)
     assert held.delay.held_at_end == 2 and not held.steps and "2 outliers still held" in held.error
     assert auto.AutoPlan([*searched, held]).best is searched[0]
+
+
+def test_plan_auto_on_the_configured_data_plays_the_delay(tmp_path, monkeypatch, capsys) -> None:
+    """`ray-zep plan --auto` without `--distribution` hands the data's stream to the delay's
+    pass (one composition searched here, to keep it short): the ranking holds the delayed
+    candidate with its ratio; with `--distribution` there is no stream and no delay."""
+    import json
+
+    from ray_zep.cli import main
+    from ray_zep.sim import auto
+
+    monkeypatch.setattr(auto, "compositions", lambda config, world: [config])
+    for extra, delays in (([], 1), (["--distribution", "chat", "--tokens", "8k"], 0)):
+        ranking = tmp_path / f"ranking{len(extra)}.json"
+        argv = ["plan", "--auto", *SMALL, "--batches", "2", "--json", str(ranking), *extra]
+        assert main(argv) == 0
+        rows = json.loads(ranking.read_text())
+        delayed_rows = [r for r in rows if "+outlier_tokens=" in r["composition"]]
+        assert len(delayed_rows) == delays, rows
+        assert all(r["outlier_delay_ratio"] > 0 for r in delayed_rows)
+    assert "chosen:" in capsys.readouterr().out
