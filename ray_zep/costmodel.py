@@ -275,6 +275,14 @@ PAPER_CODEC_DRAM_FRACTION = 0.5
 setups (a memory-bound kernel at half the DRAM bandwidth; `--codec-dram-fraction` varies
 it)."""
 
+
+def codec_rule_bytes_s(dram_bytes_s: float, ratio: float, fraction: float) -> float:
+    """Original bytes/s a memory-bound codec compresses (and decompresses) on one GPU: a
+    `fraction` of its DRAM bandwidth spent reading the original and writing the packed
+    bytes (1 + 1 / `ratio` bytes moved per original byte)."""
+    return fraction * dram_bytes_s / (1 + 1 / ratio)
+
+
 ATTENTION_CALL_OVERHEAD_S = 10e-6
 """Launch and metadata cost of one varlen attention call on a GPU (typical CUDA
 launch latencies are 5-10 us; the preset takes the upper end)."""

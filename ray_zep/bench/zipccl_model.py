@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ray_zep.bench.zipccl import Assumptions, DenseModel, MoEModel, Ratios, Setup, check_gpus
+from ray_zep.costmodel import codec_rule_bytes_s
 
 BF16_BYTES = 2
 FP32_BYTES = 4
@@ -59,8 +60,7 @@ def all_to_all_nic_bytes(bytes_per_gpu: float, setup: Setup) -> float:
 def codec_bytes_s(setup: Setup, ratio: float, spec: Assumptions) -> float:
     """Modelled GPU codec rate (original bytes/s), compress and decompress alike: a share
     of DRAM bandwidth spent reading the original and writing the packed bytes."""
-    dram = setup.testbed.dram_gbytes_s * 1e9
-    return spec.codec_dram_fraction * dram / (1 + 1 / ratio)
+    return codec_rule_bytes_s(setup.testbed.dram_gbytes_s * 1e9, ratio, spec.codec_dram_fraction)
 
 
 def flops_per_s(setup: Setup, spec: Assumptions) -> float:

@@ -21,7 +21,13 @@ from typing import NamedTuple
 
 from ray_zep.collectives.switcher import Kind, LinearCost, Profile
 from ray_zep.config import CommConfig, Compression
-from ray_zep.costmodel import CODEC_DRAM_FRACTION, ComputeRates, CostModel, preset_gpu
+from ray_zep.costmodel import (
+    CODEC_DRAM_FRACTION,
+    ComputeRates,
+    CostModel,
+    codec_rule_bytes_s,
+    preset_gpu,
+)
 from ray_zep.topology import LinkKind
 
 ZIP_RATIOS = {(2, False): 1.425, (2, True): 1.378, (4, False): 1.16, (4, True): 1.16}
@@ -54,7 +60,7 @@ def codec_bytes_s(rates: ComputeRates, gpu_model: str, on_gpu: bool) -> float:
     if not on_gpu:
         return CPU_CODEC_BYTES_S
     dram = GPU_DRAM_BYTES_S[preset_gpu(gpu_model)]
-    return CODEC_DRAM_FRACTION * dram / (1 + 1 / ZIP_RATIOS[(2, False)])
+    return codec_rule_bytes_s(dram, ZIP_RATIOS[(2, False)], CODEC_DRAM_FRACTION)
 
 
 class Stream(NamedTuple):
