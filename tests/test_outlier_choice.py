@@ -20,10 +20,14 @@ SMALL = ["topology.nodes=4", "topology.gpus_per_node=2", "train.tokens_per_rank=
 
 def test_thresholds_are_node_spans_the_batches_hold_enough_documents_of() -> None:
     config = load_config(None, SMALL)
-    lengths = [np.array([100, 4000, 300]), np.array([4500, 9000, 20])]
-    assert thresholds(config, 2, lengths) == [4000]  # 2 nodes' room; 16,000: none that long
-    assert thresholds(config, 2, [np.array([100, 16000, 300]), np.array([17000])]) == [4000, 16000]
+    # 2 nodes' room: 4,000 tokens; in 4 batches the rarer threshold is the 2nd longest
+    lengths = [np.array([100, 4000, 300]), np.array([4500, 9000, 20]), np.array([50]),
+               np.array([60])]  # fmt: skip
+    assert thresholds(config, 2, lengths) == [4000, 4500]
+    # in 2 batches the longest: but one document of 4,100 has nothing to pair with
+    assert thresholds(config, 2, [np.array([100, 4000, 300]), np.array([4100])]) == [4000]
     assert thresholds(config, 2, [np.array([4000, 300])]) == []  # one: nothing to pair it with
+    assert thresholds(config, 2, [np.array([3000, 3500]), np.array([100])]) == []  # none spans 2
     set_already = load_config(None, [*SMALL, "data.outlier_tokens=3000"])
     assert thresholds(set_already, 2, lengths) == []  # the config's own delay stands
     ranked = load_config(None, [*SMALL[:4], "parallel.sequence=te_cp", "data.packing=rank"])

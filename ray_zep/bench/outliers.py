@@ -26,7 +26,7 @@ from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
 from ray_zep.report.text_table import Column
 from ray_zep.sim.auto import AutoPlan, delayed_candidates, evaluate_group
-from ray_zep.sim.outlier_choice import MIN_WINDOW, OUTLIER_SPANS
+from ray_zep.sim.outlier_choice import MIN_WINDOW, RARE_EVERY, SPAN_NODES
 from ray_zep.sim.replay import data_batches
 from ray_zep.sim.request import request_hardware
 
@@ -100,8 +100,9 @@ def run(args: argparse.Namespace) -> BenchResult:
     gains = [r.gain for r in rows if r.gain is not None]
     notes = [
         f"cluster A, zeppelin + fsdp, budget packing at fill {FILL}, L = {HEADROOM} x "
-        f"{args.tokens} tokens per GPU; thresholds {OUTLIER_SPANS} nodes' L, where the first "
-        "batches hold at least data.outlier_group documents that long"
+        f"{args.tokens} tokens per GPU; thresholds: {SPAN_NODES} nodes' L and the length "
+        f"one document in {RARE_EVERY} batches reaches, where the first batches hold at least "
+        "data.outlier_group documents that long"
     ]
     footer = [f"delay gain over the cases: {min(gains):+.1%} to {max(gains):+.1%}"] if gains else []
     return BenchResult.from_rows(NAME, spec, rows, COLUMNS, draw, notes=notes, footer=footer,

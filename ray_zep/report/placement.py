@@ -13,7 +13,7 @@ from ray_zep.partition.plan import AttentionPlan, Zone
 from ray_zep.partition.stats import PlanStats
 from ray_zep.report.figures import save_figure
 from ray_zep.report.text_table import Column, render_table
-from ray_zep.sim.outlier_choice import OUTLIER_SPANS
+from ray_zep.sim.outlier_choice import SPAN_NODES
 from ray_zep.topology import LinkKind
 
 Color = tuple[int, int, int]
@@ -124,7 +124,7 @@ def token_bound_ranks(plan: AttentionPlan, stats: PlanStats) -> int:
 
 def outlier_on_busiest(plan: AttentionPlan, stats: PlanStats) -> tuple[int, int, int] | None:
     """(the busiest rank by work, the longest sequence it holds a piece of that is longer
-    than `OUTLIER_SPANS[0]` nodes' tokens (G x L each), the nodes its group spans); None
+    than `SPAN_NODES` nodes' tokens (G x L each), the nodes its group spans); None
     where it holds none: its group's floor (K/V imported over the NICs whatever its
     width) may set the step, which outlier delay pays once for several such documents
     (`ray_zep.sim.outlier_choice`)."""
@@ -132,7 +132,7 @@ def outlier_on_busiest(plan: AttentionPlan, stats: PlanStats) -> tuple[int, int,
         return None
     busiest = int(stats.work_flops.argmax())
     topology = plan.topology
-    threshold = OUTLIER_SPANS[0] * topology.gpus_per_node * plan.tokens_per_rank
+    threshold = SPAN_NODES * topology.gpus_per_node * plan.tokens_per_rank
     held = [p for p in plan.placements if p.length >= threshold and busiest in p.ranks]
     if not held:
         return None
@@ -169,7 +169,7 @@ def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
         rank, length, nodes = outlier
         keeping += (
             f"; the busiest rank (R{rank}) holds part of a {length:,}-token sequence over "
-            f"{nodes} nodes, longer than {OUTLIER_SPANS[0]} nodes' L: an outlier whose group "
+            f"{nodes} nodes, longer than {SPAN_NODES} nodes' L: an outlier whose group "
             "may set the step (`data.outlier_tokens` holds such documents back to train "
             "them together, which `ray-zep plan --auto` plays on the configured data)"
         )

@@ -26,7 +26,8 @@ with more token room for the same batches (`ray_zep.sim.token_room`: L x 1.25 an
 
 Where the batches are the configured data's, budget-packed, the fastest fitting composition
 is played again with outlier delay (`ray_zep.sim.outlier_choice`: `data.outlier_tokens` at
-2 and 8 nodes' token room, where the batches hold such documents) on a window that trains
+2 nodes' token room and at the length about one document in two batches reaches, where
+the batches hold such documents) on a window that trains
 about the same documents as the composition without it, compared in seconds per token.
 
 Where the fastest fitting composition recomputes activations (an autograd weights mode),

@@ -9,8 +9,11 @@ batches between them easy to balance. Whether it pays depends on the data, the m
 and the cluster: on the simulator's chat mix at 256 GPUs it does, on github (whose long
 documents are dense in work and come often) it does not. So `plan --auto` plays it.
 
-Thresholds tried (`thresholds`): documents spanning more than `OUTLIER_SPANS` nodes'
-token room (G x L each), where the batches hold at least `outlier_group` of them.
+Thresholds tried (`thresholds`): documents longer than `SPAN_NODES` nodes' token room (G x
+L each), and the rarer ones, about one in `RARE_EVERY` batches, where the batches hold at
+least `outlier_group` such documents. Where several outliers come in every batch the
+delay only shifts them (and its queue, full at every batch, never empties: see
+`delay_window`), so the rarer threshold is the one that can pay there.
 
 The delay changes which documents a batch holds, so its steps are compared on a window
 that trains about the same documents as the same composition without it (`delay_window`):
@@ -32,9 +35,10 @@ import numpy as np
 from ray_zep.config import Config, Packing
 from ray_zep.errors import ConfigError
 
-OUTLIER_SPANS = (2, 8)
-"""Thresholds tried, in nodes' token room (G x L): documents longer than this many nodes
-can hold are outliers."""
+SPAN_NODES = 2
+"""Documents longer than this many nodes' token room (G x L) may be outliers."""
+RARE_EVERY = 2
+"""The rarer threshold: the length of about one document in this many batches."""
 MIN_WINDOW = 12
 """Batches the delay's window holds at least: a held outlier waits up to
 `data.outlier_max_delay` batches, and a window of a few batches would compare the delay
@@ -74,17 +78,19 @@ class DelayEffect:
 
 def thresholds(config: Config, gpus_per_node: int, lengths: list[np.ndarray]) -> list[int]:
     """`data.outlier_tokens` values to try for `config` on batches of these sequence
-    lengths: `OUTLIER_SPANS` nodes' token room, where at least `data.outlier_group`
-    sequences are that long; none where the config sets a delay already or does not
-    pack a budget (rank-packed bins: whole sequences, no node-spanning floor)."""
+    lengths, ascending: `SPAN_NODES` nodes' token room, and the length that about one
+    sequence in every `RARE_EVERY` batches reaches where that is longer, each where at
+    least `data.outlier_group` sequences are that long; none where the config sets a
+    delay already or does not pack a budget (rank-packed bins: whole sequences, no
+    node-spanning floor)."""
     data = config.data
-    if data.outlier_tokens > 0 or data.packing is not Packing.BUDGET:
+    if data.outlier_tokens > 0 or data.packing is not Packing.BUDGET or not lengths:
         return []
-    node_room = gpus_per_node * config.train.tokens_per_rank
-    every = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+    spanning = SPAN_NODES * gpus_per_node * config.train.tokens_per_rank
+    every = np.sort(np.concatenate(lengths))[::-1]
+    rare = int(every[min(every.size, max(1, len(lengths) // RARE_EVERY)) - 1])
     out = []
-    for span in OUTLIER_SPANS:
-        threshold = span * node_room
+    for threshold in sorted({spanning, max(spanning, rare)}):
         if int((every >= threshold).sum()) >= data.outlier_group:
             out.append(threshold)
     return out
