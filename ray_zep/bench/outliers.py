@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> BenchResult:
                 config = case_config(args, size, model, data, args.tokens)
                 rows += case_rows(config, size, model, data, args.batches)
     spec = {"gpus": gpus, "data": args.data, "models": args.models, "tokens": args.tokens,
-            "batches": args.batches, "fill": FILL, "headroom": HEADROOM}  # fmt: skip
+            "batches": args.batches, "batch_fill": FILL, "headroom": HEADROOM}  # fmt: skip
     gains = [r.gain for r in rows if r.gain is not None]
     notes = [
         f"cluster A, zeppelin + fsdp, budget packing at fill {FILL}, L = {HEADROOM} x "

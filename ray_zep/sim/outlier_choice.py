@@ -6,8 +6,9 @@ it spans, and the rest of the cluster waits for them. Holding such documents bac
 `data.outlier_group` of them wait (`ray_zep.data.batching`, after WLB-LLM's outlier
 delay) pays that floor once for the group instead of once per document, and leaves the
 batches between them easy to balance. Whether it pays depends on the data, the model
-and the cluster: on the simulator's chat mix at 256 GPUs it does, on github (whose long
-documents are dense in work and come often) it does not. So `plan --auto` plays it.
+and the cluster: in the simulator it gains 2.0-5.1% on the chat mix at 256 GPUs, at most
+1.2% on github, and costs 1.0% on 13B chat at 1,024 GPUs (`ray-zep bench outliers`,
+BENCHMARKS.md). So `plan --auto` plays it.
 
 Thresholds tried (`thresholds`): documents longer than `SPAN_NODES` nodes' token room (G x
 L each), and the rarer ones, about one in `RARE_EVERY` batches, where the batches hold at
