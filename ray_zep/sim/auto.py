@@ -274,18 +274,22 @@ def evaluate_group(
         candidate.memory_gb, candidate.fits = worst[0] / GB, worst[1]
     runs = [RunModel.create(c, hardware, on_gpu) for c in configs]
     try:
+        # each step's timelines dropped as soon as it is played (`without_timelines`): a
+        # group's batches and switches kept them all until the end, several GB at 256 GPUs
         if WEIGHTS_AXES[run.config.parallel.weights].family is Family.WEIGHT_PASSING:
-            steps = [[simulate_batch(lengths, r, bins) for lengths, bins in batches] for r in runs]
+            steps = [[without_timelines(simulate_batch(lengths, r, bins))
+                      for lengths, bins in batches] for r in runs]  # fmt: skip
         else:
             routed = run.config.parallel.routing
-            per_batch = [simulate_plans(plan, runs, routed, remap) for plan, remap in placed]
+            per_batch = [[without_timelines(s) for s in simulate_plans(plan, runs, routed, remap)]
+                         for plan, remap in placed]  # fmt: skip
             steps = [list(s) for s in zip(*per_batch, strict=True)]
     except ZepError as exc:
         for candidate in candidates:
             candidate.error = str(exc).splitlines()[0]
         return candidates
     for candidate, mine, r in zip(candidates, steps, runs, strict=True):
-        candidate.steps = [without_timelines(s) for s in mine]
+        candidate.steps = mine
         candidate.bounds = [step_bound(lengths, r).seconds for lengths, _ in batches]
     return candidates
 
