@@ -93,27 +93,16 @@ def test_plan_summary_names_an_outlier_on_the_busiest_rank() -> None:
     """256 GPUs of cluster A, 7B, L = 5,120: on the chat mix the busiest rank works on the
     242,302-token document's group, and `ray-zep plan`'s summary says it is an outlier and
     what may help; on arxiv (no document spans two nodes) it says nothing of the kind."""
-    from ray_zep.bench.scale import batch_lengths
-    from ray_zep.partition.stats import plan_stats
-    from ray_zep.report.placement import outlier_on_busiest, summary_line
-    from ray_zep.sim.hardware import Hardware
-    from ray_zep.sim.step import RunModel, plan_batch
-    from ray_zep.topology import build_topology
+    from ray_zep.report.placement import outlier_on_busiest
+    from tests.helpers.summaries import summaries
 
-    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=32",
-                                "model.preset=7b", "train.tokens_per_rank=5120",
-                                "parallel.weights=fsdp", "parallel.sequence=zeppelin"])  # fmt: skip
-    run = RunModel.create(config, Hardware.preset(build_topology(config.topology)))
-    found = {}
-    for data in ("chat", "arxiv"):
-        plan, _ = plan_batch(batch_lengths(data, 4096 * 256, 0), run)
-        stats = plan_stats(plan, run.shape)
-        found[data] = outlier_on_busiest(plan, stats)
-        line = summary_line(plan, stats)
+    planned = summaries(["parallel.sequence=zeppelin"], ("chat", "arxiv"))
+    found = {data: outlier_on_busiest(plan, stats) for data, (plan, stats, _) in planned.items()}
+    for data, (_, _, line) in planned.items():
         assert ("an outlier whose group may set the step" in line) == (found[data] is not None)
     rank, length, nodes = found["chat"]
     assert length == 242_302 and nodes >= 2 and found["arxiv"] is None
-    plan, _ = plan_batch(batch_lengths("chat", 4096 * 256, 0), run)
+    plan = planned["chat"][0]
     assert rank in plan.placement(int(np.argmax(plan.lengths == length))).ranks
 
 

@@ -99,23 +99,12 @@ def test_plan_summary_counts_the_token_bound_ranks() -> None:
     """256 GPUs of cluster A, 7B, 4k tokens per GPU, L = 5,120: on github some ranks hold
     nearly L at half the mean work (8k-50k-token documents: ranks for their tokens), and
     `ray-zep plan`'s summary line says how many and what may help; arxiv has none."""
-    from ray_zep.bench.scale import batch_lengths
-    from ray_zep.partition.stats import plan_stats
-    from ray_zep.report.placement import summary_line, token_bound_ranks
-    from ray_zep.sim.hardware import Hardware
-    from ray_zep.sim.step import RunModel, plan_batch
-    from ray_zep.topology import build_topology
+    from ray_zep.report.placement import token_bound_ranks
+    from tests.helpers.summaries import summaries
 
-    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=32",
-                                "model.preset=7b", "train.tokens_per_rank=5120",
-                                "parallel.weights=fsdp", *BUDGET])  # fmt: skip
-    run = RunModel.create(config, Hardware.preset(build_topology(config.topology)))
     counts = {}
-    for data in ("github", "arxiv"):
-        plan, _ = plan_batch(batch_lengths(data, 4096 * 256, 0), run)
-        stats = plan_stats(plan, run.shape)
+    for data, (plan, stats, line) in summaries(BUDGET, ("github", "arxiv")).items():
         counts[data] = token_bound_ranks(plan, stats)
-        line = summary_line(plan, stats)
         assert ("at under 0.8x the mean work" in line) == (counts[data] > 0), line
     light = counts["github"]
     assert 20 <= light <= 128 and counts["arxiv"] == 0, counts
