@@ -167,3 +167,33 @@ def test_plan_auto_on_the_configured_data_plays_the_delay(tmp_path, monkeypatch,
         assert len(delayed_rows) == delays, rows
         assert all(r["outlier_delay_ratio"] > 0 for r in delayed_rows)
     assert "chosen:" in capsys.readouterr().out
+
+
+def test_plan_auto_ranks_compositions_that_cut_documents_after_those_that_do_not(
+    monkeypatch, capsys
+) -> None:
+    """On the configured data, rank-packed whole sequences cut every document longer than
+    L into pieces the config's budget-packed batches train whole: however fast, they rank
+    after the compositions that train the documents whole, marked in the table."""
+    import dataclasses
+
+    from ray_zep.cli import main
+    from ray_zep.config import Packing
+    from ray_zep.parallel.axes import Placement
+    from ray_zep.sim import auto
+
+    def two(config, world):
+        whole = dataclasses.replace(config.parallel, sequence=Placement.WHOLE)
+        data = dataclasses.replace(config.data, packing=Packing.RANK, batch_fill=1.0)
+        return [config, dataclasses.replace(config, parallel=whole, data=data)]
+
+    monkeypatch.setattr(auto, "compositions", two)
+    chosen = {}
+    monkeypatch.setattr(auto, "write_best", lambda plan, path: chosen.setdefault("plan", plan))
+    assert main(["plan", "--auto", *SMALL, "--batches", "2", "--out", "unused.yaml"]) == 0
+    plan = chosen["plan"]
+    cut = [c for c in plan.candidates if c.config.parallel.sequence is Placement.WHOLE]
+    assert [c.cut_at for c in cut] == [1000] and cut[0].steps
+    whole_docs = [c for c in plan.ranked if c.steps and c.cut_at is None]
+    assert plan.ranked.index(cut[0]) == len(whole_docs) and plan.best is whole_docs[0]
+    assert "cut at 1,000" in capsys.readouterr().out

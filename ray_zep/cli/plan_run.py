@@ -100,12 +100,14 @@ AUTO_COLUMNS = (
     Column("x bound", "over_bound", ".2f"),
     Column("GB/GPU", "memory_gb", ".1f"),
     Column("fits", "fits"),
+    Column("documents", "documents"),
 )
 
 
 def auto_table(plan: AutoPlan, limit: int = 20) -> str:
-    """The first `limit` candidates of `plan --auto`, fastest first: those that fit, those
-    that do not, then those that cannot run, each with why."""
+    """The first `limit` candidates of `plan --auto`, fastest first: those that fit and train
+    the config's documents whole, those that fit but cut them shorter, those that do not
+    fit, then those that cannot run, each with why."""
     rows = [_auto_row(place, c) for place, c in enumerate(plan.ranked[:limit], 1)]
     lines = [render_table(rows, AUTO_COLUMNS, key_columns=2)]
     hidden = len(plan.ranked) - limit
@@ -124,6 +126,7 @@ def _auto_row(place: int, candidate: Candidate) -> dict[str, object]:
         "over_bound": candidate.over_bound,
         "memory_gb": candidate.memory_gb,
         "fits": "yes" if candidate.fits else "NO",
+        "documents": "whole" if candidate.cut_at is None else f"cut at {candidate.cut_at:,}",
     }
 
 

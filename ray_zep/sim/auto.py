@@ -14,11 +14,14 @@ compositions that differ only in compression and pipeline share one placement of
 each batch, as their data actors would make the same) and gets its per-rank memory
 modelled (`ray_zep.partition.plan_memory.plan_memory`; neither switch changes it);
 the fastest that fits every rank in the GPU's memory wins, of equally fast ones
-the one with the fewest switches on. A composition that does not fit without
-activation checkpointing, where the config sets none, is placed and played again
-under the lightest that fits (`ray_zep.sim.checkpointing.fitting_options`: selective,
-linears or full on the fewest first blocks, `train.checkpoint_blocks`), and the step
-counts what backward recomputes.
+the one with the fewest switches on. A composition whose data actor cuts documents into
+pieces shorter than the config's own batches hold (rank-packed whole sequences cut at L
+what a split placement trains whole) trains a shorter context: it is ranked, marked, after
+every composition that trains the documents whole (`mark_cut_documents`). A
+composition that does not fit without activation checkpointing, where the config sets
+none, is placed and played again under the lightest that fits
+(`ray_zep.sim.checkpointing.fitting_options`: selective, linears or full on the fewest
+first blocks, `train.checkpoint_blocks`), and the step counts what backward recomputes.
 
 Where the batches are budget-packed, the fastest fitting composition is played again
 with more token room for the same batches (`ray_zep.sim.token_room`: L x 1.25 and x 1.5,
@@ -48,7 +51,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ray_zep.config import Compression, Config, MoEPipeline, Packing, config_to_yaml
+from ray_zep.config import (
+    Compression,
+    Config,
+    MoEPipeline,
+    Packing,
+    batch_budget,
+    config_to_yaml,
+)
 from ray_zep.errors import MemoryPlanError, ZepError
 from ray_zep.model_shapes import build_shape
 from ray_zep.options import ActivationCheckpointing
@@ -117,6 +127,10 @@ class Candidate:
     delay: DelayEffect | None = None
     """What the delay does on its window, against `delay_of`'s composition without it:
     the candidate's step is `delay_of`'s times its ratio (`steps` are the window's)."""
+    cut_at: int | None = None
+    """Where its data actor cuts documents the config trains longer (the longest sequence
+    its packing takes, e.g. L for rank-packed whole sequences): it trains a shorter
+    context than the config asks for, so it ranks after every composition that does not."""
 
     @property
     def over_bound(self) -> float | None:
@@ -324,25 +338,30 @@ class AutoPlan:
 
     @property
     def ranked(self) -> list[Candidate]:
+        """Those that fit and train the config's documents whole, fastest first; then those
+        that fit but cut documents shorter (`Candidate.cut_at`); then those that do not fit;
+        then those that cannot run."""
         runnable = [c for c in self.candidates if c.steps]
 
         def key(c: Candidate) -> tuple[float, int]:
             return (round(c.step_seconds, 12), c.switches_on)
 
-        fitting = sorted((c for c in runnable if c.fits), key=key)
+        fitting = sorted((c for c in runnable if c.fits and c.cut_at is None), key=key)
+        cutting = sorted((c for c in runnable if c.fits and c.cut_at is not None), key=key)
         others = sorted((c for c in runnable if not c.fits), key=key)
-        return fitting + others + [c for c in self.candidates if not c.steps]
+        return fitting + cutting + others + [c for c in self.candidates if not c.steps]
 
     @property
     def best(self) -> Candidate | None:
         first = self.ranked[0] if self.candidates else None
-        return first if first is not None and first.steps and first.fits else None
+        good = first is not None and first.steps and first.fits and first.cut_at is None
+        return first if good else None
 
     def why(self) -> str:
         """Where the winner gains most over the runner-up (the first fitting candidate that
         is not equally fast), by part of the step; and what its token room or outlier delay
         buys over the same composition without it."""
-        fitting = [c for c in self.ranked if c.steps and c.fits]
+        fitting = [c for c in self.ranked if c.steps and c.fits and c.cut_at is None]
         best = fitting[0] if fitting else None
         if best is None:
             return "no composition runs and fits"
@@ -386,6 +405,7 @@ class AutoPlan:
                 "outlier_delay_ratio": c.delay.ratio if c.delay is not None else None,
                 "memory_gb": c.memory_gb if c.steps else None,
                 "fits": c.fits,
+                "cuts_documents_at": c.cut_at,
                 "error": c.error,
             }
             for c in self.ranked
@@ -404,17 +424,43 @@ def auto_plan(
     the same sampled lengths for all, or the configured data as each composition's data
     actor would draw it (whole sequences are rank-packed). `data_of(config, count)`: the
     configured data's first `count` batches under `config`, where the batches are the
-    data's (None for sampled lengths: no outlier delay is played); `window`: the batches
+    data's (None for sampled lengths, the same for every composition: no outlier delay is
+    played and no composition cuts documents, `mark_cut_documents`); `window`: the batches
     the delay's comparison holds at least (never fewer than `MIN_WINDOW`)."""
     candidates = []
     for _, alike in itertools.groupby(compositions(config, hardware.devices), key=_placement):
         candidates += _evaluated(list(alike), hardware, batches_of, on_gpu)
     candidates += _roomier(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
     candidates += _micro_batched(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
-    if data_of is not None:
+    if data_of is not None:  # the data's batches, each composition's as its actor draws them
         ranked = AutoPlan(candidates)
         candidates += delayed_candidates(ranked, config, hardware, data_of, on_gpu, window)
+        mark_cut_documents(candidates, config, hardware.devices, batches_of)
     return AutoPlan(candidates)
+
+
+def mark_cut_documents(
+    candidates: list[Candidate],
+    config: Config,
+    world: int,
+    batches_of: Callable[[Config], Batches],
+) -> None:
+    """Set `Candidate.cut_at` where a candidate's data actor cuts documents into pieces
+    shorter than the longest sequence the config's own batches hold (`data.overlong`:
+    rank-packed whole-sequence compositions cut at L what the config trains whole)."""
+    from ray_zep.data.batching import resolve_max_doc_tokens
+
+    try:
+        longest = max((int(lengths.max()) for lengths, _ in batches_of(config) if lengths.size),
+                      default=0)  # fmt: skip
+    except ZepError:
+        return
+    for candidate in candidates:
+        data, capacity = candidate.config.data, candidate.config.train.tokens_per_rank
+        budget = batch_budget(data.batch_fill, world, capacity)
+        limit = resolve_max_doc_tokens(data.max_doc_tokens, data.packing, budget, capacity)
+        if limit < longest:
+            candidate.cut_at = limit
 
 
 def _evaluated(
