@@ -76,14 +76,14 @@ def test_plan_auto_ranks_the_delay_at_the_composition_s_step_times_its_ratio(tmp
     assert len(candidate.steps) == delay.batches
     (plain,) = evaluate_group([config], hardware, data_of(config, delay.batches), on_gpu)
     assert delay.plain_tokens_per_second == pytest.approx(plain.tokens_per_second)
-    assert delay.delayed_tokens_per_second == pytest.approx(candidate.tokens_per_second)
-    ratio = plain.tokens_per_second / candidate.tokens_per_second
+    window = sum(s.tokens for s in candidate.steps) / sum(s.step_seconds for s in candidate.steps)
+    assert delay.delayed_tokens_per_second == pytest.approx(window)
+    ratio = plain.tokens_per_second / window
     assert delay.ratio == pytest.approx(ratio) and delay.ratio != pytest.approx(1.0)
     assert candidate.step_seconds == pytest.approx(searched[0].step_seconds * ratio)
+    assert candidate.tokens_per_second == pytest.approx(searched[0].tokens_per_second / ratio)
     plan = AutoPlan([candidate])
-    assert f"with data.outlier_tokens = 4000 it trains {candidate.tokens_per_second:,.0f}" in (
-        plan.why()
-    )
+    assert f"with data.outlier_tokens = 4000 it trains {window:,.0f}" in plan.why()
     assert load_config(write_best(plan, tmp_path / "best.yaml"), []).data.outlier_tokens == 4000
     sampled = delayed_candidates(AutoPlan(searched), config, hardware, data_of, on_gpu, 0)
     assert [c.name for c in sampled] == [candidate.name]  # a window of at least MIN_WINDOW

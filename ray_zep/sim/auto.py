@@ -187,6 +187,9 @@ class Candidate:
 
     @property
     def tokens_per_second(self) -> float:
+        """Over its steps; with `delay`, `delay_of`'s over the delay's ratio (as its step)."""
+        if self.delay is not None and self.delay_of is not None and self.steps:
+            return self.delay_of.tokens_per_second / self.delay.ratio
         seconds = sum(s.step_seconds for s in self.steps)
         return sum(s.tokens for s in self.steps) / seconds if seconds else 0.0
 
@@ -370,13 +373,13 @@ class AutoPlan:
             out = "the only composition that runs and fits, or all are equally fast"
         else:
             second = slower[0]
-            mine, theirs = best.breakdown(), second.breakdown()
-            part = max(mine, key=lambda k: theirs[k] - mine[k])
             gain = second.step_seconds / best.step_seconds
-            out = (
-                f"{gain:.2f}x faster than the runner-up {second.name}: most of it in "
-                f"{part} ({mine[part] * 1e3:.1f} ms against {theirs[part] * 1e3:.1f} ms a step)"
-            )
+            out = f"{gain:.2f}x faster than the runner-up {second.name}"
+            if best.delay is None and second.delay is None:  # parts of the same batches
+                mine, theirs = best.breakdown(), second.breakdown()
+                part = max(mine, key=lambda k: theirs[k] - mine[k])
+                out += (f": most of it in {part} ({mine[part] * 1e3:.1f} ms against "
+                        f"{theirs[part] * 1e3:.1f} ms a step)")  # fmt: skip
         base = best.room_of
         if base is not None and base.steps:
             out += (
