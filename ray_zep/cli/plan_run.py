@@ -126,7 +126,7 @@ def _auto_row(place: int, candidate: Candidate) -> dict[str, object]:
         "over_bound": candidate.over_bound,
         "memory_gb": candidate.memory_gb,
         "fits": "yes" if candidate.fits else "NO",
-        "documents": "whole" if candidate.cut_at is None else f"cut at {candidate.cut_at:,}",
+        "documents": "uncut" if candidate.cut_at is None else f"cut at {candidate.cut_at:,}",
     }
 
 
