@@ -19,7 +19,7 @@ from ray_zep.partition.stats import PlanStats, plan_stats
 from ray_zep.report.layers import LayerReport
 from ray_zep.report.placement import draw_placement, plan_record, rank_table
 from ray_zep.report.text_table import Column, render_table
-from ray_zep.sim.auto import AutoPlan, Candidate
+from ray_zep.sim.auto_ranking import AutoPlan, Candidate
 from ray_zep.sim.bound import step_bound
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
