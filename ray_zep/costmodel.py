@@ -265,7 +265,7 @@ class ComputeRates:
 
 CODEC_DRAM_FRACTION = 0.133
 """Share of a GPU's DRAM bandwidth our ZipCCL codec reaches, in the rule of
-`ray_zep.sim.wire.codec_bytes_s` (original bytes over 1 + 1 / ratio): its CUDA compress
+`codec_rule_bytes_s` (original bytes over 1 + 1 / ratio): its CUDA compress
 measured on an H200, 374 GB/s of bf16 at 256 MiB a call (BENCHMARKS.md, fourth GPU
 series; 372.5 in the sixth). Its decompress, about 600 GB/s there, is charged at the same
 rate, and its host cost per call (40-47 us there) not at all. A calibration that timed

@@ -74,6 +74,8 @@ def test_plan_auto_ranks_the_delay_at_the_composition_s_step_times_its_ratio(tmp
     assert candidate.name.endswith("+outlier_tokens=4000") and candidate.delay_of is searched[0]
     assert delay.threshold == 4000 and delay.batches >= MIN_WINDOW and delay.held_at_end == 0
     assert len(candidate.steps) == delay.batches
+    drawn = data_of(candidate.config, delay.batches)  # the delayed window, drawn again
+    assert delay.outliers == sum(int((a >= 4000).sum()) for a, _ in drawn) >= 2
     (plain,) = evaluate_group([config], hardware, data_of(config, delay.batches), on_gpu)
     assert delay.plain_tokens_per_second == pytest.approx(plain.tokens_per_second)
     window = sum(s.tokens for s in candidate.steps) / sum(s.step_seconds for s in candidate.steps)

@@ -131,7 +131,8 @@ def case_rows(config: Config, gpus: int, model: str, data: str, count: int) -> l
         return [OutlierRow(gpus, data, model, None, note=searched[0].error or "not placed")]
     tried = delayed_candidates(AutoPlan(searched), config, hardware, data_of, on_gpu, count)
     if not tried:
-        return [OutlierRow(gpus, data, model, None, note="too few documents span 2 nodes")]
+        few = f"too few documents span {SPAN_NODES} nodes"
+        return [OutlierRow(gpus, data, model, None, note=few)]
     rows = []
     for candidate in tried:
         delay = candidate.delay
@@ -139,9 +140,7 @@ def case_rows(config: Config, gpus: int, model: str, data: str, count: int) -> l
         if delay is None:
             rows.append(OutlierRow(gpus, data, model, threshold, note=candidate.error or ""))
             continue
-        window = data_of(candidate.config, delay.batches)
-        outliers = sum(int((lengths >= threshold).sum()) for lengths, _ in window)
-        rows.append(OutlierRow(gpus, data, model, threshold, delay.batches, outliers,
+        rows.append(OutlierRow(gpus, data, model, threshold, delay.batches, delay.outliers,
                                delay.plain_tokens_per_second / gpus,
                                delay.delayed_tokens_per_second / gpus, delay.held_at_end,
                                candidate.fits, "not ranked: outliers held" if delay.held_at_end

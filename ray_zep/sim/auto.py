@@ -407,8 +407,9 @@ def delayed_candidates(
         (candidate,) = evaluate_group([trial], hardware, window, on_gpu)
         without = plain[len(window)]
         if candidate.steps and without.steps:
+            outliers = sum(int((lengths >= threshold).sum()) for lengths, _ in window)
             candidate.delay = DelayEffect(threshold, len(window), without.tokens_per_second,
-                                          candidate.tokens_per_second, held)  # fmt: skip
+                                          candidate.tokens_per_second, held, outliers)  # fmt: skip
             candidate.delay_of = best
         if held:  # its window leaves outliers for later: no fair comparison, not ranked
             candidate.error = (f"{held} outliers still held after {len(window)} batches: "

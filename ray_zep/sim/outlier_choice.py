@@ -62,6 +62,7 @@ class DelayEffect:
         delayed_tokens_per_second: with it.
         held_at_end: outliers still held after the window (0 unless `MAX_EXTENSION` ran
             out: then the window leaves their tokens for later).
+        outliers: sequences of the delayed window at least `threshold` long.
     """
 
     threshold: int
@@ -69,6 +70,7 @@ class DelayEffect:
     plain_tokens_per_second: float
     delayed_tokens_per_second: float
     held_at_end: int = 0
+    outliers: int = 0
 
     @property
     def ratio(self) -> float:
