@@ -10,15 +10,13 @@ traffic. The data actor cuts the batch into rank shards from it
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from ray_zep.config import Config, ZonePolicy
 from ray_zep.costmodel import preset_rates
+from ray_zep.cycle_collection import paused
 from ray_zep.model_shapes import ModelShape
 from ray_zep.options import DkvWire
 from ray_zep.parallel.axes import SEQUENCE_AXES
@@ -85,22 +83,8 @@ def plan_step(
     parallel = config.parallel
     if SEQUENCE_AXES[parallel.sequence].whole_sequences:
         return StepPlan()
-    with _no_cycle_collection():
+    with paused():  # a plan's objects are freed by reference counting
         return _plan_step(lengths, config, topology, shape)
-
-
-@contextlib.contextmanager
-def _no_cycle_collection() -> Iterator[None]:
-    """The cyclic garbage collector paused: a plan's objects are freed by reference
-    counting, and a full collection in the middle of one (every few plans at 1,024 GPUs,
-    when the allocations pass its threshold) took 60-70 ms of a 130 ms plan."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _plan_step(

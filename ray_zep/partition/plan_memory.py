@@ -258,10 +258,13 @@ def plan_memory(
 
     def ranks_of(cfg: Config) -> list[RankMemory]:
         out = []
+        modelled: dict[tuple, RankMemory] = {}  # the ranks of a ring hold alike
         for rank, held in enumerate(tokens):
             ring = sum(n for zone, n in stats.zones[rank].items() if zone != Zone.LOCAL.value)
-            kept = float(stats.kept_kv_tokens[rank])
-            out.append(rank_memory(cfg, topology, shape, held, ring, kept))
+            key = (held, ring, float(stats.kept_kv_tokens[rank]))
+            if key not in modelled:
+                modelled[key] = rank_memory(cfg, topology, shape, *key)
+            out.append(modelled[key])
         return out
 
     weights = config.parallel.weights

@@ -159,16 +159,34 @@ def _placement(config: Config) -> tuple:
     return (p.sequence, p.weights, p.ep, p.routing, p.remap, p.zone_policy, config.data.packing)
 
 
+_REMAP = 4
+"""Where `_placement` holds `parallel.remap`."""
+
+
+def _remap_off(key: tuple) -> tuple:
+    """`_placement`'s key of the same composition with the remapping layer off."""
+    return (*key[:_REMAP], False, *key[_REMAP + 1 :])
+
+
 Batches = list[tuple[np.ndarray, list[list[int]] | None]]
 """(lengths, rank bins or None) of each batch a candidate trains."""
 
 
 def evaluate_group(
-    configs: list[Config], hardware: Hardware, batches: Batches, on_gpu: bool
+    configs: list[Config],
+    hardware: Hardware,
+    batches: Batches,
+    on_gpu: bool,
+    twin: list[Candidate] | None = None,
 ) -> list[Candidate]:
     """The candidates of compositions that place batches alike (`_placement`): simulated
     steps and modelled memory, each batch placed and its memory modelled once, then
-    played under each one's switches."""
+    played under each one's switches.
+
+    `twin`: the same compositions with the remapping layer off, already evaluated. Where
+    the remap policy moves none of these batches, the plans and the runs are the twin's
+    (nothing else reads `parallel.remap`), and so are the steps: they are taken from it
+    instead of played again."""
     candidates = [Candidate(c) for c in configs]
     try:
         run, placed, stats, worst = _placed(configs[0], hardware, batches, on_gpu)
@@ -187,6 +205,8 @@ def evaluate_group(
         return candidates
     for candidate in candidates:
         candidate.memory_gb, candidate.fits = worst[0] / GB, worst[1]
+    if _played_by_twin(candidates, placed, twin):
+        return candidates
     runs = [RunModel.create(c, hardware, on_gpu) for c in configs]
     try:
         # each step's timelines dropped as soon as it is played (`without_timelines`): a
@@ -207,6 +227,23 @@ def evaluate_group(
         candidate.steps = mine
         candidate.bounds = [step_bound(lengths, r).seconds for lengths, _ in batches]
     return candidates
+
+
+def _played_by_twin(candidates: list[Candidate], placed, twin: list[Candidate] | None) -> bool:
+    """Whether `twin` (`evaluate_group`) has played these candidates' steps: no batch
+    remapped, and each twin the same composition but for the remap; where so, its steps
+    and bounds are copied over."""
+    if twin is None or len(twin) != len(candidates) or any(r is not None for _, r in placed):
+        return False
+    for candidate, other in zip(candidates, twin, strict=True):
+        config = candidate.config
+        off = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
+                                                                       remap=False))  # fmt: skip
+        if off != other.config or not other.steps:
+            return False
+    for candidate, other in zip(candidates, twin, strict=True):
+        candidate.steps, candidate.bounds = list(other.steps), list(other.bounds)
+    return True
 
 
 def without_timelines(step: StepResult) -> StepResult:
@@ -247,8 +284,13 @@ def auto_plan(
     played and no composition cuts documents, `mark_cut_documents`); `window`: the batches
     the delay's comparison holds at least (never fewer than `MIN_WINDOW`)."""
     candidates = []
-    for _, alike in itertools.groupby(compositions(config, hardware.devices), key=_placement):
-        candidates += _evaluated(list(alike), hardware, batches_of, on_gpu)
+    without_remap: dict[tuple, list[Candidate]] = {}  # evaluated groups with the remap off
+    for key, alike in itertools.groupby(compositions(config, hardware.devices), key=_placement):
+        twin = without_remap.get(_remap_off(key)) if key[_REMAP] else None
+        group = _evaluated(list(alike), hardware, batches_of, on_gpu, twin)
+        if not key[_REMAP]:
+            without_remap[key] = group
+        candidates += group
     candidates += _roomier(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
     candidates += _micro_batched(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
     if data_of is not None:  # the data's batches, each composition's as its actor draws them
@@ -287,6 +329,7 @@ def _evaluated(
     hardware: Hardware,
     batches_of: Callable[[Config], Batches],
     on_gpu: bool,
+    twin: list[Candidate] | None = None,
 ) -> list[Candidate]:
     """`evaluate_group` on the batches `batches_of` gives the group's first composition;
     where it cannot give them, every composition with that one-line error."""
@@ -294,7 +337,7 @@ def _evaluated(
         batches = batches_of(group[0])
     except ZepError as exc:
         return [Candidate(c, error=str(exc).splitlines()[0]) for c in group]
-    return evaluate_group(group, hardware, batches, on_gpu)
+    return evaluate_group(group, hardware, batches, on_gpu, twin)
 
 
 def _roomier(

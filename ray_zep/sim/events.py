@@ -26,8 +26,11 @@ import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 import numpy as np
+
+from ray_zep.cycle_collection import without_cycle_collection
 
 
 class Lane(Enum):
@@ -40,9 +43,8 @@ class Lane(Enum):
     """Join points and collectives' bookkeeping (not drawn)."""
 
 
-@dataclass(frozen=True)
-class Task:
-    """One unit of work.
+class Task(NamedTuple):
+    """One unit of work (a named tuple: a layer's graph holds hundreds of thousands).
 
     Attributes:
         name: what it is (for timelines and tests).
@@ -111,7 +113,8 @@ class TaskGraph:
 
 
 def _ids(deps) -> tuple[int, ...]:
-    return tuple(d for d in deps if d is not None)
+    ids = tuple(deps)
+    return tuple(d for d in ids if d is not None) if None in ids else ids
 
 
 @dataclass
@@ -151,6 +154,7 @@ class Timeline:
         return total
 
 
+@without_cycle_collection
 def simulate(graph: TaskGraph, pool: CorePool | None = None) -> Timeline:
     """Schedule every task of `graph` (see the module docstring); with `pool`, the
     compute tasks share its cores.
@@ -161,45 +165,53 @@ def simulate(graph: TaskGraph, pool: CorePool | None = None) -> Timeline:
     """
     waiting, successors = _dependencies(graph)
     if pool is not None:
-        return _simulate_shared(graph, pool, waiting, successors)
+        return _simulate_shared(graph, pool, np.asarray(waiting), successors)
     tasks = graph.tasks
     count = len(tasks)
-    ready_at = np.zeros(count)
-    start, end = np.zeros(count), np.zeros(count)
-    free: dict = defaultdict(float)
+    # Python lists and floats: the loop reads and writes one task at a time
+    durations = [t.duration for t in tasks]
+    resources = [t.resources for t in tasks]
+    ready_at = [0.0] * count
+    start, end = [0.0] * count, [0.0] * count
+    free: dict = {}
     heap = [(0.0, index) for index in range(count) if waiting[index] == 0]
     heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
     done = 0
     while heap:
-        ready, index = heapq.heappop(heap)
-        task = tasks[index]
-        begin = max([ready, *(free[r] for r in task.resources)])
-        finish = begin + task.duration
-        for resource in task.resources:
+        begin, index = pop(heap)
+        held = resources[index]
+        for resource in held:
+            at = free.get(resource, 0.0)
+            if at > begin:
+                begin = at
+        finish = begin + durations[index]
+        for resource in held:
             free[resource] = finish
         start[index], end[index] = begin, finish
         done += 1
         for succ in successors[index]:
-            ready_at[succ] = max(ready_at[succ], finish)
-            waiting[succ] -= 1
-            if waiting[succ] == 0:
-                heapq.heappush(heap, (float(ready_at[succ]), succ))
+            if ready_at[succ] < finish:
+                ready_at[succ] = finish
+            left = waiting[succ] - 1
+            waiting[succ] = left
+            if not left:
+                push(heap, (ready_at[succ], succ))
     if done != count:
         raise ValueError(f"{count - done} tasks never became ready")
-    return Timeline(graph, start, end)
+    return Timeline(graph, np.asarray(start), np.asarray(end))
 
 
-def _dependencies(graph: TaskGraph) -> tuple[np.ndarray, list[list[int]]]:
+def _dependencies(graph: TaskGraph) -> tuple[list[int], list[list[int]]]:
     """(count of unfinished dependencies, successors) of every task."""
     tasks = graph.tasks
-    waiting = np.zeros(len(tasks), dtype=np.int64)
+    waiting = [len(task.deps) for task in tasks]
     successors: list[list[int]] = [[] for _ in tasks]
     for index, task in enumerate(tasks):
         for dep in task.deps:
             if not 0 <= dep < index:
                 raise ValueError(f"task {index} ({task.name}) depends on task {dep}")
             successors[dep].append(index)
-        waiting[index] = len(task.deps)
     return waiting, successors
 
 

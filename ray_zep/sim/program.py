@@ -49,6 +49,7 @@ from ray_zep.costmodel import (
     linear_flops_per_token,
     pointwise_elements_per_token,
 )
+from ray_zep.cycle_collection import without_cycle_collection
 from ray_zep.options import CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES
 from ray_zep.partition.exchange import Play
@@ -437,6 +438,7 @@ PLAYS = {Play.ROTATE: _Builder.rotated_item, Play.GATHER: _Builder.gathered_item
 """Each play's builder of one queue item: (builder, item index, item, position layouts)."""
 
 
+@without_cycle_collection
 def layer_graph(setup: LayerSetup, phase: Phase) -> TaskGraph:
     """The task graph of one layer's forward or backward on every rank (module docstring)."""
     build = _Builder(setup, phase)
@@ -449,6 +451,7 @@ Wire = tuple[WireCodec, tuple[float, float]]
 (`LayerSetup.codec`, `LayerSetup.weight_sync`)."""
 
 
+@without_cycle_collection
 def layer_graphs(setup: LayerSetup, phase: Phase, wires: Sequence[Wire]) -> list[TaskGraph]:
     """`layer_graph` of `setup` under each of `wires` in place of its own: the program is
     built once, and only the durations the wire changes (messages, the weight
@@ -534,6 +537,7 @@ def _layer_program(build: _Builder) -> None:
         build.wait(rank, [task])
 
 
+@without_cycle_collection
 def attention_graph(setup: LayerSetup, phase: Phase) -> TaskGraph:
     """The task graph of one layer's attention engine alone (no linear modules, no remap)."""
     build = _Builder(setup, phase)

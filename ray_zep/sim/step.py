@@ -62,6 +62,7 @@ from ray_zep.costmodel import (
     ComputeRates,
     head_flops_per_token,
 )
+from ray_zep.cycle_collection import without_cycle_collection
 from ray_zep.model_shapes import ModelShape, build_shape
 from ray_zep.options import ActivationCheckpointing, CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, WeightsMode
@@ -203,6 +204,7 @@ class StepResult:
         }
 
 
+@without_cycle_collection
 def simulate_batch(
     lengths: np.ndarray, run: RunModel, bins: list[list[int]] | None = None
 ) -> StepResult:
@@ -254,6 +256,7 @@ def simulate_plan(
     return simulate_plans(plan, [run], routed, remap)[0]
 
 
+@without_cycle_collection
 def simulate_plans(
     plan: AttentionPlan,
     runs: list[RunModel],
