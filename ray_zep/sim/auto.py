@@ -23,6 +23,15 @@ none, is placed and played again under the lightest that fits
 (`ray_zep.sim.checkpointing.fitting_options`: selective, linears or full on the fewest
 first blocks, `train.checkpoint_blocks`), and the step counts what backward recomputes.
 
+Two shortcuts leave every figure the search prints as playing everything gives it. A
+composition with the remapping layer on whose remap policy moves none of its batches
+places and plays them as the same composition with it off, and takes that one's steps. And
+a group of compositions whose every step has a floor above the second fastest composition
+played so far (each batch's bound, or the ring K/V and dK/dV its busiest NIC must send,
+`ray_zep.sim.kv_floor`, whichever is higher) is not played: it can be neither the winner
+nor the runner-up, nor the composition token room, micro-batches and outlier delay are
+played from. It is listed with its floor.
+
 Where the batches are budget-packed, the fastest fitting composition is played again
 with more token room for the same batches (`ray_zep.sim.token_room`: L x 1.25 and x 1.5,
 `data.batch_fill` lowered so that the batch budget stays), and ranked with the rest.
@@ -72,7 +81,7 @@ from ray_zep.parallel.memory import GB
 from ray_zep.partition.plan_memory import plan_memory
 from ray_zep.partition.registry import spec_of
 from ray_zep.partition.stats import plan_stats
-from ray_zep.sim.auto_ranking import AutoPlan, Candidate
+from ray_zep.sim.auto_ranking import TIE, AutoPlan, Candidate
 from ray_zep.sim.bound import step_bound
 from ray_zep.sim.checkpointing import (
     checkpointing_as,
@@ -80,6 +89,7 @@ from ray_zep.sim.checkpointing import (
     plans_peak,
 )
 from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.kv_floor import kv_floor_seconds
 from ray_zep.sim.micro_step import MICRO_BATCHES, micro_batched, micro_batched_steps, split_batch
 from ray_zep.sim.outlier_choice import (
     MIN_WINDOW,
@@ -178,6 +188,7 @@ def evaluate_group(
     batches: Batches,
     on_gpu: bool,
     twin: list[Candidate] | None = None,
+    above: float | None = None,
 ) -> list[Candidate]:
     """The candidates of compositions that place batches alike (`_placement`): simulated
     steps and modelled memory, each batch placed and its memory modelled once, then
@@ -186,7 +197,10 @@ def evaluate_group(
     `twin`: the same compositions with the remapping layer off, already evaluated. Where
     the remap policy moves none of these batches, the plans and the runs are the twin's
     (nothing else reads `parallel.remap`), and so are the steps: they are taken from it
-    instead of played again."""
+    instead of played again.
+
+    `above`: where set, a composition of the autograd family whose step cannot be under it
+    (`_over_their_floor`) is not played; it keeps its memory and bounds, and says why."""
     candidates = [Candidate(c) for c in configs]
     try:
         run, placed, stats, worst = _placed(configs[0], hardware, batches, on_gpu)
@@ -208,10 +222,18 @@ def evaluate_group(
     if _played_by_twin(candidates, placed, twin):
         return candidates
     runs = [RunModel.create(c, hardware, on_gpu) for c in configs]
+    for candidate, r in zip(candidates, runs, strict=True):
+        candidate.bounds = [step_bound(lengths, r).seconds for lengths, _ in batches]
+    played = list(range(len(candidates)))
+    if above is not None and WEIGHTS_AXES[run.config.parallel.weights].family is Family.AUTOGRAD:
+        played = _over_their_floor(candidates, runs, placed, above)
     try:
         # each step's timelines dropped as soon as it is played (`without_timelines`): a
         # group's batches and switches kept them all until the end, several GB at 256 GPUs
-        if WEIGHTS_AXES[run.config.parallel.weights].family is Family.WEIGHT_PASSING:
+        runs = [runs[i] for i in played]
+        if not runs:
+            steps = []
+        elif WEIGHTS_AXES[run.config.parallel.weights].family is Family.WEIGHT_PASSING:
             steps = [[without_timelines(simulate_batch(lengths, r, bins))
                       for lengths, bins in batches] for r in runs]  # fmt: skip
         else:
@@ -223,10 +245,29 @@ def evaluate_group(
         for candidate in candidates:
             candidate.error = str(exc).splitlines()[0]
         return candidates
-    for candidate, mine, r in zip(candidates, steps, runs, strict=True):
-        candidate.steps = mine
-        candidate.bounds = [step_bound(lengths, r).seconds for lengths, _ in batches]
+    for i, mine in zip(played, steps, strict=True):
+        candidates[i].steps = mine
     return candidates
+
+
+def _over_their_floor(candidates: list[Candidate], runs, placed, above: float) -> list[int]:
+    """The indices of `candidates` to play: all of them where one's floor (each batch's bound
+    or the ring bytes its busiest NIC sends, `kv_floor_seconds`, whichever is higher, over
+    the batches) is not above `above` (the group shares one layer program: one candidate's
+    play costs about all of theirs), else none, each saying why."""
+    routed = runs[0].config.parallel.routing
+    floors = []
+    for candidate, run in zip(candidates, runs, strict=True):
+        floors.append(float(np.mean([max(bound, kv_floor_seconds(plan, run, routed))
+                                     for bound, (plan, _) in zip(candidate.bounds, placed,
+                                                                 strict=True)])))  # fmt: skip
+    if min(floors) <= above:
+        return list(range(len(candidates)))
+    for candidate, floor in zip(candidates, floors, strict=True):
+        candidate.error = (f"not played: a step takes at least {floor:.3f} s here (its bound "
+                           f"and the ring bytes its busiest NIC sends), over the {above:.3f} s "
+                           "of two faster compositions")  # fmt: skip
+    return []
 
 
 def _played_by_twin(candidates: list[Candidate], placed, twin: list[Candidate] | None) -> bool:
@@ -287,7 +328,8 @@ def auto_plan(
     without_remap: dict[tuple, list[Candidate]] = {}  # evaluated groups with the remap off
     for key, alike in itertools.groupby(compositions(config, hardware.devices), key=_placement):
         twin = without_remap.get(_remap_off(key)) if key[_REMAP] else None
-        group = _evaluated(list(alike), hardware, batches_of, on_gpu, twin)
+        above = _second_fastest(candidates, config.data.packing)
+        group = _evaluated(list(alike), hardware, batches_of, on_gpu, twin, above)
         if not key[_REMAP]:
             without_remap[key] = group
         candidates += group
@@ -298,6 +340,18 @@ def auto_plan(
         candidates += delayed_candidates(ranked, config, hardware, data_of, on_gpu, window)
         mark_cut_documents(candidates, config, hardware.devices, batches_of)
     return AutoPlan(candidates)
+
+
+def _second_fastest(candidates: list[Candidate], packing: Packing) -> float | None:
+    """The step of the second fastest of the played compositions that split sequences, fit,
+    and pack as the config's (`packing`), not as fast as the fastest; None where fewer
+    than two such. A composition slower than it is neither the winner nor the runner-up,
+    nor the fastest budget-packed one that token room, micro-batches and outlier delay are
+    played from, so `evaluate_group` need not play it."""
+    steps = sorted(c.step_seconds for c in candidates
+                   if c.steps and c.fits and c.config.data.packing is packing
+                   and not SEQUENCE_AXES[c.config.parallel.sequence].whole_sequences)  # fmt: skip
+    return next((s for s in steps if s > steps[0] * TIE), None) if steps else None
 
 
 def mark_cut_documents(
@@ -330,6 +384,7 @@ def _evaluated(
     batches_of: Callable[[Config], Batches],
     on_gpu: bool,
     twin: list[Candidate] | None = None,
+    above: float | None = None,
 ) -> list[Candidate]:
     """`evaluate_group` on the batches `batches_of` gives the group's first composition;
     where it cannot give them, every composition with that one-line error."""
@@ -337,7 +392,7 @@ def _evaluated(
         batches = batches_of(group[0])
     except ZepError as exc:
         return [Candidate(c, error=str(exc).splitlines()[0]) for c in group]
-    return evaluate_group(group, hardware, batches, on_gpu, twin)
+    return evaluate_group(group, hardware, batches, on_gpu, twin, above)
 
 
 def _roomier(

@@ -21,6 +21,9 @@ from ray_zep.sim.checkpointing import checkpointing_label
 from ray_zep.sim.outlier_choice import DelayEffect
 from ray_zep.sim.step import StepResult
 
+TIE = 1.001
+"""Steps within this factor of the winner's are as fast: the runner-up is the first slower."""
+
 
 @dataclass
 class Candidate:
@@ -158,7 +161,7 @@ class AutoPlan:
         best = fitting[0] if fitting else None
         if best is None:
             return "no composition runs and fits"
-        slower = [c for c in fitting[1:] if c.step_seconds > best.step_seconds * 1.001]
+        slower = [c for c in fitting[1:] if c.step_seconds > best.step_seconds * TIE]
         if not slower:
             out = "the only composition that runs and fits, or all are equally fast"
         else:

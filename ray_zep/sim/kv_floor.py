@@ -1,0 +1,76 @@
+"""A floor under a plan's simulated step from the ring bytes its nodes must send, worked out
+from the plan alone (no layer graph): `plan --auto` skips playing a composition whose
+floor is above steps it has already played (`ray_zep.sim.auto`).
+
+A rotating ring (`Play.ROTATE`) passes each position's K/V block to the next position
+R - 1 times in every layer's forward, so the hop from position p to p + 1 carries every
+block but p + 1's own; the backward passes them again unless the ring kept them
+(`ExchangeKind.keeps_kv`), and passes the dK/dV accumulators R times, every block
+(`ray_zep.sim.ring_form`: the same rows, in the dK/dV wire's dtype; items that send their
+dK/dV straight to the owners, `parallel.dkv_wire=owner`, are left out of that part).
+Under Ulysses each of the U members of a position carries its share of the K/V heads.
+Where a hop crosses nodes those bytes leave the sending node: direct, through the sender's
+own NIC; routed, through the NICs of the node's proxies (a routed transfer crosses between
+the two nodes once). A NIC sends at most `nic_bandwidth` bytes a second, so each phase of
+every layer lasts at least the busiest NIC's bytes (direct hops) or the busiest node's over
+all its NICs (routed) over that; zipped (`comm.compression` on any stream) the bytes shrink
+by at most ZipCCL's best ratio. Everything else a step does (compute, latencies, the
+weights' collectives) only adds to it, so the floor is below the simulated step of any
+composition of the autograd family (`tests/test_kv_floor.py` checks it against the
+simulator).
+
+Shapes: R ring positions, U members per position.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ray_zep.partition.exchange import Play
+from ray_zep.partition.plan import AttentionPlan
+from ray_zep.sim.step import RunModel
+from ray_zep.sim.wire import ZIP_RATIOS
+
+
+def kv_floor_seconds(plan: AttentionPlan, run: RunModel, routed: bool) -> float:
+    """The least seconds a step of `plan` under `run` spends sending ring K/V and dK/dV
+    out of its busiest NIC or node, forward and backward, every layer (module docstring);
+    0 where no ring crosses nodes.
+
+    Args:
+        plan: the batch's attention plan.
+        run: the run (model, the wire's element and dK/dV bytes, the codec).
+        routed: inter-node ring hops go through proxies (`parallel.routing`).
+    """
+    topology = plan.topology
+    if topology.nodes < 2 or not topology.nic_bandwidth > 0:
+        return 0.0
+    shape, gpus = run.shape, topology.gpus_per_node
+    lanes = 1 if routed else topology.nics_per_node  # what a node's bytes are counted on
+    sent = np.zeros((2, topology.nodes, lanes))  # forward, backward
+    nic = np.asarray([topology.nic_of(r) for r in range(gpus)], dtype=np.int64)
+    for item in plan.items():
+        ring = item.ring_size
+        if ring < 2 or item.exchange_kind.play_for(ring) is not Play.ROTATE:
+            continue
+        u = item.ulysses
+        heads = shape.n_kv_heads // u if u <= shape.n_kv_heads else 1
+        values = 2 * heads * shape.head_dim  # K and V of one row, per member
+        rows = np.asarray(plan.position_tokens(item), dtype=np.float64)
+        others = rows.sum() - np.roll(rows, -1)  # hop p -> p + 1: every block but p + 1's
+        forward = others * values * run.element_bytes
+        backward = np.zeros(ring) if item.exchange_kind.keeps_kv else forward
+        if not (run.dkv_owner and item.owner_dkv):
+            backward = backward + rows.sum() * values * run.dkv_bytes
+        ranks = np.asarray(item.ranks, dtype=np.int64).reshape(ring, u)
+        nodes = ranks // gpus
+        across = nodes != np.roll(nodes, -1, axis=0)
+        lane = np.zeros_like(ranks) if routed else nic[ranks % gpus]
+        for phase, carried in enumerate((forward, backward)):
+            per_member = np.broadcast_to(carried[:, None], ranks.shape)
+            np.add.at(sent[phase], (nodes[across], lane[across]), per_member[across])
+    capacity = topology.nic_bandwidth * (topology.nics_per_node if routed else 1)
+    zipped = any(run.codec().zips(stream) for stream in run.config.comm.compression_streams)
+    ratio = max(ZIP_RATIOS.values()) if zipped else 1.0
+    busiest = sent.reshape(2, -1).max(axis=1).sum()
+    return shape.n_layers * float(busiest) / ratio / capacity

@@ -1,0 +1,77 @@
+"""The floor `plan --auto` prunes with is below every simulated step, close under the
+ring-bound ones, and pruning leaves the ranking's winner, runner-up and played steps as
+playing everything does."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_zep.bench.scale import batch_lengths
+from ray_zep.config import load_config
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.kv_floor import kv_floor_seconds
+from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
+from ray_zep.topology import build_topology
+
+CASES = [  # (placement, routing, compression, data)
+    ("te_cp", False, "off", "github"),
+    ("te_cp", True, "off", "github"),
+    ("te_cp", True, "always", "github"),
+    ("zeppelin", True, "off", "chat"),
+    ("zeppelin", False, "off", "github"),
+    ("fill", True, "off", "github"),
+    ("usp", False, "off", "arxiv"),
+    ("hybrid_dp", True, "off", "github"),
+    ("llama_cp", False, "off", "arxiv"),
+]
+
+
+def _step(placement: str, routing: bool, compression: str, data: str, nodes: int = 4):
+    config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={nodes}",
+                                "model.preset=7b", "train.tokens_per_rank=5120",
+                                "parallel.weights=fsdp", f"parallel.sequence={placement}",
+                                f"parallel.routing={str(routing).lower()}",
+                                f"comm.compression={compression}"])  # fmt: skip
+    run = RunModel.create(config, Hardware.preset(build_topology(config.topology)))
+    plan, remap = plan_batch(batch_lengths(data, 4096 * nodes * 8, 0), run)
+    return plan, run, simulate_plan(plan, run, routing, remap)
+
+
+@pytest.mark.parametrize(("placement", "routing", "compression", "data"), CASES)
+def test_the_floor_is_under_the_simulated_layers(placement, routing, compression, data) -> None:
+    plan, run, step = _step(placement, routing, compression, data)
+    layers = run.shape.n_layers * (step.forward_layer_seconds + step.backward_layer_seconds)
+    floor = kv_floor_seconds(plan, run, routing)
+    assert 0.0 <= floor <= layers <= step.step_seconds
+    if placement == "llama_cp":
+        assert floor == 0.0  # its K/V are all-gathered, not rotated: nothing counted
+
+
+def test_the_floor_is_close_under_a_ring_bound_by_its_nics() -> None:
+    """te_cp's one ring over every rank sends each rank's K/V through one NIC a hop: its
+    step is the NIC's bytes and little else."""
+    plan, run, step = _step("te_cp", False, "off", "github")
+    assert kv_floor_seconds(plan, run, False) > 0.8 * step.step_seconds
+
+
+def test_pruning_leaves_the_ranking_as_playing_everything(monkeypatch) -> None:
+    from ray_zep.sim import auto
+    from ray_zep.sim.request import request_hardware
+
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=2", "model.preset=7b",
+                                "train.tokens_per_rank=5120", "parallel.sequence=zeppelin",
+                                "data.packing=budget", "data.batch_fill=0.8"])  # fmt: skip
+    hardware, on_gpu = request_hardware(config, None)
+    batches = [(batch_lengths("github", 4096 * 16, 0), None)]
+    pruned = auto.auto_plan(config, hardware, lambda _: batches, on_gpu)
+    monkeypatch.setattr(auto, "_second_fastest", lambda *_: None)
+    every = auto.auto_plan(config, hardware, lambda _: batches, on_gpu)
+    skipped = [c for c in pruned.candidates if c.error and c.error.startswith("not played")]
+    assert skipped, "no composition was pruned"
+    assert pruned.best.name == every.best.name and pruned.why() == every.why()
+    steps = {c.name: c.step_seconds for c in every.candidates if c.steps}
+    for c in pruned.candidates:
+        if c.steps:
+            assert c.step_seconds == steps[c.name]
+    for c in skipped:  # each pruned one is slower than the runner-up when played
+        assert steps[c.name] > sorted(set(steps.values()))[1]
