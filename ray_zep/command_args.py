@@ -4,6 +4,7 @@ comma lists, token counts in the lengths' syntax (k = 1024), and the command as 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -76,6 +77,20 @@ def parse_lengths(text: str, flag: str = "--lengths") -> np.ndarray:
 def counts(text: str, flag: str) -> tuple[int, ...]:
     """`parse_lengths` as plain ints: sizes, sequence lengths, GPU counts."""
     return tuple(int(n) for n in parse_lengths(text, flag))
+
+
+def factors(text: str, flag: str) -> tuple[float, ...]:
+    """'1,1.25,1.5' -> positive numbers; errors name `flag`."""
+    out = []
+    for item in text.replace(" ", "").split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not value > 0:
+            raise ConfigError(f"{flag} item {item!r} must be a positive number, e.g. {flag} 1,1.5")
+        out.append(value)
+    return tuple(out)
 
 
 def tokens(text: str | None) -> int | None:

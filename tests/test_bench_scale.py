@@ -72,6 +72,9 @@ def test_plan_only_times_the_plans_without_simulating(tmp_path: Path, capsys) ->
         dict(placements=("zeppelin+x",)),
         dict(batches=0),
         dict(plan_only=True, placements=("megatron_hybrid_cp",)),
+        dict(room=(0.5,)),
+        dict(room=()),
+        dict(plan_only=True, room=(1.0, 1.5)),
     ],
 )
 def test_scale_bench_refuses_bad_options(bad: dict) -> None:
@@ -111,3 +114,19 @@ def test_rows_that_do_not_fit_checkpoint_and_pay_for_it() -> None:
                            tokens_per_gpu=(4096,), placements=("zeppelin",))  # fmt: skip
     (small,) = run_scale_bench(plain, progress=lambda line: None)
     assert small.checkpointing == "none"
+
+
+def test_room_keeps_the_fastest_l_that_fits() -> None:
+    """`--room 1,1.5`: each row is the faster of L = 5,120 and L = 7,680 on the same batch,
+    as the two played apart give them, and says which L it ran at."""
+    cases = dict(gpus=(64,), distributions=("github",), models=("7b",), tokens_per_gpu=(4096,),
+                 placements=("zeppelin", "megatron_dynamic_cp"))  # fmt: skip
+    quiet = lambda line: None  # noqa: E731
+    both = run_scale_bench(ScaleBenchSpec(**cases, room=(1.0, 1.5)), progress=quiet)
+    small = run_scale_bench(ScaleBenchSpec(**cases), progress=quiet)
+    large = run_scale_bench(ScaleBenchSpec(**cases, headroom=1.875), progress=quiet)
+    for row, one, other in zip(both, small, large, strict=True):
+        assert {one.tokens_per_rank, other.tokens_per_rank} == {5120, 7680}
+        fitting = [r for r in (one, other) if r.fits == "yes"]
+        kept = min(fitting, key=lambda r: r.step_s)
+        assert (row.step_s, row.tokens_per_rank) == (kept.step_s, kept.tokens_per_rank)

@@ -28,7 +28,10 @@ average; L = that x headroom) and placement, on the same sampled batches:
   to `--micro-batches` (`ray_zep.sim.micro_step`: the trainer's `train.micro_batches`,
   the batch's sequences split into parts of about equal tokens, one optimizer update),
   and the row keeps the fastest; its bound stays the batch's at L, which no
-  micro-batch holding fewer tokens beats.
+  micro-batch holding fewer tokens beats;
+- token room (`--room`, `L`): each row is played at L x each factor on the same batches,
+  as `plan --auto` plays the fastest composition with more room (1.25 and 1.5), and keeps
+  the fastest that fits; its bound is the batch's at that L.
 
 Placements are `ray-zep simulate`'s variants: `zeppelin` is the full system with the
 config's `parallel.zone_policy` (`work` by default), `zeppelin+cost` with `cost`.
@@ -53,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_zep.command_args import counts, known, names
+from ray_zep.command_args import counts, factors, known, names
 from ray_zep.config import Config, load_config
 from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
@@ -115,6 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plan-only", action="store_true", help="plan, no simulation: work, bytes, ms, memory"
     )
+    parser.add_argument(
+        "--room", default="1",
+        help="token-room factors each row tries, L x each for the same batches, keeping the "
+        "fastest that fits (plan --auto tries 1,1.25,1.5; default 1)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> BenchResult:
@@ -128,6 +136,7 @@ def run(args: argparse.Namespace) -> BenchResult:
         headroom=args.headroom,
         plan_only=args.plan_only,
         micro_batches=args.micro_batches,
+        room=factors(args.room, "--room"),
     )
     cases = len(spec.models) * len(spec.tokens_per_gpu) * len(spec.gpus) * len(spec.distributions)
     with ProgressLine(cases, "cases", sys.stdout) as bar:
@@ -160,6 +169,9 @@ class ScaleBenchSpec:
     planner ms, memory), fast at 4,096 GPUs."""
     micro_batches: int = 4
     """The most micro-batches a step a recomputing row is played with (module docstring)."""
+    room: tuple[float, ...] = (1.0,)
+    """Token-room factors each row is played at (L = tokens x headroom x each, the same
+    batches), the fastest that fits kept (module docstring)."""
 
     def __post_init__(self) -> None:
         for g in self.gpus:
@@ -174,6 +186,10 @@ class ScaleBenchSpec:
             raise ConfigError("--batches must be >= 1 and --headroom >= 1")
         if self.micro_batches < 1:
             raise ConfigError(f"--micro-batches={self.micro_batches}: must be >= 1")
+        if not self.room or min(self.room) < 1.0:
+            raise ConfigError(f"--room {self.room}: factors of L must be >= 1")
+        if self.plan_only and len(self.room) > 1:
+            raise ConfigError("--room: one factor with --plan-only (no step to choose by)")
 
 
 @dataclass
@@ -218,6 +234,8 @@ class ScaleRow:
     """"yes", or "NO" where the fullest rank's modelled memory exceeds the GPU's."""
     micro_batches: int = 1
     """Micro-batches a step (module docstring), each of at most L / this tokens a rank."""
+    tokens_per_rank: int | None = None
+    """L the row ran at (`--room`: the fastest of its factors that fits)."""
     error: str | None = None
 
 
@@ -242,7 +260,24 @@ def run_scale_bench(spec: ScaleBenchSpec, progress=print) -> list[ScaleRow]:
 def scale_case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, tokens: int,
                batches: list[np.ndarray]) -> list[ScaleRow]:  # fmt: skip
     """One case of the grid: `spec.placements` on `batches` (of `tokens` x `gpus` tokens
-    each) on `gpus` GPUs of cluster A; `distribution` labels the rows."""
+    each) on `gpus` GPUs of cluster A; `distribution` labels the rows. Each placement is
+    played at every `spec.room` factor of L and keeps the fastest that fits (the fastest
+    where none fits; the first where none ran)."""
+    played = [_case_at(dataclasses.replace(spec, headroom=spec.headroom * factor), gpus,
+                       distribution, model, tokens, batches) for factor in spec.room]  # fmt: skip
+    return [min(rows, key=_room_rank) for rows in zip(*played, strict=True)]
+
+
+def _room_rank(row: ScaleRow) -> tuple:
+    """What `scale_case` keeps first: played, then fitting, then fastest (then the
+    smaller L, listed first)."""
+    played = row.step_s is not None
+    return (not played, row.fits != "yes", row.step_s if played else 0.0)
+
+
+def _case_at(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, tokens: int,
+             batches: list[np.ndarray]) -> list[ScaleRow]:  # fmt: skip
+    """`scale_case` at `spec.headroom` alone."""
     capacity = math.ceil(tokens * spec.headroom)
     config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={gpus // 8}",
                                 f"model.preset={model}", f"train.tokens_per_rank={capacity}",
@@ -274,7 +309,9 @@ def _fastest_micro_batches(spec: ScaleBenchSpec, row: ScaleRow, config: Config,
     while True:
         capacity = math.ceil(row.tokens_per_gpu * spec.headroom / parts)
         train = dataclasses.replace(config.train, tokens_per_rank=capacity, micro_batches=parts)
-        tried = dataclasses.replace(row, micro_batches=parts)
+        tried = dataclasses.replace(
+            row, micro_batches=parts, tokens_per_rank=math.ceil(row.tokens_per_gpu * spec.headroom)
+        )
         try:
             split = [split_batch(lengths, parts) for lengths in batches]
             _measure(tried, dataclasses.replace(config, train=train), hardware, split,
@@ -440,6 +477,7 @@ COLUMNS = (
     Column("model", "model"),
     Column("tok/GPU", lambda r: f"{r.tokens_per_gpu // 1024}k"),
     Column("placement", "placement"),
+    Column("L", "tokens_per_rank"),
     Column("work m/m", "work_mean", ".2f"),
     Column("worst", "work_worst", ".2f"),
     Column("level", "level", ".2f"),
