@@ -75,3 +75,19 @@ def test_pruning_leaves_the_ranking_as_playing_everything(monkeypatch) -> None:
             assert c.step_seconds == steps[c.name]
     for c in skipped:  # each pruned one is slower than the runner-up when played
         assert steps[c.name] > sorted(set(steps.values()))[1]
+
+
+def test_the_search_reports_each_group_and_phase_as_it_ends() -> None:
+    from ray_zep.sim.auto import auto_plan, search_steps
+    from ray_zep.sim.request import request_hardware
+
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=2", "model.preset=7b",
+                                "train.tokens_per_rank=5120"])  # fmt: skip
+    hardware, on_gpu = request_hardware(config, None)
+    batches = [(batch_lengths("arxiv", 4096 * 16, 0), None)]
+    lines: list[str] = []
+    result = auto_plan(config, hardware, lambda _: batches, on_gpu, progress=lines.append)
+    assert len(lines) == search_steps(config, 16)
+    played = [c for c in result.candidates if c.steps]
+    assert any(line.startswith(f"{played[0].name}: ") for line in lines)
+    assert lines[-3:] == ["more token room played", "micro-batches played", "done"]

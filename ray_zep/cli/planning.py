@@ -100,7 +100,8 @@ def _plan_auto(args: argparse.Namespace) -> int:
 
     from ray_zep.cli.plan_run import auto_table
     from ray_zep.errors import ConfigError
-    from ray_zep.sim.auto import auto_plan, write_best
+    from ray_zep.report.progress import ProgressLine
+    from ray_zep.sim.auto import auto_plan, search_steps, write_best
     from ray_zep.sim.replay import data_batches
     from ray_zep.sim.request import SimulateRequest, batches_of, request_hardware
 
@@ -125,7 +126,10 @@ def _plan_auto(args: argparse.Namespace) -> int:
         def data_of(candidate, count):
             return data_batches(candidate, hardware.devices, 0, count)
 
-    result = auto_plan(config, hardware, batches, on_gpu, data_of, args.batches)
+    steps = search_steps(config, hardware.devices)
+    with ProgressLine(steps, "compositions", every=10) as bar:  # stderr: the table is stdout
+        result = auto_plan(config, hardware, batches, on_gpu, data_of, args.batches,
+                           bar.counter())  # fmt: skip
     print(f"{hardware.source}; {args.batches} batches; {len(result.candidates)} compositions")
     print(auto_table(result))
     if result.best is not None:

@@ -316,6 +316,7 @@ def auto_plan(
     on_gpu: bool = True,
     data_of: Callable[[Config, int], Batches] | None = None,
     window: int = MIN_WINDOW,
+    progress: Callable[[str], None] | None = None,
 ) -> AutoPlan:
     """Simulate every composition (module docstring) on the batches `batches_of` gives it:
     the same sampled lengths for all, or the configured data as each composition's data
@@ -323,23 +324,53 @@ def auto_plan(
     configured data's first `count` batches under `config`, where the batches are the
     data's (None for sampled lengths, the same for every composition: no outlier delay is
     played and no composition cuts documents, `mark_cut_documents`); `window`: the batches
-    the delay's comparison holds at least (never fewer than `MIN_WINDOW`)."""
+    the delay's comparison holds at least (never fewer than `MIN_WINDOW`). `progress`
+    gets a line for each of `search_steps` as it ends."""
+    report = progress or (lambda line: None)
     candidates = []
     without_remap: dict[tuple, list[Candidate]] = {}  # evaluated groups with the remap off
-    for key, alike in itertools.groupby(compositions(config, hardware.devices), key=_placement):
+    for key, alike in _groups(config, hardware.devices):
         twin = without_remap.get(_remap_off(key)) if key[_REMAP] else None
         above = _second_fastest(candidates, config.data.packing)
-        group = _evaluated(list(alike), hardware, batches_of, on_gpu, twin, above)
+        group = _evaluated(alike, hardware, batches_of, on_gpu, twin, above)
         if not key[_REMAP]:
             without_remap[key] = group
         candidates += group
+        report(_group_line(group))
     candidates += _roomier(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
+    report("more token room played")
     candidates += _micro_batched(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
+    report("micro-batches played")
     if data_of is not None:  # the data's batches, each composition's as its actor draws them
         ranked = AutoPlan(candidates)
         candidates += delayed_candidates(ranked, config, hardware, data_of, on_gpu, window)
         mark_cut_documents(candidates, config, hardware.devices, batches_of)
+    report("outlier delay played" if data_of is not None else "done")
     return AutoPlan(candidates)
+
+
+SEARCH_PHASES = 3
+"""`auto_plan`'s steps after the groups: token room, micro-batches, outlier delay."""
+
+
+def search_steps(config: Config, world: int) -> int:
+    """How many lines `auto_plan` reports: one per group of compositions that place batches
+    alike, and one per phase after them."""
+    return len(_groups(config, world)) + SEARCH_PHASES
+
+
+def _groups(config: Config, world: int) -> list[tuple[tuple, list[Config]]]:
+    """The compositions in groups that place batches alike (`_placement`), in search order."""
+    grouped = itertools.groupby(compositions(config, world), key=_placement)
+    return [(key, list(alike)) for key, alike in grouped]
+
+
+def _group_line(group: list[Candidate]) -> str:
+    """What became of a group: played, taken from its twin, not played, or why it failed."""
+    first = group[0]
+    if first.steps:
+        return f"{first.name}: {first.step_seconds:.3f} s"
+    return f"{first.name}: {first.error}"
 
 
 def _second_fastest(candidates: list[Candidate], packing: Packing) -> float | None:
