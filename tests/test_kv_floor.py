@@ -64,7 +64,7 @@ def test_pruning_leaves_the_ranking_as_playing_everything(monkeypatch) -> None:
     hardware, on_gpu = request_hardware(config, None)
     batches = [(batch_lengths("github", 4096 * 16, 0), None)]
     pruned = auto.auto_plan(config, hardware, lambda _: batches, on_gpu)
-    monkeypatch.setattr(auto, "_second_fastest", lambda *_: None)
+    monkeypatch.setattr(auto, "second_fastest", lambda *_: None)
     every = auto.auto_plan(config, hardware, lambda _: batches, on_gpu)
     skipped = [c for c in pruned.candidates if c.error and c.error.startswith("not played")]
     assert skipped, "no composition was pruned"

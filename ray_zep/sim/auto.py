@@ -81,7 +81,8 @@ from ray_zep.parallel.memory import GB
 from ray_zep.partition.plan_memory import plan_memory
 from ray_zep.partition.registry import spec_of
 from ray_zep.partition.stats import plan_stats
-from ray_zep.sim.auto_ranking import TIE, AutoPlan, Candidate
+from ray_zep.sim.auto_ranking import AutoPlan, Candidate
+from ray_zep.sim.auto_shortcuts import played_by_twin, second_fastest, unbeaten
 from ray_zep.sim.bound import step_bound
 from ray_zep.sim.checkpointing import (
     checkpointing_as,
@@ -89,7 +90,6 @@ from ray_zep.sim.checkpointing import (
     plans_peak,
 )
 from ray_zep.sim.hardware import Hardware
-from ray_zep.sim.kv_floor import kv_floor_seconds
 from ray_zep.sim.micro_step import MICRO_BATCHES, micro_batched, micro_batched_steps, split_batch
 from ray_zep.sim.outlier_choice import (
     MIN_WINDOW,
@@ -200,7 +200,8 @@ def evaluate_group(
     instead of played again.
 
     `above`: where set, a composition of the autograd family whose step cannot be under it
-    (`_over_their_floor`) is not played; it keeps its memory and bounds, and says why."""
+    (`ray_zep.sim.auto_shortcuts.unbeaten`) is not played; it keeps its memory and bounds,
+    and says why."""
     candidates = [Candidate(c) for c in configs]
     try:
         run, placed, stats, worst = _placed(configs[0], hardware, batches, on_gpu)
@@ -219,14 +220,14 @@ def evaluate_group(
         return candidates
     for candidate in candidates:
         candidate.memory_gb, candidate.fits = worst[0] / GB, worst[1]
-    if _played_by_twin(candidates, placed, twin):
+    if played_by_twin(candidates, placed, twin):
         return candidates
     runs = [RunModel.create(c, hardware, on_gpu) for c in configs]
     for candidate, r in zip(candidates, runs, strict=True):
         candidate.bounds = [step_bound(lengths, r).seconds for lengths, _ in batches]
     played = list(range(len(candidates)))
     if above is not None and WEIGHTS_AXES[run.config.parallel.weights].family is Family.AUTOGRAD:
-        played = _over_their_floor(candidates, runs, placed, above)
+        played = unbeaten(candidates, runs, placed, above)
     try:
         # each step's timelines dropped as soon as it is played (`without_timelines`): a
         # group's batches and switches kept them all until the end, several GB at 256 GPUs
@@ -248,43 +249,6 @@ def evaluate_group(
     for i, mine in zip(played, steps, strict=True):
         candidates[i].steps = mine
     return candidates
-
-
-def _over_their_floor(candidates: list[Candidate], runs, placed, above: float) -> list[int]:
-    """The indices of `candidates` to play: all of them where one's floor (each batch's bound
-    or the ring bytes its busiest NIC sends, `kv_floor_seconds`, whichever is higher, over
-    the batches) is not above `above` (the group shares one layer program: one candidate's
-    play costs about all of theirs), else none, each saying why."""
-    routed = runs[0].config.parallel.routing
-    floors = []
-    for candidate, run in zip(candidates, runs, strict=True):
-        floors.append(float(np.mean([max(bound, kv_floor_seconds(plan, run, routed))
-                                     for bound, (plan, _) in zip(candidate.bounds, placed,
-                                                                 strict=True)])))  # fmt: skip
-    if min(floors) <= above:
-        return list(range(len(candidates)))
-    for candidate, floor in zip(candidates, floors, strict=True):
-        candidate.error = (f"not played: a step takes at least {floor:.3f} s here (its bound "
-                           f"and the ring bytes its busiest NIC sends), over the {above:.3f} s "
-                           "of two faster compositions")  # fmt: skip
-    return []
-
-
-def _played_by_twin(candidates: list[Candidate], placed, twin: list[Candidate] | None) -> bool:
-    """Whether `twin` (`evaluate_group`) has played these candidates' steps: no batch
-    remapped, and each twin the same composition but for the remap; where so, its steps
-    and bounds are copied over."""
-    if twin is None or len(twin) != len(candidates) or any(r is not None for _, r in placed):
-        return False
-    for candidate, other in zip(candidates, twin, strict=True):
-        config = candidate.config
-        off = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
-                                                                       remap=False))  # fmt: skip
-        if off != other.config or not other.steps:
-            return False
-    for candidate, other in zip(candidates, twin, strict=True):
-        candidate.steps, candidate.bounds = list(other.steps), list(other.bounds)
-    return True
 
 
 def without_timelines(step: StepResult) -> StepResult:
@@ -331,7 +295,7 @@ def auto_plan(
     without_remap: dict[tuple, list[Candidate]] = {}  # evaluated groups with the remap off
     for key, alike in _groups(config, hardware.devices):
         twin = without_remap.get(_remap_off(key)) if key[_REMAP] else None
-        above = _second_fastest(candidates, config.data.packing)
+        above = second_fastest(candidates, config.data.packing)
         group = _evaluated(alike, hardware, batches_of, on_gpu, twin, above)
         if not key[_REMAP]:
             without_remap[key] = group
@@ -371,18 +335,6 @@ def _group_line(group: list[Candidate]) -> str:
     if first.steps:
         return f"{first.name}: {first.step_seconds:.3f} s"
     return f"{first.name}: {first.error}"
-
-
-def _second_fastest(candidates: list[Candidate], packing: Packing) -> float | None:
-    """The step of the second fastest of the played compositions that split sequences, fit,
-    and pack as the config's (`packing`), not as fast as the fastest; None where fewer
-    than two such. A composition slower than it is neither the winner nor the runner-up,
-    nor the fastest budget-packed one that token room, micro-batches and outlier delay are
-    played from, so `evaluate_group` need not play it."""
-    steps = sorted(c.step_seconds for c in candidates
-                   if c.steps and c.fits and c.config.data.packing is packing
-                   and not SEQUENCE_AXES[c.config.parallel.sequence].whole_sequences)  # fmt: skip
-    return next((s for s in steps if s > steps[0] * TIE), None) if steps else None
 
 
 def mark_cut_documents(
