@@ -281,16 +281,18 @@ class _Builder(GraphBuilder):
     def gathered_item(self, index: int, item: QueueItem, layouts) -> None:
         """`Play.GATHER`: all-gather K/V, compute every step; backward: compute,
         reduce-scatter dK/dV (`index` unused: collectives need no transfer list)."""
-        ring, cost = item.ring_size, self.setup.cost
+        cost = self.setup.cost
         rows = int(layouts.sum(axis=(1, 2)).max())
         forward = self.phase is Phase.FORWARD
         block = rows * self.kv_row_bytes(item, Payload.KV if forward else Payload.DKV)
         seconds = cost.all_gather_seconds(block, item.ranks)
         if forward:
             self.collective(list(item.ranks), seconds, "K/V all-gather")
+        # each position's steps summed in step order (a running sum: a ring of 4,096 members
+        # has 16M of them)
+        totals = np.cumsum(self._step_table(item, layouts), axis=1)[:, -1].tolist()
         for member, rank in enumerate(item.ranks):
-            position = member // item.ulysses
-            total = sum(self.step_seconds(item, layouts, position, s) for s in range(ring))
+            total = totals[member // item.ulysses]
             self.wait(rank, [self.compute(rank, total, "attention (gathered)")])
         if not forward:
             self.collective(list(item.ranks), seconds, "dK/dV reduce-scatter")
