@@ -7,6 +7,7 @@ import io
 
 import pytest
 
+from ray_zep.report import progress
 from ray_zep.report.progress import ProgressLine
 from ray_zep_workers.progress import ProgressBar
 
@@ -20,7 +21,22 @@ def test_a_log_gets_every_nth_line_and_the_first_and_last() -> None:
     for i in range(10):
         report(f"case {i + 1}")
     line.close()
-    assert stream.getvalue().splitlines() == ["case 1", "case 4", "case 8", "case 10"]
+    lines = stream.getvalue().splitlines()
+    assert lines == [f"[{n}/10 cases, 0s] case {n}" for n in (1, 4, 8, 10)]
+
+
+def test_a_log_gets_a_line_after_a_quiet_minute(monkeypatch) -> None:
+    clock = iter([0.0, 5.0, 70.0, 75.0])  # the line's start, then three units' ends
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    stream = io.StringIO()
+    line = ProgressLine(10, "groups", stream, every=5)
+    report = line.counter()
+    for i in range(3):
+        report(f"group {i + 1}")
+    assert stream.getvalue().splitlines() == [
+        "[1/10 groups, 5s] group 1",
+        "[2/10 groups, 1m10s] group 2",  # 65 s after the last line
+    ]
 
 
 def test_a_block_reports_its_units_through_the_counter() -> None:
@@ -29,7 +45,7 @@ def test_a_block_reports_its_units_through_the_counter() -> None:
         report = line.counter()
         for i in range(3):
             report(f"case {i + 1}")
-    assert stream.getvalue().splitlines() == ["case 1", "case 2", "case 3"]
+    assert stream.getvalue().splitlines() == [f"[{n}/3 cases, 0s] case {n}" for n in (1, 2, 3)]
 
 
 def test_training_progress_in_a_log() -> None:

@@ -30,7 +30,7 @@ class ProgressBar:
             return
         if self._line is None:
             every = max(1, self.total // 20)
-            self._line = ProgressLine(self.total, "step", self.stream, every)
+            self._line = ProgressLine(self.total, "step", self.stream, every, head=False)
         if step:
             self._line.note(f"resuming after step {step}/{self.total}")
 

@@ -127,7 +127,7 @@ def _plan_auto(args: argparse.Namespace) -> int:
             return data_batches(candidate, hardware.devices, 0, count)
 
     steps = search_steps(config, hardware.devices)
-    with ProgressLine(steps, "compositions", every=10) as bar:  # stderr: the table is stdout
+    with ProgressLine(steps, "groups", every=10) as bar:  # stderr: the table is stdout
         result = auto_plan(config, hardware, batches, on_gpu, data_of, args.batches,
                            bar.counter())  # fmt: skip
     print(f"{hardware.source}; {args.batches} batches; {len(result.candidates)} compositions")

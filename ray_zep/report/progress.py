@@ -4,6 +4,7 @@ line per update where the output is a log (`ray job submit`, CI, a file)."""
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import TextIO
 
@@ -20,14 +21,25 @@ class ProgressLine:
         total: units of work (steps, cases).
         label: what is counted, shown before the bar.
         stream: where it goes (stderr by default).
-        every: off a terminal, print only every `every`-th unit, the first and the last.
+        every: off a terminal, print only every `every`-th unit, the first, the last, and
+            any that ends `QUIET_SECONDS` or more after the last line printed.
+
+        head: off a terminal, start each line with `[done/total label, elapsed]` (False
+            where the status says how far it got itself).
     """
 
     def __init__(
-        self, total: int, label: str, stream: TextIO | None = None, every: int = 1
+        self,
+        total: int,
+        label: str,
+        stream: TextIO | None = None,
+        every: int = 1,
+        head: bool = True,
     ) -> None:
         self.total, self.every = max(1, total), max(1, every)
         self.stream = stream or sys.stderr
+        self.label, self.head = label, head
+        self._start = self._printed = time.monotonic()
         self._bar: Progress | None = None
         if self.stream.isatty():
             self._bar = Progress(
@@ -44,7 +56,13 @@ class ProgressLine:
     def update(self, done: int, status: str) -> None:
         if self._bar is not None:
             self._bar.update(self._task, completed=done, status=status)
-        elif done % self.every == 0 or done in (1, self.total):
+            return
+        now = time.monotonic()
+        quiet = now - self._printed >= QUIET_SECONDS
+        if done % self.every == 0 or done in (1, self.total) or quiet:
+            self._printed = now
+            if self.head:
+                status = f"[{done}/{self.total} {self.label}, {_clock(now - self._start)}] {status}"
             print(status, file=self.stream, flush=True)
 
     def counter(self) -> Callable[[str], None]:
@@ -75,3 +93,17 @@ class ProgressLine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+QUIET_SECONDS = 60.0
+"""Off a terminal, the longest a `ProgressLine` stays silent while units end."""
+
+
+def _clock(seconds: float) -> str:
+    """`12s`, `3m05s`, `1h02m`."""
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
