@@ -43,8 +43,8 @@ def test_the_floor_is_under_the_simulated_layers(placement, routing, compression
     layers = run.shape.n_layers * (step.forward_layer_seconds + step.backward_layer_seconds)
     floor = kv_floor_seconds(plan, run, routing)
     assert 0.0 <= floor <= layers <= step.step_seconds
-    if placement == "llama_cp":
-        assert floor == 0.0  # its K/V are all-gathered, not rotated: nothing counted
+    if placement == "llama_cp":  # its K/V are all-gathered: the longest gather counts
+        assert floor > 0.0
 
 
 def test_the_floor_is_close_under_a_ring_bound_by_its_nics() -> None:

@@ -14,10 +14,13 @@ own NIC; routed, through the NICs of the node's proxies (a routed transfer cross
 the two nodes once). A NIC sends at most `nic_bandwidth` bytes a second, so each phase of
 every layer lasts at least the busiest NIC's bytes (direct hops) or the busiest node's over
 all its NICs (routed) over that; zipped (`comm.compression` on any stream) the bytes shrink
-by at most ZipCCL's best ratio. Everything else a step does (compute, latencies, the
-weights' collectives) only adds to it, so the floor is below the simulated step of any
-composition of the autograd family (`tests/test_kv_floor.py` checks it against the
-simulator).
+by at most ZipCCL's best ratio. A gathered item (`Play.GATHER`, LLaMA-3 style) all-gathers
+its K/V over its members before the forward's attention and reduce-scatters the dK/dV after
+the backward's, and the phase's layer lasts at least the longest of those collectives (the
+cost model's seconds, as the layer graph prices them). Everything else a step does
+(compute, latencies, the weights' collectives) only adds to it, so the floor is below the
+simulated step of any composition of the autograd family (`tests/test_kv_floor.py` checks
+it against the simulator).
 
 Shapes: R ring positions, U members per position.
 """
@@ -49,14 +52,18 @@ def kv_floor_seconds(plan: AttentionPlan, run: RunModel, routed: bool) -> float:
     lanes = 1 if routed else topology.nics_per_node  # what a node's bytes are counted on
     sent = np.zeros((2, topology.nodes, lanes))  # forward, backward
     nic = np.asarray([topology.nic_of(r) for r in range(gpus)], dtype=np.int64)
+    gathered = np.zeros(2)  # the longest gather (forward) and reduce-scatter (backward)
     for item in plan.items():
         ring = item.ring_size
-        if ring < 2 or item.exchange_kind.play_for(ring) is not Play.ROTATE:
-            continue
         u = item.ulysses
         heads = shape.n_kv_heads // u if u <= shape.n_kv_heads else 1
         values = 2 * heads * shape.head_dim  # K and V of one row, per member
         rows = np.asarray(plan.position_tokens(item), dtype=np.float64)
+        if ring >= 2 and item.exchange_kind.play_for(ring) is Play.GATHER:
+            gathered = np.maximum(gathered, _gather_seconds(item, rows.max() * values, run))
+            continue
+        if ring < 2 or item.exchange_kind.play_for(ring) is not Play.ROTATE:
+            continue
         others = rows.sum() - np.roll(rows, -1)  # hop p -> p + 1: every block but p + 1's
         forward = others * values * run.element_bytes
         backward = np.zeros(ring) if item.exchange_kind.keeps_kv else forward
@@ -72,5 +79,17 @@ def kv_floor_seconds(plan: AttentionPlan, run: RunModel, routed: bool) -> float:
     capacity = topology.nic_bandwidth * (topology.nics_per_node if routed else 1)
     zipped = any(run.codec().zips(stream) for stream in run.config.comm.compression_streams)
     ratio = max(ZIP_RATIOS.values()) if zipped else 1.0
-    busiest = sent.reshape(2, -1).max(axis=1).sum()
-    return shape.n_layers * float(busiest) / ratio / capacity
+    busiest = sent.reshape(2, -1).max(axis=1) / ratio / capacity
+    return shape.n_layers * float(np.maximum(busiest, gathered).sum())
+
+
+def _gather_seconds(item, values: float, run: RunModel) -> np.ndarray:
+    """A gathered item's K/V all-gather and dK/dV reduce-scatter (seconds), `values` the
+    K and V elements of its fullest position, as the layer graph prices them
+    (`ray_zep.sim.program`: the K/V in the activation dtype, the dK/dV in the dK/dV wire's
+    unless the item sends them to their owners)."""
+    cost = run.hardware.cost(run.shape)
+    owned = run.dkv_owner and item.owner_dkv
+    dkv = run.element_bytes if owned else run.dkv_bytes
+    return np.asarray([cost.all_gather_seconds(values * size, item.ranks)
+                       for size in (run.element_bytes, dkv)])  # fmt: skip
