@@ -91,11 +91,28 @@ def _plan_step(
     lengths: np.ndarray, config: Config, topology: Topology, shape: ModelShape
 ) -> StepPlan:
     parallel = config.parallel
-    plan = memory_plan(parallel.sequence, lengths, config, topology, shape)
+    plan, remap = _placed(lengths, config, topology, shape)
     owner = parallel.dkv_wire is DkvWire.OWNER
     routing = RoutingPlan.build(plan, dkv_owner=owner) if parallel.routing else None
+    traffic = attention_step_parts(plan, shape, parallel.routing, remap, owner)
+    return StepPlan(plan, routing, remap, traffic)
+
+
+def plan_placement(
+    lengths: np.ndarray, config: Config, topology: Topology, shape: ModelShape
+) -> tuple[AttentionPlan, RemapPlan | None]:
+    """`plan_step`'s attention plan and remap alone, for a placement that splits sequences
+    (the simulator routes on its own and counts its own traffic)."""
+    with paused():
+        return _placed(lengths, config, topology, shape)
+
+
+def _placed(
+    lengths: np.ndarray, config: Config, topology: Topology, shape: ModelShape
+) -> tuple[AttentionPlan, RemapPlan | None]:
+    parallel = config.parallel
+    plan = memory_plan(parallel.sequence, lengths, config, topology, shape)
     remap = None
     if parallel.remap:
         remap = choose_remap(plan, shape, preset_rates(topology.gpu_model), parallel.remap_policy)
-    traffic = attention_step_parts(plan, shape, parallel.routing, remap, owner)
-    return StepPlan(plan, routing, remap, traffic)
+    return plan, remap

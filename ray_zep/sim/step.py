@@ -1,8 +1,9 @@
 """A whole training step of any composition the trainer runs, from the plan it executes.
 
 `simulate_batch` places a batch as the data actor does (`ray_zep.step_plan.
-plan_step`: the planner, the routing and the remap decision of the configured
-axes; whole-sequence placements keep the rank-packed bins) and plays it:
+plan_placement`: the planner and the remap decision of the configured axes, as
+`plan_step` makes them; whole-sequence placements keep the rank-packed bins) and plays
+it:
 
     n_layers x (forward layer + backward layer) + LM head + weights' exposed
     collectives + expert all-to-alls + optimizer update + fixed host work
@@ -83,7 +84,7 @@ from ray_zep.sim.weight_passing import ShardWire, Workload
 from ray_zep.sim.weight_passing import simulate_step as weight_passing_step
 from ray_zep.sim.weights import WeightsCost, weights_cost
 from ray_zep.sim.wire import Stream, WireCodec, codec_bytes_s
-from ray_zep.step_plan import plan_step, whole_bins
+from ray_zep.step_plan import plan_placement, whole_bins
 
 
 @dataclass(frozen=True)
@@ -243,8 +244,7 @@ def plan_batch(
         bins = whole_bins(np.asarray(lengths), bins, config, topology, run.shape)
         capacity = config.train.tokens_per_rank
         return plan_from_bins(lengths, bins, topology, capacity, parallel.sequence), None
-    step = plan_step(np.asarray(lengths), config, topology, run.shape)
-    return step.attention, step.remap
+    return plan_placement(np.asarray(lengths), config, topology, run.shape)
 
 
 def simulate_plan(
