@@ -140,6 +140,20 @@ class SeqPlacement(NamedTuple):
         return np.diff(cuts, axis=1).reshape(-1)
 
 
+def _position_tokens(placements: list[SeqPlacement], ring: int) -> list[int]:
+    """Tokens each of `ring` positions holds of `placements` together: each sequence's
+    chunk sizes gathered slot by slot on arrays (a ring of 4,096 positions)."""
+    if ring == 1:
+        return [sum(p.length for p in placements)]
+    positions = np.arange(ring)
+    tokens = np.zeros(ring, dtype=np.int64)
+    for p in placements:
+        sizes = np.diff(np.asarray(p.bounds, dtype=np.int64))
+        for slot in range(p.layout.slots):
+            tokens += sizes[p.layout.chunk_index(ring, positions, slot)]
+    return tokens.tolist()
+
+
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     merged: list[tuple[int, int]] = []
     for a, b in ranges:
@@ -310,8 +324,7 @@ class AttentionPlan:
         """Tokens each ring position of `item` holds, its sequences together."""
         tokens = self._item_tokens.get(item)
         if tokens is None:
-            placements = [self.placement(s) for s in item.seqs]
-            tokens = [sum(p.position_tokens(r) for p in placements) for r in range(item.ring_size)]
+            tokens = _position_tokens([self.placement(s) for s in item.seqs], item.ring_size)
             self._item_tokens[item] = tokens
         return list(tokens)
 

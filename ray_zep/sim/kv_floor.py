@@ -55,14 +55,15 @@ def kv_floor_seconds(plan: AttentionPlan, run: RunModel, routed: bool) -> float:
     gathered = np.zeros(2)  # the longest gather (forward) and reduce-scatter (backward)
     for item in plan.items():
         ring = item.ring_size
+        play = item.exchange_kind.play_for(ring) if ring >= 2 else None
+        if play not in (Play.ROTATE, Play.GATHER):
+            continue
         u = item.ulysses
         heads = shape.n_kv_heads // u if u <= shape.n_kv_heads else 1
         values = 2 * heads * shape.head_dim  # K and V of one row, per member
         rows = np.asarray(plan.position_tokens(item), dtype=np.float64)
-        if ring >= 2 and item.exchange_kind.play_for(ring) is Play.GATHER:
+        if play is Play.GATHER:
             gathered = np.maximum(gathered, _gather_seconds(item, rows.max() * values, run))
-            continue
-        if ring < 2 or item.exchange_kind.play_for(ring) is not Play.ROTATE:
             continue
         others = rows.sum() - np.roll(rows, -1)  # hop p -> p + 1: every block but p + 1's
         forward = others * values * run.element_bytes
