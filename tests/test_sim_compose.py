@@ -226,6 +226,9 @@ def test_the_simulator_places_a_batch_as_the_data_actor_does() -> None:
     if step.remap is not None:
         assert step.remap.counts_after == planned.remap.counts_after
     assert step.tokens == int(lengths.sum())
+    plan, remap = plan_batch(lengths, run)  # the plan alone: no routing, no traffic counted
+    assert plan.placements == planned.attention.placements
+    assert (remap is None) == (planned.remap is None)
 
 
 def test_attention_rates_follow_the_measured_curve_and_survive_a_file(tmp_path) -> None:
