@@ -23,7 +23,6 @@ class ProgressLine:
         stream: where it goes (stderr by default).
         every: off a terminal, print only every `every`-th unit, the first, the last, and
             any that ends `QUIET_SECONDS` or more after the last line printed.
-
         head: off a terminal, start each line with `[done/total label, elapsed]` (False
             where the status says how far it got itself).
     """
