@@ -1,6 +1,6 @@
 """The floor `plan --auto` prunes with is below every simulated step, close under the
-ring-bound ones, and pruning leaves the ranking's winner, runner-up and played steps as
-playing everything does."""
+ring-bound and the compute-bound ones, and pruning leaves the ranking's winner, runner-up
+and played steps as playing everything does."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 
 from ray_zep.bench.scale import batch_lengths
 from ray_zep.config import load_config
+from ray_zep.partition.stats import plan_stats
 from ray_zep.sim.hardware import Hardware
-from ray_zep.sim.kv_floor import kv_floor_seconds
+from ray_zep.sim.kv_floor import busiest_compute, kv_floor_seconds
 from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
 from ray_zep.topology import build_topology
 
@@ -26,10 +27,11 @@ CASES = [  # (placement, routing, compression, data)
 ]
 
 
-def _step(placement: str, routing: bool, compression: str, data: str, nodes: int = 4):
+def _step(placement: str, routing: bool, compression: str, data: str, nodes: int = 4,
+          weights: str = "fsdp"):  # fmt: skip
     config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={nodes}",
                                 "model.preset=7b", "train.tokens_per_rank=5120",
-                                "parallel.weights=fsdp", f"parallel.sequence={placement}",
+                                f"parallel.weights={weights}", f"parallel.sequence={placement}",
                                 f"parallel.routing={str(routing).lower()}",
                                 f"comm.compression={compression}"])  # fmt: skip
     run = RunModel.create(config, Hardware.preset(build_topology(config.topology)))
@@ -43,6 +45,8 @@ def test_the_floor_is_under_the_simulated_layers(placement, routing, compression
     layers = run.shape.n_layers * (step.forward_layer_seconds + step.backward_layer_seconds)
     floor = kv_floor_seconds(plan, run, routing)
     assert 0.0 <= floor <= layers <= step.step_seconds
+    compute = busiest_compute(plan_stats(plan, run.shape), run, remapped=False)
+    assert floor <= kv_floor_seconds(plan, run, routing, compute) <= layers
     if placement == "llama_cp":  # its K/V are all-gathered: the longest gather counts
         assert floor > 0.0
 
@@ -52,6 +56,15 @@ def test_the_floor_is_close_under_a_ring_bound_by_its_nics() -> None:
     step is the NIC's bytes and little else."""
     plan, run, step = _step("te_cp", False, "off", "github")
     assert kv_floor_seconds(plan, run, False) > 0.8 * step.step_seconds
+
+
+def test_the_busiest_ranks_compute_is_close_under_a_compute_bound_layer() -> None:
+    """hybrid_dp keeps the chat mix's long documents whole on one rank each, and replicated
+    weights add no collective: that rank's compute is most of the layer."""
+    plan, run, step = _step("hybrid_dp", False, "off", "chat", weights="replicated")
+    layers = run.shape.n_layers * (step.forward_layer_seconds + step.backward_layer_seconds)
+    compute = busiest_compute(plan_stats(plan, run.shape), run, remapped=False)
+    assert 0.8 * layers < kv_floor_seconds(plan, run, False, compute) <= layers
 
 
 def test_pruning_leaves_the_ranking_as_playing_everything(monkeypatch) -> None:

@@ -27,8 +27,9 @@ Two shortcuts leave every figure the search prints as playing everything gives i
 composition with the remapping layer on whose remap policy moves none of its batches
 places and plays them as the same composition with it off, and takes that one's steps. And
 a group of compositions whose every step has a floor above the second fastest composition
-played so far (each batch's bound, or the ring K/V and dK/dV its busiest NIC must send,
-`ray_zep.sim.kv_floor`, whichever is higher) is not played: it can be neither the winner
+played so far (each batch's bound, or what its plan allows, `ray_zep.sim.kv_floor`: the
+ring K/V and dK/dV its busiest NIC must send, a gathered ring's collectives, the busiest
+rank's compute; whichever is higher) is not played: it can be neither the winner
 nor the runner-up, nor the composition token room, micro-batches and outlier delay are
 played from. It is listed with its floor.
 
@@ -228,7 +229,7 @@ def evaluate_group(
         candidate.bounds = [step_bound(lengths, r).seconds for lengths, _ in batches]
     played = list(range(len(candidates)))
     if above is not None and WEIGHTS_AXES[run.config.parallel.weights].family is Family.AUTOGRAD:
-        played = unbeaten(candidates, runs, placed, above)
+        played = unbeaten(candidates, runs, placed, stats, above)
     try:
         # each step's timelines dropped as soon as it is played (`without_timelines`): a
         # group's batches and switches kept them all until the end, several GB at 256 GPUs

@@ -12,26 +12,32 @@ import numpy as np
 from ray_zep.config import Packing
 from ray_zep.parallel.axes import SEQUENCE_AXES
 from ray_zep.sim.auto_ranking import TIE, Candidate
-from ray_zep.sim.kv_floor import kv_floor_seconds
+from ray_zep.sim.kv_floor import busiest_compute, kv_floor_seconds
 
 
-def unbeaten(candidates: list[Candidate], runs, placed, above: float) -> list[int]:
-    """The indices of `candidates` to play: all of them where one's floor (each batch's bound
-    or the ring bytes its busiest NIC sends, `kv_floor_seconds`, whichever is higher, over
-    the batches) is not above `above` (the group shares one layer program: one candidate's
-    play costs about all of theirs), else none, each saying why."""
+def unbeaten(candidates: list[Candidate], runs, placed, stats, above: float) -> list[int]:
+    """The indices of `candidates` to play: all of them where one's floor is not above
+    `above` (the group shares one layer program: one candidate's play costs about all of
+    theirs), else none, each saying why. The floor, averaged over the batches, is the
+    higher of each batch's bound and what its plan alone allows (`kv_floor_seconds`: each
+    phase of a layer the longest of the ring bytes its busiest NIC sends, a gathered
+    ring's collectives and its busiest rank's compute, `busiest_compute` of the batch's
+    `stats`)."""
     routed = runs[0].config.parallel.routing
     floors = []
     for candidate, run in zip(candidates, runs, strict=True):
-        floors.append(float(np.mean([max(bound, kv_floor_seconds(plan, run, routed))
-                                     for bound, (plan, _) in zip(candidate.bounds, placed,
-                                                                 strict=True)])))  # fmt: skip
+        each = []
+        for bound, (plan, remap), one in zip(candidate.bounds, placed, stats, strict=True):
+            compute = busiest_compute(one, run, remap is not None)
+            each.append(max(bound, kv_floor_seconds(plan, run, routed, compute)))
+        floors.append(float(np.mean(each)))
     if min(floors) <= above:
         return list(range(len(candidates)))
     for candidate, floor in zip(candidates, floors, strict=True):
-        candidate.error = (f"not played: a step takes at least {floor:.3f} s here (its bound "
-                           f"and the ring bytes its busiest NIC sends), over the {above:.3f} s "
-                           "of two faster compositions")  # fmt: skip
+        candidate.error = (f"not played: a step takes at least {floor:.3f} s here (its bound, "
+                           "its busiest rank's compute and the ring bytes its busiest NIC "
+                           f"sends), over the {above:.3f} s of two faster "
+                           "compositions")  # fmt: skip
     return []
 
 
