@@ -24,13 +24,14 @@ def unbeaten(candidates: list[Candidate], runs, placed, stats, above: float) -> 
     ring's collectives and its busiest rank's compute, `busiest_compute` of the batch's
     `stats`)."""
     routed = runs[0].config.parallel.routing
+    # the group's runs differ only in their switches, which leave the compute as it is
+    computes = [busiest_compute(one, runs[0], remap is not None)
+                for (_, remap), one in zip(placed, stats, strict=True)]  # fmt: skip
     floors = []
     for candidate, run in zip(candidates, runs, strict=True):
-        each = []
-        for bound, (plan, remap), one in zip(candidate.bounds, placed, stats, strict=True):
-            compute = busiest_compute(one, run, remap is not None)
-            each.append(max(bound, kv_floor_seconds(plan, run, routed, compute)))
-        floors.append(float(np.mean(each)))
+        each = zip(candidate.bounds, placed, computes, strict=True)
+        floors.append(float(np.mean([max(bound, kv_floor_seconds(plan, run, routed, compute))
+                                     for bound, (plan, _), compute in each])))  # fmt: skip
     if min(floors) <= above:
         return list(range(len(candidates)))
     for candidate, floor in zip(candidates, floors, strict=True):

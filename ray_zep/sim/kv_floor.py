@@ -49,9 +49,10 @@ from ray_zep.sim.wire import ZIP_RATIOS
 def kv_floor_seconds(
     plan: AttentionPlan, run: RunModel, routed: bool, compute: np.ndarray | None = None
 ) -> float:
-    """The least seconds a step of `plan` under `run` spends sending ring K/V and dK/dV
-    out of its busiest NIC or node, forward and backward, every layer (module docstring);
-    0 where no ring crosses nodes.
+    """The least seconds a step of `plan` under `run` lasts for what its plan alone decides
+    (module docstring): in each phase of every layer the longest of the ring K/V and dK/dV
+    its busiest NIC or node sends (none where no ring crosses nodes), its longest gathered
+    collective and `compute`.
 
     Args:
         plan: the batch's attention plan.
@@ -111,9 +112,7 @@ def busiest_compute(stats: PlanStats, run: RunModel, remapped: bool) -> np.ndarr
     call costs and lower rates only add to it. On a CPU virtual cluster (`CorePool`) a
     rank computing alone runs faster than its tasks' stated times, by at most 1 / share."""
     rates, shape = run.hardware.rates, run.shape
-    tokens = np.zeros_like(stats.tokens, dtype=np.float64)
-    if not remapped:
-        tokens = stats.tokens.astype(np.float64)
+    tokens = np.zeros(len(stats.tokens)) if remapped else stats.tokens.astype(np.float64)
     elements = pointwise_elements_per_token(shape)
     factors = ((1.0, 1.0), (BACKWARD_LINEAR_FACTOR, BACKWARD_ATTENTION_FACTOR))
     out = []
