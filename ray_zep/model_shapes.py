@@ -20,6 +20,7 @@ experts in every other block (top-2), for CPU runs.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
@@ -140,7 +141,7 @@ class ModelShape:
         """Weights one token meets in a dense block's matmuls (QKV, output, SwiGLU)."""
         return self.attention_params_per_layer() + 3 * self.dim * self.ffn_dim
 
-    def _active_params_per_layer(self, index: int) -> int:
+    def active_params_per_layer(self, index: int) -> int:
         """Matmul weights one token meets in block `index` (its top-k experts and the gate)."""
         if not self.is_moe_block(index):
             return self.linear_params_per_layer()
@@ -150,21 +151,16 @@ class ModelShape:
     def mean_ffn_params(self) -> float:
         """Feed-forward (or gate + top-k experts) weights one token meets, averaged over blocks."""
         attention = self.attention_params_per_layer()
-        active = sum(self._active_params_per_layer(i) - attention for i in range(self.n_layers))
+        active = sum(self.active_params_per_layer(i) - attention for i in range(self.n_layers))
         return active / self.n_layers
 
     def param_count(self) -> int:
         """All parameters: untied input/output embeddings, blocks (every expert), norms."""
-        total = 2 * self.vocab_size * self.dim + self.dim
-        for index in range(self.n_layers):
-            total += self._active_params_per_layer(index) + 2 * self.dim
-            if self.is_moe_block(index):
-                total += (self.moe_experts - self.moe_top_k) * 3 * self.dim * self.expert_hidden
-        return total
+        return _param_count(self)
 
     def linear_flops_per_token(self) -> float:
         """Forward FLOPs of every matmul for one token (2 per multiply-add)."""
-        blocks = sum(self._active_params_per_layer(i) for i in range(self.n_layers))
+        blocks = sum(self.active_params_per_layer(i) for i in range(self.n_layers))
         return 2.0 * (blocks + self.vocab_size * self.dim)
 
     def attention_flops(self, seq_len: int, causal: bool = True) -> float:
@@ -174,6 +170,18 @@ class ModelShape:
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+@functools.lru_cache(maxsize=256)
+def _param_count(shape: ModelShape) -> int:
+    """`ModelShape.param_count`, worked out once per shape (the memory model asks for it
+    for every rank it models)."""
+    total = 2 * shape.vocab_size * shape.dim + shape.dim
+    for index in range(shape.n_layers):
+        total += shape.active_params_per_layer(index) + 2 * shape.dim
+        if shape.is_moe_block(index):
+            total += (shape.moe_experts - shape.moe_top_k) * 3 * shape.dim * shape.expert_hidden
+    return total
 
 
 PRESETS: dict[str, ModelShape] = {

@@ -52,6 +52,8 @@ it (3D for q, k and v, 2D for w1 and w3).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import asdict, dataclass
 
 from ray_zep.model_shapes import ModelShape
@@ -156,7 +158,7 @@ class RankMemory:
 def model_memory(shape: ModelShape, m: MemoryInputs) -> RankMemory:
     """The modelled peak of one rank (bytes, see the module docstring)."""
     owned = owned_params(shape, m)
-    work = _working_set(shape, m)
+    work = _working_set(shape, _per_token_inputs(m))
     optimizer = ADAM_MOMENTS * owned * FP32
     activations = activation_bytes(shape, m)
     ring = 2 * 2 * shape.n_kv_heads * shape.head_dim * m.ring_tokens * m.compute_bytes
@@ -175,10 +177,16 @@ def kept_kv_bytes(shape: ModelShape, m: MemoryInputs) -> float:
     """The K/V a kept ring holds from the forward until the backward: every layer's, but
     of the blocks under full checkpointing only the one whose forward the backward runs
     again."""
+    layers = _kept_kv_layers(shape, _per_token_inputs(m))
+    return 2 * shape.n_kv_heads * shape.head_dim * m.kept_kv_tokens * m.compute_bytes * layers
+
+
+@functools.lru_cache(maxsize=1024)
+def _kept_kv_layers(shape: ModelShape, m: MemoryInputs) -> int:
+    """The layers whose K/V a kept ring holds at once (`kept_kv_bytes`)."""
     full = sum(m.block_checkpointing(i) is ActivationCheckpointing.FULL
                for i in range(shape.n_layers))  # fmt: skip
-    layers = shape.n_layers - full + min(full, 1)
-    return 2 * shape.n_kv_heads * shape.head_dim * m.kept_kv_tokens * m.compute_bytes * layers
+    return shape.n_layers - full + min(full, 1)
 
 
 def state_bytes(shape: ModelShape, m: MemoryInputs) -> float:
@@ -189,7 +197,7 @@ def state_bytes(shape: ModelShape, m: MemoryInputs) -> float:
     summed = _gradient_sum_bytes(owned, m)
     return (
         owned * FP32
-        + _working_set(shape, m).gathered
+        + _working_set(shape, _per_token_inputs(m)).gathered
         + grads
         + summed
         + ADAM_MOMENTS * owned * FP32
@@ -205,7 +213,9 @@ class _WorkingSet:
     unit_grads: float = 0.0
 
 
+@functools.lru_cache(maxsize=1024)
 def _working_set(shape: ModelShape, m: MemoryInputs) -> _WorkingSet:
+    """What `_WorkingSet` holds (`m` as `_per_token_inputs` gives it: no token changes it)."""
     if m.weights.sharding is Sharding.OWNER:
         borrowed = 2 * owned_params(shape, m) * FP32  # the shard computing and the next
         return _WorkingSet(borrowed)
@@ -266,16 +276,23 @@ def _recompute_gathered(shape: ModelShape, mode: ActivationCheckpointing) -> int
 
 def owned_params(shape: ModelShape, m: MemoryInputs) -> float:
     """fp32 parameters a rank stores between steps (elements)."""
+    return _owned_params(shape, m.weights.sharding, m.ep, m.ranks, m.gpus_per_node)
+
+
+@functools.lru_cache(maxsize=1024)
+def _owned_params(
+    shape: ModelShape, sharding: Sharding, ep: int, ranks: int, gpus_per_node: int
+) -> float:
+    """`owned_params`, once per weights layout (the same for every rank a plan holds)."""
     total = shape.param_count()
     experts = expert_params(shape)
-    sharding = m.weights.sharding
     if sharding is Sharding.NONE:
-        return total - experts + experts / m.ep
+        return total - experts + experts / ep
     if sharding is Sharding.ALL_RANKS:
-        return total / m.ranks
+        return total / ranks
     if sharding is Sharding.NODE:
-        return (total - experts) / m.gpus_per_node + experts / m.ranks
-    return max(_weight_shards(shape, m.ranks))  # the largest shard bounds every rank's
+        return (total - experts) / gpus_per_node + experts / ranks
+    return max(_weight_shards(shape, ranks))  # the largest shard bounds every rank's
 
 
 def expert_params(shape: ModelShape) -> int:
@@ -327,6 +344,42 @@ def activation_bytes(shape: ModelShape, m: MemoryInputs) -> float:
     gradients) and a block's backward (the kept activations of the blocks up to it, whose
     backward has not run yet, the logits, that block's recomputed activations and the
     gradients it computes)."""
+    kept, recomputed, widest = _blocks_per_token(shape, _per_token_inputs(m))
+    c, vocab = m.compute_bytes, shape.vocab_size
+    logits = vocab * c  # the model's logits, which the step holds until its end
+    # the head: its norm, its projection's input (a cast under autocast), and the
+    # log-softmax output the loss keeps
+    head = _norm_kept(shape, m) + _casts(shape, 1, m) + vocab * FP32
+    loss_grads = 2 * vocab * FP32  # the loss's backward: its output's and input's gradients
+    # a block's backward: gradients of its widest intermediate and of its input
+    working = (widest + shape.dim) * FP32
+    scores = 0.0
+    if m.ring_tokens and not (m.flash_kernel or m.on_cpu):
+        # the torch kernel's backward of a ring block: scores, probabilities and their
+        # gradient, H x chunk x chunk in fp32 (the rank's ring tokens bound the chunk)
+        scores = SCORE_MATRICES * shape.n_heads * float(m.ring_tokens) ** 2 * FP32
+    if m.loss_chunk_tokens:
+        return _chunked_loss_peak(shape, m, kept, recomputed + working) + scores
+    # while blocks run backward: as measured on CPU, the head's norm and the logits in
+    # fp32 (and in the compute dtype) still count
+    held = _norm_kept(shape, m) + vocab * FP32 + (logits if c != FP32 else 0.0)
+    # in fp32 the logits are the log-softmax's input itself (`.float()` copies nothing)
+    at_loss = kept + head + (logits if c != FP32 else 0.0) + loss_grads
+    in_blocks = kept + recomputed + held + working
+    return m.tokens * max(at_loss, in_blocks) + scores
+
+
+def _per_token_inputs(m: MemoryInputs) -> MemoryInputs:
+    """`m` without what a rank holds: what its blocks keep per token is the same for
+    every rank of a plan (`_blocks_per_token`'s key)."""
+    return dataclasses.replace(m, tokens=0, ring_tokens=0, kept_kv_tokens=0.0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _blocks_per_token(shape: ModelShape, m: MemoryInputs) -> tuple[float, float, int]:
+    """Bytes per token the blocks keep for backward, the most a checkpointed block's
+    backward recomputes beyond them, and the widest intermediate of a block's backward
+    (elements), for `activation_bytes`."""
     kept, recomputed = 0.0, 0.0  # per token; recomputed: the fullest block's moment
     for index in range(shape.n_layers):
         attention, feed_forward = _block_halves(shape, index, m)
@@ -349,32 +402,11 @@ def activation_bytes(shape: ModelShape, m: MemoryInputs) -> float:
         recomputed = max(recomputed, kept + again)
     # the last block's backward holds every kept activation, recomputing nothing beyond
     recomputed = max(recomputed - kept, 0.0)
-    c, vocab = m.compute_bytes, shape.vocab_size
-    logits = vocab * c  # the model's logits, which the step holds until its end
-    # the head: its norm, its projection's input (a cast under autocast), and the
-    # log-softmax output the loss keeps
-    head = _norm_kept(shape, m) + _casts(shape, 1, m) + vocab * FP32
-    loss_grads = 2 * vocab * FP32  # the loss's backward: its output's and input's gradients
-    # a block's backward: gradients of its widest intermediate and of its input
     widest = max(
         shape.moe_top_k * shape.expert_hidden if shape.is_moe_block(i) else shape.ffn_dim
         for i in range(shape.n_layers)
     )
-    working = (widest + shape.dim) * FP32
-    scores = 0.0
-    if m.ring_tokens and not (m.flash_kernel or m.on_cpu):
-        # the torch kernel's backward of a ring block: scores, probabilities and their
-        # gradient, H x chunk x chunk in fp32 (the rank's ring tokens bound the chunk)
-        scores = SCORE_MATRICES * shape.n_heads * float(m.ring_tokens) ** 2 * FP32
-    if m.loss_chunk_tokens:
-        return _chunked_loss_peak(shape, m, kept, recomputed + working) + scores
-    # while blocks run backward: as measured on CPU, the head's norm and the logits in
-    # fp32 (and in the compute dtype) still count
-    held = _norm_kept(shape, m) + vocab * FP32 + (logits if c != FP32 else 0.0)
-    # in fp32 the logits are the log-softmax's input itself (`.float()` copies nothing)
-    at_loss = kept + head + (logits if c != FP32 else 0.0) + loss_grads
-    in_blocks = kept + recomputed + held + working
-    return m.tokens * max(at_loss, in_blocks) + scores
+    return kept, recomputed, widest
 
 
 def _chunked_loss_peak(shape: ModelShape, m: MemoryInputs, kept: float, backward: float) -> float:

@@ -20,6 +20,7 @@ from ray_zep.model_shapes import ModelShape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition.plan import AttentionPlan, local_placement
 from ray_zep.partition.registry import planned, spec_of
+from ray_zep.partition.shared_plans import shared_plan
 from ray_zep.topology import Topology
 
 PLANNED = planned()
@@ -44,11 +45,15 @@ def make_plan(
         shape: the model (head rules, cost model).
         parallel: zone policy and Ulysses degree (defaults otherwise).
 
+    Inside `shared_plans.sharing_plans()`, a planner that declares the fields it reads
+    gives one plan to every call that agrees on them (the same object).
+
     Raises:
         PlacementError: the batch does not fit, or the placement needs bins.
         ConfigError: Ulysses head rules fail.
     """
-    planner = spec_of(placement).planner
+    spec = spec_of(placement)
+    planner = spec.planner
     if planner is None:
         raise PlacementError(
             f"parallel.sequence={placement.value} places whole sequences from packed bins; "
@@ -56,9 +61,14 @@ def make_plan(
         )
     parallel = parallel or ParallelConfig(sequence=placement)
     lengths = np.asarray(lengths, dtype=np.int64)
-    plan = planner(lengths, topology, tokens_per_rank, shape, parallel)
-    plan.validate()
-    return plan
+
+    def make() -> AttentionPlan:
+        plan = planner(lengths, topology, tokens_per_rank, shape, parallel)
+        plan.validate()
+        return plan
+
+    return shared_plan(placement, spec.reads, lengths, topology, tokens_per_rank, shape,
+                       parallel, make)  # fmt: skip
 
 
 def greedy_bins(lengths: Sequence[int] | np.ndarray, ranks: int) -> list[list[int]]:

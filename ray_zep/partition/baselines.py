@@ -228,11 +228,13 @@ TE_CP = PlacementSpec(
     variants={Placement.TE_CP.value: Variant(Placement.TE_CP, te_wire=True, te_padding=True)},
     listed=listed_in(*_EVERY_BENCH_BUT_SCALE),
     role=Role.REFERENCE,
+    reads=(),
 )
 LLAMA_CP = PlacementSpec(
     SEQUENCE_AXES[Placement.LLAMA_CP],
     _global_ring(Exchange.ALL_GATHER, Placement.LLAMA_CP),
     listed=listed_in(Bench.SIMULATE, Bench.TRAIN, Bench.VALIDATE, Bench.PARTITION),
+    reads=(),
 )
 HYBRID_DP = PlacementSpec(
     SEQUENCE_AXES[Placement.HYBRID_DP],
@@ -242,14 +244,17 @@ HYBRID_DP = PlacementSpec(
     listed=listed_in(
         Bench.SIMULATE, Bench.TRAIN, Bench.VALIDATE, Bench.LAYERS, Bench.PARTITION, Bench.SCALE
     ),
+    reads=("zone_policy", "routing", "dkv_wire"),
 )
 ULYSSES = PlacementSpec(
     SEQUENCE_AXES[Placement.ULYSSES],
     _ulysses,
     listed=listed_in(Bench.VALIDATE, Bench.PARTITION),
+    reads=(),
 )
 USP = PlacementSpec(
     SEQUENCE_AXES[Placement.USP],
     _usp,
     listed=listed_in(Bench.VALIDATE, Bench.LAYERS, Bench.PARTITION),
+    reads=("ulysses_degree",),
 )

@@ -161,4 +161,5 @@ SPEC = PlacementSpec(
     # not in bench scale's default list: behind zeppelin in every case of its grid, and
     # its rings (a rank in several) play event by event, 4 minutes for 256 GPUs of chat
     listed=listed_in(Bench.PARTITION),
+    reads=("routing", "dkv_wire"),
 )

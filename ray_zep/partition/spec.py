@@ -123,6 +123,10 @@ class PlacementSpec:
         role: the part it plays in comparisons, if any.
         zone_policies: the `parallel.zone_policy` values its planner tells apart
             (`plan --auto` tries each).
+        reads: the `ParallelConfig` fields its planner reads (with L, the cluster and
+            the model): compositions that agree on them share its plan of a batch in
+            `plan --auto` (`ray_zep.partition.shared_plans`). None: it may read any
+            field, and is run for every composition.
     """
 
     axis: SequenceAxis
@@ -132,6 +136,7 @@ class PlacementSpec:
     listed: Mapping[Bench, tuple[str, ...]] = field(default_factory=dict)
     role: Role | None = None
     zone_policies: tuple[ZonePolicy, ...] = ()
+    reads: tuple[str, ...] | None = None
 
     @property
     def name(self) -> str:

@@ -82,6 +82,7 @@ from ray_zep.parallel.axes import (
 from ray_zep.parallel.memory import GB
 from ray_zep.partition.plan_memory import plan_memory
 from ray_zep.partition.registry import spec_of
+from ray_zep.partition.shared_plans import sharing_plans
 from ray_zep.partition.stats import plan_stats
 from ray_zep.sim.auto_ranking import AutoPlan, Candidate
 from ray_zep.sim.auto_shortcuts import played_by_twin, second_fastest, unbeaten
@@ -291,28 +292,31 @@ def auto_plan(
     data's (None for sampled lengths, the same for every composition: no outlier delay is
     played and no composition cuts documents, `mark_cut_documents`); `window`: the batches
     the delay's comparison holds at least (never fewer than `MIN_WINDOW`). `progress`
-    gets a line for each of `search_steps` as it ends."""
-    report = progress or (lambda line: None)
-    candidates = []
-    without_remap: dict[tuple, list[Candidate]] = {}  # evaluated groups with the remap off
-    for key, alike in _groups(config, hardware.devices):
-        twin = without_remap.get(_remap_off(key)) if key[_REMAP] else None
-        above = second_fastest(candidates, config.data.packing)
-        group = _evaluated(alike, hardware, batches_of, on_gpu, twin, above)
-        if not key[_REMAP]:
-            without_remap[key] = group
-        candidates += group
-        report(_group_line(group))
-    candidates += _roomier(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
-    report("more token room played")
-    candidates += _micro_batched(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
-    report("micro-batches played")
-    if data_of is not None:  # the data's batches, each composition's as its actor draws them
-        ranked = AutoPlan(candidates)
-        candidates += delayed_candidates(ranked, config, hardware, data_of, on_gpu, window)
-        mark_cut_documents(candidates, config, hardware.devices, batches_of)
-    report("outlier delay played" if data_of is not None else "done")
-    return AutoPlan(candidates)
+    gets a line for each of `search_steps` as it ends. A planner that declares what it
+    reads places each batch once for every group that agrees on it
+    (`ray_zep.partition.shared_plans`)."""
+    with sharing_plans():  # one plan of a batch for the groups that place it alike
+        report = progress or (lambda line: None)
+        candidates = []
+        without_remap: dict[tuple, list[Candidate]] = {}  # evaluated groups with the remap off
+        for key, alike in _groups(config, hardware.devices):
+            twin = without_remap.get(_remap_off(key)) if key[_REMAP] else None
+            above = second_fastest(candidates, config.data.packing)
+            group = _evaluated(alike, hardware, batches_of, on_gpu, twin, above)
+            if not key[_REMAP]:
+                without_remap[key] = group
+            candidates += group
+            report(_group_line(group))
+        candidates += _roomier(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
+        report("more token room played")
+        candidates += _micro_batched(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
+        report("micro-batches played")
+        if data_of is not None:  # the data's batches, each composition's as its actor draws them
+            ranked = AutoPlan(candidates)
+            candidates += delayed_candidates(ranked, config, hardware, data_of, on_gpu, window)
+            mark_cut_documents(candidates, config, hardware.devices, batches_of)
+        report("outlier delay played" if data_of is not None else "done")
+        return AutoPlan(candidates)
 
 
 SEARCH_PHASES = 3
