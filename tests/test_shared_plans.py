@@ -36,9 +36,13 @@ def _setup():
     config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=2",
                                 "model.preset=7b", "train.tokens_per_rank=5120"])  # fmt: skip
     topology, shape = build_topology(config.topology), build_shape(config.model)
-    lengths = np.concatenate([batch_lengths("github", 8 * 4096, 0),
-                              batch_lengths("chat", 8 * 4096, 1)])  # fmt: skip
-    return topology, shape, lengths
+    mixed = np.concatenate([batch_lengths("github", 8 * 4096, 0),
+                            batch_lengths("chat", 8 * 4096, 1)])  # fmt: skip
+    # one document across both nodes (USP groups), the rest in rings and whole
+    spanning = np.concatenate([[50000], batch_lengths("chat", 6 * 4096, 1)])
+    # rings across the nodes, placed apart where routed
+    across = batch_lengths("prolong64k", 16 * 4096, 2)
+    return topology, shape, mixed, spanning, across
 
 
 def _others(field: dataclasses.Field, value) -> tuple:
@@ -71,10 +75,16 @@ def test_every_parallel_field_is_tried() -> None:
 
 @pytest.mark.parametrize("placement", DECLARED, ids=lambda p: p.value)
 def test_fields_a_planner_does_not_declare_leave_its_plan(placement: Placement) -> None:
-    """Each unread field at each other value gives the same placements."""
-    topology, shape, lengths = _setup()
+    """Each unread field at each other value gives the same placements, on three batches
+    (each field zeppelin reads changes one of them)."""
+    topology, shape, *batches = _setup()
     base = ParallelConfig(sequence=placement)
-    reference = _shape_of(make_plan(placement, lengths, topology, 5120, shape, base))
+
+    def placed(parallel: ParallelConfig) -> list[tuple]:
+        return [_shape_of(make_plan(placement, lengths, topology, 5120, shape, parallel))
+                for lengths in batches]  # fmt: skip
+
+    reference = placed(base)
     reads = SPECS[placement].reads
     tried = 0
     for field in dataclasses.fields(ParallelConfig):
@@ -85,14 +95,13 @@ def test_fields_a_planner_does_not_declare_leave_its_plan(placement: Placement) 
                 other = dataclasses.replace(base, **{field.name: value})
             except ZepError:
                 continue  # a combination the config refuses
-            plan = make_plan(placement, lengths, topology, 5120, shape, other)
-            assert _shape_of(plan) == reference, (field.name, value)
+            assert placed(other) == reference, (field.name, value)
             tried += 1
     assert tried >= 20
 
 
-def test_plans_are_shared_only_inside_the_block_and_where_declared() -> None:
-    topology, shape, lengths = _setup()
+def test_plans_are_shared_only_inside_the_block_and_where_declared(monkeypatch) -> None:
+    topology, shape, lengths, *_ = _setup()
     usp = ParallelConfig(sequence=Placement.USP, ulysses_degree=4)
     hsdp_routed = dataclasses.replace(usp, weights=type(usp.weights)("hsdp"), routing=True)
     assert make_plan(Placement.USP, lengths, topology, 5120, shape, usp) is not make_plan(
@@ -108,8 +117,16 @@ def test_plans_are_shared_only_inside_the_block_and_where_declared() -> None:
         )
         assert make_plan(Placement.USP, lengths, topology, 6400, shape, usp) is not first
         assert make_plan(Placement.USP, lengths[1:], topology, 5120, shape, usp) is not first
-        # zeppelin declares nothing: planned for every call
+        # zeppelin shares across the remap and the weights, not across routing
         zeppelin = ParallelConfig(sequence=Placement.ZEPPELIN)
+        one = make_plan(Placement.ZEPPELIN, lengths, topology, 5120, shape, zeppelin)
+        remapped = dataclasses.replace(zeppelin, remap=True, weights=hsdp_routed.weights)
+        assert make_plan(Placement.ZEPPELIN, lengths, topology, 5120, shape, remapped) is one
+        routed = dataclasses.replace(zeppelin, routing=True)
+        assert make_plan(Placement.ZEPPELIN, lengths, topology, 5120, shape, routed) is not one
+        # a planner that declares nothing is planned for every call
+        spec = SPECS[Placement.ZEPPELIN]
+        monkeypatch.setitem(SPECS, Placement.ZEPPELIN, dataclasses.replace(spec, reads=None))
         one = make_plan(Placement.ZEPPELIN, lengths, topology, 5120, shape, zeppelin)
         assert make_plan(Placement.ZEPPELIN, lengths, topology, 5120, shape, zeppelin) is not one
     # let go at the block's end

@@ -403,6 +403,10 @@ CAPACITY_POLICY = f"{_NAME}_capacity"
 COMPUTE_DKV = f"{_NAME}+compute_dkv"
 """The full system with ring dK/dV on the wire in the K/V dtype (`parallel.dkv_wire=compute`)."""
 
+_READS = ("zone_policy", "routing", "dkv_wire", "usp_groups", "ring_kv_keep_gb", "ring_kv_room_mb")
+"""The `ParallelConfig` fields `_planner` reads (the ring K/V budgets as
+`ray_zep.partition.plan_memory.planning_parallel` resolves them)."""
+
 SPEC = PlacementSpec(
     SEQUENCE_AXES[Placement.ZEPPELIN],
     _planner,
@@ -428,4 +432,5 @@ SPEC = PlacementSpec(
     },
     role=Role.SYSTEM,
     zone_policies=tuple(ZonePolicy),
+    reads=_READS,
 )

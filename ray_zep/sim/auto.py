@@ -23,7 +23,9 @@ none, is placed and played again under the lightest that fits
 (`ray_zep.sim.checkpointing.fitting_options`: selective, linears or full on the fewest
 first blocks, `train.checkpoint_blocks`), and the step counts what backward recomputes.
 
-Two shortcuts leave every figure the search prints as playing everything gives it. A
+Three shortcuts leave every figure the search prints as playing everything gives it. A
+placement whose planner declares the settings it reads places each batch once for every
+group that agrees on them (`ray_zep.partition.shared_plans`). A
 composition with the remapping layer on whose remap policy moves none of its batches
 places and plays them as the same composition with it off, and takes that one's steps. And
 a group of compositions whose every step has a floor above the second fastest composition
