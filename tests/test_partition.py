@@ -14,7 +14,7 @@ from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import PLANNED, make_plan, plan_from_bins
 from ray_zep.partition import stats as stats_module
-from ray_zep.partition.fill import water_fill
+from ray_zep.partition.fill import FILL_LOOP_BINS, water_fill
 from ray_zep.partition.plan import Exchange, Zone, bounds_for_counts, even_bounds
 from ray_zep.partition.stats import plan_stats, visible_pairs
 from ray_zep.topology import LinkKind, build_topology
@@ -154,6 +154,27 @@ def test_water_fill_is_even_within_capacity() -> None:
     assert water_fill(7, np.asarray([5, 5, 5])).tolist() == [2, 2, 3]
     with pytest.raises(PlacementError):
         water_fill(11, np.asarray([5, 5]))
+
+
+def test_water_fill_on_arrays_walks_the_bins_as_one_by_one() -> None:
+    """Past `FILL_LOOP_BINS` the shares come from arrays: the same as walking the bins by
+    room, each taking the smaller of its room and the rest over the bins left."""
+
+    def walked(total: int, free: np.ndarray) -> list[int]:
+        shares, remaining = [0] * free.size, total
+        for done, index in enumerate(np.argsort(free, kind="stable").tolist()):
+            shares[index] = min(int(free[index]), remaining // (free.size - done))
+            remaining -= shares[index]
+        return shares
+
+    rng = np.random.default_rng(0)
+    for case in range(600):
+        bins = int(rng.integers(FILL_LOOP_BINS + 1, 300))
+        kinds = (rng.integers(0, 6000, bins), rng.choice([0, 1, 2560, 5120], bins),
+                 np.full(bins, int(rng.integers(0, 40))), rng.integers(0, 3, bins))  # fmt: skip
+        free = kinds[case % 4]
+        total = int(rng.integers(0, int(free.sum()) + 1)) if case % 5 else int(free.sum())
+        assert water_fill(total, free).tolist() == walked(total, free), (total, free.tolist())
 
 
 def test_planners_refuse_a_batch_larger_than_the_ranks() -> None:

@@ -29,7 +29,7 @@ from ray_zep.config import ParallelConfig, ZonePolicy
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import ModelShape
 from ray_zep.parallel.axes import SEQUENCE_AXES, Placement
-from ray_zep.partition.fill import check_total, water_fill
+from ray_zep.partition.fill import check_total, water_fill, water_fill_rows
 from ray_zep.partition.plan import (
     AttentionPlan,
     Exchange,
@@ -167,9 +167,7 @@ def plan_ulysses_ring(
     for seq, n in enumerate(lengths.tolist()):
         by_position = free.reshape(ring, degree)
         position_counts = water_fill(n, by_position.sum(axis=1))
-        parts = np.concatenate(
-            [water_fill(int(c), by_position[r]) for r, c in enumerate(position_counts)]
-        )
+        parts = water_fill_rows(position_counts, by_position).reshape(-1)
         free -= parts
         placements.append(
             SeqPlacement(
@@ -178,7 +176,7 @@ def plan_ulysses_ring(
                 ranks,
                 bounds_for_counts(position_counts.tolist()),
                 ulysses=degree,
-                parts=tuple(int(x) for x in parts),
+                parts=tuple(parts.tolist()),
             )
         )
     return _finish(name, topology, tokens_per_rank, placements, started)

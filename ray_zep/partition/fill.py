@@ -29,15 +29,79 @@ def water_fill(total: int, free: np.ndarray) -> np.ndarray:
     free = np.asarray(free, dtype=np.int64)
     if total > int(free.sum()):
         raise PlacementError(f"{total} tokens do not fit in {int(free.sum())} free tokens")
+    order = np.argsort(free, kind="stable")
+    if len(free) > FILL_LOOP_BINS:
+        return _water_fill_arrays(int(total), free, order)
     shares = np.zeros(len(free), dtype=np.int64)
     remaining = int(total)
-    order = np.argsort(free, kind="stable")
     for done, index in enumerate(order):
         # Floor shares first: a bin never takes more than the bins after it
         # (which have at least as much room), so the last bin always fits the rest.
         take = min(int(free[index]), remaining // (len(free) - done))
         shares[index] = take
         remaining -= take
+    return shares
+
+
+FILL_LOOP_BINS = 32
+"""Bins up to which `water_fill` walks them one by one (numpy's calls cost more on a
+node's few ranks); past it, `_water_fill_arrays` gives the same shares on arrays."""
+
+
+def _water_fill_arrays(total: int, free: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """`water_fill`'s walk without the loop. Walking the bins by room, each takes the
+    smaller of its room and the remaining tokens over the bins left. While every bin
+    before has been filled, what remains is `total` less their room; the first bin whose
+    room exceeds its share ends that run. Every later bin has at least that much room,
+    so none is capped again: the R tokens left go as R // m to each of the m bins left,
+    and one more to each of the last R mod m (each share floors what remains)."""
+    room = free[order]
+    count = room.size
+    before = np.cumsum(room) - room  # room of the bins before each, all filled
+    capped = room > (total - before) // (count - np.arange(count))
+    first = int(np.argmax(capped)) if capped.any() else count
+    sorted_shares = room.copy()
+    left = total - int(before[first]) if first < count else 0
+    each, extra = divmod(left, count - first) if first < count else (0, 0)
+    sorted_shares[first:] = each
+    if extra:
+        sorted_shares[count - extra :] += 1
+    shares = np.empty(count, dtype=np.int64)
+    shares[order] = sorted_shares
+    return shares
+
+
+def water_fill_rows(totals: np.ndarray, free: np.ndarray) -> np.ndarray:
+    """`water_fill` of each row of `free` (rows x bins) with its entry of `totals`, all
+    rows at once (`_water_fill_arrays` row by row): the same shares.
+
+    Raises:
+        PlacementError: a row holds fewer than its total free tokens.
+    """
+    free = np.asarray(free, dtype=np.int64)
+    totals = np.asarray(totals, dtype=np.int64)
+    room_left = free.sum(axis=1)
+    short = np.flatnonzero(totals > room_left)
+    if short.size:
+        row = int(short[0])
+        raise PlacementError(f"{int(totals[row])} tokens do not fit in {int(room_left[row])} "
+                             "free tokens")  # fmt: skip
+    order = np.argsort(free, axis=1, kind="stable")
+    room = np.take_along_axis(free, order, axis=1)
+    rows, count = room.shape
+    filled = np.cumsum(room, axis=1)
+    before = filled - room
+    capped = room > (totals[:, None] - before) // (count - np.arange(count))
+    first = np.where(capped.any(axis=1), capped.argmax(axis=1), count)
+    before_first = np.concatenate([before, filled[:, -1:]], axis=1)[np.arange(rows), first]
+    left, bins_left = totals - before_first, count - first
+    each, extra = np.divmod(left, np.maximum(bins_left, 1))
+    column = np.arange(count)
+    shared = column >= first[:, None]
+    sorted_shares = np.where(shared, each[:, None], room)
+    sorted_shares += shared & (column >= count - extra[:, None])
+    shares = np.empty_like(sorted_shares)
+    np.put_along_axis(shares, order, sorted_shares, axis=1)
     return shares
 
 

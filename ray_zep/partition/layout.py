@@ -143,6 +143,11 @@ def _run(sizes: Slots, slots: Slots) -> tuple[int, int]:
     return sum(sizes[: slots[0]]), sum(sizes[s] for s in slots)
 
 
+ARRAY_RING = 64
+"""Ring positions past which the zigzag layout's planners' helpers work on arrays (te_cp's,
+llama_cp's and usp's rings of every rank); below it Python's loops cost less."""
+
+
 class Zigzag(Layout):
     """2R chunks; position r holds chunks r and 2R-1-r, which balances causal work
     (Transformer Engine's and PyTorch's head-tail load balancing). Against an earlier
@@ -164,6 +169,10 @@ class Zigzag(Layout):
 
     def bounds_for_counts(self, counts) -> tuple[int, ...]:
         ring = len(counts)
+        if ring > ARRAY_RING:  # one ring of every rank: the same offsets on arrays
+            held = np.asarray(counts, dtype=np.int64)
+            sizes = np.concatenate([held // 2, (held - held // 2)[::-1]])
+            return (0, *np.cumsum(sizes).tolist())
         sizes = [0] * (2 * ring)
         for r, n in enumerate(counts):
             sizes[r] = n // 2

@@ -29,6 +29,7 @@ derives the same order from the plan alone.
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -38,7 +39,7 @@ import numpy as np
 from ray_zep.errors import PlacementError
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition.exchange import EXCHANGES, Exchange, ExchangeKind
-from ray_zep.partition.layout import ZIGZAG, Layout
+from ray_zep.partition.layout import ARRAY_RING, ZIGZAG, Layout
 from ray_zep.partition.level_trace import LevelTry
 from ray_zep.topology import LinkKind, Topology
 
@@ -373,11 +374,16 @@ class AttentionPlan:
 
     def _count_rank_tokens(self) -> np.ndarray:
         counts = [0] * self.world
+        wide = np.zeros(self.world, dtype=np.int64)  # the rings of more than `ARRAY_RING`
         for p in self.placements:
             if p.ulysses == 1 and p.layout is ZIGZAG:  # position r: chunks r and 2R-1-r
                 b = p.bounds
                 if len(p.ranks) == 1:  # a whole sequence: most of a batch's placements
                     counts[p.ranks[0]] += b[2] - b[0]
+                    continue
+                if len(p.ranks) > ARRAY_RING:
+                    sizes = np.diff(np.asarray(b, dtype=np.int64))
+                    wide[list(p.ranks)] += sizes[: len(p.ranks)] + sizes[len(p.ranks) :][::-1]
                     continue
                 last = 2 * len(p.ranks) - 1
                 for r, rank in enumerate(p.ranks):
@@ -385,7 +391,7 @@ class AttentionPlan:
                 continue
             for rank, held in zip(p.ranks, p.member_token_counts().tolist(), strict=True):
                 counts[rank] += held
-        return np.asarray(counts, dtype=np.int64)
+        return np.asarray(counts, dtype=np.int64) + wide
 
     def validate(self) -> None:
         """Check the plan's invariants.
@@ -442,7 +448,8 @@ def _check_placement(index: int, p: SeqPlacement, world: int) -> None:
     where = f"sequence {index} (length {p.length})"
     if p.seq != index or p.length < 1:
         raise PlacementError(f"{where}: placement is for sequence {p.seq} of length {p.length}")
-    if len(set(p.ranks)) != len(p.ranks) or not all(0 <= r < world for r in p.ranks):
+    spread = p.ranks and not 0 <= min(p.ranks) <= max(p.ranks) < world
+    if len(set(p.ranks)) != len(p.ranks) or spread:
         raise PlacementError(f"{where}: group {p.ranks} repeats or leaves ranks 0..{world - 1}")
     if p.ulysses < 1 or len(p.ranks) % p.ulysses:
         raise PlacementError(f"{where}: {len(p.ranks)} ranks are not a multiple of U={p.ulysses}")
@@ -451,7 +458,7 @@ def _check_placement(index: int, p: SeqPlacement, world: int) -> None:
         len(bounds) != p.layout.chunks(p.ring_size) + 1
         or bounds[0] != 0
         or bounds[-1] != p.length
-        or any(b < a for a, b in itertools.pairwise(bounds))
+        or not all(map(operator.le, bounds, itertools.islice(bounds, 1, None)))
     ):
         raise PlacementError(
             f"{where}: chunk bounds {p.bounds} do not tile it in the "
