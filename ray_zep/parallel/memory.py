@@ -369,6 +369,7 @@ def activation_bytes(shape: ModelShape, m: MemoryInputs) -> float:
     return m.tokens * max(at_loss, in_blocks) + scores
 
 
+@functools.lru_cache(maxsize=4096)
 def _per_token_inputs(m: MemoryInputs) -> MemoryInputs:
     """`m` without what a rank holds: what its blocks keep per token is the same for
     every rank of a plan (`_blocks_per_token`'s key)."""
