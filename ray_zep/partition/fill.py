@@ -29,11 +29,11 @@ def water_fill(total: int, free: np.ndarray) -> np.ndarray:
     free = np.asarray(free, dtype=np.int64)
     if total > int(free.sum()):
         raise PlacementError(f"{total} tokens do not fit in {int(free.sum())} free tokens")
-    order = np.argsort(free, kind="stable")
     if len(free) > FILL_LOOP_BINS:
-        return _water_fill_arrays(int(total), free, order)
+        return water_fill_rows(np.asarray([total]), free[None, :])[0]
     shares = np.zeros(len(free), dtype=np.int64)
     remaining = int(total)
+    order = np.argsort(free, kind="stable")
     for done, index in enumerate(order):
         # Floor shares first: a bin never takes more than the bins after it
         # (which have at least as much room), so the last bin always fits the rest.
@@ -45,35 +45,17 @@ def water_fill(total: int, free: np.ndarray) -> np.ndarray:
 
 FILL_LOOP_BINS = 32
 """Bins up to which `water_fill` walks them one by one (numpy's calls cost more on a
-node's few ranks); past it, `_water_fill_arrays` gives the same shares on arrays."""
-
-
-def _water_fill_arrays(total: int, free: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """`water_fill`'s walk without the loop. Walking the bins by room, each takes the
-    smaller of its room and the remaining tokens over the bins left. While every bin
-    before has been filled, what remains is `total` less their room; the first bin whose
-    room exceeds its share ends that run. Every later bin has at least that much room,
-    so none is capped again: the R tokens left go as R // m to each of the m bins left,
-    and one more to each of the last R mod m (each share floors what remains)."""
-    room = free[order]
-    count = room.size
-    before = np.cumsum(room) - room  # room of the bins before each, all filled
-    capped = room > (total - before) // (count - np.arange(count))
-    first = int(np.argmax(capped)) if capped.any() else count
-    sorted_shares = room.copy()
-    left = total - int(before[first]) if first < count else 0
-    each, extra = divmod(left, count - first) if first < count else (0, 0)
-    sorted_shares[first:] = each
-    if extra:
-        sorted_shares[count - extra :] += 1
-    shares = np.empty(count, dtype=np.int64)
-    shares[order] = sorted_shares
-    return shares
+node's few ranks); past it, `water_fill_rows` gives the same shares on arrays."""
 
 
 def water_fill_rows(totals: np.ndarray, free: np.ndarray) -> np.ndarray:
     """`water_fill` of each row of `free` (rows x bins) with its entry of `totals`, all
-    rows at once (`_water_fill_arrays` row by row): the same shares.
+    rows at once: the same shares as walking each row's bins by room, each taking the
+    smaller of its room and the remaining tokens over the bins left. While every bin
+    before has been filled, what remains is the total less their room; the first bin whose
+    room exceeds its share ends that run. Every later bin has at least that much room, so
+    none is capped again: the R tokens left go as R // m to each of the m bins left, and
+    one more to each of the last R mod m (each share floors what remains).
 
     Raises:
         PlacementError: a row holds fewer than its total free tokens.
