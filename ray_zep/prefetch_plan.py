@@ -8,12 +8,16 @@ the latency of its ring steps holds no link). Once the block's attention has run
 gather has the output projection and the feed-forward to hide under, and what they do
 not hide waits before the next block.
 Unset, the option takes the second where, by the cost model, what it would leave
-exposed is less than the first's time on the links: on cluster A at 4k tokens per GPU
-after attention at 64-1,024 GPUs, and when the block starts at 4,096 GPUs, where a 7B
-block's gather over every rank takes 20 ms (16 of them its ring steps' latency) beside a
-7 ms feed-forward (the simulator agrees on `bench scale`'s 7b batches, gathers in slices:
-at 1,024 GPUs chat 3.08 s a step after attention, 3.29 s at the block's start; at 4,096
-GPUs arxiv 2.79 and 2.40 s).
+exposed is less than the first's time on the links. One block ahead
+(`parallel.prefetch_depth=1`), on cluster A at 4k tokens per GPU that is after attention
+at 64-1,024 GPUs, and when the block starts at 4,096 GPUs, where a 7B block's gather over
+every rank takes 20 ms (16 of them its ring steps' latency) beside a 7 ms feed-forward
+(the simulator agrees on `bench scale`'s 7b batches, gathers in slices: at 1,024 GPUs
+chat 3.08 s a step after attention, 3.29 s at the block's start; at 4,096 GPUs arxiv
+2.79 and 2.40 s). Two blocks ahead (the default), the latency runs while the block
+before computes where it surely fits there (the window `ray_zep.sim.prefetched` plays is
+at least the projections before attention and what the feed-forward leaves after the
+bytes), and the rule then weighs the bytes alone; otherwise it decides as one ahead.
 """
 
 from __future__ import annotations
@@ -49,10 +53,18 @@ def gathers_after_attention(
         return False
     cost = CostModel.create(shape, topology)
     gather = cost.all_gather_seconds(mean_block_params(shape) / len(group) * param_bytes, group)
-    on_links = gather - cost.ring_latency(group, len(group) - 1, 1)
-    _, after = linear_flops_per_token(shape)
-    feed_forward = mean_tokens * after / preset_rates(topology.gpu_model).matmul
-    return max(0.0, gather - feed_forward) < on_links
+    latency = cost.ring_latency(group, len(group) - 1, 1)
+    on_links = gather - latency
+    before, after = linear_flops_per_token(shape)
+    matmul = preset_rates(topology.gpu_model).matmul
+    feed_forward = mean_tokens * after / matmul
+    # gathered two or more blocks ahead, the ring steps' latency runs before the block
+    # that posts it where it fits between the bytes and the next post (`ray_zep.sim.
+    # prefetched`): at least the projections before attention and what the feed-forward
+    # leaves after the bytes (attention widens it further)
+    window = mean_tokens * before / matmul + max(0.0, feed_forward - on_links)
+    hidden = latency if parallel.prefetch_depth > 1 and latency <= window else 0.0
+    return max(0.0, gather - hidden - feed_forward) < on_links
 
 
 def run_gathers_after_attention(

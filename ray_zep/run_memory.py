@@ -40,6 +40,7 @@ def memory_inputs(
         flash_kernel=flash,
         on_cpu=on_cpu,
         prefetch=parallel.prefetch,
+        prefetch_depth=parallel.prefetch_depth,
         fsdp_unit=parallel.fsdp_unit,
         loss_chunk_tokens=config.model.loss_chunk_tokens,
         kept_kv_tokens=kept_kv_tokens,

@@ -28,6 +28,7 @@ OTHER_VALUES = {
     "ep": (2,),
     "moe_overlap_degree": (2,),
     "prefetch_after_attention": (True, False),
+    "prefetch_depth": (1, 3),
 }
 """Values tried for the fields that are neither an enum nor a plain bool."""
 

@@ -89,6 +89,8 @@ class MemoryInputs:
             ring engine makes through PyTorch's fused op (no whole score matrix held, as
             with flash-attn).
         prefetch: FSDP2 gathers the next unit while one computes.
+        prefetch_depth: with `prefetch` and blocks as units, how many units ahead it
+            gathers (`parallel.prefetch_depth`).
         fsdp_unit: what one FSDP2 unit gathers (`parallel.fsdp_unit`).
         loss_chunk_tokens: `model.loss_chunk_tokens` (0: the loss of the whole batch's
             logits).
@@ -113,6 +115,7 @@ class MemoryInputs:
     flash_kernel: bool = False
     on_cpu: bool = True
     prefetch: bool = True
+    prefetch_depth: int = 1
     fsdp_unit: FsdpUnit = FsdpUnit.BLOCK
     loss_chunk_tokens: int = 0
     kept_kv_tokens: float = 0.0
@@ -221,10 +224,13 @@ def _working_set(shape: ModelShape, m: MemoryInputs) -> _WorkingSet:
         return _WorkingSet(borrowed)
     if not m.weights.fsdp:
         return _WorkingSet(autocast_weight_copies(shape, m))
-    # backward gathers one unit at a time, two with prefetch
+    # backward gathers one unit at a time, with prefetch also the `ahead` before it
+    # (blocks as units; projection units prefetch one ahead): the fullest such window
     units = fsdp_units(shape, m.fsdp_unit)
     largest = max(units)
-    gathered = (2 if m.prefetch else 1) * largest
+    ahead = (m.prefetch_depth if m.fsdp_unit is FsdpUnit.BLOCK else 1) if m.prefetch else 0
+    window = min(len(units), 1 + ahead)
+    gathered = max(sum(units[i : i + window]) for i in range(len(units) - window + 1))
     if m.fsdp_unit is FsdpUnit.LINEAR:
         # a region recomputed in backward gathers its projections together and holds
         # them until their own backward (FSDP2 does not reshard in backward)

@@ -16,11 +16,11 @@ per micro-batch, and a separately wrapped experts module would reduce-scatter
 once per call, in an order that can differ between ranks. Where every rank holds
 other experts (parallel.ep = ranks), FSDP leaves them alone.
 
-With `parallel.prefetch`, each unit gathers the next one in forward and the previous
-one in backward while it computes; under `parallel.prefetch_after_attention`
-(resolved by `ray_zep.prefetch_plan` where unset) a block gathers the next unit once
-its attention has run, so that the gather and the ring's K/V do not meet on the NICs
-(`gather_after_attention`).
+With `parallel.prefetch`, each unit gathers the next `parallel.prefetch_depth` units
+in forward and as many before it in backward while it computes; under
+`parallel.prefetch_after_attention` (resolved by `ray_zep.prefetch_plan` where unset) a
+block gathers the unit that many ahead once its attention has run, so that the gather
+and the ring's K/V do not meet on the NICs (`gather_after_attention`).
 
 `parallel.fsdp_unit=linear` also makes each projection of a dense block a unit
 of its own, the block's unit keeping its norms. A block unit holds the block's
@@ -82,8 +82,8 @@ def shard_model(
         The FSDP modules in forward order (embedding, each block followed by its
         projection units, head), the root last.
         Separate units let backward free the head before the blocks run and gather
-        the embedding only at its end, so at most one unit (two with prefetch) is
-        gathered at a time.
+        the embedding only at its end, so at most one unit (1 + `parallel.prefetch_depth`
+        with prefetch) is gathered at a time.
     """
     mesh = comm.groups.fsdp_mesh(device.type, comm.topology)
     policy = MixedPrecisionPolicy(
@@ -130,7 +130,8 @@ def shard_model(
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
     if parallel.prefetch:
-        _set_prefetch(units, nested, bool(parallel.prefetch_after_attention))
+        _set_prefetch(units, nested, bool(parallel.prefetch_after_attention),
+                      parallel.prefetch_depth)  # fmt: skip
     if collectives is not None:
         switch_collectives([*every, root], collectives)
     return [*every, root]
@@ -155,24 +156,26 @@ def _set_prefetch(
     units: list[FSDPModule],
     inner: dict[FSDPModule, list[FSDPModule]],
     after_attention: bool = False,
+    depth: int = 1,
 ) -> None:
-    """Explicit prefetch: each unit gathers the next one in forward and the previous one
-    in backward; a block also gathers its first (forward) or last (backward) projection.
-    `after_attention`: a block without projection units gathers the next unit once its
-    attention has run (`gather_after_attention`), not when it starts.
+    """Explicit prefetch: each unit gathers the next `depth` units in forward and the
+    `depth` before it in backward (FSDP2 skips a unit already gathered or gathering, so
+    each gathers once, `depth` units ahead); a block also gathers its first (forward) or
+    last (backward) projection. `after_attention`: a block without projection units
+    gathers the unit `depth` ahead once its attention has run (`gather_after_attention`),
+    not when it starts; the nearer ones were gathered by the units before it.
 
     Projections prefetch only inside their block: a checkpointed block runs their
     forward again in backward, and a link to the next block would gather, after its
     backward, parameters nothing frees before the optimizer changes them.
     """
-    forward = {u: [] for u in units}
-    backward = {u: [] for u in units}
-    for earlier, later in itertools.pairwise(units):
-        backward[later].append(earlier)
-        if after_attention and not inner.get(earlier) and _output_projection(earlier):
-            gather_after_attention(earlier, later)
-            continue
-        forward[earlier].append(later)
+    forward = {u: units[i + 1 : i + 1 + depth] for i, u in enumerate(units)}
+    backward = {u: units[max(0, i - depth) : i][::-1] for i, u in enumerate(units)}
+    for i, unit in enumerate(units):
+        if after_attention and not inner.get(unit) and _output_projection(unit):
+            if i + depth < len(units):
+                gather_after_attention(unit, units[i + depth])
+            forward[unit] = []
     for block, chain in inner.items():
         if not chain:
             continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
 
 from ray_zep.attention.kernels import torch_varlen_attention
 from ray_zep.attention.varlen import PackedSeqs
@@ -20,9 +21,11 @@ TOKENS = 48
 def gather_order(rank: int, world: int, overrides: list[str]) -> tuple[list[str], float, float]:
     """One forward and backward of a three-block model sharded over `world` ranks
     (`overrides` on a 1 x `world` topology): (in call order, each block's attention in
-    the forward, `attention i`, and backward, `attention again`, and each manual gather,
+    the forward, `attention i`, and backward, `attention again`, each manual gather,
     `gather <unit>`: FSDP2's own prefetch calls no `FSDPModule.unshard`, the gather after
-    attention does; the loss; the sum of this rank's gradient shards)."""
+    attention does; and each all-gather FSDP2 issues, `all-gather <unit>` (the module's
+    name, `layers.1`, `norm`, "" for the root); the loss; the sum of this rank's gradient
+    shards)."""
     topology_keys = ["topology.nodes=1", f"topology.gpus_per_node={world}"]
     config = load_config(None, [*topology_keys, "model.n_layers=3", "parallel.weights=fsdp",
                                 *overrides])  # fmt: skip
@@ -41,6 +44,15 @@ def gather_order(rank: int, world: int, overrides: list[str]) -> tuple[list[str]
         events.append(f"gather {names.get(id(self), type(self).__name__)}")
         return unshard(self, async_op)
 
+    issue = param_group.foreach_all_gather
+
+    def noted_issue(fsdp_params, *args, **kwargs):
+        owner = next((g for g in groups if g.fsdp_params is fsdp_params), None)
+        events.append(f"all-gather {owner._module_fqn if owner is not None else '?'}")
+        return issue(fsdp_params, *args, **kwargs)
+
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules()
+              if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group]  # fmt: skip
     calls = iter(range(shape.n_layers))
 
     def attention(q, k, v, seqs, causal):
@@ -50,6 +62,7 @@ def gather_order(rank: int, world: int, overrides: list[str]) -> tuple[list[str]
     seeded = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, shape.vocab_size, (TOKENS,), generator=seeded)
     FSDPModule.unshard = noted_unshard
+    param_group.foreach_all_gather = noted_issue
     try:
         loss = model(tokens, torch.arange(TOKENS), PackedSeqs.from_lengths([TOKENS]), attention,
                      labels_T=tokens.roll(-1))  # fmt: skip
@@ -57,5 +70,6 @@ def gather_order(rank: int, world: int, overrides: list[str]) -> tuple[list[str]
         loss.backward()
     finally:
         FSDPModule.unshard = unshard
+        param_group.foreach_all_gather = issue
     grads = sum(float(p.grad.to_local().sum()) for p in model.parameters() if p.grad is not None)
     return events, float(loss), grads
