@@ -506,12 +506,7 @@ class CostModel:
         all-reduce). A measured `collective_step` charges its latency to every step."""
         if self.collective_step is not None:
             return steps * self.collective_step[0]
-        topo = self.topology
-        nodes = len({topo.node_of(r) for r in ranks})
-        if nodes <= 1:
-            return steps * topo.intra_node_latency
-        inter = min(steps, crossings * (nodes - 1))
-        return (steps - inter) * topo.intra_node_latency + inter * topo.inter_node_latency
+        return ring_steps_latency(self.topology, ranks, steps, crossings)
 
     def all_gather_seconds(self, block_bytes: float, ranks) -> float:
         """All-gather (or reduce-scatter) of one `block_bytes` block per rank: W - 1
@@ -539,3 +534,12 @@ def _log_curve(curve: tuple[tuple[float, float], ...]) -> tuple[np.ndarray, np.n
     read rates dozens of times a step."""
     points = np.asarray(curve, dtype=np.float64)
     return np.log(points[:, 0]), np.log(points[:, 1])
+
+
+def ring_steps_latency(topology: Topology, ranks, steps: int, crossings: int) -> float:
+    """`CostModel.ring_latency` at the topology's own latencies."""
+    nodes = len({topology.node_of(r) for r in ranks})
+    if nodes <= 1:
+        return steps * topology.intra_node_latency
+    inter = min(steps, crossings * (nodes - 1))
+    return (steps - inter) * topology.intra_node_latency + inter * topology.inter_node_latency

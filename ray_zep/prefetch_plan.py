@@ -22,13 +22,41 @@ bytes), and the rule then weighs the bytes alone; otherwise it decides as one ah
 
 from __future__ import annotations
 
+import functools
+
 from ray_zep.config import Config, ParallelConfig
-from ray_zep.costmodel import CostModel, linear_flops_per_token, preset_rates
+from ray_zep.costmodel import CostModel, linear_flops_per_token, preset_rates, ring_steps_latency
 from ray_zep.model_shapes import ModelShape
 from ray_zep.options import FsdpUnit
 from ray_zep.parallel.axes import WEIGHTS_AXES, Sharding
 from ray_zep.parallel.memory import mean_block_params
 from ray_zep.topology import Topology
+
+DEEP_PREFETCH_LATENCY_S = 2e-3
+"""Unset, `parallel.prefetch_depth` is 2 where one gather's ring steps take at least this
+long (cluster A: 4.0 ms over 1,024 GPUs, 15.9 ms over 4,096), else 1. Below it what the
+deeper prefetch hides did not pay for the block it holds: at 256 GPUs (1.0 ms) `bench
+scale` stepped 0.994-1.002 of one ahead, and 13B rows recomputed more to make the room
+(BENCHMARKS.md, thirty-fourth series)."""
+
+
+def prefetch_depth(parallel: ParallelConfig, topology: Topology) -> int:
+    """`parallel.prefetch_depth`, or where unset the rule of `DEEP_PREFETCH_LATENCY_S` over
+    the weights mode's FSDP group (1 where nothing is sharded or blocks are not units)."""
+    if parallel.prefetch_depth is not None:
+        return parallel.prefetch_depth
+    axis = WEIGHTS_AXES[parallel.weights]
+    if not (axis.fsdp and parallel.prefetch and parallel.fsdp_unit is FsdpUnit.BLOCK):
+        return 1
+    latency = _gather_latency(topology, axis.sharding is Sharding.NODE)
+    return 2 if latency >= DEEP_PREFETCH_LATENCY_S else 1
+
+
+@functools.lru_cache(maxsize=64)
+def _gather_latency(topology: Topology, in_node: bool) -> float:
+    """Ring-step latency of one all-gather over the FSDP group (a node's GPUs or all)."""
+    group = range(topology.gpus_per_node if in_node else topology.world_size)
+    return ring_steps_latency(topology, group, len(group) - 1, 1)
 
 
 def gathers_after_attention(
@@ -63,7 +91,8 @@ def gathers_after_attention(
     # prefetched`): at least the projections before attention and what the feed-forward
     # leaves after the bytes (attention widens it further)
     window = mean_tokens * before / matmul + max(0.0, feed_forward - on_links)
-    hidden = latency if parallel.prefetch_depth > 1 and latency <= window else 0.0
+    deep = prefetch_depth(parallel, topology) > 1
+    hidden = latency if deep and latency <= window else 0.0
     return max(0.0, gather - hidden - feed_forward) < on_links
 
 

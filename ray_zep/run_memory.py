@@ -8,6 +8,7 @@ import torch
 
 from ray_zep.config import Config
 from ray_zep.parallel.memory import MemoryInputs
+from ray_zep.prefetch_plan import prefetch_depth
 from ray_zep.topology import Topology
 
 
@@ -40,7 +41,7 @@ def memory_inputs(
         flash_kernel=flash,
         on_cpu=on_cpu,
         prefetch=parallel.prefetch,
-        prefetch_depth=parallel.prefetch_depth,
+        prefetch_depth=prefetch_depth(parallel, topology),
         fsdp_unit=parallel.fsdp_unit,
         loss_chunk_tokens=config.model.loss_chunk_tokens,
         kept_kv_tokens=kept_kv_tokens,

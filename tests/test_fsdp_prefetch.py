@@ -37,13 +37,13 @@ def test_each_block_gathers_the_next_unit_after_its_attention_and_trains_the_sam
     next unit (the head after the last block) once its attention has run, never again
     while a checkpointed block's forward runs once more in backward, and not at all by hand
     with the option off (FSDP2's own prefetch then gathers it when the block starts). Two
-    ahead (the default): each block gathers the unit two ahead after its attention (the
+    ahead: each block gathers the unit two ahead after its attention (the
     embedding the first two blocks), or FSDP2 issues it when the block starts. The loss
     and gradients are the same in every case."""
     on, off = (["parallel.prefetch_after_attention=" + value] for value in ("true", "false"))
-    one = ["parallel.prefetch_depth=1"]
+    one, two = ["parallel.prefetch_depth=1"], ["parallel.prefetch_depth=2"]
     cases = ([*on, *one], [*on, *one, "train.activation_checkpointing=full"], [*off, *one],
-             on, off)  # fmt: skip
+             [*on, *two], [*off, *two])  # fmt: skip
     after, checkpointed, at_start, two_after, two_at_start = (
         run_ranks(gather_order, 2, case)[0] for case in cases
     )

@@ -90,6 +90,24 @@ def test_two_ahead_holds_one_more_block() -> None:
     assert one - params(prefetch=False) == pytest.approx(block, rel=1e-6)
 
 
+def test_unset_two_ahead_where_a_gather_over_the_group_waits_two_ms() -> None:
+    """Unset (`ray_zep.prefetch_plan.prefetch_depth`): cluster A under FSDP over every
+    rank, one ahead at 64 and 256 GPUs (a gather's ring steps: 0.24 and 0.98 ms), two at
+    1,024 and 4,096 (4.0 and 15.9 ms); one under hsdp (a node's 8 GPUs) and where blocks
+    are not units; a set value is kept."""
+    from ray_zep.prefetch_plan import prefetch_depth
+
+    def depth(gpus: int, *overrides: str) -> int:
+        config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={gpus // 8}",
+                                    "parallel.weights=fsdp", *overrides])  # fmt: skip
+        return prefetch_depth(config.parallel, build_topology(config.topology))
+
+    assert [depth(g) for g in (64, 256, 1024, 4096)] == [1, 1, 2, 2]
+    assert depth(4096, "parallel.weights=hsdp") == 1
+    assert depth(4096, "parallel.fsdp_unit=linear") == 1
+    assert depth(64, "parallel.prefetch_depth=3") == 3
+
+
 def test_a_depth_outside_its_range_is_refused_by_name() -> None:
     for depth in (0, 5):
         with pytest.raises(ConfigError, match=r"parallel\.prefetch_depth"):

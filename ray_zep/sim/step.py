@@ -70,7 +70,7 @@ from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, WeightsMo
 from ray_zep.parallel.memory import fsdp_units
 from ray_zep.partition import greedy_bins, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan
-from ray_zep.prefetch_plan import run_gathers_after_attention
+from ray_zep.prefetch_plan import prefetch_depth, run_gathers_after_attention
 from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import Phase, RoutingPlan
 from ray_zep.sim.events import Timeline
@@ -321,7 +321,7 @@ def weights_of(run: RunModel, codec: WireCodec | None = None) -> WeightsCost:
     blocks = parallel.prefetch and parallel.fsdp_unit is FsdpUnit.BLOCK
     return weights_cost(parallel.weights, shape, hw.cost(shape), run.element_bytes,
                         parallel.reshard_after_forward, host, codec or run.codec(),
-                        parallel.prefetch_depth if blocks else 1)  # fmt: skip
+                        prefetch_depth(parallel, hw.topology) if blocks else 1)  # fmt: skip
 
 
 def head_seconds(tokens, shape: ModelShape, rates: ComputeRates):
