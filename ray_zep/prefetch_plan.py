@@ -14,10 +14,9 @@ at 64-1,024 GPUs, and when the block starts at 4,096 GPUs, where a 7B block's ga
 every rank takes 20 ms (16 of them its ring steps' latency) beside a 7 ms feed-forward
 (the simulator agrees on `bench scale`'s 7b batches, gathers in slices: at 1,024 GPUs
 chat 3.08 s a step after attention, 3.29 s at the block's start; at 4,096 GPUs arxiv
-2.79 and 2.40 s). Two blocks ahead (the default), the latency runs while the block
-before computes where it surely fits there (the window `ray_zep.sim.prefetched` plays is
-at least the projections before attention and what the feed-forward leaves after the
-bytes), and the rule then weighs the bytes alone; otherwise it decides as one ahead.
+2.79 and 2.40 s). Two blocks ahead, the latency of the gather a block waits for runs
+from the block's start, while its projections and attention compute, and the rule counts
+the projections' time of it as hidden.
 """
 
 from __future__ import annotations
@@ -34,22 +33,40 @@ from ray_zep.topology import Topology
 
 DEEP_PREFETCH_LATENCY_S = 2e-3
 """Unset, `parallel.prefetch_depth` is 2 where one gather's ring steps take at least this
-long (cluster A: 4.0 ms over 1,024 GPUs, 15.9 ms over 4,096), else 1. Below it what the
-deeper prefetch hides did not pay for the block it holds: at 256 GPUs (1.0 ms) `bench
-scale` stepped 0.994-1.002 of one ahead, and 13B rows recomputed more to make the room
-(BENCHMARKS.md, thirty-fourth series)."""
+long (cluster A: 4.0 ms over 1,024 GPUs, 15.9 ms over 4,096) and the block gathers after
+its attention (only then does the deeper prefetch hide anything: the latency runs while
+attention computes), else 1. Below it what the deeper prefetch hides did not pay for the
+block it holds: at 256 GPUs (1.0 ms) `bench scale` stepped 0.994-1.002 of one ahead, and
+13B rows recomputed more to make the room (BENCHMARKS.md, thirty-fourth series)."""
 
 
-def prefetch_depth(parallel: ParallelConfig, topology: Topology) -> int:
-    """`parallel.prefetch_depth`, or where unset the rule of `DEEP_PREFETCH_LATENCY_S` over
-    the weights mode's FSDP group (1 where nothing is sharded or blocks are not units)."""
+def _sharded_blocks(parallel: ParallelConfig) -> bool:
+    """FSDP2 with prefetch and blocks as units: what both rules here are about."""
+    axis = WEIGHTS_AXES[parallel.weights]
+    return axis.fsdp and parallel.prefetch and parallel.fsdp_unit is FsdpUnit.BLOCK
+
+
+def prefetch_depth(
+    parallel: ParallelConfig,
+    topology: Topology,
+    shape: ModelShape,
+    mean_tokens: float,
+    param_bytes: int,
+) -> int:
+    """`parallel.prefetch_depth`, or where unset 2 where one gather over the weights mode's
+    FSDP group waits at least `DEEP_PREFETCH_LATENCY_S` on its ring steps and the block
+    gathers after its attention two ahead (`gathers_after_attention`), else 1."""
     if parallel.prefetch_depth is not None:
         return parallel.prefetch_depth
-    axis = WEIGHTS_AXES[parallel.weights]
-    if not (axis.fsdp and parallel.prefetch and parallel.fsdp_unit is FsdpUnit.BLOCK):
+    if not _sharded_blocks(parallel):
         return 1
-    latency = _gather_latency(topology, axis.sharding is Sharding.NODE)
-    return 2 if latency >= DEEP_PREFETCH_LATENCY_S else 1
+    in_node = WEIGHTS_AXES[parallel.weights].sharding is Sharding.NODE
+    if _gather_latency(topology, in_node) < DEEP_PREFETCH_LATENCY_S:
+        return 1
+    late = parallel.prefetch_after_attention
+    if late is None:
+        late = _late(parallel, topology, shape, mean_tokens, param_bytes, deep=True)
+    return 2 if late else 1
 
 
 @functools.lru_cache(maxsize=64)
@@ -70,13 +87,41 @@ def gathers_after_attention(
     prefetch and blocks as units, `parallel.prefetch_after_attention` where set, else
     where the cost model prefers it (module docstring) for a rank holding `mean_tokens`
     tokens, parameters gathered in `param_bytes` per element."""
-    axis = WEIGHTS_AXES[parallel.weights]
-    if not (axis.fsdp and parallel.prefetch and parallel.fsdp_unit is FsdpUnit.BLOCK):
+    if not _sharded_blocks(parallel):
         return False
     if parallel.prefetch_after_attention is not None:
         return parallel.prefetch_after_attention
+    deep = prefetch_depth(parallel, topology, shape, mean_tokens, param_bytes) > 1
+    return _late(parallel, topology, shape, mean_tokens, param_bytes, deep)
+
+
+def _late(
+    parallel: ParallelConfig,
+    topology: Topology,
+    shape: ModelShape,
+    mean_tokens: float,
+    param_bytes: int,
+    deep: bool,
+) -> bool:
+    """The cost model's choice (module docstring), gathers posted two or more blocks
+    ahead where `deep`."""
+    sharding = WEIGHTS_AXES[parallel.weights].sharding
+    return _late_by(sharding, topology, shape, float(mean_tokens), param_bytes, deep)
+
+
+@functools.lru_cache(maxsize=256)
+def _late_by(
+    sharding: Sharding,
+    topology: Topology,
+    shape: ModelShape,
+    mean_tokens: float,
+    param_bytes: int,
+    deep: bool,
+) -> bool:
+    """`_late` for the FSDP group of `sharding` (kept: the memory model asks for every
+    rank it models)."""
     gpus = topology.gpus_per_node
-    group = range(gpus) if axis.sharding is Sharding.NODE else range(topology.world_size)
+    group = range(gpus) if sharding is Sharding.NODE else range(topology.world_size)
     if len(group) < 2:
         return False
     cost = CostModel.create(shape, topology)
@@ -86,14 +131,20 @@ def gathers_after_attention(
     before, after = linear_flops_per_token(shape)
     matmul = preset_rates(topology.gpu_model).matmul
     feed_forward = mean_tokens * after / matmul
-    # gathered two or more blocks ahead, the ring steps' latency runs before the block
-    # that posts it where it fits between the bytes and the next post (`ray_zep.sim.
-    # prefetched`): at least the projections before attention and what the feed-forward
-    # leaves after the bytes (attention widens it further)
-    window = mean_tokens * before / matmul + max(0.0, feed_forward - on_links)
-    deep = prefetch_depth(parallel, topology) > 1
-    hidden = latency if deep and latency <= window else 0.0
+    # posted two blocks ahead, the latency of the gather a block waits for runs from the
+    # block's start (`ray_zep.sim.graph_builder`): at least the projections before
+    # attention hide it (attention hides more)
+    hidden = min(latency, mean_tokens * before / matmul) if deep else 0.0
     return max(0.0, gather - hidden - feed_forward) < on_links
+
+
+def run_prefetch_depth(
+    config: Config, topology: Topology, shape: ModelShape, param_bytes: int
+) -> int:
+    """`prefetch_depth` for a run of `config` (ranks holding `train.tokens_per_rank` x
+    `data.batch_fill` tokens on average)."""
+    mean_tokens = config.train.tokens_per_rank * config.data.batch_fill
+    return prefetch_depth(config.parallel, topology, shape, mean_tokens, param_bytes)
 
 
 def run_gathers_after_attention(

@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 
 from ray_zep.config import Config
+from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.memory import MemoryInputs
-from ray_zep.prefetch_plan import prefetch_depth
+from ray_zep.prefetch_plan import run_prefetch_depth
 from ray_zep.topology import Topology
 
 
@@ -27,6 +28,7 @@ def memory_inputs(
     `MemoryInputs.kept_kv_tokens`)."""
     parallel = config.parallel
     ranks = parallel.sequence_axis.processes(topology.world_size)
+    element_bytes = torch.empty((), dtype=dtype).element_size()
     return MemoryInputs(
         weights=parallel.weights_axis,
         ep=parallel.ep,
@@ -37,11 +39,13 @@ def memory_inputs(
         checkpointing=config.train.activation_checkpointing,
         checkpoint_blocks=config.train.checkpoint_blocks,
         checkpoint_rest=config.train.checkpoint_rest,
-        compute_bytes=torch.empty((), dtype=dtype).element_size(),
+        compute_bytes=element_bytes,
         flash_kernel=flash,
         on_cpu=on_cpu,
         prefetch=parallel.prefetch,
-        prefetch_depth=prefetch_depth(parallel, topology),
+        prefetch_depth=run_prefetch_depth(
+            config, topology, build_shape(config.model), element_bytes
+        ),
         fsdp_unit=parallel.fsdp_unit,
         loss_chunk_tokens=config.model.loss_chunk_tokens,
         kept_kv_tokens=kept_kv_tokens,

@@ -1,6 +1,6 @@
-"""Blocks gathered two ahead (`parallel.prefetch_depth`): the simulator runs the gather's
-ring-step latency before the block that waits for it where it fits there
-(`ray_zep.sim.prefetched`), the memory model holds one more block, and the key is
+"""Blocks gathered two ahead (`parallel.prefetch_depth`): the simulator runs the latency
+of the gather a block waits for from the block's start (`ray_zep.sim.graph_builder`), the
+memory model holds one more block, the unset depth follows its rule, and the key is
 checked."""
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from ray_zep.parallel.memory import model_memory
 from ray_zep.run_memory import memory_inputs
 from ray_zep.sim.bound import step_bound
 from ray_zep.sim.hardware import Hardware
-from ray_zep.sim.prefetched import WEIGHT_LATENCY, latency_window
 from ray_zep.sim.step import RunModel, plan_batch, simulate_plan, weights_of
 from ray_zep.topology import build_topology
 
 pytestmark = pytest.mark.unit
+
+WEIGHT_LATENCY = "weights gather/scatter latency"
 
 
 def _run(depth: int, latency_us: float) -> RunModel:
@@ -30,42 +31,45 @@ def _run(depth: int, latency_us: float) -> RunModel:
                                 "model.preset=7b", "train.tokens_per_rank=5120",
                                 "parallel.weights=fsdp", "parallel.sequence=zeppelin",
                                 "parallel.routing=true", f"parallel.prefetch_depth={depth}",
+                                "parallel.prefetch_after_attention=true",
                                 f"topology.intra_node_latency_us={latency_us}",
                                 f"topology.inter_node_latency_us={latency_us}"])  # fmt: skip
     return RunModel.create(config, Hardware.preset(build_topology(config.topology)))
 
 
-def _latency_tasks(timeline) -> list[float]:
-    return [t.duration for t in timeline.graph.tasks if t.name == WEIGHT_LATENCY]
+def _latency_task(timeline) -> tuple[int, object]:
+    tasks = timeline.graph.tasks
+    index = next(i for i, t in enumerate(tasks) if t.name == WEIGHT_LATENCY)
+    return index, tasks[index]
 
 
-@pytest.mark.parametrize("latency_us", [60.0, 400.0])
-def test_two_ahead_runs_the_gather_latency_before_the_block_where_it_fits(latency_us) -> None:
-    """64 GPUs, 7B under FSDP over every rank, links of `latency_us` per ring step (a
-    gather's 63 steps: 3.8 ms; 25 ms, longer than a forward layer). One block ahead, each
-    forward layer waits for the whole latency before the gather's bytes. Two ahead, where
-    it fits between the bytes and the next block's post, for none of it (the backward
-    still for its reduce-scatter's), and the step is shorter; where it does not, the
-    gathers outlast the compute and the step is the same as one ahead. The bound counts
-    every gather whole and stays under both."""
+@pytest.mark.parametrize("latency_us", [100.0, 1000.0])
+def test_two_ahead_runs_the_gather_latency_from_the_block_start(latency_us) -> None:
+    """64 GPUs, 7B under FSDP over every rank gathering after attention, links of
+    `latency_us` per ring step (a gather's 63 steps: 6.3 ms; 63 ms, longer than a forward
+    layer). One block ahead, the forward waits for the latency after every rank's
+    attention, then for the bytes; two ahead, the latency runs from the layer's start and
+    the bytes follow it and every member's post. The step is shorter where attention hides
+    the latency, and never under the bound, which counts every gather whole."""
     lengths = batch_lengths("arxiv", 4096 * 64, 0)
     runs = {depth: _run(depth, latency_us) for depth in (1, 2)}
     plan, remap = plan_batch(lengths, runs[1])
     steps = {d: simulate_plan(plan, run, True, remap) for d, run in runs.items()}
+    assert weights_of(runs[2]).early_latency and not weights_of(runs[1]).early_latency
+    late, early = steps[1].forward, steps[2].forward
+    index, task = _latency_task(late)
+    assert task.deps and late.start[index] > 0  # after the members' post
+    index, task = _latency_task(early)
+    assert task.deps == () and early.start[index] == 0.0
     latency = weights_of(runs[2]).layer_latency[0]
-    assert weights_of(runs[2]).hidden_latency == (latency, latency) and latency > 0
-    assert weights_of(runs[1]).hidden_latency == (0.0, 0.0)
-    assert _latency_tasks(steps[1].forward) == [pytest.approx(latency)]
-    fits = latency <= latency_window(steps[2].forward)
-    assert fits == (latency_us < 100)
-    if fits:
-        assert _latency_tasks(steps[2].forward) == []
-        assert _latency_tasks(steps[2].backward) == [pytest.approx(latency)]
-        assert _latency_tasks(steps[1].backward) == [pytest.approx(2 * latency)]
-        assert steps[2].step_seconds < 0.97 * steps[1].step_seconds
-    else:
-        assert _latency_tasks(steps[2].forward) == [pytest.approx(latency)]
-        assert steps[2].step_seconds == steps[1].step_seconds
+    assert task.duration == pytest.approx(latency)
+    tasks = early.graph.tasks
+    parts = [i for i, t in enumerate(tasks) if t.name == "weights gather/scatter"]
+    assert min(early.start[i] for i in parts) >= latency
+    # attention hides the latency, or a part of it; the backward posts at its start anyway
+    hidden = steps[1].forward_layer_seconds - steps[2].forward_layer_seconds
+    assert 0.3 * latency < hidden <= latency
+    assert steps[2].backward_layer_seconds == steps[1].backward_layer_seconds
     bound = step_bound(lengths, runs[2]).seconds
     assert step_bound(lengths, runs[1]).seconds == bound <= steps[2].step_seconds
 
@@ -90,19 +94,24 @@ def test_two_ahead_holds_one_more_block() -> None:
     assert one - params(prefetch=False) == pytest.approx(block, rel=1e-6)
 
 
-def test_unset_two_ahead_where_a_gather_over_the_group_waits_two_ms() -> None:
-    """Unset (`ray_zep.prefetch_plan.prefetch_depth`): cluster A under FSDP over every
+def test_unset_two_ahead_where_a_gather_waits_two_ms_and_goes_after_attention() -> None:
+    """Unset (`ray_zep.prefetch_plan.prefetch_depth`): cluster A, 7B under FSDP over every
     rank, one ahead at 64 and 256 GPUs (a gather's ring steps: 0.24 and 0.98 ms), two at
-    1,024 and 4,096 (4.0 and 15.9 ms); one under hsdp (a node's 8 GPUs) and where blocks
-    are not units; a set value is kept."""
-    from ray_zep.prefetch_plan import prefetch_depth
+    1,024 (4.0 ms, the gather after attention), one at 4,096 (15.9 ms, but the gather at
+    the block's start, where nothing runs before it) unless it goes after attention; one
+    under hsdp (a node's 8 GPUs) and where blocks are not units; a set value is kept."""
+    from ray_zep.prefetch_plan import run_prefetch_depth
 
     def depth(gpus: int, *overrides: str) -> int:
         config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={gpus // 8}",
+                                    "model.preset=7b", "train.tokens_per_rank=5120",
                                     "parallel.weights=fsdp", *overrides])  # fmt: skip
-        return prefetch_depth(config.parallel, build_topology(config.topology))
+        topology, shape = build_topology(config.topology), build_shape(config.model)
+        return run_prefetch_depth(config, topology, shape, 2)
 
-    assert [depth(g) for g in (64, 256, 1024, 4096)] == [1, 1, 2, 2]
+    assert [depth(g) for g in (64, 256, 1024, 4096)] == [1, 1, 2, 1]
+    assert depth(4096, "parallel.prefetch_after_attention=true") == 2
+    assert depth(1024, "parallel.prefetch_after_attention=false") == 1
     assert depth(4096, "parallel.weights=hsdp") == 1
     assert depth(4096, "parallel.fsdp_unit=linear") == 1
     assert depth(64, "parallel.prefetch_depth=3") == 3

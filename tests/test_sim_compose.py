@@ -479,3 +479,5 @@ def test_a_block_gathers_the_next_one_after_its_attention_so_the_ring_has_the_ni
     assert variant_config(default, "zeppelin", 5120).parallel.prefetch_after_attention is None
     for other in ("te_cp", "megatron_dynamic_cp", "bytescale_hdp"):
         assert variant_config(default, other, 5120).parallel.prefetch_after_attention is False
+        assert variant_config(default, other, 5120).parallel.prefetch_depth == 1
+    assert variant_config(default, "zeppelin", 5120).parallel.prefetch_depth is None

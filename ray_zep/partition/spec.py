@@ -97,8 +97,9 @@ class Variant:
     @property
     def foreign(self) -> bool:
         """Models another system's runtime (TransformerEngine's wire, ByteScale's
-        schedule): FSDP2's own prefetch, when each block starts, not ours after its
-        attention (`parallel.prefetch_after_attention`)."""
+        schedule): FSDP2's own prefetch, one block ahead when each block starts, not ours
+        after its attention (`parallel.prefetch_after_attention`) or two ahead
+        (`parallel.prefetch_depth`)."""
         return self.te_wire or self.bytescale
 
     @property

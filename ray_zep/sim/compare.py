@@ -250,6 +250,7 @@ def variant_config(config: Config, name: str, tokens_per_rank: int) -> Config:
         zone_policy=variant.zone_policy or config.parallel.zone_policy,
         dkv_wire=variant.dkv_wire or config.parallel.dkv_wire,
         prefetch_after_attention=False if variant.foreign else late,
+        prefetch_depth=1 if variant.foreign else config.parallel.prefetch_depth,
     )
     train = dataclasses.replace(config.train, tokens_per_rank=tokens_per_rank)
     return dataclasses.replace(config, parallel=parallel, train=train)

@@ -70,9 +70,11 @@ class LayerSetup:
         weight_groups: the rank groups those collectives run over (each holds its
             members' links for the collective's time but its latency).
         weight_latency: the ring steps' latency in `weight_sync`, (forward, backward).
-        weight_latency_hidden: the part of `weight_latency` that ran before the layer
-            (`WeightsCost.hidden_latency`, where `ray_zep.sim.prefetched` finds it fits
-            there); the layer's collective starts with the rest of it.
+        weight_latency_early: the layer waits for a gather posted a block earlier
+            (`parallel.prefetch_depth` 2 or more): its ring steps' latency runs from the
+            layer's start, and its bytes once that has passed and every member has
+            posted (`WeightsCost.early_latency`); otherwise the latency runs from the
+            post, as when the next block is gathered while one computes.
         codec: ZipCCL on the wire (`comm.compression`); the default sends all plain.
         weight_groups_backward: the backward's groups where they differ (hsdp across
             nodes: its all-reduce between the nodes' replicas crosses every NIC); empty:
@@ -99,7 +101,7 @@ class LayerSetup:
     weight_groups: tuple[tuple[int, ...], ...] = ()
     weight_latency: tuple[float, float] = (0.0, 0.0)
     codec: WireCodec = PLAIN
-    weight_latency_hidden: tuple[float, float] = (0.0, 0.0)
+    weight_latency_early: bool = False
     weight_groups_backward: tuple[tuple[int, ...], ...] = ()
     dkv_owner: bool = False
     gather_after_attention: bool = False
@@ -226,7 +228,7 @@ class GraphBuilder:
         name: str,
         latency: float = 0.0,
         weights: bool = False,
-        waited: float | None = None,
+        early: bool = False,
     ) -> int:
         """A collective over `ranks`, started once every member has posted it: `latency`
         of its `seconds` first, holding no link, then the rest on each of its links at
@@ -237,13 +239,14 @@ class GraphBuilder:
         member's port for its share of that pace (`_port_share`). Nobody waits for it
         yet. The join of its parts (`weights`: the layer's weight collective, each link's
         part in `WEIGHT_SLICES` one after another, retimed for other wires by
-        `_retime`; `waited`: the part of its latency the layer waits for, where some ran
-        before it)."""
+        `_retime`; `early`: posted before the layer, its latency runs from the layer's
+        start and its bytes wait for that and for every member's post)."""
         deps = [self.point[r] for r in ranks]
         latency = min(latency, seconds)
-        waited = latency if waited is None else min(waited, latency)
-        if waited > 0:
-            deps = [self.graph.add(f"{name} latency", ranks[0], Lane.HOST, waited, (), deps)]
+        if latency > 0:
+            since = [] if early else deps
+            waited = self.graph.add(f"{name} latency", ranks[0], Lane.HOST, latency, (), since)
+            deps = [waited, *deps] if early else [waited]
         links = self._links(ranks)
         port = self._port_share(links)
         slices = WEIGHT_SLICES if weights else 1
@@ -285,16 +288,13 @@ class GraphBuilder:
         seconds, latency = self.setup.weight_sync[phase], self.setup.weight_latency[phase]
         if seconds <= 0:
             return {}
-        # the latency a gather posted blocks ahead ran before this layer: the rest waits
-        waited = latency - min(self.setup.weight_latency_hidden[phase], latency)
         out = {}
         groups = self.setup.weight_groups
         if phase and self.setup.weight_groups_backward:
             groups = self.setup.weight_groups_backward
         for group in groups:
-            task = self.post_collective(
-                list(group), seconds, "weights gather/scatter", latency, True, waited
-            )
+            task = self.post_collective(list(group), seconds, "weights gather/scatter", latency,
+                                        True, self.setup.weight_latency_early)  # fmt: skip
             out.update(dict.fromkeys(group, task))
         self.sync_tasks = out
         return out

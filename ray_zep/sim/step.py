@@ -70,15 +70,15 @@ from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, WeightsMo
 from ray_zep.parallel.memory import fsdp_units
 from ray_zep.partition import greedy_bins, plan_from_bins
 from ray_zep.partition.plan import AttentionPlan
-from ray_zep.prefetch_plan import prefetch_depth, run_gathers_after_attention
+from ray_zep.prefetch_plan import run_gathers_after_attention, run_prefetch_depth
 from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import Phase, RoutingPlan
-from ray_zep.sim.events import Timeline
+from ray_zep.sim.events import CorePool, TaskGraph, Timeline, simulate
 from ray_zep.sim.graph_builder import FP32_BYTES, LayerSetup
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.layer_work import RECOMPUTED_IN_BACKWARD
 from ray_zep.sim.moe_block import BlockSpread, block_times, overhang_seconds
-from ray_zep.sim.prefetched import prefetched_layers, recomputing_layers
+from ray_zep.sim.program import layer_graphs
 from ray_zep.sim.ring_form import array_ring
 from ray_zep.sim.weight_passing import ShardWire, Workload
 from ray_zep.sim.weight_passing import simulate_step as weight_passing_step
@@ -289,14 +289,15 @@ def simulate_plans(
                        weights[0].layer_latency, codecs[0],
                        weight_groups_backward=weights[0].backward_groups,
                        dkv_owner=base.dkv_owner, gather_after_attention=late,
-                       weight_latency_hidden=weights[0].hidden_latency)  # fmt: skip
+                       weight_latency_early=weights[0].early_latency)  # fmt: skip
     wires = list(dict.fromkeys((c, w.layer_sync) for c, w in zip(codecs, weights, strict=True)))
-    _, forward = prefetched_layers(setup, Phase.FORWARD, wires, hw.pool)
-    backward_setups, backward = prefetched_layers(setup, Phase.BACKWARD, wires, hw.pool)
+    forward = _simulated(layer_graphs(setup, Phase.FORWARD, wires), hw.pool)
+    backward = _simulated(layer_graphs(setup, Phase.BACKWARD, wires), hw.pool)
     recomputing = {  # the backward of a block that recomputes parts of its forward itself
-        mode: recomputing_layers(backward_setups, mode, wires, hw.pool)
+        mode: _simulated(layer_graphs(dataclasses.replace(setup, recompute=mode),
+                                      Phase.BACKWARD, wires), hw.pool)
         for mode in recomputed_blocks(base.config.train, shape)
-    }
+    }  # fmt: skip
     tokens = setup.linear_tokens()
     head = head_seconds(max(tokens, default=0), shape, hw.rates)
     piped = any(r.config.parallel.moe_pipeline is not MoEPipeline.NONE for r in runs)
@@ -321,7 +322,8 @@ def weights_of(run: RunModel, codec: WireCodec | None = None) -> WeightsCost:
     blocks = parallel.prefetch and parallel.fsdp_unit is FsdpUnit.BLOCK
     return weights_cost(parallel.weights, shape, hw.cost(shape), run.element_bytes,
                         parallel.reshard_after_forward, host, codec or run.codec(),
-                        prefetch_depth(parallel, hw.topology) if blocks else 1)  # fmt: skip
+                        run_prefetch_depth(run.config, hw.topology, shape, run.element_bytes)
+                        if blocks else 1)  # fmt: skip
 
 
 def head_seconds(tokens, shape: ModelShape, rates: ComputeRates):
@@ -390,6 +392,16 @@ def _result(
         fixed_seconds=fixed,
         recompute_seconds=recompute,
     )
+
+
+def _simulated(graphs: list[TaskGraph], pool: CorePool | None) -> list[Timeline]:
+    """The timeline of each graph on `pool`, each graph object played once (wires that
+    change no duration share the graph)."""
+    played: dict[int, Timeline] = {}
+    for graph in graphs:
+        if id(graph) not in played:
+            played[id(graph)] = simulate(graph, pool)
+    return [played[id(graph)] for graph in graphs]
 
 
 def _switched(run: RunModel, like: RunModel) -> RunModel:

@@ -12,8 +12,9 @@ As the trainer runs each mode (`ray_zep.train.fsdp`, `ray_zep.train.reductions`)
   when it starts otherwise, and again in backward
   (`reshard_after_forward`), where the block's gradients are also reduce-scattered
   while the next block computes backward. With `parallel.prefetch_depth` 2 or more a
-  block's gather is posted that many blocks ahead, and its ring steps' latency runs
-  while the block before the one that waits for it computes (`hidden_latency`).
+  block's gather is posted that many blocks ahead, and its ring steps' latency runs from
+  the start of the block that waits for it, however late that block posts its own
+  (`early_latency`).
   Parameters travel in the compute dtype
   (`MixedPrecisionPolicy.param_dtype`), gradients are reduced in float32. What
   cannot overlap: the first gathers (embedding, first block, the head, which stays
@@ -62,13 +63,10 @@ class WeightsCost:
         backward_groups: the backward's groups where they differ (hsdp across nodes:
             every rank, its all-reduce crossing every node's NICs); empty: `groups`.
         layer_latency: the ring steps' latency within `layer_sync` (links idle for it).
-        hidden_latency: the part of `layer_latency` that gathers posted two or more
-            blocks ahead (`parallel.prefetch_depth`) run before the block that waits for
-            them, while the block before it computes: the forward's gather's and, where
-            backward gathers again, that gather's; never a reduce-scatter's, which the
-            next block's backward waits for (`ray_zep.sim.step`, `prefetched_layers`).
-        exposed: collectives no compute hides (before the first block, after the last).
-        owned_params: parameters each rank updates.
+        early_latency: the blocks' gathers are posted two or more blocks ahead
+            (`parallel.prefetch_depth`), so the ring steps' latency of the one a layer
+            waits for runs from the layer's start, not from its post
+            (`ray_zep.sim.graph_builder.LayerSetup.weight_latency_early`).
     """
 
     layer_sync: tuple[float, float] = (0.0, 0.0)
@@ -77,7 +75,7 @@ class WeightsCost:
     owned_params: float = 0.0
     layer_latency: tuple[float, float] = (0.0, 0.0)
     backward_groups: tuple[tuple[int, ...], ...] = ()
-    hidden_latency: tuple[float, float] = (0.0, 0.0)
+    early_latency: bool = False
 
 
 def _groups(topology: Topology, sharding: Sharding) -> tuple[tuple[int, ...], ...]:
@@ -100,7 +98,7 @@ def weights_cost(
     `param_bytes` per element, gradients reduced in float32, each zipped where `codec`
     zips it; FSDP2's host work of a step (`host_seconds`: its units times
     `ComputeRates.fsdp_unit_overhead_s`) counts as exposed; blocks gathered `ahead`
-    blocks before they run (`WeightsCost.hidden_latency`).
+    blocks before they run (`WeightsCost.early_latency`).
 
     Raises:
         ValueError: a weight-passing mode (see `ray_zep.sim.weight_passing`).
@@ -143,7 +141,6 @@ def weights_cost(
     backward = (gather if reshard else 0.0) + scatter
     latency = cost.all_gather_seconds(0.0, groups[0])
     latencies = (latency, latency * (2 if reshard else 1))
-    hidden = (latency, latency if reshard else 0.0) if ahead > 1 else (0.0, 0.0)
     backward_groups: tuple[tuple[int, ...], ...] = ()
     if axis.sharding is Sharding.NODE and topology.nodes > 1:
         # the G shard all-reduces of a node run at once over its NICs: together they move
@@ -159,4 +156,4 @@ def weights_cost(
         backward_groups = (tuple(range(topology.world_size)),)
     exposed += host_seconds
     return WeightsCost((gather, backward), groups, exposed, params / size, latencies,
-                       backward_groups, hidden)  # fmt: skip
+                       backward_groups, ahead > 1)  # fmt: skip

@@ -25,7 +25,7 @@ from ray_zep.model_shapes import build_shape
 from ray_zep.moe.parallel import ExpertParallel, parallelize_experts
 from ray_zep.parallel.axes import Family, Passing
 from ray_zep.pipeline.runner import WeightPipeline
-from ray_zep.prefetch_plan import run_gathers_after_attention
+from ray_zep.prefetch_plan import run_gathers_after_attention, run_prefetch_depth
 from ray_zep.train.fsdp import mesh_shape, shard_model
 
 
@@ -135,7 +135,9 @@ def apply_axes(
         split = [m.experts for m in model.moe_layers()] if experts.groups else []
         zipped = switches.for_group(comm.groups.fsdp_shard) if switches else None
         late = run_gathers_after_attention(config, comm.topology, model.shape, dtype.itemsize)
-        resolved = dataclasses.replace(parallel, prefetch_after_attention=late)
+        depth = run_prefetch_depth(config, comm.topology, model.shape, dtype.itemsize)
+        resolved = dataclasses.replace(parallel, prefetch_after_attention=late,
+                                       prefetch_depth=depth)  # fmt: skip
         shard_model(model, comm, resolved, device, dtype, split, zipped)
         # fully_shard replaced the parameters with sharded ones
         experts.expert_params = [p for m in split for p in m.parameters()]

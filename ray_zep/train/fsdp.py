@@ -43,7 +43,6 @@ from ray_zep.distributed import Comm, MeshShape
 from ray_zep.errors import ConfigError
 from ray_zep.moe.layer import MoE
 from ray_zep.parallel.axes import Sharding
-from ray_zep.prefetch_plan import prefetch_depth
 from ray_zep.train.fsdp_comms import switch_collectives
 
 try:  # a per-parameter mesh for `shard_placement_fn`: torch > 2.11 (absent from 2.11.0)
@@ -132,7 +131,7 @@ def shard_model(
         module.set_force_sum_reduction_for_comms(True)
     if parallel.prefetch:
         _set_prefetch(units, nested, bool(parallel.prefetch_after_attention),
-                      prefetch_depth(parallel, comm.topology))  # fmt: skip
+                      parallel.prefetch_depth or 1)  # fmt: skip
     if collectives is not None:
         switch_collectives([*every, root], collectives)
     return [*every, root]
