@@ -14,8 +14,7 @@ As the trainer runs each mode (`ray_zep.train.fsdp`, `ray_zep.train.reductions`)
   while the next block computes backward. With `parallel.prefetch_depth` 2 or more a
   block's gather is posted that many blocks ahead, and its ring steps' latency runs from
   the start of the block that waits for it, however late that block posts its own
-  (`early_latency`).
-  Parameters travel in the compute dtype
+  (`early_latency`). Parameters travel in the compute dtype
   (`MixedPrecisionPolicy.param_dtype`), gradients are reduced in float32. What
   cannot overlap: the first gathers (embedding, first block, the head, which stays
   gathered after forward) and the last reduce-scatters after backward. hsdp adds, per
@@ -63,6 +62,8 @@ class WeightsCost:
         backward_groups: the backward's groups where they differ (hsdp across nodes:
             every rank, its all-reduce crossing every node's NICs); empty: `groups`.
         layer_latency: the ring steps' latency within `layer_sync` (links idle for it).
+        exposed: collectives no compute hides (before the first block, after the last).
+        owned_params: parameters each rank updates.
         early_latency: the blocks' gathers are posted two or more blocks ahead
             (`parallel.prefetch_depth`), so the ring steps' latency of the one a layer
             waits for runs from the layer's start, not from its post
