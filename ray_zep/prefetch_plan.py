@@ -60,13 +60,16 @@ def prefetch_depth(
         return parallel.prefetch_depth
     if not _sharded_blocks(parallel):
         return 1
-    in_node = WEIGHTS_AXES[parallel.weights].sharding is Sharding.NODE
-    if _gather_latency(topology, in_node) < DEEP_PREFETCH_LATENCY_S:
+    if _gather_latency(topology, _sharding(parallel) is Sharding.NODE) < DEEP_PREFETCH_LATENCY_S:
         return 1
     late = parallel.prefetch_after_attention
     if late is None:
-        late = _late(parallel, topology, shape, mean_tokens, param_bytes, deep=True)
+        late = _late(_sharding(parallel), topology, shape, float(mean_tokens), param_bytes, True)
     return 2 if late else 1
+
+
+def _sharding(parallel: ParallelConfig) -> Sharding:
+    return WEIGHTS_AXES[parallel.weights].sharding
 
 
 @functools.lru_cache(maxsize=64)
@@ -92,25 +95,11 @@ def gathers_after_attention(
     if parallel.prefetch_after_attention is not None:
         return parallel.prefetch_after_attention
     deep = prefetch_depth(parallel, topology, shape, mean_tokens, param_bytes) > 1
-    return _late(parallel, topology, shape, mean_tokens, param_bytes, deep)
-
-
-def _late(
-    parallel: ParallelConfig,
-    topology: Topology,
-    shape: ModelShape,
-    mean_tokens: float,
-    param_bytes: int,
-    deep: bool,
-) -> bool:
-    """The cost model's choice (module docstring), gathers posted two or more blocks
-    ahead where `deep`."""
-    sharding = WEIGHTS_AXES[parallel.weights].sharding
-    return _late_by(sharding, topology, shape, float(mean_tokens), param_bytes, deep)
+    return _late(_sharding(parallel), topology, shape, float(mean_tokens), param_bytes, deep)
 
 
 @functools.lru_cache(maxsize=256)
-def _late_by(
+def _late(
     sharding: Sharding,
     topology: Topology,
     shape: ModelShape,
@@ -118,8 +107,9 @@ def _late_by(
     param_bytes: int,
     deep: bool,
 ) -> bool:
-    """`_late` for the FSDP group of `sharding` (kept: the memory model asks for every
-    rank it models)."""
+    """The cost model's choice (module docstring) for the FSDP group of `sharding`,
+    gathers posted two or more blocks ahead where `deep` (kept: the memory model asks for
+    every rank it models)."""
     gpus = topology.gpus_per_node
     group = range(gpus) if sharding is Sharding.NODE else range(topology.world_size)
     if len(group) < 2:
