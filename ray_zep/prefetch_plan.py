@@ -53,13 +53,15 @@ def prefetch_depth(
     mean_tokens: float,
     param_bytes: int,
 ) -> int:
-    """`parallel.prefetch_depth`, or where unset 2 where one gather over the weights mode's
-    FSDP group waits at least `DEEP_PREFETCH_LATENCY_S` on its ring steps and the block
-    gathers after its attention two ahead (`gathers_after_attention`), else 1."""
-    if parallel.prefetch_depth is not None:
-        return parallel.prefetch_depth
+    """1 where blocks are not FSDP2 units gathered with prefetch (the key holds only
+    there); else `parallel.prefetch_depth`, or where unset 2 where one gather over the
+    weights mode's FSDP group waits at least `DEEP_PREFETCH_LATENCY_S` on its ring steps
+    and the block gathers after its attention two ahead (`gathers_after_attention`), else
+    1."""
     if not _sharded_blocks(parallel):
         return 1
+    if parallel.prefetch_depth is not None:
+        return parallel.prefetch_depth
     if _gather_latency(topology, _sharding(parallel) is Sharding.NODE) < DEEP_PREFETCH_LATENCY_S:
         return 1
     late = parallel.prefetch_after_attention

@@ -99,7 +99,8 @@ def test_unset_two_ahead_where_a_gather_waits_two_ms_and_goes_after_attention() 
     rank, one ahead at 64 and 256 GPUs (a gather's ring steps: 0.24 and 0.98 ms), two at
     1,024 (4.0 ms, the gather after attention), one at 4,096 (15.9 ms, but the gather at
     the block's start, where nothing runs before it) unless it goes after attention; one
-    under hsdp (a node's 8 GPUs) and where blocks are not units; a set value is kept."""
+    under hsdp (a node's 8 GPUs) and where blocks are not units; a set value is kept where
+    blocks are units gathered with prefetch, the only place the key means anything."""
     from ray_zep.prefetch_plan import run_prefetch_depth
 
     def depth(gpus: int, *overrides: str) -> int:
@@ -115,6 +116,8 @@ def test_unset_two_ahead_where_a_gather_waits_two_ms_and_goes_after_attention() 
     assert depth(4096, "parallel.weights=hsdp") == 1
     assert depth(4096, "parallel.fsdp_unit=linear") == 1
     assert depth(64, "parallel.prefetch_depth=3") == 3
+    assert depth(64, "parallel.prefetch_depth=3", "parallel.fsdp_unit=linear") == 1
+    assert depth(64, "parallel.prefetch_depth=3", "parallel.prefetch=false") == 1
 
 
 def test_a_depth_outside_its_range_is_refused_by_name() -> None:

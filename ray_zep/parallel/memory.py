@@ -89,8 +89,9 @@ class MemoryInputs:
             ring engine makes through PyTorch's fused op (no whole score matrix held, as
             with flash-attn).
         prefetch: FSDP2 gathers the next unit while one computes.
-        prefetch_depth: with `prefetch` and blocks as units, how many units ahead it
-            gathers (`parallel.prefetch_depth`).
+        prefetch_depth: with `prefetch`, how many units ahead it gathers
+            (`parallel.prefetch_depth` as `ray_zep.prefetch_plan.prefetch_depth` resolves
+            it: 1 for projection units).
         fsdp_unit: what one FSDP2 unit gathers (`parallel.fsdp_unit`).
         loss_chunk_tokens: `model.loss_chunk_tokens` (0: the loss of the whole batch's
             logits).
@@ -224,11 +225,12 @@ def _working_set(shape: ModelShape, m: MemoryInputs) -> _WorkingSet:
         return _WorkingSet(borrowed)
     if not m.weights.fsdp:
         return _WorkingSet(autocast_weight_copies(shape, m))
-    # backward gathers one unit at a time, with prefetch also the `ahead` before it
-    # (blocks as units; projection units prefetch one ahead): the fullest such window
+    # backward gathers one unit at a time, with prefetch also the `prefetch_depth` before
+    # it (1 for projection units, as `ray_zep.prefetch_plan` resolves it): the fullest
+    # such window
     units = fsdp_units(shape, m.fsdp_unit)
     largest = max(units)
-    ahead = (m.prefetch_depth if m.fsdp_unit is FsdpUnit.BLOCK else 1) if m.prefetch else 0
+    ahead = m.prefetch_depth if m.prefetch else 0
     window = min(len(units), 1 + ahead)
     gathered = max(sum(units[i : i + window]) for i in range(len(units) - window + 1))
     if m.fsdp_unit is FsdpUnit.LINEAR:

@@ -65,7 +65,7 @@ from ray_zep.costmodel import (
 )
 from ray_zep.cycle_collection import without_cycle_collection
 from ray_zep.model_shapes import ModelShape, build_shape
-from ray_zep.options import ActivationCheckpointing, CompressionStream, FsdpUnit
+from ray_zep.options import ActivationCheckpointing, CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, WeightsMode
 from ray_zep.parallel.memory import fsdp_units
 from ray_zep.partition import greedy_bins, plan_from_bins
@@ -319,11 +319,10 @@ def weights_of(run: RunModel, codec: WireCodec | None = None) -> WeightsCost:
     shape, hw, parallel = run.shape, run.hardware, run.config.parallel
     units = len(fsdp_units(shape, parallel.fsdp_unit))
     host = units * hw.rates.fsdp_unit_overhead_s
-    blocks = parallel.prefetch and parallel.fsdp_unit is FsdpUnit.BLOCK
+    ahead = run_prefetch_depth(run.config, hw.topology, shape, run.element_bytes)
     return weights_cost(parallel.weights, shape, hw.cost(shape), run.element_bytes,
                         parallel.reshard_after_forward, host, codec or run.codec(),
-                        run_prefetch_depth(run.config, hw.topology, shape, run.element_bytes)
-                        if blocks else 1)  # fmt: skip
+                        ahead)  # fmt: skip
 
 
 def head_seconds(tokens, shape: ModelShape, rates: ComputeRates):
