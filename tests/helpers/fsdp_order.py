@@ -18,14 +18,14 @@ from ray_zep.train.fsdp import shard_model
 TOKENS = 48
 
 
-def gather_order(rank: int, world: int, overrides: list[str]) -> tuple[list[str], float, float]:
+def gather_order(rank: int, world: int, overrides: list[str]) -> tuple[list[str], float, tuple]:
     """One forward and backward of a three-block model sharded over `world` ranks
     (`overrides` on a 1 x `world` topology): (in call order, each block's attention in
     the forward, `attention i`, and backward, `attention again`, each manual gather,
     `gather <unit>`: FSDP2's own prefetch calls no `FSDPModule.unshard`, the gather after
     attention does; and each all-gather FSDP2 issues, `all-gather <unit>` (the module's
-    name, `layers.1`, `norm`, "" for the root); the loss; the sum of this rank's gradient
-    shards)."""
+    name, `layers.1`, `norm`, "" for the root); the loss; every element of this rank's
+    gradient shards, parameter by parameter)."""
     topology_keys = ["topology.nodes=1", f"topology.gpus_per_node={world}"]
     config = load_config(None, [*topology_keys, "model.n_layers=3", "parallel.weights=fsdp",
                                 *overrides])  # fmt: skip
@@ -71,5 +71,6 @@ def gather_order(rank: int, world: int, overrides: list[str]) -> tuple[list[str]
     finally:
         FSDPModule.unshard = unshard
         param_group.foreach_all_gather = issue
-    grads = sum(float(p.grad.to_local().sum()) for p in model.parameters() if p.grad is not None)
+    grads = tuple(p.grad.to_local().flatten().tolist() for p in model.parameters()
+                  if p.grad is not None)  # fmt: skip
     return events, float(loss), grads
