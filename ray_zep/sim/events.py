@@ -22,6 +22,7 @@ the pool's speed for the number then running.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -89,9 +90,39 @@ class CorePool:
 
 @dataclass
 class TaskGraph:
-    """Tasks added in program order; indices are task ids."""
+    """Tasks added in program order; indices are task ids.
+
+    Attributes:
+        tasks: the tasks.
+        ahead: tasks of a collective for a later layer (a block gathered two or more
+            ahead): nobody in this layer waits for them, and they may run past its end
+            (`Timeline.makespan` leaves them out, `Timeline.overrun` is how far).
+        spill: (task, share) of each link's part of the same collective posted a layer
+            earlier, still running when this layer starts (`with_spill`).
+        spill_wait: the task before them for what of that collective's ring steps'
+            latency is left (no link held); None: no spill.
+        spill_bytes: seconds the bytes of that collective take after its latency.
+    """
 
     tasks: list[Task] = field(default_factory=list)
+    ahead: range = range(0)
+    spill: list[tuple[int, float]] = field(default_factory=list)
+    spill_wait: int | None = None
+    spill_bytes: float = 0.0
+
+    def with_spill(self, seconds: float) -> TaskGraph:
+        """The graph with the collective posted a layer earlier running `seconds` into
+        this one: its bytes' last `min(seconds, spill_bytes)` on each link (times the
+        link's share), after what is left of its latency."""
+        tasks = list(self.tasks)
+        moved = min(seconds, self.spill_bytes)
+        parts = [(index, moved * share) for index, share in self.spill]
+        if self.spill_wait is not None:
+            parts.append((self.spill_wait, seconds - moved))
+        for index, duration in parts:
+            t = tasks[index]
+            tasks[index] = Task(t.name, t.rank, t.lane, duration, t.resources, t.deps)
+        return dataclasses.replace(self, tasks=tasks)
 
     def add(
         self,
@@ -128,7 +159,21 @@ class Timeline:
 
     @property
     def makespan(self) -> float:
-        return float(self.end.max()) if self.end.size else 0.0
+        """When the layer's last task ends, a collective for a later layer aside."""
+        ahead = self.graph.ahead
+        if not ahead:
+            return float(self.end.max()) if self.end.size else 0.0
+        rest = np.concatenate([self.end[: ahead.start], self.end[ahead.stop :]])
+        return float(rest.max()) if rest.size else 0.0
+
+    @property
+    def overrun(self) -> float:
+        """How far the collective for a later layer (`TaskGraph.ahead`) runs past the
+        layer's end; 0 if it ends within it."""
+        ahead = self.graph.ahead
+        if not ahead:
+            return 0.0
+        return max(0.0, float(self.end[ahead.start : ahead.stop].max()) - self.makespan)
 
     def intervals(self, rank: int, lane: Lane) -> list[tuple[float, float, str]]:
         """(start, end, name) of the rank's tasks on `lane`, by start time."""

@@ -70,11 +70,17 @@ class LayerSetup:
         weight_groups: the rank groups those collectives run over (each holds its
             members' links for the collective's time but its latency).
         weight_latency: the ring steps' latency in `weight_sync`, (forward, backward).
-        weight_latency_early: the layer waits for a gather posted a block earlier
-            (`parallel.prefetch_depth` 2 or more): its ring steps' latency runs from the
-            layer's start, and its bytes once that has passed and every member has
-            posted (`WeightsCost.early_latency`); otherwise the latency runs from the
-            post, as when the next block is gathered while one computes.
+        gathered_ahead: the blocks are gathered two or more ahead
+            (`parallel.prefetch_depth`, `WeightsCost.gathered_ahead`). In forward the
+            layer does not wait for the gather it posts, which is for a later block
+            (`TaskGraph.ahead`), but for the one posted a layer earlier where that runs
+            past its own layer's end: from this layer's start, what is left of its ring
+            steps' latency, then its bytes on each link (`TaskGraph.spill`, lasting
+            what `ray_zep.sim.step` plays as the layer repeats). In backward, where
+            the gather is posted at the layer's start, its latency runs from there,
+            posted a layer before, and its bytes once every member has posted. Otherwise
+            the latency runs from the post, as when the next block is gathered while
+            one computes.
         codec: ZipCCL on the wire (`comm.compression`); the default sends all plain.
         weight_groups_backward: the backward's groups where they differ (hsdp across
             nodes: its all-reduce between the nodes' replicas crosses every NIC); empty:
@@ -101,7 +107,7 @@ class LayerSetup:
     weight_groups: tuple[tuple[int, ...], ...] = ()
     weight_latency: tuple[float, float] = (0.0, 0.0)
     codec: WireCodec = PLAIN
-    weight_latency_early: bool = False
+    gathered_ahead: bool = False
     weight_groups_backward: tuple[tuple[int, ...], ...] = ()
     dkv_owner: bool = False
     gather_after_attention: bool = False
@@ -229,6 +235,7 @@ class GraphBuilder:
         latency: float = 0.0,
         weights: bool = False,
         early: bool = False,
+        after=(),
     ) -> int:
         """A collective over `ranks`, started once every member has posted it: `latency`
         of its `seconds` first, holding no link, then the rest on each of its links at
@@ -240,8 +247,9 @@ class GraphBuilder:
         yet. The join of its parts (`weights`: the layer's weight collective, each link's
         part in `WEIGHT_SLICES` one after another, retimed for other wires by
         `_retime`; `early`: posted before the layer, its latency runs from the layer's
-        start and its bytes wait for that and for every member's post)."""
-        deps = [self.point[r] for r in ranks]
+        start and its bytes wait for that and for every member's post; `after`: tasks
+        before it on its stream)."""
+        deps = [self.point[r] for r in ranks] + list(after)
         latency = min(latency, seconds)
         if latency > 0:
             since = [] if early else deps
@@ -283,21 +291,60 @@ class GraphBuilder:
         return links
 
     def post_weight_sync(self) -> dict[int, int]:
-        """This layer's weight collectives, per rank the one it joins at the layer's end."""
+        """This layer's weight collectives, per rank the one it joins at the layer's end;
+        in a forward gathering two or more blocks ahead (`ahead_forward`), the gather for
+        a later block, which nobody here joins (`TaskGraph.ahead`): none."""
         phase = 0 if self.phase is Phase.FORWARD else 1
         seconds, latency = self.setup.weight_sync[phase], self.setup.weight_latency[phase]
         if seconds <= 0:
             return {}
+        ahead = self.ahead_forward()
+        first = len(self.graph.tasks)
         out = {}
-        groups = self.setup.weight_groups
-        if phase and self.setup.weight_groups_backward:
-            groups = self.setup.weight_groups_backward
-        for group in groups:
+        for group in self._weight_groups():
+            # ahead: after the gather posted a layer earlier, on FSDP2's all-gather stream
+            after = [self.sync_tasks[group[0]]] if ahead else []
             task = self.post_collective(list(group), seconds, "weights gather/scatter", latency,
-                                        True, self.setup.weight_latency_early)  # fmt: skip
+                                        True, self.setup.gathered_ahead and not ahead,
+                                        after)  # fmt: skip
             out.update(dict.fromkeys(group, task))
+        if ahead:
+            self.graph.ahead = range(first, len(self.graph.tasks))
+            return {}
         self.sync_tasks = out
         return out
+
+    def ahead_forward(self) -> bool:
+        """Whether this is a forward whose gathers fetch a block two or more ahead."""
+        return self.phase is Phase.FORWARD and self.setup.gathered_ahead
+
+    def post_weight_spill(self) -> dict[int, int]:
+        """In a forward gathering two or more blocks ahead, the gather posted a layer
+        earlier for the next block where it runs past that layer's end: from the layer's
+        start on each of its links, lasting that overrun (`TaskGraph.with_spill`; 0 as
+        built); per rank the part it joins at the layer's end."""
+        if not self.ahead_forward() or self.setup.weight_sync[0] <= 0:
+            return {}
+        graph, out = self.graph, {}
+        seconds, latency = self.setup.weight_sync[0], self.setup.weight_latency[0]
+        graph.spill_bytes = seconds - min(latency, seconds)
+        graph.spill_wait = graph.add("weights gather latency, earlier", 0, Lane.HOST, 0.0)
+        for group in self._weight_groups():
+            links = self._links(list(group))
+            port = self._port_share(links)
+            parts = []
+            for rank, lane, resources in links:
+                parts.append(graph.add("weights gather, earlier", rank, lane, 0.0, resources,
+                                       [graph.spill_wait]))  # fmt: skip
+                graph.spill.append((parts[-1], port if lane is Lane.INTRA_NODE else 1.0))
+            out.update(dict.fromkeys(group, graph.join(group[0], parts)))
+        self.sync_tasks = out
+        return out
+
+    def _weight_groups(self) -> tuple[tuple[int, ...], ...]:
+        if self.phase is Phase.BACKWARD and self.setup.weight_groups_backward:
+            return self.setup.weight_groups_backward
+        return self.setup.weight_groups
 
     def ring_transfer(
         self, t: Transfer, row_bytes: int, src_dep, dst_dep, compute_s: float

@@ -36,6 +36,7 @@ Shapes of sizes: H query heads, K key/value heads, E head dim.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -505,7 +506,8 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
     for i in changed:
         t = tasks[i]
         retimed[i] = Task(t.name, t.rank, t.lane, durations[i], t.resources, t.deps)
-    return TaskGraph(retimed)
+    spilled = weights - latency if build.graph.spill else 0.0
+    return dataclasses.replace(build.graph, tasks=retimed, spill_bytes=spilled)
 
 
 def _layer_program(build: _Builder) -> None:
@@ -516,6 +518,7 @@ def _layer_program(build: _Builder) -> None:
     out_bytes = shape.n_heads * shape.head_dim * elem
     before, after = linear_flops_per_token(shape)
     late = phase is Phase.FORWARD and setup.gather_after_attention
+    spill = build.post_weight_spill()
     sync = {} if late else build.post_weight_sync()
     shares = POINTWISE_SHARES[0 if phase is Phase.FORWARD else 1]
     if phase is Phase.FORWARD:
@@ -535,7 +538,7 @@ def _layer_program(build: _Builder) -> None:
         build.remap(False, qkv_bytes, "remap q/k/v gradient")
         build.recompute(before_qkv)
         build.linear(before, "QKV projection", shares[0])
-    for rank, task in sync.items():
+    for rank, task in (sync or spill).items():
         build.wait(rank, [task])
 
 

@@ -289,7 +289,7 @@ def simulate_plans(
                        weights[0].layer_latency, codecs[0],
                        weight_groups_backward=weights[0].backward_groups,
                        dkv_owner=base.dkv_owner, gather_after_attention=late,
-                       weight_latency_early=weights[0].early_latency)  # fmt: skip
+                       gathered_ahead=weights[0].gathered_ahead)  # fmt: skip
     wires = list(dict.fromkeys((c, w.layer_sync) for c, w in zip(codecs, weights, strict=True)))
     forward = _simulated(layer_graphs(setup, Phase.FORWARD, wires), hw.pool)
     backward = _simulated(layer_graphs(setup, Phase.BACKWARD, wires), hw.pool)
@@ -399,8 +399,29 @@ def _simulated(graphs: list[TaskGraph], pool: CorePool | None) -> list[Timeline]
     played: dict[int, Timeline] = {}
     for graph in graphs:
         if id(graph) not in played:
-            played[id(graph)] = simulate(graph, pool)
+            played[id(graph)] = _steady(graph, pool)
     return [played[id(graph)] for graph in graphs]
+
+
+SPILL_PLAYS = 4
+"""How many times a layer whose gather for a later block runs past its end is played at
+most (`_steady`)."""
+
+
+def _steady(graph: TaskGraph, pool: CorePool | None) -> Timeline:
+    """The layer as it repeats: where its gather for a block two or more ahead runs past
+    the layer's end, the one posted a layer earlier does too, into this layer
+    (`TaskGraph.spill`); played again with that overrun until the overrun it plays is
+    no more than the one it started from, or `SPILL_PLAYS` times."""
+    timeline = simulate(graph, pool)
+    spilled = 0.0
+    for _ in range(SPILL_PLAYS - 1):
+        over = timeline.overrun
+        if not graph.spill or over <= spilled * (1 + 1e-6):
+            break
+        spilled = over
+        timeline = simulate(graph.with_spill(spilled), pool)
+    return timeline
 
 
 def _switched(run: RunModel, like: RunModel) -> RunModel:

@@ -12,10 +12,12 @@ As the trainer runs each mode (`ray_zep.train.fsdp`, `ray_zep.train.reductions`)
   when it starts otherwise, and again in backward
   (`reshard_after_forward`), where the block's gradients are also reduce-scattered
   while the next block computes backward. With `parallel.prefetch_depth` 2 or more a
-  block's gather is posted that many blocks ahead, and its ring steps' latency runs from
-  the start of the block that waits for it, however late that block posts its own
-  (`early_latency`). Parameters travel in the compute dtype
-  (`MixedPrecisionPolicy.param_dtype`), gradients are reduced in float32. What
+  block's gather is posted that many blocks ahead (`gathered_ahead`): in forward it
+  may run past the end of the block that posts it, into the next one, where it holds
+  the links beside that block's messages; in backward, posted at a block's start, its
+  ring steps' latency has run by the next one's start
+  (`ray_zep.sim.graph_builder.LayerSetup.gathered_ahead`). Parameters travel in the
+  compute dtype (`MixedPrecisionPolicy.param_dtype`), gradients are reduced in float32. What
   cannot overlap: the first gathers (embedding, first block, the head, which stays
   gathered after forward) and the last reduce-scatters after backward. hsdp adds, per
   block, the all-reduce of each rank's reduced shard with its replicas on the other
@@ -64,10 +66,9 @@ class WeightsCost:
         layer_latency: the ring steps' latency within `layer_sync` (links idle for it).
         exposed: collectives no compute hides (before the first block, after the last).
         owned_params: parameters each rank updates.
-        early_latency: the blocks' gathers are posted two or more blocks ahead
-            (`parallel.prefetch_depth`), so the ring steps' latency of the one a layer
-            waits for runs from the layer's start, not from its post
-            (`ray_zep.sim.graph_builder.LayerSetup.weight_latency_early`).
+        gathered_ahead: the blocks' gathers are posted two or more blocks ahead
+            (`parallel.prefetch_depth`), so a layer waits only for the one posted
+            before it (`ray_zep.sim.graph_builder.LayerSetup.gathered_ahead`).
     """
 
     layer_sync: tuple[float, float] = (0.0, 0.0)
@@ -76,7 +77,7 @@ class WeightsCost:
     owned_params: float = 0.0
     layer_latency: tuple[float, float] = (0.0, 0.0)
     backward_groups: tuple[tuple[int, ...], ...] = ()
-    early_latency: bool = False
+    gathered_ahead: bool = False
 
 
 def _groups(topology: Topology, sharding: Sharding) -> tuple[tuple[int, ...], ...]:
@@ -99,7 +100,7 @@ def weights_cost(
     `param_bytes` per element, gradients reduced in float32, each zipped where `codec`
     zips it; FSDP2's host work of a step (`host_seconds`: its units times
     `ComputeRates.fsdp_unit_overhead_s`) counts as exposed; blocks gathered `ahead`
-    blocks before they run (`WeightsCost.early_latency`).
+    blocks before they run (`WeightsCost.gathered_ahead`).
 
     Raises:
         ValueError: a weight-passing mode (see `ray_zep.sim.weight_passing`).
