@@ -53,8 +53,9 @@ def test_two_ahead_lets_the_gather_run_into_the_next_layer(latency_us) -> None:
     posted a layer earlier then runs as far into this layer, what is left of its latency
     first, then its bytes on every link. The layer is played as it repeats: that overrun
     is no less than the one the played layer's own gather has, and a gather starts after
-    the one before it on FSDP2's stream. The step is shorter, and never under the bound,
-    which counts every gather whole."""
+    the one before it on FSDP2's stream. The backward's gather goes ahead the same way,
+    its reduce-scatter is waited for in the layer. The step is shorter, and never under
+    the bound, which counts every gather whole."""
     lengths = batch_lengths("arxiv", 4096 * 64, 0)
     runs = {depth: _run(depth, latency_us) for depth in (1, 2)}
     plan, remap = plan_batch(lengths, runs[1])
@@ -83,7 +84,11 @@ def test_two_ahead_lets_the_gather_run_into_the_next_layer(latency_us) -> None:
         assert over > 0 and spilled > 0
     hidden = steps[1].forward_layer_seconds - steps[2].forward_layer_seconds
     assert hidden > 0.3 * min(latency, steps[1].forward_layer_seconds)
-    assert steps[2].backward_layer_seconds == steps[1].backward_layer_seconds
+    # backward: the gather part goes ahead, the reduce-scatter is still waited for
+    back_one, back_two = steps[1].backward, steps[2].backward
+    assert not back_one.graph.ahead and back_two.graph.ahead and back_two.graph.spill
+    assert back_two.graph.spill_bytes == pytest.approx(seconds - latency)
+    assert back_two.makespan <= back_one.makespan
     bound = step_bound(lengths, runs[2]).seconds
     assert step_bound(lengths, runs[1]).seconds == bound <= steps[2].step_seconds
 

@@ -147,6 +147,25 @@ def test_one_build_under_several_switches_plays_each_as_alone() -> None:
         simulate_plans(plan, [runs[0], other], True, remap)
 
 
+def test_two_ahead_under_several_switches_plays_each_as_alone() -> None:
+    """Blocks gathered two ahead (`parallel.prefetch_depth`): the weight collectives are
+    timed in parts (the gather for a later block, the reduce-scatter, the gather run into
+    the layer from the one before), each retimed for the zipped wire; on links of 30 ms
+    per step the zipped gather runs past its layer, into the next one."""
+    config = _config(Placement.ZEPPELIN, WeightsMode.FSDP, "parallel.prefetch_depth=2")
+    links = {"nic_bandwidth": 3e6, "inter_node_latency": 0.03}
+    runs = [_run(config, mode, **links) for mode in (Compression.OFF, Compression.ALWAYS)]
+    plan, remap = plan_batch(LENGTHS, runs[0])
+    together = simulate_plans(plan, runs, True, remap)
+    for run, step in zip(runs, together, strict=True):
+        alone = simulate_plan(plan, run, True, remap)
+        assert step.step_seconds == alone.step_seconds
+        assert (step.forward.end == alone.forward.end).all()
+        assert (step.backward.end == alone.backward.end).all()
+        assert step.forward.graph.ahead and step.backward.graph.ahead
+    assert together[0].forward.overrun == 0 < together[1].forward.overrun
+
+
 def _moe(placement: Placement, pipeline: MoEPipeline, **links) -> RunModel:
     config = _config(placement, WeightsMode.REPLICATED, "model.preset=tiny_moe",
                      "parallel.ep=4", f"parallel.moe_pipeline={pipeline.value}",

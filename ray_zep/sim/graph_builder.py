@@ -71,16 +71,17 @@ class LayerSetup:
             members' links for the collective's time but its latency).
         weight_latency: the ring steps' latency in `weight_sync`, (forward, backward).
         gathered_ahead: the blocks are gathered two or more ahead
-            (`parallel.prefetch_depth`, `WeightsCost.gathered_ahead`). In forward the
-            layer does not wait for the gather it posts, which is for a later block
-            (`TaskGraph.ahead`), but for the one posted a layer earlier where that runs
-            past its own layer's end: from this layer's start, what is left of its ring
-            steps' latency, then its bytes on each link (`TaskGraph.spill`, lasting
-            what `ray_zep.sim.step` plays as the layer repeats). In backward, where
-            the gather is posted at the layer's start, its latency runs from there,
-            posted a layer before, and its bytes once every member has posted. Otherwise
-            the latency runs from the post, as when the next block is gathered while
-            one computes.
+            (`parallel.prefetch_depth`, `WeightsCost.gathered_ahead`). The layer does
+            not wait for the gather it posts (the forward's collective, the backward's
+            gather part), which is for a later block (`TaskGraph.ahead`), but for the
+            one posted a layer earlier where that runs past its own layer's end: from
+            this layer's start, what is left of its ring steps' latency, then its bytes
+            on each link (`TaskGraph.spill`, lasting what `ray_zep.sim.step` plays as
+            the layer repeats). The backward's reduce-scatter is posted at the layer's
+            start and waited for at its end, as one block ahead; otherwise the latency
+            runs from the post.
+        regathers: the backward gathers each block again (`reshard_after_forward`):
+            `weight_sync`'s backward holds a gather of `weight_sync`'s forward seconds.
         codec: ZipCCL on the wire (`comm.compression`); the default sends all plain.
         weight_groups_backward: the backward's groups where they differ (hsdp across
             nodes: its all-reduce between the nodes' replicas crosses every NIC); empty:
@@ -108,6 +109,7 @@ class LayerSetup:
     weight_latency: tuple[float, float] = (0.0, 0.0)
     codec: WireCodec = PLAIN
     gathered_ahead: bool = False
+    regathers: bool = True
     weight_groups_backward: tuple[tuple[int, ...], ...] = ()
     dkv_owner: bool = False
     gather_after_attention: bool = False
@@ -233,8 +235,7 @@ class GraphBuilder:
         seconds: float,
         name: str,
         latency: float = 0.0,
-        weights: bool = False,
-        early: bool = False,
+        weights: str = "",
         after=(),
     ) -> int:
         """A collective over `ranks`, started once every member has posted it: `latency`
@@ -244,17 +245,14 @@ class GraphBuilder:
         Each link is held for the time its own bytes take on it, as a message holds
         one: the NICs, which set a collective across nodes' pace, for all of it, a
         member's port for its share of that pace (`_port_share`). Nobody waits for it
-        yet. The join of its parts (`weights`: the layer's weight collective, each link's
-        part in `WEIGHT_SLICES` one after another, retimed for other wires by
-        `_retime`; `early`: posted before the layer, its latency runs from the layer's
-        start and its bytes wait for that and for every member's post; `after`: tasks
-        before it on its stream)."""
+        yet. The join of its parts (`weights`: a part of the layer's weight collectives,
+        "all", "gather" or "rest" (`post_weight_sync`), each link's part in
+        `WEIGHT_SLICES` one after another, retimed for other wires by `_retime`;
+        `after`: tasks before it on its stream)."""
         deps = [self.point[r] for r in ranks] + list(after)
         latency = min(latency, seconds)
         if latency > 0:
-            since = [] if early else deps
-            waited = self.graph.add(f"{name} latency", ranks[0], Lane.HOST, latency, (), since)
-            deps = [waited, *deps] if early else [waited]
+            deps = [self.graph.add(f"{name} latency", ranks[0], Lane.HOST, latency, (), deps)]
         links = self._links(ranks)
         port = self._port_share(links)
         slices = WEIGHT_SLICES if weights else 1
@@ -266,7 +264,7 @@ class GraphBuilder:
                 part = [self.graph.add(name, rank, lane, (seconds - latency) * share,
                                        resources, part)]  # fmt: skip
                 if self.record and weights:
-                    self.recipes.append(("sync", part[0], share))
+                    self.recipes.append(("sync", part[0], share, weights))
             last.append(part[0])
         return self.graph.join(ranks[0], last)
 
@@ -291,45 +289,62 @@ class GraphBuilder:
         return links
 
     def post_weight_sync(self) -> dict[int, int]:
-        """This layer's weight collectives, per rank the one it joins at the layer's end;
-        in a forward gathering two or more blocks ahead (`ahead_forward`), the gather for
-        a later block, which nobody here joins (`TaskGraph.ahead`): none."""
+        """This layer's weight collectives, per rank the one it joins at the layer's end.
+        Gathering two or more blocks ahead (`gathered_ahead`), the gather (the forward's
+        whole collective, the backward's gather part) is for a later block: nobody here
+        joins it (`TaskGraph.ahead`); the rest (the backward's reduce-scatter) is joined.
+        Each follows the one before it on the process group's one NCCL stream: the
+        gather posted a layer earlier, the reduce-scatter, the gather."""
         phase = 0 if self.phase is Phase.FORWARD else 1
         seconds, latency = self.setup.weight_sync[phase], self.setup.weight_latency[phase]
         if seconds <= 0:
             return {}
-        ahead = self.ahead_forward()
-        first = len(self.graph.tasks)
+        gather, gather_latency = self.ahead_gather()
         out = {}
-        for group in self._weight_groups():
-            # ahead: after the gather posted a layer earlier, on FSDP2's all-gather stream
-            after = [self.sync_tasks[group[0]]] if ahead else []
-            task = self.post_collective(list(group), seconds, "weights gather/scatter", latency,
-                                        True, self.setup.gathered_ahead and not ahead,
-                                        after)  # fmt: skip
-            out.update(dict.fromkeys(group, task))
-        if ahead:
+        if seconds - gather > 0:
+            kind = "rest" if gather else "all"
+            for group in self._weight_groups():
+                after = list(dict.fromkeys(self.spilled[r] for r in group)) if gather else []
+                task = self.post_collective(list(group), seconds - gather,
+                                            "weights gather/scatter", latency - gather_latency,
+                                            kind, after)  # fmt: skip
+                out.update(dict.fromkeys(group, task))
+        if gather:
+            first = len(self.graph.tasks)
+            for group in self.setup.weight_groups:
+                after = list(dict.fromkeys([self.spilled[group[0]], *(out.get(r) for r in group)]))
+                self.post_collective(list(group), gather, "weights gather/scatter",
+                                     gather_latency, "gather", after=after)  # fmt: skip
             self.graph.ahead = range(first, len(self.graph.tasks))
-            return {}
+            for rank, task in self.spilled.items():  # the rings queue behind both
+                out[rank] = self.graph.join(rank, [task, out.get(rank)])
         self.sync_tasks = out
         return out
 
-    def ahead_forward(self) -> bool:
-        """Whether this is a forward whose gathers fetch a block two or more ahead."""
-        return self.phase is Phase.FORWARD and self.setup.gathered_ahead
+    def ahead_gather(self) -> tuple[float, float]:
+        """(seconds, latency) of the gather in this layer's weight collectives that is for
+        a block two or more ahead (`gathered_ahead`: the forward's, and the backward's
+        where it gathers again, `LayerSetup.regathers`); (0, 0): none."""
+        setup = self.setup
+        if not setup.gathered_ahead or setup.weight_sync[0] <= 0:
+            return 0.0, 0.0
+        if self.phase is Phase.BACKWARD and not setup.regathers:
+            return 0.0, 0.0
+        return setup.weight_sync[0], min(setup.weight_latency[0], setup.weight_sync[0])
 
-    def post_weight_spill(self) -> dict[int, int]:
-        """In a forward gathering two or more blocks ahead, the gather posted a layer
-        earlier for the next block where it runs past that layer's end: from the layer's
-        start on each of its links, lasting that overrun (`TaskGraph.with_spill`; 0 as
-        built); per rank the part it joins at the layer's end."""
-        if not self.ahead_forward() or self.setup.weight_sync[0] <= 0:
-            return {}
-        graph, out = self.graph, {}
-        seconds, latency = self.setup.weight_sync[0], self.setup.weight_latency[0]
-        graph.spill_bytes = seconds - min(latency, seconds)
+    def post_weight_spill(self) -> None:
+        """Gathering two or more blocks ahead, the gather posted a layer earlier where it
+        runs past that layer's end: from this layer's start, what is left of its latency,
+        then its bytes on each of its links, lasting that overrun (`TaskGraph.with_spill`;
+        0 as built); `spilled`: per rank the part it joins at the layer's end."""
+        self.spilled: dict[int, int] = {}
+        gather, latency = self.ahead_gather()
+        if not gather:
+            return
+        graph = self.graph
+        graph.spill_bytes = gather - latency
         graph.spill_wait = graph.add("weights gather latency, earlier", 0, Lane.HOST, 0.0)
-        for group in self._weight_groups():
+        for group in self.setup.weight_groups:
             links = self._links(list(group))
             port = self._port_share(links)
             parts = []
@@ -337,9 +352,8 @@ class GraphBuilder:
                 parts.append(graph.add("weights gather, earlier", rank, lane, 0.0, resources,
                                        [graph.spill_wait]))  # fmt: skip
                 graph.spill.append((parts[-1], port if lane is Lane.INTRA_NODE else 1.0))
-            out.update(dict.fromkeys(group, graph.join(group[0], parts)))
-        self.sync_tasks = out
-        return out
+            self.spilled.update(dict.fromkeys(group, graph.join(group[0], parts)))
+        self.sync_tasks = dict(self.spilled)
 
     def _weight_groups(self) -> tuple[tuple[int, ...], ...]:
         if self.phase is Phase.BACKWARD and self.setup.weight_groups_backward:

@@ -482,6 +482,12 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
     setup, tasks = build.setup, build.graph.tasks
     phase = 0 if build.phase is Phase.FORWARD else 1
     weights, latency = sync[phase], min(setup.weight_latency[phase], sync[phase])
+    gathered = min(setup.weight_latency[0], sync[0])
+    parts = {  # a part of the weight collectives on one link, after its latency
+        "all": weights - latency,
+        "gather": sync[0] - gathered,
+        "rest": weights - sync[0] - (latency - gathered),
+    }
     factor = setup.rates.contention - 1.0
     durations = [t.duration for t in tasks]
     profiles: dict[tuple, Profile] = {}
@@ -498,7 +504,7 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
         elif tag == "linear":
             durations[task] = data[0] + factor * min(data[0], weights / 2)
         else:  # a weight collective's part on one link, after its latency
-            durations[task] = (weights - latency) * data[0]
+            durations[task] = parts[data[1]] * data[0]
     changed = [i for i, (t, d) in enumerate(zip(tasks, durations, strict=True)) if t.duration != d]
     if not changed:
         return build.graph
@@ -506,7 +512,7 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
     for i in changed:
         t = tasks[i]
         retimed[i] = Task(t.name, t.rank, t.lane, durations[i], t.resources, t.deps)
-    spilled = weights - latency if build.graph.spill else 0.0
+    spilled = parts["gather"] if build.graph.spill else 0.0
     return dataclasses.replace(build.graph, tasks=retimed, spill_bytes=spilled)
 
 
@@ -518,7 +524,7 @@ def _layer_program(build: _Builder) -> None:
     out_bytes = shape.n_heads * shape.head_dim * elem
     before, after = linear_flops_per_token(shape)
     late = phase is Phase.FORWARD and setup.gather_after_attention
-    spill = build.post_weight_spill()
+    build.post_weight_spill()
     sync = {} if late else build.post_weight_sync()
     shares = POINTWISE_SHARES[0 if phase is Phase.FORWARD else 1]
     if phase is Phase.FORWARD:
@@ -538,7 +544,7 @@ def _layer_program(build: _Builder) -> None:
         build.remap(False, qkv_bytes, "remap q/k/v gradient")
         build.recompute(before_qkv)
         build.linear(before, "QKV projection", shares[0])
-    for rank, task in (sync or spill).items():
+    for rank, task in sync.items():
         build.wait(rank, [task])
 
 

@@ -289,7 +289,8 @@ def simulate_plans(
                        weights[0].layer_latency, codecs[0],
                        weight_groups_backward=weights[0].backward_groups,
                        dkv_owner=base.dkv_owner, gather_after_attention=late,
-                       gathered_ahead=weights[0].gathered_ahead)  # fmt: skip
+                       gathered_ahead=weights[0].gathered_ahead,
+                       regathers=base.config.parallel.reshard_after_forward)  # fmt: skip
     wires = list(dict.fromkeys((c, w.layer_sync) for c, w in zip(codecs, weights, strict=True)))
     forward = _simulated(layer_graphs(setup, Phase.FORWARD, wires), hw.pool)
     backward = _simulated(layer_graphs(setup, Phase.BACKWARD, wires), hw.pool)
