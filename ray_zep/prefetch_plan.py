@@ -14,9 +14,10 @@ at 64-1,024 GPUs, and when the block starts at 4,096 GPUs, where a 7B block's ga
 every rank takes 20 ms (16 of them its ring steps' latency) beside a 7 ms feed-forward
 (the simulator agrees on `bench scale`'s 7b batches, gathers in slices: at 1,024 GPUs
 chat 3.08 s a step after attention, 3.29 s at the block's start; at 4,096 GPUs arxiv
-2.79 and 2.40 s). Two blocks ahead, the latency of the gather a block waits for runs
-from the block's start, while its projections and attention compute, and the rule counts
-the projections' time of it as hidden.
+2.79 and 2.40 s). Two blocks ahead, a gather need not end before the next block: its
+ring steps' latency, which holds no link, may run on into it, and the rule counts the
+next block's projections before attention as hiding that much of it (the simulator plays
+what runs on, bytes included, beside the next block's messages: `ray_zep.sim.step`).
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ from ray_zep.topology import Topology
 DEEP_PREFETCH_LATENCY_S = 2e-3
 """Unset, `parallel.prefetch_depth` is 2 where one gather's ring steps take at least this
 long (cluster A: 4.0 ms over 1,024 GPUs, 15.9 ms over 4,096) and the block gathers after
-its attention (only then does the deeper prefetch hide anything: the latency runs while
-attention computes), else 1. Below it what the deeper prefetch hides did not pay for the
-block it holds: at 256 GPUs (1.0 ms) `bench scale` stepped 0.994-1.002 of one ahead, and
-13B rows recomputed more to make the room (BENCHMARKS.md, thirty-fourth series)."""
+its attention (only then does the deeper prefetch hide anything: the gather runs on into
+the next block instead of before it), else 1. Below it what the deeper prefetch hides did
+not pay for the block it holds: at 256 GPUs (1.0 ms) `bench scale` stepped 0.994-1.002 of
+one ahead, and 13B rows recomputed more to make the room (BENCHMARKS.md, thirty-fourth
+series)."""
 
 
 def _sharded_blocks(parallel: ParallelConfig) -> bool:
@@ -123,9 +125,8 @@ def _late(
     before, after = linear_flops_per_token(shape)
     matmul = preset_rates(topology.gpu_model).matmul
     feed_forward = mean_tokens * after / matmul
-    # posted two blocks ahead, the latency of the gather a block waits for runs from the
-    # block's start (`ray_zep.sim.graph_builder`): at least the projections before
-    # attention hide it (attention hides more)
+    # posted two blocks ahead, the gather's latency may run on into the next block: at
+    # least that block's projections before attention hide it (attention hides more)
     hidden = min(latency, mean_tokens * before / matmul) if deep else 0.0
     return max(0.0, gather - hidden - feed_forward) < on_links
 

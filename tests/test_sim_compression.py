@@ -135,16 +135,22 @@ def test_one_build_under_several_switches_plays_each_as_alone() -> None:
     # for others: the three switches give three different steps
     runs = [_run(config, mode, nic_bandwidth=3e7) for mode in Compression]
     plan, remap = plan_batch(LENGTHS, runs[0])
+    together = _each_as_alone(plan, runs, remap)
+    assert len({s.step_seconds for s in together}) == 3
+    other = _run(_config(Placement.ZEPPELIN, WeightsMode.HSDP), Compression.OFF)
+    with pytest.raises(ValueError, match="differ"):
+        simulate_plans(plan, [runs[0], other], True, remap)
+
+
+def _each_as_alone(plan, runs: list[RunModel], remap) -> list:
+    """`simulate_plans` of `runs`, each step checked against the run played alone."""
     together = simulate_plans(plan, runs, True, remap)
     for run, step in zip(runs, together, strict=True):
         alone = simulate_plan(plan, run, True, remap)
         assert step.step_seconds == alone.step_seconds
         assert (step.forward.end == alone.forward.end).all()
         assert (step.backward.end == alone.backward.end).all()
-    assert len({s.step_seconds for s in together}) == 3
-    other = _run(_config(Placement.ZEPPELIN, WeightsMode.HSDP), Compression.OFF)
-    with pytest.raises(ValueError, match="differ"):
-        simulate_plans(plan, [runs[0], other], True, remap)
+    return together
 
 
 def test_two_ahead_under_several_switches_plays_each_as_alone() -> None:
@@ -156,13 +162,8 @@ def test_two_ahead_under_several_switches_plays_each_as_alone() -> None:
     links = {"nic_bandwidth": 3e6, "inter_node_latency": 0.03}
     runs = [_run(config, mode, **links) for mode in (Compression.OFF, Compression.ALWAYS)]
     plan, remap = plan_batch(LENGTHS, runs[0])
-    together = simulate_plans(plan, runs, True, remap)
-    for run, step in zip(runs, together, strict=True):
-        alone = simulate_plan(plan, run, True, remap)
-        assert step.step_seconds == alone.step_seconds
-        assert (step.forward.end == alone.forward.end).all()
-        assert (step.backward.end == alone.backward.end).all()
-        assert step.forward.graph.ahead and step.backward.graph.ahead
+    together = _each_as_alone(plan, runs, remap)
+    assert all(s.forward.graph.ahead and s.backward.graph.ahead for s in together)
     assert together[0].forward.overrun == 0 < together[1].forward.overrun
 
 

@@ -113,13 +113,13 @@ class ParallelConfig:
     (ray_zep.prefetch_plan)."""
     prefetch_depth: int | None = None
     """fsdp | hsdp with prefetch, blocks as units: how many units ahead a unit gathers
-    (forward) and behind (backward). 2: the gather a block waits for was posted a block
-    earlier, so its ring steps' latency (4 ms over 1,024 GPUs of cluster A, 16 ms over
-    4,096) runs while the block's projections and attention compute, not after them when
-    the block gathers after its attention, for one more block's parameters held (a 7B
-    block: 0.4 GB in bf16). 1: the next unit only, FSDP2's own prefetch (ray_zep.train.fsdp,
-    ray_zep.sim.weights). Unset: 2 where a gather's ring steps take 2 ms or more and the
-    block gathers after its attention, else 1 (ray_zep.prefetch_plan)."""
+    (forward) and behind (backward). 2: a gather need not end before the next block but
+    before the one after it, so what its ring steps' latency (4 ms over 1,024 GPUs of
+    cluster A, 16 ms over 4,096) and the feed-forward leave over runs on into the next
+    block, for one more block's parameters held (a 7B block: 0.4 GB in bf16). 1: the next
+    unit only, FSDP2's own prefetch (ray_zep.train.fsdp, ray_zep.sim.weights). Unset: 2
+    where a gather's ring steps take 2 ms or more and the block gathers after its
+    attention, else 1 (ray_zep.prefetch_plan)."""
     fsdp_unit: FsdpUnit = FsdpUnit.BLOCK
     """fsdp | hsdp: block | linear, what one FSDP2 unit gathers: a transformer block,
     or each projection of a dense block apart (less memory, more collectives)."""

@@ -294,7 +294,10 @@ class GraphBuilder:
         whole collective, the backward's gather part) is for a later block: nobody here
         joins it (`TaskGraph.ahead`); the rest (the backward's reduce-scatter) is joined.
         Each follows the one before it on the process group's one NCCL stream: the
-        gather posted a layer earlier, the reduce-scatter, the gather."""
+        gather posted a layer earlier, the reduce-scatter, the gather (FSDP2 runs its
+        all-gathers and reduce-scatters on the mesh's shard group, torch
+        `_fully_shard/_fsdp_param_group.py`, and `ProcessGroupNCCL` a group's collectives
+        on one stream per device, `ProcessGroupNCCL.cpp`, `ncclStreams_`)."""
         phase = 0 if self.phase is Phase.FORWARD else 1
         seconds, latency = self.setup.weight_sync[phase], self.setup.weight_latency[phase]
         if seconds <= 0:
