@@ -339,7 +339,13 @@ class GraphBuilder:
         """Gathering two or more blocks ahead, the gather posted a layer earlier where it
         runs past that layer's end: from this layer's start, what is left of its latency,
         then its bytes on each of its links, lasting that overrun (`TaskGraph.with_spill`;
-        0 as built); `spilled`: per rank the part it joins at the layer's end."""
+        0 as built); `spilled`: per rank the part it joins at the layer's end.
+
+        Each link's bytes are one task, not `WEIGHT_SLICES` slices: a K/V message posted
+        meanwhile waits for them and ends when it would on a link both share (the link
+        moves the same bytes either way). Sliced, each slice would wait, first come first
+        served, behind the ring's far larger messages, and the gather, starved, would
+        hold the layer's end (7b chat at 1,024 GPUs: 3.106 s a step instead of 2.900)."""
         self.spilled: dict[int, int] = {}
         gather, latency = self.ahead_gather()
         if not gather:
