@@ -17,7 +17,9 @@ from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.memory import model_memory
 from ray_zep.run_memory import memory_inputs
 from ray_zep.sim.bound import step_bound
+from ray_zep.sim.events import Lane
 from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.idle import idle_causes
 from ray_zep.sim.step import RunModel, plan_batch, simulate_plan, weights_of
 from ray_zep.topology import build_topology
 
@@ -82,6 +84,9 @@ def test_two_ahead_lets_the_gather_run_into_the_next_layer(latency_us) -> None:
     assert max(parts) == pytest.approx(min(played, seconds - latency))
     if latency_us > 500:  # 63 ms of latency: the gather runs past the layer
         assert over > 0 and spilled > 0
+    # the rank the gather is drawn for: its idle time adds up to the layer, not the gather
+    idle = idle_causes(two, task.rank)
+    assert sum(idle.values()) == pytest.approx(two.makespan - two.busy(task.rank, Lane.COMPUTE))
     hidden = steps[1].forward_layer_seconds - steps[2].forward_layer_seconds
     assert hidden > 0.3 * min(latency, steps[1].forward_layer_seconds)
     # backward: the gather part goes ahead, the reduce-scatter is still waited for

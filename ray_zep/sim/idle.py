@@ -11,7 +11,8 @@ points have no length), every stretch of the gap is charged to the task that hel
   slower ring peer, a rank behind in the layer).
 
 After the rank's own last task the layer waits for its slowest rank: a wait too. The
-two add up to the layer's makespan less the rank's compute.
+two add up to the layer's makespan less the rank's compute. A gather posted for a later
+layer (`TaskGraph.ahead`) is not the rank's task here: it may end after the layer does.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ def idle_causes(timeline: Timeline, rank: int) -> dict[str, float]:
     """Seconds `rank`'s compute lane is idle within the layer's makespan, by cause
     (`TRANSFERS`, `WAITS`; module docstring)."""
     tasks, start, end = timeline.graph.tasks, timeline.start, timeline.end
-    own = np.flatnonzero(np.fromiter((t.rank == rank for t in tasks), bool, len(tasks)))
+    mine = np.fromiter((t.rank == rank for t in tasks), bool, len(tasks))
+    ahead = timeline.graph.ahead
+    mine[ahead.start : ahead.stop] = False  # a gather for a later layer: not this one's
+    own = np.flatnonzero(mine)
     computes = [int(i) for i in own if tasks[i].lane is Lane.COMPUTE and tasks[i].duration > 0]
     computes.sort(key=lambda i: start[i])
     out = {TRANSFERS: 0.0, WAITS: 0.0}
