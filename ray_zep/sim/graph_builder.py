@@ -320,8 +320,12 @@ class GraphBuilder:
                 self.post_collective(list(group), gather, "weights gather/scatter",
                                      gather_latency, "gather", after=after)  # fmt: skip
             self.graph.ahead = range(first, len(self.graph.tasks))
+            joins: dict[tuple, int] = {}  # one per group pair, not per rank
             for rank, task in self.spilled.items():  # the rings queue behind both
-                out[rank] = self.graph.join(rank, [task, out.get(rank)])
+                pair = (task, out.get(rank))
+                if pair not in joins:
+                    joins[pair] = self.graph.join(rank, pair)
+                out[rank] = joins[pair]
         self.sync_tasks = out
         return out
 
