@@ -6,7 +6,9 @@ starts once all its dependencies have finished and all its resources are free.
 A resource serves tasks first come, first served by the time they became ready
 (ties: the order the tasks were added), the way a CUDA stream or a NIC's send
 queue does. A task with no resources and no duration is a join point: a host
-thread reaching a wait.
+thread reaching a wait. One kind of task shares its links instead of holding them: the
+parts of a gather that runs on from the layer before (`TaskGraph.spill`), each link's
+direction serving it and the messages posted meanwhile at once (`_SharedLinks`).
 
 Because a task is released only when its dependencies have finished, and its
 successors become ready no earlier than it ends, tasks leave the ready queue in
@@ -98,7 +100,8 @@ class TaskGraph:
             ahead): nobody in this layer waits for them, and they may run past its end
             (`Timeline.makespan` leaves them out, `Timeline.overrun` is how far).
         spill: (task, share) of each link's part of the same collective posted a layer
-            earlier, still running when this layer starts (`with_spill`).
+            earlier, still running when this layer starts (`with_spill`); each shares
+            its links with the messages posted while it runs (`_SharedLinks`).
         spill_wait: the task before them for what of that collective's ring steps'
             latency is left (no link held); None: no spill.
         spill_bytes: seconds the bytes of that collective take after its latency.
@@ -219,21 +222,35 @@ def simulate(graph: TaskGraph, pool: CorePool | None = None) -> Timeline:
     ready_at = [0.0] * count
     start, end = [0.0] * count, [0.0] * count
     free: dict = {}
+    shared = _SharedLinks(graph, resources)
     heap = [(0.0, index) for index in range(count) if waiting[index] == 0]
     heapq.heapify(heap)
     pop, push = heapq.heappop, heapq.heappush
     done = 0
     while heap:
         begin, index = pop(heap)
-        held = resources[index]
-        for resource in held:
-            at = free.get(resource, 0.0)
-            if at > begin:
-                begin = at
-        finish = begin + durations[index]
-        for resource in held:
-            free[resource] = finish
-        start[index], end[index] = begin, finish
+        if index < 0:  # a shared task's end as played so far: final unless it moved
+            index = -1 - index
+            if shared.end(index) > begin:
+                push(heap, (shared.end(index), -1 - index))
+                continue
+            finish = begin
+        else:
+            held = resources[index]
+            for resource in held:
+                at = free.get(resource, 0.0)
+                if at > begin:
+                    begin = at
+            if index in shared.parts:  # holds no link alone: ends when it is played out
+                start[index] = begin
+                shared.begin(index, begin, durations[index])
+                push(heap, (shared.end(index), -1 - index))
+                continue
+            finish = begin + durations[index] + shared.beside(held, begin, durations[index])
+            for resource in held:
+                free[resource] = finish
+            start[index] = begin
+        end[index] = finish
         done += 1
         for succ in successors[index]:
             if ready_at[succ] < finish:
@@ -245,6 +262,40 @@ def simulate(graph: TaskGraph, pool: CorePool | None = None) -> Timeline:
     if done != count:
         raise ValueError(f"{count - done} tasks never became ready")
     return Timeline(graph, np.asarray(start), np.asarray(end))
+
+
+class _SharedLinks:
+    """The run-on gather's parts (`TaskGraph.spill`) on links that other messages share
+    with them: each direction of a link serves both at once, half its bandwidth each,
+    instead of one after the other. A message of d seconds alone that starts while the
+    part has r seconds (alone) left in a direction it takes lasts d + min(d, r), and the
+    part's flow in that direction min(d, r) longer; between messages a flow runs alone.
+    A part starts once its links are free of the messages it finds there, and ends with
+    its last flow, when nothing more on its links starts before that."""
+
+    def __init__(self, graph: TaskGraph, resources: list[tuple]) -> None:
+        self.parts = {index: resources[index] for index, _ in graph.spill}
+        self.flow_end = {r: 0.0 for held in self.parts.values() for r in held}
+
+    def begin(self, index: int, at: float, seconds: float) -> None:
+        for resource in self.parts[index]:
+            self.flow_end[resource] = at + seconds
+
+    def end(self, index: int) -> float:
+        return max(self.flow_end[r] for r in self.parts[index])
+
+    def beside(self, held: tuple, at: float, seconds: float) -> float:
+        """How much longer a message of `seconds` starting `at` on `held` lasts beside the
+        parts' flows still running there (each of those flows that much longer too)."""
+        longest = 0.0
+        if self.flow_end:
+            for resource in held:
+                left = self.flow_end.get(resource, 0.0) - at
+                if left > 0:
+                    longer = min(seconds, left)
+                    self.flow_end[resource] += longer
+                    longest = max(longest, longer)
+        return longest
 
 
 def _dependencies(graph: TaskGraph) -> tuple[list[int], list[list[int]]]:
@@ -274,13 +325,15 @@ def _simulate_shared(
     held: set = set()
     fixed: list[tuple[float, int]] = []  # (end, task) of tasks of a set duration
     shared: dict[int, float] = {}  # running compute task -> seconds left at speed 1
+    links = _SharedLinks(graph, [t.resources for t in tasks])
     now, done = 0.0, 0
 
     def finish(index: int) -> None:
         nonlocal done
         end[index] = now
         done += 1
-        held.difference_update(tasks[index].resources)
+        if index not in links.parts:
+            held.difference_update(tasks[index].resources)
         for succ in successors[index]:
             waiting[succ] -= 1
             if waiting[succ] == 0:
@@ -298,11 +351,16 @@ def _simulate_shared(
                 not_started.append(entry)
                 continue
             start[index] = now
+            if index in links.parts:  # holds no link alone (`_SharedLinks`)
+                links.begin(index, now, task.duration)
+                heapq.heappush(fixed, (links.end(index), index))
+                continue
             held.update(task.resources)
             if task.lane is Lane.COMPUTE and task.duration > 0:
                 shared[index] = task.duration
             else:
-                heapq.heappush(fixed, (now + task.duration, index))
+                longer = links.beside(task.resources, now, task.duration)
+                heapq.heappush(fixed, (now + task.duration + longer, index))
         ready[:] = not_started
         speed = pool.speed(len(shared))
         step = min(shared.values(), default=np.inf) / speed
@@ -317,5 +375,9 @@ def _simulate_shared(
                 del shared[index]
                 finish(index)
         while fixed and fixed[0][0] <= now:
-            finish(heapq.heappop(fixed)[1])
+            index = heapq.heappop(fixed)[1]
+            if index in links.parts and links.end(index) > now:  # a message made it longer
+                heapq.heappush(fixed, (links.end(index), index))
+            else:
+                finish(index)
     return Timeline(graph, start, end)

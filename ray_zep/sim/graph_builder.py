@@ -346,11 +346,14 @@ class GraphBuilder:
         then its bytes on each of its links, lasting that overrun (`TaskGraph.with_spill`;
         0 as built); `spilled`: per rank the part it joins at the layer's end.
 
-        Each link's bytes are one task, not `WEIGHT_SLICES` slices: a K/V message posted
-        meanwhile waits for them and ends when it would on a link both share (the link
-        moves the same bytes either way). Sliced, each slice would wait, first come first
-        served, behind the ring's far larger messages, and the gather, starved, would
-        hold the layer's end (7b chat at 1,024 GPUs: 3.106 s a step instead of 2.900)."""
+        Each link's bytes are one task that shares the link with the K/V messages posted
+        while it runs, each direction half its bandwidth to each
+        (`ray_zep.sim.events._SharedLinks`), as a NIC serves two kernels' queue pairs:
+        a short message is not held behind all of the gather's bytes, nor is the gather
+        starved behind the ring's far larger messages. Held first come first served, a
+        ring's first hops each waited up to the gather's whole run-on (7b chat at 1,024
+        GPUs, L = 7,680: a forward layer of 31.6 ms, 30.3 ms sharing), and in slices the
+        gather, starved, held the layer's end (3.106 s a step instead of 2.900)."""
         gather, latency = self.ahead_gather()
         if not gather:
             return
