@@ -3,8 +3,8 @@
 
 When a block starts, as FSDP2's explicit prefetch does, the gather crosses the NICs
 while the block's attention runs, and a ring across nodes shares the links with it: its
-K/V wait for the gather's slices, at most the gather's time on the links (its bytes;
-the latency of its ring steps holds no link). Once the block's attention has run, the
+K/V move beside the gather's bytes, slowed by at most the gather's time on the links (the
+latency of its ring steps holds no link). Once the block's attention has run, the
 gather has the output projection and the feed-forward to hide under, and what they do
 not hide waits before the next block.
 Unset, the option takes the second where, by the cost model, what it would leave
@@ -12,9 +12,10 @@ exposed is less than the first's time on the links. One block ahead
 (`parallel.prefetch_depth=1`), on cluster A at 4k tokens per GPU that is after attention
 at 64-1,024 GPUs, and when the block starts at 4,096 GPUs, where a 7B block's gather over
 every rank takes 20 ms (16 of them its ring steps' latency) beside a 7 ms feed-forward
-(the simulator agrees on `bench scale`'s 7b batches, gathers in slices: at 1,024 GPUs
-chat 3.08 s a step after attention, 3.29 s at the block's start; at 4,096 GPUs arxiv
-2.79 and 2.40 s). Two blocks ahead, a gather need not end before the next block: its
+(the simulator, its links shared, on `bench scale`'s 7b batches: at 4,096 GPUs arxiv
+2.70 s a step after attention, 2.33 s at the block's start; at 1,024 GPUs chat about
+even, 2.687 and 2.672 s, where the rule gathers two ahead after attention, 2.652 s).
+Two blocks ahead, a gather need not end before the next block: its
 ring steps' latency, which holds no link, may run on into it, and the rule counts the
 next block's projections before attention as hiding that much of it (the simulator plays
 what runs on, bytes included, beside the next block's messages: `ray_zep.sim.step`).

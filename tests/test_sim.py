@@ -20,7 +20,7 @@ from ray_zep.partition import make_plan
 from ray_zep.remap.solver import solve_remap
 from ray_zep.routing.routes import Phase, RoutingPlan, Transfer, plan_route
 from ray_zep.sim.events import CorePool, Lane, TaskGraph, simulate
-from ray_zep.sim.graph_builder import WEIGHT_SLICES, LayerSetup
+from ray_zep.sim.graph_builder import LayerSetup
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.program import _Builder, layer_graph
@@ -497,13 +497,13 @@ def test_a_ring_played_on_arrays_takes_the_event_simulations_times(
 
 
 @pytest.mark.parametrize("latency_share", [0.0, 0.8])
-def test_a_weight_collective_leaves_the_links_free_for_its_latency_and_between_slices(
+def test_a_weight_collective_leaves_the_links_free_for_its_latency_and_shares_them_after(
     latency_share,
 ) -> None:
     """te_cp on 2 nodes x 1 GPU with a forward weight all-gather posted at the layer's
-    start: its ring steps' latency holds no link, so the ring's K/V crosses the NIC
-    during it; only the bytes part holds the links, in `WEIGHT_SLICES` slices, and a
-    K/V posted while they run waits for one slice, not for all of them."""
+    start: its ring steps' latency holds no link, so the ring's K/V crosses the NIC alone
+    during it; after it, the K/V shares the link with the gather's bytes, each at half
+    pace, and the gather ends as much later as the K/V takes alone."""
     topo = _topology(2, 1, nic_gbits=0.008)
     plan = make_plan(Placement.TE_CP, [8], topo, 4, SHAPE)
     transfer = topo.inter_node_latency + 4 * ROW_BYTES / topo.nic_bandwidth
@@ -513,19 +513,18 @@ def test_a_weight_collective_leaves_the_links_free_for_its_latency_and_between_s
         _setup(plan), weight_sync=(sync, 0.0), weight_latency=(latency, 0.0),
         weight_groups=((0, 1),),
     )  # fmt: skip
-    sends = simulate(layer_graph(setup, Phase.FORWARD)).intervals(0, Lane.INTER_NODE)
+    timeline = simulate(layer_graph(setup, Phase.FORWARD))
+    sends = timeline.intervals(0, Lane.INTER_NODE)
     gather = [(a, b) for a, b, name in sends if name == "weights gather/scatter"]
     (kv,) = [(a, b) for a, b, name in sends if name == "K/V"]
-    assert len(gather) == WEIGHT_SLICES > 1
-    held = sum(b - a for a, b in gather)
-    assert held == pytest.approx(sync - latency)
-    assert gather[0][0] == pytest.approx(latency)
+    (alone,) = [t.duration for t in timeline.graph.tasks if t.name == "K/V" and t.rank == 0]
+    assert len(gather) == 1 and gather[0][0] == pytest.approx(latency)
     if latency_share:
         assert kv[1] <= latency, "the K/V waited for a collective's latency"
-        assert gather[-1][1] == pytest.approx(sync)
+        assert gather[0][1] == pytest.approx(sync)
     else:
-        assert kv[0] == pytest.approx(gather[0][1]), "the K/V waits for the first slice only"
-        assert gather[-1][1] == pytest.approx(sync + kv[1] - kv[0])
+        assert kv[1] - kv[0] == pytest.approx(2 * alone), "half the link while both run"
+        assert gather[0][1] == pytest.approx(sync + alone)
 
 
 def test_fsdp_weight_collectives_carry_their_ring_steps_latency() -> None:
@@ -541,9 +540,9 @@ def test_fsdp_weight_collectives_carry_their_ring_steps_latency() -> None:
     assert all(lat < sync for lat, sync in zip(paid.layer_latency, paid.layer_sync, strict=True))
 
 
-def test_a_collective_across_nodes_holds_each_link_for_its_own_bytes() -> None:
-    """A weight collective over two nodes runs at its NICs' pace: it holds every NIC for
-    all of its time after the latency, and a member's port only for the share of it
+def test_a_collective_across_nodes_moves_on_each_link_for_its_own_bytes() -> None:
+    """A weight collective over two nodes runs at its NICs' pace: it moves on every NIC
+    for all of its time after the latency, and on a member's port only for the share of it
     the port's bandwidth needs for the same bytes (a port twice as fast: half)."""
     topo = _topology(2, 2, nic_gbits=8.0, intra_gbytes=4.0)  # 2 NICs x 1 GB/s; 4 GB/s ports
     plan = make_plan(Placement.TE_CP, [16], topo, 8, SHAPE)
@@ -556,14 +555,13 @@ def test_a_collective_across_nodes_holds_each_link_for_its_own_bytes() -> None:
         parts = [t for t in layer_graph(setup, phase).tasks if t.name == "weights gather/scatter"]
         nics = [t.duration for t in parts if t.lane is Lane.INTER_NODE]
         ports = [t.duration for t in parts if t.lane is Lane.INTRA_NODE]
-        slices = WEIGHT_SLICES  # each link's part, slice after slice
-        assert len(nics) == topo.nodes * topo.nics_per_node * slices
-        assert len(ports) == topo.world_size * slices
-        assert nics == pytest.approx([(seconds - 0.1) / slices] * len(nics))
-        assert ports == pytest.approx([(seconds - 0.1) * share / slices] * len(ports))
+        assert len(nics) == topo.nodes * topo.nics_per_node  # one part a link
+        assert len(ports) == topo.world_size
+        assert nics == pytest.approx([seconds - 0.1] * len(nics))
+        assert ports == pytest.approx([(seconds - 0.1) * share] * len(ports))
     inside = dataclasses.replace(setup, weight_groups=((0, 1), (2, 3)))
     parts = [
         t for t in layer_graph(inside, Phase.FORWARD).tasks if t.name == "weights gather/scatter"
     ]
     assert sum(t.duration for t in parts) == pytest.approx(4 * 0.2), "inside a node: all of it"
-    assert len(parts) == 4 * WEIGHT_SLICES
+    assert len(parts) == 4

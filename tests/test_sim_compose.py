@@ -361,12 +361,14 @@ def test_a_remap_exchange_costs_its_busiest_link_not_a_queue_across_the_cluster(
 def test_dkv_in_the_kv_dtype_halves_the_backward_accumulators_bytes() -> None:
     """`parallel.dkv_wire=compute`: the simulator sends dK/dV in the activation dtype and
     the work model weighs a backward ring step at twice the forward bytes, not three
-    times; a transfer-bound ring across nodes then plays its backward faster."""
+    times; a transfer-bound ring across nodes (on 100 Gbit/s NICs) then plays its
+    backward faster."""
     from ray_zep.options import DkvWire
     from ray_zep.partition.plan import AttentionPlan, SeqPlacement, even_bounds
     from ray_zep.partition.work import WorkModel
 
     base = load_config(None, ["topology.preset=cluster_a", "topology.nodes=2",
+                              "topology.nic_gbits_per_s=100",
                               "model.preset=7b", "train.tokens_per_rank=8192",
                               "parallel.sequence=zeppelin", "parallel.routing=true"])  # fmt: skip
     topology = build_topology(base.topology)

@@ -107,8 +107,8 @@ class ParallelConfig:
     prefetch_after_attention: bool | None = None
     """fsdp | hsdp with prefetch, blocks as units: true: a block gathers the next unit's
     parameters once its attention has run, while its output projection and
-    feed-forward compute, so that the gather and the ring's K/V do not queue behind
-    each other on the NICs; false: when the block starts, as FSDP2's explicit prefetch
+    feed-forward compute, so that the gather and the ring's K/V do not share the
+    NICs; false: when the block starts, as FSDP2's explicit prefetch
     does. Unset: whichever the cost model says exposes less
     (ray_zep.prefetch_plan)."""
     prefetch_depth: int | None = None

@@ -1,18 +1,17 @@
 """Discrete-event core of the simulator: tasks on exclusive resources, with dependencies.
 
-A task holds every resource it names for its whole duration: a rank's compute
-stream, a GPU's intra-node port in one direction, a NIC in one direction. It
-starts once all its dependencies have finished and all its resources are free.
-A resource serves tasks first come, first served by the time they became ready
-(ties: the order the tasks were added), the way a CUDA stream or a NIC's send
-queue does. A task with no resources and no duration is a join point: a host
-thread reaching a wait. One kind of task shares its links instead of holding them: the
-parts of a gather that runs on from the layer before (`TaskGraph.spill`), each link's
-direction serving it and the messages posted meanwhile at once (`_SharedLinks`).
+A task on a compute lane holds a rank's compute stream for its whole duration: it
+starts once all its dependencies have finished and the stream is free, and the stream
+serves tasks first come, first served by the time they became ready (ties: the order the
+tasks were added), as a CUDA stream does. A task on a link (a GPU's intra-node port in
+one direction, a NIC in one direction) starts once its dependencies have finished and
+shares its links with the others in flight there (`ray_zep.sim.link_sharing`). A task
+with no resources and no duration is a join point: a host thread reaching a wait.
 
 Because a task is released only when its dependencies have finished, and its
 successors become ready no earlier than it ends, tasks leave the ready queue in
-non-decreasing ready time: one pass over a heap schedules the whole graph.
+non-decreasing ready time: one pass over a heap schedules the whole graph, a flow's end
+entering it again each time another flow on its links starts or ends.
 
 On a CPU virtual cluster the ranks are processes sharing a few cores
 (`CorePool`): a compute task's duration is its time while every rank computes,
@@ -34,6 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ray_zep.cycle_collection import without_cycle_collection
+from ray_zep.sim.link_sharing import LinkFlows
 
 
 class Lane(Enum):
@@ -46,6 +46,9 @@ class Lane(Enum):
     """Join points and collectives' bookkeeping (not drawn)."""
 
 
+_LINK_LANES = (Lane.INTRA_NODE, Lane.INTER_NODE)
+
+
 class Task(NamedTuple):
     """One unit of work (a named tuple: a layer's graph holds hundreds of thousands).
 
@@ -53,7 +56,8 @@ class Task(NamedTuple):
         name: what it is (for timelines and tests).
         rank: the rank it is drawn for (the sender of a transfer).
         lane: its lane.
-        duration: seconds it holds its resources.
+        duration: seconds it holds its resources (on a link: its seconds with the
+            link to itself, `ray_zep.sim.link_sharing`).
         resources: hashable resource names, held together.
         deps: indices of tasks that must finish first.
     """
@@ -100,8 +104,7 @@ class TaskGraph:
             ahead): nobody in this layer waits for them, and they may run past its end
             (`Timeline.makespan` leaves them out, `Timeline.overrun` is how far).
         spill: (task, share) of each link's part of the same collective posted a layer
-            earlier, still running when this layer starts (`with_spill`); each shares
-            its links with the messages posted while it runs (`_SharedLinks`).
+            earlier, still running when this layer starts (`with_spill`).
         spill_wait: the task before them for what of that collective's ring steps'
             latency is left (no link held); None: no spill.
         spill_bytes: seconds the bytes of that collective take after its latency.
@@ -219,34 +222,41 @@ def simulate(graph: TaskGraph, pool: CorePool | None = None) -> Timeline:
     # Python lists and floats: the loop reads and writes one task at a time
     durations = [t.duration for t in tasks]
     resources = [t.resources for t in tasks]
+    flowing = [_flows(t) for t in tasks]
     ready_at = [0.0] * count
     start, end = [0.0] * count, [0.0] * count
     free: dict = {}
-    shared = _SharedLinks(graph, resources)
-    heap = [(0.0, index) for index in range(count) if waiting[index] == 0]
+    flows = LinkFlows()
+    version = [0] * count  # a flow's end entry is stale once its pace changed since
+    heap = [(0.0, index, 0) for index in range(count) if waiting[index] == 0]
     heapq.heapify(heap)
     pop, push = heapq.heappop, heapq.heappush
+
+    def repace(changed: list[int], now: float) -> None:
+        for flow in changed:
+            version[flow] += 1
+            push(heap, (flows.end(flow), -1 - flow, version[flow]))
+
     done = 0
     while heap:
-        begin, index = pop(heap)
-        if index < 0:  # a shared task's end as played so far: final unless it moved
+        begin, index, seen = pop(heap)
+        if index < 0:  # a flow's end, if its pace has not changed since
             index = -1 - index
-            if shared.end(index) > begin:
-                push(heap, (shared.end(index), -1 - index))
+            if seen != version[index]:
                 continue
             finish = begin
+            repace(flows.finish(index, begin), begin)
+        elif flowing[index]:
+            start[index] = begin
+            repace(flows.start(index, resources[index], durations[index], begin), begin)
+            continue
         else:
             held = resources[index]
             for resource in held:
                 at = free.get(resource, 0.0)
                 if at > begin:
                     begin = at
-            if index in shared.parts:  # holds no link alone: ends when it is played out
-                start[index] = begin
-                shared.begin(index, begin, durations[index])
-                push(heap, (shared.end(index), -1 - index))
-                continue
-            finish = begin + durations[index] + shared.beside(held, begin, durations[index])
+            finish = begin + durations[index]
             for resource in held:
                 free[resource] = finish
             start[index] = begin
@@ -258,44 +268,15 @@ def simulate(graph: TaskGraph, pool: CorePool | None = None) -> Timeline:
             left = waiting[succ] - 1
             waiting[succ] = left
             if not left:
-                push(heap, (ready_at[succ], succ))
+                push(heap, (ready_at[succ], succ, 0))
     if done != count:
         raise ValueError(f"{count - done} tasks never became ready")
     return Timeline(graph, np.asarray(start), np.asarray(end))
 
 
-class _SharedLinks:
-    """The run-on gather's parts (`TaskGraph.spill`) on links that other messages share
-    with them: each direction of a link serves both at once, half its bandwidth each,
-    instead of one after the other. A message of d seconds alone that starts while the
-    part has r seconds (alone) left in a direction it takes lasts d + min(d, r), and the
-    part's flow in that direction min(d, r) longer; between messages a flow runs alone.
-    A part starts once its links are free of the messages it finds there, and ends with
-    its last flow, when nothing more on its links starts before that."""
-
-    def __init__(self, graph: TaskGraph, resources: list[tuple]) -> None:
-        self.parts = {index: resources[index] for index, _ in graph.spill}
-        self.flow_end = {r: 0.0 for held in self.parts.values() for r in held}
-
-    def begin(self, index: int, at: float, seconds: float) -> None:
-        for resource in self.parts[index]:
-            self.flow_end[resource] = at + seconds
-
-    def end(self, index: int) -> float:
-        return max(self.flow_end[r] for r in self.parts[index])
-
-    def beside(self, held: tuple, at: float, seconds: float) -> float:
-        """How much longer a message of `seconds` starting `at` on `held` lasts beside the
-        parts' flows still running there (each of those flows that much longer too)."""
-        longest = 0.0
-        if self.flow_end:
-            for resource in held:
-                left = self.flow_end.get(resource, 0.0) - at
-                if left > 0:
-                    longer = min(seconds, left)
-                    self.flow_end[resource] += longer
-                    longest = max(longest, longer)
-        return longest
+def _flows(task: Task) -> bool:
+    """The task moves bytes on links it shares (`ray_zep.sim.link_sharing`)."""
+    return task.lane in _LINK_LANES and task.duration > 0 and bool(task.resources)
 
 
 def _dependencies(graph: TaskGraph) -> tuple[list[int], list[list[int]]]:
@@ -316,8 +297,9 @@ def _simulate_shared(
 ) -> Timeline:
     """`simulate` with the compute tasks sharing `pool`, event by event. At each event
     the ready tasks are offered their resources by ready time (ties: program order); a
-    task that cannot start holds back every resource it names from later tasks, as a
-    reservation does in the one-pass schedule."""
+    compute task that cannot start holds back its stream from later tasks, as a
+    reservation does in the one-pass schedule; a flow starts at once and shares its
+    links (`ray_zep.sim.link_sharing`)."""
     tasks = graph.tasks
     count = len(tasks)
     start, end = np.zeros(count), np.zeros(count)
@@ -325,15 +307,14 @@ def _simulate_shared(
     held: set = set()
     fixed: list[tuple[float, int]] = []  # (end, task) of tasks of a set duration
     shared: dict[int, float] = {}  # running compute task -> seconds left at speed 1
-    links = _SharedLinks(graph, [t.resources for t in tasks])
+    flows = LinkFlows()
     now, done = 0.0, 0
 
     def finish(index: int) -> None:
         nonlocal done
         end[index] = now
         done += 1
-        if index not in links.parts:
-            held.difference_update(tasks[index].resources)
+        held.difference_update(tasks[index].resources)
         for succ in successors[index]:
             waiting[succ] -= 1
             if waiting[succ] == 0:
@@ -346,25 +327,25 @@ def _simulate_shared(
         for entry in ready:
             index = entry[1]
             task = tasks[index]
+            if _flows(task):
+                start[index] = now
+                flows.start(index, task.resources, task.duration, now)
+                continue
             if any(r in held or r in blocked for r in task.resources):
                 blocked.update(task.resources)
                 not_started.append(entry)
                 continue
             start[index] = now
-            if index in links.parts:  # holds no link alone (`_SharedLinks`)
-                links.begin(index, now, task.duration)
-                heapq.heappush(fixed, (links.end(index), index))
-                continue
             held.update(task.resources)
             if task.lane is Lane.COMPUTE and task.duration > 0:
                 shared[index] = task.duration
             else:
-                longer = links.beside(task.resources, now, task.duration)
-                heapq.heappush(fixed, (now + task.duration + longer, index))
+                heapq.heappush(fixed, (now + task.duration, index))
         ready[:] = not_started
         speed = pool.speed(len(shared))
         step = min(shared.values(), default=np.inf) / speed
-        upcoming = min(now + step, fixed[0][0] if fixed else np.inf)
+        moving = min((flows.end(f) for f in flows.left), default=np.inf)
+        upcoming = min(now + step, fixed[0][0] if fixed else np.inf, moving)
         if upcoming == np.inf:
             raise ValueError(f"{count - done} tasks never became ready")
         elapsed = upcoming - now
@@ -374,10 +355,10 @@ def _simulate_shared(
             if shared[index] <= 1e-12 * tasks[index].duration:
                 del shared[index]
                 finish(index)
+        flows.settle_all(now)
+        for index in [f for f in flows.left if flows.left[f] <= 1e-12 * tasks[f].duration]:
+            flows.finish(index, now)
+            finish(index)
         while fixed and fixed[0][0] <= now:
-            index = heapq.heappop(fixed)[1]
-            if index in links.parts and links.end(index) > now:  # a message made it longer
-                heapq.heappush(fixed, (links.end(index), index))
-            else:
-                finish(index)
+            finish(heapq.heappop(fixed)[1])
     return Timeline(graph, start, end)

@@ -2,19 +2,19 @@
 engine's program from them): what one simulated layer needs (`LayerSetup`), and a
 builder that adds computes, messages and collectives rank by rank.
 
-A rank's host thread is a chain of join points (`GraphBuilder.wait`). A message holds
+A rank's host thread is a chain of join points (`GraphBuilder.wait`). A message moves on
 the sender's and the receiver's side of its link (an intra-node port, or the NIC of
 each end's node). A routed ring transfer (`GraphBuilder.ring_transfer`) is dispatched
 to the send proxies, crosses nodes piece by piece, each proxy through its own NIC, and
 is combined at the destination; relay threads forward as soon as data arrives, without
 using the compute stream. All-gathers and reduce-scatters (llama_cp's K/V, FSDP2's
-weights) hold every member's links for the bytes part of the collective's modelled
+weights) move on every member's links for the bytes part of the collective's modelled
 time (`CostModel.all_gather_seconds`), each link on its own; its ring steps' latency
 comes first and holds no link (a pipelined ring's links carry its data at the bus
 bandwidth for bytes / bandwidth only; the handshakes of its W - 1 steps leave them to
-other traffic). The layer's weight collectives, which run beside the attention's messages,
-hold each link in `WEIGHT_SLICES` slices one after another, so that a message posted while
-one runs waits for a slice, not for the whole collective.
+other traffic). Messages and collectives share the links they meet on
+(`ray_zep.sim.link_sharing`): a K/V message posted while FSDP2 gathers a block moves
+beside the gather, each at its share of the link.
 
 With `comm.compression` (`ray_zep.sim.wire.WireCodec`), a message goes zipped where its
 stream does (the ring K/V and dK/dV as `kv`; `routed_kv` through proxies: compressed at
@@ -120,19 +120,6 @@ class LayerSetup:
         if self.remap is not None:
             return list(self.remap.counts_after)
         return [int(n) for n in self.plan.rank_tokens()]
-
-
-WEIGHT_SLICES = 32
-"""How many slices a weight collective holds each link in, one after another. NCCL moves
-a ring collective step by step, a chunk of its bytes at a time, on channels of its own,
-and a NIC serves the queue pairs of other kernels' messages beside it: a K/V or Ulysses
-message posted while FSDP2 gathers a block shares the link with the gather instead of
-waiting for all of it. Slices, each a message's rival on the link, stand for that
-sharing; more change little (`bench scale`'s 7b chat batch at 1,024 GPUs, 4k tokens per
-GPU, whose backward weight collectives hold a NIC about 12 ms a layer: 3.292 s a step
-unsliced, 3.123 s in 16 slices, 3.083 s in 32, 3.079 s in slices of 0.25 ms, about a
-hundred). A count, not a length, so that a layer built once is the same graph under every wire
-(`ray_zep.sim.program.layer_graphs` retimes it)."""
 
 
 class GraphBuilder:
@@ -242,13 +229,12 @@ class GraphBuilder:
         """A collective over `ranks`, started once every member has posted it: `latency`
         of its `seconds` first, holding no link, then the rest on each of its links at
         once (every member's port, and every NIC of their nodes where they span several),
-        each link on its own: a link busy with another message delays only its own part.
-        Each link is held for the time its own bytes take on it, as a message holds
-        one: the NICs, which set a collective across nodes' pace, for all of it, a
-        member's port for its share of that pace (`_port_share`). Nobody waits for it
-        yet. The join of its parts (`weights`: a part of the layer's weight collectives,
-        "all", "gather" or "rest" (`post_weight_sync`), each link's part in
-        `WEIGHT_SLICES` one after another, retimed for other wires by `_retime`;
+        each link's part a flow of its own that shares the link with the messages there
+        (`ray_zep.sim.link_sharing`). Each part lasts alone the time its own bytes take
+        on its link: the NICs, which set a collective across nodes' pace, all of it, a
+        member's port its share of that pace (`_port_share`). Nobody waits for it yet.
+        The join of its parts (`weights`: a part of the layer's weight collectives, "all",
+        "gather" or "rest" (`post_weight_sync`), retimed for other wires by `_retime`;
         `after`: tasks before it on its stream)."""
         deps = [self.point[r] for r in ranks] + list(after)
         latency = min(latency, seconds)
@@ -256,17 +242,13 @@ class GraphBuilder:
             deps = [self.graph.add(f"{name} latency", ranks[0], Lane.HOST, latency, (), deps)]
         links = self._links(ranks)
         port = self._port_share(links)
-        slices = WEIGHT_SLICES if weights else 1
         last = []
         for rank, lane, resources in links:
-            share = (port if lane is Lane.INTRA_NODE else 1.0) / slices
-            part = deps
-            for _ in range(slices):
-                part = [self.graph.add(name, rank, lane, (seconds - latency) * share,
-                                       resources, part)]  # fmt: skip
-                if self.record and weights:
-                    self.recipes.append(("sync", part[0], share, weights))
-            last.append(part[0])
+            share = port if lane is Lane.INTRA_NODE else 1.0
+            last.append(self.graph.add(name, rank, lane, (seconds - latency) * share,
+                                       resources, deps))  # fmt: skip
+            if self.record and weights:
+                self.recipes.append(("sync", last[-1], share, weights))
         return self.graph.join(ranks[0], last)
 
     def _port_share(self, links) -> float:
@@ -321,7 +303,7 @@ class GraphBuilder:
                                      gather_latency, "gather", after=after)  # fmt: skip
             self.graph.ahead = range(first, len(self.graph.tasks))
             joins: dict[tuple, int] = {}  # one per group pair, not per rank
-            for rank, task in self.spilled.items():  # the rings queue behind both
+            for rank, task in self.spilled.items():  # rings played on arrays start after both
                 pair = (task, out.get(rank))
                 if pair not in joins:
                     joins[pair] = self.graph.join(rank, pair)
@@ -346,14 +328,8 @@ class GraphBuilder:
         then its bytes on each of its links, lasting that overrun (`TaskGraph.with_spill`;
         0 as built); `spilled`: per rank the part it joins at the layer's end.
 
-        Each link's bytes are one task that shares the link with the K/V messages posted
-        while it runs, each direction half its bandwidth to each
-        (`ray_zep.sim.events._SharedLinks`), as a NIC serves two kernels' queue pairs:
-        a short message is not held behind all of the gather's bytes, nor is the gather
-        starved behind the ring's far larger messages. Held first come first served, a
-        ring's first hops each waited up to the gather's whole run-on (7b chat at 1,024
-        GPUs, L = 7,680: a forward layer of 31.6 ms, 30.3 ms sharing), and in slices the
-        gather, starved, held the layer's end (3.106 s a step instead of 2.900)."""
+        Each link's part shares the link with the messages posted while it runs
+        (`ray_zep.sim.link_sharing`)."""
         gather, latency = self.ahead_gather()
         if not gather:
             return

@@ -245,8 +245,8 @@ class _Builder(GraphBuilder):
 
     def ring_on_arrays(self, index: int, item: QueueItem, layouts) -> None:
         """The ring as one task per member lasting what `ring_form` works out, after every
-        member has reached it (and after the layer's weight collectives: the ring's
-        messages would queue behind them on the links)."""
+        member has reached it (and after the layer's weight collectives: played without
+        messages, its transfers cannot share the links with them)."""
         ring = item.ring_size
         compute = self._step_table(item, layouts)  # members are positions: no Ulysses
         held = layouts.sum(axis=(1, 2)).astype(np.float64)

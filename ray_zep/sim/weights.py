@@ -14,7 +14,7 @@ As the trainer runs each mode (`ray_zep.train.fsdp`, `ray_zep.train.reductions`)
   while the next block computes backward. With `parallel.prefetch_depth` 2 or more a
   block's gather is posted that many blocks ahead (`gathered_ahead`): in forward and
   backward alike it may run past the end of the block that posts it, into the next one,
-  where it holds the links beside that block's messages; the backward's reduce-scatter
+  where it shares the links with that block's messages; the backward's reduce-scatter
   is still waited for within its block
   (`ray_zep.sim.graph_builder.LayerSetup.gathered_ahead`). Parameters travel in the
   compute dtype (`MixedPrecisionPolicy.param_dtype`), gradients are reduced in float32. What
