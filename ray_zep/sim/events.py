@@ -356,7 +356,7 @@ def _simulate_shared(
                 del shared[index]
                 finish(index)
         flows.settle_all(now)
-        for index in [f for f in flows.left if flows.left[f] <= 1e-12 * tasks[f].duration]:
+        for index in [f for f in flows.left if flows.end(f) <= now]:
             flows.finish(index, now)
             finish(index)
         while fixed and fixed[0][0] <= now:
