@@ -176,8 +176,8 @@ class WorkModel:
         says 0.87-0.91x of the simulated layers of a lone 128k-token ring of 16-64
         members over 2-8 nodes, adding them 0.89-1.49x. In a batch, the ports also carry
         the other rings' hops: `bench scale`'s planner, costing the hops at the slower
-        of the two, spread long sequences over more nodes and stepped 6-16% slower on
-        five of the sixteen rows at 64 and 256 GPUs, and no row faster by more than 6%."""
+        of the two, spread long sequences over more nodes and trained 6-16% fewer tokens
+        a second on six of the sixteen rows at 64 and 256 GPUs, more on one (5.8%)."""
         cost, topo = self.cost, self.cost.topology
         bandwidth = cost.link_bandwidth(kind, one_sender_per_nic=True)
         latency = cost.link_latency(kind)
