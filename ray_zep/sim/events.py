@@ -1,4 +1,5 @@
-"""Discrete-event core of the simulator: tasks on exclusive resources, with dependencies.
+"""Discrete-event core of the simulator: tasks on compute streams and shared links, with
+dependencies.
 
 A task on a compute lane holds a rank's compute stream for its whole duration: it
 starts once all its dependencies have finished and the stream is free, and the stream
@@ -232,7 +233,7 @@ def simulate(graph: TaskGraph, pool: CorePool | None = None) -> Timeline:
     heapq.heapify(heap)
     pop, push = heapq.heappop, heapq.heappush
 
-    def repace(changed: list[int], now: float) -> None:
+    def repace(changed: list[int]) -> None:
         for flow in changed:
             version[flow] += 1
             push(heap, (flows.end(flow), -1 - flow, version[flow]))
@@ -245,10 +246,10 @@ def simulate(graph: TaskGraph, pool: CorePool | None = None) -> Timeline:
             if seen != version[index]:
                 continue
             finish = begin
-            repace(flows.finish(index, begin), begin)
+            repace(flows.finish(index, begin))
         elif flowing[index]:
             start[index] = begin
-            repace(flows.start(index, resources[index], durations[index], begin), begin)
+            repace(flows.start(index, resources[index], durations[index], begin))
             continue
         else:
             held = resources[index]

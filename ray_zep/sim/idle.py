@@ -4,9 +4,9 @@ A gap on a rank's compute lane ends when its next compute task starts, and that 
 started once the last of its dependencies had finished. Following that chain back (join
 points have no length), every stretch of the gap is charged to the task that held it up:
 
-- a message or a collective on a link, or a collective's latency: an *exposed
-  transfer*; so is a message that started after all its dependencies had finished
-  (its link was busy with other messages);
+- a message or a collective on a link (moving at its share of the links it shares
+  with others, `ray_zep.sim.link_sharing`), or a collective's latency: an *exposed
+  transfer*;
 - another rank's compute, or a task with no dependency left to follow: a *wait* (a
   slower ring peer, a rank behind in the layer).
 
