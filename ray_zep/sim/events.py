@@ -223,7 +223,7 @@ def simulate(graph: TaskGraph, pool: CorePool | None = None) -> Timeline:
     # Python lists and floats: the loop reads and writes one task at a time
     durations = [t.duration for t in tasks]
     resources = [t.resources for t in tasks]
-    flowing = [_flows(t) for t in tasks]
+    flowing = [_is_flow(t) for t in tasks]
     ready_at = [0.0] * count
     start, end = [0.0] * count, [0.0] * count
     free: dict = {}
@@ -275,7 +275,7 @@ def simulate(graph: TaskGraph, pool: CorePool | None = None) -> Timeline:
     return Timeline(graph, np.asarray(start), np.asarray(end))
 
 
-def _flows(task: Task) -> bool:
+def _is_flow(task: Task) -> bool:
     """The task moves bytes on links it shares (`ray_zep.sim.link_sharing`)."""
     return task.lane in _LINK_LANES and task.duration > 0 and bool(task.resources)
 
@@ -328,7 +328,7 @@ def _simulate_shared(
         for entry in ready:
             index = entry[1]
             task = tasks[index]
-            if _flows(task):
+            if _is_flow(task):
                 start[index] = now
                 flows.start(index, task.resources, task.duration, now)
                 continue
