@@ -11,6 +11,7 @@ import pytest
 from ray_zep.logs import LOGGERS
 from tests.helpers.procs import close_pools
 from tests.helpers.ray_head import RayHead, shared_head, stop_shared_head
+from tests.helpers.ray_last import RayTestsLast, is_ray_test
 
 # Ray Train's controller polls its workers every 2 s: a run's end, a failure and a
 # restart are each noticed up to 2 s late. The Ray tests start many short runs; polling
@@ -32,8 +33,24 @@ os.environ.setdefault("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "1")
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The Ray tests run last, in their files' order: the gloo pools then start once and
     serve every multi-process test before them, instead of being ended before each Ray
-    file and started again after it."""
+    file and started again after it. Under pytest-xdist `RayTestsLast` knows them by their
+    files' names, so a Ray test lives in a `test_ray_*.py` file, and only Ray tests do."""
     items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
+    for item in items:
+        if (item.get_closest_marker("ray") is not None) != is_ray_test(item.nodeid):
+            raise pytest.UsageError(
+                f"{item.nodeid}: a test marked `ray` goes in a tests/test_ray_*.py file, "
+                "and every test there is marked `ray` (tests/helpers/ray_last.py)"
+            )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`-n 2` (pyproject.toml's default): xdist's load balancing, the Ray tests last and
+    on one worker."""
+    if config.getvalue("dist") == "load":
+        return RayTestsLast(config, log)
+    return None
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -67,13 +67,16 @@ BASE = [
 
 
 NODE = {"num_cpus": 2, "object_store_memory": 96 * 1024 * 1024}
+HEAD = {**NODE, "include_dashboard": False}
+"""No Ray dashboard: nothing here reads it (Grafana's panels query the run's own
+exporter), and its dozen processes took about 4 s of every start of this module."""
 
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
     """Three Ray nodes on this machine with two CPUs each: wherever Ray packs the four
     workers of a 2 x 2 run, each node holds two of them (one topology node)."""
-    cluster = Cluster(initialize_head=True, head_node_args=NODE)
+    cluster = Cluster(initialize_head=True, head_node_args=HEAD)
     for _ in range(2):
         cluster.add_node(**NODE)
     cluster.wait_for_nodes()
