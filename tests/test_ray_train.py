@@ -117,7 +117,7 @@ def _train(out: Path, *overrides: str):
     return train(load_config(demo, [*BASE, f"train.out_dir={out}", *overrides]))
 
 
-ELASTIC_STEPS = 14
+ELASTIC_STEPS = 10
 TORN_STEP = 4
 """The elastic run loses a node while this step's checkpoint is being written."""
 THREE_NODES = [
