@@ -232,7 +232,7 @@ class GraphBuilder:
         each link's part a flow of its own that shares the link with the messages there
         (`ray_zep.sim.link_sharing`). Each part lasts alone the time its own bytes take
         on its link: the NICs, which set a collective across nodes' pace, all of it, a
-        member's port its share of that pace (`_port_share`). Nobody waits for it yet.
+        member's port its share of that pace (`_links`). Nobody waits for it yet.
         The join of its parts (`weights`: a part of the layer's weight collectives, "all",
         "gather" or "rest" (`post_weight_sync`), retimed for other wires by `_retime`;
         `after`: tasks before it on its stream)."""
@@ -240,35 +240,33 @@ class GraphBuilder:
         latency = min(latency, seconds)
         if latency > 0:
             deps = [self.graph.add(f"{name} latency", ranks[0], Lane.HOST, latency, (), deps)]
-        links = self._links(ranks)
-        port = self._port_share(links)
         last = []
-        for rank, lane, resources in links:
-            share = port if lane is Lane.INTRA_NODE else 1.0
+        for rank, lane, resources, share in self._links(ranks):
             last.append(self.graph.add(name, rank, lane, (seconds - latency) * share,
                                        resources, deps))  # fmt: skip
             if self.record and weights:
                 self.recipes.append(("sync", last[-1], share, weights))
         return self.graph.join(ranks[0], last)
 
-    def _port_share(self, links) -> float:
-        """The share of a collective's time its members' ports are busy: across nodes
-        its pace is the node's NICs' (`CostModel.bus_bandwidth`) and a port moves the same
-        bytes at its own bandwidth; inside a node, all of it."""
-        if not any(lane is Lane.INTER_NODE for _, lane, _ in links):
-            return 1.0
+    def _links(self, ranks) -> list[tuple[int, Lane, tuple, float]]:
+        """(the rank it is drawn for, its lane, its resources, the share of the
+        collective's time it is busy) of every link a collective over `ranks` uses. Inside
+        a node a member's port is busy all of it. Across nodes the collective's pace is the
+        node's NICs' (`CostModel.bus_bandwidth`): they are busy all of it, and a port,
+        moving the same bytes at its own bandwidth, its share of that pace."""
         topo = self.topology
-        return min(1.0, topo.nics_per_node * topo.nic_bandwidth / topo.intra_node_bandwidth)
-
-    def _links(self, ranks) -> list[tuple[int, Lane, tuple]]:
-        """(the rank it is drawn for, its lane, its resources) of every link a collective
-        over `ranks` uses."""
-        links = [(r, Lane.INTRA_NODE, (("port_out", r), ("port_in", r))) for r in ranks]
         nodes = {self.node[r]: r for r in reversed(ranks)}  # each node's first member
-        if len(nodes) > 1:
-            nics = range(self.topology.nics_per_node)
-            links += [(first, Lane.INTER_NODE, (("nic_out", node, nic), ("nic_in", node, nic)))
-                      for node, first in nodes.items() for nic in nics]  # fmt: skip
+        across = len(nodes) > 1
+        port = (
+            min(1.0, topo.nics_per_node * topo.nic_bandwidth / topo.intra_node_bandwidth)
+            if across
+            else 1.0
+        )
+        links = [(r, Lane.INTRA_NODE, (("port_out", r), ("port_in", r)), port) for r in ranks]
+        if across:
+            nics = range(topo.nics_per_node)
+            links += [(first, Lane.INTER_NODE, (("nic_out", node, nic), ("nic_in", node, nic)),
+                       1.0) for node, first in nodes.items() for nic in nics]  # fmt: skip
         return links
 
     def post_weight_sync(self) -> dict[int, int]:
@@ -337,13 +335,11 @@ class GraphBuilder:
         graph.spill_bytes = gather - latency
         graph.spill_wait = graph.add("weights gather latency, earlier", 0, Lane.HOST, 0.0)
         for group in self.setup.weight_groups:
-            links = self._links(list(group))
-            port = self._port_share(links)
             parts = []
-            for rank, lane, resources in links:
+            for rank, lane, resources, share in self._links(list(group)):
                 parts.append(graph.add("weights gather, earlier", rank, lane, 0.0, resources,
                                        [graph.spill_wait]))  # fmt: skip
-                graph.spill.append((parts[-1], port if lane is Lane.INTRA_NODE else 1.0))
+                graph.spill.append((parts[-1], share))
             self.spilled.update(dict.fromkeys(group, graph.join(group[0], parts)))
         self.sync_tasks = dict(self.spilled)
 
