@@ -76,10 +76,12 @@ def prepare_run(config: Config, write_config: bool = True) -> RunPlan:
     config = dataclasses.replace(
         config, train=dataclasses.replace(config.train, out_dir=str(run_dir))
     )
-    _check_data(config, topology)
+    # headers and settings first: a refusal there comes before the data is read (on a
+    # fresh machine, before the default dataset is built)
     check_trackers(config.metrics)
     if config.model.init_from:
         check_hf_checkpoint(config.model.init_from, build_shape(config.model))
+    _check_data(config, topology)
     resume_checkpoint(run_dir, config.train.resume, config.parallel.ep)
     if write_config:
         write_resolved_config(config, run_dir)
