@@ -20,7 +20,7 @@ from ray_zep.model_shapes import build_shape
 from ray_zep.options import ActivationCheckpointing, ZonePolicy
 from ray_zep.parallel.axes import Placement
 from ray_zep.parallel.memory import kept_kv_bytes
-from ray_zep.partition import make_plan
+from ray_zep.partition import make_plan, work
 from ray_zep.partition.balance import balance
 from ray_zep.partition.exchange import Exchange
 from ray_zep.partition.plan import AttentionPlan
@@ -120,9 +120,18 @@ def test_full_checkpointing_holds_one_layers_kept_kv() -> None:
     assert kept_kv_bytes(shape, every) == one_layer * shape.n_layers
 
 
-def test_a_ring_of_members_with_room_keeps_where_a_full_rank_would_not() -> None:
+@pytest.fixture
+def one_node_positions(monkeypatch):
+    """USP positions of one node at most (`ray_zep.partition.work.WIDE_SPAN`): 13B's
+    positions of five nodes keep a fifth of a long document's K/V per member, within a
+    full rank's budget, which the tests that use this need their groups to exceed."""
+    monkeypatch.setattr(work, "WIDE_SPAN", 1)
+
+
+def test_a_ring_of_members_with_room_keeps_where_a_full_rank_would_not(one_node_positions) -> None:
     """13B at L = 5,120 on 80 GB: a full rank leaves 9.5 GB, too little for a long
-    sequence's USP group to keep its K/V; its members hold far fewer tokens, and
+    sequence's USP group of one-node positions to keep its K/V; its members hold far
+    fewer tokens, and
     `keep_where_room` keeps it within the GPU's memory (here after a planner held to the
     budget alone; the resolved planner keeps it itself). A set budget is kept to."""
     config, topology, shape = _setup("topology.nodes=16", "model.preset=13b",
@@ -152,9 +161,10 @@ def test_a_ring_of_members_with_room_keeps_where_a_full_rank_would_not() -> None
     assert kept_to.placement(0).exchange is Exchange.RING
 
 
-def test_the_planner_leaves_its_kept_rings_room_for_their_kv() -> None:
-    """13B on 256 GPUs of `bench scale`'s chat batch: held to a full rank's budget, the
-    planner fills the long document's USP members with whole sequences and leaves them
+def test_the_planner_leaves_its_kept_rings_room_for_their_kv(one_node_positions) -> None:
+    """13B on 256 GPUs of `bench scale`'s chat batch, USP positions of one node: held to a
+    full rank's budget, the planner fills the long document's USP members with whole
+    sequences and leaves them
     no room to keep its K/V (the backward sends them again); told what each token a
     member does not hold frees (`parallel.ring_kv_room_mb`, resolved from the memory
     model), it holds fewer whole sequences there and keeps them, as it does on many more

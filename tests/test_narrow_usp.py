@@ -35,15 +35,16 @@ def test_a_narrow_usp_group_across_a_node_boundary_matches_single_device() -> No
 
 
 def assert_group_matches_single_device(
-    placements: list[SeqPlacement], nodes: int, gpus: int, capacity: int
+    placements: list[SeqPlacement], nodes: int, gpus: int, capacity: int, heads: int = 8
 ) -> None:
-    """`placements` of the sequences [61, 5, 3, 9] (8 heads of 4 dims; 8 and 2 K/V heads)
-    on `nodes` x `gpus`, direct, routed and with dK/dV sent to their owners: every rank's
-    outputs and gradients equal one device's, and its calls what its schedule counts."""
-    shared = dict(strategy="zeppelin", nodes=nodes, gpus=gpus, heads=8, dim=4,
+    """`placements` of the sequences [61, 5, 3, 9] (`heads` heads of 4 dims; as many and 2
+    K/V heads) on `nodes` x `gpus`, direct, routed and with dK/dV sent to their owners:
+    every rank's outputs and gradients equal one device's, and its calls what its
+    schedule counts."""
+    shared = dict(strategy="zeppelin", nodes=nodes, gpus=gpus, heads=heads, dim=4,
                   lengths=[61, 5, 3, 9], capacity=capacity, placements=placements)  # fmt: skip
     variants = [dict(routing=False), dict(routing=True), dict(routing=False, dkv_to_owner=True)]
-    cases = {kv: [{**shared, **v, "kv_heads": kv} for v in variants] for kv in (8, 2)}
+    cases = {kv: [{**shared, **v, "kv_heads": kv} for v in variants] for kv in (heads, 2)}
     flat = [case for group in cases.values() for case in group]
     results = run_ranks(_ring_all, nodes * gpus, flat)
     start = 0

@@ -202,7 +202,7 @@ def _ring_cases(nodes: int, gpus: int, kv_heads: int) -> list[dict]:
 
 
 def _assert_ring_matches(kv_heads: int, cases: list[dict], results: list[list[dict]]) -> None:
-    q, k, v, _, out = reference(cases[0]["lengths"], 8, kv_heads, 4, 0)
+    q, k, v, _, out = reference(cases[0]["lengths"], cases[0]["heads"], kv_heads, 4, 0)
     for index, case in enumerate(cases):
         for rank, per_rank in enumerate(results):
             got = per_rank[index]

@@ -1,6 +1,6 @@
-"""USP groups whose ring positions span two whole nodes (`WorkModel.usp_widths`,
-`ray_zep.partition.work.WIDE_SPAN`): Ulysses across the two nodes' GPUs, so each node
-attends with half of the heads and imports half of the long sequence's K/V."""
+"""USP groups whose ring positions span several whole nodes (`WorkModel.usp_widths`, up to
+`ray_zep.partition.work.WIDE_SPAN`): Ulysses across the s nodes' GPUs, so each node
+attends with 1 / s of the heads and imports 1 / s of the long sequence's K/V."""
 
 from __future__ import annotations
 
@@ -28,33 +28,50 @@ def test_positions_of_two_nodes_match_single_device() -> None:
     assert_group_matches_single_device(placements, nodes=4, gpus=2, capacity=20)
 
 
+@pytest.mark.dist
+def test_positions_of_three_nodes_match_single_device() -> None:
+    """6 x 2: a sequence on 2 positions of three whole nodes each (ranks 0-5 and 6-11: a
+    member's Ulysses peers on its own node and two others), whole sequences beside it on
+    ranks 0, 1 and 7; 12 heads, as many and 2 K/V heads, direct, routed and with dK/dV
+    sent to their owners: outputs and gradients equal one device's, and each rank issues
+    the calls its schedule counts."""
+    group = SeqPlacement(0, 61, tuple(range(12)), bounds_for_counts([30, 31]), ulysses=6)
+    placements = [group, local_placement(1, 5, 0), local_placement(2, 3, 1),
+                  local_placement(3, 9, 7)]  # fmt: skip
+    assert_group_matches_single_device(placements, nodes=6, gpus=2, capacity=20, heads=12)
+
+
 @pytest.mark.unit
-def test_positions_span_two_nodes_only_where_their_gpus_split_the_heads() -> None:
-    """7B (32 heads) on 8-GPU nodes may take positions of 16 GPUs; 13B (40 heads) may not;
-    positions of whole nodes are recognised, positions that cut a node are not."""
-    for preset, wide in (("7b", True), ("13b", False)):
-        widths = usp_cluster(4, preset)[2].usp_widths()
-        assert (16 in widths) is wide and max(widths) <= 16, (preset, widths)
+def test_positions_span_whole_nodes_only_where_their_gpus_split_the_heads() -> None:
+    """On 8-GPU nodes 7B (32 heads) may take positions of two and four nodes (16 and 32
+    GPUs), 13B (40 heads) of five (40 GPUs) and no fewer, none wider than `WIDE_SPAN`
+    nodes nor than the cluster; positions of whole nodes are recognised, positions that
+    cut a node are not."""
+    for preset, nodes, wide in (("7b", 8, (16, 32)), ("13b", 8, (40,)), ("13b", 4, ())):
+        widths = usp_cluster(nodes, preset)[2].usp_widths()
+        assert tuple(u for u in widths if u > 8) == wide, (preset, nodes, widths)
+        assert max(widths) <= 8 * work.WIDE_SPAN
     assert positions_in_nodes(tuple(range(8, 24)) + tuple(range(0, 8)) + tuple(range(24, 32)),
                               16, 8)  # fmt: skip
     assert not positions_in_nodes(tuple(range(4, 20)), 16, 8)
 
 
 @pytest.mark.unit
-def test_the_work_policy_runs_the_longest_chat_document_on_two_node_positions() -> None:
+def test_the_work_policy_runs_the_longest_chat_document_on_positions_of_several_nodes() -> None:
     """`bench scale`'s 7b chat batch on 256 GPUs (4k tokens per GPU): its 242k-token
     document's ring of one-node positions is bound by the K/V every node imports; on
-    positions of two nodes each node imports half of it. The work policy takes such a
-    group (every position two whole nodes), and the simulated step is shorter than with
+    positions of s nodes each node imports 1 / s of it. The work policy takes such a
+    group (every position whole nodes), and the simulated step is shorter than with
     one-node positions only."""
     topology, run, _ = usp_cluster(32)
+    gpus = topology.gpus_per_node
     lengths = batch_lengths("chat", 4096 * 256, 0)
     plan = make_plan(Placement.ZEPPELIN, lengths, topology, 5120, run.shape)
     longest = plan.placements[int(lengths.argmax())]
-    assert longest.ulysses == 16, longest.ulysses
-    wide = [p for p in plan.placements if p.ulysses > topology.gpus_per_node]
-    for p in wide:
-        assert p.ulysses == 16 and positions_in_nodes(p.ranks, p.ulysses, topology.gpus_per_node)
+    assert longest.ulysses > gpus, longest.ulysses
+    for p in plan.placements:
+        if p.ulysses > gpus:
+            assert p.ulysses in (16, 32) and positions_in_nodes(p.ranks, p.ulysses, gpus)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(work, "WIDE_SPAN", 1)
         narrow = make_plan(Placement.ZEPPELIN, lengths, topology, 5120, run.shape)

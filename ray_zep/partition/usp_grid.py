@@ -1,5 +1,5 @@
 """USP groups the work policy may give a long sequence: ring positions of U GPUs of one
-node each (or of two whole nodes, `WorkModel.usp_widths`), exchanging heads inside the
+node each (or of several whole nodes, `WorkModel.usp_widths`), exchanging heads inside the
 position (Ulysses), with the ring over the positions.
 
 A position of a whole node (U = GPUs per node) takes whole nodes; a position of half a
@@ -14,14 +14,14 @@ grid, costed at their NICs' own rate instead, they waited more than they saved (
 GPUs arxiv 1.29x -> 1.37x). A group's member work depends on its sequence's length
 alone, so the level scan costs every candidate group once per batch (`UspGrid`).
 
-A position of two whole nodes (U = 2G, where the heads split that far) halves the K/V
-every node imports for the sequence, since each node attends with half of the heads; its
-all-to-alls cross the NICs. It pays for the longest documents, whose rings of whole-node
-positions are bound by that import at any width: on `bench scale`'s 7b chat batch at
-1,024 GPUs the 242k-token document's member work is 1.56x the mean as 32 positions of a
-node (1.48x of it waiting on the NICs) and 0.98x as 16 positions of two nodes. A group
-of two-node positions may take as many ranks as one of one-node positions; of the groups
-with the fewest ranks at the level, the lightest is chosen.
+A position of s whole nodes (U = s G, where the heads split that far, s up to
+`WIDE_SPAN`) cuts the K/V every node imports for the sequence to 1 / s, since each node
+attends with 1 / s of the heads; its all-to-alls cross the NICs. It pays for the longest
+documents, whose rings of one-node positions are bound by that import at any width: on
+`bench scale`'s 7b chat batch at 1,024 GPUs the 242k-token document's member work is 1.56x
+the mean as 32 positions of a node (1.48x of it waiting on the NICs) and 0.98x as 16
+positions of two nodes. A group of wider positions may take as many ranks as one of
+narrower ones; of the groups with the fewest ranks at the level, the lightest is chosen.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class UspGrid:
         """(degrees, member work, U: 0 for a ring) of the rings of `seqs` once USP groups
         compete: per sequence, the fewest-rank group whose member work is at most `level`
         (or the least work, within `MIN_GAIN`, where none is; the lightest where groups
-        of one- and two-node positions take as many ranks), taken over the ring where
+        of positions of different widths take as many ranks), taken over the ring where
         it needs fewer ranks at the level (on as many, or where neither reaches it: the
         lesser work by `MIN_GAIN`; the ring on near ties, which has no all-to-alls)."""
         rows = self.row[seqs]

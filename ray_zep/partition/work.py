@@ -57,13 +57,18 @@ DKV_WIRE_FACTOR = 3.0
 sends them to their owners)."""
 KV_DTYPE_DKV_FACTOR = 2.0
 """Backward ring bytes over forward with dK/dV in the K/V dtype."""
-WIDE_SPAN = 2
+WIDE_SPAN = 5
 """The most whole nodes one USP position spans (Ulysses across them, where their GPUs
-split the heads). On `bench scale`'s 7b chat batches (4k tokens per GPU) positions of two
-nodes step 8.4% (256 GPUs), 9.7% (1,024) and 16.7% (4,096) faster than of one. Allowed up
-to five, the planner chose positions of four (7B) and five (13B) nodes, which a lone group
-plays about twice as slow as modelled (their all-to-alls on NICs the weights' collectives
-also use), and those rows stepped 2.9-19% slower than with one."""
+split the heads: 7B's 32 heads over two or four 8-GPU nodes, 13B's 40 over five). Each
+node of such a position attends with 1 / s of the heads, so it imports 1 / s of a long
+document's K/V, which bounds the longest chat documents on one-node positions. On `bench
+scale`'s chat batches (4k tokens per GPU) up to five nodes against up to two: 7b 4.1%
+(256 GPUs) and 9.7% (1,024) more tokens a second, 13b 25% and 43% (13B had no wide
+positions before: its heads do not split over 16 GPUs); no other row of 64-1,024 GPUs
+moved (BENCHMARKS.md, thirty-seventh series). A lone 242k-token group of 8 positions plays
+1.15x (7B, four nodes each) and 1.26x (13B, five) its modelled member work, of one-node
+positions 0.86-0.89x. (Tried in the twenty-third series, when a link served one message at
+a time, the same spans lost 2.9-19% on chat: a lone group then played twice its model.)"""
 
 
 @dataclass(frozen=True)
@@ -283,10 +288,11 @@ class WorkModel:
         hops across nodes (a group of more GPUs than a node has some): every member
         sends through its NIC, sharing it with the GPUs the node maps to it, as in a
         full batch (a lone group of half-node positions the simulator plays 21-25%
-        faster than this: `tests/test_narrow_usp.py`; a lone group of two-node positions
-        25-41% slower, its all-to-alls beside the weights' collectives on the NICs of a
-        batch of one document; the grid's full batches step faster with these groups as
-        costed here, BENCHMARKS.md, twenty-third series).
+        faster than this: `tests/test_narrow_usp.py`; a lone group of positions of
+        several nodes 15-26% slower, its all-to-alls beside the weights' collectives on
+        the NICs of a batch of one document, `WIDE_SPAN`; the grid's full batches step
+        faster with these groups as costed here, BENCHMARKS.md, twenty-third and
+        thirty-seventh series).
 
         U must split the heads as Ulysses needs (`usp_widths`)."""
         n = np.asarray(lengths, dtype=np.float64)
