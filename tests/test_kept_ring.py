@@ -131,9 +131,9 @@ def one_node_positions(monkeypatch):
 def test_a_ring_of_members_with_room_keeps_where_a_full_rank_would_not(one_node_positions) -> None:
     """13B at L = 5,120 on 80 GB: a full rank leaves 9.5 GB, too little for a long
     sequence's USP group of one-node positions to keep its K/V; its members hold far
-    fewer tokens, and
-    `keep_where_room` keeps it within the GPU's memory (here after a planner held to the
-    budget alone; the resolved planner keeps it itself). A set budget is kept to."""
+    fewer tokens, and `keep_where_room` keeps it within the GPU's memory (here after a
+    planner held to the budget alone; the resolved planner keeps it itself). A set budget
+    is kept to."""
     config, topology, shape = _setup("topology.nodes=16", "model.preset=13b",
                                      "train.tokens_per_rank=5120")  # fmt: skip
     lengths = np.asarray([200000, *[1024] * 200])
@@ -164,11 +164,10 @@ def test_a_ring_of_members_with_room_keeps_where_a_full_rank_would_not(one_node_
 def test_the_planner_leaves_its_kept_rings_room_for_their_kv(one_node_positions) -> None:
     """13B on 256 GPUs of `bench scale`'s chat batch, USP positions of one node: held to a
     full rank's budget, the planner fills the long document's USP members with whole
-    sequences and leaves them
-    no room to keep its K/V (the backward sends them again); told what each token a
-    member does not hold frees (`parallel.ring_kv_room_mb`, resolved from the memory
-    model), it holds fewer whole sequences there and keeps them, as it does on many more
-    rings, and every rank still fits the GPU."""
+    sequences and leaves them no room to keep its K/V (the backward sends them again);
+    told what each token a member does not hold frees (`parallel.ring_kv_room_mb`,
+    resolved from the memory model), it holds fewer whole sequences there and keeps
+    them, as it does on many more rings, and every rank still fits the GPU."""
     config, topology, shape = _setup("topology.nodes=32", "model.preset=13b",
                                      "train.tokens_per_rank=5120")  # fmt: skip
     lengths = batch_lengths("chat", 4096 * topology.world_size, 0)
