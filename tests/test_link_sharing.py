@@ -61,3 +61,19 @@ def test_three_flows_on_one_link_share_it_three_ways(pool) -> None:
     timeline = simulate(graph, pool)
     assert timeline.end[first] == pytest.approx(2.0)
     assert [timeline.end[i] for i in later] == pytest.approx([3.0, 3.0])
+
+
+@POOLS
+def test_flows_on_the_same_links_posted_apart_keep_their_own_bytes(pool) -> None:
+    """A 2 s flow from rank 1 to 2 from 0 s; from 0.5 s a 1 s flow on the same links and a
+    1 s flow from rank 1 to 3 (rank 1's way out only). The first moves alone for 0.5 s,
+    then all three at a third: the two later ones end together at 3.5 s, and the first,
+    0.5 s left, alone at 4 s. The first flow's end, due at 2 s before the others came,
+    moves out to 4 s; the two on the same links end apart, each by its own bytes."""
+    graph = TaskGraph()
+    first = _flow(graph, "first", 1, 2, 2.0)
+    posted = graph.add("wait", 1, Lane.HOST, 0.5)
+    same = _flow(graph, "same links", 1, 2, 1.0, [posted])
+    other = _flow(graph, "one link", 1, 3, 1.0, [posted])
+    timeline = simulate(graph, pool)
+    assert [timeline.end[i] for i in (same, other, first)] == pytest.approx([3.5, 3.5, 4.0])

@@ -11,8 +11,10 @@ with no resources and no duration is a join point: a host thread reaching a wait
 
 Because a task is released only when its dependencies have finished, and its
 successors become ready no earlier than it ends, tasks leave the ready queue in
-non-decreasing ready time: one pass over a heap schedules the whole graph, a flow's end
-entering it again each time another flow on its links starts or ends.
+non-decreasing ready time: one pass over a heap schedules the whole graph. The flows on
+the same links have one entry there, for the first of them to end: booked anew when one
+of them ends or joins, or when a start or an end on their links speeds them up; an entry
+that a slowdown made early is booked again when it comes up.
 
 On a CPU virtual cluster the ranks are processes sharing a few cores
 (`CorePool`): a compute task's duration is its time while every rank computes,
@@ -228,25 +230,42 @@ def simulate(graph: TaskGraph, pool: CorePool | None = None) -> Timeline:
     start, end = [0.0] * count, [0.0] * count
     free: dict = {}
     flows = LinkFlows()
-    version = [0] * count  # a flow's end entry is stale once its pace changed since
+    # a group's entry on the heap: (when its first flow ends, -1 - group, version). A
+    # group whose pace fell keeps its entry, now early, and is pushed again when it
+    # comes up; one whose flow ended or whose pace rose gets a new entry.
+    version: list[int] = []
+    booked: list[float] = []  # when the group's live entry comes up; inf: none
     heap = [(0.0, index, 0) for index in range(count) if waiting[index] == 0]
     heapq.heapify(heap)
-    pop, push = heapq.heappop, heapq.heappush
+    pop, push, inf = heapq.heappop, heapq.heappush, float("inf")
 
     def repace(changed: list[int]) -> None:
-        for flow in changed:
-            version[flow] += 1
-            push(heap, (flows.end(flow), -1 - flow, version[flow]))
+        for group in changed:
+            if group == len(version):
+                version.append(0)
+                booked.append(inf)
+            at = flows.end(group)
+            if at < booked[group]:
+                version[group] += 1
+                booked[group] = at
+                push(heap, (at, -1 - group, version[group]))
 
     done = 0
     while heap:
         begin, index, seen = pop(heap)
-        if index < 0:  # a flow's end, if its pace has not changed since
-            index = -1 - index
-            if seen != version[index]:
+        if index < 0:  # a group's first flow ends, unless the group changed since
+            group = -1 - index
+            if seen != version[group]:
                 continue
+            at = flows.end(group)
+            if at > begin:  # its pace fell since it was booked
+                booked[group] = at
+                push(heap, (at, index, seen))
+                continue
+            booked[group] = inf
             finish = begin
-            repace(flows.finish(index, begin))
+            index, changed = flows.finish(group, begin)
+            repace(changed)
         elif flowing[index]:
             start[index] = begin
             repace(flows.start(index, resources[index], durations[index], begin))
@@ -345,7 +364,7 @@ def _simulate_shared(
         ready[:] = not_started
         speed = pool.speed(len(shared))
         step = min(shared.values(), default=np.inf) / speed
-        moving = min((flows.end(f) for f in flows.left), default=np.inf)
+        moving, group = flows.soonest()
         upcoming = min(now + step, fixed[0][0] if fixed else np.inf, moving)
         if upcoming == np.inf:
             raise ValueError(f"{count - done} tasks never became ready")
@@ -356,10 +375,9 @@ def _simulate_shared(
             if shared[index] <= 1e-12 * tasks[index].duration:
                 del shared[index]
                 finish(index)
-        flows.settle_all(now)
-        for index in [f for f in flows.left if flows.end(f) <= now]:
-            flows.finish(index, now)
-            finish(index)
+        while moving <= now:
+            finish(flows.finish(group, now)[0])
+            moving, group = flows.soonest()
         while fixed and fixed[0][0] <= now:
             finish(heapq.heappop(fixed)[1])
     return Timeline(graph, start, end)

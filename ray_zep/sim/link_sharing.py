@@ -11,82 +11,102 @@ behind a stream of short ones: each finishes when its bytes have moved at its sh
 (A flow held back by its busier link leaves part of the other unused: the simple rule
 undercounts what the other flows there could move, never overcounts a link's bytes.)
 
-Shapes: F flows in flight.
+Flows naming the same links always move at one pace, so they are kept as one *lane
+group* with a clock: the seconds at a whole link each of its flows has moved since the
+group began. A flow ends when the clock reaches its start reading plus its seconds, so
+a start or an end re-paces each group on its links once, however many flows the group
+holds (an all-to-all posts several messages on one pair of NICs).
+
+Shapes: G groups, F flows in flight.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 
 
 class LinkFlows:
-    """The flows in flight: what each has left to move (seconds at a whole link), its
-    pace, and since when that pace holds."""
+    """The flows in flight, in groups by the links they name: each group's pace, its
+    clock and since when that pace holds, and its flows by the clock reading they end
+    at."""
 
     def __init__(self) -> None:
-        self.on: dict = defaultdict(set)  # resource -> flows using it
-        self.links: dict[int, tuple] = {}
-        self.left: dict[int, float] = {}
-        self.pace: dict[int, float] = {}
-        self.since: dict[int, float] = {}
+        self.group_of: dict[tuple, int] = {}  # links -> group
+        self.links: list[tuple] = []
+        self.pace: list[float] = []
+        self.clock: list[float] = []
+        self.since: list[float] = []
+        self.due: list[list[tuple[float, int]]] = []  # (clock reading at its end, flow)
+        self.on: dict = defaultdict(set)  # resource -> groups with flows in flight there
+        self.count: dict = defaultdict(int)  # resource -> flows in flight there
 
     def start(self, index: int, resources: tuple, seconds: float, now: float) -> list[int]:
-        """Adds a flow of `seconds` alone on `resources` at `now`; returns the flows
-        whose pace changed (it among them)."""
-        near = self._neighbours(resources)
-        self.links[index] = resources
-        self.left[index], self.since[index] = seconds, now
+        """Adds flow `index` of `seconds` alone on `resources` at `now`; returns its
+        group's id, then the groups whose pace rose (those whose pace fell end later
+        than they were due: their caller finds that out when they come up)."""
+        group = self.group_of.get(resources)
+        if group is None:
+            group = self.group_of[resources] = len(self.links)
+            self.links.append(resources)
+            self.pace.append(1.0)
+            self.clock.append(0.0)
+            self.since.append(now)
+            self.due.append([])
+        due = self.due[group]
+        if due:
+            self.clock[group] += self.pace[group] * (now - self.since[group])
+        self.since[group] = now
+        heapq.heappush(due, (self.clock[group] + seconds, index))
+        count, on = self.count, self.on
         for resource in resources:
-            self.on[resource].add(index)
-        if not near:  # alone on its links
-            self.pace[index] = 1.0
-            return [index]
-        self.pace[index] = self._pace_of(index)
-        return [index, *self._repace(near, now)]
+            count[resource] += 1
+            on[resource].add(group)
+        return [group, *self._repace(resources, now)]
 
-    def finish(self, index: int, now: float) -> list[int]:
-        """Removes a flow that has moved everything; returns the flows whose pace changed."""
-        resources = self.links.pop(index)
+    def finish(self, group: int, now: float) -> tuple[int, list[int]]:
+        """Ends the group's first flow to end, at `now`; returns it and the groups whose
+        pace rose (the group first, if it still has flows)."""
+        due = self.due[group]
+        index = heapq.heappop(due)[1]
+        resources, count, on = self.links[group], self.count, self.on
         for resource in resources:
-            self.on[resource].discard(index)
-        del self.left[index], self.pace[index], self.since[index]
-        return self._repace(self._neighbours(resources), now)
+            count[resource] -= 1
+            if not due:
+                on[resource].discard(group)
+        risen = self._repace(resources, now)
+        return index, [group, *risen] if due else risen
 
-    def end(self, index: int) -> float:
-        """When the flow ends at its present pace."""
-        return self.since[index] + max(self.left[index], 0.0) / self.pace[index]
+    def end(self, group: int) -> float:
+        """When the group's first flow ends at the present pace."""
+        ahead = self.due[group][0][0] - self.clock[group]
+        return self.since[group] + max(ahead, 0.0) / self.pace[group]
 
-    def settle_all(self, now: float) -> None:
-        """Brings every flow's bytes left up to `now`."""
-        for index in self.left:
-            self.left[index] -= self.pace[index] * (now - self.since[index])
-            self.since[index] = now
+    def soonest(self) -> tuple[float, int]:
+        """(end, group) of the flow in flight that ends first; (inf, -1) if none."""
+        ends = [(self.end(group), group) for group, due in enumerate(self.due) if due]
+        return min(ends, default=(float("inf"), -1))
 
-    def _neighbours(self, resources: tuple) -> set[int]:
+    def _repace(self, resources: tuple, now: float) -> list[int]:
+        """Re-paces the groups on `resources` after a start or an end there, their
+        clocks brought up to `now` at the pace they had; returns those whose pace rose."""
         near: set[int] = set()
         on = self.on
         for resource in resources:
-            if resource in on:
-                near |= on[resource]
-        return near
-
-    def _pace_of(self, index: int) -> float:
-        most, on = 1, self.on
-        for resource in self.links[index]:
-            count = len(on[resource])
-            if count > most:
-                most = count
-        return 1.0 / most
-
-    def _repace(self, flows, now: float) -> list[int]:
-        """The flows among `flows` whose pace a start or an end changed, their bytes left
-        brought up to `now` at the pace they had."""
-        changed = []
-        pace_of, paces, left, since = self._pace_of, self.pace, self.left, self.since
-        for index in flows:
-            pace, was = pace_of(index), paces[index]
+            near |= on[resource]
+        risen = []
+        count, links, paces = self.count, self.links, self.pace
+        clock, since = self.clock, self.since
+        for group in near:
+            most = 1
+            for resource in links[group]:
+                held = count[resource]
+                if held > most:
+                    most = held
+            pace, was = 1.0 / most, paces[group]
             if pace != was:
-                left[index] -= was * (now - since[index])
-                since[index], paces[index] = now, pace
-                changed.append(index)
-        return changed
+                clock[group] += was * (now - since[group])
+                since[group], paces[group] = now, pace
+                if pace > was:
+                    risen.append(group)
+        return risen
