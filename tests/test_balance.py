@@ -304,6 +304,42 @@ def test_no_bisection_below_a_lowest_level_that_overflowed(monkeypatch) -> None:
     assert bisecting == skipping
 
 
+def test_a_level_between_an_overflowed_one_and_the_winner_can_win(monkeypatch) -> None:
+    """1,024 GPUs of arxiv at 4k tokens each, 7B, L = 7,680: the lowest level whose rings
+    fit overflows and a level one step higher wins. Halving the gap between the two places
+    levels there, and one of them ends with a lower busiest rank than the plain scan's."""
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=128",
+                                "model.preset=7b"])  # fmt: skip
+    topology, shape = build_topology(config.topology), build_shape(config.model)
+    lengths = batch_lengths("arxiv", 4096 * topology.world_size, seed=0)
+    model = WorkModel.create(shape, topology)
+    placed: list[tuple[float, float | None]] = []
+    place_at = balance_module._place_at
+
+    def recording(lengths, work, small, level, *args, **kwargs):
+        out = place_at(lengths, work, small, level, *args, **kwargs)
+        placed.append((level, None if out is None or out.pruned else out.busiest))
+        return out
+
+    monkeypatch.setattr(balance_module, "_place_at", recording)
+
+    def busiest(bisect_above: bool) -> tuple[float, list]:
+        """The lowest busiest rank placed (the one kept), and every level placed."""
+        monkeypatch.setattr(balance_module, "BISECT_ABOVE_OVERFLOW", bisect_above)
+        placed.clear()
+        balance_module.balance(lengths, topology, 7680, model)
+        return min(b for _, b in placed if b is not None), list(placed)
+
+    plain, plain_levels = busiest(False)
+    feasible = sorted((level, b) for level, b in plain_levels if b is not None)
+    (first, overflowed), (winner, won) = feasible[0], min(feasible, key=lambda lb: lb[1])
+    assert overflowed > won and winner > first
+    assert all(not first < level < winner for level, _ in plain_levels)
+    bisected, levels = busiest(True)
+    assert any(first < level < winner for level, _ in levels)
+    assert bisected < plain
+
+
 def test_split_sequences_share_a_ring_where_it_saves_ranks() -> None:
     """Three sequences that each need a ring of 2 (their work over 2 ranks is 0.6 of the
     level) share one ring of 4 (0.3 each there: 0.9); with token room for 50 per rank,

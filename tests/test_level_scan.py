@@ -27,7 +27,8 @@ from ray_zep.topology import build_topology
 pytestmark = pytest.mark.unit
 
 RULES = ScanRules(balance_module.LEVELS, balance_module.PAST_FIRST, balance_module.BISECTIONS,
-                  balance_module.BISECT_BELOW_OVERFLOW)  # fmt: skip
+                  balance_module.BISECT_BELOW_OVERFLOW,
+                  balance_module.BISECT_ABOVE_OVERFLOW)  # fmt: skip
 
 
 class FakeLevels:

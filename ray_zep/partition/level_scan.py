@@ -2,9 +2,12 @@
 
 Levels rise from the mean work until the rings fit the world, and `PAST_FIRST` more are
 placed below the busiest rank so far; then the gap under the lowest feasible level is
-halved (`BISECTIONS`). The placement whose busiest rank is lowest wins, the first placed
-on ties. Each level is placed with the busiest rank of the placements before it as a
-bound: a placement that reaches it cannot win and is abandoned (`Placed.pruned`).
+halved (`BISECTIONS`). Where that level overflowed (its whole sequences passed it) and a
+higher one won, the gap between the two is halved instead (`bisect_above_overflow`): a
+level between them may hold its whole sequences and end lower than either. The placement
+whose busiest rank is lowest wins, the first placed on ties. Each level is placed with
+the busiest rank of the placements before it as a bound: a placement that reaches it
+cannot win and is abandoned (`Placed.pruned`).
 
 **An early bound.** The lowest feasible levels can be the slowest to place: where their
 whole sequences overflow the level, nothing placed before them abandons them (on 4,096
@@ -85,6 +88,7 @@ class ScanRules:
     past_first: int
     bisections: int
     bisect_below_overflow: bool
+    bisect_above_overflow: bool
 
 
 class LevelScan:
@@ -121,8 +125,26 @@ class LevelScan:
                 low = middle
             else:
                 high = middle
+        if overflowed and rules.bisect_above_overflow:
+            self._bisect_above(high)
         self._settle()
         return min((t for t in self.tried if t.placed is not None), key=lambda t: t.busiest).placed
+
+    def _bisect_above(self, overflowed: float) -> None:
+        """Halves the gap between the level `overflowed` and the level of the best
+        placement so far: down where the middle one ends lower than every placement
+        before it, else up."""
+        exact = [t for t in self.tried if t.placed is not None and t.floor is None]
+        low, high = overflowed, min(exact, key=lambda t: t.busiest).factor
+        if high <= low:
+            return
+        for _ in range(self.rules.bisections):
+            middle, best = (low + high) / 2, self.lowest()
+            self.at(middle)
+            if self.lowest() < best:
+                high = middle
+            else:
+                low = middle
 
     def forced(self) -> Placed:
         """The highest level placed with rings shrunk to fit (no level's rings fit)."""
