@@ -267,31 +267,39 @@ def test_a_level_whose_whole_sequences_find_no_room_is_passed_over(monkeypatch) 
     assert failed and passed_over == infeasible
 
 
-def test_no_bisection_below_a_lowest_level_that_overflowed(monkeypatch) -> None:
-    """256 GPUs of github at 16k tokens each, 13B: the lowest level whose rings fit ends
-    busier than a higher level's placement, so no level is placed below it, and the
-    placement is the one bisecting there too would have chosen."""
-    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=32",
-                                "model.preset=13b"])  # fmt: skip
+def _recorded_levels(monkeypatch, nodes: int, preset: str, distribution: str, tokens: int):
+    """(a function planning one seed-0 batch of `distribution`, `tokens` per GPU, on
+    `nodes` cluster_a nodes at the L it is given, the list it fills with each level it
+    places: (level, its placement or None))."""
+    config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={nodes}",
+                                f"model.preset={preset}"])  # fmt: skip
     topology, shape = build_topology(config.topology), build_shape(config.model)
-    lengths = batch_lengths("github", 16384 * topology.world_size, seed=0)
+    lengths = batch_lengths(distribution, tokens * topology.world_size, seed=0)
     model = WorkModel.create(shape, topology)
-    placed: list[tuple[float, float | None]] = []
+    placed: list = []
     place_at = balance_module._place_at
 
     def recording(lengths, work, small, level, *args, **kwargs):
         out = place_at(lengths, work, small, level, *args, **kwargs)
-        placed.append((level, None if out is None else out.busiest))
+        placed.append((level, out))
         return out
 
     monkeypatch.setattr(balance_module, "_place_at", recording)
 
-    def plan() -> list:
+    def plan(capacity: int) -> list:
         placed.clear()
-        return balance_module.balance(lengths, topology, 20480, model)
+        return balance_module.balance(lengths, topology, capacity, model)
 
-    skipping = plan()
-    levels = list(placed)
+    return plan, placed
+
+
+def test_no_bisection_below_a_lowest_level_that_overflowed(monkeypatch) -> None:
+    """256 GPUs of github at 16k tokens each, 13B: the lowest level whose rings fit ends
+    busier than a higher level's placement, so no level is placed below it, and the
+    placement is the one bisecting there too would have chosen."""
+    plan, placed = _recorded_levels(monkeypatch, 32, "13b", "github", 16384)
+    skipping = plan(20480)
+    levels = [(level, None if out is None else out.busiest) for level, out in placed]
     feasible = [(level, busiest) for level, busiest in levels if busiest is not None]
     high, first = min(feasible)
     assert first > min(busiest for _, busiest in feasible)  # a higher level won
@@ -299,7 +307,7 @@ def test_no_bisection_below_a_lowest_level_that_overflowed(monkeypatch) -> None:
     assert max(infeasible) < high
     assert all(not max(infeasible) < level < high for level, _ in levels)
     monkeypatch.setattr(balance_module, "BISECT_BELOW_OVERFLOW", True)
-    bisecting = plan()
+    bisecting = plan(20480)
     assert len(placed) > len(levels)
     assert bisecting == skipping
 
@@ -308,27 +316,16 @@ def test_a_level_between_an_overflowed_one_and_the_winner_can_win(monkeypatch) -
     """1,024 GPUs of arxiv at 4k tokens each, 7B, L = 7,680: the lowest level whose rings
     fit overflows and a level one step higher wins. Halving the gap between the two places
     levels there, and one of them ends with a lower busiest rank than the plain scan's."""
-    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=128",
-                                "model.preset=7b"])  # fmt: skip
-    topology, shape = build_topology(config.topology), build_shape(config.model)
-    lengths = batch_lengths("arxiv", 4096 * topology.world_size, seed=0)
-    model = WorkModel.create(shape, topology)
-    placed: list[tuple[float, float | None]] = []
-    place_at = balance_module._place_at
-
-    def recording(lengths, work, small, level, *args, **kwargs):
-        out = place_at(lengths, work, small, level, *args, **kwargs)
-        placed.append((level, None if out is None or out.pruned else out.busiest))
-        return out
-
-    monkeypatch.setattr(balance_module, "_place_at", recording)
+    plan, placed = _recorded_levels(monkeypatch, 128, "7b", "arxiv", 4096)
 
     def busiest(bisect_above: bool) -> tuple[float, list]:
-        """The lowest busiest rank placed (the one kept), and every level placed."""
+        """The lowest busiest rank placed (the one kept), and every level placed with its
+        busiest rank (None where its rings did not fit or it was abandoned)."""
         monkeypatch.setattr(balance_module, "BISECT_ABOVE_OVERFLOW", bisect_above)
-        placed.clear()
-        balance_module.balance(lengths, topology, 7680, model)
-        return min(b for _, b in placed if b is not None), list(placed)
+        plan(7680)
+        levels = [(level, None if out is None or out.pruned else out.busiest)
+                  for level, out in placed]  # fmt: skip
+        return min(b for _, b in levels if b is not None), levels
 
     plain, plain_levels = busiest(False)
     feasible = sorted((level, b) for level, b in plain_levels if b is not None)
