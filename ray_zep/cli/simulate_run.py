@@ -16,6 +16,7 @@ from ray_zep.report.output import write_record
 from ray_zep.report.text_table import Column, render_table
 from ray_zep.report.timeline import draw_throughput, draw_timelines
 from ray_zep.sim.compare import StrategyResult
+from ray_zep.sim.phase_setter import phase_setters
 from ray_zep.sim.request import SimulateResult
 
 TIMELINE_RANKS = 16
@@ -73,6 +74,14 @@ def result_table(result: SimulateResult) -> str:
             "imbalance, split kernels, exposed transfers, "
             "waits and what checkpointing recomputes split the step beyond it"
         )
+    setters = [
+        f"  {name} {setter.sentence()}"
+        for name, strategy in result.results.items()
+        if strategy.steps
+        for setter in phase_setters(strategy.steps[0])
+    ]
+    if setters:
+        lines += ["where each phase of the first batch's layer ends:", *setters]
     return "\n".join(lines)
 
 

@@ -257,10 +257,11 @@ def evaluate_group(
 
 
 def without_timelines(step: StepResult) -> StepResult:
-    """`step` without its layer timelines (a task list per rank of the cluster, which the
-    ranking never reads): a search of dozens of candidates at 256 GPUs kept 20 GB of them."""
+    """`step` without its layer timelines and plan (a task list per rank of the cluster,
+    which the ranking never reads): a search of dozens of candidates at 256 GPUs kept 20 GB
+    of them."""
     micro = tuple(without_timelines(s) for s in step.micro_steps)
-    return dataclasses.replace(step, forward=None, backward=None, micro_steps=micro)
+    return dataclasses.replace(step, forward=None, backward=None, micro_steps=micro, plan=None)
 
 
 def _placed(config: Config, hardware: Hardware, batches: Batches, on_gpu: bool):

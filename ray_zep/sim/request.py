@@ -32,6 +32,7 @@ from ray_zep.sim.compare import (
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.micro_step import split_batch
+from ray_zep.sim.phase_setter import phase_setters
 from ray_zep.sim.replay import data_batches
 from ray_zep.sim.step import RunModel
 from ray_zep.topology import Topology, build_topology
@@ -121,6 +122,11 @@ class SimulateResult:
             return None
         return {k: float(np.mean([p[k] for p in parts])) for k in parts[0]}
 
+    def phase_setters(self, result: StrategyResult) -> list[dict[str, object]]:
+        """The ranks ending the first batch's forward and backward, and what they hold
+        (`ray_zep.sim.phase_setter`); empty where the strategy placed nothing."""
+        return [s.to_dict() for s in phase_setters(result.steps[0])] if result.steps else []
+
     def record(self) -> dict[str, object]:
         n_layers = build_shape(self.config.model).n_layers
         return {
@@ -137,6 +143,7 @@ class SimulateResult:
                     "step_over_ideal": self.over_ideal(r),
                     "step_over_bound": self.over_bound(r),
                     "beyond_bound_seconds": self.beyond_bound(r),
+                    "phase_setters": self.phase_setters(r),
                 }
                 for n, r in self.results.items()
             },

@@ -170,6 +170,7 @@ class StepResult:
             every layer.
         micro_steps: a step of several micro-batches (`ray_zep.sim.micro_step`): each
             one's own step, whose parts this one sums; empty for one batch a step.
+        plan: the attention plan played (None for weight-passing modes).
     """
 
     tokens: int
@@ -186,6 +187,7 @@ class StepResult:
     fixed_seconds: float = 0.0
     recompute_seconds: float = 0.0
     micro_steps: tuple[StepResult, ...] = ()
+    plan: AttentionPlan | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -391,6 +393,7 @@ def _result(
         optimizer_seconds=optimizer,
         fixed_seconds=fixed,
         recompute_seconds=recompute,
+        plan=plan,
     )
 
 
