@@ -32,6 +32,9 @@ def test_scale_bench_fills_each_placements_columns(tmp_path: Path, capsys) -> No
         assert row["step_over_ideal"] > 1.0 and row["tokens_per_s_per_gpu"] > 0
         assert row["inter_node_gb"] > 0 and row["planner_ms"] > 0
         assert 0 < row["peak_memory_gb"] < 80
+        ends = row["phase_ends"]  # where the first batch's forward and backward end
+        assert [e["phase"] for e in ends] == ["forward", "backward"]
+        assert all(e["holds"] and 0 <= e["rank"] < 64 for e in ends)
     # the balanced placement's level: kept at or above the mean, and at the mean the rings
     # of this batch need more ranks than the 64 there are (`ray-zep plan`'s level trace)
     assert rows["zeppelin"]["level"] >= 1.0 and rows["zeppelin"]["rings_at_mean"] > 1.0

@@ -88,6 +88,7 @@ from ray_zep.sim.megatron_cp import hybrid_cp_wave_plans, simulate_hybrid_cp
 from ray_zep.sim.megatron_dynamic_cp import NAME as MEGATRON_DYNAMIC_CP
 from ray_zep.sim.megatron_dynamic_cp import dynamic_cp_plans
 from ray_zep.sim.micro_step import micro_batched_steps, split_batch
+from ray_zep.sim.phase_setter import phase_setters
 from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
 from ray_zep.topology import build_topology
 from ray_zep.traffic import attention_step_traffic
@@ -236,6 +237,9 @@ class ScaleRow:
     """Micro-batches a step (module docstring), each of at most L / this tokens a rank."""
     tokens_per_rank: int | None = None
     """L the row ran at (`--room`: the fastest of its factors that fits)."""
+    phase_ends: list | None = None
+    """Where the first batch's forward and backward end (`ray_zep.sim.phase_setter`: the
+    rank, its time by cause, the sequences it holds); in the JSON record only."""
     error: str | None = None
 
 
@@ -435,6 +439,7 @@ def _simulated_columns(row: ScaleRow, steps, ideal, bounds, n_layers: int) -> fl
         row.transfers_s = float(np.mean([p["exposed transfers"] for p in parts]))
         row.waits_s = float(np.mean([p["waits"] for p in parts]))
         row.recompute_s = float(np.mean([p["recompute"] for p in parts]))
+    row.phase_ends = [setter.to_dict() for setter in phase_setters(steps[0])]
     return float(seconds.sum())
 
 
