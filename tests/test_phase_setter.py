@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -60,17 +61,22 @@ def test_a_step_without_timelines_or_a_plan_names_no_rank() -> None:
     assert phase_setters(dataclasses.replace(step, forward=None, backward=None)) == []
 
 
-def test_simulate_reports_where_each_phase_ends(capsys) -> None:
+def test_simulate_reports_where_each_phase_ends(capsys, tmp_path) -> None:
     """`ray-zep simulate` prints, under its table, one line a phase for each strategy that
-    placed the first batch, and its JSON record carries the same."""
+    placed the first batch, and its JSON record carries the same ranks."""
     from ray_zep.cli import main
 
+    record = tmp_path / "sim.json"
     argv = ["simulate", "topology.preset=cluster_a", "topology.nodes=2", "model.preset=7b",
-            "--strategies", "zeppelin,te_cp", "--tokens", "64k", "--batches", "1"]  # fmt: skip
+            "--strategies", "zeppelin,te_cp", "--tokens", "64k", "--batches", "1",
+            "--json", str(record), "--out", str(tmp_path)]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "where each phase of the first batch's layer ends:" in out
+    strategies = json.loads(record.read_text())["strategies"]
     for name in ("zeppelin", "te_cp"):
-        for phase in ("forward", "backward"):
-            assert f"  {name} {phase} ends on rank " in out
+        setters = strategies[name]["phase_setters"]
+        assert [s["phase"] for s in setters] == ["forward", "backward"]
+        for setter in setters:
+            assert f"  {name} {setter['phase']} ends on rank {setter['rank']} " in out
     assert np.isfinite(float(out.split("zeppelin forward ends on rank ")[1].split()[0]))

@@ -16,7 +16,6 @@ from ray_zep.report.output import write_record
 from ray_zep.report.text_table import Column, render_table
 from ray_zep.report.timeline import draw_throughput, draw_timelines
 from ray_zep.sim.compare import StrategyResult
-from ray_zep.sim.phase_setter import phase_setters
 from ray_zep.sim.request import SimulateResult
 
 TIMELINE_RANKS = 16
@@ -77,8 +76,7 @@ def result_table(result: SimulateResult) -> str:
     setters = [
         f"  {name} {setter.sentence()}"
         for name, strategy in result.results.items()
-        if strategy.steps
-        for setter in phase_setters(strategy.steps[0])
+        for setter in result.phase_setters(strategy)
     ]
     if setters:
         lines += ["where each phase of the first batch's layer ends:", *setters]

@@ -32,7 +32,7 @@ from ray_zep.sim.compare import (
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.micro_step import split_batch
-from ray_zep.sim.phase_setter import phase_setters
+from ray_zep.sim.phase_setter import PhaseSetter, phase_setters
 from ray_zep.sim.replay import data_batches
 from ray_zep.sim.step import RunModel
 from ray_zep.topology import Topology, build_topology
@@ -102,6 +102,10 @@ class SimulateResult:
     """Each batch's ideal step (`ray_zep.sim.ideal`)."""
     bounds: list[StepBound] = dataclasses.field(default_factory=list)
     """Each batch's step bound (`ray_zep.sim.bound`)."""
+    _setters: dict[str, list[PhaseSetter]] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False
+    )
+    """`phase_setters` by strategy, worked out once for the table and the record."""
 
     def over_ideal(self, result: StrategyResult) -> float | None:
         """Mean over the batches of the strategy's step / the batch's ideal step."""
@@ -122,10 +126,13 @@ class SimulateResult:
             return None
         return {k: float(np.mean([p[k] for p in parts])) for k in parts[0]}
 
-    def phase_setters(self, result: StrategyResult) -> list[dict[str, object]]:
+    def phase_setters(self, result: StrategyResult) -> list[PhaseSetter]:
         """The ranks ending the first batch's forward and backward, and what they hold
         (`ray_zep.sim.phase_setter`); empty where the strategy placed nothing."""
-        return [s.to_dict() for s in phase_setters(result.steps[0])] if result.steps else []
+        if result.name not in self._setters:
+            steps = result.steps
+            self._setters[result.name] = phase_setters(steps[0]) if steps else []
+        return self._setters[result.name]
 
     def record(self) -> dict[str, object]:
         n_layers = build_shape(self.config.model).n_layers
@@ -143,7 +150,7 @@ class SimulateResult:
                     "step_over_ideal": self.over_ideal(r),
                     "step_over_bound": self.over_bound(r),
                     "beyond_bound_seconds": self.beyond_bound(r),
-                    "phase_setters": self.phase_setters(r),
+                    "phase_setters": [s.to_dict() for s in self.phase_setters(r)],
                 }
                 for n, r in self.results.items()
             },
