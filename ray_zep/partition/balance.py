@@ -25,7 +25,10 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    A ring inside a node whose members its tokens fill long before its work does may
    instead ride on a whole node of a ring or USP group across nodes, as one more ring
    over that node's GPUs after the host's (`hosting`: the host may take a few more
-   ranks for the room); its own ranks are freed for the whole sequences.
+   ranks for the room); its own ranks are freed for the whole sequences. Before that, a
+   split sequence may join a USP group of whole-node positions that has work and token
+   room left, in the group's own item, the group taking at most one more node and fewer
+   ranks than the sequence's own group would (`usp_guests`).
 3. Whole sequences, most work first, go to the rank whose work leaves the least
    room under lam among those with token room (best fit decreasing). A ring whose
    member work counted on keeping its peers' K/V beyond the model's budget, in the
@@ -74,6 +77,7 @@ from ray_zep.partition.node_slots import NodeSlots
 from ray_zep.partition.plan import SeqPlacement, bounds_for_counts, local_placement
 from ray_zep.partition.ring_groups import RingGroup, alone_rings, fewest_ranks, group_rings
 from ray_zep.partition.usp_grid import MIN_GAIN, UspGrid, positions_in_nodes
+from ray_zep.partition.usp_guests import PartsTable, usp_guests
 from ray_zep.partition.work import WorkModel
 from ray_zep.topology import Topology
 
@@ -100,6 +104,9 @@ the same."""
 HOSTED_RINGS = True
 """Rings inside a node may ride on whole nodes of rings across nodes
 (`ray_zep.partition.hosting`)."""
+USP_GUESTS = True
+"""Split sequences may join a group of whole-node positions with work and token room
+left, freeing their own ranks (`ray_zep.partition.usp_guests`)."""
 DEGREE_ROUNDS = 24
 """Rounds of the vectorised degree search (each grows unfinished degrees by 1/8)."""
 
@@ -137,13 +144,14 @@ def balance(
     splittable = (work > mean * LEVELS[0]) | (lengths > capacity)
     ring_candidates = splittable | (work >= SMALL_RING_SHARE * (mean * LEVELS[0]))
     small = small_ring_seconds(lengths, topology.gpus_per_node, model, ring_candidates)
-    usp = None
+    usp = parts = None
     if usp_groups and topology.nodes > 1:
         usp = UspGrid.of(lengths, splittable, capacity, topology, model)
+        parts = PartsTable(lengths, splittable, topology.nodes, model)
 
     def place(factor: float, prune_above: float, force: bool, failed) -> Placed | None:
         return _place_at(lengths, work, small, mean * factor, topology, capacity, model, usp,
-                         force, prune_above, failed)  # fmt: skip
+                         parts, force, prune_above, failed)  # fmt: skip
 
     rules = ScanRules(LEVELS, PAST_FIRST, BISECTIONS, BISECT_BELOW_OVERFLOW, BISECT_ABOVE_OVERFLOW)
     scan = LevelScan(place, mean, rules, trace)
@@ -169,13 +177,15 @@ def _place_at(
     capacity: int,
     model: WorkModel,
     usp_grid: UspGrid | None,
+    parts: PartsTable | None = None,
     force: bool = False,
     prune_above: float = float("inf"),
     failed: list[LevelTry] | None = None,
 ) -> Placed | None:
     """The placement at `level`, or None when its rings need more than the world
-    (`usp_grid`: USP groups compete with rings); pruned (`Placed.pruned`) once a rank's
-    work reaches `prune_above`. Where it returns None, `failed` (when given) gets why."""
+    (`usp_grid`: USP groups compete with rings; `parts`: they take guests); pruned
+    (`Placed.pruned`) once a rank's work reaches `prune_above`. Where it returns None,
+    `failed` (when given) gets why."""
     world, gpus = topology.world_size, topology.gpus_per_node
     split = (work > level) | (lengths > capacity)
     if world == 1:
@@ -185,13 +195,20 @@ def _place_at(
     usp = np.zeros(seqs.size, dtype=np.int64)  # U of a USP group, 0 for a ring
     if seqs.size and usp_grid is not None:
         degrees, member, usp = usp_grid.choose(seqs, degrees, member, level)
+    host = np.full(seqs.size, -1, dtype=np.int64)  # the group each guest joins
+    if USP_GUESTS and not force and seqs.size and parts is not None:
+        host, degrees, member = usp_guests(seqs, degrees, member, usp, level, capacity, gpus,
+                                           parts)  # fmt: skip
     floor = member > level  # no degree brings these under the level
-    eligible = (usp == 0) & (degrees <= gpus)
-    fewest = 0 if force else fewest_ranks(small[seqs], degrees, eligible, level)
+    own = np.where(host < 0, degrees, 0)  # ranks of each one's own group; guests take none
+    eligible = (usp == 0) & (degrees <= gpus) & (host < 0)
+    fewest = 0 if force else fewest_ranks(small[seqs], own, eligible, level)
     if fewest > world:
         return _failed(failed, LevelOutcome.RINGS, fewest)  # even perfectly shared rings
-    rings = group_rings(small[seqs], lengths[seqs], degrees, member, eligible, level, capacity,
+    rings = group_rings(small[seqs], lengths[seqs], own, member, eligible, level, capacity,
                         None if force else world)  # fmt: skip
+    if rings is not None and (host >= 0).any():
+        rings = _with_guests(rings, host, member)
     hosted = None
     if HOSTED_RINGS and not force and gpus > 1 and rings is not None and (degrees > gpus).any():
         # the rings fit the world here, and a host takes guests only where that frees ranks
@@ -222,15 +239,14 @@ def _place_at(
         if len(ranks) < d:
             return _failed(failed, LevelOutcome.RINGS)  # forced past the world's GPUs
         work_k = ring.member_seconds
-        if len(ring.members) == 1:
-            i = ring.members[0]
-            seq, n = int(seqs[i]), int(lengths[seqs[i]])
-            u = int(usp[i])
+        u = int(usp[ring.members[0]])  # a USP group's (its guests run at its U)
+        if len(ring.members) == 1 or u:
+            n = int(lengths[seqs[ring.members[0]]])
             fragmented = u and not positions_in_nodes(ranks, u, gpus)
-            if fragmented:  # a plain ring
+            if fragmented:  # a plain ring (forced: no guests)
                 work_k = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([d]))[0])
             elif u:
-                placed.ulysses[seq] = u
+                placed.ulysses.update((int(seqs[j]), u) for j in ring.members)
         members = seqs[list(ring.members)].tolist()
         sizes = lengths[members].tolist()
         ring_held = shared_ring(placed, members, sizes, ranks)
@@ -254,6 +270,23 @@ def _place_at(
         placed.fill_fits = whole_sequences_fit(held, world, wholes, lengths, work, level,
                                                capacity, gpus, model)  # fmt: skip
     return placed
+
+
+def _with_guests(rings: list[RingGroup], host: np.ndarray, member: np.ndarray) -> list[RingGroup]:
+    """`rings` with each guest (`host` >= 0) among its host's members, the host's member
+    seconds (`member`) as its guests make them; the guests' own (empty) rings dropped."""
+    guests: dict[int, list[int]] = {}
+    for guest in np.flatnonzero(host >= 0).tolist():
+        guests.setdefault(int(host[guest]), []).append(guest)
+    out = []
+    for ring in rings:
+        if ring.degree == 0:
+            continue
+        first = ring.members[0]
+        if len(ring.members) == 1 and first in guests:  # its degree as its guests grew it
+            ring = RingGroup((first, *guests[first]), ring.degree, float(member[first]))
+        out.append(ring)
+    return out
 
 
 def _assign(

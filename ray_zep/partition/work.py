@@ -296,11 +296,57 @@ class WorkModel:
 
         U must split the heads as Ulysses needs (`usp_widths`)."""
         n = np.asarray(lengths, dtype=np.float64)
+        return self.usp_group_seconds(self.ring_parts(n, positions), n, positions, ulysses)
+
+    def usp_group_seconds(
+        self, parts: RingParts, tokens: np.ndarray, positions, ulysses: np.ndarray | int = 0
+    ) -> np.ndarray:
+        """Work of a member of each USP group (`usp_member_seconds`' positions and U) that
+        holds several sequences: `parts` their `ring_parts` at the group's positions
+        summed, `tokens` their lengths summed. Each ring step forwards every sequence's
+        chunk and computes every block, and one all-to-all moves all the rows (one queue
+        item, `AttentionPlan.items`); one sequence gives `usp_member_seconds`."""
+        member, exchange, heads, positions, inter = self._usp_group(parts, tokens, positions,
+                                                                    ulysses)  # fmt: skip
+        ring = self._ring_seconds(heads, positions, inter, self.owner_dkv)
+        return self.linear_seconds(member) + self.layers * (exchange[0] + exchange[1] + ring)
+
+    def usp_group_forward_seconds(
+        self, parts: RingParts, tokens: np.ndarray, positions, ulysses: np.ndarray | int = 0
+    ) -> np.ndarray:
+        """The forward's part of `usp_group_seconds`: the linear modules' forward, the
+        all-to-alls of Q/K/V in and the output out, and the ring's forward steps, each
+        the longer of its compute and its hop."""
+        return self.usp_group_costs(parts, tokens, positions, ulysses)[1]
+
+    def usp_group_costs(
+        self, parts: RingParts, tokens: np.ndarray, positions, ulysses: np.ndarray | int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(`usp_group_seconds`, `usp_group_forward_seconds`) at once."""
+        member, exchange, heads, positions, inter = self._usp_group(parts, tokens, positions,
+                                                                    ulysses)  # fmt: skip
+        ring = self._ring_seconds(heads, positions, inter, self.owner_dkv)
+        linear = self.linear_seconds(member)
+        total = linear + self.layers * (exchange[0] + exchange[1] + ring)
+        latency, bandwidth = inter
+        share = 1.0 / (1.0 + BACKWARD_ATTENTION_FACTOR)
+        hop = latency + heads.send_bytes / bandwidth
+        forward = heads.diagonal_s * share + (positions - 1) * np.maximum(heads.step_s * share, hop)
+        return total, linear / (1.0 + BACKWARD_LINEAR_FACTOR) + self.layers * (
+            exchange[0] + forward
+        )
+
+    def _usp_group(self, parts: RingParts, tokens, positions, ulysses):
+        """What `usp_group_seconds` adds up: each member's tokens, the all-to-alls'
+        seconds (forward, backward), the parts of a member's heads, the positions and
+        the hop across nodes."""
+        n = np.asarray(tokens, dtype=np.float64)
         positions = np.asarray(positions, dtype=np.float64)
         gpus = self.cost.topology.gpus_per_node
         u = np.where(np.asarray(ulysses) > 0, ulysses, gpus).astype(np.float64)
         member = n / (positions * u)
         per_row = ulysses_row_bytes(self.shape, u)  # (U-1)/U of each member's rows leave
+        forward_row = ulysses_row_bytes(self.shape, u, forward=True)
         latency, bandwidth = self.hop(LinkKind.INTRA_NODE)
         # a position of several whole nodes (U > G) sends (U - G) / U of its rows across
         # nodes, every GPU at once on the NICs they share, beside the rest inside the node
@@ -308,29 +354,31 @@ class WorkModel:
         across = np.maximum(u - gpus, 0) / u
         far = member * across * per_row / self.cost.link_bandwidth(LinkKind.INTER_NODE)
         latency = np.where(across > 0, self.cost.link_latency(LinkKind.INTER_NODE), latency)
-        exchange = 4 * latency + np.maximum(near, far)
-        parts = self.ring_parts(n, positions)
+        moved = np.maximum(near, far)
+        forward = 2 * latency + moved * forward_row / per_row
+        exchange = (forward, 4 * latency + moved - forward)
         heads = RingParts(parts.diagonal_s / u, parts.step_s / u, parts.send_bytes / u)
         inter = (self.cost.link_latency(LinkKind.INTER_NODE),
                  self.cost.link_bandwidth(LinkKind.INTER_NODE))  # fmt: skip
-        ring = self._ring_seconds(heads, positions, inter, self.owner_dkv)
-        return self.linear_seconds(member) + self.layers * (exchange + ring)
+        return member, exchange, heads, positions, inter
 
     def usp_widths(self) -> tuple[int, ...]:
         """`usp_widths` of the model's shape on its topology."""
         return usp_widths(self.shape, self.cost.topology)
 
 
-def ulysses_row_bytes(shape: ModelShape, u: np.ndarray | int) -> np.ndarray:
+def ulysses_row_bytes(shape: ModelShape, u: np.ndarray | int, forward: bool = False) -> np.ndarray:
     """Bytes of one token's row, every head, through a step's four Ulysses all-to-alls
     among `u` members (a member sends (U - 1) / U of them to the others): Q/K/V in and
     the output out in the forward; the output's gradient in and dQ/dK/dV out in the
     backward, in float32 where members share K/V heads
     (`ray_zep.attention.engine.ulysses_gradient_dtype`; each member then gets one K/V
-    head, so the row carries U of them)."""
+    head, so the row carries U of them). `forward`: the forward's two alone."""
     u = np.asarray(u)
     qkv = (shape.n_heads + 2 * np.maximum(shape.n_kv_heads, u)) * shape.head_dim
     out = shape.n_heads * shape.head_dim
+    if forward:
+        return (qkv + out) * BYTES_PER_ELEMENT
     gradient = np.where(u > shape.n_kv_heads, 4, BYTES_PER_ELEMENT)
     return (qkv + 2 * out) * BYTES_PER_ELEMENT + qkv * gradient
 
