@@ -88,7 +88,8 @@ def test_guests_join_within_the_level_l_and_the_forwards_share() -> None:
         level = factor * float(member[0])
         floored = member.copy()
         floored[1] = 1.01 * level  # at its floor
-        table = PartsTable(lengths, np.ones(lengths.size, dtype=bool), 16, work)
+        table = PartsTable(lengths, work.whole_seconds(lengths), np.ones(lengths.size, dtype=bool),
+                           16, work)  # fmt: skip
         host, grown, seconds = usp_guests(np.arange(lengths.size), degrees, floored, usp, level,
                                           capacity, gpus, table)  # fmt: skip
         assert set(host[host >= 0].tolist()) <= {0, 3}, host  # not at the floor, not wide

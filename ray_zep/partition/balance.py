@@ -147,7 +147,7 @@ def balance(
     usp = parts = None
     if usp_groups and topology.nodes > 1:
         usp = UspGrid.of(lengths, splittable, capacity, topology, model)
-        parts = PartsTable(lengths, splittable, topology.nodes, model)
+        parts = PartsTable(lengths, work, splittable, topology.nodes, model)
 
     def place(factor: float, prune_above: float, force: bool, failed) -> Placed | None:
         return _place_at(lengths, work, small, mean * factor, topology, capacity, model, usp,

@@ -3,28 +3,37 @@
 
 A level gives each sequence it splits the fewest ranks whose member work is at most the
 level: a ring inside a node, a group of half-node positions, or a group of whole-node
-positions (USP). The degrees come in steps, so many of those ranks sit well under the
-level. A 52k-token document (13b, L = 6,400) takes two nodes at 0.66x the mean rank's
-work, and a 35k-token one a ring of 7 GPUs of a third node.
+positions (USP). Those degrees come in steps, so many groups sit well under the level.
+On `bench scale`'s 13b prolong64k batch at 1,024 GPUs (L = 6,400), a 54,477-token
+document takes two whole nodes and a 43,056-token one three half-node positions: 28 ranks.
 
-Such a group of whole-node positions (the host) may take other split sequences (guests)
-on its own ranks. The guests' own ranks are then freed for the rest of the level.
-- The host's item holds them all: each ring step forwards every sequence's chunk and
+A group of whole-node positions (the host) may take other split sequences (guests) on
+its own ranks, and the guests' own ranks are freed for the rest of the level. The two
+documents above share three nodes: 24 ranks.
+- The host's item holds them all. Each ring step forwards every sequence's chunk and
   computes every block, and one all-to-all moves all the rows (one queue item,
   `AttentionPlan.items`; the engine runs any number of sequences in an item).
-- Its member work is costed as one group over the sequences' summed ring parts
-  (`WorkModel.usp_group_seconds`), and a guest joins only where that stays within the
-  level and each member's tokens within L.
-- Guests are offered by the ranks they free, most first. Each joins the host it leaves
-  the least work room in (best fit), at the host's own positions.
-- Hosts are groups not at their floor.
-- Guests are the rings and the groups of positions narrower than a node; groups of
-  positions wider than a node take the batch's longest documents, which no host holds
-  beside its own.
+- The shared group's member work is costed over the sequences' summed ring parts
+  (`WorkModel.usp_group_seconds`).
+- A guest joins only where that work stays within the level and each member's tokens
+  within L. The host may take one more node for it (`GROWTH`), where that is fewer ranks
+  than the guest's own group.
+- The group's forward must also stay within `FORWARD_SHARE` of the level, since a step
+  waits for the slowest rank of each phase in turn. Without this check, 7b arxiv at
+  1,024 GPUs stepped 4.6% slower (1.874 -> 1.961 s): its forward ended on a group of four
+  positions holding three documents, which waited on its hops for 7.9 of 20.5 ms.
+- Guests are offered by the ranks they free, most first. Each joins the host it adds
+  the fewest ranks to, and of those the one it leaves the least work room in.
+- Hosts are groups not at their floor. Guests are rings and groups of half-node
+  positions. Groups of positions wider than a node hold the batch's longest documents,
+  and no host holds them beside its own.
 
-On `bench scale`'s 1,024-GPU batches (4k tokens per GPU) at level 1.2x, the split
-sequences of 13b prolong64k take 1,063 ranks on their own groups and 1,007 with guests;
-those of 7b arxiv at 1.15x take 1,049 and 1,009.
+On `bench scale`'s grid (64-1,024 GPUs, 4k tokens per GPU; BENCHMARKS.md, thirty-ninth
+series):
+- 13b prolong64k at 1,024 GPUs trains 6.9% more tokens a second, 13b github at 64 GPUs
+  10.4% more, four more rows 1.2-1.6% more;
+- 13b chat at 1,024 GPUs trains 1.5% fewer and three rows 0.5-1.2% fewer, where the plan
+  kept a lower level than before and played it slower.
 """
 
 from __future__ import annotations
@@ -38,6 +47,10 @@ GROWTH = 1
 """Whole nodes a host may add for its guests (each time fewer ranks than the guest's own
 group takes)."""
 OFFSETS = np.arange(GROWTH + 1)
+CHUNK = 64
+"""Guests weighed against every host at once: the later ones only once the earlier have
+joined or fit nowhere, by when the hosts have less room (at 4,096 GPUs most of several
+hundred fit none)."""
 FORWARD_SHARE = 1.0 / (1.0 + BACKWARD_LINEAR_FACTOR)
 """The most of the level a host's forward may take with its guests: a rank's linear
 modules' forward share (its attention's is smaller). A step waits for the forward's
@@ -51,10 +64,17 @@ class PartsTable:
     level scan asks for the same ones at every level)."""
 
     def __init__(
-        self, lengths: np.ndarray, candidates: np.ndarray, nodes: int, model: WorkModel
+        self,
+        lengths: np.ndarray,
+        work: np.ndarray,
+        candidates: np.ndarray,
+        nodes: int,
+        model: WorkModel,
     ) -> None:
-        """`candidates`: the sequences any level may split (the only ones asked for)."""
+        """`work`: each sequence's whole (`WorkModel.whole_seconds`); `candidates`: the
+        sequences any level may split (the only ones asked for)."""
         self.lengths = np.asarray(lengths, dtype=np.float64)
+        self.work = np.asarray(work, dtype=np.float64)
         self.nodes, self.model = nodes, model
         rows = np.flatnonzero(candidates)
         self._split = self.lengths[rows]
@@ -115,30 +135,53 @@ def usp_guests(
         return host_of, degrees, seconds
     groups = _Groups(seqs, hosts, degrees[hosts] // gpus, gpus, table)
     guests = guests[np.lexsort((-table.lengths[seqs[guests]], -degrees[guests]))]  # most first
-    # whether each guest fits each host at each offset, and the host's member work then;
-    # a join changes only its host's column, and joining only adds to a host, so a guest
-    # that fits none as they stand fits none later
-    fits, cost = groups.evaluate(seqs[guests], degrees[guests], level, capacity)
-    first = 0
-    while first < guests.size:
-        fitting = fits[first:].reshape(guests.size - first, -1).any(axis=1)
-        if not fitting.any():
-            break
-        row = first + int(fitting.argmax())
-        offset = np.where(fits[row].any(axis=1), fits[row].argmax(axis=1), GROWTH + 1)
-        least = offset == offset.min()  # the hosts it adds fewest ranks to
-        chosen = cost[row, np.arange(hosts.size), np.minimum(offset, GROWTH)]
-        k = int(np.where(least, chosen, -np.inf).argmax())  # of those, the fullest
-        guest = int(guests[row])
-        groups.join(k, int(seqs[guest]), int(offset[k]))
-        host_of[guest] = hosts[k]
-        seconds[hosts[k]] = cost[row, k, offset[k]]
-        degrees[hosts[k]] = groups.base[k] * gpus
-        first = row + 1
-        rest = guests[first:]
-        fits[first:, k], cost[first:, k] = groups.evaluate(seqs[rest], degrees[rest], level,
-                                                           capacity, k)  # fmt: skip
+    # guests in turn, `CHUNK` at a time: whether each fits each host at each offset, and
+    # the host's member work then; joining only adds to a host, so a guest that fits none
+    # as they stand fits none later
+    for start in range(0, guests.size, CHUNK):
+        chunk = guests[start : start + CHUNK]
+        chunk = chunk[groups.may_fit(seqs[chunk], degrees[chunk], level, capacity)]
+        if not chunk.size:
+            continue
+        fits, cost = groups.evaluate(seqs[chunk], degrees[chunk], level, capacity)
+        alive = np.flatnonzero(fits.reshape(chunk.size, -1).any(axis=1))
+        while alive.size:
+            # in rounds: each guest in turn joins the host it chooses unless another
+            # joined that host this round (it then chooses again, on the host as it is)
+            chosen, offsets = _choices(fits[alive], cost[alive])
+            touched = np.zeros(hosts.size, dtype=bool)
+            waiting = []
+            for row, k, offset in zip(alive.tolist(), chosen.tolist(), offsets.tolist(),
+                                      strict=True):  # fmt: skip
+                if touched[k]:
+                    waiting.append(row)
+                    continue
+                touched[k] = True
+                guest = int(chunk[row])
+                groups.join(k, int(seqs[guest]), offset)
+                host_of[guest] = hosts[k]
+                seconds[hosts[k]] = cost[row, k, offset]
+                degrees[hosts[k]] = groups.base[k] * gpus
+            alive = np.asarray(waiting, dtype=np.int64)
+            if alive.size:
+                changed = np.flatnonzero(touched)
+                rest = chunk[alive]
+                fit, then = groups.evaluate(seqs[rest], degrees[rest], level, capacity, changed)
+                fits[alive[:, None], changed], cost[alive[:, None], changed] = fit, then
+                alive = alive[fits[alive].reshape(alive.size, -1).any(axis=1)]
     return host_of, degrees, seconds
+
+
+def _choices(fits: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per guest (rows of guests x hosts x offsets), the host it joins and at which
+    offset: of the hosts it fits, those it adds the fewest ranks to, and of those the
+    one it leaves the least work room in."""
+    fitting = fits.any(axis=2)
+    offset = np.where(fitting, fits.argmax(axis=2), GROWTH + 1)
+    least = offset == offset.min(axis=1, keepdims=True)
+    then = np.take_along_axis(cost, np.minimum(offset, GROWTH)[..., None], axis=2)[..., 0]
+    host = np.where(least & fitting, then, -np.inf).argmax(axis=1)
+    return host, offset[np.arange(host.size), host]
 
 
 class _Groups:
@@ -172,14 +215,33 @@ class _Groups:
                                             tokens, shares), strict=True):  # fmt: skip
             mine[k] = values.sum(axis=0)
 
+    def may_fit(self, seqs: np.ndarray, own: np.ndarray, level: float, capacity: int):
+        """Whether each of `seqs` (own degrees `own`) passes a quick test of fitting some
+        host as the hosts stand: each host's member work alone at each offset plus the
+        sequence's whole work spread over the host's GPUs (what it adds at least: split,
+        its blocks run no faster), and the forward alone plus the linear modules' forward
+        of its share of tokens, within the level, and the members' tokens within L."""
+        positions = self.positions()
+        model = self.table.model
+        parts = RingParts(self.sums[0], self.sums[1], self.sums[2])
+        cost, forward = model.usp_group_costs(parts, self.sums[3], positions, self.gpus)
+        members = (positions * self.gpus)[None]
+        share = self.table.lengths[seqs][:, None, None] / members
+        spread = self.table.work[seqs][:, None, None] / members
+        fits = (cost + spread <= level) & (self.sums[4] + np.ceil(share) <= capacity)
+        fits &= forward + model.linear_seconds(share) * FORWARD_SHARE <= level * FORWARD_SHARE
+        fits &= OFFSETS * self.gpus < own[:, None, None]
+        return fits.reshape(seqs.size, -1).any(axis=1)
+
     def evaluate(self, seqs: np.ndarray, own: np.ndarray, level: float, capacity: int,
-                 host: int | slice = slice(None)):  # fmt: skip
+                 host: int | slice | np.ndarray = slice(None)):  # fmt: skip
         """(fits, member seconds) of each of `seqs` (own degrees `own`) joining the hosts
-        (or the one `host`) at each offset, as they stand: guests x hosts x offsets (or
-        guests x offsets)."""
+        (those of `host`; one: no host axis) at each offset, as they stand: guests x
+        hosts x offsets (or guests x offsets)."""
         positions = self.positions(host)  # hosts x offsets (or 1 x offsets)
         if isinstance(host, int):
             positions = positions[0]
+        self.table.ready(positions.ravel())
         shape = (seqs.size, *positions.shape)
         column = (-1, *([1] * positions.ndim))  # one guest per row, broadcast over the rest
         seq = np.broadcast_to(seqs.reshape(column), shape)
@@ -201,6 +263,15 @@ class _Groups:
     def join(self, k: int, seq: int, grown: int) -> None:
         """Sequence `seq` joins host `k`, which takes `grown` more nodes."""
         self.held[k].append(seq)
-        self.base[k] += grown
-        self.table.ready(self.positions([k]).ravel())
-        self._count(k)
+        if grown:
+            self.base[k] += grown
+            self.table.ready(self.positions([k]).ravel())
+            self._count(k)
+            return
+        positions = self.positions([k])[0]
+        parts = self.table.parts(np.full(positions.shape, seq), positions)
+        n = self.table.lengths[seq]
+        added = (parts.diagonal_s, parts.step_s, parts.send_bytes, n,
+                 np.ceil(n / (positions * self.gpus)))  # fmt: skip
+        for mine, values in zip(self.sums, added, strict=True):
+            mine[k] += values
