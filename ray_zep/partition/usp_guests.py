@@ -28,12 +28,12 @@ documents above share three nodes: 24 ranks.
   positions. Groups of positions wider than a node hold the batch's longest documents,
   and no host holds them beside its own.
 
-On `bench scale`'s grid (64-1,024 GPUs, 4k tokens per GPU; BENCHMARKS.md, thirty-ninth
+On `bench scale`'s grid (64-4,096 GPUs, 4k tokens per GPU; BENCHMARKS.md, thirty-ninth
 series):
 - 13b prolong64k at 1,024 GPUs trains 6.9% more tokens a second, 13b github at 64 GPUs
-  10.4% more, four more rows 1.2-1.6% more;
-- 13b chat at 1,024 GPUs trains 1.5% fewer and three rows 0.5-1.2% fewer, where the plan
-  kept a lower level than before and played it slower.
+  10.4% more, and eleven more rows 0.5-3.0% more;
+- five rows train 0.5-1.5% fewer (13b chat at 1,024 GPUs the most): there the plan kept
+  a lower level than before and the simulator played it slower.
 """
 
 from __future__ import annotations
