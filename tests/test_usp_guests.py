@@ -13,8 +13,10 @@ from ray_zep.data.synthetic import batch_lengths
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import balance
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts, local_placement
+from ray_zep.partition.stats import plan_stats
 from ray_zep.partition.usp_guests import FORWARD_SHARE, GROWTH, PartsTable, usp_guests
 from ray_zep.partition.work import RingParts
+from ray_zep.report.placement import summary_line
 from ray_zep.sim.compare import variant_config
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, plan_batch, simulate_batch, simulate_plan
@@ -117,8 +119,9 @@ def test_guests_join_within_the_level_l_and_the_forwards_share() -> None:
 def test_the_work_policy_takes_guests_where_they_shorten_the_step(monkeypatch) -> None:
     """`bench scale`'s github batch on 64 GPUs of cluster A, 13b, 4k tokens per GPU
     (L = 6,400): the work policy puts split sequences into groups of whole-node positions
-    (one item holds several), no rank holds more than L, and the simulated step is
-    shorter than without guests (6.50 s against 7.05 s)."""
+    (one item holds several), no rank holds more than L, `ray-zep plan`'s summary counts
+    them, and the simulated step is shorter than without guests (6.50 s against 7.05
+    s)."""
     config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=8",
                                 "model.preset=13b", "parallel.weights=fsdp"])  # fmt: skip
     config = variant_config(config, "zeppelin", 6400)
@@ -130,6 +133,9 @@ def test_the_work_policy_takes_guests_where_they_shorten_the_step(monkeypatch) -
     shared = [item for item in plan.items() if item.ulysses == gpus and len(item.seqs) > 1]
     assert shared, "no group of whole-node positions took a guest"
     assert plan.rank_tokens().max() <= 6400
+    guests = sum(len(item.seqs) - 1 for item in plan.items() if item.ulysses > 1)
+    shown = summary_line(plan, plan_stats(plan, run.shape))  # what `ray-zep plan` prints
+    assert f"{len(shared)} USP groups hold {guests} more sequences as guests" in shown, shown
     with_guests = simulate_batch(lengths, run).step_seconds
     monkeypatch.setattr(balance, "USP_GUESTS", False)
     without = simulate_batch(lengths, run).step_seconds

@@ -157,6 +157,10 @@ def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
     several = sum(count > 1 for count in in_rings.values())
     if several:  # hosted rings (`ray_zep.partition.hosting`) or the cost policy's splits
         keeping += f"; {several} ranks sit in more than one ring"
+    shared = [item for item in plan.items() if item.ulysses > 1 and len(item.seqs) > 1]
+    if shared:  # guests (`ray_zep.partition.usp_guests`)
+        guests = sum(len(item.seqs) - 1 for item in shared)
+        keeping += f"; {len(shared)} USP groups hold {guests} more sequences as guests"
     bound = token_bound_ranks(plan, stats)
     if bound:
         keeping += (
