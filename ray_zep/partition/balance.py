@@ -28,7 +28,8 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    ranks for the room); its own ranks are freed for the whole sequences. Before that, a
    split sequence may join a USP group of whole-node positions that has work and token
    room left, in the group's own item, the group taking at most one more node and fewer
-   ranks than the sequence's own group would (`usp_guests`).
+   ranks than the sequence's own group would (`usp_guests`), where the groups on their
+   own take more ranks than there are.
 3. Whole sequences, most work first, go to the rank whose work leaves the least
    room under lam among those with token room (best fit decreasing). A ring whose
    member work counted on keeping its peers' K/V beyond the model's budget, in the
@@ -106,7 +107,8 @@ HOSTED_RINGS = True
 (`ray_zep.partition.hosting`)."""
 USP_GUESTS = True
 """Split sequences may join a group of whole-node positions with work and token room
-left, freeing their own ranks (`ray_zep.partition.usp_guests`)."""
+left, freeing their own ranks (`ray_zep.partition.usp_guests`), at levels whose groups
+on their own take more ranks than there are."""
 DEGREE_ROUNDS = 24
 """Rounds of the vectorised degree search (each grows unfinished degrees by 1/8)."""
 
@@ -196,7 +198,8 @@ def _place_at(
     if seqs.size and usp_grid is not None:
         degrees, member, usp = usp_grid.choose(seqs, degrees, member, level)
     host = np.full(seqs.size, -1, dtype=np.int64)  # the group each guest joins
-    if USP_GUESTS and not force and seqs.size and parts is not None:
+    if USP_GUESTS and not force and parts is not None and degrees.sum() > world:
+        # guests free ranks, so only where the groups on their own need more than there are
         host, degrees, member = usp_guests(seqs, degrees, member, usp, level, capacity, gpus,
                                            parts)  # fmt: skip
     floor = member > level  # no degree brings these under the level
