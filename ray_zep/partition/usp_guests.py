@@ -24,6 +24,10 @@ documents above share three nodes: 24 ranks.
   positions holding three documents, which waited on its hops for 7.9 of 20.5 ms.
 - Guests are offered by the ranks they free, most first. Each joins the host it adds
   the fewest ranks to, and of those the one it leaves the least work room in.
+- The level takes guests only where its split sequences' own groups need more ranks
+  than there are (`balance`). Elsewhere guests free ranks the plan does not need: taken
+  at every level, they made 13b chat at 1,024 GPUs step 1.6% slower, and 7b chat at 256
+  and 1,024 GPUs 1.3% and 0.5%.
 - Hosts are groups not at their floor. Guests are rings and groups of half-node
   positions. Groups of positions wider than a node hold the batch's longest documents,
   and no host holds them beside its own.
@@ -31,9 +35,9 @@ documents above share three nodes: 24 ranks.
 On `bench scale`'s grid (64-4,096 GPUs, 4k tokens per GPU; BENCHMARKS.md, thirty-ninth
 series):
 - 13b prolong64k at 1,024 GPUs trains 6.9% more tokens a second, 13b github at 64 GPUs
-  10.4% more, and eleven more rows 0.5-3.0% more;
-- five rows train 0.5-1.5% fewer (13b chat at 1,024 GPUs the most): there the plan kept
-  a lower level than before and the simulator played it slower.
+  10.4% more, and eight more rows 0.5-3.0% more;
+- 13b arxiv at 1,024 and 4,096 GPUs trains 0.7% and 0.9% fewer: there the plan kept a
+  lower level than before, which the simulator played slower.
 """
 
 from __future__ import annotations
