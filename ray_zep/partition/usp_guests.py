@@ -208,15 +208,20 @@ class _Groups:
         positions = self.base[rows, None] + OFFSETS[None, :]
         return np.where(positions <= self.table.nodes, positions, self.base[rows, None])
 
+    def _shares(self, seqs: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, ...]:
+        """What sequences `seqs` add to a group at `positions` each (same shape), as
+        `sums` counts it: their ring parts, their tokens, and their share of a member's
+        tokens rounded up."""
+        parts = self.table.parts(seqs, positions)
+        tokens = self.table.lengths[seqs]
+        shares = np.ceil(tokens / (positions * self.gpus))
+        return parts.diagonal_s, parts.step_s, parts.send_bytes, tokens, shares
+
     def _count(self, k: int) -> None:
         members = np.asarray(self.held[k])
         positions = np.broadcast_to(self.positions([k]), (members.size, OFFSETS.size))
         seqs = np.broadcast_to(members[:, None], positions.shape)
-        parts = self.table.parts(seqs, positions)
-        tokens = self.table.lengths[seqs]
-        shares = np.ceil(tokens / (positions * self.gpus))
-        for mine, values in zip(self.sums, (parts.diagonal_s, parts.step_s, parts.send_bytes,
-                                            tokens, shares), strict=True):  # fmt: skip
+        for mine, values in zip(self.sums, self._shares(seqs, positions), strict=True):
             mine[k] = values.sum(axis=0)
 
     def may_fit(self, seqs: np.ndarray, own: np.ndarray, level: float, capacity: int):
@@ -238,30 +243,21 @@ class _Groups:
         return fits.reshape(seqs.size, -1).any(axis=1)
 
     def evaluate(self, seqs: np.ndarray, own: np.ndarray, level: float, capacity: int,
-                 host: int | slice | np.ndarray = slice(None)):  # fmt: skip
+                 hosts: slice | np.ndarray = slice(None)):  # fmt: skip
         """(fits, member seconds) of each of `seqs` (own degrees `own`) joining the hosts
-        (those of `host`; one: no host axis) at each offset, as they stand: guests x
-        hosts x offsets (or guests x offsets)."""
-        positions = self.positions(host)  # hosts x offsets (or 1 x offsets)
-        if isinstance(host, int):
-            positions = positions[0]
+        (those of `hosts`) at each offset, as they stand: guests x hosts x offsets."""
+        positions = self.positions(hosts)  # hosts x offsets
         self.table.ready(positions.ravel())
         shape = (seqs.size, *positions.shape)
-        column = (-1, *([1] * positions.ndim))  # one guest per row, broadcast over the rest
-        seq = np.broadcast_to(seqs.reshape(column), shape)
+        seq = np.broadcast_to(seqs[:, None, None], shape)
         positions = np.broadcast_to(positions, shape)
-        theirs = self.table.parts(seq, positions)
-        mine = [total[host] for total in self.sums]
-        together = RingParts(mine[0] + theirs.diagonal_s, mine[1] + theirs.step_s,
-                             mine[2] + theirs.send_bytes)  # fmt: skip
-        n = self.table.lengths[seq]
-        tokens = mine[3] + n
-        held = mine[4] + np.ceil(n / (positions * self.gpus))
-        model = self.table.model
-        cost, forward = model.usp_group_costs(together, tokens, positions, self.gpus)
-        fits = (cost <= level) & (forward <= level * FORWARD_SHARE) & (held <= capacity)
-        fits &= OFFSETS * self.gpus < own.reshape(column)  # fewer ranks than its own group
-        fits &= self.base[host, None] + OFFSETS <= self.table.nodes  # no more nodes than exist
+        together = [total[hosts] + added for total, added in
+                    zip(self.sums, self._shares(seq, positions), strict=True)]  # fmt: skip
+        cost, forward = self.table.model.usp_group_costs(RingParts(*together[:3]), together[3],
+                                                         positions, self.gpus)  # fmt: skip
+        fits = (cost <= level) & (forward <= level * FORWARD_SHARE) & (together[4] <= capacity)
+        fits &= OFFSETS * self.gpus < own[:, None, None]  # fewer ranks than its own group
+        fits &= self.base[hosts, None] + OFFSETS <= self.table.nodes  # no more nodes than exist
         return fits, cost
 
     def join(self, k: int, seq: int, grown: int) -> None:
@@ -273,9 +269,6 @@ class _Groups:
             self._count(k)
             return
         positions = self.positions([k])[0]
-        parts = self.table.parts(np.full(positions.shape, seq), positions)
-        n = self.table.lengths[seq]
-        added = (parts.diagonal_s, parts.step_s, parts.send_bytes, n,
-                 np.ceil(n / (positions * self.gpus)))  # fmt: skip
-        for mine, values in zip(self.sums, added, strict=True):
-            mine[k] += values
+        for mine, added in zip(self.sums, self._shares(np.full(positions.shape, seq), positions),
+                               strict=True):  # fmt: skip
+            mine[k] += added

@@ -306,10 +306,7 @@ class WorkModel:
         summed, `tokens` their lengths summed. Each ring step forwards every sequence's
         chunk and computes every block, and one all-to-all moves all the rows (one queue
         item, `AttentionPlan.items`); one sequence gives `usp_member_seconds`."""
-        member, exchange, heads, positions, inter = self._usp_group(parts, tokens, positions,
-                                                                    ulysses)  # fmt: skip
-        ring = self._ring_seconds(heads, positions, inter, self.owner_dkv)
-        return self.linear_seconds(member) + self.layers * (exchange[0] + exchange[1] + ring)
+        return self._usp_total(*self._usp_group(parts, tokens, positions, ulysses))
 
     def usp_group_forward_seconds(
         self, parts: RingParts, tokens: np.ndarray, positions, ulysses: np.ndarray | int = 0
@@ -323,18 +320,19 @@ class WorkModel:
         self, parts: RingParts, tokens: np.ndarray, positions, ulysses: np.ndarray | int = 0
     ) -> tuple[np.ndarray, np.ndarray]:
         """(`usp_group_seconds`, `usp_group_forward_seconds`) at once."""
-        member, exchange, heads, positions, inter = self._usp_group(parts, tokens, positions,
-                                                                    ulysses)  # fmt: skip
-        ring = self._ring_seconds(heads, positions, inter, self.owner_dkv)
-        linear = self.linear_seconds(member)
-        total = linear + self.layers * (exchange[0] + exchange[1] + ring)
-        latency, bandwidth = inter
+        group = self._usp_group(parts, tokens, positions, ulysses)
+        member, exchange, heads, positions, (latency, bandwidth) = group
         share = 1.0 / (1.0 + BACKWARD_ATTENTION_FACTOR)
         hop = latency + heads.send_bytes / bandwidth
-        forward = heads.diagonal_s * share + (positions - 1) * np.maximum(heads.step_s * share, hop)
-        return total, linear / (1.0 + BACKWARD_LINEAR_FACTOR) + self.layers * (
-            exchange[0] + forward
-        )
+        ring = heads.diagonal_s * share + (positions - 1) * np.maximum(heads.step_s * share, hop)
+        linear = self.linear_seconds(member) / (1.0 + BACKWARD_LINEAR_FACTOR)
+        return self._usp_total(*group), linear + self.layers * (exchange[0] + ring)
+
+    def _usp_total(self, member, exchange, heads: RingParts, positions, inter) -> np.ndarray:
+        """`usp_group_seconds` of `_usp_group`'s parts: the linear modules, both phases'
+        all-to-alls and the ring."""
+        ring = self._ring_seconds(heads, positions, inter, self.owner_dkv)
+        return self.linear_seconds(member) + self.layers * (exchange[0] + exchange[1] + ring)
 
     def _usp_group(self, parts: RingParts, tokens, positions, ulysses):
         """What `usp_group_seconds` adds up: each member's tokens, the all-to-alls'
