@@ -4,14 +4,21 @@ attends with 1 / s of the heads and imports 1 / s of the long sequence's K/V."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from ray_zep.config import load_config
 from ray_zep.data.synthetic import batch_lengths
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan, work
 from ray_zep.partition.plan import SeqPlacement, bounds_for_counts, local_placement
-from ray_zep.partition.usp_grid import positions_in_nodes
-from ray_zep.sim.step import simulate_plan
+from ray_zep.partition.plan_memory import planning_parallel
+from ray_zep.partition.usp_grid import UspGrid, positions_in_nodes
+from ray_zep.partition.work import FORWARD_SHARE, WorkModel
+from ray_zep.sim.compare import variant_config
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.step import RunModel, simulate_plan
+from ray_zep.topology import build_topology
 from tests.test_narrow_usp import assert_group_matches_single_device, usp_cluster
 
 
@@ -78,3 +85,41 @@ def test_the_work_policy_runs_the_longest_chat_document_on_positions_of_several_
     assert all(p.ulysses <= topology.gpus_per_node for p in narrow.placements)
     step, before = (simulate_plan(p, run, True, None).step_seconds for p in (plan, narrow))
     assert step < 0.95 * before, (step, before)
+
+
+@pytest.mark.unit
+def test_a_one_node_group_bound_on_its_hops_gives_way_to_wider_positions() -> None:
+    """`bench scale`'s 13b github batch on 1,024 GPUs (L = 7,680) holds a 242k-token
+    document; its ring members keep their peers' K/V for the backward where the memory
+    left beside full activation checkpointing allows, as the bench plans it. As 14
+    one-node positions (112 ranks) its member work is within a level, but its forward,
+    waiting on the K/V every node imports, passes `FORWARD_SHARE` of it and would set the
+    step's forward; the grid takes 3 positions of five nodes (120 ranks) instead, within
+    the level in both. Where the level leaves its forward room, the one-node group
+    stays."""
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=128",
+                                "model.preset=13b", "parallel.weights=fsdp",
+                                "train.tokens_per_rank=7680",
+                                "train.activation_checkpointing=full"])  # fmt: skip
+    config = variant_config(config, "zeppelin", 7680)
+    topology = build_topology(config.topology)
+    run = RunModel.create(config, Hardware.preset(topology))
+    parallel = planning_parallel(config, topology, run.shape)
+    model = WorkModel.create(run.shape, topology, routed=parallel.routing,
+                             dkv_wire=parallel.dkv_wire, keep_kv_gb=parallel.ring_kv_keep_gb,
+                             room_mb=parallel.ring_kv_room_mb, capacity=7680)  # fmt: skip
+    n = 242302
+    grid = UspGrid.of(np.asarray([n]), np.asarray([True]), 7680, topology, model)
+    one_node = (grid.widths == 8) & (grid.positions == 14)
+    level = float(grid.seconds[0, one_node][0]) * 1.001
+    assert float(grid.forward[0, one_node][0]) > FORWARD_SHARE * level
+    fewest = grid.degrees[(grid.seconds[0] <= level)].min()
+    assert fewest == 112  # without the forward's check, the one-node group would win
+    seqs, ring = np.asarray([0]), np.asarray([n // 7680 + 1])
+    degree, member, width = grid.choose(seqs, ring, np.asarray([np.inf]), level)
+    assert (degree[0], width[0]) == (120, 40), (degree, width)
+    column = (grid.widths == 40) & (grid.positions == 3)
+    assert member[0] <= level and float(grid.forward[0, column][0]) <= FORWARD_SHARE * level
+    roomy = 1.5 * level
+    degree, _, width = grid.choose(seqs, ring, np.asarray([np.inf]), roomy)
+    assert width[0] == 8, (degree, width)

@@ -22,6 +22,20 @@ documents, whose rings of one-node positions are bound by that import at any wid
 the mean as 32 positions of a node (1.48x of it waiting on the NICs) and 0.98x as 16
 positions of two nodes. A group of wider positions may take as many ranks as one of
 narrower ones; of the groups with the fewest ranks at the level, the lightest is chosen.
+
+A group of one-node positions may be within the level and still set the step: a step
+waits for the forward's slowest rank, then the backward's, and such a group's forward
+waits on its hops (where its members keep their peers' K/V, its backward sends little
+besides). Where its forward passes `FORWARD_SHARE` of the level, the group of wider
+positions with the fewest ranks whose work and forward are both within it is taken
+instead, even with more ranks (`UspGrid._wide_for_hops`). On `bench scale`'s grid (4k
+tokens per GPU) it moves two rows of 64-1,024 GPUs: at 1,024 GPUs 13b github's 242k-token
+document takes 3 positions of five nodes for 14 one-node ones (2.7% more tokens a second)
+and 13b chat 3.4% more; 7b arxiv 0.1% fewer. Checked on every group, not only where a
+wider one can take it, the forward held other groups at more ranks and three 7b rows lost
+1.4-3.5%; a forward that also counts the weights' collectives on the NICs took wide
+positions the simulator plays slower: seven of eight rows at 1,024 GPUs lost 4-21%
+(BENCHMARKS.md, fortieth series).
 """
 
 from __future__ import annotations
@@ -30,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ray_zep.partition.work import WorkModel
+from ray_zep.partition.work import FORWARD_SHARE, WorkModel
 from ray_zep.topology import Topology
 
 MIN_GAIN = 0.03
@@ -60,6 +74,10 @@ class UspGrid:
     """One row per candidate sequence, one column per group."""
     row: np.ndarray
     """Each sequence's row of `seconds`; -1 for those no level splits."""
+    forward: np.ndarray
+    """The forward's part of `seconds` (`WorkModel.usp_group_forward_seconds`)."""
+    gpus: int
+    """GPUs per node: positions of U = `gpus` are one node each, wider ones several."""
 
     @property
     def degrees(self) -> np.ndarray:
@@ -96,13 +114,13 @@ class UspGrid:
         rows = np.flatnonzero(candidates)
         n = lengths[rows]
         k = widths.size
-        grid = model.usp_member_seconds(
-            np.repeat(n, k), np.tile(positions, n.size), np.tile(widths, n.size)
-        ).reshape(n.size, k)
+        tokens, at = np.repeat(n, k).astype(np.float64), np.tile(positions, n.size)
+        grid, forward = (part.reshape(n.size, k) for part in model.usp_group_costs(
+            model.ring_parts(tokens, at), tokens, at, np.tile(widths, n.size)))  # fmt: skip
         seconds = np.where(n[:, None] <= (widths * positions)[None, :] * capacity, grid, np.inf)
         row = np.full(lengths.size, -1, dtype=np.int64)
         row[rows] = np.arange(rows.size)
-        return cls(widths, positions, seconds, row)
+        return cls(widths, positions, seconds, row, forward, gpus)
 
     def choose(
         self, seqs: np.ndarray, degrees: np.ndarray, member: np.ndarray, level: float
@@ -110,16 +128,18 @@ class UspGrid:
         """(degrees, member work, U: 0 for a ring) of the rings of `seqs` once USP groups
         compete: per sequence, the fewest-rank group whose member work is at most `level`
         (or the least work, within `MIN_GAIN`, where none is; the lightest where groups
-        of positions of different widths take as many ranks), taken over the ring where
-        it needs fewer ranks at the level (on as many, or where neither reaches it: the
-        lesser work by `MIN_GAIN`; the ring on near ties, which has no all-to-alls)."""
+        of positions of different widths take as many ranks; wider positions for a
+        one-node group whose forward passes its share, `_wide_for_hops`), taken over the
+        ring where it needs fewer ranks at the level (on as many, or where neither
+        reaches it: the lesser work by `MIN_GAIN`; the ring on near ties, which has no
+        all-to-alls)."""
         rows = self.row[seqs]
         assert (rows >= 0).all(), "a level split a sequence the USP grid left out"
         grid = self.seconds[rows]
         at_level = grid <= level
         near_least = grid <= grid.min(axis=1, keepdims=True) * (1 + MIN_GAIN)
         wanted = np.where(at_level.any(axis=1, keepdims=True), at_level, near_least)
-        pick = _least_of_fewest(wanted, self.degrees, grid)
+        pick = self._wide_for_hops(rows, _least_of_fewest(wanted, self.degrees, grid), level)
         usp_work = grid[np.arange(seqs.size), pick]
         usp_degree = self.degrees[pick]
         ring_in, usp_in = member <= level, usp_work <= level
@@ -132,6 +152,23 @@ class UspGrid:
             np.where(usp, usp_work, member),
             np.where(usp, self.widths[pick], 0),
         )
+
+    def _wide_for_hops(self, rows: np.ndarray, pick: np.ndarray, level: float) -> np.ndarray:
+        """`pick` with each group of one-node positions whose forward passes
+        `FORWARD_SHARE` of the level replaced by the group of wider positions with the
+        fewest ranks (the lightest on ties) that keeps both its work and its forward within
+        the level, where there is one (module docstring)."""
+        grid, forward = self.seconds[rows], self.forward[rows]
+        chosen = np.arange(rows.size)
+        heavy = (self.widths[pick] == self.gpus) & (forward[chosen, pick] > FORWARD_SHARE * level)
+        wide = (self.widths > self.gpus)[None, :] & (grid <= level)
+        wide &= forward <= FORWARD_SHARE * level
+        heavy &= wide.any(axis=1)
+        if not heavy.any():
+            return pick
+        pick = pick.copy()
+        pick[heavy] = _least_of_fewest(wide[heavy], self.degrees, grid[heavy])
+        return pick
 
 
 def _least_of_fewest(wanted: np.ndarray, degrees: np.ndarray, grid: np.ndarray) -> np.ndarray:

@@ -44,8 +44,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ray_zep.costmodel import BACKWARD_LINEAR_FACTOR
-from ray_zep.partition.work import RingParts, WorkModel
+from ray_zep.partition.work import FORWARD_SHARE, RingParts, WorkModel
 
 GROWTH = 1
 """Whole nodes a host may add for its guests (each time fewer ranks than the guest's own
@@ -55,11 +54,6 @@ CHUNK = 64
 """Guests weighed against every host at once: the later ones only once the earlier have
 joined or fit nowhere, by when the hosts have less room (at 4,096 GPUs most of several
 hundred fit none)."""
-FORWARD_SHARE = 1.0 / (1.0 + BACKWARD_LINEAR_FACTOR)
-"""The most of the level a host's forward may take with its guests: a rank's linear
-modules' forward share (its attention's is smaller). A step waits for the forward's
-slowest rank, then the backward's, so a host whose forward waits on its hops sets the
-forward even where its member work, forward and backward, is within the level."""
 
 
 class PartsTable:

@@ -70,6 +70,13 @@ moved (BENCHMARKS.md, thirty-seventh series). A lone 242k-token group of 8 posit
 positions 0.86-0.89x. (Tried in the twenty-third series, when a link served one message at
 a time, the same spans lost 2.9-19% on chat: a lone group then played twice its model.)"""
 
+FORWARD_SHARE = 1.0 / (1.0 + BACKWARD_LINEAR_FACTOR)
+"""The most of the level a USP group's forward may take where a plan checks it (guests,
+`ray_zep.partition.usp_guests`; wide positions, `ray_zep.partition.usp_grid`): a rank's
+linear modules' forward share (its attention's is smaller). A step waits for the
+forward's slowest rank, then the backward's, so a group whose forward waits on its hops
+sets the forward even where its member work, forward and backward, is within the level."""
+
 
 @dataclass(frozen=True)
 class RingParts:
