@@ -25,17 +25,18 @@ narrower ones; of the groups with the fewest ranks at the level, the lightest is
 
 A group of one-node positions may be within the level and still set the step: a step
 waits for the forward's slowest rank, then the backward's, and such a group's forward
-waits on its hops (where its members keep their peers' K/V, its backward sends little
-besides). Where its forward passes `FORWARD_SHARE` of the level, the group of wider
+waits on its hops (where its members keep their peers' K/V, its backward sends only the
+gradients). Where its forward passes `FORWARD_SHARE` of the level, the group of wider
 positions with the fewest ranks whose work and forward are both within it is taken
 instead, even with more ranks (`UspGrid._wide_for_hops`). On `bench scale`'s grid (4k
-tokens per GPU) it moves two rows of 64-1,024 GPUs: at 1,024 GPUs 13b github's 242k-token
-document takes 3 positions of five nodes for 14 one-node ones (2.7% more tokens a second)
-and 13b chat 3.4% more; 7b arxiv 0.1% fewer. Checked on every group, not only where a
-wider one can take it, the forward held other groups at more ranks and three 7b rows lost
-1.4-3.5%; a forward that also counts the weights' collectives on the NICs took wide
-positions the simulator plays slower: seven of eight rows at 1,024 GPUs lost 4-21%
-(BENCHMARKS.md, fortieth series).
+tokens per GPU) no row of 64 or 256 GPUs moves. At 1,024 GPUs 13b github's 242k- and
+239k-token documents take 3 positions of five nodes each (120 ranks) for 14 and 13
+one-node ones, and the row trains 2.7% more tokens a second; 13b chat 3.4% more, 7b
+arxiv 0.1% fewer; at 4,096 GPUs the chat rows 6.7-8.7% more. Checked on every group, not
+only where a wider one can take it, the forward held other groups at more ranks and
+three 7b rows lost 1.4-3.5%; a forward that also counts the weights' collectives on the
+NICs took wide positions the simulator plays slower: seven of eight rows at 1,024 GPUs
+lost 4-21% (BENCHMARKS.md, fortieth series).
 """
 
 from __future__ import annotations
