@@ -113,7 +113,7 @@ def _run(gpus: int, model: str) -> RunModel:
     return RunModel.create(config, Hardware.preset(build_topology(config.topology)))
 
 
-@pytest.mark.parametrize(("gpus", "model", "seed"), [(512, "13b", 2), (512, "7b", 2)])
+@pytest.mark.parametrize(("gpus", "model", "seed"), [(1024, "13b", 0), (1024, "13b", 5)])
 def test_the_early_bound_changes_no_placement_and_deals_fewer_sequences(
     monkeypatch: pytest.MonkeyPatch, gpus: int, model: str, seed: int
 ) -> None:
