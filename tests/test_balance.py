@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import ray_zep.partition.balance as balance_module
+import ray_zep.partition.level_fill as level_fill
 from ray_zep.config import ParallelConfig, ZonePolicy, load_config
 from ray_zep.costmodel import linear_flops_per_token, preset_rates
 from ray_zep.data.synthetic import batch_lengths
@@ -313,16 +314,16 @@ def test_no_bisection_below_a_lowest_level_that_overflowed(monkeypatch) -> None:
 
 
 def test_a_level_between_an_overflowed_one_and_the_winner_can_win(monkeypatch) -> None:
-    """1,024 GPUs of arxiv at 4k tokens each, 7B, L = 7,680: the lowest level whose rings
+    """1,024 GPUs of arxiv at 4k tokens each, 13B, L = 5,120: the lowest level whose rings
     fit overflows and a level one step higher wins. Halving the gap between the two places
     levels there, and one of them ends with a lower busiest rank than the plain scan's."""
-    plan, placed = _recorded_levels(monkeypatch, 128, "7b", "arxiv", 4096)
+    plan, placed = _recorded_levels(monkeypatch, 128, "13b", "arxiv", 4096)
 
     def busiest(bisect_above: bool) -> tuple[float, list]:
         """The lowest busiest rank placed (the one kept), and every level placed with its
         busiest rank (None where its rings did not fit or it was abandoned)."""
         monkeypatch.setattr(balance_module, "BISECT_ABOVE_OVERFLOW", bisect_above)
-        plan(7680)
+        plan(5120)
         levels = [(level, None if out is None or out.pruned else out.busiest)
                   for level, out in placed]  # fmt: skip
         return min(b for _, b in levels if b is not None), levels
@@ -514,11 +515,13 @@ def test_a_light_ring_inside_a_node_rides_on_a_whole_node_of_a_ring_across_nodes
     `ray-zep plan`'s summary counts the ranks in two rings, and the simulator plays a
     shorter step than with every ring on ranks of its own (1.920 s against 1.971 s).
     Guests in USP groups are off here: they take such rings' sequences into the groups'
-    own items (`ray_zep.partition.usp_guests`)."""
+    own items (`ray_zep.partition.usp_guests`); so are second rings over members of one
+    group (`ray_zep.partition.co_rings`), which take them without hosting (1.887 s)."""
     from ray_zep.sim.compare import variant_config
     from ray_zep.sim.step import plan_batch
 
     monkeypatch.setattr(balance_module, "USP_GUESTS", False)
+    monkeypatch.setattr(level_fill, "co_member_ring", lambda *args: None)
     config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=32",
                                 "model.preset=7b", "parallel.weights=fsdp"])  # fmt: skip
     config = variant_config(config, "zeppelin", L)  # as `bench scale` runs it

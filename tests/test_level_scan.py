@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import ray_zep.partition.balance as balance_module
+import ray_zep.partition.level_fill as level_fill
 import ray_zep.partition.level_scan as level_scan
 from ray_zep.config import load_config
 from ray_zep.data.synthetic import batch_lengths
@@ -117,8 +118,10 @@ def _run(gpus: int, model: str) -> RunModel:
 def test_the_early_bound_changes_no_placement_and_deals_fewer_sequences(
     monkeypatch: pytest.MonkeyPatch, gpus: int, model: str, seed: int
 ) -> None:
-    """Chat batches whose first feasible level passes it by more than `OVERFLOW`: the
-    plans with and without the early bound are equal (also where no fill is trusted not
+    """Chat batches whose first feasible level passes it by more than `OVERFLOW` (whole
+    sequences kept from riding as second rings, `ray_zep.partition.co_rings`, with which
+    no first level of these batches passes it): the plans with and without the early
+    bound are equal (also where no fill is trusted not
     to run out of tokens, and every level abandoned early is placed again), the early
     bound deals fewer whole sequences, and the trace says of a lower level it abandoned
     what its rank passed."""
@@ -131,6 +134,7 @@ def test_the_early_bound_changes_no_placement_and_deals_fewer_sequences(
         set_bound(index, most_tokens)
 
     monkeypatch.setattr(LoadIndex, "set_bound", counting)
+    monkeypatch.setattr(level_fill, "co_member_ring", lambda *args: None)
 
     def plan(overflow: float):
         dealt[0] = 0

@@ -36,7 +36,10 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    memory its members' unheld tokens free (`WorkModel.keeps_kv`), holds that room as
    tokens first (`level_fill.kept_room`), so that the fill leaves it free. One that fits
    under lam nowhere becomes a small ring inside a node where its work is worth one
-   (`SMALL_RING_SHARE`), else goes to the least loaded rank with token room; one
+   (`SMALL_RING_SHARE`), on ranks in no ring, or else on ranks of one node that are
+   members of one same ring, run after it, where taking it whole would make the least
+   loaded rank the busiest (`co_rings`); else it goes to the least loaded rank with
+   token room; one
    that no rank has token room for fills the free tokens of the ranks with most; a
    level whose rings leave the whole sequences too few free tokens for that fails, as
    one whose rings do not fit the world does.
@@ -101,7 +104,8 @@ BISECT_ABOVE_OVERFLOW = True
 the two (`ray_zep.partition.level_scan`). On `bench scale`'s grid at 4k tokens per GPU it
 moved two rows of 24 at 64-1,024 GPUs: 7b arxiv at 1,024 kept 1.119x the mean rank's work
 for 1.150x (2.1% more tokens a second), 13b github at 1,024 1.4% more; the rest planned
-the same."""
+the same. Since whole sequences ride as second rings (`ray_zep.partition.co_rings`),
+13b github's first feasible level there no longer overflows past a higher one."""
 HOSTED_RINGS = True
 """Rings inside a node may ride on whole nodes of rings across nodes
 (`ray_zep.partition.hosting`)."""

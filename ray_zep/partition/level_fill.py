@@ -1,6 +1,7 @@
 """Step 3 of a level's placement (`ray_zep.partition.balance`): the rank loads a level
 builds, the whole sequences after its rings, best fit decreasing under the level within
-token room, the small rings inside a node for those that fit under it nowhere, and the
+token room, the small rings inside a node for those that fit under it nowhere (on ranks in
+no ring, else on members of one ring: `ray_zep.partition.co_rings`), and the
 spills of those no rank has token room for; and the rings' shared chunks and the room a
 ring keeps for its peers' K/V."""
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ray_zep.partition.co_rings import RingLabels, co_member_ring
 from ray_zep.partition.fill import water_fill
 from ray_zep.partition.load_index import LoadIndex
 from ray_zep.partition.work import WorkModel
@@ -36,7 +38,8 @@ class Placed:
     """Ranks already in a ring: a rank joins at most one, so that every ring starts
     at once on all its members (the engine runs a rank's rings one after another,
     and a second ring would wait for the members' first ones); only a hosted ring
-    (`ray_zep.partition.hosting`), whose members all end one host ring together, is a
+    (`ray_zep.partition.hosting`) or a small ring over members of one ring inside a node
+    (`ray_zep.partition.co_rings`), whose members all end that ring together, is a
     second one."""
     groups: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     """Ring sequences: seq -> (ranks ascending, tokens of each)."""
@@ -75,12 +78,19 @@ def _add_ring(
     length: int,
     ranks: tuple[int, ...],
     member: float,
+    second: bool,
     capacity: int,
     model: WorkModel,
 ) -> None:
+    """A small ring of `seq` over `ranks` (`second`: ranks of one ring already, which it
+    runs after; it then sends its K/V again in the backward, `ray_zep.partition.co_rings`)."""
     index = list(ranks)
     placed.load[index] += member
     held = placed.tokens[index] + shared_ring(placed, [seq], [length], ranks)
+    if second:
+        placed.resent.add(ranks)
+        placed.tokens[index] = held
+        return
     reserve = kept_room(placed, [seq], [length], ranks, int(held.max()), capacity, model)
     placed.tokens[index] = held + reserve
     placed.in_ring[index] = True
@@ -187,6 +197,7 @@ def fill_whole(
         placed.pruned = True
         return
     index = LoadIndex(load, tokens)
+    labels = RingLabels(placed.groups, placed.load.size, topology.gpus_per_node)
     rings_open = True  # sequences may still become small rings (`_small_ring`)
     smallest_ring = SMALL_RING_SHARE * level
     sizes, works = lengths[order].tolist(), work[order].tolist()
@@ -213,7 +224,10 @@ def fill_whole(
             rank = index.least_loaded()
             if rings_open:
                 write_back()
-                ring = _small_ring(placed, n, small[seq], level, capacity, topology)
+                # a second ring only where the rank taking it whole would end busiest
+                rises = rank is None or load[rank] + w > float(placed.load.max())
+                ring = _small_ring(placed, n, small[seq], level, capacity, topology,
+                                   labels if rises else None)  # fmt: skip
         if rank is not None and ring is None:
             load[rank] += w
             if load[rank] >= prune_above:
@@ -294,14 +308,37 @@ def _small_ring(
     level: float,
     capacity: int,
     topology: Topology,
-) -> tuple[tuple[int, ...], float] | None:
+    labels: RingLabels | None,
+) -> tuple[tuple[int, ...], float, bool] | None:
     """The fewest GPUs of one node (2 .. G), in no ring yet, whose work room and token
     room take a ring over `n` tokens (`member`: its member work at each of those sizes),
-    and its member work; None where no node has them."""
+    its member work and False; where no node has them, the same among ranks of one node
+    that are all members of one ring (`ray_zep.partition.co_rings`), and True; None
+    where neither is there."""
     gpus = topology.gpus_per_node
     degrees = np.arange(2, gpus + 1)
     if degrees.size == 0:
         return None
+    alone = _spare_ring(placed, n, member, level, capacity, topology)
+    if alone is not None:
+        return (*alone, False)
+    if labels is None:
+        return None
+    ring = co_member_ring(labels, placed.load, placed.tokens, n, member, level, capacity)
+    return None if ring is None else (*ring, True)
+
+
+def _spare_ring(
+    placed: Placed,
+    n: int,
+    member: np.ndarray,
+    level: float,
+    capacity: int,
+    topology: Topology,
+) -> tuple[tuple[int, ...], float] | None:
+    """`_small_ring` on ranks in no ring."""
+    gpus = topology.gpus_per_node
+    degrees = np.arange(2, gpus + 1)
     need = -(-n // degrees)
     # nodes with two ranks that could take a member of some size: only they can (ranks
     # in no ring with room for a member of the widest ring, loaded lightly enough for

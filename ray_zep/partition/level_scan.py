@@ -53,7 +53,11 @@ batches each of 1,024 and 4,096 GPUs, 7b and 13b (Python calls per `plan_step`, 
 the plain scan): 3 saved 14% of the calls, 4 10%, 2 4%, and 1 none. Since groups of
 one-node positions whose forward waits on their hops give way to wider ones
 (`ray_zep.partition.usp_grid`), fewer first levels overflow: on those batches the early
-bound deals 9.7% fewer whole sequences at 1,024 GPUs and 3.9% fewer at 4,096."""
+bound dealt 9.7% fewer whole sequences at 1,024 GPUs and 3.9% fewer at 4,096. Since whole
+sequences that fit no rank ride as second rings on members of one group
+(`ray_zep.partition.co_rings`), no first level of those batches passes `OVERFLOW` (at
+L = 5,120): the early bound deals none fewer there, and stays for batches whose first
+level still does."""
 OVERFLOW = 0.4
 """How far over its level the first level whose rings fit is placed before a higher one
 is guessed. On `bench scale`'s chat batches the first feasible level passes its level by

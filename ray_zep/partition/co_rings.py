@@ -1,0 +1,117 @@
+"""Small rings on ranks that already share a ring: where a level's rings take every rank.
+
+A whole sequence that fits under the level on no rank becomes a small ring inside a
+node (`ray_zep.partition.level_fill`), on ranks in no ring yet, so that every ring
+starts at once on all its members. Where the rings (and USP groups) of a level hold every
+rank of the world, there are none: the sequence then went to the least loaded rank with
+token room and could end far above the level. On 13b github at 1,024 GPUs (L = 7,680),
+level 1.15 ended at 1.38x the mean rank's that way: 33 sequences of 2.6k-7.7k tokens
+fit no rank whole, while the members of the groups held 0.5x the mean rank's work of
+room each, in less than 1k free tokens.
+
+Ranks of one node that are members of one and the same ring run it together and end it
+together (its members hold equal shares; a USP position's members exchange heads at
+every step), so a second ring over some of them, run after it (the engine runs a
+rank's rings one after another), waits on no other ring: the ring a hosted ring rides
+on (`ray_zep.partition.hosting`) is the same case over a whole node. Such a ring sends
+its K/V again in the backward (`Placed.resent`): the first ring's keeping already
+counts on the ranks' K/V budget.
+
+Shapes: N nodes, G GPUs per node, D ring sizes (2 .. G).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+FREE = -1
+"""`RingLabels` of a rank in no ring."""
+SEVERAL = -2
+"""`RingLabels` of a rank in more than one ring (it takes no further one)."""
+
+
+class RingLabels:
+    """The ring each rank is a member of, as one index per distinct group of ranks of a
+    placement's groups (seq -> (ranks, tokens)); `FREE` where none, `SEVERAL` where
+    more than one. Sequences sharing one ring (the same ranks) share its label. Groups
+    are only ever added to a placement, in order, so `now` reads the new ones alone, and
+    `peers` (which ranks of a node share a label: N x G x G) is worked out again for the
+    nodes they touch alone."""
+
+    def __init__(self, groups: dict, world: int, gpus: int):
+        self.groups, self.seen, self.gpus = groups, 0, gpus
+        self.labels = np.full(world, FREE, dtype=np.int64)
+        self.peers = np.ones((world // gpus, gpus, gpus), dtype=bool)
+        self.known: dict[tuple[int, ...], int] = {}
+
+    def now(self) -> np.ndarray:
+        """The labels of every rank, the groups added since the last call counted."""
+        if self.seen == len(self.groups):
+            return self.labels
+        touched = []
+        for ranks, _ in itertools.islice(self.groups.values(), self.seen, None):
+            if ranks in self.known:
+                continue
+            self.known[ranks] = len(self.known)
+            members = np.asarray(ranks, dtype=np.int64)
+            self.labels[members] = np.where(self.labels[members] == FREE, self.known[ranks],
+                                            SEVERAL)  # fmt: skip
+            touched.append(members // self.gpus)
+        if touched:
+            nodes = np.unique(np.concatenate(touched))
+            by_node = self.labels.reshape(-1, self.gpus)[nodes]
+            self.peers[nodes] = by_node[:, :, None] == by_node[:, None, :]
+        self.seen = len(self.groups)
+        return self.labels
+
+
+def co_member_ring(
+    labels: RingLabels,
+    load: np.ndarray,
+    tokens: np.ndarray,
+    n: int,
+    member: np.ndarray,
+    level: float,
+    capacity: int,
+) -> tuple[tuple[int, ...], float] | None:
+    """The fewest ranks (2 .. G) of one node, all members of one same ring (`labels`),
+    whose work room under `level` and token room take a ring over `n` tokens (`member`:
+    its member work at each size); of those, the node and ring of the least loaded rank
+    that fits, and its least loaded members. With the ring's member work; None where no
+    node has them.
+
+    Args:
+        labels: the placement's `RingLabels`.
+        load: every rank's modelled work, seconds.
+        tokens: every rank's tokens.
+        n: the sequence's tokens.
+        member: D member works, one per ring size 2 .. G.
+        level: the level of work.
+        capacity: L.
+    """
+    gpus = labels.gpus
+    degrees = np.arange(2, gpus + 1)
+    need = -(-n // degrees)
+    by_node = labels.now().reshape(-1, gpus)
+    in_ring = by_node >= 0
+    load, free = load.reshape(-1, gpus), capacity - tokens.reshape(-1, gpus)
+    room = level - load
+    for k, degree in enumerate(degrees.tolist()):  # the fewest ranks first
+        ok = in_ring & (free >= need[k]) & (room >= member[k])
+        nodes = np.flatnonzero(ok.sum(axis=1) >= degree)
+        if nodes.size == 0:
+            continue
+        ok = ok[nodes]
+        fits = ok & ((labels.peers[nodes] & ok[:, None, :]).sum(axis=2) >= degree)
+        if fits.any():
+            break
+    else:
+        return None
+    load = load[nodes]
+    at, gpu = np.unravel_index(int(np.argmin(np.where(fits, load, np.inf))), load.shape)
+    node = int(nodes[at])
+    candidates = np.flatnonzero(ok[at] & (by_node[node] == by_node[node, gpu]))
+    chosen = candidates[np.argsort(load[at, candidates], kind="stable")[:degree]]
+    return tuple(sorted((node * gpus + chosen).tolist())), float(member[k])
