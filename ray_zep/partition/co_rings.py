@@ -50,21 +50,32 @@ class RingLabels:
         """The labels of every rank, the groups added since the last call counted."""
         if self.seen == len(self.groups):
             return self.labels
-        touched = []
-        for ranks, _ in itertools.islice(self.groups.values(), self.seen, None):
-            if ranks in self.known:
-                continue
-            self.known[ranks] = len(self.known)
-            members = np.asarray(ranks, dtype=np.int64)
-            self.labels[members] = np.where(self.labels[members] == FREE, self.known[ranks],
-                                            SEVERAL)  # fmt: skip
-            touched.append(members // self.gpus)
-        if touched:
-            nodes = np.unique(np.concatenate(touched))
-            by_node = self.labels.reshape(-1, self.gpus)[nodes]
-            self.peers[nodes] = by_node[:, :, None] == by_node[:, None, :]
+        new = [ranks for ranks, _ in itertools.islice(self.groups.values(), self.seen, None)
+               if ranks not in self.known]  # fmt: skip
         self.seen = len(self.groups)
+        if len(new) > 4:  # the rings before the fill: on arrays
+            touched = [self._label(ranks) for ranks in dict.fromkeys(new)]
+            self._peers_of(np.unique(np.concatenate(touched)))
+            return self.labels
+        nodes = set()
+        for ranks in dict.fromkeys(new):  # a ring or two the fill added: rank by rank
+            label = self.known[ranks] = len(self.known)
+            for rank in ranks:
+                self.labels[rank] = label if self.labels[rank] == FREE else SEVERAL
+                nodes.add(rank // self.gpus)
+        self._peers_of(np.fromiter(nodes, dtype=np.int64))
         return self.labels
+
+    def _label(self, ranks: tuple[int, ...]) -> np.ndarray:
+        """Labels the members of a new ring; returns their nodes."""
+        self.known[ranks] = len(self.known)
+        members = np.asarray(ranks, dtype=np.int64)
+        self.labels[members] = np.where(self.labels[members] == FREE, self.known[ranks], SEVERAL)
+        return members // self.gpus
+
+    def _peers_of(self, nodes: np.ndarray) -> None:
+        by_node = self.labels.reshape(-1, self.gpus)[nodes]
+        self.peers[nodes] = by_node[:, :, None] == by_node[:, None, :]
 
 
 def co_member_ring(
