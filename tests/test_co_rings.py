@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ray_zep.partition.level_fill as level_fill
 from ray_zep.config import load_config
@@ -73,6 +75,66 @@ def test_a_second_ring_takes_the_fewest_members_of_one_ring_with_room() -> None:
     assert ring == (1, 2, 3) and seconds == 0.2
     assert co_member_ring(labels, load, tokens, 10, member, 0.7, 10) is None  # no work room
     assert co_member_ring(labels, load, tokens, 20, member, 1.0, 10) is None  # no token room
+
+
+def _scan_co_member_ring(rings, load, tokens, n, member, level, capacity, gpus):
+    """The fewest ranks of one node in one same ring, size by size and rank by rank: the
+    least loaded rank (the lowest on ties) among those whose ring has enough fitting ranks
+    on its node, then that ring's least loaded fitting ranks there (the lowest on ties)."""
+    for k, degree in enumerate(range(2, gpus + 1)):
+        need = -(-n // degree)
+        fitting = [r for r in range(len(load)) if len(rings[r]) == 1
+                   and capacity - tokens[r] >= need and load[r] + member[k] <= level]  # fmt: skip
+        peers = {r: [q for q in fitting if q // gpus == r // gpus and rings[q] == rings[r]]
+                 for r in fitting}  # fmt: skip
+        fits = [r for r in fitting if len(peers[r]) >= degree]
+        if fits:
+            first = min(fits, key=lambda r: (load[r], r))
+            chosen = sorted(peers[first], key=lambda r: (load[r], r))[:degree]
+            return tuple(sorted(chosen)), float(member[k])
+    return None
+
+
+@pytest.mark.unit
+@settings(max_examples=200, deadline=None)
+@given(
+    cells=st.lists(
+        st.tuples(
+            st.integers(0, 6), st.integers(0, 8), st.sampled_from([(), (0,), (1,), (2,), (0, 1)])
+        ),
+        min_size=4,
+        max_size=48,
+    ),
+    gpus=st.sampled_from([2, 4]),
+    n=st.integers(1, 16),
+    member=st.lists(st.integers(0, 4), min_size=3, max_size=3),
+    level=st.integers(0, 12),
+)
+def test_the_search_takes_the_ranks_a_scan_of_every_rank_takes(
+    cells, gpus, n, member, level
+) -> None:
+    """Loads, member work and the level in whole numbers (every sum exact), ranks in no
+    ring, in one of three and in two: `co_member_ring` agrees with a scan to the last tie,
+    and labels each rank as its rings say."""
+    cells = cells[: len(cells) // gpus * gpus]
+    load = np.asarray([float(c[0]) for c in cells])
+    tokens = np.asarray([c[1] for c in cells], dtype=np.int64)
+    rings = [c[2] for c in cells]
+    groups = {}
+    for ring in range(3):
+        members = tuple(r for r in range(len(cells)) if ring in rings[r])
+        if members:
+            groups[ring] = (members, (1,) * len(members))
+    labels = RingLabels(groups, len(cells), gpus)
+    # a rank's rings: the distinct groups of ranks it is in (two sequences on the same
+    # ranks are one ring)
+    rings = [{ranks for ranks, _ in groups.values() if r in ranks} for r in range(len(cells))]
+    now = labels.now()
+    assert [int(x) == FREE for x in now] == [not ring for ring in rings]
+    assert [int(x) == SEVERAL for x in now] == [len(ring) > 1 for ring in rings]
+    member = np.asarray(member[: gpus - 1], dtype=np.float64)  # any order over the sizes
+    got = co_member_ring(labels, load, tokens, n, member, float(level), 8)
+    assert got == _scan_co_member_ring(rings, load, tokens, n, member, level, 8, gpus)
 
 
 @pytest.mark.unit

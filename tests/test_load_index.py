@@ -138,8 +138,9 @@ def test_a_small_ring_takes_the_ranks_a_scan_of_every_node_takes(
     placed = Placed.empty(len(cells))
     placed.load[:], placed.tokens[:], placed.in_ring[:] = load, tokens, in_ring
     topology = SimpleNamespace(nodes=len(cells) // gpus, gpus_per_node=gpus)
-    got = _small_ring(placed, n, member, float(level), 8, topology)
-    assert got == _scan_small_ring(load, tokens, in_ring, n, member, level, 8, gpus)
+    got = _small_ring(placed, n, member, float(level), 8, topology, None)  # ranks in no ring
+    scanned = _scan_small_ring(load, tokens, in_ring, n, member, level, 8, gpus)
+    assert got == (None if scanned is None else (*scanned, False))
 
 
 def _scan_whole(sizes, bins, capacity, by_work):
