@@ -53,17 +53,9 @@ class RingLabels:
         new = [ranks for ranks, _ in itertools.islice(self.groups.values(), self.seen, None)
                if ranks not in self.known]  # fmt: skip
         self.seen = len(self.groups)
-        if len(new) > 4:  # the rings before the fill: on arrays
+        if new:
             touched = [self._label(ranks) for ranks in dict.fromkeys(new)]
             self._peers_of(np.unique(np.concatenate(touched)))
-            return self.labels
-        nodes = set()
-        for ranks in dict.fromkeys(new):  # a ring or two the fill added: rank by rank
-            label = self.known[ranks] = len(self.known)
-            for rank in ranks:
-                self.labels[rank] = label if self.labels[rank] == FREE else SEVERAL
-                nodes.add(rank // self.gpus)
-        self._peers_of(np.fromiter(nodes, dtype=np.int64))
         return self.labels
 
     def _label(self, ranks: tuple[int, ...]) -> np.ndarray:

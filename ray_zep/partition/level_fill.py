@@ -325,9 +325,7 @@ def _small_ring(
     its member work and False; where no node has them, the same among ranks of one node
     that are all members of one ring (`ray_zep.partition.co_rings`), and True; None
     where neither is there."""
-    gpus = topology.gpus_per_node
-    degrees = np.arange(2, gpus + 1)
-    if degrees.size == 0:
+    if topology.gpus_per_node < 2:
         return None
     alone = _spare_ring(placed, n, member, level, capacity, topology)
     if alone is not None:
