@@ -18,8 +18,9 @@ from ray_zep.data.synthetic import batch_lengths
 from ray_zep.errors import ZepError
 from ray_zep.partition import plan_from_bins, work
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts
-from ray_zep.sim.bound import step_bound
+from ray_zep.sim.bound import over_bound, step_bound
 from ray_zep.sim.compare import VARIANTS, simulate_strategies
+from ray_zep.sim.events import Lane
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.request import SimulateRequest, batches_of, request_hardware, run_simulate
@@ -227,6 +228,38 @@ def test_simulate_reports_step_over_bound_and_where_the_rest_goes() -> None:
     # te_cp rotates every sequence's K/V over all 16 GPUs: its exposed transfers dominate
     te_cp = result.beyond_bound(result.results["te_cp"])
     assert te_cp["exposed transfers"] > max(te_cp["imbalance"], te_cp["split kernels"])
+
+
+def test_contention_beyond_the_bound_is_its_own_part() -> None:
+    """What communication kernels slow the mean rank's compute by, beyond the least the
+    bound counts, is its own part: the same plan played without contention has none and
+    the same split kernels, and with it the part is the mean rank's slowed compute less
+    the bound's share of it."""
+    config = _config(2, ["parallel.sequence=zeppelin"])
+    hardware = Hardware.preset(build_topology(config.topology))
+    run = RunModel.create(config, hardware)
+    calm = dataclasses.replace(
+        run, hardware=dataclasses.replace(hardware, rates=dataclasses.replace(
+            hardware.rates, contention=1.0)))  # fmt: skip
+    lengths = np.asarray([7 * L, 3 * L, *([L // 4] * 16)])
+    plan, remap = plan_batch(lengths, run)
+    parts, steps, bounds = {}, {}, {}
+    for name, one in (("slowed", run), ("calm", calm)):
+        steps[name] = simulate_plan(plan, one, one.config.parallel.routing, remap)
+        bounds[name] = step_bound(lengths, one)
+        parts[name] = over_bound(steps[name], bounds[name], run.shape.n_layers)
+    assert parts["calm"]["contention"] == 0.0 and parts["slowed"]["contention"] > 0.0
+    assert parts["slowed"]["split kernels"] == pytest.approx(parts["calm"]["split kernels"],
+                                                              rel=1e-9)  # fmt: skip
+
+    def mean_compute(step) -> float:
+        timelines = (step.forward, step.backward)
+        busy = [sum(t.busy(r, Lane.COMPUTE) for t in timelines) for r in range(plan.world)]
+        return float(np.mean(busy)) * run.shape.n_layers
+
+    slowed = mean_compute(steps["slowed"]) - mean_compute(steps["calm"])
+    assert parts["slowed"]["contention"] + bounds["slowed"].contention_s == pytest.approx(
+        slowed, rel=1e-9)  # fmt: skip
 
 
 def test_what_checkpointing_recomputes_is_named_beyond_the_bound() -> None:

@@ -8,9 +8,9 @@ average; L = that x headroom) and placement, on the same sampled batches:
 - step / ideal: the simulated step (`ray_zep.sim`) over the batch's ideal step
   (`ray_zep.sim.ideal`), step / bound over its lower bound (`ray_zep.sim.bound`: the
   ideal, the K/V exchange no placement avoids, the weights' collectives and both on
-  one node's NICs), where
-  the step beyond the bound goes (imbalance, split kernels, exposed transfers, waits and
-  what activation checkpointing recomputes; not for the baselines' scheduled steps),
+  one node's NICs), where the step beyond the bound goes (imbalance, split kernels,
+  contention, exposed transfers, waits and what activation checkpointing recomputes;
+  not for the baselines' scheduled steps),
   and modelled tokens/s per GPU;
 - inter-node bytes per step (`traffic.attention_step_traffic`: every layer's ring,
   collective and remap bytes), the planner's wall time (`plan_step`, as the data
@@ -207,6 +207,8 @@ class ScaleRow:
     step_over_bound: float | None = None
     imbalance_s: float | None = None
     split_kernels_s: float | None = None
+    contention_s: float | None = None
+    """Compute slowed by communication kernels beyond the bound's least (`over_bound`)."""
     transfers_s: float | None = None
     """Exposed transfers beyond the bound (`ray_zep.sim.bound.over_bound`)."""
     waits_s: float | None = None
@@ -436,6 +438,7 @@ def _simulated_columns(row: ScaleRow, steps, ideal, bounds, n_layers: int) -> fl
     if all(p is not None for p in parts):
         row.imbalance_s = float(np.mean([p["imbalance"] for p in parts]))
         row.split_kernels_s = float(np.mean([p["split kernels"] for p in parts]))
+        row.contention_s = float(np.mean([p["contention"] for p in parts]))
         row.transfers_s = float(np.mean([p["exposed transfers"] for p in parts]))
         row.waits_s = float(np.mean([p["waits"] for p in parts]))
         row.recompute_s = float(np.mean([p["recompute"] for p in parts]))
@@ -491,6 +494,7 @@ COLUMNS = (
     Column("x bound", "step_over_bound", ".2f"),
     Column("imbal s", "imbalance_s", ".3f"),
     Column("kernels s", "split_kernels_s", ".3f"),
+    Column("contend s", "contention_s", ".3f"),
     Column("xfer s", "transfers_s", ".3f"),
     Column("wait s", "waits_s", ".3f"),
     Column("recomp s", "recompute_s", ".3f"),

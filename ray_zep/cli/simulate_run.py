@@ -35,6 +35,7 @@ STRATEGY_COLUMNS = (
     Column("x bound", lambda row: _times(row["over_bound"])),
     Column("imbalance s", "imbalance", ".3f"),
     Column("split kernels s", "split kernels", ".3f"),
+    Column("contention s", "contention", ".3f"),
     Column("transfers s", "exposed transfers", ".3f"),
     Column("waits s", "waits", ".3f"),
     Column("recompute s", "recompute", ".3f"),
@@ -70,7 +71,7 @@ def result_table(result: SimulateResult) -> str:
             "placement avoids, the weights' collectives and both on one node's NICs, the "
             "two phases added, plus what no compute hides (largest part: "
             f"{'; '.join(largest)}); "
-            "imbalance, split kernels, exposed transfers, "
+            "imbalance, split kernels, contention, exposed transfers, "
             "waits and what checkpointing recomputes split the step beyond it"
         )
     setters = [

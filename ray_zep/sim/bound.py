@@ -324,9 +324,13 @@ def over_bound(step: StepResult, bound: StepBound, n_layers: int) -> dict[str, f
     micro-batches):
 
     - imbalance: the most computing rank's compute over the mean rank's;
-    - split kernels: the mean rank's compute over the bound's (split blocks' lower
-      kernel rates, the engine's per-row work and call overheads, the weights'
-      collectives slowing linear modules beyond the least the bound counts);
+    - split kernels: the mean rank's compute over the bound's, its contention apart
+      (split blocks' lower kernel rates, the engine's per-row work and call overheads);
+    - contention: what the mean rank's compute is slowed by while communication kernels
+      share its GPU (`ComputeRates.contention`: the weights' collectives over its linear
+      modules, a ring's messages over its steps; `TaskGraph.slowed`) beyond the least the
+      bound counts (a ring played on arrays, `ray_zep.sim.ring_form`, keeps its own in
+      split kernels);
     - exposed transfers: the layers' time the most computing rank does not compute
       because a message or collective it needs is still moving (K/V, dK/dV, the
       weights' collectives, the Ulysses and remap exchanges; `ray_zep.sim.idle`);
@@ -351,20 +355,22 @@ def over_bound(step: StepResult, bound: StepBound, n_layers: int) -> dict[str, f
     if any(one is None for one in own):
         return None
     parts = {key: float(sum(one[key] for one in own)) for key in own[0]}
-    parts["split kernels"] = parts.pop("mean compute") - bound.compute_s
+    parts["contention"] -= bound.contention_s
+    parts["split kernels"] = parts.pop("mean compute") - bound.compute_s - parts["contention"]
     parts = {key: parts[key] for key in PARTS}
     parts["rest"] = step.step_seconds - bound.seconds - sum(parts.values())
     return parts
 
 
-PARTS = ("imbalance", "split kernels", "exposed transfers", "waits", "recompute")
+PARTS = ("imbalance", "split kernels", "contention", "exposed transfers", "waits", "recompute")
 """`over_bound`'s parts, before the rest."""
 
 
 def _busiest_rank_parts(step: StepResult, n_layers: int) -> dict[str, float] | None:
     """One batch's step: its most computing rank's compute over the mean rank's, the mean
-    rank's compute with the head, that rank's exposed transfers and waits, and the
-    recomputation (seconds); None where the timelines are not the whole step's."""
+    rank's compute with the head and what contention adds to it, that rank's exposed
+    transfers and waits, and the recomputation (seconds); None where the timelines are
+    not the whole step's."""
     if step.forward is None or step.backward is None:
         return None
     own = (step.forward.makespan, step.backward.makespan)
@@ -375,9 +381,11 @@ def _busiest_rank_parts(step: StepResult, n_layers: int) -> dict[str, float] | N
                           for r in ranks]) * n_layers  # fmt: skip
     busiest = int(compute.argmax())
     idle = [idle_causes(timeline, busiest) for timeline in (step.forward, step.backward)]
+    slowed = sum(sum(t.graph.slowed.values()) for t in (step.forward, step.backward))
     return {
         "imbalance": float(compute.max() - compute.mean()),
         "mean compute": float(compute.mean() + step.head_seconds),
+        "contention": n_layers * slowed / len(ranks),
         "exposed transfers": n_layers * sum(one[TRANSFERS] for one in idle),
         "waits": n_layers * sum(one[WAITS] for one in idle),
         "recompute": step.recompute_seconds,

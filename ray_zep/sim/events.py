@@ -111,6 +111,8 @@ class TaskGraph:
         spill_wait: the task before them for what of that collective's ring steps'
             latency is left (no link held); None: no spill.
         spill_bytes: seconds the bytes of that collective take after its latency.
+        slowed: seconds a compute task's duration holds beyond its work alone, while
+            communication kernels share its device (`ComputeRates.contention`), by task.
     """
 
     tasks: list[Task] = field(default_factory=list)
@@ -118,6 +120,7 @@ class TaskGraph:
     spill: list[tuple[int, float]] = field(default_factory=list)
     spill_wait: int | None = None
     spill_bytes: float = 0.0
+    slowed: dict[int, float] = field(default_factory=dict)
 
     def with_spill(self, seconds: float) -> TaskGraph:
         """The graph with the collective posted a layer earlier running `seconds` into

@@ -173,6 +173,8 @@ class _Builder(GraphBuilder):
             moving = sum(tasks[t].duration for t in messages)
             seconds = alone[rank] + factor * min(alone[rank], moving)
             out[rank] = self.compute(rank, seconds, f"attention step {step}")
+            if seconds > alone[rank]:
+                self.graph.slowed[out[rank]] = seconds - alone[rank]
             if self.record:
                 self.recipes.append(("contended", out[rank], alone[rank], messages))
         return out
@@ -432,6 +434,8 @@ class _Builder(GraphBuilder):
             alone = linear_part_seconds(tokens, flops_per_token, elements, rates, factor)
             seconds = alone + (rates.contention - 1.0) * min(alone, sync / 2)
             task = self.compute(rank, seconds, name)
+            if seconds > alone:
+                self.graph.slowed[task] = seconds - alone
             self.wait(rank, [task])
             if self.record:
                 self.recipes.append(("linear", task, alone))
@@ -490,6 +494,7 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
     }
     factor = setup.rates.contention - 1.0
     durations = [t.duration for t in tasks]
+    slowed = dict(build.graph.slowed)
     profiles: dict[tuple, Profile] = {}
     messages: dict[tuple, float] = {}  # most messages repeat a few sizes
     for tag, task, *data in build.recipes:  # in task order: messages before their computes
@@ -501,8 +506,10 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
         elif tag == "contended":
             alone, sent = data
             durations[task] = alone + factor * min(alone, sum(durations[t] for t in sent))
+            slowed[task] = durations[task] - alone
         elif tag == "linear":
             durations[task] = data[0] + factor * min(data[0], weights / 2)
+            slowed[task] = durations[task] - data[0]
         else:  # a weight collective's part on one link, after its latency
             durations[task] = parts[data[1]] * data[0]
     changed = [i for i, (t, d) in enumerate(zip(tasks, durations, strict=True)) if t.duration != d]
@@ -513,7 +520,7 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
         t = tasks[i]
         retimed[i] = Task(t.name, t.rank, t.lane, durations[i], t.resources, t.deps)
     spilled = parts["gather"] if build.graph.spill else 0.0
-    return dataclasses.replace(build.graph, tasks=retimed, spill_bytes=spilled)
+    return dataclasses.replace(build.graph, tasks=retimed, spill_bytes=spilled, slowed=slowed)
 
 
 def _layer_program(build: _Builder) -> None:
