@@ -148,10 +148,16 @@ class GraphBuilder:
 
     # primitives
 
-    def compute(self, rank: int, seconds: float, name: str) -> int:
-        return self.graph.add(
+    def compute(self, rank: int, seconds: float, name: str, alone: float | None = None) -> int:
+        """A compute task of `seconds` on `rank`; `alone`: its seconds with no
+        communication kernel beside it, the rest recorded as contention
+        (`TaskGraph.slowed`)."""
+        task = self.graph.add(
             name, rank, Lane.COMPUTE, seconds, (("compute", rank),), [self.point[rank]]
         )
+        if alone is not None and seconds > alone:
+            self.graph.slowed[task] = seconds - alone
+        return task
 
     def send(
         self,

@@ -172,9 +172,7 @@ class _Builder(GraphBuilder):
             messages = [t for msgs in in_flight for t in msgs[rank]]
             moving = sum(tasks[t].duration for t in messages)
             seconds = alone[rank] + factor * min(alone[rank], moving)
-            out[rank] = self.compute(rank, seconds, f"attention step {step}")
-            if seconds > alone[rank]:
-                self.graph.slowed[out[rank]] = seconds - alone[rank]
+            out[rank] = self.compute(rank, seconds, f"attention step {step}", alone[rank])
             if self.record:
                 self.recipes.append(("contended", out[rank], alone[rank], messages))
         return out
@@ -433,9 +431,7 @@ class _Builder(GraphBuilder):
         for rank, tokens in enumerate(self.setup.linear_tokens()):
             alone = linear_part_seconds(tokens, flops_per_token, elements, rates, factor)
             seconds = alone + (rates.contention - 1.0) * min(alone, sync / 2)
-            task = self.compute(rank, seconds, name)
-            if seconds > alone:
-                self.graph.slowed[task] = seconds - alone
+            task = self.compute(rank, seconds, name, alone)
             self.wait(rank, [task])
             if self.record:
                 self.recipes.append(("linear", task, alone))
@@ -505,11 +501,11 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
             durations[task] = messages[key]
         elif tag == "contended":
             alone, sent = data
-            durations[task] = alone + factor * min(alone, sum(durations[t] for t in sent))
-            slowed[task] = durations[task] - alone
+            slowed[task] = factor * min(alone, sum(durations[t] for t in sent))
+            durations[task] = alone + slowed[task]
         elif tag == "linear":
-            durations[task] = data[0] + factor * min(data[0], weights / 2)
-            slowed[task] = durations[task] - data[0]
+            slowed[task] = factor * min(data[0], weights / 2)
+            durations[task] = data[0] + slowed[task]
         else:  # a weight collective's part on one link, after its latency
             durations[task] = parts[data[1]] * data[0]
     changed = [i for i, (t, d) in enumerate(zip(tasks, durations, strict=True)) if t.duration != d]
