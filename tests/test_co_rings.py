@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import ray_zep.partition.level_fill as level_fill
 from ray_zep.config import load_config
@@ -21,6 +20,7 @@ from ray_zep.sim.compare import variant_config
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
 from ray_zep.topology import build_topology
+from tests.helpers.ring_search import ring_search_cases
 from tests.test_narrow_usp import assert_group_matches_single_device
 
 
@@ -97,19 +97,7 @@ def _scan_co_member_ring(rings, load, tokens, n, member, level, capacity, gpus):
 
 @pytest.mark.unit
 @settings(max_examples=200, deadline=None)
-@given(
-    cells=st.lists(
-        st.tuples(
-            st.integers(0, 6), st.integers(0, 8), st.sampled_from([(), (0,), (1,), (2,), (0, 1)])
-        ),
-        min_size=4,
-        max_size=48,
-    ),
-    gpus=st.sampled_from([2, 4]),
-    n=st.integers(1, 16),
-    member=st.lists(st.integers(0, 4), min_size=3, max_size=3),
-    level=st.integers(0, 12),
-)
+@given(**ring_search_cases([(), (0,), (1,), (2,), (0, 1)]))
 def test_the_search_takes_the_ranks_a_scan_of_every_rank_takes(
     cells, gpus, n, member, level
 ) -> None:

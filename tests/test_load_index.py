@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from ray_zep.partition.fill import place_whole
 from ray_zep.partition.level_fill import Placed, _small_ring, spill_ranks
 from ray_zep.partition.load_index import LoadIndex
+from tests.helpers.ring_search import ring_search_cases
 
 pytestmark = pytest.mark.unit
 
@@ -112,19 +113,7 @@ def _scan_small_ring(load, tokens, in_ring, n, member, level, capacity, gpus):
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    cells=st.lists(
-        st.tuples(
-            st.integers(0, 6), st.integers(0, 8), st.sampled_from([False, False, False, True])
-        ),
-        min_size=4,
-        max_size=48,
-    ),
-    gpus=st.sampled_from([2, 4]),
-    n=st.integers(1, 16),
-    member=st.lists(st.integers(0, 4), min_size=3, max_size=3),
-    level=st.integers(0, 12),
-)
+@given(**ring_search_cases([False, False, False, True]))
 def test_a_small_ring_takes_the_ranks_a_scan_of_every_node_takes(
     cells, gpus, n, member, level
 ) -> None:
