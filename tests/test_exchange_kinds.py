@@ -7,6 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 from ray_zep.attention import engine
 from ray_zep.attention.schedule import expected_ops
@@ -24,12 +25,15 @@ from ray_zep.partition.work import WorkModel
 from ray_zep.routing.link_bytes import ring_link_bytes_by_payload
 from ray_zep.routing.routes import Payload, Phase, RoutingPlan
 from ray_zep.sim import program
+from ray_zep.sim.events import Lane
 from ray_zep.sim.graph_builder import LayerSetup
+from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.program import attention_graph
 from ray_zep.sim.ring_form import ARRAY_RING, array_ring
+from ray_zep.sim.step import RunModel, simulate_plan
 from ray_zep.topology import LinkKind, build_topology
 from ray_zep.traffic import collective_traffic, kv_row_bytes, ring_traffic
-from tests.helpers.attention import ring_rank, with_exchange
+from tests.helpers.attention import reference, ring_rank, with_exchange
 from tests.helpers.procs import run_ranks
 
 SHAPE = build_shape(load_config(None, ["model.n_heads=8", "model.n_kv_heads=2"]).model)
@@ -272,3 +276,78 @@ def test_usp_sums_are_worked_out_once_per_shape_and_read_alike() -> None:
     wider = build_shape(load_config(None, ["model.n_heads=8", "model.n_kv_heads=8"]).model)
     more = collective_bytes(plan, wider)
     assert sum(more[k].sum() for k in LinkKind) > sum(cached[k].sum() for k in LinkKind)
+
+
+@pytest.mark.unit
+def test_a_kept_owner_ring_computes_its_own_block_last() -> None:
+    """Sending each step's dK/dV to its owner (`parallel.dkv_wire=owner`), a ring that kept
+    the forward's K/V computes its own block last, so that the last dK/dV message is in
+    flight during that step rather than after the ring; a ring rotating its K/V again
+    computes its own block first. In the simulator no kept member's backward then ends on
+    a dK/dV message: the layer is shorter than in step order, by up to one hop."""
+    kept, ring = (EXCHANGES[e] for e in (Exchange.RING_KEPT, Exchange.RING))
+    assert kept.owner_backward_order(4) == [1, 2, 3, 0] and ring.owner_backward_order(4) == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    assert kept.owner_backward_order(1) == [0]
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=2",
+                                "model.preset=7b", "train.tokens_per_rank=8192",
+                                "parallel.sequence=zeppelin"])  # fmt: skip
+    topology = build_topology(config.topology)
+    n = 65536
+    usp = SeqPlacement(0, n, tuple(range(16)), even_bounds(n, 2), ulysses=8)
+    plan = with_exchange(AttentionPlan(Placement.ZEPPELIN, topology, 8192, (usp,)),
+                         Exchange.RING_KEPT)  # fmt: skip
+    (item,) = plan.items()
+    assert item.owner_dkv and item.exchange_kind.keeps_kv
+    run = RunModel.create(config, Hardware.preset(topology))
+    ends = {}
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("own last", "in step order"):
+            if name == "in step order":
+                patch.setattr(type(item.exchange_kind), "owner_backward_order",
+                              lambda self, steps: list(range(steps)))  # fmt: skip
+            step = simulate_plan(plan, run, False, None)
+            timeline = step.backward
+            last = {}
+            for rank in item.ranks:
+                spans = [*timeline.intervals(rank, Lane.COMPUTE),
+                         *timeline.intervals(rank, Lane.INTER_NODE)]  # fmt: skip
+                last[rank] = max(spans)[2] if spans else ""
+            ends[name] = (step.backward_layer_seconds, last)
+    assert ends["own last"][0] < ends["in step order"][0]
+    assert not any("dK/dV" in what for what in ends["own last"][1].values())
+
+
+@pytest.mark.dist
+def test_a_kept_owner_ring_still_equals_one_device() -> None:
+    """Own block last (`ExchangeKind.owner_backward_order`) on 2x2, fp32: zeppelin's rings
+    inside a node and usp's Ulysses groups across nodes, kept and sending dK/dV to their
+    owners, give one device's outputs and gradients (rel 1e-5), and each rank sends the
+    messages its schedule counts."""
+    lengths = [1, 7, 3, 3, 2, 61, 1, 2, 1, 3, 33]
+    shared = dict(routing=False, nodes=2, gpus=2, heads=8, kv_heads=2, dim=4, lengths=lengths,
+                  capacity=-(-sum(lengths) // 4) + 4, exchange=Exchange.RING_KEPT.value,
+                  dkv_to_owner=True)  # fmt: skip
+    cases = [{**shared, "strategy": strategy} for strategy in ("zeppelin", "usp")]
+    for case in cases:
+        plan = with_exchange(make_plan(Placement(case["strategy"]), lengths, _topology(2, 2),
+                                       case["capacity"], SHAPE), Exchange.RING_KEPT)  # fmt: skip
+        assert any(i.owner_dkv and i.ring_size > 1 for i in plan.items()), case["strategy"]
+    results = run_ranks(_ring_all, 4, cases)
+    q, k, v, _, out = reference(lengths, 8, 2, 4, 0)
+    for index, case in enumerate(cases):
+        for rank, per_rank in enumerate(results):
+            got = per_rank[index]
+            rows = torch.as_tensor(got["rows"])
+            n = len(rows)
+            expected = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+            for name, ref in expected.items():
+                value = got[name]
+                scale = float(ref.abs().max())
+                error = float((value[:n] - ref[rows]).abs().max()) if n else 0.0
+                assert error <= 1e-5 * scale, f"{case['strategy']} rank {rank} {name}: {error:.2e}"
+            assert got["ops"] == got["expected_ops"], f"{case['strategy']} rank {rank}"

@@ -129,7 +129,8 @@ def test_micro_batches_keep_one_more_copy_of_the_gradients() -> None:
 def test_scale_rows_that_recompute_play_micro_batches_and_keep_the_fastest() -> None:
     """At 16k tokens per GPU a 7B rank of L tokens recomputes; the row plays the batch again
     as micro-batches of L / 2 and keeps it where faster (on this batch it is: no 7B rank of
-    10k tokens recomputes as much), always on the whole batch's bound. At 4k nothing
+    10k tokens recomputes as much), always on the whole batch's bound, and times each
+    micro-batch's `plan_step` call apart besides the step's together. At 4k nothing
     recomputes and the row plays one batch a step."""
     case = dict(gpus=(64,), distributions=("arxiv",), models=("7b",), placements=("zeppelin",))
     (one,) = run_scale_bench(ScaleBenchSpec(**case, tokens_per_gpu=(16384,), micro_batches=1),
@@ -142,6 +143,9 @@ def test_scale_rows_that_recompute_play_micro_batches_and_keep_the_fastest() -> 
     bound = one.step_s / one.step_over_bound
     assert best.step_s / best.step_over_bound == pytest.approx(bound)  # the same bound
     assert best.fits == "yes" and best.tokens_per_s_per_gpu > one.tokens_per_s_per_gpu
+    # the step plans two batches, one `plan_step` call each: the slowest call is one of them
+    assert 0 < best.planner_ms_call < best.planner_ms_max
+    assert one.planner_ms_call == pytest.approx(one.planner_ms_max)  # one call a step
     (small,) = run_scale_bench(ScaleBenchSpec(**case, tokens_per_gpu=(4096,)),
                                progress=lambda line: None)  # fmt: skip
     assert small.micro_batches == 1 and small.recompute_s == 0

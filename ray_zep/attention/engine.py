@@ -15,8 +15,8 @@ peers. Per item:
    in fp32; backward rotates K/V again (or reads the ones a kept ring received in
    the forward) and passes the dK/dV accumulators around the ring back to their
    owners (under `parallel.dkv_wire=owner`, items inside a node and Ulysses groups send
-   each step's dK/dV straight to them instead, `_owner_backward`), or reduce-scatters
-   them;
+   each step's dK/dV straight to them instead, `_owner_backward`, a kept ring's own
+   block last), or reduce-scatters them;
 3. Ulysses: outputs (and in backward the gradients, in the compute dtype where each
    K/V head has one member: `ulysses_gradient_dtype`) go back to the token owners.
 
@@ -330,19 +330,29 @@ def _owner_backward(state, item, schedule, links, contribute):
     K/V rotate as in `_ring_backward`, and each step's dK/dV goes straight to the position
     it belongs to (member u of position p sends step s's to member u of p - s) in the K/V
     dtype, which holds the kernel's output exactly; this position sums what it gets back
-    in float32. `contribute(kv, step)`: one step's float32 dK/dV."""
+    in float32. `contribute(kv, step)`: one step's float32 dK/dV.
+
+    Steps run in `ExchangeKind.owner_backward_order`: where the ring kept the forward's
+    K/V (`ItemSchedule.keeps_kv`) the position's own block (step 0) last, so that the last
+    dK/dV sent to an owner is in flight during that step's compute, not after the ring's;
+    a ring rotating its K/V again holds its own block first, and computes it first."""
     ring, u_size, ranks = item.item.ring_size, item.item.ulysses, item.item.ranks
     assert item.steps[0].source == item.position, "step 0 must be the position's own block"
     current = state.kv_P2KE
     kept = state.gathered.split(_kept_rows(item)) if item.keeps_kv else None
-    mine = None
+    total = None  # float32 sum of this position's dK/dV: its own step's and those received
     waiting = None  # the previous step's dK/dV to this position, and its buffer
     alive = []  # sent dK/dV, kept until their transfers complete
-    for s, step in enumerate(item.steps):
-        kv_buf, kv_pending = _backward_kv(current, kept, item, s, schedule, links)
-        dkv = contribute(current, step)
+    for s in item.item.exchange_kind.owner_backward_order(len(item.steps)):
+        step = item.steps[s]
+        if kept is not None:
+            kv, kv_buf, kv_pending = (kept[s - 1] if s else current), None, None
+        else:
+            kv = current
+            kv_buf, kv_pending = _backward_kv(current, kept, item, s, schedule, links)
+        dkv = contribute(kv, step)
         if s == 0:
-            mine = dkv
+            total = dkv if total is None else total.add_(dkv)
         else:
             owner = ranks[((item.position - s) % ring) * u_size + item.part]
             sender = ranks[((item.position + s) % ring) * u_size + item.part]
@@ -353,16 +363,21 @@ def _owner_backward(state, item, schedule, links, contribute):
                               "ring dK/dV to owner", zip_stream=stream)  # fmt: skip
             alive.append(sent)
             if waiting is not None:
-                waiting[0].wait()
-                mine += waiting[1].float()
+                total = _received(total, waiting)
             waiting = (posted, into)
         if kv_pending is not None:
             kv_pending.wait()
         if kv_buf is not None:
             current = kv_buf
+    return _received(total, waiting)
+
+
+def _received(total, waiting):
+    """`total` (None: nothing yet) plus the dK/dV of `waiting` (posted, buffer) once
+    arrived, in float32."""
     waiting[0].wait()
-    mine += waiting[1].float()
-    return mine
+    arrived = waiting[1].float()
+    return arrived if total is None else total.add_(arrived)
 
 
 def _gathered_backward(dout_pos, state, item, schedule, links, dq_pos, backward):

@@ -14,7 +14,8 @@ average; L = that x headroom) and placement, on the same sampled batches:
   and modelled tokens/s per GPU;
 - inter-node bytes per step (`traffic.attention_step_traffic`: every layer's ring,
   collective and remap bytes), the planner's wall time (`plan_step`, as the data
-  actor runs it: median and slowest over the batches) and the fullest rank's
+  actor runs it: a step's median and slowest over the batches, its micro-batches' plans
+  together, and the slowest single call, `call ms`) and the fullest rank's
   modelled memory under the lightest activation checkpointing that fits the GPU
   (`ckpt`: none, or selective, linears or full on the fewest first blocks that fit,
   as Megatron-LM's `--recompute-num-layers`, "full 12/40" on 12 of 40 blocks, whichever
@@ -228,6 +229,10 @@ class ScaleRow:
     """`plan_step` wall time, the median over the batches (a full collection of Python's
     garbage collector can land in any one call); with micro-batches, their plans' together."""
     planner_ms_max: float | None = None
+    planner_ms_call: float | None = None
+    """The slowest single `plan_step` call over the batches: a step of k micro-batches
+    plans k batches, one call each, as the data actor plans each micro-batch it streams
+    (`planner_ms` sums them)."""
     peak_memory_gb: float | None = None
     checkpointing: str | None = None
     """The activation checkpointing the row runs (`fitting_options`, the fastest): the mode,
@@ -395,6 +400,7 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
         per_step = np.asarray(planner).reshape(len(batches), -1).sum(axis=1)
         row.planner_ms = float(np.median(per_step)) * 1e3
         row.planner_ms_max = float(per_step.max()) * 1e3
+        row.planner_ms_call = float(max(planner)) * 1e3
 
 
 def _level_columns(plans, world: int) -> tuple[float | None, float | None]:
@@ -502,6 +508,7 @@ COLUMNS = (
     Column("inter GB", "inter_node_gb", ".1f"),
     Column("plan ms", "planner_ms", ".0f"),
     Column("plan max", "planner_ms_max", ".0f"),
+    Column("call ms", "planner_ms_call", ".0f"),
     Column("mem GB", "peak_memory_gb", ".1f"),
     Column("ckpt", "checkpointing"),
     Column("fits", "fits"),

@@ -74,6 +74,16 @@ class ExchangeKind:
         """K/V move hop by hop between ring neighbours, overlapped with compute."""
         return self.play is Play.ROTATE
 
+    def owner_backward_order(self, steps: int) -> list[int]:
+        """The order a rotating ring's backward computes its `steps` in where each step's
+        dK/dV goes straight to its owner (`parallel.dkv_wire=owner`): where the forward's
+        K/V were kept, the position's own block (step 0) last, so that the last dK/dV
+        message is in flight during its compute rather than after the ring's (`keeps_kv`:
+        every other block is at hand from the start); else in step order, since a ring
+        rotating its K/V again holds its own block first."""
+        order = list(range(steps))
+        return [*order[1:], 0] if self.keeps_kv and steps > 1 else order
+
     @property
     def routable(self) -> bool:
         """Its transfers are point to point, so routing may carry them through proxies."""

@@ -16,7 +16,8 @@ waits for both: a transfer starts once its sender and receiver have posted it.
 Backward adds the dK/dV accumulator pass: it leaves after the step's compute and
 after the previous accumulator has arrived (under `parallel.dkv_wire=owner` an item
 inside a node or with Ulysses members sends each step's dK/dV straight to its owner
-after the step's compute, in the activation dtype, `owner_backward`). An item's K/V
+after the step's compute, in the activation dtype, `owner_backward`; a ring that kept
+the forward's K/V computes its own block last). An item's K/V
 exchange is built as its kind plays it (`PLAYS`, one builder per
 `ray_zep.partition.exchange.Play`). The remap's all-to-all-v is played per rank and link
 kind (`_Builder.remap`). Ulysses exchanges are point-to-point transfers between the
@@ -210,15 +211,19 @@ class _Builder(GraphBuilder):
     def owner_backward(self, index: int, item: QueueItem, layouts) -> None:
         """`ring_backward` under `parallel.dkv_wire=owner`: K/V rotate as there; after step
         s's compute (s >= 1) each member posts its dK/dV to their owner and the receive of
-        its own from the member p + s, and moves on once step s - 1's have arrived: no
-        sum waits for the previous member's, as the engine's `_owner_backward` runs."""
+        its own from the member p + s, and moves on once the previous step's have arrived:
+        no sum waits for the previous member's, as the engine's `_owner_backward` runs.
+        Steps run in `ExchangeKind.owner_backward_order`: a ring that kept the forward's
+        K/V computes its own block last, so no dK/dV message follows the ring's compute."""
         in_flight: dict = defaultdict(list)  # the owner messages of the previous step
-        alone = self._alone(item, layouts, 0)
-        for step in range(item.ring_size):
+        order = item.exchange_kind.owner_backward_order(item.ring_size)
+        alone = self._alone(item, layouts, order[0])
+        for at, step in enumerate(order):
             points = {r: self.point[r] for r in item.ranks}
             kv = self._post(index, item, step, Payload.KV, points, alone)
             computes = self._member_computes(item, alone, step, kv, in_flight)
-            alone = self._alone(item, layouts, step + 1)
+            following = order[at + 1] if at + 1 < len(order) else item.ring_size
+            alone = self._alone(item, layouts, following)
             posted = defaultdict(list)
             if step:
                 posted = self._post(index, item, step, Payload.DKV, computes, alone)
