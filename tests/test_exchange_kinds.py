@@ -241,7 +241,11 @@ def test_a_kept_ring_sends_its_kv_once_and_keeps_the_other_positions() -> None:
     rows = kv_row_bytes(SHAPE, 2)
     rotated, once = (ring_link_bytes_by_payload(p, False, rows) for p in (plan, kept))
     assert once[Payload.KV][0] * 2 == rotated[Payload.KV][0] > 0
-    assert once[Payload.DKV][0] == rotated[Payload.DKV][0] > 0
+    # dK/dV: every position's accumulator makes R hops, R - 1 where kept (own block last)
+    ring = item.ring_size
+    assert _dkv_rows(kept) * ring == _dkv_rows(plan) * (ring - 1) > 0
+    dkv_bytes = [b[Payload.DKV][0] + int(b[Payload.DKV][1].sum()) for b in (rotated, once)]
+    assert dkv_bytes[1] * ring == dkv_bytes[0] * (ring - 1) > 0
     held = np.asarray(kept.position_tokens(item))
     assert kept_kv_tokens(kept)[list(item.ranks)].tolist() == (held.sum() - held).tolist()
     assert not kept_kv_tokens(plan).any()
@@ -254,6 +258,12 @@ def test_a_kept_ring_sends_its_kv_once_and_keeps_the_other_positions() -> None:
               for gb in (0.0, 100.0)]  # fmt: skip
     assert member[1][0] < 0.9 * member[0][0]  # bound by its transfers: fewer bytes, less time
     assert not WorkModel.create(shape, topology, keep_kv_gb=1.0).keeps_kv(131072)
+
+
+def _dkv_rows(plan: AttentionPlan) -> int:
+    """The dK/dV rows the backward's transfers list, every hop (`RoutingPlan`)."""
+    backward = RoutingPlan.build(plan, routed=False, all_hops=True).backward
+    return sum(t.route.rows for t in backward if t.payload is Payload.DKV)
 
 
 @pytest.mark.unit
@@ -286,13 +296,13 @@ def test_a_kept_owner_ring_computes_its_own_block_last() -> None:
     computes its own block first. In the simulator no kept member's backward then ends on
     a dK/dV message: the layer is shorter than in step order, by up to one hop."""
     kept, ring = (EXCHANGES[e] for e in (Exchange.RING_KEPT, Exchange.RING))
-    assert kept.owner_backward_order(4) == [1, 2, 3, 0] and ring.owner_backward_order(4) == [
+    assert kept.backward_order(4) == [1, 2, 3, 0] and ring.backward_order(4) == [
         0,
         1,
         2,
         3,
     ]
-    assert kept.owner_backward_order(1) == [0]
+    assert kept.backward_order(1) == [0]
     config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=2",
                                 "model.preset=7b", "train.tokens_per_rank=8192",
                                 "parallel.sequence=zeppelin"])  # fmt: skip
@@ -308,7 +318,7 @@ def test_a_kept_owner_ring_computes_its_own_block_last() -> None:
     with pytest.MonkeyPatch.context() as patch:
         for name in ("own last", "in step order"):
             if name == "in step order":
-                patch.setattr(type(item.exchange_kind), "owner_backward_order",
+                patch.setattr(type(item.exchange_kind), "backward_order",
                               lambda self, steps: list(range(steps)))  # fmt: skip
             step = simulate_plan(plan, run, False, None)
             timeline = step.backward
@@ -322,21 +332,54 @@ def test_a_kept_owner_ring_computes_its_own_block_last() -> None:
     assert not any("dK/dV" in what for what in ends["own last"][1].values())
 
 
+@pytest.mark.unit
+def test_a_kept_accumulator_ring_computes_its_own_block_last() -> None:
+    """Passing dK/dV accumulators round a ring across two nodes (no owner wire there), a
+    ring that kept the forward's K/V computes its own block last: each accumulator starts
+    on the member after its owner, so a member sends R - 1 of them, not R, and the last
+    one reaches its owner during that member's own block."""
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=2",
+                                "model.preset=7b", "train.tokens_per_rank=8192",
+                                "parallel.sequence=zeppelin"])  # fmt: skip
+    topology = build_topology(config.topology)
+    n, ring = 65536, 16
+    placement = SeqPlacement(0, n, tuple(range(ring)), even_bounds(n, ring))
+    plan = with_exchange(AttentionPlan(Placement.ZEPPELIN, topology, 8192, (placement,)),
+                         Exchange.RING_KEPT)  # fmt: skip
+    (item,) = plan.items()
+    assert not item.owner_dkv and item.exchange_kind.keeps_kv
+    step = simulate_plan(plan, RunModel.create(config, Hardware.preset(topology)), False, None)
+    tasks = step.backward.graph.tasks
+    sent = Counter(t.rank for t in tasks if t.name == "dK/dV")
+    assert sent == dict.fromkeys(item.ranks, ring - 1)
+    for rank in item.ranks:
+        steps = [name for _, _, name in sorted(step.backward.intervals(rank, Lane.COMPUTE))
+                 if name.startswith("attention step")]  # fmt: skip
+        assert steps == [f"attention step {s}" for s in [*range(1, ring), 0]], rank
+
+
 @pytest.mark.dist
-def test_a_kept_owner_ring_still_equals_one_device() -> None:
-    """Own block last (`ExchangeKind.owner_backward_order`) on 2x2, fp32: zeppelin's rings
-    inside a node and usp's Ulysses groups across nodes, kept and sending dK/dV to their
-    owners, give one device's outputs and gradients (rel 1e-5), and each rank sends the
-    messages its schedule counts."""
+def test_a_kept_ring_still_equals_one_device() -> None:
+    """Own block last (`ExchangeKind.backward_order`) on 2x2, fp32, in every ring that kept
+    the forward's K/V: sending dK/dV to their owners, zeppelin's rings inside a node and
+    usp's Ulysses groups across nodes; passing accumulators round the ring, te_cp's ring
+    of the four ranks (direct and routed: the relays carry no accumulator off a member's
+    own block) and zeppelin's rings. Each gives one device's outputs and gradients
+    (rel 1e-5), and each rank sends the messages its schedule counts."""
     lengths = [1, 7, 3, 3, 2, 61, 1, 2, 1, 3, 33]
-    shared = dict(routing=False, nodes=2, gpus=2, heads=8, kv_heads=2, dim=4, lengths=lengths,
-                  capacity=-(-sum(lengths) // 4) + 4, exchange=Exchange.RING_KEPT.value,
-                  dkv_to_owner=True)  # fmt: skip
-    cases = [{**shared, "strategy": strategy} for strategy in ("zeppelin", "usp")]
+    capacity = -(-sum(lengths) // 4) + 4
+    shared = dict(nodes=2, gpus=2, heads=8, kv_heads=2, dim=4, lengths=lengths,
+                  capacity=capacity, exchange=Exchange.RING_KEPT.value)  # fmt: skip
+    wires = [("zeppelin", False, True), ("usp", False, True), ("te_cp", False, False),
+             ("te_cp", True, False), ("zeppelin", False, False)]  # fmt: skip
+    cases = [{**shared, "strategy": strategy, "routing": routing, "dkv_to_owner": owner}
+             for strategy, routing, owner in wires]  # fmt: skip
     for case in cases:
         plan = with_exchange(make_plan(Placement(case["strategy"]), lengths, _topology(2, 2),
                                        case["capacity"], SHAPE), Exchange.RING_KEPT)  # fmt: skip
-        assert any(i.owner_dkv and i.ring_size > 1 for i in plan.items()), case["strategy"]
+        owner = case["dkv_to_owner"]
+        rings = [i for i in plan.items() if i.ring_size > 1 and (i.owner_dkv or not owner)]
+        assert rings, case["strategy"]
     results = run_ranks(_ring_all, 4, cases)
     q, k, v, _, out = reference(lengths, 8, 2, 4, 0)
     for index, case in enumerate(cases):

@@ -17,6 +17,7 @@ from ray_zep.data.synthetic import batch_lengths
 from ray_zep.model_shapes import PRESETS, ModelShape
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import make_plan
+from ray_zep.partition.exchange import Exchange
 from ray_zep.remap.solver import solve_remap
 from ray_zep.routing.routes import Phase, RoutingPlan, Transfer, plan_route
 from ray_zep.sim.events import CorePool, Lane, TaskGraph, simulate
@@ -26,6 +27,7 @@ from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.program import _Builder, layer_graph
 from ray_zep.sim.step import RunModel, simulate_batch, simulate_plan, weights_of
 from ray_zep.topology import LinkKind, build_topology
+from tests.helpers.attention import with_exchange
 
 SHAPE = ModelShape(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128)
 RATES = ComputeRates(1e9, 0.8e9, 2e9, call_overhead_s=1e-6, source="test")
@@ -470,18 +472,21 @@ def test_ring_step_costs_of_a_whole_item_equal_its_segments_costs(placement, cur
 @pytest.mark.parametrize("speed", [1.0, 1e4], ids=["compute_bound", "transfer_bound"])
 @pytest.mark.parametrize("message_latency", [False, True], ids=["links", "measured_latency"])
 @pytest.mark.parametrize("nodes,gpus", [(1, 4), (2, 4), (4, 2)])
+@pytest.mark.parametrize("exchange", [Exchange.RING, Exchange.RING_KEPT], ids=lambda e: e.value)
 def test_a_ring_played_on_arrays_takes_the_event_simulations_times(
-    monkeypatch, nodes, gpus, message_latency, speed
+    monkeypatch, nodes, gpus, message_latency, speed, exchange
 ) -> None:
     """te_cp's global ring of equal chunks: `ring_form`'s recurrence gives every layer the
     makespan the task graph gives, forward and backward (contention and the K/V and
-    dK/dV messages queueing on one link included)."""
+    dK/dV messages queueing on one link included); kept, its backward's own block last
+    (`kept_ring_backward`)."""
     from ray_zep.sim import ring_form
 
     rates = dataclasses.replace(RATES, contention=1.3, full_half_tokens=20.0).scaled(speed, "")
     world = nodes * gpus
     plan = make_plan(Placement.TE_CP, [2 * world * n for n in (40, 7, 90, 13)],
                      _topology(nodes, gpus), 400, SHAPE)  # fmt: skip
+    plan = with_exchange(plan, exchange)
     setup = _setup(plan, rates)
     if message_latency:
         cost = dataclasses.replace(setup.cost, message_latency=((0.0, 2e-5), (1e-3, 9e-5)))

@@ -13,10 +13,10 @@ peers. Per item:
    play's path): rotated step by step with the next step's transfer posted
    before the current step's compute, or all-gathered; outputs and LSEs merge
    in fp32; backward rotates K/V again (or reads the ones a kept ring received in
-   the forward) and passes the dK/dV accumulators around the ring back to their
-   owners (under `parallel.dkv_wire=owner`, items inside a node and Ulysses groups send
-   each step's dK/dV straight to them instead, `_owner_backward`, a kept ring's own
-   block last), or reduce-scatters them;
+   the forward, computing its own block last: `ExchangeKind.backward_order`) and
+   passes the dK/dV accumulators around the ring back to their owners (under
+   `parallel.dkv_wire=owner`, items inside a node and Ulysses groups send each step's
+   dK/dV straight to them instead, `_owner_backward`), or reduce-scatters them;
 3. Ulysses: outputs (and in backward the gradients, in the compute dtype where each
    K/V head has one member: `ulysses_gradient_dtype`) go back to the token owners.
 
@@ -288,14 +288,15 @@ def _ring_backward(dout_pos, state, item, schedule, links, dq_pos, backward):
         return contribute(state.kv_P2KE, item.steps[0])
     if links.dkv_to_owner and item.item.owner_dkv:
         return _owner_backward(state, item, schedule, links, contribute)
+    if item.keeps_kv:
+        return _kept_ring_backward(state, item, schedule, links, contribute)
     current = state.kv_P2KE
     wire = links.dkv_dtype(current.dtype)  # accumulators sum in float32, travel in `wire`
     incoming = None  # dK/dV accumulator of this step's source, from the previous rank
     dkv_pending = None
     sends_alive = []  # keep sent accumulators alive until their transfers complete
-    kept = state.gathered.split(_kept_rows(item)) if item.keeps_kv else None
     for s, step in enumerate(item.steps):
-        kv_buf, kv_pending = _backward_kv(current, kept, item, s, schedule, links)
+        kv_buf, kv_pending = _backward_kv(current, item, s, schedule, links)
         dkv = contribute(current, step)
         if dkv_pending is not None:
             dkv_pending.wait()
@@ -317,11 +318,37 @@ def _ring_backward(dout_pos, state, item, schedule, links, dq_pos, backward):
     return incoming.float()
 
 
-def _backward_kv(current, kept, item: ItemSchedule, step: int, schedule, links):
-    """(the K/V step `step + 1` uses, the pending receive of them or None): the ones the
-    forward kept (`kept`, per step; nothing to send again), or rotated anew."""
-    if kept is not None:
-        return (kept[step] if step < len(kept) else None), None
+def _kept_ring_backward(state, item: ItemSchedule, schedule, links, contribute):
+    """`Play.ROTATE` backward, dK/dV accumulated around the ring, where the ring kept the
+    forward's K/V: steps in `ExchangeKind.backward_order`, this position's own block
+    last. At step s >= 1 it adds its block of position p - s's K/V to the accumulator
+    position p - 1 sent (none at step 1: that accumulator starts here) and sends it on to
+    p + 1; the one sent after step R - 1 reaches its owner, p + 1, while this position
+    computes its own block and receives its own from p - 1. `contribute(kv, step)`: one
+    step's float32 dK/dV."""
+    kept = state.gathered.split(_kept_rows(item))
+    wire = links.dkv_dtype(state.kv_P2KE.dtype)  # accumulators sum in float32
+    incoming = pending = None  # the accumulator this step adds to, and its receive
+    alive = []  # sent accumulators, kept until their transfers complete
+    ring = len(item.steps)
+    for s in item.item.exchange_kind.backward_order(ring):
+        dkv = contribute(kept[s - 1] if s else state.kv_P2KE, item.steps[s])
+        if pending is not None:
+            pending.wait()
+            dkv += incoming
+        if s == 0:
+            return dkv
+        following = item.steps[s + 1].source if s + 1 < ring else item.position
+        incoming = dkv.new_empty((item.position_tokens[following], *dkv.shape[1:]), dtype=wire)
+        alive.append(dkv.to(wire))
+        pending = _ring_exchange(alive[-1], incoming, item, s, Payload.DKV, schedule, links,
+                                 "ring dK/dV exchange")  # fmt: skip
+    raise AssertionError("a kept ring's backward ends on its own block")
+
+
+def _backward_kv(current, item: ItemSchedule, step: int, schedule, links):
+    """(the K/V step `step + 1` uses, the pending receive of them or None), rotated anew
+    (a ring that kept the forward's reads them instead: `_kept_rows`)."""
     return _rotate(current, item, step, schedule, links, "ring K/V exchange (backward)")
 
 
@@ -332,7 +359,7 @@ def _owner_backward(state, item, schedule, links, contribute):
     dtype, which holds the kernel's output exactly; this position sums what it gets back
     in float32. `contribute(kv, step)`: one step's float32 dK/dV.
 
-    Steps run in `ExchangeKind.owner_backward_order`: where the ring kept the forward's
+    Steps run in `ExchangeKind.backward_order`: where the ring kept the forward's
     K/V (`ItemSchedule.keeps_kv`) the position's own block (step 0) last, so that the last
     dK/dV sent to an owner is in flight during that step's compute, not after the ring's;
     a ring rotating its K/V again holds its own block first, and computes it first."""
@@ -343,13 +370,13 @@ def _owner_backward(state, item, schedule, links, contribute):
     total = None  # float32 sum of this position's dK/dV: its own step's and those received
     waiting = None  # the previous step's dK/dV to this position, and its buffer
     alive = []  # sent dK/dV, kept until their transfers complete
-    for s in item.item.exchange_kind.owner_backward_order(len(item.steps)):
+    for s in item.item.exchange_kind.backward_order(len(item.steps)):
         step = item.steps[s]
         if kept is not None:
             kv, kv_buf, kv_pending = (kept[s - 1] if s else current), None, None
         else:
             kv = current
-            kv_buf, kv_pending = _backward_kv(current, kept, item, s, schedule, links)
+            kv_buf, kv_pending = _backward_kv(current, item, s, schedule, links)
         dkv = contribute(kv, step)
         if s == 0:
             total = dkv if total is None else total.add_(dkv)

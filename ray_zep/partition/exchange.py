@@ -74,13 +74,14 @@ class ExchangeKind:
         """K/V move hop by hop between ring neighbours, overlapped with compute."""
         return self.play is Play.ROTATE
 
-    def owner_backward_order(self, steps: int) -> list[int]:
-        """The order a rotating ring's backward computes its `steps` in where each step's
-        dK/dV goes straight to its owner (`parallel.dkv_wire=owner`): where the forward's
-        K/V were kept, the position's own block (step 0) last, so that the last dK/dV
-        message is in flight during its compute rather than after the ring's (`keeps_kv`:
-        every other block is at hand from the start); else in step order, since a ring
-        rotating its K/V again holds its own block first."""
+    def backward_order(self, steps: int) -> list[int]:
+        """The order a rotating ring's backward computes its `steps` in: where the
+        forward's K/V were kept (`keeps_kv`: every other block is at hand from the start),
+        the position's own block (step 0) last, so that the last dK/dV message (to an
+        owner under `parallel.dkv_wire=owner`, else the accumulator coming home) is in
+        flight during its compute rather than after the ring's, and an accumulator starts
+        on the member after its owner with no message to get there; else in step order,
+        since a ring rotating its K/V again holds its own block first."""
         order = list(range(steps))
         return [*order[1:], 0] if self.keeps_kv and steps > 1 else order
 
@@ -130,13 +131,14 @@ class ExchangeKind:
         """Communication calls a member issues in one forward and backward (Ulysses
         exchanges and routing aside): rotating, R - 1 K/V sends and receives forward,
         again backward unless it keeps them, plus R dK/dV sends and receives (R - 1 each
-        where they go straight to their owners, `owner`); gathering, one all-gather and
-        one reduce-scatter. None for a group of one position."""
+        where they go straight to their owners, `owner`, or where it keeps them: its own
+        block comes last, `backward_order`); gathering, one all-gather and one
+        reduce-scatter. None for a group of one position."""
         if ring < 2:
             return Counter()
         if self.rotates:
             rotations = 1 if self.keeps_kv else 2
-            dkv = ring - 1 if owner else ring
+            dkv = ring - 1 if owner or self.keeps_kv else ring
             return Counter(p2p=2 * (ring - 1) * rotations + 2 * dkv)
         return Counter(all_gather=1, reduce_scatter=1)
 

@@ -57,16 +57,19 @@ def ring_link_bytes_by_payload(
         hops = np.asarray(item.hops(), dtype=np.int64)  # (position, source, destination)
         position, src, dst = hops[:, 0], hops[:, 1], hops[:, 2]
         # a hop from position p carries position (p - s)'s rows at step s: every position
-        # once for dK/dV, all but position p + 1 for K/V (not sent on at the last step);
-        # K/V goes round twice (forward, backward) unless the forward's are kept
+        # once for dK/dV (all but p itself where the forward's K/V were kept: its own
+        # block comes last, `ExchangeKind.backward_order`), all but position p + 1 for
+        # K/V (not sent on at the last step); K/V goes round twice (forward, backward)
+        # unless the forward's are kept
         total = int(held.sum())
+        kept = item.exchange_kind.keeps_kv
         carried = {Payload.KV: total - held[(position + 1) % ring]}
         if dkv_owner and item.owner_dkv:  # the dK/dV leave the ring for their owners
             size = row_bytes(Payload.KV, u_size)
             _owner_dkv_bytes(item, held, size, topo, nic_of_gpu, intra, nic)
         else:
-            carried[Payload.DKV] = np.full(len(hops), total, dtype=np.int64)
-        rounds = 1 if item.exchange_kind.keeps_kv else 2
+            carried[Payload.DKV] = total - held[position] if kept else np.full(len(hops), total)
+        rounds = 1 if kept else 2
         sizes = {p: row_bytes(p, u_size) * (rounds if p is Payload.KV else 1) for p in Payload}
         same = src // gpus == dst // gpus
         crossing = crossing_hops(item, topo) if routed and not same.all() else {}
@@ -85,7 +88,8 @@ def ring_link_bytes_by_payload(
             a = int(src[i])
             route = routes[a, int(dst[i])]
             steps = held[(position[i] - np.arange(ring)) % ring]
-            for payload, rows in ((Payload.KV, steps[:-1]), (Payload.DKV, steps)):
+            dkv_steps = steps[1:] if kept else steps  # a kept ring sends none at step 0
+            for payload, rows in ((Payload.KV, steps[:-1]), (Payload.DKV, dkv_steps)):
                 if payload not in carried or (size := sizes[payload]) == 0:
                     continue
                 if route.direct:
@@ -104,8 +108,9 @@ def _add_intra_node_item(
 ) -> None:
     """A ring inside one node: all of its bytes are intra-node. Over its R x U hops, the
     K/V rows sent sum to U (R - 1) x its tokens (a hop carries all but the next
-    position's), and the dK/dV rows to U R x its tokens (every position's), or, sent to
-    their owners, U (R - 1) x its tokens at K/V's row size."""
+    position's), and the dK/dV rows to U R x its tokens (every position's; U (R - 1) x
+    where the forward's K/V were kept: no accumulator leaves its own block), or, sent
+    to their owners, U (R - 1) x its tokens at K/V's row size."""
     ring, u_size = item.ring_size, item.ulysses
     total = sum(plan.placement(seq).length for seq in item.seqs)
     rounds = 1 if item.exchange_kind.keeps_kv else 2
@@ -114,7 +119,8 @@ def _add_intra_node_item(
     if dkv_owner and item.owner_dkv:
         intra[Payload.KV] += u_size * (ring - 1) * total * kv
     else:
-        intra[Payload.DKV] += u_size * ring * total * row_bytes(Payload.DKV, u_size)
+        sends = ring - 1 if item.exchange_kind.keeps_kv else ring
+        intra[Payload.DKV] += u_size * sends * total * row_bytes(Payload.DKV, u_size)
 
 
 def _owner_dkv_bytes(item: QueueItem, held: np.ndarray, size: int, topo: Topology,

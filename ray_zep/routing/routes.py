@@ -322,7 +322,9 @@ def listed_transfers(
     handling order: step, then payload, then hop. With `dkv_owner`
     (`parallel.dkv_wire=owner`) an item whose `QueueItem.owner_dkv` holds sends each step
     after the first its dK/dV direct to their owners (`QueueItem.owner_hops`), every one
-    of them listed."""
+    of them listed. A ring that kept the forward's K/V sends no accumulator after its own
+    block (`ExchangeKind.backward_order`: computed last, each accumulator starting on the
+    member after its owner), so its step 0 sends no dK/dV."""
     ring, u_size = item.ring_size, item.ulysses
     position_tokens = plan.position_tokens(item)
     payloads = [Payload.KV] if phase is Phase.FORWARD else [Payload.KV, Payload.DKV]
@@ -342,6 +344,8 @@ def listed_transfers(
                                  _direct(topo, src, dst, position_tokens[(p - step) % ring]))
                         for p, src, dst in hops_now]  # fmt: skip
                 continue
+            if payload is Payload.DKV and step == 0 and item.exchange_kind.keeps_kv:
+                continue  # its own block comes last: no accumulator leaves it
             for position, hop in hops:
                 rows = position_tokens[(position - step) % ring]
                 route = Route(hop.src, hop.dst, rows, hop.send_proxies, hop.recv_proxies)

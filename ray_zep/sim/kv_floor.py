@@ -6,8 +6,9 @@ has already played (`ray_zep.sim.auto`).
 A rotating ring (`Play.ROTATE`) passes each position's K/V block to the next position
 R - 1 times in every layer's forward, so the hop from position p to p + 1 carries every
 block but p + 1's own; the backward passes them again unless the ring kept them
-(`ExchangeKind.keeps_kv`), and passes the dK/dV accumulators R times, every block
-(`ray_zep.sim.ring_form`: the same rows, in the dK/dV wire's dtype; items that send their
+(`ExchangeKind.keeps_kv`), and passes the dK/dV accumulators R times, every block (R - 1
+times, all but its own, where it kept them: `ExchangeKind.backward_order`;
+`ray_zep.sim.ring_form`: the same rows, in the dK/dV wire's dtype; items that send their
 dK/dV straight to the owners, `parallel.dkv_wire=owner`, are left out of that part).
 Under Ulysses each of the U members of a position carries its share of the K/V heads.
 Where a hop crosses nodes those bytes leave the sending node: direct, through the sender's
@@ -85,9 +86,10 @@ def kv_floor_seconds(
             continue
         others = rows.sum() - np.roll(rows, -1)  # hop p -> p + 1: every block but p + 1's
         forward = others * values * run.element_bytes
-        backward = np.zeros(ring) if item.exchange_kind.keeps_kv else forward
-        if not (run.dkv_owner and item.owner_dkv):
-            backward = backward + rows.sum() * values * run.dkv_bytes
+        kept = item.exchange_kind.keeps_kv
+        backward = np.zeros(ring) if kept else forward
+        if not (run.dkv_owner and item.owner_dkv):  # a kept ring's own block sends none
+            backward = backward + (rows.sum() - rows * kept) * values * run.dkv_bytes
         ranks = np.asarray(item.ranks, dtype=np.int64).reshape(ring, u)
         nodes = ranks // gpus
         across = nodes != np.roll(nodes, -1, axis=0)

@@ -16,8 +16,9 @@ waits for both: a transfer starts once its sender and receiver have posted it.
 Backward adds the dK/dV accumulator pass: it leaves after the step's compute and
 after the previous accumulator has arrived (under `parallel.dkv_wire=owner` an item
 inside a node or with Ulysses members sends each step's dK/dV straight to its owner
-after the step's compute, in the activation dtype, `owner_backward`; a ring that kept
-the forward's K/V computes its own block last). An item's K/V
+after the step's compute, in the activation dtype, `owner_backward`); under either
+wire a ring that kept the forward's K/V computes its own block last
+(`ExchangeKind.backward_order`). An item's K/V
 exchange is built as its kind plays it (`PLAYS`, one builder per
 `ray_zep.partition.exchange.Play`). The remap's all-to-all-v is played per rank and link
 kind (`_Builder.remap`). Ulysses exchanges are point-to-point transfers between the
@@ -65,7 +66,13 @@ from ray_zep.sim.layer_work import (
     linear_part_seconds,
     recomputed_parts,
 )
-from ray_zep.sim.ring_form import array_ring, hop_seconds, ring_backward, ring_forward
+from ray_zep.sim.ring_form import (
+    array_ring,
+    hop_seconds,
+    kept_ring_backward,
+    ring_backward,
+    ring_forward,
+)
 from ray_zep.sim.step_costs import step_table
 from ray_zep.sim.wire import Stream, WireCodec
 from ray_zep.topology import LinkKind
@@ -189,10 +196,15 @@ class _Builder(GraphBuilder):
 
     def ring_backward(self, index: int, item: QueueItem, layouts) -> None:
         """Step s's K/V message is in flight during step s's compute, its dK/dV message
-        during step s + 1's (the last one after the ring's compute)."""
+        during the next step's. Steps run in `ExchangeKind.backward_order`: a ring that
+        kept the forward's K/V computes its own block last, while the accumulator of its
+        own K/V comes home, and sends none after it; a ring rotating its K/V again sends
+        the last accumulator home after the ring's compute, as the engine's
+        `_ring_backward` runs."""
         previous: dict = defaultdict(list)  # dK/dV messages of the previous step
-        alone = self._alone(item, layouts, 0)
-        for step in range(item.ring_size):
+        order = item.exchange_kind.backward_order(item.ring_size)
+        alone = self._alone(item, layouts, order[0])
+        for at, step in enumerate(order):
             points = {r: self.point[r] for r in item.ranks}
             kv = self._post(index, item, step, Payload.KV, points, alone)
             computes = self._member_computes(item, alone, step, kv, previous)
@@ -200,9 +212,12 @@ class _Builder(GraphBuilder):
                 for rank in item.ranks:
                     self.wait(rank, [computes[rank]])
                 return
-            alone = self._alone(item, layouts, step + 1)
+            following = order[at + 1] if at + 1 < len(order) else item.ring_size
+            alone = self._alone(item, layouts, following)
             ready = {r: self.graph.join(r, [computes[r], *previous[r]]) for r in item.ranks}
-            previous = self._post(index, item, step, Payload.DKV, ready, alone)
+            previous = defaultdict(list)
+            if step or not item.exchange_kind.keeps_kv:  # a kept ring's own block sends none
+                previous = self._post(index, item, step, Payload.DKV, ready, alone)
             for rank in item.ranks:
                 self.point[rank] = self.graph.join(rank, [ready[rank], *kv[rank]])
         for rank in item.ranks:
@@ -213,10 +228,10 @@ class _Builder(GraphBuilder):
         s's compute (s >= 1) each member posts its dK/dV to their owner and the receive of
         its own from the member p + s, and moves on once the previous step's have arrived:
         no sum waits for the previous member's, as the engine's `_owner_backward` runs.
-        Steps run in `ExchangeKind.owner_backward_order`: a ring that kept the forward's
+        Steps run in `ExchangeKind.backward_order`: a ring that kept the forward's
         K/V computes its own block last, so no dK/dV message follows the ring's compute."""
         in_flight: dict = defaultdict(list)  # the owner messages of the previous step
-        order = item.exchange_kind.owner_backward_order(item.ring_size)
+        order = item.exchange_kind.backward_order(item.ring_size)
         alone = self._alone(item, layouts, order[0])
         for at, step in enumerate(order):
             points = {r: self.point[r] for r in item.ranks}
@@ -242,7 +257,7 @@ class _Builder(GraphBuilder):
         if array_ring(item, self.topology, routed):
             if not self.record and not self.setup.codec.zips(CompressionStream.KV.value):
                 return True
-            if not any((index, 0, int(p)) in self.transfers for p in Payload):
+            if not any((index, s, int(p)) in self.transfers for s in (0, 1) for p in Payload):
                 plan = self.setup.plan
                 for t in item_transfers(plan, index, item, self.phase, routed, all_hops=True):
                     self.transfers[t.order].append(t)
@@ -261,10 +276,12 @@ class _Builder(GraphBuilder):
         contention = self.setup.rates.contention
         if self.phase is Phase.FORWARD:
             ends = ring_forward(compute, kv, contention)
+        elif item.exchange_kind.keeps_kv:  # no K/V sent; its own block last
+            following = np.roll(compute, -1, axis=1)  # after step R - 1 comes step 0
+            dkv = self._hop_seconds(item, rows, Payload.DKV, following)
+            ends = kept_ring_backward(compute, dkv, contention)
         else:
             dkv = self._hop_seconds(item, rows, Payload.DKV, following)
-            if item.exchange_kind.keeps_kv:  # the forward's K/V were kept
-                kv = np.zeros_like(kv)
             ends = ring_backward(compute, kv, dkv, contention)
         deps = [self.point[r] for r in item.ranks] + [self.sync_tasks.get(r) for r in item.ranks]
         start = self.graph.join(item.ranks[0], deps)

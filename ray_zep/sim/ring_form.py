@@ -17,7 +17,9 @@ time written from its own and its neighbours' times at the previous step:
 - forward: r's next point is the latest of its compute and its two K/V messages;
 - backward: its dK/dV message of step s leaves once both ends finished step s's
   compute and their previous dK/dV messages, and is in flight during step s + 1;
-  the last ones are waited for after the ring.
+  the last ones are waited for after the ring. A ring that kept the forward's K/V
+  (`kept_ring_backward`) sends no K/V and computes its own block (step 0) last, after
+  steps 1 .. R - 1, with no dK/dV message after it: the last ones arrive during it.
 
 The result, every member's time from the ring's start to its end, is exact for
 the graph the program would build when the members start the ring together
@@ -139,3 +141,31 @@ def ring_backward(
         dkv_moving = dkv_RS[:, step] + np.roll(dkv_RS[:, step], 1)
         point = np.maximum.reduce([ready, *kv_ends])
     return np.maximum.reduce([point, dkv_sent, dkv_received])
+
+
+def kept_ring_backward(compute_RS: np.ndarray, dkv_RS: np.ndarray, contention: float) -> np.ndarray:
+    """`ring_backward` of a ring that kept the forward's K/V: no K/V messages, steps
+    1 .. R - 1 in order, then the member's own block (step 0), during which the
+    accumulator of its own K/V comes home (`ExchangeKind.backward_order`); each member's
+    seconds from the ring's start until that has arrived and its own has left.
+
+    Args:
+        compute_RS: member r's backward compute of step s alone.
+        dkv_RS: seconds of the dK/dV message r sends after step s (none after step 0:
+            column 0 is not read).
+        contention: `ComputeRates.contention`.
+    """
+    ring, steps = compute_RS.shape
+    point = np.zeros(ring)
+    dkv_sent = dkv_received = dkv_moving = np.zeros(ring)
+    link = np.zeros(ring)  # when member r's link to r + 1 is free
+    for step in [*range(1, steps), 0]:
+        computed = point + _contended(compute_RS[:, step], dkv_moving, contention)
+        point = np.maximum.reduce([computed, dkv_sent, dkv_received])
+        if step == 0:
+            break
+        start = np.maximum.reduce([point, np.roll(point, -1), link])
+        dkv_sent = link = start + dkv_RS[:, step]
+        dkv_received = np.roll(dkv_sent, 1)
+        dkv_moving = dkv_RS[:, step] + np.roll(dkv_RS[:, step], 1)
+    return point
