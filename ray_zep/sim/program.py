@@ -215,9 +215,8 @@ class _Builder(GraphBuilder):
             following = order[at + 1] if at + 1 < len(order) else item.ring_size
             alone = self._alone(item, layouts, following)
             ready = {r: self.graph.join(r, [computes[r], *previous[r]]) for r in item.ranks}
-            previous = defaultdict(list)
-            if step or not item.exchange_kind.keeps_kv:  # a kept ring's own block sends none
-                previous = self._post(index, item, step, Payload.DKV, ready, alone)
+            # none listed after a kept ring's own block (`listed_transfers`)
+            previous = self._post(index, item, step, Payload.DKV, ready, alone)
             for rank in item.ranks:
                 self.point[rank] = self.graph.join(rank, [ready[rank], *kv[rank]])
         for rank in item.ranks:
