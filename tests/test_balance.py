@@ -513,7 +513,9 @@ def test_a_light_ring_inside_a_node_rides_on_a_whole_node_of_a_ring_across_nodes
     Hosted (`ray_zep.partition.hosting`), such rings run over all G GPUs of one node of a
     group across nodes, every one of them a member of it; no rank holds more than L,
     `ray-zep plan`'s summary counts the ranks in two rings, and the simulator plays a
-    shorter step than with every ring on ranks of its own (1.920 s against 1.971 s).
+    shorter step than with every ring on ranks of its own (1.830 s against 1.841 s; 1.920
+    against 1.971 before rings across nodes halved their messages after the wrap,
+    `ray_zep.partition.layout.MirroredZigzag`, which shortened the unhosted step most).
     Guests in USP groups are off here: they take such rings' sequences into the groups'
     own items (`ray_zep.partition.usp_guests`); so are second rings over members of one
     group (`ray_zep.partition.co_rings`), which take them without hosting (1.887 s)."""
@@ -545,4 +547,4 @@ def test_a_light_ring_inside_a_node_rides_on_a_whole_node_of_a_ring_across_nodes
         assert item.ranks == tuple(range(node * gpus, (node + 1) * gpus))
     shown = summary_line(plan, plan_stats(plan, run.shape))  # what `ray-zep plan` prints
     assert f"{gpus * len(hosted)} ranks sit in more than one ring" in shown, shown
-    assert steps[True] < 0.985 * steps[False], steps
+    assert steps[True] < steps[False], steps

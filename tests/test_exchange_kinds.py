@@ -54,7 +54,8 @@ CARRIED_BY_HAND = {
     Exchange.ALL_GATHER: lambda held, p: (len(held) - 1) * max(held),
 }
 """Rows member p of a ring sends forward, from the positions' tokens `held`: every
-position but its successor's (R - 1 steps), or R - 1 padded blocks of the all-gather."""
+position but its successor's (R - 1 steps; zigzag sends whole blocks), or R - 1 padded
+blocks of the all-gather."""
 
 
 def _topology(nodes: int, gpus: int):
@@ -89,8 +90,9 @@ def test_a_member_sends_the_rows_its_kind_carries(exchange: Exchange) -> None:
     stats = plan_stats(plan, SHAPE)
     sent = sum(stats.sent_bytes.values())
     collective = sum(stats.collective_bytes.values())
+    rotated = plan.carried(item).sent()
     for position, rank in enumerate(item.ranks):
-        rows = kind.carried_tokens(sum(held), max(held), held[(position + 1) % ring], ring)
+        rows = kind.carried_tokens(rotated[position], max(held), ring)
         assert rows == CARRIED_BY_HAND[exchange](held, position) > 0
         assert sent[rank] == rows * kv_bytes_per_token(SHAPE), f"rank {rank}"
         assert collective[rank] == (sent[rank] if kind.collective else 0), f"rank {rank}"
@@ -108,11 +110,10 @@ def test_rotating_rows_are_the_ring_transfers_forward() -> None:
     listed: Counter = Counter()
     for t in RoutingPlan.build(plan, routed=False, all_hops=True).forward:
         listed[t.route.src] += t.route.rows
+    rotated = plan.carried(item).sent()
     for position, rank in enumerate(item.ranks):
-        following = held[(position + 1) % ring]
-        assert listed[rank] == item.exchange_kind.carried_tokens(
-            sum(held), max(held), following, ring
-        )
+        assert listed[rank] == item.exchange_kind.carried_tokens(rotated[position], max(held), ring)
+        assert listed[rank] == CARRIED_BY_HAND[Exchange.RING](held, position)
 
 
 @pytest.mark.unit

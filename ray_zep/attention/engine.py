@@ -16,7 +16,10 @@ peers. Per item:
    the forward, computing its own block last: `ExchangeKind.backward_order`) and
    passes the dK/dV accumulators around the ring back to their owners (under
    `parallel.dkv_wire=owner`, items inside a node and Ulysses groups send each step's
-   dK/dV straight to them instead, `_owner_backward`), or reduce-scatters them;
+   dK/dV straight to them instead, `_owner_backward`), or reduce-scatters them. Where the
+   layout trims its messages (`ray_zep.partition.layout`), a K/V message (and a dK/dV
+   one to its owner) carries only the rows its receivers attend to (`Trimmed`); a
+   step's dK/dV over those rows is laid out over the whole block for an accumulator;
 3. Ulysses: outputs (and in backward the gradients, in the compute dtype where each
    K/V head has one member: `ulysses_gradient_dtype`) go back to the token owners.
 
@@ -209,18 +212,29 @@ def _rotate(current, item: ItemSchedule, step: int, schedule, links, what: str, 
     step `step + 1` uses (into `into`, or a new buffer); (None, None) after the last step."""
     if step + 1 >= len(item.steps):
         return None, None
-    source = item.steps[step + 1].source
-    buf = (
-        into
-        if into is not None
-        else current.new_empty((item.position_tokens[source], *current.shape[1:]))
-    )
-    return buf, _ring_exchange(current, buf, item, step, Payload.KV, schedule, links, what)
+    rows = item.held_rows(step + 1)
+    buf = into if into is not None else current.new_empty((rows, *current.shape[1:]))
+    chosen = item.trimmed.send[step] if item.trimmed is not None else None
+    sent = current if chosen is None else current.index_select(0, chosen)
+    pending = _ring_exchange(sent, buf, item, step, Payload.KV, schedule, links, what)
+    return buf, pending.hold(sent)
 
 
 def _kept_rows(item: ItemSchedule) -> list[int]:
-    """Rows of the K/V received for each ring step after the first, in step order."""
-    return [item.position_tokens[step.source] for step in item.steps[1:]]
+    """Rows of the K/V received for each ring step after the first, in step order (each
+    message's, `ItemSchedule.held_rows`)."""
+    return [item.held_rows(s) for s in range(1, len(item.steps))]
+
+
+def _expanded(dkv: torch.Tensor, item: ItemSchedule, step: int) -> torch.Tensor:
+    """A step's dK/dV over the rows of the block it held (`Trimmed.held`) laid out over
+    the source's whole position layout, for an accumulator of the whole block."""
+    rows = item.trimmed.expand[step] if item.trimmed is not None else None
+    if rows is None:
+        return dkv
+    source = item.steps[step].source
+    full = dkv.new_zeros((item.position_tokens[source], *dkv.shape[1:]))
+    return full.index_copy_(0, rows, dkv)
 
 
 def _ring_forward(q_pos, kv_pos, item, schedule, links, out_pos, lse_pos, kernel):
@@ -297,7 +311,7 @@ def _ring_backward(dout_pos, state, item, schedule, links, dq_pos, backward):
     sends_alive = []  # keep sent accumulators alive until their transfers complete
     for s, step in enumerate(item.steps):
         kv_buf, kv_pending = _backward_kv(current, item, s, schedule, links)
-        dkv = contribute(current, step)
+        dkv = _expanded(contribute(current, step), item, s)
         if dkv_pending is not None:
             dkv_pending.wait()
             dkv += incoming
@@ -332,7 +346,7 @@ def _kept_ring_backward(state, item: ItemSchedule, schedule, links, contribute):
     alive = []  # sent accumulators, kept until their transfers complete
     ring = len(item.steps)
     for s in item.item.exchange_kind.backward_order(ring):
-        dkv = contribute(kept[s - 1] if s else state.kv_P2KE, item.steps[s])
+        dkv = _expanded(contribute(kept[s - 1] if s else state.kv_P2KE, item.steps[s]), item, s)
         if pending is not None:
             pending.wait()
             dkv += incoming
@@ -383,28 +397,36 @@ def _owner_backward(state, item, schedule, links, contribute):
         else:
             owner = ranks[((item.position - s) % ring) * u_size + item.part]
             sender = ranks[((item.position + s) % ring) * u_size + item.part]
-            sent = dkv.to(current.dtype)
-            into = sent.new_empty((item.position_tokens[item.position], *sent.shape[1:]))
+            sent = dkv.to(current.dtype)  # the rows of the block it held (`Trimmed`)
+            returned = item.trimmed.returned[s] if item.trimmed is not None else None
+            rows = item.position_tokens[item.position] if returned is None else len(returned)
+            into = sent.new_empty((rows, *sent.shape[1:]))
             stream = CompressionStream.KV.value
             posted = exchange([(sent, owner)], [(into, sender)], links, schedule.ops,
                               "ring dK/dV to owner", zip_stream=stream)  # fmt: skip
             alive.append(sent)
             if waiting is not None:
-                total = _received(total, waiting)
-            waiting = (posted, into)
+                total = _received(total, waiting, state.kv_P2KE)
+            waiting = (posted, into, returned)
         if kv_pending is not None:
             kv_pending.wait()
         if kv_buf is not None:
             current = kv_buf
-    return _received(total, waiting)
+    return _received(total, waiting, state.kv_P2KE)
 
 
-def _received(total, waiting):
-    """`total` (None: nothing yet) plus the dK/dV of `waiting` (posted, buffer) once
-    arrived, in float32."""
-    waiting[0].wait()
-    arrived = waiting[1].float()
-    return arrived if total is None else total.add_(arrived)
+def _received(total, waiting, own):
+    """`total` (None: nothing yet) plus the dK/dV of `waiting` (posted, buffer, the rows
+    of this position's block they are, None: all) once arrived, in float32; `own`: this
+    position's K/V (the shape of its dK/dV)."""
+    posted, buffer, rows = waiting
+    posted.wait()
+    arrived = buffer.float()
+    if rows is None:
+        return arrived if total is None else total.add_(arrived)
+    if total is None:
+        total = torch.zeros(own.shape, dtype=torch.float32, device=own.device)
+    return total.index_add_(0, rows, arrived)
 
 
 def _gathered_backward(dout_pos, state, item, schedule, links, dq_pos, backward):

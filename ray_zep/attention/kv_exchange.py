@@ -29,6 +29,12 @@ class Pending:
     def wait(self) -> None:
         self._comm.wait(self._works, self._what)
         self._works = []
+        self._held = None
+
+    def hold(self, tensor: torch.Tensor) -> Pending:
+        """Keep `tensor` (a message made for this exchange) alive until `wait`."""
+        self._held = tensor
+        return self
 
     def extend(self, works: list) -> Pending:
         """These handles plus `works` (routed hops of the same exchange)."""

@@ -106,6 +106,7 @@ class ItemSchedule:
             exchange (member after member); identity when U = 1.
         ring_next, ring_prev: ranks this position sends to and receives from.
         steps: the R ring steps.
+        trimmed: what each step's K/V message carries (`Trimmed`).
     """
 
     item: QueueItem
@@ -118,6 +119,14 @@ class ItemSchedule:
     ring_next: int
     ring_prev: int
     steps: tuple[StepMeta, ...]
+    trimmed: Trimmed | None = None
+    """None: every message carries whole blocks (one position, or a gathering play)."""
+
+    def held_rows(self, step: int) -> int:
+        """Rows of the K/V block this position holds at `step`."""
+        if self.trimmed is None:
+            return self.position_tokens[self.steps[step].source]
+        return self.trimmed.held[step]
 
     @property
     def play(self) -> Play:
@@ -134,6 +143,63 @@ class ItemSchedule:
     def ulysses_peers(self) -> tuple[int, ...]:
         u = self.item.ulysses
         return self.item.ranks[self.position * u : (self.position + 1) * u]
+
+
+@dataclass(frozen=True)
+class Trimmed:
+    """The rows of one position's K/V messages, where a message carries only the layout
+    slots its receiver and the receivers after it select (`Layout.carried_slots`).
+    Per step s (index s): the block's rows this position holds, and `None` wherever
+    that is the whole of it or of what it has."""
+
+    held: tuple[int, ...]
+    """Rows of the block held at step s (the position's own at step 0)."""
+    expand: tuple[torch.Tensor | None, ...]
+    """Rows of the source's position layout that the held block's rows are."""
+    send: tuple[torch.Tensor | None, ...]
+    """Rows of the held block sent on to the next position after step s."""
+    returned: tuple[torch.Tensor | None, ...]
+    """Rows of this position's own block that position p + s held at its step s (what
+    it sends back under the owner dK/dV wire); index 0 unused."""
+
+
+def _trimmed(layouts, position: int, layout, device) -> Trimmed:
+    """The trimmed rows of `position`'s messages (`Trimmed`); `layouts`: every
+    position's slot tokens per sequence."""
+    ring = len(layouts)
+    whole = np.ones(layout.slots, dtype=bool)
+
+    def carried(receiver: int, owner: int) -> np.ndarray:
+        return layout.carried_mask(np.asarray(receiver), np.asarray(owner))
+
+    held, expand, send, returned = [], [], [], []
+    for s in range(ring):
+        owner = (position - s) % ring
+        mask = whole if s == 0 else carried(position, owner)
+        sizes = layouts[owner]
+        held.append(int(sum(np.asarray(slots) @ mask for slots in sizes)))
+        expand.append(_rows_of(sizes, whole, mask, device))
+        following = (position + 1) % ring
+        on = carried(following, owner) if following != owner else mask
+        send.append(_rows_of(sizes, mask, on, device))
+        back = carried((position + s) % ring, position) if s else whole
+        returned.append(_rows_of(layouts[position], whole, back, device))
+    return Trimmed(tuple(held), tuple(expand), tuple(send), tuple(returned))
+
+
+def _rows_of(sizes, held: np.ndarray, kept: np.ndarray, device) -> torch.Tensor | None:
+    """Rows, within a block holding the slots `held` of sequences of slot token counts
+    `sizes`, of the slots `kept` (a subset); None where that is all of them."""
+    if np.array_equal(held, kept):
+        return None
+    runs, start = [], 0
+    for slots in sizes:
+        for n, has, keep in zip(slots, held, kept, strict=True):
+            if has:
+                if keep and n:
+                    runs.append((start, int(n)))
+                start += int(n)
+    return _rows(runs, device)
 
 
 @dataclass
@@ -208,10 +274,14 @@ def _item_schedule(
     members = range(position * u_size, (position + 1) * u_size)
     member_tokens = tuple(sum(p.member_tokens(m) for p in placements) for m in members)
     gather = _gather_order(placements, position, members)
+    rotates = item.exchange_kind.rotates and ring > 1
+    trimmed = _trimmed(layouts, position, item.layout, device) if rotates else None
+    held = [_carried_layout(layouts, position, s, item.layout) if rotates
+            else layouts[(position - s) % ring] for s in range(ring)]  # fmt: skip
     steps = tuple(
         _step_meta(
             layouts[position],
-            layouts[(position - s) % ring],
+            held[s],
             s,
             (position - s) % ring,
             position,
@@ -231,7 +301,21 @@ def _item_schedule(
         ring_next=item.ranks[((position + 1) % ring) * u_size + part],
         ring_prev=item.ranks[((position - 1) % ring) * u_size + part],
         steps=steps,
+        trimmed=trimmed,
     )
+
+
+def _carried_layout(layouts, position: int, step: int, layout):
+    """The source's slot tokens per sequence as the block held at `step` has them: the
+    slots its message did not carry count no tokens (`Layout.carried_slots`), so that
+    the step's key offsets index the rows received. Step 0 holds its own, whole."""
+    ring = len(layouts)
+    source = (position - step) % ring
+    if step == 0:
+        return layouts[source]
+    mask = layout.carried_mask(np.asarray(position), np.asarray(source))
+    return [tuple(n if keep else 0 for n, keep in zip(slots, mask, strict=True))
+            for slots in layouts[source]]  # fmt: skip
 
 
 def _gather_order(placements, position: int, members: range) -> np.ndarray:

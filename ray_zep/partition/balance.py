@@ -66,6 +66,7 @@ import numpy as np
 
 from ray_zep.partition.exchange import Exchange
 from ray_zep.partition.hosting import Hosting, host_rings
+from ray_zep.partition.layout import MIRRORED_ZIGZAG
 from ray_zep.partition.level_fill import (
     SMALL_RING_SHARE,
     Placed,
@@ -78,7 +79,7 @@ from ray_zep.partition.level_fill import (
 from ray_zep.partition.level_scan import LevelScan, ScanRules
 from ray_zep.partition.level_trace import LevelOutcome, LevelTry
 from ray_zep.partition.node_slots import NodeSlots
-from ray_zep.partition.plan import SeqPlacement, bounds_for_counts, local_placement
+from ray_zep.partition.plan import SeqPlacement, local_placement
 from ray_zep.partition.ring_groups import RingGroup, alone_rings, fewest_ranks, group_rings
 from ray_zep.partition.usp_grid import MIN_GAIN, UspGrid, positions_in_nodes
 from ray_zep.partition.usp_guests import PartsTable, usp_guests
@@ -113,6 +114,10 @@ USP_GUESTS = True
 """Split sequences may join a group of whole-node positions with work and token room
 left, freeing their own ranks (`ray_zep.partition.usp_guests`), at levels whose groups
 on their own take more ranks than there are."""
+LAYOUT = MIRRORED_ZIGZAG
+"""How the work policy's rings cut their sequences: every message after its block has
+passed the ring's last position carries half of it, and the ring's first position (the
+rest of a ring that takes whole nodes, `_rest_first`) receives nothing but halves."""
 DEGREE_ROUNDS = 24
 """Rounds of the vectorised degree search (each grows unfinished degrees by 1/8)."""
 
@@ -395,9 +400,28 @@ def _placements(lengths: np.ndarray, placed: Placed, model: WorkModel) -> list[S
             ranks not in placed.resent and bool(model.keeps_kv(kept[ranks], u))
         )
         exchange = Exchange.RING_KEPT if keeps else Exchange.RING
+        k = _rest_first(ranks, u, model.cost.topology.gpus_per_node)
+        ranks, counts = ranks[k * u :] + ranks[: k * u], [*counts[k * u :], *counts[: k * u]]
+        positions = np.roll(positions, -k)
         if u > 1:  # ring positions of U members each: the position's tokens, its members'
-            out.append(SeqPlacement(seq, n, ranks, bounds_for_counts(positions.tolist()),
-                                    ulysses=u, exchange=exchange, parts=tuple(counts)))  # fmt: skip
+            out.append(SeqPlacement(seq, n, ranks, LAYOUT.bounds_for_counts(positions.tolist()),
+                                    ulysses=u, exchange=exchange, parts=tuple(counts),
+                                    layout=LAYOUT))  # fmt: skip
             continue
-        out.append(SeqPlacement(seq, n, ranks, bounds_for_counts(list(counts)), exchange=exchange))
+        out.append(SeqPlacement(seq, n, ranks, LAYOUT.bounds_for_counts(list(counts)),
+                                exchange=exchange, layout=LAYOUT))  # fmt: skip
     return out
+
+
+def _rest_first(ranks: tuple[int, ...], u: int, gpus: int) -> int:
+    """The ring position to put first: on a ring across nodes, the first position on the
+    node holding the fewest of its positions (the rest of a ring that takes whole nodes)
+    after a position on another node, so that every message into it, and so into that
+    node, carries half a block (`LAYOUT`); 0 where every node holds as many."""
+    nodes = np.asarray(ranks[::u]) // gpus
+    held, counts = np.unique(nodes, return_counts=True)
+    if counts.min() == counts.max():
+        return 0
+    fewest = held[counts == counts.min()]
+    entering = np.isin(nodes, fewest) & (nodes != np.roll(nodes, 1))
+    return int(np.flatnonzero(entering)[0])

@@ -112,19 +112,20 @@ class ExchangeKind:
         runs as a single local step, whatever the kind."""
         return self.play if ring > 1 else Play.ROTATE
 
-    def carried_tokens(self, total, widest, following, ring):
-        """Token rows a member sends (elementwise on arrays): a rotating member sends
-        every position's K/V but its successor's (R - 1 steps), a gathering member R - 1
-        copies of the widest position's buffer (the collective's ring algorithm, padded).
+    def carried_tokens(self, rotated, widest, ring):
+        """Token rows a member sends (elementwise on arrays): a rotating member's R - 1
+        messages, every position's K/V but its successor's, each trimmed to the rows its
+        layout keeps on (`rotated`: `ray_zep.partition.carried.Carried.sent`); a
+        gathering member R - 1 copies of the widest position's buffer (the collective's
+        ring algorithm, padded).
 
         Args:
-            total: tokens of all positions of the item.
+            rotated: the rows a rotating member's messages carry in one pass.
             widest: tokens of the largest position.
-            following: tokens of the member's successor position (p + 1 mod R).
             ring: R.
         """
         if self.rotates:
-            return total - following
+            return rotated
         return (ring - 1) * widest
 
     def calls_per_layer(self, ring: int, owner: bool = False) -> Counter:

@@ -20,6 +20,15 @@ the plan statistics (`member_arrays`), the work model and the simulator
 (`ray_zep.sim.step_costs`, `ray_zep.sim.program`) all read the layout; none of them
 knows how a layout cuts.
 
+Trimmed messages. A block travels the ring from its owner j to j + 1, j + 2, ...:
+first the receivers after j (they select `before`'s key slots), then, once its message
+has passed from position R - 1 to 0, those before j (`after`'s). A message carries only
+the slots that its receiver and the receivers still ahead of it select
+(`Layout.carried_slots`) where the layout `trims`: `MirroredZigzag` halves every message
+after the wrap. The engine sends those rows, the steps index them, and routing, the
+simulator and the byte counts read the same slots. Zigzag does not trim: Transformer
+Engine and PyTorch send whole blocks, and the baselines run as they do.
+
 Adding a chunking is one subclass with `name`, `slots`, `before`, `after` and a
 vectorised `chunk_index`, registered with `register_layout` (PyTorch's context
 parallelism likewise keeps one load-balancer class per chunking).
@@ -49,6 +58,9 @@ class Layout:
     """(query slots, key slots) a position computes against a source before it."""
     after: ClassVar[tuple[Slots, Slots] | None]
     """The same against a source after it; None: such steps compute nothing."""
+    trims: ClassVar[bool] = False
+    """Ring messages carry only the slots their receivers select (`carried_slots`); off,
+    whole blocks, as the systems whose layout it is send them."""
 
     def chunk_index(self, ring, position, slot):
         """Index of the chunk that `position` of a ring of `ring` holds in `slot`
@@ -102,6 +114,27 @@ class Layout:
             return None
         q_slots, k_slots = selection
         return (*_run(mine, q_slots), *_run(theirs, k_slots))
+
+    def carried_slots(self, ring: int, receiver: int, owner: int) -> tuple[int, ...]:
+        """Slots of `owner`'s block that a ring message into `receiver` carries: those
+        that it and the receivers after it select, up to the owner (module docstring:
+        `Trimmed messages`); none past the last that selects any."""
+        mask = self.carried_mask(np.asarray(receiver), np.asarray(owner))
+        return tuple(int(slot) for slot in np.flatnonzero(mask))
+
+    def carried_mask(self, receiver: np.ndarray, owner: np.ndarray) -> np.ndarray:
+        """`carried_slots` as a boolean mask over the slots (shape: the arrays' broadcast
+        shape x C), element-wise over receiver and owner positions (receiver != owner)."""
+        shape = (*np.broadcast_shapes(np.shape(receiver), np.shape(owner)), self.slots)
+        if not self.trims:
+            return np.ones(shape, dtype=bool)
+        before, after = (np.zeros(self.slots, dtype=bool) for _ in range(2))
+        before[list(self.before[1])] = True
+        if self.after is not None:
+            after[list(self.after[1])] = True
+        unwrapped = (np.asarray(receiver) > np.asarray(owner))[..., None]
+        later = (np.asarray(owner) > 0)[..., None]  # some receivers before the owner remain
+        return np.broadcast_to(np.where(unwrapped, before | (after & later), after), shape)
 
     # array form: the plan statistics, the work model and the simulator
 
@@ -186,6 +219,32 @@ class Zigzag(Layout):
 
 ZIGZAG = Zigzag()
 
+
+class MirroredZigzag(Zigzag):
+    """Zigzag with the positions' order reversed: position r holds chunks R-1-r and R+r.
+    A block then meets the receivers that need all of it first and, once its message
+    has passed from the last position to the first, only receivers that need its early
+    chunk, so every message after that carries half the block (`carried_slots`); the
+    first position receives nothing but halves. The work per step is zigzag's."""
+
+    name = "mirrored_zigzag"
+    before = ((1,), (0, 1))
+    after = ((0, 1), (0,))
+    trims = True
+
+    def chunk_index(self, ring, position, slot):
+        ring, position = np.asarray(ring), np.asarray(position)
+        return np.where(np.asarray(slot) == 0, ring - 1 - position, ring + position)
+
+    def position_chunks(self, ring: int, position: int) -> list[int]:
+        return [ring - 1 - position, ring + position]
+
+    def bounds_for_counts(self, counts) -> tuple[int, ...]:
+        return Layout.bounds_for_counts(self, counts)
+
+
+MIRRORED_ZIGZAG = MirroredZigzag()
+
 LAYOUTS: dict[str, Layout] = {}
 """Every registered layout by name."""
 
@@ -222,6 +281,7 @@ def layout_named(name: str) -> Layout:
 
 
 register_layout(ZIGZAG)
+register_layout(MIRRORED_ZIGZAG)
 
 
 def causal_pairs_match(layout: Layout, ring: int, bounds: tuple[int, ...]) -> bool:

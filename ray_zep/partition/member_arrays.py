@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ray_zep.partition.carried import sent_on_arrays
 from ray_zep.partition.plan import AttentionPlan, QueueItem
 
 
@@ -31,6 +32,8 @@ class Members:
         pairs: causal pairs of its ring position (M).
         starts: each item's first member (I).
         ring: each item's ring size (I).
+        rotated: rows its K/V messages carry in one pass of a rotating ring (M;
+            `ray_zep.partition.carried`).
     """
 
     item: np.ndarray
@@ -40,6 +43,7 @@ class Members:
     pairs: np.ndarray
     starts: np.ndarray
     ring: np.ndarray
+    rotated: np.ndarray
 
     def next_member(self) -> np.ndarray:
         """Index of the member each member sends to (the next ring position)."""
@@ -77,15 +81,21 @@ def plain_members(plan: AttentionPlan, items: list[QueueItem]) -> Members:
     member = starts[row_item] + row_position
     tokens = np.zeros(rank.size, dtype=np.int64)
     pairs = np.zeros(rank.size, dtype=np.int64)
+    kinds = np.zeros((3, rank.size), dtype=np.int64)  # `Carried`'s three, per member
     for index, layout in enumerate(layouts):
         rows = slice(None) if len(layouts) == 1 else item_layout[row_item] == index
         ring_of, position_of = ring[row_item[rows]], row_position[rows]
+        masks = np.stack([layout.carried_mask(np.asarray(a), np.asarray(b))
+                          for a, b in ((1, 0), (2, 1), (0, 1))])  # fmt: skip
         for slot in range(layout.slots):
             chunk = first_bound[row_seq[rows]] + layout.chunk_index(ring_of, position_of, slot)
             start, end = bounds[chunk], bounds[chunk + 1]
             np.add.at(tokens, member[rows], end - start)
             np.add.at(pairs, member[rows], (end * (end + 1) - start * (start + 1)) // 2)
-    return Members(member_item, rank, position, tokens, pairs, starts, ring)
+            for kind in np.flatnonzero(masks[:, slot]).tolist():
+                np.add.at(kinds[kind], member[rows], end - start)
+    rotated = sent_on_arrays(*kinds, starts, ring, member_item, position)
+    return Members(member_item, rank, position, tokens, pairs, starts, ring, rotated)
 
 
 def _starts(sizes: np.ndarray) -> np.ndarray:

@@ -38,6 +38,7 @@ import numpy as np
 
 from ray_zep.errors import PlacementError
 from ray_zep.parallel.axes import Placement
+from ray_zep.partition.carried import Carried
 from ray_zep.partition.exchange import EXCHANGES, Exchange, ExchangeKind
 from ray_zep.partition.layout import ARRAY_RING, ZIGZAG, Layout
 from ray_zep.partition.level_trace import LevelTry
@@ -153,6 +154,18 @@ def _position_tokens(placements: list[SeqPlacement], ring: int) -> list[int]:
         for slot in range(p.layout.slots):
             tokens += sizes[p.layout.chunk_index(ring, positions, slot)]
     return tokens.tolist()
+
+
+def _slot_tokens(placements: list[SeqPlacement], ring: int, layout: Layout) -> np.ndarray:
+    """Tokens of each layout slot at each of `ring` positions (R x C), `placements`
+    together (one item's: they share its layout)."""
+    positions = np.arange(ring)
+    out = np.zeros((ring, layout.slots), dtype=np.int64)
+    for p in placements:
+        sizes = np.diff(np.asarray(p.bounds, dtype=np.int64))
+        for slot in range(layout.slots):
+            out[:, slot] += sizes[layout.chunk_index(ring, positions, slot)]
+    return out
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -274,6 +287,9 @@ class AttentionPlan:
     _rank_tokens: np.ndarray | None = field(default=None, repr=False, compare=False)
     _item_tokens: dict[QueueItem, list[int]] = field(default_factory=dict, repr=False,
                                                      compare=False)  # fmt: skip
+    _item_slots: dict[QueueItem, Carried] = field(default_factory=dict, repr=False,
+                                                  compare=False)  # fmt: skip
+    """What each item's K/V messages carry (`carried`)."""
     _head_sums: dict = field(default_factory=dict, repr=False, compare=False)
     """`ray_zep.partition.stats`' sums over the Ulysses items, by model shape: plan_stats
     and the collective bytes both read them while a step is planned."""
@@ -328,6 +344,21 @@ class AttentionPlan:
             tokens = _position_tokens([self.placement(s) for s in item.seqs], item.ring_size)
             self._item_tokens[item] = tokens
         return list(tokens)
+
+    def carried_tokens(self, item: QueueItem, receivers, owners) -> np.ndarray:
+        """Tokens that a ring message of `item` into each of `receivers` carries of the
+        block of each of `owners` (arrays of positions, receiver != owner): the slots
+        `Layout.carried_slots` names, its sequences together."""
+        return self.carried(item).rows(receivers, owners)
+
+    def carried(self, item: QueueItem) -> Carried:
+        """The rows `item`'s K/V messages carry (`ray_zep.partition.carried`)."""
+        carried = self._item_slots.get(item)
+        if carried is None:
+            slots = _slot_tokens([self.placement(s) for s in item.seqs], item.ring_size,
+                                 item.layout)  # fmt: skip
+            carried = self._item_slots[item] = Carried.of(slots, item.layout)
+        return carried
 
     def rank_items(self, rank: int) -> list[QueueItem]:
         return [item for item in self.items() if rank in item.ranks]

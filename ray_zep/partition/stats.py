@@ -227,14 +227,13 @@ def _add_plain_items(
     after = members.next_member()
     crosses = node != node[after]
     widest = members.per_item(members.tokens, np.maximum)
-    total = members.per_item(members.tokens, np.add)
     ring = members.ring[item]
     kv_token = kv_bytes_per_token(shape)
     carried = np.zeros(len(item), dtype=np.int64)
     for exchange, has_it in _kind_masks(kinds):
         carried = np.where(
             has_it[item],
-            exchange.carried_tokens(total[item], widest[item], members.tokens[after], ring),
+            exchange.carried_tokens(members.rotated, widest[item], ring),
             carried,
         )
     collective = np.asarray([exchange.collective for exchange in kinds])
@@ -335,14 +334,14 @@ def _add_item_bytes(
         else (2 * shape.head_dim * BYTES_PER_ELEMENT)
     )
     exchange = item.exchange_kind
-    total, widest = int(position_tokens.sum()), int(position_tokens.max())
+    widest = int(position_tokens.max())
     ranks = np.asarray(item.ranks, dtype=np.int64)
     nodes = (ranks // gpus).reshape(ring, u_size)
     links = (LinkKind.INTRA_NODE, LinkKind.INTER_NODE)
     if ring > 1:
         following = np.roll(np.arange(ring), -1)
         crosses = (nodes != nodes[following]).reshape(-1)
-        carried = exchange.carried_tokens(total, widest, position_tokens[following], ring)
+        carried = exchange.carried_tokens(plan.carried(item).sent(), widest, ring)
         carried = np.broadcast_to(np.asarray(carried, dtype=np.int64), (ring,))
         carried = np.repeat(carried, u_size) * kv_token
         for link, mine in zip(links, (~crosses, crosses), strict=True):

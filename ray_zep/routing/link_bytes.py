@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ray_zep.partition.carried import Carried
 from ray_zep.partition.plan import AttentionPlan, QueueItem, Zone
 from ray_zep.routing.routes import Payload, Route, crossing_hops, itemhop_routes, proxy_count
 from ray_zep.topology import Topology
@@ -61,12 +62,14 @@ def ring_link_bytes_by_payload(
         # block comes last, `ExchangeKind.backward_order`), all but position p + 1 for
         # K/V (not sent on at the last step); K/V goes round twice (forward, backward)
         # unless the forward's are kept
+        # (K/V messages carry the rows their layout keeps on: `AttentionPlan.carried`)
         total = int(held.sum())
         kept = item.exchange_kind.keeps_kv
-        carried = {Payload.KV: total - held[(position + 1) % ring]}
+        trimmed = plan.carried(item)
+        carried = {Payload.KV: trimmed.sent()[position]}
         if dkv_owner and item.owner_dkv:  # the dK/dV leave the ring for their owners
             size = row_bytes(Payload.KV, u_size)
-            _owner_dkv_bytes(item, held, size, topo, nic_of_gpu, intra, nic)
+            _owner_dkv_bytes(item, trimmed, size, topo, nic_of_gpu, intra, nic)
         else:
             carried[Payload.DKV] = total - held[position] if kept else np.full(len(hops), total)
         rounds = 1 if kept else 2
@@ -87,9 +90,11 @@ def ring_link_bytes_by_payload(
         for i in np.flatnonzero(~same & ~direct_out).tolist():
             a = int(src[i])
             route = routes[a, int(dst[i])]
-            steps = held[(position[i] - np.arange(ring)) % ring]
+            owners = (position[i] - np.arange(ring)) % ring
+            steps = held[owners]
             dkv_steps = steps[1:] if kept else steps  # a kept ring sends none at step 0
-            for payload, rows in ((Payload.KV, steps[:-1]), (Payload.DKV, dkv_steps)):
+            kv_steps = trimmed.rows(np.full(ring - 1, (position[i] + 1) % ring), owners[:-1])
+            for payload, rows in ((Payload.KV, kv_steps), (Payload.DKV, dkv_steps)):
                 if payload not in carried or (size := sizes[payload]) == 0:
                     continue
                 if route.direct:
@@ -115,27 +120,28 @@ def _add_intra_node_item(
     total = sum(plan.placement(seq).length for seq in item.seqs)
     rounds = 1 if item.exchange_kind.keeps_kv else 2
     kv = row_bytes(Payload.KV, u_size)
-    intra[Payload.KV] += u_size * (ring - 1) * total * kv * rounds
-    if dkv_owner and item.owner_dkv:
-        intra[Payload.KV] += u_size * (ring - 1) * total * kv
+    sent = int(plan.carried(item).sent().sum())  # the K/V messages' trimmed rows
+    intra[Payload.KV] += u_size * sent * kv * rounds
+    if dkv_owner and item.owner_dkv:  # the same (holder, owner) pairs, the same rows
+        intra[Payload.KV] += u_size * sent * kv
     else:
         sends = ring - 1 if item.exchange_kind.keeps_kv else ring
         intra[Payload.DKV] += u_size * sends * total * row_bytes(Payload.DKV, u_size)
 
 
-def _owner_dkv_bytes(item: QueueItem, held: np.ndarray, size: int, topo: Topology,
+def _owner_dkv_bytes(item: QueueItem, carried: Carried, size: int, topo: Topology,
                      nic_of_gpu: np.ndarray, intra: dict, nic: dict) -> None:  # fmt: skip
     """Adds to K/V's `intra` and `nic` bytes the dK/dV an owner item sends: member u of
-    position p sends position (p - s)'s rows to member u of that position at every step
-    s >= 1, `size` bytes a row, over its intra-node port or its own NIC (`nic_of_gpu`:
-    each GPU of a node's NIC)."""
+    position p sends the rows it held of position (p - s)'s block (`carried`) to member u
+    of that position at every step s >= 1, `size` bytes a row, over its intra-node port
+    or its own NIC (`nic_of_gpu`: each GPU of a node's NIC)."""
     ring, u_size, gpus = item.ring_size, item.ulysses, topo.gpus_per_node
     ranks = np.asarray(item.ranks, dtype=np.int64)
     member = np.arange(ranks.size)
     owner_position = (member[:, None] // u_size - np.arange(1, ring)[None, :]) % ring
     src = np.broadcast_to(ranks[:, None], owner_position.shape)
     dst = ranks[owner_position * u_size + (member % u_size)[:, None]]
-    rows = held[owner_position]
+    rows = carried.rows((member // u_size)[:, None], owner_position)
     same = src // gpus == dst // gpus
     intra[Payload.KV] += int(rows[same].sum()) * size
     leaving = src[~same]

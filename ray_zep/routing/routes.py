@@ -324,9 +324,15 @@ def listed_transfers(
     after the first its dK/dV direct to their owners (`QueueItem.owner_hops`), every one
     of them listed. A ring that kept the forward's K/V sends no accumulator after its own
     block (`ExchangeKind.backward_order`: computed last, each accumulator starting on the
-    member after its owner), so its step 0 sends no dK/dV."""
+    member after its owner), so its step 0 sends no dK/dV. A K/V message, and a dK/dV
+    one sent to its owner, carries the rows of the block its sender held that its layout
+    keeps on (`AttentionPlan.carried_tokens`); an accumulator, the whole block."""
     ring, u_size = item.ring_size, item.ulysses
     position_tokens = plan.position_tokens(item)
+    positions = np.arange(ring)
+    senders = np.asarray([position for position, _ in hops], dtype=np.int64)
+    carried = {}  # per step: the K/V rows each hop's sender sends on after that step
+    held = {}  # per step: the rows of the block each position held at that step
     payloads = [Payload.KV] if phase is Phase.FORWARD else [Payload.KV, Payload.DKV]
     if phase is Phase.BACKWARD and item.exchange_kind.keeps_kv:
         payloads = [Payload.DKV]  # the forward's K/V were kept
@@ -339,15 +345,24 @@ def listed_transfers(
             if payload is Payload.KV and step == ring - 1:
                 continue  # the last step's K/V is never sent on
             if payload is Payload.DKV and owner:
-                hops_now = item.owner_hops(step) if step else ()
+                if not step:
+                    continue
+                if step not in held:
+                    held[step] = plan.carried_tokens(item, positions, (positions - step) % ring)
                 out += [Transfer((index, step, int(payload)), key, u_size,
-                                 _direct(topo, src, dst, position_tokens[(p - step) % ring]))
-                        for p, src, dst in hops_now]  # fmt: skip
+                                 _direct(topo, src, dst, int(held[step][p])))
+                        for p, src, dst in item.owner_hops(step)]  # fmt: skip
                 continue
             if payload is Payload.DKV and step == 0 and item.exchange_kind.keeps_kv:
                 continue  # its own block comes last: no accumulator leaves it
-            for position, hop in hops:
-                rows = position_tokens[(position - step) % ring]
+            if payload is Payload.KV and step not in carried:
+                carried[step] = plan.carried_tokens(item, (senders + 1) % ring,
+                                                    (senders - step) % ring).tolist()  # fmt: skip
+            for at, (position, hop) in enumerate(hops):
+                if payload is Payload.KV:
+                    rows = carried[step][at]
+                else:
+                    rows = position_tokens[(position - step) % ring]
                 route = Route(hop.src, hop.dst, rows, hop.send_proxies, hop.recv_proxies)
                 out.append(Transfer((index, step, int(payload)), key, u_size, route))
     return out

@@ -84,7 +84,8 @@ def kv_floor_seconds(
         if play is Play.GATHER:
             gathered = np.maximum(gathered, _gather_seconds(item, rows.max() * values, run))
             continue
-        others = rows.sum() - np.roll(rows, -1)  # hop p -> p + 1: every block but p + 1's
+        # hop p -> p + 1: every block but p + 1's, each trimmed (`AttentionPlan.carried`)
+        others = plan.carried(item).sent().astype(np.float64)
         forward = others * values * run.element_bytes
         kept = item.exchange_kind.keeps_kv
         backward = np.zeros(ring) if kept else forward

@@ -269,8 +269,11 @@ class _Builder(GraphBuilder):
         ring = item.ring_size
         compute = self._step_table(item, layouts)  # members are positions: no Ulysses
         held = layouts.sum(axis=(1, 2)).astype(np.float64)
-        rows = held[(np.arange(ring)[:, None] - np.arange(ring)[None, :]) % ring]
-        kv = self._hop_seconds(item, rows, Payload.KV, compute)
+        members = np.arange(ring)[:, None]
+        owners = (members - np.arange(ring)[None, :]) % ring  # the block held at each step
+        rows = held[owners]  # dK/dV accumulators carry whole blocks
+        sent = self.setup.plan.carried(item).rows((members + 1) % ring, owners)  # K/V: trimmed
+        kv = self._hop_seconds(item, sent.astype(np.float64), Payload.KV, compute)
         following = np.concatenate([compute[:, 1:], np.zeros((ring, 1))], axis=1)
         contention = self.setup.rates.contention
         if self.phase is Phase.FORWARD:
