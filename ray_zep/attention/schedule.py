@@ -120,7 +120,8 @@ class ItemSchedule:
     ring_prev: int
     steps: tuple[StepMeta, ...]
     trimmed: Trimmed | None = None
-    """None: every message carries whole blocks (one position, or a gathering play)."""
+    """None: every message carries whole blocks (one position, a gathering play, or a
+    layout that does not trim)."""
 
     def held_rows(self, step: int) -> int:
         """Rows of the K/V block this position holds at `step`."""
@@ -274,9 +275,10 @@ def _item_schedule(
     members = range(position * u_size, (position + 1) * u_size)
     member_tokens = tuple(sum(p.member_tokens(m) for p in placements) for m in members)
     gather = _gather_order(placements, position, members)
-    rotates = item.exchange_kind.rotates and ring > 1
-    trimmed = _trimmed(layouts, position, item.layout, device) if rotates else None
-    held = [_carried_layout(layouts, position, s, item.layout) if rotates
+    # messages carry part of a block only where a rotating exchange's layout trims them
+    trims = item.exchange_kind.rotates and ring > 1 and item.layout.trims
+    trimmed = _trimmed(layouts, position, item.layout, device) if trims else None
+    held = [_carried_layout(layouts, position, s, item.layout) if trims
             else layouts[(position - s) % ring] for s in range(ring)]  # fmt: skip
     steps = tuple(
         _step_meta(

@@ -92,9 +92,16 @@ def plain_members(plan: AttentionPlan, items: list[QueueItem]) -> Members:
             start, end = bounds[chunk], bounds[chunk + 1]
             np.add.at(tokens, member[rows], end - start)
             np.add.at(pairs, member[rows], (end * (end + 1) - start * (start + 1)) // 2)
-            for kind in np.flatnonzero(masks[:, slot]).tolist():
+            for kind in np.flatnonzero(masks[:, slot]).tolist() if layout.trims else ():
                 np.add.at(kinds[kind], member[rows], end - start)
-    rotated = sent_on_arrays(*kinds, starts, ring, member_item, position)
+    # whole blocks: every position's but the next one's; else what `Carried.sent` says
+    total = np.add.reduceat(tokens, starts)[member_item]
+    following = starts[member_item] + (position + 1) % ring[member_item]
+    rotated = np.where(ring[member_item] > 1, total - tokens[following], 0)
+    trims = np.asarray([lay.trims for lay in layouts])[item_layout][member_item]
+    if trims.any():
+        trimmed = sent_on_arrays(*kinds, starts, ring, member_item, position)
+        rotated = np.where(trims, trimmed, rotated)
     return Members(member_item, rank, position, tokens, pairs, starts, ring, rotated)
 
 
