@@ -62,6 +62,8 @@ take milliseconds to a few hundred.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from ray_zep.partition.exchange import Exchange
@@ -418,10 +420,12 @@ def _rest_first(ranks: tuple[int, ...], u: int, gpus: int) -> int:
     node holding the fewest of its positions (the rest of a ring that takes whole nodes)
     after a position on another node, so that every message into it, and so into that
     node, carries half a block (`LAYOUT`); 0 where every node holds as many."""
-    nodes = np.asarray(ranks[::u]) // gpus
-    held, counts = np.unique(nodes, return_counts=True)
-    if counts.min() == counts.max():
+    nodes = [rank // gpus for rank in ranks[::u]]
+    if nodes[0] == nodes[-1]:  # inside one node (the ranks come ascending)
         return 0
-    fewest = held[counts == counts.min()]
-    entering = np.isin(nodes, fewest) & (nodes != np.roll(nodes, 1))
-    return int(np.flatnonzero(entering)[0])
+    held = Counter(nodes)
+    fewest = min(held.values())
+    if fewest == max(held.values()):
+        return 0
+    return next(p for p, node in enumerate(nodes)
+                if held[node] == fewest and node != nodes[p - 1])  # fmt: skip

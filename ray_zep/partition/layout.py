@@ -240,7 +240,12 @@ class MirroredZigzag(Zigzag):
         return [ring - 1 - position, ring + position]
 
     def bounds_for_counts(self, counts) -> tuple[int, ...]:
-        return Layout.bounds_for_counts(self, counts)
+        ring = len(counts)
+        sizes = [0] * (2 * ring)
+        for r, n in enumerate(counts):
+            sizes[ring - 1 - r] = n // 2
+            sizes[ring + r] = n - n // 2
+        return (0, *itertools.accumulate(sizes))
 
 
 MIRRORED_ZIGZAG = MirroredZigzag()
