@@ -164,19 +164,27 @@ class Trimmed:
     it sends back under the owner dK/dV wire); index 0 unused."""
 
 
-def _trimmed(layouts, position: int, layout, device) -> Trimmed:
+def _held_masks(position: int, ring: int, layout) -> list[np.ndarray]:
+    """Per step, the layout slots of the block `position` holds then: its own whole at step
+    0, afterwards what its message carried (`Layout.carried_slots`)."""
+    owners = (position - np.arange(ring)) % ring
+    masks = list(layout.carried_mask(np.asarray(position), owners))
+    masks[0] = np.ones(layout.slots, dtype=bool)
+    return masks
+
+
+def _trimmed(layouts, position: int, masks, layout, device) -> Trimmed:
     """The trimmed rows of `position`'s messages (`Trimmed`); `layouts`: every
-    position's slot tokens per sequence."""
+    position's slot tokens per sequence; `masks`: `_held_masks`."""
     ring = len(layouts)
-    whole = np.ones(layout.slots, dtype=bool)
+    whole = masks[0]
 
     def carried(receiver: int, owner: int) -> np.ndarray:
         return layout.carried_mask(np.asarray(receiver), np.asarray(owner))
 
     held, expand, send, returned = [], [], [], []
-    for s in range(ring):
+    for s, mask in enumerate(masks):
         owner = (position - s) % ring
-        mask = whole if s == 0 else carried(position, owner)
         sizes = layouts[owner]
         held.append(int(sum(np.asarray(slots) @ mask for slots in sizes)))
         expand.append(_rows_of(sizes, whole, mask, device))
@@ -277,9 +285,12 @@ def _item_schedule(
     gather = _gather_order(placements, position, members)
     # messages carry part of a block only where a rotating exchange's layout trims them
     trims = item.exchange_kind.rotates and ring > 1 and item.layout.trims
-    trimmed = _trimmed(layouts, position, item.layout, device) if trims else None
-    held = [_carried_layout(layouts, position, s, item.layout) if trims
-            else layouts[(position - s) % ring] for s in range(ring)]  # fmt: skip
+    held = [layouts[(position - s) % ring] for s in range(ring)]
+    trimmed = None
+    if trims:
+        masks = _held_masks(position, ring, item.layout)
+        trimmed = _trimmed(layouts, position, masks, item.layout, device)
+        held = [_carried_layout(sizes, mask) for sizes, mask in zip(held, masks, strict=True)]
     steps = tuple(
         _step_meta(
             layouts[position],
@@ -307,17 +318,12 @@ def _item_schedule(
     )
 
 
-def _carried_layout(layouts, position: int, step: int, layout):
-    """The source's slot tokens per sequence as the block held at `step` has them: the
-    slots its message did not carry count no tokens (`Layout.carried_slots`), so that
-    the step's key offsets index the rows received. Step 0 holds its own, whole."""
-    ring = len(layouts)
-    source = (position - step) % ring
-    if step == 0:
-        return layouts[source]
-    mask = layout.carried_mask(np.asarray(position), np.asarray(source))
+def _carried_layout(sizes, mask: np.ndarray):
+    """A source's slot tokens per sequence (`sizes`) as the block held has them (`mask`,
+    `_held_masks`): the slots its message did not carry count no tokens, so that the
+    step's key offsets index the rows received."""
     return [tuple(n if keep else 0 for n, keep in zip(slots, mask, strict=True))
-            for slots in layouts[source]]  # fmt: skip
+            for slots in sizes]  # fmt: skip
 
 
 def _gather_order(placements, position: int, members: range) -> np.ndarray:

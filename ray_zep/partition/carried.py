@@ -57,14 +57,9 @@ class Carried:
         owner 0's and owners 1..p's blocks unwrapped and owners p + 2..R - 1's wrapped;
         position R - 1 sends every block but owner 0's wrapped, to position 0."""
         ring = self.first.size
-        if ring < 2:
-            return np.zeros(ring, dtype=np.int64)
-        both = np.cumsum(self.both) - self.both[0]  # owners 1..p
-        wrapped = np.cumsum(self.wrapped[::-1])[::-1]  # owners k..R-1, at k
-        later = np.concatenate([wrapped[2:], [0, 0]])  # owners p + 2..R-1
-        out = self.first[0] + both + later
-        out[-1] = wrapped[1]
-        return out
+        one = np.zeros(ring, dtype=np.int64)  # every member in item 0, which starts at 0
+        return sent_on_arrays(self.first, self.both, self.wrapped, one[:1], np.asarray([ring]),
+                              one, np.arange(ring))  # fmt: skip
 
 
 def sent_on_arrays(

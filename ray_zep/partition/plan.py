@@ -143,17 +143,11 @@ class SeqPlacement(NamedTuple):
 
 
 def _position_tokens(placements: list[SeqPlacement], ring: int) -> list[int]:
-    """Tokens each of `ring` positions holds of `placements` together: each sequence's
-    chunk sizes gathered slot by slot on arrays (a ring of 4,096 positions)."""
+    """Tokens each of `ring` positions holds of `placements` together (one item's: they
+    share its layout), `_slot_tokens` summed over the slots."""
     if ring == 1:
         return [sum(p.length for p in placements)]
-    positions = np.arange(ring)
-    tokens = np.zeros(ring, dtype=np.int64)
-    for p in placements:
-        sizes = np.diff(np.asarray(p.bounds, dtype=np.int64))
-        for slot in range(p.layout.slots):
-            tokens += sizes[p.layout.chunk_index(ring, positions, slot)]
-    return tokens.tolist()
+    return _slot_tokens(placements, ring, placements[0].layout).sum(axis=1).tolist()
 
 
 def _slot_tokens(placements: list[SeqPlacement], ring: int, layout: Layout) -> np.ndarray:
