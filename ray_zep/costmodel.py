@@ -80,10 +80,12 @@ the engine's causal backward stands for it)."""
 
 def pointwise_elements_per_token(shape: ModelShape) -> float:
     """Elements the element-wise work of one block touches per token, forward and backward:
-    about 16 passes over the model dim (two RMSNorms, residual adds, RoPE on the
-    heads) and 6 over the feed-forward width (SwiGLU and its gradient). An estimate;
-    a calibration fits the rate on the model itself, which absorbs its error."""
-    return 16.0 * shape.dim + 6.0 * shape.mean_ffn_params() / (3 * shape.dim)
+    about 20 passes over the model dim (two RMSNorms, residual adds, RoPE on the
+    heads; 4 of them the norms' backward working out their normalised input again) and
+    8 over the feed-forward width (SwiGLU and its gradient, 2 of them working out silu
+    again: `ray_zep.model.lean_ops`). An estimate; a calibration fits the rate on the
+    model itself, which absorbs its error."""
+    return 20.0 * shape.dim + 8.0 * shape.mean_ffn_params() / (3 * shape.dim)
 
 
 @dataclass(frozen=True)

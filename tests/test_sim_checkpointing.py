@@ -18,12 +18,12 @@ pytestmark = pytest.mark.unit
 
 
 def test_full_on_a_few_blocks_and_selective_on_the_rest_fits_with_less_recomputed() -> None:
-    """A 7B rank of 20k tokens, all in rings, on cluster A's 80 GB: `selective` on every
+    """A 7B rank of 28k tokens, all in rings, on cluster A's 80 GB: `selective` on every
     block does not fit, `full` needs most blocks; `full` on a few and `selective` on the
     rest fits and recomputes less; `linears` on a few more and `selective` on the rest
     recomputes the least (never the attention), so it comes first."""
     config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=8",
-                                "model.preset=7b", "train.tokens_per_rank=20480",
+                                "model.preset=7b", "train.tokens_per_rank=28672",
                                 "parallel.weights=fsdp"])  # fmt: skip
     hardware = Hardware.preset(build_topology(config.topology))
     run = RunModel.create(config, hardware)

@@ -1,6 +1,7 @@
 """LLaMA-style decoder over packed variable-length batches.
 
-RMSNorm, rotary position embeddings computed from per-token position ids (which
+RMSNorm and SwiGLU that keep only their inputs for backward (`ray_zep.model.lean_ops`),
+rotary position embeddings computed from per-token position ids (which
 restart at every document), grouped-query attention and SwiGLU. Documents never
 attend to each other: attention runs per sequence through a varlen kernel.
 
@@ -47,6 +48,7 @@ from ray_zep.attention.kernels import AttentionFn, torch_varlen_attention
 from ray_zep.attention.rope import apply_rope, rope_tables
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.constants import IGNORE_INDEX
+from ray_zep.model.lean_ops import rms_norm, swiglu
 from ray_zep.model.loss import chunked_cross_entropy
 from ray_zep.model_shapes import ModelShape
 from ray_zep.moe.gate import Balance
@@ -63,9 +65,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        x = x_TD.float()
-        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x_TD) * self.weight
+        return rms_norm(x_TD, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -112,7 +112,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(shape.ffn_dim, shape.dim, bias=False)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x_TD)) * self.w3(x_TD))
+        return self.w2(swiglu(self.w1(x_TD), self.w3(x_TD)))
 
 
 class Block(nn.Module):
