@@ -83,7 +83,7 @@ def pointwise_elements_per_token(shape: ModelShape) -> float:
     about 20 passes over the model dim (two RMSNorms, residual adds, RoPE on the
     heads; 4 of them the norms' backward working out their normalised input again) and
     8 over the feed-forward width (SwiGLU and its gradient, 2 of them working out silu
-    again: `ray_zep.model.lean_ops`). An estimate; a calibration fits the rate on the
+    again: `ray_zep.lean_ops`). An estimate; a calibration fits the rate on the
     model itself, which absorbs its error."""
     return 20.0 * shape.dim + 8.0 * shape.mean_ffn_params() / (3 * shape.dim)
 

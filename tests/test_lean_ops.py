@@ -1,4 +1,4 @@
-"""RMSNorm and SwiGLU that keep only their inputs (`ray_zep.model.lean_ops`): the plain
+"""RMSNorm and SwiGLU that keep only their inputs (`ray_zep.lean_ops`): the plain
 operations' values and gradients, fewer bytes kept for backward."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ray_zep.attention.rope import rope_tables
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.config import load_config
-from ray_zep.model.lean_ops import rms_norm, swiglu
+from ray_zep.lean_ops import rms_norm, swiglu
 from ray_zep.model.llama import Transformer
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.memory import FP32, _block_halves

@@ -1,6 +1,6 @@
 """LLaMA-style decoder over packed variable-length batches.
 
-RMSNorm and SwiGLU that keep only their inputs for backward (`ray_zep.model.lean_ops`),
+RMSNorm and SwiGLU that keep only their inputs for backward (`ray_zep.lean_ops`),
 rotary position embeddings computed from per-token position ids (which
 restart at every document), grouped-query attention and SwiGLU. Documents never
 attend to each other: attention runs per sequence through a varlen kernel.
@@ -48,7 +48,7 @@ from ray_zep.attention.kernels import AttentionFn, torch_varlen_attention
 from ray_zep.attention.rope import apply_rope, rope_tables
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.constants import IGNORE_INDEX
-from ray_zep.model.lean_ops import rms_norm, swiglu
+from ray_zep.lean_ops import rms_norm, swiglu
 from ray_zep.model.loss import chunked_cross_entropy
 from ray_zep.model_shapes import ModelShape
 from ray_zep.moe.gate import Balance

@@ -21,6 +21,7 @@ from torch import nn
 from ray_zep.config import MoEDispatch as Dispatch
 from ray_zep.distributed.group import Group
 from ray_zep.errors import ConfigError, PlacementError
+from ray_zep.lean_ops import swiglu
 from ray_zep.moe import dispatch
 from ray_zep.moe.gate import Balance, Routing, RoutingGroups, expert_capacity, route
 
@@ -52,7 +53,7 @@ class Experts(nn.Module):
 
     def _one(self, x_ND: torch.Tensor, j: int) -> torch.Tensor:
         w1, w3, w2 = self.w1[j], self.w3[j], self.w2[j]
-        return F.linear(F.silu(F.linear(x_ND, w1)) * F.linear(x_ND, w3), w2)
+        return F.linear(swiglu(F.linear(x_ND, w1), F.linear(x_ND, w3)), w2)
 
 
 class MoE(nn.Module):

@@ -35,14 +35,14 @@ the parameters.
 
 Activations per token and block, in elements, as the block computes them (D model
 dim, H heads, K KV heads, E head dim, F SwiGLU dim): the attention half keeps 2D + 1
-for its norm (its input and inverse RMS, `ray_zep.model.lean_ops`) and projection
+for its norm (its input and inverse RMS, `ray_zep.lean_ops`) and projection
 input, H·E for the rotated queries, the keys and values the kernel saw, H·E for the
 output and H for the log-sum-exp; the torch kernel (CPU) sees keys and values
 expanded to H heads and keeps its output apart from the output projection's input
 (5·H·E + H in all), flash-attn keeps them once (2·H·E + 2·K·E + H). The feed-forward
 half keeps 2D + 1 for its norm and 3F for SwiGLU (its two inputs and the down
 projection's input). An MoE feed-forward keeps 2D + 1, 2X for the gate and, per chosen
-expert, 2D + 4F' (an estimate: the gathered rows, the expert's SwiGLU and its output).
+expert, 2D + 3F' (an estimate: the gathered rows, the expert's SwiGLU and its output).
 `selective` keeps the attention half and the feed-forward's input (D); `linears` keeps
 what the attention kernel keeps and the block input (D); `full` keeps the block input
 (D). In bf16 the residual stream and norms stay fp32 (4 bytes), matmul and attention
@@ -448,7 +448,7 @@ def _copy_bytes(m: MemoryInputs) -> int:
 
 def _norm_kept(shape: ModelShape, m: MemoryInputs) -> float:
     """Bytes per token an RMSNorm keeps: its fp32 input and inverse RMS
-    (`ray_zep.model.lean_ops`), and in fp32 its output, which the next matmuls keep as
+    (`ray_zep.lean_ops`), and in fp32 its output, which the next matmuls keep as
     their input (under autocast they keep their own bf16 casts instead, `_casts`)."""
     kept = 2 if m.compute_bytes == FP32 else 1
     return (kept * shape.dim + 1) * FP32
@@ -475,7 +475,7 @@ def _block_halves(shape: ModelShape, index: int, m: MemoryInputs) -> tuple[float
     norm = _norm_kept(shape, m)
     attention = norm + _kernel_kept(shape, m) + _casts(shape, 3, m)  # casts: q, k and v
     if shape.is_moe_block(index):
-        per_choice = 2 * d + 4 * shape.expert_hidden
+        per_choice = 2 * d + 3 * shape.expert_hidden
         ffn = norm + _casts(shape, 1, m) + 2 * shape.moe_experts * FP32
         ffn += shape.moe_top_k * per_choice * c
     else:
