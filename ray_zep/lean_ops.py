@@ -75,22 +75,12 @@ class _SwiGlu(torch.autograd.Function):
         return grad_a, grad_b
 
 
-def _normed(x_TD: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / RMS(x) in fp32, as the plain RMSNorm computes it."""
-    x = x_TD.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
 def rms_norm(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
-    """`x / RMS(x) * weight` (the ratio in fp32, cast back to x's dtype), keeping only x
-    and the weight for backward (module docstring)."""
-    if not torch.is_grad_enabled():
-        return _normed(x_TD, eps).type_as(x_TD) * weight_D
+    """`x / RMS(x) * weight` (the ratio in fp32, cast back to x's dtype), keeping only x,
+    the inverse RMS and the weight for backward (module docstring)."""
     return _RmsNorm.apply(x_TD, weight_D, eps)
 
 
 def swiglu(a_TF: torch.Tensor, b_TF: torch.Tensor) -> torch.Tensor:
     """`silu(a) * b`, keeping only a and b for backward (module docstring)."""
-    if not torch.is_grad_enabled():
-        return F.silu(a_TF) * b_TF
     return _SwiGlu.apply(a_TF, b_TF)
