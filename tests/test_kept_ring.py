@@ -129,16 +129,16 @@ def one_node_positions(monkeypatch):
 
 
 def test_a_ring_of_members_with_room_keeps_where_a_full_rank_would_not(one_node_positions) -> None:
-    """13B at L = 5,120 on 80 GB: a full rank leaves 9.5 GB, too little for a long
+    """13B at L = 6,656 on 80 GB: a full rank leaves 8.5 GB, too little for a long
     sequence's USP group of one-node positions to keep its K/V; its members hold far
     fewer tokens, and `keep_where_room` keeps it within the GPU's memory (here after a
     planner held to the budget alone; the resolved planner keeps it itself). A set budget
     is kept to."""
     config, topology, shape = _setup("topology.nodes=16", "model.preset=13b",
-                                     "train.tokens_per_rank=5120")  # fmt: skip
+                                     "train.tokens_per_rank=6656")  # fmt: skip
     lengths = np.asarray([200000, *[1024] * 200])
     parallel = dataclasses.replace(planning_parallel(config, topology, shape), ring_kv_room_mb=0)
-    alone = make_plan(Placement.ZEPPELIN, lengths, topology, 5120, shape, parallel)
+    alone = make_plan(Placement.ZEPPELIN, lengths, topology, 6656, shape, parallel)
     roomy = keep_where_room(alone, config, topology, shape)
     assert alone.placement(0).exchange is Exchange.RING and len(alone.placement(0).ranks) > 8
     planned = memory_plan(Placement.ZEPPELIN, lengths, config, topology, shape)
@@ -146,7 +146,7 @@ def test_a_ring_of_members_with_room_keeps_where_a_full_rank_would_not(one_node_
     assert roomy.placement(0).exchange is Exchange.RING_KEPT
     assert [p.ranks for p in roomy.placements] == [p.ranks for p in alone.placements]
     # the kept plan carries the planner's queue items and token counts over: as if built anew
-    anew = AttentionPlan(roomy.planner, topology, 5120, roomy.placements)
+    anew = AttentionPlan(roomy.planner, topology, 6656, roomy.placements)
     assert roomy._items is not None and roomy.items() == anew.items()
     assert (roomy.rank_tokens() == anew.rank_tokens()).all()
     assert [roomy.position_tokens(i) for i in roomy.items()] == [
@@ -155,26 +155,30 @@ def test_a_ring_of_members_with_room_keeps_where_a_full_rank_would_not(one_node_
     memory = plan_memory(config, topology, plan_stats(roomy, shape), shape)
     fullest = memory.ranks[memory.fullest].total
     assert fullest <= KEEP_SHARE * topology.gpu_memory_bytes * 1.01, fullest / 1e9
-    capped, *_ = _setup("topology.nodes=16", "model.preset=13b", "train.tokens_per_rank=5120",
+    capped, *_ = _setup("topology.nodes=16", "model.preset=13b", "train.tokens_per_rank=6656",
                         "parallel.ring_kv_keep_gb=9.5")  # fmt: skip
     kept_to = memory_plan(Placement.ZEPPELIN, lengths, capped, topology, shape)
     assert kept_to.placement(0).exchange is Exchange.RING
 
 
 def test_the_planner_leaves_its_kept_rings_room_for_their_kv(one_node_positions) -> None:
-    """13B on 256 GPUs of `bench scale`'s chat batch, USP positions of one node: held to a
-    full rank's budget, the planner fills the long document's USP members with whole
+    """13B on 256 GPUs of 64 GB, `bench scale`'s chat batch, USP positions of one node: held
+    to a full rank's budget, the planner fills the long document's USP members with whole
     sequences and leaves them no room to keep its K/V (the backward sends them again);
     told what each token a member does not hold frees (`parallel.ring_kv_room_mb`,
     resolved from the memory model), it holds fewer whole sequences there and keeps
-    them, as it does on many more rings, and every rank still fits the GPU."""
+    them, as it does on many more rings, and every rank still fits the GPU. (On 80 GB the
+    blocks' activations, `ray_zep.lean_ops`, leave the members room even when full.) The
+    fullest rank may pass `KEEP_SHARE` of the GPU by 1%: the room a token frees is the
+    memory model's mean cost of a token, not its cost at every count."""
     config, topology, shape = _setup("topology.nodes=32", "model.preset=13b",
-                                     "train.tokens_per_rank=5120")  # fmt: skip
+                                     "train.tokens_per_rank=5120",
+                                     "topology.gpu_memory_gb=64")  # fmt: skip
     lengths = batch_lengths("chat", 4096 * topology.world_size, 0)
     longest = int(np.argmax(lengths))
     planned = memory_plan(Placement.ZEPPELIN, lengths, config, topology, shape)
     budget, *_ = _setup("topology.nodes=32", "model.preset=13b", "train.tokens_per_rank=5120",
-                        "parallel.ring_kv_room_mb=0")  # fmt: skip
+                        "parallel.ring_kv_room_mb=0", "topology.gpu_memory_gb=64")  # fmt: skip
     full = memory_plan(Placement.ZEPPELIN, lengths, budget, topology, shape)
     assert planned.placement(longest).ulysses > 1 and full.placement(longest).ulysses > 1
     assert planned.placement(longest).exchange is Exchange.RING_KEPT
@@ -186,7 +190,7 @@ def test_the_planner_leaves_its_kept_rings_room_for_their_kv(one_node_positions)
     assert kept(planned) > 2 * kept(full)
     memory = plan_memory(config, topology, plan_stats(planned, shape), shape)
     assert memory.fits, memory.table()
-    assert memory.ranks[memory.fullest].total <= KEEP_SHARE * topology.gpu_memory_bytes
+    assert memory.ranks[memory.fullest].total <= KEEP_SHARE * topology.gpu_memory_bytes * 1.01
 
 
 def test_the_work_policys_fallback_keeps_within_the_budget_too() -> None:
