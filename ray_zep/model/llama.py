@@ -1,9 +1,9 @@
 """LLaMA-style decoder over packed variable-length batches.
 
-RMSNorm and SwiGLU that keep only their inputs for backward (`ray_zep.lean_ops`),
-rotary position embeddings computed from per-token position ids (which
-restart at every document), grouped-query attention and SwiGLU. Documents never
-attend to each other: attention runs per sequence through a varlen kernel.
+RMSNorm, rotary position embeddings computed from per-token position ids (which
+restart at every document), grouped-query attention and SwiGLU; the norms and SwiGLU
+keep only their inputs for backward (`ray_zep.lean_ops`). Documents never attend to
+each other: attention runs per sequence through a varlen kernel.
 
 The model is plain PyTorch and runs in one process as is; parallelising it is
 done outside, by the strategy.
