@@ -108,6 +108,16 @@ def test_every_layouts_steps_compute_each_causal_pair_once(layout: Layout) -> No
         assert causal_pairs_match(layout, ring, layout.bounds_for_counts(counts)), (ring, counts)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=lambda lay: lay.name)
+def test_every_layouts_own_offsets_are_the_generic_ones(layout: Layout) -> None:
+    """A layout that spells out `bounds_for_counts` (on lists, and on arrays past
+    `ARRAY_RING` positions) cuts exactly as the generic form from its `chunk_index`."""
+    rng = np.random.default_rng(1)
+    for ring in (1, 2, 3, 8, 64, 65, 130):
+        counts = rng.integers(0, 1000, size=ring).tolist()
+        assert layout.bounds_for_counts(counts) == Layout.bounds_for_counts(layout, counts), ring
+
+
 def test_a_layout_whose_blocks_miss_pairs_fails_the_check() -> None:
     class Broken(Contiguous):
         name = "broken"

@@ -201,15 +201,21 @@ class Zigzag(Layout):
         return [position, 2 * ring - 1 - position]
 
     def bounds_for_counts(self, counts) -> tuple[int, ...]:
+        """Each position's first chunk takes half its tokens, its second the rest (a
+        subclass that moves the chunks, `position_chunks` and `chunk_index`, keeps this)."""
         ring = len(counts)
         if ring > ARRAY_RING:  # one ring of every rank: the same offsets on arrays
             held = np.asarray(counts, dtype=np.int64)
-            sizes = np.concatenate([held // 2, (held - held // 2)[::-1]])
+            positions = np.arange(ring)
+            sizes = np.zeros(2 * ring, dtype=np.int64)
+            sizes[self.chunk_index(ring, positions, 0)] = held // 2
+            sizes[self.chunk_index(ring, positions, 1)] = held - held // 2
             return (0, *np.cumsum(sizes).tolist())
         sizes = [0] * (2 * ring)
         for r, n in enumerate(counts):
-            sizes[r] = n // 2
-            sizes[2 * ring - 1 - r] = n - n // 2
+            first, second = self.position_chunks(ring, r)
+            sizes[first] = n // 2
+            sizes[second] = n - n // 2
         return (0, *itertools.accumulate(sizes))
 
     def busiest_member_blocks(self, share):
@@ -238,14 +244,6 @@ class MirroredZigzag(Zigzag):
 
     def position_chunks(self, ring: int, position: int) -> list[int]:
         return [ring - 1 - position, ring + position]
-
-    def bounds_for_counts(self, counts) -> tuple[int, ...]:
-        ring = len(counts)
-        sizes = [0] * (2 * ring)
-        for r, n in enumerate(counts):
-            sizes[ring - 1 - r] = n // 2
-            sizes[ring + r] = n - n // 2
-        return (0, *itertools.accumulate(sizes))
 
 
 MIRRORED_ZIGZAG = MirroredZigzag()
