@@ -153,12 +153,39 @@ def test_scale_rows_that_recompute_play_micro_batches_and_keep_the_fastest() -> 
         ScaleBenchSpec(micro_batches=0)
 
 
+def test_scale_rows_try_every_micro_batch_count_while_they_recompute(monkeypatch) -> None:
+    """A 13B row of arxiv at 16k tokens per GPU still recomputes as 2 micro-batches of
+    L / 2: it is played as 3 of L / 3 next (not only doublings), and the row keeps the
+    fastest (here the 3, which recompute nothing)."""
+    import ray_zep.bench.scale as scale
+
+    tried = []
+    measure = scale._measure
+
+    def recorded(row, config, *args):
+        measure(row, config, *args)
+        tried.append((row.micro_batches, config.train.tokens_per_rank, row.recompute_s,
+                      row.step_s))  # fmt: skip
+
+    monkeypatch.setattr(scale, "_measure", recorded)
+    case = dict(gpus=(64,), distributions=("arxiv",), models=("13b",), placements=("zeppelin",))
+    (row,) = run_scale_bench(ScaleBenchSpec(**case, tokens_per_gpu=(16384,), micro_batches=3),
+                             progress=lambda line: None)  # fmt: skip
+    assert [(parts, capacity) for parts, capacity, *_ in tried] == [(1, 20480), (2, 10240),
+                                                                   (3, 6827)]  # fmt: skip
+    assert tried[1][2] > 0  # 2 still recomputed
+    fastest = min(tried, key=lambda one: one[3])
+    assert (row.micro_batches, row.step_s) == (fastest[0], fastest[3])
+    assert row.micro_batches == 3 and row.recompute_s == 0 and row.tokens_per_rank == 20480
+
+
 def test_plan_auto_plays_a_recomputing_composition_as_micro_batches(tmp_path) -> None:
     """64 GPUs of cluster A, 7B, arxiv at 16k tokens per GPU (L = 20,480): a rank of L
-    tokens recomputes some blocks. The fastest composition is played again as 2 and 4
-    micro-batches of L / 2 and L / 4 on the same batch, on that batch's bound; 2 of them
-    step faster than the one batch (no 7B rank of 10k tokens recomputes as much), win,
-    and the YAML trains them."""
+    tokens recomputes some blocks. The fastest composition is played again as 2, 3 and 4
+    micro-batches of L / 2, L / 3 and L / 4 on the same batch, on that batch's bound; 2 of
+    them step faster than the one batch (no 7B rank of 10k tokens recomputes as much) and
+    than 3 or 4 (each more micro-batch repeats the collectives), win, and the YAML trains
+    them."""
     from ray_zep.sim.auto import AutoPlan, _micro_batched, evaluate_group, write_best
     from ray_zep.sim.request import SimulateRequest, batches_of, request_hardware
 
@@ -173,8 +200,8 @@ def test_plan_auto_plays_a_recomputing_composition_as_micro_batches(tmp_path) ->
     (one,) = evaluate_group([config], hardware, batches, on_gpu)
     assert one.config.train.activation_checkpointing is not ActivationCheckpointing.NONE
     micro = _micro_batched(AutoPlan([one]), config, hardware, lambda _: batches, on_gpu)
-    assert [c.config.train.micro_batches for c in micro] == [2, 4]
-    assert [c.config.train.tokens_per_rank for c in micro] == [10240, 5120]
+    assert [c.config.train.micro_batches for c in micro] == [2, 3, 4]
+    assert [c.config.train.tokens_per_rank for c in micro] == [10240, 6827, 5120]
     for candidate in micro:
         assert candidate.bounds == one.bounds and candidate.fits
         assert candidate.steps[0].tokens == one.steps[0].tokens

@@ -25,11 +25,11 @@ average; L = that x headroom) and placement, on the same sampled batches:
   lightest checkpointing in which a rank of L tokens fits, the mode a run of that L
   sets: the ring K/V a plan keeps is what that mode leaves room for;
 - micro-batches (`micro`): where a row recomputes, its placement plays the batch again
-  as 2 micro-batches of L / 2 a step, then 4 of L / 4 while that still recomputes, up
-  to `--micro-batches` (`ray_zep.sim.micro_step`: the trainer's `train.micro_batches`,
-  the batch's sequences split into parts of about equal tokens, one optimizer update),
-  and the row keeps the fastest; its bound stays the batch's at L, which no
-  micro-batch holding fewer tokens beats;
+  as 2 micro-batches of L / 2 a step, then 3 of L / 3, and so on while that still
+  recomputes, up to `--micro-batches` (`ray_zep.sim.micro_step`: the trainer's
+  `train.micro_batches`, the batch's sequences split into parts of about equal tokens,
+  one optimizer update), and the row keeps the fastest; its bound stays the batch's at
+  L, which no micro-batch holding fewer tokens beats;
 - token room (`--room`, `L`): each row is played at L x each factor on the same batches,
   as `plan --auto` plays the fastest composition with more room (1.25 and 1.5), and keeps
   the fastest that fits; its bound is the batch's at that L.
@@ -310,14 +310,14 @@ def _case_at(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, tok
 
 def _fastest_micro_batches(spec: ScaleBenchSpec, row: ScaleRow, config: Config,
                            hardware: Hardware, batches, yardsticks) -> ScaleRow:  # fmt: skip
-    """`row` measured with one batch a step and, where it recomputes, with twice the
-    micro-batches of half the L each while they still recompute, up to
-    `spec.micro_batches` (module docstring); the fastest. Placements that schedule
+    """`row` measured with one batch a step and, where it recomputes, with one micro-batch
+    more (of L / that many each) while they still recompute, up to `spec.micro_batches`
+    (module docstring); the fastest. Placements that schedule
     micro-batches or waves of their own, and `--plan-only`, play one batch a step; a
     micro-batch the placement cannot hold at the smaller L ends the search."""
     scheduled = VARIANTS[row.placement].scheduled
-    best, parts = None, 1
-    while True:
+    best = None
+    for parts in range(1, spec.micro_batches + 1):
         capacity = math.ceil(row.tokens_per_gpu * spec.headroom / parts)
         train = dataclasses.replace(config.train, tokens_per_rank=capacity, micro_batches=parts)
         tried = dataclasses.replace(
@@ -333,10 +333,9 @@ def _fastest_micro_batches(spec: ScaleBenchSpec, row: ScaleRow, config: Config,
             return best  # a micro-batch the placement cannot hold at L / parts
         if best is None or tried.step_s < best.step_s:
             best = tried
-        parts *= 2
-        if (spec.plan_only or scheduled or not tried.recompute_s
-                or parts > spec.micro_batches):  # fmt: skip
-            return best
+        if spec.plan_only or scheduled or not tried.recompute_s:
+            break
+    return best
 
 
 def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capacity: int) -> None:

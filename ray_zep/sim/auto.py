@@ -46,11 +46,11 @@ the batches hold such documents) on a window that trains
 about the same documents as the composition without it, compared in seconds per token.
 
 Where the fastest fitting composition recomputes activations (an autograd weights mode),
-it is played again as 2 and 4 micro-batches a step (`train.micro_batches`, L / 2 and L / 4
-each: the same tokens a step with a half or a quarter of the activations at once,
-`ray_zep.sim.micro_step`): its own batches, each split into that many parts of about
-equal tokens, one optimizer update a step; ranked with the rest on the same batches'
-bounds.
+it is played again as 2, 3 and 4 micro-batches a step (`train.micro_batches`, L / 2, L / 3
+and L / 4 each: the same tokens a step with a half, a third or a quarter of the
+activations at once, `ray_zep.sim.micro_step`): its own batches, each split into that
+many parts of about equal tokens, one optimizer update a step; ranked with the rest on
+the same batches' bounds.
 """
 
 from __future__ import annotations
