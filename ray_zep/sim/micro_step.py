@@ -36,9 +36,9 @@ from ray_zep.sim.step import StepResult
 MICRO_BATCHES = (2, 3, 4)
 """Micro-batches a step `ray-zep plan --auto` tries where the fastest composition
 recomputes activations (`ray_zep.sim.auto`). Every count, not only powers of two: on
-`bench scale`'s 13b github batch at 16k tokens per GPU, 3 micro-batches of L / 3 step
-2.6% (64 GPUs) and 2.9% (1,024) faster than the best of 2 and 4 (BENCHMARKS.md,
-forty-seventh series)."""
+`bench scale`'s 13b github batch at 16k tokens per GPU, 3 micro-batches of L / 3 train
+2.7% (64 GPUs) and 2.9% (1,024) more tokens a second than the better of 2 and 4
+(BENCHMARKS.md, forty-seventh series)."""
 
 
 def micro_batched(config: Config, parts: int) -> Config:
