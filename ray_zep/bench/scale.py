@@ -312,9 +312,9 @@ def _fastest_micro_batches(spec: ScaleBenchSpec, row: ScaleRow, config: Config,
                            hardware: Hardware, batches, yardsticks) -> ScaleRow:  # fmt: skip
     """`row` measured with one batch a step and, where it recomputes, with one micro-batch
     more (of L / that many each) while they still recompute, up to `spec.micro_batches`
-    (module docstring); the fastest. Placements that schedule
-    micro-batches or waves of their own, and `--plan-only`, play one batch a step; a
-    micro-batch the placement cannot hold at the smaller L ends the search."""
+    (module docstring); the fastest. Placements that schedule micro-batches or waves of
+    their own, and `--plan-only`, play one batch a step; a micro-batch the placement
+    cannot hold at the smaller L ends the search."""
     scheduled = VARIANTS[row.placement].scheduled
     best = None
     for parts in range(1, spec.micro_batches + 1):
