@@ -24,8 +24,13 @@ def test_bench_step_times_both_batch_shapes_and_checks_the_memory_model(tmp_path
     assert set(rows) == {"packed", "long"}
     assert rows["long"]["sequences"] == 1.0, "a long batch is one sequence"
     assert rows["packed"]["sequences"] > 1.0, "packed batches hold several documents"
+    assert rows["long"]["held"] == 128, "a long batch's pieces fill L"
+    assert 0 < rows["packed"]["held"] <= 128, "whole documents fill a packed step to L at most"
     for row in rows.values():
-        assert row["tokens"] == 128 and row["tokens_per_s"] > 0 and math.isfinite(row["loss"])
+        assert row["tokens"] == 128 and math.isfinite(row["loss"])
+        assert row["tokens_per_s"] == pytest.approx(row["held"] / row["seconds"]), (
+            "tokens/s counts the tokens the steps held"
+        )
         assert row["measured_gib"] > 0, "the steady steps' peak is measured"
         assert abs(row["model_error"]) < 0.10, row
     assert math.isnan(rows["long"]["mfu"]), "no peak FLOP/s is known for a CPU"

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ray_zep.attention.kernels import select_kernel, tiled
 from ray_zep.attention.rope import rope_tables
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.config import load_config
@@ -18,6 +19,11 @@ from ray_zep.run_memory import memory_inputs
 from ray_zep.topology import build_topology
 
 EPS = 1e-5
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu,
+           pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+)  # fmt: skip
 
 
 def _plain_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -39,18 +45,20 @@ def _kept_bytes(fn, *inputs) -> tuple[int, torch.Tensor]:
     return sum(storages.values()), out
 
 
-def _leaves(*shapes, dtype=torch.float32, seed=0):
+def _leaves(*shapes, dtype=torch.float32, seed=0, device="cpu"):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(*s, generator=generator).to(dtype).requires_grad_() for s in shapes]
+    return [torch.randn(*s, generator=generator).to(device, dtype).requires_grad_()
+            for s in shapes]  # fmt: skip
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_equals_the_plain_norm_and_keeps_its_input_and_inverse_rms(dtype) -> None:
+def test_rms_norm_equals_the_plain_norm_and_keeps_its_input_and_inverse_rms(dtype, device) -> None:
     tokens, dim = 48, 64
-    x, weight = _leaves((tokens, dim), (dim,), dtype=dtype)
+    x, weight = _leaves((tokens, dim), (dim,), dtype=dtype, device=device)
     weight = (1 + 0.1 * weight.detach().float()).requires_grad_()
-    grad = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(3))
+    grad = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(3)).to(device)
     kept, out = _kept_bytes(rms_norm, x, weight, EPS)
     kept_plain, want = _kept_bytes(_plain_norm, x, weight)
     assert torch.equal(out, want)
@@ -68,11 +76,15 @@ def test_rms_norm_equals_the_plain_norm_and_keeps_its_input_and_inverse_rms(dtyp
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_swiglu_equals_the_plain_product_bit_for_bit_and_keeps_its_two_inputs(dtype) -> None:
+def test_swiglu_equals_the_plain_product_bit_for_bit_and_keeps_its_two_inputs(
+    dtype, device
+) -> None:
     tokens, width = 40, 96
-    a, b = _leaves((tokens, width), (tokens, width), dtype=dtype, seed=1)
-    grad = torch.randn(tokens, width, generator=torch.Generator().manual_seed(4)).to(dtype)
+    a, b = _leaves((tokens, width), (tokens, width), dtype=dtype, seed=1, device=device)
+    grad = torch.randn(tokens, width, generator=torch.Generator().manual_seed(4))
+    grad = grad.to(device, dtype)
     kept, out = _kept_bytes(swiglu, a, b)
     kept_plain, want = _kept_bytes(lambda p, q: F.silu(p) * q, a, b)
     assert torch.equal(out, want)
@@ -119,3 +131,35 @@ def test_a_block_keeps_what_the_memory_model_counts_for_its_norms_and_swiglu() -
     # what autograd keeps per token, the parameters and rope tables aside, is the model's
     kept_per_token = (lean - params - rope_bytes) / tokens
     assert abs(kept_per_token / per_token - 1) <= 0.05, (kept_per_token, per_token)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu_a_7b_block_keeps_per_token_what_the_memory_model_counts() -> None:
+    """bf16 autocast and the GPU's attention kernel, as a run on a GPU computes: the bytes
+    autograd keeps per token (the slope between two token counts, so that the weights'
+    bf16 casts and other fixed costs drop out; the RoPE tables, passed in, aside) are
+    `_block_halves`'s at the 7B width, within 5%."""
+    cuda = torch.device("cuda")
+    config = load_config(None, ["model.preset=7b", "model.n_layers=1"])
+    shape = build_shape(config.model)
+    kernel = select_kernel(config.model.attention_kernel, cuda, torch.bfloat16)
+    block = Transformer(shape, kernel).layers[0].to(cuda)
+    kept = {}
+    for tokens in (2048, 6144):
+        lengths = [tokens // 2, tokens // 4, tokens // 4]
+        rope = rope_tables(torch.cat([torch.arange(n) for n in lengths]).to(cuda),
+                           shape.head_dim, shape.rope_theta)  # fmt: skip
+        x = torch.randn(tokens, shape.dim, device=cuda, requires_grad=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            total, _ = _kept_bytes(block, x, rope, PackedSeqs.from_lengths(lengths, cuda), kernel)
+        kept[tokens] = total - sum(t.numel() * t.element_size() for t in rope)
+    (t1, k1), (t2, k2) = kept.items()
+    per_token = (k2 - k1) / (t2 - t1)
+    inputs = memory_inputs(config, build_topology(config.topology), t2, dtype=torch.bfloat16,
+                           flash=tiled(kernel), on_cpu=False)  # fmt: skip
+    modelled = sum(_block_halves(shape, 0, inputs))
+    assert abs(per_token / modelled - 1) <= 0.05, (
+        f"kept {per_token / 1e3:.1f} KB a token, modelled {modelled / 1e3:.1f} KB "
+        f"(flash kernel: {tiled(kernel)})"
+    )

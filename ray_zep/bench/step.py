@@ -12,12 +12,13 @@ them (`BatchStream`, `shard_for`). Batch shapes:
 - `long`: one sequence per step: documents of at least 64 x L tokens (ArXiv
   lengths x 64 L / 1024), cut into L-token pieces, each trained as one sequence.
 
-Reported per case: the mean sequences per step, the steady seconds per step (after
-`WARM_UP` steps, synchronised), tokens/s, MFU (the trainer's model FLOPs, 3 x forward
-with causal attention, over the device's dense BF16 peak: `metrics.peak_tflops` or the
-datasheet of a known GPU), the allocator's peak against the memory model's prediction
-for the same shard. A case that runs out of memory is a row saying so, with the
-model's prediction.
+Reported per case: the mean tokens a step holds (a packed step holds fewer than its
+L: whole documents fill it) and sequences per step, the steady seconds per step (after
+`WARM_UP` steps, synchronised), tokens/s of the tokens held, MFU (the trainer's model
+FLOPs, 3 x forward with causal attention, over the device's dense BF16 peak:
+`metrics.peak_tflops` or the datasheet of a known GPU), the allocator's highest peak
+over the steady steps against the memory model's highest for the same shards. A case
+that runs out of memory is a row saying so, with the model's prediction.
 
 `--width 3b|7b` and `--layers N` pick the model (on a GPU the default is the 3B
 width with 4 layers, `GPU_MODEL`; `7b` is the 7B preset's width, 32 heads of
@@ -124,6 +125,7 @@ class StepRow:
     compiled: bool
     batch: str
     tokens: int
+    held: float
     sequences: float
     seconds: float
     tokens_per_s: float
@@ -146,6 +148,7 @@ COLUMNS = [
     Column("compiled", "compiled", "<8"),
     Column("batch", "batch", "<8"),
     Column("tokens/step", "tokens", ">12"),
+    Column("held/step", "held", ">10.0f"),
     Column("seqs/step", "sequences", ">10.1f"),
     Column("s/step", "seconds", ">9.3f"),
     Column("tokens/s", "tokens_per_s", ">11.0f"),
@@ -266,43 +269,47 @@ def run_case(config: Config, device: torch.device, batch: str, peak: float) -> S
     stream = BatchStream.from_config(open_configured_source(config), config, 1)
     tokens = config.train.tokens_per_rank
     trainer, shard = None, None
-    seconds, sequences, peaks, flops, losses = [], [], [], [], []
+    seconds, sequences, held, peaks, modelled, flops, losses = [], [], [], [], [], [], []
     try:
         trainer = RankTrainer(config, comm, device)
         for _ in range(config.train.steps):
             shard = shard_for(stream.next_batch(), config, topology)[0]
+            modelled.append(modelled_memory(shard, trainer.ctx).total)
             _sync(device)
             started = time.perf_counter()
             stats = trainer.train_step(shard)
             _sync(device)
             seconds.append(time.perf_counter() - started)
             sequences.append(len(shard.lengths))
+            held.append(shard.num_tokens)
             peaks.append(float(stats.memory["measured"][0]))
             flops.append(stats.model_flops)
             losses.append(stats.loss)
     except torch.OutOfMemoryError:
-        modelled = modelled_memory(shard, trainer.ctx).total if trainer and shard else 0.0
         del trainer
         _release(device)
         nan = float("nan")
-        return StepRow(*_case(config, device), batch, tokens, nan, nan, nan, nan, 0.0,
-                       modelled / GiB, nan, "out of memory")  # fmt: skip
-    modelled = modelled_memory(shard, trainer.ctx).total
+        return StepRow(*_case(config, device), batch, tokens, nan, nan, nan, nan, nan, 0.0,
+                       modelled[-1] / GiB if modelled else 0.0, nan,
+                       "out of memory")  # fmt: skip
     del trainer
     _release(device)
     steady = slice(WARM_UP, None)
     step_s = statistics.mean(seconds[steady])
     mean_flops = statistics.mean(flops[steady])
+    mean_held = statistics.mean(held[steady])
+    # the steady steps' highest peak against the model's highest for the same shards
     return StepRow(
         *_case(config, device),
         batch,
         tokens,
+        mean_held,
         statistics.mean(sequences[steady]),
         step_s,
-        tokens / step_s,
+        mean_held / step_s,
         mean_flops / step_s / peak if peak else float("nan"),
         max(peaks[steady]) / GiB,
-        modelled / GiB,
+        max(modelled[steady]) / GiB,
         losses[-1],
     )
 
