@@ -168,9 +168,10 @@ def test_the_planner_leaves_its_kept_rings_room_for_their_kv(one_node_positions)
     told what each token a member does not hold frees (`parallel.ring_kv_room_mb`,
     resolved from the memory model), it holds fewer whole sequences there and keeps
     them, as it does on many more rings, and every rank still fits the GPU. (On 80 GB the
-    blocks' activations, `ray_zep.lean_ops`, leave the members room even when full.) The
-    fullest rank may pass `KEEP_SHARE` of the GPU by 1%: the room a token frees is the
-    memory model's mean cost of a token, not its cost at every count."""
+    blocks' activations, `ray_zep.lean_ops`, leave the members room even when full.) No
+    rank passes `KEEP_SHARE` of the GPU: a member the planner's room, counted ring by
+    ring, left past it (by 1.2% here: 58.3 GB) has a smaller kept ring send its K/V again
+    (`keep_where_room`)."""
     config, topology, shape = _setup("topology.nodes=32", "model.preset=13b",
                                      "train.tokens_per_rank=5120",
                                      "topology.gpu_memory_gb=64")  # fmt: skip
@@ -190,7 +191,7 @@ def test_the_planner_leaves_its_kept_rings_room_for_their_kv(one_node_positions)
     assert kept(planned) > 2 * kept(full)
     memory = plan_memory(config, topology, plan_stats(planned, shape), shape)
     assert memory.fits, memory.table()
-    assert memory.ranks[memory.fullest].total <= KEEP_SHARE * topology.gpu_memory_bytes * 1.01
+    assert memory.ranks[memory.fullest].total <= KEEP_SHARE * topology.gpu_memory_bytes
 
 
 def test_the_work_policys_fallback_keeps_within_the_budget_too() -> None:

@@ -163,3 +163,38 @@ def test_on_gpu_a_7b_block_keeps_per_token_what_the_memory_model_counts() -> Non
         f"kept {per_token / 1e3:.1f} KB a token, modelled {modelled / 1e3:.1f} KB "
         f"(flash kernel: {tiled(kernel)})"
     )
+
+
+@pytest.mark.unit
+def test_under_autocast_each_norm_output_is_cast_once_for_all_its_projections() -> None:
+    """bf16 autocast (on the CPU here, as on a GPU): the block keeps three bf16 copies of
+    a D-wide activation per token, the two norms' outputs (each shared by the projections
+    reading it: q, k and v; w1 and w3) and the output projection's input, where a cast per
+    projection kept six; the block's output is the same either way."""
+    config = load_config(None, ["model.preset=tiny"])
+    shape = build_shape(config.model)
+    model = Transformer(shape)
+    model.init_weights(torch.Generator().manual_seed(0))
+    block = model.layers[0]
+    lengths = [40, 56]
+    tokens = sum(lengths)
+    rope = rope_tables(torch.cat([torch.arange(n) for n in lengths]), shape.head_dim,
+                       shape.rope_theta)  # fmt: skip
+    seqs = PackedSeqs.from_lengths(lengths)
+    x = torch.randn(tokens, shape.dim, generator=torch.Generator().manual_seed(1))
+    kept: dict[int, tuple] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = (t.dtype, t.untyped_storage().nbytes())
+        return t
+
+    x.requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = block(x, rope, seqs, model.attention_fn)
+        norm = block.attention_norm
+        per_projection = F.linear(rms_norm(x, norm.weight, norm.eps), block.attention.wq.weight)
+        shared = block.attention.wq(norm(x))
+    copies = [k for k in kept.values() if k == (torch.bfloat16, tokens * shape.dim * 2)]
+    assert len(copies) == 3, kept
+    assert out.dtype == torch.float32 and torch.equal(shared, per_projection)

@@ -2,8 +2,9 @@
 
 RMSNorm, rotary position embeddings computed from per-token position ids (which
 restart at every document), grouped-query attention and SwiGLU; the norms and SwiGLU
-keep only their inputs for backward (`ray_zep.lean_ops`). Documents never attend to
-each other: attention runs per sequence through a varlen kernel.
+keep only their inputs for backward (`ray_zep.lean_ops`), and under autocast a norm's
+output is cast once for all the projections reading it (`RMSNorm.forward`). Documents
+never attend to each other: attention runs per sequence through a varlen kernel.
 
 The model is plain PyTorch and runs in one process as is; parallelising it is
 done outside, by the strategy.
@@ -65,7 +66,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x_TD, self.weight, self.eps)
+        """The normed input; under autocast in its dtype, cast once here: the projections
+        reading it then keep one copy between them for backward where each would cast and
+        keep its own (q, k and v: three; w1 and w3: two), as blocks whose activations are
+        bf16 throughout keep one. Their input gradients sum in that dtype before the cast
+        back, as in those blocks."""
+        out_TD = rms_norm(x_TD, self.weight, self.eps)
+        device = out_TD.device.type
+        if torch.is_autocast_enabled(device):
+            return out_TD.to(torch.get_autocast_dtype(device))
+        return out_TD
 
 
 class Attention(nn.Module):

@@ -46,9 +46,9 @@ expert, 2D + 3F' (an estimate: the gathered rows, the expert's SwiGLU and its ou
 `selective` keeps the attention half and the feed-forward's input (D); `linears` keeps
 what the attention kernel keeps and the block input (D); `full` keeps the block input
 (D). In bf16 the residual stream and norms stay fp32 (4 bytes), matmul and attention
-results take 2 bytes, a norm keeps its fp32 input and inverse RMS (D + 1; its output
-is not kept) and every projection reading it keeps its own bf16 copy of it (3D for q,
-k and v, 2D for w1 and w3).
+results take 2 bytes, a norm keeps its fp32 input and inverse RMS (D + 1; its fp32
+output is not kept) and the projections reading it keep one bf16 copy of it between
+them (D: the norm casts its output once, `ray_zep.model.llama.RMSNorm`).
 """
 
 from __future__ import annotations
@@ -363,7 +363,7 @@ def activation_bytes(shape: ModelShape, m: MemoryInputs) -> float:
     logits = vocab * c  # the model's logits, which the step holds until its end
     # the head: its norm, its projection's input (a cast under autocast), and the
     # log-softmax output the loss keeps
-    head = _norm_kept(shape, m) + _casts(shape, 1, m) + vocab * FP32
+    head = _norm_kept(shape, m) + _casts(shape, m) + vocab * FP32
     loss_grads = 2 * vocab * FP32  # the loss's backward: its output's and input's gradients
     # a block's backward: gradients of its widest intermediate and of its input
     working = (widest + shape.dim) * FP32
@@ -435,7 +435,7 @@ def _chunked_loss_peak(shape: ModelShape, m: MemoryInputs, kept: float, backward
     `backward`: per token, a block's recomputed activations and working gradients."""
     vocab, dim = shape.vocab_size, shape.dim
     chunk = min(m.loss_chunk_tokens, m.tokens)
-    head = _norm_kept(shape, m) + _casts(shape, 1, m)
+    head = _norm_kept(shape, m) + _casts(shape, m)
     weight_grads = vocab * dim * FP32
     at_loss = (
         m.tokens * (kept + head + 2 * dim * FP32)
@@ -454,15 +454,15 @@ def _copy_bytes(m: MemoryInputs) -> int:
 def _norm_kept(shape: ModelShape, m: MemoryInputs) -> float:
     """Bytes per token an RMSNorm keeps: its fp32 input and inverse RMS
     (`ray_zep.lean_ops`), and in fp32 its output, which the next matmuls keep as
-    their input (under autocast they keep their own bf16 casts instead, `_casts`)."""
+    their input (under autocast they keep its bf16 cast instead, `_casts`)."""
     kept = 2 if m.compute_bytes == FP32 else 1
     return (kept * shape.dim + 1) * FP32
 
 
-def _casts(shape: ModelShape, matmuls: int, m: MemoryInputs) -> float:
-    """Bytes per token of the compute-dtype copies autocast makes of a norm's output for
-    `matmuls` projections reading it (each casts its own; none in fp32)."""
-    return 0.0 if m.compute_bytes == FP32 else matmuls * shape.dim * m.compute_bytes
+def _casts(shape: ModelShape, m: MemoryInputs) -> float:
+    """Bytes per token of the compute-dtype copy of a norm's output under autocast, cast
+    once for every projection reading it (`ray_zep.model.llama.RMSNorm`; none in fp32)."""
+    return 0.0 if m.compute_bytes == FP32 else shape.dim * m.compute_bytes
 
 
 def _kernel_kept(shape: ModelShape, m: MemoryInputs) -> float:
@@ -478,11 +478,11 @@ def _block_halves(shape: ModelShape, index: int, m: MemoryInputs) -> tuple[float
     """Bytes per token the attention half and the feed-forward half of a block keep."""
     c, d = m.compute_bytes, shape.dim
     norm = _norm_kept(shape, m)
-    attention = norm + _kernel_kept(shape, m) + _casts(shape, 3, m)  # casts: q, k and v
+    attention = norm + _kernel_kept(shape, m) + _casts(shape, m)  # one for q, k and v
     if shape.is_moe_block(index):
         per_choice = 2 * d + 3 * shape.expert_hidden
-        ffn = norm + _casts(shape, 1, m) + 2 * shape.moe_experts * FP32
+        ffn = norm + _casts(shape, m) + 2 * shape.moe_experts * FP32
         ffn += shape.moe_top_k * per_choice * c
     else:
-        ffn = norm + _casts(shape, 2, m) + 3 * shape.ffn_dim * c  # w1 and w3
+        ffn = norm + _casts(shape, m) + 3 * shape.ffn_dim * c  # one for w1 and w3
     return attention, ffn

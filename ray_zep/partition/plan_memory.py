@@ -210,7 +210,9 @@ def keep_where_room(
     far fewer tokens and have room for more. Here every ring not yet kept, most tokens
     first, keeps its K/V where each member's modelled memory (its tokens, its ring
     tokens and all the K/V it keeps, at the memory model's rates between none and L)
-    stays within `KEEP_SHARE` of the GPU's. A set budget, a GPU of unknown memory, or
+    stays within `KEEP_SHARE` of the GPU's; first, a ring the planner kept on a member
+    those rates put past that share sends its K/V again (most tokens first, until none
+    is past it). A set budget, a GPU of unknown memory, or
     another placement or policy leaves the plan as it is. `memory`: the model's figures,
     if worked out."""
     parallel = config.parallel
@@ -222,31 +224,61 @@ def keep_where_room(
     ):
         return plan
     split = [item for item in plan.items() if item.ring_size > 1]
-    if not any(item.exchange is Exchange.RING for item in split):
+    if not split:
         return plan
     memory = memory or TokenMemory.of(config, topology, shape)
     ring = np.zeros(plan.world)
-    members = []  # rings not kept: (item, its ranks, its tokens, each member's peers' tokens)
+    members, kept_rings = [], []  # (item, its ranks, its tokens, each member's peers' tokens)
     for item in split:
         positions = np.asarray(plan.position_tokens(item), dtype=np.float64)
         ranks = np.asarray(item.ranks)
         ring[ranks] += np.repeat(positions, item.ulysses) / item.ulysses
+        entry = (item, ranks, float(positions.sum()), peer_tokens(positions, item.ulysses))
         if item.exchange is Exchange.RING:
-            others = peer_tokens(positions, item.ulysses)
-            members.append((item, ranks, float(positions.sum()), others))
+            members.append(entry)
+        elif item.exchange is Exchange.RING_KEPT:
+            kept_rings.append(entry)
     kept = kept_kv_tokens(plan)
     used = (memory.base + memory.per_token * plan.rank_tokens() + memory.per_ring * ring
             + memory.per_kept * kept)  # fmt: skip
     room = KEEP_SHARE * topology.gpu_memory_bytes - used
+    sent = _sent_again(kept_rings, room, memory.per_kept)
     keep = set()
     for item, ranks, _, others in sorted(members, key=lambda m: -m[2]):
         cost = memory.per_kept * others
         if np.all(cost <= room[ranks]):
             room[ranks] -= cost
             keep.update(item.seqs)
-    if not keep:
-        return plan
-    return plan.with_exchange(keep, Exchange.RING_KEPT)
+    if sent:
+        plan = plan.with_exchange(sent, Exchange.RING)
+    if keep:
+        plan = plan.with_exchange(keep, Exchange.RING_KEPT)
+    return plan
+
+
+def _sent_again(kept_rings: list, room: np.ndarray, per_kept: float) -> set[int]:
+    """The sequences of kept rings that send their K/V again so that no member is past
+    the share (`room` below 0, updated): the planner keeps by each ring's own room as it
+    places, and a member may keep the K/V of a second ring besides. On each member past
+    it, the kept ring of least K/V there that brings it back, else the one of most, until
+    it is back or keeps none."""
+    sent: set[int] = set()
+    left = list(kept_rings)
+    for rank in np.flatnonzero(room < 0):
+        while room[rank] < 0:
+            here = [
+                (per_kept * others[list(ranks).index(rank)], at)
+                for at, (_, ranks, _, others) in enumerate(left)
+                if rank in ranks
+            ]
+            if not here:
+                break
+            enough = [h for h in here if h[0] >= -room[rank]]
+            _, at = min(enough) if enough else max(here)
+            item, ranks, _, others = left.pop(at)
+            room[ranks] += per_kept * others
+            sent.update(item.seqs)
+    return sent
 
 
 def plan_memory(
