@@ -210,11 +210,10 @@ def keep_where_room(
     far fewer tokens and have room for more. Here every ring not yet kept, most tokens
     first, keeps its K/V where each member's modelled memory (its tokens, its ring
     tokens and all the K/V it keeps, at the memory model's rates between none and L)
-    stays within `KEEP_SHARE` of the GPU's; first, a ring the planner kept on a member
-    those rates put past that share sends its K/V again (most tokens first, until none
-    is past it). A set budget, a GPU of unknown memory, or
-    another placement or policy leaves the plan as it is. `memory`: the model's figures,
-    if worked out."""
+    stays within `KEEP_SHARE` of the GPU's; first, where those rates put a member past
+    that share, rings the planner kept there send their K/V again (`_sent_again`). A
+    set budget, a GPU of unknown memory, or another placement or policy leaves the plan
+    as it is. `memory`: the model's figures, if worked out."""
     parallel = config.parallel
     if (
         parallel.ring_kv_keep_gb is not None
@@ -263,21 +262,22 @@ def _sent_again(kept_rings: list, room: np.ndarray, per_kept: float) -> set[int]
     it, the kept ring of least K/V there that brings it back, else the one of most, until
     it is back or keeps none."""
     sent: set[int] = set()
-    left = list(kept_rings)
-    for rank in np.flatnonzero(room < 0):
-        while room[rank] < 0:
-            here = [
-                (per_kept * others[list(ranks).index(rank)], at)
-                for at, (_, ranks, _, others) in enumerate(left)
-                if rank in ranks
-            ]
-            if not here:
-                break
+    over = room < 0
+    on_rank: dict[int, list[tuple[float, int]]] = {}  # member past it -> (K/V, ring)
+    for at, (_, ranks, _, others) in enumerate(kept_rings):
+        for member in np.flatnonzero(over[ranks]):
+            on_rank.setdefault(int(ranks[member]), []).append((per_kept * others[member], at))
+    dropped: set[int] = set()
+    for rank, here in sorted(on_rank.items()):
+        here = [h for h in here if h[1] not in dropped]
+        while room[rank] < 0 and here:
             enough = [h for h in here if h[0] >= -room[rank]]
-            _, at = min(enough) if enough else max(here)
-            item, ranks, _, others = left.pop(at)
+            pick = min(enough) if enough else max(here)
+            here.remove(pick)
+            item, ranks, _, others = kept_rings[pick[1]]
             room[ranks] += per_kept * others
             sent.update(item.seqs)
+            dropped.add(pick[1])
     return sent
 
 
