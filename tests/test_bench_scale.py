@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_zep.bench.scale import COLUMNS, ScaleBenchSpec, run_scale_bench
+from ray_zep.bench.scale import COLUMNS, ScaleBenchSpec, kv_rooms, run_scale_bench
 from ray_zep.cli import main
 from ray_zep.errors import ConfigError
 from ray_zep.report.text_table import render_table
@@ -78,6 +78,7 @@ def test_plan_only_times_the_plans_without_simulating(tmp_path: Path, capsys) ->
         dict(room=(0.5,)),
         dict(room=()),
         dict(plan_only=True, room=(1.0, 1.5)),
+        dict(plan_only=True, kv_room=(None, 0.0)),
     ],
 )
 def test_scale_bench_refuses_bad_options(bad: dict) -> None:
@@ -133,3 +134,23 @@ def test_room_keeps_the_fastest_l_that_fits() -> None:
         fitting = [r for r in (one, other) if r.fits == "yes"]
         kept = min(fitting, key=lambda r: r.step_s)
         assert (row.step_s, row.tokens_per_rank) == (kept.step_s, kept.tokens_per_rank)
+
+
+def test_kv_room_keeps_the_faster_of_the_memory_models_room_and_none() -> None:
+    """`--kv-room model,0` on 13B chat at 64 GPUs, L = 7,680: the planner holding a kept
+    ring's room free on its members (the memory model's MB a token) and the planner
+    filling them (`keep_where_room` keeping where room is left) end differently; the row
+    is the faster of the two played apart and says which it ran with."""
+    cases = dict(gpus=(64,), distributions=("chat",), models=("13b",), tokens_per_gpu=(4096,),
+                 placements=("zeppelin",), headroom=1.875)  # fmt: skip
+    quiet = lambda line: None  # noqa: E731
+    (both,) = run_scale_bench(ScaleBenchSpec(**cases, kv_room=(None, 0.0)), progress=quiet)
+    (held,) = run_scale_bench(ScaleBenchSpec(**cases), progress=quiet)
+    (filled,) = run_scale_bench(ScaleBenchSpec(**cases, kv_room=(0.0,)), progress=quiet)
+    assert (held.kv_room_mb, filled.kv_room_mb) == (None, 0.0)
+    assert held.step_s != filled.step_s, "the two rooms plan this batch apart"
+    kept = min((held, filled), key=lambda r: r.step_s)
+    assert (both.step_s, both.kv_room_mb) == (kept.step_s, kept.kv_room_mb)
+    assert kv_rooms("model, 0,2.5") == (None, 0.0, 2.5)
+    with pytest.raises(ConfigError, match="--kv-room item 'all'"):
+        kv_rooms("model,all")

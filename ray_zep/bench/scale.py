@@ -32,7 +32,12 @@ average; L = that x headroom) and placement, on the same sampled batches:
   L, which no micro-batch holding fewer tokens beats;
 - token room (`--room`, `L`): each row is played at L x each factor on the same batches,
   as `plan --auto` plays the fastest composition with more room (1.25 and 1.5), and keeps
-  the fastest that fits; its bound is the batch's at that L.
+  the fastest that fits; its bound is the batch's at that L;
+- K/V room (`--kv-room`, `K/V room`): each row is played with each
+  `parallel.ring_kv_room_mb` listed (`model`: unset, the memory model's cost of a token
+  in a ring, which the planner holds free on a kept ring's members; `0`: the budget
+  alone, the members filled and `keep_where_room` keeping where room is left) at every
+  `--room` factor, and keeps the fastest that fits.
 
 Placements are `ray-zep simulate`'s variants: `zeppelin` is the full system with the
 config's `parallel.zone_policy` (`work` by default), `zeppelin+cost` with `cost`.
@@ -125,6 +130,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="token-room factors each row tries, L x each for the same batches, keeping the "
         "fastest that fits (plan --auto tries 1,1.25,1.5; default 1)",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-room", default="model",
+        help="parallel.ring_kv_room_mb values each row tries (model: unset, the memory "
+        "model's; numbers: MB a token), keeping the fastest that fits (default model)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> BenchResult:
@@ -139,11 +149,31 @@ def run(args: argparse.Namespace) -> BenchResult:
         plan_only=args.plan_only,
         micro_batches=args.micro_batches,
         room=factors(args.room, "--room"),
+        kv_room=kv_rooms(args.kv_room),
     )
     cases = len(spec.models) * len(spec.tokens_per_gpu) * len(spec.gpus) * len(spec.distributions)
     with ProgressLine(cases, "cases", sys.stdout) as bar:
         rows = run_scale_bench(spec, progress=bar.counter())
     return BenchResult.from_rows(NAME, asdict(spec), rows, COLUMNS, draw_scale_chart, key_columns=5)
+
+
+def kv_rooms(text: str) -> tuple[float | None, ...]:
+    """'model,0' -> (None, 0.0): `--kv-room`'s values; errors name the flag."""
+    out: list[float | None] = []
+    for item in text.replace(" ", "").split(","):
+        if item == "model":
+            out.append(None)
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not value >= 0:
+            raise ConfigError(
+                f"--kv-room item {item!r}: 'model' or MB >= 0, e.g. --kv-room model,0"
+            )
+        out.append(value)
+    return tuple(out)
 
 
 def planned_placements(plan_only: bool) -> tuple[str, ...]:
@@ -174,6 +204,9 @@ class ScaleBenchSpec:
     room: tuple[float, ...] = (1.0,)
     """Token-room factors each row is played at (L = tokens x headroom x each, the same
     batches), the fastest that fits kept (module docstring)."""
+    kv_room: tuple[float | None, ...] = (None,)
+    """`parallel.ring_kv_room_mb` values each row is played with (None: unset), the
+    fastest that fits kept (module docstring)."""
 
     def __post_init__(self) -> None:
         for g in self.gpus:
@@ -192,6 +225,8 @@ class ScaleBenchSpec:
             raise ConfigError(f"--room {self.room}: factors of L must be >= 1")
         if self.plan_only and len(self.room) > 1:
             raise ConfigError("--room: one factor with --plan-only (no step to choose by)")
+        if self.plan_only and len(self.kv_room) > 1:
+            raise ConfigError("--kv-room: one value with --plan-only (no step to choose by)")
 
 
 @dataclass
@@ -244,6 +279,8 @@ class ScaleRow:
     """Micro-batches a step (module docstring), each of at most L / this tokens a rank."""
     tokens_per_rank: int | None = None
     """L the row ran at (`--room`: the fastest of its factors that fits)."""
+    kv_room_mb: float | None = None
+    """`parallel.ring_kv_room_mb` the row ran with (None: unset; `--kv-room`)."""
     phase_ends: list | None = None
     """Where the first batch's forward and backward end (`ray_zep.sim.phase_setter`: the
     rank, its time by cause, the sequences it holds); in the JSON record only."""
@@ -275,31 +312,34 @@ def scale_case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, t
     played at every `spec.room` factor of L and keeps the fastest that fits (the fastest
     where none fits; the first where none ran)."""
     played = [_case_at(dataclasses.replace(spec, headroom=spec.headroom * factor), gpus,
-                       distribution, model, tokens, batches) for factor in spec.room]  # fmt: skip
+                       distribution, model, tokens, batches, kv_room)
+              for factor in spec.room for kv_room in spec.kv_room]  # fmt: skip
     return [min(rows, key=_room_rank) for rows in zip(*played, strict=True)]
 
 
 def _room_rank(row: ScaleRow) -> tuple:
     """What `scale_case` keeps first: played, then fitting, then fastest (then the
-    smaller L, listed first)."""
+    smaller L and the K/V room listed first)."""
     played = row.step_s is not None
     return (not played, row.fits != "yes", row.step_s if played else 0.0)
 
 
 def _case_at(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, tokens: int,
-             batches: list[np.ndarray]) -> list[ScaleRow]:  # fmt: skip
-    """`scale_case` at `spec.headroom` alone."""
+             batches: list[np.ndarray],
+             kv_room: float | None = None) -> list[ScaleRow]:  # fmt: skip
+    """`scale_case` at `spec.headroom` and `parallel.ring_kv_room_mb=kv_room` alone."""
     capacity = math.ceil(tokens * spec.headroom)
+    room = [] if kv_room is None else [f"parallel.ring_kv_room_mb={kv_room}"]
     config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={gpus // 8}",
                                 f"model.preset={model}", f"train.tokens_per_rank={capacity}",
-                                "parallel.weights=fsdp"])  # fmt: skip
+                                "parallel.weights=fsdp", *room])  # fmt: skip
     hardware = Hardware.preset(build_topology(config.topology))
     run = RunModel.create(config, hardware)
     ideal = None if spec.plan_only else [ideal_step_seconds(b, run) for b in batches]
     bounds = None if spec.plan_only else [step_bound(b, run) for b in batches]
     rows = []
     for name in spec.placements:
-        row = ScaleRow(gpus, distribution, model, tokens, name)
+        row = ScaleRow(gpus, distribution, model, tokens, name, kv_room_mb=kv_room)
         try:
             row = _fastest_micro_batches(spec, row, config, hardware, batches, (ideal, bounds))
         except ZepError as exc:
@@ -512,6 +552,7 @@ COLUMNS = (
     Column("ckpt", "checkpointing"),
     Column("fits", "fits"),
     Column("micro", "micro_batches"),
+    Column("K/V room", lambda r: "model" if r.kv_room_mb is None else f"{r.kv_room_mb:g}"),
 )
 
 
