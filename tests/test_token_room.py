@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from ray_zep.config import load_config
+from ray_zep.data.synthetic import batch_lengths
 from ray_zep.sim.token_room import with_room
 
 pytestmark = pytest.mark.unit
@@ -108,3 +109,34 @@ def test_plan_summary_counts_the_token_bound_ranks() -> None:
         assert ("at under 0.8x the mean work" in line) == (counts[data] > 0), line
     light = counts["github"]
     assert 20 <= light <= 128 and counts["arxiv"] == 0, counts
+
+
+def test_plan_auto_plays_the_fastest_composition_with_no_kv_room_held_and_keeps_it_where_faster(
+    tmp_path,
+) -> None:
+    """64 GPUs of cluster A, 13B, the chat mix at 4k tokens per GPU with L = 7,680 (`bench
+    scale`'s row): the fastest composition, whose planner holds a kept ring's room free on
+    its members, played again with `parallel.ring_kv_room_mb=0` (members filled,
+    `keep_where_room` keeping where room is left) steps faster, wins, and its YAML holds
+    the 0; a composition whose K/V room is set, or whose planner does not read it, is not
+    played again."""
+    from ray_zep.sim.auto import AutoPlan, evaluate_group, kv_room_zero, write_best
+    from ray_zep.sim.compare import variant_config
+    from ray_zep.sim.request import request_hardware
+
+    base = load_config(None, ["topology.preset=cluster_a", "topology.nodes=8", "model.preset=13b",
+                              "train.tokens_per_rank=7680", "parallel.weights=fsdp"])  # fmt: skip
+    config = variant_config(base, "zeppelin", 7680)
+    hardware, on_gpu = request_hardware(config, None)
+    batches = [(batch_lengths("chat", 4096 * 64, 0), None)]
+    searched = evaluate_group([config], hardware, batches, on_gpu)
+    (zero,) = kv_room_zero(AutoPlan(searched), config, hardware, lambda _: batches, on_gpu)
+    assert zero.config.parallel.ring_kv_room_mb == 0.0 and zero.fits
+    assert zero.step_seconds < 0.99 * searched[0].step_seconds
+    plan = AutoPlan([*searched, zero])
+    assert plan.best is zero and "+ring_kv_room_mb=0" in plan.best.name, plan.best.name
+    chosen = load_config(write_best(plan, tmp_path / "best.yaml"), [])
+    assert chosen.parallel.ring_kv_room_mb == 0.0
+    assert kv_room_zero(AutoPlan([zero]), config, hardware, lambda _: batches, on_gpu) == []
+    te = evaluate_group([variant_config(base, "te_cp", 7680)], hardware, batches, on_gpu)
+    assert kv_room_zero(AutoPlan(te), config, hardware, lambda _: batches, on_gpu) == []

@@ -39,6 +39,12 @@ Where the batches are budget-packed, the fastest fitting composition is played a
 with more token room for the same batches (`ray_zep.sim.token_room`: L x 1.25 and x 1.5,
 `data.batch_fill` lowered so that the batch budget stays), and ranked with the rest.
 
+Where the fastest fitting composition's planner holds a kept ring's K/V room free on its
+members (`parallel.ring_kv_room_mb` unset, resolved from the memory model: zeppelin's work
+policy on a GPU of known memory), it is played again with that room at 0 (the members
+filled, `keep_where_room` keeping where room is left), which some batches place faster
+and others slower (BENCHMARKS.md, forty-eighth series), and ranked with the rest.
+
 Where the batches are the configured data's, budget-packed, the fastest fitting composition
 is played again with outlier delay (`ray_zep.sim.outlier_choice`: `data.outlier_tokens` at
 2 nodes' token room and at the length about one document in two batches reaches, where
@@ -72,7 +78,7 @@ from ray_zep.config import (
 )
 from ray_zep.errors import MemoryPlanError, ZepError
 from ray_zep.model_shapes import build_shape
-from ray_zep.options import ActivationCheckpointing
+from ray_zep.options import ActivationCheckpointing, ZonePolicy
 from ray_zep.parallel.axes import (
     SEQUENCE_AXES,
     WEIGHTS_AXES,
@@ -312,6 +318,8 @@ def auto_plan(
             report(_group_line(group))
         candidates += _roomier(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
         report("more token room played")
+        candidates += kv_room_zero(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
+        report("K/V room played")
         candidates += _micro_batched(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
         report("micro-batches played")
         if data_of is not None:  # the data's batches, each composition's as its actor draws them
@@ -322,8 +330,9 @@ def auto_plan(
         return AutoPlan(candidates)
 
 
-SEARCH_PHASES = 3
-"""`auto_plan`'s steps after the groups: token room, micro-batches, outlier delay."""
+SEARCH_PHASES = 4
+"""`auto_plan`'s steps after the groups: token room, K/V room, micro-batches, outlier
+delay."""
 
 
 def search_steps(config: Config, world: int) -> int:
@@ -424,6 +433,36 @@ def _roomier(
         for candidate in _evaluated([roomy], hardware, batches_of, on_gpu):
             candidate.room_of = packed[0]
             out.append(candidate)
+    return out
+
+
+def kv_room_zero(
+    plan: AutoPlan,
+    config: Config,
+    hardware: Hardware,
+    batches_of: Callable[[Config], Batches],
+    on_gpu: bool,
+) -> list[Candidate]:
+    """The fastest fitting composition again with `parallel.ring_kv_room_mb=0`, where its
+    planner reads the K/V room and resolves it from the memory model (module docstring),
+    under `config`'s activation checkpointing (as `_roomier`)."""
+    fitting = [c for c in plan.ranked if c.steps and c.fits]
+    if not fitting or hardware.topology.gpu_memory_bytes <= 0:
+        return []
+    parallel = fitting[0].config.parallel
+    reads = spec_of(parallel.sequence).reads or ()
+    if (
+        "ring_kv_room_mb" not in reads
+        or parallel.zone_policy is not ZonePolicy.WORK
+        or parallel.ring_kv_room_mb is not None
+        or parallel.ring_kv_keep_gb is not None
+    ):
+        return []
+    best = checkpointing_as(fitting[0].config, config)
+    zero = dataclasses.replace(best, parallel=dataclasses.replace(parallel, ring_kv_room_mb=0.0))
+    out = _evaluated([zero], hardware, batches_of, on_gpu)
+    for candidate in out:
+        candidate.room_of = fitting[0].room_of
     return out
 
 
