@@ -274,7 +274,6 @@ def run_case(config: Config, device: torch.device, batch: str, peak: float) -> S
         trainer = RankTrainer(config, comm, device)
         for _ in range(config.train.steps):
             shard = shard_for(stream.next_batch(), config, topology)[0]
-            modelled.append(modelled_memory(shard, trainer.ctx).total)
             _sync(device)
             started = time.perf_counter()
             stats = trainer.train_step(shard)
@@ -283,15 +282,16 @@ def run_case(config: Config, device: torch.device, batch: str, peak: float) -> S
             sequences.append(len(shard.lengths))
             held.append(shard.num_tokens)
             peaks.append(float(stats.memory["measured"][0]))
+            modelled.append(float(stats.memory["modelled"][0]))  # this step's shard
             flops.append(stats.model_flops)
             losses.append(stats.loss)
     except torch.OutOfMemoryError:
+        model = modelled_memory(shard, trainer.ctx).total if trainer and shard else 0.0
         del trainer
         _release(device)
         nan = float("nan")
         return StepRow(*_case(config, device), batch, tokens, nan, nan, nan, nan, nan, 0.0,
-                       modelled[-1] / GiB if modelled else 0.0, nan,
-                       "out of memory")  # fmt: skip
+                       model / GiB, nan, "out of memory")  # fmt: skip
     del trainer
     _release(device)
     steady = slice(WARM_UP, None)
