@@ -37,11 +37,7 @@ class Carried:
     def of(cls, slot_tokens: np.ndarray, layout: Layout) -> Carried:
         """The rows of `slot_tokens` (R x C: each position's tokens per layout slot, its
         item's sequences together) under `layout`."""
-        tokens = np.asarray(slot_tokens, dtype=np.int64)
-        mask = layout.carried_mask
-        first = tokens @ mask(np.asarray(1), np.asarray(0)).astype(np.int64)
-        both = tokens @ mask(np.asarray(2), np.asarray(1)).astype(np.int64)
-        wrapped = tokens @ mask(np.asarray(0), np.asarray(1)).astype(np.int64)
+        first, both, wrapped = layout.kind_masks() @ np.asarray(slot_tokens, dtype=np.int64).T
         return cls(first, both, wrapped)
 
     def rows(self, receivers, owners) -> np.ndarray:

@@ -136,6 +136,30 @@ class Layout:
         later = (np.asarray(owner) > 0)[..., None]  # some receivers before the owner remain
         return np.broadcast_to(np.where(unwrapped, before | (after & later), after), shape)
 
+    def kind_masks(self) -> np.ndarray:
+        """`carried_mask` of the three kinds of message `ray_zep.partition.carried` sums
+        (a receiver after owner 0; after a later owner; before its owner), 3 x C, worked
+        out once per layout."""
+        masks = self.__dict__.get("_kind_masks")
+        if masks is None:
+            pairs = ((1, 0), (2, 1), (0, 1))
+            masks = np.stack([self.carried_mask(np.asarray(r), np.asarray(o)) for r, o in pairs])
+            masks = self.__dict__["_kind_masks"] = masks.astype(np.int64)
+        return masks
+
+    def chunk_table(self, ring: int) -> np.ndarray:
+        """`chunk_index` of every position and slot of a ring of `ring` (R x C), worked
+        out once per ring size (read-only)."""
+        tables = self.__dict__.setdefault("_chunk_tables", {})
+        table = tables.get(ring)
+        if table is None:
+            positions = np.arange(ring)[:, None]
+            table = np.stack([self.chunk_index(ring, positions[:, 0], s)
+                              for s in range(self.slots)], axis=1).astype(np.int64)  # fmt: skip
+            table.flags.writeable = False
+            tables[ring] = table
+        return table
+
     # array form: the plan statistics, the work model and the simulator
 
     def slot_sizes(self, bounds: np.ndarray, first: np.ndarray, ring, position) -> np.ndarray:

@@ -153,12 +153,10 @@ def _position_tokens(placements: list[SeqPlacement], ring: int) -> list[int]:
 def _slot_tokens(placements: list[SeqPlacement], ring: int, layout: Layout) -> np.ndarray:
     """Tokens of each layout slot at each of `ring` positions (R x C), `placements`
     together (one item's: they share its layout)."""
-    positions = np.arange(ring)
+    table = layout.chunk_table(ring)
     out = np.zeros((ring, layout.slots), dtype=np.int64)
     for p in placements:
-        sizes = np.diff(np.asarray(p.bounds, dtype=np.int64))
-        for slot in range(layout.slots):
-            out[:, slot] += sizes[layout.chunk_index(ring, positions, slot)]
+        out += np.diff(np.asarray(p.bounds, dtype=np.int64))[table]
     return out
 
 
