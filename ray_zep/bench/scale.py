@@ -66,6 +66,7 @@ from ray_zep.command_args import counts, factors, known, names
 from ray_zep.config import Config, load_config
 from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
+from ray_zep.parallel.axes import SEQUENCE_AXES
 from ray_zep.parallel.memory import GB
 from ray_zep.partition import registry
 from ray_zep.partition.level_trace import LevelOutcome
@@ -96,6 +97,7 @@ from ray_zep.sim.megatron_dynamic_cp import dynamic_cp_plans
 from ray_zep.sim.micro_step import micro_batched_steps, split_batch
 from ray_zep.sim.phase_setter import phase_setters
 from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
+from ray_zep.step_plan import plan_step
 from ray_zep.topology import build_topology
 from ray_zep.traffic import attention_step_traffic
 
@@ -506,11 +508,15 @@ def _planned(scheduler, lengths: np.ndarray, run: RunModel):
     `scheduler` (`_SCHEDULERS`)."""
     started = time.perf_counter()
     micro, remap = None, None
+    config, topology = run.config, run.hardware.topology
     if scheduler is not None:
         micro, plans = scheduler(lengths, run)
-    else:
+    elif SEQUENCE_AXES[config.parallel.sequence].whole_sequences:
         plan, remap = plan_batch(lengths, run)
         plans = [plan]
+    else:  # what the data actor runs a step: the placement, its routing and its bytes
+        step = plan_step(lengths, config, topology, run.shape)
+        plans, remap = [step.attention], step.remap
     return plans, micro, remap, time.perf_counter() - started
 
 
