@@ -58,7 +58,9 @@ def group_rings(
         world: the ranks there are (None: no limit).
     """
     sizes = np.arange(2, grid.shape[1] + 2)
-    alone = [ring for ring in alone_rings(degrees, member) if not eligible[ring.members[0]]]
+    apart = np.flatnonzero(~eligible)
+    alone = [RingGroup((i,), d, m) for i, d, m in
+             zip(apart.tolist(), degrees[apart].tolist(), member[apart].tolist(), strict=True)]  # fmt: skip
     order = np.flatnonzero(eligible)
     order = order[np.lexsort((-member[order] * degrees[order], -degrees[order]))]
     chunks = -(-lengths[order][:, None] // sizes[None, :])  # a member's tokens at each size

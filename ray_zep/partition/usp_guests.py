@@ -192,9 +192,11 @@ class _Groups:
         self.base = base.copy()
         table.ready(self.positions().ravel())
         self.held = [[int(seqs[h])] for h in hosts.tolist()]  # each host's sequences
-        self.sums = [np.zeros((hosts.size, OFFSETS.size)) for _ in range(5)]
-        for k in range(hosts.size):
-            self._count(k)
+        # each host's own sequence alone, every host at once
+        positions = self.positions()
+        own = np.broadcast_to(seqs[hosts][:, None], positions.shape)
+        self.sums = [np.array(values, dtype=np.float64)
+                     for values in self._shares(own, positions)]  # fmt: skip
 
     def positions(self, rows=slice(None)) -> np.ndarray:
         """Each host's positions plus each offset (at most the cluster's nodes: an offset
