@@ -94,6 +94,9 @@ def test_a_mirrored_message_carries_half_a_block_after_the_wrap() -> None:
                     assert carried.rows(receiver, owner) == rows
                     sent[p] += rows
             assert (carried.sent() == sent).all(), (layout.name, ring)
+            table = layout.chunk_table(ring)  # the chunks each position holds, kept
+            assert table.tolist() == [layout.position_chunks(ring, p) for p in range(ring)]
+            assert layout.chunk_table(ring) is table and not table.flags.writeable
 
 
 @pytest.mark.unit
