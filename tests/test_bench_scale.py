@@ -67,6 +67,18 @@ def test_plan_only_times_the_plans_without_simulating(tmp_path: Path, capsys) ->
         assert (tmp_path / "scale.png").read_bytes() == first
 
 
+def test_plan_repeats_time_the_same_plan_again() -> None:
+    """`--plan-repeats`: each batch planned again for the planner's time (the median);
+    the plan columns are the first plan's, the same as one call's."""
+    cases = dict(gpus=(64,), distributions=("arxiv",), models=("7b",), tokens_per_gpu=(4096,),
+                 placements=("zeppelin",), plan_only=True)  # fmt: skip
+    (once,) = run_scale_bench(ScaleBenchSpec(**cases), progress=lambda line: None)
+    (thrice,) = run_scale_bench(ScaleBenchSpec(**cases, plan_repeats=3), progress=lambda line: None)
+    assert thrice.planner_ms > 0
+    for column in ("work_mean", "work_worst", "level", "inter_node_gb", "peak_memory_gb"):
+        assert getattr(thrice, column) == getattr(once, column), column
+
+
 @pytest.mark.parametrize(
     "bad",
     [
@@ -79,6 +91,7 @@ def test_plan_only_times_the_plans_without_simulating(tmp_path: Path, capsys) ->
         dict(room=()),
         dict(plan_only=True, room=(1.0, 1.5)),
         dict(plan_only=True, kv_room=(None, 0.0)),
+        dict(plan_repeats=0),
     ],
 )
 def test_scale_bench_refuses_bad_options(bad: dict) -> None:

@@ -128,6 +128,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plan-only", action="store_true", help="plan, no simulation: work, bytes, ms, memory"
     )
     parser.add_argument(
+        "--plan-repeats", type=int, default=1,
+        help="times each batch is planned again for the planner's time, the median kept "
+        "(the same plan each time; default 1)",
+    )  # fmt: skip
+    parser.add_argument(
         "--room", default="1",
         help="token-room factors each row tries, L x each for the same batches, keeping the "
         "fastest that fits (plan --auto tries 1,1.25,1.5; default 1)",
@@ -149,6 +154,7 @@ def run(args: argparse.Namespace) -> BenchResult:
         batches=args.batches,
         headroom=args.headroom,
         plan_only=args.plan_only,
+        plan_repeats=args.plan_repeats,
         micro_batches=args.micro_batches,
         room=factors(args.room, "--room"),
         kv_room=kv_rooms(args.kv_room),
@@ -201,6 +207,9 @@ class ScaleBenchSpec:
     plan_only: bool = False
     """Plan the batches without simulating them: the plan columns only (work, bytes,
     planner ms, memory), fast at 4,096 GPUs."""
+    plan_repeats: int = 1
+    """Times each batch is planned for `plan ms` (the median: a single call can carry a
+    process's one-time costs or another program's load); the plans are the same."""
     micro_batches: int = 4
     """The most micro-batches a step a recomputing row is played with (module docstring)."""
     room: tuple[float, ...] = (1.0,)
@@ -223,6 +232,8 @@ class ScaleBenchSpec:
             raise ConfigError("--batches must be >= 1 and --headroom >= 1")
         if self.micro_batches < 1:
             raise ConfigError(f"--micro-batches={self.micro_batches}: must be >= 1")
+        if self.plan_repeats < 1:
+            raise ConfigError(f"--plan-repeats={self.plan_repeats}: must be >= 1")
         if not self.room or min(self.room) < 1.0:
             raise ConfigError(f"--room {self.room}: factors of L must be >= 1")
         if self.plan_only and len(self.room) > 1:
@@ -368,7 +379,7 @@ def _fastest_micro_batches(spec: ScaleBenchSpec, row: ScaleRow, config: Config,
         try:
             split = [split_batch(lengths, parts) for lengths in batches]
             _measure(tried, dataclasses.replace(config, train=train), hardware, split,
-                     yardsticks, capacity)  # fmt: skip
+                     yardsticks, capacity, spec.plan_repeats)  # fmt: skip
         except ZepError:
             if best is None:
                 raise
@@ -380,7 +391,8 @@ def _fastest_micro_batches(spec: ScaleBenchSpec, row: ScaleRow, config: Config,
     return best
 
 
-def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capacity: int) -> None:
+def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capacity: int,
+             plan_repeats: int = 1) -> None:  # fmt: skip
     """Fills `row`; `batches` holds each batch's micro-batches (one part where a step
     trains one batch). Without `yardsticks` (ideal steps and bounds of the whole
     batches; plan only) its simulated columns stay empty. The micro-batches are planned
@@ -404,7 +416,7 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
             stats.append([plan_stats(plan, run.shape) for plan in plans])
             continue
         scheduler = _scheduler(VARIANTS[variant])
-        plans, micro, remap, seconds = _planned(scheduler, lengths, run)
+        plans, micro, remap, seconds = _planned(scheduler, lengths, run, plan_repeats)
         planned.append((plans, micro, remap, False))
         planner.append(seconds)
         stats.append([plan_stats(plan, run.shape) for plan in plans])
@@ -502,10 +514,15 @@ def _scheduler(variant):
     return next((plans for flag, plans in _SCHEDULERS.items() if getattr(variant, flag)), None)
 
 
-def _planned(scheduler, lengths: np.ndarray, run: RunModel):
+def _planned(scheduler, lengths: np.ndarray, run: RunModel, repeats: int = 1):
     """(the step's plans, the baseline's micro-batches or None, its remap, the planner's
-    wall seconds): one plan as the data actor makes it, or the rounds of a baseline's
-    `scheduler` (`_SCHEDULERS`)."""
+    wall seconds, the median of `repeats` calls): one plan as the data actor makes it, or
+    the rounds of a baseline's `scheduler` (`_SCHEDULERS`)."""
+    planned = [_planned_once(scheduler, lengths, run) for _ in range(repeats)]
+    return (*planned[0][:3], float(np.median([seconds for *_, seconds in planned])))
+
+
+def _planned_once(scheduler, lengths: np.ndarray, run: RunModel):
     started = time.perf_counter()
     micro, remap = None, None
     config, topology = run.config, run.hardware.topology
