@@ -30,6 +30,8 @@ Shapes: S sequences, G ring groups.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -171,6 +173,12 @@ class WorkModel:
         """Tokens below `capacity` a member keeping `kept_tokens` (as `keeps_kv`) must
         leave free for them beyond `keep_kv_bytes` (0 within it; elementwise; huge where
         no `room_per_token` frees any)."""
+        if isinstance(kept_tokens, int) and isinstance(ulysses, int):  # one ring: no arrays
+            per_token = kv_bytes_per_token(self.shape) * self.layers
+            kept = max(0.0, float(kept_tokens) * per_token / ulysses - self.keep_kv_bytes)
+            if self.room_per_token <= 0:
+                return np.iinfo(np.int64).max // 2 if kept > 0 else 0
+            return math.ceil(kept / self.room_per_token)
         over = np.maximum(0.0, self._kept_bytes(kept_tokens, ulysses) - self.keep_kv_bytes)
         if self.room_per_token <= 0:
             return np.where(over > 0, np.iinfo(np.int64).max // 2, 0).astype(np.int64)
