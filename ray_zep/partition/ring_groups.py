@@ -58,9 +58,8 @@ def group_rings(
         world: the ranks there are (None: no limit).
     """
     sizes = np.arange(2, grid.shape[1] + 2)
-    apart = np.flatnonzero(~eligible)
-    alone = [RingGroup((i,), d, m) for i, d, m in
-             zip(apart.tolist(), degrees[apart].tolist(), member[apart].tolist(), strict=True)]  # fmt: skip
+    apart = np.flatnonzero(~eligible).tolist()  # the rest stay alone
+    alone = [RingGroup((i,), int(degrees[i]), float(member[i])) for i in apart]
     order = np.flatnonzero(eligible)
     order = order[np.lexsort((-member[order] * degrees[order], -degrees[order]))]
     chunks = -(-lengths[order][:, None] // sizes[None, :])  # a member's tokens at each size

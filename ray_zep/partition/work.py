@@ -31,7 +31,6 @@ Shapes: S sequences, G ring groups.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from functools import cached_property
 
