@@ -153,8 +153,8 @@ class Layout:
         tables = self.__dict__.setdefault("_chunk_tables", {})
         table = tables.get(ring)
         if table is None:
-            positions = np.arange(ring)[:, None]
-            table = np.stack([self.chunk_index(ring, positions[:, 0], s)
+            positions = np.arange(ring)
+            table = np.stack([self.chunk_index(ring, positions, s)
                               for s in range(self.slots)], axis=1).astype(np.int64)  # fmt: skip
             table.flags.writeable = False
             tables[ring] = table

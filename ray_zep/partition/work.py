@@ -174,10 +174,10 @@ class WorkModel:
         no `room_per_token` frees any)."""
         if isinstance(kept_tokens, int) and isinstance(ulysses, int):  # one ring: no arrays
             per_token = kv_bytes_per_token(self.shape) * self.layers
-            kept = max(0.0, float(kept_tokens) * per_token / ulysses - self.keep_kv_bytes)
+            over = max(0.0, float(kept_tokens) * per_token / ulysses - self.keep_kv_bytes)
             if self.room_per_token <= 0:
-                return np.iinfo(np.int64).max // 2 if kept > 0 else 0
-            return math.ceil(kept / self.room_per_token)
+                return np.iinfo(np.int64).max // 2 if over > 0 else 0
+            return math.ceil(over / self.room_per_token)
         over = np.maximum(0.0, self._kept_bytes(kept_tokens, ulysses) - self.keep_kv_bytes)
         if self.room_per_token <= 0:
             return np.where(over > 0, np.iinfo(np.int64).max // 2, 0).astype(np.int64)
