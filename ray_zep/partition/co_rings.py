@@ -54,16 +54,16 @@ class RingLabels:
                if ranks not in self.known]  # fmt: skip
         self.seen = len(self.groups)
         if new:
-            touched = [self._label(ranks) for ranks in dict.fromkeys(new)]
-            self._peers_of(np.unique(np.concatenate(touched)))
+            touched = {node for ranks in dict.fromkeys(new) for node in self._label(ranks)}
+            self._peers_of(np.asarray(sorted(touched), dtype=np.int64))
         return self.labels
 
-    def _label(self, ranks: tuple[int, ...]) -> np.ndarray:
+    def _label(self, ranks: tuple[int, ...]) -> set[int]:
         """Labels the members of a new ring; returns their nodes."""
         self.known[ranks] = len(self.known)
         members = np.asarray(ranks, dtype=np.int64)
         self.labels[members] = np.where(self.labels[members] == FREE, self.known[ranks], SEVERAL)
-        return members // self.gpus
+        return {rank // self.gpus for rank in ranks}
 
     def _peers_of(self, nodes: np.ndarray) -> None:
         by_node = self.labels.reshape(-1, self.gpus)[nodes]
@@ -103,11 +103,11 @@ def co_member_ring(
     room = level - load
     for k, degree in enumerate(degrees.tolist()):  # the fewest ranks first
         ok = in_ring & (free >= need[k]) & (room >= member[k])
-        nodes = np.flatnonzero(ok.sum(axis=1) >= degree)
+        nodes = np.flatnonzero(count_true(ok) >= degree)
         if nodes.size == 0:
             continue
         ok = ok[nodes]
-        fits = ok & ((labels.peers[nodes] & ok[:, None, :]).sum(axis=2) >= degree)
+        fits = ok & (count_true(labels.peers[nodes] & ok[:, None, :]) >= degree)
         if fits.any():
             break
     else:
@@ -118,3 +118,9 @@ def co_member_ring(
     candidates = np.flatnonzero(ok[at] & (by_node[node] == by_node[node, gpu]))
     chosen = candidates[np.argsort(load[at, candidates], kind="stable")[:degree]]
     return tuple(sorted((node * gpus + chosen).tolist())), float(member[k])
+
+
+def count_true(flags: np.ndarray) -> np.ndarray:
+    """True entries along the last axis (a node's GPUs, fewer than 256): summed as bytes,
+    several times faster than `np.count_nonzero` over a short axis."""
+    return np.einsum("...g->...", flags.view(np.uint8))

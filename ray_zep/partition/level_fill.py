@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ray_zep.partition.co_rings import RingLabels, co_member_ring
+from ray_zep.partition.co_rings import RingLabels, co_member_ring, count_true
 from ray_zep.partition.fill import water_fill
 from ray_zep.partition.load_index import LoadIndex
 from ray_zep.partition.work import WorkModel
@@ -358,14 +358,14 @@ def _spare_ring(
     could = tokens <= capacity - int(need.min())
     could &= load <= level - float(member.min())
     could &= spare
-    near = np.flatnonzero(_count_true(could) >= 2)
+    near = np.flatnonzero(count_true(could) >= 2)
     if near.size == 0:
         return None
     load, free = load[near], capacity - tokens[near]
     # every size at once: D x nodes x GPUs of ranks that could take a member
     ok = (free >= need[:, None, None]) & (load + member[:, None, None] <= level)
     ok &= spare[near]
-    enough = _count_true(ok) >= degrees[:, None]
+    enough = count_true(ok) >= degrees[:, None]
     sizes = np.flatnonzero(enough.any(axis=1))
     if sizes.size == 0:
         return None
@@ -375,12 +375,6 @@ def _spare_ring(
     candidates = np.flatnonzero(ok[k, at])
     chosen = candidates[np.argsort(load[at, candidates], kind="stable")[: degrees[k]]]
     return tuple(sorted((int(near[at]) * gpus + chosen).tolist())), float(member[k])
-
-
-def _count_true(flags: np.ndarray) -> np.ndarray:
-    """True entries along the last axis (a node's GPUs, fewer than 256): summed as bytes,
-    several times faster than `np.count_nonzero` over a short axis."""
-    return np.einsum("...g->...", flags.view(np.uint8))
 
 
 def _spill_in_node(placed: Placed, n: int, capacity: int, gpus: int) -> tuple[int, ...] | None:
