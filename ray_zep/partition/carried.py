@@ -37,7 +37,7 @@ class Carried:
     def of(cls, slot_tokens: np.ndarray, layout: Layout) -> Carried:
         """The rows of `slot_tokens` (R x C: each position's tokens per layout slot, its
         item's sequences together) under `layout`."""
-        first, both, wrapped = layout.kind_masks() @ np.asarray(slot_tokens, dtype=np.int64).T
+        first, both, wrapped = layout.kind_masks @ np.asarray(slot_tokens, dtype=np.int64).T
         return cls(first, both, wrapped)
 
     def rows(self, receivers, owners) -> np.ndarray:

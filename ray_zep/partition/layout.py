@@ -39,6 +39,7 @@ Shapes: R positions, S sequences, C slots.
 from __future__ import annotations
 
 import itertools
+from functools import cached_property
 from typing import ClassVar
 
 import numpy as np
@@ -136,16 +137,14 @@ class Layout:
         later = (np.asarray(owner) > 0)[..., None]  # some receivers before the owner remain
         return np.broadcast_to(np.where(unwrapped, before | (after & later), after), shape)
 
+    @cached_property
     def kind_masks(self) -> np.ndarray:
         """`carried_mask` of the three kinds of message `ray_zep.partition.carried` sums
         (a receiver after owner 0; after a later owner; before its owner), 3 x C, worked
         out once per layout."""
-        masks = self.__dict__.get("_kind_masks")
-        if masks is None:
-            pairs = ((1, 0), (2, 1), (0, 1))
-            masks = np.stack([self.carried_mask(np.asarray(r), np.asarray(o)) for r, o in pairs])
-            masks = self.__dict__["_kind_masks"] = masks.astype(np.int64)
-        return masks
+        pairs = ((1, 0), (2, 1), (0, 1))
+        masks = np.stack([self.carried_mask(np.asarray(r), np.asarray(o)) for r, o in pairs])
+        return masks.astype(np.int64)
 
     def chunk_table(self, ring: int) -> np.ndarray:
         """`chunk_index` of every position and slot of a ring of `ring` (R x C), worked

@@ -190,10 +190,10 @@ class _Groups:
     def __init__(self, seqs, hosts, base, gpus: int, table: PartsTable) -> None:
         self.table, self.gpus = table, gpus
         self.base = base.copy()
-        table.ready(self.positions().ravel())
+        positions = self.positions()
+        table.ready(positions.ravel())
         self.held = [[int(seqs[h])] for h in hosts.tolist()]  # each host's sequences
         # each host's own sequence alone, every host at once
-        positions = self.positions()
         own = np.broadcast_to(seqs[hosts][:, None], positions.shape)
         self.sums = [np.array(values, dtype=np.float64)
                      for values in self._shares(own, positions)]  # fmt: skip
