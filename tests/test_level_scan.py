@@ -29,7 +29,8 @@ pytestmark = pytest.mark.unit
 
 RULES = ScanRules(balance_module.LEVELS, balance_module.PAST_FIRST, balance_module.BISECTIONS,
                   balance_module.BISECT_BELOW_OVERFLOW,
-                  balance_module.BISECT_ABOVE_OVERFLOW)  # fmt: skip
+                  balance_module.BISECT_ABOVE_OVERFLOW,
+                  balance_module.BISECT_BELOW_LOST)  # fmt: skip
 
 
 class FakeLevels:
@@ -162,3 +163,22 @@ def test_the_early_bound_changes_no_placement_and_deals_fewer_sequences(
     monkeypatch.setattr(balance_module, "whole_sequences_fit", lambda *args: False)
     distrusted, _ = plan(overflow)
     assert distrusted.placements == plain.placements
+
+
+def test_the_halving_stops_at_a_level_that_cannot_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    """7b arxiv at 1,024 GPUs: the halving under the first feasible level finds a level
+    abandoned at the busiest rank so far; the scan stops there (`BISECT_BELOW_LOST` off)
+    and keeps the placement it keeps going on, one level sooner."""
+    run, lengths = _run(1024, "7b"), batch_lengths("arxiv", 4096 * 1024, 0)
+
+    def plan(below_lost: bool):
+        monkeypatch.setattr(balance_module, "BISECT_BELOW_LOST", below_lost)
+        planned, _ = plan_batch(lengths, run)
+        return planned
+
+    going_on, stopping = plan(True), plan(False)
+    assert stopping.placements == going_on.placements
+    factors = [t.factor for t in stopping.levels]
+    assert factors == [t.factor for t in going_on.levels][: len(factors)]
+    assert len(factors) < len(going_on.levels)
+    assert stopping.levels[-1].outcome is LevelOutcome.PRUNED

@@ -2,9 +2,10 @@
 
 Levels rise from the mean work until the rings fit the world, and `PAST_FIRST` more are
 placed below the busiest rank so far; then the gap under the lowest feasible level is
-halved (`BISECTIONS`). Where that level overflowed (its whole sequences passed it) and a
-higher one won, the gap between the two is halved instead (`bisect_above_overflow`): a
-level between them may hold its whole sequences and end lower than either. The placement
+halved (`BISECTIONS`), stopping at a level abandoned at the busiest rank so far
+(`BISECT_BELOW_LOST`). Where that level overflowed (its whole sequences passed it) and
+a higher one won, the gap between the two is halved instead (`bisect_above_overflow`):
+a level between them may hold its whole sequences and end lower than either. The placement
 whose busiest rank is lowest wins, the first placed on ties. Each level is placed with
 the busiest rank of the placements before it as a bound: a placement that reaches it
 cannot win and is abandoned (`Placed.pruned`).
@@ -96,6 +97,8 @@ class ScanRules:
     bisections: int
     bisect_below_overflow: bool
     bisect_above_overflow: bool
+    bisect_below_lost: bool = True
+    """Go on halving below a level abandoned at the busiest rank so far."""
 
 
 class LevelScan:
@@ -130,8 +133,10 @@ class LevelScan:
             middle = (low + high) / 2
             if self.at(middle) is None:
                 low = middle
-            else:
-                high = middle
+                continue
+            high = middle
+            if not rules.bisect_below_lost and self._lost():
+                break
         if overflowed and rules.bisect_above_overflow:
             self._bisect_above(high)
         self._settle()
@@ -164,6 +169,19 @@ class LevelScan:
         if self.trace is not None:
             at = next(t.traced for t in self.tried if t.placed is placed)
             self.trace[at] = self.trace[at]._replace(outcome=LevelOutcome.KEPT)
+
+    def _lost(self) -> bool:
+        """Whether the level placed last cannot win: abandoned at the busiest rank of a
+        placement before it, or at an early bound at or above that; one abandoned under
+        it is placed again at its own (with the levels abandoned before it), as the scan
+        without the early bound places it."""
+        last = self.tried[-1]
+        if last.placed is None or not last.placed.pruned:
+            return False
+        if last.floor is not None and last.floor < self.lowest():
+            self._settle(needed=True)
+            return last.placed.pruned
+        return True
 
     def lowest(self) -> float:
         """The busiest rank of the best placement known exactly so far."""
