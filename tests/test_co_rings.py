@@ -43,8 +43,7 @@ def test_a_ring_over_members_of_a_usp_group_matches_single_device() -> None:
 @pytest.mark.unit
 def test_labels_name_each_ranks_one_ring() -> None:
     """Two nodes of 4: sequences on the same ranks share a label, a rank in two rings is
-    `SEVERAL`, a rank in none `FREE`; `peers` says which ranks of a node share a label,
-    and a group added later is counted by the next call."""
+    `SEVERAL`, a rank in none `FREE`; a group added later is counted by the next call."""
     groups = {0: ((0, 1, 2, 3, 4, 5), (1,) * 6), 1: ((0, 1, 2, 3, 4, 5), (1,) * 6)}
     labels = RingLabels(groups, 8, 4)
     first = labels.now().copy()
@@ -53,8 +52,6 @@ def test_labels_name_each_ranks_one_ring() -> None:
     groups[2] = ((4, 6), (1, 1))
     now = labels.now()
     assert now[4] == SEVERAL and now[6] >= 0 and now[6] != now[0] and now[7] == FREE
-    assert labels.peers[0].all()  # node 0: all four in the one ring
-    assert (labels.peers[1] == np.eye(4, dtype=bool)).all()  # several, one, another, none
 
 
 @pytest.mark.unit

@@ -26,6 +26,8 @@ import itertools
 
 import numpy as np
 
+from ray_zep.partition.small_ring_kernel import co_member_ring as ring_kernel
+
 FREE = -1
 """`RingLabels` of a rank in no ring."""
 SEVERAL = -2
@@ -36,14 +38,11 @@ class RingLabels:
     """The ring each rank is a member of, as one index per distinct group of ranks of a
     placement's groups (seq -> (ranks, tokens)); `FREE` where none, `SEVERAL` where
     more than one. Sequences sharing one ring (the same ranks) share its label. Groups
-    are only ever added to a placement, in order, so `now` reads the new ones alone, and
-    `peers` (which ranks of a node share a label: N x G x G) is worked out again for the
-    nodes they touch alone."""
+    are only ever added to a placement, in order, so `now` reads the new ones alone."""
 
     def __init__(self, groups: dict, world: int, gpus: int):
         self.groups, self.seen, self.gpus = groups, 0, gpus
         self.labels = np.full(world, FREE, dtype=np.int64)
-        self.peers = np.ones((world // gpus, gpus, gpus), dtype=bool)
         self.known: dict[tuple[int, ...], int] = {}
 
     def now(self) -> np.ndarray:
@@ -53,21 +52,13 @@ class RingLabels:
         new = [ranks for ranks, _ in itertools.islice(self.groups.values(), self.seen, None)
                if ranks not in self.known]  # fmt: skip
         self.seen = len(self.groups)
-        if new:
-            touched = {node for ranks in dict.fromkeys(new) for node in self._label(ranks)}
-            self._peers_of(np.asarray(sorted(touched), dtype=np.int64))
+        for ranks in dict.fromkeys(new):
+            self.known[ranks] = len(self.known)
+            members = np.asarray(ranks, dtype=np.int64)
+            self.labels[members] = np.where(
+                self.labels[members] == FREE, self.known[ranks], SEVERAL
+            )
         return self.labels
-
-    def _label(self, ranks: tuple[int, ...]) -> set[int]:
-        """Labels the members of a new ring; returns their nodes."""
-        self.known[ranks] = len(self.known)
-        members = np.asarray(ranks, dtype=np.int64)
-        self.labels[members] = np.where(self.labels[members] == FREE, self.known[ranks], SEVERAL)
-        return {rank // self.gpus for rank in ranks}
-
-    def _peers_of(self, nodes: np.ndarray) -> None:
-        by_node = self.labels.reshape(-1, self.gpus)[nodes]
-        self.peers[nodes] = by_node[:, :, None] == by_node[:, None, :]
 
 
 def co_member_ring(
@@ -83,7 +74,7 @@ def co_member_ring(
     whose work room under `level` and token room take a ring over `n` tokens (`member`:
     its member work at each size); of those, the node and ring of the least loaded rank
     that fits, and its least loaded members. With the ring's member work; None where no
-    node has them.
+    node has them (`small_ring_kernel.co_member_ring`).
 
     Args:
         labels: the placement's `RingLabels`.
@@ -94,33 +85,5 @@ def co_member_ring(
         level: the level of work.
         capacity: L.
     """
-    gpus = labels.gpus
-    degrees = np.arange(2, gpus + 1)
-    need = -(-n // degrees)
-    by_node = labels.now().reshape(-1, gpus)
-    in_ring = by_node >= 0
-    load, free = load.reshape(-1, gpus), capacity - tokens.reshape(-1, gpus)
-    room = level - load
-    for k, degree in enumerate(degrees.tolist()):  # the fewest ranks first
-        ok = in_ring & (free >= need[k]) & (room >= member[k])
-        nodes = np.flatnonzero(count_true(ok) >= degree)
-        if nodes.size == 0:
-            continue
-        ok = ok[nodes]
-        fits = ok & (count_true(labels.peers[nodes] & ok[:, None, :]) >= degree)
-        if fits.any():
-            break
-    else:
-        return None
-    load = load[nodes]
-    at, gpu = np.unravel_index(int(np.argmin(np.where(fits, load, np.inf))), load.shape)
-    node = int(nodes[at])
-    candidates = np.flatnonzero(ok[at] & (by_node[node] == by_node[node, gpu]))
-    chosen = candidates[np.argsort(load[at, candidates], kind="stable")[:degree]]
-    return tuple(sorted((node * gpus + chosen).tolist())), float(member[k])
-
-
-def count_true(flags: np.ndarray) -> np.ndarray:
-    """True entries along the last axis (a node's GPUs, fewer than 256): summed as bytes,
-    several times faster than `np.count_nonzero` over a short axis."""
-    return np.einsum("...g->...", flags.view(np.uint8))
+    ranks, k = ring_kernel(labels.now(), tokens, load, n, member, level, capacity, labels.gpus)
+    return None if k < 0 else (tuple(ranks.tolist()), float(member[k]))

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ray_zep.partition.co_rings import RingLabels, co_member_ring, count_true
+from ray_zep.partition.co_rings import RingLabels, co_member_ring
 from ray_zep.partition.fill import water_fill
 from ray_zep.partition.load_index import LoadIndex
+from ray_zep.partition.small_ring_kernel import spare_ring
 from ray_zep.partition.work import WorkModel
 from ray_zep.topology import Topology
 
@@ -344,37 +345,12 @@ def _spare_ring(
     capacity: int,
     topology: Topology,
 ) -> tuple[tuple[int, ...], float] | None:
-    """`_small_ring` on ranks in no ring."""
-    gpus = topology.gpus_per_node
-    degrees = np.arange(2, gpus + 1)
-    need = -(-n // degrees)
-    # nodes with two ranks that could take a member of some size: only they can (ranks
-    # in no ring with room for a member of the widest ring, loaded lightly enough for
-    # its member work); whole-array tests, not an index: the fill edits a rank's load
-    # far more often than it asks for a ring
-    by_node = (topology.nodes, gpus)
-    spare = ~placed.in_ring.reshape(by_node)
-    tokens, load = placed.tokens.reshape(by_node), placed.load.reshape(by_node)
-    could = tokens <= capacity - int(need.min())
-    could &= load <= level - float(member.min())
-    could &= spare
-    near = np.flatnonzero(count_true(could) >= 2)
-    if near.size == 0:
-        return None
-    load, free = load[near], capacity - tokens[near]
-    # every size at once: D x nodes x GPUs of ranks that could take a member
-    ok = (free >= need[:, None, None]) & (load + member[:, None, None] <= level)
-    ok &= spare[near]
-    enough = count_true(ok) >= degrees[:, None]
-    sizes = np.flatnonzero(enough.any(axis=1))
-    if sizes.size == 0:
-        return None
-    k = int(sizes[0])
-    nodes = np.flatnonzero(enough[k])
-    at = int(nodes[np.argmin(load[nodes].sum(axis=1))])
-    candidates = np.flatnonzero(ok[k, at])
-    chosen = candidates[np.argsort(load[at, candidates], kind="stable")[: degrees[k]]]
-    return tuple(sorted((int(near[at]) * gpus + chosen).tolist())), float(member[k])
+    """`_small_ring` on ranks in no ring: of the nodes with enough such ranks for the
+    fewest, the one with the least load, and its least loaded ranks
+    (`small_ring_kernel.spare_ring`)."""
+    ranks, k = spare_ring(placed.in_ring, placed.tokens, placed.load, n, member, level, capacity,
+                          topology.gpus_per_node)  # fmt: skip
+    return None if k < 0 else (tuple(ranks.tolist()), float(member[k]))
 
 
 def _spill_in_node(placed: Placed, n: int, capacity: int, gpus: int) -> tuple[int, ...] | None:

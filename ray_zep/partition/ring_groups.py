@@ -14,15 +14,11 @@ for each sequence: an upper bound of the shared ring's).
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
 
-WINDOW = 96
-"""Groups a sequence may join: the latest opened that still have room (the earlier
-ones, opened for longer sequences, are the fullest)."""
-SLOTS = np.arange(WINDOW)
+from ray_zep.partition.group_kernel import group_kernel
 
 
 @dataclass(frozen=True)
@@ -62,80 +58,27 @@ def group_rings(
     alone = [RingGroup((i,), int(degrees[i]), float(member[i])) for i in apart]
     order = np.flatnonzero(eligible)
     order = order[np.lexsort((-member[order] * degrees[order], -degrees[order]))]
-    chunks = -(-lengths[order][:, None] // sizes[None, :])  # a member's tokens at each size
-    work = grid[order]
+    chunks = -(-lengths[order][:, None].astype(np.int64) // sizes[None, :])
+    work = np.ascontiguousarray(grid[order], dtype=np.float64)
     used = float(degrees[~eligible].sum())
     limit = np.inf if world is None else world + 1e-9
     lightest, shortest = (
-        (float(work[:, -1].min()), int(chunks[:, -1].min())) if order.size else (0, 0)
+        (float(work[:, -1].min()), int(chunks[:, -1].min())) if order.size else (0.0, 0)
     )
-    # the groups a sequence may join, in WINDOW slots: each slot's group, the work and
-    # tokens its members have room for at each size (none below its degree), its degree
-    group = np.full(WINDOW, -1)
-    slack = np.full((WINDOW, sizes.size), -np.inf)
-    room = np.zeros((WINDOW, sizes.size), dtype=np.int64)
-    degree = np.zeros(WINDOW, dtype=np.int64)
-    members: list[list[int]] = []
-    totals: list[np.ndarray] = []  # each group's member work at each size
-    degrees_of: list[int] = []
-    # a sequence's cost of joining each slot's group at each size: the ranks it adds
-    # there, then, to prefer the fullest, the room left as a fraction (below 1/2) of the
-    # level; `base` holds the part that is the slot's own
-    scale = 0.5 / max(level, 1e-30)
-    base = np.full((WINDOW, sizes.size), np.inf)
-    free = list(range(WINDOW))  # a heap of the slots no open group holds
-    opened = 0  # slots below it have held a group (the heap hands out the lowest first)
-    # buffers the cost of joining is worked out in, one sequence after another
-    cost_of, short_of, full_of = (np.empty((WINDOW, sizes.size)),
-                                  np.empty((WINDOW, sizes.size), dtype=bool),
-                                  np.empty((WINDOW, sizes.size), dtype=bool))  # fmt: skip
-    for position, i in enumerate(order.tolist()):
-        own, need, chunk = int(degrees[i]), work[position], chunks[position]
-        joins = False
-        if opened:
-            cost, short, full = cost_of[:opened], short_of[:opened], full_of[:opened]
-            np.greater(need, slack[:opened], out=short)  # too little work room
-            np.greater(chunk, room[:opened], out=full)  # too few free tokens
-            np.logical_or(short, full, out=short)
-            np.subtract(base[:opened], need * scale, out=cost)
-            np.copyto(cost, np.inf, where=short)
-            k, size = divmod(int(cost.argmin()), sizes.size)
-            joins = bool(cost[k, size] < own)  # fewer added ranks than its own ring
-        if joins:
-            used += int(sizes[size] - degree[k])
-            if used > limit:
-                return None
-            slack[k] -= need
-            room[k] -= chunk
-            slack[k, :size] = -np.inf
-            degree[k] = sizes[size]
-            j = int(group[k])
-            members[j].append(i)
-            totals[j] += need
-            degrees_of[j] = int(sizes[size])
-            if slack[k, -1] < lightest or room[k, -1] < shortest:
-                slack[k] = -np.inf  # no sequence fits any more
-                heapq.heappush(free, k)
-            base[k] = sizes - degree[k] + slack[k] * scale
-            continue
-        used += own
-        if used > limit:
-            return None
-        # a new group takes the first slot no open group holds, else the oldest group's
-        k = heapq.heappop(free) if free else int(group.argmin())
-        opened = max(opened, k + 1)
-        group[k] = len(members)
-        slack[k] = level - need
-        slack[k, : own - 2] = -np.inf
-        room[k] = capacity - chunk
-        degree[k] = own
-        base[k] = sizes - degree[k] + slack[k] * scale
-        members.append([i])
-        totals.append(need.copy())
-        degrees_of.append(own)
+    own = degrees[order].astype(np.int64)
+    count, group_of, degree_of, totals = group_kernel(
+        work, chunks, own, float(level), int(capacity), float(limit), used, lightest, shortest
+    )
+    if count < 0:
+        return None
+    members: list[list[int]] = [[] for _ in range(count)]
+    for i, j in zip(order.tolist(), group_of.tolist(), strict=True):
+        members[j].append(i)
+    degree_of = degree_of[:count]
+    seconds = totals[np.arange(count), degree_of - 2].tolist()
     grouped = [
-        RingGroup(tuple(m), d, float(total[d - 2]))
-        for m, d, total in zip(members, degrees_of, totals, strict=True)
+        RingGroup(tuple(m), d, s)
+        for m, d, s in zip(members, degree_of.tolist(), seconds, strict=True)
     ]
     return grouped + alone
 

@@ -1,0 +1,64 @@
+"""The planner's compiled loops (`ray_zep.partition.compiled`): each gives, compiled, what
+it gives run as Python, on float inputs whose sums round, and sums a node's load as
+numpy does, so that ties fall where the array code they replaced put them. What each
+kernel chooses is checked against scans in tests/test_load_index.py,
+tests/test_co_rings.py and tests/test_balance.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ray_zep.partition.group_kernel import group_kernel
+from ray_zep.partition.small_ring_kernel import _node_load, co_member_ring, spare_ring
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("gpus", [2, 4, 7, 8, 12, 16, 24])
+def test_a_nodes_load_is_summed_as_numpy_sums_it(gpus: int) -> None:
+    rng = np.random.default_rng(gpus)
+    load = rng.random(gpus * 50) * 10.0 ** rng.integers(-3, 4, gpus * 50)
+    expected = load.reshape(-1, gpus).sum(axis=1)
+    got = np.asarray([_node_load(load, node, gpus) for node in range(50)])
+    assert got.tobytes() == expected.tobytes()
+
+
+def _fill_case(seed: int, gpus: int = 8, nodes: int = 16):
+    rng = np.random.default_rng(seed)
+    world = gpus * nodes
+    load = rng.random(world) * rng.choice([0.5, 1.0], world)
+    tokens = rng.integers(0, 900, world)
+    in_ring = rng.random(world) < 0.4
+    labels = np.where(rng.random(world) < 0.7, rng.integers(-2, 6, world), -1)
+    member = np.sort(rng.random(gpus - 1) * 0.5)[::-1].copy()
+    return load, tokens, in_ring, labels, member, int(rng.integers(100, 2000))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_small_ring_searches_answer_compiled_as_run_as_python(seed: int) -> None:
+    load, tokens, in_ring, labels, member, n = _fill_case(seed)
+    for level in (0.6, 0.9, 1.2):
+        for search, taken in ((spare_ring, in_ring), (co_member_ring, labels)):
+            ranks, k = search(taken, tokens, load, n, member, level, 1000, 8)
+            ranks_py, k_py = search.py_func(taken, tokens, load, n, member, level, 1000, 8)
+            assert k == k_py and ranks.tolist() == ranks_py.tolist()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_ring_groups_loop_answers_compiled_as_run_as_python(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    count, sizes = int(rng.integers(0, 300)), 7
+    work = np.sort(rng.random((count, sizes)) * 0.6, axis=1)[:, ::-1].copy()
+    lengths = rng.integers(100, 4000, count)
+    chunks = -(-lengths[:, None] // np.arange(2, sizes + 2)[None, :])
+    own = rng.integers(2, sizes + 2, count)
+    args = (work, chunks, own, 1.0, 3000, float(rng.integers(200, 900)), 17.0,
+            float(work[:, -1].min(initial=0.0)), int(chunks[:, -1].min(initial=0)))  # fmt: skip
+    groups, group_of, degree_of, totals = group_kernel(*args)
+    groups_py, group_of_py, degree_of_py, totals_py = group_kernel.py_func(*args)
+    assert groups == groups_py
+    if groups >= 0:
+        assert group_of.tolist() == group_of_py.tolist()
+        assert degree_of[:groups].tolist() == degree_of_py[:groups].tolist()
+        assert totals[:groups].tobytes() == totals_py[:groups].tobytes()
