@@ -12,10 +12,11 @@ from ray_zep.config import load_config
 from ray_zep.data.synthetic import batch_lengths
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import balance
+from ray_zep.partition.guest_kernel import GROWTH
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts, local_placement
 from ray_zep.partition.stats import plan_stats
-from ray_zep.partition.usp_guests import FORWARD_SHARE, GROWTH, PartsTable, usp_guests
-from ray_zep.partition.work import RingParts
+from ray_zep.partition.usp_guests import PartsTable, usp_guests
+from ray_zep.partition.work import FORWARD_SHARE, RingParts
 from ray_zep.report.placement import summary_line
 from ray_zep.sim.compare import variant_config
 from ray_zep.sim.hardware import Hardware
@@ -113,6 +114,34 @@ def test_guests_join_within_the_level_l_and_the_forwards_share() -> None:
             assert forward <= FORWARD_SHARE * level
             assert np.ceil(n / grown[h]).sum() <= capacity
     assert joined >= 3 and grew >= 1, (joined, grew)
+
+
+@pytest.mark.unit
+def test_a_host_on_every_node_takes_guests_without_growing() -> None:
+    """Three nodes, a host on all three and one on two: guests join within the nodes there
+    are (a host grows only where a node is left), as usp_guests on the whole batch says
+    with every count of positions worked out beforehand."""
+    _, _, work = usp_cluster(16, "13b")
+    gpus, capacity = 8, 6400
+    lengths = np.asarray([60_000, 30_000, 9_000, 8_000, 7_000, 5_000])
+    usp = np.asarray([8, 8, 0, 0, 0, 0])
+    degrees = np.asarray([24, 16, 2, 2, 2, 2])
+    member = np.asarray([work.usp_member_seconds([n], [d // u], u)[0] if u
+                         else work.alone_ring_seconds([n], [d])[0]
+                         for n, u, d in zip(lengths, usp, degrees, strict=True)])  # fmt: skip
+    level = 1.3 * float(member[0])
+    answers = []
+    for counts in (None, np.arange(1, 4)):
+        table = PartsTable(lengths, work.whole_seconds(lengths), np.ones(lengths.size, dtype=bool),
+                           3, work)  # fmt: skip
+        if counts is not None:
+            table.ready(counts)
+        host, grown, seconds = usp_guests(np.arange(lengths.size), degrees, member, usp, level,
+                                          capacity, gpus, table)  # fmt: skip
+        assert (grown <= 3 * gpus).all() and grown[0] == 24
+        answers.append((host.tolist(), grown.tolist(), seconds.tolist()))
+    assert answers[0] == answers[1]
+    assert any(h >= 0 for h in answers[0][0]), answers[0]
 
 
 @pytest.mark.unit

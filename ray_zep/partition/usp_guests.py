@@ -42,18 +42,13 @@ series):
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import numpy as np
 
-from ray_zep.partition.work import FORWARD_SHARE, RingParts, WorkModel
-
-GROWTH = 1
-"""Whole nodes a host may add for its guests (each time fewer ranks than the guest's own
-group takes)."""
-OFFSETS = np.arange(GROWTH + 1)
-CHUNK = 64
-"""Guests weighed against every host at once: the later ones only once the earlier have
-joined or fit nowhere, by when the hosts have less room (at 4,096 GPUs most of several
-hundred fit none)."""
+from ray_zep.partition import host_costs
+from ray_zep.partition.guest_kernel import GROWTH, guest_kernel
+from ray_zep.partition.work import WorkModel
 
 
 class PartsTable:
@@ -89,11 +84,26 @@ class PartsTable:
             self._values[:, :, count] = (parts.diagonal_s, parts.step_s, parts.send_bytes)
             self._done[count] = True
 
-    def parts(self, seqs: np.ndarray, positions: np.ndarray) -> RingParts:
-        """The parts of sequences `seqs` (batch indices) at `positions` each (same shape;
-        every count made `ready`)."""
-        values = self._values[:, self._row[seqs], positions]
-        return RingParts(values[0], values[1], values[2])
+    def rows(self, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For sequences `seqs` (batch indices): each one's row of `values`, its tokens
+        and its whole work."""
+        return self._row[seqs], self.lengths[seqs], self.work[seqs]
+
+    @property
+    def values(self) -> np.ndarray:
+        """3 x rows x counts: each row's ring parts (diagonal, step, send) at each count of
+        positions made `ready`."""
+        return self._values
+
+    @property
+    def done(self) -> np.ndarray:
+        """Which counts of positions are `ready`."""
+        return self._done
+
+    @cached_property
+    def constants(self) -> np.ndarray:
+        """The model's numbers a host's costs read (`host_costs.of`)."""
+        return host_costs.of(self.model)
 
 
 def usp_guests(
@@ -131,140 +141,19 @@ def usp_guests(
     guests = np.flatnonzero(usp < gpus)
     if not hosts.size or not guests.size:
         return host_of, degrees, seconds
-    groups = _Groups(seqs, hosts, degrees[hosts] // gpus, gpus, table)
-    guests = guests[np.lexsort((-table.lengths[seqs[guests]], -degrees[guests]))]  # most first
+    base = degrees[hosts] // gpus
     # guests in turn, `CHUNK` at a time: whether each fits each host at each offset, and
     # the host's member work then; joining only adds to a host, so a guest that fits none
     # as they stand fits none later
-    for start in range(0, guests.size, CHUNK):
-        chunk = guests[start : start + CHUNK]
-        chunk = chunk[groups.may_fit(seqs[chunk], degrees[chunk], level, capacity)]
-        if not chunk.size:
-            continue
-        fits, cost = groups.evaluate(seqs[chunk], degrees[chunk], level, capacity)
-        alive = np.flatnonzero(fits.reshape(chunk.size, -1).any(axis=1))
-        while alive.size:
-            # in rounds: each guest in turn joins the host it chooses unless another
-            # joined that host this round (it then chooses again, on the host as it is)
-            chosen, offsets = _choices(fits[alive], cost[alive])
-            touched = np.zeros(hosts.size, dtype=bool)
-            waiting = []
-            for row, k, offset in zip(alive.tolist(), chosen.tolist(), offsets.tolist(),
-                                      strict=True):  # fmt: skip
-                if touched[k]:
-                    waiting.append(row)
-                    continue
-                touched[k] = True
-                guest = int(chunk[row])
-                groups.join(k, int(seqs[guest]), offset)
-                host_of[guest] = hosts[k]
-                seconds[hosts[k]] = cost[row, k, offset]
-                degrees[hosts[k]] = groups.base[k] * gpus
-            alive = np.asarray(waiting, dtype=np.int64)
-            if alive.size:
-                changed = np.flatnonzero(touched)
-                rest = chunk[alive]
-                fit, then = groups.evaluate(seqs[rest], degrees[rest], level, capacity, changed)
-                fits[alive[:, None], changed], cost[alive[:, None], changed] = fit, then
-                alive = alive[fits[alive].reshape(alive.size, -1).any(axis=1)]
-    return host_of, degrees, seconds
-
-
-def _choices(fits: np.ndarray, cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per guest (rows of guests x hosts x offsets), the host it joins and at which
-    offset: of the hosts it fits, those it adds the fewest ranks to, and of those the
-    one it leaves the least work room in."""
-    fitting = fits.any(axis=2)
-    offset = np.where(fitting, fits.argmax(axis=2), GROWTH + 1)
-    least = offset == offset.min(axis=1, keepdims=True)
-    then = np.take_along_axis(cost, np.minimum(offset, GROWTH)[..., None], axis=2)[..., 0]
-    host = np.where(least & fitting, then, -np.inf).argmax(axis=1)
-    return host, offset[np.arange(host.size), host]
-
-
-class _Groups:
-    """The hosts' groups as guests join them: per host (rows) at its positions plus each
-    offset (columns), its sequences' ring parts summed, their tokens, and the most tokens
-    a member holds (each sequence's share rounded up)."""
-
-    def __init__(self, seqs, hosts, base, gpus: int, table: PartsTable) -> None:
-        self.table, self.gpus = table, gpus
-        self.base = base.copy()
-        positions = self.positions()
-        table.ready(positions.ravel())
-        self.held = [[int(seqs[h])] for h in hosts.tolist()]  # each host's sequences
-        # each host's own sequence alone, every host at once
-        own = np.broadcast_to(seqs[hosts][:, None], positions.shape)
-        self.sums = [np.array(values, dtype=np.float64)
-                     for values in self._shares(own, positions)]  # fmt: skip
-
-    def positions(self, rows=slice(None)) -> np.ndarray:
-        """Each host's positions plus each offset (at most the cluster's nodes: an offset
-        past them reads the host's own count and is refused, `evaluate`)."""
-        positions = self.base[rows, None] + OFFSETS[None, :]
-        return np.where(positions <= self.table.nodes, positions, self.base[rows, None])
-
-    def _shares(self, seqs: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, ...]:
-        """What sequences `seqs` add to a group at `positions` each (same shape), as
-        `sums` counts it: their ring parts, their tokens, and their share of a member's
-        tokens rounded up."""
-        parts = self.table.parts(seqs, positions)
-        tokens = self.table.lengths[seqs]
-        shares = np.ceil(tokens / (positions * self.gpus))
-        return parts.diagonal_s, parts.step_s, parts.send_bytes, tokens, shares
-
-    def _count(self, k: int) -> None:
-        members = np.asarray(self.held[k])
-        positions = np.broadcast_to(self.positions([k]), (members.size, OFFSETS.size))
-        seqs = np.broadcast_to(members[:, None], positions.shape)
-        for mine, values in zip(self.sums, self._shares(seqs, positions), strict=True):
-            mine[k] = values.sum(axis=0)
-
-    def may_fit(self, seqs: np.ndarray, own: np.ndarray, level: float, capacity: int):
-        """Whether each of `seqs` (own degrees `own`) passes a quick test of fitting some
-        host as the hosts stand: each host's member work alone at each offset plus the
-        sequence's whole work spread over the host's GPUs (what it adds at least: split,
-        its blocks run no faster), and the forward alone plus the linear modules' forward
-        of its share of tokens, within the level, and the members' tokens within L."""
-        positions = self.positions()
-        model = self.table.model
-        parts = RingParts(self.sums[0], self.sums[1], self.sums[2])
-        cost, forward = model.usp_group_costs(parts, self.sums[3], positions, self.gpus)
-        members = (positions * self.gpus)[None]
-        share = self.table.lengths[seqs][:, None, None] / members
-        spread = self.table.work[seqs][:, None, None] / members
-        fits = (cost + spread <= level) & (self.sums[4] + np.ceil(share) <= capacity)
-        fits &= forward + model.linear_seconds(share) * FORWARD_SHARE <= level * FORWARD_SHARE
-        fits &= OFFSETS * self.gpus < own[:, None, None]
-        return fits.reshape(seqs.size, -1).any(axis=1)
-
-    def evaluate(self, seqs: np.ndarray, own: np.ndarray, level: float, capacity: int,
-                 hosts: slice | np.ndarray = slice(None)):  # fmt: skip
-        """(fits, member seconds) of each of `seqs` (own degrees `own`) joining the hosts
-        (those of `hosts`) at each offset, as they stand: guests x hosts x offsets."""
-        positions = self.positions(hosts)  # hosts x offsets
-        self.table.ready(positions.ravel())
-        shape = (seqs.size, *positions.shape)
-        seq = np.broadcast_to(seqs[:, None, None], shape)
-        positions = np.broadcast_to(positions, shape)
-        together = [total[hosts] + added for total, added in
-                    zip(self.sums, self._shares(seq, positions), strict=True)]  # fmt: skip
-        cost, forward = self.table.model.usp_group_costs(RingParts(*together[:3]), together[3],
-                                                         positions, self.gpus)  # fmt: skip
-        fits = (cost <= level) & (forward <= level * FORWARD_SHARE) & (together[4] <= capacity)
-        fits &= OFFSETS * self.gpus < own[:, None, None]  # fewer ranks than its own group
-        fits &= self.base[hosts, None] + OFFSETS <= self.table.nodes  # no more nodes than exist
-        return fits, cost
-
-    def join(self, k: int, seq: int, grown: int) -> None:
-        """Sequence `seq` joins host `k`, which takes `grown` more nodes."""
-        self.held[k].append(seq)
-        if grown:
-            self.base[k] += grown
-            self.table.ready(self.positions([k]).ravel())
-            self._count(k)
-            return
-        positions = self.positions([k])[0]
-        for mine, added in zip(self.sums, self._shares(np.full(positions.shape, seq), positions),
-                               strict=True):  # fmt: skip
-            mine[k] += added
+    guests = guests[np.lexsort((-table.lengths[seqs[guests]], -degrees[guests]))]  # most first
+    positions = base[:, None] + np.arange(GROWTH + 1)[None, :]  # no more than there are nodes
+    table.ready(np.where(positions <= table.nodes, positions, base[:, None]).ravel())
+    row, lengths, work = table.rows(seqs)
+    while True:  # again where a host grew to positions whose parts are not worked out
+        out = host_of.copy(), degrees.copy(), seconds.copy()
+        missing = guest_kernel(row, lengths, work, table.values, table.done, hosts, base.copy(),
+                               guests, out[1], out[2], out[0], float(level), int(capacity),
+                               gpus, table.nodes, table.constants)  # fmt: skip
+        if not missing:
+            return out
+        table.ready(np.arange(missing, min(missing + GROWTH, table.nodes) + 1))
