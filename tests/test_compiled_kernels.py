@@ -9,8 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ray_zep.config import load_config
+from ray_zep.options import DkvWire
+from ray_zep.partition import host_costs
 from ray_zep.partition.group_kernel import group_kernel
 from ray_zep.partition.small_ring_kernel import _node_load, co_member_ring, spare_ring
+from ray_zep.partition.work import RingParts, WorkModel
+from ray_zep.topology import build_topology
+from tests.test_narrow_usp import usp_cluster
 
 pytestmark = pytest.mark.unit
 
@@ -62,3 +68,39 @@ def test_the_ring_groups_loop_answers_compiled_as_run_as_python(seed: int) -> No
         assert group_of.tolist() == group_of_py.tolist()
         assert degree_of[:groups].tolist() == degree_of_py[:groups].tolist()
         assert totals[:groups].tobytes() == totals_py[:groups].tobytes()
+
+
+@pytest.mark.parametrize(
+    ("model", "routed", "dkv_wire", "keep_kv_gb", "room_mb"),
+    [
+        ("7b", True, DkvWire.FLOAT32, 2.0, 5.0),
+        ("13b", False, DkvWire.OWNER, 0.0, 0.0),
+        ("13b", True, DkvWire.COMPUTE, 8.0, 0.0),
+    ],  # fmt: skip
+)
+def test_a_hosts_costs_are_the_work_models_bit_for_bit(
+    model: str, routed: bool, dkv_wire: DkvWire, keep_kv_gb: float, room_mb: float
+) -> None:
+    """`host_costs` against `WorkModel.usp_group_costs` at U = G on ring parts, tokens and
+    positions spread over orders of magnitude: the same two floats, bit for bit."""
+    _, run, _ = usp_cluster(16, model)
+    topology = build_topology(load_config(None, ["topology.preset=cluster_a",
+                                                 "topology.nodes=16"]).topology)  # fmt: skip
+    work = WorkModel.create(run.shape, topology, run.hardware.rates, routed, dkv_wire, keep_kv_gb,
+                            room_mb, capacity=6400)  # fmt: skip
+    rng = np.random.default_rng(3)
+    count = 4000
+    diagonal = rng.random(count) * rng.choice([1e-3, 1e-2, 0.3], count)
+    step = rng.random(count) * rng.choice([1e-4, 1e-3, 1e-2], count)
+    send = rng.random(count) * 10.0 ** rng.integers(4, 9, count)
+    tokens = rng.integers(1000, 200_000, count).astype(np.float64)
+    positions = rng.integers(1, 40, count)
+    gpus = topology.gpus_per_node
+    seconds, forward = work.usp_group_costs(RingParts(diagonal, step, send), tokens, positions,
+                                            gpus)  # fmt: skip
+    numbers = host_costs.of(work)
+    got = np.asarray([host_costs.host_costs(diagonal[i], step[i], send[i], tokens[i],
+                                            float(positions[i]), numbers)
+                      for i in range(count)])  # fmt: skip
+    assert got[:, 0].tobytes() == seconds.tobytes()
+    assert got[:, 1].tobytes() == forward.tobytes()
