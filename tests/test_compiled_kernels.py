@@ -76,7 +76,7 @@ def test_the_ring_groups_loop_answers_compiled_as_run_as_python(seed: int) -> No
         ("7b", True, DkvWire.FLOAT32, 2.0, 5.0),
         ("13b", False, DkvWire.OWNER, 0.0, 0.0),
         ("13b", True, DkvWire.COMPUTE, 8.0, 0.0),
-    ],  # fmt: skip
+    ],
 )
 def test_a_hosts_costs_are_the_work_models_bit_for_bit(
     model: str, routed: bool, dkv_wire: DkvWire, keep_kv_gb: float, room_mb: float
