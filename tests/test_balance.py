@@ -447,9 +447,10 @@ def test_a_level_that_cannot_win_is_abandoned_early_with_the_same_placement(
 ) -> None:
     """The fill gives up a level once the sequences left cannot all stay under the best
     placement's busiest rank (too few tokens, or seconds, of room below it:
-    `_HopelessCheck`): the placement is the one that dealing them all would choose (on
+    `fill_kernel.hopeless`): the placement is the one that dealing them all would choose (on
     arxiv a later level wins, which a check that gave up every level would miss), and on
     16k tokens per GPU of the chat mix some level is given up that way."""
+    import ray_zep.partition.balance as balance_module
     import ray_zep.partition.level_fill as level_fill
     from ray_zep.partition.balance import balance
 
@@ -457,16 +458,16 @@ def test_a_level_that_cannot_win_is_abandoned_early_with_the_same_placement(
     model = WorkModel.create(shape, topology, routed=True)
     lengths = batch_lengths(distribution, 16384 * topology.world_size, 0)
     verdicts = []
-    hopeless = level_fill._HopelessCheck.hopeless
+    fill_whole = balance_module.fill_whole
 
-    def noted(self, position, load, tokens):
-        verdicts.append(hopeless(self, position, load, tokens))
-        return verdicts[-1]
+    def noted(placed, *args):
+        fill_whole(placed, *args)
+        verdicts.append(placed.given_up)
 
-    monkeypatch.setattr(level_fill._HopelessCheck, "hopeless", noted)
+    monkeypatch.setattr(balance_module, "fill_whole", noted)
     checked = balance(lengths, topology, 20480, model)
     assert any(verdicts) == (distribution == "chat")
-    monkeypatch.setattr(level_fill._HopelessCheck, "hopeless", lambda *_: False)
+    monkeypatch.setattr(level_fill, "CHECK_EVERY", 0)
     dealt = balance(lengths, topology, 20480, model)
     assert checked == dealt
 
@@ -523,7 +524,7 @@ def test_a_light_ring_inside_a_node_rides_on_a_whole_node_of_a_ring_across_nodes
     from ray_zep.sim.step import plan_batch
 
     monkeypatch.setattr(balance_module, "USP_GUESTS", False)
-    monkeypatch.setattr(level_fill, "co_member_ring", lambda *args: None)
+    monkeypatch.setattr(level_fill, "SECOND_RINGS", False)
     config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=32",
                                 "model.preset=7b", "parallel.weights=fsdp"])  # fmt: skip
     config = variant_config(config, "zeppelin", L)  # as `bench scale` runs it

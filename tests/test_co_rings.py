@@ -142,7 +142,7 @@ def test_whole_sequences_ride_as_second_rings_where_the_rings_hold_the_room() ->
     for second in (False, True):
         with pytest.MonkeyPatch.context() as patch:
             if not second:
-                patch.setattr(level_fill, "co_member_ring", lambda *args: None)
+                patch.setattr(level_fill, "SECOND_RINGS", False)
             plan, remap = plan_batch(lengths, run)
         plans[second] = plan
         steps[second] = simulate_plan(plan, run, run.config.parallel.routing, remap).step_seconds

@@ -11,9 +11,9 @@ import pytest
 
 from ray_zep.config import load_config
 from ray_zep.options import DkvWire
-from ray_zep.partition import host_costs
+from ray_zep.partition.fill_kernel import _node_load, co_member_ring, pairwise_sum, spare_ring
 from ray_zep.partition.group_kernel import group_kernel
-from ray_zep.partition.small_ring_kernel import _node_load, co_member_ring, spare_ring
+from ray_zep.partition.guest_kernel import costs_of, host_costs
 from ray_zep.partition.work import RingParts, WorkModel
 from ray_zep.topology import build_topology
 from tests.test_narrow_usp import usp_cluster
@@ -98,9 +98,20 @@ def test_a_hosts_costs_are_the_work_models_bit_for_bit(
     gpus = topology.gpus_per_node
     seconds, forward = work.usp_group_costs(RingParts(diagonal, step, send), tokens, positions,
                                             gpus)  # fmt: skip
-    numbers = host_costs.of(work)
-    got = np.asarray([host_costs.host_costs(diagonal[i], step[i], send[i], tokens[i],
+    numbers = costs_of(work)
+    got = np.asarray([host_costs(diagonal[i], step[i], send[i], tokens[i],
                                             float(positions[i]), numbers)
                       for i in range(count)])  # fmt: skip
     assert got[:, 0].tobytes() == seconds.tobytes()
     assert got[:, 1].tobytes() == forward.tobytes()
+
+
+@pytest.mark.parametrize(
+    "count", [0, 1, 7, 8, 9, 127, 128, 129, 255, 256, 1000, 4096, 16384, 40000]
+)
+def test_a_sum_over_the_ranks_is_numpys(count: int) -> None:
+    """`fill_kernel.pairwise_sum` against numpy's sum of a float64 array, bit for bit."""
+    rng = np.random.default_rng(count)
+    values = rng.random(count + 5) * 10.0 ** rng.integers(-6, 6, count + 5)
+    got = pairwise_sum(values, 3, count)
+    assert np.float64(got).tobytes() == values[3 : 3 + count].sum().tobytes()

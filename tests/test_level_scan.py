@@ -18,7 +18,6 @@ from ray_zep.errors import PlacementError
 from ray_zep.partition.level_fill import Placed
 from ray_zep.partition.level_scan import LevelScan, ScanRules
 from ray_zep.partition.level_trace import LevelOutcome, LevelTry
-from ray_zep.partition.load_index import LoadIndex
 from ray_zep.partition.stats import plan_stats
 from ray_zep.report.placement import summary_line
 from ray_zep.sim.hardware import Hardware
@@ -128,14 +127,14 @@ def test_the_early_bound_changes_no_placement_and_deals_fewer_sequences(
     what its rank passed."""
     run, lengths = _run(gpus, model), batch_lengths("chat", 4096 * gpus, seed)
     dealt = [0]
-    set_bound = LoadIndex.set_bound
+    fill_whole = balance_module.fill_whole
 
-    def counting(index, most_tokens):  # once for each sequence the fill deals, and a few more
-        dealt[0] += 1
-        set_bound(index, most_tokens)
+    def counting(placed, *args):  # the sequences each fill went through
+        fill_whole(placed, *args)
+        dealt[0] += placed.dealt
 
-    monkeypatch.setattr(LoadIndex, "set_bound", counting)
-    monkeypatch.setattr(level_fill, "co_member_ring", lambda *args: None)
+    monkeypatch.setattr(balance_module, "fill_whole", counting)
+    monkeypatch.setattr(level_fill, "SECOND_RINGS", False)
 
     def plan(overflow: float):
         dealt[0] = 0

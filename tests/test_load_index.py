@@ -46,8 +46,8 @@ operations = st.lists(
 @settings(max_examples=200, deadline=None)
 @given(ops=operations, start=st.lists(st.integers(0, 5), min_size=12, max_size=12))
 def test_load_index_answers_as_the_array_scan_does(ops, start) -> None:
-    load = [float(v) for v in start]
-    tokens = [3 * v for v in start]
+    load = np.asarray(start, dtype=np.float64)
+    tokens = 3 * np.asarray(start, dtype=np.int64)
     index = LoadIndex(load, tokens)
     bound = 10
     index.set_bound(bound)
@@ -61,7 +61,7 @@ def test_load_index_answers_as_the_array_scan_does(ops, start) -> None:
             want = want if want is not None else _least_loaded(load, tokens, bound)
             before = None if want is None else (load[want], tokens[want])
             then = bound + rank % 4 if op == "take_then" else None  # the bound set next
-            assert index.take(room, amount, amount, then) == want  # the index adds to the lists
+            assert index.take(room, amount, amount, then) == want  # the index adds to the arrays
             if want is not None:
                 assert (load[want], tokens[want]) == (before[0] + amount, before[1] + amount)
             if then is not None:

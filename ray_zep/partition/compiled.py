@@ -11,8 +11,11 @@ itself run as Python).
 
 Each kernel compiles once per machine, on its first call (a few seconds), and numba
 keeps it on disk beside its module (or in the user's cache directory where that is
-read-only); later processes load it in a fraction of a second. `NUMBA_DISABLE_JIT=1`
-runs every kernel as Python, with the same answers, slowly.
+read-only); later processes load it in a fraction of a second. numba's cache checks a
+kernel's own file alone, so a kernel calls kernels of its own file only and reads no
+other module's constants (they come in as arguments), and none calls itself (a cached
+recursive kernel does not load again). `NUMBA_DISABLE_JIT=1` runs every kernel as Python,
+with the same answers, slowly.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """`usp_guests`' loop, compiled (`ray_zep.partition.compiled`): split sequences join USP
 groups of whole-node positions (the hosts) as guests, `CHUNK` at a time, in rounds (module
-docstring of `ray_zep.partition.usp_guests`).
+docstring of `ray_zep.partition.usp_guests`), each host costed by `host_costs`:
+`WorkModel.usp_group_costs` at U = G, the same arithmetic in the same order, one group at
+a time, on the model's numbers `costs_of` gathers.
 
 Shapes: H hosts, O = GROWTH + 1 offsets (the nodes a host may add), P = 5 parts a host's
 sequences sum to at each offset (`_PARTS`).
@@ -10,9 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ray_zep.costmodel import BACKWARD_ATTENTION_FACTOR, BACKWARD_LINEAR_FACTOR, kv_bytes_per_token
 from ray_zep.partition.compiled import compiled
-from ray_zep.partition.host_costs import LINEAR_PER_TOKEN, host_costs
-from ray_zep.partition.work import FORWARD_SHARE
+from ray_zep.partition.work import FORWARD_SHARE, KV_DTYPE_DKV_FACTOR, WorkModel, ulysses_row_bytes
+from ray_zep.topology import LinkKind
 
 GROWTH = 1
 """Whole nodes a host may add for its guests (each time fewer ranks than the guest's own
@@ -23,6 +26,76 @@ joined or fit nowhere, by when the hosts have less room."""
 _PARTS = 5
 """A host's sums at each offset: its ring parts (diagonal, step, send), its tokens, and the
 most tokens a member holds (each sequence's share rounded up)."""
+
+
+(U, U_LESS_ONE, ROW, FORWARD_ROW, INTRA_LATENCY, INTRA_BANDWIDTH, INTER_LATENCY,
+ INTER_BANDWIDTH, LINEAR_PER_TOKEN, LAYERS, KV_PER_TOKEN, DKV_FACTOR, KEEP_BYTES,
+ ROOM_PER_TOKEN, CAPACITY, KEPT_PER_TOKEN, BACKWARD_ATTENTION, BACKWARD_LINEAR, FORWARD,
+ COUNT) = range(20)  # fmt: skip
+"""Where each number sits in `costs_of`'s array."""
+
+
+def costs_of(model: WorkModel) -> np.ndarray:
+    """The numbers `host_costs` reads, for groups of U = G (every GPU of a node), and
+    `FORWARD_SHARE` (as numbers, not module constants: numba's cache checks this file
+    alone)."""
+    gpus = model.cost.topology.gpus_per_node
+    u = np.asarray(gpus).astype(np.float64)  # as `WorkModel._usp_group` makes it
+    values = np.zeros(COUNT)
+    values[U] = u
+    values[U_LESS_ONE] = np.minimum(u, gpus) - 1
+    values[ROW] = ulysses_row_bytes(model.shape, u)
+    values[FORWARD_ROW] = ulysses_row_bytes(model.shape, u, forward=True)
+    values[INTRA_LATENCY], values[INTRA_BANDWIDTH] = model.hop(LinkKind.INTRA_NODE)
+    values[INTER_LATENCY] = model.cost.link_latency(LinkKind.INTER_NODE)
+    values[INTER_BANDWIDTH] = model.cost.link_bandwidth(LinkKind.INTER_NODE)
+    values[LINEAR_PER_TOKEN] = model._linear_per_token_s
+    values[LAYERS] = model.layers
+    values[KV_PER_TOKEN] = kv_bytes_per_token(model.shape)
+    values[DKV_FACTOR] = KV_DTYPE_DKV_FACTOR if model.owner_dkv else model.dkv_factor
+    values[KEEP_BYTES] = model.keep_kv_bytes
+    values[ROOM_PER_TOKEN] = model.room_per_token
+    values[CAPACITY] = model.capacity
+    values[KEPT_PER_TOKEN] = kv_bytes_per_token(model.shape) * model.layers
+    values[BACKWARD_ATTENTION] = BACKWARD_ATTENTION_FACTOR
+    values[BACKWARD_LINEAR] = BACKWARD_LINEAR_FACTOR
+    values[FORWARD] = FORWARD_SHARE
+    return values
+
+
+@compiled
+def host_costs(
+    diagonal: float, step: float, send: float, tokens: float, positions: float, k: np.ndarray
+) -> tuple[float, float]:
+    """(`usp_group_seconds`, `usp_group_forward_seconds`) of one group of U = G at
+    `positions` whose sequences' ring parts sum to `diagonal`, `step` and `send` and
+    whose tokens to `tokens` (`k`: `costs_of`'s numbers)."""
+    u, latency = k[U], k[INTRA_LATENCY]
+    # the all-to-alls: a position of one whole node moves (U - 1) / U of its rows inside it
+    member = tokens / (positions * u)
+    moved = member * k[U_LESS_ONE] / u * k[ROW] / k[INTRA_BANDWIDTH]
+    moved = max(moved, 0.0)
+    forward = 2 * latency + moved * k[FORWARD_ROW] / k[ROW]
+    backward = 4 * latency + moved - forward
+    diagonal, step, send = diagonal / u, step / u, send / u  # a member's heads
+    share = 1.0 / (1.0 + k[BACKWARD_ATTENTION])
+    hop = k[INTER_LATENCY] + send / k[INTER_BANDWIDTH]
+    ring = diagonal * share + (positions - 1) * max(step * share, hop)
+    linear = member * k[LINEAR_PER_TOKEN]
+    forward_s = linear / (1.0 + k[BACKWARD_LINEAR]) + k[LAYERS] * (forward + ring)
+    # the ring, forward and backward (`WorkModel._ring_seconds`)
+    steps = positions - 1
+    held = send / k[KV_PER_TOKEN]
+    budget = k[KEEP_BYTES]
+    if k[ROOM_PER_TOKEN] > 0:
+        budget = budget + max(0.0, k[CAPACITY] - held) * k[ROOM_PER_TOKEN]
+    keeps = steps * held * k[KEPT_PER_TOKEN] / 1 <= budget
+    again = k[DKV_FACTOR] - (1.0 if keeps else 0.0)
+    send_f = k[INTER_LATENCY] + send / k[INTER_BANDWIDTH]
+    send_b = k[INTER_LATENCY] + again * send / k[INTER_BANDWIDTH]
+    step_f, step_b = step * share, step * (1 - share)
+    ring = diagonal + steps * (max(step_f, send_f) + max(step_b, send_b))
+    return linear + k[LAYERS] * (forward + backward + ring), forward_s
 
 
 @compiled
@@ -48,7 +121,7 @@ def guest_kernel(
     writing `host_of`, `degrees` and `seconds` (each host's as its guests make them).
     `row`: each split sequence's row of `values` (its ring parts at each count of
     positions, where `ready`); `lengths`, `work`: its tokens and whole work; `base`: each
-    host's positions; `k`: `host_costs.of`'s numbers.
+    host's positions; `k`: `costs_of`'s numbers.
 
     Returns 0, or a count of positions not `ready` that a host grew to: then nothing is
     decided, and the caller readies it and calls again."""
@@ -180,8 +253,8 @@ def _may_fit(sums, alone, base, guest, lengths, work, own, level, capacity, gpus
             share = lengths[guest] / members
             spread = work[guest] / members
             if (alone[0, h, o] + spread <= level and sums[4, h, o] + np.ceil(share) <= capacity
-                    and alone[1, h, o] + share * k[LINEAR_PER_TOKEN] * FORWARD_SHARE
-                    <= level * FORWARD_SHARE):  # fmt: skip
+                    and alone[1, h, o] + share * k[LINEAR_PER_TOKEN] * k[FORWARD]
+                    <= level * k[FORWARD]):  # fmt: skip
                 return True
     return False
 
@@ -203,7 +276,7 @@ def _evaluate(fits, cost, r, h, sums, base, guest, row, lengths, values, own, le
                                       sums[2, h, o] + parts[2], sums[3, h, o] + parts[3],
                                       float(positions), k)  # fmt: skip
         cost[r, h, o] = seconds
-        fits[r, h, o] = seconds <= level and forward <= level * FORWARD_SHARE
+        fits[r, h, o] = seconds <= level and forward <= level * k[FORWARD]
 
 
 @compiled

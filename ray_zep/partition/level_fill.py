@@ -13,8 +13,16 @@ import numpy as np
 
 from ray_zep.partition.co_rings import RingLabels, co_member_ring
 from ray_zep.partition.fill import water_fill
-from ray_zep.partition.load_index import LoadIndex
-from ray_zep.partition.small_ring_kernel import spare_ring
+from ray_zep.partition.fill_kernel import (
+    DONE,
+    GIVEN_UP,
+    SECOND_RING,
+    SPILL,
+    deal,
+    move,
+    new_index,
+    spare_ring,
+)
 from ray_zep.partition.work import WorkModel
 from ray_zep.topology import Topology
 
@@ -30,9 +38,12 @@ whole would end the busiest rank so far and more than this share over the level.
 `bench scale`'s batches 0 made 446 second rings on 13b chat at 1,024 GPUs, at levels
 that a higher one beats anyway, for 12 ms more `plan_step`; 0.05 keeps every row's gain
 of 0; 0.1 loses 13b github's at 1,024 GPUs, 0.2 the 256-GPU chat rows' too."""
+SECOND_RINGS = True
+"""Whole sequences that fit under the level nowhere may ride as second rings on members of
+one ring (`ray_zep.partition.co_rings`)."""
 CHECK_EVERY = 256
 """Sequences the whole-sequence fill deals between two checks that its level can still
-win (`_HopelessCheck`): each check is a few array operations over the ranks."""
+win (`fill_kernel.hopeless`: a pass over the ranks); 0: none."""
 
 
 @dataclass
@@ -67,6 +78,11 @@ class Placed:
     a placement made before it, where it can only end as busy or busier (on a tie the
     earlier one is kept), so it is never chosen; or a lower bound the level scan sets
     (`ray_zep.partition.level_scan`)."""
+    given_up: bool = False
+    """The fill stopped where the sequences left must bring a rank to the bound
+    (`fill_kernel.hopeless`)."""
+    dealt: int = 0
+    """Whole sequences the fill went through (all, or up to where it stopped)."""
     fill_fits: bool = False
     """The whole sequences fit the tokens the rings leave free, whatever the fill does
     with them (`whole_sequences_fit`): the fill cannot fail for want of tokens."""
@@ -183,118 +199,62 @@ def fill_whole(
 ) -> None:
     """Best fit decreasing of whole sequences under `level`, token room permitting; one
     that fits under it nowhere becomes a small intra-node ring where that fits. Stops,
-    `placed` marked pruned, once a rank's work reaches `prune_above`.
+    `placed` marked pruned, once a rank's work reaches `prune_above`, or once the
+    sequences left must bring a rank there (checked every `CHECK_EVERY`; `placed.given_up`).
 
     `order` is by work, most first, so once a sequence's work is under
     `SMALL_RING_SHARE` of the level no later one becomes a ring: from there on each
-    sequence is dealt by one search of the load index."""
-    # one rank at a time: Python lists, written back to the arrays before the array
-    # steps (small rings, spills) read them and at the end
-    load, tokens = placed.load.tolist(), placed.tokens.tolist()
-    moved: list[int] = []
-
-    def write_back() -> None:
-        if moved:
-            ranks = np.unique(moved)
-            placed.load[ranks] = [load[r] for r in ranks.tolist()]
-            placed.tokens[ranks] = [tokens[r] for r in ranks.tolist()]
-            moved.clear()
-
-    check = _HopelessCheck(lengths[order], work[order], capacity, prune_above)
-    if check.due(0) and check.hopeless(0, load, tokens):  # before the indexes are built
-        placed.pruned = True
-        return
-    index = LoadIndex(load, tokens)
+    sequence is dealt by one search of the load index. The dealing runs compiled
+    (`fill_kernel.deal`); the rings and spills it hands back are placed here."""
+    sizes = lengths[order].astype(np.int64)
+    works = np.ascontiguousarray(work[order], dtype=np.float64)
+    rows = np.ascontiguousarray(small[order], dtype=np.float64)
+    check = hopeless_check(sizes, works, prune_above, CHECK_EVERY)
     labels = RingLabels(placed.groups, placed.load.size, topology.gpus_per_node)
-    rings_open = True  # sequences may still become small rings (`_small_ring`)
-    smallest_ring = SMALL_RING_SHARE * level
-    sizes, works = lengths[order].tolist(), work[order].tolist()
-    bounds = [capacity - n for n in sizes[1:]] + [None]  # each sequence's next bound
-    for position, (seq, n, w) in enumerate(zip(order.tolist(), sizes, works, strict=True)):
-        if position and check.due(position) and check.hopeless(position, load, tokens):
-            placed.pruned = True
-            return
-        index.set_bound(capacity - n)
-        if w < smallest_ring:
-            rings_open = False
-        if not rings_open:  # best fit, else the least loaded: one search
-            rank = index.take(level - w, w, n, bounds[position])
-            if rank is not None:
-                moved.append(rank)
-                placed.local[seq] = rank
-                if load[rank] >= prune_above:
-                    placed.pruned = True
-                    return
-                continue
-        rank = index.fullest_under(level - w)
-        ring = None
-        if rank is None:
-            rank = index.least_loaded()
-            if rings_open:
-                write_back()
-                # a second ring only where the rank taking it whole would end busiest,
-                # and more than a little over the level
-                rises = rank is None or load[rank] + w > max(
-                    float(placed.load.max()), level * (1 + SECOND_RING_ABOVE)
-                )
-                ring = _small_ring(placed, n, small[seq], level, capacity, topology,
-                                   labels if rises else None)  # fmt: skip
-        if rank is not None and ring is None:
-            load[rank] += w
-            if load[rank] >= prune_above:
-                placed.pruned = True
-                return
-            tokens[rank] += n
-            moved.append(rank)
-            placed.local[seq] = rank
-            index.move(rank)
-            continue
-        write_back()
-        if ring is not None:
-            _add_ring(placed, seq, n, *ring, capacity, model)
+    index = new_index(placed.load.size)
+    local = np.full(order.size, -1, dtype=np.int64)
+    state = np.asarray([0, 1, 0], dtype=np.int64)  # `fill_kernel`'s position, rings open
+    rises_above = level * (1 + SECOND_RING_ABOVE)
+    while True:
+        stop, ranks, k = deal(state, sizes, works, rows, placed.load, placed.tokens,
+                              placed.in_ring, labels.now(), index, local, float(level),
+                              int(capacity), float(prune_above), SMALL_RING_SHARE * level,
+                              rises_above, SECOND_RINGS, topology.gpus_per_node,
+                              check)  # fmt: skip
+        if stop in (DONE, GIVEN_UP):
+            break
+        position = int(state[0])
+        seq, n, w = int(order[position]), int(sizes[position]), float(works[position])
+        if stop == SPILL:
+            ring = _spill_in_node(placed, n, capacity, topology.gpus_per_node)
+            _add_spill(placed, seq, n, w, ring or spill_ranks(placed, n, capacity), capacity)
         else:
-            ranks = _spill_in_node(placed, n, capacity, topology.gpus_per_node)
-            _add_spill(placed, seq, n, w, ranks or spill_ranks(placed, n, capacity), capacity)
-        ranks = placed.groups[seq][0]
-        for r in ranks:
-            load[r], tokens[r] = float(placed.load[r]), int(placed.tokens[r])
-        if max(load[r] for r in ranks) >= prune_above:
-            placed.pruned = True
-            return
-        index.update(ranks)
-    write_back()
+            _add_ring(placed, seq, n, tuple(ranks.tolist()), float(rows[position, k]),
+                      stop == SECOND_RING, capacity, model)  # fmt: skip
+        ring_ranks = np.asarray(placed.groups[seq][0], dtype=np.int64)
+        if placed.load[ring_ranks].max() >= prune_above:
+            stop = GIVEN_UP
+            break
+        for rank in ring_ranks.tolist():
+            move(index, rank, placed.load, placed.tokens)
+        state[0] = position + 1
+    placed.pruned = placed.pruned or stop == GIVEN_UP
+    placed.given_up = bool(state[2])
+    placed.dealt = int(state[0]) + (stop == DONE)
+    dealt = np.flatnonzero(local >= 0)
+    placed.local.update(zip(order[dealt].tolist(), local[dealt].tolist(), strict=True))
 
 
-class _HopelessCheck:
-    """Whether the sequences the fill has yet to deal must bring some rank to
-    `prune_above`, checked every `CHECK_EVERY` of them: each adds at least the least
-    seconds per token among them (`WorkModel.whole_seconds` over their length; a ring
-    or spill of one spreads at least its whole work over its tokens) to ranks within
-    their free tokens, so where the tokens the ranks can take before reaching it are
-    fewer than the rest, the placement would be pruned anyway: it is now (the same
-    outcome, without dealing thousands of short sequences at a level that cannot win)."""
-
-    def __init__(self, sizes: np.ndarray, works: np.ndarray, capacity: int, limit: float):
-        self.capacity, self.limit = capacity, limit
-        if not np.isfinite(limit) or sizes.size == 0:
-            self.rest = self.density = None
-            return
-        self.rest = np.cumsum(sizes[::-1])[::-1]
-        self.work = np.cumsum(works[::-1])[::-1]
-        self.density = np.minimum.accumulate((works / np.maximum(sizes, 1))[::-1])[::-1]
-
-    def due(self, position: int) -> bool:
-        return self.rest is not None and position % CHECK_EVERY == 0
-
-    def hopeless(self, position: int, load: list[float], tokens: list[int]) -> bool:
-        density = float(self.density[position])
-        if density <= 0:
-            return False
-        free = np.maximum(0, self.capacity - np.asarray(tokens, dtype=np.int64))
-        under = np.maximum(0.0, self.limit - np.asarray(load, dtype=np.float64))
-        if float(under[free > 0].sum()) < float(self.work[position]):
-            return True  # the ranks with free tokens lack the seconds for the rest
-        return float(np.minimum(free, under / density).sum()) < float(self.rest[position])
+def hopeless_check(sizes: np.ndarray, works: np.ndarray, limit: float, every: int) -> tuple:
+    """What `hopeless` reads of the sequences in dealing order, under the bound `limit`:
+    from each position on, their tokens and seconds summed, and the least seconds per
+    token among them; checked every `every` (0: never, nor where the bound is infinite)."""
+    if not np.isfinite(limit) or sizes.size == 0 or every <= 0:
+        return np.zeros(0), np.zeros(0), np.zeros(0), 0, limit
+    rest = np.cumsum(sizes[::-1])[::-1].astype(np.float64)
+    work = np.cumsum(works[::-1])[::-1]
+    density = np.minimum.accumulate((works / np.maximum(sizes, 1))[::-1])[::-1]
+    return rest, work, density, every, limit
 
 
 def small_ring_seconds(
@@ -347,7 +307,7 @@ def _spare_ring(
 ) -> tuple[tuple[int, ...], float] | None:
     """`_small_ring` on ranks in no ring: of the nodes with enough such ranks for the
     fewest, the one with the least load, and its least loaded ranks
-    (`small_ring_kernel.spare_ring`)."""
+    (`fill_kernel.spare_ring`)."""
     ranks, k = spare_ring(placed.in_ring, placed.tokens, placed.load, n, member, level, capacity,
                           topology.gpus_per_node)  # fmt: skip
     return None if k < 0 else (tuple(ranks.tolist()), float(member[k]))

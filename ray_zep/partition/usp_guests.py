@@ -46,8 +46,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ray_zep.partition import host_costs
-from ray_zep.partition.guest_kernel import GROWTH, guest_kernel
+from ray_zep.partition.guest_kernel import GROWTH, costs_of, guest_kernel
 from ray_zep.partition.work import WorkModel
 
 
@@ -102,8 +101,8 @@ class PartsTable:
 
     @cached_property
     def constants(self) -> np.ndarray:
-        """The model's numbers a host's costs read (`host_costs.of`)."""
-        return host_costs.of(self.model)
+        """The model's numbers a host's costs read (`guest_kernel.costs_of`)."""
+        return costs_of(self.model)
 
 
 def usp_guests(
