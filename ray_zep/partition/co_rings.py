@@ -53,12 +53,20 @@ class RingLabels:
                if ranks not in self.known]  # fmt: skip
         self.seen = len(self.groups)
         for ranks in dict.fromkeys(new):
-            self.known[ranks] = len(self.known)
-            members = np.asarray(ranks, dtype=np.int64)
-            self.labels[members] = np.where(
-                self.labels[members] == FREE, self.known[ranks], SEVERAL
-            )
+            self._label(ranks)
         return self.labels
+
+    def added(self, ranks: tuple[int, ...]) -> None:
+        """The group just added to the placement's groups, over `ranks` (one call for
+        each group added, in order: `now` then reads none again)."""
+        self.seen += 1
+        if ranks not in self.known:
+            self._label(ranks)
+
+    def _label(self, ranks: tuple[int, ...]) -> None:
+        self.known[ranks] = len(self.known)
+        members = np.asarray(ranks, dtype=np.int64)
+        self.labels[members] = np.where(self.labels[members] == FREE, self.known[ranks], SEVERAL)
 
 
 def co_member_ring(

@@ -90,13 +90,13 @@ def take(index, room: float, work: float, count: int, then: int, load, tokens) -
     if not at:
         at = _after(loads, size, loads[0])
     rank = -negated[at - 1]
-    _delete(loads, negated, meta, at - 1)
     load[rank] += work
     tokens[rank] += count
     if tokens[rank] <= meta[_BOUND] or (then >= 0 and tokens[rank] <= then):
-        _insort(loads, negated, meta, load[rank], -rank)
+        _refile(loads, negated, meta[_READY], at - 1, load[rank], -rank)
         filed[rank] = load[rank]
     else:
+        _delete(loads, negated, meta, at - 1)
         filed_in[rank] = False
         _push(index, tokens[rank], rank, tokens)
     return rank
@@ -107,7 +107,12 @@ def move(index, rank: int, load, tokens) -> None:
     """Files `rank` again after its load or tokens changed."""
     loads, negated, meta, filed_in, filed, _, _ = index
     if filed_in[rank]:
-        _delete(loads, negated, meta, _at(loads, negated, meta[_READY], filed[rank], -rank))
+        at = _at(loads, negated, meta[_READY], filed[rank], -rank)
+        if tokens[rank] <= meta[_BOUND]:
+            _refile(loads, negated, meta[_READY], at, load[rank], -rank)
+            filed[rank] = load[rank]
+            return
+        _delete(loads, negated, meta, at)
         filed_in[rank] = False
     if tokens[rank] <= meta[_BOUND]:
         _insert(index, rank, load)
@@ -178,6 +183,20 @@ def _insort(loads, negated, meta, load, key) -> None:
         loads[i], negated[i] = loads[i - 1], negated[i - 1]
     loads[at], negated[at] = load, key
     meta[_READY] = size + 1
+
+
+@compiled
+def _refile(loads, negated, size, at, load, key) -> None:
+    """The entry at `at` filed under (`load`, `key`) instead: the entries it passes moved
+    one place in place (a rank's load changes by a sequence's work, so it passes few)."""
+    while at + 1 < size and (loads[at + 1] < load or (loads[at + 1] == load
+                                                       and negated[at + 1] < key)):  # fmt: skip
+        loads[at], negated[at] = loads[at + 1], negated[at + 1]
+        at += 1
+    while at > 0 and (loads[at - 1] > load or (loads[at - 1] == load and negated[at - 1] > key)):
+        loads[at], negated[at] = loads[at - 1], negated[at - 1]
+        at -= 1
+    loads[at], negated[at] = load, key
 
 
 @compiled
@@ -346,6 +365,8 @@ def _rank_ring(labels, taken, tokens, load, rank, n, member, level, capacity, gp
     """`co_member_ring`'s best so far (size index, load, rank), `rank` weighed: the fewest
     of its ring's ranks on its node that fit with it, at sizes up to the best's."""
     for k in range(min(best_k + 1, gpus - 1)):
+        if k == best_k and load[rank] >= best_load:
+            break  # as loaded as the best at its size: it cannot take its place
         need = -(-n // (k + 2))
         if not _fits(False, tokens[rank], load[rank], need, member[k], level, capacity, True):
             continue

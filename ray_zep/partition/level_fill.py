@@ -231,6 +231,7 @@ def fill_whole(
         else:
             _add_ring(placed, seq, n, tuple(ranks.tolist()), float(rows[position, k]),
                       stop == SECOND_RING, capacity, model)  # fmt: skip
+        labels.added(placed.groups[seq][0])
         ring_ranks = np.asarray(placed.groups[seq][0], dtype=np.int64)
         if placed.load[ring_ranks].max() >= prune_above:
             stop = GIVEN_UP
