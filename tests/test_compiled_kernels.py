@@ -11,9 +11,11 @@ import pytest
 
 from ray_zep.config import load_config
 from ray_zep.options import DkvWire
-from ray_zep.partition.fill_kernel import _node_load, co_member_ring, pairwise_sum, spare_ring
+from ray_zep.partition.compiled import forget_stale_kernels
 from ray_zep.partition.group_kernel import group_kernel
 from ray_zep.partition.guest_kernel import costs_of, host_costs
+from ray_zep.partition.ring_search_kernel import _node_load, co_member_ring, spare_ring
+from ray_zep.partition.sum_kernel import pairwise_sum
 from ray_zep.partition.work import RingParts, WorkModel
 from ray_zep.topology import build_topology
 from tests.test_narrow_usp import usp_cluster
@@ -110,8 +112,31 @@ def test_a_hosts_costs_are_the_work_models_bit_for_bit(
     "count", [0, 1, 7, 8, 9, 127, 128, 129, 255, 256, 1000, 4096, 16384, 40000]
 )
 def test_a_sum_over_the_ranks_is_numpys(count: int) -> None:
-    """`fill_kernel.pairwise_sum` against numpy's sum of a float64 array, bit for bit."""
+    """`sum_kernel.pairwise_sum` against numpy's sum of a float64 array, bit for bit."""
     rng = np.random.default_rng(count)
     values = rng.random(count + 5) * 10.0 ** rng.integers(-6, 6, count + 5)
     got = pairwise_sum(values, 3, count)
     assert np.float64(got).tobytes() == values[3 : 3 + count].sum().tobytes()
+
+
+def test_a_kernel_cache_made_from_other_sources_is_dropped(tmp_path) -> None:
+    """numba checks a cached kernel's own file alone: where any kernel file changed, the
+    kernels cached beside them go (those of other modules stay), once."""
+    (tmp_path / "a_kernel.py").write_text("x = 1\n")
+    (tmp_path / "b_kernel.py").write_text("y = 2\n")
+    cache = tmp_path / "__pycache__"
+    cache.mkdir()
+
+    def cached() -> None:
+        for name in ("a_kernel.f-3.py311.nbi", "b_kernel.g-1.py311.1.nbc", "other.h-2.py311.nbi"):
+            (cache / name).touch()
+
+    cached()
+    assert forget_stale_kernels(tmp_path)  # no stamp yet: made from unknown sources
+    assert sorted(p.name for p in cache.glob("*.nb?")) == ["other.h-2.py311.nbi"]
+    cached()
+    assert not forget_stale_kernels(tmp_path)  # the same sources: kept
+    assert len(list(cache.glob("*.nb?"))) == 3
+    (tmp_path / "b_kernel.py").write_text("y = 3\n")  # a callee's file changed
+    assert forget_stale_kernels(tmp_path)
+    assert sorted(p.name for p in cache.glob("*.nb?")) == ["other.h-2.py311.nbi"]

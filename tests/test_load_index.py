@@ -166,3 +166,35 @@ def test_whole_sequences_go_where_a_scan_of_every_bin_puts_them(
     assert got[0] == expected[0]
     assert got[1].tolist() == expected[1]
     assert got[2].tolist() == expected[2]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_load_index_over_many_blocks_answers_as_the_array_scan_does(seed: int) -> None:
+    """Ranks several times a block's (`index_kernel.BLOCK`), so that blocks split, empty
+    and leave the order: thousands of random takes, moves and bounds, each answer as the
+    array scan's, ties included (loads from few values)."""
+    rng = np.random.default_rng(seed)
+    world = 700
+    load = rng.integers(0, 6, world).astype(np.float64)
+    tokens = rng.integers(0, 20, world)
+    index = LoadIndex(load, tokens)
+    bound = 15
+    index.set_bound(bound)
+    for _ in range(3000):
+        op = rng.integers(0, 5)
+        if op == 0:
+            bound = int(rng.integers(0, 40))
+            index.set_bound(bound)
+        elif op <= 2:
+            room = float(rng.integers(0, 40)) / 2
+            want = _fullest_under(load, tokens, bound, room)
+            want = want if want is not None else _least_loaded(load, tokens, bound)
+            assert index.take(room, 0.5, int(rng.integers(0, 3))) == want
+        else:
+            rank = int(rng.integers(0, world))
+            load[rank] += float(rng.integers(0, 3))
+            tokens[rank] += int(rng.integers(0, 4))
+            index.move(rank)
+        room = float(rng.integers(0, 40)) / 2
+        assert index.fullest_under(room) == _fullest_under(load, tokens, bound, room)
+        assert index.least_loaded() == _least_loaded(load, tokens, bound)

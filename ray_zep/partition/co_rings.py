@@ -26,7 +26,7 @@ import itertools
 
 import numpy as np
 
-from ray_zep.partition.fill_kernel import co_member_ring as ring_kernel
+from ray_zep.partition.ring_search_kernel import co_member_ring as ring_kernel
 
 FREE = -1
 """`RingLabels` of a rank in no ring."""
@@ -82,7 +82,7 @@ def co_member_ring(
     whose work room under `level` and token room take a ring over `n` tokens (`member`:
     its member work at each size); of those, the node and ring of the least loaded rank
     that fits, and its least loaded members. With the ring's member work; None where no
-    node has them (`fill_kernel.co_member_ring`).
+    node has them (`ring_search_kernel.co_member_ring`).
 
     Args:
         labels: the placement's `RingLabels`.

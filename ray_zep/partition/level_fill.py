@@ -13,16 +13,10 @@ import numpy as np
 
 from ray_zep.partition.co_rings import RingLabels, co_member_ring
 from ray_zep.partition.fill import water_fill
-from ray_zep.partition.fill_kernel import (
-    DONE,
-    GIVEN_UP,
-    SECOND_RING,
-    SPILL,
-    deal,
-    move,
-    new_index,
-    spare_ring,
-)
+from ray_zep.partition.fill_kernel import DONE, GIVEN_UP, SECOND_RING, SPILL, deal
+from ray_zep.partition.index_kernel import move
+from ray_zep.partition.load_index import new_index
+from ray_zep.partition.ring_search_kernel import spare_ring
 from ray_zep.partition.work import WorkModel
 from ray_zep.topology import Topology
 
@@ -308,7 +302,7 @@ def _spare_ring(
 ) -> tuple[tuple[int, ...], float] | None:
     """`_small_ring` on ranks in no ring: of the nodes with enough such ranks for the
     fewest, the one with the least load, and its least loaded ranks
-    (`fill_kernel.spare_ring`)."""
+    (`ring_search_kernel.spare_ring`)."""
     ranks, k = spare_ring(placed.in_ring, placed.tokens, placed.load, n, member, level, capacity,
                           topology.gpus_per_node)  # fmt: skip
     return None if k < 0 else (tuple(ranks.tolist()), float(member[k]))
