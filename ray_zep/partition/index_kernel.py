@@ -65,14 +65,7 @@ def take(index, room: float, work: float, count: int, then: int, load, tokens) -
     loaded (lowest rank on ties), given `work` and `count` tokens and filed again; -1
     where no rank answers. `then` (-1: none): the bound the caller sets next, before any
     other query; a rank over today's bound but within that one is filed at once."""
-    loads, keys, meta, filed_in, filed, order = (
-        index[0],
-        index[1],
-        index[2],
-        index[3],
-        index[4],
-        index[8],
-    )
+    loads, keys, meta, filed_in, filed, _, _, _, order, _ = index
     if not meta[_READY]:
         return -1
     block, at = _last_under(index, room)
@@ -208,14 +201,7 @@ def _find(index, load, key) -> tuple[int, int]:
 @compiled
 def _add(index, load, key) -> None:
     """Files (`load`, `key`) where it sorts; a full block splits in two first."""
-    loads, keys, meta, sizes, order, spare = (
-        index[0],
-        index[1],
-        index[2],
-        index[7],
-        index[8],
-        index[9],
-    )
+    loads, keys, meta, _, _, _, _, sizes, order, spare = index
     meta[_READY] += 1
     if not meta[_BLOCKS]:
         meta[_FREE] -= 1
@@ -247,14 +233,7 @@ def _add(index, load, key) -> None:
 @compiled
 def _remove(index, block, at) -> None:
     """Drops the entry at (`block`, `at`); an emptied block leaves the order."""
-    loads, keys, meta, sizes, order, spare = (
-        index[0],
-        index[1],
-        index[2],
-        index[7],
-        index[8],
-        index[9],
-    )
+    loads, keys, meta, _, _, _, _, sizes, order, spare = index
     meta[_READY] -= 1
     size = sizes[block]
     for i in range(at, size - 1):

@@ -280,7 +280,8 @@ def _small_ring(
     room take a ring over `n` tokens (`member`: its member work at each of those sizes),
     its member work and False; where no node has them, the same among ranks of one node
     that are all members of one ring (`ray_zep.partition.co_rings`), and True; None
-    where neither is there."""
+    where neither is there. One question at a time on a placement (the fill asks the same
+    inside its compiled dealing, `fill_kernel.deal`)."""
     if topology.gpus_per_node < 2:
         return None
     alone = _spare_ring(placed, n, member, level, capacity, topology)
