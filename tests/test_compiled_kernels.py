@@ -6,6 +6,9 @@ tests/test_co_rings.py and tests/test_balance.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -140,3 +143,12 @@ def test_a_kernel_cache_made_from_other_sources_is_dropped(tmp_path) -> None:
     (tmp_path / "b_kernel.py").write_text("y = 3\n")  # a callee's file changed
     assert forget_stale_kernels(tmp_path)
     assert sorted(p.name for p in cache.glob("*.nb?")) == ["other.h-2.py311.nbi"]
+
+
+def test_a_process_that_plans_nothing_does_not_import_numba() -> None:
+    """The planner's package imports its kernels as `Kernel`s; numba comes in on the first
+    call of one (`compiled.compile_all`), not with the package."""
+    probe = "import sys, ray_zep.partition, ray_zep.step_plan; print('numba' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True)  # fmt: skip
+    assert done.stdout.strip() == "False"

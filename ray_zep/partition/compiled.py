@@ -10,27 +10,26 @@ same arithmetic in the same order, so the answers are those of the array code th
 replaced, bit for bit (their tests play each kernel against scans of every rank, against
 the model's array formulas, and against itself run as Python).
 
-Each kernel compiles once per machine, on its first call (a few seconds), and numba
-keeps it on disk beside its module (or in the user's cache directory where that is
-read-only); later processes load it in a fraction of a second. numba's cache checks a
-kernel's own file alone, not those of the kernels it calls, so the kernel files are
-hashed together on import and a kernel cache beside them made from other sources is
-dropped (`forget_stale_kernels`; an install writes every file anew, which numba's own
-check sees). A kernel reads no constants of modules other than the kernel files (they
-come in as arguments), and none calls itself (a cached recursive kernel does not load
-again). `NUMBA_DISABLE_JIT=1` runs every kernel as Python, with the same answers, slowly.
+The kernels compile once per machine, on the first call of any (half a minute for all of
+them), and numba keeps them on disk beside their modules (or in the user's cache
+directory where that is read-only); later processes load them in half a second, and a
+process that never plans does not import numba. numba's cache checks a kernel's own file
+alone, not those of the kernels it calls, so before they compile the kernel files are
+hashed together and a cache beside them made from other sources is dropped
+(`forget_stale_kernels`; an install writes every file anew, which numba's own check sees).
+A kernel reads no constants of modules other than the kernel files (they come in as
+arguments), and none calls itself (a cached recursive kernel does not load again).
+`NUMBA_DISABLE_JIT=1` runs every kernel as Python, with the same answers, slowly.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
-
-from numba import njit
-
-Kernel = TypeVar("Kernel", bound=Callable)
+from typing import Any, ClassVar
 
 KERNELS = Path(__file__).parent
 """Where the kernel files (`*_kernel.py`) live, and numba's cache of them (`__pycache__`)."""
@@ -38,10 +37,50 @@ STAMP = "kernels.sha256"
 """The file beside the cache naming the kernel sources it was made from."""
 
 
-def compiled(kernel: Kernel) -> Kernel:
-    """`kernel` compiled (numba, no Python objects inside, cached on disk); its Python
-    self stays as `kernel.py_func`."""
-    return njit(cache=True)(kernel)
+class Kernel:
+    """A function compiled with numba (no Python objects inside, cached on disk) on the
+    first call of any kernel: until then numba is not imported (a process that plans
+    nothing, a training worker or a command, does not pay for it). Its Python self stays
+    as `py_func`."""
+
+    made: ClassVar[list[Kernel]] = []
+    """Every kernel defined so far, compiled or not."""
+
+    def __init__(self, py_func: Callable) -> None:
+        functools.update_wrapper(self, py_func)
+        self.py_func = py_func
+        self.dispatcher: Any = None
+        Kernel.made.append(self)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.dispatcher is None:
+            compile_all()
+        return self.dispatcher(*args)
+
+
+def compiled(kernel: Callable) -> Kernel:
+    """`kernel` as a `Kernel`."""
+    return Kernel(kernel)
+
+
+def compile_all() -> None:
+    """Makes every kernel defined so far a numba dispatcher, and puts it in place of the
+    `Kernel` wherever a kernel module names it (its own, and those that imported it), so
+    that a kernel compiling finds the kernels it calls as dispatchers. Drops a stale cache
+    first (`forget_stale_kernels`)."""
+    from numba import njit
+
+    forget_stale_kernels()
+    dispatchers = {}
+    for kernel in Kernel.made:
+        if kernel.dispatcher is None:
+            kernel.dispatcher = njit(cache=True)(kernel.py_func)
+        dispatchers[id(kernel)] = kernel.dispatcher
+    for module in {kernel.py_func.__module__ for kernel in Kernel.made}:
+        names = vars(sys.modules[module])
+        for name, value in list(names.items()):
+            if isinstance(value, Kernel):
+                names[name] = dispatchers[id(value)]
 
 
 def forget_stale_kernels(folder: Path = KERNELS) -> bool:
@@ -67,6 +106,3 @@ def forget_stale_kernels(folder: Path = KERNELS) -> bool:
     except OSError:
         return False
     return bool(stale)
-
-
-forget_stale_kernels()
