@@ -76,7 +76,7 @@ class Placed:
     """The fill stopped where the sequences left must bring a rank to the bound
     (`fill_kernel.hopeless`)."""
     dealt: int = 0
-    """Whole sequences the fill went through (all, or up to where it stopped)."""
+    """Whole sequences the fill went through: all, or those before the one it stopped at."""
     fill_fits: bool = False
     """The whole sequences fit the tokens the rings leave free, whatever the fill does
     with them (`whole_sequences_fit`): the fill cannot fail for want of tokens."""
@@ -225,8 +225,9 @@ def fill_whole(
         else:
             _add_ring(placed, seq, n, tuple(ranks.tolist()), float(rows[position, k]),
                       stop == SECOND_RING, capacity, model)  # fmt: skip
-        labels.added(placed.groups[seq][0])
-        ring_ranks = np.asarray(placed.groups[seq][0], dtype=np.int64)
+        taken = placed.groups[seq][0]
+        labels.added(taken)
+        ring_ranks = np.asarray(taken, dtype=np.int64)
         if placed.load[ring_ranks].max() >= prune_above:
             stop = GIVEN_UP
             break
@@ -235,7 +236,7 @@ def fill_whole(
         state[0] = position + 1
     placed.pruned = placed.pruned or stop == GIVEN_UP
     placed.given_up = bool(state[2])
-    placed.dealt = int(state[0]) + (stop == DONE)
+    placed.dealt = int(state[0])
     dealt = np.flatnonzero(local >= 0)
     placed.local.update(zip(order[dealt].tolist(), local[dealt].tolist(), strict=True))
 

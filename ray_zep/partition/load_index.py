@@ -1,10 +1,10 @@
 """Ranks ordered by modelled load, for best-fit queries under a token bound: the compiled
-index (`ray_zep.partition.fill_kernel`), its arrays (`new_index`), and a Python object
+index (`ray_zep.partition.index_kernel`), its arrays (`new_index`), and a Python object
 over them.
 
 The work planner deals whole sequences one by one, each to the fullest rank whose load
 leaves room for it among the ranks with token room (`ray_zep.partition.level_fill`); the
-fill runs the index's kernels itself (`ray_zep.partition.fill_kernel`). This object
+fill's dealing runs the index's kernels itself (`ray_zep.partition.fill_kernel`). This object
 answers the same queries one at a time, for a caller outside a kernel.
 """
 
@@ -16,7 +16,7 @@ from ray_zep.partition import index_kernel
 
 
 def new_index(world: int, spare: int = 256) -> tuple:
-    """An empty index of `world` ranks (`fill_kernel`'s load index): the filed ranks'
+    """An empty index of `world` ranks (`index_kernel`): the filed ranks'
     loads and negated ranks in blocks, the counters, each rank's whether filed and filed
     load, the heap's tokens and ranks (room for `spare` entries more than there are
     ranks: a full heap drops its stale entries, and a rank holds one live entry at
