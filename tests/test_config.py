@@ -162,6 +162,26 @@ def test_yaml_boolean_words_name_enum_members(tmp_path: Path) -> None:
         load_config(None, ["comm.compression=on"])
 
 
+def test_enum_words_reach_omegaconf_as_members(tmp_path: Path) -> None:
+    """omegaconf before 2.4 takes an enum's member names alone (FSDP), not the values the
+    configs write (fsdp): the loader hands it members, from YAML, overrides and saved
+    dicts alike, so every omegaconf the package allows reads them."""
+    from ray_zep.config import loader
+
+    path = tmp_path / "run.yaml"
+    path.write_text("parallel:\n  weights: fsdp\ncomm:\n  compression: off\n")
+    layer = loader._load_yaml(path)
+    assert layer.parallel.weights is WeightsMode.FSDP
+    assert layer.comm.compression is Compression.OFF
+    words = {"parallel": {"weights": "hsdp", "sequence": "nothing"}, "train": {"steps": 3}}
+    members = loader._enum_members(words, Config)
+    assert members["parallel"]["weights"] is WeightsMode.HSDP
+    assert members["parallel"]["sequence"] == "nothing"  # left for omegaconf's error
+    assert members["train"]["steps"] == 3
+    config = load_config(None, ["parallel.weights=fsdp"])
+    assert config_from_dict(config_to_dict(config)) == config
+
+
 @pytest.mark.parametrize(
     ("where", "value", "replacement"),
     [

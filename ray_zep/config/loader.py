@@ -64,7 +64,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     _check_overrides(overrides)
     try:
         dotlist = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))
-        layers.append(OmegaConf.create(_enum_words_back(dotlist, Config)))
+        layers.append(OmegaConf.create(_enum_members(dotlist, Config)))
         merged = OmegaConf.merge(*layers)
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
@@ -124,24 +124,35 @@ def _load_yaml(path: Path, overrides: Sequence[str] = ()) -> Any:
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
     refuse_legacy_section(content.get("parallel"), overrides)
     content = _preset_sizes_win(content, overrides, path)
-    return OmegaConf.create(_enum_words_back(content, Config))
+    return OmegaConf.create(_enum_members(content, Config))
 
 
-def _enum_words_back(data: Any, schema: Any) -> Any:
-    """YAML reads `off` / `on` (and no / yes) as booleans: where the schema expects an
-    enum with such a member (`comm.compression=off`), give the word back."""
+def _enum_members(data: Any, schema: Any) -> Any:
+    """Where the schema expects an enum, its member in place of the word naming it.
+    omegaconf before 2.4 takes an enum's member names alone (`FSDP`), not their values
+    (`fsdp`, what the docs and configs write); a member is taken by every version. YAML
+    reads `off` / `on` (and no / yes) as booleans: where the enum has such a member
+    (`comm.compression=off`), the word comes back first. A word naming no member stays, for
+    omegaconf's error."""
     if not isinstance(data, dict) or not dataclasses.is_dataclass(schema):
         return data
     hints = typing.get_type_hints(schema)
     fixed = {}
     for key, value in data.items():
         field_type = hints.get(key)
-        is_enum = isinstance(field_type, type) and issubclass(field_type, Enum)
-        if isinstance(value, bool) and is_enum:
-            values = {member.value for member in field_type}
-            value = next((w for w in YAML_BOOLEAN_WORDS[value] if w in values), value)
-        fixed[key] = _enum_words_back(value, field_type)
+        if isinstance(field_type, type) and issubclass(field_type, Enum):
+            fixed[key] = _member(field_type, value)
+        else:
+            fixed[key] = _enum_members(value, field_type)
     return fixed
+
+
+def _member(enum: type[Enum], value: Any) -> Any:
+    """`enum`'s member whose value `value` is (or names, as a YAML boolean), else `value`."""
+    by_value = {member.value: member for member in enum}
+    if isinstance(value, bool):
+        value = next((w for w in YAML_BOOLEAN_WORDS[value] if w in by_value), value)
+    return by_value.get(value, value) if isinstance(value, str) else value
 
 
 def _schema_type(parts: list[str]) -> Any:
@@ -184,7 +195,8 @@ def config_to_yaml(config: Config) -> str:
 
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Inverse of `config_to_dict`."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), data))  # type: ignore
+    members = _enum_members(data, Config)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), members))  # type: ignore
 
 
 def write_resolved_config(config: Config, run_dir: Path) -> Path:
