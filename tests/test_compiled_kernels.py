@@ -14,6 +14,7 @@ import pytest
 
 from ray_zep.config import load_config
 from ray_zep.options import DkvWire
+from ray_zep.partition import sum_kernel
 from ray_zep.partition.compiled import forget_stale_kernels
 from ray_zep.partition.group_kernel import group_kernel
 from ray_zep.partition.guest_kernel import costs_of, host_costs
@@ -120,6 +121,21 @@ def test_a_sum_over_the_ranks_is_numpys(count: int) -> None:
     values = rng.random(count + 5) * 10.0 ** rng.integers(-6, 6, count + 5)
     got = pairwise_sum(values, 3, count)
     assert np.float64(got).tobytes() == values[3 : 3 + count].sum().tobytes()
+
+
+def test_a_sum_in_buffers_as_numpy_before_2_3_sums(monkeypatch) -> None:
+    """Under numpy before 2.3 (`NUMPY_BUFFER` = 8,192) the kernel adds the buffers' pairwise
+    sums one after another, as that numpy does; played here as Python on any numpy, each
+    buffer's own sum numpy's (one buffer is summed pairwise by every version)."""
+    monkeypatch.setattr(sum_kernel, "NUMPY_BUFFER", 8192)
+    rng = np.random.default_rng(7)
+    values = rng.random(30_005) * 10.0 ** rng.integers(-6, 6, 30_005)
+    for count in (100, 8192, 8193, 30_000):
+        part = values[5 : 5 + count]
+        expected = 0.0
+        for at in range(0, count, 8192):
+            expected += float(part[at : at + 8192].sum())
+        assert sum_kernel.pairwise_sum.py_func(values, 5, count) == expected
 
 
 def test_a_kernel_cache_made_from_other_sources_is_dropped(tmp_path) -> None:

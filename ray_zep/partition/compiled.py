@@ -31,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy
+
 KERNELS = Path(__file__).parent
 """Where the kernel files (`*_kernel.py`) live, and numba's cache of them (`__pycache__`)."""
 STAMP = "kernels.sha256"
@@ -86,10 +88,12 @@ def compile_all() -> None:
 def forget_stale_kernels(folder: Path = KERNELS) -> bool:
     """Drops numba's cached kernels beside `folder`'s kernel files where they were made
     from other sources than these (a kernel loaded from its cache carries the kernels it
-    calls as they were). Returns whether it dropped any; a cache it cannot write is left
-    to numba (an install's files are all new)."""
+    calls as they were) or under another numpy (`sum_kernel.NUMPY_BUFFER` follows its
+    version). Returns whether it dropped any; a cache it cannot write is left to numba
+    (an install's files are all new)."""
     sources = [*sorted(folder.glob("*_kernel.py")), Path(__file__)]
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()
+    made_of = b"".join(path.read_bytes() for path in sources) + numpy.__version__.encode()
+    digest = hashlib.sha256(made_of).hexdigest()
     cache = folder / "__pycache__"
     stamp = cache / STAMP
     try:

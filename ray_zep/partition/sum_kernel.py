@@ -1,6 +1,10 @@
 """numpy's sum of a float64 array, compiled (`ray_zep.partition.compiled`): the kernels
 that add up loads sum them as the array code they replaced did (pairwise), so that ties
-fall where they fell (tests/test_compiled_kernels.py).
+fall where they fell (tests/test_compiled_kernels.py). numpy 2.3 changed how: before it,
+a long array is summed in buffers of 8,192 values (`NUMPY_BUFFER`), each pairwise and the
+buffers one after another; from 2.3 on, pairwise over the whole array. The kernels follow
+the numpy installed (the kernels' cache is stamped with its version:
+`compiled.forget_stale_kernels`).
 """
 
 from __future__ import annotations
@@ -9,12 +13,29 @@ import numpy as np
 
 from ray_zep.partition.compiled import compiled
 
+NUMPY_BUFFER = 0 if np.lib.NumpyVersion(np.__version__) >= "2.3.0" else 8192
+"""The values numpy sums pairwise before adding the next run's sum (0: all of them): its
+reduction's buffer, 8,192 values by default (`numpy.getbufsize`), before numpy 2.3."""
+
 
 @compiled
 def pairwise_sum(values, start, count) -> float:
-    """numpy's sum of `values[start : start + count]` (float64, contiguous): blocks of at
-    most 128 (`block_sum`), halved (to multiples of 8) above that and added as the two
-    halves' sums. Without recursion (numba's cache does not keep recursive kernels)."""
+    """numpy's sum of `values[start : start + count]` (float64, contiguous): `NUMPY_BUFFER`
+    values at a time (all at once where it is 0), each run summed pairwise (`run_sum`)
+    and the runs' sums added in order."""
+    if NUMPY_BUFFER == 0 or count <= NUMPY_BUFFER:
+        return run_sum(values, start, count)
+    total = 0.0
+    for at in range(start, start + count, NUMPY_BUFFER):
+        total += run_sum(values, at, min(NUMPY_BUFFER, start + count - at))
+    return total
+
+
+@compiled
+def run_sum(values, start, count) -> float:
+    """numpy's pairwise sum of `values[start : start + count]`: blocks of at most 128
+    (`block_sum`), halved (to multiples of 8) above that and added as the two halves'
+    sums. Without recursion (numba's cache does not keep recursive kernels)."""
     starts = np.empty(64, dtype=np.int64)
     counts = np.empty(64, dtype=np.int64)
     phases = np.zeros(64, dtype=np.int64)
