@@ -20,7 +20,7 @@ from ray_zep.config import ActivationCheckpointing, load_config
 from ray_zep.model.llama import Transformer
 from ray_zep.model_shapes import build_shape
 from tests.helpers.procs import run_ranks
-from tests.helpers.training import SMALL_RUN, train_rank_each
+from tests.helpers.training import NEEDS_EXPERT_MESH, SMALL_RUN, train_rank_each
 
 REL_TOL = 1e-5
 MODES = [m.value for m in ActivationCheckpointing]
@@ -118,6 +118,7 @@ CASES = {
 }  # fmt: skip
 
 
+@NEEDS_EXPERT_MESH
 @pytest.mark.dist
 def test_checkpointing_composes_with_every_axis_and_trains_the_same(tmp_path: Path) -> None:
     runs, names = [], []

@@ -182,6 +182,25 @@ def test_enum_words_reach_omegaconf_as_members(tmp_path: Path) -> None:
     assert config_from_dict(config_to_dict(config)) == config
 
 
+def test_experts_sharded_over_their_replicas_need_torch_2_12(monkeypatch) -> None:
+    """Before torch 2.12 (no per-parameter FSDP mesh) experts sharded over their replicas
+    are refused when the config loads, naming the keys and the torch found; versions are
+    read from the installed metadata, not by importing torch."""
+    from ray_zep.config import checks
+
+    expert_sharded = ["model.preset=tiny_moe", "parallel.ep=2", "parallel.weights=fsdp",
+                      "topology.nodes=1", "topology.gpus_per_node=4"]  # fmt: skip
+    found = {"version": "2.11.0+cu130"}
+    monkeypatch.setattr(checks.metadata, "version", lambda name: found["version"])
+    with pytest.raises(ConfigError, match=r"parallel\.ep=2 with parallel\.weights=fsdp.*2\.11"):
+        load_config(None, expert_sharded)
+    replicated = expert_sharded[:2] + expert_sharded[3:]  # no mesh needed
+    load_config(None, replicated)
+    for newer in ("2.12.0", "2.13.0+cpu", "3.0.0a0+git1234"):
+        found["version"] = newer
+        assert load_config(None, expert_sharded).parallel.ep == 2
+
+
 @pytest.mark.parametrize(
     ("where", "value", "replacement"),
     [

@@ -20,6 +20,7 @@ import torch
 
 from tests.helpers.procs import run_ranks
 from tests.helpers.training import (
+    NEEDS_EXPERT_MESH,
     SMALL_RUN,
     first_gradients,
     gradients_of,
@@ -149,6 +150,7 @@ COMPOSED = {
 """EP 2 with every sequence placement family and weights sharding (dropless)."""
 
 
+@NEEDS_EXPERT_MESH
 @pytest.mark.parametrize(
     "nodes,gpus", [(2, 2), pytest.param(2, 4, marks=pytest.mark.slow)], ids=["2x2", "2x4"]
 )
@@ -207,6 +209,7 @@ CAPACITY_CASES = {
 """Runs that drop choices, each beside the reference that routes in its groups."""
 
 
+@NEEDS_EXPERT_MESH
 def test_capacity_drops_equal_a_reference_that_routes_like_the_run(tmp_path: Path) -> None:
     """A reference mirrors the run's routing groups (`parallel.reference_layout`); one that
     routes the whole batch as one group drops other choices, so it must differ."""

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ray_zep.attention.links import Links
 from ray_zep.collectives.codec import blamed_on, compress, decode_exactly, read_header
 from ray_zep.collectives.format import static_bytes
+from ray_zep.distributed.group import all_gather_single, reduce_scatter_single
 
 
 class Pending:
@@ -147,7 +148,7 @@ def all_gather_rows(local: torch.Tensor, rows: int, links: Links, ops: Counter) 
     padded[: local.shape[0]] = local
     out = local.new_empty((links.world_size * rows, *local.shape[1:]))
     ops["all_gather"] += 1
-    work = dist.all_gather_single(out, padded, group=links.group, async_op=True)
+    work = all_gather_single(out, padded, group=links.group, async_op=True)
     Pending([work], links, "all-gather of K/V").wait()
     return out.view(links.world_size, rows, *local.shape[1:])
 
@@ -157,8 +158,6 @@ def reduce_scatter_rows(stacked: torch.Tensor, links: Links, ops: Counter) -> to
     out = stacked.new_empty(stacked.shape[1:])
     ops["reduce_scatter"] += 1
     flat = stacked.reshape(-1, *stacked.shape[2:]).contiguous()
-    work = dist.reduce_scatter_single(
-        out, flat, op=dist.ReduceOp.SUM, group=links.group, async_op=True
-    )
+    work = reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=links.group, async_op=True)
     Pending([work], links, "reduce-scatter of dK/dV").wait()
     return out

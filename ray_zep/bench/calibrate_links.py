@@ -108,10 +108,10 @@ def _ring_exchange(rank: int, world: int, send: torch.Tensor, recv: torch.Tensor
 
 
 def _gather(send: torch.Tensor, out: torch.Tensor):
-    import torch.distributed as dist
+    from ray_zep.distributed.group import all_gather_single
 
     def exchange() -> list:
-        dist.all_gather_single(out, send)
+        all_gather_single(out, send)
         return []
 
     return exchange

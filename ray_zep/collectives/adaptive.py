@@ -78,7 +78,7 @@ class AdaptiveCollectives:
             torch.cat(gathered, out=out)
             return sizes
 
-        plain = partial(dist.all_gather_single, out, shard, group=self.g.group, async_op=True)
+        plain = partial(ops.all_gather_single, out, shard, group=self.g.group, async_op=True)
         self._either(Kind.ALL_GATHER, stream, shard, plain, zipped)
 
     def reduce_scatter_into_(self, out: torch.Tensor, full: torch.Tensor, stream: str) -> None:
@@ -89,7 +89,7 @@ class AdaptiveCollectives:
             out.copy_(reduced)
             return sizes
 
-        plain = partial(dist.reduce_scatter_single, out, full, group=self.g.group, async_op=True)
+        plain = partial(ops.reduce_scatter_single, out, full, group=self.g.group, async_op=True)
         self._either(Kind.REDUCE_SCATTER, stream, full, plain, zipped)
 
     def post_all_to_all_rows(

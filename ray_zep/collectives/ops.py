@@ -39,7 +39,7 @@ from ray_zep.collectives.codec import (
     split_packed,
 )
 from ray_zep.collectives.format import static_bytes
-from ray_zep.distributed.group import Group
+from ray_zep.distributed.group import Group, all_gather_single, reduce_scatter_single
 from ray_zep.errors import CodecError
 
 
@@ -85,7 +85,7 @@ def all_gather_v(tensor: torch.Tensor, g: Group) -> list[torch.Tensor]:
     padded = tensor.new_zeros((longest, *row_shape))
     padded[: tensor.shape[0]] = tensor
     out = tensor.new_empty((g.size * longest, *row_shape))
-    work = dist.all_gather_single(out, padded.contiguous(), group=g.group, async_op=True)
+    work = all_gather_single(out, padded.contiguous(), group=g.group, async_op=True)
     g.wait([work], "all-gather")
     blocks = out.view(g.size, longest, *row_shape)
     return [blocks[r, : rows[r][0]] for r in range(g.size)]
@@ -107,7 +107,7 @@ def zipped_all_gather(
     padded = packed.new_zeros(longest)
     padded[: packed.numel()] = packed
     out = packed.new_empty(g.size * longest)
-    work = dist.all_gather_single(out, padded, group=g.group, async_op=True)
+    work = all_gather_single(out, padded, group=g.group, async_op=True)
     g.wait([work], f"zipped {what}")
     blocks = out.view(g.size, longest)
     gathered = []
@@ -345,7 +345,7 @@ def native_reduce_scatter(tensor: torch.Tensor, g: Group) -> torch.Tensor:
     """The backend's own reduce-scatter (its summation order)."""
     rows = _equal_rows(tensor, g)
     out = tensor.new_empty((rows, *tensor.shape[1:]))
-    work = dist.reduce_scatter_single(out, tensor.contiguous(), group=g.group, async_op=True)
+    work = reduce_scatter_single(out, tensor.contiguous(), group=g.group, async_op=True)
     g.wait([work], "reduce-scatter")
     return out
 
@@ -365,7 +365,7 @@ def all_gather_ints(values: list[int], g: Group, what: str) -> list[list[int]]:
     """Every rank's list of ints (all the same length), by rank."""
     mine = torch.tensor(values, dtype=torch.int64)
     out = torch.empty(g.size * len(values), dtype=torch.int64)
-    work = dist.all_gather_single(out, mine, group=g.group, async_op=True)
+    work = all_gather_single(out, mine, group=g.group, async_op=True)
     g.wait([work], what)
     return out.view(g.size, len(values)).tolist()
 

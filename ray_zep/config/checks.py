@@ -7,6 +7,9 @@ reads). The rules that also need the topology's sizes are `ray_zep.config.sizes`
 
 from __future__ import annotations
 
+import re
+from importlib import metadata
+
 from ray_zep.config.parallelism import ParallelConfig
 from ray_zep.config.rules import word
 from ray_zep.config.training import DataConfig, ModelConfig, TrainConfig
@@ -23,10 +26,12 @@ def check_across_sections(
 
     Raises:
         ConfigError: naming the key to change: the parallel axes do not compose
-            (`ray_zep.parallel.axes.refusal`), a whole-sequence placement meets budget
+            (`ray_zep.parallel.axes.refusal`) or the installed torch cannot shard
+            experts over their replicas, a whole-sequence placement meets budget
             packing, or evaluation is asked for without held-out data.
     """
     check_axes(parallel, model)
+    check_expert_sharding(parallel, model)
     check_packing(parallel, data)
     check_evaluation(train, data)
     check_checkpointing(train, model)
@@ -48,6 +53,29 @@ def check_axes(parallel: ParallelConfig, model: ModelConfig) -> None:
         key, why = refused
         value = getattr(parallel, key.split(".")[1])
         raise ConfigError(f"config key {key}={word(value)}: {why}")
+
+
+def check_expert_sharding(parallel: ParallelConfig, model: ModelConfig) -> None:
+    """Experts under an FSDP weights mode with `parallel.ep` > 1 are sharded over their
+    own replicas, through `fully_shard`'s per-parameter mesh, which torch has from 2.12
+    on: refused here with older torch, before any worker starts."""
+    sharded = parallel.ep > 1 and parallel.weights_axis.fsdp
+    if sharded and build_shape(model).moe_experts > 0 and not torch_shards_experts():
+        raise ConfigError(
+            f"config key parallel.ep={parallel.ep} with parallel.weights="
+            f"{word(parallel.weights)}: sharding experts over their own mesh needs torch "
+            f">= 2.12 (fully_shard's per-parameter mesh), this is {metadata.version('torch')}"
+        )
+
+
+def torch_shards_experts() -> bool:
+    """Whether the installed torch (read from its metadata, not imported) is 2.12 or
+    newer; True where it cannot tell (the worker's own check then speaks)."""
+    try:
+        found = re.match(r"(\d+)\.(\d+)", metadata.version("torch"))
+    except metadata.PackageNotFoundError:
+        return True
+    return found is None or (int(found[1]), int(found[2])) >= (2, 12)
 
 
 def check_packing(parallel: ParallelConfig, data: DataConfig) -> None:

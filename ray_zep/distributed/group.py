@@ -8,6 +8,13 @@ import torch.distributed as dist
 
 from ray_zep.distributed.waiting import wait_all
 
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""torch's all-gather into one tensor: `all_gather_single` from torch 2.13 on, the same call
+named `all_gather_into_tensor` before (a deprecated alias since)."""
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""torch's reduce-scatter of one tensor: `reduce_scatter_single` from torch 2.13 on,
+`reduce_scatter_tensor` before."""
+
 
 @dataclass(frozen=True)
 class Group:

@@ -250,8 +250,13 @@ def _destroy_subgroups() -> None:
     from torch.distributed import distributed_c10d as c10d
     from torch.distributed.tensor import DTensor
 
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
+    cached = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    # torch 2.9: a thread's own holder of the lru_cache, and no C++ cache beside it
+    clear = getattr(cached, "cache_clear", None) or cached.cache.cache_clear
+    clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:
+        native()
     world_group = c10d.GroupMember.WORLD
     for group in list(c10d._world.pg_map):
         if group is not world_group:

@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
 from ray_zep import steplog
 from ray_zep.config import Config, load_config
+from ray_zep.config.checks import torch_shards_experts
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.data.batching import BatchStream, Cursor, GlobalBatch
 from ray_zep.data.builder import write_token_parquet
@@ -32,6 +34,13 @@ from ray_zep.train.checkpoint import Progress, read_model_state
 from ray_zep.train.loop import run_rank
 from ray_zep.train.setup import create_comm
 from ray_zep.train.trainer import RankTrainer
+
+NEEDS_EXPERT_MESH = pytest.mark.skipif(
+    not torch_shards_experts(),
+    reason="torch < 2.12 has no per-parameter FSDP mesh: experts sharded over their "
+    "replicas are refused when the config loads (ray_zep.config.checks)",
+)
+"""For tests that shard experts over their replicas (`parallel.ep` > 1 under fsdp / hsdp)."""
 
 TIMEOUT_S = 60.0
 
