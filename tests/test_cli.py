@@ -135,8 +135,11 @@ def test_config_and_topology_commands(capsys) -> None:
     assert "NIC0<-GPU0,1" in stdout
 
 
+MOE_REPLICATED = ["model.preset=tiny_moe", "parallel.weights=replicated"]
+"""The demo with experts, its weights replicated (experts sharded over their replicas
+under fsdp need torch 2.12: refused when the config loads before it)."""
 TRAIN_REFUSES = [
-    (["model.preset=tiny_moe", "parallel.ep=3"], "config key parallel.ep=3: must divide the 4"),
+    ([*MOE_REPLICATED, "parallel.ep=3"], "config key parallel.ep=3: must divide the 4"),
     (["ray.min_nodes=5"], "config key ray.min_nodes=5: must be at most topology.nodes=2"),
 ]
 
@@ -159,7 +162,7 @@ def test_config_command_refuses_what_train_refuses(
 
 
 def test_config_command_prints_what_train_accepts(capsys) -> None:
-    overrides = ["model.preset=tiny_moe", "parallel.ep=2", "ray.min_nodes=2"]
+    overrides = [*MOE_REPLICATED, "parallel.ep=2", "ray.min_nodes=2"]
     code, stdout, err = _run(capsys, "config", DEMO, *overrides)
     assert code == 0 and err == ""
     assert load_config(DEMO, overrides) == config_from_dict(yaml.safe_load(stdout))
