@@ -38,14 +38,10 @@ def spare_ring(
     best_k, best_load, best_node = sizes, np.inf, -1
     for node in range(load.size // gpus):
         # only a node with two ranks that could take a member of some size can (ranks in
-        # no ring with room for a member of the widest ring, loaded lightly enough for
-        # the least member work)
-        could = 0
-        for rank in range(node * gpus, (node + 1) * gpus):
-            if (not in_ring[rank] and tokens[rank] <= capacity - least_need
-                    and load[rank] <= level - least_member):  # fmt: skip
-                could += 1
-        if could < 2:
+        # no ring with room for a member of the widest ring and for the least member
+        # work: a rank that fits any size fits these)
+        if _fitting(in_ring, tokens, load, node, gpus, least_need, least_member, level,
+                    capacity, False) < 2:  # fmt: skip
             continue
         for k in range(min(best_k + 1, sizes)):
             if _fitting(in_ring, tokens, load, node, gpus, need[k], member[k], level, capacity,
