@@ -349,6 +349,12 @@ def preset_gpu(gpu_model: str) -> str:
     return _known_gpu(gpu_model) or "A800"
 
 
+def known_rates(gpu_model: str) -> ComputeRates | None:
+    """The preset of a named GPU; None where none is known (a CPU, another GPU)."""
+    known = _known_gpu(gpu_model)
+    return HARDWARE_RATES[known] if known else None
+
+
 def preset_rates(gpu_model: str) -> ComputeRates:
     """The preset of a named GPU (A800 otherwise)."""
     return HARDWARE_RATES[preset_gpu(gpu_model)]

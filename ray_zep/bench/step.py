@@ -28,6 +28,13 @@ width with 4 layers, `GPU_MODEL`; `7b` is the 7B preset's width, 32 heads of
 prices the chunked loss as it runs (one chunk's logits, the hidden states' and
 the head weight's gradients), not the whole batch's logits.
 
+`--checkpointing none,selective,...` plays each activation checkpointing mode as a case
+of its own (on the config's `train.checkpoint_blocks`, every block by default). Beside
+the measured step each row sets the simulator's step for the same shards at the
+device's preset rates (`ray_zep.bench.step_model`: what `bench scale`'s cluster rows
+are built from; NaN on a CPU), and what backward recomputes in it against what the
+device spent over the case without checkpointing (where `none` was played).
+
 Not the Ray path itself: no data actor, no checkpoint, no process group (one rank).
 """
 
@@ -35,15 +42,18 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import statistics
+import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ray_zep.bench.step_model import modelled_step
 from ray_zep.command_args import (
     at_least,
     counts,
@@ -56,17 +66,21 @@ from ray_zep.config import Config, config_from_dict, config_to_dict, load_config
 from ray_zep.costmodel import datasheet_peak_flops
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import build_shape
+from ray_zep.options import ActivationCheckpointing
 from ray_zep.parallel.axes import WeightsMode
 from ray_zep.partition import registry
 from ray_zep.partition.spec import Role
 from ray_zep.report.charts import grouped_bars
 from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
+from ray_zep.report.progress import ProgressLine
 from ray_zep.report.text_table import Column
+from ray_zep.sim.checkpointing import checkpointing_label
 
 NAME = "step"
 HELP = "time one rank's training step on this device"
 BATCHES = ("packed", "long")
+CHECKPOINTING = tuple(mode.value for mode in ActivationCheckpointing)
 WARM_UP = 2
 """Steps left out of the timing (allocator, kernel selection, autotuning)."""
 GPU_MODEL = (
@@ -115,6 +129,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile", action="store_true", help="torch.compile each block's regions (model.compile)"
     )
+    parser.add_argument(
+        "--checkpointing",
+        help="activation checkpointing modes to play, comma-separated, each on the config's "
+        "blocks (train.activation_checkpointing: " + ", ".join(CHECKPOINTING) + "; default: "
+        "the config's own)",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -123,6 +143,7 @@ class StepRow:
     model: str
     loss_chunk: int
     compiled: bool
+    checkpointing: str
     batch: str
     tokens: int
     held: float
@@ -133,6 +154,14 @@ class StepRow:
     measured_gib: float
     modelled_gib: float
     loss: float
+    modelled_s: float = float("nan")
+    """The simulator's step for the same shards at the device's preset rates
+    (`ray_zep.bench.step_model`; NaN without a preset)."""
+    modelled_recompute_s: float = float("nan")
+    """What backward recomputes in that modelled step."""
+    over_none_s: float = float("nan")
+    """Measured seconds over the same case without checkpointing (NaN where `none` was
+    not played): what the recomputation cost on the device."""
     error: str = ""
 
     @property
@@ -141,11 +170,17 @@ class StepRow:
             return float("nan")
         return self.modelled_gib / self.measured_gib - 1.0
 
+    @property
+    def step_model_error(self) -> float:
+        """The modelled step against the measured one."""
+        return self.modelled_s / self.seconds - 1.0 if self.seconds else float("nan")
+
 
 COLUMNS = [
     Column("model", "model", "<10"),
     Column("loss chunk", "loss_chunk", ">10"),
     Column("compiled", "compiled", "<8"),
+    Column("ckpt", "checkpointing", "<9"),
     Column("batch", "batch", "<8"),
     Column("tokens/step", "tokens", ">12"),
     Column("held/step", "held", ">10.0f"),
@@ -156,6 +191,10 @@ COLUMNS = [
     Column("peak GiB", "measured_gib", ">9.2f"),
     Column("model GiB", "modelled_gib", ">10.2f"),
     Column("model err", "model_error", ">10.1%"),
+    Column("model s", "modelled_s", ">8.3f"),
+    Column("s err", "step_model_error", ">7.1%"),
+    Column("recompute s", "over_none_s", ">12.3f"),
+    Column("model rc s", "modelled_recompute_s", ">11.3f"),
     Column("note", "error", "<"),
 ]
 
@@ -173,11 +212,15 @@ def run(args: argparse.Namespace) -> BenchResult:
     if args.steps <= WARM_UP:
         raise ConfigError(f"--steps={args.steps}: more than the {WARM_UP} warm-up steps")
     peak = _peak_flops(base, device)
-    rows = [
-        run_case(_case_config(base, batch, n, args.steps), device, batch, peak)
-        for n in tokens
-        for batch in batches
-    ]
+    modes = _checkpointing(args, base)
+    cases = [(n, batch, mode) for n in tokens for batch in batches for mode in modes]
+    rows = []
+    with ProgressLine(len(cases), "cases", sys.stdout) as bar:
+        for n, batch, mode in cases:
+            row = run_case(_case_config(base, batch, n, args.steps, mode), device, batch, peak)
+            rows.append(row)
+            bar.update(len(rows), _case_line(row))
+    rows = _with_recompute_measured(rows)
     name = _name(device)
     flash = _flash_impl(device)
     note = (
@@ -189,8 +232,12 @@ def run(args: argparse.Namespace) -> BenchResult:
     spec = {"device": name, "tokens": tokens, "batches": batches, "steps": args.steps,
             "peak_flops": peak, "model": config_to_dict(base)["model"],
             "loss_chunk_tokens": base.model.loss_chunk_tokens,
-            "compile": base.model.compile, "flash_impl": flash}  # fmt: skip
-    records = [asdict(r) | {"model_error": r.model_error} for r in rows]
+            "compile": base.model.compile, "flash_impl": flash,
+            "checkpointing": [m.value for m in modes]}  # fmt: skip
+    records = [
+        asdict(r) | {"model_error": r.model_error, "step_model_error": r.step_model_error}
+        for r in rows
+    ]
     return BenchResult.from_rows(NAME, spec, rows, COLUMNS, draw, records=records, notes=notes)
 
 
@@ -223,6 +270,36 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
     return keys
 
 
+def _checkpointing(args: argparse.Namespace, base: Config) -> list[ActivationCheckpointing]:
+    """The modes of `--checkpointing`, or the config's own.
+
+    Raises:
+        ConfigError: a mode that is not one of `CHECKPOINTING`.
+    """
+    if not args.checkpointing:
+        return [base.train.activation_checkpointing]
+    modes = names(args.checkpointing, CHECKPOINTING)
+    known("--checkpointing", modes, CHECKPOINTING)
+    return [ActivationCheckpointing(mode) for mode in modes]
+
+
+def _case_line(row: StepRow) -> str:
+    """A finished case in one line, printed as it ends (a run cut short keeps them)."""
+    case = f"{row.model} {row.tokens} tokens {row.batch} ckpt {row.checkpointing}"
+    if row.error:
+        return f"{case}: {row.error} (model {row.modelled_gib:.2f} GiB)"
+    return (f"{case}: {row.seconds:.3f} s/step (model {row.modelled_s:.3f}), peak "
+            f"{row.measured_gib:.2f} GiB (model {row.modelled_gib:.2f})")  # fmt: skip
+
+
+def _with_recompute_measured(rows: list[StepRow]) -> list[StepRow]:
+    """Each row with its measured seconds over its case without checkpointing."""
+    plain = {(r.tokens, r.batch): r.seconds for r in rows if r.checkpointing == "none"}
+    return [
+        replace(r, over_none_s=r.seconds - plain.get((r.tokens, r.batch), math.nan)) for r in rows
+    ]
+
+
 def _model_name(config: Config) -> str:
     """`3b x4`: the preset and the number of layers of the case's model."""
     return f"{config.model.preset} x{build_shape(config.model).n_layers}"
@@ -236,7 +313,9 @@ def _peak_flops(config: Config, device: torch.device) -> float:
     return datasheet_peak_flops(torch.cuda.get_device_name(device)) or 0.0
 
 
-def _case_config(base: Config, batch: str, tokens: int, steps: int) -> Config:
+def _case_config(
+    base: Config, batch: str, tokens: int, steps: int, mode: ActivationCheckpointing
+) -> Config:
     plain = config_to_dict(base)
     plain["topology"].update(nodes=1, gpus_per_node=1)
     packed = registry.playing(Role.PACKED).name
@@ -250,6 +329,10 @@ def _case_config(base: Config, batch: str, tokens: int, steps: int) -> Config:
     plain["data"]["length_scale"] = scale
     plain["train"].update(tokens_per_rank=tokens, steps=steps, micro_batches=1,
                           checkpoint_every=0)  # fmt: skip
+    if mode is not base.train.activation_checkpointing:  # the config's blocks, another mode
+        plain["train"].update(activation_checkpointing=mode.value, checkpoint_rest="none")
+        if mode is ActivationCheckpointing.NONE:
+            plain["train"]["checkpoint_blocks"] = 0
     plain["metrics"].update(memory_every=1, progress=False)
     return config_from_dict(plain)
 
@@ -270,6 +353,7 @@ def run_case(config: Config, device: torch.device, batch: str, peak: float) -> S
     tokens = config.train.tokens_per_rank
     trainer, shard = None, None
     seconds, sequences, held, peaks, modelled, flops, losses = [], [], [], [], [], [], []
+    lengths: list[list[int]] = []
     try:
         trainer = RankTrainer(config, comm, device)
         for _ in range(config.train.steps):
@@ -280,6 +364,7 @@ def run_case(config: Config, device: torch.device, batch: str, peak: float) -> S
             _sync(device)
             seconds.append(time.perf_counter() - started)
             sequences.append(len(shard.lengths))
+            lengths.append([int(n) for n in shard.lengths])
             held.append(shard.num_tokens)
             peaks.append(float(stats.memory["measured"][0]))
             modelled.append(float(stats.memory["modelled"][0]))  # this step's shard
@@ -290,14 +375,17 @@ def run_case(config: Config, device: torch.device, batch: str, peak: float) -> S
         del trainer
         _release(device)
         nan = float("nan")
+        step = modelled_step(config, _name(device), lengths[WARM_UP:] or lengths)
         return StepRow(*_case(config, device), batch, tokens, nan, nan, nan, nan, nan, 0.0,
-                       model / GiB, nan, "out of memory")  # fmt: skip
+                       model / GiB, nan, step.step_seconds, step.recompute_seconds,
+                       error="out of memory")  # fmt: skip
     del trainer
     _release(device)
     steady = slice(WARM_UP, None)
     step_s = statistics.mean(seconds[steady])
     mean_flops = statistics.mean(flops[steady])
     mean_held = statistics.mean(held[steady])
+    step = modelled_step(config, _name(device), lengths[steady])
     # the steady steps' highest peak against the model's highest for the same shards
     return StepRow(
         *_case(config, device),
@@ -311,13 +399,16 @@ def run_case(config: Config, device: torch.device, batch: str, peak: float) -> S
         max(peaks[steady]) / GiB,
         max(modelled[steady]) / GiB,
         losses[-1],
+        step.step_seconds,
+        step.recompute_seconds,
     )
 
 
-def _case(config: Config, device: torch.device) -> tuple[str, str, int, bool]:
-    """The row's device, model, loss chunk and compile columns."""
+def _case(config: Config, device: torch.device) -> tuple[str, str, int, bool, str]:
+    """The row's device, model, loss chunk, compile and checkpointing columns."""
     model = config.model
-    return _name(device), _model_name(config), model.loss_chunk_tokens, model.compile
+    ckpt = checkpointing_label(config, build_shape(model))
+    return _name(device), _model_name(config), model.loss_chunk_tokens, model.compile, ckpt
 
 
 def _flash_impl(device: torch.device) -> str:
