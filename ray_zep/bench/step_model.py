@@ -10,6 +10,7 @@ GPU) has no modelled step: the figures are NaN.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from dataclasses import dataclass
@@ -18,9 +19,12 @@ import numpy as np
 
 from ray_zep.config import Config
 from ray_zep.costmodel import known_rates
+from ray_zep.errors import ZepError
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, simulate_batch
 from ray_zep.topology import build_topology
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,11 @@ def modelled_step(config: Config, device_name: str, batches: list[list[int]]) ->
     if not batches or rates is None:
         return ModelledStep.unknown()
     run = RunModel.create(config, Hardware(build_topology(config.topology), rates))
-    results = [simulate_batch(np.asarray(lengths, dtype=np.int64), run) for lengths in batches]
+    try:
+        results = [simulate_batch(np.asarray(lengths, dtype=np.int64), run) for lengths in batches]
+    except ZepError as error:  # the measured row stands; the model cannot play this case
+        log.warning("bench step: no modelled step for this case: %s", error)
+        return ModelledStep.unknown()
     return ModelledStep(
         statistics.mean(r.step_seconds for r in results),
         statistics.mean(r.recompute_seconds for r in results),

@@ -10,6 +10,7 @@ optimizes and checkpoints.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -61,10 +62,14 @@ def group_needs(config: Config) -> GroupNeeds:
 
 
 def build_model(
-    config: Config, device: torch.device, dtype: torch.dtype
+    config: Config, device: torch.device, dtype: torch.dtype, to_device: bool = True
 ) -> tuple[Transformer, AttentionFn]:
     """The seeded model on `device` with its attention kernel, activation checkpointing,
     chunked loss (`model.loss_chunk_tokens`) and compiled block regions (`model.compile`).
+    With `to_device` False the weights stay on the host for `apply_axes` to place: where
+    FSDP2 shards them, each unit reaches the device as it is sharded, so a rank never
+    holds the whole model there (32.5 billion fp32 parameters of the 30b preset are 130
+    GB, more than an 80 GB GPU).
 
     Compilation comes before the axes apply, as TorchTitan compiles each block before
     `fully_shard`: FSDP2's hooks stay on the blocks, outside the compiled regions.
@@ -80,7 +85,8 @@ def build_model(
         load_hf_weights(model, config.model.init_from)
     else:
         model.init_weights(torch.Generator().manual_seed(config.train.seed))
-    model.to(device)
+    if to_device:
+        model.to(device)
     train = config.train
     model.set_checkpointing(
         train.activation_checkpointing, train.checkpoint_blocks, train.checkpoint_rest
@@ -123,7 +129,10 @@ def apply_axes(
     dtype: torch.dtype,
     switches: CompressionSwitches | None = None,
 ) -> AppliedAxes:
-    """Split, shard or pass the model's weights as `config.parallel` says (collective).
+    """Split, shard or pass the model's weights as `config.parallel` says (collective),
+    and place them on `device`: FSDP2 moves each unit's weights there as it shards them
+    (`fully_shard`), the rest (every weight where none are sharded, the experts FSDP2
+    leaves to their own groups) follows.
 
     With `switches`, FSDP2's collectives go through the shard group's switch.
     """
@@ -139,8 +148,11 @@ def apply_axes(
         resolved = dataclasses.replace(parallel, prefetch_after_attention=late,
                                        prefetch_depth=depth)  # fmt: skip
         shard_model(model, comm, resolved, device, dtype, split, zipped)
+        _place_rest(model, device)
         # fully_shard replaced the parameters with sharded ones
         experts.expert_params = [p for m in split for p in m.parameters()]
+    else:
+        model.to(device)
     split_ids = {id(p) for p in experts.expert_params}
     params = [p for p in model.parameters() if p.requires_grad and id(p) not in split_ids]
     if parallel.weights_axis.family is not Family.WEIGHT_PASSING:
@@ -154,6 +166,15 @@ def apply_axes(
     return AppliedAxes(
         experts, sharded, pipeline, own.own_module(), own.own_parameters(), unsharded
     )
+
+
+def _place_rest(model: torch.nn.Module, device: torch.device) -> None:
+    """Moves the parameters and buffers FSDP2 left where they were (the experts it leaves
+    to their own groups) to `device`, in place, as FSDP2 moves its own."""
+    with torch.no_grad():
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            if tensor.device != device:
+                tensor.data = tensor.to(device)
 
 
 def _parameter_bytes(model: Transformer, dtype: torch.dtype) -> tuple[int, int]:
