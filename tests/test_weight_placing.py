@@ -1,33 +1,36 @@
-"""A rank's weights reach its device after they are split: FSDP2 moves each unit as it
-shards it (`apply_axes`), so the whole model is never on one device at once."""
+"""A rank makes its weights after they are split and sharded (`build_model(deferred=True)`,
+`apply_axes`): each parameter drawn whole on the host, one at a time, and its own part
+kept on the device, so no process holds the whole model, and the weights are those of
+the whole model drawn at once."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers.placing import placing_order
+from tests.helpers.placing import made_weights
 from tests.helpers.procs import run_ranks
 from tests.helpers.training import NEEDS_EXPERT_MESH, SMALL_RUN
 
 EXPERTS = ["model.preset=tiny_moe", "model.n_layers=2", "parallel.ep=2"]
-"""Experts split over both ranks: FSDP2 leaves them to their own group (one replica)."""
+"""Experts split over both ranks."""
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    ("overrides", "events"),
+    "overrides",
     [
-        pytest.param(["parallel.weights=fsdp"], ["shard"], id="fsdp"),
-        pytest.param(["parallel.weights=replicated"], ["model.to"], id="replicated"),
+        pytest.param(["parallel.weights=fsdp"], id="fsdp"),
+        pytest.param(["parallel.weights=replicated"], id="replicated"),
+        pytest.param([*EXPERTS, "parallel.weights=replicated"], id="experts"),
         pytest.param(
-            [*EXPERTS, "parallel.weights=fsdp"], ["shard"], marks=NEEDS_EXPERT_MESH, id="experts"
+            [*EXPERTS, "parallel.weights=fsdp"], marks=NEEDS_EXPERT_MESH, id="experts-fsdp"
         ),
     ],
 )
-def test_sharded_weights_reach_the_device_unit_by_unit(overrides, events) -> None:
-    """Under FSDP2 the trainer never moves the whole model: sharding places each unit
-    (and the experts FSDP2 leaves to their group follow); replicated weights move whole,
-    once. Every parameter and buffer ends on the device either way."""
-    for got, devices in run_ranks(placing_order, 2, [*SMALL_RUN, *overrides]):
-        assert got == events
-        assert devices == ["cpu"]
+def test_each_rank_makes_only_its_own_part_of_the_seeded_weights(overrides) -> None:
+    """Sharded, split or replicated, every rank's weights (gathered whole) equal the whole
+    model's drawn at once, bit for bit, and no rank moves a whole model to its device
+    (weight passing: the axes matrix trains it like one process)."""
+    for moves, equal, differs in run_ranks(made_weights, 2, [*SMALL_RUN, *overrides]):
+        assert equal, f"{differs} differs from the whole model's"
+        assert moves == []

@@ -38,7 +38,7 @@ K key/value heads, E head dim, F feed-forward dim, V vocabulary.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -276,17 +276,28 @@ class Transformer(nn.Module):
         Drawn from `generator` in parameter order, so every layer differs and
         every rank that uses the same seed builds the same model.
         """
+        params = dict(self.named_parameters())
+        shapes = {name: param.shape for name, param in params.items()}
+        with torch.no_grad():
+            for name, value in self.initial_values(generator, shapes):
+                params[name].copy_(value)
+
+    def initial_values(
+        self, generator: torch.Generator, shapes: dict[str, torch.Size]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`init_weights`' value of each parameter of `shapes` (its name and whole shape,
+        in parameter order), one at a time on the host: what a rank whose parameters are
+        already split or sharded copies its own part of."""
         residual_std = INIT_STD / math.sqrt(2 * self.shape.n_layers)
-        for name, param in self.named_parameters():
+        for name, shape in shapes.items():
             if name.endswith("norm.weight"):
-                nn.init.ones_(param)
+                yield name, torch.ones(shape)
             elif name.endswith(".bias"):
-                nn.init.zeros_(param)
+                yield name, torch.zeros(shape)
             else:
                 residual = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
                 std = residual_std if residual else INIT_STD
-                with torch.no_grad():
-                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+                yield name, torch.randn(shape, generator=generator) * std
 
     def set_checkpointing(
         self,

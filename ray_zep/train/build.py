@@ -10,10 +10,10 @@ optimizes and checkpoints.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ray_zep.attention.kernels import AttentionFn, select_kernel
 from ray_zep.collectives.switches import CompressionSwitches
@@ -62,14 +62,18 @@ def group_needs(config: Config) -> GroupNeeds:
 
 
 def build_model(
-    config: Config, device: torch.device, dtype: torch.dtype, to_device: bool = True
+    config: Config, device: torch.device, dtype: torch.dtype, deferred: bool = False
 ) -> tuple[Transformer, AttentionFn]:
     """The seeded model on `device` with its attention kernel, activation checkpointing,
     chunked loss (`model.loss_chunk_tokens`) and compiled block regions (`model.compile`).
-    With `to_device` False the weights stay on the host for `apply_axes` to place: where
-    FSDP2 shards them, each unit reaches the device as it is sharded, so a rank never
-    holds the whole model there (32.5 billion fp32 parameters of the 30b preset are 130
-    GB, more than an 80 GB GPU).
+
+    `deferred`: the weights are not made yet (meta tensors, no memory) but by
+    `apply_axes`, after it splits and shards them: each rank draws every parameter of
+    the seeded model on the host, one at a time, and keeps its own part on the device.
+    No process then holds the whole model (the 30b preset's 32.5 billion fp32
+    parameters are 130 GB: more than an 80 GB GPU, and a node's host memory eight times
+    over), and the values are those of the whole model drawn at once.
+    With `model.init_from` the model is made whole on the host regardless.
 
     Compilation comes before the axes apply, as TorchTitan compiles each block before
     `fully_shard`: FSDP2's hooks stay on the blocks, outside the compiled regions.
@@ -80,12 +84,15 @@ def build_model(
     """
     shape = build_shape(config.model)
     kernel = select_kernel(config.model.attention_kernel, device, dtype)
-    model = Transformer(shape, kernel)
-    if config.model.init_from:
-        load_hf_weights(model, config.model.init_from)
+    if deferred and not config.model.init_from:
+        with torch.device("meta"):
+            model = Transformer(shape, kernel)
     else:
-        model.init_weights(torch.Generator().manual_seed(config.train.seed))
-    if to_device:
+        model = Transformer(shape, kernel)
+        if config.model.init_from:
+            load_hf_weights(model, config.model.init_from)
+        else:
+            model.init_weights(seeded(config))
         model.to(device)
     train = config.train
     model.set_checkpointing(
@@ -129,14 +136,15 @@ def apply_axes(
     dtype: torch.dtype,
     switches: CompressionSwitches | None = None,
 ) -> AppliedAxes:
-    """Split, shard or pass the model's weights as `config.parallel` says (collective),
-    and place them on `device`: FSDP2 moves each unit's weights there as it shards them
-    (`fully_shard`), the rest (every weight where none are sharded, the experts FSDP2
-    leaves to their own groups) follows.
+    """Split, shard or pass the model's weights as `config.parallel` says (collective).
+    A model built `deferred` gets its weights here, each rank its own part of each
+    (`draw_own_parts`), once they are split and sharded; one built whole was already on
+    `device`, and FSDP2 shards it there.
 
     With `switches`, FSDP2's collectives go through the shard group's switch.
     """
     parallel = config.parallel
+    shapes = _unmade_shapes(model)  # the whole model's, before any split
     experts = parallelize_experts(model, comm, config, switches)
     sharded = bool(parallel.weights_axis.fsdp and comm.distributed)
     unsharded = _parameter_bytes(model, dtype)
@@ -148,11 +156,10 @@ def apply_axes(
         resolved = dataclasses.replace(parallel, prefetch_after_attention=late,
                                        prefetch_depth=depth)  # fmt: skip
         shard_model(model, comm, resolved, device, dtype, split, zipped)
-        _place_rest(model, device)
-        # fully_shard replaced the parameters with sharded ones
-        experts.expert_params = [p for m in split for p in m.parameters()]
-    else:
-        model.to(device)
+    if shapes:
+        draw_own_parts(model, shapes, seeded(config), device)
+    if experts.groups:  # sharding and drawing replaced the parameters
+        experts.expert_params = [p for m in model.moe_layers() for p in m.experts.parameters()]
     split_ids = {id(p) for p in experts.expert_params}
     params = [p for p in model.parameters() if p.requires_grad and id(p) not in split_ids]
     if parallel.weights_axis.family is not Family.WEIGHT_PASSING:
@@ -168,13 +175,49 @@ def apply_axes(
     )
 
 
-def _place_rest(model: torch.nn.Module, device: torch.device) -> None:
-    """Moves the parameters and buffers FSDP2 left where they were (the experts it leaves
-    to their own groups) to `device`, in place, as FSDP2 moves its own."""
+def seeded(config: Config) -> torch.Generator:
+    """The host generator every rank draws the model's weights from."""
+    return torch.Generator().manual_seed(config.train.seed)
+
+
+def _unmade_shapes(model: Transformer) -> dict[str, torch.Size]:
+    """Each parameter's name and shape where the model's weights are not made yet (meta
+    tensors: `build_model(deferred=True)`), in parameter order; empty otherwise."""
+    params = dict(model.named_parameters())
+    if not any(p.is_meta for p in params.values()):
+        return {}
+    return {name: param.shape for name, param in params.items()}
+
+
+def draw_own_parts(
+    model: Transformer,
+    shapes: dict[str, torch.Size],
+    generator: torch.Generator,
+    device: torch.device,
+) -> None:
+    """Makes the split and sharded `model`'s weights on `device`: every parameter of the
+    whole model (`shapes`) drawn on the host in order, as `Transformer.init_weights`
+    draws them, one at a time, and this rank's part of each kept: its experts' rows
+    where the experts are split (`shard_experts`), its shard where FSDP2 shards it."""
+    model.to_empty(device=device)
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for tensor in itertools.chain(model.parameters(), model.buffers()):
-            if tensor.device != device:
-                tensor.data = tensor.to(device)
+        for name, whole in model.initial_values(generator, shapes):
+            param = params[name]
+            value = _own_rows(model, name, whole, param.shape)
+            if isinstance(param, DTensor):
+                value = distribute_tensor(value.to(device), param.device_mesh, param.placements,
+                                          src_data_rank=None)  # fmt: skip
+            param.copy_(value)
+
+
+def _own_rows(model: Transformer, name: str, whole: torch.Tensor, shape: torch.Size):
+    """`whole`, or this rank's rows of it where its experts are split over ranks (`shape`
+    has fewer experts: `MoE.first_expert` is the first of them)."""
+    if whole.shape == shape:
+        return whole
+    moe = model.get_submodule(name.rsplit(".", 2)[0])  # layers.i.feed_forward.experts.w1
+    return whole[moe.first_expert : moe.first_expert + shape[0]]
 
 
 def _parameter_bytes(model: Transformer, dtype: torch.dtype) -> tuple[int, int]:

@@ -65,7 +65,7 @@ class RankTrainer:
         self.comm = comm.with_groups(group_needs(config))
         self.device = device
         self.dtype = resolve_dtype(config.train.precision, device)
-        self.model, kernel = build_model(config, device, self.dtype, to_device=False)
+        self.model, kernel = build_model(config, device, self.dtype, deferred=True)
         self.shape = self.model.shape
         self.switches = CompressionSwitches(config, self.comm)
         self.axes = apply_axes(self.model, self.comm, config, device, self.dtype, self.switches)

@@ -1,4 +1,4 @@
-"""Where a rank's trainer puts its weights, and when, on one rank of a gloo group."""
+"""How a rank's trainer makes its weights, on one rank of a gloo group."""
 
 from __future__ import annotations
 
@@ -7,37 +7,40 @@ import torch
 from ray_zep.config import load_config
 from ray_zep.model.llama import Transformer
 from ray_zep.topology import build_topology
-from ray_zep.train import build
+from ray_zep.train.build import build_model
 from ray_zep.train.setup import create_comm
 from ray_zep.train.trainer import RankTrainer
+from tests.helpers.training import full_state
 
 TIMEOUT_S = 60.0
 
 
-def placing_order(rank: int, world: int, overrides: list[str]) -> tuple[list[str], list[str]]:
-    """A trainer built on a 1 x `world` topology with `overrides`: (in call order, each
-    move of the whole model, `model.to`, and each `shard_model`, `shard`; the devices its
-    parameters and buffers are on after the build)."""
+def made_weights(rank: int, world: int, overrides: list[str]) -> tuple[list[str], bool, str]:
+    """A trainer built on a 1 x `world` topology with `overrides`: (its model's moves to
+    a device whole, `model.to`, in call order; whether its weights, gathered whole, equal
+    the whole model drawn at once, `build_model`, bit for bit; what differs where not)."""
     config = load_config(None, ["topology.nodes=1", f"topology.gpus_per_node={world}",
                                 *overrides])  # fmt: skip
     topology = build_topology(config.topology)
     events: list[str] = []
-    to, shard = torch.nn.Module.to, build.shard_model
+    to = torch.nn.Module.to
 
     def noted_to(self, *args, **kwargs):
         if isinstance(self, Transformer):
             events.append("model.to")
         return to(self, *args, **kwargs)
 
-    def noted_shard(*args, **kwargs):
-        events.append("shard")
-        return shard(*args, **kwargs)
-
-    torch.nn.Module.to, build.shard_model = noted_to, noted_shard
+    torch.nn.Module.to = noted_to
     try:
         trainer = RankTrainer(config, create_comm(config, topology, TIMEOUT_S), torch.device("cpu"))
     finally:  # the pooled process serves other tests after this one
-        torch.nn.Module.to, build.shard_model = to, shard
-    model = trainer.model
-    devices = {str(t.device) for t in (*model.parameters(), *model.buffers())}
-    return events, sorted(devices)
+        torch.nn.Module.to = to
+    made = full_state(trainer.model)
+    whole = build_model(config, torch.device("cpu"), torch.float32)[0].state_dict()
+    for name, value in whole.items():
+        moe = trainer.model.get_submodule(name.rsplit(".", 2)[0]) if ".experts." in name else None
+        if moe is not None and moe.ep is not None:  # this rank's experts only
+            value = value[moe.first_expert : moe.first_expert + made[name].shape[0]]
+        if not torch.equal(made[name], value):
+            return events, False, name
+    return events, set(made) == set(whole), ""
