@@ -25,6 +25,8 @@ from ray_zep.errors import ConfigError
 from ray_zep.model import hf
 from ray_zep.train.build import build_model
 from ray_zep.train.restore import ModelSource, resolve_source, whole_model
+from tests.helpers.placing import made_weights
+from tests.helpers.procs import run_ranks
 from tests.helpers.training import mixed_dataset, train_rank
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -108,6 +110,20 @@ def test_trainer_model_from_checkpoint_matches_transformers(tmp_path, arch, tied
     tokens = _tokens()
     assert_close(packed_logits(model, tokens, LENGTHS), per_document(reference, tokens, LENGTHS),
                  LENGTHS)  # fmt: skip
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("weights", ["fsdp", "replicated"])
+def test_each_rank_takes_its_own_part_of_the_checkpoint(tmp_path, weights) -> None:
+    """Sharded or not, a trainer's weights from `model.init_from` (each rank keeps its
+    part of each tensor as it reads them, `build_model(deferred=True)`) equal the whole
+    model loaded from the checkpoint, bit for bit, and no rank moves a whole model."""
+    tiny_hf(tmp_path, tied=True)
+    overrides = [f"model.init_from={tmp_path}", f"parallel.weights={weights}",
+                 "metrics.memory_every=0"]  # fmt: skip
+    for moves, equal, differs in run_ranks(made_weights, 2, overrides):
+        assert equal, f"{differs} differs from the checkpoint's"
+        assert moves == []
 
 
 def test_without_the_rope_permutation_logits_differ(tmp_path, monkeypatch) -> None:

@@ -34,7 +34,7 @@ extra). Export writes float32.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +153,22 @@ def load_hf_weights(model: torch.nn.Module, directory: str | Path) -> None:
     with torch.no_grad():
         for name, tensor in state.items():
             params[name].copy_(tensor.to(params[name].dtype))
+
+
+def hf_values(
+    directory: str | Path, shape: ModelShape, shapes: dict[str, torch.Size]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors under our names, in the order of `shapes` (a model's
+    parameters and their whole shapes), each checked against its shape: what a rank whose
+    parameters are already split or sharded copies its own part of.
+
+    Raises:
+        ConfigError: as `load_hf_weights`.
+    """
+    params = {name: torch.empty(size, device="meta") for name, size in shapes.items()}
+    state = _matched_state(directory, shape, params, read_safetensors)
+    for name in shapes:
+        yield name, state.pop(name)
 
 
 def check_hf_checkpoint(directory: str | Path, shape: ModelShape) -> None:

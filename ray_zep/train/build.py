@@ -10,6 +10,7 @@ optimizes and checkpoints.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ from ray_zep.collectives.switches import CompressionSwitches
 from ray_zep.config import Config, Device, Precision
 from ray_zep.distributed import Comm, GroupNeeds
 from ray_zep.errors import ConfigError
-from ray_zep.model.hf import load_hf_weights
+from ray_zep.model.hf import hf_values, load_hf_weights
 from ray_zep.model.llama import Transformer
 from ray_zep.model_shapes import build_shape
 from ray_zep.moe.parallel import ExpertParallel, parallelize_experts
@@ -69,11 +70,11 @@ def build_model(
 
     `deferred`: the weights are not made yet (meta tensors, no memory) but by
     `apply_axes`, after it splits and shards them: each rank draws every parameter of
-    the seeded model on the host, one at a time, and keeps its own part on the device.
-    No process then holds the whole model (the 30b preset's 32.5 billion fp32
-    parameters are 130 GB: more than an 80 GB GPU, and a node's host memory eight times
-    over), and the values are those of the whole model drawn at once.
-    With `model.init_from` the model is made whole on the host regardless.
+    the seeded model on the host (or takes it from `model.init_from`'s checkpoint), one
+    at a time, and keeps its own part on the device. No process then holds the whole
+    model in its parameters (the 30b preset's 32.5 billion fp32 parameters are 130 GB:
+    more than an 80 GB GPU, and a node's host memory eight times over), and the values
+    are those of the whole model made at once.
 
     Compilation comes before the axes apply, as TorchTitan compiles each block before
     `fully_shard`: FSDP2's hooks stay on the blocks, outside the compiled regions.
@@ -84,7 +85,7 @@ def build_model(
     """
     shape = build_shape(config.model)
     kernel = select_kernel(config.model.attention_kernel, device, dtype)
-    if deferred and not config.model.init_from:
+    if deferred:
         with torch.device("meta"):
             model = Transformer(shape, kernel)
     else:
@@ -157,7 +158,7 @@ def apply_axes(
                                        prefetch_depth=depth)  # fmt: skip
         shard_model(model, comm, resolved, device, dtype, split, zipped)
     if shapes:
-        draw_own_parts(model, shapes, seeded(config), device)
+        draw_own_parts(model, _whole_values(model, config, shapes), device)
     if experts.groups:  # sharding and drawing replaced the parameters
         experts.expert_params = [p for m in model.moe_layers() for p in m.experts.parameters()]
     split_ids = {id(p) for p in experts.expert_params}
@@ -189,20 +190,27 @@ def _unmade_shapes(model: Transformer) -> dict[str, torch.Size]:
     return {name: param.shape for name, param in params.items()}
 
 
+def _whole_values(
+    model: Transformer, config: Config, shapes: dict[str, torch.Size]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each parameter of the whole model (`shapes`), one at a time on the host: read from
+    `model.init_from`'s checkpoint, or drawn as `Transformer.init_weights` draws them."""
+    if config.model.init_from:
+        return hf_values(config.model.init_from, model.shape, shapes)
+    return model.initial_values(seeded(config), shapes)
+
+
 def draw_own_parts(
-    model: Transformer,
-    shapes: dict[str, torch.Size],
-    generator: torch.Generator,
-    device: torch.device,
+    model: Transformer, values: Iterable[tuple[str, torch.Tensor]], device: torch.device
 ) -> None:
-    """Makes the split and sharded `model`'s weights on `device`: every parameter of the
-    whole model (`shapes`) drawn on the host in order, as `Transformer.init_weights`
-    draws them, one at a time, and this rank's part of each kept: its experts' rows
-    where the experts are split (`shard_experts`), its shard where FSDP2 shards it."""
+    """Makes the split and sharded `model`'s weights on `device` from `values`, each
+    parameter of the whole model in turn (`_whole_values`), keeping this rank's part of
+    each: its experts' rows where the experts are split (`shard_experts`), its shard
+    where FSDP2 shards it."""
     model.to_empty(device=device)
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, whole in model.initial_values(generator, shapes):
+        for name, whole in values:
             param = params[name]
             value = _own_rows(model, name, whole, param.shape)
             if isinstance(param, DTensor):
