@@ -113,12 +113,14 @@ def test_trainer_model_from_checkpoint_matches_transformers(tmp_path, arch, tied
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("weights", ["fsdp", "replicated"])
-def test_each_rank_takes_its_own_part_of_the_checkpoint(tmp_path, weights) -> None:
+@pytest.mark.parametrize(("weights", "dtype"), [("fsdp", "float32"), ("fsdp", "bfloat16"),
+                                               ("replicated", "float32")])  # fmt: skip
+def test_each_rank_takes_its_own_part_of_the_checkpoint(tmp_path, weights, dtype) -> None:
     """Sharded or not, a trainer's weights from `model.init_from` (each rank keeps its
-    part of each tensor as it reads them, `build_model(deferred=True)`) equal the whole
-    model loaded from the checkpoint, bit for bit, and no rank moves a whole model."""
-    tiny_hf(tmp_path, tied=True)
+    part of each tensor as it reads them, `build_model(deferred=True)`; a bf16 checkpoint
+    cast to the fp32 weights first) equal the whole model loaded from the checkpoint, bit
+    for bit, and no rank moves a whole model."""
+    tiny_hf(tmp_path, tied=True).to(getattr(torch, dtype)).save_pretrained(tmp_path)
     overrides = [f"model.init_from={tmp_path}", f"parallel.weights={weights}",
                  "metrics.memory_every=0"]  # fmt: skip
     for moves, equal, differs in run_ranks(made_weights, 2, overrides):

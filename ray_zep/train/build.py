@@ -213,8 +213,9 @@ def draw_own_parts(
         for name, whole in values:
             param = params[name]
             value = _own_rows(model, name, whole, param.shape)
-            if isinstance(param, DTensor):
-                value = distribute_tensor(value.to(device), param.device_mesh, param.placements,
+            if isinstance(param, DTensor):  # a checkpoint's bf16 cast before it is split
+                value = value.to(device, param.dtype)
+                value = distribute_tensor(value, param.device_mesh, param.placements,
                                           src_data_rank=None)  # fmt: skip
             param.copy_(value)
 
