@@ -149,9 +149,9 @@ def load_hf_weights(model: torch.nn.Module, directory: str | Path) -> None:
             message names `model.init_from` and the path.
     """
     params = model.state_dict()
-    state = _matched_state(directory, model.shape, params, read_safetensors)
+    shapes = {name: param.shape for name, param in params.items()}
     with torch.no_grad():
-        for name, tensor in state.items():
+        for name, tensor in hf_values(directory, model.shape, shapes):
             params[name].copy_(tensor.to(params[name].dtype))
 
 
@@ -165,8 +165,7 @@ def hf_values(
     Raises:
         ConfigError: as `load_hf_weights`.
     """
-    params = {name: torch.empty(size, device="meta") for name, size in shapes.items()}
-    state = _matched_state(directory, shape, params, read_safetensors)
+    state = _matched_state(directory, shape, shapes, read_safetensors)
     for name in shapes:
         yield name, state.pop(name)
 
@@ -183,26 +182,26 @@ def check_hf_checkpoint(directory: str | Path, shape: ModelShape) -> None:
     from ray_zep.model.llama import Transformer  # the model's names and shapes, on meta
 
     with torch.device("meta"):
-        params = Transformer(shape).state_dict()
-    _matched_state(directory, shape, params, read_safetensors_header)
+        shapes = {name: param.shape for name, param in Transformer(shape).state_dict().items()}
+    _matched_state(directory, shape, shapes, read_safetensors_header)
 
 
 def _matched_state(
     directory: str | Path,
     shape: ModelShape,
-    params: dict[str, torch.Tensor],
+    shapes: dict[str, torch.Size],
     read: Callable[[Path], dict[str, torch.Tensor]],
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors under our names, each checked against `params`' shape."""
+    """The checkpoint's tensors under our names, each checked against its `shapes`."""
     config = read_hf_config(directory)
     architecture(config, str(Path(directory) / "config.json"))
     tensors = read_checkpoint_tensors(directory, read)
     state = hf_to_ours(tensors, shape, tied(config), str(directory))
     for name, tensor in state.items():
-        if params[name].shape != tensor.shape:
+        if shapes[name] != tensor.shape:
             raise ConfigError(
                 f"config key {INIT_KEY}: tensor for {name} in {directory} has shape "
-                f"{tuple(tensor.shape)}, config.json implies {tuple(params[name].shape)}"
+                f"{tuple(tensor.shape)}, config.json implies {tuple(shapes[name])}"
             )
     return state
 

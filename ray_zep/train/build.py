@@ -21,7 +21,7 @@ from ray_zep.collectives.switches import CompressionSwitches
 from ray_zep.config import Config, Device, Precision
 from ray_zep.distributed import Comm, GroupNeeds
 from ray_zep.errors import ConfigError
-from ray_zep.model.hf import hf_values, load_hf_weights
+from ray_zep.model.hf import hf_values
 from ray_zep.model.llama import Transformer
 from ray_zep.model_shapes import build_shape
 from ray_zep.moe.parallel import ExpertParallel, parallelize_experts
@@ -79,22 +79,15 @@ def build_model(
     Compilation comes before the axes apply, as TorchTitan compiles each block before
     `fully_shard`: FSDP2's hooks stay on the blocks, outside the compiled regions.
 
-    With `model.init_from` the weights are the Hugging Face checkpoint's, read on
-    every rank before the axes split or shard anything (so every composition
-    starts from the whole checkpoint).
+    With `model.init_from` the weights are the Hugging Face checkpoint's, every rank
+    reading each whole tensor (so every composition starts from the whole checkpoint).
     """
     shape = build_shape(config.model)
     kernel = select_kernel(config.model.attention_kernel, device, dtype)
-    if deferred:
-        with torch.device("meta"):
-            model = Transformer(shape, kernel)
-    else:
+    with torch.device("meta"):
         model = Transformer(shape, kernel)
-        if config.model.init_from:
-            load_hf_weights(model, config.model.init_from)
-        else:
-            model.init_weights(seeded(config))
-        model.to(device)
+    if not deferred:  # the whole model's weights, made as a deferred one's are
+        draw_own_parts(model, _whole_values(model, config, _unmade_shapes(model)), device)
     train = config.train
     model.set_checkpointing(
         train.activation_checkpointing, train.checkpoint_blocks, train.checkpoint_rest
