@@ -3,10 +3,20 @@ scale, modelled as `ray-zep bench scale` models its grid."""
 
 from __future__ import annotations
 
+import math
+from unittest.mock import patch
+
 import numpy as np
 import pytest
 
-from ray_zep.bench.real_shape import compared_placements, real_shape_lines, real_shape_rows
+from ray_zep.bench import real_shape
+from ray_zep.bench.real_shape import (
+    ROOMS,
+    TOKENS_PER_GPU,
+    compared_placements,
+    real_shape_lines,
+    real_shape_rows,
+)
 from ray_zep.config import load_config
 from ray_zep.data.synthetic import drawn_batch_lengths
 from ray_zep.errors import ConfigError
@@ -25,17 +35,30 @@ def test_a_drawn_batch_holds_exactly_its_tokens_from_the_documents() -> None:
 
 
 def test_the_runs_documents_at_64_gpus_compare_the_three_placements() -> None:
-    config = load_config("conf/zeppelin.yaml", ["data.source=synthetic:github"])
+    """Each placement at the fastest fitting token room `plan --auto` searches: no slower
+    than at the default L alone (on the demo's documents Megatron-LM's dynamic CP is faster
+    at a larger L), and the room it ran at printed beside its step."""
+    config = load_config("conf/demo.yaml", [])
     rows = real_shape_rows(config, [64])
     assert [r.placement for r in rows] == list(compared_placements())
-    for row in rows:
-        assert row.error is None and row.gpus == 64 and row.distribution == "synthetic:github"
+    rooms = {math.ceil(TOKENS_PER_GPU * 1.25 * factor) for factor in ROOMS}
+    with patch.object(real_shape, "ROOMS", (1.0,)):
+        alone = real_shape_rows(config, [64])  # the default L alone
+    for row, at_default in zip(rows, alone, strict=True):
+        assert row.error is None and row.gpus == 64 and row.distribution == "stdlib"
         assert row.step_over_bound >= 1.0 and row.tokens_per_s_per_gpu > 0
+        assert row.tokens_per_rank in rooms and row.fits == "yes"
+        assert row.step_s <= at_default.step_s
+    assert any(row.step_s < at_default.step_s and row.tokens_per_rank > at_default.tokens_per_rank
+               for row, at_default in zip(rows, alone, strict=True))  # fmt: skip
     lines = real_shape_lines(rows)
     assert lines[0].startswith("modelled at a real shape") and lines[1] == "  64 GPUs:"
     ours = rows[0].placement
     for row in rows[1:]:
         assert f"{ours} {row.step_s / rows[0].step_s:.2f}x faster" in "\n".join(lines)
+    for row, line in zip(rows, lines[2:], strict=True):
+        assert line.startswith(f"    {row.placement}: {row.step_s:,.2f} s/step at L = "
+                               f"{row.tokens_per_rank:,}, ")  # fmt: skip
 
 
 def test_summary_sizes_are_whole_nodes() -> None:

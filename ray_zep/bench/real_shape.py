@@ -9,6 +9,13 @@ to fill the batch), placed and simulated as `ray-zep bench scale` does it (the s
 rows: step, step / bound, tokens/s per GPU, inter-node bytes, memory and the activation
 checkpointing that fits) for the product's placement, the reference (TE CP) and
 Megatron-LM's dynamic CP.
+
+Each placement plays the token room `ray-zep plan --auto` searches for the same batches
+(L, and L x each of `ROOM_FACTORS`, `bench scale --room`) and keeps its fastest that fits,
+so a row shows what the product would run, and every baseline gets the same choice. On
+the demo's documents at 1,024 GPUs Zeppelin at the default L alone stepped 3.14 s, 1.39x
+its bound; at its best room 2.77 s, 1.24x (BENCHMARKS.md, "The first hour at the token
+room the product picks").
 """
 
 from __future__ import annotations
@@ -25,11 +32,14 @@ from ray_zep.data.synthetic import drawn_batch_lengths
 from ray_zep.partition import registry
 from ray_zep.partition.spec import Role
 from ray_zep.sim.megatron_dynamic_cp import NAME as MEGATRON_DYNAMIC_CP
+from ray_zep.sim.token_room import ROOM_FACTORS
 
 MODEL = "7b"
 TOKENS_PER_GPU = 4096
 DRAWN_DOCUMENTS = 20_000
 """Documents whose lengths stand for an endless (synthetic) source."""
+ROOMS = (1.0, *ROOM_FACTORS)
+"""L x these are played for each placement, the fastest that fits kept (module docstring)."""
 
 
 def compared_placements() -> tuple[str, ...]:
@@ -48,13 +58,14 @@ def document_lengths(source: TokenSource) -> np.ndarray:
 
 def real_shape_rows(config: Config, gpus: Sequence[int], seed: int = 0) -> list[ScaleRow]:
     """`compared_placements` on one batch of the run's document lengths per size in
-    `gpus` (module docstring); rows labelled with the run's `data.source`; none, and
-    the source left unread, without sizes."""
+    `gpus`, each at its fastest fitting token room of `ROOMS` (module docstring); rows
+    labelled with the run's `data.source`; none, and the source left unread, without
+    sizes."""
     if not gpus:
         return []
     documents = document_lengths(open_configured_source(config))
     spec = ScaleBenchSpec(gpus=tuple(gpus), models=(MODEL,), tokens_per_gpu=(TOKENS_PER_GPU,),
-                          placements=compared_placements())  # fmt: skip
+                          placements=compared_placements(), room=ROOMS)  # fmt: skip
     rows = []
     for size in spec.gpus:
         batch = drawn_batch_lengths(documents, TOKENS_PER_GPU * size, seed)
@@ -63,8 +74,9 @@ def real_shape_rows(config: Config, gpus: Sequence[int], seed: int = 0) -> list[
 
 
 def real_shape_lines(rows: list[ScaleRow]) -> list[str]:
-    """The summary's lines: per size, each placement's step, step / bound, tokens/s per GPU
-    and inter-node bytes, and the product's speedup over each other placement."""
+    """The summary's lines: per size, each placement's step and the token room it ran at,
+    step / bound, tokens/s per GPU and inter-node bytes, and the product's speedup over
+    each other placement."""
     if not rows:
         return []
     lines = [f"modelled at a real shape (this run's document lengths, {MODEL}, "
@@ -82,9 +94,9 @@ def real_shape_lines(rows: list[ScaleRow]) -> list[str]:
                 speed = f", {ours.placement} {row.step_s / ours.step_s:.2f}x faster"
             memory = "" if row.fits != "NO" else ", does not fit the GPU"
             lines.append(
-                f"    {row.placement}: {row.step_s:,.2f} s/step, {row.step_over_bound:,.2f}x the "
-                f"bound, {row.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
-                f"{_gb(row.inter_node_gb)} between nodes{memory}{speed}"
+                f"    {row.placement}: {row.step_s:,.2f} s/step at L = {row.tokens_per_rank:,}, "
+                f"{row.step_over_bound:,.2f}x the bound, {row.tokens_per_s_per_gpu:,.0f} tokens/s "
+                f"per GPU, {_gb(row.inter_node_gb)} between nodes{memory}{speed}"
             )
     return lines
 
