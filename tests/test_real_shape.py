@@ -17,6 +17,7 @@ from ray_zep.bench.real_shape import (
     real_shape_lines,
     real_shape_rows,
 )
+from ray_zep.bench.scale import ScaleBenchSpec
 from ray_zep.config import load_config
 from ray_zep.data.synthetic import drawn_batch_lengths
 from ray_zep.errors import ConfigError
@@ -41,7 +42,7 @@ def test_the_runs_documents_at_64_gpus_compare_the_three_placements() -> None:
     config = load_config("conf/demo.yaml", [])
     rows = real_shape_rows(config, [64])
     assert [r.placement for r in rows] == list(compared_placements())
-    rooms = {math.ceil(TOKENS_PER_GPU * 1.25 * factor) for factor in ROOMS}
+    rooms = {math.ceil(TOKENS_PER_GPU * ScaleBenchSpec.headroom * factor) for factor in ROOMS}
     with patch.object(real_shape, "ROOMS", (1.0,)):
         alone = real_shape_rows(config, [64])  # the default L alone
     for row, at_default in zip(rows, alone, strict=True):
