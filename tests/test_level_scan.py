@@ -29,7 +29,8 @@ pytestmark = pytest.mark.unit
 RULES = ScanRules(balance_module.LEVELS, balance_module.PAST_FIRST, balance_module.BISECTIONS,
                   balance_module.BISECT_BELOW_OVERFLOW,
                   balance_module.BISECT_ABOVE_OVERFLOW,
-                  balance_module.BISECT_BELOW_LOST)  # fmt: skip
+                  balance_module.BISECT_BELOW_LOST,
+                  balance_module.BISECT_ABOVE_LOST)  # fmt: skip
 
 
 class FakeLevels:
@@ -107,9 +108,9 @@ def test_the_early_bound_keeps_the_placement_the_plain_scan_keeps(overflow: floa
     assert tighter > 150
 
 
-def _run(gpus: int, model: str) -> RunModel:
+def _run(gpus: int, model: str, capacity: int = 5120) -> RunModel:
     config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={gpus // 8}",
-                                f"model.preset={model}", "train.tokens_per_rank=5120",
+                                f"model.preset={model}", f"train.tokens_per_rank={capacity}",
                                 "parallel.weights=fsdp", "parallel.sequence=zeppelin"])  # fmt: skip
     return RunModel.create(config, Hardware.preset(build_topology(config.topology)))
 
@@ -167,8 +168,10 @@ def test_the_early_bound_changes_no_placement_and_deals_fewer_sequences(
 def test_the_halving_stops_at_a_level_that_cannot_win(monkeypatch: pytest.MonkeyPatch) -> None:
     """7b arxiv at 1,024 GPUs: the halving under the first feasible level finds a level
     abandoned at the busiest rank so far; the scan stops there (`BISECT_BELOW_LOST` off)
-    and keeps the placement it keeps going on, one level sooner."""
+    and keeps the placement it keeps going on, one level sooner (the gap above it left
+    unhalved, `BISECT_ABOVE_LOST` off)."""
     run, lengths = _run(1024, "7b"), batch_lengths("arxiv", 4096 * 1024, 0)
+    monkeypatch.setattr(balance_module, "BISECT_ABOVE_LOST", 0)
 
     def plan(below_lost: bool):
         monkeypatch.setattr(balance_module, "BISECT_BELOW_LOST", below_lost)
@@ -181,3 +184,30 @@ def test_the_halving_stops_at_a_level_that_cannot_win(monkeypatch: pytest.Monkey
     assert factors == [t.factor for t in going_on.levels][: len(factors)]
     assert len(factors) < len(going_on.levels)
     assert stopping.levels[-1].outcome is LevelOutcome.PRUNED
+
+
+def test_the_gap_above_a_level_that_cannot_win_is_halved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """13b github at 256 GPUs, L = 7,680: the first feasible level (1.15) wins, and the
+    halving under it stops at 1.125, abandoned at its busiest rank (its whole sequences
+    overflowed it). Halving the gap between the two instead (`BISECT_ABOVE_LOST`) places
+    levels there, and one ends 1.4% less busy than the level the scan kept without it."""
+    run = _run(256, "13b", capacity=7680)
+    lengths = batch_lengths("github", 4096 * 256, 0)
+
+    def levels(halvings: int) -> list[LevelTry]:
+        monkeypatch.setattr(balance_module, "BISECT_ABOVE_LOST", halvings)
+        planned, _ = plan_batch(lengths, run)
+        return list(planned.levels)
+
+    def kept(tried: list[LevelTry]) -> LevelTry:
+        return next(t for t in tried if t.outcome is LevelOutcome.KEPT)
+
+    halvings = balance_module.BISECT_ABOVE_LOST
+    plain, halved = levels(0), levels(halvings)
+    assert plain[-1].outcome is LevelOutcome.PRUNED
+    lost, winner = plain[-1].factor, kept(plain).factor
+    assert lost < winner
+    assert [t.factor for t in halved][: len(plain)] == [t.factor for t in plain]
+    assert all(lost < t.factor < winner for t in halved[len(plain) :])
+    assert lost < kept(halved).factor < winner
+    assert kept(halved).busiest < kept(plain).busiest * 0.99

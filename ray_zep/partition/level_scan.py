@@ -3,9 +3,11 @@
 Levels rise from the mean work until the rings fit the world, and `PAST_FIRST` more are
 placed below the busiest rank so far; then the gap under the lowest feasible level is
 halved (`BISECTIONS`), stopping at a level abandoned at the busiest rank so far
-(`BISECT_BELOW_LOST`). Where that level overflowed (its whole sequences passed it) and
-a higher one won, the gap between the two is halved instead (`bisect_above_overflow`):
-a level between them may hold its whole sequences and end lower than either. The placement
+(`BISECT_BELOW_LOST`). Where the lowest feasible level overflowed (its whole sequences
+passed it) and a higher one won, the gap between the two is halved instead
+(`bisect_above_overflow`), and so is the gap between a level the halving stopped at and
+the best one (`bisect_above_lost`): a level between them may hold its whole sequences and
+end lower than either. The placement
 whose busiest rank is lowest wins, the first placed on ties. Each level is placed with
 the busiest rank of the placements before it as a bound: a placement that reaches it
 cannot win and is abandoned (`Placed.pruned`).
@@ -99,6 +101,9 @@ class ScanRules:
     bisect_above_overflow: bool
     bisect_below_lost: bool = True
     """Go on halving below a level abandoned at the busiest rank so far."""
+    bisect_above_lost: int = 0
+    """Where the halving stopped at a level abandoned at the busiest rank so far, halve the
+    gap between it and the best level this many times (as for `bisect_above_overflow`)."""
 
 
 class LevelScan:
@@ -129,6 +134,7 @@ class LevelScan:
         overflowed = low is not None and low < high and first.busiest > self.lowest()
         if overflowed and not rules.bisect_below_overflow:
             low = None  # the lowest feasible level overflowed, and a higher one won
+        lost = False
         for _ in range(rules.bisections if low is not None else 0):
             middle = (low + high) / 2
             if self.at(middle) is None:
@@ -136,21 +142,24 @@ class LevelScan:
                 continue
             high = middle
             if not rules.bisect_below_lost and self._lost():
+                lost = True
                 break
         if overflowed and rules.bisect_above_overflow:
-            self._bisect_above(high)
+            self._bisect_above(high, rules.bisections)
+        elif lost and rules.bisect_above_lost:
+            self._bisect_above(high, rules.bisect_above_lost)
         self._settle()
         return min((t for t in self.tried if t.placed is not None), key=lambda t: t.busiest).placed
 
-    def _bisect_above(self, overflowed: float) -> None:
+    def _bisect_above(self, overflowed: float, halvings: int) -> None:
         """Halves the gap between the level `overflowed` and the level of the best
-        placement so far: down where the middle one ends lower than every placement
-        before it, else up."""
+        placement so far `halvings` times: down where the middle one ends lower than every
+        placement before it, else up."""
         exact = [t for t in self.tried if t.placed is not None and t.floor is None]
         low, high = overflowed, min(exact, key=lambda t: t.busiest).factor
         if high <= low:
             return
-        for _ in range(self.rules.bisections):
+        for _ in range(halvings):
             middle, best = (low + high) / 2, self.lowest()
             self.at(middle)
             if self.lowest() < best:
