@@ -21,6 +21,7 @@ from ray_zep.bench.scale import ScaleBenchSpec
 from ray_zep.config import load_config
 from ray_zep.data.synthetic import drawn_batch_lengths
 from ray_zep.errors import ConfigError
+from ray_zep.sim.token_room import ROOM_MOST, ROOM_STEP
 
 pytestmark = pytest.mark.unit
 
@@ -42,8 +43,9 @@ def test_the_runs_documents_at_64_gpus_compare_the_three_placements() -> None:
     config = load_config("conf/demo.yaml", [])
     rows = real_shape_rows(config, [64])
     assert [r.placement for r in rows] == list(compared_placements())
-    rooms = {math.ceil(TOKENS_PER_GPU * ScaleBenchSpec.headroom * factor) for factor in ROOMS}
-    with patch.object(real_shape, "ROOMS", (1.0,)):
+    factors = (*ROOMS, *np.arange(max(ROOMS), ROOM_MOST, ROOM_STEP) + ROOM_STEP)
+    rooms = {math.ceil(TOKENS_PER_GPU * ScaleBenchSpec.headroom * f) for f in factors}
+    with patch.object(real_shape, "ROOMS", (1.0,)), patch.object(real_shape, "ROOM_MOST", 1.0):
         alone = real_shape_rows(config, [64])  # the default L alone
     for row, at_default in zip(rows, alone, strict=True):
         assert row.error is None and row.gpus == 64 and row.distribution == "stdlib"

@@ -11,11 +11,12 @@ checkpointing that fits) for the product's placement, the reference (TE CP) and
 Megatron-LM's dynamic CP.
 
 Each placement plays the token room `ray-zep plan --auto` searches for the same batches
-(L, and L x each of `ROOM_FACTORS`, `bench scale --room`) and keeps its fastest that fits,
+(L, and L x each of `ROOM_FACTORS`, then larger while the largest keeps winning, up to
+`ROOM_MOST`: `bench scale --room --room-up-to`) and keeps its fastest that fits,
 so a row shows what the product would run, and every baseline gets the same choice. On
 the demo's documents at 1,024 GPUs Zeppelin at the default L alone stepped 3.14 s, 1.39x
-its bound; at its best room 2.77 s, 1.24x (BENCHMARKS.md, "The first hour at the token
-room the product picks").
+its bound; at 1.5 L 2.77 s, 1.24x (BENCHMARKS.md, "The first hour at the token room the
+product picks"), and at 2 L, where the search now goes on, 2.75 s (fifty-third series).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ray_zep.data.synthetic import drawn_batch_lengths
 from ray_zep.partition import registry
 from ray_zep.partition.spec import Role
 from ray_zep.sim.megatron_dynamic_cp import NAME as MEGATRON_DYNAMIC_CP
-from ray_zep.sim.token_room import ROOM_FACTORS
+from ray_zep.sim.token_room import ROOM_FACTORS, ROOM_MOST
 
 MODEL = "7b"
 TOKENS_PER_GPU = 4096
@@ -58,14 +59,15 @@ def document_lengths(source: TokenSource) -> np.ndarray:
 
 def real_shape_rows(config: Config, gpus: Sequence[int], seed: int = 0) -> list[ScaleRow]:
     """`compared_placements` on one batch of the run's document lengths per size in
-    `gpus`, each at its fastest fitting token room of `ROOMS` (module docstring); rows
-    labelled with the run's `data.source`; none, and the source left unread, without
+    `gpus`, each at its fastest fitting token room of `ROOMS` or above (module docstring);
+    rows labelled with the run's `data.source`; none, and the source left unread, without
     sizes."""
     if not gpus:
         return []
     documents = document_lengths(open_configured_source(config))
     spec = ScaleBenchSpec(gpus=tuple(gpus), models=(MODEL,), tokens_per_gpu=(TOKENS_PER_GPU,),
-                          placements=compared_placements(), room=ROOMS)  # fmt: skip
+                          placements=compared_placements(), room=ROOMS,
+                          room_up_to=ROOM_MOST)  # fmt: skip
     rows = []
     for size in spec.gpus:
         batch = drawn_batch_lengths(documents, TOKENS_PER_GPU * size, seed)

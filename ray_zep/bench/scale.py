@@ -32,7 +32,10 @@ average; L = that x headroom) and placement, on the same sampled batches:
   L, which no micro-batch holding fewer tokens beats;
 - token room (`--room`, `L`): each row is played at L x each factor on the same batches,
   as `plan --auto` plays the fastest composition with more room (1.25 and 1.5), and keeps
-  the fastest that fits; its bound is the batch's at that L;
+  the fastest that fits; its bound is the batch's at that L. With `--room-up-to`, a
+  placement whose fastest is the largest factor is played at the next one (+0.25) while
+  that keeps winning, up to the factor given, as `plan --auto` goes on up to 2
+  (`ray_zep.sim.token_room.next_room`);
 - K/V room (`--kv-room`, `K/V room`): each row is played with each
   `parallel.ring_kv_room_mb` listed (`model`: unset, the memory model's cost of a token
   in a ring, which the planner holds free on a kept ring's members; `0`: the budget
@@ -62,11 +65,11 @@ from typing import Any
 
 import numpy as np
 
+from ray_zep.bench.scale_play import plan_batch_timed, scheduler_of, simulated_step
 from ray_zep.command_args import counts, factors, known, names
 from ray_zep.config import Config, load_config
 from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
-from ray_zep.parallel.axes import SEQUENCE_AXES
 from ray_zep.parallel.memory import GB
 from ray_zep.partition import registry
 from ray_zep.partition.level_trace import LevelOutcome
@@ -80,7 +83,6 @@ from ray_zep.report.progress import ProgressLine
 from ray_zep.report.text_table import Column
 from ray_zep.sim.bound import over_bound, step_bound
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
-from ray_zep.sim.bytescale import bytescale_plans, simulate_schedule
 from ray_zep.sim.checkpointing import (
     checkpointing_as,
     checkpointing_label,
@@ -91,13 +93,12 @@ from ray_zep.sim.compare import VARIANTS, variant_config
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
-from ray_zep.sim.megatron_cp import hybrid_cp_wave_plans, simulate_hybrid_cp
+from ray_zep.sim.megatron_cp import hybrid_cp_wave_plans
 from ray_zep.sim.megatron_dynamic_cp import NAME as MEGATRON_DYNAMIC_CP
-from ray_zep.sim.megatron_dynamic_cp import dynamic_cp_plans
 from ray_zep.sim.micro_step import micro_batched_steps, split_batch
 from ray_zep.sim.phase_setter import phase_setters
-from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
-from ray_zep.step_plan import plan_step
+from ray_zep.sim.step import RunModel
+from ray_zep.sim.token_room import ROOM_MOST, ROOM_STEP, next_room
 from ray_zep.topology import build_topology
 from ray_zep.traffic import attention_step_traffic
 
@@ -135,7 +136,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--room", default="1",
         help="token-room factors each row tries, L x each for the same batches, keeping the "
-        "fastest that fits (plan --auto tries 1,1.25,1.5; default 1)",
+        "fastest that fits (plan --auto tries 1,1.25,1.5, see --room-up-to; default 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--room-up-to", type=float, default=None,
+        help="where a row's fastest fitting --room factor is the largest, try the next "
+        f"(+{ROOM_STEP}) while it keeps winning, up to this factor (plan --auto: {ROOM_MOST})",
     )  # fmt: skip
     parser.add_argument(
         "--kv-room", default="model",
@@ -158,6 +164,7 @@ def run(args: argparse.Namespace) -> BenchResult:
         micro_batches=args.micro_batches,
         room=factors(args.room, "--room"),
         kv_room=kv_rooms(args.kv_room),
+        room_up_to=args.room_up_to,
     )
     cases = len(spec.models) * len(spec.tokens_per_gpu) * len(spec.gpus) * len(spec.distributions)
     with ProgressLine(cases, "cases", sys.stdout) as bar:
@@ -218,6 +225,10 @@ class ScaleBenchSpec:
     kv_room: tuple[float | None, ...] = (None,)
     """`parallel.ring_kv_room_mb` values each row is played with (None: unset), the
     fastest that fits kept (module docstring)."""
+    room_up_to: float | None = None
+    """Where a placement's fastest fitting factor is the largest of `room`, it is played at
+    the next (`ray_zep.sim.token_room.next_room`) while that keeps winning, up to this
+    factor (module docstring); None: `room` alone."""
 
     def __post_init__(self) -> None:
         for g in self.gpus:
@@ -236,8 +247,12 @@ class ScaleBenchSpec:
             raise ConfigError(f"--plan-repeats={self.plan_repeats}: must be >= 1")
         if not self.room or min(self.room) < 1.0:
             raise ConfigError(f"--room {self.room}: factors of L must be >= 1")
-        if self.plan_only and len(self.room) > 1:
-            raise ConfigError("--room: one factor with --plan-only (no step to choose by)")
+        if self.room_up_to is not None and not self.room_up_to >= max(self.room):
+            raise ConfigError(f"--room-up-to {self.room_up_to}: at least the largest --room "
+                              f"factor ({max(self.room)})")  # fmt: skip
+        if self.plan_only and (len(self.room) > 1 or self.room_up_to is not None):
+            raise ConfigError("--room: one factor, no --room-up-to, with --plan-only (no step "
+                              "to choose by)")  # fmt: skip
         if self.plan_only and len(self.kv_room) > 1:
             raise ConfigError("--kv-room: one value with --plan-only (no step to choose by)")
 
@@ -327,7 +342,34 @@ def scale_case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, t
     played = [_case_at(dataclasses.replace(spec, headroom=spec.headroom * factor), gpus,
                        distribution, model, tokens, batches, kv_room)
               for factor in spec.room for kv_room in spec.kv_room]  # fmt: skip
-    return [min(rows, key=_room_rank) for rows in zip(*played, strict=True)]
+    kept = [min(rows, key=_room_rank) for rows in zip(*played, strict=True)]
+    if spec.room_up_to is None:
+        return kept
+    return [_room_upward(spec, row, gpus, distribution, model, tokens, batches) for row in kept]
+
+
+def _room_upward(spec: ScaleBenchSpec, row: ScaleRow, gpus: int, distribution: str, model: str,
+                 tokens: int, batches: list[np.ndarray]) -> ScaleRow:  # fmt: skip
+    """`row` (one placement's fastest over `spec.room`), or the fastest of it and the
+    larger factors `next_room` gives while the largest played wins, up to
+    `spec.room_up_to`."""
+    played = list(spec.room)
+    factor = next_room(played, _factor_of(spec, row, tokens, played), spec.room_up_to)
+    while factor is not None and row.step_s is not None and row.fits == "yes":
+        one = dataclasses.replace(spec, placements=(row.placement,),
+                                  headroom=spec.headroom * factor)  # fmt: skip
+        tried = [_case_at(one, gpus, distribution, model, tokens, batches, kv_room)[0]
+                 for kv_room in spec.kv_room]  # fmt: skip
+        row = min([row, *tried], key=_room_rank)
+        played.append(factor)
+        factor = next_room(played, _factor_of(spec, row, tokens, played), spec.room_up_to)
+    return row
+
+
+def _factor_of(spec: ScaleBenchSpec, row: ScaleRow, tokens: int, factors: list[float]) -> float:
+    """Which of `factors` `row` ran at (by its L)."""
+    at = [f for f in factors if math.ceil(tokens * spec.headroom * f) == row.tokens_per_rank]
+    return at[0] if at else min(factors)
 
 
 def _room_rank(row: ScaleRow) -> tuple:
@@ -415,8 +457,8 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
             planned.append((plans, None, None, True))
             stats.append([plan_stats(plan, run.shape) for plan in plans])
             continue
-        scheduler = _scheduler(VARIANTS[variant])
-        plans, micro, remap, seconds = _planned(scheduler, lengths, run, plan_repeats)
+        scheduler = scheduler_of(VARIANTS[variant])
+        plans, micro, remap, seconds = plan_batch_timed(scheduler, lengths, run, plan_repeats)
         planned.append((plans, micro, remap, False))
         planner.append(seconds)
         stats.append([plan_stats(plan, run.shape) for plan in plans])
@@ -432,7 +474,7 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
     if ideal is not None:
         # every option that fits is simulated (they differ only in what backward
         # recomputes); the row keeps the fastest
-        stepped = [micro_batched_steps([_simulated_step(part, one_run, *one)
+        stepped = [micro_batched_steps([simulated_step(part, one_run, *one)
                                         for part, one in zip(parts, planned, strict=True)],
                                        len(batches[0]))
                    for one_run in runs]  # fmt: skip
@@ -503,48 +545,6 @@ def _simulated_columns(row: ScaleRow, steps, ideal, bounds, n_layers: int) -> fl
         row.recompute_s = float(np.mean([p["recompute"] for p in parts]))
     row.phase_ends = [setter.to_dict() for setter in phase_setters(steps[0])]
     return float(seconds.sum())
-
-
-_SCHEDULERS = {"bytescale": bytescale_plans, "dynamic_cp": dynamic_cp_plans}
-"""The variants that run a schedule of micro-batches (`Variant` flags), and its planner."""
-
-
-def _scheduler(variant):
-    """The planner of the variant's micro-batch schedule, None for one plan a step."""
-    return next((plans for flag, plans in _SCHEDULERS.items() if getattr(variant, flag)), None)
-
-
-def _planned(scheduler, lengths: np.ndarray, run: RunModel, repeats: int = 1):
-    """(the step's plans, the baseline's micro-batches or None, its remap, the planner's
-    wall seconds, the median of `repeats` calls): one plan as the data actor makes it, or
-    the rounds of a baseline's `scheduler` (`_SCHEDULERS`)."""
-    planned = [_planned_once(scheduler, lengths, run) for _ in range(repeats)]
-    return (*planned[0][:3], float(np.median([seconds for *_, seconds in planned])))
-
-
-def _planned_once(scheduler, lengths: np.ndarray, run: RunModel):
-    started = time.perf_counter()
-    micro, remap = None, None
-    config, topology = run.config, run.hardware.topology
-    if scheduler is not None:
-        micro, plans = scheduler(lengths, run)
-    elif SEQUENCE_AXES[config.parallel.sequence].whole_sequences:
-        plan, remap = plan_batch(lengths, run)
-        plans = [plan]
-    else:  # what the data actor runs a step: the placement, its routing and its bytes
-        step = plan_step(lengths, config, topology, run.shape)
-        plans, remap = [step.attention], step.remap
-    return plans, micro, remap, time.perf_counter() - started
-
-
-def _simulated_step(lengths: np.ndarray, run: RunModel, plans, micro, remap, waves: bool):
-    """The simulated step of a batch placed as `_planned` (`plans`, `micro`, `remap`) or,
-    with `waves`, as megatron_hybrid_cp's wave `plans`."""
-    if waves:
-        return simulate_hybrid_cp(lengths, run, plans)
-    if micro is not None:
-        return simulate_schedule(lengths, micro, plans, run)
-    return simulate_plan(plans[0], run, run.config.parallel.routing, remap)
 
 
 COLUMNS = (

@@ -37,7 +37,8 @@ played from. It is listed with its floor.
 
 Where the batches are budget-packed, the fastest fitting composition is played again
 with more token room for the same batches (`ray_zep.sim.token_room`: L x 1.25 and x 1.5,
-`data.batch_fill` lowered so that the batch budget stays), and ranked with the rest.
+then x 1.75 and x 2 while the largest played steps fastest, `data.batch_fill` lowered so
+that the batch budget stays), and ranked with the rest.
 
 Where the fastest fitting composition's planner holds a kept ring's K/V room free on its
 members (`parallel.ring_kv_room_mb` unset, resolved from the memory model: zeppelin's work
@@ -110,7 +111,7 @@ from ray_zep.sim.outlier_choice import (
     thresholds,
 )
 from ray_zep.sim.step import RunModel, StepResult, plan_batch, simulate_batch, simulate_plans
-from ray_zep.sim.token_room import ROOM_FACTORS, with_room
+from ray_zep.sim.token_room import ROOM_FACTORS, next_room, with_room
 
 SEARCHED_COMPRESSION = (Compression.OFF, Compression.AUTO)
 """`comm.compression` values searched (`always` is never faster than `auto` in the model)."""
@@ -417,22 +418,32 @@ def _roomier(
     on_gpu: bool,
 ) -> list[Candidate]:
     """The fastest fitting budget-packed composition again with more token room for the
-    same batches (`ray_zep.sim.token_room`: L x each of `ROOM_FACTORS`, the batch fill
-    lowered to match), under `config`'s activation checkpointing (where it then does not
+    same batches (`ray_zep.sim.token_room`: L x each of `ROOM_FACTORS`, then one
+    `next_room` more while the largest played steps fastest, the batch fill lowered to
+    match), under `config`'s activation checkpointing (where it then does not
     fit, `evaluate_group` finds the lightest that does, as for any composition)."""
     packed = [c for c in plan.ranked
               if c.steps and c.fits and c.config.data.packing is Packing.BUDGET]  # fmt: skip
     if not packed:
         return []
     composition = checkpointing_as(packed[0].config, config)
-    out = []
-    for factor in ROOM_FACTORS:
+    out: list[Candidate] = []
+    played: dict[float, Candidate] = {1.0: packed[0]}
+    factors = list(ROOM_FACTORS)
+    while factors:
+        factor = factors.pop(0)
         roomy = with_room(composition, factor, hardware.devices)
         if roomy is None:
             continue
         for candidate in _evaluated([roomy], hardware, batches_of, on_gpu):
             candidate.room_of = packed[0]
             out.append(candidate)
+            played[factor] = candidate
+        if not factors:  # the largest so far keeps winning: one step more
+            fitting = {f: c for f, c in played.items() if c.steps and c.fits}
+            fastest = min(fitting, key=lambda f: fitting[f].step_seconds, default=1.0)
+            following = next_room(list(played), fastest)
+            factors += [] if following is None else [following]
     return out
 
 

@@ -14,18 +14,36 @@ rather than 1.25 x the mean moved the default placement's step from -7.3% (githu
 GPUs) to +6.0% (github, 64 GPUs), and made 13b ranks checkpoint some blocks; at 16k tokens
 per GPU, where every row already recomputes, 19 of 24 rows were slower (BENCHMARKS.md,
 twentieth series). Which way it goes depends on the batch, the model and the memory, so
-`ray-zep plan --auto` plays it (`ROOM_FACTORS`) rather than assuming it.
+`ray-zep plan --auto` plays it (`ROOM_FACTORS`) rather than assuming it, and where the
+largest factor wins it goes on (`next_room`, up to `ROOM_MOST`): the 7b github batches at
+1,024 and 4,096 GPUs step 3.4% and 4.1% faster at L x 2 than at x 1.5 (BENCHMARKS.md,
+fifty-third series).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 from ray_zep.config import Config, Packing, batch_budget
 
 ROOM_FACTORS = (1.25, 1.5)
 """L x these are tried for the fastest budget-packed composition (`ray_zep.sim.auto`)."""
+ROOM_STEP = 0.25
+"""Where the largest factor played steps fastest, the next one tried is this much larger."""
+ROOM_MOST = 2.0
+"""The largest factor tried (`next_room`)."""
+
+
+def next_room(played: Sequence[float], fastest: float, most: float = ROOM_MOST) -> float | None:
+    """The next factor of L to play after `played`, where `fastest` (the factor whose step
+    was fastest, fitting) is the largest played: one `ROOM_STEP` more, at most `most`; None
+    where a smaller factor won or `most` is reached."""
+    largest = max(played)
+    if fastest < largest or largest >= most - 1e-9:
+        return None
+    return min(most, largest + ROOM_STEP)
 
 
 def with_room(config: Config, factor: float, world: int) -> Config | None:
