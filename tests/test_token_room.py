@@ -8,7 +8,7 @@ import pytest
 
 from ray_zep.config import load_config
 from ray_zep.data.synthetic import batch_lengths
-from ray_zep.sim.token_room import with_room
+from ray_zep.sim.token_room import ROOM_MOST, next_room, with_room
 
 pytestmark = pytest.mark.unit
 
@@ -42,6 +42,14 @@ def test_more_room_keeps_the_batch_budget_and_draws_the_same_batches(factor: flo
         assert np.array_equal(a, b)
     ranked = load_config(None, ["train.tokens_per_rank=1000"])  # whole sequences, rank bins
     assert with_room(ranked, factor, 4) is None
+
+
+def test_the_room_goes_on_only_while_the_largest_played_wins() -> None:
+    assert next_room([1.0, 1.25, 1.5], fastest=1.5) == 1.75
+    assert next_room([1.0, 1.25, 1.5, 1.75], fastest=1.75) == ROOM_MOST == 2.0
+    assert next_room([1.0, 1.25, 1.5, 1.75, 2.0], fastest=2.0) is None  # the most
+    assert next_room([1.0, 1.25, 1.5], fastest=1.25) is None  # a smaller one won
+    assert next_room([1.0, 1.9], fastest=1.9) == 2.0  # never past the most
 
 
 def test_plan_auto_plays_the_fastest_composition_with_more_room_and_keeps_it_where_faster(

@@ -339,37 +339,35 @@ def scale_case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, t
     each) on `gpus` GPUs of cluster A; `distribution` labels the rows. Each placement is
     played at every `spec.room` factor of L and keeps the fastest that fits (the fastest
     where none fits; the first where none ran)."""
-    played = [_case_at(dataclasses.replace(spec, headroom=spec.headroom * factor), gpus,
-                       distribution, model, tokens, batches, kv_room)
+    played = [(factor, _case_at(dataclasses.replace(spec, headroom=spec.headroom * factor), gpus,
+                                distribution, model, tokens, batches, kv_room))
               for factor in spec.room for kv_room in spec.kv_room]  # fmt: skip
-    kept = [min(rows, key=_room_rank) for rows in zip(*played, strict=True)]
+    kept = [min(((factor, rows[p]) for factor, rows in played), key=lambda fr: _room_rank(fr[1]))
+            for p in range(len(spec.placements))]  # fmt: skip
     if spec.room_up_to is None:
-        return kept
-    return [_room_upward(spec, row, gpus, distribution, model, tokens, batches) for row in kept]
+        return [row for _, row in kept]
+    return [_room_upward(spec, row, factor, gpus, distribution, model, tokens, batches)
+            for factor, row in kept]  # fmt: skip
 
 
-def _room_upward(spec: ScaleBenchSpec, row: ScaleRow, gpus: int, distribution: str, model: str,
-                 tokens: int, batches: list[np.ndarray]) -> ScaleRow:  # fmt: skip
-    """`row` (one placement's fastest over `spec.room`), or the fastest of it and the
-    larger factors `next_room` gives while the largest played wins, up to
+def _room_upward(spec: ScaleBenchSpec, row: ScaleRow, factor: float, gpus: int, distribution: str,
+                 model: str, tokens: int, batches: list[np.ndarray]) -> ScaleRow:  # fmt: skip
+    """`row` (one placement's fastest over `spec.room`, at `factor`), or the fastest of it
+    and the larger factors `next_room` gives while the largest played wins, up to
     `spec.room_up_to`."""
     played = list(spec.room)
-    factor = next_room(played, _factor_of(spec, row, tokens, played), spec.room_up_to)
-    while factor is not None and row.step_s is not None and row.fits == "yes":
+    following = next_room(played, factor, spec.room_up_to)
+    while following is not None and row.step_s is not None and row.fits == "yes":
         one = dataclasses.replace(spec, placements=(row.placement,),
-                                  headroom=spec.headroom * factor)  # fmt: skip
+                                  headroom=spec.headroom * following)  # fmt: skip
         tried = [_case_at(one, gpus, distribution, model, tokens, batches, kv_room)[0]
                  for kv_room in spec.kv_room]  # fmt: skip
-        row = min([row, *tried], key=_room_rank)
-        played.append(factor)
-        factor = next_room(played, _factor_of(spec, row, tokens, played), spec.room_up_to)
+        best = min([row, *tried], key=_room_rank)
+        if best is not row:
+            row, factor = best, following
+        played.append(following)
+        following = next_room(played, factor, spec.room_up_to)
     return row
-
-
-def _factor_of(spec: ScaleBenchSpec, row: ScaleRow, tokens: int, factors: list[float]) -> float:
-    """Which of `factors` `row` ran at (by its L)."""
-    at = [f for f in factors if math.ceil(tokens * spec.headroom * f) == row.tokens_per_rank]
-    return at[0] if at else min(factors)
 
 
 def _room_rank(row: ScaleRow) -> tuple:
