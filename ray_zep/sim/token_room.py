@@ -16,8 +16,8 @@ per GPU, where every row already recomputes, 19 of 24 rows were slower (BENCHMAR
 twentieth series). Which way it goes depends on the batch, the model and the memory, so
 `ray-zep plan --auto` plays it (`ROOM_FACTORS`) rather than assuming it, and where the
 largest factor wins it goes on (`next_room`, up to `ROOM_MOST`): the 7b github batches at
-1,024 and 4,096 GPUs step 3.4% and 4.1% faster at L x 2 than at x 1.5 (BENCHMARKS.md,
-fifty-third series).
+1,024 and 4,096 GPUs train 3.5% and 4.3% more tokens a second at L x 2 than at x 1.5
+(BENCHMARKS.md, fifty-third series).
 """
 
 from __future__ import annotations
