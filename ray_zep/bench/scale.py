@@ -35,7 +35,7 @@ average; L = that x headroom) and placement, on the same sampled batches:
   the fastest that fits; its bound is the batch's at that L. With `--room-up-to`, a
   placement whose fastest is the largest factor is played at the next one (+0.25) while
   that keeps winning, up to the factor given, as `plan --auto` goes on up to 2
-  (`ray_zep.sim.token_room.next_room`);
+  (`ray_zep.sim.token_room.play_upward`);
 - K/V room (`--kv-room`, `K/V room`): each row is played with each
   `parallel.ring_kv_room_mb` listed (`model`: unset, the memory model's cost of a token
   in a ring, which the planner holds free on a kept ring's members; `0`: the budget
@@ -98,7 +98,7 @@ from ray_zep.sim.megatron_dynamic_cp import NAME as MEGATRON_DYNAMIC_CP
 from ray_zep.sim.micro_step import micro_batched_steps, split_batch
 from ray_zep.sim.phase_setter import phase_setters
 from ray_zep.sim.step import RunModel
-from ray_zep.sim.token_room import ROOM_MOST, ROOM_STEP, next_room
+from ray_zep.sim.token_room import ROOM_MOST, ROOM_STEP, play_upward
 from ray_zep.topology import build_topology
 from ray_zep.traffic import attention_step_traffic
 
@@ -227,7 +227,7 @@ class ScaleBenchSpec:
     fastest that fits kept (module docstring)."""
     room_up_to: float | None = None
     """Where a placement's fastest fitting factor is the largest of `room`, it is played at
-    the next (`ray_zep.sim.token_room.next_room`) while that keeps winning, up to this
+    the next (`ray_zep.sim.token_room.play_upward`) while that keeps winning, up to this
     factor (module docstring); None: `room` alone."""
 
     def __post_init__(self) -> None:
@@ -353,11 +353,13 @@ def scale_case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, t
 def _room_upward(spec: ScaleBenchSpec, row: ScaleRow, factor: float, gpus: int, distribution: str,
                  model: str, tokens: int, batches: list[np.ndarray]) -> ScaleRow:  # fmt: skip
     """`row` (one placement's fastest over `spec.room`, at `factor`), or the fastest of it
-    and the larger factors `next_room` gives while the largest played wins, up to
-    `spec.room_up_to`."""
-    played = list(spec.room)
-    following = next_room(played, factor, spec.room_up_to)
-    while following is not None and row.step_s is not None and row.fits == "yes":
+    and the larger factors `play_upward` plays while the largest played wins, up to
+    `spec.room_up_to`; none where `row` did not run or fit."""
+    if row.step_s is None or row.fits != "yes":
+        return row
+
+    def play(following: float) -> float:
+        nonlocal row, factor
         one = dataclasses.replace(spec, placements=(row.placement,),
                                   headroom=spec.headroom * following)  # fmt: skip
         tried = [_case_at(one, gpus, distribution, model, tokens, batches, kv_room)[0]
@@ -365,8 +367,9 @@ def _room_upward(spec: ScaleBenchSpec, row: ScaleRow, factor: float, gpus: int, 
         best = min([row, *tried], key=_room_rank)
         if best is not row:
             row, factor = best, following
-        played.append(following)
-        following = next_room(played, factor, spec.room_up_to)
+        return factor
+
+    play_upward(spec.room, factor, play, spec.room_up_to)
     return row
 
 

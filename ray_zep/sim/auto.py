@@ -111,7 +111,7 @@ from ray_zep.sim.outlier_choice import (
     thresholds,
 )
 from ray_zep.sim.step import RunModel, StepResult, plan_batch, simulate_batch, simulate_plans
-from ray_zep.sim.token_room import ROOM_FACTORS, next_room, with_room
+from ray_zep.sim.token_room import ROOM_FACTORS, play_upward, with_room
 
 SEARCHED_COMPRESSION = (Compression.OFF, Compression.AUTO)
 """`comm.compression` values searched (`always` is never faster than `auto` in the model)."""
@@ -418,10 +418,10 @@ def _roomier(
     on_gpu: bool,
 ) -> list[Candidate]:
     """The fastest fitting budget-packed composition again with more token room for the
-    same batches (`ray_zep.sim.token_room`: L x each of `ROOM_FACTORS`, then one
-    `next_room` more while the largest played steps fastest, the batch fill lowered to
-    match), under `config`'s activation checkpointing (where it then does not
-    fit, `evaluate_group` finds the lightest that does, as for any composition)."""
+    same batches (`ray_zep.sim.token_room`: L x each of `ROOM_FACTORS`, then more while
+    the largest played steps fastest, `play_upward`, the batch fill lowered to match),
+    under `config`'s activation checkpointing (where it then does not fit,
+    `evaluate_group` finds the lightest that does, as for any composition)."""
     packed = [c for c in plan.ranked
               if c.steps and c.fits and c.config.data.packing is Packing.BUDGET]  # fmt: skip
     if not packed:
@@ -429,21 +429,21 @@ def _roomier(
     composition = checkpointing_as(packed[0].config, config)
     out: list[Candidate] = []
     played: dict[float, Candidate] = {1.0: packed[0]}
-    factors = list(ROOM_FACTORS)
-    while factors:
-        factor = factors.pop(0)
+
+    def play(factor: float) -> float:
+        """Plays the composition at L x `factor`; the fastest fitting factor so far."""
         roomy = with_room(composition, factor, hardware.devices)
-        if roomy is None:
-            continue
-        for candidate in _evaluated([roomy], hardware, batches_of, on_gpu):
+        for candidate in _evaluated([roomy], hardware, batches_of, on_gpu) if roomy else []:
             candidate.room_of = packed[0]
             out.append(candidate)
             played[factor] = candidate
-        if not factors:  # the largest so far keeps winning: one step more
-            fitting = {f: c for f, c in played.items() if c.steps and c.fits}
-            fastest = min(fitting, key=lambda f: fitting[f].step_seconds, default=1.0)
-            following = next_room(list(played), fastest)
-            factors += [] if following is None else [following]
+        fitting = {f: c for f, c in played.items() if c.steps and c.fits}
+        return min(fitting, key=lambda f: fitting[f].step_seconds)
+
+    fastest = 1.0
+    for factor in ROOM_FACTORS:
+        fastest = play(factor)
+    play_upward(list(played), fastest, play)  # on while the largest keeps winning
     return out
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ray_zep.config import Config, Packing, batch_budget
 
@@ -44,6 +44,20 @@ def next_room(played: Sequence[float], fastest: float, most: float = ROOM_MOST) 
     if fastest < largest or largest >= most - 1e-9:
         return None
     return min(most, largest + ROOM_STEP)
+
+
+def play_upward(
+    played: Sequence[float], fastest: float, play: Callable[[float], float], most: float = ROOM_MOST
+) -> None:
+    """Plays the factors `next_room` gives after `played` (`fastest` the fastest of them),
+    one at a time while the largest played keeps winning: `play(factor)` plays one and
+    returns the fastest factor so far."""
+    played = list(played)
+    following = next_room(played, fastest, most)
+    while following is not None:
+        fastest = play(following)
+        played.append(following)
+        following = next_room(played, fastest, most)
 
 
 def with_room(config: Config, factor: float, world: int) -> Config | None:
