@@ -12,6 +12,7 @@ import pytest
 import ray_zep.partition.balance as balance_module
 import ray_zep.partition.level_fill as level_fill
 import ray_zep.partition.level_scan as level_scan
+import ray_zep.partition.wide_guests as wide_guests
 from ray_zep.config import load_config
 from ray_zep.data.synthetic import batch_lengths
 from ray_zep.errors import PlacementError
@@ -120,10 +121,11 @@ def test_the_early_bound_changes_no_placement_and_deals_fewer_sequences(
     monkeypatch: pytest.MonkeyPatch, gpus: int, model: str, seed: int
 ) -> None:
     """Chat batches whose first feasible level passes it by more than `OVERFLOW` (whole
-    sequences kept from riding as second rings, `ray_zep.partition.co_rings`, with which
-    no first level of these batches passes it): the plans with and without the early
-    bound are equal (also where no fill is trusted not
-    to run out of tokens, and every level abandoned early is placed again), the early
+    sequences kept from riding as second rings, `ray_zep.partition.co_rings`, and groups
+    of positions wider than a node from hosting guests, `ray_zep.partition.wide_guests`,
+    with either of which no first level of these batches passes it): the plans with and
+    without the early bound are equal (also where no fill is trusted not to run out of
+    tokens, and every level abandoned early is placed again), the early
     bound deals fewer whole sequences, and the trace says of a lower level it abandoned
     what its rank passed."""
     run, lengths = _run(gpus, model), batch_lengths("chat", 4096 * gpus, seed)
@@ -136,6 +138,7 @@ def test_the_early_bound_changes_no_placement_and_deals_fewer_sequences(
 
     monkeypatch.setattr(balance_module, "fill_whole", counting)
     monkeypatch.setattr(level_fill, "SECOND_RINGS", False)
+    monkeypatch.setattr(wide_guests, "WIDE_HOSTS", False)
 
     def plan(overflow: float):
         dealt[0] = 0

@@ -25,13 +25,15 @@ from tests.test_narrow_usp import assert_group_matches_single_device, usp_cluste
 @pytest.mark.dist
 def test_positions_of_two_nodes_match_single_device() -> None:
     """4 x 2: a sequence on 2 positions of two whole nodes each (ranks 0-3 and 4-7: every
-    Ulysses exchange crosses a node boundary), with whole sequences beside it on ranks
-    0, 1 and 5; multi-head and grouped-query (the K/V heads fewer than the members),
-    direct, routed and with dK/dV sent to their owners: outputs and gradients equal one
-    device's, and each rank issues the calls its schedule counts."""
-    group = SeqPlacement(0, 61, tuple(range(8)), bounds_for_counts([30, 31]), ulysses=4)
-    placements = [group, local_placement(1, 5, 0), local_placement(2, 3, 1),
-                  local_placement(3, 9, 5)]  # fmt: skip
+    Ulysses exchange crosses a node boundary), a 9-token guest in the same item
+    (`ray_zep.partition.wide_guests`), whole sequences beside them on ranks 0 and 1;
+    multi-head and grouped-query (the K/V heads fewer than the members), direct, routed
+    and with dK/dV sent to their owners: outputs and gradients equal one device's, and
+    each rank issues the calls its schedule counts."""
+    ranks = tuple(range(8))
+    group = SeqPlacement(0, 61, ranks, bounds_for_counts([30, 31]), ulysses=4)
+    guest = SeqPlacement(3, 9, ranks, bounds_for_counts([4, 5]), ulysses=4)
+    placements = [group, local_placement(1, 5, 0), local_placement(2, 3, 1), guest]
     assert_group_matches_single_device(placements, nodes=4, gpus=2, capacity=20)
 
 

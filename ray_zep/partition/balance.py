@@ -28,8 +28,9 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    ranks for the room); its own ranks are freed for the whole sequences. Before that, a
    split sequence may join a USP group of whole-node positions that has work and token
    room left, in the group's own item, the group taking at most one more node and fewer
-   ranks than the sequence's own group would (`usp_guests`), where the groups on their
-   own take more ranks than there are.
+   ranks than the sequence's own group would (`usp_guests`), or one of positions wider
+   than a node, which takes no more (`wide_guests`), where the groups on their own take
+   more ranks than there are.
 3. Whole sequences, most work first, go to the rank whose work leaves the least
    room under lam among those with token room (best fit decreasing). A ring whose
    member work counted on keeping its peers' K/V beyond the model's budget, in the
@@ -230,7 +231,7 @@ def _place_at(
     if USP_GUESTS and not force and parts is not None and degrees.sum() > world:
         # guests free ranks, so only where the groups on their own need more than there are
         host, degrees, member = usp_guests(seqs, degrees, member, usp, level, capacity, gpus,
-                                           parts)  # fmt: skip
+                                           parts, world, float(work[~split].sum()))  # fmt: skip
     floor = member > level  # no degree brings these under the level
     own = np.where(host < 0, degrees, 0)  # ranks of each one's own group; guests take none
     eligible = (usp == 0) & (degrees <= gpus) & (host < 0)

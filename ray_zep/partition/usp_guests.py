@@ -30,7 +30,8 @@ documents above share three nodes: 24 ranks.
   and 1,024 GPUs 1.3% and 0.5%.
 - Hosts are groups not at their floor. Guests are rings and groups of half-node
   positions. Groups of positions wider than a node hold the batch's longest documents,
-  and no host holds them beside its own.
+  and no host holds them beside its own; they host guests themselves once these hosts
+  have taken theirs (`ray_zep.partition.wide_guests`).
 
 On `bench scale`'s grid (64-4,096 GPUs, 4k tokens per GPU; BENCHMARKS.md, thirty-ninth
 series):
@@ -47,6 +48,7 @@ from functools import cached_property
 import numpy as np
 
 from ray_zep.partition.guest_kernel import GROWTH, costs_of, guest_kernel
+from ray_zep.partition.wide_guests import wide_guests
 from ray_zep.partition.work import WorkModel
 
 
@@ -114,6 +116,8 @@ def usp_guests(
     capacity: int,
     gpus: int,
     table: PartsTable,
+    world: int,
+    whole_work: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The host each split sequence joins as a guest (module docstring), and every split
     sequence's degree and member seconds with the guests.
@@ -127,6 +131,8 @@ def usp_guests(
         capacity: L.
         gpus: GPUs per node.
         table: the batch's ring parts.
+        world: the ranks there are, and `whole_work` the level's whole sequences' work
+            (seconds; `ray_zep.partition.wide_guests`).
 
     Returns:
         (host: the index (into `seqs`) of the sequence whose group each joins, -1 for
@@ -138,8 +144,18 @@ def usp_guests(
     seconds = np.asarray(member, dtype=np.float64).copy()
     hosts = np.flatnonzero((usp == gpus) & (member <= level))
     guests = np.flatnonzero(usp < gpus)
-    if not hosts.size or not guests.size:
-        return host_of, degrees, seconds
+    if hosts.size and guests.size:
+        host_of, degrees, seconds = _whole_node_guests(seqs, degrees, seconds, hosts, guests,
+                                                       level, capacity, gpus, table)  # fmt: skip
+    wide_guests(seqs, degrees, seconds, usp, host_of, level, capacity, gpus, table, world,
+                whole_work)  # fmt: skip
+    return host_of, degrees, seconds
+
+
+def _whole_node_guests(seqs, degrees, seconds, hosts, guests, level, capacity, gpus, table):
+    """`usp_guests` for hosts of whole-node positions (`guest_kernel`): (host_of, degrees,
+    seconds) as those hosts' guests make them."""
+    host_of = np.full(seqs.size, -1, dtype=np.int64)
     base = degrees[hosts] // gpus
     # guests in turn, `CHUNK` at a time: whether each fits each host at each offset, and
     # the host's member work then; joining only adds to a host, so a guest that fits none
