@@ -78,45 +78,54 @@ def wide_guests(
     table.ready(positions)
     row, lengths, work = table.rows(seqs)
     held = np.ceil(lengths[hosts] / members)  # the most tokens a member holds
-    # what a guest adds at least: its whole work spread over the host's GPUs, and its
-    # share of tokens; joining only fills hosts, so one that fits none now never will
-    may = ((seconds[hosts][None, :] + work[offered][:, None] / members[None, :] <= level)
-           & (held[None, :] + np.ceil(lengths[offered][:, None] / members[None, :])
-              <= capacity))  # fmt: skip
-    offered = offered[may.any(axis=1)]
-    offered = offered[np.lexsort((-lengths[offered], -degrees[offered]))]
     values = table.values
     sums = values[:, row[hosts], positions]  # 3 x hosts: diagonal, step, send
     tokens = lengths[hosts].copy()
+    model = table.model
+
+    def costs(guests: np.ndarray, on: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each of `guests` (rows) joining each host of `on` (columns) as the hosts
+        stand: the host's member seconds then, and whether it fits (the level, the
+        forward's share, L)."""
+        parts = sums[:, None, on] + values[:, row[guests][:, None], positions[on][None, :]]
+        total, forward = model.usp_group_costs(
+            RingParts(*parts), tokens[on][None, :] + lengths[guests][:, None],
+            positions[on][None, :], ulysses[on][None, :],
+        )  # fmt: skip
+        share = np.ceil(lengths[guests][:, None] / members[on][None, :])
+        fit = ((total <= level) & (forward <= level * FORWARD_SHARE)
+               & (held[on][None, :] + share <= capacity))  # fmt: skip
+        return total, fit
+
+    # joining only fills a host, so a sequence that fits none as they stand never will
+    every = np.arange(hosts.size)
+    cost, fit = costs(offered, every)
+    keep = fit.any(axis=1)
+    offered, cost, fit = offered[keep], cost[keep], fit[keep]
+    order = np.lexsort((-lengths[offered], -degrees[offered]))
+    offered, cost, fit = offered[order], cost[order], fit[order]
     short = int(degrees[host_of < 0].sum()) - world  # ranks the groups want beyond the world's
     # the level's work room: its ranks at the level less the groups' busy seconds and the
     # whole sequences' work
     spare = world * level - whole_work - float((seconds * degrees)[host_of < 0].sum())
-    for guest in offered.tolist():
+    for i, guest in enumerate(offered.tolist()):
         if short <= 0 and spare <= 0:
             break
-        share = np.ceil(lengths[guest] / members)
-        near = np.flatnonzero((seconds[hosts] + work[guest] / members <= level)
-                              & (held + share <= capacity))  # fmt: skip
-        if not near.size:
-            continue
-        parts = sums[:, near] + values[:, row[guest], positions[near]]
-        total, forward = table.model.usp_group_costs(
-            RingParts(*parts), tokens[near] + lengths[guest], positions[near], ulysses[near]
-        )
         # the busy seconds it adds: the host's over all its ranks, less its own group's
-        added = (total - seconds[hosts[near]]) * members[near] - seconds[guest] * degrees[guest]
-        fits = (
-            (total <= level) & (forward <= level * FORWARD_SHARE) & ((short > 0) | (added <= spare))
-        )
+        added = (cost[i] - seconds[hosts]) * members - seconds[guest] * degrees[guest]
+        fits = (fit[i] & (seconds[hosts] + work[guest] / members <= level)
+                & ((short > 0) | (added <= spare)))  # fmt: skip
         if not fits.any():
             continue
-        pick = int(np.argmax(np.where(fits, total, -np.inf)))
-        h = int(near[pick])
-        sums[:, h] = parts[:, pick]
+        h = int(np.argmax(np.where(fits, cost[i], -np.inf)))
+        sums[:, h] += values[:, row[guest], positions[h]]
         tokens[h] += lengths[guest]
-        held[h] += share[h]
-        seconds[hosts[h]] = total[pick]
+        held[h] += np.ceil(lengths[guest] / members[h])
+        seconds[hosts[h]] = cost[i, h]
         host_of[guest] = hosts[h]
         short -= int(degrees[guest])
-        spare -= float(added[pick])
+        spare -= float(added[h])
+        if i + 1 < offered.size:  # host h as it is now, for the sequences still to come
+            later, column = offered[i + 1 :], np.asarray([h])
+            total, fitting = costs(later, column)
+            cost[i + 1 :, h], fit[i + 1 :, h] = total[:, 0], fitting[:, 0]
