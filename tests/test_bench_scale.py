@@ -149,10 +149,10 @@ def test_room_keeps_the_fastest_l_that_fits() -> None:
         assert (row.step_s, row.tokens_per_rank) == (kept.step_s, kept.tokens_per_rank)
 
 
-def test_room_up_to_plays_larger_rooms_while_the_largest_keeps_winning(monkeypatch) -> None:
-    """`--room 1,1.25 --room-up-to 2` on 7B chat at 64 GPUs: L = 6,400 steps faster than
-    5,120, so 7,680 is played, and wins (as played apart); 8,960 is played and loses, so
-    10,240 is not. Up to the largest `--room` factor, nothing more is played."""
+def test_room_up_to_plays_the_rooms_next_to_the_fastest(monkeypatch) -> None:
+    """`--room 1.25 --room-up-to 2` on 7B chat at 64 GPUs: L = 6,400 is played, then 7,680
+    next to it, which wins (as played apart), then 8,960 next to that, which loses; 6,400
+    below it was played, so the search stops. Up to 1.25, nothing more is played."""
     from ray_zep.bench import scale
 
     cases = dict(gpus=(64,), distributions=("chat",), models=("7b",), tokens_per_gpu=(4096,),
@@ -162,15 +162,15 @@ def test_room_up_to_plays_larger_rooms_while_the_largest_keeps_winning(monkeypat
     case_at = scale._case_at
     monkeypatch.setattr(scale, "_case_at", lambda spec, *a, **k: played.append(
         round(spec.headroom / 1.25, 2)) or case_at(spec, *a, **k))  # fmt: skip
-    (row,) = run_scale_bench(ScaleBenchSpec(**cases, room=(1.0, 1.25), room_up_to=2.0),
+    (row,) = run_scale_bench(ScaleBenchSpec(**cases, room=(1.25,), room_up_to=2.0),
                              progress=quiet)  # fmt: skip
-    assert played == [1.0, 1.25, 1.5, 1.75]
+    assert played == [1.25, 1.5, 1.75]
     (apart,) = run_scale_bench(ScaleBenchSpec(**cases, headroom=1.875), progress=quiet)
     assert (row.tokens_per_rank, row.step_s) == (7680, apart.step_s)
     played.clear()
-    (kept,) = run_scale_bench(ScaleBenchSpec(**cases, room=(1.0, 1.25), room_up_to=1.25),
+    (kept,) = run_scale_bench(ScaleBenchSpec(**cases, room=(1.25,), room_up_to=1.25),
                               progress=quiet)  # fmt: skip
-    assert played == [1.0, 1.25] and kept.tokens_per_rank == 6400 and kept.step_s > row.step_s
+    assert played == [1.25] and kept.tokens_per_rank == 6400 and kept.step_s > row.step_s
     with pytest.raises(ConfigError, match=r"--room-up-to 1\.0"):
         ScaleBenchSpec(**cases, room=(1.0, 1.25), room_up_to=1.0)
     with pytest.raises(ConfigError, match="--room"):

@@ -8,7 +8,7 @@ import pytest
 
 from ray_zep.config import load_config
 from ray_zep.data.synthetic import batch_lengths
-from ray_zep.sim.token_room import ROOM_MOST, next_room, with_room
+from ray_zep.sim.token_room import ROOM_FACTORS, ROOM_MOST, next_room, with_room
 
 pytestmark = pytest.mark.unit
 
@@ -44,12 +44,17 @@ def test_more_room_keeps_the_batch_budget_and_draws_the_same_batches(factor: flo
     assert with_room(ranked, factor, 4) is None
 
 
-def test_the_room_goes_on_only_while_the_largest_played_wins() -> None:
+def test_the_room_is_searched_next_to_the_fastest_on_the_ladder() -> None:
+    assert ROOM_FACTORS[-1] == ROOM_MOST == 2.0  # the most is always played
     assert next_room([1.0, 1.25, 1.5], fastest=1.5) == 1.75
-    assert next_room([1.0, 1.25, 1.5, 1.75], fastest=1.75) == ROOM_MOST == 2.0
+    assert next_room([1.0, 1.25, 1.5, 1.75], fastest=1.75) == ROOM_MOST
     assert next_room([1.0, 1.25, 1.5, 1.75, 2.0], fastest=2.0) is None  # the most
-    assert next_room([1.0, 1.25, 1.5], fastest=1.25) is None  # a smaller one won
+    assert next_room([1.0, 1.25, 1.5], fastest=1.25) is None  # both neighbours played
     assert next_room([1.0, 1.9], fastest=1.9) == 2.0  # never past the most
+    assert next_room([1.0, 1.25, 1.5, 2.0], fastest=2.0) == 1.75  # the gap under the most
+    assert next_room([1.0, 1.25, 1.5, 2.0], fastest=1.5) == 1.75  # and over the fastest
+    assert next_room([1.0, 1.5, 1.75], fastest=1.5) == 1.25  # below, once above is played
+    assert next_room([1.5, 1.75], fastest=1.5) is None  # never under the smallest played
 
 
 def test_plan_auto_plays_the_fastest_composition_with_more_room_and_keeps_it_where_faster(
@@ -57,9 +62,9 @@ def test_plan_auto_plays_the_fastest_composition_with_more_room_and_keeps_it_whe
 ) -> None:
     """256 GPUs of cluster A, 7B, github at 4k tokens per GPU with L = 1.25 x that: the
     documents of 8k-50k tokens fill their ranks' tokens at half the mean work. The fastest
-    composition played again with L x 1.25 and x 1.5 for the same batch steps faster with
-    the room (3.79 s against 3.61 and 3.54 s); the largest won, so x 1.75 is played too, and
-    loses (3.60 s), so x 2 is not. L x 1.5 wins, and its YAML holds that L and the same
+    composition played again with L x 1.25, 1.5 and 2 for the same batch steps faster with
+    the room (3.79 s against 3.55, 3.50 and 3.44 s); x 2 won, so x 1.75 next to it is
+    played too, and loses (3.60 s). L x 2 wins, and its YAML holds that L and the same
     batch budget."""
     from ray_zep.sim.auto import AutoPlan, _roomier, evaluate_group, write_best
     from ray_zep.sim.request import SimulateRequest, batches_of, request_hardware
@@ -79,16 +84,16 @@ def test_plan_auto_plays_the_fastest_composition_with_more_room_and_keeps_it_whe
         return batches
 
     roomier = _roomier(AutoPlan(searched), config, hardware, batches_for, on_gpu)
-    assert [c.config.train.tokens_per_rank for c in roomier] == [6400, 7680, 8960]
+    assert [c.config.train.tokens_per_rank for c in roomier] == [6400, 7680, 10240, 8960]
     assert all(c.room_of is searched[0] and c.fits and _budget(c.config) == _budget(config)
                for c in roomier)  # fmt: skip
     assert [c.config for c in roomier] == drawn
     assert min(c.step_seconds for c in roomier) < 0.95 * searched[0].step_seconds
     plan = AutoPlan(searched + roomier)
-    assert plan.best.room_of is not None and plan.best.name.endswith("+L=7680"), plan.best.name
-    assert "with L = 7680 rather than 5120 for the same batches it steps 0.9" in plan.why()
+    assert plan.best.room_of is not None and plan.best.name.endswith("+L=10240"), plan.best.name
+    assert "with L = 10240 rather than 5120 for the same batches it steps 0.9" in plan.why()
     chosen = load_config(write_best(plan, tmp_path / "best.yaml"), [])
-    assert chosen.train.tokens_per_rank == 7680 and _budget(chosen) == _budget(config)
+    assert chosen.train.tokens_per_rank == 10240 and _budget(chosen) == _budget(config)
 
 
 def test_a_batch_fill_below_one_leaves_whole_sequence_compositions_in_the_search() -> None:

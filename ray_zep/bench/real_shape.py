@@ -11,7 +11,7 @@ checkpointing that fits) for the product's placement, the reference (TE CP) and
 Megatron-LM's dynamic CP.
 
 Each placement plays the token room `ray-zep plan --auto` searches for the same batches
-(L, and L x each of `ROOM_FACTORS`, then larger while the largest keeps winning, up to
+(L, and L x each of `ROOM_FACTORS`, then the factors next to the fastest, up to
 `ROOM_MOST`: `bench scale --room --room-up-to`) and keeps its fastest that fits,
 so a row shows what the product would run, and every baseline gets the same choice. On
 the demo's documents at 1,024 GPUs Zeppelin at the default L alone stepped 3.14 s, 1.39x

@@ -31,11 +31,11 @@ average; L = that x headroom) and placement, on the same sampled batches:
   one optimizer update), and the row keeps the fastest; its bound stays the batch's at
   L, which no micro-batch holding fewer tokens beats;
 - token room (`--room`, `L`): each row is played at L x each factor on the same batches,
-  as `plan --auto` plays the fastest composition with more room (1.25 and 1.5), and keeps
-  the fastest that fits; its bound is the batch's at that L. With `--room-up-to`, a
-  placement whose fastest is the largest factor is played at the next one (+0.25) while
-  that keeps winning, up to the factor given, as `plan --auto` goes on up to 2
-  (`ray_zep.sim.token_room.play_upward`);
+  as `plan --auto` plays the fastest composition with more room (1.25, 1.5 and 2), and
+  keeps the fastest that fits; its bound is the batch's at that L. With `--room-up-to`,
+  each placement is then played at the factors next to its fastest on a ladder of 0.25
+  until both are played, up to the factor given, as `plan --auto` does up to 2
+  (`ray_zep.sim.token_room.play_around`);
 - K/V room (`--kv-room`, `K/V room`): each row is played with each
   `parallel.ring_kv_room_mb` listed (`model`: unset, the memory model's cost of a token
   in a ring, which the planner holds free on a kept ring's members; `0`: the budget
@@ -98,7 +98,7 @@ from ray_zep.sim.megatron_dynamic_cp import NAME as MEGATRON_DYNAMIC_CP
 from ray_zep.sim.micro_step import micro_batched_steps, split_batch
 from ray_zep.sim.phase_setter import phase_setters
 from ray_zep.sim.step import RunModel
-from ray_zep.sim.token_room import ROOM_MOST, ROOM_STEP, play_upward
+from ray_zep.sim.token_room import ROOM_MOST, ROOM_STEP, play_around
 from ray_zep.topology import build_topology
 from ray_zep.traffic import attention_step_traffic
 
@@ -136,12 +136,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--room", default="1",
         help="token-room factors each row tries, L x each for the same batches, keeping the "
-        "fastest that fits (plan --auto tries 1,1.25,1.5, see --room-up-to; default 1)",
+        "fastest that fits (plan --auto tries 1,1.25,1.5,2, see --room-up-to; default 1)",
     )  # fmt: skip
     parser.add_argument(
         "--room-up-to", type=float, default=None,
-        help="where a row's fastest fitting --room factor is the largest, try the next "
-        f"(+{ROOM_STEP}) while it keeps winning, up to this factor (plan --auto: {ROOM_MOST})",
+        help=f"then try the factors next to a row's fastest fitting one (+-{ROOM_STEP}) until "
+        f"both are tried, up to this factor (plan --auto: {ROOM_MOST})",
     )  # fmt: skip
     parser.add_argument(
         "--kv-room", default="model",
@@ -226,9 +226,9 @@ class ScaleBenchSpec:
     """`parallel.ring_kv_room_mb` values each row is played with (None: unset), the
     fastest that fits kept (module docstring)."""
     room_up_to: float | None = None
-    """Where a placement's fastest fitting factor is the largest of `room`, it is played at
-    the next (`ray_zep.sim.token_room.play_upward`) while that keeps winning, up to this
-    factor (module docstring); None: `room` alone."""
+    """Each placement is then played at the factors next to its fastest fitting one
+    (`ray_zep.sim.token_room.play_around`) until both are played, up to this factor
+    (module docstring); None: `room` alone."""
 
     def __post_init__(self) -> None:
         for g in self.gpus:
@@ -346,15 +346,15 @@ def scale_case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, t
             for p in range(len(spec.placements))]  # fmt: skip
     if spec.room_up_to is None:
         return [row for _, row in kept]
-    return [_room_upward(spec, row, factor, gpus, distribution, model, tokens, batches)
+    return [_room_around(spec, row, factor, gpus, distribution, model, tokens, batches)
             for factor, row in kept]  # fmt: skip
 
 
-def _room_upward(spec: ScaleBenchSpec, row: ScaleRow, factor: float, gpus: int, distribution: str,
+def _room_around(spec: ScaleBenchSpec, row: ScaleRow, factor: float, gpus: int, distribution: str,
                  model: str, tokens: int, batches: list[np.ndarray]) -> ScaleRow:  # fmt: skip
     """`row` (one placement's fastest over `spec.room`, at `factor`), or the fastest of it
-    and the larger factors `play_upward` plays while the largest played wins, up to
-    `spec.room_up_to`; none where `row` did not run or fit."""
+    and the factors `play_around` plays next to the fastest, up to `spec.room_up_to`;
+    none where `row` did not run or fit."""
     if row.step_s is None or row.fits != "yes":
         return row
 
@@ -369,7 +369,7 @@ def _room_upward(spec: ScaleBenchSpec, row: ScaleRow, factor: float, gpus: int, 
             row, factor = best, following
         return factor
 
-    play_upward(spec.room, factor, play, spec.room_up_to)
+    play_around(spec.room, factor, play, spec.room_up_to)
     return row
 
 

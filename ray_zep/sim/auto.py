@@ -111,7 +111,7 @@ from ray_zep.sim.outlier_choice import (
     thresholds,
 )
 from ray_zep.sim.step import RunModel, StepResult, plan_batch, simulate_batch, simulate_plans
-from ray_zep.sim.token_room import ROOM_FACTORS, play_upward, with_room
+from ray_zep.sim.token_room import ROOM_FACTORS, play_around, with_room
 
 SEARCHED_COMPRESSION = (Compression.OFF, Compression.AUTO)
 """`comm.compression` values searched (`always` is never faster than `auto` in the model)."""
@@ -418,8 +418,8 @@ def _roomier(
     on_gpu: bool,
 ) -> list[Candidate]:
     """The fastest fitting budget-packed composition again with more token room for the
-    same batches (`ray_zep.sim.token_room`: L x each of `ROOM_FACTORS`, then more while
-    the largest played steps fastest, `play_upward`, the batch fill lowered to match),
+    same batches (`ray_zep.sim.token_room`: L x each of `ROOM_FACTORS`, then the factors
+    next to the fastest, `play_around`, the batch fill lowered to match),
     under `config`'s activation checkpointing (where it then does not fit,
     `evaluate_group` finds the lightest that does, as for any composition)."""
     packed = [c for c in plan.ranked
@@ -443,7 +443,7 @@ def _roomier(
     fastest = 1.0
     for factor in ROOM_FACTORS:
         fastest = play(factor)
-    play_upward(list(played), fastest, play)  # on while the largest keeps winning
+    play_around(list(played), fastest, play)  # the fastest's neighbours on the ladder
     return out
 
 

@@ -14,10 +14,12 @@ rather than 1.25 x the mean moved the default placement's step from -7.3% (githu
 GPUs) to +6.0% (github, 64 GPUs), and made 13b ranks checkpoint some blocks; at 16k tokens
 per GPU, where every row already recomputes, 19 of 24 rows were slower (BENCHMARKS.md,
 twentieth series). Which way it goes depends on the batch, the model and the memory, so
-`ray-zep plan --auto` plays it (`ROOM_FACTORS`) rather than assuming it, and where the
-largest factor wins it goes on (`next_room`, up to `ROOM_MOST`): the 7b github batches at
-1,024 and 4,096 GPUs train 3.5% and 4.3% more tokens a second at L x 2 than at x 1.5
-(BENCHMARKS.md, fifty-third series).
+`ray-zep plan --auto` plays it (`ROOM_FACTORS`) rather than assuming it, and then the
+factors next to the fastest on a ladder of `ROOM_STEP` (`next_room`, up to `ROOM_MOST`):
+the 7b github batches at 1,024 and 4,096 GPUs train 3.5% and 4.3% more tokens a second at
+L x 2 than at x 1.5 (BENCHMARKS.md, fifty-third series). `ROOM_MOST` itself is played
+every time: on four rows of `bench scale`'s 4k grid (7b prolong64k at 4,096 GPUs, 7b
+github at 256) 2 x won though 1.75 x lost (fifty-fourth series).
 """
 
 from __future__ import annotations
@@ -28,30 +30,33 @@ from collections.abc import Callable, Sequence
 
 from ray_zep.config import Config, Packing, batch_budget
 
-ROOM_FACTORS = (1.25, 1.5)
-"""L x these are tried for the fastest budget-packed composition (`ray_zep.sim.auto`)."""
 ROOM_STEP = 0.25
-"""Where the largest factor played steps fastest, the next one tried is this much larger."""
+"""The ladder of factors `next_room` searches: one factor to the next."""
 ROOM_MOST = 2.0
 """The largest factor tried (`next_room`)."""
+ROOM_FACTORS = (1.25, 1.5, ROOM_MOST)
+"""L x these are tried for the fastest budget-packed composition (`ray_zep.sim.auto`)."""
 
 
 def next_room(played: Sequence[float], fastest: float, most: float = ROOM_MOST) -> float | None:
-    """The next factor of L to play after `played`, where `fastest` (the factor whose step
-    was fastest, fitting) is the largest played: one `ROOM_STEP` more, at most `most`; None
-    where a smaller factor won or `most` is reached."""
-    largest = max(played)
-    if fastest < largest or largest >= most - 1e-9:
-        return None
-    return min(most, largest + ROOM_STEP)
+    """The next factor of L to play after `played`, `fastest` the one whose step was
+    fastest (fitting): its neighbour on the ladder of `ROOM_STEP` (the one above at most
+    `most`), the larger first, not yet played and between the smallest played and `most`;
+    None where both are played (or out of that range)."""
+    low = min(played)
+    for factor in (min(fastest + ROOM_STEP, most), fastest - ROOM_STEP):
+        inside = low - 1e-9 <= factor <= most + 1e-9
+        if inside and not any(abs(factor - p) < 1e-9 for p in played):
+            return factor
+    return None
 
 
-def play_upward(
+def play_around(
     played: Sequence[float], fastest: float, play: Callable[[float], float], most: float = ROOM_MOST
 ) -> None:
     """Plays the factors `next_room` gives after `played` (`fastest` the fastest of them),
-    one at a time while the largest played keeps winning: `play(factor)` plays one and
-    returns the fastest factor so far."""
+    one at a time until both of the fastest's neighbours are played: `play(factor)` plays
+    one and returns the fastest factor so far."""
     played = list(played)
     following = next_room(played, fastest, most)
     while following is not None:
