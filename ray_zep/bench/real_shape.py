@@ -16,7 +16,8 @@ Each placement plays the token room `ray-zep plan --auto` searches for the same 
 so a row shows what the product would run, and every baseline gets the same choice. On
 the demo's documents at 1,024 GPUs Zeppelin at the default L alone stepped 3.14 s, 1.39x
 its bound; at 1.5 L 2.77 s, 1.24x (BENCHMARKS.md, "The first hour at the token room the
-product picks"), and at 2 L, where the search now goes on, 2.75 s (fifty-third series).
+product picks"), and at 2 L, which the search plays every time, 2.76 s (fifty-third and
+fifty-fourth series).
 """
 
 from __future__ import annotations

@@ -18,8 +18,10 @@ twentieth series). Which way it goes depends on the batch, the model and the mem
 factors next to the fastest on a ladder of `ROOM_STEP` (`next_room`, up to `ROOM_MOST`):
 the 7b github batches at 1,024 and 4,096 GPUs train 3.5% and 4.3% more tokens a second at
 L x 2 than at x 1.5 (BENCHMARKS.md, fifty-third series). `ROOM_MOST` itself is played
-every time: on four rows of `bench scale`'s 4k grid (7b prolong64k at 4,096 GPUs, 7b
-github at 256) 2 x won though 1.75 x lost (fifty-fourth series).
+every time: on four rows of `bench scale`'s 4k grid 2 x is the fastest where going up one
+step at a time from 1.5 x stopped short of it (7b prolong64k at 4,096 GPUs 2.6% more tokens
+a second, 7b github at 256 GPUs 1.8%, 7b prolong64k and chat at 1,024 GPUs 0.5% and 0.3%;
+fifty-fourth series).
 """
 
 from __future__ import annotations
