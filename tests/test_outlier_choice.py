@@ -153,13 +153,15 @@ def test_a_delay_whose_window_still_holds_outliers_is_not_ranked(monkeypatch) ->
 def test_plan_auto_on_the_configured_data_plays_the_delay(tmp_path, monkeypatch, capsys) -> None:
     """`ray-zep plan --auto` without `--distribution` hands the data's stream to the delay's
     pass (one composition searched here, to keep it short): the ranking holds the delayed
-    candidate with its ratio; with `--distribution` there is no stream and no delay."""
+    candidate with its ratio; with `--distribution` there is no stream and no delay. The
+    token room is left out too, so that the delay plays the configured L."""
     import json
 
     from ray_zep.cli import main
     from ray_zep.sim import auto
 
     monkeypatch.setattr(auto, "compositions", lambda config, world: [config])
+    monkeypatch.setattr(auto, "_roomier", lambda *args: [])
     for extra, delays in (([], 1), (["--distribution", "chat", "--tokens", "8k"], 0)):
         ranking = tmp_path / f"ranking{len(extra)}.json"
         argv = ["plan", "--auto", *SMALL, "--batches", "2", "--json", str(ranking), *extra]
