@@ -145,17 +145,18 @@ def usp_guests(
     hosts = np.flatnonzero((usp == gpus) & (member <= level))
     guests = np.flatnonzero(usp < gpus)
     if hosts.size and guests.size:
-        host_of, degrees, seconds = _whole_node_guests(seqs, degrees, seconds, hosts, guests,
-                                                       level, capacity, gpus, table)  # fmt: skip
+        joined = _whole_node_guests(seqs, host_of, degrees, seconds, hosts, guests, level,
+                                    capacity, gpus, table)  # fmt: skip
+        host_of, degrees, seconds = joined
     wide_guests(seqs, degrees, seconds, usp, host_of, level, capacity, gpus, table, world,
                 whole_work)  # fmt: skip
     return host_of, degrees, seconds
 
 
-def _whole_node_guests(seqs, degrees, seconds, hosts, guests, level, capacity, gpus, table):
+def _whole_node_guests(seqs, host_of, degrees, seconds, hosts, guests, level, capacity, gpus,
+                       table):  # fmt: skip
     """`usp_guests` for hosts of whole-node positions (`guest_kernel`): (host_of, degrees,
     seconds) as those hosts' guests make them."""
-    host_of = np.full(seqs.size, -1, dtype=np.int64)
     base = degrees[hosts] // gpus
     # guests in turn, `CHUNK` at a time: whether each fits each host at each offset, and
     # the host's member work then; joining only adds to a host, so a guest that fits none

@@ -64,8 +64,10 @@ def wide_guests(
     `usp_guests`' (`table`: its `PartsTable`; `world`: the ranks there are;
     `whole_work`: the level's whole sequences' work), `host_of` and `seconds` as the
     whole-node hosts left them."""
+    if not WIDE_HOSTS:
+        return
     hosts = np.flatnonzero((usp > gpus) & (seconds <= level) & (host_of < 0))
-    if not WIDE_HOSTS or not hosts.size:
+    if not hosts.size:
         return
     hosting = np.zeros(seqs.size, dtype=bool)
     hosting[host_of[host_of >= 0]] = True
@@ -86,18 +88,21 @@ def wide_guests(
     def costs(guests: np.ndarray, on: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each of `guests` (rows) joining each host of `on` (columns) as the hosts
         stand: the host's member seconds then, and whether it fits (the level, the
-        forward's share, L)."""
+        forward's share, L, and its whole work spread over the host's GPUs on top of the
+        host's member work within the level)."""
         parts = sums[:, None, on] + values[:, row[guests][:, None], positions[on][None, :]]
         total, forward = model.usp_group_costs(
             RingParts(*parts), tokens[on][None, :] + lengths[guests][:, None],
             positions[on][None, :], ulysses[on][None, :],
         )  # fmt: skip
         share = np.ceil(lengths[guests][:, None] / members[on][None, :])
+        spread = seconds[hosts[on]][None, :] + work[guests][:, None] / members[on][None, :]
         fit = ((total <= level) & (forward <= level * FORWARD_SHARE)
-               & (held[on][None, :] + share <= capacity))  # fmt: skip
+               & (held[on][None, :] + share <= capacity) & (spread <= level))  # fmt: skip
         return total, fit
 
-    # joining only fills a host, so a sequence that fits none as they stand never will
+    # joining only fills a host, so a sequence that fits none as they stand never will; a
+    # host's column is costed again whenever it takes one
     every = np.arange(hosts.size)
     cost, fit = costs(offered, every)
     keep = fit.any(axis=1)
@@ -113,8 +118,7 @@ def wide_guests(
             break
         # the busy seconds it adds: the host's over all its ranks, less its own group's
         added = (cost[i] - seconds[hosts]) * members - seconds[guest] * degrees[guest]
-        fits = (fit[i] & (seconds[hosts] + work[guest] / members <= level)
-                & ((short > 0) | (added <= spare)))  # fmt: skip
+        fits = fit[i] & ((short > 0) | (added <= spare))
         if not fits.any():
             continue
         h = int(np.argmax(np.where(fits, cost[i], -np.inf)))
