@@ -2,8 +2,9 @@
 
 Unit cases of `check_placement`. A real placement by Ray Train is in
 tests/test_ray_train.py: two workers per Ray node train with ranks 0, 1 on one node,
-2, 3 on the next and 4, 5 on the third, and a topology node that Ray has to split over
-machines is refused.
+2, 3 on the next and 4, 5 on the third; a topology node that no Ray node has room for is
+refused there by the driver before any worker starts (`check_node_room`), so `check_placement`
+meets a split node only where Ray splits one it had room for (other work on the machines).
 """
 
 from __future__ import annotations

@@ -21,7 +21,13 @@ from ray_zep import steplog
 from ray_zep.config import config_to_dict, load_config
 from ray_zep.constants import METRICS_FILE_NAME
 from ray_zep.data.builder import write_token_parquet
-from ray_zep.errors import CommError, CorruptDatasetError, OverlongDocumentError, TopologyError
+from ray_zep.errors import (
+    ClusterError,
+    CommError,
+    CorruptDatasetError,
+    OverlongDocumentError,
+    TopologyError,
+)
 from ray_zep.topology import build_topology
 from ray_zep.topology_resolve import resolve_topology
 from ray_zep.train.checkpoint_dirs import checkpoint_path, latest_checkpoint
@@ -367,13 +373,21 @@ def test_a_data_error_during_training_stops_the_run_at_once_typed(
     assert not any("restarted" in line or "group failed" in line for line in noted), noted
 
 
-def test_a_topology_node_that_ray_splits_over_machines_is_refused(tmp_path: Path) -> None:
-    """One topology node of three GPUs on Ray nodes of two CPUs each: Ray Train places
-    its workers on two or three machines, and the workers refuse to train."""
-    three_on_one = ["topology.nodes=1", "topology.gpus_per_node=3", "ray.max_failures=0"]
-    split = r"topology node 0 \(ranks 0\.\.2\) spans [23] machines"
-    with pytest.raises(TopologyError, match=split):
+def test_machines_too_small_for_a_topology_node_are_refused_before_any_worker_starts(
+    tmp_path: Path,
+) -> None:
+    """One topology node of three workers on Ray nodes of two CPUs each: no machine holds
+    the node whole (Ray Train would place its workers on two or three machines, where they
+    would refuse to train, tests/test_placement.py), so the driver refuses the run in one
+    line before it starts a worker."""
+    three_on_one = ["topology.nodes=1", "topology.gpus_per_node=3"]
+    short = (r"^config key topology\.gpus_per_node=3: the Ray nodes have room for 0 whole "
+             r"topology node\(s\) of 3 workers .* and the topology has 1; give each Ray node "
+             r"the CPUs of 3 workers, or lower topology\.gpus_per_node$")  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(ClusterError, match=short):
         _train(tmp_path, "train.steps=1", *three_on_one)
+    assert time.monotonic() - started < 10, "a worker group started (10-20 s on two cores)"
 
 
 def test_a_cluster_without_gpus_is_reported_without_a_probe_on_each_node() -> None:

@@ -11,7 +11,8 @@ The driver decides in this order:
 
 A joined cluster is checked before anything is placed on it: an address nothing listens
 at, or a cluster with fewer CPUs (GPUs) than the run has workers, ends in one line that
-names the address, how it was found and what to change.
+names the address, how it was found and what to change. So does one whose machines are too
+small for a topology node's workers (`check_node_room`), before any worker starts.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import ray
 
 from ray_zep.config import Config, Device
 from ray_zep.errors import ClusterError, ConfigError, first_line
+from ray_zep.topology import Topology
+from ray_zep_workers.elastic import node_room
 
 log = logging.getLogger(__name__)
 
@@ -253,3 +256,24 @@ def check_room(config: Config, num_workers: int, connection: Connection) -> bool
         if use_gpu:
             fix += " (or train.device=cpu)"
     raise ClusterError(f"{what}; {fix}")
+
+
+def check_node_room(topology: Topology, use_gpu: bool) -> None:
+    """Whether the cluster's machines hold the topology's nodes whole: the workers of a
+    topology node must share one machine (`check_placement` refuses them otherwise), so a
+    fixed group on Ray nodes too small for them would only start its workers to fail.
+
+    Raises:
+        ClusterError: the alive Ray nodes have room for fewer whole topology nodes than
+            the topology has (one worker a GPU, or a CPU on a CPU cluster).
+    """
+    room = node_room(topology.gpus_per_node, use_gpu)
+    if room >= topology.nodes:
+        return
+    kind, gpus = ("GPU" if use_gpu else "CPU"), topology.gpus_per_node
+    raise ClusterError(
+        f"config key topology.gpus_per_node={gpus}: the Ray nodes have room for {room} "
+        f"whole topology node(s) of {gpus} workers (one {kind} each, a node's workers on one "
+        f"machine) and the topology has {topology.nodes}; give each Ray node the {kind}s of "
+        f"{gpus} workers, or lower topology.gpus_per_node"
+    )

@@ -35,7 +35,7 @@ from ray_zep.report.run_plots import draw_run
 from ray_zep.topology_resolve import resolve_topology
 from ray_zep.tracking import open_trackers
 from ray_zep.train.setup import RunPlan, least_nodes, prepare_run
-from ray_zep_workers.cluster import check_room, connect, disconnect
+from ray_zep_workers.cluster import check_node_room, check_room, connect, disconnect
 from ray_zep_workers.data_actor import DataActor
 from ray_zep_workers.elastic import RoomWatch, node_room, placement_wait_s
 from ray_zep_workers.failure_notes import FAILURE_EVENT, FailureNotes, ray_train_console_level
@@ -91,6 +91,8 @@ def train(config: Config) -> RunSummary:
         elastic = least < topology.nodes
         # an elastic run waits for room below (an autoscaling cluster may be growing)
         use_gpu = check_room(plan.config, 0 if elastic else plan.num_workers, connection)
+        if not elastic:  # an elastic run counts whole nodes as it waits for them (below)
+            check_node_room(topology, use_gpu)
         metrics = plan.config.metrics
         peak = metrics.peak_tflops * 1e12 or (
             datasheet_peak_flops(topology.gpu_model) if use_gpu else None
