@@ -404,32 +404,39 @@ def _placements(lengths: np.ndarray, placed: Placed, model: WorkModel) -> list[S
     its fullest keeper, over all the ring's sequences, stays within the model's budget
     (`WorkModel.keeps_kv`): one exchange for all of them, so that they stay one ring."""
     kept: dict[tuple[int, ...], int] = {}  # ring ranks -> tokens its fullest keeper keeps
-    positions_of: dict[int, np.ndarray] = {}  # ring sequence -> tokens of each position
+    positions_of: dict[int, list[int]] = {}  # ring sequence -> tokens of each position
+    sizes = lengths.tolist()
     for seq, (ranks, counts) in placed.groups.items():
-        positions = np.asarray(counts).reshape(-1, placed.ulysses.get(seq, 1)).sum(axis=1)
+        u = placed.ulysses.get(seq, 1)
+        positions = list(counts) if u == 1 else [int(sum(counts[i : i + u]))
+                                                 for i in range(0, len(counts), u)]  # fmt: skip
         positions_of[seq] = positions
-        kept[ranks] = kept.get(ranks, 0) + int(lengths[seq]) - int(positions.min())
+        kept[ranks] = kept.get(ranks, 0) + sizes[seq] - min(positions)
+    keeps_of: dict[tuple, bool] = {}  # (ring ranks, U) -> whether it keeps its K/V
     out = []
-    for seq, n in enumerate(lengths.tolist()):
+    for seq, n in enumerate(sizes):
         rank = placed.local.get(seq)
         if rank is not None:
             out.append(local_placement(seq, n, rank))
             continue
         ranks, counts = placed.groups[seq]
         u, positions = placed.ulysses.get(seq, 1), positions_of[seq]
-        keeps = ranks in placed.kept_rings or (
-            ranks not in placed.resent and bool(model.keeps_kv(kept[ranks], u))
-        )
+        keeps = keeps_of.get((ranks, u))
+        if keeps is None:
+            keeps = ranks in placed.kept_rings or (
+                ranks not in placed.resent and bool(model.keeps_kv(kept[ranks], u))
+            )
+            keeps_of[ranks, u] = keeps
         exchange = Exchange.RING_KEPT if keeps else Exchange.RING
         k = _rest_first(ranks, u, model.cost.topology.gpus_per_node)
         ranks, counts = ranks[k * u :] + ranks[: k * u], [*counts[k * u :], *counts[: k * u]]
-        positions = np.roll(positions, -k)
+        positions = positions[k:] + positions[:k]
         if u > 1:  # ring positions of U members each: the position's tokens, its members'
-            out.append(SeqPlacement(seq, n, ranks, LAYOUT.bounds_for_counts(positions.tolist()),
+            out.append(SeqPlacement(seq, n, ranks, LAYOUT.bounds_for_counts(positions),
                                     ulysses=u, exchange=exchange, parts=tuple(counts),
                                     layout=LAYOUT))  # fmt: skip
             continue
-        out.append(SeqPlacement(seq, n, ranks, LAYOUT.bounds_for_counts(list(counts)),
+        out.append(SeqPlacement(seq, n, ranks, LAYOUT.bounds_for_counts(counts),
                                 exchange=exchange, layout=LAYOUT))  # fmt: skip
     return out
 

@@ -136,8 +136,8 @@ class SeqPlacement(NamedTuple):
         if self.parts is not None:
             return np.asarray(self.parts, dtype=np.int64)
         u = self.ulysses
-        positions = np.asarray([self.position_tokens(r) for r in range(self.ring_size)],
-                               dtype=np.int64)  # fmt: skip
+        sizes = np.diff(np.asarray(self.bounds, dtype=np.int64))
+        positions = sizes[self.layout.chunk_table(self.ring_size)].sum(axis=1)  # R
         cuts = positions[:, None] * np.arange(u + 1)[None, :] // u  # as `member_ranges` cuts
         return np.diff(cuts, axis=1).reshape(-1)
 
