@@ -48,9 +48,10 @@ class Kernel:
     made: ClassVar[list[Kernel]] = []
     """Every kernel defined so far, compiled or not."""
 
-    def __init__(self, py_func: Callable) -> None:
+    def __init__(self, py_func: Callable, inline: bool = False) -> None:
         functools.update_wrapper(self, py_func)
         self.py_func = py_func
+        self.inline = inline
         self.dispatcher: Any = None
         Kernel.made.append(self)
 
@@ -65,6 +66,13 @@ def compiled(kernel: Callable) -> Kernel:
     return Kernel(kernel)
 
 
+def compiled_inline(kernel: Callable) -> Kernel:
+    """`kernel` as a `Kernel` that the kernels calling it compile into their own code
+    (numba's `inline='always'`): a small function called in a loop the compiler may then
+    vectorise."""
+    return Kernel(kernel, inline=True)
+
+
 def compile_all() -> None:
     """Makes every kernel defined so far a numba dispatcher, and puts it in place of the
     `Kernel` wherever a kernel module names it (its own, and those that imported it), so
@@ -76,7 +84,8 @@ def compile_all() -> None:
     dispatchers = {}
     for kernel in Kernel.made:
         if kernel.dispatcher is None:
-            kernel.dispatcher = njit(cache=True)(kernel.py_func)
+            inline = "always" if kernel.inline else "never"
+            kernel.dispatcher = njit(cache=True, inline=inline)(kernel.py_func)
         dispatchers[id(kernel)] = kernel.dispatcher
     for module in {kernel.py_func.__module__ for kernel in Kernel.made}:
         names = vars(sys.modules[module])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ray_zep.costmodel import BACKWARD_ATTENTION_FACTOR, BACKWARD_LINEAR_FACTOR, kv_bytes_per_token
-from ray_zep.partition.compiled import compiled
+from ray_zep.partition.compiled import compiled, compiled_inline
 from ray_zep.partition.work import FORWARD_SHARE, KV_DTYPE_DKV_FACTOR, WorkModel, ulysses_row_bytes
 from ray_zep.topology import LinkKind
 
@@ -63,7 +63,7 @@ def costs_of(model: WorkModel) -> np.ndarray:
     return values
 
 
-@compiled
+@compiled_inline
 def host_costs(
     diagonal: float, step: float, send: float, tokens: float, positions: float, k: np.ndarray
 ) -> tuple[float, float]:
@@ -154,10 +154,10 @@ def guest_kernel(
                 chunk[size] = guest
                 size += 1
         alive = np.zeros(size, dtype=np.bool_)
+        every = np.ones(count, dtype=np.bool_)
         for r in range(size):
-            for h in range(count):
-                _evaluate(fits, cost, r, h, sums, base, chunk[r], row, lengths, values,
-                          degrees[chunk[r]], level, capacity, gpus, nodes, k)  # fmt: skip
+            _evaluate(fits, cost, r, every, sums, base, chunk[r], row, lengths, values,
+                      degrees[chunk[r]], level, capacity, gpus, nodes, k)  # fmt: skip
             alive[r] = fits[r].any()
         while alive.any():
             # in rounds: each guest in turn joins the host it chooses unless another
@@ -193,15 +193,13 @@ def guest_kernel(
                 alive[r] = False
                 if not waiting[r]:
                     continue
-                for h in range(count):
-                    if touched[h]:
-                        _evaluate(fits, cost, r, h, sums, base, chunk[r], row, lengths, values,
-                                  degrees[chunk[r]], level, capacity, gpus, nodes, k)  # fmt: skip
+                _evaluate(fits, cost, r, touched, sums, base, chunk[r], row, lengths, values,
+                          degrees[chunk[r]], level, capacity, gpus, nodes, k)  # fmt: skip
                 alive[r] = fits[r].any()
     return 0
 
 
-@compiled
+@compiled_inline
 def _positions(base, h, offset, nodes) -> int:
     """Host `h`'s positions plus `offset` (at most the cluster's nodes: an offset past them
     reads the host's own count, and `_evaluate` refuses it)."""
@@ -260,23 +258,30 @@ def _may_fit(sums, alone, base, guest, lengths, work, own, level, capacity, gpus
 
 
 @compiled
-def _evaluate(fits, cost, r, h, sums, base, guest, row, lengths, values, own, level, capacity,
-              gpus, nodes, k) -> None:  # fmt: skip
-    """Whether the guest fits host `h` at each offset as it stands (its members' tokens
-    within L, fewer ranks than its own group, no more nodes than exist, the member work
-    and forward within the level), and where it does the host's member work then."""
-    for o in range(GROWTH + 1):
-        positions = _positions(base, h, o, nodes)
-        parts = _shares(guest, positions, row, lengths, values, gpus)
-        fits[r, h, o] = False
-        if not (sums[4, h, o] + parts[4] <= capacity and o * gpus < own
-                and base[h] + o <= nodes):  # fmt: skip
-            continue  # its member work is read where it fits alone
-        seconds, forward = host_costs(sums[0, h, o] + parts[0], sums[1, h, o] + parts[1],
-                                      sums[2, h, o] + parts[2], sums[3, h, o] + parts[3],
-                                      float(positions), k)  # fmt: skip
-        cost[r, h, o] = seconds
-        fits[r, h, o] = seconds <= level and forward <= level * k[FORWARD]
+def _evaluate(fits, cost, r, which, sums, base, guest, row, lengths, values, own, level,
+              capacity, gpus, nodes, k) -> None:  # fmt: skip
+    """Whether the guest fits each host `which` marks at each offset as it stands (its
+    members' tokens within L, fewer ranks than its own group, no more nodes than exist,
+    the member work and forward within the level), and where its tokens fit the host's
+    member work then. Every host is costed, fitting or not, with no branch around the
+    costing, so that the loop over hosts compiles to vector code; the answers are those
+    of costing only the hosts that fit (`_shares`' parts, `host_costs`)."""
+    at = row[guest]
+    tokens = lengths[guest]
+    for h in range(base.size):
+        for o in range(GROWTH + 1):
+            positions = _positions(base, h, o, nodes)
+            share = np.ceil(tokens / (positions * gpus))
+            room = (sums[4, h, o] + share <= capacity) & (o * gpus < own) & (base[h] + o <= nodes)
+            seconds, forward = host_costs(sums[0, h, o] + values[0, at, positions],
+                                          sums[1, h, o] + values[1, at, positions],
+                                          sums[2, h, o] + values[2, at, positions],
+                                          sums[3, h, o] + tokens, float(positions), k)  # fmt: skip
+            fits_now = room & (seconds <= level) & (forward <= level * k[FORWARD])
+            if which[h]:
+                if room:  # its member work is read where it fits alone
+                    cost[r, h, o] = seconds
+                fits[r, h, o] = fits_now
 
 
 @compiled
