@@ -264,6 +264,7 @@ def _place_at(
     loads: list[float] = []
     held: list[int] = []
     ring_degrees = np.asarray([r.degree for r in rings], dtype=np.int64)
+    seq_of, size_of, u_of = seqs.tolist(), lengths.tolist(), usp.tolist()  # lists: per ring
     for k in np.argsort(-ring_degrees, kind="stable").tolist():
         if k in guests:
             continue
@@ -272,16 +273,16 @@ def _place_at(
         if len(ranks) < d:
             return _failed(failed, LevelOutcome.RINGS)  # forced past the world's GPUs
         work_k = ring.member_seconds
-        u = int(usp[ring.members[0]])  # a USP group's (its guests run at its U)
-        if len(ring.members) == 1 or u:
-            n = int(lengths[seqs[ring.members[0]]])
+        members = [seq_of[j] for j in ring.members]
+        sizes = [size_of[seq] for seq in members]
+        u = u_of[ring.members[0]]  # a USP group's (its guests run at its U)
+        if len(members) == 1 or u:
             fragmented = u and not positions_in_nodes(ranks, u, gpus)
             if fragmented:  # a plain ring (forced: no guests)
-                work_k = float(model.alone_ring_seconds(np.asarray([n]), np.asarray([d]))[0])
+                work_k = float(model.alone_ring_seconds(np.asarray(sizes[:1]),
+                                                        np.asarray([d]))[0])  # fmt: skip
             elif u:
-                placed.ulysses.update((int(seqs[j]), u) for j in ring.members)
-        members = seqs[list(ring.members)].tolist()
-        sizes = lengths[members].tolist()
+                placed.ulysses.update((seq, u) for seq in members)
         ring_held = shared_ring(placed, members, sizes, ranks)
         reserve = kept_room(placed, members, sizes, ranks, max(ring_held), capacity, model)
         held += [h + reserve for h in ring_held]

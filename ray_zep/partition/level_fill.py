@@ -143,6 +143,11 @@ def shared_ring(
     """Records sequences on one ring over `ranks` (equal chunks each); returns the tokens
     each member holds of them."""
     d = len(ranks)
+    if len(seqs) == 1:  # most rings
+        chunk, extra = divmod(lengths[0], d)
+        counts = (chunk + 1,) * extra + (chunk,) * (d - extra)
+        placed.groups[seqs[0]] = (ranks, counts)
+        return list(counts)
     held = [0] * d
     for seq, length in zip(seqs, lengths, strict=True):
         chunk, extra = divmod(length, d)
