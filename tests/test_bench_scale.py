@@ -5,12 +5,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ray_zep.bench.scale import COLUMNS, ScaleBenchSpec, kv_rooms, run_scale_bench
+from ray_zep.bench.scale_play import filled_config
 from ray_zep.cli import main
+from ray_zep.config import Packing, load_config
 from ray_zep.errors import ConfigError
+from ray_zep.prefetch_plan import run_gathers_after_attention
 from ray_zep.report.text_table import render_table
+from ray_zep.sim.compare import variant_config
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.step import RunModel
+from ray_zep.topology import build_topology
 
 pytestmark = pytest.mark.unit
 
@@ -195,3 +203,26 @@ def test_kv_room_keeps_the_faster_of_the_memory_models_room_and_none() -> None:
     assert kv_rooms("model, 0,2.5") == (None, 0.0, 2.5)
     with pytest.raises(ConfigError, match="--kv-room item 'all'"):
         kv_rooms("model,all")
+
+
+def test_a_rows_config_says_how_full_its_batches_are() -> None:
+    """The batches fill L x 1 / headroom a rank, budget-packed, as `plan --auto` says it for
+    the same batches at more token room: FSDP2's gathers are then timed for the tokens a
+    rank holds (at 4,096 GPUs of 13B, L = 1.5625 x 4k: when the block starts, the gather's
+    ring steps, 16 ms, too long for a feed-forward of 4k tokens to hide; read at L, the
+    rule gathered after attention, two blocks ahead)."""
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=512",
+                                "model.preset=13b", "train.tokens_per_rank=6400",
+                                "parallel.weights=fsdp"])  # fmt: skip
+    hardware = Hardware.preset(build_topology(config.topology))
+    plain = variant_config(config, "zeppelin", 6400)
+    batches = [np.full(4096 * 4096 // 8192, 8192, dtype=np.int64)] * 2
+    filled = filled_config(plain, batches, hardware.devices)
+    assert filled.data.packing is Packing.BUDGET
+    assert filled.data.batch_fill == pytest.approx(4096 / 6400)
+    shape = RunModel.create(plain, hardware).shape
+    late = [run_gathers_after_attention(c, hardware.topology, shape, 2) for c in (plain, filled)]
+    assert late == [True, False]
+    # whole sequences are packed by rank: their config stays as it is
+    assert config.parallel.sequence.value == "whole"
+    assert filled_config(config, batches, hardware.devices) is config

@@ -65,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_zep.bench.scale_play import plan_batch_timed, scheduler_of, simulated_step
+from ray_zep.bench.scale_play import filled_config, plan_batch_timed, scheduler_of, simulated_step
 from ray_zep.command_args import counts, factors, known, names
 from ray_zep.config import Config, load_config
 from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
@@ -444,14 +444,14 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
     does, and the row says NO), and the fastest kept."""
     ideal, bounds = yardsticks
     variant = row.placement
-    config = variant_config(config, variant, capacity)
+    parts = [part for one in batches for part in one]  # every batch's micro-batches in turn
+    config = filled_config(variant_config(config, variant, capacity), parts, hardware.devices)
     run = RunModel.create(config, hardware)
     run = dataclasses.replace(run, config=_planning_checkpointing(config, hardware, run))
     if VARIANTS[variant].te_wire:
         run = run.with_te_wire()
     works, inter, planner, stats, planned, levels = [], [], [], [], [], []
     routed = config.parallel.routing
-    parts = [part for one in batches for part in one]  # every batch's micro-batches in turn
     for lengths in parts:
         if VARIANTS[variant].hybrid_cp:
             plans = hybrid_cp_wave_plans(lengths, run)

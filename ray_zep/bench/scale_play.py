@@ -3,10 +3,12 @@ actor makes it, or a baseline's schedule of micro-batches, and its simulated ste
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 
+from ray_zep.config import Config, Packing
 from ray_zep.parallel.axes import SEQUENCE_AXES
 from ray_zep.sim.bytescale import bytescale_plans, simulate_schedule
 from ray_zep.sim.megatron_cp import simulate_hybrid_cp
@@ -54,3 +56,18 @@ def simulated_step(lengths: np.ndarray, run: RunModel, plans, micro, remap, wave
     if micro is not None:
         return simulate_schedule(lengths, micro, plans, run)
     return simulate_plan(plans[0], run, run.config.parallel.routing, remap)
+
+
+def filled_config(config: Config, parts: list[np.ndarray], devices: int) -> Config:
+    """`config` saying how full the batches it plays are: budget-packed at their mean
+    tokens a rank over L (`data.batch_fill`), as `plan --auto` says it where it raises L
+    for the same batches (`ray_zep.sim.token_room`). A run resolves what it reads of the
+    tokens a rank holds from there: when FSDP2 gathers the next block
+    (`ray_zep.prefetch_plan`). Placements of whole sequences, packed by rank, keep the
+    config's."""
+    if SEQUENCE_AXES[config.parallel.sequence].whole_sequences or not parts:
+        return config
+    mean = float(np.mean([int(np.sum(part)) for part in parts])) / devices
+    fill = min(1.0, mean / config.train.tokens_per_rank)
+    data = dataclasses.replace(config.data, packing=Packing.BUDGET, batch_fill=fill)
+    return dataclasses.replace(config, data=data)
