@@ -207,7 +207,7 @@ def _positions(base, h, offset, nodes) -> int:
     return positions if positions <= nodes else base[h]
 
 
-@compiled
+@compiled_inline
 def _shares(seq, positions, row, lengths, values, gpus) -> tuple:
     """What a sequence adds to a group at `positions`: its ring parts, tokens and share
     of a member's tokens rounded up."""
@@ -265,18 +265,16 @@ def _evaluate(fits, cost, r, which, sums, base, guest, row, lengths, values, own
     the member work and forward within the level), and where its tokens fit the host's
     member work then. Every host is costed, fitting or not, with no branch around the
     costing, so that the loop over hosts compiles to vector code; the answers are those
-    of costing only the hosts that fit (`_shares`' parts, `host_costs`)."""
-    at = row[guest]
-    tokens = lengths[guest]
+    of costing only the hosts that fit."""
     for h in range(base.size):
         for o in range(GROWTH + 1):
             positions = _positions(base, h, o, nodes)
-            share = np.ceil(tokens / (positions * gpus))
-            room = (sums[4, h, o] + share <= capacity) & (o * gpus < own) & (base[h] + o <= nodes)
-            seconds, forward = host_costs(sums[0, h, o] + values[0, at, positions],
-                                          sums[1, h, o] + values[1, at, positions],
-                                          sums[2, h, o] + values[2, at, positions],
-                                          sums[3, h, o] + tokens, float(positions), k)  # fmt: skip
+            parts = _shares(guest, positions, row, lengths, values, gpus)
+            room = ((sums[4, h, o] + parts[4] <= capacity) & (o * gpus < own)
+                    & (base[h] + o <= nodes))  # fmt: skip
+            seconds, forward = host_costs(sums[0, h, o] + parts[0], sums[1, h, o] + parts[1],
+                                          sums[2, h, o] + parts[2], sums[3, h, o] + parts[3],
+                                          float(positions), k)  # fmt: skip
             fits_now = room & (seconds <= level) & (forward <= level * k[FORWARD])
             if which[h]:
                 if room:  # its member work is read where it fits alone

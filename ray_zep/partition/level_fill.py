@@ -143,18 +143,13 @@ def shared_ring(
     """Records sequences on one ring over `ranks` (equal chunks each); returns the tokens
     each member holds of them."""
     d = len(ranks)
-    if len(seqs) == 1:  # most rings
-        chunk, extra = divmod(lengths[0], d)
-        counts = (chunk + 1,) * extra + (chunk,) * (d - extra)
-        placed.groups[seqs[0]] = (ranks, counts)
-        return list(counts)
-    held = [0] * d
+    held = None  # a ring of one sequence (most) holds its counts as they are
     for seq, length in zip(seqs, lengths, strict=True):
         chunk, extra = divmod(length, d)
         counts = (chunk + 1,) * extra + (chunk,) * (d - extra)
         placed.groups[seq] = (ranks, counts)
-        held = [h + c for h, c in zip(held, counts, strict=True)]
-    return held
+        held = list(counts) if held is None else [h + c for h, c in zip(held, counts, strict=True)]
+    return held if held is not None else [0] * d
 
 
 def whole_sequences_fit(

@@ -136,8 +136,7 @@ class SeqPlacement(NamedTuple):
         if self.parts is not None:
             return np.asarray(self.parts, dtype=np.int64)
         u = self.ulysses
-        sizes = np.diff(np.asarray(self.bounds, dtype=np.int64))
-        positions = sizes[self.layout.chunk_table(self.ring_size)].sum(axis=1)  # R
+        positions = _slot_tokens([self], self.ring_size, self.layout).sum(axis=1)  # R
         cuts = positions[:, None] * np.arange(u + 1)[None, :] // u  # as `member_ranges` cuts
         return np.diff(cuts, axis=1).reshape(-1)
 
