@@ -160,3 +160,88 @@ def test_whole_sequences_ride_as_second_rings_where_the_rings_hold_the_room() ->
                for k, p in plans.items()}  # fmt: skip
     assert busiest[True] < busiest[False], busiest
     assert steps[True] < 0.99 * steps[False], steps
+
+
+def _python_ring(placed, labels, seq, n, ranks, member, second, capacity, model) -> None:
+    """A small ring placed as the fill placed one in Python before its dealing placed
+    them itself: `shared_ring`, `kept_room` (a first ring), the ring label."""
+    index = list(ranks)
+    placed.load[index] += member
+    held = placed.tokens[index] + level_fill.shared_ring(placed, [seq], [n], ranks)
+    if second:
+        placed.resent.add(ranks)
+        placed.tokens[index] = held
+    else:
+        reserve = level_fill.kept_room(placed, [seq], [n], ranks, int(held.max()), capacity,
+                                       model)  # fmt: skip
+        placed.tokens[index] = held + reserve
+        placed.in_ring[index] = True
+    labels.added(ranks)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("room_mb", [0.0, 1.0])
+def test_the_fill_places_a_small_ring_as_its_python_steps_did(room_mb: float) -> None:
+    """Two nodes of 4 holding a ring over ranks 0-3 and one over 4-5: first rings on free
+    ranks and second rings on members of one ring (all of its ranks, or some), placed by
+    the compiled dealing's step (`fill_kernel._place_ring`), leave the loads, tokens,
+    rings, labels and groups the Python steps left, with and without K/V room to keep."""
+    from ray_zep.model_shapes import PRESETS
+    from ray_zep.partition import fill_kernel
+    from ray_zep.partition.work import WorkModel
+
+    topology = build_topology(load_config(None, ["topology.nodes=2",
+                                                 "topology.gpus_per_node=4"]).topology)  # fmt: skip
+    model = WorkModel.create(PRESETS["7b"], topology, keep_kv_gb=0.001, room_mb=room_mb,
+                             capacity=4096)  # fmt: skip
+    kept_kv = np.asarray([model.kept_bytes_per_token, model.keep_kv_bytes,
+                          model.room_per_token])  # fmt: skip
+    rings = [(10, 900, (6, 7), False), (11, 300, (0, 1), True), (12, 700, (4, 5), True),
+             (13, 50, (2, 3), True), (14, 40, (0, 2), True)]  # fmt: skip
+    python, compiled = (level_fill.Placed.empty(8) for _ in range(2))
+    for placed in (python, compiled):
+        placed.groups.update({0: ((0, 1, 2, 3), (5, 5, 5, 5)), 1: ((4, 5), (9, 9))})
+        placed.load[:6], placed.tokens[:6], placed.in_ring[:6] = 1.0, [5, 5, 5, 5, 9, 9], True
+    python_labels = RingLabels(python.groups, 8, 4)
+    compiled_labels = RingLabels(compiled.groups, 8, 4, len(rings))
+    python_labels.now(), compiled_labels.now()
+    state = np.zeros(5, dtype=np.int64)
+    records = np.empty((len(rings), fill_kernel.RING_HEAD + 4), dtype=np.int64)
+    for position, (seq, n, ranks, second) in enumerate(rings):
+        _python_ring(python, python_labels, seq, n, ranks, 0.25, second, 4096, model)
+        state[fill_kernel.NEXT_LABEL] = len(compiled_labels.known)
+        fill_kernel._place_ring(state, position, np.asarray(ranks), len(ranks) - 2, second, n,
+                                0.25, compiled.load, compiled.tokens, compiled.in_ring,
+                                compiled_labels.labels, compiled_labels.sizes, records,
+                                kept_kv, 4096)  # fmt: skip
+        level_fill._add_rings(compiled, records[position : position + 1],
+                              np.asarray([seq] * len(rings)), np.asarray([n] * len(rings)),
+                              compiled_labels)  # fmt: skip
+    assert np.array_equal(python.load, compiled.load)
+    assert np.array_equal(python.tokens, compiled.tokens)
+    assert np.array_equal(python.in_ring, compiled.in_ring)
+    assert python.groups == compiled.groups
+    assert python.resent == compiled.resent and python.kept_rings == compiled.kept_rings
+    assert np.array_equal(python_labels.labels, compiled_labels.labels)
+    assert python_labels.known == compiled_labels.known
+    assert (python.kept_rings != set()) == (room_mb > 0)  # the cases hold both kinds
+    assert compiled_labels.labels[4] == compiled_labels.labels[5] >= 0  # (4, 5) again: kept
+    assert compiled_labels.labels[0] == SEVERAL  # two rings over rank 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("room_mb", [0.0, 0.01, 2.0])
+def test_the_compiled_reserve_is_the_work_models(room_mb: float) -> None:
+    """`fill_kernel.reserved` answers `WorkModel.reserved_tokens` for whole-GPU members,
+    with token room that frees K/V room and without."""
+    from ray_zep.model_shapes import PRESETS
+    from ray_zep.partition import fill_kernel
+    from ray_zep.partition.work import WorkModel
+
+    topology = build_topology(load_config(None, []).topology)
+    model = WorkModel.create(PRESETS["13b"], topology, keep_kv_gb=0.5, room_mb=room_mb,
+                             capacity=8192)  # fmt: skip
+    kept_kv = np.asarray([model.kept_bytes_per_token, model.keep_kv_bytes,
+                          model.room_per_token])  # fmt: skip
+    for kept in (0, 1, 600, 601, 1000, 12345, 10**6):
+        assert fill_kernel.reserved(kept, kept_kv) == model.reserved_tokens(kept)

@@ -26,12 +26,8 @@ import itertools
 
 import numpy as np
 
+from ray_zep.partition.ring_search_kernel import FREE, SEVERAL
 from ray_zep.partition.ring_search_kernel import co_member_ring as ring_kernel
-
-FREE = -1
-"""`RingLabels` of a rank in no ring."""
-SEVERAL = -2
-"""`RingLabels` of a rank in more than one ring (it takes no further one)."""
 
 
 class RingLabels:
@@ -40,10 +36,14 @@ class RingLabels:
     more than one. Sequences sharing one ring (the same ranks) share its label. Groups
     are only ever added to a placement, in order, so `now` reads the new ones alone."""
 
-    def __init__(self, groups: dict, world: int, gpus: int):
+    def __init__(self, groups: dict, world: int, gpus: int, more: int = 0):
+        """`more`: how many groups may be added beyond those `groups` holds now (the
+        room `sizes` keeps for them)."""
         self.groups, self.seen, self.gpus = groups, 0, gpus
         self.labels = np.full(world, FREE, dtype=np.int64)
         self.known: dict[tuple[int, ...], int] = {}
+        self.sizes = np.zeros(len(groups) + more + 1, dtype=np.int64)
+        """Ranks of the group each label was made for (`fill_kernel.deal` reads it)."""
 
     def now(self) -> np.ndarray:
         """The labels of every rank, the groups added since the last call counted."""
@@ -63,8 +63,17 @@ class RingLabels:
         if ranks not in self.known:
             self._label(ranks)
 
+    def labelled(self, ranks: tuple[int, ...]) -> None:
+        """`added`, where `labels` already says it (`fill_kernel.deal` labelled it): the
+        group's label, where it makes one, is the next, as `added` would make it."""
+        self.seen += 1
+        if ranks not in self.known:
+            self.known[ranks] = len(self.known)
+
     def _label(self, ranks: tuple[int, ...]) -> None:
         self.known[ranks] = len(self.known)
+        if self.known[ranks] < self.sizes.size:
+            self.sizes[self.known[ranks]] = len(ranks)
         members = np.asarray(ranks, dtype=np.int64)
         self.labels[members] = np.where(self.labels[members] == FREE, self.known[ranks], SEVERAL)
 

@@ -13,7 +13,18 @@ import numpy as np
 
 from ray_zep.partition.co_rings import RingLabels, co_member_ring
 from ray_zep.partition.fill import water_fill
-from ray_zep.partition.fill_kernel import DONE, GIVEN_UP, SECOND_RING, SPILL, deal
+from ray_zep.partition.fill_kernel import (
+    GIVEN_UP,
+    HOPELESS,
+    KEPT,
+    NEXT_LABEL,
+    POSITION,
+    RECORDED,
+    RING_HEAD,
+    SECOND,
+    SPILL,
+    deal,
+)
 from ray_zep.partition.index_kernel import move
 from ray_zep.partition.load_index import new_index
 from ray_zep.partition.ring_search_kernel import spare_ring
@@ -88,30 +99,6 @@ class Placed:
     @property
     def busiest(self) -> float:
         return float("inf") if self.pruned else float(self.load.max())
-
-
-def _add_ring(
-    placed: Placed,
-    seq: int,
-    length: int,
-    ranks: tuple[int, ...],
-    member: float,
-    second: bool,
-    capacity: int,
-    model: WorkModel,
-) -> None:
-    """A small ring of `seq` over `ranks` (`second`: ranks of one ring already, which it
-    runs after; it then sends its K/V again in the backward, `ray_zep.partition.co_rings`)."""
-    index = list(ranks)
-    placed.load[index] += member
-    held = placed.tokens[index] + shared_ring(placed, [seq], [length], ranks)
-    if second:
-        placed.resent.add(ranks)
-        placed.tokens[index] = held
-        return
-    reserve = kept_room(placed, [seq], [length], ranks, int(held.max()), capacity, model)
-    placed.tokens[index] = held + reserve
-    placed.in_ring[index] = True
 
 
 def kept_room(
@@ -204,27 +191,35 @@ def fill_whole(
     works = np.ascontiguousarray(work[order], dtype=np.float64)
     rows = np.ascontiguousarray(small[order], dtype=np.float64)
     check = hopeless_check(sizes, works, prune_above, CHECK_EVERY)
-    labels = RingLabels(placed.groups, placed.load.size, topology.gpus_per_node)
+    # sequences may become small rings up to the first too light for one (`order`: most
+    # work first), and each adds at most one group
+    closed = np.flatnonzero(works < SMALL_RING_SHARE * level)
+    ringable = int(closed[0]) if closed.size else order.size
+    labels = RingLabels(placed.groups, placed.load.size, topology.gpus_per_node, order.size)
+    labels.now()
     index = new_index(placed.load.size)
     local = np.full(order.size, -1, dtype=np.int64)
-    state = np.asarray([0, 1, 0], dtype=np.int64)  # `fill_kernel`'s position, rings open
+    # `fill_kernel`'s position, rings open, hopeless, rings recorded, next label
+    state = np.asarray([0, 1, 0, 0, len(labels.known)], dtype=np.int64)
+    rings = np.empty((ringable, RING_HEAD + topology.gpus_per_node), dtype=np.int64)
+    kept_kv = np.asarray([model.kept_bytes_per_token, model.keep_kv_bytes,
+                          model.room_per_token], dtype=np.float64)  # fmt: skip
     rises_above = level * (1 + SECOND_RING_ABOVE)
     while True:
-        stop, ranks, k = deal(state, sizes, works, rows, placed.load, placed.tokens,
-                              placed.in_ring, labels.now(), index, local, float(level),
-                              int(capacity), float(prune_above), SMALL_RING_SHARE * level,
-                              rises_above, SECOND_RINGS, topology.gpus_per_node,
-                              check)  # fmt: skip
-        if stop in (DONE, GIVEN_UP):
+        state[NEXT_LABEL] = len(labels.known)
+        stop = deal(state, sizes, works, rows, placed.load, placed.tokens, placed.in_ring,
+                    labels.labels, index, local, float(level), int(capacity),
+                    float(prune_above), SMALL_RING_SHARE * level, rises_above, SECOND_RINGS,
+                    topology.gpus_per_node, check, labels.sizes, rings,
+                    kept_kv)  # fmt: skip
+        _add_rings(placed, rings[: state[RECORDED]], order, sizes, labels)
+        state[RECORDED] = 0
+        if stop != SPILL:
             break
-        position = int(state[0])
+        position = int(state[POSITION])
         seq, n, w = int(order[position]), int(sizes[position]), float(works[position])
-        if stop == SPILL:
-            ring = _spill_in_node(placed, n, capacity, topology.gpus_per_node)
-            _add_spill(placed, seq, n, w, ring or spill_ranks(placed, n, capacity), capacity)
-        else:
-            _add_ring(placed, seq, n, tuple(ranks.tolist()), float(rows[position, k]),
-                      stop == SECOND_RING, capacity, model)  # fmt: skip
+        ring = _spill_in_node(placed, n, capacity, topology.gpus_per_node)
+        _add_spill(placed, seq, n, w, ring or spill_ranks(placed, n, capacity), capacity)
         taken = placed.groups[seq][0]
         labels.added(taken)
         ring_ranks = np.asarray(taken, dtype=np.int64)
@@ -233,12 +228,30 @@ def fill_whole(
             break
         for rank in ring_ranks.tolist():
             move(index, rank, placed.load, placed.tokens)
-        state[0] = position + 1
+        state[POSITION] = position + 1
     placed.pruned = placed.pruned or stop == GIVEN_UP
-    placed.given_up = bool(state[2])
-    placed.dealt = int(state[0])
+    placed.given_up = bool(state[HOPELESS])
+    placed.dealt = int(state[POSITION])
     dealt = np.flatnonzero(local >= 0)
     placed.local.update(zip(order[dealt].tolist(), local[dealt].tolist(), strict=True))
+
+
+def _add_rings(
+    placed: Placed, rings: np.ndarray, order: np.ndarray, sizes: np.ndarray, labels: RingLabels
+) -> None:
+    """The small rings `fill_kernel.deal` placed on the rank arrays and labelled (its
+    records, in order), written into the placement's groups as `shared_ring` writes a ring's,
+    with the rings that keep K/V in token room (`kept_room`) and the second rings (resent)."""
+    for position, flags, k, *members in rings.tolist():
+        ranks = tuple(members[: k + 2])
+        seq = int(order[position])
+        chunk, extra = divmod(int(sizes[position]), k + 2)
+        placed.groups[seq] = (ranks, (chunk + 1,) * extra + (chunk,) * (k + 2 - extra))
+        if flags & SECOND:
+            placed.resent.add(ranks)
+        elif flags & KEPT:
+            placed.kept_rings.add(ranks)
+        labels.labelled(ranks)
 
 
 def hopeless_check(sizes: np.ndarray, works: np.ndarray, limit: float, every: int) -> tuple:

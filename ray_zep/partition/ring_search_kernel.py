@@ -13,6 +13,11 @@ import numpy as np
 from ray_zep.partition.compiled import compiled
 from ray_zep.partition.sum_kernel import block_sum, pairwise_sum
 
+FREE = -1
+"""The ring label (`ray_zep.partition.co_rings.RingLabels`) of a rank in no ring."""
+SEVERAL = -2
+"""The ring label of a rank in more than one ring (it takes no further one)."""
+
 
 @compiled
 def spare_ring(

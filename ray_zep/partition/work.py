@@ -152,8 +152,13 @@ class WorkModel:
                    owner_dkv=dkv_wire is DkvWire.OWNER, room_per_token=room_mb * 1e6,
                    capacity=capacity)  # fmt: skip
 
+    @cached_property
+    def kept_bytes_per_token(self) -> int:
+        """Bytes a ring member keeps of one peer token's K/V, over every layer."""
+        return kv_bytes_per_token(self.shape) * self.layers
+
     def _kept_bytes(self, kept_tokens, ulysses=1) -> np.ndarray:
-        per_token = kv_bytes_per_token(self.shape) * self.layers
+        per_token = self.kept_bytes_per_token
         return np.asarray(kept_tokens, dtype=np.float64) * per_token / ulysses
 
     def keeps_kv(self, kept_tokens, ulysses=1, held=None):
@@ -173,7 +178,7 @@ class WorkModel:
         leave free for them beyond `keep_kv_bytes` (0 within it; elementwise; huge where
         no `room_per_token` frees any)."""
         if isinstance(kept_tokens, int) and isinstance(ulysses, int):  # one ring: no arrays
-            per_token = kv_bytes_per_token(self.shape) * self.layers
+            per_token = self.kept_bytes_per_token
             over = max(0.0, float(kept_tokens) * per_token / ulysses - self.keep_kv_bytes)
             if self.room_per_token <= 0:
                 return np.iinfo(np.int64).max // 2 if over > 0 else 0
