@@ -186,7 +186,8 @@ def fill_whole(
     `order` is by work, most first, so once a sequence's work is under
     `SMALL_RING_SHARE` of the level no later one becomes a ring: from there on each
     sequence is dealt by one search of the load index. The dealing runs compiled
-    (`fill_kernel.deal`); the rings and spills it hands back are placed here."""
+    (`fill_kernel.deal`): it places the small rings itself and records them
+    (`_add_rings` writes their groups); the spills it hands back are placed here."""
     sizes = lengths[order].astype(np.int64)
     works = np.ascontiguousarray(work[order], dtype=np.float64)
     rows = np.ascontiguousarray(small[order], dtype=np.float64)
