@@ -167,8 +167,8 @@ def test_room_up_to_plays_the_rooms_next_to_the_fastest(monkeypatch) -> None:
                  placements=("zeppelin",))  # fmt: skip
     quiet = lambda line: None  # noqa: E731
     played = []
-    case_at = scale._case_at
-    monkeypatch.setattr(scale, "_case_at", lambda spec, *a, **k: played.append(
+    case_at = scale.case_at
+    monkeypatch.setattr(scale, "case_at", lambda spec, *a, **k: played.append(
         round(spec.headroom / 1.25, 2)) or case_at(spec, *a, **k))  # fmt: skip
     (row,) = run_scale_bench(ScaleBenchSpec(**cases, room=(1.25,), room_up_to=2.0),
                              progress=quiet)  # fmt: skip

@@ -60,12 +60,11 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from ray_zep.bench.scale_play import filled_config, plan_batch_timed, scheduler_of, simulated_step
+from ray_zep.bench.scale_report import COLUMNS, draw_scale_chart
 from ray_zep.command_args import counts, factors, known, names
 from ray_zep.config import Config, load_config
 from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
@@ -77,10 +76,8 @@ from ray_zep.partition.plan_memory import rank_memory
 from ray_zep.partition.spec import Bench
 from ray_zep.partition.stats import max_over_mean, plan_stats
 from ray_zep.remap.solver import max_flow_library
-from ray_zep.report.figures import save_figure
 from ray_zep.report.output import BenchResult
 from ray_zep.report.progress import ProgressLine
-from ray_zep.report.text_table import Column
 from ray_zep.sim.bound import over_bound, step_bound
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
 from ray_zep.sim.checkpointing import (
@@ -339,7 +336,7 @@ def scale_case(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, t
     each) on `gpus` GPUs of cluster A; `distribution` labels the rows. Each placement is
     played at every `spec.room` factor of L and keeps the fastest that fits (the fastest
     where none fits; the first where none ran)."""
-    played = [(factor, _case_at(dataclasses.replace(spec, headroom=spec.headroom * factor), gpus,
+    played = [(factor, case_at(dataclasses.replace(spec, headroom=spec.headroom * factor), gpus,
                                 distribution, model, tokens, batches, kv_room))
               for factor in spec.room for kv_room in spec.kv_room]  # fmt: skip
     kept = [min(((factor, rows[p]) for factor, rows in played), key=lambda fr: _room_rank(fr[1]))
@@ -362,7 +359,7 @@ def _room_around(spec: ScaleBenchSpec, row: ScaleRow, factor: float, gpus: int, 
         nonlocal row, factor
         one = dataclasses.replace(spec, placements=(row.placement,),
                                   headroom=spec.headroom * following)  # fmt: skip
-        tried = [_case_at(one, gpus, distribution, model, tokens, batches, kv_room)[0]
+        tried = [case_at(one, gpus, distribution, model, tokens, batches, kv_room)[0]
                  for kv_room in spec.kv_room]  # fmt: skip
         best = min([row, *tried], key=_room_rank)
         if best is not row:
@@ -380,7 +377,7 @@ def _room_rank(row: ScaleRow) -> tuple:
     return (not played, row.fits != "yes", row.step_s if played else 0.0)
 
 
-def _case_at(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, tokens: int,
+def case_at(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, tokens: int,
              batches: list[np.ndarray],
              kv_room: float | None = None) -> list[ScaleRow]:  # fmt: skip
     """`scale_case` at `spec.headroom` and `parallel.ring_kv_room_mb=kv_room` alone."""
@@ -546,66 +543,3 @@ def _simulated_columns(row: ScaleRow, steps, ideal, bounds, n_layers: int) -> fl
         row.recompute_s = float(np.mean([p["recompute"] for p in parts]))
     row.phase_ends = [setter.to_dict() for setter in phase_setters(steps[0])]
     return float(seconds.sum())
-
-
-COLUMNS = (
-    Column("GPUs", "gpus"),
-    Column("data", "distribution"),
-    Column("model", "model"),
-    Column("tok/GPU", lambda r: f"{r.tokens_per_gpu // 1024}k"),
-    Column("placement", "placement"),
-    Column("L", "tokens_per_rank"),
-    Column("work m/m", "work_mean", ".2f"),
-    Column("worst", "work_worst", ".2f"),
-    Column("level", "level", ".2f"),
-    Column("rings@1", "rings_at_mean", ".2f"),
-    Column("x ideal", "step_over_ideal", ".2f"),
-    Column("x bound", "step_over_bound", ".2f"),
-    Column("imbal s", "imbalance_s", ".3f"),
-    Column("kernels s", "split_kernels_s", ".3f"),
-    Column("contend s", "contention_s", ".3f"),
-    Column("xfer s", "transfers_s", ".3f"),
-    Column("wait s", "waits_s", ".3f"),
-    Column("recomp s", "recompute_s", ".3f"),
-    Column("tok/s/GPU", "tokens_per_s_per_gpu", ".0f"),
-    Column("inter GB", "inter_node_gb", ".1f"),
-    Column("plan ms", "planner_ms", ".0f"),
-    Column("plan max", "planner_ms_max", ".0f"),
-    Column("call ms", "planner_ms_call", ".0f"),
-    Column("mem GB", "peak_memory_gb", ".1f"),
-    Column("ckpt", "checkpointing"),
-    Column("fits", "fits"),
-    Column("micro", "micro_batches"),
-    Column("K/V room", lambda r: "model" if r.kv_room_mb is None else f"{r.kv_room_mb:g}"),
-)
-
-
-def draw_scale_chart(rows: list[ScaleRow], path: str | Path) -> Path | None:
-    """Tokens/s per GPU against GPUs (planner ms for a plan-only run), one panel per
-    (model, tokens per GPU, distribution), one line per placement. None when matplotlib
-    is not installed."""
-    simulated = any(r.tokens_per_s_per_gpu for r in rows)
-    field, label = ("tokens_per_s_per_gpu", "tokens/s per GPU") if simulated else (
-        "planner_ms", "plan_step ms")  # fmt: skip
-    panels = list(dict.fromkeys((r.model, r.tokens_per_gpu, r.distribution) for r in rows))
-    cols = min(4, len(panels))
-    grid = math.ceil(len(panels) / cols)
-
-    def draw(figure: Any, axes: Any) -> None:
-        figure.suptitle(f"{'modelled ' if simulated else ''}{label} (cluster A)")
-        for ax, (model, tokens, distribution) in zip(axes.flat, panels, strict=False):
-            mine = [r for r in rows if (r.model, r.tokens_per_gpu, r.distribution)
-                    == (model, tokens, distribution) and getattr(r, field)]  # fmt: skip
-            for placement in dict.fromkeys(r.placement for r in mine):
-                line = sorted((r.gpus, getattr(r, field)) for r in mine
-                              if r.placement == placement)  # fmt: skip
-                ax.plot(*zip(*line, strict=True), marker="o", label=placement)
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"{model}, {tokens // 1024}k/GPU, {distribution}", fontsize=9)
-            ax.set_xlabel("GPUs")
-            ax.set_ylabel(label)
-        axes.flat[0].legend(fontsize=7)
-        for ax in list(axes.flat)[len(panels) :]:
-            ax.set_visible(False)
-
-    return save_figure(path, draw, size=(3.6 * cols, 3.0 * grid), rows=grid, cols=cols)

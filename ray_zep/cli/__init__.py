@@ -53,6 +53,9 @@ bench, data), each declaring its arguments next to its handlers; `plan_run` and
                                              the ratios our codec measures here
     ray-zep bench scale [--gpus 64,...,4096] [--placements ...] [--plan-only] [--out DIR]
                                              placements from 64 to 4,096 GPUs, modelled
+    ray-zep bench scale-replay RECORD [--placements zeppelin] [--out DIR]
+                                             a bench scale record's rows again, each at
+                                             the room it kept
     ray-zep bench memory [CONFIG] [--weights ...] [--checkpointing ...] [--out DIR]
                                              per-rank memory, modelled and measured
     ray-zep bench soak [CONFIG] [--steps 2000] [--warm-up N] [--out DIR]

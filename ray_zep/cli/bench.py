@@ -27,6 +27,7 @@ BENCHES = {
     "partition": "ray_zep.bench.partition",
     "layers": "ray_zep.bench.layers",
     "scale": "ray_zep.bench.scale",
+    "scale-replay": "ray_zep.bench.scale_replay",
     "outliers": "ray_zep.bench.outliers",
     "moe": "ray_zep.bench.moe",
     WeightsMode.TAWPIPE.value: "ray_zep_workers.bench_tawpipe",

@@ -1,0 +1,146 @@
+"""`ray-zep bench scale-replay RECORD`: a `bench scale` record's rows played again, each
+at the L, K/V room and batches the record kept for it, beside the record's step / bound.
+
+`bench scale` plays every row at each token room and K/V room it is given and keeps the
+fastest: a grid at 1,024 and 4,096 GPUs takes tens of minutes on two cores. Replaying the
+rows it kept plays one room each, through the same code (`scale.case_at`: the plans, the
+simulated step, its bound and where the time goes), so that a change to the planner, the
+cost model or the simulator is measured on the grid's rows in a minute or two. A row
+whose best room the change would move is still played at the recorded one: for the room
+itself, run `bench scale` again. The footer says how the mean and the worst step / bound
+moved, and which rows did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from ray_zep.bench.scale import PLACEMENTS, ScaleBenchSpec, ScaleRow, batch_lengths, case_at
+from ray_zep.bench.scale_report import COLUMNS, draw_scale_chart
+from ray_zep.command_args import names
+from ray_zep.errors import ConfigError
+from ray_zep.remap.solver import max_flow_library
+from ray_zep.report.output import BenchResult
+from ray_zep.report.progress import ProgressLine
+
+NAME = "scale-replay"
+HELP = "a bench scale record's rows again, each at the room it kept"
+MOVED = 0.001
+"""A row's step / bound that moved by at least this is listed in the footer."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("record", help="a `bench scale` JSON record (OUT/scale.json)")
+    parser.add_argument(
+        "--placements", default="zeppelin",
+        help="the record's placements to replay (default zeppelin)",
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> BenchResult:
+    path = Path(args.record)
+    recorded = recorded_rows(path, names(args.placements, PLACEMENTS))
+    with ProgressLine(len(recorded), "rows", sys.stdout) as bar:
+        rows = replay(recorded, progress=bar.counter())
+    footer = compare(recorded, rows)
+    spec = {"record": str(path), "placements": args.placements}
+    return BenchResult.from_rows(NAME, spec, rows, COLUMNS, draw_scale_chart, key_columns=5,
+                                 footer=footer)  # fmt: skip
+
+
+def recorded_rows(path: Path, placements: tuple[str, ...]) -> list[dict]:
+    """The rows of the record at `path` to replay: those of `placements` that ran, with the
+    record's batches, micro-batches and plan repeats.
+
+    Raises:
+        ConfigError: the file is missing, not JSON, or not a `bench scale` record.
+    """
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"scale-replay RECORD {path}: {exc}") from None
+    rows = record.get("rows") if isinstance(record, dict) else None
+    spec = record.get("spec") if isinstance(record, dict) else None
+    if not isinstance(rows, list) or not isinstance(spec, dict) or "tokens_per_gpu" not in spec:
+        raise ConfigError(f"scale-replay RECORD {path}: not a `ray-zep bench scale` record "
+                          "(OUT/scale.json)")  # fmt: skip
+    keys = ("batches", "micro_batches", "plan_only", "plan_repeats")
+    kept = {key: spec[key] for key in keys if key in spec}
+    out = [dict(row, **kept) for row in rows
+           if row.get("placement") in placements and row.get("error") is None
+           and row.get("tokens_per_rank")]  # fmt: skip
+    if not out:
+        raise ConfigError(f"scale-replay RECORD {path}: no row of --placements "
+                          f"{','.join(placements)} ran")  # fmt: skip
+    return out
+
+
+def replay(recorded: list[dict], progress=print) -> list[ScaleRow]:
+    """Each recorded row played again at its L and K/V room (module docstring). The first
+    is played twice and its second play kept: the first pays for what a process loads
+    once (the planner's compiled kernels, the max-flow solver), in no row's planner time,
+    as `bench scale` keeps it out of its rows'."""
+    max_flow_library()
+    rows, batches = [], {}
+    for row in recorded[:1]:
+        _play(row, batches)
+    for row in recorded:
+        rows += _play(row, batches)
+        tokens = int(row["tokens_per_gpu"]) // 1024
+        progress(f"{row['gpus']} GPUs {row['distribution']} {row['model']} {tokens}k/GPU "
+                 f"L={row['tokens_per_rank']}")  # fmt: skip
+    return rows
+
+
+def _play(row: dict, batches: dict) -> list[ScaleRow]:
+    """One recorded row at its L and K/V room (`batches`: each case's, drawn once)."""
+    gpus, tokens = int(row["gpus"]), int(row["tokens_per_gpu"])
+    distribution, model = row["distribution"], row["model"]
+    key = (distribution, tokens * gpus, int(row.get("batches", 1)))
+    if key not in batches:
+        batches[key] = [batch_lengths(distribution, tokens * gpus, seed)
+                        for seed in range(key[2])]  # fmt: skip
+    spec = ScaleBenchSpec(
+        gpus=(gpus,), distributions=(distribution,), models=(model,),
+        tokens_per_gpu=(tokens,), placements=(row["placement"],), batches=key[2],
+        headroom=headroom_for(int(row["tokens_per_rank"]), tokens),
+        plan_only=bool(row.get("plan_only", False)),
+        plan_repeats=int(row.get("plan_repeats", 1)),
+        micro_batches=int(row.get("micro_batches", 1)),
+    )  # fmt: skip
+    return case_at(spec, gpus, distribution, model, tokens, batches[key], row["kv_room_mb"])
+
+
+def headroom_for(capacity: int, tokens: int) -> float:
+    """The headroom whose L (`ceil(tokens x headroom)`, as `scale.case_at` takes it) is
+    `capacity`."""
+    headroom = capacity / tokens
+    while math.ceil(tokens * headroom) > capacity:
+        headroom = math.nextafter(headroom, 0.0)
+    return headroom
+
+
+def compare(recorded: list[dict], rows: list[ScaleRow]) -> list[str]:
+    """The footer: step / bound, recorded and now, mean and worst, and the rows that moved."""
+    pairs = [(before, asdict(now)) for before, now in zip(recorded, rows, strict=True)
+             if before.get("step_over_bound") and now.step_over_bound]  # fmt: skip
+    if not pairs:
+        return ["no simulated row to compare (a --plan-only record, or every row failed)"]
+    was = [b["step_over_bound"] for b, _ in pairs]
+    now = [n["step_over_bound"] for _, n in pairs]
+    lines = [f"step / bound against the record, {len(pairs)} rows: mean "
+             f"{statistics.mean(was):.4f} -> {statistics.mean(now):.4f}, worst "
+             f"{max(was):.4f} -> {max(now):.4f}"]  # fmt: skip
+    for (before, after), a, b in zip(pairs, was, now, strict=True):
+        if abs(b - a) >= MOVED:
+            change = 100 * (after["step_s"] / before["step_s"] - 1)
+            case = f"{before['gpus']} GPUs {before['distribution']} {before['model']}"
+            lines.append(f"  {case} {before['placement']}: {a:.4f} -> {b:.4f} "
+                         f"({change:+.1f}% step)")  # fmt: skip
+    return lines

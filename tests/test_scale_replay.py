@@ -1,0 +1,54 @@
+"""`ray-zep bench scale-replay`: a `bench scale` record's rows played again at the rooms
+they kept, beside the record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ray_zep.bench import scale_replay
+from ray_zep.cli import main
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_replayed_row_plays_as_recorded_and_says_what_moved(tmp_path: Path, capsys) -> None:
+    """7B chat at 64 GPUs, `--room 1,1.5 --kv-room model,0`: the replay plays the row at the
+    L and K/V room the grid kept, once, and steps as recorded; a record whose step / bound
+    is edited shows the move in the footer."""
+    grid = ["bench", "scale", "--gpus", "64", "--models", "7b", "--tokens", "4k",
+            "--distributions", "chat", "--placements", "zeppelin", "--room", "1,1.5",
+            "--kv-room", "model,0", "--out", str(tmp_path / "grid")]  # fmt: skip
+    assert main(grid) == 0
+    record = tmp_path / "grid" / "scale.json"
+    (kept,) = json.loads(record.read_text())["rows"]
+    assert main(["bench", "scale-replay", str(record), "--out", str(tmp_path / "again")]) == 0
+    out = capsys.readouterr().out
+    (row,) = json.loads((tmp_path / "again" / "scale-replay.json").read_text())["rows"]
+    assert (row["tokens_per_rank"], row["kv_room_mb"]) == (kept["tokens_per_rank"],
+                                                           kept["kv_room_mb"])  # fmt: skip
+    assert row["step_s"] == pytest.approx(kept["step_s"], rel=1e-12)
+    ratio = kept["step_over_bound"]
+    assert f"1 rows: mean {ratio:.4f} -> {ratio:.4f}" in out
+    edited = json.loads(record.read_text())
+    edited["rows"][0]["step_over_bound"] = ratio + 0.01
+    record.write_text(json.dumps(edited))
+    assert main(["bench", "scale-replay", str(record), "--out", str(tmp_path / "edited")]) == 0
+    assert f"64 GPUs chat 7b zeppelin: {ratio + 0.01:.4f} -> {ratio:.4f}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '{"rows": []}', "not json"])
+def test_a_file_that_is_no_scale_record_is_one_line(tmp_path: Path, capsys, text: str) -> None:
+    path = tmp_path / "record.json"
+    path.write_text(text)
+    assert main(["bench", "scale-replay", str(path), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "scale-replay RECORD" in err and str(path) in err
+
+
+def test_the_headroom_gives_the_recorded_l() -> None:
+    for capacity, tokens in [(5120, 4096), (7000, 3000), (10001, 4097), (35840, 16384)]:
+        headroom = scale_replay.headroom_for(capacity, tokens)
+        assert headroom >= 1.0 and -(-tokens * headroom // 1) == capacity
