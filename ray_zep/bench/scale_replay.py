@@ -25,6 +25,7 @@ from ray_zep.bench.scale import PLACEMENTS, ScaleBenchSpec, ScaleRow, batch_leng
 from ray_zep.bench.scale_report import COLUMNS, draw_scale_chart
 from ray_zep.command_args import names
 from ray_zep.errors import ConfigError
+from ray_zep.parallel.axes import Placement
 from ray_zep.remap.solver import max_flow_library
 from ray_zep.report.output import BenchResult
 from ray_zep.report.progress import ProgressLine
@@ -38,8 +39,8 @@ MOVED = 0.001
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("record", help="a `bench scale` JSON record (OUT/scale.json)")
     parser.add_argument(
-        "--placements", default="zeppelin",
-        help="the record's placements to replay (default zeppelin)",
+        "--placements", default=Placement.ZEPPELIN.value,
+        help=f"the record's placements to replay (default {Placement.ZEPPELIN.value})",
     )  # fmt: skip
 
 
@@ -73,11 +74,12 @@ def recorded_rows(path: Path, placements: tuple[str, ...]) -> list[dict]:
     keys = ("batches", "micro_batches", "plan_only", "plan_repeats")
     kept = {key: spec[key] for key in keys if key in spec}
     out = [dict(row, **kept) for row in rows
-           if row.get("placement") in placements and row.get("error") is None
-           and row.get("tokens_per_rank")]  # fmt: skip
+           if isinstance(row, dict) and row.get("placement") in placements
+           and row.get("error") is None and row.get("tokens_per_rank")]  # fmt: skip
     if not out:
-        raise ConfigError(f"scale-replay RECORD {path}: no row of --placements "
-                          f"{','.join(placements)} ran")  # fmt: skip
+        wanted = ",".join(placements)
+        raise ConfigError(f"scale-replay RECORD {path}: no row of --placements {wanted} ran "
+                          "with its L recorded (tokens_per_rank)")  # fmt: skip
     return out
 
 
@@ -114,7 +116,7 @@ def _play(row: dict, batches: dict) -> list[ScaleRow]:
         plan_repeats=int(row.get("plan_repeats", 1)),
         micro_batches=int(row.get("micro_batches", 1)),
     )  # fmt: skip
-    return case_at(spec, gpus, distribution, model, tokens, batches[key], row["kv_room_mb"])
+    return case_at(spec, gpus, distribution, model, tokens, batches[key], row.get("kv_room_mb"))
 
 
 def headroom_for(capacity: int, tokens: int) -> float:
