@@ -86,10 +86,14 @@ def test_the_trace_is_what_the_planner_tried_and_the_summary_says_why_no_lower_l
     # the lowest level's rings need more ranks than the world even perfectly shared
     # (`ring_groups.fewest_ranks`), and the summary says how many
     assert failed[0].ranks > 256
+    # the kept level's rings: how many ranks they take, and how near the level their
+    # members sit (group sizes come in steps)
+    assert 0 < kept.ring_ranks <= 256 and 0.5 < kept.ring_fill <= 1.0
     assert (
-        f"work level {kept.factor:.2f}x the mean rank's; lower levels: at "
-        f"{low:.2f}-{high:.2f}x the rings alone need more ranks than there are (at least "
-        f"{failed[0].ranks} of 256 at {low:.2f}x)"
+        f"work level {kept.factor:.2f}x the mean rank's (its rings take {kept.ring_ranks} of "
+        f"256 ranks, their members at {kept.ring_fill:.2f}x the level on average); lower "
+        f"levels: at {low:.2f}-{high:.2f}x the rings alone need more ranks than there are (at "
+        f"least {failed[0].ranks} of 256 at {low:.2f}x)"
     ) in shown
     for t in below:  # placed, but a rank ended busier than at the kept level (a level
         if t.outcome is LevelOutcome.PLACED:  # abandoned is no reason in the summary)
@@ -98,6 +102,8 @@ def test_the_trace_is_what_the_planner_tried_and_the_summary_says_why_no_lower_l
     record = plan_record(plan, plan_stats(plan, run.shape))["levels"]
     assert [r["outcome"] for r in record] == [t.outcome.value for t in levels]
     assert record[0]["ranks"] == failed[0].ranks and record[0]["busiest"] is None
+    assert record[kept_at]["ring_ranks"] == kept.ring_ranks
+    assert record[kept_at]["ring_fill"] == kept.ring_fill and record[0]["ring_fill"] is None
 
 
 def test_short_sequences_place_at_the_mean_and_other_placements_have_no_levels() -> None:
@@ -136,3 +142,8 @@ def test_the_sentence_names_each_reason_with_its_levels() -> None:
     )
     assert level_sentence(levels[-1:], 256) == ""
     assert level_sentence((), 256) == ""
+    rings = LevelTry(1.2, LevelOutcome.KEPT, 1.25, ring_ranks=240, ring_fill=0.875)
+    assert level_sentence((rings,), 256) == (
+        "work level 1.20x the mean rank's (its rings take 240 of 256 ranks, their members at "
+        "0.88x the level on average)"
+    )

@@ -293,6 +293,8 @@ def _place_at(
     placed.in_ring[index] = True
     if hosted is not None:
         _place_guests(placed, hosted, rings, assigned, seqs, lengths, gpus)
+    placed.ring_ranks = int(placed.in_ring.sum())
+    placed.ring_work = float(placed.load[placed.in_ring].mean()) if placed.ring_ranks else 0.0
     wholes = np.flatnonzero(~split)
     held = int(placed.tokens.sum())  # what the rings hold (`whole_sequences_fit`)
     if placed.busiest >= prune_above:

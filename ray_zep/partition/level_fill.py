@@ -91,6 +91,11 @@ class Placed:
     fill_fits: bool = False
     """The whole sequences fit the tokens the rings leave free, whatever the fill does
     with them (`whole_sequences_fit`): the fill cannot fail for want of tokens."""
+    ring_ranks: int = 0
+    """Ranks the level's rings and USP groups take, before the whole sequences."""
+    ring_work: float = 0.0
+    """Their mean modelled work then, seconds: how near the level the group sizes the
+    nodes allow bring them (`ray_zep.partition.level_trace.level_sentence`)."""
 
     @classmethod
     def empty(cls, world: int) -> Placed:

@@ -362,4 +362,7 @@ def _tried(factor: float, placed: Placed | None, mean: float, failed: list[Level
         return failed[-1]._replace(factor=factor)
     if placed.pruned:
         return LevelTry(factor, LevelOutcome.PRUNED)
-    return LevelTry(factor, LevelOutcome.PLACED, placed.busiest / mean if mean > 0 else 1.0)
+    level = factor * mean
+    fill = placed.ring_work / level if level > 0 else float("nan")
+    return LevelTry(factor, LevelOutcome.PLACED, placed.busiest / mean if mean > 0 else 1.0,
+                    ring_ranks=placed.ring_ranks, ring_fill=fill)  # fmt: skip

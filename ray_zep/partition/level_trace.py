@@ -33,12 +33,17 @@ class LevelTry(NamedTuple):
     bound a better placement set before its own (`ray_zep.partition.level_scan`), that
     bound: its busiest rank would have ended there or above; where its rings need
     more ranks than there are even perfectly shared, at least how many (`ranks`; 0 where
-    not counted: the rings as grouped overflow the world)."""
+    not counted: the rings as grouped overflow the world); where placed, the ranks its
+    rings and USP groups take (`ring_ranks`) and their members' mean work over the level
+    (`ring_fill`, before the whole sequences: the group sizes the nodes allow leave the
+    rest under it)."""
 
     factor: float
     outcome: LevelOutcome
     busiest: float = float("nan")
     ranks: int = 0
+    ring_ranks: int = 0
+    ring_fill: float = float("nan")
 
 
 _WHY = {
@@ -56,6 +61,9 @@ def level_sentence(levels: tuple[LevelTry, ...], world: int) -> str:
     if kept is None:
         return ""
     text = f"work level {kept.factor:.2f}x the mean rank's"
+    if kept.ring_ranks and not math.isnan(kept.ring_fill):
+        text += (f" (its rings take {kept.ring_ranks:,} of {world:,} ranks, their members at "
+                 f"{kept.ring_fill:.2f}x the level on average)")  # fmt: skip
     reasons = []
     for outcome, why in _WHY.items():
         tries = sorted((t for t in levels if t.outcome is outcome and t.factor < kept.factor),

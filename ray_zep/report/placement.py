@@ -145,8 +145,10 @@ def _level_record(tried: LevelTry) -> dict[str, Any]:
     """One level the planner tried, for the JSON record (`busiest` null where not placed,
     nor abandoned at a known bound: `LevelTry.busiest`)."""
     busiest = None if math.isnan(tried.busiest) else tried.busiest
+    fill = None if math.isnan(tried.ring_fill) else tried.ring_fill
     return {"factor": tried.factor, "outcome": tried.outcome.value, "busiest": busiest,
-            "ranks": tried.ranks or None}  # fmt: skip
+            "ranks": tried.ranks or None, "ring_ranks": tried.ring_ranks or None,
+            "ring_fill": fill}  # fmt: skip
 
 
 def summary_line(plan: AttentionPlan, stats: PlanStats) -> str:
