@@ -281,6 +281,10 @@ class ScaleRow:
     level: float | None = None
     """The level of work the balanced placement kept, times the mean rank's (mean over the
     batches; `ray_zep.partition.level_trace`): None for placements made without levels."""
+    ring_fill: float | None = None
+    """The kept level's rings' and USP groups' members: their mean work before the whole
+    sequences, over the level (mean over the batches; `LevelTry.ring_fill`): the group
+    sizes the nodes allow leave the rest of the level to the whole sequences, or idle."""
     rings_at_mean: float | None = None
     """The ranks the rings need at the mean level, at least, over the ranks there are (mean
     over the batches where the planner counted them): over 1, no level that low fits."""
@@ -485,10 +489,12 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
     if works:
         step_sums = len(works) // len(batches)  # a step's micro-batches
         row.work_mean, row.work_worst = float(np.mean(works)), float(max(works))
-        kept = [k for k, _ in levels if k is not None]
-        needed = [n for _, n in levels if n is not None]
+        kept = [k for k, _, _ in levels if k is not None]
+        needed = [n for _, n, _ in levels if n is not None]
+        fills = [f for _, _, f in levels if f is not None]
         row.level = float(np.mean(kept)) if kept else None
         row.rings_at_mean = float(np.mean(needed)) if needed else None
+        row.ring_fill = float(np.mean(fills)) if fills else None
         row.inter_node_gb = float(np.mean(inter)) * step_sums / 1e9
         per_step = np.asarray(planner).reshape(len(batches), -1).sum(axis=1)
         row.planner_ms = float(np.median(per_step)) * 1e3
@@ -496,15 +502,18 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
         row.planner_ms_call = float(max(planner)) * 1e3
 
 
-def _level_columns(plans, world: int) -> tuple[float | None, float | None]:
-    """(the level kept, the ranks the rings need at the mean level over `world`) of a
-    step's one plan (`ScaleRow.level`, `ScaleRow.rings_at_mean`); None where not known."""
+def _level_columns(plans, world: int) -> tuple[float | None, float | None, float | None]:
+    """(the level kept, the ranks the rings need at the mean level over `world`, the kept
+    level's ring members' mean work over it) of a step's one plan (`ScaleRow.level`,
+    `rings_at_mean`, `ring_fill`); None where not known."""
     if len(plans) != 1:
-        return None, None
+        return None, None, None
     levels = plans[0].levels
-    kept = next((t.factor for t in levels if t.outcome is LevelOutcome.KEPT), None)
+    kept = next((t for t in levels if t.outcome is LevelOutcome.KEPT), None)
     at_mean = next((t.ranks for t in levels if t.factor == 1.0 and t.ranks), None)
-    return kept, None if at_mean is None else at_mean / world
+    fill = None if kept is None or not kept.ring_ranks else kept.ring_fill
+    return (None if kept is None else kept.factor, None if at_mean is None else at_mean / world,
+            fill)  # fmt: skip
 
 
 def _planning_checkpointing(config: Config, hardware: Hardware, run: RunModel) -> Config:

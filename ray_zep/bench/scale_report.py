@@ -21,6 +21,7 @@ COLUMNS = (
     Column("worst", "work_worst", ".2f"),
     Column("level", "level", ".2f"),
     Column("rings@1", "rings_at_mean", ".2f"),
+    Column("ring fill", "ring_fill", ".2f"),
     Column("x ideal", "step_over_ideal", ".2f"),
     Column("x bound", "step_over_bound", ".2f"),
     Column("imbal s", "imbalance_s", ".3f"),
