@@ -178,7 +178,7 @@ def reserved(kept: int, kept_kv: np.ndarray) -> int:
     """`WorkModel.reserved_tokens` of a ring of whole-GPU members keeping `kept` tokens of
     their peers (`kept_kv`: the K/V bytes of a token over every layer, the budget, the
     bytes of room each token frees)."""
-    over = max(0.0, float(kept) * kept_kv[0] / 1 - kept_kv[1])
+    over = max(0.0, float(kept) * kept_kv[0] - kept_kv[1])
     if kept_kv[2] <= 0:
         return HUGE if over > 0 else 0
     return int(np.ceil(over / kept_kv[2]))

@@ -205,8 +205,8 @@ def fill_whole(
     labels.now()
     index = new_index(placed.load.size)
     local = np.full(order.size, -1, dtype=np.int64)
-    # `fill_kernel`'s position, rings open, hopeless, rings recorded, next label
-    state = np.asarray([0, 1, 0, 0, len(labels.known)], dtype=np.int64)
+    # `fill_kernel`'s position, rings open, hopeless, rings recorded, next label (set below)
+    state = np.asarray([0, 1, 0, 0, 0], dtype=np.int64)
     rings = np.empty((ringable, RING_HEAD + topology.gpus_per_node), dtype=np.int64)
     kept_kv = np.asarray([model.kept_bytes_per_token, model.keep_kv_bytes,
                           model.room_per_token], dtype=np.float64)  # fmt: skip
@@ -246,13 +246,11 @@ def _add_rings(
     placed: Placed, rings: np.ndarray, order: np.ndarray, sizes: np.ndarray, labels: RingLabels
 ) -> None:
     """The small rings `fill_kernel.deal` placed on the rank arrays and labelled (its
-    records, in order), written into the placement's groups as `shared_ring` writes a ring's,
+    records, in order), written into the placement's groups by `shared_ring`,
     with the rings that keep K/V in token room (`kept_room`) and the second rings (resent)."""
     for position, flags, k, *members in rings.tolist():
         ranks = tuple(members[: k + 2])
-        seq = int(order[position])
-        chunk, extra = divmod(int(sizes[position]), k + 2)
-        placed.groups[seq] = (ranks, (chunk + 1,) * extra + (chunk,) * (k + 2 - extra))
+        shared_ring(placed, [int(order[position])], [int(sizes[position])], ranks)
         if flags & SECOND:
             placed.resent.add(ranks)
         elif flags & KEPT:
