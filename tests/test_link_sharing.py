@@ -77,3 +77,28 @@ def test_flows_on_the_same_links_posted_apart_keep_their_own_bytes(pool) -> None
     other = _flow(graph, "one link", 1, 3, 1.0, [posted])
     timeline = simulate(graph, pool)
     assert [timeline.end[i] for i in (same, other, first)] == pytest.approx([3.5, 3.5, 4.0])
+
+
+@POOLS
+def test_a_batch_of_messages_pays_its_latency_side_by_side_and_its_bytes_in_turn(pool) -> None:
+    """Four messages of one batch on one link, each 1 s of bytes after 0.25 s of latency
+    (`Task.latency`): the link moves their bytes together, 4 s, and each ends its latency
+    later, at 4.25 s (charged on the link, the latency made it 5 s). A message's latency
+    beside a lone flow holds no part of the link: the flow ends when its bytes have moved."""
+    graph = TaskGraph()
+    batch = [graph.add("a2a", 1, Lane.INTER_NODE, 1.25, (("out", 1), ("in", 2)), (), 0.25)
+             for _ in range(4)]  # fmt: skip
+    other = _flow(graph, "other", 3, 4, 1.0)
+    beside = graph.add("a2a", 3, Lane.INTER_NODE, 0.75, (("out", 3), ("in", 5)), (), 0.5)
+    timeline = simulate(graph, pool)
+    assert [timeline.end[i] for i in batch] == pytest.approx([4.25] * 4)
+    # the message's 0.25 s of bytes share rank 3's way out with the flow: both at half
+    # pace for 0.5 s, then the flow alone
+    assert timeline.end[beside] == pytest.approx(0.5 + 0.5)
+    assert timeline.end[other] == pytest.approx(1.25)
+
+
+def test_a_task_keeps_no_more_latency_than_its_duration() -> None:
+    graph = TaskGraph()
+    task = graph.add("a2a", 0, Lane.INTER_NODE, 0.1, (("out", 0),), (), 1.0)
+    assert graph.tasks[task].latency == pytest.approx(0.1)

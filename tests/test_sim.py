@@ -570,3 +570,29 @@ def test_a_collective_across_nodes_moves_on_each_link_for_its_own_bytes() -> Non
     ]
     assert sum(t.duration for t in parts) == pytest.approx(4 * 0.2), "inside a node: all of it"
     assert len(parts) == 4
+
+
+def test_a_ulysses_all_to_all_pays_its_messages_latency_side_by_side() -> None:
+    """USP on 2 nodes x 4 GPUs: a Ulysses exchange's messages go as one batch, so each
+    carries the link's latency apart from its bytes (`Task.latency`, holding no link), and
+    a ring hop none; with a latency far above the bytes' time, the forward's exchange into
+    the heads ends one latency after its bytes, not one per message sharing the port."""
+    topo = dataclasses.replace(_topology(2, 4), intra_node_latency=1e-3)
+    plan = make_plan(Placement.USP, [64, 48], topo, 40, SHAPE)
+    assert any(item.ulysses > 1 for item in plan.items())
+    graph = layer_graph(_setup(plan), Phase.FORWARD)
+    ulysses = [t for t in graph.tasks if t.name == "Ulysses in" and t.duration > 0]
+    hops = [t for t in graph.tasks if t.name == "K/V" and t.duration > 0]
+    assert ulysses and hops
+    assert all(t.latency == pytest.approx(1e-3) for t in ulysses)
+    assert all(t.latency == 0.0 for t in hops)
+    timeline = simulate(graph)
+    first = min(i for i, t in enumerate(graph.tasks) if t.name == "Ulysses in")
+    rank = graph.tasks[first].rank
+    own = [i for i, t in enumerate(graph.tasks)
+           if t.name == "Ulysses in" and t.rank == rank and t.duration > 0]  # fmt: skip
+    assert len(own) >= 2
+    start = min(timeline.start[i] for i in own)
+    span = max(timeline.end[i] for i in own) - start
+    bytes_s = sum(graph.tasks[i].duration - graph.tasks[i].latency for i in own)
+    assert span <= 1e-3 + bytes_s + 1e-12 < 2e-3

@@ -188,16 +188,22 @@ class GraphBuilder:
             plain = cost.transfer_seconds(nbytes, kind, one_sender_per_nic=True)
         else:
             plain = cost.ring_message_seconds(nbytes, kind, compute_s)
-        return self._wire_task(src, lane, resources, plain, (kind, stream, nbytes), deps, name)
+        # a message of a batch (an all-to-all's; not a ring hop, posted on its own) pays
+        # its latency beside the batch's others, holding no link (`ray_zep.sim.events`)
+        latency = cost.link_latency(kind) if compute_s is None and nbytes > 0 else 0.0
+        return self._wire_task(src, lane, resources, plain, (kind, stream, nbytes), deps, name,
+                               latency)  # fmt: skip
 
-    def _wire_task(self, rank: int, lane: Lane, resources, plain: float, wire, deps, name: str):
-        """A transfer task of `plain` seconds on `resources`, zipped where its stream goes
-        (`wire`: link kind, stream or None, bytes), recorded for `_retime`."""
+    def _wire_task(self, rank: int, lane: Lane, resources, plain: float, wire, deps, name: str,
+                   latency: float = 0.0):  # fmt: skip
+        """A transfer task of `plain` seconds on `resources`, `latency` of them holding no
+        link, zipped where its stream goes (`wire`: link kind, stream or None, bytes),
+        recorded for `_retime`."""
         kind, stream, nbytes = wire
         seconds = plain
         if stream is not None and self.setup.codec.zips(stream.name):
             seconds = self.zipped(self.setup.codec, self.profiles, plain, kind, stream, nbytes)
-        task = self.graph.add(name, rank, lane, seconds, resources, deps)
+        task = self.graph.add(name, rank, lane, seconds, resources, deps, latency)
         if self.record and stream is not None:
             self.recipes.append(("send", task, plain, kind, stream, nbytes))
         return task

@@ -58,7 +58,7 @@ from ray_zep.parallel.axes import SEQUENCE_AXES
 from ray_zep.partition.exchange import Play
 from ray_zep.partition.plan import QueueItem
 from ray_zep.routing.routes import Payload, Phase, item_transfers
-from ray_zep.sim.events import Lane, Task, TaskGraph
+from ray_zep.sim.events import Lane, TaskGraph
 from ray_zep.sim.graph_builder import FP32_BYTES, GraphBuilder, LayerSetup
 from ray_zep.sim.layer_work import (
     POINTWISE_SHARES,
@@ -383,8 +383,9 @@ class _Builder(GraphBuilder):
         """The remap all-to-all-v: linear -> attention layout (`to_attention`) or back.
 
         Played per rank and link kind, as an all-to-all-v runs: a rank's part moves the
-        larger of what it sends and receives over that kind at once (one latency per
-        message), on its own port or its NIC (shared with the rank beside it), from
+        larger of what it sends and receives over that kind at once (its messages go as
+        one batch and pay one latency, which holds no link: `ray_zep.sim.events`), on
+        its own port or its NIC (shared with the rank beside it), from
         when every peer has posted the exchange; a rank goes on once its parts and the
         parts of every peer it receives from have ended. (Pair by pair, each message
         would hold a sender's NIC while it waits for a busy receiver's, and the
@@ -396,7 +397,7 @@ class _Builder(GraphBuilder):
         stream = Stream(
             CompressionStream.REMAP_ALL_TO_ALL.value, self.setup.element_bytes, backward
         )
-        moved: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # sent, got, count
+        moved: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0])  # sent, got
         peers: dict[int, set[int]] = defaultdict(set)
         senders: dict[int, set[int]] = defaultdict(set)
         for src, dst, tokens in self.setup.remap.transfers:
@@ -405,26 +406,23 @@ class _Builder(GraphBuilder):
             nbytes = tokens * row_bytes
             moved[a, kind][0] += nbytes
             moved[b, kind][1] += nbytes
-            moved[a, kind][2] += 1
-            moved[b, kind][2] += 1
             peers[a].add(b)
             peers[b].add(a)
             senders[b].add(a)
         parts: dict[int, list[int]] = defaultdict(list)
-        for (rank, kind), (sent, got, count) in moved.items():
+        for (rank, kind), (sent, got) in moved.items():
             deps = [posted[rank], *(posted[p] for p in sorted(peers[rank]))]
-            parts[rank].append(self.rank_exchange(rank, kind, max(sent, got), count, deps,
-                                                  name, stream))  # fmt: skip
+            parts[rank].append(self.rank_exchange(rank, kind, max(sent, got), deps, name, stream))
         for rank in peers:
             arrived = [t for peer in sorted(senders[rank]) for t in parts[peer]]
             self.wait(rank, [*parts[rank], *arrived])
 
     def rank_exchange(
-        self, rank: int, kind: LinkKind, nbytes: float, messages: int, deps, name: str,
-        stream: Stream,
-    ) -> int:  # fmt: skip
+        self, rank: int, kind: LinkKind, nbytes: float, deps, name: str, stream: Stream
+    ) -> int:
         """One rank's part of an all-to-all-v over links of `kind`: `nbytes` through its
-        port (intra-node) or its NIC, `messages` latencies, zipped where `stream` goes."""
+        port (intra-node) or its NIC after one latency holding no link, zipped where
+        `stream` goes."""
         if kind is LinkKind.INTRA_NODE:
             lane, resources = Lane.INTRA_NODE, (("port_out", rank), ("port_in", rank))
         else:
@@ -432,8 +430,8 @@ class _Builder(GraphBuilder):
             lane, resources = Lane.INTER_NODE, (("nic_out", node, nic), ("nic_in", node, nic))
         cost = self.setup.cost
         plain = cost.transfer_seconds(nbytes, kind, one_sender_per_nic=True)
-        plain += (messages - 1) * cost.link_latency(kind)
-        return self._wire_task(rank, lane, resources, plain, (kind, stream, nbytes), deps, name)
+        return self._wire_task(rank, lane, resources, plain, (kind, stream, nbytes), deps, name,
+                               cost.link_latency(kind))  # fmt: skip
 
     def recompute(self, part: RecomputedPart | None) -> None:
         """`part` of the block's forward computed again on every rank's linear tokens, as
@@ -538,7 +536,7 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
     retimed = list(tasks)
     for i in changed:
         t = tasks[i]
-        retimed[i] = Task(t.name, t.rank, t.lane, durations[i], t.resources, t.deps)
+        retimed[i] = t._replace(duration=durations[i], latency=min(t.latency, durations[i]))
     spilled = parts["gather"] if build.graph.spill else 0.0
     return dataclasses.replace(build.graph, tasks=retimed, spill_bytes=spilled, slowed=slowed)
 
