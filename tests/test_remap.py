@@ -147,3 +147,21 @@ def test_bad_counts_name_the_problem() -> None:
         solve_remap([1, 2, 3], _topology(2, 2), TOKEN_BYTES)
     with pytest.raises(PlacementError, match="non-negative"):
         solve_remap([1, -2, 3, 0], _topology(2, 2), TOKEN_BYTES)
+
+
+def test_a_ranks_remap_messages_pay_one_latency_as_one_batch() -> None:
+    """The remapping layer's estimate of one exchange: a rank sending one token to each of
+    three ranks of another node posts the three as one batch, so it waits one latency
+    beside its bytes, not three (as the simulator plays such a batch)."""
+    from ray_zep.remap.policy import _exchange_seconds
+    from ray_zep.remap.solver import RemapPlan
+
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=2"])
+    topology = build_topology(config.topology)
+    token_bytes = 4096
+    _, inter = token_costs(topology, token_bytes)
+    remap = RemapPlan((4, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0),
+                      (1, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 0, 0, 0, 0),
+                      ((0, 9, 1), (0, 10, 1), (0, 11, 1)), 0.0, 0.0)  # fmt: skip
+    seconds = _exchange_seconds(remap, topology, token_bytes)
+    assert seconds == pytest.approx(topology.inter_node_latency + 3 * inter)

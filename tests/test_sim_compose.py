@@ -341,10 +341,11 @@ def test_a_remap_exchange_costs_its_busiest_link_not_a_queue_across_the_cluster(
     """64 GPUs of cluster A, a chat batch whose remap moves ~20k tokens between nodes:
     the forward layer with the remap takes about what the remapping layer's own cost
     estimate says its exchanges take beyond the layer without it (messages played pair
-    by pair queued behind each other's NICs and cost ~20x that). Since rings across
-    nodes send half blocks after the wrap (`ray_zep.partition.layout.MirroredZigzag`)
-    the layer without the remap is 2.3 ms shorter (33.1 ms) and the one with it 0.2 ms,
-    so the remap adds 3.0 ms where its estimate says 2.8 (0.9 ms before): within 1.25x."""
+    by pair queued behind each other's NICs and cost ~20x that). Since a batch's
+    messages pay their latency side by side (`ray_zep.sim.events`), the layer without
+    the remap takes 32.2 ms and the one with it 33.2 ms: the remap adds 1.0 ms where
+    its estimate, one latency a rank, says 2.6 (it added 3.0 ms for an estimate of 2.8
+    with a latency a message): within 1.25x."""
     from ray_zep.remap.policy import remap_cost_seconds
 
     config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=8",

@@ -15,7 +15,8 @@ all-to-all-v per layer (q/k/v in and the output out, forward; their gradients,
 backward). Each is estimated as its busiest rank's time: a rank's ports send
 and receive at once, so the larger of the two counts, with every token priced
 at the intra-node or the shared-NIC rate (`remap.solver.token_costs`), plus
-one latency per message. The solver's own objective counts only senders
+one latency: a rank posts its messages as one batch, whose latencies overlap (the
+longest counts; `ray_zep.sim.events`). The solver's own objective counts only senders
 (Zeppelin eq. 2); the receive side matters here because a rank that holds no
 attention tokens receives its whole linear layout.
 """
@@ -70,11 +71,14 @@ def _exchange_seconds(remap: RemapPlan, topology: Topology, token_bytes: int) ->
     src, dst, tokens = np.asarray(remap.transfers, dtype=np.int64).T
     same = src // topology.gpus_per_node == dst // topology.gpus_per_node
     latency = np.where(same, topology.intra_node_latency, topology.inter_node_latency)
-    seconds = latency + tokens * np.where(same, intra, inter)
+    seconds = tokens * np.where(same, intra, inter)
     sent, received = np.zeros(topology.world_size), np.zeros(topology.world_size)
     np.add.at(sent, src, seconds)
     np.add.at(received, dst, seconds)
-    return float(np.maximum(sent, received).max())
+    waited = np.zeros(topology.world_size)  # each rank's batch: its longest latency
+    np.maximum.at(waited, src, latency)
+    np.maximum.at(waited, dst, latency)
+    return float((np.maximum(sent, received) + waited).max())
 
 
 def choose_remap(
