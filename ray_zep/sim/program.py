@@ -421,7 +421,7 @@ class _Builder(GraphBuilder):
         self, rank: int, kind: LinkKind, nbytes: float, deps, name: str, stream: Stream
     ) -> int:
         """One rank's part of an all-to-all-v over links of `kind`: `nbytes` through its
-        port (intra-node) or its NIC after one latency holding no link, zipped where
+        port (intra-node) or its NIC, and one latency that holds no link, zipped where
         `stream` goes."""
         if kind is LinkKind.INTRA_NODE:
             lane, resources = Lane.INTRA_NODE, (("port_out", rank), ("port_in", rank))
