@@ -316,6 +316,12 @@ class ScaleRow:
     error: str | None = None
 
 
+def case_batches(distribution: str, total: int, count: int) -> list[np.ndarray]:
+    """The `count` batches of `total` tokens a case of `distribution` plays (seeds 0 ..
+    count - 1): `scale-replay` plays a record's rows on the same ones."""
+    return [batch_lengths(distribution, total, seed) for seed in range(count)]
+
+
 def run_scale_bench(spec: ScaleBenchSpec, progress=print) -> list[ScaleRow]:
     """Every case of `spec` x every placement (module docstring)."""
     max_flow_library()  # loaded once per process (a data actor's first plan): in no row's time
@@ -326,8 +332,7 @@ def run_scale_bench(spec: ScaleBenchSpec, progress=print) -> list[ScaleRow]:
                 for distribution in spec.distributions:
                     case = (gpus, distribution, model, tokens)
                     started = time.perf_counter()
-                    batches = [batch_lengths(distribution, tokens * gpus, seed)
-                               for seed in range(spec.batches)]  # fmt: skip
+                    batches = case_batches(distribution, tokens * gpus, spec.batches)
                     rows += scale_case(spec, *case, batches)
                     progress(f"{gpus} GPUs {distribution} {model} {tokens // 1024}k/GPU: "
                              f"{time.perf_counter() - started:.1f} s")  # fmt: skip

@@ -18,10 +18,9 @@ import json
 import math
 import statistics
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
-from ray_zep.bench.scale import PLACEMENTS, ScaleBenchSpec, ScaleRow, batch_lengths, case_at
+from ray_zep.bench.scale import PLACEMENTS, ScaleBenchSpec, ScaleRow, case_at, case_batches
 from ray_zep.bench.scale_report import COLUMNS, draw_scale_chart
 from ray_zep.command_args import names
 from ray_zep.errors import ConfigError
@@ -106,8 +105,7 @@ def _play(row: dict, batches: dict) -> list[ScaleRow]:
     distribution, model = row["distribution"], row["model"]
     key = (distribution, tokens * gpus, int(row.get("batches", 1)))
     if key not in batches:
-        batches[key] = [batch_lengths(distribution, tokens * gpus, seed)
-                        for seed in range(key[2])]  # fmt: skip
+        batches[key] = case_batches(distribution, tokens * gpus, key[2])
     spec = ScaleBenchSpec(
         gpus=(gpus,), distributions=(distribution,), models=(model,),
         tokens_per_gpu=(tokens,), placements=(row["placement"],), batches=key[2],
@@ -130,18 +128,18 @@ def headroom_for(capacity: int, tokens: int) -> float:
 
 def compare(recorded: list[dict], rows: list[ScaleRow]) -> list[str]:
     """The footer: step / bound, recorded and now, mean and worst, and the rows that moved."""
-    pairs = [(before, asdict(now)) for before, now in zip(recorded, rows, strict=True)
+    pairs = [(before, now) for before, now in zip(recorded, rows, strict=True)
              if before.get("step_over_bound") and now.step_over_bound]  # fmt: skip
     if not pairs:
         return ["no simulated row to compare (a --plan-only record, or every row failed)"]
     was = [b["step_over_bound"] for b, _ in pairs]
-    now = [n["step_over_bound"] for _, n in pairs]
+    now = [n.step_over_bound for _, n in pairs]
     lines = [f"step / bound against the record, {len(pairs)} rows: mean "
              f"{statistics.mean(was):.4f} -> {statistics.mean(now):.4f}, worst "
              f"{max(was):.4f} -> {max(now):.4f}"]  # fmt: skip
     for (before, after), a, b in zip(pairs, was, now, strict=True):
         if abs(b - a) >= MOVED:
-            change = 100 * (after["step_s"] / before["step_s"] - 1)
+            change = 100 * (after.step_s / before["step_s"] - 1)
             case = f"{before['gpus']} GPUs {before['distribution']} {before['model']}"
             lines.append(f"  {case} {before['placement']}: {a:.4f} -> {b:.4f} "
                          f"({change:+.1f}% step)")  # fmt: skip
