@@ -52,3 +52,61 @@ def test_the_headroom_gives_the_recorded_l() -> None:
     for capacity, tokens in [(5120, 4096), (7000, 3000), (10001, 4097), (35840, 16384)]:
         headroom = scale_replay.headroom_for(capacity, tokens)
         assert headroom >= 1.0 and -(-tokens * headroom // 1) == capacity
+
+
+GRID = ["bench", "scale", "--gpus", "64", "--models", "7b", "--tokens", "4k",
+        "--distributions", "chat", "--placements", "zeppelin"]  # fmt: skip
+
+
+def test_overrides_play_in_every_case_and_again_in_its_replay(tmp_path: Path, capsys) -> None:
+    """A grid under `parallel.weights=hsdp` keeps the override in its record and steps
+    apart from the grid without it; its replay plays the override again and steps as
+    recorded, and a replay given one more override plays both and says so."""
+    assert main([*GRID, "--out", str(tmp_path / "fsdp")]) == 0
+    assert main([*GRID, "parallel.weights=hsdp", "--out", str(tmp_path / "hsdp")]) == 0
+    assert "every case under: parallel.weights=hsdp" in capsys.readouterr().out
+    record = tmp_path / "hsdp" / "scale.json"
+    grid = json.loads(record.read_text())
+    assert grid["spec"]["overrides"] == ["parallel.weights=hsdp"]
+    (fsdp,) = json.loads((tmp_path / "fsdp" / "scale.json").read_text())["rows"]
+    (hsdp,) = grid["rows"]
+    assert hsdp["step_s"] != pytest.approx(fsdp["step_s"], rel=1e-6)
+    assert main(["bench", "scale-replay", str(record), "--out", str(tmp_path / "again")]) == 0
+    (again,) = json.loads((tmp_path / "again" / "scale-replay.json").read_text())["rows"]
+    assert again["step_s"] == pytest.approx(hsdp["step_s"], rel=1e-12)
+    capsys.readouterr()
+    more = ["bench", "scale-replay", str(record), "comm.compression=always",
+            "--out", str(tmp_path / "zipped")]  # fmt: skip
+    assert main(more) == 0
+    out = capsys.readouterr().out
+    assert "every case under: parallel.weights=hsdp comm.compression=always" in out
+    assert "against the record (now with comm.compression=always), 1 rows" in out
+    zipped = json.loads((tmp_path / "zipped" / "scale-replay.json").read_text())
+    assert zipped["spec"]["overrides"] == ["comm.compression=always"]
+    assert zipped["rows"][0]["step_s"] != pytest.approx(hsdp["step_s"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("parallel.sequence=ulysses", "the grid sets parallel.sequence (--placements)"),
+        ("model.n_layers=4", "the grid sets model.n_layers (--models)"),
+        ("train.micro_batches=2", "the grid sets train.micro_batches (--micro-batches)"),
+        ("parallel.ring_kv_room_mb=0", "the grid sets parallel.ring_kv_room_mb (--kv-room)"),
+        ("parallel.weights=tawpipe", "`ray-zep bench tawpipe` plays weight passing"),
+        ("parallel.nonsense=1", "unknown config key 'parallel.nonsense'"),
+        ("comm.compression=maybe", "comm.compression"),
+    ],
+)
+def test_an_override_the_grid_cannot_play_is_one_line_before_any_case(
+    tmp_path: Path, capsys, override: str, named: str
+) -> None:
+    record = tmp_path / "scale.json"
+    row = {"placement": "zeppelin", "gpus": 64, "distribution": "chat", "model": "7b",
+           "tokens_per_gpu": 4096, "tokens_per_rank": 5120}  # fmt: skip
+    record.write_text(json.dumps({"spec": {"tokens_per_gpu": [4096]}, "rows": [row]}))
+    for command in ([*GRID, override], ["bench", "scale-replay", str(record), override]):
+        assert main([*command, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and named in err and command[1] in err, err
+    assert not (tmp_path / "out").exists()

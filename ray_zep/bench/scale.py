@@ -50,6 +50,9 @@ planner time is their schedule's (`megatron_dynamic_cp`'s plans hold the lengths
 dataset pads).
 `megatron_hybrid_cp` runs in waves of CP groups, so its plan columns are empty but its
 memory (the fullest wave's).
+
+Every case runs FSDP on cluster A; `key=value` overrides change that and any other key the
+grid does not set itself (`ray_zep.bench.scale_overrides`).
 """
 
 from __future__ import annotations
@@ -63,6 +66,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ray_zep.bench.scale_overrides import (
+    GPUS_PER_NODE,
+    OVERRIDES_HELP,
+    case_overrides,
+    checked_overrides,
+    overrides_note,
+)
 from ray_zep.bench.scale_play import filled_config, plan_batch_timed, scheduler_of, simulated_step
 from ray_zep.bench.scale_report import COLUMNS, draw_scale_chart
 from ray_zep.command_args import counts, factors, known, names
@@ -110,6 +120,9 @@ HELP = "placements from 64 to 4,096 GPUs, modelled"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "overrides", nargs="*", help=f"key=value overrides of every case's config {OVERRIDES_HELP}"
+    )
     parser.add_argument("--gpus", default="64,256,1024,4096", help="cluster sizes (8 per node)")
     distributions = ",".join(ScaleBenchSpec.distributions)
     parser.add_argument("--distributions", help=f"default: {distributions}")
@@ -162,11 +175,13 @@ def run(args: argparse.Namespace) -> BenchResult:
         room=factors(args.room, "--room"),
         kv_room=kv_rooms(args.kv_room),
         room_up_to=args.room_up_to,
+        overrides=tuple(args.overrides),
     )
     cases = len(spec.models) * len(spec.tokens_per_gpu) * len(spec.gpus) * len(spec.distributions)
     with ProgressLine(cases, "cases", sys.stdout) as bar:
         rows = run_scale_bench(spec, progress=bar.counter())
-    return BenchResult.from_rows(NAME, asdict(spec), rows, COLUMNS, draw_scale_chart, key_columns=5)
+    return BenchResult.from_rows(NAME, asdict(spec), rows, COLUMNS, draw_scale_chart, key_columns=5,
+                                 notes=overrides_note(spec.overrides))  # fmt: skip
 
 
 def kv_rooms(text: str) -> tuple[float | None, ...]:
@@ -191,10 +206,6 @@ def kv_rooms(text: str) -> tuple[float | None, ...]:
 def planned_placements(plan_only: bool) -> tuple[str, ...]:
     """The default placements: all of them, or those with a plan to time (`--plan-only`)."""
     return tuple(p for p in PLACEMENTS if not (plan_only and p == MEGATRON_HYBRID_CP))
-
-
-GPUS_PER_NODE = 8
-"""Cluster A's nodes (`topology.preset=cluster_a`)."""
 
 
 @dataclass(frozen=True)
@@ -226,6 +237,8 @@ class ScaleBenchSpec:
     """Each placement is then played at the factors next to its fastest fitting one
     (`ray_zep.sim.token_room.play_around`) until both are played, up to this factor
     (module docstring); None: `room` alone."""
+    overrides: tuple[str, ...] = ()
+    """`key=value` overrides of every case's config (`ray_zep.bench.scale_overrides`)."""
 
     def __post_init__(self) -> None:
         for g in self.gpus:
@@ -252,6 +265,7 @@ class ScaleBenchSpec:
                               "to choose by)")  # fmt: skip
         if self.plan_only and len(self.kv_room) > 1:
             raise ConfigError("--kv-room: one value with --plan-only (no step to choose by)")
+        checked_overrides(f"bench {NAME}", self.overrides)
 
 
 @dataclass
@@ -391,10 +405,7 @@ def case_at(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, toke
              kv_room: float | None = None) -> list[ScaleRow]:  # fmt: skip
     """`scale_case` at `spec.headroom` and `parallel.ring_kv_room_mb=kv_room` alone."""
     capacity = math.ceil(tokens * spec.headroom)
-    room = [] if kv_room is None else [f"parallel.ring_kv_room_mb={kv_room}"]
-    config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={gpus // 8}",
-                                f"model.preset={model}", f"train.tokens_per_rank={capacity}",
-                                "parallel.weights=fsdp", *room])  # fmt: skip
+    config = load_config(None, case_overrides(gpus, model, capacity, kv_room, spec.overrides))
     hardware = Hardware.preset(build_topology(config.topology))
     run = RunModel.create(config, hardware)
     ideal = None if spec.plan_only else [ideal_step_seconds(b, run) for b in batches]

@@ -9,6 +9,10 @@ cost model or the simulator is measured on the grid's rows in a minute or two. A
 whose best room the change would move is still played at the recorded one: for the room
 itself, run `bench scale` again. The footer says how the mean and the worst step / bound
 moved, and which rows did.
+
+The record's own `key=value` overrides are played again; those given here go on top of
+them, so that one replay shows what a config key is worth on the grid's rows
+(`ray_zep.bench.scale_overrides`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import sys
 from pathlib import Path
 
 from ray_zep.bench.scale import PLACEMENTS, ScaleBenchSpec, ScaleRow, case_at, case_batches
+from ray_zep.bench.scale_overrides import OVERRIDES_HELP, checked_overrides, overrides_note
 from ray_zep.bench.scale_report import COLUMNS, draw_scale_chart
 from ray_zep.command_args import names
 from ray_zep.errors import ConfigError
@@ -37,6 +42,8 @@ MOVED = 0.001
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("record", help="a `bench scale` JSON record (OUT/scale.json)")
+    more = f"more key=value overrides, after the record's own {OVERRIDES_HELP}"
+    parser.add_argument("overrides", nargs="*", help=more)
     parser.add_argument(
         "--placements", default=Placement.ZEPPELIN.value,
         help=f"the record's placements to replay (default {Placement.ZEPPELIN.value})",
@@ -46,12 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> BenchResult:
     path = Path(args.record)
     recorded = recorded_rows(path, names(args.placements, PLACEMENTS))
+    extra = checked_overrides(f"bench {NAME}", args.overrides)
     with ProgressLine(len(recorded), "rows", sys.stdout) as bar:
-        rows = replay(recorded, progress=bar.counter())
-    footer = compare(recorded, rows)
-    spec = {"record": str(path), "placements": args.placements}
+        rows = replay(recorded, extra, progress=bar.counter())
+    footer = compare(recorded, rows, extra)
+    spec = {"record": str(path), "placements": args.placements, "overrides": list(extra)}
+    own = recorded[0].get("overrides", [])
     return BenchResult.from_rows(NAME, spec, rows, COLUMNS, draw_scale_chart, key_columns=5,
-                                 footer=footer)  # fmt: skip
+                                 footer=footer, notes=overrides_note([*own, *extra]))  # fmt: skip
 
 
 def recorded_rows(path: Path, placements: tuple[str, ...]) -> list[dict]:
@@ -70,7 +79,7 @@ def recorded_rows(path: Path, placements: tuple[str, ...]) -> list[dict]:
     if not isinstance(rows, list) or not isinstance(spec, dict) or "tokens_per_gpu" not in spec:
         raise ConfigError(f"scale-replay RECORD {path}: not a `ray-zep bench scale` record "
                           "(OUT/scale.json)")  # fmt: skip
-    keys = ("batches", "micro_batches", "plan_only", "plan_repeats")
+    keys = ("batches", "micro_batches", "plan_only", "plan_repeats", "overrides")
     kept = {key: spec[key] for key in keys if key in spec}
     out = [dict(row, **kept) for row in rows
            if isinstance(row, dict) and row.get("placement") in placements
@@ -82,25 +91,27 @@ def recorded_rows(path: Path, placements: tuple[str, ...]) -> list[dict]:
     return out
 
 
-def replay(recorded: list[dict], progress=print) -> list[ScaleRow]:
-    """Each recorded row played again at its L and K/V room (module docstring). The first
-    is played twice and its second play kept: the first pays for what a process loads
-    once (the planner's compiled kernels, the max-flow solver), in no row's planner time,
-    as `bench scale` keeps it out of its rows'."""
+def replay(recorded: list[dict], extra: tuple[str, ...] = (), progress=print) -> list[ScaleRow]:
+    """Each recorded row played again at its L and K/V room, under the record's overrides
+    and `extra` (module docstring). The first is played twice and its second play kept:
+    the first pays for what a process loads once (the planner's compiled kernels, the
+    max-flow solver), in no row's planner time, as `bench scale` keeps it out of its
+    rows'."""
     max_flow_library()
     rows, batches = [], {}
     for row in recorded[:1]:
-        _play(row, batches)
+        _play(row, batches, extra)
     for row in recorded:
-        rows += _play(row, batches)
+        rows += _play(row, batches, extra)
         tokens = int(row["tokens_per_gpu"]) // 1024
         progress(f"{row['gpus']} GPUs {row['distribution']} {row['model']} {tokens}k/GPU "
                  f"L={row['tokens_per_rank']}")  # fmt: skip
     return rows
 
 
-def _play(row: dict, batches: dict) -> list[ScaleRow]:
-    """One recorded row at its L and K/V room (`batches`: each case's, drawn once)."""
+def _play(row: dict, batches: dict, extra: tuple[str, ...]) -> list[ScaleRow]:
+    """One recorded row at its L and K/V room, under its record's overrides and `extra`
+    (`batches`: each case's, drawn once)."""
     gpus, tokens = int(row["gpus"]), int(row["tokens_per_gpu"])
     distribution, model = row["distribution"], row["model"]
     key = (distribution, tokens * gpus, int(row.get("batches", 1)))
@@ -113,6 +124,7 @@ def _play(row: dict, batches: dict) -> list[ScaleRow]:
         plan_only=bool(row.get("plan_only", False)),
         plan_repeats=int(row.get("plan_repeats", 1)),
         micro_batches=int(row.get("micro_batches", 1)),
+        overrides=(*row.get("overrides", ()), *extra),
     )  # fmt: skip
     return case_at(spec, gpus, distribution, model, tokens, batches[key], row.get("kv_room_mb"))
 
@@ -126,15 +138,17 @@ def headroom_for(capacity: int, tokens: int) -> float:
     return headroom
 
 
-def compare(recorded: list[dict], rows: list[ScaleRow]) -> list[str]:
-    """The footer: step / bound, recorded and now, mean and worst, and the rows that moved."""
+def compare(recorded: list[dict], rows: list[ScaleRow], extra: tuple[str, ...] = ()) -> list[str]:
+    """The footer: step / bound, recorded and now (under `extra` overrides where given),
+    mean and worst, and the rows that moved."""
     pairs = [(before, now) for before, now in zip(recorded, rows, strict=True)
              if before.get("step_over_bound") and now.step_over_bound]  # fmt: skip
     if not pairs:
         return ["no simulated row to compare (a --plan-only record, or every row failed)"]
     was = [b["step_over_bound"] for b, _ in pairs]
     now = [n.step_over_bound for _, n in pairs]
-    lines = [f"step / bound against the record, {len(pairs)} rows: mean "
+    under = f" (now with {' '.join(extra)})" if extra else ""
+    lines = [f"step / bound against the record{under}, {len(pairs)} rows: mean "
              f"{statistics.mean(was):.4f} -> {statistics.mean(now):.4f}, worst "
              f"{max(was):.4f} -> {max(now):.4f}"]  # fmt: skip
     for (before, after), a, b in zip(pairs, was, now, strict=True):
