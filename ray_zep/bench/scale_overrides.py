@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ray_zep.config import Config, load_config
-from ray_zep.errors import ConfigError
+from ray_zep.errors import ConfigError, TopologyError
 from ray_zep.parallel.axes import WEIGHTS_AXES, Family
+from ray_zep.topology import build_topology
 
 GPUS_PER_NODE = 8
 """Cluster A's nodes (`topology.preset=cluster_a`)."""
@@ -58,8 +59,8 @@ def checked_overrides(command: str, overrides: Sequence[str]) -> tuple[str, ...]
 
     Raises:
         ConfigError: naming `command` and the override, where it sets a key the grid sets
-            (and what sets it), names no key, has a value the key does not take, or names a
-            weights mode the grid does not play.
+            (and what sets it), names no key, has a value the key does not take (cluster
+            A's fixed sizes included), or names a weights mode the grid does not play.
     """
     for item in overrides:
         key = item.split("=", 1)[0].strip()
@@ -68,7 +69,8 @@ def checked_overrides(command: str, overrides: Sequence[str]) -> tuple[str, ...]
             raise ConfigError(f"{command} override {item!r}: the grid sets {key} ({owner})")
     try:
         config: Config = load_config(None, case_overrides(64, "7b", 5120, None, overrides))
-    except ConfigError as exc:
+        build_topology(config.topology)
+    except (ConfigError, TopologyError) as exc:
         raise ConfigError(f"{command} overrides: {exc}") from None
     weights = config.parallel.weights
     if WEIGHTS_AXES[weights].family is not Family.AUTOGRAD:
