@@ -97,6 +97,7 @@ def test_overrides_play_in_every_case_and_again_in_its_replay(tmp_path: Path, ca
         ("parallel.nonsense=1", "unknown config key 'parallel.nonsense'"),
         ("comm.compression=maybe", "comm.compression"),
         ("topology.nics_per_node=8", "topology.nics_per_node=8 contradicts"),
+        ("data.source=synthetic:arxiv", "the grid sets data.source (--distributions"),
     ],
 )
 def test_an_override_the_grid_cannot_play_is_one_line_before_any_case(

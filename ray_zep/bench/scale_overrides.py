@@ -20,7 +20,6 @@ GPUS_PER_NODE = 8
 """Cluster A's nodes (`topology.preset=cluster_a`)."""
 
 _CHECKPOINTING = "each row takes the lightest activation checkpointing that fits the GPU"
-_FILL = "each batch is packed by its own fill"
 GRID_KEYS: dict[str, str] = {
     "topology.preset": "the grid runs on cluster A",
     "topology.nodes": "--gpus",
@@ -34,11 +33,13 @@ GRID_KEYS: dict[str, str] = {
     "parallel.sequence": "--placements",
     "parallel.routing": "--placements",
     "parallel.remap": "--placements",
-    "data.packing": _FILL,
-    "data.batch_fill": _FILL,
 }
 """Keys the grid sets in each case, and what sets them instead."""
-GRID_SECTIONS: dict[str, str] = {"model": "--models"}
+GRID_SECTIONS: dict[str, str] = {
+    "model": "--models",
+    "data": "--distributions and --tokens: the grid draws its own batches, each packed by its "
+    "own fill",
+}
 """Sections the grid sets whole."""
 
 
@@ -86,7 +87,7 @@ OVERRIDES_HELP = (
     "(e.g. comm.compression=auto, parallel.weights=hsdp, topology.nic_gbits_per_s=400); not "
     "the keys the grid sets: model.*, topology.preset/nodes/gpus_per_node, "
     "train.tokens_per_rank/micro_batches and checkpointing, "
-    "parallel.sequence/routing/remap/ring_kv_room_mb, data.packing/batch_fill"
+    "parallel.sequence/routing/remap/ring_kv_room_mb, data.*"
 )
 """What an override may set, for the commands' help."""
 
