@@ -112,3 +112,25 @@ def test_an_override_the_grid_cannot_play_is_one_line_before_any_case(
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and named in err and command[1] in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_replay_plays_only_the_rows_its_filters_pick(tmp_path: Path, capsys) -> None:
+    """Of a record's 7b chat and github rows at 64 GPUs, `--distributions github` plays the
+    github row alone and says so in its spec; filters that leave no row are one line naming
+    them, before any row plays."""
+    case = {"placement": "zeppelin", "gpus": 64, "model": "7b", "tokens_per_gpu": 4096,
+            "tokens_per_rank": 5120}  # fmt: skip
+    rows = [dict(case, distribution=name) for name in ("chat", "github")]
+    record = tmp_path / "scale.json"
+    record.write_text(json.dumps({"spec": {"tokens_per_gpu": [4096]}, "rows": rows}))
+    picked = ["bench", "scale-replay", str(record), "--distributions", "github"]
+    assert main([*picked, "--out", str(tmp_path / "github")]) == 0
+    played = json.loads((tmp_path / "github" / "scale-replay.json").read_text())
+    assert [row["distribution"] for row in played["rows"]] == ["github"]
+    assert played["spec"]["distributions"] == ["github"]
+    capsys.readouterr()
+    none = ["bench", "scale-replay", str(record), "--gpus", "1024", "--models", "7b"]
+    assert main([*none, "--out", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no row of --placements zeppelin --gpus 1024 --models 7b" in err
+    assert not (tmp_path / "none").exists()

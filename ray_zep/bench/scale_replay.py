@@ -27,7 +27,7 @@ from pathlib import Path
 from ray_zep.bench.scale import PLACEMENTS, ScaleBenchSpec, ScaleRow, case_at, case_batches
 from ray_zep.bench.scale_overrides import OVERRIDES_HELP, checked_overrides, overrides_note
 from ray_zep.bench.scale_report import COLUMNS, draw_scale_chart
-from ray_zep.command_args import names
+from ray_zep.command_args import counts, names
 from ray_zep.errors import ConfigError
 from ray_zep.parallel.axes import Placement
 from ray_zep.remap.solver import max_flow_library
@@ -48,24 +48,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--placements", default=Placement.ZEPPELIN.value,
         help=f"the record's placements to replay (default {Placement.ZEPPELIN.value})",
     )  # fmt: skip
+    for flag, what in ROW_FLAGS.values():
+        parser.add_argument(flag, help=f"only the record's rows of these {what} (default all)")
+
+
+ROW_FLAGS = {
+    "gpus": ("--gpus", "cluster sizes"),
+    "distribution": ("--distributions", "distributions"),
+    "model": ("--models", "models"),
+    "tokens_per_gpu": ("--tokens", "tokens per GPU, e.g. 4k,16k"),
+}
+"""A row's field, the flag that picks rows by it and what it lists."""
+
+
+def row_filter(args: argparse.Namespace) -> dict[str, tuple]:
+    """The values each of `ROW_FLAGS` given allows, by row field (none: every row)."""
+    out: dict[str, tuple] = {}
+    for field, (flag, _) in ROW_FLAGS.items():
+        text = getattr(args, flag[2:])
+        if text is not None:
+            numeric = field in ("gpus", "tokens_per_gpu")
+            out[field] = counts(text, flag) if numeric else names(text, ())
+    return out
 
 
 def run(args: argparse.Namespace) -> BenchResult:
     path = Path(args.record)
-    recorded = recorded_rows(path, names(args.placements, PLACEMENTS))
+    only = row_filter(args)
+    recorded = recorded_rows(path, names(args.placements, PLACEMENTS), only)
     extra = checked_overrides(f"bench {NAME}", args.overrides)
     with ProgressLine(len(recorded), "rows", sys.stdout) as bar:
         rows = replay(recorded, extra, progress=bar.counter())
     footer = compare(recorded, rows, extra)
-    spec = {"record": str(path), "placements": args.placements, "overrides": list(extra)}
+    spec = {
+        "record": str(path),
+        "placements": args.placements,
+        "overrides": list(extra),
+        **{ROW_FLAGS[field][0][2:]: list(values) for field, values in only.items()},
+    }
     own = recorded[0].get("overrides", [])
     return BenchResult.from_rows(NAME, spec, rows, COLUMNS, draw_scale_chart, key_columns=5,
                                  footer=footer, notes=overrides_note([*own, *extra]))  # fmt: skip
 
 
-def recorded_rows(path: Path, placements: tuple[str, ...]) -> list[dict]:
-    """The rows of the record at `path` to replay: those of `placements` that ran, with the
-    record's batches, micro-batches and plan repeats.
+def recorded_rows(path: Path, placements: tuple[str, ...], only: dict | None = None) -> list[dict]:
+    """The rows of the record at `path` to replay: those of `placements` that ran (and whose
+    fields hold one of `only`'s values, `row_filter`), with the record's batches,
+    micro-batches, plan repeats and overrides.
 
     Raises:
         ConfigError: the file is missing, not JSON, or not a `bench scale` record.
@@ -81,13 +110,17 @@ def recorded_rows(path: Path, placements: tuple[str, ...]) -> list[dict]:
                           "(OUT/scale.json)")  # fmt: skip
     keys = ("batches", "micro_batches", "plan_only", "plan_repeats", "overrides")
     kept = {key: spec[key] for key in keys if key in spec}
+    only = only or {}
     out = [dict(row, **kept) for row in rows
            if isinstance(row, dict) and row.get("placement") in placements
-           and row.get("error") is None and row.get("tokens_per_rank")]  # fmt: skip
+           and row.get("error") is None and row.get("tokens_per_rank")
+           and all(row.get(field) in values for field, values in only.items())]  # fmt: skip
     if not out:
-        wanted = ",".join(placements)
-        raise ConfigError(f"scale-replay RECORD {path}: no row of --placements {wanted} ran "
-                          "with its L recorded (tokens_per_rank)")  # fmt: skip
+        wanted = " ".join([f"--placements {','.join(placements)}",
+                           *(f"{ROW_FLAGS[field][0]} {','.join(map(str, values))}"
+                             for field, values in only.items())])  # fmt: skip
+        raise ConfigError(f"scale-replay RECORD {path}: no row of {wanted} ran with its L "
+                          "recorded (tokens_per_rank)")  # fmt: skip
     return out
 
 
