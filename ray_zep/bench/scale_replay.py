@@ -40,6 +40,15 @@ MOVED = 0.001
 """A row's step / bound that moved by at least this is listed in the footer."""
 
 
+ROW_FLAGS = {
+    "gpus": ("--gpus", "cluster sizes"),
+    "distribution": ("--distributions", "distributions"),
+    "model": ("--models", "models"),
+    "tokens_per_gpu": ("--tokens", "tokens per GPU, e.g. 4k,16k"),
+}
+"""A row's field, the flag that picks rows by it and what it lists."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("record", help="a `bench scale` JSON record (OUT/scale.json)")
     more = f"more key=value overrides, after the record's own {OVERRIDES_HELP}"
@@ -50,15 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     for flag, what in ROW_FLAGS.values():
         parser.add_argument(flag, help=f"only the record's rows of these {what} (default all)")
-
-
-ROW_FLAGS = {
-    "gpus": ("--gpus", "cluster sizes"),
-    "distribution": ("--distributions", "distributions"),
-    "model": ("--models", "models"),
-    "tokens_per_gpu": ("--tokens", "tokens per GPU, e.g. 4k,16k"),
-}
-"""A row's field, the flag that picks rows by it and what it lists."""
 
 
 def row_filter(args: argparse.Namespace) -> dict[str, tuple]:
