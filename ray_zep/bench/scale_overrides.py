@@ -63,6 +63,8 @@ def checked_overrides(command: str, overrides: Sequence[str]) -> tuple[str, ...]
             (and what sets it), names no key, has a value the key does not take (cluster
             A's fixed sizes included), or names a weights mode the grid does not play.
     """
+    if not overrides:  # the grid's own config: nothing to load (every spec checks it)
+        return ()
     for item in overrides:
         key = item.split("=", 1)[0].strip()
         owner = GRID_KEYS.get(key) or GRID_SECTIONS.get(key.split(".", 1)[0])
