@@ -32,7 +32,8 @@ While communication kernels run on a GPU they take SMs from compute:
 presets take 1.19, the mean slowdown of compute overlapped with NCCL
 communication measured on A100 and H100 for GPT and LLaMA workloads
 (arXiv 2507.03114, "Characterizing compute-communication overlap", 18.9% on
-average, 40% at most).
+average, 40% at most). A ring step's send and receive, one grouped NCCL kernel, slow
+it once (`ComputeRates.grouped_exchange`).
 
 The crossover chunk length of a link is the Fig. 5 reading of the Zeppelin
 paper: one ring step over a chunk of m tokens per rank computes an m x m block
@@ -106,6 +107,17 @@ class ComputeRates:
             query tokens per sequence runs at `L / (L + L_half)` of the long rate.
         full_half_tokens: L_half of unmasked blocks (a ring step's other chunks).
         contention: compute time factor while a transfer shares the device (>= 1).
+        grouped_exchange: how long a ring step's messages slow the compute beside them.
+            True (the GPU presets): the rank's sends and receives in flight together
+            count once, for the longer of the two directions (each direction's messages
+            one after another). The engine posts a step's sends and receives as one
+            batch (`batch_isend_irecv`); NCCL runs such a group as one kernel whose
+            blocks split their warps between the sends and the receives
+            (`src/device/sendrecv.h`), so both directions hold the same SMs. The
+            presets' `contention` was measured over collectives that send and receive at
+            once. False (a calibration): every message counts for its own time, as
+            `bench calibrate` measures a CPU's, where gloo sends and receives on threads
+            of their own.
         curves: measured attention rates replacing the half-rate form, per block
             kind (`CURVE_KINDS`): ((length, FLOP/s), ...) by increasing length,
             interpolated log-log and held flat outside (`ray-zep bench calibrate`).
@@ -154,6 +166,7 @@ class ComputeRates:
     ring_row_seconds: float = 0.0
     codec_bytes_s: float = 0.0
     curve_heads: int = 0
+    grouped_exchange: bool = False
 
     def __post_init__(self) -> None:
         rates = (self.attention_forward, self.attention_backward, self.matmul)
@@ -309,6 +322,7 @@ def _gpu_rates(gpu: str, forward: float, backward: float, half: tuple[float, flo
         f"{gpu} preset: {_DATASHEETS}",
         *half,
         SM_CONTENTION,
+        grouped_exchange=True,
     )
 
 

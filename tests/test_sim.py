@@ -473,16 +473,20 @@ def test_ring_step_costs_of_a_whole_item_equal_its_segments_costs(placement, cur
 @pytest.mark.parametrize("message_latency", [False, True], ids=["links", "measured_latency"])
 @pytest.mark.parametrize("nodes,gpus", [(1, 4), (2, 4), (4, 2)])
 @pytest.mark.parametrize("exchange", [Exchange.RING, Exchange.RING_KEPT], ids=lambda e: e.value)
+@pytest.mark.parametrize("grouped", [False, True], ids=["per_message", "grouped"])
 def test_a_ring_played_on_arrays_takes_the_event_simulations_times(
-    monkeypatch, nodes, gpus, message_latency, speed, exchange
+    monkeypatch, nodes, gpus, message_latency, speed, exchange, grouped
 ) -> None:
     """te_cp's global ring of equal chunks: `ring_form`'s recurrence gives every layer the
     makespan the task graph gives, forward and backward (contention and the K/V and
-    dK/dV messages queueing on one link included); kept, its backward's own block last
-    (`kept_ring_backward`)."""
+    dK/dV messages queueing on one link included, each message slowing compute or a
+    step's two directions once, `ComputeRates.grouped_exchange`); kept, its backward's
+    own block last (`kept_ring_backward`)."""
     from ray_zep.sim import ring_form
 
-    rates = dataclasses.replace(RATES, contention=1.3, full_half_tokens=20.0).scaled(speed, "")
+    rates = dataclasses.replace(
+        RATES, contention=1.3, full_half_tokens=20.0, grouped_exchange=grouped
+    ).scaled(speed, "")
     world = nodes * gpus
     plan = make_plan(Placement.TE_CP, [2 * world * n for n in (40, 7, 90, 13)],
                      _topology(nodes, gpus), 400, SHAPE)  # fmt: skip
@@ -499,6 +503,33 @@ def test_a_ring_played_on_arrays_takes_the_event_simulations_times(
         kinds = {t.name for g in graphs for t in g.tasks}
         assert ("attention ring" in kinds) == (threshold == 2)
     assert spans[2] == pytest.approx(spans[10**6], rel=1e-12)
+
+
+@pytest.mark.parametrize("phase", list(Phase), ids=lambda p: p.name.lower())
+def test_a_grouped_exchange_slows_a_ring_step_once_for_its_two_directions(phase) -> None:
+    """A ring step's send and receive, one grouped kernel on a GPU, slow the step's
+    compute for the longer of the two directions; a calibration's messages (a CPU's)
+    each for its own time. te_cp's ring of equal chunks inside one node, compute bound:
+    every message is shorter than half the compute it overlaps, so each step is slowed by
+    (contention - 1) x what its rank sends under a grouped exchange, twice that
+    otherwise, and the presets group their exchanges."""
+    topology = _topology(1, 4, intra_gbytes=1e3)
+    plan = make_plan(Placement.TE_CP, [4096] * 4, topology, 4096, SHAPE)
+    slowed = {}
+    for grouped in (False, True):
+        rates = dataclasses.replace(RATES, contention=1.5, grouped_exchange=grouped)
+        graph = layer_graph(_setup(plan, rates), phase)
+        steps = [t for t in graph.slowed if graph.tasks[t].name.startswith("attention step")]
+        assert steps, "no ring step overlapped a message"
+        for t in steps:  # below the cap, (contention - 1) x the whole step's compute
+            alone = graph.tasks[t].duration - graph.slowed[t]
+            assert 0 < graph.slowed[t] < 0.5 * alone
+        slowed[grouped] = {t: graph.slowed[t] for t in steps}
+    assert slowed[True].keys() == slowed[False].keys()
+    for task, once in slowed[True].items():
+        assert slowed[False][task] == pytest.approx(2 * once, rel=1e-9)
+    cluster_a = build_topology(TopologyConfig(preset="cluster_a"))
+    assert Hardware.preset(cluster_a).rates.grouped_exchange
 
 
 @pytest.mark.parametrize("latency_share", [0.0, 0.8])

@@ -46,8 +46,10 @@ def test_a_guest_in_a_usp_group_matches_single_device() -> None:
 def test_a_group_with_guests_costs_at_least_what_the_simulator_plays(model) -> None:
     """Cluster A, one group of 3 whole-node positions alone: the work model's member
     seconds over the sequences' summed parts are at least the simulated layers and at
-    most 12% over them, with one guest or two; one sequence costs as
-    `usp_member_seconds` says."""
+    most 13% over them, with one guest or two (6-12% on 7b and 13b; 12% was the limit
+    until a ring step's send and receive slowed the simulator's compute once,
+    `ComputeRates.grouped_exchange`, which the work model leaves out as it leaves out
+    contention); one sequence costs as `usp_member_seconds` says."""
     topology, run, work = usp_cluster(8, model)
     gpus, positions = topology.gpus_per_node, 3
     ranks = tuple(range(positions * gpus))
@@ -66,7 +68,7 @@ def test_a_group_with_guests_costs_at_least_what_the_simulator_plays(model) -> N
         parts = work.ring_parts(n, np.full(n.size, positions))
         summed = RingParts(parts.diagonal_s.sum(), parts.step_s.sum(), parts.send_bytes.sum())
         modelled = float(work.usp_group_seconds(summed, n.sum(), positions, gpus))
-        assert played <= modelled <= 1.12 * played, (lengths, modelled, played)
+        assert played <= modelled <= 1.13 * played, (lengths, modelled, played)
 
 
 @pytest.mark.unit

@@ -26,9 +26,10 @@ members of a ring position.
 
 With `comm.compression`, the Ulysses exchanges and the remap rows go zipped where the
 mode zips them, as the ring's K/V do; the compute a message overlaps is slowed by
-`ComputeRates.contention` as by any communication kernel. llama_cp's K/V all-gather and
-dK/dV reduce-scatter stay plain, as in the engine. `layer_graphs` builds a layer once for
-several wires.
+`ComputeRates.contention` as by any communication kernel (a ring step's sends and
+receives together once where they are one grouped kernel, `moving_seconds`). llama_cp's
+K/V all-gather and dK/dV reduce-scatter stay plain, as in the engine. `layer_graphs`
+builds a layer once for several wires.
 
 Elementwise work (norms, RoPE, softmax outside the kernel) and kernel launch
 gaps of the linear modules are not modelled.
@@ -172,13 +173,15 @@ class _Builder(GraphBuilder):
     def _member_computes(self, item: QueueItem, alone: dict, step: int, *in_flight) -> dict:
         """Every member's compute of ring step `step` (`alone`), slowed while the messages
         of `in_flight` (per rank) share its device (`ComputeRates.contention`, for the
-        time they can overlap: the shorter of the compute and the transfers)."""
+        time they can overlap: the shorter of the compute and the transfers,
+        `moving_seconds`)."""
         out = {}
         factor = self.setup.rates.contention - 1.0
+        grouped = self.setup.rates.grouped_exchange
         tasks = self.graph.tasks
         for rank in item.ranks:
             messages = [t for msgs in in_flight for t in msgs[rank]]
-            moving = sum(tasks[t].duration for t in messages)
+            moving = moving_seconds(rank, messages, tasks, lambda t: tasks[t].duration, grouped)
             seconds = alone[rank] + factor * min(alone[rank], moving)
             out[rank] = self.compute(rank, seconds, f"attention step {step}", alone[rank])
             if self.record:
@@ -276,15 +279,16 @@ class _Builder(GraphBuilder):
         kv = self._hop_seconds(item, sent.astype(np.float64), Payload.KV, compute)
         following = np.concatenate([compute[:, 1:], np.zeros((ring, 1))], axis=1)
         contention = self.setup.rates.contention
+        grouped = self.setup.rates.grouped_exchange
         if self.phase is Phase.FORWARD:
-            ends = ring_forward(compute, kv, contention)
+            ends = ring_forward(compute, kv, contention, grouped)
         elif item.exchange_kind.keeps_kv:  # no K/V sent; its own block last
             following = np.roll(compute, -1, axis=1)  # after step R - 1 comes step 0
             dkv = self._hop_seconds(item, rows, Payload.DKV, following)
-            ends = kept_ring_backward(compute, dkv, contention)
+            ends = kept_ring_backward(compute, dkv, contention, grouped)
         else:
             dkv = self._hop_seconds(item, rows, Payload.DKV, following)
-            ends = ring_backward(compute, kv, dkv, contention)
+            ends = ring_backward(compute, kv, dkv, contention, grouped)
         deps = [self.point[r] for r in item.ranks] + [self.sync_tasks.get(r) for r in item.ranks]
         start = self.graph.join(item.ranks[0], deps)
         for rank, seconds in zip(item.ranks, ends.tolist(), strict=True):
@@ -459,6 +463,18 @@ class _Builder(GraphBuilder):
                 self.recipes.append(("linear", task, alone))
 
 
+def moving_seconds(rank: int, messages, tasks, duration, grouped: bool) -> float:
+    """Seconds `rank`'s `messages` (task indices, `duration` of each) slow the compute
+    beside them: where a step's exchange is one grouped kernel
+    (`ComputeRates.grouped_exchange`), the longer of what it sends and what it receives,
+    each direction's messages one after another; else every message's time."""
+    if not grouped:
+        return sum(duration(t) for t in messages)
+    sends = sum(duration(t) for t in messages if tasks[t].rank == rank)
+    receives = sum(duration(t) for t in messages if tasks[t].rank != rank)
+    return max(sends, receives)
+
+
 PLAYS = {Play.ROTATE: _Builder.rotated_item, Play.GATHER: _Builder.gathered_item}
 """Each play's builder of one queue item: (builder, item index, item, position layouts)."""
 
@@ -523,7 +539,9 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
             durations[task] = messages[key]
         elif tag == "contended":
             alone, sent = data
-            slowed[task] = factor * min(alone, sum(durations[t] for t in sent))
+            moving = moving_seconds(tasks[task].rank, sent, tasks, durations.__getitem__,
+                                    setup.rates.grouped_exchange)  # fmt: skip
+            slowed[task] = factor * min(alone, moving)
             durations[task] = alone + slowed[task]
         elif tag == "linear":
             slowed[task] = factor * min(data[0], weights / 2)

@@ -13,7 +13,8 @@ time written from its own and its neighbours' times at the previous step:
   step's K/V and the previous step's dK/dV queue on it, in that order);
 - member r's compute of step s starts at its step point and is slowed while its
   messages of the step move (`ComputeRates.contention`, for the shorter of the
-  compute and the messages);
+  compute and the messages: the longer of its two directions where the step's exchange
+  is one grouped kernel, `ComputeRates.grouped_exchange`, both otherwise);
 - forward: r's next point is the latest of its compute and its two K/V messages;
 - backward: its dK/dV message of step s leaves once both ends finished step s's
   compute and their previous dK/dV messages, and is in flight during step s + 1;
@@ -86,7 +87,18 @@ def _contended(alone: np.ndarray, moving: np.ndarray, contention: float) -> np.n
     return alone + (contention - 1.0) * np.minimum(alone, moving)
 
 
-def ring_forward(compute_RS: np.ndarray, kv_RS: np.ndarray, contention: float) -> np.ndarray:
+def _moving(sends: np.ndarray, grouped: bool) -> np.ndarray:
+    """Seconds each member's messages of a step slow its compute, `sends` the seconds of
+    what member r sends (it receives what r - 1 sends): the longer of the two directions
+    where a step's exchange is one grouped kernel, both otherwise
+    (`ComputeRates.grouped_exchange`)."""
+    receives = np.roll(sends, 1)
+    return np.maximum(sends, receives) if grouped else sends + receives
+
+
+def ring_forward(
+    compute_RS: np.ndarray, kv_RS: np.ndarray, contention: float, grouped: bool = False
+) -> np.ndarray:
     """Each member's seconds from the ring's start to its last forward step.
 
     Args:
@@ -94,6 +106,7 @@ def ring_forward(compute_RS: np.ndarray, kv_RS: np.ndarray, contention: float) -
         kv_RS: seconds of the K/V message member r sends at step s (to r + 1); the
             last step sends none (its column is ignored).
         contention: `ComputeRates.contention`.
+        grouped: `ComputeRates.grouped_exchange`.
     """
     ring, steps = compute_RS.shape
     point = np.zeros(ring)
@@ -103,14 +116,18 @@ def ring_forward(compute_RS: np.ndarray, kv_RS: np.ndarray, contention: float) -
             start = np.maximum(point, np.roll(point, -1))  # both ends posted it
             sent = start + kv_RS[:, step]
             messages = [sent, np.roll(sent, 1)]  # sent to r + 1, received from r - 1
-            moving = kv_RS[:, step] + np.roll(kv_RS[:, step], 1)
+            moving = _moving(kv_RS[:, step], grouped)
         computed = point + _contended(compute_RS[:, step], moving, contention)
         point = np.maximum.reduce([point, computed, *messages])
     return point
 
 
 def ring_backward(
-    compute_RS: np.ndarray, kv_RS: np.ndarray, dkv_RS: np.ndarray, contention: float
+    compute_RS: np.ndarray,
+    kv_RS: np.ndarray,
+    dkv_RS: np.ndarray,
+    contention: float,
+    grouped: bool = False,
 ) -> np.ndarray:
     """Each member's seconds from the ring's start to its last dK/dV message.
 
@@ -119,31 +136,34 @@ def ring_backward(
         kv_RS: seconds of the K/V message r sends at step s (none at the last step).
         dkv_RS: seconds of the dK/dV message r sends after step s (every step).
         contention: `ComputeRates.contention`.
+        grouped: `ComputeRates.grouped_exchange`.
     """
     ring, steps = compute_RS.shape
     point = np.zeros(ring)
     dkv_sent = dkv_received = np.zeros(ring)  # ends of the previous step's dK/dV messages
-    dkv_moving = np.zeros(ring)
+    dkv_out = np.zeros(ring)  # seconds of the previous step's dK/dV message member r sends
     link = np.zeros(ring)  # when member r's link to r + 1 is free: K/V and dK/dV share it
     for step in range(steps):
         kv_ends = []
-        moving = dkv_moving.copy()
+        sends = dkv_out.copy()
         if step < steps - 1:
             start = np.maximum.reduce([point, np.roll(point, -1), link])
             sent = link = start + kv_RS[:, step]
             kv_ends = [sent, np.roll(sent, 1)]
-            moving += kv_RS[:, step] + np.roll(kv_RS[:, step], 1)
-        computed = point + _contended(compute_RS[:, step], moving, contention)
+            sends += kv_RS[:, step]
+        computed = point + _contended(compute_RS[:, step], _moving(sends, grouped), contention)
         ready = np.maximum.reduce([computed, dkv_sent, dkv_received])
         start = np.maximum.reduce([ready, np.roll(ready, -1), link])
         dkv_sent = link = start + dkv_RS[:, step]
         dkv_received = np.roll(dkv_sent, 1)
-        dkv_moving = dkv_RS[:, step] + np.roll(dkv_RS[:, step], 1)
+        dkv_out = dkv_RS[:, step]
         point = np.maximum.reduce([ready, *kv_ends])
     return np.maximum.reduce([point, dkv_sent, dkv_received])
 
 
-def kept_ring_backward(compute_RS: np.ndarray, dkv_RS: np.ndarray, contention: float) -> np.ndarray:
+def kept_ring_backward(
+    compute_RS: np.ndarray, dkv_RS: np.ndarray, contention: float, grouped: bool = False
+) -> np.ndarray:
     """`ring_backward` of a ring that kept the forward's K/V: no K/V messages, steps
     1 .. R - 1 in order, then the member's own block (step 0), during which the
     accumulator of its own K/V comes home (`ExchangeKind.backward_order`); each member's
@@ -154,18 +174,20 @@ def kept_ring_backward(compute_RS: np.ndarray, dkv_RS: np.ndarray, contention: f
         dkv_RS: seconds of the dK/dV message r sends after step s (none after step 0:
             column 0 is not read).
         contention: `ComputeRates.contention`.
+        grouped: `ComputeRates.grouped_exchange`.
     """
     ring, steps = compute_RS.shape
     point = np.zeros(ring)
-    dkv_sent = dkv_received = dkv_moving = np.zeros(ring)
+    dkv_sent = dkv_received = dkv_out = np.zeros(ring)
     link = np.zeros(ring)  # when member r's link to r + 1 is free
     for step in [*range(1, steps), 0]:
-        computed = point + _contended(compute_RS[:, step], dkv_moving, contention)
+        moving = _moving(dkv_out, grouped)
+        computed = point + _contended(compute_RS[:, step], moving, contention)
         point = np.maximum.reduce([computed, dkv_sent, dkv_received])
         if step == 0:
             break
         start = np.maximum.reduce([point, np.roll(point, -1), link])
         dkv_sent = link = start + dkv_RS[:, step]
         dkv_received = np.roll(dkv_sent, 1)
-        dkv_moving = dkv_RS[:, step] + np.roll(dkv_RS[:, step], 1)
+        dkv_out = dkv_RS[:, step]
     return point
