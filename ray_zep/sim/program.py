@@ -179,9 +179,13 @@ class _Builder(GraphBuilder):
         factor = self.setup.rates.contention - 1.0
         grouped = self.setup.rates.grouped_exchange
         tasks = self.graph.tasks
+
+        def duration(t: int) -> float:
+            return tasks[t].duration
+
         for rank in item.ranks:
             messages = [t for msgs in in_flight for t in msgs[rank]]
-            moving = moving_seconds(rank, messages, tasks, lambda t: tasks[t].duration, grouped)
+            moving = moving_seconds(rank, messages, tasks, duration, grouped)
             seconds = alone[rank] + factor * min(alone[rank], moving)
             out[rank] = self.compute(rank, seconds, f"attention step {step}", alone[rank])
             if self.record:
@@ -526,7 +530,7 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
         "gather": sync[0] - gathered,
         "rest": weights - sync[0] - (latency - gathered),
     }
-    factor = setup.rates.contention - 1.0
+    factor, grouped = setup.rates.contention - 1.0, setup.rates.grouped_exchange
     durations = [t.duration for t in tasks]
     slowed = dict(build.graph.slowed)
     profiles: dict[tuple, Profile] = {}
@@ -539,8 +543,7 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
             durations[task] = messages[key]
         elif tag == "contended":
             alone, sent = data
-            moving = moving_seconds(tasks[task].rank, sent, tasks, durations.__getitem__,
-                                    setup.rates.grouped_exchange)  # fmt: skip
+            moving = moving_seconds(tasks[task].rank, sent, tasks, durations.__getitem__, grouped)
             slowed[task] = factor * min(alone, moving)
             durations[task] = alone + slowed[task]
         elif tag == "linear":
