@@ -126,6 +126,8 @@ def _train(out: Path, *overrides: str):
 ELASTIC_STEPS = 10
 TORN_STEP = 4
 """The elastic run loses a node while this step's checkpoint is being written."""
+HELD_STEP = 6
+"""The smaller group's save of this step waits until the group grows again."""
 THREE_NODES = [
     *SMALL_RUN,
     "topology.nodes=3",
@@ -200,7 +202,10 @@ def _lose_a_node_and_get_it_back(
 
     The save is caught in the middle for certain: each rank's data file of step 4 is a
     named pipe before the run starts, so every rank blocks opening it (no reader) until
-    its node is gone or its group is stopped."""
+    its node is gone or its group is stopped. The smaller group cannot end the run before
+    the group grows back: its rank files of step 6 are pipes too, taken away once the grown
+    group has trained a step (a group that reaches them first waits for the driver's
+    restart of a silent group, which then saves step 6 as files)."""
     outcome: dict = {}
 
     def run() -> None:
@@ -214,15 +219,22 @@ def _lose_a_node_and_get_it_back(
     fit.start()
     _wait_for(lambda: _last_step(run_dir) >= TORN_STEP, fit, outcome, f"step {TORN_STEP}")
     cluster.remove_node(next(iter(cluster.worker_nodes)))
+    smaller = world * 2 // 3
+    held = _pipes_in_place_of_rank_files(checkpoint_path(run_dir, HELD_STEP), smaller)
     for pipe in torn:  # the smaller group writes step 4's checkpoint as files
         pipe.unlink()
     # the node returns once the smaller group has checkpointed a step of its own: the
     # grown group resumes from there, so the rows of two nodes' steps stay in the file
     shrunk = "a checkpoint of a step on two nodes"
     try:
-        _wait_for(lambda: _checkpointed_on(run_dir, world * 2 // 3), fit, outcome, shrunk)
+        _wait_for(lambda: _checkpointed_on(run_dir, smaller), fit, outcome, shrunk)
     finally:  # the module's other tests need three nodes
         cluster.add_node(**NODE)
+    try:
+        _wait_for(lambda: _grew_after(run_dir, smaller, world), fit, outcome, "a grown group")
+    finally:
+        for pipe in held:  # the grown group writes step 6's checkpoint as files
+            pipe.unlink()
     _wait_for(lambda: not fit.is_alive(), fit, outcome, "the end of the run", timeout_s=300)
     if "error" in outcome:
         raise outcome["error"]
@@ -337,6 +349,18 @@ def _checkpointed_on(run_dir: Path, world_size: int) -> bool:
         return False
     trained = {row["step"] for row in rows if row["world_size"] == world_size}
     return newest is not None and int(newest.name.rsplit("_", 1)[1]) in trained
+
+
+def _grew_after(run_dir: Path, smaller: int, world: int) -> bool:
+    """Whether a group of `world` ranks has trained a step after one of `smaller` ranks."""
+    try:
+        sizes = [row["world_size"] for row in steplog.step_rows(run_dir / METRICS_FILE_NAME)]
+    except json.JSONDecodeError:  # a row still being written
+        return False
+    if smaller not in sizes:
+        return False
+    last = len(sizes) - 1 - sizes[::-1].index(smaller)
+    return world in sizes[last + 1 :]
 
 
 def _wait_for(done, fit: threading.Thread, outcome: dict, what: str, timeout_s: float = 180):
