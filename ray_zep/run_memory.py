@@ -50,4 +50,5 @@ def memory_inputs(
         loss_chunk_tokens=config.model.loss_chunk_tokens,
         kept_kv_tokens=kept_kv_tokens,
         micro_batches=config.train.micro_batches,
+        reshard_after_forward=parallel.reshard_after_forward,
     )

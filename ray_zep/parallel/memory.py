@@ -7,7 +7,9 @@ The model counts the tensors ray_zep's own step keeps, category by category:
   weight passing: the owned shard plus two borrowed ones), plus FSDP2's gathered
   copies in the compute dtype of the unit being differentiated (the embedding, a
   block or the head, or with `parallel.fsdp_unit=linear` a projection; two with
-  prefetch; a checkpointed region's projections all at once);
+  prefetch; a checkpointed region's projections all at once; under
+  `parallel.reshard_after_forward=false` every unit, from its forward until its own
+  backward);
 - gradients: fp32, sharded like the parameters (with `train.micro_batches` above 1,
   their running sum too, through every micro-batch's backward);
 - optimizer: AdamW's two fp32 moments of the parameters a rank owns;
@@ -102,6 +104,8 @@ class MemoryInputs:
         micro_batches: `train.micro_batches`; above 1 the step keeps the sum of the
             micro-batches' gradients beside the next one's (`GradientSum`), one more copy
             of the rank's gradients through every micro-batch's backward.
+        reshard_after_forward: `parallel.reshard_after_forward`; false, FSDP2 keeps
+            every unit gathered from its forward until its own backward.
     """
 
     weights: WeightsAxis
@@ -122,6 +126,7 @@ class MemoryInputs:
     loss_chunk_tokens: int = 0
     kept_kv_tokens: float = 0.0
     micro_batches: int = 1
+    reshard_after_forward: bool = True
 
     def block_checkpointing(self, index: int) -> ActivationCheckpointing:
         """What block `index`'s backward recomputes."""
@@ -175,7 +180,8 @@ def model_memory(shape: ModelShape, m: MemoryInputs) -> RankMemory:
     flat = grads if replicated and m.ranks > 1 else 0
     params = owned * FP32 + work.gathered
     if activations + ring + work.copies >= grads + flat + work.unit_grads:
-        return RankMemory(params + work.copies, summed, optimizer, activations, ring)
+        held = params + work.left_gathered + work.copies
+        return RankMemory(held, summed, optimizer, activations, ring)
     return RankMemory(params, grads + summed, optimizer, 0.0, flat + work.unit_grads,
                       "end of backward")  # fmt: skip
 
@@ -214,12 +220,15 @@ def state_bytes(shape: ModelShape, m: MemoryInputs) -> float:
 @dataclass(frozen=True)
 class _WorkingSet:
     """Weights held in backward beyond the owned ones (`gathered`: through its end too;
-    `copies`: autocast's, each freed by its matmul's backward, so none at its end), and
-    one FSDP2 unit's unsharded gradients before their reduce-scatter (bytes)."""
+    `left_gathered`: more at its start, the units the forward left gathered under
+    `parallel.reshard_after_forward=false`; `copies`: autocast's, each freed by its
+    matmul's backward, so none at its end), and one FSDP2 unit's unsharded gradients
+    before their reduce-scatter (bytes)."""
 
     gathered: float = 0.0
     unit_grads: float = 0.0
     copies: float = 0.0
+    left_gathered: float = 0.0
 
 
 @functools.lru_cache(maxsize=1024)
@@ -242,7 +251,11 @@ def _working_set(shape: ModelShape, m: MemoryInputs) -> _WorkingSet:
         # a region recomputed in backward gathers its projections together and holds
         # them until their own backward (FSDP2 does not reshard in backward)
         gathered = max(gathered, _recompute_gathered(shape, m.checkpointing))
-    return _WorkingSet(gathered * m.compute_bytes, largest * FP32)
+    # not resharded after forward, every unit stays gathered until its own backward, after
+    # which FSDP2 reshards it: at the start of backward all of them are
+    left = 0 if m.reshard_after_forward else max(0, sum(units) - gathered)
+    return _WorkingSet(gathered * m.compute_bytes, largest * FP32,
+                       left_gathered=left * m.compute_bytes)  # fmt: skip
 
 
 def autocast_weight_copies(shape: ModelShape, m: MemoryInputs) -> float:
