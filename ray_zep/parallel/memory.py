@@ -179,7 +179,7 @@ def model_memory(shape: ModelShape, m: MemoryInputs) -> RankMemory:
     replicated = m.weights.family is Family.AUTOGRAD and not m.weights.fsdp
     flat = grads if replicated and m.ranks > 1 else 0
     params = owned * FP32 + work.gathered
-    if activations + ring + work.copies >= grads + flat + work.unit_grads:
+    if activations + ring + work.copies + work.left_gathered >= grads + flat + work.unit_grads:
         held = params + work.left_gathered + work.copies
         return RankMemory(held, summed, optimizer, activations, ring)
     return RankMemory(params, grads + summed, optimizer, 0.0, flat + work.unit_grads,
