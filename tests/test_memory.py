@@ -65,9 +65,9 @@ CASES = {
         "parallel.sequence=zeppelin", "parallel.weights=fsdp", "data.packing=budget",
         "train.activation_checkpointing=linears",
     ],
-    # every block left gathered by the forward: eight of them make the held copies count
+    # every block left gathered by the forward: four of them make the held copies count
     "fsdp kept after forward": ["parallel.weights=fsdp", "parallel.reshard_after_forward=false",
-                                "model.n_layers=8"],
+                                "model.n_layers=4"],
     # a vocabulary large enough that the loss's tensors make the peak
     "replicated, large vocabulary": ["model.vocab_size=16384"],
     "replicated+chunked loss": ["model.loss_chunk_tokens=128", "model.vocab_size=16384"],

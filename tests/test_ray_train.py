@@ -123,7 +123,7 @@ def _train(out: Path, *overrides: str):
     return train(load_config(demo, [*BASE, f"train.out_dir={out}", *overrides]))
 
 
-ELASTIC_STEPS = 10
+ELASTIC_STEPS = 8
 TORN_STEP = 4
 """The elastic run loses a node while this step's checkpoint is being written."""
 HELD_STEP = 6
