@@ -43,6 +43,7 @@ def test_scale_bench_fills_each_placements_columns(tmp_path: Path, capsys) -> No
         ends = row["phase_ends"]  # where the first batch's forward and backward end
         assert [e["phase"] for e in ends] == ["forward", "backward"]
         assert all(e["holds"] and 0 <= e["rank"] < 64 for e in ends)
+        assert sum(row["gpu_time"].values()) == pytest.approx(1.0, abs=1e-9)  # every rank's
     # the balanced placement's level: kept at or above the mean, and at the mean the rings
     # of this batch need more ranks than the 64 there are (`ray-zep plan`'s level trace)
     assert rows["zeppelin"]["level"] >= 1.0 and rows["zeppelin"]["rings_at_mean"] > 1.0

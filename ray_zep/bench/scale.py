@@ -97,6 +97,7 @@ from ray_zep.sim.checkpointing import (
     plans_peak,
 )
 from ray_zep.sim.compare import VARIANTS, variant_config
+from ray_zep.sim.gpu_time import SHARES, gpu_time_shares
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
@@ -324,6 +325,9 @@ class ScaleRow:
     """L the row ran at (`--room`: the fastest of its factors that fits)."""
     kv_room_mb: float | None = None
     """`parallel.ring_kv_room_mb` the row ran with (None: unset; `--kv-room`)."""
+    gpu_time: dict | None = None
+    """Where the ranks' GPU-time goes, mean over the batches (`ray_zep.sim.gpu_time`);
+    in the JSON record only."""
     phase_ends: list | None = None
     """Where the first batch's forward and backward end (`ray_zep.sim.phase_setter`: the
     rank, its time by cause, the sequences it holds); in the JSON record only."""
@@ -566,5 +570,8 @@ def _simulated_columns(row: ScaleRow, steps, ideal, bounds, n_layers: int) -> fl
         row.transfers_s = float(np.mean([p["exposed transfers"] for p in parts]))
         row.waits_s = float(np.mean([p["waits"] for p in parts]))
         row.recompute_s = float(np.mean([p["recompute"] for p in parts]))
+    shares = [gpu_time_shares(s, row.gpus) for s in steps]
+    if all(one is not None for one in shares):
+        row.gpu_time = {name: float(np.mean([one[name] for one in shares])) for name in SHARES}
     row.phase_ends = [setter.to_dict() for setter in phase_setters(steps[0])]
     return float(seconds.sum())

@@ -60,7 +60,7 @@ from ray_zep.partition.exchange import Play
 from ray_zep.partition.plan import QueueItem
 from ray_zep.routing.routes import Payload, Phase, item_transfers
 from ray_zep.sim.events import Lane, TaskGraph
-from ray_zep.sim.graph_builder import FP32_BYTES, GraphBuilder, LayerSetup
+from ray_zep.sim.graph_builder import FP32_BYTES, RING_STEP, GraphBuilder, LayerSetup
 from ray_zep.sim.layer_work import (
     POINTWISE_SHARES,
     RecomputedPart,
@@ -187,7 +187,7 @@ class _Builder(GraphBuilder):
             messages = [t for msgs in in_flight for t in msgs[rank]]
             moving = moving_seconds(rank, messages, tasks, duration, grouped)
             seconds = alone[rank] + factor * min(alone[rank], moving)
-            out[rank] = self.compute(rank, seconds, f"attention step {step}", alone[rank])
+            out[rank] = self.compute(rank, seconds, f"{RING_STEP} {step}", alone[rank])
             if self.record:
                 self.recipes.append(("contended", out[rank], alone[rank], messages))
         return out

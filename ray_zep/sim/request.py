@@ -29,6 +29,7 @@ from ray_zep.sim.compare import (
     strategy_names,
     variant_config,
 )
+from ray_zep.sim.gpu_time import SHARES, gpu_time_shares
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.micro_step import split_batch
@@ -126,6 +127,15 @@ class SimulateResult:
             return None
         return {k: float(np.mean([p[k] for p in parts])) for k in parts[0]}
 
+    def gpu_time(self, result: StrategyResult) -> dict[str, float] | None:
+        """Mean over the batches of where the ranks' GPU-time goes
+        (`ray_zep.sim.gpu_time`); None for steps without whole-step layer timelines."""
+        world = self.topology.world_size
+        shares = [gpu_time_shares(step, world) for step in result.steps]
+        if not shares or any(one is None for one in shares):
+            return None
+        return {name: float(np.mean([one[name] for one in shares])) for name in SHARES}
+
     def phase_setters(self, result: StrategyResult) -> list[PhaseSetter]:
         """The ranks ending the first batch's forward and backward, and what they hold
         (`ray_zep.sim.phase_setter`); empty where the strategy placed nothing."""
@@ -150,6 +160,7 @@ class SimulateResult:
                     "step_over_ideal": self.over_ideal(r),
                     "step_over_bound": self.over_bound(r),
                     "beyond_bound_seconds": self.beyond_bound(r),
+                    "gpu_time_shares": self.gpu_time(r),
                     "phase_setters": [s.to_dict() for s in self.phase_setters(r)],
                 }
                 for n, r in self.results.items()

@@ -1,0 +1,69 @@
+"""Where a simulated step's GPU-time goes: every rank's forward and backward layers, each
+as long as the layer's slowest rank makes it, split four ways.
+
+- computing: the rank's compute tasks;
+- waiting for the slowest: after the rank's last compute task, until the layer ends (a
+  rank holding nothing: the whole layer);
+- idle in its ring: between the rank's first and last ring step (`RING_STEP`), not
+  computing: the steps' waits on their K/V and on slower peers (a ring the simulator
+  plays on arrays, `ray_zep.sim.ring_form`, is one task a member: its waits count as
+  computing there, as in `ray_zep.sim.bound.over_bound`);
+- other: the rest (the Ulysses and remap exchanges, the weights' collectives a rank waits
+  on before or between its tasks).
+
+The shares add up to 1. Where `over_bound` charges the busiest rank's time over the
+bound, these count every rank's: on `bench scale`'s 4k grid (64-1,024 GPUs) the ranks
+compute 0.886 of their GPU-time and wait for the layer's slowest rank 0.080 of it
+(BENCHMARKS.md, sixty-fourth series).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ray_zep.sim.events import Lane, Timeline
+from ray_zep.sim.graph_builder import RING_STEP
+from ray_zep.sim.step import StepResult
+
+SHARES = ("computing", "waiting for the slowest", "idle in its ring", "other")
+
+
+def gpu_time_shares(step: StepResult, world: int) -> dict[str, float] | None:
+    """`SHARES` of the step's layers over `world` ranks (module docstring); None where
+    the step has no layer timelines, or they are not the whole step's (several plans'
+    layers summed, as in the baselines' waves and scheduled micro-batches)."""
+    if step.forward is None or step.backward is None:
+        return None
+    own = (step.forward.makespan, step.backward.makespan)
+    if not np.allclose(own, (step.forward_layer_seconds, step.backward_layer_seconds)):
+        return None
+    seconds = _layer_seconds(step.forward, world) + _layer_seconds(step.backward, world)
+    total = world * sum(own)
+    if total <= 0:
+        return None
+    return {name: float(value / total) for name, value in zip(SHARES, seconds, strict=True)}
+
+
+def _layer_seconds(timeline: Timeline, world: int) -> np.ndarray:
+    """Rank-seconds of one layer by `SHARES`."""
+    tasks = timeline.graph.tasks
+    count = len(tasks)
+    rank = np.fromiter((t.rank for t in tasks), np.int64, count)
+    computes = np.fromiter((t.lane is Lane.COMPUTE and t.duration > 0 for t in tasks), bool,
+                           count)  # fmt: skip
+    steps = computes & np.fromiter((t.name.startswith(RING_STEP) for t in tasks), bool, count)
+    length = timeline.end - timeline.start
+    makespan = timeline.makespan
+    busy = np.bincount(rank[computes], weights=length[computes], minlength=world)
+    last = np.zeros(world)
+    np.maximum.at(last, rank[computes], timeline.end[computes])
+    first_step = np.full(world, np.inf)
+    last_step = np.zeros(world)
+    np.minimum.at(first_step, rank[steps], timeline.start[steps])
+    np.maximum.at(last_step, rank[steps], timeline.end[steps])
+    in_steps = np.bincount(rank[steps], weights=length[steps], minlength=world)
+    ringed = np.isfinite(first_step)
+    ring_idle = np.where(ringed, last_step - np.where(ringed, first_step, 0.0) - in_steps, 0.0)
+    waiting = makespan - last
+    other = world * makespan - busy.sum() - waiting.sum() - ring_idle.sum()
+    return np.array([busy.sum(), waiting.sum(), ring_idle.sum(), other])
