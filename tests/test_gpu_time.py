@@ -76,3 +76,12 @@ def test_simulate_records_the_shares_of_each_strategy() -> None:
     te_cp, zeppelin = (record[name]["gpu_time_shares"] for name in ("te_cp", "zeppelin"))
     assert te_cp["idle in its ring"] > te_cp["computing"]
     assert zeppelin["computing"] > 2 * te_cp["computing"]
+
+
+def test_a_step_of_micro_batches_counts_all_of_theirs() -> None:
+    step, world = _half_node_group_step()
+    one = gpu_time_shares(step, world)
+    twice = gpu_time_shares(dataclasses.replace(step, micro_steps=(step, step)), world)
+    assert twice == pytest.approx(one, rel=1e-12)
+    blind = dataclasses.replace(step, forward=None)
+    assert gpu_time_shares(dataclasses.replace(step, micro_steps=(step, blind)), world) is None

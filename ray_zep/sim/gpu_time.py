@@ -29,19 +29,29 @@ SHARES = ("computing", "waiting for the slowest", "idle in its ring", "other")
 
 
 def gpu_time_shares(step: StepResult, world: int) -> dict[str, float] | None:
-    """`SHARES` of the step's layers over `world` ranks (module docstring); None where
-    the step has no layer timelines, or they are not the whole step's (several plans'
-    layers summed, as in the baselines' waves and scheduled micro-batches)."""
+    """`SHARES` of the step's layers over `world` ranks (module docstring), a step of
+    several micro-batches (`StepResult.micro_steps`) over all of theirs; None where a
+    step has no layer timelines, or they are not the whole step's (several plans' layers
+    summed, as in the baselines' waves and scheduled micro-batches)."""
+    parts = [_step_seconds(one, world) for one in step.micro_steps or (step,)]
+    if any(part is None for part in parts):
+        return None
+    seconds = sum(part[0] for part in parts)
+    total = sum(part[1] for part in parts)
+    if total <= 0:
+        return None
+    return {name: float(value / total) for name, value in zip(SHARES, seconds, strict=True)}
+
+
+def _step_seconds(step: StepResult, world: int) -> tuple[np.ndarray, float] | None:
+    """Rank-seconds of one plan's layers by `SHARES`, and all of them together."""
     if step.forward is None or step.backward is None:
         return None
     own = (step.forward.makespan, step.backward.makespan)
     if not np.allclose(own, (step.forward_layer_seconds, step.backward_layer_seconds)):
         return None
     seconds = _layer_seconds(step.forward, world) + _layer_seconds(step.backward, world)
-    total = world * sum(own)
-    if total <= 0:
-        return None
-    return {name: float(value / total) for name, value in zip(SHARES, seconds, strict=True)}
+    return seconds, world * sum(own)
 
 
 def _layer_seconds(timeline: Timeline, world: int) -> np.ndarray:
