@@ -280,6 +280,9 @@ def test_simulate_command_writes_table_json_and_pictures(tmp_path, capsys) -> No
     assert (tmp_path / "throughput.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "te_cp+routing+partition" in out and "ideal step" in out
+    assert "GPU busy" in out  # every rank's computing share, as in gpu_time_shares
+    busy = rows["zeppelin"]["gpu_time_shares"]["computing"]
+    assert f"{busy:.2f}" in out.split("\n| zeppelin ")[1].split("\n")[0]
     assert main([*args, "--strategies", "zeppelin,nope"]) == 2
     assert "--strategies: 'nope'" in capsys.readouterr().err
 

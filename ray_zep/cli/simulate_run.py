@@ -39,6 +39,7 @@ STRATEGY_COLUMNS = (
     Column("transfers s", "exposed transfers", ".3f"),
     Column("waits s", "waits", ".3f"),
     Column("recompute s", "recompute", ".3f"),
+    Column("GPU busy", "gpu_busy", ".2f"),
     Column("fwd ms/layer", "forward_ms", ".2f"),
     Column("bwd ms/layer", "backward_ms", ".2f"),
     Column("grad s", "grad_seconds", ".3f"),
@@ -74,6 +75,10 @@ def result_table(result: SimulateResult) -> str:
             "imbalance, split kernels, contention, exposed transfers, "
             "waits and what checkpointing recomputes split the step beyond it"
         )
+    lines.append(
+        "GPU busy: the share of every rank's layer time spent computing (the JSON record's "
+        "gpu_time_shares split the rest: waiting for the slowest rank, idle in a ring, other)"
+    )
     setters = [
         f"  {name} {setter.sentence()}"
         for name, strategy in result.results.items()
@@ -96,6 +101,7 @@ def _strategy_row(result: SimulateResult, name: str, strategy: StrategyResult) -
         "over_ideal": result.over_ideal(strategy),
         "over_bound": result.over_bound(strategy),
         **(result.beyond_bound(strategy) or {}),
+        "gpu_busy": (result.gpu_time(strategy) or {}).get("computing"),
         "forward_ms": float(np.mean([s.forward_layer_seconds for s in steps]) * 1e3),
         "backward_ms": float(np.mean([s.backward_layer_seconds for s in steps]) * 1e3),
         "grad_seconds": steps[0].grad_sync_seconds,
