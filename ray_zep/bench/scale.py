@@ -97,7 +97,7 @@ from ray_zep.sim.checkpointing import (
     plans_peak,
 )
 from ray_zep.sim.compare import VARIANTS, variant_config
-from ray_zep.sim.gpu_time import SHARES, gpu_time_shares
+from ray_zep.sim.gpu_time import mean_gpu_time_shares
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
@@ -570,8 +570,6 @@ def _simulated_columns(row: ScaleRow, steps, ideal, bounds, n_layers: int) -> fl
         row.transfers_s = float(np.mean([p["exposed transfers"] for p in parts]))
         row.waits_s = float(np.mean([p["waits"] for p in parts]))
         row.recompute_s = float(np.mean([p["recompute"] for p in parts]))
-    shares = [gpu_time_shares(s, row.gpus) for s in steps]
-    if all(one is not None for one in shares):
-        row.gpu_time = {name: float(np.mean([one[name] for one in shares])) for name in SHARES}
+    row.gpu_time = mean_gpu_time_shares(steps, row.gpus)
     row.phase_ends = [setter.to_dict() for setter in phase_setters(steps[0])]
     return float(seconds.sum())

@@ -371,11 +371,8 @@ def _busiest_rank_parts(step: StepResult, n_layers: int) -> dict[str, float] | N
     rank's compute with the head and what contention adds to it, that rank's exposed
     transfers and waits, and the recomputation (seconds); None where the timelines are
     not the whole step's."""
-    if step.forward is None or step.backward is None:
+    if not step.timelines_whole:
         return None
-    own = (step.forward.makespan, step.backward.makespan)
-    if not np.allclose(own, (step.forward_layer_seconds, step.backward_layer_seconds)):
-        return None  # several plans' layers summed: the timelines are only the first's
     ranks = range(len({t.rank for t in step.forward.graph.tasks}))
     compute = np.asarray([step.forward.busy(r, Lane.COMPUTE) + step.backward.busy(r, Lane.COMPUTE)
                           for r in ranks]) * n_layers  # fmt: skip

@@ -28,6 +28,15 @@ from ray_zep.sim.step import StepResult
 SHARES = ("computing", "waiting for the slowest", "idle in its ring", "other")
 
 
+def mean_gpu_time_shares(steps, world: int) -> dict[str, float] | None:
+    """`gpu_time_shares` of several batches' `steps`, each share's mean over them; None
+    where there are none or any step has none."""
+    shares = [gpu_time_shares(step, world) for step in steps]
+    if not shares or any(one is None for one in shares):
+        return None
+    return {name: float(np.mean([one[name] for one in shares])) for name in SHARES}
+
+
 def gpu_time_shares(step: StepResult, world: int) -> dict[str, float] | None:
     """`SHARES` of the step's layers over `world` ranks (module docstring), a step of
     several micro-batches (`StepResult.micro_steps`) over all of theirs; None where a
@@ -45,13 +54,10 @@ def gpu_time_shares(step: StepResult, world: int) -> dict[str, float] | None:
 
 def _step_seconds(step: StepResult, world: int) -> tuple[np.ndarray, float] | None:
     """Rank-seconds of one plan's layers by `SHARES`, and all of them together."""
-    if step.forward is None or step.backward is None:
-        return None
-    own = (step.forward.makespan, step.backward.makespan)
-    if not np.allclose(own, (step.forward_layer_seconds, step.backward_layer_seconds)):
+    if not step.timelines_whole:
         return None
     seconds = _layer_seconds(step.forward, world) + _layer_seconds(step.backward, world)
-    return seconds, world * sum(own)
+    return seconds, world * (step.forward.makespan + step.backward.makespan)
 
 
 def _layer_seconds(timeline: Timeline, world: int) -> np.ndarray:

@@ -29,7 +29,7 @@ from ray_zep.sim.compare import (
     strategy_names,
     variant_config,
 )
-from ray_zep.sim.gpu_time import SHARES, gpu_time_shares
+from ray_zep.sim.gpu_time import mean_gpu_time_shares
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.micro_step import split_batch
@@ -130,11 +130,7 @@ class SimulateResult:
     def gpu_time(self, result: StrategyResult) -> dict[str, float] | None:
         """Mean over the batches of where the ranks' GPU-time goes
         (`ray_zep.sim.gpu_time`); None for steps without whole-step layer timelines."""
-        world = self.topology.world_size
-        shares = [gpu_time_shares(step, world) for step in result.steps]
-        if not shares or any(one is None for one in shares):
-            return None
-        return {name: float(np.mean([one[name] for one in shares])) for name in SHARES}
+        return mean_gpu_time_shares(result.steps, self.topology.world_size)
 
     def phase_setters(self, result: StrategyResult) -> list[PhaseSetter]:
         """The ranks ending the first batch's forward and backward, and what they hold

@@ -193,6 +193,16 @@ class StepResult:
     def tokens_per_second(self) -> float:
         return self.tokens / self.step_seconds if self.step_seconds > 0 else 0.0
 
+    @property
+    def timelines_whole(self) -> bool:
+        """Whether `forward` and `backward` are the whole step's layers: None for
+        weight-passing modes, only the first plan's where several plans' layers are summed
+        (the baselines' waves and scheduled micro-batches)."""
+        if self.forward is None or self.backward is None:
+            return False
+        own = (self.forward.makespan, self.backward.makespan)
+        return bool(np.allclose(own, (self.forward_layer_seconds, self.backward_layer_seconds)))
+
     def breakdown(self, n_layers: int) -> dict[str, float]:
         """Seconds of the step by part."""
         return {
