@@ -112,6 +112,10 @@ CASES = {
     ],
     "zeppelin+moe+ep2": [*MOE, "parallel.sequence=zeppelin", "parallel.ep=2",
                          "data.packing=budget"],
+    "zeppelin+fsdp ulysses pieces": [
+        "parallel.sequence=zeppelin", "parallel.weights=fsdp", "data.packing=budget",
+        "parallel.ulysses_chunks=3",
+    ],
     "whole+tawpipe": [
         "parallel.weights=tawpipe", "model.n_layers=4", "parallel.shard_recompute=false",
     ],

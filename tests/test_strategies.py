@@ -322,6 +322,11 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
     runs |= {name: [*planned, *extra] for name, extra in LAYER_RUNS.items()}
     if crossed:
         runs["zeppelin+fsdp per projection"] = [*runs["zeppelin+fsdp"], "parallel.fsdp_unit=linear"]
+    # USP groups' head exchanges in pieces beside the projections, both head layouts
+    pieces = "parallel.ulysses_chunks=3"
+    runs["zeppelin+fsdp ulysses pieces"] = [*planned, "parallel.sequence=zeppelin",
+                                            "parallel.weights=fsdp", pieces]  # fmt: skip
+    runs["usp+replicated ulysses pieces"] = [*planned, "parallel.sequence=usp", pieces]
     # the default places by modelled work (token counts differ between ranks); the cost
     # model's zones and first-fit packing are the other policy
     runs["zeppelin+cost"] = [*planned, "parallel.sequence=zeppelin", "parallel.weights=fsdp",

@@ -90,6 +90,11 @@ PAIRS = {
         ["kv", "ulysses_all_to_all"],
         {"kv", "ulysses_all_to_all"},
     ),
+    "usp in pieces": (  # the head exchanges in pieces beside the projections
+        ["parallel.sequence=usp", "parallel.ulysses_degree=2", "parallel.ulysses_chunks=3"],
+        ["ulysses_all_to_all"],
+        {"ulysses_all_to_all"},
+    ),
     "fsdp_all_gather per projection": (
         ["parallel.weights=fsdp", "parallel.fsdp_unit=linear"],
         ["fsdp_all_gather"],

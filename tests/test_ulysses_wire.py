@@ -1,5 +1,5 @@
 """What Ulysses groups send back in backward: dQ/dK/dV in the compute dtype where every
-K/V head has one member (`ray_zep.attention.engine.ulysses_gradient_dtype`), and the
+K/V head has one member (`ray_zep.attention.ulysses.ulysses_gradient_dtype`), and the
 simulator's messages of the same size."""
 
 from __future__ import annotations

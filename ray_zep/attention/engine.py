@@ -7,7 +7,10 @@ that share no rank run at the same time because each rank only waits on its own
 peers. Per item:
 
 1. Ulysses (U > 1): members swap token rows for head slices (Q, and K/V with
-   their own head count: a member gets the K/V heads its query heads use);
+   their own head count: a member gets the K/V heads its query heads use;
+   `ray_zep.attention.ulysses`), unless the item's heads came in already, in pieces
+   beside the projections (`run_exchanged_attention`, `ray_zep.attention.ulysses_chunks`:
+   then its output stays on the position, and its gradients come and go there);
 2. ring positions exchange K and V as the item's exchange kind plays it
    (`ray_zep.partition.exchange.Play`; `_FORWARD` and `_BACKWARD` hold each
    play's path): rotated step by step with the next step's transfer posted
@@ -45,28 +48,12 @@ from ray_zep.attention.kernels import AttentionFn, BackwardKernel
 from ray_zep.attention.kv_exchange import all_gather_rows, exchange, reduce_scatter_rows
 from ray_zep.attention.links import Links
 from ray_zep.attention.schedule import ItemSchedule, RankSchedule
+from ray_zep.attention.ulysses import Heads, gather_out, return_grads, scatter_heads, scatter_q
 from ray_zep.errors import CommError
 from ray_zep.options import CompressionStream
 from ray_zep.partition.exchange import Play
 from ray_zep.routing.relay import Channels, RowFormat, post_recv, post_send
 from ray_zep.routing.routes import Payload, Phase
-
-
-class _Heads:
-    """Head slices a Ulysses member owns: its query heads and the K/V heads they use."""
-
-    def __init__(self, heads: int, kv_heads: int, members: int) -> None:
-        self.q_per = heads // members
-        self.shared_kv = members > kv_heads
-        """Members share K/V heads (each holds one), and an owner sums their dK/dV."""
-        if not self.shared_kv:
-            per = kv_heads // members
-            self.kv = [list(range(m * per, (m + 1) * per)) for m in range(members)]
-        else:
-            self.kv = [[m * kv_heads // members] for m in range(members)]
-
-    def q(self, m: int) -> slice:
-        return slice(m * self.q_per, (m + 1) * self.q_per)
 
 
 @dataclass
@@ -78,7 +65,7 @@ class _Saved:
     gathered: torch.Tensor | None
     """K/V the backward reads instead of exchanging them again: `Play.GATHER`'s gathered
     rows, a kept ring's received positions (`_ring_forward`), or None."""
-    heads: _Heads
+    heads: Heads
     kv_heads: int
 
     TENSORS = ("q_PHE", "kv_P2KE", "out_PHE", "lse_HP", "gathered")
@@ -92,11 +79,15 @@ class AttentionEngine(torch.autograd.Function):
     """out_THE = attention of this rank's rows under the plan (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q_THE, k_TKE, v_TKE, schedule: RankSchedule, links: Links, kernels):
+    def forward(ctx, q_THE, k_TKE, v_TKE, schedule: RankSchedule, links: Links, kernels,
+                exchanged: tuple[int, ...], *positions):  # fmt: skip
+        """`exchanged`: the USP items whose heads came in already (`positions`: their
+        q_PHE and kv_P2KE, item after item); their outputs stay on the position."""
         relay = _start_relay(schedule, links, Phase.FORWARD, k_TKE)
         out = torch.zeros_like(q_THE)
-        saved = []
-        for item in schedule.items:
+        given = dict(zip(exchanged, zip(positions[::2], positions[1::2], strict=True), strict=True))
+        saved, outs = [], []
+        for index, item in enumerate(schedule.items):
             start, stop = item.rows
             item_out, state = _item_forward(
                 q_THE[start:stop],
@@ -106,20 +97,25 @@ class AttentionEngine(torch.autograd.Function):
                 schedule,
                 links,
                 kernels[0],
+                given.get(index),
             )
-            out[start:stop] = item_out
+            if index in given:
+                outs.append(item_out)
+            else:
+                out[start:stop] = item_out
             saved.append(state)
         if relay is not None:
             relay.finish_relay()
         ctx.schedule, ctx.links, ctx.kernels = schedule, links, kernels
         ctx.shapes = (q_THE.shape, k_TKE.shape, q_THE.dtype)
+        ctx.exchanged = exchanged
         # through save_for_backward, so activation checkpointing can drop and recompute them
         ctx.save_for_backward(*(t for state in saved for t in state.tensors()))
         ctx.meta = [(state.heads, state.kv_heads) for state in saved]
-        return out
+        return (out, *outs)
 
     @staticmethod
-    def backward(ctx, dout_THE):
+    def backward(ctx, dout_THE, *dout_positions):
         q_shape, k_shape, dtype = ctx.shapes
         dq = torch.zeros(q_shape, dtype=dtype, device=dout_THE.device)
         dk = torch.zeros(k_shape, dtype=dtype, device=dout_THE.device)
@@ -130,15 +126,23 @@ class AttentionEngine(torch.autograd.Function):
         saved = [
             _Saved(*tensors[i * width : (i + 1) * width], *meta) for i, meta in enumerate(ctx.meta)
         ]
-        for item, state in zip(ctx.schedule.items, saved, strict=True):
+        given = dict(zip(ctx.exchanged, dout_positions, strict=True))
+        dpositions = []
+        for index, (item, state) in enumerate(zip(ctx.schedule.items, saved, strict=True)):
             start, stop = item.rows
+            if index in given:
+                dq_pos, dkv_pos = _item_backward(
+                    given[index], item, state, ctx.schedule, ctx.links, ctx.kernels[1], True
+                )
+                dpositions += [dq_pos.to(dtype), dkv_pos.to(dtype)]
+                continue
             grads = _item_backward(
                 dout_THE[start:stop], item, state, ctx.schedule, ctx.links, ctx.kernels[1]
             )
             dq[start:stop], dk[start:stop], dv[start:stop] = grads
         if relay is not None:
             relay.finish_relay()
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None, *dpositions
 
 
 def run_attention(
@@ -150,7 +154,18 @@ def run_attention(
     kernels: tuple[AttentionFn, BackwardKernel],
 ) -> torch.Tensor:
     """Differentiable attention of a rank's rows; `kernels` = (forward, backward)."""
-    return AttentionEngine.apply(q_THE, k_TKE, v_TKE, schedule, links, kernels)
+    return AttentionEngine.apply(q_THE, k_TKE, v_TKE, schedule, links, kernels, ())[0]
+
+
+def run_exchanged_attention(q_THE, k_TKE, v_TKE, schedule, links, kernels, exchanged: dict):
+    """`run_attention` where the USP items of `exchanged` (item index -> (q_PHE,
+    kv_P2KE)) had their heads exchanged already (`ray_zep.attention.ulysses_chunks`):
+    (out_THE, rows of those items left zero; each of their out_PHE, in index order)."""
+    indices = tuple(sorted(exchanged))
+    positions = [t for i in indices for t in exchanged[i]]
+    out, *outs = AttentionEngine.apply(q_THE, k_TKE, v_TKE, schedule, links, kernels, indices,
+                                       *positions)  # fmt: skip
+    return out, outs
 
 
 def _start_relay(schedule: RankSchedule, links: Links, phase: Phase, k_TKE) -> Channels | None:
@@ -186,12 +201,19 @@ def _ring_exchange(send, recv, item: ItemSchedule, step: int, payload, schedule,
     return direct.extend(works)
 
 
-def _item_forward(q, k, v, item: ItemSchedule, schedule: RankSchedule, links: Links, kernel):
+def _item_forward(q, k, v, item: ItemSchedule, schedule: RankSchedule, links: Links, kernel,
+                  given=None):  # fmt: skip
+    """(this rank's rows of the output, what backward keeps); `given`: the position's
+    (q_PHE, kv_P2KE), heads exchanged already, whose output stays on the position."""
     u_size = item.item.ulysses
-    heads = _Heads(q.shape[1], k.shape[1], u_size)
-    if u_size > 1:
-        q_pos, kv_pos = _scatter_heads(q, k, v, item, heads, schedule, links)
+    if given is not None:
+        heads = Heads(given[0].shape[1] * u_size, k.shape[1], u_size)
+        q_pos, kv_pos = given
+    elif u_size > 1:
+        heads = Heads(q.shape[1], k.shape[1], u_size)
+        q_pos, kv_pos = scatter_heads(q, k, v, item, heads, schedule, links)
     else:
+        heads = Heads(q.shape[1], k.shape[1], u_size)
         q_pos, kv_pos = q, torch.stack((k, v), dim=1)
     out_pos = torch.zeros(q_pos.shape, dtype=torch.float32, device=q.device)
     lse_pos = torch.full(
@@ -202,8 +224,8 @@ def _item_forward(q, k, v, item: ItemSchedule, schedule: RankSchedule, links: Li
     # kept in the compute dtype: what the backward kernels take, cast once, not per step
     out_pos = out_pos.to(q.dtype)
     state = _Saved(q_pos, kv_pos, out_pos, lse_pos, gathered, heads, k.shape[1])
-    if u_size > 1:
-        return _gather_out(out_pos, item, heads, schedule, links), state
+    if u_size > 1 and given is None:
+        return gather_out(out_pos, item, heads, schedule, links), state
     return out_pos, state
 
 
@@ -266,17 +288,24 @@ def _gathered_forward(q_pos, kv_pos, item, schedule, links, out_pos, lse_pos, ke
     return gathered
 
 
-def _item_backward(dout, item: ItemSchedule, state: _Saved, schedule, links, backward):
+def _item_backward(dout, item: ItemSchedule, state: _Saved, schedule, links, backward,
+                   exchanged=False):  # fmt: skip
+    """dQ, dK, dV of this rank's rows; `exchanged`: `dout` is the position's and so are
+    the (float32 dQ, dK/dV) returned, which the caller sends home."""
     u_size = item.item.ulysses
-    if u_size > 1:
-        dout_pos = _scatter_q(dout, item, state.heads, schedule, links)
+    if u_size > 1 and not exchanged:
+        dout_pos = scatter_q(dout, item, state.heads, schedule, links)
     else:
         dout_pos = dout
     dq_pos = torch.zeros(state.q_PHE.shape, dtype=torch.float32, device=dout.device)
     play = _BACKWARD[item.play]
     dkv_pos = play(dout_pos, state, item, schedule, links, dq_pos, backward)
+    if exchanged:
+        return dq_pos, dkv_pos
     if u_size > 1:
-        return _return_grads(dq_pos, dkv_pos, item, state, schedule, links)
+        return return_grads(
+            dq_pos, dkv_pos, item, state.heads, state.kv_heads, state.q_PHE.dtype, schedule, links
+        )
     return dq_pos, dkv_pos[:, 0], dkv_pos[:, 1]
 
 
@@ -457,107 +486,3 @@ _FORWARD = {Play.ROTATE: _ring_forward, Play.GATHER: _gathered_forward}
 _BACKWARD = {Play.ROTATE: _ring_backward, Play.GATHER: _gathered_backward}
 """Each play's backward: (dout_pos, state, item, schedule, links, dq_pos, backward kernel)
 -> dK/dV of this position, float32."""
-
-
-def _scatter_heads(q, k, v, item, heads: _Heads, schedule, links):
-    """Ulysses forward exchange: rows of all members, heads of this member."""
-    me, dim = item.part, q.shape[2]
-    kv = torch.stack((k, v), dim=1)
-    payload = [
-        torch.cat((q[:, heads.q(m)].reshape(-1), kv[:, :, heads.kv[m]].reshape(-1)))
-        for m in range(item.item.ulysses)
-    ]
-    kv_per = len(heads.kv[me])
-    width = (heads.q_per + 2 * kv_per) * dim
-    received = _swap(payload, item.member_tokens, width, item, schedule, links, "Q/K/V")
-    q_parts, kv_parts = [], []
-    for m, flat in enumerate(received):
-        rows = item.member_tokens[m]
-        q_len = rows * heads.q_per * dim
-        q_parts.append(flat[:q_len].view(rows, heads.q_per, dim))
-        kv_parts.append(flat[q_len:].view(rows, 2, kv_per, dim))
-    return _to_position(torch.cat(q_parts), item), _to_position(torch.cat(kv_parts), item)
-
-
-def _scatter_q(x_THE, item, heads: _Heads, schedule, links):
-    """Backward twin of the Q part of `_scatter_heads` (for output gradients)."""
-    dim = x_THE.shape[2]
-    payload = [x_THE[:, heads.q(m)].reshape(-1) for m in range(item.item.ulysses)]
-    received = _swap(
-        payload, item.member_tokens, heads.q_per * dim, item, schedule, links, "output gradient"
-    )
-    parts = [flat.view(-1, heads.q_per, dim) for flat in received]
-    return _to_position(torch.cat(parts), item)
-
-
-def _gather_out(out_PHE, item, heads: _Heads, schedule, links):
-    """Ulysses return exchange: this member's rows, all heads."""
-    rows = out_PHE[item.gather_order].split(list(item.member_tokens))
-    payload = [r.reshape(-1) for r in rows]
-    mine = item.member_tokens[item.part]
-    dim = out_PHE.shape[2]
-    received = _swap(
-        payload, [mine] * len(payload), heads.q_per * dim, item, schedule, links, "attention output"
-    )
-    out = out_PHE.new_empty((mine, heads.q_per * len(payload), dim))
-    for m, flat in enumerate(received):
-        out[:, heads.q(m)] = flat.view(mine, heads.q_per, dim)
-    return out
-
-
-def ulysses_gradient_dtype(heads: _Heads, compute: torch.dtype) -> torch.dtype:
-    """The dtype dQ/dK/dV travel in back to their token owners: the compute dtype where
-    every K/V head has one member (each owner receives each value once and keeps it in
-    that dtype: the same gradients as float32 on the wire, for half the bytes in bf16
-    runs, as DeepSpeed-Ulysses' all-to-all sends them); float32 where members share K/V
-    heads (more members than K/V heads), whose dK/dV the owner sums."""
-    return torch.float32 if heads.shared_kv else compute
-
-
-def _return_grads(dq_PHE, dkv_P2KE, item, state: _Saved, schedule, links):
-    """Ulysses backward return: dQ, dK, dV of this member's rows, all heads, in
-    `ulysses_gradient_dtype` (float32 once received)."""
-    heads, kv_per, dim = state.heads, dkv_P2KE.shape[2], dq_PHE.shape[2]
-    order = item.gather_order
-    sizes = list(item.member_tokens)
-    wire = ulysses_gradient_dtype(heads, state.q_PHE.dtype)
-    payload = [
-        torch.cat((dq.reshape(-1), dkv.reshape(-1))).to(wire)
-        for dq, dkv in zip(dq_PHE[order].split(sizes), dkv_P2KE[order].split(sizes), strict=True)
-    ]
-    mine = item.member_tokens[item.part]
-    width = (heads.q_per + 2 * kv_per) * dim
-    received = _swap(payload, [mine] * len(payload), width, item, schedule, links, "Q/K/V gradient")
-    members = len(payload)
-    dq = dq_PHE.new_zeros((mine, heads.q_per * members, dim))
-    dkv = dq_PHE.new_zeros((mine, 2, state.kv_heads, dim))
-    for m, flat in enumerate(received):
-        q_len = mine * heads.q_per * dim
-        dq[:, heads.q(m)] = flat[:q_len].view(mine, heads.q_per, dim)
-        dkv[:, :, heads.kv[m]] += flat[q_len:].view(mine, 2, kv_per, dim)
-    return dq, dkv[:, 0], dkv[:, 1]
-
-
-def _to_position(rows_by_member: torch.Tensor, item: ItemSchedule) -> torch.Tensor:
-    out = torch.empty_like(rows_by_member)
-    out[item.gather_order] = rows_by_member
-    return out
-
-
-def _swap(payload, recv_rows, row_numel, item, schedule, links, what):
-    """Send payload[m] to member m; receive recv_rows[m] rows of row_numel elements from m."""
-    me, peers = item.part, item.ulysses_peers
-    received = [
-        payload[me] if m == me else payload[me].new_empty(recv_rows[m] * row_numel)
-        for m in range(len(payload))
-    ]
-    others = [m for m in range(len(payload)) if m != me]
-    exchange(
-        [(payload[m], peers[m]) for m in others],
-        [(received[m], peers[m]) for m in others],
-        links,
-        schedule.ops,
-        f"Ulysses {what} exchange",
-        zip_stream=CompressionStream.ULYSSES_ALL_TO_ALL.value,
-    ).wait()
-    return received

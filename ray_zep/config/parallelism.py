@@ -61,6 +61,14 @@ class ParallelConfig:
     ulysses_degree: int = 0
     """Ulysses members per ring position under usp; 0 picks GPUs per node (or the
     largest divisor of it that the head counts allow)."""
+    ulysses_chunks: int = 1
+    """Pieces each USP group member's rows are split into for its head exchanges: the
+    Q/K/V projection of a piece runs while the pieces before it travel, the output
+    projection of a piece while the pieces after it arrive, and backward mirrors it
+    (ray_zep.attention.ulysses_chunks). 1: each exchange whole, between the linear
+    modules. Blocks as FSDP units only (parallel.fsdp_unit=block), without
+    parallel.remap, outside MoE blocks' pipelines and not under
+    train.activation_checkpointing=linears; elsewhere exchanges run whole."""
     routing: bool = False
     """Send ring K/V (and dK/dV) between nodes through proxy ranks on every NIC
     (ray_zep.routing); planned placements only."""
@@ -149,6 +157,12 @@ class ParallelConfig:
             "parallel.ulysses_degree",
             self.ulysses_degree,
             "must be >= 0 (0 = automatic)",
+        )
+        require(
+            self.ulysses_chunks >= 1,
+            "parallel.ulysses_chunks",
+            self.ulysses_chunks,
+            "must be >= 1 (1 = each exchange whole)",
         )
 
     @property

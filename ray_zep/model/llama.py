@@ -181,14 +181,20 @@ class Block(nn.Module):
         return self.plain_forward(x_TD, rope, seqs, attention)
 
     def plain_forward(self, x_TD, rope, seqs, attention) -> torch.Tensor:
-        """Attention, then the feed-forward, with no overlap."""
+        """Attention, then the feed-forward. An attention offering `around_projections`
+        (the engine's, `ray_zep.train.runners.EngineAttention`) takes the projections
+        too, to overlap its exchanges with them; not where `linears` recomputes them."""
         qkv = self.compiled.get("qkv", self.attention_inputs)
         mode = self.active_checkpointing()
         if mode is ActivationCheckpointing.LINEARS:
             out_THE, _ = attention(*_recomputed(qkv, x_TD, rope), seqs, causal=True)
             return _recomputed(self._after_attention, x_TD, out_THE)
-        out_THE, _ = attention(*qkv(x_TD, rope), seqs, causal=True)
-        h_TD = x_TD + self.attention.output(out_THE)
+        overlapped = getattr(attention, "around_projections", None)
+        if overlapped is not None:  # the attention overlaps its exchanges with projections
+            h_TD = x_TD + overlapped(x_TD, rope, qkv, self.attention.output)
+        else:
+            out_THE, _ = attention(*qkv(x_TD, rope), seqs, causal=True)
+            h_TD = x_TD + self.attention.output(out_THE)
         ffn = self.compiled.get("ffn", self._feed_forward)
         if mode is ActivationCheckpointing.SELECTIVE:
             return h_TD + _recomputed(ffn, h_TD)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ray_zep.collectives import in_flight
 from ray_zep.collectives.adaptive import AdaptiveCollectives
 from ray_zep.collectives.ops import (
     PlainAllToAll,
@@ -99,61 +100,23 @@ def all_to_all_rows(
 
 
 @dataclass
-class Ticket:
-    """One all-to-all of rows in flight: its sizes and its transfers."""
+class Ticket(in_flight.Ticket):
+    """One all-to-all of rows in flight: its sizes (`ray_zep.collectives.in_flight`)."""
 
     send_rows: list[int]
     recv_rows: list[int]
     link: ExpertLink
     what: str
     total_rows: int
-    transfer: object = None
-    backward_transfer: object = None
+
+    def move(self, x_ND: torch.Tensor, backward: bool):
+        if backward:
+            what = self.what + " (backward)"
+            return self.link.post(x_ND, self.recv_rows, self.send_rows, what, self.total_rows)
+        return self.link.post(x_ND, self.send_rows, self.recv_rows, self.what, self.total_rows)
 
 
-class _Post(torch.autograd.Function):
-    """Posts the transfer; its backward waits for the reverse transfer `_Wait` posted."""
-
-    @staticmethod
-    def forward(ctx, x_ND, order, ticket: Ticket):
-        t = ticket
-        t.transfer = t.link.post(x_ND, t.send_rows, t.recv_rows, t.what, t.total_rows)
-        ctx.ticket = ticket
-        return t.transfer.out, order.clone()
-
-    @staticmethod
-    def backward(ctx, grad_ND, grad_order):
-        ticket = ctx.ticket
-        transfer, ticket.backward_transfer = ticket.backward_transfer, None
-        return transfer.wait(), grad_order, None
-
-
-class _Wait(torch.autograd.Function):
-    """Waits for the transfer; its backward posts the reverse transfer."""
-
-    @staticmethod
-    def forward(ctx, buffer_ND, order, ticket: Ticket):
-        ticket.transfer.wait()  # fills buffer_ND (the transfer's `out`)
-        # The transfer holds `out`, whose grad_fn (`_Post`'s node) holds the ticket: kept,
-        # that loop runs through autograd's C++ nodes, which Python's garbage collector
-        # does not see, and every step's buffers, graph and work handles would stay alive.
-        ticket.transfer = None
-        ctx.ticket = ticket
-        return buffer_ND, order.clone()
-
-    @staticmethod
-    def backward(ctx, grad_ND, grad_order):
-        t = ctx.ticket
-        what = t.what + " (backward)"
-        t.backward_transfer = t.link.post(grad_ND, t.recv_rows, t.send_rows, what, t.total_rows)
-        # _Post's backward returns what this transfer delivers and ignores what
-        # flows along the graph here.
-        return grad_ND, grad_order, None
-
-
-def new_order(like: torch.Tensor) -> torch.Tensor:
-    """Start of an order chain for `post_rows` / `wait_rows` (a zero that needs a gradient)."""
-    return torch.zeros((), dtype=like.dtype, device=like.device, requires_grad=True)
+new_order = in_flight.new_order
 
 
 def post_rows(
@@ -169,19 +132,15 @@ def post_rows(
 
     The returned tensor is not filled until `wait_rows`; nothing but `wait_rows`
     may read it. In backward the reverse transfer runs between the two as well.
-
     `order` (from `new_order`, then from the previous post or wait) chains the
-    transfers: every rank must post and wait for them in the same order, and
-    autograd, left alone, may reach the backward of independent micro-batches
-    in a different order on different ranks. Threaded through every call and
-    added (it is zero) to the result, it makes backward run the transfers in
-    exactly the reverse of the forward order.
+    transfers, so that backward runs them in exactly the reverse of the forward
+    order on every rank (`ray_zep.collectives.in_flight`).
 
     Returns:
         The receive buffer, the transfer's ticket, and the next `order`.
     """
     ticket = Ticket(list(send_rows), list(recv_rows), link, what, total_rows)
-    out, order = _Post.apply(x_ND, order, ticket)
+    out, order = in_flight.post(x_ND, ticket, order)
     return out, ticket, order
 
 
@@ -189,7 +148,7 @@ def wait_rows(
     buffer_ND: torch.Tensor, ticket: Ticket, order: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows `post_rows` started to move, once they have arrived, and the next `order`."""
-    return _Wait.apply(buffer_ND, order, ticket)
+    return in_flight.wait(buffer_ND, ticket, order)
 
 
 def padded_experts(buf_XCD: torch.Tensor, experts: ExpertFn, link: ExpertLink) -> torch.Tensor:

@@ -389,7 +389,7 @@ def ulysses_row_bytes(shape: ModelShape, u: np.ndarray | int, forward: bool = Fa
     among `u` members (a member sends (U - 1) / U of them to the others): Q/K/V in and
     the output out in the forward; the output's gradient in and dQ/dK/dV out in the
     backward, in float32 where members share K/V heads
-    (`ray_zep.attention.engine.ulysses_gradient_dtype`; each member then gets one K/V
+    (`ray_zep.attention.ulysses.ulysses_gradient_dtype`; each member then gets one K/V
     head, so the row carries U of them). `forward`: the forward's two alone."""
     u = np.asarray(u)
     qkv = (shape.n_heads + 2 * np.maximum(shape.n_kv_heads, u)) * shape.head_dim

@@ -46,7 +46,7 @@ from ray_zep.topology import LinkKind
 
 FP32_BYTES = 4
 """Bytes of a float32 value: dK/dV accumulators and dQ, and the Ulysses gradient returns
-where members share K/V heads (`ray_zep.attention.engine.ulysses_gradient_dtype`)."""
+where members share K/V heads (`ray_zep.attention.ulysses.ulysses_gradient_dtype`)."""
 RING_STEP = "attention step"
 """A ring step's compute task's name, before its step index (`ray_zep.sim.gpu_time`)."""
 

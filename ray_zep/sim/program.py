@@ -374,7 +374,7 @@ class _Builder(GraphBuilder):
             mine, per_row, stream = False, out * elem, Stream(name, elem)
         elif incoming:  # output gradient of my rows, the peer's heads
             mine, per_row, stream = True, out * elem, Stream(name, elem, True)
-        else:  # dQ/dK/dV of the peer's rows, my heads (`engine.ulysses_gradient_dtype`)
+        else:  # dQ/dK/dV of the peer's rows, my heads (`ulysses.ulysses_gradient_dtype`)
             wire = elem if u <= shape.n_kv_heads else FP32_BYTES  # float32 for shared heads
             mine, per_row, stream = False, qkv * wire, Stream(name, wire, True)
         return (lambda pos, me, peer: tokens[pos * u + (me if mine else peer)] * per_row), stream

@@ -27,6 +27,7 @@ from ray_zep.attention.kernels import AttentionFn, select_backward
 from ray_zep.attention.links import Links
 from ray_zep.attention.remap_exchange import to_attention, to_linear
 from ray_zep.attention.schedule import RankSchedule
+from ray_zep.attention.ulysses_chunks import overlapped_attention
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.collectives.adaptive import AdaptiveCollectives
 from ray_zep.collectives.ops import all_reduce_sum_
@@ -35,6 +36,7 @@ from ray_zep.data.shards import RankShard
 from ray_zep.distributed import Comm
 from ray_zep.model.llama import Transformer
 from ray_zep.moe.parallel import balance_loss
+from ray_zep.options import FsdpUnit
 from ray_zep.parallel.axes import Family, Sharding
 from ray_zep.remap.layout import RankRemap
 from ray_zep.traffic import Traffic, gradient_traffic, sharded_weights_traffic
@@ -166,24 +168,53 @@ class AutogradRunner(StepRunner):
         """Attention through the engine for this shard's plan (metadata built once per step).
 
         With a remap, q/k/v arrive on the linear layout, move to the attention
-        layout for the engine, and the output moves back.
+        layout for the engine, and the output moves back. Under
+        `parallel.ulysses_chunks` > 1 the callable also offers `around_projections`
+        (`EngineAttention`).
         """
         ctx = self.ctx
         schedule = RankSchedule.build(shard.plan, ctx.comm.rank, ctx.device, shard.routing)
         kernels = (ctx.kernel, select_backward(ctx.kernel))
-        links, remap, ops = ctx.links, shard.remap, Counter()
+        parallel = ctx.config.parallel
+        chunks = parallel.ulysses_chunks if parallel.fsdp_unit is FsdpUnit.BLOCK else 1
+        return EngineAttention(schedule, ctx.links, kernels, shard.remap, chunks)
 
-        def attention(q_THE, k_TKE, v_TKE, seqs, causal=True):
-            if remap is not None:
-                q_THE, k_TKE, v_TKE = _remap_qkv(q_THE, k_TKE, v_TKE, remap, links, ops)
-            out_THE = run_attention(q_THE, k_TKE, v_TKE, schedule, links, kernels)
-            if remap is not None:
-                out_THE = to_linear(out_THE.flatten(1), remap, links, ops).unflatten(
-                    1, out_THE.shape[1:]
-                )
-            return out_THE, None
 
-        return attention
+class EngineAttention:
+    """The attention engine as the model calls it: `(q_THE, k_TKE, v_TKE, seqs)` ->
+    (out_THE, None), and, where this rank holds a USP item, no remap moves its rows and
+    `chunks` > 1, `around_projections(x_TD, rope, inputs, output)`: the block's
+    attention output projected, its USP items' head exchanges in `chunks` pieces beside
+    the projections (`ray_zep.attention.ulysses_chunks`)."""
+
+    def __init__(self, schedule: RankSchedule, links: Links, kernels, remap, chunks: int):
+        self.schedule, self.links, self.kernels = schedule, links, kernels
+        self.remap, self.ops = remap, Counter()
+        usp = any(item.item.ulysses > 1 for item in schedule.items)
+        self.chunks = chunks if usp and remap is None else 1
+
+    def __call__(self, q_THE, k_TKE, v_TKE, seqs, causal=True):
+        links, remap, ops = self.links, self.remap, self.ops
+        if remap is not None:
+            q_THE, k_TKE, v_TKE = _remap_qkv(q_THE, k_TKE, v_TKE, remap, links, ops)
+        out_THE = run_attention(q_THE, k_TKE, v_TKE, self.schedule, links, self.kernels)
+        if remap is not None:
+            out_THE = to_linear(out_THE.flatten(1), remap, links, ops).unflatten(
+                1, out_THE.shape[1:]
+            )
+        return out_THE, None
+
+    @property
+    def around_projections(self):
+        """None where the exchanges run whole (see the class)."""
+        if self.chunks == 1:
+            return None
+
+        def attend(x_TD, rope, inputs, output):
+            return overlapped_attention(x_TD, rope, inputs, output, self.schedule, self.links,
+                                        self.kernels, self.chunks)  # fmt: skip
+
+        return attend
 
 
 class WeightPassingRunner(StepRunner):

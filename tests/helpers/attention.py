@@ -8,7 +8,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from ray_zep.attention import engine
+from ray_zep.attention import ulysses
 from ray_zep.attention.engine import run_attention
 from ray_zep.attention.kernels import torch_varlen_attention, torch_varlen_attention_backward
 from ray_zep.attention.links import Links
@@ -120,14 +120,14 @@ def ring_rank(rank: int, world: int, case: dict) -> dict:
 def _watch_ulysses_wire(patches: ExitStack, wires: dict, float32: bool) -> None:
     """Notes the dtype each Ulysses exchange sends in (`wires[what]`); with `float32`, the
     engine returns dQ/dK/dV in float32 whatever `ulysses_gradient_dtype` would pick."""
-    swap = engine._swap
+    swap = ulysses._swap
 
     def watched(payload, *args):
         wires[args[-1]] = str(payload[0].dtype)
         return swap(payload, *args)
 
-    patches.enter_context(mock.patch.object(engine, "_swap", watched))
+    patches.enter_context(mock.patch.object(ulysses, "_swap", watched))
     if float32:
         patches.enter_context(
-            mock.patch.object(engine, "ulysses_gradient_dtype", lambda *_: torch.float32)
+            mock.patch.object(ulysses, "ulysses_gradient_dtype", lambda *_: torch.float32)
         )
