@@ -380,8 +380,14 @@ def linear_flops_per_token(shape: ModelShape) -> tuple[float, float]:
     an MoE block's gate and top-k experts, averaged over the blocks)."""
     e = shape.head_dim
     before = 2.0 * shape.dim * (shape.n_heads + 2 * shape.n_kv_heads) * e
-    after = 2.0 * shape.n_heads * e * shape.dim + 2.0 * shape.mean_ffn_params()
+    after = output_projection_flops_per_token(shape) + 2.0 * shape.mean_ffn_params()
     return before, after
+
+
+def output_projection_flops_per_token(shape: ModelShape) -> float:
+    """Forward FLOPs of the attention output projection for one token, one layer (part
+    of `linear_flops_per_token`'s after)."""
+    return 2.0 * shape.n_heads * shape.head_dim * shape.dim
 
 
 def head_flops_per_token(shape: ModelShape) -> float:

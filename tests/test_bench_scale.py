@@ -19,6 +19,7 @@ from ray_zep.sim.compare import variant_config
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel
 from ray_zep.topology import build_topology
+from tests.helpers.scenarios import WHOLE_EXCHANGES
 
 pytestmark = pytest.mark.unit
 
@@ -165,7 +166,7 @@ def test_room_up_to_plays_the_rooms_next_to_the_fastest(monkeypatch) -> None:
     from ray_zep.bench import scale
 
     cases = dict(gpus=(64,), distributions=("chat",), models=("7b",), tokens_per_gpu=(4096,),
-                 placements=("zeppelin",))  # fmt: skip
+                 placements=("zeppelin",), overrides=(WHOLE_EXCHANGES,))  # fmt: skip
     quiet = lambda line: None  # noqa: E731
     played = []
     case_at = scale.case_at

@@ -22,6 +22,7 @@ from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, plan_batch, simulate_plan
 from ray_zep.topology import build_topology
 from tests.helpers.ring_search import ring_search_cases
+from tests.helpers.scenarios import WHOLE_EXCHANGES
 from tests.test_narrow_usp import assert_group_matches_single_device
 
 
@@ -134,7 +135,8 @@ def test_whole_sequences_ride_as_second_rings_where_the_rings_hold_the_room() ->
     (4.492 s against 4.553 s; groups of five-node positions kept from hosting guests,
     `ray_zep.partition.wide_guests`, with which the step is 4.486 s against 4.524 s)."""
     config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=32",
-                                "model.preset=13b", "parallel.weights=fsdp"])  # fmt: skip
+                                "model.preset=13b", "parallel.weights=fsdp",
+                                WHOLE_EXCHANGES])  # fmt: skip
     config = variant_config(config, "zeppelin", 7680)  # as `bench scale` runs it
     hardware = Hardware.preset(build_topology(config.topology))
     run = RunModel.create(config, hardware)

@@ -77,23 +77,24 @@ def test_the_ring_groups_loop_answers_compiled_as_run_as_python(seed: int) -> No
 
 
 @pytest.mark.parametrize(
-    ("model", "routed", "dkv_wire", "keep_kv_gb", "room_mb"),
+    ("model", "routed", "dkv_wire", "keep_kv_gb", "room_mb", "pieces"),
     [
-        ("7b", True, DkvWire.FLOAT32, 2.0, 5.0),
-        ("13b", False, DkvWire.OWNER, 0.0, 0.0),
-        ("13b", True, DkvWire.COMPUTE, 8.0, 0.0),
+        ("7b", True, DkvWire.FLOAT32, 2.0, 5.0, 1),
+        ("13b", False, DkvWire.OWNER, 0.0, 0.0, 4),
+        ("13b", True, DkvWire.COMPUTE, 8.0, 0.0, 3),
     ],
 )
 def test_a_hosts_costs_are_the_work_models_bit_for_bit(
-    model: str, routed: bool, dkv_wire: DkvWire, keep_kv_gb: float, room_mb: float
+    model: str, routed: bool, dkv_wire: DkvWire, keep_kv_gb: float, room_mb: float, pieces: int
 ) -> None:
     """`host_costs` against `WorkModel.usp_group_costs` at U = G on ring parts, tokens and
-    positions spread over orders of magnitude: the same two floats, bit for bit."""
+    positions spread over orders of magnitude, head exchanges whole or in pieces: the
+    same two floats, bit for bit."""
     _, run, _ = usp_cluster(16, model)
     topology = build_topology(load_config(None, ["topology.preset=cluster_a",
                                                  "topology.nodes=16"]).topology)  # fmt: skip
     work = WorkModel.create(run.shape, topology, run.hardware.rates, routed, dkv_wire, keep_kv_gb,
-                            room_mb, capacity=6400)  # fmt: skip
+                            room_mb, capacity=6400, ulysses_pieces=pieces)  # fmt: skip
     rng = np.random.default_rng(3)
     count = 4000
     diagonal = rng.random(count) * rng.choice([1e-3, 1e-2, 0.3], count)

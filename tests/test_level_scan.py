@@ -24,6 +24,7 @@ from ray_zep.report.placement import summary_line
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, plan_batch
 from ray_zep.topology import build_topology
+from tests.helpers.scenarios import WHOLE_EXCHANGES
 
 pytestmark = pytest.mark.unit
 
@@ -112,7 +113,8 @@ def test_the_early_bound_keeps_the_placement_the_plain_scan_keeps(overflow: floa
 def _run(gpus: int, model: str, capacity: int = 5120) -> RunModel:
     config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={gpus // 8}",
                                 f"model.preset={model}", f"train.tokens_per_rank={capacity}",
-                                "parallel.weights=fsdp", "parallel.sequence=zeppelin"])  # fmt: skip
+                                "parallel.weights=fsdp", "parallel.sequence=zeppelin",
+                                WHOLE_EXCHANGES])  # fmt: skip
     return RunModel.create(config, Hardware.preset(build_topology(config.topology)))
 
 

@@ -22,6 +22,7 @@ from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.idle import idle_causes
 from ray_zep.sim.step import RunModel, plan_batch, simulate_plan, weights_of
 from ray_zep.topology import build_topology
+from tests.helpers.scenarios import WHOLE_EXCHANGES
 
 pytestmark = pytest.mark.unit
 
@@ -35,7 +36,8 @@ def _run(depth: int, latency_us: float) -> RunModel:
                                 "parallel.routing=true", f"parallel.prefetch_depth={depth}",
                                 "parallel.prefetch_after_attention=true",
                                 f"topology.intra_node_latency_us={latency_us}",
-                                f"topology.inter_node_latency_us={latency_us}"])  # fmt: skip
+                                f"topology.inter_node_latency_us={latency_us}",
+                                WHOLE_EXCHANGES])  # fmt: skip
     return RunModel.create(config, Hardware.preset(build_topology(config.topology)))
 
 

@@ -25,6 +25,7 @@ OTHER_VALUES = {
     "ring_kv_keep_gb": (0.0, 40.0),
     "ring_kv_room_mb": (0.0, 500.0),
     "ulysses_degree": (2, 4),
+    "ulysses_chunks": (1, 4),
     "ep": (2,),
     "moe_overlap_degree": (2,),
     "prefetch_after_attention": (True, False),

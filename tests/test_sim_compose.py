@@ -26,6 +26,7 @@ from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, greedy_bins, plan_batch, simulate_batch, simulate_plan
 from ray_zep.step_plan import plan_step
 from ray_zep.topology import build_topology
+from tests.helpers.scenarios import WHOLE_EXCHANGES
 
 pytestmark = pytest.mark.unit
 
@@ -352,7 +353,8 @@ def test_a_remap_exchange_costs_its_busiest_link_not_a_queue_across_the_cluster(
                                 "model.preset=7b", "train.tokens_per_rank=5120",
                                 "parallel.weights=fsdp", "parallel.sequence=zeppelin",
                                 "parallel.routing=true",
-                                "parallel.remap=true", "parallel.remap_policy=always"])  # fmt: skip
+                                "parallel.remap=true", "parallel.remap_policy=always",
+                                WHOLE_EXCHANGES])  # fmt: skip
     run = RunModel.create(config, Hardware.preset(build_topology(config.topology)))
     plan, remap = plan_batch(batch_lengths("chat", 4096 * 64, 0), run)
     assert remap is not None and len(remap.transfers) > 20

@@ -9,6 +9,7 @@ import pytest
 from ray_zep.config import load_config
 from ray_zep.data.synthetic import batch_lengths
 from ray_zep.sim.token_room import ROOM_FACTORS, ROOM_MOST, next_room, with_room
+from tests.helpers.scenarios import WHOLE_EXCHANGES
 
 pytestmark = pytest.mark.unit
 
@@ -72,7 +73,7 @@ def test_plan_auto_plays_the_fastest_composition_with_more_room_and_keeps_it_whe
     config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=32",
                                 "model.preset=7b", "train.tokens_per_rank=5120",
                                 "parallel.weights=fsdp", "parallel.routing=true",
-                                *BUDGET])  # fmt: skip
+                                *BUDGET, WHOLE_EXCHANGES])  # fmt: skip
     hardware, on_gpu = request_hardware(config, None)
     request = SimulateRequest(None, False, 1, "github", tokens=4096 * 256)
     batches = [(b, None) for b in batches_of(config, hardware.topology, request)[0]]

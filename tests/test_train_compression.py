@@ -90,8 +90,8 @@ PAIRS = {
         ["kv", "ulysses_all_to_all"],
         {"kv", "ulysses_all_to_all"},
     ),
-    "usp in pieces": (  # the head exchanges in pieces beside the projections
-        ["parallel.sequence=usp", "parallel.ulysses_degree=2", "parallel.ulysses_chunks=3"],
+    "usp whole": (  # the head exchanges whole (`usp` runs them in pieces by default)
+        ["parallel.sequence=usp", "parallel.ulysses_degree=2", "parallel.ulysses_chunks=1"],
         ["ulysses_all_to_all"],
         {"ulysses_all_to_all"},
     ),

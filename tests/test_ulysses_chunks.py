@@ -15,10 +15,19 @@ from ray_zep.attention.schedule import RankSchedule
 from ray_zep.attention.ulysses_chunks import chunk_sizes, overlapped_attention
 from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.config import load_config
+from ray_zep.data.synthetic import batch_lengths
 from ray_zep.distributed import Comm
 from ray_zep.parallel.axes import Placement
+from ray_zep.partition import balance
+from ray_zep.partition.level_trace import LevelOutcome
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts, local_placement
-from ray_zep.topology import build_topology
+from ray_zep.partition.work import WorkModel, exposed_exchange, ulysses_row_bytes
+from ray_zep.sim.compare import variant_config
+from ray_zep.sim.graph_builder import GraphBuilder
+from ray_zep.sim.hardware import Hardware
+from ray_zep.sim.step import RunModel, simulate_plan
+from ray_zep.step_plan import plan_step
+from ray_zep.topology import LinkKind, build_topology
 from tests.helpers.attention import KERNELS
 from tests.helpers.procs import run_ranks
 
@@ -152,3 +161,102 @@ def test_pieces_beside_the_projections_match_one_device(nodes: int, gpus: int) -
         member = next(r for r in results if r[first]["usp"])
         counts = [member[first + n]["p2p"] for n in range(3)]
         assert counts[0] < counts[1] <= counts[2], counts
+
+
+def _usp_run(pieces: int):
+    """Cluster A's 4 nodes, 7b, zeppelin, head exchanges in `pieces`: topology and run."""
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=4",
+                                "model.preset=7b", "train.tokens_per_rank=10240",
+                                "parallel.weights=fsdp", "parallel.sequence=zeppelin",
+                                f"parallel.ulysses_chunks={pieces}"])  # fmt: skip
+    topology = build_topology(config.topology)
+    return topology, RunModel.create(config, Hardware.preset(topology))
+
+
+@pytest.mark.unit
+def test_the_simulator_plays_the_pieces_beside_the_projections(monkeypatch) -> None:
+    """A lone 7b USP group of 3 whole-node positions (U = 8): in 4 pieces, every Ulysses
+    exchange moves as many bytes as whole, in 4 times the parts; the step is shorter, by
+    less than the exchanges take whole."""
+    counted = {}
+    part = GraphBuilder.rank_exchange
+
+    def noted(self, rank, kind, nbytes, deps, name, *args, **kwargs):
+        if name.startswith("Ulysses"):
+            key = (self.setup.ulysses_chunks, self.phase, name)
+            count, total = counted.get(key, (0, 0.0))
+            counted[key] = (count + 1, total + nbytes)
+        return part(self, rank, kind, nbytes, deps, name, *args, **kwargs)
+
+    monkeypatch.setattr(GraphBuilder, "rank_exchange", noted)
+    n = 24_000
+    steps = {}
+    for pieces in (1, 4):
+        topology, run = _usp_run(pieces)
+        group = SeqPlacement(0, n, tuple(range(24)), bounds_for_counts([n // 3] * 3), ulysses=8)
+        plan = AttentionPlan(Placement.ZEPPELIN, topology, 10_240, (group,))
+        steps[pieces] = simulate_plan(plan, run, False, None)
+    assert len(counted) == 8
+    for (pieces, phase, name), (count, total) in counted.items():
+        if pieces == 4:
+            whole_count, whole_total = counted[1, phase, name]
+            assert count == 4 * whole_count, (phase, name)
+            assert total == pytest.approx(whole_total), (phase, name)
+    whole, split = steps[1], steps[4]
+    assert split.step_seconds < whole.step_seconds
+    # what pieces hide is at most the exchanges' own time: a member's messages, every layer
+    exchanges = [t for timeline in (whole.forward, whole.backward) for t in timeline.graph.tasks
+                 if t.name.startswith("Ulysses") and t.rank == 0]  # fmt: skip
+    hidden = sum(t.duration for t in exchanges) * run.shape.n_layers
+    assert whole.step_seconds - split.step_seconds < hidden
+
+
+@pytest.mark.unit
+def test_the_work_model_hides_what_the_projections_cover_but_a_piece() -> None:
+    """`exposed_exchange`: one piece hides nothing; an exchange shorter than the
+    projections keeps one piece's share exposed; a longer one its excess besides; a USP
+    group's member work drops by no more than its all-to-alls take whole."""
+    assert exposed_exchange(3.0, 5.0, 2.0, 1) == (3.0, 5.0)
+    forward, backward = exposed_exchange(1.0, 1.0, 2.0, 4)  # backward: 2 x 2 s of projections
+    assert (forward, backward) == pytest.approx((0.25, 0.25))
+    forward, backward = exposed_exchange(3.0, 5.0, 2.0, 4)
+    assert (forward, backward) == pytest.approx((3.0 - 1.5, 5.0 - 3.0))
+    topology, run = _usp_run(1)
+    n = np.asarray([24_000.0, 96_000.0])
+    models = [WorkModel.create(run.shape, topology, run.hardware.rates, ulysses_pieces=pieces)
+              for pieces in (1, 4)]  # fmt: skip
+    whole, split = (m.usp_member_seconds(n, 3, 8) for m in models)
+    assert np.all(split < whole)
+    member = n / 24
+    every = member * ulysses_row_bytes(run.shape, 8) * 7 / 8 / models[0].hop(LinkKind.INTRA_NODE)[1]
+    assert np.all(whole - split < every * run.shape.n_layers)
+
+
+@pytest.mark.unit
+def test_a_level_short_of_nodes_is_placed_again_with_the_exchanges_costed_whole(
+    monkeypatch,
+) -> None:
+    """`bench scale`'s 7b prolong64k batch on 4,096 GPUs of cluster A (L = 10,240, no K/V
+    room): with USP groups' exchanges costed in 4 pieces, levels 1.2 and 1.225 find no
+    nodes for their groups and the work policy keeps 1.231x the mean rank's work; placed
+    again with the exchanges costed whole, level 1.2 places and 1.175 is kept, every rank
+    within L."""
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=512",
+                                "model.preset=7b", "parallel.weights=fsdp",
+                                "train.tokens_per_rank=10240", "parallel.ring_kv_room_mb=0",
+                                "parallel.ulysses_chunks=4"])  # fmt: skip
+    config = variant_config(config, "zeppelin", 10240)
+    topology = build_topology(config.topology)
+    shape = RunModel.create(config, Hardware.preset(topology)).shape
+    lengths = batch_lengths("prolong64k", 4096 * 4096, 0)
+
+    def levels() -> tuple[dict, object]:
+        plan = plan_step(lengths, config, topology, shape).attention
+        return {round(t.factor, 4): t.outcome for t in plan.levels}, plan
+
+    tried, plan = levels()
+    assert tried[1.2] is LevelOutcome.PLACED and tried[1.175] is LevelOutcome.KEPT
+    assert plan.rank_tokens().max() <= 10240
+    monkeypatch.setattr(balance, "WHOLE_COST_RETRY", False)
+    tried, _ = levels()
+    assert tried[1.2] is LevelOutcome.NODES and tried[1.2313] is LevelOutcome.KEPT

@@ -18,7 +18,7 @@ from ray_zep.partition.plan import (
 )
 from ray_zep.partition.work import ulysses_row_bytes
 from ray_zep.routing.routes import Phase
-from ray_zep.sim import program
+from ray_zep.sim.graph_builder import GraphBuilder
 from ray_zep.sim.step import simulate_plan
 from tests.helpers.procs import run_ranks
 from tests.test_narrow_usp import usp_cluster
@@ -69,14 +69,14 @@ def test_the_simulator_sends_what_the_engine_sends(kv_heads, ratio, monkeypatch)
     topology, run, _ = usp_cluster(4)
     run = dataclasses.replace(run, shape=dataclasses.replace(run.shape, n_kv_heads=kv_heads))
     sent = {Phase.FORWARD: {}, Phase.BACKWARD: {}}
-    send = program._Builder.send
+    part = GraphBuilder.rank_exchange
 
-    def noted(self, src, dst, nbytes, deps, name, *args, **kwargs):
-        table = sent[self.phase]
+    def noted(self, rank, kind, nbytes, deps, name, *args, **kwargs):
+        table = sent[self.phase]  # members hold equal rows: each part's bytes are its sends
         table[name] = table.get(name, 0) + nbytes
-        return send(self, src, dst, nbytes, deps, name, *args, **kwargs)
+        return part(self, rank, kind, nbytes, deps, name, *args, **kwargs)
 
-    monkeypatch.setattr(program._Builder, "send", noted)
+    monkeypatch.setattr(GraphBuilder, "rank_exchange", noted)
     n = 24_000
     group = SeqPlacement(0, n, tuple(range(24)), bounds_for_counts([n // 3] * 3), ulysses=8)
     simulate_plan(AttentionPlan(Placement.ZEPPELIN, topology, 10_240, (group,)), run, False, None)

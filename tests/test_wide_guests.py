@@ -19,6 +19,7 @@ from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel
 from ray_zep.step_plan import plan_step
 from ray_zep.topology import build_topology
+from tests.helpers.scenarios import WHOLE_EXCHANGES
 from tests.test_narrow_usp import usp_cluster
 
 
@@ -97,7 +98,7 @@ def test_the_work_policy_keeps_a_lower_level_with_wide_hosts(monkeypatch) -> Non
     config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=512",
                                 "model.preset=13b", "parallel.weights=fsdp",
                                 "train.tokens_per_rank=8960",
-                                "parallel.ring_kv_room_mb=0"])  # fmt: skip
+                                "parallel.ring_kv_room_mb=0", WHOLE_EXCHANGES])  # fmt: skip
     config = variant_config(config, "zeppelin", 8960)
     topology = build_topology(config.topology)
     shape = RunModel.create(config, Hardware.preset(topology)).shape

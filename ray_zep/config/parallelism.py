@@ -61,14 +61,16 @@ class ParallelConfig:
     ulysses_degree: int = 0
     """Ulysses members per ring position under usp; 0 picks GPUs per node (or the
     largest divisor of it that the head counts allow)."""
-    ulysses_chunks: int = 1
+    ulysses_chunks: int = 4
     """Pieces each USP group member's rows are split into for its head exchanges: the
     Q/K/V projection of a piece runs while the pieces before it travel, the output
     projection of a piece while the pieces after it arrive, and backward mirrors it
-    (ray_zep.attention.ulysses_chunks). 1: each exchange whole, between the linear
-    modules. Blocks as FSDP units only (parallel.fsdp_unit=block), without
-    parallel.remap, outside MoE blocks' pipelines and not under
-    train.activation_checkpointing=linears; elsewhere exchanges run whole."""
+    (ray_zep.attention.ulysses_chunks; the planner's work model and the simulator count
+    it). 1: each exchange whole, between the linear modules. The default: `bench scale`
+    steps faster with 4 on 23 of 32 rows of its 4k grid, slower on 5, by up to 1.9%
+    (BENCHMARKS.md, sixty-fifth series). Blocks as FSDP units only
+    (parallel.fsdp_unit=block), without parallel.remap, outside MoE blocks' pipelines and
+    not under train.activation_checkpointing=linears; elsewhere exchanges run whole."""
     routing: bool = False
     """Send ring K/V (and dK/dV) between nodes through proxy ranks on every NIC
     (ray_zep.routing); planned placements only."""
@@ -164,6 +166,12 @@ class ParallelConfig:
             self.ulysses_chunks,
             "must be >= 1 (1 = each exchange whole)",
         )
+
+    @property
+    def ulysses_pieces(self) -> int:
+        """The pieces USP head exchanges run in: `ulysses_chunks` where blocks are FSDP
+        units (or weights are not sharded by FSDP), else 1."""
+        return self.ulysses_chunks if self.fsdp_unit is FsdpUnit.BLOCK else 1
 
     @property
     def sequence_axis(self):

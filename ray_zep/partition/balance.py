@@ -45,9 +45,13 @@ rank at most L (its memory bound). For a level lam, starting at the mean work:
    level whose rings leave the whole sequences too few free tokens for that fails, as
    one whose rings do not fit the world does.
 
-Levels rise from the mean until the rings fit the world; the level whose busiest
-rank is lowest wins (`level_scan`: which levels are placed, each abandoned once it
-cannot win, sooner where an early bound says so, with the same outcome). A sequence
+Levels rise from the mean until the rings fit the world; a level whose groups find no
+nodes for their ranks, where the work model costs USP groups' exchanges in pieces
+(`WorkModel.ulysses_pieces`), is placed again with them costed whole (fewer groups of
+whole nodes, more rings that share nodes; every rank then within the level under either
+cost). The level whose busiest rank is lowest wins (`level_scan`: which levels are
+placed, each abandoned once it cannot win, sooner where an early bound says so, with
+the same outcome). A sequence
 that no group brings under a level (its transfers set its member work at every degree:
 the batch's longest, bound by its NICs) is at its floor there: no ring rides on its
 group (`ray_zep.partition.hosting`), and its members count their own work, so where they
@@ -63,6 +67,7 @@ take milliseconds to a few hundred.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -134,6 +139,11 @@ USP_GUESTS = True
 """Split sequences may join a group of whole-node positions with work and token room
 left, freeing their own ranks (`ray_zep.partition.usp_guests`), at levels whose groups
 on their own take more ranks than there are."""
+WHOLE_COST_RETRY = True
+"""A level whose groups find no nodes, USP exchanges costed in pieces, is placed again with
+them costed whole (module docstring). On `bench scale`'s 7b prolong64k batch at 4,096 GPUs
+(L = 10,240) the level kept drops from 1.231 to 1.175 (BENCHMARKS.md, sixty-fifth
+series)."""
 LAYOUT = MIRRORED_ZIGZAG
 """How the work policy's rings cut their sequences: every message after its block has
 passed the ring's last position carries half of it, and the ring's first position (the
@@ -180,9 +190,27 @@ def balance(
         usp = UspGrid.of(lengths, splittable, capacity, topology, model)
         parts = PartsTable(lengths, work, splittable, topology.nodes, model)
 
+    whole: list = []  # the work model and USP tables with head exchanges costed whole
+
     def place(factor: float, prune_above: float, force: bool, failed) -> Placed | None:
-        return _place_at(lengths, work, small, mean * factor, topology, capacity, model, usp,
-                         parts, force, prune_above, failed)  # fmt: skip
+        first: list[LevelTry] = []
+        placed = _place_at(lengths, work, small, mean * factor, topology, capacity, model, usp,
+                           parts, force, prune_above, first)  # fmt: skip
+        nodes = any(t.outcome is LevelOutcome.NODES for t in first)
+        if placed is None and nodes and model.ulysses_pieces > 1 and WHOLE_COST_RETRY and not force:
+            # USP groups costed with their exchanges in pieces take whole nodes where rings
+            # would share them: the level again with the exchanges costed whole, whose
+            # placement then holds every rank within the level under either cost
+            if not whole:
+                whole.append(dataclasses.replace(model, ulysses_pieces=1))
+                whole.append(UspGrid.of(lengths, splittable, capacity, topology, whole[0]))
+                whole.append(PartsTable(lengths, work, splittable, topology.nodes, whole[0]))
+            first = []
+            placed = _place_at(lengths, work, small, mean * factor, topology, capacity,
+                               *whole, force, prune_above, first)  # fmt: skip
+        if failed is not None:
+            failed.extend(first)
+        return placed
 
     rules = ScanRules(LEVELS, PAST_FIRST, BISECTIONS, BISECT_BELOW_OVERFLOW, BISECT_ABOVE_OVERFLOW,
                       BISECT_BELOW_LOST, BISECT_ABOVE_LOST)  # fmt: skip

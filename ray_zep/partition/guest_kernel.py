@@ -31,7 +31,7 @@ most tokens a member holds (each sequence's share rounded up)."""
 (U, U_LESS_ONE, ROW, FORWARD_ROW, INTRA_LATENCY, INTRA_BANDWIDTH, INTER_LATENCY,
  INTER_BANDWIDTH, LINEAR_PER_TOKEN, LAYERS, KV_PER_TOKEN, DKV_FACTOR, KEEP_BYTES,
  ROOM_PER_TOKEN, CAPACITY, KEPT_PER_TOKEN, BACKWARD_ATTENTION, BACKWARD_LINEAR, FORWARD,
- COUNT) = range(20)  # fmt: skip
+ PROJECTIONS_PER_TOKEN, HIDDEN, COUNT) = range(22)  # fmt: skip
 """Where each number sits in `costs_of`'s array."""
 
 
@@ -60,6 +60,8 @@ def costs_of(model: WorkModel) -> np.ndarray:
     values[BACKWARD_ATTENTION] = BACKWARD_ATTENTION_FACTOR
     values[BACKWARD_LINEAR] = BACKWARD_LINEAR_FACTOR
     values[FORWARD] = FORWARD_SHARE
+    values[PROJECTIONS_PER_TOKEN] = model._projections_per_token_s
+    values[HIDDEN] = 1.0 - 1.0 / model.ulysses_pieces  # `exposed_exchange`'s
     return values
 
 
@@ -77,6 +79,9 @@ def host_costs(
     moved = max(moved, 0.0)
     forward = 2 * latency + moved * k[FORWARD_ROW] / k[ROW]
     backward = 4 * latency + moved - forward
+    projections = member * k[PROJECTIONS_PER_TOKEN]  # `exposed_exchange`
+    forward = forward - min(forward, projections) * k[HIDDEN]
+    backward = backward - min(backward, projections * k[BACKWARD_LINEAR]) * k[HIDDEN]
     diagonal, step, send = diagonal / u, step / u, send / u  # a member's heads
     share = 1.0 / (1.0 + k[BACKWARD_ATTENTION])
     hop = k[INTER_LATENCY] + send / k[INTER_BANDWIDTH]

@@ -44,6 +44,7 @@ from ray_zep.costmodel import (
     CostModel,
     kv_bytes_per_token,
     linear_flops_per_token,
+    output_projection_flops_per_token,
     pointwise_elements_per_token,
     preset_rates,
 )
@@ -116,6 +117,10 @@ class WorkModel:
             each step's dK/dV to their owners in the K/V dtype (`QueueItem.owner_dkv`),
             each step's message no longer than the K/V's; rings across nodes pass
             accumulators of `dkv_factor`.
+        ulysses_pieces: USP groups exchange heads in this many pieces beside the Q/K/V
+            and output projections (`parallel.ulysses_chunks`): of each phase's
+            all-to-alls, what those projections' seconds cover is hidden but a piece's
+            share (`exposed_exchange`).
     """
 
     shape: ModelShape
@@ -128,6 +133,7 @@ class WorkModel:
     owner_dkv: bool = False
     room_per_token: float = 0.0
     capacity: int = 0
+    ulysses_pieces: int = 1
 
     @classmethod
     def create(
@@ -140,17 +146,18 @@ class WorkModel:
         keep_kv_gb: float = 0.0,
         room_mb: float = 0.0,
         capacity: int = 0,
+        ulysses_pieces: int = 1,
     ) -> WorkModel:
         """The model on `topology` at `rates` (default: the topology GPU's preset), ring
         dK/dV on the wire as `dkv_wire` says, members holding `capacity` tokens keeping
         up to `keep_kv_gb` GB of their peers' K/V, `room_mb` MB more for each token
-        fewer."""
+        fewer, USP head exchanges in `ulysses_pieces`."""
         rates = rates or preset_rates(topology.gpu_model)
         cost = CostModel(shape, topology, rates.attention_forward)
         factor = KV_DTYPE_DKV_FACTOR if dkv_wire is DkvWire.COMPUTE else DKV_WIRE_FACTOR
         return cls(shape, rates, cost, routed, dkv_factor=factor, keep_kv_bytes=keep_kv_gb * 1e9,
                    owner_dkv=dkv_wire is DkvWire.OWNER, room_per_token=room_mb * 1e6,
-                   capacity=capacity)  # fmt: skip
+                   capacity=capacity, ulysses_pieces=ulysses_pieces)  # fmt: skip
 
     @cached_property
     def kept_bytes_per_token(self) -> int:
@@ -223,6 +230,12 @@ class WorkModel:
         per_token = (1 + BACKWARD_LINEAR_FACTOR) * (before + after) * self.layers
         elements = pointwise_elements_per_token(self.shape) * self.layers
         return per_token / self.rates.matmul + self.rates.pointwise_seconds(elements)
+
+    @cached_property
+    def _projections_per_token_s(self) -> float:
+        """Forward seconds of one token's Q/K/V and output projections, one layer."""
+        before, _ = linear_flops_per_token(self.shape)
+        return (before + output_projection_flops_per_token(self.shape)) / self.rates.matmul
 
     def linear_seconds(self, tokens: np.ndarray) -> np.ndarray:
         """Forward + backward of every layer's matmuls and element-wise work over
@@ -373,7 +386,9 @@ class WorkModel:
         latency = np.where(across > 0, self.cost.link_latency(LinkKind.INTER_NODE), latency)
         moved = np.maximum(near, far)
         forward = 2 * latency + moved * forward_row / per_row
-        exchange = (forward, 4 * latency + moved - forward)
+        projections = member * self._projections_per_token_s
+        exchange = exposed_exchange(forward, 4 * latency + moved - forward, projections,
+                                    self.ulysses_pieces)  # fmt: skip
         heads = RingParts(parts.diagonal_s / u, parts.step_s / u, parts.send_bytes / u)
         inter = (self.cost.link_latency(LinkKind.INTER_NODE),
                  self.cost.link_bandwidth(LinkKind.INTER_NODE))  # fmt: skip
@@ -398,6 +413,21 @@ def ulysses_row_bytes(shape: ModelShape, u: np.ndarray | int, forward: bool = Fa
         return (qkv + out) * BYTES_PER_ELEMENT
     gradient = np.where(u > shape.n_kv_heads, 4, BYTES_PER_ELEMENT)
     return (qkv + 2 * out) * BYTES_PER_ELEMENT + qkv * gradient
+
+
+def exposed_exchange(forward, backward, projections, pieces: int):
+    """(forward, backward) seconds of a USP member's all-to-alls, one layer, left exposed
+    when they run in `pieces` beside the Q/K/V and output projections (`projections`:
+    their forward seconds; the backward's are `BACKWARD_LINEAR_FACTOR` times): each
+    phase hides what the projections cover of it, but a piece's share (the first piece
+    of the way in, the last of the way out). One piece hides nothing. Contention
+    between the pieces and the matmuls is left out, as for the ring's steps."""
+    if pieces <= 1:
+        return forward, backward
+    hidden = 1.0 - 1.0 / pieces
+    back = projections * BACKWARD_LINEAR_FACTOR
+    return (forward - np.minimum(forward, projections) * hidden,
+            backward - np.minimum(backward, back) * hidden)  # fmt: skip
 
 
 def usp_widths(shape: ModelShape, topology: Topology) -> tuple[int, ...]:

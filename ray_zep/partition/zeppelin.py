@@ -120,6 +120,7 @@ def plan_zeppelin(
     usp_groups: bool = True,
     keep_kv_gb: float = 0.0,
     keep_room_mb: float = 0.0,
+    ulysses_pieces: int = 1,
 ) -> AttentionPlan:
     """Place a batch with Zeppelin's two-stage partitioner.
 
@@ -141,6 +142,8 @@ def plan_zeppelin(
         keep_room_mb: the work policy's ring members keep this many MB more for each
             token they hold below `tokens_per_rank` (`parallel.ring_kv_room_mb`), and
             then hold that many fewer whole sequences.
+        ulysses_pieces: USP groups exchange heads in this many pieces beside the
+            projections (`ParallelConfig.ulysses_pieces`), for the work policy's costs.
 
     Returns:
         The validated plan.
@@ -155,7 +158,8 @@ def plan_zeppelin(
     if policy is ZonePolicy.WORK:
         model = WorkModel.create(cost.shape, topology, routed=routed, dkv_wire=dkv_wire,
                                  keep_kv_gb=keep_kv_gb, room_mb=keep_room_mb,
-                                 capacity=tokens_per_rank)  # fmt: skip
+                                 capacity=tokens_per_rank,
+                                 ulysses_pieces=ulysses_pieces)  # fmt: skip
         levels: list[LevelTry] = []
         try:
             placements = balance(lengths, topology, tokens_per_rank, model, usp_groups, levels)
@@ -390,7 +394,8 @@ def _planner(lengths, topology, capacity, shape: ModelShape, parallel: ParallelC
     return plan_zeppelin(lengths, topology, capacity, cost, parallel.zone_policy, parallel.routing,
                          parallel.dkv_wire, parallel.usp_groups,
                          parallel.ring_kv_keep_gb or 0.0,
-                         parallel.ring_kv_room_mb or 0.0)  # fmt: skip
+                         parallel.ring_kv_room_mb or 0.0,
+                         parallel.ulysses_pieces)  # fmt: skip
 
 
 _NAME = Placement.ZEPPELIN.value
@@ -403,7 +408,16 @@ CAPACITY_POLICY = f"{_NAME}_capacity"
 COMPUTE_DKV = f"{_NAME}+compute_dkv"
 """The full system with ring dK/dV on the wire in the K/V dtype (`parallel.dkv_wire=compute`)."""
 
-_READS = ("zone_policy", "routing", "dkv_wire", "usp_groups", "ring_kv_keep_gb", "ring_kv_room_mb")
+_READS = (
+    "zone_policy",
+    "routing",
+    "dkv_wire",
+    "usp_groups",
+    "ring_kv_keep_gb",
+    "ring_kv_room_mb",
+    "ulysses_chunks",
+    "fsdp_unit",
+)
 """The `ParallelConfig` fields `_planner` reads (the ring K/V budgets as
 `ray_zep.partition.plan_memory.planning_parallel` resolves them)."""
 

@@ -96,6 +96,8 @@ class LayerSetup:
         recompute: the backward of a block under this activation checkpointing mode,
             which computes parts of its forward again on each rank
             (`ray_zep.sim.layer_work`; none and full: nothing inside the layer).
+        ulysses_chunks: USP items exchange heads in this many pieces beside the
+            projections (`parallel.ulysses_chunks`, `ray_zep.sim.ulysses_play`); 1: whole.
     """
 
     plan: AttentionPlan
@@ -116,6 +118,7 @@ class LayerSetup:
     dkv_owner: bool = False
     gather_after_attention: bool = False
     recompute: ActivationCheckpointing = ActivationCheckpointing.NONE
+    ulysses_chunks: int = 1
 
     def linear_tokens(self) -> list[int]:
         """Tokens each rank's linear modules process."""
@@ -195,6 +198,22 @@ class GraphBuilder:
         latency = cost.link_latency(kind) if compute_s is None and nbytes > 0 else 0.0
         return self._wire_task(src, lane, resources, plain, (kind, stream, nbytes), deps, name,
                                latency)  # fmt: skip
+
+    def rank_exchange(
+        self, rank: int, kind: LinkKind, nbytes: float, deps, name: str, stream: Stream
+    ) -> int:
+        """One rank's part of an all-to-all-v over links of `kind`: `nbytes` through its
+        port (intra-node) or its NIC, and one latency that holds no link, zipped where
+        `stream` goes."""
+        if kind is LinkKind.INTRA_NODE:
+            lane, resources = Lane.INTRA_NODE, (("port_out", rank), ("port_in", rank))
+        else:
+            node, nic = self.node[rank], self.nic[rank]
+            lane, resources = Lane.INTER_NODE, (("nic_out", node, nic), ("nic_in", node, nic))
+        cost = self.setup.cost
+        plain = cost.transfer_seconds(nbytes, kind, one_sender_per_nic=True)
+        return self._wire_task(rank, lane, resources, plain, (kind, stream, nbytes), deps, name,
+                               cost.link_latency(kind))  # fmt: skip
 
     def _wire_task(self, rank: int, lane: Lane, resources, plain: float, wire, deps, name: str,
                    latency: float = 0.0):  # fmt: skip
@@ -433,3 +452,15 @@ class GraphBuilder:
                 )
                 dst_msgs.append(combine)
         return src_msgs, dst_msgs
+
+
+def moving_seconds(rank: int, messages, tasks, duration, grouped: bool) -> float:
+    """Seconds `rank`'s `messages` (task indices, `duration` of each) slow the compute
+    beside them: where a step's exchange is one grouped kernel
+    (`ComputeRates.grouped_exchange`), the longer of what it sends and what it receives,
+    each direction's messages one after another; else every message's time."""
+    if not grouped:
+        return sum(duration(t) for t in messages)
+    sends = sum(duration(t) for t in messages if tasks[t].rank == rank)
+    receives = sum(duration(t) for t in messages if tasks[t].rank != rank)
+    return max(sends, receives)

@@ -21,8 +21,10 @@ wire a ring that kept the forward's K/V computes its own block last
 (`ExchangeKind.backward_order`). An item's K/V
 exchange is built as its kind plays it (`PLAYS`, one builder per
 `ray_zep.partition.exchange.Play`). The remap's all-to-all-v is played per rank and link
-kind (`_Builder.remap`). Ulysses exchanges are point-to-point transfers between the
-members of a ring position.
+kind (`_Builder.remap`). A ring position's Ulysses exchange is an all-to-all-v among its
+members, played the same way, whole or in pieces beside the projections
+(`ray_zep.sim.ulysses_play`, `LayerSetup.ulysses_chunks`: then the layer runs
+`_pieces_program`).
 
 With `comm.compression`, the Ulysses exchanges and the remap rows go zipped where the
 mode zips them, as the ring's K/V do; the compute a message overlaps is slowed by
@@ -51,6 +53,7 @@ from ray_zep.costmodel import (
     BACKWARD_ATTENTION_FACTOR,
     BACKWARD_LINEAR_FACTOR,
     linear_flops_per_token,
+    output_projection_flops_per_token,
     pointwise_elements_per_token,
 )
 from ray_zep.cycle_collection import without_cycle_collection
@@ -60,7 +63,7 @@ from ray_zep.partition.exchange import Play
 from ray_zep.partition.plan import QueueItem
 from ray_zep.routing.routes import Payload, Phase, item_transfers
 from ray_zep.sim.events import Lane, TaskGraph
-from ray_zep.sim.graph_builder import FP32_BYTES, RING_STEP, GraphBuilder, LayerSetup
+from ray_zep.sim.graph_builder import RING_STEP, GraphBuilder, LayerSetup, moving_seconds
 from ray_zep.sim.layer_work import (
     POINTWISE_SHARES,
     RecomputedPart,
@@ -75,6 +78,7 @@ from ray_zep.sim.ring_form import (
     ring_forward,
 )
 from ray_zep.sim.step_costs import step_table
+from ray_zep.sim.ulysses_play import PIECE_RECIPE, UlyssesPieces, ulysses_exchange
 from ray_zep.sim.wire import Stream, WireCodec
 from ray_zep.topology import LinkKind
 
@@ -330,62 +334,13 @@ class _Builder(GraphBuilder):
         if not forward:
             self.collective(list(item.ranks), seconds, "dK/dV reduce-scatter")
 
-    def ulysses_exchange(self, item: QueueItem, sizes, name: str) -> None:
-        """Members of each ring position swap rows for heads; `sizes` is (`row_bytes`,
-        the `Stream`), `row_bytes(position, me, peer)` the message size from member `me`
-        to member `peer`."""
-        row_bytes, stream = sizes
-        u = item.ulysses
-        posted = {r: self.point[r] for r in item.ranks}
-        done = defaultdict(list)
-        for position in range(item.ring_size):
-            group = item.ranks[position * u : (position + 1) * u]
-            for me, src in enumerate(group):
-                for peer, dst in enumerate(group):
-                    if peer != me:
-                        task = self.send(
-                            src,
-                            dst,
-                            row_bytes(position, me, peer),
-                            [posted[src], posted[dst]],
-                            name,
-                            stream,
-                        )
-                        done[src].append(task)
-                        done[dst].append(task)
-        for rank in item.ranks:
-            self.wait(rank, done[rank])
-
-    def ulysses_sizes(self, item: QueueItem, incoming: bool):
-        """(message sizes, `Stream`) of the exchange before (`incoming`) or after the ring,
-        this phase."""
-        shape, u = self.setup.shape, item.ulysses
-        placements = [self.setup.plan.placement(s) for s in item.seqs]
-        tokens = [sum(p.member_tokens(m) for p in placements) for m in range(len(item.ranks))]
-        q_per = shape.n_heads // u
-        kv_per = shape.n_kv_heads // u if u <= shape.n_kv_heads else 1
-        e, elem = shape.head_dim, self.setup.element_bytes
-        forward = self.phase is Phase.FORWARD
-        name = CompressionStream.ULYSSES_ALL_TO_ALL.value
-        qkv, out = (q_per + 2 * kv_per) * e, q_per * e  # values per row
-        if forward and incoming:  # Q/K/V of my rows, the peer's heads
-            mine, per_row, stream = True, qkv * elem, Stream(name, elem)
-        elif forward:  # attention output of the peer's rows, my heads
-            mine, per_row, stream = False, out * elem, Stream(name, elem)
-        elif incoming:  # output gradient of my rows, the peer's heads
-            mine, per_row, stream = True, out * elem, Stream(name, elem, True)
-        else:  # dQ/dK/dV of the peer's rows, my heads (`ulysses.ulysses_gradient_dtype`)
-            wire = elem if u <= shape.n_kv_heads else FP32_BYTES  # float32 for shared heads
-            mine, per_row, stream = False, qkv * wire, Stream(name, wire, True)
-        return (lambda pos, me, peer: tokens[pos * u + (me if mine else peer)] * per_row), stream
-
     def attention(self) -> None:
         for index, item in enumerate(self.setup.plan.items()):
             if item.ulysses > 1:
-                self.ulysses_exchange(item, self.ulysses_sizes(item, True), "Ulysses in")
+                ulysses_exchange(self, item, True)
             self.ring_item(index, item)
             if item.ulysses > 1:
-                self.ulysses_exchange(item, self.ulysses_sizes(item, False), "Ulysses out")
+                ulysses_exchange(self, item, False)
 
     def remap(self, to_attention: bool, row_bytes: int, name: str) -> None:
         """The remap all-to-all-v: linear -> attention layout (`to_attention`) or back.
@@ -425,22 +380,6 @@ class _Builder(GraphBuilder):
             arrived = [t for peer in sorted(senders[rank]) for t in parts[peer]]
             self.wait(rank, [*parts[rank], *arrived])
 
-    def rank_exchange(
-        self, rank: int, kind: LinkKind, nbytes: float, deps, name: str, stream: Stream
-    ) -> int:
-        """One rank's part of an all-to-all-v over links of `kind`: `nbytes` through its
-        port (intra-node) or its NIC, and one latency that holds no link, zipped where
-        `stream` goes."""
-        if kind is LinkKind.INTRA_NODE:
-            lane, resources = Lane.INTRA_NODE, (("port_out", rank), ("port_in", rank))
-        else:
-            node, nic = self.node[rank], self.nic[rank]
-            lane, resources = Lane.INTER_NODE, (("nic_out", node, nic), ("nic_in", node, nic))
-        cost = self.setup.cost
-        plain = cost.transfer_seconds(nbytes, kind, one_sender_per_nic=True)
-        return self._wire_task(rank, lane, resources, plain, (kind, stream, nbytes), deps, name,
-                               cost.link_latency(kind))  # fmt: skip
-
     def recompute(self, part: RecomputedPart | None) -> None:
         """`part` of the block's forward computed again on every rank's linear tokens, as
         activation checkpointing makes its backward do (none: nothing)."""
@@ -465,18 +404,6 @@ class _Builder(GraphBuilder):
             self.wait(rank, [task])
             if self.record:
                 self.recipes.append(("linear", task, alone))
-
-
-def moving_seconds(rank: int, messages, tasks, duration, grouped: bool) -> float:
-    """Seconds `rank`'s `messages` (task indices, `duration` of each) slow the compute
-    beside them: where a step's exchange is one grouped kernel
-    (`ComputeRates.grouped_exchange`), the longer of what it sends and what it receives,
-    each direction's messages one after another; else every message's time."""
-    if not grouped:
-        return sum(duration(t) for t in messages)
-    sends = sum(duration(t) for t in messages if tasks[t].rank == rank)
-    receives = sum(duration(t) for t in messages if tasks[t].rank != rank)
-    return max(sends, receives)
 
 
 PLAYS = {Play.ROTATE: _Builder.rotated_item, Play.GATHER: _Builder.gathered_item}
@@ -546,6 +473,11 @@ def _retime(build: _Builder, codec: WireCodec, sync: tuple[float, float]) -> Tas
             moving = moving_seconds(tasks[task].rank, sent, tasks, durations.__getitem__, grouped)
             slowed[task] = factor * min(alone, moving)
             durations[task] = alone + slowed[task]
+        elif tag == PIECE_RECIPE:
+            alone, fraction, sent = data
+            moving = moving_seconds(tasks[task].rank, sent, tasks, durations.__getitem__, grouped)
+            slowed[task] = factor * min(alone, fraction * weights / 2 + moving)
+            durations[task] = alone + slowed[task]
         elif tag == "linear":
             slowed[task] = factor * min(data[0], weights / 2)
             durations[task] = data[0] + slowed[task]
@@ -573,7 +505,10 @@ def _layer_program(build: _Builder) -> None:
     build.post_weight_spill()
     sync = {} if late else build.post_weight_sync()
     shares = POINTWISE_SHARES[0 if phase is Phase.FORWARD else 1]
-    if phase is Phase.FORWARD:
+    pieces = UlyssesPieces.of(build)
+    if pieces is not None:
+        sync = _pieces_program(build, pieces, sync, shares) or sync
+    elif phase is Phase.FORWARD:
         build.linear(before, "QKV projection", shares[0])
         build.remap(True, qkv_bytes, "remap q/k/v")
         build.attention()
@@ -592,6 +527,33 @@ def _layer_program(build: _Builder) -> None:
         build.linear(before, "QKV projection", shares[0])
     for rank, task in sync.items():
         build.wait(rank, [task])
+
+
+def _pieces_program(build: _Builder, pieces: UlyssesPieces, sync, shares) -> dict | None:
+    """`_layer_program` where USP items exchange heads in pieces beside the projections
+    (no remap); the forward's weight collective where it starts after the attention."""
+    shape = build.setup.shape
+    before, after = linear_flops_per_token(shape)
+    out = output_projection_flops_per_token(shape)
+    elements = pointwise_elements_per_token(shape)
+    qkv = (before, shares[0] * elements)
+    outputs = (after, shares[1] * elements)  # the output projection, the MLP's work after
+    mlp = (after - out, shares[1] * elements)
+    if build.phase is Phase.FORWARD:
+        pieces.project_and_post(*qkv, "QKV projection", qkv)
+        pieces.attention()
+        late = build.post_weight_sync() if build.setup.gather_after_attention else None
+        pieces.wait_and_project(out, 0.0, "output projection", outputs)
+        pieces.rest(*mlp, "MLP", outputs)
+        return late
+    starting, before_qkv = recomputed_parts(shape, build.setup.recompute)
+    build.recompute(starting)
+    pieces.rest(*mlp, "MLP", outputs)
+    pieces.project_and_post(out, 0.0, "output projection", outputs)
+    pieces.attention()
+    build.recompute(before_qkv)
+    pieces.wait_and_project(*qkv, "QKV projection", qkv)
+    return None
 
 
 @without_cycle_collection

@@ -268,6 +268,16 @@ def simulate_plan(
     return simulate_plans(plan, [run], routed, remap)[0]
 
 
+def ulysses_pieces(config: Config, shape: ModelShape) -> int:
+    """The pieces a run's USP items exchange heads in (`parallel.ulysses_chunks`), where
+    its blocks run them so: blocks as FSDP units, no `linears` checkpointing and no MoE
+    pipeline (`ray_zep.model.llama.Block.plain_forward`); else 1 (whole)."""
+    parallel = config.parallel
+    piped = shape.moe_experts > 0 and parallel.moe_pipeline is not MoEPipeline.NONE
+    linears = config.train.activation_checkpointing is ActivationCheckpointing.LINEARS
+    return 1 if piped or linears else parallel.ulysses_pieces
+
+
 @without_cycle_collection
 def simulate_plans(
     plan: AttentionPlan,
@@ -302,7 +312,8 @@ def simulate_plans(
                        weight_groups_backward=weights[0].backward_groups,
                        dkv_owner=base.dkv_owner, gather_after_attention=late,
                        gathered_ahead=weights[0].gathered_ahead,
-                       regathers=base.config.parallel.reshard_after_forward)  # fmt: skip
+                       regathers=base.config.parallel.reshard_after_forward,
+                       ulysses_chunks=ulysses_pieces(base.config, shape))  # fmt: skip
     wires = list(dict.fromkeys((c, w.layer_sync) for c, w in zip(codecs, weights, strict=True)))
     forward = _simulated(layer_graphs(setup, Phase.FORWARD, wires), hw.pool)
     backward = _simulated(layer_graphs(setup, Phase.BACKWARD, wires), hw.pool)

@@ -36,7 +36,6 @@ from ray_zep.data.shards import RankShard
 from ray_zep.distributed import Comm
 from ray_zep.model.llama import Transformer
 from ray_zep.moe.parallel import balance_loss
-from ray_zep.options import FsdpUnit
 from ray_zep.parallel.axes import Family, Sharding
 from ray_zep.remap.layout import RankRemap
 from ray_zep.traffic import Traffic, gradient_traffic, sharded_weights_traffic
@@ -175,8 +174,7 @@ class AutogradRunner(StepRunner):
         ctx = self.ctx
         schedule = RankSchedule.build(shard.plan, ctx.comm.rank, ctx.device, shard.routing)
         kernels = (ctx.kernel, select_backward(ctx.kernel))
-        parallel = ctx.config.parallel
-        chunks = parallel.ulysses_chunks if parallel.fsdp_unit is FsdpUnit.BLOCK else 1
+        chunks = ctx.config.parallel.ulysses_pieces
         return EngineAttention(schedule, ctx.links, kernels, shard.remap, chunks)
 
 
