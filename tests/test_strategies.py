@@ -322,12 +322,12 @@ def test_every_placement_and_weights_mode_trains_like_one_process(
     runs |= {name: [*planned, *extra] for name, extra in LAYER_RUNS.items()}
     if crossed:
         runs["zeppelin+fsdp per projection"] = [*runs["zeppelin+fsdp"], "parallel.fsdp_unit=linear"]
-    # USP groups' head exchanges in 3 pieces beside the projections (4 by default), and whole
-    runs["zeppelin+fsdp ulysses in 3 pieces"] = [*planned, "parallel.sequence=zeppelin",
-                                                 "parallel.weights=fsdp",
-                                                 "parallel.ulysses_chunks=3"]  # fmt: skip
-    runs["usp+replicated ulysses whole"] = [*planned, "parallel.sequence=usp",
-                                            "parallel.ulysses_chunks=1"]  # fmt: skip
+    if crossed:  # USP head exchanges in 3 pieces beside the projections (4 by default), whole
+        runs["zeppelin+fsdp ulysses in 3 pieces"] = [*planned, "parallel.sequence=zeppelin",
+                                                     "parallel.weights=fsdp",
+                                                     "parallel.ulysses_chunks=3"]  # fmt: skip
+        runs["usp+replicated ulysses whole"] = [*planned, "parallel.sequence=usp",
+                                                "parallel.ulysses_chunks=1"]  # fmt: skip
     # the default places by modelled work (token counts differ between ranks); the cost
     # model's zones and first-fit packing are the other policy
     runs["zeppelin+cost"] = [*planned, "parallel.sequence=zeppelin", "parallel.weights=fsdp",

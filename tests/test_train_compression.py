@@ -90,11 +90,6 @@ PAIRS = {
         ["kv", "ulysses_all_to_all"],
         {"kv", "ulysses_all_to_all"},
     ),
-    "usp whole": (  # the head exchanges whole (`usp` runs them in pieces by default)
-        ["parallel.sequence=usp", "parallel.ulysses_degree=2", "parallel.ulysses_chunks=1"],
-        ["ulysses_all_to_all"],
-        {"ulysses_all_to_all"},
-    ),
     "fsdp_all_gather per projection": (
         ["parallel.weights=fsdp", "parallel.fsdp_unit=linear"],
         ["fsdp_all_gather"],

@@ -67,7 +67,7 @@ class ParallelConfig:
     projection of a piece while the pieces after it arrive, and backward mirrors it
     (ray_zep.attention.ulysses_chunks; the planner's work model and the simulator count
     it). 1: each exchange whole, between the linear modules. The default: `bench scale`
-    steps faster with 4 on 23 of 32 rows of its 4k grid, slower on 5, by up to 1.9%
+    steps faster with 4 on 24 of 32 rows of its 4k grid, slower on 4, by up to 1.9%
     (BENCHMARKS.md, sixty-fifth series). Blocks as FSDP units only
     (parallel.fsdp_unit=block), without parallel.remap, outside MoE blocks' pipelines and
     not under train.activation_checkpointing=linears; elsewhere exchanges run whole."""

@@ -72,12 +72,12 @@ def ulysses_sizes(build: GraphBuilder, item: QueueItem, incoming: bool):
 def ulysses_exchange(build: GraphBuilder, item: QueueItem, incoming: bool) -> None:
     """The whole exchange before (`incoming`) or after the ring; every member waits for it."""
     posted = {r: build.point[r] for r in item.ranks}
-    done = _exchange_parts(build, item, incoming, posted, lambda tokens: tokens)
+    done, _ = _exchange_parts(build, item, incoming, posted, lambda tokens: tokens)
     for rank in item.ranks:
         build.wait(rank, done[rank])
 
 
-def _exchange_parts(build, item: QueueItem, incoming: bool, posted, rows_of) -> dict:
+def _exchange_parts(build, item: QueueItem, incoming: bool, posted, rows_of) -> tuple:
     """Every member's messages to the others of its position (`rows_of(tokens)`: the rows
     of a member's `tokens` a message carries), played as an all-to-all-v per rank and
     link kind (`GraphBuilder.rank_exchange`), as the engine posts them, one batch of all
@@ -85,16 +85,16 @@ def _exchange_parts(build, item: QueueItem, incoming: bool, posted, rows_of) -> 
     kind, from when every member of its position has posted. Pair by pair, a message
     would hold its sender's port while it waits for a receiver the other members are
     sending to, as no all-to-all does (the remap's all-to-all-v is played the same way,
-    `_Builder.remap`). The parts by rank: its own and its peers' (what it receives)."""
+    `_Builder.remap`). By rank: every part of its position (what it waits for: its own
+    and what it receives), and its own parts (what runs beside its compute)."""
     tokens, per_row, mine, stream = ulysses_sizes(build, item, incoming)
     name = "Ulysses in" if incoming else "Ulysses out"
     u, node = item.ulysses, build.node
-    done = defaultdict(list)
+    done, own = defaultdict(list), defaultdict(list)
     for position in range(item.ring_size):
         group = item.ranks[position * u : (position + 1) * u]
         rows = [rows_of(tokens[position * u + m]) * per_row for m in range(u)]
         deps = [posted[r] for r in group]
-        parts = []
         for me, src in enumerate(group):
             moved = {}  # link kind: (sent, received)
             for peer, dst in enumerate(group):
@@ -104,12 +104,12 @@ def _exchange_parts(build, item: QueueItem, incoming: bool, posted, rows_of) -> 
                 sent, got = moved.get(kind, (0.0, 0.0))
                 out, back = (rows[me], rows[peer]) if mine else (rows[peer], rows[me])
                 moved[kind] = (sent + out, got + back)
-            parts.append([build.rank_exchange(src, kind, max(pair), deps, name, stream)
-                          for kind, pair in moved.items() if max(pair) > 0])  # fmt: skip
-        every = [t for own in parts for t in own]
+            own[src] = [build.rank_exchange(src, kind, max(pair), deps, name, stream)
+                         for kind, pair in moved.items() if max(pair) > 0]  # fmt: skip
+        every = [t for src in group for t in own[src]]
         for src in group:
             done[src] = every
-    return done
+    return done, own
 
 
 class UlyssesPieces:
@@ -132,7 +132,8 @@ class UlyssesPieces:
         self.order = list(range(self.k)) if forward else list(reversed(range(self.k)))
         self.factor = 1.0 if forward else BACKWARD_LINEAR_FACTOR
         self.arrivals: dict[tuple[int, int], list[int]] = defaultdict(list)
-        self.departures: dict[tuple[int, int], list[list[int]]] = defaultdict(list)
+        self.departures: dict[tuple[int, int], list[tuple]] = defaultdict(list)
+        """Per (item index, rank), each piece's parts after the ring: (all, its own)."""
         self.total: list[float] = []
 
     @classmethod
@@ -161,10 +162,9 @@ class UlyssesPieces:
                         task = self._compute(rank, rows, flops, elements, name, in_flight[rank])
                         build.wait(rank, [task])
                 posted = {rank: build.point[rank] for rank in item.ranks}
-                sent = _exchange_parts(build, item, True, posted,
-                                 lambda n, c=c: chunk_sizes(n, self.k)[c])  # fmt: skip
+                sent, own = _exchange_parts(build, item, True, posted, self._piece(c))
                 for rank in item.ranks:
-                    in_flight[rank] = sent[rank]
+                    in_flight[rank] = own[rank]
                     self.arrivals[index, rank] += sent[rank]
         for rank, count in enumerate(tokens):
             rest = count - self.split[rank]
@@ -185,10 +185,9 @@ class UlyssesPieces:
         for index, item in self.items:
             posted = {rank: build.point[rank] for rank in item.ranks}
             for c in self.order:
-                sent = _exchange_parts(build, item, False, posted,
-                                 lambda n, c=c: chunk_sizes(n, self.k)[c])  # fmt: skip
+                sent, own = _exchange_parts(build, item, False, posted, self._piece(c))
                 for rank in item.ranks:
-                    self.departures[index, rank].append(sent[rank])
+                    self.departures[index, rank].append((sent[rank], own[rank]))
 
     def wait_and_project(self, flops: float, elements: float, name: str, whole) -> None:
         """The rank's other rows beside the pieces in flight, then each piece of its USP
@@ -197,16 +196,16 @@ class UlyssesPieces:
         tokens = self._totals(*whole)
         for rank, count in enumerate(tokens):
             mine = [(i, self.departures[i, rank]) for i in self.held[rank]]
-            flying = [t for _, pieces in mine for sent in pieces for t in sent]
+            flying = [t for _, pieces in mine for _, own in pieces for t in own]
             rest = count - self.split[rank]
             if rest > 0 or not mine:
                 build.wait(rank, [self._compute(rank, rest, flops, elements, name, flying)])
             for index, pieces in mine:
                 for j, c in enumerate(self.order):
-                    build.wait(rank, pieces[j])
+                    build.wait(rank, pieces[j][0])
                     rows = chunk_sizes(self.rows[index, rank], self.k)[c]
                     if rows:
-                        later = [t for sent in pieces[j + 1 :] for t in sent]
+                        later = [t for _, own in pieces[j + 1 :] for t in own]
                         task = self._compute(rank, rows, flops, elements, name, later)
                         build.wait(rank, [task])
 
@@ -216,6 +215,10 @@ class UlyssesPieces:
         tokens = self._totals(*whole)
         for rank, count in enumerate(tokens):
             self.build.wait(rank, [self._compute(rank, count, flops, elements, name, [])])
+
+    def _piece(self, c: int):
+        """The rows of piece `c` of a member's tokens."""
+        return lambda tokens: chunk_sizes(tokens, self.k)[c]
 
     def _totals(self, flops: float, elements: float) -> list[int]:
         """Every rank's linear tokens, noting the seconds of its whole linear part alone."""
