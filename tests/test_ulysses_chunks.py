@@ -22,7 +22,6 @@ from ray_zep.partition import balance
 from ray_zep.partition.level_trace import LevelOutcome
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts, local_placement
 from ray_zep.partition.work import WorkModel, exposed_exchange, ulysses_row_bytes
-from ray_zep.sim.compare import variant_config
 from ray_zep.sim.graph_builder import GraphBuilder
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, simulate_plan
@@ -30,6 +29,7 @@ from ray_zep.step_plan import plan_step
 from ray_zep.topology import LinkKind, build_topology
 from tests.helpers.attention import KERNELS
 from tests.helpers.procs import run_ranks
+from tests.helpers.scenarios import zeppelin_case
 
 LENGTHS = [61, 5, 3, 9]
 DIM, HEAD_DIM = 16, 4
@@ -241,13 +241,7 @@ def test_a_level_short_of_nodes_is_placed_again_with_the_exchanges_costed_whole(
     nodes for their groups and the work policy keeps 1.231x the mean rank's work; placed
     again with the exchanges costed whole, level 1.2 places and 1.175 is kept, every rank
     within L."""
-    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=512",
-                                "model.preset=7b", "parallel.weights=fsdp",
-                                "train.tokens_per_rank=10240", "parallel.ring_kv_room_mb=0",
-                                "parallel.ulysses_chunks=4"])  # fmt: skip
-    config = variant_config(config, "zeppelin", 10240)
-    topology = build_topology(config.topology)
-    shape = RunModel.create(config, Hardware.preset(topology)).shape
+    config, topology, shape = zeppelin_case(4096, "7b", 10240, "parallel.ulysses_chunks=4")
     lengths = batch_lengths("prolong64k", 4096 * 4096, 0)
 
     def levels() -> tuple[dict, object]:

@@ -8,18 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ray_zep.config import load_config
 from ray_zep.data.synthetic import batch_lengths
 from ray_zep.partition import wide_guests
 from ray_zep.partition.level_trace import LevelOutcome
 from ray_zep.partition.usp_guests import PartsTable, usp_guests
 from ray_zep.partition.work import FORWARD_SHARE, RingParts
-from ray_zep.sim.compare import variant_config
-from ray_zep.sim.hardware import Hardware
-from ray_zep.sim.step import RunModel
 from ray_zep.step_plan import plan_step
-from ray_zep.topology import build_topology
-from tests.helpers.scenarios import WHOLE_EXCHANGES
+from tests.helpers.scenarios import WHOLE_EXCHANGES, zeppelin_case
 from tests.test_narrow_usp import usp_cluster
 
 
@@ -95,13 +90,7 @@ def test_the_work_policy_keeps_a_lower_level_with_wide_hosts(monkeypatch) -> Non
     guests in them the work policy keeps a level below 1.13x the mean rank's work (1.12x;
     without, the groups need more ranks than there are up to 1.165x and it keeps 1.175x),
     every rank within L, and groups of five-node positions hold guests."""
-    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=512",
-                                "model.preset=13b", "parallel.weights=fsdp",
-                                "train.tokens_per_rank=8960",
-                                "parallel.ring_kv_room_mb=0", WHOLE_EXCHANGES])  # fmt: skip
-    config = variant_config(config, "zeppelin", 8960)
-    topology = build_topology(config.topology)
-    shape = RunModel.create(config, Hardware.preset(topology)).shape
+    config, topology, shape = zeppelin_case(4096, "13b", 8960, WHOLE_EXCHANGES)
     lengths = batch_lengths("github", 4096 * 4096, 0)
 
     def kept() -> tuple[float, object]:

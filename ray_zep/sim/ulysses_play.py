@@ -48,8 +48,8 @@ def member_tokens(build: GraphBuilder, item: QueueItem) -> list[int]:
 
 
 def ulysses_sizes(build: GraphBuilder, item: QueueItem, incoming: bool):
-    """(every member's tokens, bytes per row, whether a message carries its sender's
-    rows, `Stream`) of the exchange before (`incoming`) or after the ring, this phase."""
+    """(bytes per row, whether a message carries its sender's rows, `Stream`) of the
+    exchange before (`incoming`) or after the ring, this phase."""
     shape, u = build.setup.shape, item.ulysses
     q_per = shape.n_heads // u
     kv_per = shape.n_kv_heads // u if u <= shape.n_kv_heads else 1
@@ -66,34 +66,35 @@ def ulysses_sizes(build: GraphBuilder, item: QueueItem, incoming: bool):
     else:  # dQ/dK/dV of the peer's rows, my heads (`ulysses.ulysses_gradient_dtype`)
         wire = elem if u <= shape.n_kv_heads else FP32_BYTES  # float32 for shared heads
         mine, per_row, stream = False, qkv * wire, Stream(name, wire, True)
-    return member_tokens(build, item), per_row, mine, stream
+    return per_row, mine, stream
 
 
 def ulysses_exchange(build: GraphBuilder, item: QueueItem, incoming: bool) -> None:
     """The whole exchange before (`incoming`) or after the ring; every member waits for it."""
     posted = {r: build.point[r] for r in item.ranks}
-    done, _ = _exchange_parts(build, item, incoming, posted, lambda tokens: tokens)
+    done, _ = _exchange_parts(build, item, member_tokens(build, item), incoming, posted)
     for rank in item.ranks:
         build.wait(rank, done[rank])
 
 
-def _exchange_parts(build, item: QueueItem, incoming: bool, posted, rows_of) -> tuple:
-    """Every member's messages to the others of its position (`rows_of(tokens)`: the rows
-    of a member's `tokens` a message carries), played as an all-to-all-v per rank and
-    link kind (`GraphBuilder.rank_exchange`), as the engine posts them, one batch of all
-    pairs: a member's part moves the larger of what it sends and receives over that
-    kind, from when every member of its position has posted. Pair by pair, a message
-    would hold its sender's port while it waits for a receiver the other members are
-    sending to, as no all-to-all does (the remap's all-to-all-v is played the same way,
-    `_Builder.remap`). By rank: every part of its position (what it waits for: its own
-    and what it receives), and its own parts (what runs beside its compute)."""
-    tokens, per_row, mine, stream = ulysses_sizes(build, item, incoming)
+def _exchange_parts(build, item: QueueItem, rows: list[int], incoming: bool, posted) -> tuple:
+    """Every member's messages to the others of its position (`rows[m]`: the rows of
+    member m, in `item.ranks` order, that a message to or from it carries), played as an
+    all-to-all-v per rank and link kind (`GraphBuilder.rank_exchange`), as the engine
+    posts them, one batch of all pairs: a member's part moves the larger of what it sends
+    and receives over that kind, from when every member of its position has posted. Pair
+    by pair, a message would hold its sender's port while it waits for a receiver the
+    other members are sending to, as no all-to-all does (the remap's all-to-all-v is
+    played the same way, `_Builder.remap`). By rank: every part of its position (what it
+    waits for: its own and what it receives), and its own parts (what runs beside its
+    compute)."""
+    per_row, mine, stream = ulysses_sizes(build, item, incoming)
     name = "Ulysses in" if incoming else "Ulysses out"
     u, node = item.ulysses, build.node
     done, own = defaultdict(list), defaultdict(list)
     for position in range(item.ring_size):
         group = item.ranks[position * u : (position + 1) * u]
-        rows = [rows_of(tokens[position * u + m]) * per_row for m in range(u)]
+        nbytes = [rows[position * u + m] * per_row for m in range(u)]
         deps = [posted[r] for r in group]
         for me, src in enumerate(group):
             moved = {}  # link kind: (sent, received)
@@ -102,7 +103,7 @@ def _exchange_parts(build, item: QueueItem, incoming: bool, posted, rows_of) -> 
                     continue
                 kind = LinkKind.INTRA_NODE if node[src] == node[dst] else LinkKind.INTER_NODE
                 sent, got = moved.get(kind, (0.0, 0.0))
-                out, back = (rows[me], rows[peer]) if mine else (rows[peer], rows[me])
+                out, back = (nbytes[me], nbytes[peer]) if mine else (nbytes[peer], nbytes[me])
                 moved[kind] = (sent + out, got + back)
             own[src] = [build.rank_exchange(src, kind, max(pair), deps, name, stream)
                          for kind, pair in moved.items() if max(pair) > 0]  # fmt: skip
@@ -120,13 +121,18 @@ class UlyssesPieces:
         self.k = build.setup.ulysses_chunks
         self.items = [(i, item) for i, item in enumerate(build.setup.plan.items())
                       if item.ulysses > 1]  # fmt: skip
-        self.rows: dict[tuple[int, int], int] = {}  # (item index, rank): its member's tokens
+        self.pieces: dict[int, list[list[int]]] = {}
+        """Per item index, each piece's rows of every member (`item.ranks` order)."""
+        self.member: dict[tuple[int, int], int] = {}  # (item index, rank): its member index
         self.split: dict[int, int] = defaultdict(int)  # rank: its rows of USP items
         self.held: dict[int, list[int]] = defaultdict(list)  # rank: its USP items' indices
         for index, item in self.items:
-            for rank, tokens in zip(item.ranks, member_tokens(build, item), strict=True):
-                self.rows[index, rank] = tokens
-                self.split[rank] += tokens
+            tokens = member_tokens(build, item)
+            sizes = [chunk_sizes(n, self.k) for n in tokens]
+            self.pieces[index] = [[piece[c] for piece in sizes] for c in range(self.k)]
+            for m, rank in enumerate(item.ranks):
+                self.member[index, rank] = m
+                self.split[rank] += tokens[m]
                 self.held[rank].append(index)
         forward = build.phase is Phase.FORWARD
         self.order = list(range(self.k)) if forward else list(reversed(range(self.k)))
@@ -156,13 +162,13 @@ class UlyssesPieces:
         in_flight: dict[int, list[int]] = defaultdict(list)
         for index, item in self.items:
             for c in self.order:
-                for rank in item.ranks:
-                    rows = chunk_sizes(self.rows[index, rank], self.k)[c]
-                    if rows:
-                        task = self._compute(rank, rows, flops, elements, name, in_flight[rank])
+                rows = self.pieces[index][c]
+                for m, rank in enumerate(item.ranks):
+                    if rows[m]:
+                        task = self._compute(rank, rows[m], flops, elements, name, in_flight[rank])
                         build.wait(rank, [task])
                 posted = {rank: build.point[rank] for rank in item.ranks}
-                sent, own = _exchange_parts(build, item, True, posted, self._piece(c))
+                sent, own = _exchange_parts(build, item, rows, True, posted)
                 for rank in item.ranks:
                     in_flight[rank] = own[rank]
                     self.arrivals[index, rank] += sent[rank]
@@ -185,7 +191,7 @@ class UlyssesPieces:
         for index, item in self.items:
             posted = {rank: build.point[rank] for rank in item.ranks}
             for c in self.order:
-                sent, own = _exchange_parts(build, item, False, posted, self._piece(c))
+                sent, own = _exchange_parts(build, item, self.pieces[index][c], False, posted)
                 for rank in item.ranks:
                     self.departures[index, rank].append((sent[rank], own[rank]))
 
@@ -203,7 +209,7 @@ class UlyssesPieces:
             for index, pieces in mine:
                 for j, c in enumerate(self.order):
                     build.wait(rank, pieces[j][0])
-                    rows = chunk_sizes(self.rows[index, rank], self.k)[c]
+                    rows = self.pieces[index][c][self.member[index, rank]]
                     if rows:
                         later = [t for _, own in pieces[j + 1 :] for t in own]
                         task = self._compute(rank, rows, flops, elements, name, later)
@@ -215,10 +221,6 @@ class UlyssesPieces:
         tokens = self._totals(*whole)
         for rank, count in enumerate(tokens):
             self.build.wait(rank, [self._compute(rank, count, flops, elements, name, [])])
-
-    def _piece(self, c: int):
-        """The rows of piece `c` of a member's tokens."""
-        return lambda tokens: chunk_sizes(tokens, self.k)[c]
 
     def _totals(self, flops: float, elements: float) -> list[int]:
         """Every rank's linear tokens, noting the seconds of its whole linear part alone."""
