@@ -17,6 +17,7 @@ from ray_zep.attention.varlen import PackedSeqs
 from ray_zep.config import load_config
 from ray_zep.data.synthetic import batch_lengths
 from ray_zep.distributed import Comm
+from ray_zep.errors import ConfigError
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition import balance
 from ray_zep.partition.level_trace import LevelOutcome
@@ -254,3 +255,9 @@ def test_a_level_short_of_nodes_is_placed_again_with_the_exchanges_costed_whole(
     monkeypatch.setattr(balance, "WHOLE_COST_RETRY", False)
     tried, _ = levels()
     assert tried[1.2] is LevelOutcome.NODES and tried[1.2313] is LevelOutcome.KEPT
+
+
+@pytest.mark.unit
+def test_fewer_than_one_piece_is_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"parallel\.ulysses_chunks"):
+        load_config(None, ["parallel.ulysses_chunks=0"])
