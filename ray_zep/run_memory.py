@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ray_zep.config import Config
+from ray_zep.config import Config, ParallelConfig
 from ray_zep.model_shapes import build_shape
+from ray_zep.parallel.axes import Sharding
 from ray_zep.parallel.memory import MemoryInputs
 from ray_zep.prefetch_plan import run_prefetch_depth
 from ray_zep.topology import Topology
@@ -25,7 +26,8 @@ def memory_inputs(
 ) -> MemoryInputs:
     """What the memory model needs from a run's config for a rank holding `tokens`
     (`on_cpu`: the rank computes on the CPU, as on a virtual topology; `kept_kv_tokens`:
-    `MemoryInputs.kept_kv_tokens`)."""
+    `MemoryInputs.kept_kv_tokens`). `parallel.reshard_to_node` counts where set true: a
+    run resolves it first (`ray_zep.partition.node_reshard`)."""
     parallel = config.parallel
     ranks = parallel.sequence_axis.processes(topology.world_size)
     element_bytes = torch.empty((), dtype=dtype).element_size()
@@ -51,4 +53,17 @@ def memory_inputs(
         kept_kv_tokens=kept_kv_tokens,
         micro_batches=config.train.micro_batches,
         reshard_after_forward=parallel.reshard_after_forward,
+        reshard_to_node=bool(parallel.reshard_to_node) and node_reshard_applies(parallel, topology),
     )
+
+
+def node_reshard_applies(parallel: ParallelConfig, topology: Topology) -> bool:
+    """FSDP2 over every rank of several nodes of more than one GPU, resharding after
+    forward: where `parallel.reshard_to_node` means anything (hsdp's groups are a node
+    already)."""
+    axis = parallel.weights_axis
+    if not (axis.fsdp and axis.sharding is Sharding.ALL_RANKS and parallel.reshard_after_forward):
+        return False
+    gpus = topology.gpus_per_node
+    ranks = parallel.sequence_axis.processes(topology.world_size)
+    return topology.nodes > 1 and 1 < gpus < ranks and ranks % gpus == 0

@@ -141,7 +141,7 @@ def gradient_traffic(nbytes: int, topology: Topology, world: int) -> Traffic:
 
 
 def sharded_weights_traffic(
-    gathered_bytes: int, grad_bytes: int, topology: Topology, hybrid: bool
+    gathered_bytes: int, grad_bytes: int, topology: Topology, hybrid: bool, node_gathered: int = 0
 ) -> Traffic:
     """Bytes of FSDP's collectives in one step, as ring algorithms move them.
 
@@ -152,6 +152,8 @@ def sharded_weights_traffic(
         topology: the cluster; ranks are node-major.
         hybrid: shard inside each node and all-reduce the shards over the nodes'
             rails (hsdp) instead of sharding over all ranks (fsdp).
+        node_gathered: unsharded parameter bytes all-gathered inside each node from
+            its GPUs' shards (the backward's gathers under `parallel.reshard_to_node`).
     """
     out = Traffic.zero(topology)
     world, gpus = topology.world_size, topology.gpus_per_node
@@ -161,6 +163,10 @@ def sharded_weights_traffic(
     for members in groups:
         size = len(members)
         _ring_charge(out, topology, members, (size - 1) * (gathered_bytes + grad_bytes) // size)
+    if node_gathered:
+        for node in range(topology.nodes):
+            members = list(range(node * gpus, (node + 1) * gpus))
+            _ring_charge(out, topology, members, (gpus - 1) * node_gathered // gpus)
     if len(groups) > 1:
         shard = grad_bytes // gpus
         nodes = topology.nodes

@@ -27,6 +27,10 @@ pytestmark = pytest.mark.unit
 
 L = 4096
 
+KEEP_RESHARDING = ("parallel.reshard_to_node=false",)
+"""The micro-batch rows' checkpointing and bound alone: the blocks resharded over every rank
+(kept on the node, a row may take them with another checkpointing and its own bound)."""
+
 
 def _run(nodes: int, capacity: int, parts: int, variant: str = "zeppelin") -> RunModel:
     config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={nodes}",
@@ -132,7 +136,13 @@ def test_scale_rows_that_recompute_play_micro_batches_and_keep_the_fastest() -> 
     10k tokens recomputes as much), always on the whole batch's bound, and times each
     micro-batch's `plan_step` call apart besides the step's together. At 4k nothing
     recomputes and the row plays one batch a step."""
-    case = dict(gpus=(64,), distributions=("arxiv",), models=("7b",), placements=("zeppelin",))
+    case = dict(
+        gpus=(64,),
+        distributions=("arxiv",),
+        models=("7b",),
+        placements=("zeppelin",),
+        overrides=KEEP_RESHARDING,
+    )
     (one,) = run_scale_bench(ScaleBenchSpec(**case, tokens_per_gpu=(16384,), micro_batches=1),
                              progress=lambda line: None)  # fmt: skip
     (best,) = run_scale_bench(ScaleBenchSpec(**case, tokens_per_gpu=(16384,), micro_batches=2),
@@ -168,7 +178,13 @@ def test_scale_rows_try_every_micro_batch_count_while_they_recompute(monkeypatch
                       row.step_s))  # fmt: skip
 
     monkeypatch.setattr(scale, "_measure", recorded)
-    case = dict(gpus=(64,), distributions=("arxiv",), models=("13b",), placements=("zeppelin",))
+    case = dict(
+        gpus=(64,),
+        distributions=("arxiv",),
+        models=("13b",),
+        placements=("zeppelin",),
+        overrides=KEEP_RESHARDING,
+    )
     (row,) = run_scale_bench(ScaleBenchSpec(**case, tokens_per_gpu=(16384,), micro_batches=3),
                              progress=lambda line: None)  # fmt: skip
     assert [(parts, capacity) for parts, capacity, *_ in tried] == [(1, 20480), (2, 10240),

@@ -35,6 +35,7 @@ def _run(depth: int, latency_us: float) -> RunModel:
                                 "parallel.weights=fsdp", "parallel.sequence=zeppelin",
                                 "parallel.routing=true", f"parallel.prefetch_depth={depth}",
                                 "parallel.prefetch_after_attention=true",
+                                "parallel.reshard_to_node=false",  # the backward's gather ahead
                                 f"topology.intra_node_latency_us={latency_us}",
                                 f"topology.inter_node_latency_us={latency_us}",
                                 WHOLE_EXCHANGES])  # fmt: skip

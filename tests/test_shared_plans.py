@@ -30,6 +30,7 @@ OTHER_VALUES = {
     "moe_overlap_degree": (2,),
     "prefetch_after_attention": (True, False),
     "prefetch_depth": (1, 3),
+    "reshard_to_node": (True, False),
 }
 """Values tried for the fields that are neither an enum nor a plain bool."""
 

@@ -568,15 +568,22 @@ def test_a_weight_collective_leaves_the_links_free_for_its_latency_and_shares_th
 
 def test_fsdp_weight_collectives_carry_their_ring_steps_latency() -> None:
     """A block's FSDP2 all-gather over W ranks has W - 1 ring steps' latency; backward
-    gathers again and reduce-scatters: twice that. Each is part of its collective's time."""
-    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=4",
-                                "model.preset=7b", "parallel.weights=fsdp"])  # fmt: skip
-    run = RunModel.create(config, Hardware.preset(build_topology(config.topology)))
-    paid = weights_of(run)
-    one = run.hardware.cost(run.shape).all_gather_seconds(0.0, range(32))
-    assert one > 0
-    assert paid.layer_latency == pytest.approx((one, 2 * one))
-    assert all(lat < sync for lat, sync in zip(paid.layer_latency, paid.layer_sync, strict=True))
+    gathers again and reduce-scatters: twice that, or, with the blocks kept on the node
+    (`parallel.reshard_to_node`, unset: room for them here), the reduce-scatter's and the
+    node's gather's G - 1 steps. Each is part of its collective's time."""
+    keys = ["topology.preset=cluster_a", "topology.nodes=4", "model.preset=7b",
+            "parallel.weights=fsdp"]  # fmt: skip
+    for extra, node in (([], True), (["parallel.reshard_to_node=false"], False)):
+        config = load_config(None, [*keys, *extra])
+        run = RunModel.create(config, Hardware.preset(build_topology(config.topology)))
+        paid = weights_of(run)
+        cost = run.hardware.cost(run.shape)
+        one = cost.all_gather_seconds(0.0, range(32))
+        inside = cost.all_gather_seconds(0.0, range(8))
+        assert 0 < inside < one and paid.regather_in_node is node
+        assert paid.layer_latency == pytest.approx((one, one + (inside if node else one)))
+        assert all(lat < sync for lat, sync in zip(paid.layer_latency, paid.layer_sync,
+                                                   strict=True))  # fmt: skip
 
 
 def test_a_collective_across_nodes_moves_on_each_link_for_its_own_bytes() -> None:

@@ -66,6 +66,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ray_zep.bench.scale_options import (
+    as_option,
+    bounds_by_node_shards,
+    fitting_checkpointing,
+    own_bounds,
+)
 from ray_zep.bench.scale_overrides import (
     GPUS_PER_NODE,
     OVERRIDES_HELP,
@@ -88,13 +94,12 @@ from ray_zep.partition.stats import max_over_mean, plan_stats
 from ray_zep.remap.solver import max_flow_library
 from ray_zep.report.output import BenchResult
 from ray_zep.report.progress import ProgressLine
-from ray_zep.sim.bound import over_bound, step_bound
+from ray_zep.run_memory import node_reshard_applies
+from ray_zep.sim.bound import over_bound
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
 from ray_zep.sim.checkpointing import (
-    checkpointing_as,
     checkpointing_label,
     fitting_options,
-    plans_peak,
 )
 from ray_zep.sim.compare import VARIANTS, variant_config
 from ray_zep.sim.gpu_time import mean_gpu_time_shares
@@ -319,6 +324,10 @@ class ScaleRow:
     recomputes."""
     fits: str | None = None
     """"yes", or "NO" where the fullest rank's modelled memory exceeds the GPU's."""
+    node_shards: bool | None = None
+    """Whether the row keeps each block sharded over the node after its forward
+    (`parallel.reshard_to_node`, where its fullest rank fits with that under the same
+    checkpointing); None where the key means nothing (one node, hsdp, whole copies)."""
     micro_batches: int = 1
     """Micro-batches a step (module docstring), each of at most L / this tokens a rank."""
     tokens_per_rank: int | None = None
@@ -413,7 +422,7 @@ def case_at(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, toke
     hardware = Hardware.preset(build_topology(config.topology))
     run = RunModel.create(config, hardware)
     ideal = None if spec.plan_only else [ideal_step_seconds(b, run) for b in batches]
-    bounds = None if spec.plan_only else [step_bound(b, run) for b in batches]
+    bounds = None if spec.plan_only else bounds_by_node_shards(batches, run)
     rows = []
     for name in spec.placements:
         row = ScaleRow(gpus, distribution, model, tokens, name, kv_room_mb=kv_room)
@@ -489,9 +498,9 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
         inter.append(sum(attention_step_traffic(plan, run.shape, routed, remap,
                                                 dkv_owner=run.dkv_owner).inter_node
                          for plan in plans))  # fmt: skip
-    options = _fitting_checkpointing(config, hardware, run, stats)
-    runs = [dataclasses.replace(run, config=checkpointing_as(run.config, fitting))
-            for fitting, _ in options]  # fmt: skip
+    options = fitting_checkpointing(config, hardware, run, stats)
+    runs = [dataclasses.replace(run, config=as_option(run.config, option))
+            for option, _ in options]  # fmt: skip
     chosen = 0
     if ideal is not None:
         # every option that fits is simulated (they differ only in what backward
@@ -501,11 +510,14 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
                                        len(batches[0]))
                    for one_run in runs]  # fmt: skip
         chosen = min(range(len(stepped)), key=lambda i: sum(s.step_seconds for s in stepped[i]))
-        seconds = _simulated_columns(row, stepped[chosen], ideal, bounds, run.shape.n_layers)
+        own = own_bounds(bounds, options[chosen][0])
+        seconds = _simulated_columns(row, stepped[chosen], ideal, own, run.shape.n_layers)
         row.tokens_per_s_per_gpu = sum(int(b.sum()) for b in parts) / seconds / hardware.devices
     fitting, peak = options[chosen]
     row.checkpointing, row.peak_memory_gb = checkpointing_label(fitting, run.shape), peak / GB
     row.fits = "yes" if peak <= hardware.usable_memory_bytes else "NO"
+    if node_reshard_applies(fitting.parallel, hardware.topology):
+        row.node_shards = bool(fitting.parallel.reshard_to_node)
     if works:
         step_sums = len(works) // len(batches)  # a step's micro-batches
         row.work_mean, row.work_worst = float(np.mean(works)), float(max(works))
@@ -547,13 +559,6 @@ def _planning_checkpointing(config: Config, hardware: Hardware, run: RunModel) -
         return rank_memory(checked, hardware.topology, run.shape, capacity, capacity).total
 
     return fitting_options(config, hardware, run, peak_of)[0][0]
-
-
-def _fitting_checkpointing(config: Config, hardware: Hardware, run: RunModel, stats):
-    """`fitting_options` by the fullest rank of every plan of `stats` (per batch): each
-    option's config and that rank's modelled bytes."""
-    plans = (one for batch in stats for one in batch)
-    return fitting_options(config, hardware, run, plans_peak(plans, hardware, run.shape))
 
 
 def _simulated_columns(row: ScaleRow, steps, ideal, bounds, n_layers: int) -> float:

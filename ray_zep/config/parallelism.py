@@ -111,6 +111,14 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     """fsdp | hsdp: free each block's gathered parameters after its forward and gather
     them again for backward (less memory, one more all-gather per block)."""
+    reshard_to_node: bool | None = None
+    """fsdp over several nodes, resharding after forward: keep each unit's parameters
+    sharded over its node's GPUs after its forward (FSDP2's reshard_after_forward=G), so
+    that backward gathers them again inside the node, off the NICs that carry the rings'
+    K/V and the gradients' reduce-scatter; each rank holds 1/G of every unit from its
+    forward until its backward (a 7B model's blocks: 1.6 GB in bf16 on 8 GPUs a node).
+    Unset: true where the topology names its GPU's memory and the memory model finds
+    room for that at L tokens a rank, all in rings (ray_zep.partition.node_reshard)."""
     prefetch: bool = True
     """fsdp | hsdp: gather the next unit's parameters while the current one
     computes (explicit forward and backward prefetch)."""

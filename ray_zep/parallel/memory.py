@@ -9,7 +9,7 @@ The model counts the tensors ray_zep's own step keeps, category by category:
   block or the head, or with `parallel.fsdp_unit=linear` a projection; two with
   prefetch; a checkpointed region's projections all at once; under
   `parallel.reshard_after_forward=false` every unit, from its forward until its own
-  backward);
+  backward, and under `parallel.reshard_to_node` 1/G of every unit as long);
 - gradients: fp32, sharded like the parameters (with `train.micro_batches` above 1,
   their running sum too, through every micro-batch's backward);
 - optimizer: AdamW's two fp32 moments of the parameters a rank owns;
@@ -106,6 +106,9 @@ class MemoryInputs:
             of the rank's gradients through every micro-batch's backward.
         reshard_after_forward: `parallel.reshard_after_forward`; false, FSDP2 keeps
             every unit gathered from its forward until its own backward.
+        reshard_to_node: `parallel.reshard_to_node` as the run resolves it: each unit
+            stays sharded over the node's GPUs (1/`gpus_per_node` of it on each) from
+            its forward until its own backward.
     """
 
     weights: WeightsAxis
@@ -127,6 +130,7 @@ class MemoryInputs:
     kept_kv_tokens: float = 0.0
     micro_batches: int = 1
     reshard_after_forward: bool = True
+    reshard_to_node: bool = False
 
     def block_checkpointing(self, index: int) -> ActivationCheckpointing:
         """What block `index`'s backward recomputes."""
@@ -254,6 +258,8 @@ def _working_set(shape: ModelShape, m: MemoryInputs) -> _WorkingSet:
     # not resharded after forward, every unit stays gathered until its own backward, after
     # which FSDP2 reshards it: at the start of backward all of them are
     left = 0 if m.reshard_after_forward else max(0, sum(units) - gathered)
+    if m.reshard_after_forward and m.reshard_to_node:  # resharded to the node: 1/G each
+        left = max(0, sum(units) - gathered) / m.gpus_per_node
     return _WorkingSet(gathered * m.compute_bytes, largest * FP32,
                        left_gathered=left * m.compute_bytes)  # fmt: skip
 

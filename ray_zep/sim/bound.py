@@ -25,13 +25,16 @@ over all its NICs, the cluster over all nodes'. The exchange bound is the larges
 these four transfers, forward and backward, over every layer.
 
 The weights mode's collectives are the same under every placement
-(`ray_zep.sim.step.weights_of`): each block's, which compute may hide, and those no
+(`ray_zep.sim.step.weights_of`; the backward's gather again over the node where the run
+keeps its blocks sharded there, `parallel.reshard_to_node`): each block's, which compute
+may hide, and those no
 compute hides (before the first block, after the last). Where FSDP's groups span
 nodes, a node's NICs carry both those collectives and the K/V it imports, so they
 add there (`_shared_nics`): in the forward a node must receive every other node's
 shard of each block it gathers, besides its K/V; in the backward it must send its
 part of every other node's gradient shard besides its dK/dV (or receive the blocks
-gathered again), each direction of a NIC at its bandwidth; hsdp's per-block
+gathered again, unless `parallel.reshard_to_node` keeps that gather inside the node),
+each direction of a NIC at its bandwidth; hsdp's per-block
 all-reduce between the nodes' replicas crosses them in the backward.
 
 While those per-block collectives run, they take SMs from the compute they overlap
@@ -232,7 +235,8 @@ def _shared_nics(
     shard = block / nodes.size
     gathered = blocks * foreign * shard * run.element_bytes / ratio  # received per phase
     scattered = blocks * foreign * shard * GRAD_BYTES_PER_ELEMENT / ratio  # sent
-    regathered = gathered if run.config.parallel.reshard_after_forward else 0.0
+    again = run.config.parallel.reshard_after_forward and not paid.regather_in_node
+    regathered = gathered if again else 0.0
     forward = node_kv + gathered
     backward = max(node_kv + scattered, regathered)
     return forward / node_bytes_s, backward / node_bytes_s

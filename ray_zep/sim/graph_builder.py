@@ -82,8 +82,10 @@ class LayerSetup:
             the layer repeats). The backward's reduce-scatter is posted at the layer's
             start and waited for at its end, as one block ahead; otherwise the latency
             runs from the post.
-        regathers: the backward gathers each block again (`reshard_after_forward`):
-            `weight_sync`'s backward holds a gather of `weight_sync`'s forward seconds.
+        regathers: the backward gathers each block again over the forward's groups
+            (`reshard_after_forward`, not `reshard_to_node`): `weight_sync`'s backward
+            holds a gather of `weight_sync`'s forward seconds (one over the node, under
+            `reshard_to_node`, is in the backward's collective, joined in its layer).
         codec: ZipCCL on the wire (`comm.compression`); the default sends all plain.
         weight_groups_backward: the backward's groups where they differ (hsdp across
             nodes: its all-reduce between the nodes' replicas crosses every NIC); empty:

@@ -69,6 +69,7 @@ from ray_zep.options import ActivationCheckpointing, CompressionStream
 from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Family, WeightsMode
 from ray_zep.parallel.memory import fsdp_units
 from ray_zep.partition import greedy_bins, plan_from_bins
+from ray_zep.partition.node_reshard import reshards_to_node
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.prefetch_plan import run_gathers_after_attention, run_prefetch_depth
 from ray_zep.remap.solver import RemapPlan
@@ -312,7 +313,8 @@ def simulate_plans(
                        weight_groups_backward=weights[0].backward_groups,
                        dkv_owner=base.dkv_owner, gather_after_attention=late,
                        gathered_ahead=weights[0].gathered_ahead,
-                       regathers=base.config.parallel.reshard_after_forward,
+                       regathers=base.config.parallel.reshard_after_forward
+                       and not weights[0].regather_in_node,
                        ulysses_chunks=ulysses_pieces(base.config, shape))  # fmt: skip
     wires = list(dict.fromkeys((c, w.layer_sync) for c, w in zip(codecs, weights, strict=True)))
     forward = _simulated(layer_graphs(setup, Phase.FORWARD, wires), hw.pool)
@@ -344,9 +346,10 @@ def weights_of(run: RunModel, codec: WireCodec | None = None) -> WeightsCost:
     units = len(fsdp_units(shape, parallel.fsdp_unit))
     host = units * hw.rates.fsdp_unit_overhead_s
     ahead = run_prefetch_depth(run.config, hw.topology, shape, run.element_bytes)
+    in_node = reshards_to_node(run.config, hw.topology, shape)
     return weights_cost(parallel.weights, shape, hw.cost(shape), run.element_bytes,
                         parallel.reshard_after_forward, host, codec or run.codec(),
-                        ahead)  # fmt: skip
+                        ahead, in_node)  # fmt: skip
 
 
 def head_seconds(tokens, shape: ModelShape, rates: ComputeRates):

@@ -11,7 +11,10 @@ As the trainer runs each mode (`ray_zep.train.fsdp`, `ray_zep.train.reductions`)
   `parallel.prefetch_after_attention` (`LayerSetup.gather_after_attention`), from
   when it starts otherwise, and again in backward
   (`reshard_after_forward`), where the block's gradients are also reduce-scattered
-  while the next block computes backward. With `parallel.prefetch_depth` 2 or more a
+  while the next block computes backward (under `parallel.reshard_to_node` that gather
+  runs over the block's shards on the node's GPUs: the simulator plays it on the
+  reduce-scatter's links, after it, as one collective: on the NICs too, for its own few
+  milliseconds). With `parallel.prefetch_depth` 2 or more a
   block's gather is posted that many blocks ahead (`gathered_ahead`): in forward and
   backward alike it may run past the end of the block that posts it, into the next one,
   where it shares the links with that block's messages; the backward's reduce-scatter
@@ -69,6 +72,8 @@ class WeightsCost:
         gathered_ahead: the blocks' gathers are posted two or more blocks ahead
             (`parallel.prefetch_depth`), so a layer waits only for the one posted
             before it (`ray_zep.sim.graph_builder.LayerSetup.gathered_ahead`).
+        regather_in_node: the backward gathers each block again over its node's GPUs
+            (`parallel.reshard_to_node`); `layer_sync`'s backward holds that gather.
     """
 
     layer_sync: tuple[float, float] = (0.0, 0.0)
@@ -78,6 +83,7 @@ class WeightsCost:
     layer_latency: tuple[float, float] = (0.0, 0.0)
     backward_groups: tuple[tuple[int, ...], ...] = ()
     gathered_ahead: bool = False
+    regather_in_node: bool = False
 
 
 def _groups(topology: Topology, sharding: Sharding) -> tuple[tuple[int, ...], ...]:
@@ -95,12 +101,14 @@ def weights_cost(
     host_seconds: float = 0.0,
     codec: WireCodec = PLAIN,
     ahead: int = 1,
+    in_node: bool = False,
 ) -> WeightsCost:
     """The cost of `mode` for `shape` on `cost`'s topology; parameters gathered in
     `param_bytes` per element, gradients reduced in float32, each zipped where `codec`
     zips it; FSDP2's host work of a step (`host_seconds`: its units times
     `ComputeRates.fsdp_unit_overhead_s`) counts as exposed; blocks gathered `ahead`
-    blocks before they run (`WeightsCost.gathered_ahead`).
+    blocks before they run (`WeightsCost.gathered_ahead`); resharded, gathered again in
+    backward over each node's GPUs where `in_node` (`WeightsCost.regather_in_node`).
 
     Raises:
         ValueError: a weight-passing mode (see `ray_zep.sim.weight_passing`).
@@ -140,9 +148,17 @@ def weights_cost(
     # before the blocks: embedding and first block; the head once (it stays gathered);
     # after them: the last block's, the head's and the embedding's reduce-scatters
     exposed = 2 * first + gather + 2 * last + scatter
-    backward = (gather if reshard else 0.0) + scatter
     latency = cost.all_gather_seconds(0.0, groups[0])
-    latencies = (latency, latency * (2 if reshard else 1))
+    again, again_latency = (gather, latency) if reshard else (0.0, 0.0)
+    in_node = in_node and reshard and topology.nodes > 1 and axis.sharding is Sharding.ALL_RANKS
+    if in_node:  # each rank holds 1/G of the block: the node's GPUs gather the rest
+        node = tuple(topology.ranks_of_node(0))
+        nbytes = block * size / len(node) * param_bytes
+        plain = cost.all_gather_seconds(nbytes, node)
+        again = codec.collective_seconds(plain, cost, node, Kind.ALL_GATHER, gather_stream, nbytes)
+        again_latency = cost.all_gather_seconds(0.0, node)
+    backward = again + scatter
+    latencies = (latency, latency + again_latency)
     backward_groups: tuple[tuple[int, ...], ...] = ()
     if axis.sharding is Sharding.NODE and topology.nodes > 1:
         # the G shard all-reduces of a node run at once over its NICs: together they move
@@ -158,4 +174,4 @@ def weights_cost(
         backward_groups = (tuple(range(topology.world_size)),)
     exposed += host_seconds
     return WeightsCost((gather, backward), groups, exposed, params / size, latencies,
-                       backward_groups, ahead > 1)  # fmt: skip
+                       backward_groups, ahead > 1, in_node)  # fmt: skip

@@ -26,6 +26,7 @@ from ray_zep.model.llama import Transformer
 from ray_zep.model_shapes import build_shape
 from ray_zep.moe.parallel import ExpertParallel, parallelize_experts
 from ray_zep.parallel.axes import Family, Passing
+from ray_zep.partition.node_reshard import reshards_to_node
 from ray_zep.pipeline.runner import WeightPipeline
 from ray_zep.prefetch_plan import run_gathers_after_attention, run_prefetch_depth
 from ray_zep.train.fsdp import mesh_shape, shard_model
@@ -147,8 +148,9 @@ def apply_axes(
         zipped = switches.for_group(comm.groups.fsdp_shard) if switches else None
         late = run_gathers_after_attention(config, comm.topology, model.shape, dtype.itemsize)
         depth = run_prefetch_depth(config, comm.topology, model.shape, dtype.itemsize)
+        in_node = reshards_to_node(config, comm.topology, model.shape)
         resolved = dataclasses.replace(parallel, prefetch_after_attention=late,
-                                       prefetch_depth=depth)  # fmt: skip
+                                       prefetch_depth=depth, reshard_to_node=in_node)  # fmt: skip
         shard_model(model, comm, resolved, device, dtype, split, zipped)
     if shapes:
         draw_own_parts(model, _whole_values(model, config, shapes), device)

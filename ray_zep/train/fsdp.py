@@ -91,6 +91,8 @@ def shard_model(
         reduce_dtype=torch.float32 if dtype != torch.float32 else None,
     )
     reshard = parallel.reshard_after_forward
+    if reshard and parallel.reshard_to_node:  # resolved by the caller (`reshards_to_node`)
+        reshard = comm.topology.gpus_per_node  # FSDP2 reshards to consecutive ranks: a node
     expert_ids = {id(p) for m in expert_modules for p in m.parameters()}
     expert_mesh = comm.groups.expert_mesh(device.type)
     placement = ignored = None

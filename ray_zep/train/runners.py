@@ -37,6 +37,7 @@ from ray_zep.distributed import Comm
 from ray_zep.model.llama import Transformer
 from ray_zep.moe.parallel import balance_loss
 from ray_zep.parallel.axes import Family, Sharding
+from ray_zep.partition.node_reshard import reshards_to_node
 from ray_zep.remap.layout import RankRemap
 from ray_zep.traffic import Traffic, gradient_traffic, sharded_weights_traffic
 from ray_zep.train.build import AppliedAxes
@@ -128,12 +129,14 @@ class AutogradRunner(StepRunner):
         ctx = self.ctx
         if ctx.axes.sharded:
             blocks, other = ctx.axes.unsharded_bytes
-            gathers = 2 if ctx.config.parallel.reshard_after_forward else 1
+            again = ctx.config.parallel.reshard_after_forward
+            in_node = again and reshards_to_node(ctx.config, ctx.comm.topology)
             traffic = sharded_weights_traffic(
-                gathers * blocks + other,
+                (2 if again and not in_node else 1) * blocks + other,
                 blocks + other,
                 ctx.comm.topology,
                 hybrid=ctx.config.parallel.weights_axis.sharding is Sharding.NODE,
+                node_gathered=blocks if in_node else 0,
             )
         else:
             traffic = gradient_traffic(grad_bytes, ctx.comm.topology, ctx.comm.world_size)
