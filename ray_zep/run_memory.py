@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ray_zep.config import Config, ParallelConfig
+from ray_zep.config import Compression, Config
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Sharding
 from ray_zep.parallel.memory import MemoryInputs
@@ -53,16 +53,20 @@ def memory_inputs(
         kept_kv_tokens=kept_kv_tokens,
         micro_batches=config.train.micro_batches,
         reshard_after_forward=parallel.reshard_after_forward,
-        reshard_to_node=bool(parallel.reshard_to_node) and node_reshard_applies(parallel, topology),
+        reshard_to_node=bool(parallel.reshard_to_node) and node_reshard_applies(config, topology),
     )
 
 
-def node_reshard_applies(parallel: ParallelConfig, topology: Topology) -> bool:
+def node_reshard_applies(config: Config, topology: Topology) -> bool:
     """FSDP2 over every rank of several nodes of more than one GPU, resharding after
-    forward: where `parallel.reshard_to_node` means anything (hsdp's groups are a node
-    already)."""
+    forward, its collectives plain: where `parallel.reshard_to_node` means anything
+    (hsdp's groups are a node already; compressed, FSDP2's units gather through a switch
+    over their shard group, `ray_zep.train.fsdp_comms`, which the node's group is not)."""
+    parallel = config.parallel
     axis = parallel.weights_axis
     if not (axis.fsdp and axis.sharding is Sharding.ALL_RANKS and parallel.reshard_after_forward):
+        return False
+    if config.comm.compression is not Compression.OFF:
         return False
     gpus = topology.gpus_per_node
     ranks = parallel.sequence_axis.processes(topology.world_size)

@@ -89,8 +89,10 @@ def test_the_memory_model_counts_a_node_shard_of_every_block_until_its_backward(
 def test_unset_the_memory_model_decides_and_the_key_means_nothing_where_it_cannot_apply() -> None:
     """Unset: true where the GPU's memory holds the shards at L all in rings (7B at 4k on
     cluster A), false where it does not (13B at 16k) and on a virtual topology, whose
-    GPU's memory is unknown; set, as set; false on one node and under hsdp."""
+    GPU's memory is unknown; set, as set; false on one node and under hsdp, and with
+    FSDP's collectives compressed (true there is refused, naming both keys)."""
     from ray_zep.config import load_config
+    from ray_zep.errors import ConfigError
     from ray_zep.partition.node_reshard import reshards_to_node, with_node_shards
     from ray_zep.topology import build_topology
 
@@ -107,6 +109,11 @@ def test_unset_the_memory_model_decides_and_the_key_means_nothing_where_it_canno
     keys = ["topology.preset=cluster_a", "topology.nodes=8", "parallel.weights=hsdp"]
     hsdp = load_config(None, [*keys, "parallel.reshard_to_node=true"])
     assert not reshards_to_node(hsdp, build_topology(hsdp.topology))
+    zipped = with_node_shards(load_config(None, [*keys[:2], "parallel.weights=fsdp",
+                                                 "comm.compression=auto"]), None)  # fmt: skip
+    assert not reshards_to_node(zipped, build_topology(zipped.topology))
+    with pytest.raises(ConfigError, match=r"reshard_to_node=true with comm\.compression"):
+        reshards_to_node(with_node_shards(zipped, True), build_topology(zipped.topology))
 
 
 @pytest.mark.unit

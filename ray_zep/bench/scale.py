@@ -516,7 +516,7 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
     fitting, peak = options[chosen]
     row.checkpointing, row.peak_memory_gb = checkpointing_label(fitting, run.shape), peak / GB
     row.fits = "yes" if peak <= hardware.usable_memory_bytes else "NO"
-    if node_reshard_applies(fitting.parallel, hardware.topology):
+    if node_reshard_applies(fitting, hardware.topology):
         row.node_shards = bool(fitting.parallel.reshard_to_node)
     if works:
         step_sums = len(works) // len(batches)  # a step's micro-batches

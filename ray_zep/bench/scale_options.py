@@ -39,7 +39,7 @@ def fitting_checkpointing(config: Config, hardware: Hardware, run: RunModel, sta
     plans = [one for batch in stats for one in batch]
     peak_of = plans_peak(plans, hardware, run.shape)
     unset = config.parallel.reshard_to_node is None
-    if not (unset and node_reshard_applies(config.parallel, hardware.topology)):
+    if not (unset and node_reshard_applies(config, hardware.topology)):
         return fitting_options(config, hardware, run, peak_of)
     apart = fitting_options(with_node_shards(config, False), hardware, run, peak_of)
     together = fitting_options(with_node_shards(config, True), hardware, run, peak_of)
@@ -62,7 +62,7 @@ def bounds_by_node_shards(batches: list[np.ndarray], run: RunModel) -> dict:
     own where it is set or means nothing, else both."""
     config = run.config
     own = config.parallel.reshard_to_node
-    if own is not None or not node_reshard_applies(config.parallel, run.hardware.topology):
+    if own is not None or not node_reshard_applies(config, run.hardware.topology):
         return {own: [step_bound(b, run) for b in batches]}
     return {on: [step_bound(b, dataclasses.replace(run, config=with_node_shards(config, on)))
                  for b in batches]

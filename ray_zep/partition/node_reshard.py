@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ray_zep.config import Config
+from ray_zep.config import Compression, Config
+from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import ModelShape, build_shape
 from ray_zep.partition.plan_memory import KEEP_SHARE, rank_memory
 from ray_zep.run_memory import node_reshard_applies
@@ -32,9 +33,19 @@ def with_node_shards(config: Config, on: bool) -> Config:
 
 def reshards_to_node(config: Config, topology: Topology, shape: ModelShape | None = None) -> bool:
     """`parallel.reshard_to_node` for a run of `config` on `topology` (module docstring):
-    false where it does not apply, the key where set, else whether the shards fit."""
+    false where it does not apply, the key where set, else whether the shards fit.
+
+    Raises:
+        ConfigError: the key is true and `comm.compression` on (`node_reshard_applies`)."""
     parallel = config.parallel
-    if not node_reshard_applies(parallel, topology):
+    if not node_reshard_applies(config, topology):
+        if parallel.reshard_to_node and config.comm.compression is not Compression.OFF:
+            raise ConfigError(
+                f"config key parallel.reshard_to_node=true with comm.compression="
+                f"{config.comm.compression.value}: FSDP2's compressed collectives run over the "
+                "shard group only, not the node's; set parallel.reshard_to_node=false or "
+                "comm.compression=off"
+            )
         return False
     if parallel.reshard_to_node is not None:
         return parallel.reshard_to_node
