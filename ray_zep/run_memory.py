@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import torch
 
-from ray_zep.config import Compression, Config
+from ray_zep.config import Compression, Config, Precision
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Sharding
 from ray_zep.parallel.memory import MemoryInputs
 from ray_zep.prefetch_plan import run_prefetch_depth
 from ray_zep.topology import Topology
+
+USABLE_MEMORY_FRACTION = 0.9
+"""Share of a GPU's memory a step can fill: the CUDA context, NCCL's buffers and the
+caching allocator's fragmentation take the rest (a few GB on an 80 GB GPU)."""
 
 
 def memory_inputs(
@@ -71,3 +75,13 @@ def node_reshard_applies(config: Config, topology: Topology) -> bool:
     gpus = topology.gpus_per_node
     ranks = parallel.sequence_axis.processes(topology.world_size)
     return topology.nodes > 1 and 1 < gpus < ranks and ranks % gpus == 0
+
+
+def memory_precision(config: Config, topology: Topology) -> tuple[torch.dtype, bool, str]:
+    """(compute dtype, flash-attn, in words) the memory model assumes for a run of `config`
+    on `topology` (GPU presets: bf16, flash-attn)."""
+    on_gpu = topology.gpu_memory_bytes > 0
+    bf16 = on_gpu and config.train.precision is not Precision.FP32
+    flash = on_gpu and bf16 and config.model.attention_kernel != "torch"
+    how = ("bf16" if bf16 else "fp32") + (", flash-attn" if flash else ", torch attention")
+    return (torch.bfloat16 if bf16 else torch.float32), flash, how

@@ -71,7 +71,8 @@ def test_blocks_kept_on_the_node_gather_there_in_backward_and_train_as_one_proce
 @pytest.mark.unit
 def test_the_memory_model_counts_a_node_shard_of_every_block_until_its_backward() -> None:
     """7B on cluster A at 4k tokens: the node's shards add 1/8 of the blocks' parameters in
-    bf16 to the peak at the start of backward (1.6 GB), not whole blocks."""
+    bf16 to the peak at the start of backward (1.6 GB), not whole blocks; unset, a rank's
+    peak counts them where the run keeps them."""
     from ray_zep.parallel.memory import fsdp_units
     from ray_zep.partition.node_reshard import with_node_shards
     from ray_zep.partition.plan_memory import rank_memory
@@ -83,6 +84,12 @@ def test_the_memory_model_counts_a_node_shard_of_every_block_until_its_backward(
     eighth = sum(units) * 2 / 8
     assert 0.5 * eighth < kept - apart <= eighth
     assert 1.2e9 < kept - apart < 1.7e9
+    # unset, the peak is the run's: with the shards where it keeps them (here), else without
+    assert rank_memory(config, topology, shape, 5120, 5120).total == kept
+    config, topology, shape = zeppelin_case(64, "13b", 40960)
+    unset, apart = (rank_memory(one, topology, shape, 40960, 40960).total
+                    for one in (config, with_node_shards(config, False)))  # fmt: skip
+    assert unset == apart
 
 
 @pytest.mark.unit

@@ -70,6 +70,7 @@ from ray_zep.bench.scale_options import (
     as_option,
     bounds_by_node_shards,
     fitting_checkpointing,
+    node_shard_choices,
     own_bounds,
 )
 from ray_zep.bench.scale_overrides import (
@@ -88,6 +89,7 @@ from ray_zep.errors import ConfigError, ZepError
 from ray_zep.parallel.memory import GB
 from ray_zep.partition import registry
 from ray_zep.partition.level_trace import LevelOutcome
+from ray_zep.partition.node_reshard import with_node_shards
 from ray_zep.partition.plan_memory import rank_memory
 from ray_zep.partition.spec import Bench
 from ray_zep.partition.stats import max_over_mean, plan_stats
@@ -326,8 +328,8 @@ class ScaleRow:
     """"yes", or "NO" where the fullest rank's modelled memory exceeds the GPU's."""
     node_shards: bool | None = None
     """Whether the row keeps each block sharded over the node after its forward
-    (`parallel.reshard_to_node`, where its fullest rank fits with that under the same
-    checkpointing); None where the key means nothing (one node, hsdp, whole copies)."""
+    (`parallel.reshard_to_node`; unset, the row is played with and without and keeps the
+    faster); None where the key means nothing (one node, hsdp, whole copies)."""
     micro_batches: int = 1
     """Micro-batches a step (module docstring), each of at most L / this tokens a rank."""
     tokens_per_rank: int | None = None
@@ -426,11 +428,17 @@ def case_at(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, toke
     rows = []
     for name in spec.placements:
         row = ScaleRow(gpus, distribution, model, tokens, name, kv_room_mb=kv_room)
-        try:
-            row = _fastest_micro_batches(spec, row, config, hardware, batches, (ideal, bounds))
-        except ZepError as exc:
-            row.error = str(exc)
-        rows.append(row)
+        tried = []
+        for flag in node_shard_choices(config, hardware.topology):
+            one = dataclasses.replace(row)
+            try:
+                one = _fastest_micro_batches(spec, one, with_node_shards(config, flag), hardware,
+                                             batches, (ideal, bounds))  # fmt: skip
+            except ZepError as exc:
+                one.error = str(exc)
+            tried.append(one)
+        # played without error, then as scale_case keeps a room; without the shards on ties
+        rows.append(min(tried, key=lambda one: (one.error is not None, *_room_rank(one))))
     return rows
 
 

@@ -1,13 +1,9 @@
-"""`bench scale`'s options for one row: the activation checkpointing that fits, with the
-blocks kept sharded over the node after their forward where that fits too
-(`parallel.reshard_to_node`), and each batch's step bound under the option kept.
-
-Every option that fits is simulated and the row keeps the fastest (`ray_zep.bench.scale`).
-Keeping the node's shards costs 1/G of every block from its forward to its backward; where
-the plans' fullest rank fits them under the lightest checkpointing that fits without, they
-are the only options (the backward's gather leaves the NICs for nothing recomputed); where
-they need more recomputation, both are played. The bound counts the backward's gather
-where the option makes it (over the node's links, or over every rank's).
+"""`bench scale`'s options for one row: with the blocks kept sharded over the node after
+their forward or not (`parallel.reshard_to_node`, unset: both are played, each planned and
+simulated with the memory it leaves, and the row keeps the faster), the activation
+checkpointing that fits, and each batch's step bound under the option kept: the bound
+counts the backward's gather where the option makes it (over the node's links, or over
+every rank's).
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ from ray_zep.run_memory import node_reshard_applies
 from ray_zep.sim.bound import step_bound
 from ray_zep.sim.checkpointing import (
     checkpointing_as,
-    checkpointing_label,
     fitting_options,
     plans_peak,
 )
@@ -30,25 +25,21 @@ from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel
 
 
+def node_shard_choices(config: Config, topology) -> tuple[bool | None, ...]:
+    """The `parallel.reshard_to_node` values a row is played under: the config's own where it
+    is set or means nothing, else without the node's shards and with them (each planned
+    with the memory it leaves: the ring K/V a plan keeps shrinks by the shards)."""
+    own = config.parallel.reshard_to_node
+    if own is not None or not node_reshard_applies(config, topology):
+        return (own,)
+    return (False, True)
+
+
 def fitting_checkpointing(config: Config, hardware: Hardware, run: RunModel, stats):
     """`fitting_options` by the fullest rank of every plan of `stats` (per batch): each
-    option's config and that rank's modelled bytes. Where `parallel.reshard_to_node` is
-    unset and means something, the options keeping the blocks sharded over the node
-    after their forward that fit too: alone where the lightest of them recomputes no more
-    than the lightest without them, else beside those (the step keeps the fastest)."""
+    option's config and that rank's modelled bytes."""
     plans = [one for batch in stats for one in batch]
-    peak_of = plans_peak(plans, hardware, run.shape)
-    unset = config.parallel.reshard_to_node is None
-    if not (unset and node_reshard_applies(config, hardware.topology)):
-        return fitting_options(config, hardware, run, peak_of)
-    apart = fitting_options(with_node_shards(config, False), hardware, run, peak_of)
-    together = fitting_options(with_node_shards(config, True), hardware, run, peak_of)
-    together = [(c, peak) for c, peak in together if peak <= hardware.usable_memory_bytes]
-    if together and checkpointing_label(together[0][0], run.shape) == checkpointing_label(
-        apart[0][0], run.shape
-    ):
-        return together
-    return apart + together
+    return fitting_options(config, hardware, run, plans_peak(plans, hardware, run.shape))
 
 
 def as_option(config: Config, option: Config) -> Config:

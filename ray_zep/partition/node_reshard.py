@@ -8,9 +8,10 @@ them. Resharded to the node's G GPUs instead (FSDP2's `reshard_after_forward=G`)
 rank keeps 1/G of every unit from its forward until its backward and the backward's
 gather stays on the node's own links. Unset, the key is true where the topology names
 its GPU's memory and the memory model finds room for those shards at L tokens a rank,
-all of them in rings (the fullest rank a plan may make); `bench scale` plays both where
-its placed plans' fullest rank fits them, with more recomputation if need be, and keeps
-the faster.
+all of them in rings (the fullest rank a plan may make); a rank's modelled peak then
+counts them (`ray_zep.partition.plan_memory.rank_memory`: the planner's ring K/V room, the
+plan's memory, the trainer's accounting). `bench scale` plays each row with them and
+without, each planned with the memory it leaves, and keeps the faster.
 """
 
 from __future__ import annotations
@@ -20,8 +21,13 @@ import dataclasses
 from ray_zep.config import Compression, Config
 from ray_zep.errors import ConfigError
 from ray_zep.model_shapes import ModelShape, build_shape
-from ray_zep.partition.plan_memory import KEEP_SHARE, rank_memory
-from ray_zep.run_memory import node_reshard_applies
+from ray_zep.parallel.memory import model_memory
+from ray_zep.run_memory import (
+    USABLE_MEMORY_FRACTION,
+    memory_inputs,
+    memory_precision,
+    node_reshard_applies,
+)
 from ray_zep.topology import Topology
 
 
@@ -53,5 +59,7 @@ def reshards_to_node(config: Config, topology: Topology, shape: ModelShape | Non
         return False
     shape = shape or build_shape(config.model)
     capacity = config.train.tokens_per_rank
-    peak = rank_memory(with_node_shards(config, True), topology, shape, capacity, capacity)
-    return peak.total <= KEEP_SHARE * topology.gpu_memory_bytes
+    dtype, flash, _ = memory_precision(config, topology)
+    kept = memory_inputs(with_node_shards(config, True), topology, capacity, capacity, dtype,
+                         flash, on_cpu=False)  # fmt: skip
+    return model_memory(shape, kept).total <= USABLE_MEMORY_FRACTION * topology.gpu_memory_bytes

@@ -10,9 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import torch
 
-from ray_zep.config import Config, ParallelConfig, Precision
+from ray_zep.config import Config, ParallelConfig
 from ray_zep.errors import MemoryPlanError
 from ray_zep.model_shapes import ModelShape
 from ray_zep.options import ZonePolicy
@@ -20,9 +19,10 @@ from ray_zep.parallel.axes import Placement, WeightsMode
 from ray_zep.parallel.memory import GB, RankMemory, model_memory
 from ray_zep.partition import make_plan
 from ray_zep.partition.exchange import Exchange
+from ray_zep.partition.node_reshard import reshards_to_node, with_node_shards
 from ray_zep.partition.plan import AttentionPlan, Zone, peer_tokens
 from ray_zep.partition.stats import PlanStats, kept_kv_tokens
-from ray_zep.run_memory import memory_inputs
+from ray_zep.run_memory import memory_inputs, memory_precision
 from ray_zep.topology import Topology
 
 
@@ -82,16 +82,6 @@ KEEP_SHARE = 0.9
 fill, beside the rest of a rank's peak (the remainder: the allocator's slack)."""
 
 
-def _how(config: Config, topology: Topology) -> tuple[torch.dtype, bool, str]:
-    """(compute dtype, flash-attn, in words) the memory model assumes (GPU presets: bf16,
-    flash-attn)."""
-    on_gpu = topology.gpu_memory_bytes > 0
-    bf16 = on_gpu and config.train.precision is not Precision.FP32
-    flash = on_gpu and bf16 and config.model.attention_kernel != "torch"
-    how = ("bf16" if bf16 else "fp32") + (", flash-attn" if flash else ", torch attention")
-    return (torch.bfloat16 if bf16 else torch.float32), flash, how
-
-
 def rank_memory(
     config: Config,
     topology: Topology,
@@ -101,8 +91,11 @@ def rank_memory(
     kept_kv_tokens: float = 0.0,
 ) -> RankMemory:
     """The modelled peak of a rank holding `tokens` (`ring_tokens` of them in rings,
-    `kept_kv_tokens` of its peers' K/V kept: `MemoryInputs`)."""
-    dtype, flash, _ = _how(config, topology)
+    `kept_kv_tokens` of its peers' K/V kept: `MemoryInputs`), with the node's shards where
+    the run keeps them (`parallel.reshard_to_node` as `reshards_to_node` resolves it)."""
+    if config.parallel.reshard_to_node is None:
+        config = with_node_shards(config, reshards_to_node(config, topology, shape))
+    dtype, flash, _ = memory_precision(config, topology)
     on_cpu = topology.gpu_memory_bytes <= 0
     inputs = memory_inputs(config, topology, tokens, ring_tokens, dtype, flash, on_cpu,
                            kept_kv_tokens)  # fmt: skip
@@ -285,7 +278,7 @@ def plan_memory(
     config: Config, topology: Topology, stats: PlanStats, shape: ModelShape
 ) -> PlanMemory:
     """Every rank's modelled memory for the plan's tokens (GPU presets: bf16, flash-attn)."""
-    _, _, how = _how(config, topology)
+    _, _, how = memory_precision(config, topology)
     tokens = [int(t) for t in stats.tokens]
 
     def ranks_of(cfg: Config) -> list[RankMemory]:

@@ -16,12 +16,9 @@ from dataclasses import dataclass
 
 from ray_zep.costmodel import ComputeRates, CostModel, preset_rates
 from ray_zep.model_shapes import ModelShape
+from ray_zep.run_memory import USABLE_MEMORY_FRACTION
 from ray_zep.sim.events import CorePool
 from ray_zep.topology import GB, GBIT, Topology
-
-USABLE_MEMORY_FRACTION = 0.9
-"""Share of a GPU's memory a step can fill: the CUDA context, NCCL's buffers and the
-caching allocator's fragmentation take the rest (a few GB on an 80 GB GPU)."""
 
 
 @dataclass(frozen=True)
