@@ -93,6 +93,26 @@ def test_the_memory_model_counts_a_node_shard_of_every_block_until_its_backward(
 
 
 @pytest.mark.unit
+def test_plan_says_where_the_run_keeps_the_node_shards() -> None:
+    """`ray-zep plan`'s memory line names the shards where the run keeps them (7B at 4k on
+    cluster A, unset) and not where it does not (set false)."""
+    import numpy as np
+
+    from ray_zep.partition.node_reshard import with_node_shards
+    from ray_zep.partition.plan_memory import plan_memory
+    from ray_zep.partition.stats import plan_stats
+    from ray_zep.step_plan import plan_step
+
+    config, topology, shape = zeppelin_case(64, "7b", 5120)
+    lengths = np.full(64, 4096)
+    stats = plan_stats(plan_step(lengths, config, topology, shape).attention, shape)
+    said = "node shard kept from forward to backward (parallel.reshard_to_node)"
+    assert said in plan_memory(config, topology, stats, shape).table()
+    apart = plan_memory(with_node_shards(config, False), topology, stats, shape)
+    assert said not in apart.table()
+
+
+@pytest.mark.unit
 def test_unset_the_memory_model_decides_and_the_key_means_nothing_where_it_cannot_apply() -> None:
     """Unset: true where the GPU's memory holds the shards at L all in rings (7B at 4k on
     cluster A), false where it does not (13B at 16k) and on a virtual topology, whose

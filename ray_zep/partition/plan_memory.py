@@ -277,8 +277,11 @@ def _sent_again(kept_rings: list, room: np.ndarray, per_kept: float) -> set[int]
 def plan_memory(
     config: Config, topology: Topology, stats: PlanStats, shape: ModelShape
 ) -> PlanMemory:
-    """Every rank's modelled memory for the plan's tokens (GPU presets: bf16, flash-attn)."""
+    """Every rank's modelled memory for the plan's tokens (GPU presets: bf16, flash-attn;
+    the node's shards of every block where the run keeps them, said in `how`)."""
     _, _, how = memory_precision(config, topology)
+    if reshards_to_node(config, topology, shape):
+        how += ", each block's node shard kept from forward to backward (parallel.reshard_to_node)"
     tokens = [int(t) for t in stats.tokens]
 
     def ranks_of(cfg: Config) -> list[RankMemory]:
