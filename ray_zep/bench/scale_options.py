@@ -48,16 +48,13 @@ def as_option(config: Config, option: Config) -> Config:
 
 
 def bounds_by_node_shards(batches: list[np.ndarray], run: RunModel) -> dict:
-    """Each batch's step bound under each `parallel.reshard_to_node` the row may run, keyed
-    by it (the bound counts the backward's gather where the run makes it): the config's
-    own where it is set or means nothing, else both."""
+    """Each batch's step bound under each `parallel.reshard_to_node` the row may run
+    (`node_shard_choices`), keyed by it: the bound counts the backward's gather where the
+    run makes it."""
     config = run.config
-    own = config.parallel.reshard_to_node
-    if own is not None or not node_reshard_applies(config, run.hardware.topology):
-        return {own: [step_bound(b, run) for b in batches]}
     return {on: [step_bound(b, dataclasses.replace(run, config=with_node_shards(config, on)))
                  for b in batches]
-            for on in (False, True)}  # fmt: skip
+            for on in node_shard_choices(config, run.hardware.topology)}  # fmt: skip
 
 
 def own_bounds(bounds: dict, option: Config) -> list:

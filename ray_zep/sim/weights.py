@@ -108,7 +108,8 @@ def weights_cost(
     zips it; FSDP2's host work of a step (`host_seconds`: its units times
     `ComputeRates.fsdp_unit_overhead_s`) counts as exposed; blocks gathered `ahead`
     blocks before they run (`WeightsCost.gathered_ahead`); resharded, gathered again in
-    backward over each node's GPUs where `in_node` (`WeightsCost.regather_in_node`).
+    backward over each node's GPUs where `in_node` (`WeightsCost.regather_in_node`: FSDP
+    over every rank of several nodes, as `ray_zep.partition.node_reshard` resolves it).
 
     Raises:
         ValueError: a weight-passing mode (see `ray_zep.sim.weight_passing`).
@@ -150,7 +151,7 @@ def weights_cost(
     exposed = 2 * first + gather + 2 * last + scatter
     latency = cost.all_gather_seconds(0.0, groups[0])
     again, again_latency = (gather, latency) if reshard else (0.0, 0.0)
-    in_node = in_node and reshard and topology.nodes > 1 and axis.sharding is Sharding.ALL_RANKS
+    in_node = in_node and reshard
     if in_node:  # each rank holds 1/G of the block: the node's GPUs gather the rest
         node = tuple(topology.ranks_of_node(0))
         nbytes = block * size / len(node) * param_bytes

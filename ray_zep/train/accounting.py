@@ -14,7 +14,7 @@ import torch
 from ray_zep.attention.kernels import tiled
 from ray_zep.data.shards import RankShard
 from ray_zep.parallel.memory import RankMemory, model_memory
-from ray_zep.partition.node_reshard import reshards_to_node, with_node_shards
+from ray_zep.partition.node_reshard import with_node_shards
 from ray_zep.partition.plan import Zone, zone_of
 from ray_zep.run_memory import memory_inputs
 from ray_zep.train.runners import StepContext
@@ -123,6 +123,6 @@ def modelled_memory(shard: RankShard, ctx: StepContext) -> RankMemory:
     flash = tiled(ctx.kernel)
     cpu = ctx.device.type == "cpu"
     topology = ctx.comm.topology
-    config = with_node_shards(ctx.config, reshards_to_node(ctx.config, topology, ctx.model.shape))
+    config = with_node_shards(ctx.config, ctx.axes.node_shards)
     inputs = memory_inputs(config, topology, shard.num_tokens, ring, ctx.dtype, flash, cpu)
     return model_memory(ctx.model.shape, inputs)

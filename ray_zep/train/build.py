@@ -113,6 +113,8 @@ class AppliedAxes:
             split experts), or the own shard's under weight passing.
         unsharded_bytes: (block, other) bytes of the whole model's parameters in the
             compute dtype (for the FSDP2 traffic model).
+        node_shards: FSDP2 keeps each unit sharded over the node from its forward to its
+            backward (`parallel.reshard_to_node`, resolved once here).
     """
 
     experts: ExpertParallel
@@ -121,6 +123,7 @@ class AppliedAxes:
     state_module: torch.nn.Module
     params: list[torch.nn.Parameter]
     unsharded_bytes: tuple[int, int]
+    node_shards: bool = False
 
 
 def apply_axes(
@@ -142,13 +145,13 @@ def apply_axes(
     shapes = _unmade_shapes(model)  # the whole model's, before any split
     experts = parallelize_experts(model, comm, config, switches)
     sharded = bool(parallel.weights_axis.fsdp and comm.distributed)
+    in_node = sharded and reshards_to_node(config, comm.topology, model.shape)
     unsharded = _parameter_bytes(model, dtype)
     if sharded:
         split = [m.experts for m in model.moe_layers()] if experts.groups else []
         zipped = switches.for_group(comm.groups.fsdp_shard) if switches else None
         late = run_gathers_after_attention(config, comm.topology, model.shape, dtype.itemsize)
         depth = run_prefetch_depth(config, comm.topology, model.shape, dtype.itemsize)
-        in_node = reshards_to_node(config, comm.topology, model.shape)
         resolved = dataclasses.replace(parallel, prefetch_after_attention=late,
                                        prefetch_depth=depth, reshard_to_node=in_node)  # fmt: skip
         shard_model(model, comm, resolved, device, dtype, split, zipped)
@@ -159,7 +162,7 @@ def apply_axes(
     split_ids = {id(p) for p in experts.expert_params}
     params = [p for p in model.parameters() if p.requires_grad and id(p) not in split_ids]
     if parallel.weights_axis.family is not Family.WEIGHT_PASSING:
-        return AppliedAxes(experts, sharded, None, model, params, unsharded)
+        return AppliedAxes(experts, sharded, None, model, params, unsharded, in_node)
     world = switches.world if switches is not None else None
     zipper = world.ring_zipper() if world is not None else None
     pipeline = WeightPipeline(

@@ -37,7 +37,6 @@ from ray_zep.distributed import Comm
 from ray_zep.model.llama import Transformer
 from ray_zep.moe.parallel import balance_loss
 from ray_zep.parallel.axes import Family, Sharding
-from ray_zep.partition.node_reshard import reshards_to_node
 from ray_zep.remap.layout import RankRemap
 from ray_zep.traffic import Traffic, gradient_traffic, sharded_weights_traffic
 from ray_zep.train.build import AppliedAxes
@@ -129,10 +128,10 @@ class AutogradRunner(StepRunner):
         ctx = self.ctx
         if ctx.axes.sharded:
             blocks, other = ctx.axes.unsharded_bytes
-            again = ctx.config.parallel.reshard_after_forward
-            in_node = again and reshards_to_node(ctx.config, ctx.comm.topology)
+            in_node = ctx.axes.node_shards
+            again = ctx.config.parallel.reshard_after_forward and not in_node
             traffic = sharded_weights_traffic(
-                (2 if again and not in_node else 1) * blocks + other,
+                (2 if again else 1) * blocks + other,
                 blocks + other,
                 ctx.comm.topology,
                 hybrid=ctx.config.parallel.weights_axis.sharding is Sharding.NODE,
