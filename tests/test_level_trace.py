@@ -40,8 +40,12 @@ def test_the_trace_is_what_the_planner_tried_and_the_summary_says_why_no_lower_l
     seen = []
     place_at = balance_module._place_at
 
-    def spy(lengths, work, small, level, topology, *rest):
+    def spy(lengths, work, small, level, topology, *rest, **options):
         mean = float(work.sum()) / topology.world_size
+        if options.get("forward_room"):  # the kept level again (`forward_room`): no try
+            placed = place_at(lengths, work, small, level, topology, *rest, **options)
+            again.append((level / mean, placed))
+            return placed
         try:
             placed = place_at(lengths, work, small, level, topology, *rest)
         except Exception:
@@ -51,7 +55,7 @@ def test_the_trace_is_what_the_planner_tried_and_the_summary_says_why_no_lower_l
         made.append(placed)
         return placed
 
-    made, returned = [], []
+    made, returned, again = [], [], []
     placements = balance_module._placements
 
     def returning(lengths, placed, model):
@@ -69,7 +73,12 @@ def test_the_trace_is_what_the_planner_tried_and_the_summary_says_why_no_lower_l
                 False: {LevelOutcome.PLACED}, "raised": {LevelOutcome.TOKENS}}  # fmt: skip
     # the placement the planner returned is the one marked kept, and no other
     (chosen,) = returned
-    kept_at = next(i for i, placed in enumerate(made) if placed is chosen)
+    kept_at = next((i for i, placed in enumerate(made) if placed is chosen), None)
+    if kept_at is None:  # the kept level placed again with the forward counted was kept
+        ((factor, placed_again),) = again
+        assert placed_again is chosen
+        kept_at = next(i for i, t in enumerate(levels) if t.outcome is LevelOutcome.KEPT)
+        assert levels[kept_at].factor == pytest.approx(factor, rel=1e-12)
     for i, (tried, (factor, outcome)) in enumerate(zip(levels, seen, strict=True)):
         assert tried.factor == pytest.approx(factor, rel=1e-12)
         assert tried.outcome in ({LevelOutcome.KEPT} if i == kept_at else expected[outcome])

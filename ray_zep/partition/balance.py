@@ -68,11 +68,13 @@ take milliseconds to a few hundred.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 
 import numpy as np
 
 from ray_zep.partition.exchange import Exchange
+from ray_zep.partition.forward_room import forward_offsets, phase_seconds
 from ray_zep.partition.hosting import Hosting, host_rings
 from ray_zep.partition.layout import MIRRORED_ZIGZAG
 from ray_zep.partition.level_fill import (
@@ -89,6 +91,7 @@ from ray_zep.partition.level_trace import LevelOutcome, LevelTry
 from ray_zep.partition.node_slots import NodeSlots
 from ray_zep.partition.plan import SeqPlacement, local_placement
 from ray_zep.partition.ring_groups import RingGroup, alone_rings, fewest_ranks, group_rings
+from ray_zep.partition.spread_whole import spread_whole
 from ray_zep.partition.usp_grid import MIN_GAIN, UspGrid, positions_in_nodes
 from ray_zep.partition.usp_guests import PartsTable, usp_guests
 from ray_zep.partition.work import WorkModel
@@ -144,6 +147,10 @@ WHOLE_COST_RETRY = True
 them costed whole (module docstring). On `bench scale`'s 7b prolong64k batch at 4,096 GPUs
 (L = 10,240) the level kept drops from 1.231 to 1.175 (BENCHMARKS.md, sixty-fifth
 series)."""
+FORWARD_TIE_BREAK = True
+"""The kept level placed again with its fill keeping every rank's forward within the
+level's share too, and kept where no busier and its forward's and backward's busiest
+ranks add up to less (`ray_zep.partition.forward_room`)."""
 LAYOUT = MIRRORED_ZIGZAG
 """How the work policy's rings cut their sequences: every message after its block has
 passed the ring's last position carries half of it, and the ring's first position (the
@@ -219,6 +226,19 @@ def balance(
     if placed is None:  # rings want more ranks than there are at every level
         placed = scan.forced()
     scan.mark_kept(placed)
+    if FORWARD_TIE_BREAK and not placed.pruned:
+        factor = next((t.factor for t in scan.tried if t.placed is placed), None)
+        if factor is not None:
+            again = _place_at(lengths, work, small, mean * factor, topology, capacity, model, usp,
+                              parts, prune_above=math.nextafter(placed.busiest, math.inf),
+                              forward_room=True)  # fmt: skip
+            if (
+                again is not None
+                and not again.pruned
+                and (phase_seconds(again, lengths, model) < phase_seconds(placed, lengths, model))
+            ):
+                placed = again
+    spread_whole(placed, lengths, work, capacity)
     return _placements(lengths, placed, model)
 
 
@@ -241,6 +261,7 @@ def _place_at(
     force: bool = False,
     prune_above: float = float("inf"),
     failed: list[LevelTry] | None = None,
+    forward_room: bool = False,
 ) -> Placed | None:
     """The placement at `level`, or None when its rings need more than the world
     (`usp_grid`: USP groups compete with rings; `parts`: they take guests); pruned
@@ -328,8 +349,21 @@ def _place_at(
     if placed.busiest >= prune_above:
         placed.pruned = True
     else:
+        offsets = None
+        if forward_room:
+            offsets = forward_offsets(placed, lengths, work, wholes, level, model)
+            if offsets is None:
+                return None  # the fill as without
+        bound = prune_above
+        if offsets is not None:  # the fill sees those ranks fuller, its bound as much higher
+            placed.load += offsets
+            bound = prune_above + float(offsets.max())
         fill_whole(placed, wholes[np.argsort(-work[wholes], kind="stable")], lengths, work,
-                   small, level, capacity, topology, model, prune_above)  # fmt: skip
+                   small, level, capacity, topology, model, bound)  # fmt: skip
+        if offsets is not None:
+            placed.load -= offsets
+            if placed.busiest >= prune_above:
+                placed.pruned = True
     if placed.pruned:  # could its fill have run out of tokens past where it stopped?
         placed.fill_fits = whole_sequences_fit(held, world, wholes, lengths, work, level,
                                                capacity, gpus, model)  # fmt: skip

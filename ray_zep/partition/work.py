@@ -279,6 +279,19 @@ class WorkModel:
         ring = self._ring_seconds(parts, degree, self.hop(kind), owner)
         return self.linear_seconds(tokens) + self.layers * ring
 
+    def ring_forward_seconds(
+        self, parts: RingParts, tokens: np.ndarray, degree, kind: LinkKind
+    ) -> np.ndarray:
+        """The forward's part of `ring_member_seconds`: the linear modules' forward and the
+        ring's forward steps, each the longer of its compute and its hop."""
+        latency, bandwidth = self.hop(kind)
+        share = 1.0 / (1.0 + BACKWARD_ATTENTION_FACTOR)
+        steps = np.asarray(degree, dtype=np.float64) - 1
+        send = latency + parts.send_bytes / bandwidth
+        ring = parts.diagonal_s * share + steps * np.maximum(parts.step_s * share, send)
+        linear = self.linear_seconds(tokens) / (1.0 + BACKWARD_LINEAR_FACTOR)
+        return linear + self.layers * ring
+
     def _ring_seconds(
         self, parts: RingParts, degree, hop: tuple[float, float], owner: bool = False
     ) -> np.ndarray:
@@ -298,6 +311,14 @@ class WorkModel:
         share_f = 1.0 / (1.0 + BACKWARD_ATTENTION_FACTOR)
         step_f, step_b = parts.step_s * share_f, parts.step_s * (1 - share_f)
         return parts.diagonal_s + steps * (np.maximum(step_f, send_f) + np.maximum(step_b, send_b))
+
+    def whole_forward_seconds(self, lengths: np.ndarray) -> np.ndarray:
+        """The forward's part of `whole_seconds`."""
+        n = np.asarray(lengths, dtype=np.float64)
+        flops = 4.0 * self.shape.n_heads * self.shape.head_dim * n * (n + 1) / 2
+        attention = flops / self.rate(n, True, backward=False) + self.rates.call_overhead_s
+        linear = self.linear_seconds(n) / (1.0 + BACKWARD_LINEAR_FACTOR)
+        return linear + self.layers * attention
 
     def alone_ring_seconds(self, lengths: np.ndarray, degree: np.ndarray) -> np.ndarray:
         """Work of a member of each sequence's ring of `degree` ranks, the sequence alone
