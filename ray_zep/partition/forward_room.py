@@ -22,12 +22,14 @@ sequences, since both rooms shrink by each one's work. The second placement is k
 where its busiest rank is no busier and its forward's busiest rank plus its backward's
 (`phase_seconds`) is lower: the level's objective first, the phases as the tie-break.
 
-On `bench scale`'s grid at 4k tokens per GPU (BENCHMARKS.md, sixty-seventh series) it
-took the second placement on the prolong64k rows at 256 and 1,024 GPUs, whose batches
-are nearly all long documents that leave few short ones to fill with: their steps 0.4-1.0%
-shorter. Kept whatever the busiest rank (the forward's share alone deciding), it made
-arxiv rows up to 5.8% slower: their levels rose to fit the whole sequences the forward
-turned away.
+On `bench scale`'s grid at 4k tokens per GPU (BENCHMARKS.md, sixty-seventh series) the
+second placement was kept on the prolong64k rows at 256-4,096 GPUs, whose batches are
+nearly all long documents that leave few short ones to fill with, and on 7b arxiv at
+4,096 GPUs: those steps 0.3-2.3% shorter, no row slower. Placed so at every level of the
+scan instead, the arxiv rows' levels rose to fit the whole sequences the forward turned
+away (13b arxiv at 256 GPUs 5.8% slower); kept on the phases alone, whatever its busiest
+rank, 7b arxiv at 64 GPUs stepped 2.4% slower (the work model's forward is not the
+simulator's there).
 """
 
 from __future__ import annotations
