@@ -157,15 +157,13 @@ def sharded_weights_traffic(
     """
     out = Traffic.zero(topology)
     world, gpus = topology.world_size, topology.gpus_per_node
-    groups = [list(range(world))]
-    if hybrid and topology.nodes > 1:
-        groups = [list(range(n * gpus, (n + 1) * gpus)) for n in range(topology.nodes)]
+    node_ranks = [list(topology.ranks_of_node(n)) for n in range(topology.nodes)]
+    groups = node_ranks if hybrid and topology.nodes > 1 else [list(range(world))]
     for members in groups:
         size = len(members)
         _ring_charge(out, topology, members, (size - 1) * (gathered_bytes + grad_bytes) // size)
     if node_gathered:
-        for node in range(topology.nodes):
-            members = list(range(node * gpus, (node + 1) * gpus))
+        for members in node_ranks:
             _ring_charge(out, topology, members, (gpus - 1) * node_gathered // gpus)
     if len(groups) > 1:
         shard = grad_bytes // gpus

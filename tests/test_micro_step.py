@@ -32,6 +32,13 @@ KEEP_RESHARDING = ("parallel.reshard_to_node=false",)
 (kept on the node, a row may take them with another checkpointing and its own bound)."""
 
 
+def _arxiv_at_64(model: str) -> dict:
+    """`ScaleBenchSpec`'s fields for one zeppelin row of arxiv on 64 GPUs, resharding over
+    every rank (`KEEP_RESHARDING`)."""
+    return dict(gpus=(64,), distributions=("arxiv",), models=(model,), placements=("zeppelin",),
+                overrides=KEEP_RESHARDING)  # fmt: skip
+
+
 def _run(nodes: int, capacity: int, parts: int, variant: str = "zeppelin") -> RunModel:
     config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={nodes}",
                                 "model.preset=7b", "parallel.weights=fsdp",
@@ -136,13 +143,7 @@ def test_scale_rows_that_recompute_play_micro_batches_and_keep_the_fastest() -> 
     10k tokens recomputes as much), always on the whole batch's bound, and times each
     micro-batch's `plan_step` call apart besides the step's together. At 4k nothing
     recomputes and the row plays one batch a step."""
-    case = dict(
-        gpus=(64,),
-        distributions=("arxiv",),
-        models=("7b",),
-        placements=("zeppelin",),
-        overrides=KEEP_RESHARDING,
-    )
+    case = _arxiv_at_64("7b")
     (one,) = run_scale_bench(ScaleBenchSpec(**case, tokens_per_gpu=(16384,), micro_batches=1),
                              progress=lambda line: None)  # fmt: skip
     (best,) = run_scale_bench(ScaleBenchSpec(**case, tokens_per_gpu=(16384,), micro_batches=2),
@@ -178,13 +179,7 @@ def test_scale_rows_try_every_micro_batch_count_while_they_recompute(monkeypatch
                       row.step_s))  # fmt: skip
 
     monkeypatch.setattr(scale, "_measure", recorded)
-    case = dict(
-        gpus=(64,),
-        distributions=("arxiv",),
-        models=("13b",),
-        placements=("zeppelin",),
-        overrides=KEEP_RESHARDING,
-    )
+    case = _arxiv_at_64("13b")
     (row,) = run_scale_bench(ScaleBenchSpec(**case, tokens_per_gpu=(16384,), micro_batches=3),
                              progress=lambda line: None)  # fmt: skip
     assert [(parts, capacity) for parts, capacity, *_ in tried] == [(1, 20480), (2, 10240),

@@ -20,17 +20,16 @@ level scan and its outcome are unchanged.
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
+from ray_zep.partition.fill import place_whole
 from ray_zep.partition.level_fill import Placed
 
 
 def spread_whole(placed: Placed, lengths: np.ndarray, work: np.ndarray, capacity: int) -> bool:
     """Deals again the whole sequences of `placed`'s ranks in no ring over those ranks
-    (module docstring), writing `placed.local`, `load` and `tokens` where that lowers
-    their busiest rank. Returns whether it did."""
+    (module docstring, `fill.place_whole`'s deal), writing `placed.local`, `load` and
+    `tokens` where that lowers their busiest rank. Returns whether it did."""
     free = ~placed.in_ring
     for ranks, _ in placed.groups.values():
         free[list(ranks)] = False
@@ -39,25 +38,14 @@ def spread_whole(placed: Placed, lengths: np.ndarray, work: np.ndarray, capacity
         return False
     ranks = np.flatnonzero(free)
     order = sorted(seqs, key=lambda seq: (-float(work[seq]), seq))
-    loads = dict.fromkeys(ranks.tolist(), 0.0)
-    tokens = dict.fromkeys(ranks.tolist(), 0)
-    heap = [(0.0, rank) for rank in ranks.tolist()]
-    dealt: dict[int, int] = {}
-    for seq in order:
-        size, taken = int(lengths[seq]), []
-        while heap and tokens[heap[0][1]] + size > capacity:
-            taken.append(heapq.heappop(heap))
-        if not heap:
-            return False  # the fill's own deal stays
-        load, rank = heapq.heappop(heap)
-        dealt[seq] = rank
-        loads[rank] = load + float(work[seq])
-        tokens[rank] += size
-        for entry in [*taken, (loads[rank], rank)]:
-            heapq.heappush(heap, entry)
-    if max(loads.values()) >= float(placed.load[ranks].max()):
+    dealt = place_whole([int(lengths[seq]) for seq in order], ranks.size, capacity,
+                        [float(work[seq]) for seq in order])  # fmt: skip
+    if dealt is None:
+        return False  # the fill's own deal stays
+    bins, room, loads = dealt
+    if loads.max() >= float(placed.load[ranks].max()):
         return False
-    placed.load[ranks] = [loads[rank] for rank in ranks.tolist()]
-    placed.tokens[ranks] = [tokens[rank] for rank in ranks.tolist()]
-    placed.local.update(dealt)
+    placed.load[ranks] = loads
+    placed.tokens[ranks] = capacity - room
+    placed.local.update(zip(order, ranks[bins].tolist(), strict=True))
     return True
