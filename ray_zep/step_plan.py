@@ -114,5 +114,6 @@ def _placed(
     plan = memory_plan(parallel.sequence, lengths, config, topology, shape)
     remap = None
     if parallel.remap:
-        remap = choose_remap(plan, shape, preset_rates(topology.gpu_model), parallel.remap_policy)
+        remap = choose_remap(plan, shape, preset_rates(topology.gpu_model), parallel.remap_policy,
+                             parallel.ulysses_pieces)  # fmt: skip
     return plan, remap

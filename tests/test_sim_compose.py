@@ -364,6 +364,43 @@ def test_a_remap_exchange_costs_its_busiest_link_not_a_queue_across_the_cluster(
     assert with_remap - without <= 1.25 * forward_cost
 
 
+def test_a_remap_that_would_expose_the_usp_exchanges_is_not_chosen() -> None:
+    """The same 64 GPUs and chat batch, USP head exchanges in pieces (the default): the
+    plan's 64-rank group hides its exchanges beside its projections, which a remap undoes
+    (the engine then exchanges whole). Remapping plays slower; the policy's gain beats the
+    remap's own exchanges but not those plus what the pieces hid, so `when_faster` keeps
+    the plan's layout. Exchanges already whole lose nothing."""
+    from ray_zep.config import RemapPolicy
+    from ray_zep.costmodel import preset_rates
+    from ray_zep.partition.stats import attention_seconds
+    from ray_zep.remap.policy import (
+        choose_remap,
+        lost_overlap_seconds,
+        remap_cost_seconds,
+        remap_gain_seconds,
+    )
+
+    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=8",
+                                "model.preset=7b", "train.tokens_per_rank=5120",
+                                "parallel.weights=fsdp", "parallel.sequence=zeppelin",
+                                "parallel.routing=true", "parallel.remap=true",
+                                "parallel.remap_policy=always"])  # fmt: skip
+    run = RunModel.create(config, Hardware.preset(build_topology(config.topology)))
+    plan, remap = plan_batch(batch_lengths("chat", 4096 * 64, 0), run)
+    assert any(item.ulysses > 1 for item in plan.items())
+    pieces = config.parallel.ulysses_pieces
+    assert pieces > 1
+    slower = simulate_plan(plan, run, True, remap).step_seconds
+    assert slower > simulate_plan(plan, run, True, None).step_seconds
+    rates = preset_rates(plan.topology.gpu_model)
+    gain = remap_gain_seconds(remap, attention_seconds(plan, run.shape), run.shape, rates)
+    lost = lost_overlap_seconds(plan, run.shape, rates, pieces)
+    assert remap_cost_seconds(remap, plan.topology, run.shape) < gain  # remapped before
+    assert remap_cost_seconds(remap, plan.topology, run.shape) + lost > gain
+    assert choose_remap(plan, run.shape, rates, RemapPolicy.WHEN_FASTER, pieces) is None
+    assert lost_overlap_seconds(plan, run.shape, rates, 1) == 0.0
+
+
 def test_dkv_in_the_kv_dtype_halves_the_backward_accumulators_bytes() -> None:
     """`parallel.dkv_wire=compute`: the simulator sends dK/dV in the activation dtype and
     the work model weighs a backward ring step at twice the forward bytes, not three

@@ -391,6 +391,21 @@ class WorkModel:
         """What `usp_group_seconds` adds up: each member's tokens, the all-to-alls'
         seconds (forward, backward), the parts of a member's heads, the positions and
         the hop across nodes."""
+        member, exchange, u = self._usp_exchange(tokens, positions, ulysses)
+        heads = RingParts(parts.diagonal_s / u, parts.step_s / u, parts.send_bytes / u)
+        inter = (self.cost.link_latency(LinkKind.INTER_NODE),
+                 self.cost.link_bandwidth(LinkKind.INTER_NODE))  # fmt: skip
+        return member, exchange, heads, np.asarray(positions, dtype=np.float64), inter
+
+    def usp_exchange_seconds(self, tokens, positions, ulysses) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) seconds of one layer's all-to-alls that a member of each
+        USP group (`usp_member_seconds`' positions and U; `tokens`: the group's) leaves
+        exposed, the exchanges run in the model's `ulysses_pieces`."""
+        return self._usp_exchange(tokens, positions, ulysses)[1]
+
+    def _usp_exchange(self, tokens, positions, ulysses):
+        """(each member's tokens, the exposed all-to-alls' seconds (forward, backward), U)
+        of `_usp_group`."""
         n = np.asarray(tokens, dtype=np.float64)
         positions = np.asarray(positions, dtype=np.float64)
         gpus = self.cost.topology.gpus_per_node
@@ -410,10 +425,7 @@ class WorkModel:
         projections = member * self._projections_per_token_s
         exchange = exposed_exchange(forward, 4 * latency + moved - forward, projections,
                                     self.ulysses_pieces)  # fmt: skip
-        heads = RingParts(parts.diagonal_s / u, parts.step_s / u, parts.send_bytes / u)
-        inter = (self.cost.link_latency(LinkKind.INTER_NODE),
-                 self.cost.link_bandwidth(LinkKind.INTER_NODE))  # fmt: skip
-        return member, exchange, heads, positions, inter
+        return member, exchange, u
 
     def usp_widths(self) -> tuple[int, ...]:
         """`usp_widths` of the model's shape on its topology."""

@@ -92,7 +92,8 @@ def _modelled(config, topology, batches, placement: Placement, routed: bool, rem
     inter, seconds = 0.0, []
     for lengths in batches:
         plan = memory_plan(placement, lengths, config, topology, shape)
-        moved = choose_remap(plan, shape, rates, parallel.remap_policy) if remap else None
+        moved = (choose_remap(plan, shape, rates, parallel.remap_policy, parallel.ulysses_pieces)
+                 if remap else None)  # fmt: skip
         inter += attention_step_traffic(plan, shape, routed, moved,
                                         dkv_owner=run.dkv_owner).inter_node  # fmt: skip
         seconds.append(simulate_plan(plan, run, routed, moved).step_seconds)
