@@ -128,7 +128,7 @@ def lost_overlap_seconds(
     items = [item for item in plan.items() if item.ulysses > 1]
     if ulysses_pieces <= 1 or not items:
         return 0.0
-    tokens = np.asarray([sum(plan.placement(s).length for s in item.seqs) for item in items])
+    tokens = np.asarray([sum(plan.position_tokens(item)) for item in items])
     u = np.asarray([item.ulysses for item in items])
     positions = np.asarray([item.ring_size for item in items])
     pieces = WorkModel.create(shape, plan.topology, rates, ulysses_pieces=ulysses_pieces)
