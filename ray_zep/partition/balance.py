@@ -104,8 +104,14 @@ PAST_FIRST = 4
 transfer-bound ranks and end with a lower busiest rank). A level that cannot win is
 abandoned early (`Placed.pruned`), so these cost little where they do not pay; on
 `bench scale`'s grid, 4 rather than 2 lowers 16k-token arxiv rows by 5-11%."""
-BISECTIONS = 3
-"""Halvings of the gap between the last infeasible and the first feasible level."""
+BISECTIONS = 4
+"""Halvings of the gap between the last infeasible and the first feasible level. On `bench
+scale`'s grid at 4k tokens per GPU (BENCHMARKS.md, sixty-ninth series) a fourth halving finds
+a lower level that fits on five of 32 rows (7b arxiv at 64 and 1,024 GPUs, 7b github and 13b
+prolong64k at 1,024, 7b prolong64k at 4,096), which step 0.1-0.3% faster, and no row slower;
+plan_step's slowest plan rises from 63 to 70-78 ms at 1,024 GPUs and from 242 to 265-274 ms
+at 4,096 (two runs). A fifth moved two of them a little further (13b prolong64k at 1,024 GPUs
+1.1928 -> 1.1917 of its bound, 7b prolong64k at 4,096 1.2096 -> 1.2089) for 84 and 319 ms."""
 BISECT_BELOW_OVERFLOW = False
 """Bisect below the lowest feasible level also where its placement ended busier than a
 higher level's (its whole sequences overflowed it; a lower level leaves them less room
@@ -146,7 +152,7 @@ WHOLE_COST_RETRY = True
 """A level whose groups find no nodes, USP exchanges costed in pieces, is placed again with
 them costed whole (module docstring). On `bench scale`'s 7b prolong64k batch at 4,096 GPUs
 (L = 10,240) the level kept drops from 1.231 to 1.175 (BENCHMARKS.md, sixty-fifth
-series)."""
+series; with four halvings of the level gap, 1.228 to 1.172)."""
 FORWARD_TIE_BREAK = True
 """The kept level placed again with its fill keeping every rank's forward within the
 level's share too, and kept where no busier and its forward's and backward's busiest
