@@ -166,8 +166,9 @@ def test_scale_rows_that_recompute_play_micro_batches_and_keep_the_fastest() -> 
 
 def test_scale_rows_try_every_micro_batch_count_while_they_recompute(monkeypatch) -> None:
     """A 13B row of arxiv at 16k tokens per GPU still recomputes as 2 micro-batches of
-    L / 2: it is played as 3 of L / 3 next (not only doublings), and the row keeps the
-    fastest (here the 3, which recompute nothing)."""
+    L / 2: it is played as 3 of L / 3 next (not only doublings), which recompute nothing,
+    and the row keeps the fastest of the three (the 2, by 0.6%, with small rings from 0.15
+    of the level; the 3 before)."""
     import ray_zep.bench.scale as scale
 
     tried = []
@@ -187,7 +188,8 @@ def test_scale_rows_try_every_micro_batch_count_while_they_recompute(monkeypatch
     assert tried[1][2] > 0  # 2 still recomputed
     fastest = min(tried, key=lambda one: one[3])
     assert (row.micro_batches, row.step_s) == (fastest[0], fastest[3])
-    assert row.micro_batches == 3 and row.recompute_s == 0 and row.tokens_per_rank == 20480
+    assert tried[2][2] == 0 and row.tokens_per_rank == 20480
+    assert row.recompute_s == (0 if row.micro_batches == 3 else tried[1][2])
 
 
 def test_plan_auto_plays_a_recomputing_composition_as_micro_batches(tmp_path) -> None:
