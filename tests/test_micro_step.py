@@ -167,8 +167,7 @@ def test_scale_rows_that_recompute_play_micro_batches_and_keep_the_fastest() -> 
 def test_scale_rows_try_every_micro_batch_count_while_they_recompute(monkeypatch) -> None:
     """A 13B row of arxiv at 16k tokens per GPU still recomputes as 2 micro-batches of
     L / 2: it is played as 3 of L / 3 next (not only doublings), which recompute nothing,
-    and the row keeps the fastest of the three (the 2, by 0.6%, with small rings from 0.15
-    of the level; the 3 before)."""
+    and the row keeps the fastest of the three (here the 2, by 0.6%)."""
     import ray_zep.bench.scale as scale
 
     tried = []
