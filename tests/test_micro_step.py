@@ -167,7 +167,7 @@ def test_scale_rows_that_recompute_play_micro_batches_and_keep_the_fastest() -> 
 def test_scale_rows_try_every_micro_batch_count_while_they_recompute(monkeypatch) -> None:
     """A 13B row of arxiv at 16k tokens per GPU still recomputes as 2 micro-batches of
     L / 2: it is played as 3 of L / 3 next (not only doublings), which recompute nothing,
-    and the row keeps the fastest of the three (here the 2, by 0.6%)."""
+    and the row keeps the fastest of the three, its recomputation with it."""
     import ray_zep.bench.scale as scale
 
     tried = []
@@ -188,7 +188,7 @@ def test_scale_rows_try_every_micro_batch_count_while_they_recompute(monkeypatch
     fastest = min(tried, key=lambda one: one[3])
     assert (row.micro_batches, row.step_s) == (fastest[0], fastest[3])
     assert tried[2][2] == 0 and row.tokens_per_rank == 20480
-    assert row.recompute_s == (0 if row.micro_batches == 3 else tried[1][2])
+    assert row.recompute_s == fastest[2]
 
 
 def test_plan_auto_plays_a_recomputing_composition_as_micro_batches(tmp_path) -> None:
