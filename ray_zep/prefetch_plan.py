@@ -19,6 +19,8 @@ Two blocks ahead, a gather need not end before the next block: its
 ring steps' latency, which holds no link, may run on into it, and the rule counts the
 next block's projections before attention as hiding that much of it (the simulator plays
 what runs on, bytes included, beside the next block's messages: `ray_zep.sim.step`).
+How many blocks ahead (`parallel.prefetch_depth`, `prefetch_depth`) also bounds how far
+ranks run ahead of one another across blocks (`DEFAULT_PREFETCH_DEPTH`).
 """
 
 from __future__ import annotations
@@ -29,18 +31,34 @@ from ray_zep.config import Config, ParallelConfig
 from ray_zep.costmodel import CostModel, linear_flops_per_token, preset_rates, ring_steps_latency
 from ray_zep.model_shapes import ModelShape
 from ray_zep.options import FsdpUnit
-from ray_zep.parallel.axes import WEIGHTS_AXES, Sharding
+from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Sharding
 from ray_zep.parallel.memory import mean_block_params
 from ray_zep.topology import Topology
 
 DEEP_PREFETCH_LATENCY_S = 2e-3
-"""Unset, `parallel.prefetch_depth` is 2 where one gather's ring steps take at least this
+"""Unset, for a placement whose ranks move together (`SequenceAxis.ranks_apart` false),
+`parallel.prefetch_depth` is 2 where one gather's ring steps take at least this
 long (cluster A: 4.0 ms over 1,024 GPUs, 15.9 ms over 4,096) and the block gathers after
 its attention (only then does the deeper prefetch hide anything: the gather runs on into
 the next block instead of before it), else 1. Below it what the deeper prefetch hides did
 not pay for the block it holds: at 256 GPUs (1.0 ms) `bench scale` stepped 0.994-1.002 of
 one ahead, and 13B rows recomputed more to make the room (BENCHMARKS.md, thirty-fourth
 series)."""
+
+
+DEFAULT_PREFETCH_DEPTH = 3
+"""Unset, `parallel.prefetch_depth` where blocks are FSDP2 units gathered with prefetch
+and the placement leaves ranks that share no exchange (`SequenceAxis.ranks_apart`). No
+rank starts block l before every rank of the FSDP group has posted block l's gather,
+which it does `depth` blocks earlier: the deeper, the further such ranks run ahead of one
+another, so that the forward's slowest ranks (short whole sequences: their linear
+modules) and the backward's (ring members: attention) need not hold every block back
+(`ray_zep.sim.drift`). Each block ahead holds one more block's parameters (7B: 0.4 GB in
+bf16, 13B: 0.63 GB). On `bench scale`'s 4k batches of cluster A at 64-1,024 GPUs
+(zeppelin), step / bound averaged 1.1528 under the rule before (two ahead where a
+gather's ring steps took 2 ms: at 1,024 GPUs; else one), 1.1485 two ahead everywhere,
+1.1443 three, 1.1445 four; three was no slower on any row, some 13B rows recomputing a
+few blocks' feed-forward to make the room (BENCHMARKS.md, seventy-first series)."""
 
 
 def _sharded_blocks(parallel: ParallelConfig) -> bool:
@@ -57,14 +75,16 @@ def prefetch_depth(
     param_bytes: int,
 ) -> int:
     """1 where blocks are not FSDP2 units gathered with prefetch (the key holds only
-    there); else `parallel.prefetch_depth`, or where unset 2 where one gather over the
-    weights mode's FSDP group waits at least `DEEP_PREFETCH_LATENCY_S` on its ring steps
-    and the block gathers after its attention two ahead (`gathers_after_attention`), else
-    1."""
+    there); else `parallel.prefetch_depth`, or where unset `DEFAULT_PREFETCH_DEPTH` where
+    the placement leaves ranks apart, else 2 where one gather over the weights mode's
+    FSDP group waits at least `DEEP_PREFETCH_LATENCY_S` on its ring steps and the block
+    gathers after its attention two ahead (`gathers_after_attention`), else 1."""
     if not _sharded_blocks(parallel):
         return 1
     if parallel.prefetch_depth is not None:
         return parallel.prefetch_depth
+    if SEQUENCE_AXES[parallel.sequence].ranks_apart:
+        return DEFAULT_PREFETCH_DEPTH
     if _gather_latency(topology, _sharding(parallel) is Sharding.NODE) < DEEP_PREFETCH_LATENCY_S:
         return 1
     late = parallel.prefetch_after_attention

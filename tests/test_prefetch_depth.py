@@ -123,13 +123,15 @@ def test_two_ahead_holds_one_more_block() -> None:
     assert one - params(prefetch=False) == pytest.approx(block, rel=1e-6)
 
 
-def test_unset_two_ahead_where_a_gather_waits_two_ms_and_goes_after_attention() -> None:
+def test_unset_three_ahead_where_ranks_run_apart_else_two_where_a_gather_waits_two_ms() -> None:
     """Unset (`ray_zep.prefetch_plan.prefetch_depth`): cluster A, 7B under FSDP over every
-    rank, one ahead at 64 and 256 GPUs (a gather's ring steps: 0.24 and 0.98 ms), two at
-    1,024 (4.0 ms, the gather after attention), one at 4,096 (15.9 ms, but the gather at
-    the block's start, where nothing runs before it) unless it goes after attention; one
-    under hsdp (a node's 8 GPUs) and where blocks are not units; a set value is kept where
-    blocks are units gathered with prefetch, the only place the key means anything."""
+    rank. Placements whose ranks run apart (`SequenceAxis.ranks_apart`: zeppelin, whole)
+    gather three blocks ahead at every scale, under hsdp too. The others: one ahead at 64
+    and 256 GPUs (a gather's ring steps: 0.24 and 0.98 ms), two at 1,024 (4.0 ms, the
+    gather after attention), one at 4,096 (15.9 ms, but the gather at the block's start,
+    where nothing runs before it) unless it goes after attention; one under hsdp (a node's
+    8 GPUs). One where blocks are not units or nothing is prefetched; a set value is kept
+    where blocks are units gathered with prefetch, the only place the key means anything."""
     from ray_zep.prefetch_plan import run_prefetch_depth
 
     def depth(gpus: int, *overrides: str) -> int:
@@ -139,14 +141,20 @@ def test_unset_two_ahead_where_a_gather_waits_two_ms_and_goes_after_attention() 
         topology, shape = build_topology(config.topology), build_shape(config.model)
         return run_prefetch_depth(config, topology, shape, 2)
 
-    assert [depth(g) for g in (64, 256, 1024, 4096)] == [1, 1, 2, 1]
-    assert depth(4096, "parallel.prefetch_after_attention=true") == 2
-    assert depth(1024, "parallel.prefetch_after_attention=false") == 1
-    assert depth(4096, "parallel.weights=hsdp") == 1
-    assert depth(4096, "parallel.fsdp_unit=linear") == 1
-    assert depth(64, "parallel.prefetch_depth=3") == 3
-    assert depth(64, "parallel.prefetch_depth=3", "parallel.fsdp_unit=linear") == 1
-    assert depth(64, "parallel.prefetch_depth=3", "parallel.prefetch=false") == 1
+    apart = "parallel.sequence=zeppelin"
+    assert [depth(g, apart) for g in (64, 256, 1024, 4096)] == [3, 3, 3, 3]
+    assert depth(64, "parallel.sequence=whole") == 3
+    assert depth(4096, apart, "parallel.weights=hsdp") == 3
+    assert depth(4096, apart, "parallel.fsdp_unit=linear") == 1
+    assert depth(64, apart, "parallel.prefetch=false") == 1
+    together = "parallel.sequence=ulysses"
+    assert [depth(g, together) for g in (64, 256, 1024, 4096)] == [1, 1, 2, 1]
+    assert depth(4096, together, "parallel.prefetch_after_attention=true") == 2
+    assert depth(1024, together, "parallel.prefetch_after_attention=false") == 1
+    assert depth(4096, together, "parallel.weights=hsdp") == 1
+    assert depth(64, together, "parallel.prefetch_depth=3") == 3
+    assert depth(64, apart, "parallel.prefetch_depth=2") == 2
+    assert depth(64, apart, "parallel.prefetch_depth=2", "parallel.fsdp_unit=linear") == 1
 
 
 def test_a_depth_outside_its_range_is_refused_by_name() -> None:

@@ -97,6 +97,11 @@ class SequenceAxis:
         one_process: the whole batch trains in one process (the reference).
         whole_sequences: every sequence stays on one rank (batches are rank-packed).
         local_attention_only: attention never communicates; FoldMoE can slice it.
+        ranks_apart: its plans leave ranks that share no exchange in a layer (whole
+            sequences, rings over some ranks), which run ahead of one another across
+            blocks as far as the weights' collectives let them (`ray_zep.sim.drift`):
+            the unset `parallel.prefetch_depth` gathers deeper for them
+            (`ray_zep.prefetch_plan.DEFAULT_PREFETCH_DEPTH`).
     """
 
     placement: Placement
@@ -104,6 +109,7 @@ class SequenceAxis:
     one_process: bool = False
     whole_sequences: bool = False
     local_attention_only: bool = False
+    ranks_apart: bool = False
 
     def processes(self, gpus: int) -> int:
         """Processes the placement runs on a cluster of `gpus` GPUs."""
@@ -162,10 +168,12 @@ SEQUENCE_AXES: dict[Placement, SequenceAxis] = {
             "whole sequences packed per rank (data parallelism)",
             whole_sequences=True,
             local_attention_only=True,
+            ranks_apart=True,
         ),
         SequenceAxis(
             Placement.ZEPPELIN,
             "hierarchical partitioner: local, intra-node and inter-node rings (Zeppelin)",
+            ranks_apart=True,
         ),
         SequenceAxis(
             Placement.TE_CP,
@@ -178,6 +186,7 @@ SEQUENCE_AXES: dict[Placement, SequenceAxis] = {
         SequenceAxis(
             Placement.HYBRID_DP,
             "short sequences whole on FLOP-balanced ranks, long ones on ring groups",
+            ranks_apart=True,
         ),
         SequenceAxis(
             Placement.ULYSSES,
@@ -191,6 +200,7 @@ SEQUENCE_AXES: dict[Placement, SequenceAxis] = {
             Placement.FILL,
             "every rank filled in node order to the mean modelled work: short sequences "
             "whole, long ones in unequal zigzag shares over consecutive ranks",
+            ranks_apart=True,
         ),
     )
 }

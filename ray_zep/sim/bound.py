@@ -341,7 +341,9 @@ def over_bound(step: StepResult, bound: StepBound, n_layers: int) -> dict[str, f
     - waits: the rest of the time it does not compute: waits on slower ring peers and,
       after its own last task, on the layer's slowest rank (a ring the simulator plays
       on arrays, `ray_zep.sim.ring_form`: 64 members or more, unrouted, no Ulysses, is
-      one task per member, so its transfers and waits count as that member's compute);
+      one task per member, so its transfers and waits count as that member's compute),
+      less what the ranks' running ahead of one another across layers saves
+      (`StepResult.drift_seconds`, `ray_zep.sim.drift`);
     - recompute: what backward recomputes under the run's activation checkpointing
       (`StepResult.recompute_seconds`: the fullest rank's memory decides it; the bound
       leaves it out, since micro-batches holding fewer tokens at once may need none,
@@ -388,6 +390,6 @@ def _busiest_rank_parts(step: StepResult, n_layers: int) -> dict[str, float] | N
         "mean compute": float(compute.mean() + step.head_seconds),
         "contention": n_layers * slowed / len(ranks),
         "exposed transfers": n_layers * sum(one[TRANSFERS] for one in idle),
-        "waits": n_layers * sum(one[WAITS] for one in idle),
+        "waits": n_layers * sum(one[WAITS] for one in idle) - step.drift_seconds,
         "recompute": step.recompute_seconds,
     }

@@ -41,7 +41,7 @@ from ray_zep.errors import PlacementError
 from ray_zep.parallel.axes import Placement
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, even_bounds, local_placement
 from ray_zep.partition.work import WorkModel
-from ray_zep.sim.events import Timeline
+from ray_zep.sim.drift import rank_ends
 from ray_zep.sim.step import RunModel, StepResult, head_seconds, simulate_plan
 
 NAME = "bytescale_hdp"
@@ -162,14 +162,6 @@ def round_plans(
         plan.validate()
         plans.append(plan)
     return plans
-
-
-def rank_ends(timeline: Timeline, world: int) -> np.ndarray:
-    """When each rank's last task of a layer ends (0 for a rank with none)."""
-    ends = np.zeros(world)
-    ranks = np.fromiter((t.rank for t in timeline.graph.tasks), dtype=np.int64)
-    np.maximum.at(ends, ranks, timeline.end)
-    return ends
 
 
 def bytescale_plans(

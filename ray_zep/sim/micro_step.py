@@ -97,6 +97,7 @@ def micro_batched_step(steps: list[StepResult]) -> StepResult:
         optimizer_seconds=optimizer,
         fixed_seconds=sum(s.fixed_seconds for s in steps),
         recompute_seconds=sum(s.recompute_seconds for s in steps),
+        drift_seconds=sum(s.drift_seconds for s in steps),
         step_seconds=sum(s.step_seconds - s.optimizer_seconds for s in steps) + optimizer,
         micro_steps=tuple(steps),
     )

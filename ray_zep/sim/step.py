@@ -5,7 +5,7 @@ plan_placement`: the planner and the remap decision of the configured axes, as
 `plan_step` makes them; whole-sequence placements keep the rank-packed bins) and plays
 it:
 
-    n_layers x (forward layer + backward layer) + LM head + weights' exposed
+    n_layers x (forward layer + backward layer) - drift + LM head + weights' exposed
     collectives + expert all-to-alls + optimizer update + fixed host work
 
 - a layer is the task graph of `ray_zep.sim.program` (attention engine, routing,
@@ -14,7 +14,8 @@ it:
   with identical work, so one forward and one backward layer are played with every
   rank starting together (a rank that finishes a layer early could start the next
   one's linear modules sooner; its first transfer of the next layer waits for its
-  peers anyway);
+  peers anyway); across the layers, ranks that share no ring run ahead of one another
+  as far as the weights' collectives let them (`ray_zep.sim.drift`: the drift);
 - the LM head runs on each rank's linear-layout tokens (the slowest rank counts);
 - MoE blocks exchange their tokens with the expert-parallel group by all-to-all
   before and after the experts, forward and backward (the rank with the most
@@ -74,6 +75,7 @@ from ray_zep.partition.plan import AttentionPlan
 from ray_zep.prefetch_plan import run_gathers_after_attention, run_prefetch_depth
 from ray_zep.remap.solver import RemapPlan
 from ray_zep.routing.routes import Phase, RoutingPlan
+from ray_zep.sim.drift import drifting_layers
 from ray_zep.sim.events import CorePool, TaskGraph, Timeline, simulate
 from ray_zep.sim.graph_builder import FP32_BYTES, LayerSetup
 from ray_zep.sim.hardware import Hardware
@@ -172,6 +174,9 @@ class StepResult:
         micro_steps: a step of several micro-batches (`ray_zep.sim.micro_step`): each
             one's own step, whose parts this one sums; empty for one batch a step.
         plan: the attention plan played (None for weight-passing modes).
+        drift_seconds: what the layers take less than n_layers x (forward + backward
+            layer) where ranks run ahead of one another between the weights'
+            collectives (`ray_zep.sim.drift`).
     """
 
     tokens: int
@@ -189,6 +194,7 @@ class StepResult:
     recompute_seconds: float = 0.0
     micro_steps: tuple[StepResult, ...] = ()
     plan: AttentionPlan | None = None
+    drift_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -215,6 +221,7 @@ class StepResult:
             "optimizer": self.optimizer_seconds,
             "fixed": self.fixed_seconds,
             "recompute": self.recompute_seconds,
+            "drift": -self.drift_seconds,
         }
 
 
@@ -402,7 +409,10 @@ def _result(
     rates = run.hardware.rates
     optimizer = paid.owned_params * rates.optimizer_param_seconds
     fixed = rates.step_overhead_s
-    total = run.shape.n_layers * (forward.makespan + backward.makespan)
+    lockstep = run.shape.n_layers * (forward.makespan + backward.makespan)
+    together = remap is not None or run.shape.moe_experts > 0
+    total = drifting_layers(forward, backward, plan, run.shape.n_layers, paid.blocks_ahead,
+                            together)  # fmt: skip
     return StepResult(
         tokens=int(plan.lengths.sum()),
         forward_layer_seconds=forward.makespan,
@@ -417,6 +427,7 @@ def _result(
         optimizer_seconds=optimizer,
         fixed_seconds=fixed,
         recompute_seconds=recompute,
+        drift_seconds=lockstep - total,
         plan=plan,
     )
 

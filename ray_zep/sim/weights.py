@@ -74,6 +74,9 @@ class WeightsCost:
             before it (`ray_zep.sim.graph_builder.LayerSetup.gathered_ahead`).
         regather_in_node: the backward gathers each block again over its node's GPUs
             (`parallel.reshard_to_node`); `layer_sync`'s backward holds that gather.
+        blocks_ahead: how many blocks ahead a block's gather is posted (1 where there
+            are no per-block collectives): how far ranks may run ahead of one another
+            (`ray_zep.sim.drift`).
     """
 
     layer_sync: tuple[float, float] = (0.0, 0.0)
@@ -84,6 +87,7 @@ class WeightsCost:
     backward_groups: tuple[tuple[int, ...], ...] = ()
     gathered_ahead: bool = False
     regather_in_node: bool = False
+    blocks_ahead: int = 1
 
 
 def _groups(topology: Topology, sharding: Sharding) -> tuple[tuple[int, ...], ...]:
@@ -175,4 +179,4 @@ def weights_cost(
         backward_groups = (tuple(range(topology.world_size)),)
     exposed += host_seconds
     return WeightsCost((gather, backward), groups, exposed, params / size, latencies,
-                       backward_groups, ahead > 1, in_node)  # fmt: skip
+                       backward_groups, ahead > 1, in_node, ahead)  # fmt: skip
