@@ -39,12 +39,13 @@ def test_each_block_gathers_the_next_unit_after_its_attention_and_trains_the_sam
     with the option off (FSDP2's own prefetch then gathers it when the block starts). Two
     ahead: each block gathers the unit two ahead after its attention (the
     embedding the first two blocks), or FSDP2 issues it when the block starts. The loss
-    and gradients are the same in every case."""
+    and gradients are the same in every case, three ahead too."""
     on, off = (["parallel.prefetch_after_attention=" + value] for value in ("true", "false"))
     one, two = ["parallel.prefetch_depth=1"], ["parallel.prefetch_depth=2"]
+    three = ["parallel.prefetch_depth=3"]  # zeppelin's unset depth
     cases = ([*on, *one], [*on, *one, "train.activation_checkpointing=full"], [*off, *one],
-             [*on, *two], [*off, *two])  # fmt: skip
-    after, checkpointed, at_start, two_after, two_at_start = (
+             [*on, *two], [*off, *two], [*on, *three])  # fmt: skip
+    after, checkpointed, at_start, two_after, two_at_start, three_after = (
         run_ranks(gather_order, 2, case)[0] for case in cases
     )
     assert _manual(after[0]) == AFTER_EACH_ATTENTION
@@ -57,6 +58,7 @@ def test_each_block_gathers_the_next_unit_after_its_attention_and_trains_the_sam
         "attention 0"
     )
     assert after[1:] == checkpointed[1:] == at_start[1:] == two_after[1:] == two_at_start[1:]
+    assert three_after[1:] == after[1:]
 
 
 @pytest.mark.unit
