@@ -101,11 +101,11 @@ def drifting_layers(
     count = int(band.max()) + 1
     if count == 1:
         return lockstep
-    ahead = np.zeros(count), np.zeros(count)
-    np.maximum.at(ahead[0], band, rank_ends(forward, world))
-    np.maximum.at(ahead[1], band, rank_ends(backward, world))
-    ends = _played(np.zeros(count), ahead[0], n_layers, lead)
-    ends = _played(ends, ahead[1], n_layers, min(lead, BACKWARD_LEAD))
+    layer_forward, layer_backward = np.zeros(count), np.zeros(count)  # each band's layer
+    np.maximum.at(layer_forward, band, rank_ends(forward, world))
+    np.maximum.at(layer_backward, band, rank_ends(backward, world))
+    ends = _played(np.zeros(count), layer_forward, n_layers, lead)
+    ends = _played(ends, layer_backward, n_layers, min(lead, BACKWARD_LEAD))
     return min(lockstep, float(ends.max()))
 
 
