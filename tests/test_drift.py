@@ -69,11 +69,11 @@ def test_ranks_of_one_item_or_joined_every_layer_stay_in_step() -> None:
     assert drifting_layers(forward, backward, _plan(2, (0,), (1,)), 10, 3, True) == 34.0
 
 
-def _run(depth: int, extra: tuple[str, ...] = ()) -> RunModel:
+def _run(depth: int) -> RunModel:
     config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=4",
                                 "model.preset=7b", "train.tokens_per_rank=10240",
                                 "parallel.weights=fsdp", "parallel.sequence=zeppelin",
-                                f"parallel.prefetch_depth={depth}", *extra])  # fmt: skip
+                                f"parallel.prefetch_depth={depth}"])  # fmt: skip
     return RunModel.create(config, Hardware.preset(build_topology(config.topology)))
 
 
