@@ -23,6 +23,7 @@ from ray_zep.partition import balance
 from ray_zep.partition.level_trace import LevelOutcome
 from ray_zep.partition.plan import AttentionPlan, SeqPlacement, bounds_for_counts, local_placement
 from ray_zep.partition.work import WorkModel, exposed_exchange, ulysses_row_bytes
+from ray_zep.sim.events import Lane
 from ray_zep.sim.graph_builder import GraphBuilder
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel, simulate_plan
@@ -164,9 +165,10 @@ def test_pieces_beside_the_projections_match_one_device(nodes: int, gpus: int) -
         assert counts[0] < counts[1] <= counts[2], counts
 
 
-def _usp_run(pieces: int):
-    """Cluster A's 4 nodes, 7b, zeppelin, head exchanges in `pieces`: topology and run."""
-    config = load_config(None, ["topology.preset=cluster_a", "topology.nodes=4",
+def _usp_run(pieces: int, nodes: int = 4):
+    """Cluster A's `nodes` nodes, 7b, zeppelin, head exchanges in `pieces`: topology and
+    run."""
+    config = load_config(None, ["topology.preset=cluster_a", f"topology.nodes={nodes}",
                                 "model.preset=7b", "train.tokens_per_rank=10240",
                                 "parallel.weights=fsdp", "parallel.sequence=zeppelin",
                                 f"parallel.ulysses_chunks={pieces}"])  # fmt: skip
@@ -210,6 +212,34 @@ def test_the_simulator_plays_the_pieces_beside_the_projections(monkeypatch) -> N
                  if t.name.startswith("Ulysses") and t.rank == 0]  # fmt: skip
     hidden = sum(t.duration for t in exchanges) * run.shape.n_layers
     assert whole.step_seconds - split.step_seconds < hidden
+
+
+@pytest.mark.unit
+def test_pieces_posted_together_travel_one_after_another() -> None:
+    """A lone 7b USP group of 2 positions of 2 whole nodes each (U = 16, its exchanges
+    crossing the NICs), 4 pieces: after the ring a member posts every piece's output
+    (forward) or dQ/dK/dV (backward) at once, and NCCL runs them in order, so each of its
+    parts moves only after the piece before it, at the links' whole pace: the first
+    piece arrives by a quarter of the way, and the projection of the first piece
+    starts before the last piece has arrived."""
+    n = 64_000
+    topology, run = _usp_run(4, nodes=4)
+    group = SeqPlacement(0, n, tuple(range(32)), bounds_for_counts([n // 2] * 2), ulysses=16)
+    plan = AttentionPlan(Placement.ZEPPELIN, topology, 40_960, (group,))
+    step = simulate_plan(plan, run, False, None)
+    for timeline, projection in ((step.forward, "output projection"),
+                                 (step.backward, "QKV projection")):  # fmt: skip
+        tasks = timeline.graph.tasks
+        parts = [i for i, t in enumerate(tasks) if t.rank == 0 and t.name == "Ulysses out"
+                 and t.lane is Lane.INTER_NODE]  # fmt: skip
+        assert len(parts) == 4
+        start, end = timeline.start[parts], timeline.end[parts]
+        assert np.all(start[1:] >= end[:-1] - 1e-12), (start, end)
+        assert end[0] - start[0] < (end[-1] - start[0]) / 2
+        first = min(timeline.start[i] for i, t in enumerate(tasks)
+                    if t.rank == 0 and t.name == projection and t.duration > 0
+                    and timeline.start[i] >= start[0])  # fmt: skip
+        assert first < end[-1]
 
 
 @pytest.mark.unit

@@ -13,8 +13,12 @@ pieces are posted at once, and the rank projects its other rows, then each piece
 arrives, then runs the MLP. Backward: the MLP's backward, then the output projection's a
 piece at a time (last piece first), each piece's output gradient posted before the next;
 after the rings the dQ/dK/dV pieces go back at once, and the QKV projection's backward
-runs on the other rows, then on each piece as it arrives. A link carries its messages
-first in, first out, so pieces arrive in the order they were posted. A piece's compute
+runs on the other rows, then on each piece as it arrives. A member posts each piece as
+one batch of sends and receives on one communicator (`ray_zep.attention.kv_exchange`),
+and NCCL runs a communicator's batches one after another on its stream: a piece moves
+once its position's previous piece has arrived, so pieces arrive in the order they were
+posted, each at the links' whole pace rather than all together at a share of it. A
+piece's compute
 is slowed while its rank's earlier pieces are in flight (`ComputeRates.contention`, for
 the shorter of the compute and the transfers, as a ring step beside its messages), and
 by the weights' collectives for its share of the rank's whole projection (`_retime`'s
@@ -77,7 +81,9 @@ def ulysses_exchange(build: GraphBuilder, item: QueueItem, incoming: bool) -> No
         build.wait(rank, done[rank])
 
 
-def _exchange_parts(build, item: QueueItem, rows: list[int], incoming: bool, posted) -> tuple:
+def _exchange_parts(
+    build, item: QueueItem, rows: list[int], incoming: bool, posted, after=None
+) -> tuple:
     """Every member's messages to the others of its position (`rows[m]`: the rows of
     member m, in `item.ranks` order, that a message to or from it carries), played as an
     all-to-all-v per rank and link kind (`GraphBuilder.rank_exchange`), as the engine
@@ -87,7 +93,8 @@ def _exchange_parts(build, item: QueueItem, rows: list[int], incoming: bool, pos
     other members are sending to, as no all-to-all does (the remap's all-to-all-v is
     played the same way, `_Builder.remap`). By rank: every part of its position (what it
     waits for: its own and what it receives), and its own parts (what runs beside its
-    compute)."""
+    compute). `after`: by rank, what each member's part waits for besides every member's
+    post (the position's previous piece, `UlyssesPieces`)."""
     per_row, mine, stream = ulysses_sizes(build, item, incoming)
     name = "Ulysses in" if incoming else "Ulysses out"
     u, node = item.ulysses, build.node
@@ -96,6 +103,8 @@ def _exchange_parts(build, item: QueueItem, rows: list[int], incoming: bool, pos
         group = item.ranks[position * u : (position + 1) * u]
         nbytes = [rows[position * u + m] * per_row for m in range(u)]
         deps = [posted[r] for r in group]
+        if after:
+            deps += sorted({t for r in group for t in after.get(r, ())})
         for me, src in enumerate(group):
             moved = {}  # link kind: (sent, received)
             for peer, dst in enumerate(group):
@@ -141,6 +150,8 @@ class UlyssesPieces:
         self.departures: dict[tuple[int, int], list[tuple]] = defaultdict(list)
         """Per (item index, rank), each piece's parts after the ring: (all, its own)."""
         self.total: list[float] = []
+        self.previous: dict[int, list[int]] = {}
+        """Per rank, every part of the piece it posted last (the next one moves after it)."""
 
     @classmethod
     def of(cls, build: GraphBuilder) -> UlyssesPieces | None:
@@ -168,10 +179,11 @@ class UlyssesPieces:
                         task = self._compute(rank, rows[m], flops, elements, name, in_flight[rank])
                         build.wait(rank, [task])
                 posted = {rank: build.point[rank] for rank in item.ranks}
-                sent, own = _exchange_parts(build, item, rows, True, posted)
+                sent, own = _exchange_parts(build, item, rows, True, posted, self.previous)
                 for rank in item.ranks:
                     in_flight[rank] = own[rank]
                     self.arrivals[index, rank] += sent[rank]
+                    self.previous[rank] = sent[rank]
         for rank, count in enumerate(tokens):
             rest = count - self.split[rank]
             if rest > 0 or not self.split[rank]:
@@ -191,9 +203,11 @@ class UlyssesPieces:
         for index, item in self.items:
             posted = {rank: build.point[rank] for rank in item.ranks}
             for c in self.order:
-                sent, own = _exchange_parts(build, item, self.pieces[index][c], False, posted)
+                sent, own = _exchange_parts(build, item, self.pieces[index][c], False, posted,
+                                            self.previous)  # fmt: skip
                 for rank in item.ranks:
                     self.departures[index, rank].append((sent[rank], own[rank]))
+                    self.previous[rank] = sent[rank]
 
     def wait_and_project(self, flops: float, elements: float, name: str, whole) -> None:
         """The rank's other rows beside the pieces in flight, then each piece of its USP
