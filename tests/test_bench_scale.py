@@ -161,8 +161,11 @@ def test_room_keeps_the_fastest_l_that_fits() -> None:
 
 def test_room_up_to_plays_the_rooms_next_to_the_fastest(monkeypatch) -> None:
     """`--room 1.25 --room-up-to 2` on 7B chat at 64 GPUs: L = 6,400 is played, then 7,680
-    next to it, which wins (as played apart), then 8,960 next to that, which loses; 6,400
-    below it was played, so the search stops. Up to 1.25, nothing more is played."""
+    next to it, which wins, then 8,960 next to that, which loses; 6,400 below it was
+    played, so the ladder stops and the gaps beside the fastest are halved: above (x 1.625,
+    then 1.5625, both lose), then below (x 1.375 loses, 1.4375 wins: L = 7,360, as played
+    apart); its gaps are then a sixteenth, and the search stops. Up to 1.25, nothing more
+    is played."""
     from ray_zep.bench import scale
 
     cases = dict(gpus=(64,), distributions=("chat",), models=("7b",), tokens_per_gpu=(4096,),
@@ -174,13 +177,15 @@ def test_room_up_to_plays_the_rooms_next_to_the_fastest(monkeypatch) -> None:
         round(spec.headroom / 1.25, 2)) or case_at(spec, *a, **k))  # fmt: skip
     (row,) = run_scale_bench(ScaleBenchSpec(**cases, room=(1.25,), room_up_to=2.0),
                              progress=quiet)  # fmt: skip
-    assert played == [1.25, 1.5, 1.75]
-    (apart,) = run_scale_bench(ScaleBenchSpec(**cases, headroom=1.875), progress=quiet)
-    assert (row.tokens_per_rank, row.step_s) == (7680, apart.step_s)
+    assert played == [1.25, 1.5, 1.75, 1.62, 1.56, 1.38, 1.44]
+    (apart,) = run_scale_bench(ScaleBenchSpec(**cases, headroom=1.25 * 1.4375), progress=quiet)
+    assert (row.tokens_per_rank, row.step_s) == (7360, apart.step_s)
     played.clear()
     (kept,) = run_scale_bench(ScaleBenchSpec(**cases, room=(1.25,), room_up_to=1.25),
                               progress=quiet)  # fmt: skip
     assert played == [1.25] and kept.tokens_per_rank == 6400 and kept.step_s > row.step_s
+    with pytest.raises(ConfigError, match="--room-halvings -1"):
+        ScaleBenchSpec(**cases, room=(1.25,), room_up_to=2.0, room_halvings=-1)
     with pytest.raises(ConfigError, match=r"--room-up-to 1\.0"):
         ScaleBenchSpec(**cases, room=(1.0, 1.25), room_up_to=1.0)
     with pytest.raises(ConfigError, match="--room"):

@@ -43,7 +43,7 @@ def test_the_runs_documents_at_64_gpus_compare_the_three_placements() -> None:
     config = load_config("conf/demo.yaml", [])
     rows = real_shape_rows(config, [64])
     assert [r.placement for r in rows] == list(compared_placements())
-    factors = (*ROOMS, *np.arange(max(ROOMS), ROOM_MOST, ROOM_STEP) + ROOM_STEP)
+    factors = (*ROOMS, *np.arange(max(ROOMS), ROOM_MOST, ROOM_STEP) + ROOM_STEP)  # no halvings
     rooms = {math.ceil(TOKENS_PER_GPU * ScaleBenchSpec.headroom * f) for f in factors}
     with patch.object(real_shape, "ROOMS", (1.0,)), patch.object(real_shape, "ROOM_MOST", 1.0):
         alone = real_shape_rows(config, [64])  # the default L alone

@@ -34,7 +34,8 @@ average; L = that x headroom) and placement, on the same sampled batches:
   as `plan --auto` plays the fastest composition with more room (1.25, 1.5 and 2), and
   keeps the fastest that fits; its bound is the batch's at that L. With `--room-up-to`,
   each placement is then played at the factors next to its fastest on a ladder of 0.25
-  until both are played, up to the factor given, as `plan --auto` does up to 2
+  until both are played, then at the middles between the fastest and its nearest played
+  factors (`--room-halvings`, 2 by default), up to the factor given, as `plan --auto` does up to 2
   (`ray_zep.sim.token_room.play_around`);
 - K/V room (`--kv-room`, `K/V room`): each row is played with each
   `parallel.ring_kv_room_mb` listed (`model`: unset, the memory model's cost of a token
@@ -113,7 +114,7 @@ from ray_zep.sim.megatron_dynamic_cp import NAME as MEGATRON_DYNAMIC_CP
 from ray_zep.sim.micro_step import micro_batched_steps, split_batch
 from ray_zep.sim.phase_setter import phase_setters
 from ray_zep.sim.step import RunModel
-from ray_zep.sim.token_room import ROOM_MOST, ROOM_STEP, play_around
+from ray_zep.sim.token_room import ROOM_HALVINGS, ROOM_MOST, ROOM_STEP, play_around
 from ray_zep.topology import build_topology
 from ray_zep.traffic import attention_step_traffic
 
@@ -159,7 +160,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--room-up-to", type=float, default=None,
         help=f"then try the factors next to a row's fastest fitting one (+-{ROOM_STEP}) until "
-        f"both are tried, up to this factor (plan --auto: {ROOM_MOST})",
+        f"both are tried, then the gaps beside the fastest halved (--room-halvings), up to "
+        f"this factor (plan --auto: {ROOM_MOST})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--room-halvings", type=int, default=ROOM_HALVINGS,
+        help="with --room-up-to, how many times the gaps beside the fastest room are halved "
+        f"once its neighbours on the ladder are tried (default {ROOM_HALVINGS}, as plan --auto; "
+        "0: the ladder alone)",
     )  # fmt: skip
     parser.add_argument(
         "--kv-room", default="model",
@@ -183,6 +191,7 @@ def run(args: argparse.Namespace) -> BenchResult:
         room=factors(args.room, "--room"),
         kv_room=kv_rooms(args.kv_room),
         room_up_to=args.room_up_to,
+        room_halvings=args.room_halvings,
         overrides=tuple(args.overrides),
     )
     cases = len(spec.models) * len(spec.tokens_per_gpu) * len(spec.gpus) * len(spec.distributions)
@@ -243,8 +252,11 @@ class ScaleBenchSpec:
     fastest that fits kept (module docstring)."""
     room_up_to: float | None = None
     """Each placement is then played at the factors next to its fastest fitting one
-    (`ray_zep.sim.token_room.play_around`) until both are played, up to this factor
-    (module docstring); None: `room` alone."""
+    (`ray_zep.sim.token_room.play_around`) until both are played, then at the middles of
+    the gaps beside it, up to this factor (module docstring); None: `room` alone."""
+    room_halvings: int = ROOM_HALVINGS
+    """How many times `room_up_to`'s search halves the gaps beside the fastest factor
+    (`ray_zep.sim.token_room.next_room`; 0: the ladder alone)."""
     overrides: tuple[str, ...] = ()
     """`key=value` overrides of every case's config (`ray_zep.bench.scale_overrides`)."""
 
@@ -268,6 +280,8 @@ class ScaleBenchSpec:
         if self.room_up_to is not None and not self.room_up_to >= max(self.room):
             raise ConfigError(f"--room-up-to {self.room_up_to}: at least the largest --room "
                               f"factor ({max(self.room)})")  # fmt: skip
+        if self.room_halvings < 0:
+            raise ConfigError(f"--room-halvings {self.room_halvings}: must be >= 0")
         if self.plan_only and (len(self.room) > 1 or self.room_up_to is not None):
             raise ConfigError("--room: one factor, no --room-up-to, with --plan-only (no step "
                               "to choose by)")  # fmt: skip
@@ -404,7 +418,7 @@ def _room_around(spec: ScaleBenchSpec, row: ScaleRow, factor: float, gpus: int, 
             row, factor = best, following
         return factor
 
-    play_around(spec.room, factor, play, spec.room_up_to)
+    play_around(spec.room, factor, play, spec.room_up_to, spec.room_halvings)
     return row
 
 

@@ -443,7 +443,7 @@ def _roomier(
     fastest = 1.0
     for factor in ROOM_FACTORS:
         fastest = play(factor)
-    play_around(list(played), fastest, play)  # the fastest's neighbours on the ladder
+    play_around(list(played), fastest, play)  # the fastest's neighbours, then the gaps halved
     return out
 
 
