@@ -18,12 +18,11 @@ one batch of sends and receives on one communicator (`ray_zep.attention.kv_excha
 and NCCL runs a communicator's batches one after another on its stream: a piece moves
 once its position's previous piece has arrived, so pieces arrive in the order they were
 posted, each at the links' whole pace rather than all together at a share of it. A
-piece's compute
-is slowed while its rank's earlier pieces are in flight (`ComputeRates.contention`, for
-the shorter of the compute and the transfers, as a ring step beside its messages), and
-by the weights' collectives for its share of the rank's whole projection (`_retime`'s
-`piece` recipe; so is the MLP, the rest of the part the output projection is of). The
-matmuls run at the same rate over a piece as over all rows.
+piece's compute is slowed while its rank's earlier pieces are in flight
+(`ComputeRates.contention`, for the shorter of the compute and the transfers, as a ring
+step beside its messages), and by the weights' collectives for its share of the rank's
+whole projection (`_retime`'s `piece` recipe; so is the MLP, the rest of the part the
+output projection is of). The matmuls run at the same rate over a piece as over all rows.
 """
 
 from __future__ import annotations
