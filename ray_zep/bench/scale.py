@@ -35,8 +35,8 @@ average; L = that x headroom) and placement, on the same sampled batches:
   keeps the fastest that fits; its bound is the batch's at that L. With `--room-up-to`,
   each placement is then played at the factors next to its fastest on a ladder of 0.25
   until both are played, then at the middles between the fastest and its nearest played
-  factors (`--room-halvings`, 2 by default), up to the factor given, as `plan --auto` does up to 2
-  (`ray_zep.sim.token_room.play_around`);
+  factors (`--room-halvings`, 2 by default), up to the factor given, as `plan --auto`
+  does up to 2 (`ray_zep.sim.token_room.play_around`);
 - K/V room (`--kv-room`, `K/V room`): each row is played with each
   `parallel.ring_kv_room_mb` listed (`model`: unset, the memory model's cost of a token
   in a ring, which the planner holds free on a kept ring's members; `0`: the budget
