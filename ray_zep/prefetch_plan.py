@@ -31,8 +31,9 @@ from ray_zep.config import Config, ParallelConfig
 from ray_zep.costmodel import CostModel, linear_flops_per_token, preset_rates, ring_steps_latency
 from ray_zep.model_shapes import ModelShape
 from ray_zep.options import FsdpUnit
-from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES, Sharding
+from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES
 from ray_zep.parallel.memory import mean_block_params
+from ray_zep.parallel.shard_groups import shard_ranks
 from ray_zep.topology import Topology
 
 DEEP_PREFETCH_LATENCY_S = 2e-3
@@ -85,22 +86,25 @@ def prefetch_depth(
         return parallel.prefetch_depth
     if SEQUENCE_AXES[parallel.sequence].ranks_apart:
         return DEFAULT_PREFETCH_DEPTH
-    if _gather_latency(topology, _sharding(parallel) is Sharding.NODE) < DEEP_PREFETCH_LATENCY_S:
+    if _gather_latency(topology, _group(parallel, topology)) < DEEP_PREFETCH_LATENCY_S:
         return 1
     late = parallel.prefetch_after_attention
     if late is None:
-        late = _late(_sharding(parallel), topology, shape, float(mean_tokens), param_bytes, True)
+        late = _late(_group(parallel, topology), topology, shape, float(mean_tokens),
+                     param_bytes, True)  # fmt: skip
     return 2 if late else 1
 
 
-def _sharding(parallel: ParallelConfig) -> Sharding:
-    return WEIGHTS_AXES[parallel.weights].sharding
+def _group(parallel: ParallelConfig, topology: Topology) -> int:
+    """Ranks of the weights mode's FSDP shard group (`ray_zep.parallel.shard_groups`)."""
+    sharding = WEIGHTS_AXES[parallel.weights].sharding
+    return shard_ranks(sharding, parallel.shard_nodes, topology)
 
 
 @functools.lru_cache(maxsize=64)
-def _gather_latency(topology: Topology, in_node: bool) -> float:
-    """Ring-step latency of one all-gather over the FSDP group (a node's GPUs or all)."""
-    group = range(topology.gpus_per_node if in_node else topology.world_size)
+def _gather_latency(topology: Topology, size: int) -> float:
+    """Ring-step latency of one all-gather over an FSDP group of `size` ranks."""
+    group = range(size)
     return ring_steps_latency(topology, group, len(group) - 1, 1)
 
 
@@ -120,23 +124,23 @@ def gathers_after_attention(
     if parallel.prefetch_after_attention is not None:
         return parallel.prefetch_after_attention
     deep = prefetch_depth(parallel, topology, shape, mean_tokens, param_bytes) > 1
-    return _late(_sharding(parallel), topology, shape, float(mean_tokens), param_bytes, deep)
+    return _late(_group(parallel, topology), topology, shape, float(mean_tokens), param_bytes,
+                 deep)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
 def _late(
-    sharding: Sharding,
+    size: int,
     topology: Topology,
     shape: ModelShape,
     mean_tokens: float,
     param_bytes: int,
     deep: bool,
 ) -> bool:
-    """The cost model's choice (module docstring) for the FSDP group of `sharding`,
+    """The cost model's choice (module docstring) for an FSDP group of `size` ranks,
     gathers posted two or more blocks ahead where `deep` (kept: the memory model asks for
     every rank it models)."""
-    gpus = topology.gpus_per_node
-    group = range(gpus) if sharding is Sharding.NODE else range(topology.world_size)
+    group = range(size)
     if len(group) < 2:
         return False
     cost = CostModel.create(shape, topology)

@@ -10,6 +10,7 @@ from ray_zep.config import Compression, Config, Precision
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Sharding
 from ray_zep.parallel.memory import MemoryInputs
+from ray_zep.parallel.shard_groups import shard_ranks
 from ray_zep.prefetch_plan import run_prefetch_depth
 from ray_zep.topology import Topology
 
@@ -58,11 +59,25 @@ def memory_inputs(
         micro_batches=config.train.micro_batches,
         reshard_after_forward=parallel.reshard_after_forward,
         reshard_to_node=bool(parallel.reshard_to_node) and node_reshard_applies(config, topology),
+        shard_ranks=group_ranks(config, topology),
     )
 
 
+def group_ranks(config: Config, topology: Topology) -> int:
+    """Ranks in one FSDP2 shard group of the run's `fsdp` (`parallel.shard_nodes`;
+    `ray_zep.parallel.shard_groups`); 0 for every other weights mode and for one group
+    over every rank."""
+    parallel = config.parallel
+    axis = parallel.weights_axis
+    if not (axis.fsdp and axis.sharding is Sharding.ALL_RANKS and parallel.shard_nodes):
+        return 0
+    ranks = parallel.sequence_axis.processes(topology.world_size)
+    size = shard_ranks(axis.sharding, parallel.shard_nodes, topology, ranks)
+    return size if size < ranks else 0
+
+
 def node_reshard_applies(config: Config, topology: Topology) -> bool:
-    """FSDP2 over every rank of several nodes of more than one GPU, resharding after
+    """FSDP2 over shard groups of several nodes of more than one GPU, resharding after
     forward, its collectives plain: where `parallel.reshard_to_node` means anything
     (hsdp's groups are a node already; compressed, FSDP2's units gather through a switch
     over their shard group, `ray_zep.train.fsdp_comms`, which the node's group is not)."""
@@ -73,8 +88,8 @@ def node_reshard_applies(config: Config, topology: Topology) -> bool:
     if config.comm.compression is not Compression.OFF:
         return False
     gpus = topology.gpus_per_node
-    ranks = parallel.sequence_axis.processes(topology.world_size)
-    return topology.nodes > 1 and 1 < gpus < ranks and ranks % gpus == 0
+    group = group_ranks(config, topology) or parallel.sequence_axis.processes(topology.world_size)
+    return topology.nodes > 1 and 1 < gpus < group and group % gpus == 0
 
 
 def memory_precision(config: Config, topology: Topology) -> tuple[torch.dtype, bool, str]:

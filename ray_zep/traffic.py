@@ -17,6 +17,7 @@ import numpy as np
 
 from ray_zep.costmodel import BYTES_PER_ELEMENT
 from ray_zep.model_shapes import ModelShape
+from ray_zep.parallel.shard_groups import replica_groups, shard_groups
 from ray_zep.partition.plan import AttentionPlan
 from ray_zep.partition.stats import collective_bytes
 from ray_zep.remap.solver import RemapPlan
@@ -141,8 +142,9 @@ def gradient_traffic(nbytes: int, topology: Topology, world: int) -> Traffic:
 
 
 def sharded_weights_traffic(
-    gathered_bytes: int, grad_bytes: int, topology: Topology, hybrid: bool, node_gathered: int = 0
-) -> Traffic:
+    gathered_bytes: int, grad_bytes: int, topology: Topology, group: int = 0,
+    node_gathered: int = 0,
+) -> Traffic:  # fmt: skip
     """Bytes of FSDP's collectives in one step, as ring algorithms move them.
 
     Args:
@@ -150,27 +152,27 @@ def sharded_weights_traffic(
             block in forward, again in backward when it reshards).
         grad_bytes: unsharded gradient bytes reduce-scattered.
         topology: the cluster; ranks are node-major.
-        hybrid: shard inside each node and all-reduce the shards over the nodes'
-            rails (hsdp) instead of sharding over all ranks (fsdp).
+        group: ranks of one shard group (`ray_zep.parallel.shard_groups`: a node's GPUs
+            for hsdp, `parallel.shard_nodes` nodes' for fsdp); each reduced shard is
+            then all-reduced with its replicas in the other groups. 0: one group of
+            every rank (fsdp).
         node_gathered: unsharded parameter bytes all-gathered inside each node from
             its GPUs' shards (the backward's gathers under `parallel.reshard_to_node`).
     """
     out = Traffic.zero(topology)
     world, gpus = topology.world_size, topology.gpus_per_node
-    node_ranks = [list(topology.ranks_of_node(n)) for n in range(topology.nodes)]
-    groups = node_ranks if hybrid and topology.nodes > 1 else [list(range(world))]
-    for members in groups:
-        size = len(members)
-        _ring_charge(out, topology, members, (size - 1) * (gathered_bytes + grad_bytes) // size)
+    size = group if 0 < group < world else world
+    per_link = (size - 1) * (gathered_bytes + grad_bytes) // size
+    for members in shard_groups(size, world):
+        _ring_charge(out, topology, list(members), per_link)
     if node_gathered:
-        for members in node_ranks:
+        for n in range(topology.nodes):
+            members = list(topology.ranks_of_node(n))
             _ring_charge(out, topology, members, (gpus - 1) * node_gathered // gpus)
-    if len(groups) > 1:
-        shard = grad_bytes // gpus
-        nodes = topology.nodes
-        for local in range(gpus):
-            rail = list(range(local, world, gpus))
-            _ring_charge(out, topology, rail, 2 * (nodes - 1) * shard // nodes)
+    if size < world:
+        shard, replicas = grad_bytes // size, world // size
+        for members in replica_groups(size, world):
+            _ring_charge(out, topology, list(members), 2 * (replicas - 1) * shard // replicas)
     return out
 
 

@@ -206,9 +206,9 @@ def test_a_step_counts_the_backward_gather_on_the_node_links() -> None:
     config = load_config(None, ["topology.nodes=4", "topology.gpus_per_node=4"])
     topology = build_topology(config.topology)
     blocks = 16_000
-    once = sharded_weights_traffic(blocks, blocks, topology, hybrid=False)
-    twice = sharded_weights_traffic(2 * blocks, blocks, topology, hybrid=False)
-    on_node = sharded_weights_traffic(blocks, blocks, topology, hybrid=False, node_gathered=blocks)
+    once = sharded_weights_traffic(blocks, blocks, topology, group=0)
+    twice = sharded_weights_traffic(2 * blocks, blocks, topology, group=0)
+    on_node = sharded_weights_traffic(blocks, blocks, topology, group=0, node_gathered=blocks)
     assert on_node.inter_node == once.inter_node < twice.inter_node
     # each node's ring of 4 moves 3/4 of the blocks over each of its 4 links
     assert on_node.intra_node - once.intra_node == 4 * 4 * 3 * blocks // 4

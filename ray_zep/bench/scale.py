@@ -69,10 +69,11 @@ import numpy as np
 
 from ray_zep.bench.scale_options import (
     as_option,
-    bounds_by_node_shards,
+    bounds_by_choice,
     fitting_checkpointing,
-    node_shard_choices,
     own_bounds,
+    weights_choices,
+    with_weights_choice,
 )
 from ray_zep.bench.scale_overrides import (
     GPUS_PER_NODE,
@@ -87,10 +88,10 @@ from ray_zep.command_args import counts, factors, known, names
 from ray_zep.config import Config, load_config
 from ray_zep.data.synthetic import DISTRIBUTIONS, batch_lengths
 from ray_zep.errors import ConfigError, ZepError
+from ray_zep.parallel.axes import Sharding
 from ray_zep.parallel.memory import GB
 from ray_zep.partition import registry
 from ray_zep.partition.level_trace import LevelOutcome
-from ray_zep.partition.node_reshard import with_node_shards
 from ray_zep.partition.plan_memory import rank_memory
 from ray_zep.partition.spec import Bench
 from ray_zep.partition.stats import max_over_mean, plan_stats
@@ -344,6 +345,10 @@ class ScaleRow:
     """Whether the row keeps each block sharded over the node after its forward
     (`parallel.reshard_to_node`; unset, the row is played with and without and keeps the
     faster); None where the key means nothing (one node, hsdp, whole copies)."""
+    shard_nodes: int | None = None
+    """fsdp's shard groups (`parallel.shard_nodes`; 0: one over every node; unset, the row
+    is played with one and with the group whose collectives the cost model times
+    fastest, `fastest_shard_nodes`, and keeps the faster); None for other weights modes."""
     micro_batches: int = 1
     """Micro-batches a step (module docstring), each of at most L / this tokens a rank."""
     tokens_per_rank: int | None = None
@@ -438,16 +443,17 @@ def case_at(spec: ScaleBenchSpec, gpus: int, distribution: str, model: str, toke
     hardware = Hardware.preset(build_topology(config.topology))
     run = RunModel.create(config, hardware)
     ideal = None if spec.plan_only else [ideal_step_seconds(b, run) for b in batches]
-    bounds = None if spec.plan_only else bounds_by_node_shards(batches, run)
+    bounds = None if spec.plan_only else bounds_by_choice(batches, run)
     rows = []
     for name in spec.placements:
         row = ScaleRow(gpus, distribution, model, tokens, name, kv_room_mb=kv_room)
         tried = []
-        for flag in node_shard_choices(config, hardware.topology):
+        for choice in weights_choices(run):
             one = dataclasses.replace(row)
+            chosen = with_weights_choice(config, choice)
             try:
-                one = _fastest_micro_batches(spec, one, with_node_shards(config, flag), hardware,
-                                             batches, (ideal, bounds))  # fmt: skip
+                one = _fastest_micro_batches(spec, one, chosen, hardware, batches,
+                                             (ideal, bounds))  # fmt: skip
             except ZepError as exc:
                 one.error = str(exc)
             tried.append(one)
@@ -540,6 +546,8 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
     row.fits = "yes" if peak <= hardware.usable_memory_bytes else "NO"
     if node_reshard_applies(fitting, hardware.topology):
         row.node_shards = bool(fitting.parallel.reshard_to_node)
+    if fitting.parallel.weights_axis.sharding is Sharding.ALL_RANKS:
+        row.shard_nodes = fitting.parallel.shard_nodes
     if works:
         step_sums = len(works) // len(batches)  # a step's micro-batches
         row.work_mean, row.work_worst = float(np.mean(works)), float(max(works))

@@ -111,6 +111,14 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     """fsdp | hsdp: free each block's gathered parameters after its forward and gather
     them again for backward (less memory, one more all-gather per block)."""
+    shard_nodes: int = 0
+    """fsdp: nodes one FSDP2 shard group spans, each group a replica of the others
+    (torch's (replicate, shard) mesh: every block gathered and reduce-scattered inside
+    its group, each reduced shard then all-reduced with its replicas, as hsdp does across
+    nodes). A group's collectives wait on one ring step a member: over 1,024 GPUs that
+    latency alone is 4 ms a gather, a few tens of nodes pay a tenth of it for 1/G more
+    optimizer state each. 0 = every node, one group; must divide topology.nodes (and
+    every node count an elastic run may continue on); not with parallel.ep."""
     reshard_to_node: bool | None = None
     """fsdp over several nodes, resharding after forward: keep each unit's parameters
     sharded over its node's GPUs after its forward (FSDP2's reshard_after_forward=G), so
@@ -161,6 +169,12 @@ class ParallelConfig:
             "parallel.prefetch_depth",
             self.prefetch_depth,
             f"must be 1 to {MAX_PREFETCH_DEPTH} (units gathered ahead)",
+        )
+        require(
+            self.shard_nodes >= 0,
+            "parallel.shard_nodes",
+            self.shard_nodes,
+            "must be >= 0 (0 = one shard group over every node)",
         )
         require(
             self.ulysses_degree >= 0,

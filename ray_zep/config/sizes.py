@@ -17,7 +17,7 @@ from ray_zep.config.training import batch_budget
 from ray_zep.errors import ConfigError, TopologyError
 from ray_zep.model_shapes import build_shape
 from ray_zep.options import Packing
-from ray_zep.parallel.axes import Family
+from ray_zep.parallel.axes import Family, WeightsMode
 from ray_zep.topology import Topology, build_topology
 
 
@@ -92,6 +92,7 @@ def check_sizes(config: Config, topology: Topology) -> None:
             f"model.moe.num_experts={shape.moe_experts}"
         )
     weights = config.parallel.weights_axis
+    _check_shard_nodes(config, topology)
     units = shape.n_layers + 2
     if weights.family is Family.WEIGHT_PASSING and units < ranks:
         raise ConfigError(
@@ -99,6 +100,34 @@ def check_sizes(config: Config, topology: Topology) -> None:
             f"gives each of the {ranks} ranks a shard of whole units, but the model has "
             f"{units} (embedding, {shape.n_layers} blocks, output); use at least "
             f"{ranks - 2} layers or fewer ranks"
+        )
+
+
+def _check_shard_nodes(config: Config, topology: Topology) -> None:
+    """`parallel.shard_nodes`: fsdp only, without expert parallelism, whole groups of
+    nodes.
+
+    Raises:
+        ConfigError: any of those fails.
+    """
+    parallel = config.parallel
+    nodes = parallel.shard_nodes
+    if not nodes:
+        return
+    if parallel.weights is not WeightsMode.FSDP:
+        raise ConfigError(
+            f"config key parallel.shard_nodes={nodes}: shard groups are for parallel.weights="
+            f"fsdp, not {parallel.weights.value} (hsdp's group is one node); set it to 0"
+        )
+    if parallel.ep > 1:
+        raise ConfigError(
+            f"config key parallel.shard_nodes={nodes}: with parallel.ep={parallel.ep} the "
+            "experts shard over their own replicas of every rank; set it to 0"
+        )
+    if topology.nodes % nodes:
+        raise ConfigError(
+            f"config key parallel.shard_nodes={nodes}: must divide topology.nodes="
+            f"{topology.nodes} (each shard group whole nodes)"
         )
 
 

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ray_zep.distributed.group import Group
 from ray_zep.errors import CommError
+from ray_zep.parallel.shard_groups import replica_groups, shard_groups
 from ray_zep.topology import Topology
 
 
@@ -38,7 +39,8 @@ class MeshShape(Enum):
     FLAT = "flat"
     """One dimension over every rank (`fsdp`)."""
     NODE = "node"
-    """(replicate across nodes, shard inside a node) (`hsdp`)."""
+    """(replicate across groups, shard inside a group of whole nodes): `hsdp` (a node)
+    and `fsdp` over `parallel.shard_nodes` nodes (`GroupNeeds.fsdp_shard_nodes`)."""
 
 
 @dataclass(frozen=True)
@@ -50,12 +52,14 @@ class GroupNeeds:
         fsdp: FSDP2's mesh shape, or None without FSDP.
         routing: the routing layer's four groups.
         ep: expert-parallel degree (1: no expert groups).
+        fsdp_shard_nodes: nodes of one shard group of a `MeshShape.NODE` mesh (0: one).
     """
 
     node_and_rail: bool = False
     fsdp: MeshShape | None = None
     routing: bool = False
     ep: int = 1
+    fsdp_shard_nodes: int = 0
 
 
 @dataclass
@@ -91,7 +95,8 @@ class RankGroups:
                 self.fsdp_shard.group, device_type, mesh_dim_names=("shard",)
             )
         else:
-            layout = torch.tensor(self.world_ranks, dtype=torch.int).view(topology.nodes, -1)
+            size = max(self.needs.fsdp_shard_nodes, 1) * topology.gpus_per_node
+            layout = torch.tensor(self.world_ranks, dtype=torch.int).view(-1, size)
             mesh = DeviceMesh.from_group(
                 [self.fsdp_replicate.group, self.fsdp_shard.group],
                 device_type,
@@ -160,8 +165,15 @@ def build_groups(
     if needs.fsdp is MeshShape.FLAT:
         out.fsdp_shard = mine([list(range(world))])
     elif needs.fsdp is MeshShape.NODE:
+        size = max(needs.fsdp_shard_nodes, 1) * gpus
+        if world % size:
+            raise CommError(
+                f"parallel.shard_nodes={needs.fsdp_shard_nodes}: shard groups of {size} ranks "
+                f"do not divide the {world} ranks"
+            )
         # a mesh dimension needs a group even where it has one rank (hsdp on one node)
-        out.fsdp_shard, out.fsdp_replicate = mine(nodes, singles=True), mine(rails, singles=True)
+        out.fsdp_shard = mine(list(map(list, shard_groups(size, world))), singles=True)
+        out.fsdp_replicate = mine(list(map(list, replica_groups(size, world))), singles=True)
     if needs.fsdp is not None and ep > 1:
         out.fsdp_expert_replicas = mine([list(range(o, world, ep)) for o in range(ep)])
     return out

@@ -109,6 +109,8 @@ class MemoryInputs:
         reshard_to_node: `parallel.reshard_to_node` as the run resolves it: each unit
             stays sharded over the node's GPUs (1/`gpus_per_node` of it on each) from
             its forward until its own backward.
+        shard_ranks: ranks in one FSDP2 shard group under `Sharding.ALL_RANKS`
+            (`ray_zep.parallel.shard_groups`; 0: every rank).
     """
 
     weights: WeightsAxis
@@ -131,6 +133,7 @@ class MemoryInputs:
     micro_batches: int = 1
     reshard_after_forward: bool = True
     reshard_to_node: bool = False
+    shard_ranks: int = 0
 
     def block_checkpointing(self, index: int) -> ActivationCheckpointing:
         """What block `index`'s backward recomputes."""
@@ -309,14 +312,15 @@ def _recompute_gathered(shape: ModelShape, mode: ActivationCheckpointing) -> int
 
 def owned_params(shape: ModelShape, m: MemoryInputs) -> float:
     """fp32 parameters a rank stores between steps (elements)."""
-    return _owned_params(shape, m.weights.sharding, m.ep, m.ranks, m.gpus_per_node)
+    return _owned_params(shape, m.weights.sharding, m.ep, m.shard_ranks or m.ranks, m.gpus_per_node)
 
 
 @functools.lru_cache(maxsize=1024)
 def _owned_params(
     shape: ModelShape, sharding: Sharding, ep: int, ranks: int, gpus_per_node: int
 ) -> float:
-    """`owned_params`, once per weights layout (the same for every rank a plan holds)."""
+    """`owned_params`, once per weights layout (the same for every rank a plan holds);
+    `ranks`: the shard group's under `Sharding.ALL_RANKS`."""
     total = shape.param_count()
     experts = expert_params(shape)
     if sharding is Sharding.NONE:

@@ -356,7 +356,7 @@ def weights_of(run: RunModel, codec: WireCodec | None = None) -> WeightsCost:
     in_node = reshards_to_node(run.config, hw.topology, shape)
     return weights_cost(parallel.weights, shape, hw.cost(shape), run.element_bytes,
                         parallel.reshard_after_forward, host, codec or run.codec(),
-                        ahead, in_node)  # fmt: skip
+                        ahead, in_node, parallel.shard_nodes)  # fmt: skip
 
 
 def head_seconds(tokens, shape: ModelShape, rates: ComputeRates):

@@ -60,6 +60,7 @@ def group_needs(config: Config) -> GroupNeeds:
         fsdp=mesh_shape(config.parallel),
         routing=config.parallel.routing,
         ep=config.parallel.ep,
+        fsdp_shard_nodes=config.parallel.shard_nodes,
     )
 
 

@@ -2,8 +2,9 @@
 
 `shard_model` applies `fully_shard` to the embedding, to every transformer block,
 to the head (final norm and output) and then to the whole model, over a DeviceMesh
-that is a view of the groups `ray_zep.distributed` built: `fsdp` shards over all ranks,
-`hsdp` over the GPUs of a node with replicas across nodes. Gradients are summed, not averaged
+that is a view of the groups `ray_zep.distributed` built: `fsdp` shards over all ranks
+(or groups of `parallel.shard_nodes` nodes, replicas across the groups), `hsdp` over the
+GPUs of a node with replicas across nodes. Gradients are summed, not averaged
 (the loss is already normalised by the global token count), with a plain SUM
 reduction because gloo has no pre-multiplied one. On GPU with bf16, parameters
 are gathered in bf16 and gradients reduced in fp32 (`MixedPrecisionPolicy`).
@@ -219,5 +220,11 @@ def gather_after_attention(block: FSDPModule, later: FSDPModule) -> None:
 
 
 def mesh_shape(parallel: ParallelConfig) -> MeshShape | None:
-    """The FSDP mesh a weights mode shards over (None: no FSDP)."""
-    return MESH_SHAPES.get(parallel.weights_axis.sharding) if parallel.weights_axis.fsdp else None
+    """The FSDP mesh a weights mode shards over (None: no FSDP): fsdp's shard groups of
+    `parallel.shard_nodes` nodes make it (replicate, shard) as hsdp's nodes do."""
+    axis = parallel.weights_axis
+    if not axis.fsdp:
+        return None
+    if axis.sharding is Sharding.ALL_RANKS and parallel.shard_nodes:
+        return MeshShape.NODE
+    return MESH_SHAPES.get(axis.sharding)
