@@ -103,8 +103,9 @@ def test_the_search_reports_each_group_and_phase_as_it_ends() -> None:
     assert len(lines) == search_steps(config, 16)
     played = [c for c in result.candidates if c.steps]
     assert any(line.startswith(f"{played[0].name}: ") for line in lines)
-    assert lines[-4:] == [
+    assert lines[-5:] == [
         "more token room played",
+        "shard groups played",
         "K/V room played",
         "micro-batches played",
         "done",

@@ -135,3 +135,30 @@ def test_shard_groups_of_two_nodes_train_like_one_process(tmp_path: Path) -> Non
             assert run["losses"][step] == pytest.approx(loss, rel=1e-5), (name, step)
         err, param = max_relative_error(run["params"], single[name]["params"])
         assert err <= 1e-5, f"{name}: parameter {param} relative error {err:.2e}"
+
+
+def test_plan_auto_plays_the_fastest_fsdp_composition_over_its_shard_groups() -> None:
+    """The shard-group phase takes the fastest fitting candidate; fsdp over one group of
+    128 nodes is played again over groups of 16 (the cost model's fastest), under the
+    config's activation checkpointing; on 8 nodes one group is fastest, and a composition
+    of another weights mode or with its groups set is left alone."""
+    from types import SimpleNamespace
+
+    from ray_zep.sim.auto_ranking import AutoPlan, Candidate
+    from ray_zep.sim.auto_shards import shard_group_twin
+
+    def twin(nodes: int, *extra: str):
+        config = _config(nodes, *extra)
+        hardware = Hardware.preset(build_topology(config.topology))
+        hsdp = _config(nodes, "parallel.weights=hsdp")
+        slow = Candidate(hsdp, [SimpleNamespace(step_seconds=2.0)])
+        fast = Candidate(config, [SimpleNamespace(step_seconds=1.0)])
+        return shard_group_twin(AutoPlan([slow, fast]), _config(nodes), hardware), fast
+
+    found, fast = twin(128, "train.activation_checkpointing=selective")
+    grouped, of = found
+    assert of is fast and grouped.parallel.shard_nodes == 16
+    assert grouped.train.activation_checkpointing.value == "none"  # the config's own
+    assert twin(8)[0] is None
+    assert twin(128, "parallel.shard_nodes=32")[0] is None
+    assert twin(128, "parallel.weights=hsdp")[0] is None

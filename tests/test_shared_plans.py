@@ -31,6 +31,7 @@ OTHER_VALUES = {
     "prefetch_after_attention": (True, False),
     "prefetch_depth": (1, 3),
     "reshard_to_node": (True, False),
+    "shard_nodes": (1,),
 }
 """Values tried for the fields that are neither an enum nor a plain bool."""
 

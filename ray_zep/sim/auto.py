@@ -40,6 +40,10 @@ with more token room for the same batches (`ray_zep.sim.token_room`: L x 1.25 an
 then x 1.75 and x 2 while the largest played steps fastest, `data.batch_fill` lowered so
 that the batch budget stays), and ranked with the rest.
 
+Where the fastest fitting composition runs fsdp over one group of every node and the cost
+model times smaller shard groups' collectives shorter, it is played again over those
+groups (`parallel.shard_nodes`, `ray_zep.sim.auto_shards`), and ranked with the rest.
+
 Where the fastest fitting composition's planner holds a kept ring's K/V room free on its
 members (`parallel.ring_kv_room_mb` unset, resolved from the memory model: zeppelin's work
 policy on a GPU of known memory), it is played again with that room at 0 (the members
@@ -94,6 +98,7 @@ from ray_zep.partition.registry import spec_of
 from ray_zep.partition.shared_plans import sharing_plans
 from ray_zep.partition.stats import plan_stats
 from ray_zep.sim.auto_ranking import AutoPlan, Candidate
+from ray_zep.sim.auto_shards import shard_group_twin
 from ray_zep.sim.auto_shortcuts import played_by_twin, second_fastest, unbeaten
 from ray_zep.sim.bound import step_bound
 from ray_zep.sim.checkpointing import (
@@ -319,6 +324,13 @@ def auto_plan(
             report(_group_line(group))
         candidates += _roomier(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
         report("more token room played")
+        twin = shard_group_twin(AutoPlan(candidates), config, hardware)
+        if twin is not None:
+            grouped = _evaluated([twin[0]], hardware, batches_of, on_gpu)
+            for candidate in grouped:
+                candidate.room_of = twin[1].room_of
+            candidates += grouped
+        report("shard groups played")
         candidates += kv_room_zero(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
         report("K/V room played")
         candidates += _micro_batched(AutoPlan(candidates), config, hardware, batches_of, on_gpu)
@@ -331,7 +343,7 @@ def auto_plan(
         return AutoPlan(candidates)
 
 
-SEARCH_PHASES = 4
+SEARCH_PHASES = 5
 """`auto_plan`'s steps after the groups: token room, K/V room, micro-batches, outlier
 delay."""
 

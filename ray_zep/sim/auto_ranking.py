@@ -79,6 +79,8 @@ class Candidate:
             parts.append(f"ep={p.ep}")
         if p.moe_pipeline is not MoEPipeline.NONE:
             parts.append(f"moe_pipeline={p.moe_pipeline.value}")
+        if p.shard_nodes:
+            parts.append(f"shard_nodes={p.shard_nodes}")
         if p.ring_kv_room_mb is not None:
             parts.append(f"ring_kv_room_mb={p.ring_kv_room_mb:g}")
         if self.config.comm.compression is not Compression.OFF:
