@@ -107,17 +107,24 @@ def _train_all(rank: int, world: int, runs: dict[str, list[str]]) -> dict:
 
 @pytest.mark.dist
 def test_shard_groups_of_two_nodes_train_like_one_process(tmp_path: Path) -> None:
-    """4 nodes x 1 GPU, fsdp over 2 groups of 2 nodes (each rank's shard all-reduced with
-    its replica), whole sequences and zeppelin's plans: 2 steps each against one process
-    on the same batches (fp32, rel <= 1e-5)."""
+    """4 nodes x 2 GPUs, fsdp over 2 groups of 2 nodes (each rank's shard all-reduced with
+    its replica): whole sequences, and zeppelin's plans with the blocks kept sharded over
+    the node after forward (`parallel.reshard_to_node`, inside the group); 2 steps each
+    against one process on the same batches (fp32, rel <= 1e-5)."""
     data = mixed_dataset(tmp_path / "mixed.parquet")
-    base = [*SMALL_RUN, "topology.nodes=4", "topology.gpus_per_node=1",
+    base = [*SMALL_RUN, "topology.nodes=4", "topology.gpus_per_node=2",
             "train.tokens_per_rank=64", "train.steps=2", "train.save_last=false",
             f"data.source={data}", "data.shuffle=false"]  # fmt: skip
     grouped = ["parallel.weights=fsdp", "parallel.shard_nodes=2"]
     runs = {
         "whole": [*base, "data.packing=rank", *grouped],
-        "zeppelin": [*base, "data.packing=budget", "parallel.sequence=zeppelin", *grouped],
+        "zeppelin": [
+            *base,
+            "data.packing=budget",
+            "parallel.sequence=zeppelin",
+            *grouped,
+            "parallel.reshard_to_node=true",
+        ],
     }
     singles = {
         "whole": [*base, "data.packing=rank", "parallel.sequence=single"],
@@ -128,7 +135,7 @@ def test_shard_groups_of_two_nodes_train_like_one_process(tmp_path: Path) -> Non
         return {n: [*o, f"train.out_dir={tmp_path / tag / n}"] for n, o in runs.items()}
 
     single = run_ranks(_train_all, 1, out(singles, "single"))[0]
-    trained = run_ranks(_train_all, 4, out(runs, "grouped"))[0]
+    trained = run_ranks(_train_all, 8, out(runs, "grouped"))[0]
     for name, run in trained.items():
         assert run["samples"] == single[name]["samples"], name
         for step, loss in single[name]["losses"].items():
