@@ -115,10 +115,11 @@ class ParallelConfig:
     """fsdp: nodes one FSDP2 shard group spans, each group a replica of the others
     (torch's (replicate, shard) mesh: every block gathered and reduce-scattered inside
     its group, each reduced shard then all-reduced with its replicas, as hsdp does across
-    nodes). A group's collectives wait on one ring step a member: over 1,024 GPUs that
-    latency alone is 4 ms a gather, a few tens of nodes pay a tenth of it for 1/G more
-    optimizer state each. 0 = every node, one group; must divide topology.nodes (and
-    every node count an elastic run may continue on); not with parallel.ep."""
+    nodes). A group's collectives wait on one ring step a member: over 1,024 GPUs of
+    cluster A that latency alone is 4 ms a gather, over groups of 16 nodes 0.5 ms, each
+    rank then keeping 1/128 of the optimizer state instead of 1/1,024. 0 = every node,
+    one group; must divide topology.nodes (and every node count an elastic run may
+    continue on); not with parallel.ep."""
     reshard_to_node: bool | None = None
     """fsdp over several nodes, resharding after forward: keep each unit's parameters
     sharded over its node's GPUs after its forward (FSDP2's reshard_after_forward=G), so
