@@ -67,6 +67,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ray_zep.bench.scale_columns import level_columns, simulated_columns
 from ray_zep.bench.scale_options import (
     as_option,
     bounds_by_choice,
@@ -91,7 +92,6 @@ from ray_zep.errors import ConfigError, ZepError
 from ray_zep.parallel.axes import Sharding
 from ray_zep.parallel.memory import GB
 from ray_zep.partition import registry
-from ray_zep.partition.level_trace import LevelOutcome
 from ray_zep.partition.plan_memory import rank_memory
 from ray_zep.partition.spec import Bench
 from ray_zep.partition.stats import max_over_mean, plan_stats
@@ -99,21 +99,18 @@ from ray_zep.remap.solver import max_flow_library
 from ray_zep.report.output import BenchResult
 from ray_zep.report.progress import ProgressLine
 from ray_zep.run_memory import node_reshard_applies
-from ray_zep.sim.bound import over_bound
 from ray_zep.sim.bytescale import NAME as BYTESCALE_HDP
 from ray_zep.sim.checkpointing import (
     checkpointing_label,
     fitting_options,
 )
 from ray_zep.sim.compare import VARIANTS, variant_config
-from ray_zep.sim.gpu_time import mean_gpu_time_shares
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.ideal import ideal_step_seconds
 from ray_zep.sim.megatron_cp import NAME as MEGATRON_HYBRID_CP
 from ray_zep.sim.megatron_cp import hybrid_cp_wave_plans
 from ray_zep.sim.megatron_dynamic_cp import NAME as MEGATRON_DYNAMIC_CP
 from ray_zep.sim.micro_step import micro_batched_steps, split_batch
-from ray_zep.sim.phase_setter import phase_setters
 from ray_zep.sim.step import RunModel
 from ray_zep.sim.token_room import ROOM_HALVINGS, ROOM_MOST, ROOM_STEP, play_around
 from ray_zep.topology import build_topology
@@ -522,7 +519,7 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
         planner.append(seconds)
         stats.append([plan_stats(plan, run.shape) for plan in plans])
         works.append(max_over_mean(sum(one.work_flops for one in stats[-1])))
-        levels.append(_level_columns(plans, hardware.devices))
+        levels.append(level_columns(plans, hardware.devices))
         inter.append(sum(attention_step_traffic(plan, run.shape, routed, remap,
                                                 dkv_owner=run.dkv_owner).inter_node
                          for plan in plans))  # fmt: skip
@@ -539,7 +536,7 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
                    for one_run in runs]  # fmt: skip
         chosen = min(range(len(stepped)), key=lambda i: sum(s.step_seconds for s in stepped[i]))
         own = own_bounds(bounds, options[chosen][0])
-        seconds = _simulated_columns(row, stepped[chosen], ideal, own, run.shape.n_layers)
+        seconds = simulated_columns(row, stepped[chosen], ideal, own, run.shape.n_layers)
         row.tokens_per_s_per_gpu = sum(int(b.sum()) for b in parts) / seconds / hardware.devices
     fitting, peak = options[chosen]
     row.checkpointing, row.peak_memory_gb = checkpointing_label(fitting, run.shape), peak / GB
@@ -564,20 +561,6 @@ def _measure(row, config: Config, hardware: Hardware, batches, yardsticks, capac
         row.planner_ms_call = float(max(planner)) * 1e3
 
 
-def _level_columns(plans, world: int) -> tuple[float | None, float | None, float | None]:
-    """(the level kept, the ranks the rings need at the mean level over `world`, the kept
-    level's ring members' mean work over it) of a step's one plan (`ScaleRow.level`,
-    `rings_at_mean`, `ring_fill`); None where not known."""
-    if len(plans) != 1:
-        return None, None, None
-    levels = plans[0].levels
-    kept = next((t for t in levels if t.outcome is LevelOutcome.KEPT), None)
-    at_mean = next((t.ranks for t in levels if t.factor == 1.0 and t.ranks), None)
-    fill = None if kept is None or not kept.ring_ranks else kept.ring_fill
-    return (None if kept is None else kept.factor, None if at_mean is None else at_mean / world,
-            fill)  # fmt: skip
-
-
 def _planning_checkpointing(config: Config, hardware: Hardware, run: RunModel) -> Config:
     """`config` under the first checkpointing option (`fitting_options`) in which a rank
     holding L tokens, all in rings, fits the GPU (the heaviest where none does): the mode
@@ -589,22 +572,3 @@ def _planning_checkpointing(config: Config, hardware: Hardware, run: RunModel) -
         return rank_memory(checked, hardware.topology, run.shape, capacity, capacity).total
 
     return fitting_options(config, hardware, run, peak_of)[0][0]
-
-
-def _simulated_columns(row: ScaleRow, steps, ideal, bounds, n_layers: int) -> float:
-    """Fills the row's simulated columns; returns the steps' seconds together."""
-    seconds = np.asarray([s.step_seconds for s in steps])
-    row.step_s = float(seconds.mean())
-    row.step_over_ideal = float(np.mean(seconds / np.asarray(ideal)))
-    row.step_over_bound = float(np.mean(seconds / np.asarray([b.seconds for b in bounds])))
-    parts = [over_bound(s, b, n_layers) for s, b in zip(steps, bounds, strict=True)]
-    if all(p is not None for p in parts):
-        row.imbalance_s = float(np.mean([p["imbalance"] for p in parts]))
-        row.split_kernels_s = float(np.mean([p["split kernels"] for p in parts]))
-        row.contention_s = float(np.mean([p["contention"] for p in parts]))
-        row.transfers_s = float(np.mean([p["exposed transfers"] for p in parts]))
-        row.waits_s = float(np.mean([p["waits"] for p in parts]))
-        row.recompute_s = float(np.mean([p["recompute"] for p in parts]))
-    row.gpu_time = mean_gpu_time_shares(steps, row.gpus)
-    row.phase_ends = [setter.to_dict() for setter in phase_setters(steps[0])]
-    return float(seconds.sum())
