@@ -46,6 +46,11 @@ CALL_TIMEOUT_S = 540.0
 POOL_WORLDS_KEPT = 4
 """Pools kept alive at once (each process holds a few hundred MB of imports): the suite's
 worlds of 1, 2, 4 and 8 ranks, about 15 processes."""
+PORT_ATTEMPTS = 3
+"""Tries at starting a pool: the rendezvous port `free_port` found free may be taken (by
+another test process's connections) before rank 0 listens on it."""
+PORT_IN_USE = "EADDRINUSE"
+"""What gloo's store says when its port is taken: the one start failure tried again."""
 GROUP_THREADS_KEPT = 30
 """A pool whose ranks hold more gloo threads than this beyond their own group's, after a
 call and its collection, is ended (the next call starts a new one): FSDP2 keeps the mesh
@@ -113,19 +118,48 @@ class RankPool:
         self.world = world
         self.dirty = False
         """Whether the last call left the ranks holding too many groups (`GROUP_THREADS_KEPT`)."""
-        context = rank_context()
-        port = free_port()
         self.conns: list[multiprocessing.connection.Connection] = []
         self.procs = []
-        for rank in range(world):
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            failed = self._start(free_port())
+            if failed is None:
+                return
+            self.close(kill=True)
+            if PORT_IN_USE not in failed or attempt == PORT_ATTEMPTS:
+                raise RuntimeError(f"a pool of {world} ranks did not start:\n{failed}")
+
+    def _start(self, port: int) -> str | None:
+        """Start the ranks on a rendezvous at `port`; None once every rank has joined the
+        group, else the first failure's traceback."""
+        context = rank_context()
+        self.conns, self.procs = [], []
+        for rank in range(self.world):
             ours, theirs = context.Pipe()
             proc = context.Process(
-                target=_serve, args=(rank, world, port, theirs), daemon=True, name=f"rank{rank}"
-            )
+                target=_serve, args=(rank, self.world, port, theirs), daemon=True,
+                name=f"rank{rank}",
+            )  # fmt: skip
             proc.start()
             theirs.close()
             self.conns.append(ours)
             self.procs.append(proc)
+        waiting = list(self.conns)
+        deadline = time.monotonic() + INIT_TIMEOUT_S + 30
+        while waiting:
+            ready = multiprocessing.connection.wait(
+                waiting, timeout=max(0, deadline - time.monotonic())
+            )
+            if not ready:
+                return f"ranks did not join the group in {INIT_TIMEOUT_S + 30:.0f} s"
+            for conn in ready:
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    return "a rank died before joining the group"
+                if status != "ready":
+                    return payload
+                waiting.remove(conn)
+        return None
 
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> list[Any]:
         for conn in self.conns:
@@ -199,9 +233,14 @@ def close_pools(kill: bool = False) -> None:
 def _serve(rank: int, world: int, port: int, conn: multiprocessing.connection.Connection) -> None:
     torch.set_num_threads(1)
     if world > 1:
-        init_process_group(
-            "gloo", rank, world, "127.0.0.1", port, INIT_TIMEOUT_S, COLLECTIVE_TIMEOUT_S
-        )
+        try:
+            init_process_group(
+                "gloo", rank, world, "127.0.0.1", port, INIT_TIMEOUT_S, COLLECTIVE_TIMEOUT_S
+            )
+        except BaseException:
+            conn.send(("failed", traceback.format_exc()))
+            return
+    conn.send(("ready", None))
     rng_state = torch.get_rng_state()
     own_threads = gloo_threads()
     gc.freeze()  # what the process holds now (torch's modules): no collection scans it again
