@@ -15,7 +15,6 @@ import dataclasses
 import numpy as np
 
 from ray_zep.config import Config
-from ray_zep.parallel.axes import WeightsMode
 from ray_zep.partition.node_reshard import with_node_shards
 from ray_zep.run_memory import node_reshard_applies
 from ray_zep.sim.bound import step_bound
@@ -26,20 +25,17 @@ from ray_zep.sim.checkpointing import (
 )
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel
-from ray_zep.sim.weights import fastest_shard_nodes
+from ray_zep.sim.weights import grouped_shard_nodes
 
 
 def shard_node_choices(run: RunModel) -> tuple[int, ...]:
-    """The `parallel.shard_nodes` values a row is played under: the config's own where it is
-    set or the weights mode is not fsdp, else one group over every node and, where the
-    cost model times a smaller group's collectives shorter (`fastest_shard_nodes`), that
-    group too (each planned with the memory its optimizer state leaves)."""
+    """The `parallel.shard_nodes` values a row is played under: the config's own and, where
+    it runs fsdp over one group of every node and the cost model times a smaller group's
+    collectives shorter (`grouped_shard_nodes`), that group too (each planned with the
+    memory its optimizer state leaves)."""
     parallel, shape = run.config.parallel, run.shape
-    if parallel.shard_nodes or parallel.weights is not WeightsMode.FSDP:
-        return (parallel.shard_nodes,)
-    cost = run.hardware.cost(shape)
-    fastest = fastest_shard_nodes(shape, cost, run.element_bytes, parallel.reshard_after_forward)
-    return (0, fastest) if fastest else (0,)
+    grouped = grouped_shard_nodes(parallel, shape, run.hardware.cost(shape), run.element_bytes)
+    return (parallel.shard_nodes, grouped) if grouped else (parallel.shard_nodes,)
 
 
 def weights_choices(run: RunModel) -> list[tuple[int, bool | None]]:

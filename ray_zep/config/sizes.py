@@ -17,7 +17,8 @@ from ray_zep.config.training import batch_budget
 from ray_zep.errors import ConfigError, TopologyError
 from ray_zep.model_shapes import build_shape
 from ray_zep.options import Packing
-from ray_zep.parallel.axes import Family, WeightsMode
+from ray_zep.parallel.axes import Family, Sharding, WeightsMode
+from ray_zep.parallel.shard_groups import shard_ranks
 from ray_zep.topology import Topology, build_topology
 
 
@@ -124,11 +125,7 @@ def _check_shard_nodes(config: Config, topology: Topology) -> None:
             f"config key parallel.shard_nodes={nodes}: with parallel.ep={parallel.ep} the "
             "experts shard over their own replicas of every rank; set it to 0"
         )
-    if topology.nodes % nodes:
-        raise ConfigError(
-            f"config key parallel.shard_nodes={nodes}: must divide topology.nodes="
-            f"{topology.nodes} (each shard group whole nodes)"
-        )
+    shard_ranks(Sharding.ALL_RANKS, nodes, topology)  # whole groups of nodes, or its error
 
 
 def check_live_sizes(config: Config, topology: Topology, least: int) -> None:

@@ -1,7 +1,7 @@
 """`plan --auto`'s shard-group phase: the fastest fitting composition, where it runs fsdp
 over one group of every node, played again over shard groups of the nodes whose
 collectives the cost model times fastest (`parallel.shard_nodes`,
-`ray_zep.sim.weights.fastest_shard_nodes`). Over 1,024 GPUs of cluster A a gather over
+`ray_zep.sim.weights.grouped_shard_nodes`). Over 1,024 GPUs of cluster A a gather over
 every rank waits 4 ms on its ring steps, over 128 ranks 0.5 ms; each rank then keeps 1/G
 more optimizer state, which the memory model counts and the token room pays for, so the
 phase plays the groups rather than choosing them by the collectives alone."""
@@ -11,12 +11,11 @@ from __future__ import annotations
 import dataclasses
 
 from ray_zep.config import Config
-from ray_zep.parallel.axes import WeightsMode
 from ray_zep.sim.auto_ranking import AutoPlan, Candidate
 from ray_zep.sim.checkpointing import checkpointing_as
 from ray_zep.sim.hardware import Hardware
 from ray_zep.sim.step import RunModel
-from ray_zep.sim.weights import fastest_shard_nodes
+from ray_zep.sim.weights import grouped_shard_nodes
 
 
 def shard_group_twin(
@@ -30,12 +29,9 @@ def shard_group_twin(
     if not fitting:
         return None
     best = fitting[0]
-    parallel = best.config.parallel
-    if parallel.weights is not WeightsMode.FSDP or parallel.shard_nodes or parallel.ep > 1:
-        return None
     run = RunModel.create(best.config, hardware)
     cost = hardware.cost(run.shape)
-    nodes = fastest_shard_nodes(run.shape, cost, run.element_bytes, parallel.reshard_after_forward)
+    nodes = grouped_shard_nodes(best.config.parallel, run.shape, cost, run.element_bytes)
     if not nodes:
         return None
     twin = checkpointing_as(best.config, config)

@@ -44,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ray_zep.collectives.switcher import Kind
+from ray_zep.config import ParallelConfig
 from ray_zep.costmodel import GRAD_BYTES_PER_ELEMENT, CostModel
 from ray_zep.model_shapes import ModelShape
 from ray_zep.options import CompressionStream
@@ -211,6 +212,16 @@ def fastest_shard_nodes(
                             shard_nodes=shard_nodes)  # fmt: skip
         return step_collective_seconds(paid, shape.n_layers)
 
-    divisors = [k for k in range(1, nodes) if nodes % k == 0]
-    best = min(divisors, key=seconds, default=0)
-    return best if best and seconds(best) < seconds(0) else 0
+    timed = {k: seconds(k) for k in range(nodes) if k == 0 or nodes % k == 0}
+    return min(timed, key=timed.__getitem__)  # one group (0, first) where none is faster
+
+
+def grouped_shard_nodes(
+    parallel: ParallelConfig, shape: ModelShape, cost: CostModel, param_bytes: int
+) -> int:
+    """The shard groups worth playing beside a run's own (`bench scale`, `plan --auto`):
+    `fastest_shard_nodes` where the run is fsdp over one group of every node without
+    expert parallelism (the config refuses groups with it), else 0."""
+    if parallel.weights is not WeightsMode.FSDP or parallel.shard_nodes or parallel.ep > 1:
+        return 0
+    return fastest_shard_nodes(shape, cost, param_bytes, parallel.reshard_after_forward)
