@@ -61,14 +61,17 @@ class ParallelConfig:
     ulysses_degree: int = 0
     """Ulysses members per ring position under usp; 0 picks GPUs per node (or the
     largest divisor of it that the head counts allow)."""
-    ulysses_chunks: int = 4
+    ulysses_chunks: int = 8
     """Pieces each USP group member's rows are split into for its head exchanges: the
     Q/K/V projection of a piece runs while the pieces before it travel, the output
     projection of a piece while the pieces after it arrive, and backward mirrors it
     (ray_zep.attention.ulysses_chunks; the planner's work model and the simulator count
     it). 1: each exchange whole, between the linear modules. The default: `bench scale`
-    steps faster with 4 on 24 of 32 rows of its 4k grid, slower on 4, by up to 1.9%
-    (BENCHMARKS.md, sixty-fifth series). Blocks as FSDP units only
+    steps faster with 4 than whole on 24 of 32 rows of its 4k grid (sixty-fifth series);
+    8 against 4 leaves that grid's mean as it was (20 of 32 rows faster, 7 slower, by up
+    to 2.9%) and steps 0.5% faster at 16k tokens a GPU on 1,024 GPUs, where one-node USP
+    positions send their ring K/V through the node's NICs (BENCHMARKS.md, seventy-fifth
+    series). Blocks as FSDP units only
     (parallel.fsdp_unit=block), without parallel.remap, outside MoE blocks' pipelines and
     not under train.activation_checkpointing=linears; elsewhere exchanges run whole."""
     routing: bool = False

@@ -2,7 +2,7 @@
 
 WHOLE_EXCHANGES = "parallel.ulysses_chunks=1"
 """USP head exchanges whole, as the planner costed them and the simulator played them when
-these scenarios' figures were taken (`parallel.ulysses_chunks` runs them in 4 pieces by
+these scenarios' figures were taken (`parallel.ulysses_chunks` runs them in 8 pieces by
 default, which changes the levels the work policy keeps and the plans it makes)."""
 
 
