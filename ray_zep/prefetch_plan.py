@@ -33,7 +33,7 @@ from ray_zep.model_shapes import ModelShape
 from ray_zep.options import FsdpUnit
 from ray_zep.parallel.axes import SEQUENCE_AXES, WEIGHTS_AXES
 from ray_zep.parallel.memory import mean_block_params
-from ray_zep.parallel.shard_groups import shard_ranks
+from ray_zep.parallel.shard_groups import run_shard_ranks
 from ray_zep.topology import Topology
 
 DEEP_PREFETCH_LATENCY_S = 2e-3
@@ -86,19 +86,13 @@ def prefetch_depth(
         return parallel.prefetch_depth
     if SEQUENCE_AXES[parallel.sequence].ranks_apart:
         return DEFAULT_PREFETCH_DEPTH
-    if _gather_latency(topology, _group(parallel, topology)) < DEEP_PREFETCH_LATENCY_S:
+    group = run_shard_ranks(parallel, topology)
+    if _gather_latency(topology, group) < DEEP_PREFETCH_LATENCY_S:
         return 1
     late = parallel.prefetch_after_attention
     if late is None:
-        late = _late(_group(parallel, topology), topology, shape, float(mean_tokens),
-                     param_bytes, True)  # fmt: skip
+        late = _late(group, topology, shape, float(mean_tokens), param_bytes, True)
     return 2 if late else 1
-
-
-def _group(parallel: ParallelConfig, topology: Topology) -> int:
-    """Ranks of the weights mode's FSDP shard group (`ray_zep.parallel.shard_groups`)."""
-    sharding = WEIGHTS_AXES[parallel.weights].sharding
-    return shard_ranks(sharding, parallel.shard_nodes, topology)
 
 
 @functools.lru_cache(maxsize=64)
@@ -124,8 +118,8 @@ def gathers_after_attention(
     if parallel.prefetch_after_attention is not None:
         return parallel.prefetch_after_attention
     deep = prefetch_depth(parallel, topology, shape, mean_tokens, param_bytes) > 1
-    return _late(_group(parallel, topology), topology, shape, float(mean_tokens), param_bytes,
-                 deep)  # fmt: skip
+    group = run_shard_ranks(parallel, topology)
+    return _late(group, topology, shape, float(mean_tokens), param_bytes, deep)
 
 
 @functools.lru_cache(maxsize=256)

@@ -10,7 +10,7 @@ from ray_zep.config import Compression, Config, Precision
 from ray_zep.model_shapes import build_shape
 from ray_zep.parallel.axes import Sharding
 from ray_zep.parallel.memory import MemoryInputs
-from ray_zep.parallel.shard_groups import shard_ranks
+from ray_zep.parallel.shard_groups import run_shard_ranks
 from ray_zep.prefetch_plan import run_prefetch_depth
 from ray_zep.topology import Topology
 
@@ -72,7 +72,7 @@ def group_ranks(config: Config, topology: Topology) -> int:
     if not (axis.fsdp and axis.sharding is Sharding.ALL_RANKS and parallel.shard_nodes):
         return 0
     ranks = parallel.sequence_axis.processes(topology.world_size)
-    size = shard_ranks(axis.sharding, parallel.shard_nodes, topology, ranks)
+    size = run_shard_ranks(parallel, topology, ranks)
     return size if size < ranks else 0
 
 

@@ -79,7 +79,7 @@ class RankGroups:
     """Global ranks of the Comm's ranks, in Comm rank order."""
     _meshes: dict = field(default_factory=dict, repr=False)
 
-    def fsdp_mesh(self, device_type: str, topology: Topology) -> DeviceMesh:
+    def fsdp_mesh(self, device_type: str) -> DeviceMesh:
         """FSDP2's mesh over the shard (and, for `hsdp`, replicate) groups.
 
         Raises:
@@ -95,7 +95,7 @@ class RankGroups:
                 self.fsdp_shard.group, device_type, mesh_dim_names=("shard",)
             )
         else:
-            size = max(self.needs.fsdp_shard_nodes, 1) * topology.gpus_per_node
+            size = self.fsdp_shard.size  # a node's GPUs, or `fsdp_shard_nodes` nodes'
             layout = torch.tensor(self.world_ranks, dtype=torch.int).view(-1, size)
             mesh = DeviceMesh.from_group(
                 [self.fsdp_replicate.group, self.fsdp_shard.group],

@@ -13,9 +13,14 @@ take the group's size from here.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ray_zep.errors import ConfigError
 from ray_zep.parallel.axes import Sharding
 from ray_zep.topology import Topology
+
+if TYPE_CHECKING:
+    from ray_zep.config import ParallelConfig
 
 
 def shard_ranks(sharding: Sharding, shard_nodes: int, topology: Topology,
@@ -38,6 +43,11 @@ def shard_ranks(sharding: Sharding, shard_nodes: int, topology: Topology,
             )
         return min(shard_nodes * topology.gpus_per_node, ranks)
     return ranks
+
+
+def run_shard_ranks(parallel: ParallelConfig, topology: Topology, ranks: int | None = None) -> int:
+    """`shard_ranks` of a run's weights mode and `parallel.shard_nodes`."""
+    return shard_ranks(parallel.weights_axis.sharding, parallel.shard_nodes, topology, ranks)
 
 
 def shard_groups(size: int, world: int) -> tuple[tuple[int, ...], ...]:

@@ -86,7 +86,7 @@ def shard_model(
         the embedding only at its end, so at most one unit (1 + `parallel.prefetch_depth`
         with prefetch) is gathered at a time.
     """
-    mesh = comm.groups.fsdp_mesh(device.type, comm.topology)
+    mesh = comm.groups.fsdp_mesh(device.type)
     policy = MixedPrecisionPolicy(
         param_dtype=dtype if dtype != torch.float32 else None,
         reduce_dtype=torch.float32 if dtype != torch.float32 else None,

@@ -37,7 +37,7 @@ from ray_zep.distributed import Comm
 from ray_zep.model.llama import Transformer
 from ray_zep.moe.parallel import balance_loss
 from ray_zep.parallel.axes import Family
-from ray_zep.parallel.shard_groups import shard_ranks
+from ray_zep.parallel.shard_groups import run_shard_ranks
 from ray_zep.remap.layout import RankRemap
 from ray_zep.traffic import Traffic, gradient_traffic, sharded_weights_traffic
 from ray_zep.train.build import AppliedAxes
@@ -135,11 +135,7 @@ class AutogradRunner(StepRunner):
                 (2 if again else 1) * blocks + other,
                 blocks + other,
                 ctx.comm.topology,
-                group=shard_ranks(
-                    ctx.config.parallel.weights_axis.sharding,
-                    ctx.config.parallel.shard_nodes,
-                    ctx.comm.topology,
-                ),
+                group=run_shard_ranks(ctx.config.parallel, ctx.comm.topology),
                 node_gathered=blocks if in_node else 0,
             )
         else:
